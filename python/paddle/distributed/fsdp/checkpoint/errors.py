@@ -1,0 +1,80 @@
+"""Exceptions raised by the checkpoint engine.
+
+Every error carries a message that names the checkpoint path, the key and/or the file involved.
+All of them derive from :class:`CheckpointError` so callers can catch the whole family.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(RuntimeError):
+    """Base class of every error raised by the checkpoint engine."""
+
+
+class NotACheckpointError(CheckpointError):
+    """The path does not exist or holds no checkpoint of this engine."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """The directory looks like a checkpoint but was never committed (no commit record)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Data or metadata on disk is damaged: checksum mismatch, truncated or missing file."""
+
+
+class MetadataError(CorruptCheckpointError):
+    """metadata.json (or the commit record) cannot be parsed or is inconsistent."""
+
+
+class UnsafePathError(MetadataError):
+    """A file name in the metadata would escape the checkpoint directory."""
+
+
+class StateDictMismatchError(CheckpointError):
+    """The requested state dict does not match the checkpoint (base of the three below)."""
+
+
+class MissingKeyError(StateDictMismatchError):
+    """A requested key is absent from the checkpoint."""
+
+
+class ShapeMismatchError(StateDictMismatchError):
+    """A requested key has another global shape in the checkpoint."""
+
+
+class DtypeMismatchError(StateDictMismatchError):
+    """A requested key has another dtype in the checkpoint."""
+
+
+class InvalidStateDictError(CheckpointError, ValueError):
+    """The state dict given to save/load is malformed (bad record, inconsistent ranks, ...)."""
+
+
+class SaveFailedError(CheckpointError):
+    """A save did not commit (a rank failed, or the commit timed out)."""
+
+
+ERROR_CLASSES = {
+    cls.__name__: cls
+    for cls in (
+        CheckpointError,
+        NotACheckpointError,
+        IncompleteCheckpointError,
+        CorruptCheckpointError,
+        MetadataError,
+        UnsafePathError,
+        StateDictMismatchError,
+        MissingKeyError,
+        ShapeMismatchError,
+        DtypeMismatchError,
+        InvalidStateDictError,
+        SaveFailedError,
+    )
+}
+
+
+def rebuild_remote_error(type_name: str, message: str, rank: int) -> CheckpointError:
+    """Re-create, on a rank that did not fail itself, the error another rank reported."""
+    cls = ERROR_CLASSES.get(type_name, CheckpointError)
+    return cls(f"rank {rank} failed: {message}")

@@ -1,0 +1,295 @@
+"""Checkpoint metadata: dataclasses, JSON (de)serialization and validation.
+
+``metadata.json`` (schema version 1) is the only index of a checkpoint; loading never unpickles anything::
+
+    {
+      "format": "paddle-fsdp-checkpoint", "version": 1,
+      "checkpoint_id": "<32 hex>", "created_unix": 1760000000.0,
+      "world_size": 2,                      # ranks that saved
+      "chunk_bytes": 1048576,               # checksum granularity (see below)
+      "checksum": "crc32",
+      "files": {"0_0.safetensors": {"rank": 0, "size": 123456}, ...},
+      "tensors": {
+        "<key>": {"dtype": "float32", "shape": [4, 8],           # global shape
+                  "pieces": [{"file": "0_0.safetensors",
+                              "name": "<key>",                   # tensor name inside the safetensors file
+                              "offset": 4096, "nbytes": 64,      # absolute byte range in the file
+                              "box_offset": [0, 0], "box_shape": [4, 8],
+                              "flat_range": [0, 16],             # or null: the whole box
+                              "crc32": [305419896]}]},           # one crc per chunk_bytes of the piece
+      },
+      "values": {"<key>": <any JSON value>}
+    }
+
+A piece covers the elements of the box ``box_offset``/``box_shape`` of the global tensor (row-major), or, when
+``flat_range`` is set, the elements ``[start, stop)`` of that box's row-major flattening. Its bytes are stored
+contiguously in row-major order of what it covers. ``crc32[i]`` is the CRC-32 of bytes ``[i*chunk_bytes,
+(i+1)*chunk_bytes)`` of the piece (the last chunk may be shorter); a reader that needs a sub-range of a piece reads
+the enclosing chunks, so every byte that reaches a tensor is verified while reading at most two extra chunks per
+contiguous range.
+
+File names in the metadata must be plain base names (letters, digits, ``._-``, not starting with a dot); anything
+else, and any name that resolves (through symlinks) outside the checkpoint directory, is refused with
+:class:`UnsafePathError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import MetadataError, NotACheckpointError, UnsafePathError
+
+FORMAT_NAME = "paddle-fsdp-checkpoint"
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+COMMIT_FILE = "COMMIT"
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+# dtype name -> (bytes per element, safetensors dtype code)
+DTYPES: dict[str, tuple[int, str]] = {
+    "float64": (8, "F64"),
+    "float32": (4, "F32"),
+    "float16": (2, "F16"),
+    "bfloat16": (2, "BF16"),
+    "int64": (8, "I64"),
+    "int32": (4, "I32"),
+    "int16": (2, "I16"),
+    "int8": (1, "I8"),
+    "uint8": (1, "U8"),
+    "bool": (1, "BOOL"),
+    "complex64": (8, "C64"),
+    "float8_e4m3fn": (1, "F8_E4M3"),
+    "float8_e5m2": (1, "F8_E5M2"),
+}
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]*$")
+
+
+def itemsize(dtype: str) -> int:
+    try:
+        return DTYPES[dtype][0]
+    except KeyError:
+        raise MetadataError(f"unsupported dtype {dtype!r}") from None
+
+
+def numel(shape) -> int:
+    return int(math.prod(shape)) if len(shape) else 1
+
+
+def check_file_name(name: Any) -> str:
+    """A file name from metadata must be a plain base name inside the checkpoint directory."""
+    if (
+        not isinstance(name, str)
+        or not _SAFE_NAME.match(name)
+        or name in (".", "..")
+        or ".." in name.split(os.sep)
+    ):
+        raise UnsafePathError(f"unsafe file name in checkpoint metadata: {name!r}")
+    return name
+
+
+def resolve_member(root: str, name: str) -> str:
+    """Join ``root`` and a metadata file name, refusing names or symlinks that escape ``root``."""
+    check_file_name(name)
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(real_root, name))
+    if os.path.dirname(real) != real_root:
+        raise UnsafePathError(
+            f"file {name!r} of checkpoint {root} resolves to {real}, outside the checkpoint directory"
+        )
+    return real
+
+
+@dataclass
+class PieceMeta:
+    file: str
+    name: str
+    offset: int
+    nbytes: int
+    box_offset: tuple[int, ...]
+    box_shape: tuple[int, ...]
+    flat_range: tuple[int, int] | None
+    crc32: list[int] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        if self.flat_range is not None:
+            return self.flat_range[1] - self.flat_range[0]
+        return numel(self.box_shape)
+
+    def to_json(self) -> dict:
+        return {
+            "file": self.file,
+            "name": self.name,
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "box_offset": list(self.box_offset),
+            "box_shape": list(self.box_shape),
+            "flat_range": None if self.flat_range is None else list(self.flat_range),
+            "crc32": list(self.crc32),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PieceMeta":
+        fr = d.get("flat_range")
+        return cls(
+            file=d["file"],
+            name=d["name"],
+            offset=int(d["offset"]),
+            nbytes=int(d["nbytes"]),
+            box_offset=tuple(int(x) for x in d["box_offset"]),
+            box_shape=tuple(int(x) for x in d["box_shape"]),
+            flat_range=None if fr is None else (int(fr[0]), int(fr[1])),
+            crc32=[int(x) for x in d.get("crc32", [])],
+        )
+
+
+@dataclass
+class TensorMeta:
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: list[PieceMeta] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "pieces": [p.to_json() for p in self.pieces],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TensorMeta":
+        return cls(
+            dtype=str(d["dtype"]),
+            shape=tuple(int(x) for x in d["shape"]),
+            pieces=[PieceMeta.from_json(p) for p in d["pieces"]],
+        )
+
+
+@dataclass
+class FileMeta:
+    rank: int
+    size: int
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "size": self.size}
+
+
+@dataclass
+class CheckpointMetadata:
+    checkpoint_id: str
+    world_size: int
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    checksum: str = "crc32"
+    created_unix: float = 0.0
+    files: dict[str, FileMeta] = field(default_factory=dict)
+    tensors: dict[str, TensorMeta] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "checkpoint_id": self.checkpoint_id,
+            "created_unix": self.created_unix,
+            "world_size": self.world_size,
+            "chunk_bytes": self.chunk_bytes,
+            "checksum": self.checksum,
+            "files": {k: v.to_json() for k, v in self.files.items()},
+            "tensors": {k: v.to_json() for k, v in self.tensors.items()},
+            "values": self.values,
+        }
+
+    def dumps(self) -> bytes:
+        return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=True).encode()
+
+    @classmethod
+    def loads(cls, data: bytes, where: str = "metadata.json") -> "CheckpointMetadata":
+        try:
+            d = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise MetadataError(f"{where} is not valid JSON: {e}") from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
+            raise NotACheckpointError(f"{where} is not a {FORMAT_NAME} metadata file")
+        if d.get("version") != FORMAT_VERSION:
+            raise MetadataError(
+                f"{where}: unsupported format version {d.get('version')!r} (this build reads {FORMAT_VERSION})"
+            )
+        try:
+            md = cls(
+                checkpoint_id=str(d["checkpoint_id"]),
+                world_size=int(d["world_size"]),
+                chunk_bytes=int(d["chunk_bytes"]),
+                checksum=str(d["checksum"]),
+                created_unix=float(d.get("created_unix", 0.0)),
+                files={
+                    str(k): FileMeta(rank=int(v["rank"]), size=int(v["size"]))
+                    for k, v in d["files"].items()
+                },
+                tensors={str(k): TensorMeta.from_json(v) for k, v in d["tensors"].items()},
+                values=dict(d.get("values", {})),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            raise MetadataError(f"{where} is malformed: {type(e).__name__}: {e}") from None
+        md.validate(where)
+        return md
+
+    def validate(self, where: str = "metadata.json") -> None:
+        """Structural checks that need no data files (coverage is checked by the planner)."""
+        if self.chunk_bytes <= 0:
+            raise MetadataError(f"{where}: chunk_bytes must be positive")
+        if self.checksum not in ("crc32", "none"):
+            raise MetadataError(f"{where}: unknown checksum algorithm {self.checksum!r}")
+        for name, fm in self.files.items():
+            check_file_name(name)
+            if fm.size < 0:
+                raise MetadataError(f"{where}: file {name} has a negative size")
+        for key, tm in self.tensors.items():
+            if tm.dtype not in DTYPES:
+                raise MetadataError(f"{where}: key {key!r} has unsupported dtype {tm.dtype!r}")
+            if any(s < 0 for s in tm.shape):
+                raise MetadataError(f"{where}: key {key!r} has a negative dimension")
+            isz = DTYPES[tm.dtype][0]
+            for p in tm.pieces:
+                check_file_name(p.file)
+                if p.file not in self.files:
+                    raise MetadataError(f"{where}: key {key!r} refers to unlisted file {p.file!r}")
+                if len(p.box_offset) != len(tm.shape) or len(p.box_shape) != len(tm.shape):
+                    raise MetadataError(f"{where}: key {key!r} has a piece of the wrong rank")
+                for o, s, g in zip(p.box_offset, p.box_shape, tm.shape):
+                    if o < 0 or s < 0 or o + s > g:
+                        raise MetadataError(f"{where}: key {key!r} has a piece outside its shape")
+                if p.flat_range is not None:
+                    a, b = p.flat_range
+                    if not (0 <= a <= b <= numel(p.box_shape)):
+                        raise MetadataError(f"{where}: key {key!r} has a bad flat_range {p.flat_range}")
+                if p.nbytes != p.numel * isz:
+                    raise MetadataError(f"{where}: key {key!r} piece byte size does not match its elements")
+                if p.offset < 0 or p.offset + p.nbytes > self.files[p.file].size:
+                    raise MetadataError(f"{where}: key {key!r} piece lies outside file {p.file}")
+                if self.checksum == "crc32":
+                    want = -(-p.nbytes // self.chunk_bytes)
+                    if len(p.crc32) != want:
+                        raise MetadataError(
+                            f"{where}: key {key!r} piece has {len(p.crc32)} checksums, expected {want}"
+                        )
+        overlap = set(self.tensors) & set(self.values)
+        if overlap:
+            raise MetadataError(f"{where}: keys stored both as tensor and value: {sorted(overlap)[:5]}")
+
+
+def is_json_value(v: Any) -> bool:
+    """Values allowed in ``values``: None, bool, int, float, str, and lists/tuples/dicts (str keys) of those."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    if isinstance(v, (list, tuple)):
+        return all(is_json_value(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and is_json_value(x) for k, x in v.items())
+    return False

@@ -1,0 +1,386 @@
+"""Planning: records -> pieces to write; requested records -> byte ranges to read.
+
+Every tensor is seen as its global row-major flat index space. A *region* (a box of the global tensor, optionally
+narrowed to a ``[start, stop)`` range of the box's row-major flattening) covers a sorted list of contiguous flat
+*runs*. Saving on N ranks and loading on M ranks, with any mix of box and flattened records, is then an interval
+intersection between the runs of a requested region and the runs of each saved piece; the result is a list of
+segments ``(source element offset in the piece, destination element offset in the target, length)``.
+
+All run arithmetic is vectorised with numpy so boxes with many rows stay cheap.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import InvalidStateDictError
+from .metadata import DTYPES, PieceMeta, TensorMeta, numel
+
+
+@dataclass(frozen=True)
+class Region:
+    """Which elements of a global tensor of ``shape`` a record holds, in the record's storage order."""
+
+    shape: tuple[int, ...]
+    box_offset: tuple[int, ...]
+    box_shape: tuple[int, ...]
+    flat_range: tuple[int, int] | None = None
+
+    @staticmethod
+    def full(shape) -> "Region":
+        shape = tuple(int(s) for s in shape)
+        return Region(shape, (0,) * len(shape), shape, None)
+
+    def normalized(self) -> "Region":
+        """Drop a flat_range that covers the whole box, so equal coverage compares equal."""
+        if self.flat_range is not None and self.flat_range == (0, numel(self.box_shape)):
+            return Region(self.shape, self.box_offset, self.box_shape, None)
+        return self
+
+    @property
+    def numel(self) -> int:
+        if self.flat_range is not None:
+            return self.flat_range[1] - self.flat_range[0]
+        if any(s == 0 for s in self.box_shape):
+            return 0
+        return numel(self.box_shape)
+
+    def check(self, key: str) -> None:
+        nd = len(self.shape)
+        if len(self.box_offset) != nd or len(self.box_shape) != nd:
+            raise InvalidStateDictError(
+                f"key {key!r}: global_offset {self.box_offset} / local_shape {self.box_shape} do not match "
+                f"the rank of global_shape {self.shape}"
+            )
+        for o, s, g in zip(self.box_offset, self.box_shape, self.shape):
+            if g < 0 or o < 0 or s < 0 or o + s > g:
+                raise InvalidStateDictError(
+                    f"key {key!r}: local box offset {self.box_offset} shape {self.box_shape} lies outside "
+                    f"global shape {self.shape}"
+                )
+        if self.flat_range is not None:
+            a, b = self.flat_range
+            if not (0 <= a <= b <= numel(self.box_shape)):
+                raise InvalidStateDictError(
+                    f"key {key!r}: flattened_range [{a}, {b}) outside the {numel(self.box_shape)} elements "
+                    f"of its box"
+                )
+
+    def runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(starts, lengths) of the contiguous global flat runs, ascending, in storage order."""
+        shape, off, box = self.shape, self.box_offset, self.box_shape
+        nd = len(shape)
+        empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        if nd == 0:
+            starts, lengths = np.zeros(1, np.int64), np.ones(1, np.int64)
+        elif any(s == 0 for s in box):
+            return empty
+        else:
+            strides = [1] * nd
+            for j in range(nd - 2, -1, -1):
+                strides[j] = strides[j + 1] * shape[j + 1]
+            # k: last dim whose box extent is not the full dim (the dims after it are contiguous)
+            k = nd - 1
+            while k > 0 and box[k] == shape[k]:
+                k -= 1
+            run_len = box[k] * strides[k]
+            starts = np.array([off[k] * strides[k]], dtype=np.int64)
+            for j in range(k - 1, -1, -1):
+                idx = (off[j] + np.arange(box[j], dtype=np.int64)) * strides[j]
+                starts = np.add.outer(idx, starts).ravel()
+            lengths = np.full(starts.shape, run_len, dtype=np.int64)
+        if self.flat_range is None:
+            return starts, lengths
+        a, b = self.flat_range
+        if a >= b:
+            return empty
+        ends_local = np.cumsum(lengths)
+        first = int(np.searchsorted(ends_local, a, side="right"))
+        last = int(np.searchsorted(ends_local, b - 1, side="right"))
+        starts = starts[first : last + 1].copy()
+        lengths = lengths[first : last + 1].copy()
+        begin_local = ends_local[first] - lengths[0]
+        skip = a - begin_local
+        starts[0] += skip
+        lengths[0] -= skip
+        end_local = ends_local[last]
+        lengths[-1] -= end_local - b
+        return starts, lengths
+
+
+def region_of_piece(shape, piece: PieceMeta) -> Region:
+    return Region(tuple(shape), tuple(piece.box_offset), tuple(piece.box_shape), piece.flat_range)
+
+
+@dataclass
+class Segments:
+    """Element segments copied from one source piece into one destination record."""
+
+    src: np.ndarray  # element offset inside the source piece
+    dst: np.ndarray  # element offset inside the destination record
+    length: np.ndarray
+
+    @property
+    def total(self) -> int:
+        return int(self.length.sum())
+
+
+def intersect(dst_runs, src_runs) -> Segments:
+    """Intersect two sorted, non-overlapping run lists; offsets are local storage offsets of each side."""
+    a_s, a_l = dst_runs
+    b_s, b_l = src_runs
+    if len(a_s) == 0 or len(b_s) == 0:
+        z = np.zeros(0, np.int64)
+        return Segments(z, z, z)
+    a_e = a_s + a_l
+    b_e = b_s + b_l
+    a_loc = np.cumsum(a_l) - a_l
+    b_loc = np.cumsum(b_l) - b_l
+    lo = np.searchsorted(b_e, a_s, side="right")
+    hi = np.searchsorted(b_s, a_e, side="left")
+    counts = np.maximum(hi - lo, 0)
+    total = int(counts.sum())
+    if total == 0:
+        z = np.zeros(0, np.int64)
+        return Segments(z, z, z)
+    ii = np.repeat(np.arange(len(a_s), dtype=np.int64), counts)
+    first_of = np.cumsum(counts) - counts
+    jj = np.arange(total, dtype=np.int64) - np.repeat(first_of, counts) + np.repeat(lo, counts)
+    seg_s = np.maximum(a_s[ii], b_s[jj])
+    seg_e = np.minimum(a_e[ii], b_e[jj])
+    keep = seg_e > seg_s
+    ii, jj, seg_s, seg_e = ii[keep], jj[keep], seg_s[keep], seg_e[keep]
+    return Segments(
+        src=b_loc[jj] + (seg_s - b_s[jj]),
+        dst=a_loc[ii] + (seg_s - a_s[ii]),
+        length=seg_e - seg_s,
+    )
+
+
+def coverage_problems(key: str, shape, regions: list[tuple[int, Region]]) -> list[str]:
+    """Check that the regions (tagged with an owner, e.g. a rank or a file) cover every element exactly once."""
+    total = numel(shape) if all(s > 0 for s in shape) or len(shape) == 0 else 0
+    parts = []
+    for owner, reg in regions:
+        s, l = reg.runs()
+        parts.append((s, l, np.full(len(s), owner, dtype=np.int64)))
+    if parts:
+        starts = np.concatenate([p[0] for p in parts])
+        lengths = np.concatenate([p[1] for p in parts])
+        owners = np.concatenate([p[2] for p in parts])
+    else:
+        starts = lengths = owners = np.zeros(0, np.int64)
+    problems = []
+    order = np.argsort(starts, kind="stable")
+    starts, lengths, owners = starts[order], lengths[order], owners[order]
+    ends = starts + lengths
+    if len(starts) > 1:
+        bad = np.nonzero(starts[1:] < ends[:-1])[0]
+        if len(bad):
+            i = int(bad[0])
+            problems.append(
+                f"key {key!r}: overlapping records (owners {int(owners[i])} and {int(owners[i + 1])} both hold "
+                f"flat element {int(starts[i + 1])})"
+            )
+    covered = int(lengths.sum())
+    if not problems and covered != total:
+        # find the first gap for the message
+        pos, gap = 0, None
+        for s, e in zip(starts.tolist(), ends.tolist()):
+            if s > pos:
+                gap = pos
+                break
+            pos = max(pos, e)
+        if gap is None:
+            gap = pos
+        problems.append(
+            f"key {key!r}: records cover {covered} of {total} elements (first uncovered flat element {gap})"
+        )
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------- save planning
+
+
+@dataclass
+class RecordDesc:
+    """What a rank announces about one tensor record before anything is written (small, picklable)."""
+
+    key: str
+    dtype: str
+    region: Region
+    replicated: bool  # plain tensor: every rank holds the whole tensor
+
+    def to_wire(self):
+        r = self.region
+        return (self.key, self.dtype, r.shape, r.box_offset, r.box_shape, r.flat_range, self.replicated)
+
+    @staticmethod
+    def from_wire(w) -> "RecordDesc":
+        key, dtype, shape, off, box, fr, rep = w
+        return RecordDesc(key, dtype, Region(tuple(shape), tuple(off), tuple(box), None if fr is None else tuple(fr)), rep)
+
+
+def rank_file_name(rank: int) -> str:
+    # "<rank>_0.safetensors" is also the data file name stock paddle's loader expects for unique_id 0.
+    return f"{rank}_0.safetensors"
+
+
+@dataclass
+class FileLayout:
+    name: str
+    rank: int
+    header: bytes
+    # (key, piece) in write order; piece.offset is absolute in the file
+    pieces: list[tuple[str, PieceMeta]] = field(default_factory=list)
+    size: int = 0
+
+
+@dataclass
+class SavePlan:
+    tensors: dict[str, TensorMeta]
+    values: dict[str, object]
+    files: dict[int, FileLayout]  # rank -> layout
+
+    def my_writes(self, rank: int) -> list[tuple[str, PieceMeta]]:
+        return self.files[rank].pieces
+
+
+def safetensors_header(entries: list[tuple[str, str, tuple, int, int]], meta: dict[str, str]) -> bytes:
+    """entries: (name, dtype, shape, begin, end) relative to the data section. Padded to 8 bytes."""
+    h: dict[str, object] = {"__metadata__": meta}
+    for name, dtype, shape, b, e in entries:
+        h[name] = {"dtype": DTYPES[dtype][1], "shape": list(shape), "data_offsets": [b, e]}
+    raw = json.dumps(h, separators=(",", ":")).encode()
+    raw += b" " * ((-len(raw)) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def build_save_plan(
+    per_rank: list[tuple[list[RecordDesc], dict[str, object]]],
+    checkpoint_id: str,
+    chunk_bytes: int,
+) -> SavePlan:
+    """Deterministic on every rank: dedup replicas (lowest rank wins), check coverage, lay out every file."""
+    world = len(per_rank)
+    by_key: dict[str, list[tuple[int, RecordDesc]]] = {}
+    key_order: list[str] = []
+    values: dict[str, object] = {}
+    value_owner: dict[str, int] = {}
+    for rank, (descs, vals) in enumerate(per_rank):
+        for d in descs:
+            if d.key not in by_key:
+                by_key[d.key] = []
+                key_order.append(d.key)
+            by_key[d.key].append((rank, d))
+        for k, v in vals.items():
+            if k not in values:
+                values[k] = v
+                value_owner[k] = rank
+    both = sorted(set(by_key) & set(values))
+    if both:
+        raise InvalidStateDictError(
+            f"key {both[0]!r} is a tensor on some ranks and a plain value on others"
+        )
+
+    # rank -> list of (key, desc) it must write
+    writes: dict[int, list[tuple[str, RecordDesc]]] = {r: [] for r in range(world)}
+    tensors: dict[str, TensorMeta] = {}
+    for key in key_order:
+        entries = by_key[key]
+        r0, d0 = entries[0]
+        for r, d in entries[1:]:
+            if d.dtype != d0.dtype:
+                raise InvalidStateDictError(
+                    f"key {key!r}: dtype {d0.dtype} on rank {r0} but {d.dtype} on rank {r}"
+                )
+            if d.region.shape != d0.region.shape:
+                raise InvalidStateDictError(
+                    f"key {key!r}: global shape {list(d0.region.shape)} on rank {r0} but "
+                    f"{list(d.region.shape)} on rank {r}"
+                )
+        seen: dict[Region, int] = {}
+        kept: list[tuple[int, RecordDesc]] = []
+        for r, d in entries:
+            reg = d.region.normalized()
+            if reg.numel == 0:
+                continue
+            if reg in seen:  # an exact replica: the lowest rank writes it
+                continue
+            seen[reg] = r
+            kept.append((r, d))
+        problems = coverage_problems(key, d0.region.shape, [(r, d.region) for r, d in kept])
+        if problems:
+            raise InvalidStateDictError("cannot save: " + "; ".join(problems))
+        tensors[key] = TensorMeta(dtype=d0.dtype, shape=d0.region.shape, pieces=[])
+        for r, d in kept:
+            writes[r].append((key, d))
+
+    files: dict[int, FileLayout] = {}
+    for rank in range(world):
+        name = rank_file_name(rank)
+        entries = []
+        pos = 0
+        items = []
+        for key, d in writes[rank]:
+            reg = d.region
+            nbytes = reg.numel * DTYPES[d.dtype][0]
+            st_shape = (reg.numel,) if reg.flat_range is not None else reg.box_shape
+            entries.append((key, d.dtype, st_shape, pos, pos + nbytes))
+            items.append((key, reg, pos, nbytes))
+            pos += nbytes
+        header = safetensors_header(
+            entries, {"format": "paddle-fsdp-checkpoint", "checkpoint_id": checkpoint_id, "rank": str(rank)}
+        )
+        layout = FileLayout(name=name, rank=rank, header=header, size=len(header) + pos)
+        for key, reg, p, nbytes in items:
+            piece = PieceMeta(
+                file=name,
+                name=key,
+                offset=len(header) + p,
+                nbytes=nbytes,
+                box_offset=reg.box_offset,
+                box_shape=reg.box_shape,
+                flat_range=reg.flat_range,
+                crc32=[],
+            )
+            layout.pieces.append((key, piece))
+            tensors[key].pieces.append(piece)
+        files[rank] = layout
+    return SavePlan(tensors=tensors, values=values, files=files)
+
+
+# ----------------------------------------------------------------------------------------------- load planning
+
+
+@dataclass
+class ReadItem:
+    """Copy elements of one saved piece into the host staging buffer of one requested record."""
+
+    key: str
+    piece: PieceMeta
+    segments: Segments
+
+
+def plan_reads(key: str, tm: TensorMeta, target: Region) -> tuple[list[ReadItem], int]:
+    """Read items for one requested region, and how many of its elements they cover."""
+    dst_runs = target.runs()
+    items = []
+    covered = 0
+    if len(dst_runs[0]) == 0:
+        return items, 0
+    lo, hi = int(dst_runs[0][0]), int(dst_runs[0][-1] + dst_runs[1][-1])
+    for p in tm.pieces:
+        src_runs = region_of_piece(tm.shape, p).runs()
+        if len(src_runs[0]) == 0:
+            continue
+        if src_runs[0][0] >= hi or src_runs[0][-1] + src_runs[1][-1] <= lo:
+            continue
+        seg = intersect(dst_runs, src_runs)
+        if len(seg.length):
+            items.append(ReadItem(key, p, seg))
+            covered += seg.total
+    return items, covered

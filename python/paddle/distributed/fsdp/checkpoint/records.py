@@ -1,0 +1,128 @@
+"""Records: normalising state-dict entries (ShardedWeight, plain Tensor, JSON value) into one description.
+
+* ``ShardedWeight`` box form: ``local_tensor`` of ``local_shape`` at ``global_offset`` inside ``global_shape``.
+* ``ShardedWeight`` flattened form (``is_flattened=True``): ``flattened_range=slice(start, stop)`` over the
+  row-major flattening of the box ``global_offset``/``local_shape`` (FSDP uses the whole tensor as the box);
+  ``local_tensor`` holds ``stop - start`` elements.
+* plain ``paddle.Tensor``: replicated on every rank (saved once by the lowest rank, loaded on every rank).
+* JSON values (None/bool/int/float/str and lists/tuples/dicts of them): stored in metadata.json; tuples come back
+  as lists.
+
+Shapes given as lists are normalised to tuples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidStateDictError
+from .metadata import DTYPES, is_json_value
+from .planner import RecordDesc, Region
+from .storage import dtype_name
+
+
+def _sharded_weight_cls():
+    try:
+        from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+    except ImportError:  # pragma: no cover - stock layout changed
+        return ()
+    return ShardedWeight
+
+
+def _tensor_cls():
+    import paddle
+
+    return paddle.Tensor
+
+
+@dataclass
+class TensorRecord:
+    key: str
+    tensor: Any  # paddle.Tensor holding this rank's elements in storage order
+    region: Region
+    dtype: str
+    replicated: bool
+
+    def desc(self) -> RecordDesc:
+        return RecordDesc(self.key, self.dtype, self.region, self.replicated)
+
+
+def _tuple_of_ints(v, what: str, key: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in v)
+    except TypeError:
+        raise InvalidStateDictError(f"key {key!r}: {what} must be a sequence of ints, got {v!r}") from None
+
+
+def _flat_range(fr, key: str) -> tuple[int, int]:
+    if isinstance(fr, slice):
+        if fr.step not in (None, 1):
+            raise InvalidStateDictError(f"key {key!r}: flattened_range must have step 1, got {fr}")
+        return int(fr.start or 0), int(fr.stop)
+    if isinstance(fr, (tuple, list)) and len(fr) == 2:
+        return int(fr[0]), int(fr[1])
+    raise InvalidStateDictError(f"key {key!r}: unsupported flattened_range {fr!r}")
+
+
+def _check_dtype(t, key: str) -> str:
+    name = dtype_name(t)
+    if name not in DTYPES:
+        raise InvalidStateDictError(f"key {key!r}: dtype {name} is not supported by the checkpoint format")
+    return name
+
+
+def to_record(key: str, val: Any) -> TensorRecord | None:
+    """A TensorRecord for a tensor entry, or None for a JSON value. Raises InvalidStateDictError otherwise."""
+    if not isinstance(key, str):
+        raise InvalidStateDictError(f"state dict keys must be str, got {key!r}")
+    SW = _sharded_weight_cls()
+    T = _tensor_cls()
+    if SW and isinstance(val, SW):
+        t = val.local_tensor
+        if not isinstance(t, T):
+            raise InvalidStateDictError(f"key {key!r}: ShardedWeight.local_tensor is not a paddle.Tensor")
+        gshape = _tuple_of_ints(val.global_shape, "global_shape", key)
+        goff = _tuple_of_ints(val.global_offset, "global_offset", key)
+        lshape = _tuple_of_ints(val.local_shape, "local_shape", key)
+        if getattr(val, "is_flattened", False) or getattr(val, "flattened_range", None) is not None:
+            fr = val.flattened_range
+            if fr is None:
+                raise InvalidStateDictError(f"key {key!r}: is_flattened=True but flattened_range is None")
+            region = Region(gshape, goff, lshape, _flat_range(fr, key))
+        else:
+            region = Region(gshape, goff, lshape, None)
+        region.check(key)
+        if int(t.numel()) != region.numel:
+            raise InvalidStateDictError(
+                f"key {key!r}: local_tensor has {int(t.numel())} elements but the record describes "
+                f"{region.numel} (local_shape {list(lshape)}, flattened_range {region.flat_range})"
+            )
+        return TensorRecord(key, t, region, _check_dtype(t, key), replicated=False)
+    if isinstance(val, T):
+        if hasattr(val, "is_dist") and val.is_dist():
+            raise InvalidStateDictError(
+                f"key {key!r}: distributed (auto-parallel) tensors are not supported; wrap the local value in "
+                f"a ShardedWeight"
+            )
+        shape = tuple(int(s) for s in val.shape)
+        return TensorRecord(key, val, Region.full(shape), _check_dtype(val, key), replicated=True)
+    if is_json_value(val):
+        return None
+    raise InvalidStateDictError(
+        f"key {key!r}: cannot checkpoint a value of type {type(val).__name__} (expected ShardedWeight, "
+        f"paddle.Tensor or a JSON-serialisable value)"
+    )
+
+
+def collect(state_dict: dict) -> tuple[list[TensorRecord], dict[str, Any]]:
+    if not isinstance(state_dict, dict):
+        raise InvalidStateDictError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    records, values = [], {}
+    for key, val in state_dict.items():
+        rec = to_record(key, val)
+        if rec is None:
+            values[key] = val
+        else:
+            records.append(rec)
+    return records, values

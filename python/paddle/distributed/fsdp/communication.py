@@ -1,0 +1,91 @@
+"""Every collective FullyShardFusion issues, in one place.
+
+Backend gaps are handled here and nowhere else: gloo (CPU) has no reduce_scatter, so it becomes an
+all_reduce followed by a local slice. A world of one rank issues no collective at all, because a
+single-process run (launched with one process, or not launched) has no global group.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import paddle
+import paddle.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_sharding_group(group=None):
+    """The group FSDP shards over: an explicit group, else fleet's sharding group, else the global group."""
+    if group is not None:
+        return group
+    try:
+        from paddle.distributed import fleet
+
+        hcg = fleet.get_hybrid_communicate_group() if fleet.fleet._hcg is not None else None
+    except Exception:  # fleet not initialised: the attribute path differs between builds
+        hcg = None
+    if hcg is not None and hcg.get_sharding_parallel_world_size() > 1:
+        return hcg.get_sharding_parallel_group()
+    return None
+
+
+class ShardingComm:
+    """Collectives over the sharding group; ranks are positions inside that group."""
+
+    def __init__(self, group=None) -> None:
+        self.group = resolve_sharding_group(group)
+        if self.group is not None:
+            self.world_size = self.group.nranks
+            self.rank = self.group.rank
+        elif dist.is_initialized():
+            self.world_size = dist.get_world_size()
+            self.rank = dist.get_rank()
+        else:
+            self.world_size, self.rank = 1, 0
+        if self.rank < 0:
+            raise RuntimeError("this process is not a member of the sharding group it was given")
+        self._has_reduce_scatter = self.world_size > 1 and self._backend() not in ("GLOO", "gloo")
+
+    def _backend(self) -> str:
+        try:
+            return dist.get_backend(self.group)
+        except Exception:  # older builds: decide by device, CPU tensors mean gloo
+            return "GLOO" if paddle.get_device() == "cpu" else "NCCL"
+
+    def all_gather_into(self, full: paddle.Tensor, shard: paddle.Tensor) -> None:
+        """Fill ``full`` with every rank's ``shard`` in rank order."""
+        if self.world_size == 1:
+            paddle.assign(shard, output=full)
+            return
+        dist.all_gather(full, shard, group=self.group)
+
+    def reduce_scatter_mean(self, full: paddle.Tensor) -> paddle.Tensor:
+        """The mean over ranks of ``full``, restricted to this rank's shard (a new tensor)."""
+        shard_numel = full.shape[0] // self.world_size
+        if self.world_size == 1:
+            return full
+        full.scale_(1.0 / self.world_size)
+        if self._has_reduce_scatter:
+            out = paddle.empty([shard_numel], dtype=full.dtype)
+            dist.reduce_scatter(out, full, group=self.group)
+            return out
+        dist.all_reduce(full, group=self.group)
+        start = self.rank * shard_numel
+        return full._slice(start, start + shard_numel)
+
+    def all_reduce_sum(self, tensor: paddle.Tensor) -> paddle.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_gather_object(self, obj) -> list:
+        if self.world_size == 1:
+            return [obj]
+        out: list = []
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)

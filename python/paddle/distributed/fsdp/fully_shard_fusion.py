@@ -1,0 +1,170 @@
+"""FullyShardFusion: fused-buffer FSDP for a dygraph model, with a plain training loop.
+
+::
+
+    fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"])
+    opt = paddle.optimizer.AdamW(parameters=model.parameters(), ...)
+    loss = model(x); loss.backward(); opt.step(); opt.clear_grad()
+
+Data flows one way: model -> parameter groups (param_grouping) -> buffer layouts (fused_layout) ->
+run-time buffers (fused_buffer) -> shard records (checkpoint_mapping) -> storage (checkpoint/).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import paddle
+
+from .communication import ShardingComm
+from .fused_buffer import FusedBuffer
+from .fused_layout import BufferLayout
+from .hooks import LayerHooks
+from .optimizer_integration import install_optimizer_integration
+from .param_grouping import plan_param_groups
+
+logger = logging.getLogger(__name__)
+
+
+class FullyShardFusion:
+    """Shard ``model``'s parameters over the sharding group, each rank keeping a slice of fused buffers.
+
+    Args:
+        model: the dygraph model; it is modified in place (parameters become shard views, hooks added).
+        fsdp_unit_layers: class names of sublayers that are gathered as one unit (e.g. transformer
+            blocks). Parameters outside units are gathered per layer that registers them.
+        group: the process group to shard over; default: fleet's sharding group if fleet set one up
+            with ``sharding_degree > 1``, else the global group, else a single process.
+        no_weight_decay_fn: optional ``fn(structured_name) -> bool`` marking extra parameters exempt
+            from weight decay (as ``param.no_weight_decay = True`` does).
+
+    Parameters must be initialised identically on every rank (same seed); each rank keeps its slice.
+    """
+
+    def __init__(
+        self,
+        model: paddle.nn.Layer,
+        fsdp_unit_layers: list[str] | None = None,
+        group=None,
+        no_weight_decay_fn: Callable[[str], bool] | None = None,
+    ) -> None:
+        if not isinstance(model, paddle.nn.Layer):
+            raise TypeError(f"FullyShardFusion expects a paddle.nn.Layer, got {type(model).__name__}")
+        if getattr(model, "_fsdp", None) is not None:
+            raise ValueError("this model is already wrapped by a FullyShardFusion")
+        if not paddle.in_dynamic_mode():
+            raise RuntimeError("FullyShardFusion works in dygraph mode only")
+        install_optimizer_integration()
+        self.model = model
+        self.comm = ShardingComm(group)
+        groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn)
+        self.buffers: list[FusedBuffer] = []
+        self.param_keys: dict[int, str] = {}  # id(param) -> structured key
+        self.param_index: dict[int, int] = {}  # id(param) -> position in model order, same on every rank
+        layer_buffers: dict[int, tuple[paddle.nn.Layer, list[FusedBuffer]]] = {}
+        for index, group_plan in enumerate(groups):
+            first = group_plan.params[0]
+            layout = BufferLayout.plan(
+                name=f"{index}:{group_plan.name}",
+                dtype=str(first.dtype).replace("paddle.", ""),
+                element_size=first.element_size(),
+                trainable=group_plan.trainable,
+                params=[(k, tuple(p.shape)) for k, p in zip(group_plan.keys, group_plan.params)],
+                world_size=self.comm.world_size,
+                attrs=group_plan.attrs,
+            )
+            buffer = FusedBuffer(layout, group_plan.params, self.comm, owner=self)
+            self.buffers.append(buffer)
+            for key, param in zip(group_plan.keys, group_plan.params):
+                self.param_keys[id(param)] = key
+                self.param_index[id(param)] = len(self.param_index)
+            for layer in group_plan.scope_layers:
+                layer_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
+        self._hooks = [LayerHooks(layer, bufs) for layer, bufs in layer_buffers.values()]
+        model._fsdp = self
+        model.sharded_state_dict = self.sharded_state_dict
+        logger.info(
+            "FullyShardFusion: %d params in %d buffers over %d ranks; this rank holds %d of %d bytes",
+            len(self.param_keys), len(self.buffers), self.comm.world_size,
+            self.resident_parameter_bytes(), self.total_parameter_bytes(),
+        )
+
+    # ---- layout queries (the checkpoint and the tools are built on these) ----------------------
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def layouts(self) -> list[BufferLayout]:
+        return [buffer.layout for buffer in self.buffers]
+
+    def managed_parameters(self):
+        """(structured key, parameter, buffer, index in buffer) for every parameter, in model order."""
+        for buffer in self.buffers:
+            for index, (param, slot) in enumerate(zip(buffer.params, buffer.layout.slots)):
+                yield slot.key, param, buffer, index
+
+    def resident_parameter_bytes(self) -> int:
+        return sum(buffer.resident_bytes() for buffer in self.buffers)
+
+    def total_parameter_bytes(self) -> int:
+        return sum(b.layout.used_numel * b.shard.element_size() for b in self.buffers)
+
+    # ---- training-loop support --------------------------------------------------------------------
+    def flush_gradients(self) -> list[tuple]:
+        """Reduce gradients still pending (parameters that got no gradient keep a buffer incomplete) and
+        release buffers gathered for backward. Collective: every rank calls it (the optimizer does)."""
+        bound = []
+        for buffer in self.buffers:
+            if buffer.layout.trainable:
+                bound.extend(buffer.reduce_gradients())
+            if buffer.is_gathered:
+                buffer.release()
+        return bound
+
+    def full_parameters(self) -> dict[str, paddle.Tensor]:
+        """Gathered copies of every parameter by key (collective; for tests and small models)."""
+        out = {}
+        for buffer in self.buffers:
+            was_gathered = buffer.is_gathered
+            buffer.gather()
+            for param, slot in zip(buffer.params, buffer.layout.slots):
+                out[slot.key] = param.detach().clone()
+            if not was_gathered:
+                buffer.release()
+        return out
+
+    # ---- checkpoint API (checkpoint_mapping.py builds the records) -------------------------------
+    def sharded_state_dict(self) -> dict:
+        """This rank's model state as flattened ShardedWeight records keyed by structured name."""
+        from .checkpoint_mapping import model_sharded_state_dict
+
+        return model_sharded_state_dict(self)
+
+    def optimizer_sharded_state_dict(self, optimizer) -> dict:
+        """This rank's optimizer state as ``<param key>.<state name>`` records (see checkpoint_mapping)."""
+        from .checkpoint_mapping import optimizer_sharded_state_dict
+
+        return optimizer_sharded_state_dict(self, optimizer)
+
+    def init_optimizer_state(self, optimizer) -> None:
+        """Create ``optimizer``'s accumulators for the local pieces, so a load has targets to fill."""
+        from .checkpoint_mapping import init_optimizer_state
+
+        init_optimizer_state(self, optimizer)
+
+    def save_checkpoint(self, path: str, optimizer=None, extra_state: dict | None = None, **kwargs):
+        """Model + optimizer + LR scheduler + RNG + ``extra_state``, in one collective call."""
+        from .checkpoint_api import save_checkpoint
+
+        return save_checkpoint(self, path, optimizer=optimizer, extra_state=extra_state, **kwargs)
+
+    def load_checkpoint(self, path: str, optimizer=None, **kwargs) -> dict:
+        """Restore what :meth:`save_checkpoint` wrote; returns the saved ``extra_state``."""
+        from .checkpoint_api import load_checkpoint
+
+        return load_checkpoint(self, path, optimizer=optimizer, **kwargs)

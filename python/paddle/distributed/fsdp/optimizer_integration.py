@@ -1,0 +1,199 @@
+"""How an unmodified paddle optimizer steps FSDP parameters.
+
+Every paddle optimizer (``Optimizer.step``, ``Adam.step``, ``AdamW.step``, grouped or not) funnels into
+``Optimizer._apply_optimize``; stock paddle itself consults a global FSDP context there. We wrap that one
+method, once per process, and act only when the optimizer holds parameters of a FullyShardFusion (found
+through the parameters themselves, so several instances can coexist and nothing global is kept):
+
+1. Flush gradients: buffers whose parameters did not all receive a gradient this backward (unused
+   parameters) are reduced now, and their parameters join the step.
+2. Clip with norms over all ranks: parameters are local pieces at rest, so ``ClipGradByGlobalNorm`` and
+   ``ClipGradByNorm`` need sums of squares all-reduced over the sharding group. ``ClipGradByValue`` is
+   elementwise and runs as is.
+3. Honour ``param.no_weight_decay = True`` for decoupled (AdamW-style ``apply_decay_param_fun``) and
+   coupled (``weight_decay=`` regulariser) decay alike. Decay is decided per parameter, never per buffer,
+   so a bias exempt from decay is never decayed because of its neighbours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import paddle
+from paddle.nn.clip import ClipGradByGlobalNorm, ClipGradByNorm
+from paddle.optimizer import Optimizer
+
+logger = logging.getLogger(__name__)
+
+_WRAPPED_FLAG = "__fsdp_wrapped__"
+
+
+def install_optimizer_integration() -> None:
+    """Wrap ``Optimizer._apply_optimize`` (idempotent; a no-op for optimizers without FSDP params)."""
+    original = Optimizer._apply_optimize
+    if getattr(original, _WRAPPED_FLAG, False):
+        return
+
+    def _apply_optimize(self, loss, startup_program, params_grads, param_group_idx=0):
+        owners = fsdp_owners(self)
+        if not owners or not paddle.in_dynamic_mode():
+            return original(self, loss, startup_program, params_grads, param_group_idx)
+        params_grads = _flush_and_extend(self, owners, list(params_grads) if isinstance(params_grads, list) else params_grads, param_group_idx)
+        with _fsdp_clip(self, owners, params_grads) as params_grads, _no_weight_decay(self):
+            return original(self, loss, startup_program, params_grads, param_group_idx)
+
+    setattr(_apply_optimize, _WRAPPED_FLAG, True)
+    _apply_optimize.__wrapped__ = original
+    Optimizer._apply_optimize = _apply_optimize
+
+
+def optimizer_parameters(opt) -> list:
+    params = []
+    for item in opt._parameter_list or []:
+        if isinstance(item, dict):
+            params.extend(item["params"])
+        else:
+            params.append(item)
+    return params
+
+
+def fsdp_owners(opt) -> list:
+    """The FullyShardFusion instances whose parameters ``opt`` holds, in first-seen order."""
+    owners: dict[int, object] = {}
+    for param in optimizer_parameters(opt):
+        buffer = getattr(param, "_fsdp_buffer", None)
+        if buffer is not None:
+            owners.setdefault(id(buffer.owner), buffer.owner)
+    return list(owners.values())
+
+
+def _flush_and_extend(opt, owners, params_grads, param_group_idx):
+    """Reduce pending gradients; add the parameters that only now have a gradient to ``params_grads``."""
+    for owner in owners:
+        owner.flush_gradients()
+    if isinstance(params_grads, dict):  # one parameter group of a grouped optimizer
+        candidates = opt._param_groups[param_group_idx]["params"]
+    else:
+        candidates = optimizer_parameters(opt)
+    pairs = _pairs(params_grads)
+    present = {id(p) for p, _ in pairs}
+    for param in candidates:
+        if id(param) in present or param.stop_gradient or not hasattr(param, "_fsdp_buffer"):
+            continue
+        grad = param._grad_ivar()
+        if grad is not None:
+            pairs.append((param, grad))
+    return params_grads
+
+
+def _pairs(params_grads):
+    return params_grads["params"] if isinstance(params_grads, dict) else params_grads
+
+
+@contextlib.contextmanager
+def _fsdp_clip(opt, owners, params_grads):
+    """Clip with sums of squares reduced over every sharding group involved; stock clip disabled inside."""
+    clip = params_grads.get("grad_clip") if isinstance(params_grads, dict) else opt._grad_clip
+    if not isinstance(clip, (ClipGradByGlobalNorm, ClipGradByNorm)):
+        yield params_grads
+        return
+    pairs = _pairs(params_grads)
+    clipped = _clip(owners, pairs, clip)
+    if isinstance(params_grads, dict):
+        params_grads = dict(params_grads, params=clipped, grad_clip=None)
+    else:
+        params_grads = clipped
+    saved, opt._grad_clip = opt._grad_clip, None
+    try:
+        yield params_grads
+    finally:
+        opt._grad_clip = saved
+
+
+def _sum_of_squares(grad) -> paddle.Tensor:
+    flat = grad.reshape([-1]).astype("float32")
+    return (flat * flat).sum()
+
+
+def _complete_squared_norms(owners, selected) -> tuple[list[paddle.Tensor], paddle.Tensor]:
+    """Squared gradient norms of whole parameters: one per selected (index, param, grad), and the total.
+
+    Each FSDP owner all-reduces one vector indexed by its own parameter numbering, so every rank issues
+    the same collectives with the same sizes even when it holds no piece of some parameters, and the
+    total counts every parameter once. Parameters outside FSDP are replicated: their sums are complete.
+    """
+    squared = [_sum_of_squares(g) for _, _, g in selected]
+    total = paddle.zeros([], dtype="float32")
+    reduced = set()
+    for owner in owners:
+        if owner.world_size == 1:
+            continue
+        vector = paddle.zeros([len(owner.param_keys)], dtype="float32")
+        positions = []
+        for k, (_, param, _) in enumerate(selected):
+            buffer = getattr(param, "_fsdp_buffer", None)
+            if buffer is not None and buffer.owner is owner:
+                positions.append((k, owner.param_index[id(param)]))
+                vector[positions[-1][1]] = squared[k]
+        owner.comm.all_reduce_sum(vector)
+        total = total + vector.sum()
+        for k, position in positions:
+            squared[k] = vector[position]
+            reduced.add(k)
+    for k, value in enumerate(squared):
+        if k not in reduced:
+            total = total + value
+    return squared, total
+
+
+def _clippable(pairs):
+    return [(i, p, g) for i, (p, g) in enumerate(pairs) if g is not None and getattr(p, "need_clip", True)]
+
+
+def _clip(owners, pairs, clip):
+    """Stock paddle's formula (scale = max_norm / max(norm, max_norm)), with norms over all ranks."""
+    selected = _clippable(pairs)
+    squared, total = _complete_squared_norms(owners, selected)
+    max_norm = paddle.full([], clip.clip_norm, dtype="float32")
+    out = list(pairs)
+    if not selected:
+        return out
+    if isinstance(clip, ClipGradByGlobalNorm):
+        global_norm = paddle.sqrt(total)
+        scales = [max_norm / paddle.maximum(global_norm, max_norm)] * len(selected)
+    else:
+        scales = [max_norm / paddle.maximum(paddle.sqrt(s), max_norm) for s in squared]
+    for (i, param, grad), scale in zip(selected, scales):
+        out[i] = (param, paddle.multiply(grad, scale.astype(grad.dtype)))
+    return out
+
+
+@contextlib.contextmanager
+def _no_weight_decay(opt):
+    """Exempt parameters flagged ``no_weight_decay`` from both kinds of weight decay, for this call."""
+    exempt = {p.name for p in optimizer_parameters(opt) if getattr(p, "no_weight_decay", False)}
+    if not exempt:
+        yield
+        return
+    decay_fun = getattr(opt, "_apply_decay_param_fun", None)
+    has_decoupled = hasattr(opt, "_apply_decay_param_fun")
+    regularize = opt._create_regularization_of_grad
+
+    def apply_decay(name: str) -> bool:
+        return name not in exempt and (decay_fun is None or decay_fun(name))
+
+    def create_regularization(param, grad, regularization):
+        if param.name in exempt:
+            return grad
+        return regularize(param, grad, regularization)
+
+    if has_decoupled:
+        opt._apply_decay_param_fun = apply_decay
+    opt._create_regularization_of_grad = create_regularization
+    try:
+        yield
+    finally:
+        if has_decoupled:
+            opt._apply_decay_param_fun = decay_fun
+        del opt._create_regularization_of_grad
