@@ -22,15 +22,17 @@ Set ``PADDLE_FSDP_FORK_DISABLE=1`` to run stock paddle (no overlay) in a given p
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
-import logging
+# Only cheap modules at import time: this runs in every interpreter start-up (via the .pth).
 import os
-import re
 import sys
 import types
-from collections.abc import Callable, Sequence
-from typing import Any
+
+TYPE_CHECKING = False  # `typing` costs milliseconds at start-up; type checkers treat this name as usual
+if TYPE_CHECKING:
+    import importlib.machinery
+    import logging
+    from collections.abc import Callable, Sequence
+    from typing import Any
 
 __all__ = [
     "FORK_PACKAGE",
@@ -45,7 +47,13 @@ __all__ = [
     "fork_dir",
 ]
 
-_logger = logging.getLogger(__name__)
+
+
+def _logger() -> logging.Logger:
+    """The module logger, imported lazily (``logging`` alone would double the start-up cost)."""
+    import logging
+
+    return logging.getLogger(__name__)
 
 #: Private top-level name under which pip installs the fork's sources.
 FORK_PACKAGE = "paddle_fsdp_fork"
@@ -87,6 +95,8 @@ def check_paddle_version(version: str | None = None) -> str:
         return version
     if version == DEV_PADDLE_VERSION:
         return version
+    import re
+
     match = re.match(r"^\s*(\d+)\.(\d+)", version)
     if match and (int(match.group(1)), int(match.group(2))) == REQUIRED_PADDLE_SERIES:
         return version
@@ -175,9 +185,9 @@ def patch_checkpoint_api(distributed: types.ModuleType) -> None:
         if getattr(current, WRAPPER_MARKER, False):
             continue
         if current is None:
-            _logger.warning("stock %s has no %s; installing the fork's anyway", distributed.__name__, name)
+            _logger().warning("stock %s has no %s; installing the fork's anyway", distributed.__name__, name)
         setattr(distributed, name, _make_checkpoint_wrapper(name, current))
-    _logger.debug("redirected %s.%s to the fork", distributed.__name__, _CHECKPOINT_FUNCTIONS)
+    _logger().debug("redirected %s.%s to the fork", distributed.__name__, _CHECKPOINT_FUNCTIONS)
 
 
 class ForkFinder:
@@ -235,14 +245,16 @@ class ForkFinder:
         stock = self._other_find_spec(TARGET_PACKAGE, path, target)
         stock_dirs = list(stock.submodule_search_locations or []) if stock is not None else []
         if not stock_dirs:
-            _logger.warning("stock %s not found; upstream fully_shard will be unavailable", TARGET_PACKAGE)
+            _logger().warning("stock %s not found; upstream fully_shard will be unavailable", TARGET_PACKAGE)
         locations = fork_root + [d for d in stock_dirs if d not in fork_root]
+        import importlib.util
+
         spec = importlib.util.spec_from_file_location(
             TARGET_PACKAGE, private.origin, submodule_search_locations=locations
         )
         if spec is None:  # pragma: no cover - only for exotic origins
             raise ImportError(f"cannot build a spec for {TARGET_PACKAGE} from {private.origin}")
-        _logger.debug("serving %s from %s (path %s)", TARGET_PACKAGE, private.origin, locations)
+        _logger().debug("serving %s from %s (path %s)", TARGET_PACKAGE, private.origin, locations)
         return spec
 
     def _distributed_spec(
@@ -268,7 +280,7 @@ def install() -> bool:
     global _finder
     try:
         if _truthy(os.environ.get(DISABLE_ENV)):
-            _logger.debug("%s is set: paddle-fsdp-fork not activated", DISABLE_ENV)
+            _logger().debug("%s is set: paddle-fsdp-fork not activated", DISABLE_ENV)
             return False
         if _finder is None:
             _finder = ForkFinder()
@@ -279,13 +291,13 @@ def install() -> bool:
             patch_checkpoint_api(distributed)
         existing = sys.modules.get(TARGET_PACKAGE)
         if existing is not None and not is_active():
-            _logger.warning(
+            _logger().warning(
                 "%s was imported before paddle-fsdp-fork was activated; restart the interpreter",
                 TARGET_PACKAGE,
             )
         return True
     except Exception:  # start-up must never break because of this hook
-        _logger.exception("paddle-fsdp-fork activation failed; stock paddle is used")
+        _logger().exception("paddle-fsdp-fork activation failed; stock paddle is used")
         return False
 
 

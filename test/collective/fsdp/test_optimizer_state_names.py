@@ -22,7 +22,7 @@ import json
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -40,8 +40,14 @@ _MODULE_PATH = (
 
 
 def _load_module() -> ModuleType:
-    """Load the module from the source tree (the installed stock paddle does
-    not have it yet); switch to a plain import once the fork is installed."""
+    """The installed fork's module, else the checkout's file loaded by path
+    (stock paddle has no such module, so the fallback cannot hide stale
+    code). Once the fork is always installed for tests, replace this with
+    ``from paddle.distributed.fsdp import optimizer_state_names``."""
+    try:
+        return importlib.import_module(_MODULE_NAME)
+    except ModuleNotFoundError:
+        pass
     spec = importlib.util.spec_from_file_location(
         "fsdp_optimizer_state_names", _MODULE_PATH
     )
@@ -81,15 +87,20 @@ class Dense(nn.Layer):
 
 
 class Flat(nn.Layer):
-    """Params stored 1-D, like the flattened pieces FSDP steps on."""
+    """Params stored 1-D, like the flattened pieces FSDP steps on, including
+    a 1-element piece (elementwise and scalar shapes coincide) and an empty
+    piece (a rank that holds none of a param)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.w = self.create_parameter([12])
         self.b = self.create_parameter([3], is_bias=True)
+        self.one = self.create_parameter([1])
+        self.empty = self.create_parameter([0])
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        return paddle.matmul(x, self.w.reshape([4, 3])) + self.b
+        out = paddle.matmul(x, self.w.reshape([4, 3])) + self.b
+        return out * self.one + self.empty.sum()
 
 
 class LowPrecision(nn.Layer):
@@ -129,7 +140,6 @@ class Config:
     models: tuple[type[nn.Layer], ...] = (Dense, Flat)
     master: bool = False
     set_lr: float | None = None  # only the original run calls set_lr
-    extra: dict = field(default_factory=dict)
 
 
 def _groups(model: nn.Layer, **first: float) -> list[dict]:
@@ -430,7 +440,9 @@ def test_eager_creation_matches_lazy_first_step(cfg: Config, model_cls) -> None:
 
 def test_create_keeps_group_hyperparameters() -> None:
     model = Dense()
-    opt = O.Adam(0.01, parameters=_groups(model, beta1=0.5), beta1=0.9)
+    groups = _groups(model)
+    groups[-1]["beta1"] = 0.5  # the last group's value would stick
+    opt = O.Adam(0.01, parameters=groups, beta1=0.9)
     osn.create_optimizer_state(opt)
     assert opt._beta1 == 0.9  # group dict values are not left behind
     opt2 = O.Adagrad(
@@ -459,6 +471,17 @@ def test_create_only_given_params_and_skips_frozen() -> None:
     osn.create_optimizer_state(opt2, [model2.fc.bias])
     assert osn.optimizer_state_entries(opt2, model2.fc.weight) == []
     assert len(osn.optimizer_state_entries(opt2, model2.fc.bias)) == 4
+
+    # A tensor the optimizer does not list (e.g. an FSDP buffer it is handed
+    # at step time) gets state too, unless param groups make it ambiguous.
+    extra = paddle.create_parameter([5], "float32")
+    osn.create_optimizer_state(opt2, [extra])
+    assert {e.state_name for e in osn.optimizer_state_entries(opt2, extra)} == (
+        ADAM.keys()
+    )
+    grouped = O.Adam(0.01, parameters=_groups(Dense()))
+    with pytest.raises(ValueError, match="none of the param groups"):
+        osn.create_optimizer_state(grouped, [extra])
 
 
 def test_refresh_master_weight_after_loading_param() -> None:

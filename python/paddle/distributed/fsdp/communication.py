@@ -19,12 +19,10 @@ def resolve_sharding_group(group=None):
     """The group FSDP shards over: an explicit group, else fleet's sharding group, else the global group."""
     if group is not None:
         return group
-    try:
-        from paddle.distributed import fleet
+    from paddle.distributed import fleet
 
-        hcg = fleet.get_hybrid_communicate_group() if fleet.fleet._hcg is not None else None
-    except Exception:  # fleet not initialised: the attribute path differs between builds
-        hcg = None
+    # fleet.init(is_collective=True, ...) sets _hcg; without it fleet has no hybrid group
+    hcg = getattr(fleet.fleet, "_hcg", None)
     if hcg is not None and hcg.get_sharding_parallel_world_size() > 1:
         return hcg.get_sharding_parallel_group()
     return None

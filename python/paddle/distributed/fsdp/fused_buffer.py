@@ -7,7 +7,7 @@ never changes, so autograd's saved references stay valid):
   - while its layer runs forward or backward it is a full-shape view into the gathered buffer.
 
 Gradients: autograd produces a full-shape gradient; a post-accumulation hook copies it into a full-size
-fp32 buffer and drops it. When every trainable parameter of the buffer has reported, the buffer is
+fp32 (fp64 for fp64 params) buffer and drops it. When every trainable parameter of the buffer has reported, the buffer is
 reduce-scattered (mean over ranks) and added into ``main_grad``, the fp32 gradient of the local shard,
 which also accumulates across micro-batches. Each parameter's ``.grad`` is then bound to its piece of
 that gradient, so ``opt.step()`` and ``opt.clear_grad()`` work unchanged.
@@ -52,6 +52,8 @@ class FusedBuffer:
         self._bound_grads: set[int] = set()
         self.held_for_backward = False
         self.shard = paddle.zeros([layout.shard_numel], dtype=params[0].dtype)
+        # gradients are reduced and accumulated in at least fp32 (fp64 params keep fp64)
+        self.grad_dtype = paddle.float64 if self.shard.dtype == paddle.float64 else paddle.float32
         with paddle.no_grad():
             for index, piece in self.pieces.items():
                 flat = params[index].reshape([-1])
@@ -118,11 +120,11 @@ class FusedBuffer:
         slot = self.layout.slots[index]
         with paddle.no_grad():
             if self.full_grad is None:
-                self.full_grad = paddle.zeros([self.layout.padded_numel], dtype="float32")
+                self.full_grad = paddle.zeros([self.layout.padded_numel], dtype=self.grad_dtype)
             target = self.full_grad._slice(slot.offset, slot.end)
             flat = grad.reshape([-1])
-            if flat.dtype != paddle.float32:
-                flat = flat.astype("float32")
+            if flat.dtype != self.grad_dtype:
+                flat = flat.astype(self.grad_dtype)
             if index in self._arrived:  # a second backward before the reduce: accumulate
                 target.add_(flat)
             else:
@@ -151,8 +153,8 @@ class FusedBuffer:
                 grad = param._grad_ivar()
                 if grad is None:
                     main_piece.zero_()
-                elif grad.dtype != paddle.float32:
-                    paddle.assign(grad.astype("float32"), output=main_piece)
+                elif grad.dtype != self.grad_dtype:
+                    paddle.assign(grad.astype(self.grad_dtype), output=main_piece)
                 param.clear_gradient(False)
         self._bound_grads.clear()
 
@@ -166,10 +168,10 @@ class FusedBuffer:
         with paddle.no_grad():
             local = self.comm.reduce_scatter_mean(self.full_grad)
             if self.main_grad is None:
-                self.main_grad = paddle.zeros([self.layout.shard_numel], dtype="float32")
+                self.main_grad = paddle.zeros([self.layout.shard_numel], dtype=self.grad_dtype)
             self.main_grad.add_(local)
             self.full_grad = None
-            if self.shard.dtype == paddle.float32:
+            if self.shard.dtype == self.grad_dtype:
                 grad_source = self.main_grad
             else:
                 self._grad_in_param_dtype = self.main_grad.astype(self.shard.dtype)

@@ -112,7 +112,8 @@ def _fsdp_clip(opt, owners, params_grads):
 
 
 def _sum_of_squares(grad) -> paddle.Tensor:
-    flat = grad.reshape([-1]).astype("float32")
+    """In fp64: the sums of many ranks and parameters are added up, and fp64 params need it anyway."""
+    flat = grad.reshape([-1]).astype("float64")
     return (flat * flat).sum()
 
 
@@ -124,12 +125,12 @@ def _complete_squared_norms(owners, selected) -> tuple[list[paddle.Tensor], padd
     total counts every parameter once. Parameters outside FSDP are replicated: their sums are complete.
     """
     squared = [_sum_of_squares(g) for _, _, g in selected]
-    total = paddle.zeros([], dtype="float32")
+    total = paddle.zeros([], dtype="float64")
     reduced = set()
     for owner in owners:
         if owner.world_size == 1:
             continue
-        vector = paddle.zeros([len(owner.param_keys)], dtype="float32")
+        vector = paddle.zeros([len(owner.param_keys)], dtype="float64")
         positions = []
         for k, (_, param, _) in enumerate(selected):
             buffer = getattr(param, "_fsdp_buffer", None)
@@ -155,7 +156,7 @@ def _clip(owners, pairs, clip):
     """Stock paddle's formula (scale = max_norm / max(norm, max_norm)), with norms over all ranks."""
     selected = _clippable(pairs)
     squared, total = _complete_squared_norms(owners, selected)
-    max_norm = paddle.full([], clip.clip_norm, dtype="float32")
+    max_norm = paddle.full([], clip.clip_norm, dtype="float64")
     out = list(pairs)
     if not selected:
         return out

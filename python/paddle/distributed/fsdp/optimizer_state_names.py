@@ -49,6 +49,12 @@ is a 1-D piece ``[n]`` and so are its elementwise accumulators):
 * ``stacked``: ``[k, *param_shape]``; ``k`` is a hyper-parameter and every
   row is sharded like the param.
 
+Shapes alone are ambiguous for a 1-element param (``elementwise`` and
+``scalar`` coincide), so each class table also declares the kind; the shapes
+must agree with it or the state is refused. An empty piece (``[0]``, a rank
+holding nothing of a param) is stepped normally: elementwise state ``[0]``,
+scalar state ``[1]``, stacked ``[k, 0]``.
+
 Accumulators and kinds as measured in paddle 3.3.1 (CPU, dygraph); the
 canonical state name equals the accumulator string except for Adadelta,
 whose leading underscore is dropped:
@@ -58,7 +64,7 @@ optimizer         accumulator -> kind
 ================  ===================================================
 Adam, AdamW       moment1, moment2, moment2_max (amsgrad only):
                   elementwise; beta1_pow_acc, beta2_pow_acc: scalar
-                  (fp32 ``[1]``, always on CPU)
+                  (``[1]``, placed on CPU even on GPU runs)
 Adamax            moment, inf_norm: elementwise; beta1_pow_acc: scalar
 RMSProp           momentum, mean_square, mean_grad: elementwise (all
                   three exist for plain, centered and momentum configs)
@@ -583,30 +589,44 @@ def set_optimizer_global_state(opt: Any, state: Mapping[str, Any]) -> None:
 
 
 def _trainable_groups(
-    opt: Optimizer, wanted: set[int] | None
+    opt: Optimizer, params: list[paddle.Tensor] | None
 ) -> list[list[paddle.Tensor] | dict[str, Any]]:
     """The param lists/group dicts that ``opt.step()`` would hand to
     ``_create_accumulators`` (group dicts carry per-group hyper-parameters,
     e.g. Adagrad's initial accumulator value)."""
-
-    def keep(p: paddle.Tensor) -> bool:
-        return not p.stop_gradient and (wanted is None or id(p) in wanted)
-
     groups = opt._param_groups
     if not groups:
         raise ValueError(
             f"optimizer {_class_name(opt)} has no parameters; build it with "
             "parameters= in dygraph mode"
         )
-    if isinstance(groups[0], dict):
+    grouped = isinstance(groups[0], dict)
+    known = [p for g in groups for p in (g["params"] if grouped else [g])]
+    known_ids = {id(p) for p in known}
+    wanted = None if params is None else {id(p) for p in params}
+    foreign = [p for p in params or [] if id(p) not in known_ids]
+    if foreign and grouped:
+        raise ValueError(
+            f"params {[p.name for p in foreign]} are in none of the param "
+            f"groups of {_class_name(opt)}, so their hyper-parameters are "
+            "unknown"
+        )
+
+    def keep(p: paddle.Tensor) -> bool:
+        return not p.stop_gradient and (wanted is None or id(p) in wanted)
+
+    if grouped:
         result: list[list[paddle.Tensor] | dict[str, Any]] = []
         for group in groups:
-            params = [p for p in group["params"] if keep(p)]
-            if params:
-                result.append({**group, "params": params})
+            selected = [p for p in group["params"] if keep(p)]
+            if selected:
+                result.append({**group, "params": selected})
         return result
-    params = [p for p in groups if keep(p)]
-    return [params] if params else []
+    # Without groups, step() hands over whatever tensors it steps on (e.g.
+    # FSDP buffers), so params outside _parameter_list are accepted.
+    selected = [p for p in known if keep(p)]
+    selected += [p for p in foreign if not p.stop_gradient]
+    return [selected] if selected else []
 
 
 def create_optimizer_state(
@@ -621,7 +641,9 @@ def create_optimizer_state(
     first step would produce. Params, gradients, the learning rate and the
     scheduler are not touched, and hyper-parameter attributes that a group
     dict rebinds are restored. ``params`` defaults to every trainable param
-    of the optimizer.
+    of the optimizer; frozen params get no state (step would create none).
+    An optimizer without param groups also accepts tensors outside its
+    parameter list (step() may be handed other tensors, e.g. FSDP buffers).
 
     A master weight is a cast of the param *at creation time*: after loading a
     checkpoint that has no master weight for a param, call
@@ -631,7 +653,7 @@ def create_optimizer_state(
     _declared_states(inner)
     if not paddle.in_dynamic_mode():
         raise RuntimeError("create_optimizer_state works in dygraph mode only")
-    wanted = None if params is None else {id(p) for p in params}
+    groups = _trainable_groups(inner, None if params is None else list(params))
     before = dict(vars(inner))
     with paddle.static.program_guard(
         paddle.static.default_main_program(),
@@ -639,7 +661,7 @@ def create_optimizer_state(
     ):
         block = paddle.static.default_main_program().global_block()
         with paddle.base.framework.dygraph_guard_if_declarative():
-            for group in _trainable_groups(inner, wanted):
+            for group in groups:
                 inner._create_accumulators(block, group)
     after = vars(inner)
     for attr, value in before.items():
@@ -668,6 +690,7 @@ def copy_into_state_(
     The optimizer (and multi-tensor lists) hold references to the tensor, and
     beta powers live on CPU even on GPU runs, so place, dtype and identity
     must be preserved. Shapes must match exactly; dtypes must match too.
+    Empty tensors are left alone.
     """
     if not isinstance(value, paddle.Tensor):
         value = paddle.to_tensor(value, place=paddle.CPUPlace())
@@ -680,8 +703,14 @@ def copy_into_state_(
         raise ValueError(
             f"cannot load {value.dtype} into {tensor.name} of {tensor.dtype}"
         )
+    if tensor.size == 0:
+        # Nothing to write, and copy_ into an empty param (a rank holding no
+        # piece of it) makes the param lose its gradient in later backwards.
+        return
+    if not value.place._equals(tensor.place):
+        value = value._copy_to(tensor.place, True)
     with paddle.no_grad():
-        tensor.copy_(value, False)
+        tensor.copy_(value, True)
 
 
 def refresh_master_weight_(opt: Any, param: paddle.Tensor) -> None:

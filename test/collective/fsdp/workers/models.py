@@ -60,7 +60,9 @@ class TinyLM(paddle.nn.Layer):
         h = self.embed(ids) + self.pos.astype(self.embed.weight.dtype)
         for block in self.blocks:
             h = block(h)
-        logits = self.head(self.norm(h)).astype("float32")
+        logits = self.head(self.norm(h))
+        if logits.dtype not in (paddle.float32, paddle.float64):
+            logits = logits.astype("float32")
         return F.cross_entropy(logits.reshape([-1, VOCAB]), labels.reshape([-1, 1])).mean()
 
 
@@ -89,3 +91,20 @@ def decay_fun_for(model: paddle.nn.Layer):
     """An ``apply_decay_param_fun`` exempting the params flagged ``no_weight_decay`` (by param.name)."""
     exempt = {p.name for p in model.parameters() if getattr(p, "no_weight_decay", False)}
     return lambda name: name not in exempt
+
+
+class Bf16MLP(paddle.nn.Layer):
+    """bf16 parameters computed in fp32 (CPU has no bf16 matmul): exercises fp32 master weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = self.create_parameter([DIM, 2 * DIM], dtype="bfloat16")
+        self.b1 = self.create_parameter([2 * DIM], dtype="bfloat16", is_bias=True)
+        self.w2 = self.create_parameter([2 * DIM, VOCAB], dtype="bfloat16")
+        self.embed = paddle.nn.Embedding(VOCAB, DIM)
+
+    def forward(self, ids, labels):
+        h = self.embed(ids)
+        h = F.gelu(paddle.matmul(h, self.w1.astype("float32")) + self.b1.astype("float32"))
+        logits = paddle.matmul(h, self.w2.astype("float32"))
+        return F.cross_entropy(logits.reshape([-1, VOCAB]), labels.reshape([-1, 1])).mean()

@@ -17,6 +17,7 @@ import ctypes
 import errno
 import os
 import shutil
+import threading
 import zlib
 
 import numpy as np
@@ -25,6 +26,7 @@ from .errors import CorruptCheckpointError
 from .metadata import PieceMeta
 
 WRITE_SLAB = 64 << 20  # bytes handed to the kernel per write call
+SLAB_BYTES = int(os.environ.get("PADDLE_FSDP_CKPT_SLAB", 4 << 20))  # checksum+write step (cache-hot)
 DEFAULT_WINDOW = 64 << 20  # read window (bounded host buffer per read)
 _IOV_MAX = 512
 
@@ -85,6 +87,41 @@ def _write_all(fd: int, bufs: list) -> None:
                 n = 0
 
 
+_SYNC_FILE_RANGE_WRITE = 2
+KICK_BYTES = 16 << 20
+
+
+def _sync_file_range():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SFR = _sync_file_range()
+
+
+class _Writer:
+    """Sequential writer that starts disk writeback of every KICK_BYTES written (Linux ``sync_file_range``), so
+    the data goes to disk while later data is still being checksummed and copied, and the final fsync is short."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.pos = 0
+        self.kicked = 0
+
+    def write(self, bufs: list) -> None:
+        _write_all(self.fd, bufs)
+        self.pos += sum(len(b) for b in bufs)
+        if _SFR is not None and self.pos - self.kicked >= KICK_BYTES:
+            _SFR(self.fd, self.kicked, self.pos - self.kicked, _SYNC_FILE_RANGE_WRITE)
+            self.kicked = self.pos
+
+
 def write_rank_file(
     path: str, header: bytes, pieces: list[np.ndarray], chunk_bytes: int, checksum: bool = True
 ) -> tuple[int, list[list[int]]]:
@@ -92,29 +129,37 @@ def write_rank_file(
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     crcs: list[list[int]] = []
     size = len(header)
+    w = _Writer(fd)
     try:
         pending = [header]
         pending_bytes = len(header)
         for arr in pieces:
             mv = memoryview(arr).cast("B")
-            piece_crcs = []
-            if checksum:
-                for i in range(0, len(mv), chunk_bytes):
-                    piece_crcs.append(zlib.crc32(mv[i : i + chunk_bytes]))
+            piece_crcs: list[int] = []
             crcs.append(piece_crcs)
             size += len(mv)
-            if len(mv) >= WRITE_SLAB:
-                _write_all(fd, pending)
-                pending, pending_bytes = [], 0
-                for i in range(0, len(mv), WRITE_SLAB):
-                    _write_all(fd, [mv[i : i + WRITE_SLAB]])
-            else:
+            if len(mv) < WRITE_SLAB:
+                # small piece: checksum now, batch it with its neighbours into one writev
+                if checksum:
+                    for i in range(0, len(mv), chunk_bytes):
+                        piece_crcs.append(zlib.crc32(mv[i : i + chunk_bytes]))
                 pending.append(mv)
                 pending_bytes += len(mv)
                 if pending_bytes >= WRITE_SLAB or len(pending) >= _IOV_MAX:
-                    _write_all(fd, pending)
+                    w.write(pending)
                     pending, pending_bytes = [], 0
-        _write_all(fd, pending)
+                continue
+            w.write(pending)
+            pending, pending_bytes = [], 0
+            # large piece: checksum a slab while it is cache-hot, then hand that slab to the kernel
+            slab = max(chunk_bytes, (SLAB_BYTES // chunk_bytes) * chunk_bytes) if checksum else WRITE_SLAB
+            for i in range(0, len(mv), slab):
+                part = mv[i : i + slab]
+                if checksum:
+                    for j in range(0, len(part), chunk_bytes):
+                        piece_crcs.append(zlib.crc32(part[j : j + chunk_bytes]))
+                w.write([part])
+        w.write(pending)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -131,15 +176,22 @@ def fsync_dir(path: str) -> None:
 
 def write_file_durable(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically and durably (tmp file, fsync, rename, fsync dir)."""
-    tmp = f"{path}.part-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    write_file(path, data, fsync=True, atomic=True)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_file(path: str, data: bytes, fsync: bool, atomic: bool) -> None:
+    """Write a small file; ``atomic`` makes it appear complete or not at all (tmp + rename)."""
+    target = f"{path}.part-{os.getpid()}-{threading.get_ident()}" if atomic else path
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         _write_all(fd, [data])
-        os.fsync(fd)
+        if fsync:
+            os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if atomic:
+        os.replace(target, path)
 
 
 _RENAME_EXCHANGE = 2
@@ -163,25 +215,34 @@ def _renameat2_exchange(a: str, b: str) -> bool:
     raise OSError(err, f"renameat2({a!r}, {b!r}, RENAME_EXCHANGE): {os.strerror(err)}")
 
 
-def replace_dir(staging: str, final: str, old_name: str) -> None:
+def replace_dir(staging: str, final: str, old_name: str, background_delete: bool = True):
     """Atomically make ``staging`` appear at ``final``; a previous ``final`` is removed afterwards.
 
     With RENAME_EXCHANGE there is no instant at which ``final`` is missing. Without it, the previous directory
-    is first renamed to ``old_name`` (so a crash in between leaves it there, intact) and then removed.
+    is first renamed to ``old_name`` (so a crash in between leaves it there, intact) and then removed. The
+    removal of the previous checkpoint runs in a non-daemon thread (returned, or None) so it does not delay
+    the commit; the interpreter waits for it at exit.
     """
     parent = os.path.dirname(os.path.abspath(final))
+    leftover = None
     if os.path.lexists(final):
         if _renameat2_exchange(staging, final):
-            fsync_dir(parent)
-            shutil.rmtree(staging, ignore_errors=True)  # now holds the previous checkpoint
-            return
-        os.rename(final, old_name)
-        os.rename(staging, final)
-        fsync_dir(parent)
-        shutil.rmtree(old_name, ignore_errors=True)
+            leftover = staging  # now holds the previous checkpoint
+        else:
+            os.rename(final, old_name)
+            os.rename(staging, final)
+            leftover = old_name
     else:
         os.rename(staging, final)
-        fsync_dir(parent)
+    fsync_dir(parent)
+    if leftover is None:
+        return None
+    if not background_delete:
+        shutil.rmtree(leftover, ignore_errors=True)
+        return None
+    th = threading.Thread(target=shutil.rmtree, args=(leftover, True), name="ckpt-rm-old", daemon=False)
+    th.start()
+    return th
 
 
 # ----------------------------------------------------------------------------------------------- reading
@@ -288,3 +349,70 @@ def read_piece_windows(
                         )
             yield pos, view
             pos = end
+
+
+def _verify_chunks(files: FileSet, key: str, piece: PieceMeta, buf, pos: int, chunk_bytes: int) -> None:
+    """Check the CRC of every chunk of ``buf``, which holds piece bytes [pos, pos+len) (pos chunk-aligned)."""
+    mv = memoryview(buf).cast("B")
+    for c in range(0, len(mv), chunk_bytes):
+        ci = (pos + c) // chunk_bytes
+        if zlib.crc32(mv[c : c + chunk_bytes]) != piece.crc32[ci]:
+            raise CorruptCheckpointError(
+                f"checkpoint {files.root}: checksum mismatch in file {piece.file} for key {key!r} "
+                f"(chunk {ci}, bytes {piece.offset + pos + c}..)"
+            )
+
+
+def read_range_direct(
+    files: FileSet,
+    key: str,
+    piece: PieceMeta,
+    a: int,
+    b: int,
+    out: np.ndarray,
+    chunk_bytes: int,
+    verify: bool,
+    window_bytes: int = DEFAULT_WINDOW,
+) -> None:
+    """Read piece bytes [a, b) straight into ``out`` (uint8, len b-a), verifying every chunk they touch.
+
+    Chunk-aligned interior bytes are read into ``out`` itself and checksummed there (cache-hot, slab by slab);
+    only the partial chunks at both ends go through a one-chunk bounce buffer.
+    """
+    if not verify:
+        for pos in range(a, b, window_bytes):
+            end = min(b, pos + window_bytes)
+            files.pread_into(piece.file, out[pos - a : end - a], piece.offset + pos)
+        return
+    C = chunk_bytes
+    A = -(-a // C) * C  # first chunk boundary >= a
+    B = b if b == piece.nbytes else (b // C) * C  # last boundary <= b (piece end counts as a boundary)
+    if A >= B:  # no whole chunk inside: read the enclosing chunks
+        a0 = (a // C) * C
+        b0 = min(-(-b // C) * C, piece.nbytes)
+        tmp = np.empty(b0 - a0, np.uint8)
+        files.pread_into(piece.file, tmp, piece.offset + a0)
+        _verify_chunks(files, key, piece, tmp, a0, C)
+        out[:] = tmp[a - a0 : b - a0]
+        return
+    if a < A:  # head: partial chunk
+        a0 = A - C
+        tmp = np.empty(min(C, piece.nbytes - a0), np.uint8)
+        files.pread_into(piece.file, tmp, piece.offset + a0)
+        _verify_chunks(files, key, piece, tmp, a0, C)
+        out[: A - a] = tmp[a - a0 : A - a0]
+    slab = max(C, (SLAB_BYTES // C) * C)
+    fd = files.fd(piece.file)
+    for pos in range(A, B, slab):
+        end = min(B, pos + slab)
+        view = out[pos - a : end - a]
+        files.pread_into(piece.file, view, piece.offset + pos)
+        if end < B and hasattr(os, "posix_fadvise"):  # let the kernel fetch the next slab meanwhile
+            os.posix_fadvise(fd, piece.offset + end, min(B - end, 4 * slab), os.POSIX_FADV_WILLNEED)
+        _verify_chunks(files, key, piece, view, pos, C)
+    if B < b:  # tail: partial chunk
+        b0 = min(B + C, piece.nbytes)
+        tmp = np.empty(b0 - B, np.uint8)
+        files.pread_into(piece.file, tmp, piece.offset + B)
+        _verify_chunks(files, key, piece, tmp, B, C)
+        out[B - a :] = tmp[: b - B]

@@ -1,0 +1,53 @@
+"""Sharded checkpoint storage engine of the FSDP fork.
+
+Per-rank safetensors data files + a JSON index (metadata.json) + a commit record; loading never unpickles.
+See ``api.py`` for the protocol and behaviour, ``metadata.py`` for the on-disk schema.
+"""
+
+from .api import (  # noqa: F401
+    LoadReport,
+    SaveHandle,
+    load_full_state_dict,
+    load_state_dict,
+    read_metadata,
+    save_state_dict,
+    verify_checkpoint,
+)
+from .errors import (  # noqa: F401
+    CheckpointError,
+    CorruptCheckpointError,
+    DtypeMismatchError,
+    IncompleteCheckpointError,
+    InvalidStateDictError,
+    MetadataError,
+    MissingKeyError,
+    NotACheckpointError,
+    SaveFailedError,
+    ShapeMismatchError,
+    StateDictMismatchError,
+    UnsafePathError,
+)
+from .metadata import CheckpointMetadata  # noqa: F401
+
+__all__ = [
+    "save_state_dict",
+    "load_state_dict",
+    "load_full_state_dict",
+    "read_metadata",
+    "verify_checkpoint",
+    "SaveHandle",
+    "LoadReport",
+    "CheckpointMetadata",
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "DtypeMismatchError",
+    "IncompleteCheckpointError",
+    "InvalidStateDictError",
+    "MetadataError",
+    "MissingKeyError",
+    "NotACheckpointError",
+    "SaveFailedError",
+    "ShapeMismatchError",
+    "StateDictMismatchError",
+    "UnsafePathError",
+]

@@ -1,0 +1,884 @@
+"""Public functions of the checkpoint engine.
+
+Layout of a committed checkpoint directory ``path``::
+
+    path/
+      0_0.safetensors  1_0.safetensors ...   one data file per saving rank (safetensors layout; may be empty)
+      metadata.json                          the index (schema in metadata.py), JSON only
+      0.metadata                             stock-paddle index (pickle) so stock ``dist.load_state_dict`` can
+                                             read the checkpoint; written for stock, NEVER read by this engine
+      COMMIT                                 commit record, written last: {"checkpoint_id", "metadata_sha256"}
+
+Save protocol (all ranks call ``save_state_dict`` collectively):
+
+1. every rank validates its records; one ``all_gather_object`` exchanges the small record descriptions (and any
+   validation error, so all ranks fail together); every rank then computes the same plan: replicas are written
+   by the lowest rank that holds them, coverage (each element exactly once) is checked, and the layout of every
+   rank's file (offsets included) is fixed before any byte is written.
+2. every rank writes its own file into the staging directory ``<path>.tmp-<checkpoint_id>`` straight from tensor
+   memory, computing per-chunk CRC-32 on the way, fsyncs it once, then drops a small durable ``done`` marker
+   (sizes + checksums) into ``<staging>/.parts/``. A rank that fails drops a ``failed`` marker instead.
+3. the coordinator waits for all markers (file system polling, no collective), writes and fsyncs
+   ``metadata.json``, ``0.metadata`` and ``COMMIT`` (last), fsyncs the directory and swaps it into ``path``
+   atomically (``renameat2(RENAME_EXCHANGE)``; two renames where unsupported). The other ranks wait until they
+   see ``path/COMMIT`` with this checkpoint's id (or an ``ABORT`` marker). Every rank returns only after commit.
+   Steps 2-3 use no collectives, which is what makes them safe to run in a background thread.
+
+Saving to a path that holds a committed checkpoint replaces it atomically: readers see either the old or the
+new checkpoint, never a mix; the old one is deleted only after the new one is in place. A path that exists and
+is neither empty nor a checkpoint of this engine is refused. A crashed save leaves only ``<path>.tmp-<id>``
+(never loadable: no COMMIT; safe to delete) and the previous checkpoint untouched. Two saves in flight from one
+process are serialised: a save (and a load) first waits for the previous async save; concurrent saves from
+different jobs to one path each commit atomically, the last commit wins. The staging directory is a sibling of
+``path``, so all ranks must see the same file system (shared FS); with node-local disks the commit would only
+happen on the coordinator's node.
+
+``async_save=True``: the caller is blocked for the descriptor exchange and a host copy (snapshot) of the pieces
+this rank writes; writing, fsync and commit run in a background (non-daemon) thread. The returned SaveHandle's
+``wait()`` returns after the commit (on every rank) or raises the background error; an error not collected by
+``wait()`` is raised by the next ``save_state_dict``. gloo collectives are never issued from the background
+thread (they would race with the training loop's collectives), hence the file-based completion protocol.
+
+Checksums: CRC-32 per 1 MiB chunk of each piece (``chunk_bytes`` in metadata.json). A load that needs part of a
+piece reads the enclosing chunks, verifies them, then copies what it needs; so every byte loaded is verified and
+at most two extra chunks per contiguous range are read.
+
+Load: every rank reads metadata.json (after checking COMMIT and its hash), intersects the flat runs of each of its
+requested records with the saved pieces and pread()s only those byte ranges (plus chunk alignment) of the files,
+in windows of at most 64 MiB, into host staging buffers (this rank's slice). Only when every key, shape, dtype,
+coverage and checksum on every rank is fine (one ``all_gather_object`` of the status) are the staging buffers
+copied into the targets in place (``Tensor.copy_``: views into fused buffers keep sharing memory). On any
+failure the targets are bit-identical to before. JSON values are written back into the dict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from . import storage
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    DtypeMismatchError,
+    IncompleteCheckpointError,
+    InvalidStateDictError,
+    MetadataError,
+    MissingKeyError,
+    NotACheckpointError,
+    SaveFailedError,
+    ShapeMismatchError,
+    rebuild_remote_error,
+)
+from .metadata import (
+    COMMIT_FILE,
+    DEFAULT_CHUNK_BYTES,
+    DTYPES,
+    FORMAT_NAME,
+    METADATA_FILE,
+    CheckpointMetadata,
+    FileMeta,
+    TensorMeta,
+    numel,
+    resolve_member,
+)
+from .planner import (
+    RecordDesc,
+    Region,
+    build_save_plan,
+    coverage_problems,
+    plan_reads,
+    region_of_piece,
+)
+from .records import collect, to_record
+
+PARTS_DIR = ".parts"
+_TRACE = os.environ.get("PADDLE_FSDP_CKPT_TRACE") == "1"
+
+
+class _Tracer:
+    """Phase timings printed to stderr when PADDLE_FSDP_CKPT_TRACE=1 (for finding where time goes)."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.t0 = self.last = time.perf_counter()
+        self.marks: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        if _TRACE:
+            now = time.perf_counter()
+            self.marks.append((name, now - self.last))
+            self.last = now
+
+    def done(self) -> None:
+        if _TRACE:
+            import sys
+
+            parts = " ".join(f"{n}={d * 1000:.1f}ms" for n, d in self.marks)
+            print(f"[ckpt-trace pid {os.getpid()}] {self.what}: {parts} total="
+                  f"{(time.perf_counter() - self.t0) * 1000:.1f}ms", file=sys.stderr, flush=True)
+DEFAULT_COMMIT_TIMEOUT = float(os.environ.get("PADDLE_FSDP_CKPT_COMMIT_TIMEOUT", "1800"))
+
+__all__ = [
+    "save_state_dict",
+    "load_state_dict",
+    "load_full_state_dict",
+    "read_metadata",
+    "verify_checkpoint",
+    "SaveHandle",
+    "LoadReport",
+]
+
+
+# ------------------------------------------------------------------------------------------------ groups
+
+
+class _Comm:
+    def __init__(self, process_group):
+        import paddle.distributed as dist
+
+        self.group = process_group
+        if process_group is not None:
+            self.world = int(process_group.nranks)
+            self.rank = int(process_group.rank)
+            if self.rank < 0:
+                raise InvalidStateDictError("this process is not a member of the given process_group")
+        elif dist.is_initialized() and dist.get_world_size() > 1:
+            self.world = dist.get_world_size()
+            self.rank = dist.get_rank()
+        else:
+            self.world, self.rank = 1, 0
+
+    def all_gather_object(self, obj) -> list:
+        if self.world == 1:
+            return [obj]
+        import paddle.distributed as dist
+
+        out: list = []
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def _error_payload(e: BaseException):
+    if e is None:
+        return None
+    return (type(e).__name__, str(e))
+
+
+def _raise_gathered(statuses: list, own: BaseException | None) -> None:
+    """Raise on every rank if any rank failed: the own error where there is one, else the first remote one."""
+    if own is not None:
+        raise own
+    for r, st in enumerate(statuses):
+        if st is not None:
+            raise rebuild_remote_error(st[0], st[1], r)
+
+
+# ------------------------------------------------------------------------------------------------ async state
+
+
+class SaveHandle:
+    """Handle of an async save. ``wait()`` blocks until the checkpoint is committed or raises its error."""
+
+    def __init__(self, path: str, checkpoint_id: str):
+        self.path = path
+        self.checkpoint_id = checkpoint_id
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._reported = False
+        self._done = threading.Event()
+
+    def _run(self, fn) -> None:
+        try:
+            fn()
+        except BaseException as e:  # surfaced by wait() or the next save
+            self._error = e
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"async save to {self.path} still running after {timeout} s")
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None and not self._reported:
+            self._reported = True
+            raise self._error
+
+
+_pending: SaveHandle | None = None
+_pending_lock = threading.Lock()
+
+
+def _wait_pending(raise_error: bool) -> None:
+    global _pending
+    with _pending_lock:
+        h = _pending
+        _pending = None
+    if h is None:
+        return
+    h._done.wait()
+    if h._thread is not None:
+        h._thread.join()
+    if raise_error and h._error is not None and not h._reported:
+        h._reported = True
+        raise SaveFailedError(f"previous async save to {h.path} failed: {h._error}") from h._error
+
+
+# ------------------------------------------------------------------------------------------------ save
+
+
+def _check_target_path(path: str) -> None:
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        raise InvalidStateDictError(f"cannot save to {path}: it exists and is not a directory")
+    names = os.listdir(path)
+    if not names:
+        return
+    if COMMIT_FILE in names or METADATA_FILE in names:
+        return  # a (possibly incomplete) checkpoint of ours: replaced atomically
+    raise InvalidStateDictError(
+        f"cannot save to {path}: the directory is not empty and holds no {FORMAT_NAME} checkpoint "
+        f"(refusing to replace {len(names)} foreign entries)"
+    )
+
+
+def _poll(cond, timeout: float, what: str):
+    t0 = time.monotonic()
+    delay = 0.001
+    while True:
+        r = cond()
+        if r:
+            return r
+        if time.monotonic() - t0 > timeout:
+            raise SaveFailedError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.005)
+
+
+def _read_json(path: str):
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class _SaveJob:
+    path: str
+    staging: str
+    rank: int
+    world: int
+    coordinator: int
+    checkpoint_id: str
+    plan: Any
+    arrays: list  # uint8 arrays, one per piece this rank writes (in layout order)
+    keepalive: list
+    chunk_bytes: int
+    timeout: float
+    write_stock: bool
+    created: float = field(default_factory=time.time)
+
+    def run(self) -> None:
+        tr = _Tracer(f"save rank {self.rank}")
+        parts = os.path.join(self.staging, PARTS_DIR)
+        os.makedirs(parts, exist_ok=True)
+        layout = self.plan.files[self.rank]
+        try:
+            size, crcs = storage.write_rank_file(
+                os.path.join(self.staging, layout.name), layout.header, self.arrays, self.chunk_bytes
+            )
+            self.arrays = self.keepalive = []  # release snapshot memory early
+            tr.mark("write+fsync")
+            # markers need atomic visibility, not durability: the data file itself is already fsynced
+            storage.write_file(
+                os.path.join(parts, f"{self.rank}.done.json"),
+                json.dumps({"size": size, "crc32": crcs}).encode(),
+                fsync=False,
+                atomic=True,
+            )
+        except BaseException as e:
+            try:
+                storage.write_file(
+                    os.path.join(parts, f"{self.rank}.failed.json"),
+                    json.dumps({"error": f"{type(e).__name__}: {e}"}).encode(),
+                    fsync=False,
+                    atomic=True,
+                )
+            except OSError:
+                pass
+            raise
+        if self.rank == self.coordinator:
+            try:
+                self._commit(parts, tr)
+            except BaseException as e:
+                try:
+                    storage.write_file(os.path.join(parts, "ABORT"), str(e).encode(), fsync=False, atomic=True)
+                except OSError:
+                    pass
+                raise
+        else:
+            self._wait_commit(parts)
+            tr.mark("wait-commit")
+        tr.done()
+
+    def _commit(self, parts: str, tr: "_Tracer") -> None:
+        def all_parts():
+            status = {}
+            for r in range(self.world):
+                d = _read_json(os.path.join(parts, f"{r}.done.json"))
+                if d is not None:
+                    status[r] = ("done", d)
+                    continue
+                f = _read_json(os.path.join(parts, f"{r}.failed.json"))
+                if f is not None:
+                    status[r] = ("failed", f)
+            if any(s[0] == "failed" for s in status.values()):
+                return status
+            return status if len(status) == self.world else None
+
+        try:
+            status = _poll(all_parts, self.timeout, f"all {self.world} ranks to finish writing {self.staging}")
+        except SaveFailedError:
+            have = [r for r in range(self.world) if os.path.exists(os.path.join(parts, f"{r}.done.json"))]
+            missing = sorted(set(range(self.world)) - set(have))
+            raise SaveFailedError(
+                f"save to {self.path} aborted: ranks {missing} did not finish writing within {self.timeout:.0f} s"
+            ) from None
+        tr.mark("wait-ranks")
+        failed = {r: s[1] for r, s in status.items() if s[0] == "failed"}
+        if failed:
+            r, info = sorted(failed.items())[0]
+            raise SaveFailedError(f"save to {self.path} aborted: rank {r} failed: {info.get('error')}")
+
+        md = CheckpointMetadata(
+            checkpoint_id=self.checkpoint_id,
+            world_size=self.world,
+            chunk_bytes=self.chunk_bytes,
+            checksum="crc32",
+            created_unix=self.created,
+            values=self.plan.values,
+        )
+        for r in range(self.world):
+            layout = self.plan.files[r]
+            done = status[r][1]
+            if int(done["size"]) != layout.size or len(done["crc32"]) != len(layout.pieces):
+                raise SaveFailedError(f"rank {r} reported a file that does not match the plan")
+            md.files[layout.name] = FileMeta(rank=r, size=layout.size)
+            for (key, piece), crcs in zip(layout.pieces, done["crc32"]):
+                piece.crc32 = [int(c) for c in crcs]
+        md.tensors = self.plan.tensors
+        data = md.dumps()
+        # inside the (invisible) staging directory plain write+fsync is enough; order: data files (fsynced by
+        # their ranks), metadata, stock index, then the commit record, then the directory, then the rename
+        storage.write_file(os.path.join(self.staging, METADATA_FILE), data, fsync=True, atomic=False)
+        if self.write_stock:
+            from .stock_compat import write_stock_metadata
+
+            write_stock_metadata(self.staging, md)
+        tr.mark("metadata")
+        commit = {
+            "format": FORMAT_NAME,
+            "checkpoint_id": self.checkpoint_id,
+            "metadata_sha256": hashlib.sha256(data).hexdigest(),
+        }
+        import shutil
+
+        shutil.rmtree(parts, ignore_errors=True)
+        storage.write_file(os.path.join(self.staging, COMMIT_FILE), json.dumps(commit).encode(), fsync=True,
+                           atomic=False)
+        storage.fsync_dir(self.staging)
+        tr.mark("commit-record")
+        storage.replace_dir(self.staging, self.path, f"{self.path}.old-{self.checkpoint_id}")
+        tr.mark("rename")
+
+    def _wait_commit(self, parts: str) -> None:
+        commit_path = os.path.join(self.path, COMMIT_FILE)
+        abort_path = os.path.join(parts, "ABORT")
+
+        def state():
+            c = _read_json(commit_path)
+            if c is not None and c.get("checkpoint_id") == self.checkpoint_id:
+                return "committed"
+            if os.path.exists(abort_path):
+                return "aborted"
+            return None
+
+        st = _poll(state, self.timeout, f"rank {self.coordinator} to commit {self.path}")
+        if st == "aborted":
+            try:
+                with open(abort_path) as f:
+                    reason = f.read()
+            except OSError:
+                reason = "unknown"
+            raise SaveFailedError(f"save to {self.path} aborted by the coordinator: {reason}")
+
+
+def save_state_dict(
+    state_dict: dict,
+    path: str,
+    process_group=None,
+    coordinator_rank: int = 0,
+    *,
+    async_save: bool = False,
+    commit_timeout: float | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    write_stock_metadata: bool = True,
+    **unused_stock_kwargs,
+) -> SaveHandle | None:
+    """Save ``state_dict`` collectively into the checkpoint directory ``path`` (see the module docstring)."""
+    tr = _Tracer("save (calling thread)")
+    _wait_pending(raise_error=True)
+    tr.mark("wait-previous")
+    path = os.path.abspath(os.fspath(path))
+    comm = _Comm(process_group)
+    if not 0 <= coordinator_rank < comm.world:
+        raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
+    timeout = DEFAULT_COMMIT_TIMEOUT if commit_timeout is None else float(commit_timeout)
+
+    err, records, values, descs = None, [], {}, []
+    my_id = uuid.uuid4().hex
+    try:
+        records, values = collect(state_dict)
+        descs = [r.desc().to_wire() for r in records]
+        if comm.rank == coordinator_rank:
+            _check_target_path(path)
+    except CheckpointError as e:
+        err = e
+    gathered = comm.all_gather_object((_error_payload(err), descs, values if err is None else {}, my_id))
+    _raise_gathered([g[0] for g in gathered], err)
+    tr.mark("exchange")
+
+    checkpoint_id = gathered[coordinator_rank][3]
+    plan = build_save_plan(
+        [([RecordDesc.from_wire(w) for w in g[1]], g[2]) for g in gathered], checkpoint_id, chunk_bytes
+    )
+    by_key = {r.key: r for r in records}
+    arrays, keep = [], []
+    for key, _piece in plan.files[comm.rank].pieces:
+        t = by_key[key].tensor
+        arr, k = storage.raw_view(t)
+        if async_save:
+            if k is t:  # still the caller's memory: snapshot it
+                arr = arr.copy()
+            k = None
+        arrays.append(arr)
+        keep.append(k)
+    tr.mark("plan+snapshot" if async_save else "plan")
+    job = _SaveJob(
+        path=path,
+        staging=f"{path}.tmp-{checkpoint_id}",
+        rank=comm.rank,
+        world=comm.world,
+        coordinator=coordinator_rank,
+        checkpoint_id=checkpoint_id,
+        plan=plan,
+        arrays=arrays,
+        keepalive=keep,
+        chunk_bytes=chunk_bytes,
+        timeout=timeout,
+        write_stock=write_stock_metadata,
+    )
+    if not async_save:
+        job.run()
+        tr.mark("write+commit")
+        tr.done()
+        return None
+    handle = SaveHandle(path, checkpoint_id)
+    th = threading.Thread(target=handle._run, args=(job.run,), name=f"ckpt-save-{checkpoint_id[:8]}")
+    handle._thread = th
+    global _pending
+    with _pending_lock:
+        _pending = handle
+    th.start()
+    tr.mark("start-thread")
+    tr.done()
+    return handle
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def _describe_dir(path: str) -> str:
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return "unreadable"
+    if len(names) > 8:
+        names = names[:8] + ["..."]
+    return ", ".join(names) or "empty"
+
+
+def read_metadata(path: str) -> CheckpointMetadata:
+    """Metadata of a committed checkpoint; raises NotACheckpointError / IncompleteCheckpointError / MetadataError."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        hint = ""
+        parent = os.path.dirname(path)
+        base = os.path.basename(path)
+        try:
+            near = [n for n in os.listdir(parent) if n.startswith(base + ".old-") or n.startswith(base + ".tmp-")]
+        except OSError:
+            near = []
+        if near:
+            hint = f" (found {sorted(near)[:3]} next to it: an interrupted save or replacement)"
+        raise NotACheckpointError(f"{path} is not a checkpoint: no such directory{hint}")
+    mpath = os.path.join(path, METADATA_FILE)
+    cpath = os.path.join(path, COMMIT_FILE)
+    has_m, has_c = os.path.isfile(mpath), os.path.isfile(cpath)
+    if not has_c:
+        names = os.listdir(path)
+        looks_partial = has_m or PARTS_DIR in names or any(n.endswith("_0.safetensors") for n in names)
+        if looks_partial:
+            missing = "the commit record COMMIT" + ("" if has_m else " and metadata.json")
+            raise IncompleteCheckpointError(
+                f"checkpoint {path} is incomplete: {missing} is missing (the save did not finish)"
+            )
+        stock = any(n.endswith(".metadata") for n in names)
+        raise NotACheckpointError(
+            f"{path} is not a {FORMAT_NAME} checkpoint: no {METADATA_FILE} and no {COMMIT_FILE} "
+            f"({'looks like a stock paddle checkpoint; ' if stock else ''}contents: {_describe_dir(path)})"
+        )
+    try:
+        with open(cpath, "rb") as f:
+            commit = json.loads(f.read())
+        want_sha = commit["metadata_sha256"]
+        cid = commit["checkpoint_id"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise MetadataError(f"checkpoint {path}: commit record {COMMIT_FILE} is damaged: {e}") from None
+    if not has_m:
+        raise CorruptCheckpointError(f"checkpoint {path}: {METADATA_FILE} is missing although it was committed")
+    with open(mpath, "rb") as f:
+        data = f.read()
+    if hashlib.sha256(data).hexdigest() != want_sha:
+        raise MetadataError(
+            f"checkpoint {path}: {METADATA_FILE} does not match the checksum in the commit record (damaged)"
+        )
+    md = CheckpointMetadata.loads(data, where=f"{path}/{METADATA_FILE}")
+    if md.checkpoint_id != cid:
+        raise MetadataError(f"checkpoint {path}: commit record and metadata name different checkpoints")
+    return md
+
+
+def _staging_tensor(shape, dtype: str, pin: bool):
+    import paddle
+
+    try:
+        return paddle.empty(list(shape), dtype=dtype, device=paddle.CPUPlace(), pin_memory=pin)
+    except Exception:
+        if not pin:
+            raise
+        return paddle.empty(list(shape), dtype=dtype, device=paddle.CPUPlace())
+
+
+def _fill(files: storage.FileSet, md: CheckpointMetadata, key: str, tm: TensorMeta, region: Region,
+          out: np.ndarray, verify: bool) -> None:
+    """Read every element of ``region`` of ``key`` into ``out`` (uint8, region storage order)."""
+    items, covered = plan_reads(key, tm, region)
+    if covered != region.numel:
+        raise CorruptCheckpointError(
+            f"checkpoint {files.root}: key {key!r}: saved pieces cover {covered} of the {region.numel} "
+            f"requested elements"
+        )
+    isz = DTYPES[tm.dtype][0]
+    verify = verify and md.checksum == "crc32"
+    for it in items:
+        seg = it.segments
+        order = np.argsort(seg.src, kind="stable")
+        src_b = seg.src[order] * isz
+        dst_b = seg.dst[order] * isz
+        len_b = seg.length[order] * isz
+        # large segments: read straight into the staging buffer (verified in place)
+        big = len_b >= 2 * md.chunk_bytes
+        for a, d, l in zip(src_b[big].tolist(), dst_b[big].tolist(), len_b[big].tolist()):
+            storage.read_range_direct(files, key, it.piece, a, a + l, out[d : d + l], md.chunk_bytes, verify)
+        if big.all():
+            continue
+        src_b, dst_b, len_b = src_b[~big], dst_b[~big], len_b[~big]
+        # small segments (e.g. rows of a box): read enclosing windows once, verify, scatter
+        merged: list[tuple[int, int]] = []
+        for a, b in zip(src_b.tolist(), (src_b + len_b).tolist()):
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        si = 0
+        n = len(src_b)
+        for wpos, buf in storage.read_piece_windows(files, key, it.piece, merged, md.chunk_bytes, verify):
+            wend = wpos + len(buf)
+            # segments are sorted by source offset and disjoint, so finished ones form a prefix
+            j = si
+            while j < n and src_b[j] < wend:
+                a = int(src_b[j])
+                b = a + int(len_b[j])
+                lo, hi = max(a, wpos), min(b, wend)
+                if hi > lo:
+                    d = int(dst_b[j]) + (lo - a)
+                    out[d : d + (hi - lo)] = buf[lo - wpos : hi - wpos]
+                if b <= wend and j == si:
+                    si += 1
+                j += 1
+
+
+# ------------------------------------------------------------------------------------------------ load
+
+
+@dataclass
+class LoadReport:
+    """What a load did on this rank."""
+
+    loaded_keys: list[str] = field(default_factory=list)
+    missing_keys: list[str] = field(default_factory=list)  # requested, absent from the checkpoint
+    mismatched_keys: dict[str, str] = field(default_factory=dict)  # key -> reason (shape/dtype/kind)
+    unexpected_keys: list[str] = field(default_factory=list)  # in the checkpoint, requested by no rank
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _Target:
+    key: str
+    tensor: Any
+    region: Region
+    dtype: str
+    staging: Any = None
+    raw: Any = None
+
+
+def load_state_dict(
+    state_dict: dict,
+    path: str,
+    process_group=None,
+    coordinator_rank: int = 0,
+    *,
+    verify_checksums: bool = True,
+    strict: bool = True,
+    **unused_stock_kwargs,
+) -> LoadReport:
+    """Load ``path`` into the tensors of ``state_dict`` in place, all-or-nothing (see the module docstring)."""
+    if unused_stock_kwargs.get("aoa_config") is not None:
+        raise InvalidStateDictError("aoa_config is not supported by the FSDP checkpoint engine")
+    tr = _Tracer("load")
+    _wait_pending(raise_error=False)
+    t0 = time.perf_counter()
+    path = os.path.abspath(os.fspath(path))
+    comm = _Comm(process_group)
+    report = LoadReport()
+    err: BaseException | None = None
+    targets: list[_Target] = []
+    value_updates: dict[str, Any] = {}
+    md = None
+    files = None
+    requested = sorted(k for k in state_dict) if isinstance(state_dict, dict) else []
+    try:
+        md = read_metadata(path)
+        tr.mark("metadata")
+        if not isinstance(state_dict, dict):
+            raise InvalidStateDictError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        problems: list[tuple[type, str]] = []
+        for key, val in state_dict.items():
+            rec = to_record(key, val)
+            if rec is None:
+                if key in md.values:
+                    value_updates[key] = md.values[key]
+                    report.loaded_keys.append(key)
+                elif key in md.tensors:
+                    report.mismatched_keys[key] = "saved as a tensor, requested as a plain value"
+                    problems.append((InvalidStateDictError, f"key {key!r} is a tensor in the checkpoint, "
+                                                             f"not a plain value"))
+                else:
+                    report.missing_keys.append(key)
+                    problems.append((MissingKeyError, f"key {key!r} is missing from checkpoint {path}"))
+                continue
+            tm = md.tensors.get(key)
+            if tm is None:
+                if key in md.values:
+                    report.mismatched_keys[key] = "saved as a plain value, requested as a tensor"
+                    problems.append((InvalidStateDictError, f"key {key!r} is a plain value in the checkpoint, "
+                                                             f"not a tensor"))
+                else:
+                    report.missing_keys.append(key)
+                    problems.append((MissingKeyError, f"key {key!r} is missing from checkpoint {path}"))
+                continue
+            if tuple(tm.shape) != tuple(rec.region.shape):
+                reason = f"shape {list(rec.region.shape)} requested, {list(tm.shape)} in the checkpoint"
+                report.mismatched_keys[key] = reason
+                problems.append((ShapeMismatchError, f"key {key!r}: {reason}"))
+                continue
+            if tm.dtype != rec.dtype:
+                reason = f"dtype {rec.dtype} requested, {tm.dtype} in the checkpoint"
+                report.mismatched_keys[key] = reason
+                problems.append((DtypeMismatchError, f"key {key!r}: {reason}"))
+                continue
+            targets.append(_Target(key, rec.tensor, rec.region, rec.dtype))
+        if strict and problems:
+            cls, _ = problems[0]
+            more = f" (and {len(problems) - 1} more: " + "; ".join(m for _, m in problems[1:4]) + ")" \
+                if len(problems) > 1 else ""
+            raise cls(problems[0][1] + more)
+        tr.mark("validate")
+        # read + verify everything into host staging (this rank's slice); targets untouched
+        files = storage.FileSet(path, {n: f.size for n, f in md.files.items()}, resolve_member)
+        for tg in targets:
+            if tg.region.numel == 0:
+                continue
+            pin = not storage._is_host(tg.tensor.place)
+            tg.staging = _staging_tensor(tg.tensor.shape, tg.dtype, pin)
+            tg.raw, _ = storage.raw_view(tg.staging, allow_copy=False)
+            _fill(files, md, tg.key, md.tensors[tg.key], tg.region, tg.raw, verify_checksums)
+        report.bytes_read = files.bytes_read
+        tr.mark("read")
+    except Exception as e:  # noqa: BLE001 - every failure must reach the status exchange below
+        err = e
+    finally:
+        if files is not None:
+            files.close()
+    statuses = comm.all_gather_object((_error_payload(err), requested))
+    _raise_gathered([s[0] for s in statuses], err)
+    tr.mark("exchange")
+
+    # all ranks are fine: commit into the targets
+    for tg in targets:
+        if tg.staging is not None:
+            tg.tensor.copy_(tg.staging, True)
+        tg.staging = tg.raw = None
+        report.loaded_keys.append(tg.key)
+    for k, v in value_updates.items():
+        state_dict[k] = v
+    all_requested = set()
+    for s in statuses:
+        all_requested.update(s[1])
+    report.unexpected_keys = sorted((set(md.tensors) | set(md.values)) - all_requested)
+    report.seconds = time.perf_counter() - t0
+    tr.mark("copy-into-targets")
+    tr.done()
+    return report
+
+
+def load_full_state_dict(path: str, keys: Iterable[str] | None = None) -> dict:
+    """Full tensors by key, read in this process only (no collectives), e.g. for ``model.set_state_dict``.
+
+    With ``keys=None`` every tensor of the checkpoint is returned; a key naming a JSON value returns the value.
+    """
+    import paddle  # noqa: F401
+
+    path = os.path.abspath(os.fspath(path))
+    md = read_metadata(path)
+    wanted = list(md.tensors) if keys is None else list(keys)
+    out: dict = {}
+    files = storage.FileSet(path, {n: f.size for n, f in md.files.items()}, resolve_member)
+    try:
+        for key in wanted:
+            if key in md.values and key not in md.tensors:
+                out[key] = md.values[key]
+                continue
+            tm = md.tensors.get(key)
+            if tm is None:
+                raise MissingKeyError(f"key {key!r} is missing from checkpoint {path}")
+            t = _staging_tensor(tm.shape, tm.dtype, False)
+            region = Region.full(tm.shape)
+            if region.numel:
+                raw, _ = storage.raw_view(t, allow_copy=False)
+                _fill(files, md, key, tm, region, raw, True)
+            out[key] = t
+    finally:
+        files.close()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ verify
+
+
+def verify_checkpoint(path: str) -> list[str]:
+    """Problems found in the checkpoint at ``path`` (empty list == sound).
+
+    Checks the commit record, metadata, that every element of every tensor is covered exactly once, that every
+    data file exists with the expected size and a safetensors header that matches the metadata, that pieces do
+    not overlap inside a file, and every checksum (reads all data once).
+    """
+    path = os.path.abspath(os.fspath(path))
+    try:
+        md = read_metadata(path)
+    except CheckpointError as e:
+        return [f"{type(e).__name__}: {e}"]
+    problems: list[str] = []
+    ranks = {}
+    for i, name in enumerate(sorted(md.files)):
+        ranks[name] = i
+    for key, tm in md.tensors.items():
+        problems += coverage_problems(
+            key, tm.shape, [(md.files[p.file].rank, region_of_piece(tm.shape, p)) for p in tm.pieces]
+        )
+    by_file: dict[str, list] = {n: [] for n in md.files}
+    for key, tm in md.tensors.items():
+        for p in tm.pieces:
+            by_file[p.file].append((p.offset, p.offset + p.nbytes, key, p))
+    usable = set()
+    for name, fm in md.files.items():
+        try:
+            fpath = resolve_member(path, name)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        if not os.path.isfile(fpath):
+            problems.append(f"data file {name} is missing")
+            continue
+        size = os.path.getsize(fpath)
+        if size != fm.size:
+            problems.append(f"data file {name} has {size} bytes, expected {fm.size}")
+            continue
+        usable.add(name)
+        spans = sorted(by_file[name], key=lambda x: x[0])
+        for (a0, a1, k0, _), (b0, b1, k1, _) in zip(spans, spans[1:]):
+            if b0 < a1:
+                problems.append(f"data file {name}: pieces of {k0!r} and {k1!r} overlap")
+        problems += _check_header(fpath, name, by_file[name])
+    if md.checksum == "crc32":
+        files = storage.FileSet(path, {n: f.size for n, f in md.files.items()}, resolve_member)
+        try:
+            for key, tm in md.tensors.items():
+                for p in tm.pieces:
+                    if p.file not in usable or p.nbytes == 0:
+                        continue
+                    try:
+                        for _ in storage.read_piece_windows(
+                            files, key, p, [(0, p.nbytes)], md.chunk_bytes, True
+                        ):
+                            pass
+                    except CorruptCheckpointError as e:
+                        problems.append(str(e))
+        finally:
+            files.close()
+    return problems
+
+
+def _check_header(fpath: str, name: str, pieces) -> list[str]:
+    try:
+        with open(fpath, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n > 100 << 20:
+                return [f"data file {name}: implausible safetensors header length {n}"]
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        return [f"data file {name}: unreadable safetensors header: {e}"]
+    out = []
+    base = 8 + n
+    for a, b, key, p in pieces:
+        ent = header.get(p.name)
+        if not isinstance(ent, dict) or ent.get("data_offsets") != [a - base, b - base]:
+            out.append(f"data file {name}: safetensors header entry for {key!r} does not match the metadata")
+    return out

@@ -1,0 +1,99 @@
+"""Packaging for paddle-fsdp-fork: an FSDP overlay installed beside stock paddle 3.3.x.
+
+Why it looks like this:
+* The fork's source tree ``python/paddle/distributed/fsdp`` is installed as the private top-level
+  package ``paddle_fsdp_fork``; nothing is written into the installed ``paddle`` package.
+* ``paddle_fsdp_fork.pth`` (copied to the root of site-packages by ``build_py``) imports
+  ``paddle_fsdp_fork_activate``, whose import hook serves the fork as ``paddle.distributed.fsdp``.
+* paddle itself comes from the ``cpu`` extra only, so installing next to ``paddlepaddle-gpu``
+  (another distribution providing the same ``paddle`` package) does not drag in the CPU wheel.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from setuptools import find_namespace_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FORK_SRC = os.path.join("python", "paddle", "distributed", "fsdp")
+FORK_PACKAGE = "paddle_fsdp_fork"
+PTH_NAME = "paddle_fsdp_fork.pth"
+PTH_SRC = os.path.join("python", PTH_NAME)
+
+
+class BuildPyWithPth(build_py):
+    """build_py that also places the activation ``.pth`` at the root of the build dir (= site-packages)."""
+
+    def run(self) -> None:
+        if not getattr(self, "editable_mode", False):
+            # pip builds in-tree and reuses build/lib: without this, a module deleted or renamed in
+            # the checkout would still be copied into every later wheel (and then "imported").
+            for stale in (os.path.join(self.build_lib, FORK_PACKAGE), os.path.join(self.build_lib, PTH_NAME)):
+                if os.path.isdir(stale):
+                    shutil.rmtree(stale)
+                elif os.path.exists(stale):
+                    os.remove(stale)
+        super().run()
+        self.copy_file(os.path.join(HERE, PTH_SRC), os.path.join(self.build_lib, PTH_NAME), preserve_mode=0)
+        if getattr(self, "editable_mode", False):
+            # PEP 660 editable wheels keep only files mapped to packages from build_lib, but ship
+            # everything in the unpacked wheel dir (== install.install_lib during editable_wheel).
+            install_lib = self.get_finalized_command("install").install_lib
+            if install_lib:
+                self.mkpath(install_lib)
+                self.copy_file(
+                    os.path.join(HERE, PTH_SRC), os.path.join(install_lib, PTH_NAME), preserve_mode=0
+                )
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, PTH_NAME)]
+
+
+def _fork_packages() -> list[str]:
+    """The private package plus every subpackage directory (even one still lacking ``__init__.py``)."""
+    subpackages = find_namespace_packages(
+        where=os.path.join(HERE, FORK_SRC), exclude=["__pycache__", "*.__pycache__"]
+    )
+    return [FORK_PACKAGE, *(f"{FORK_PACKAGE}.{name}" for name in subpackages)]
+
+
+def _readme() -> str:
+    path = os.path.join(HERE, "README.md")
+    if not os.path.exists(path):
+        return ""
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+setup(
+    name="paddle-fsdp-fork",
+    version="0.1.0",
+    description=(
+        "FSDP with fused parameter buffers and sharded checkpoints for PaddlePaddle, "
+        "overlaid onto stock paddle 3.3.x as paddle.distributed.fsdp"
+    ),
+    long_description=_readme(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.9",
+    package_dir={"": "python", FORK_PACKAGE: FORK_SRC},
+    packages=_fork_packages(),
+    py_modules=["paddle_fsdp_fork_activate"],
+    include_package_data=False,
+    zip_safe=False,  # the import hook needs real files (spec_from_file_location)
+    install_requires=["numpy>=1.21", "safetensors>=0.4"],
+    extras_require={
+        # Not a hard dependency: GPU users already have paddlepaddle-gpu (same `paddle` package).
+        "cpu": ["paddlepaddle==3.3.1"],
+        "test": ["pytest>=7"],
+    },
+    cmdclass={"build_py": BuildPyWithPth},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "License :: OSI Approved :: Apache Software License",
+        "Operating System :: POSIX :: Linux",
+    ],
+)
