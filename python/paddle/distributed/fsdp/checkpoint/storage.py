@@ -400,7 +400,7 @@ def read_range_direct(
         tmp = np.empty(min(C, piece.nbytes - a0), np.uint8)
         files.pread_into(piece.file, tmp, piece.offset + a0)
         _verify_chunks(files, key, piece, tmp, a0, C)
-        out[: A - a] = tmp[a - a0 : A - a0]
+        out[: A - a] = tmp[a - a0 + 1 : A - a0 + 1]
     slab = max(C, (SLAB_BYTES // C) * C)
     fd = files.fd(piece.file)
     for pos in range(A, B, slab):

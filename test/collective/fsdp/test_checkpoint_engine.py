@@ -1,0 +1,517 @@
+"""Tests of the checkpoint storage engine (paddle.distributed.fsdp.checkpoint).
+
+Single-process parts run in the pytest process; the multi-process parts launch
+``workers/ckpt_engine.py`` (save on 2 ranks, load on 1 (in process), 2 and 3 ranks).
+All value comparisons are on raw bytes, element by element.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import hashlib
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import paddle
+import paddle.distributed.fsdp.checkpoint as ck
+from paddle.distributed.fsdp.checkpoint import api as ck_api
+from paddle.distributed.fsdp.checkpoint import planner, storage
+from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+TEST_DIR = Path(__file__).resolve().parent
+WORKER = TEST_DIR / "workers" / "ckpt_engine.py"
+
+
+def _worker_module():
+    spec = importlib.util.spec_from_file_location("ckpt_engine_worker", WORKER)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def bits(t) -> np.ndarray:
+    return np.ascontiguousarray(t.numpy()).view(np.uint8).ravel().copy()
+
+
+def flat_sw(key, local, shape, start, stop):
+    return ShardedWeight(key, local, list(shape), list(shape), [0] * len(shape), is_flattened=True,
+                         flattened_range=slice(start, stop))
+
+
+def make_state():
+    paddle.seed(7)
+    w = paddle.rand([6, 4])
+    big = paddle.rand([5, 8])
+    return {
+        "w": w,
+        "i64": paddle.to_tensor(np.arange(-5, 20, dtype=np.int64) * (2**40)),
+        "scalar": paddle.to_tensor(np.array(3.25, dtype=np.float32)),
+        "bf": paddle.to_tensor(np.linspace(-3, 3, 15, dtype=np.float32).reshape(5, 3)).astype("bfloat16"),
+        "box": ShardedWeight("box", big, [5, 8], [5, 8], [0, 0]),
+        "flat": flat_sw("flat", paddle.rand([21]), (7, 3), 0, 21),
+        "step": 11,
+        "cfg": {"lr": 0.5, "betas": [0.9, 0.99], "name": "x", "on": True, "none": None},
+    }
+
+
+@pytest.fixture()
+def saved(tmp_path):
+    sd = make_state()
+    path = tmp_path / "ckpt"
+    ck.save_state_dict(sd, str(path))
+    return sd, path
+
+
+def fresh_targets():
+    return {
+        "w": paddle.full([6, 4], -1.0),
+        "i64": paddle.full([25], 9, dtype="int64"),
+        "scalar": paddle.to_tensor(np.array(0.0, dtype=np.float32)),
+        "bf": paddle.full([5, 3], 1.0).astype("bfloat16"),
+        "box": ShardedWeight("box", paddle.full([2, 3], -1.0), [2, 3], [5, 8], [1, 4]),
+        "flat": flat_sw("flat", paddle.full([10], -1.0), (7, 3), 5, 15),
+        "step": None,
+        "cfg": None,
+    }
+
+
+def target_tensors(t):
+    return {k: (v.local_tensor if isinstance(v, ShardedWeight) else v) for k, v in t.items()
+            if isinstance(v, (paddle.Tensor, ShardedWeight))}
+
+
+def snapshot(t):
+    return {k: bits(v) for k, v in target_tensors(t).items()}
+
+
+def assert_unchanged(t, before):
+    after = snapshot(t)
+    for k in before:
+        assert np.array_equal(after[k], before[k]), f"target {k} changed although the load failed"
+
+
+def rewrite_metadata(path: Path, fn):
+    """Edit metadata.json with fn(dict) and re-seal the commit record (so only the edit is 'wrong')."""
+    md = json.loads((path / "metadata.json").read_bytes())
+    fn(md)
+    data = json.dumps(md).encode()
+    (path / "metadata.json").write_bytes(data)
+    commit = json.loads((path / "COMMIT").read_bytes())
+    commit["metadata_sha256"] = hashlib.sha256(data).hexdigest()
+    (path / "COMMIT").write_text(json.dumps(commit))
+
+
+def data_file(path: Path) -> Path:
+    return path / "0_0.safetensors"
+
+
+# ------------------------------------------------------------------------------------------ planner units
+
+
+def test_region_runs_and_intersection_match_brute_force():
+    rng = np.random.default_rng(0)
+
+    def brute(reg):
+        g = np.arange(int(np.prod(reg.shape))).reshape(reg.shape)  # prod(()) == 1: a 0-d tensor
+        v = g[tuple(slice(o, o + s) for o, s in zip(reg.box_offset, reg.box_shape))].ravel()
+        return v if reg.flat_range is None else v[reg.flat_range[0]: reg.flat_range[1]]
+
+    def rand_region(shape):
+        off = tuple(int(rng.integers(0, g + 1)) for g in shape)
+        box = tuple(int(rng.integers(0, g - o + 1)) for o, g in zip(off, shape))
+        fr = None
+        if rng.random() < 0.5:
+            n = int(np.prod(box)) if box else 1
+            a = int(rng.integers(0, n + 1))
+            fr = (a, int(rng.integers(a, n + 1)))
+        return planner.Region(shape, off, box, fr)
+
+    for _ in range(1500):
+        shape = tuple(int(x) for x in rng.integers(0, 5, size=int(rng.integers(0, 4))))
+        a, b = rand_region(shape), rand_region(shape)
+        for r in (a, b):
+            s, l = r.runs()
+            got = np.concatenate([np.arange(x, x + n) for x, n in zip(s, l)]) if len(s) else np.zeros(0, int)
+            assert np.array_equal(got, brute(r)), r
+        seg = planner.intersect(a.runs(), b.runs())
+        ea, eb = brute(a), brute(b)
+        covered = []
+        for s, d, n in zip(seg.src, seg.dst, seg.length):
+            assert np.array_equal(eb[s: s + n], ea[d: d + n])
+            covered += ea[d: d + n].tolist()
+        assert sorted(covered) == sorted(np.intersect1d(ea, eb).tolist())
+
+
+def _desc(key, shape, off, box, fr=None, dtype="float32", rep=False):
+    return planner.RecordDesc(key, dtype, planner.Region(tuple(shape), tuple(off), tuple(box), fr), rep)
+
+
+def test_save_plan_dedups_replicas_and_rejects_overlap_gap_and_disagreement():
+    full = (4, 4)
+    rep = [_desc("r", full, (0, 0), full, rep=True)]
+    plan = planner.build_save_plan([(rep, {"v": 1}), (rep, {"v": 2})], "id", 1 << 20)
+    assert [r for r, lay in plan.files.items() if lay.pieces] == [0]  # lowest rank writes the replica
+    assert plan.values == {"v": 1}
+    with pytest.raises(ck.InvalidStateDictError, match="overlapping"):
+        planner.build_save_plan([([_desc("k", full, (0, 0), (3, 4))], {}), ([_desc("k", full, (2, 0), (2, 4))], {})],
+                                "id", 1 << 20)
+    with pytest.raises(ck.InvalidStateDictError, match="cover 12 of 16"):
+        planner.build_save_plan([([_desc("k", full, (0, 0), (3, 4))], {})], "id", 1 << 20)
+    with pytest.raises(ck.InvalidStateDictError, match="dtype"):
+        planner.build_save_plan([([_desc("k", (8,), (0,), (8,), (0, 4))], {}),
+                                 ([_desc("k", (8,), (0,), (8,), (4, 8), dtype="float16")], {})], "id", 1 << 20)
+    with pytest.raises(ck.InvalidStateDictError, match="global shape"):
+        planner.build_save_plan([([_desc("k", (8,), (0,), (8,), (0, 4))], {}),
+                                 ([_desc("k", (9,), (0,), (9,), (4, 9))], {})], "id", 1 << 20)
+
+
+# ------------------------------------------------------------------------------------------ round trips
+
+
+def test_round_trip_all_record_kinds(saved):
+    sd, path = saved
+    assert sorted(os.listdir(path)) == ["0.metadata", "0_0.safetensors", "COMMIT", "metadata.json"]
+    t = fresh_targets()
+    rep = ck.load_state_dict(t, str(path))
+    assert np.array_equal(bits(t["w"]), bits(sd["w"]))
+    assert np.array_equal(bits(t["i64"]), bits(sd["i64"]))
+    assert t["scalar"].shape == [] and np.array_equal(bits(t["scalar"]), bits(sd["scalar"]))
+    assert str(t["bf"].dtype) == "paddle.bfloat16" and np.array_equal(bits(t["bf"]), bits(sd["bf"]))
+    box_want = np.ascontiguousarray(sd["box"].local_tensor.numpy()[1:3, 4:7])
+    assert np.array_equal(bits(t["box"].local_tensor), box_want.view(np.uint8).ravel())
+    flat_want = sd["flat"].local_tensor.numpy()[5:15]
+    assert np.array_equal(bits(t["flat"].local_tensor), flat_want.view(np.uint8).ravel())
+    assert t["step"] == 11 and t["cfg"] == sd["cfg"]
+    assert sorted(rep.loaded_keys) == sorted(t) and not rep.missing_keys and not rep.unexpected_keys
+    assert ck.verify_checkpoint(str(path)) == []
+
+
+def test_load_into_views_of_a_fused_buffer_preserves_sharing(saved):
+    sd, path = saved
+    buf = paddle.full([30], -2.0)
+    v = buf._slice(2, 12)  # 10 elements of "flat" [5, 15)
+    t = {"flat": flat_sw("flat", v, (7, 3), 5, 15)}
+    ck.load_state_dict(t, str(path))
+    got = buf.numpy()
+    want = np.full(30, -2.0, dtype=np.float32)
+    want[2:12] = sd["flat"].local_tensor.numpy()[5:15]
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    # the view still aliases the buffer after the load
+    v.fill_(1.5)
+    assert np.all(buf.numpy()[2:12] == 1.5)
+
+
+def test_load_full_state_dict_and_safetensors_readable(saved):
+    sd, path = saved
+    full = ck.load_full_state_dict(str(path))
+    assert sorted(full) == ["bf", "box", "flat", "i64", "scalar", "w"]
+    for k in ("w", "i64", "scalar", "bf", "box"):
+        want = sd[k].local_tensor if isinstance(sd[k], ShardedWeight) else sd[k]
+        assert full[k].shape == want.shape and np.array_equal(bits(full[k]), bits(want)), k
+    assert full["flat"].shape == [7, 3]
+    assert np.array_equal(bits(full["flat"]), bits(sd["flat"].local_tensor))
+    assert ck.load_full_state_dict(str(path), keys=["step"]) == {"step": 11}
+    from safetensors import safe_open
+
+    with safe_open(str(data_file(path)), framework="np") as f:
+        assert np.array_equal(f.get_tensor("w"), sd["w"].numpy())
+        assert np.array_equal(f.get_tensor("flat"), sd["flat"].local_tensor.numpy())
+
+
+def test_save_replaces_committed_checkpoint_atomically(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt"
+    a = {"x": paddle.full([4], 1.0)}
+    ck.save_state_dict(a, str(path))
+    first_id = ck.read_metadata(str(path)).checkpoint_id
+    ck.save_state_dict({"x": paddle.full([4], 2.0)}, str(path))
+    # without renameat2 the two-rename fallback gives the same result
+    monkeypatch.setattr(storage, "_renameat2_exchange", lambda a, b: False)
+    ck.save_state_dict({"x": paddle.full([4], 3.0)}, str(path))
+    t = {"x": paddle.zeros([4])}
+    ck.load_state_dict(t, str(path))
+    assert np.all(t["x"].numpy() == 3.0)
+    assert ck.read_metadata(str(path)).checkpoint_id != first_id
+    for th in __import__("threading").enumerate():
+        if th.name == "ckpt-rm-old":
+            th.join()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no staging or old directories left behind
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("precious")
+    with pytest.raises(ck.InvalidStateDictError, match="not empty"):
+        ck.save_state_dict(a, str(foreign))
+    assert (foreign / "keep.txt").read_text() == "precious"
+
+
+def test_async_save_round_trip_and_failure_surfaces(tmp_path, monkeypatch):
+    src = paddle.rand([1000])
+    want = bits(src)
+    h = ck.save_state_dict({"x": src}, str(tmp_path / "a"), async_save=True)
+    src.fill_(0.0)  # after return the snapshot is taken: changing the tensor must not matter
+    h.wait()
+    assert h.done()
+    t = {"x": paddle.zeros([1000])}
+    ck.load_state_dict(t, str(tmp_path / "a"))
+    assert np.array_equal(bits(t["x"]), want)
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(storage, "write_rank_file", boom)
+    h = ck.save_state_dict({"x": src}, str(tmp_path / "b"), async_save=True)
+    with pytest.raises(OSError, match="No space left"):
+        h.wait()
+    h.wait()  # reported once
+    h = ck.save_state_dict({"x": src}, str(tmp_path / "c"), async_save=True)
+    while not h.done():  # let it fail in the background, without collecting the error
+        time.sleep(0.01)
+    monkeypatch.undo()
+    with pytest.raises(ck.SaveFailedError, match="No space left"):  # not waited: the next save raises it
+        ck.save_state_dict({"x": src}, str(tmp_path / "d"))
+    ck.save_state_dict({"x": src}, str(tmp_path / "d"))
+    for name in ("b", "c"):
+        assert not (tmp_path / name).exists()
+        with pytest.raises(ck.NotACheckpointError):
+            ck.read_metadata(str(tmp_path / name))
+
+
+def test_stock_index_matches_stock_save_and_stock_loader_reads_it(tmp_path):
+    from paddle.distributed.flex_checkpoint.dcp.load_state_dict import load_state_dict as stock_load
+    from paddle.distributed.flex_checkpoint.dcp.save_state_dict import save_state_dict as stock_save
+
+    w, b = paddle.rand([6, 4]), paddle.rand([10])
+    sd = {"w": w, "b": b, "flat": flat_sw("flat", paddle.rand([15]), (5, 3), 0, 15)}
+    ck.save_state_dict(sd, str(tmp_path / "ours"))
+    stock_save(sd, str(tmp_path / "stock"), safetensors=True)
+    ours = paddle.load(str(tmp_path / "ours" / "0.metadata"))  # the test may unpickle; the engine never does
+    theirs = paddle.load(str(tmp_path / "stock" / "0.metadata"))
+    assert ours.state_dict_metadata == theirs.state_dict_metadata
+    assert ours.storage_metadata == theirs.storage_metadata
+    assert ours.flat_mapping == theirs.flat_mapping
+    t = {"w": paddle.zeros([6, 4]), "b": paddle.zeros([10])}
+    stock_load(t, str(tmp_path / "ours"), safetensors=True)
+    assert np.array_equal(bits(t["w"]), bits(w)) and np.array_equal(bits(t["b"]), bits(b))
+
+
+# ------------------------------------------------------------------------------------------ error cases
+
+
+@pytest.mark.parametrize(
+    "mutate, err, match",
+    [
+        (lambda t: t.update(nope=paddle.zeros([2])), ck.MissingKeyError, "'nope'"),
+        (lambda t: t.update(w=paddle.zeros([4, 6])), ck.ShapeMismatchError, "'w'"),
+        (lambda t: t.update(i64=paddle.zeros([25], dtype="int32")), ck.DtypeMismatchError, "'i64'"),
+        (lambda t: t.update(bf=paddle.zeros([5, 3], dtype="float16")), ck.DtypeMismatchError, "'bf'"),
+    ],
+)
+def test_mismatch_errors_name_the_key_and_leave_targets_identical(saved, mutate, err, match):
+    _, path = saved
+    t = fresh_targets()
+    mutate(t)
+    before = snapshot(t)
+    with pytest.raises(err, match=match):
+        ck.load_state_dict(t, str(path))
+    assert_unchanged(t, before)
+    assert t["step"] is None
+
+
+def test_strict_false_loads_the_matching_subset(saved):
+    sd, path = saved
+    t = fresh_targets()
+    t["nope"] = paddle.zeros([2])
+    t["w"] = paddle.zeros([4, 6])
+    rep = ck.load_state_dict(t, str(path), strict=False)
+    assert rep.missing_keys == ["nope"]
+    assert "w" in rep.mismatched_keys and "shape" in rep.mismatched_keys["w"]
+    assert "w" not in rep.loaded_keys and "i64" in rep.loaded_keys
+    assert np.array_equal(bits(t["i64"]), bits(sd["i64"]))
+    assert np.all(t["w"].numpy() == 0)
+    rep = ck.load_state_dict({"i64": paddle.zeros([25], dtype="int64")}, str(path))
+    assert "w" in rep.unexpected_keys and "step" in rep.unexpected_keys
+
+
+def _corrupt(kind, path: Path):
+    f = data_file(path)
+    if kind == "truncated":
+        with open(f, "r+b") as fh:
+            fh.truncate(f.stat().st_size - 3)
+    elif kind == "flipped":
+        md = json.loads((path / "metadata.json").read_bytes())
+        off = md["tensors"]["w"]["pieces"][0]["offset"] + 5
+        raw = bytearray(f.read_bytes())
+        raw[off] ^= 0x10
+        f.write_bytes(bytes(raw))
+    elif kind == "missing_file":
+        f.unlink()
+    elif kind == "uncommitted":
+        (path / "COMMIT").unlink()
+    elif kind == "damaged_metadata":
+        raw = bytearray((path / "metadata.json").read_bytes())
+        raw[40] ^= 0x01
+        (path / "metadata.json").write_bytes(bytes(raw))
+    elif kind == "traversal":
+        def fn(md):
+            md["files"]["../evil.safetensors"] = md["files"].pop("0_0.safetensors")
+            for tm in md["tensors"].values():
+                for p in tm["pieces"]:
+                    p["file"] = "../evil.safetensors"
+        rewrite_metadata(path, fn)
+    elif kind == "absolute":
+        def fn(md):
+            md["files"]["/etc/passwd"] = md["files"].pop("0_0.safetensors")
+            for tm in md["tensors"].values():
+                for p in tm["pieces"]:
+                    p["file"] = "/etc/passwd"
+        rewrite_metadata(path, fn)
+    elif kind == "symlink_escape":
+        outside = path.parent / "outside.safetensors"
+        shutil.copy(f, outside)
+        f.unlink()
+        os.symlink(outside, f)
+    else:
+        raise AssertionError(kind)
+
+
+@pytest.mark.parametrize(
+    "kind, err, match",
+    [
+        ("truncated", ck.CorruptCheckpointError, "0_0.safetensors"),
+        ("flipped", ck.CorruptCheckpointError, "checksum mismatch .* key 'w'"),
+        ("missing_file", ck.CorruptCheckpointError, "missing"),
+        ("uncommitted", ck.IncompleteCheckpointError, "COMMIT"),
+        ("damaged_metadata", ck.MetadataError, "metadata.json"),
+        ("traversal", ck.UnsafePathError, r"\.\./evil"),
+        ("absolute", ck.UnsafePathError, "/etc/passwd"),
+        ("symlink_escape", ck.UnsafePathError, "outside"),
+    ],
+)
+def test_damaged_checkpoint_raises_named_error_and_leaves_targets_identical(saved, kind, err, match):
+    _, path = saved
+    _corrupt(kind, path)
+    t = fresh_targets()
+    before = snapshot(t)
+    with pytest.raises(err, match=match):
+        ck.load_state_dict(t, str(path))
+    assert_unchanged(t, before)
+    assert t["step"] is None and t["cfg"] is None
+    assert ck.verify_checkpoint(str(path)), "verify_checkpoint found nothing wrong"
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(ck.NotACheckpointError, match="no such directory"):
+        ck.load_state_dict({"x": paddle.zeros([1])}, str(tmp_path / "nothing"))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("hi")
+    t = {"x": paddle.full([3], 4.0)}
+    with pytest.raises(ck.NotACheckpointError, match="notes.txt"):
+        ck.load_state_dict(t, str(tmp_path / "other"))
+    assert np.all(t["x"].numpy() == 4.0)
+    assert ck.verify_checkpoint(str(tmp_path / "other"))[0].startswith("NotACheckpointError")
+
+
+def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt"
+    ck.save_state_dict({"x": paddle.full([8], 1.0)}, str(path))
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt("killed during commit")
+
+    monkeypatch.setattr(storage, "replace_dir", crash)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_state_dict({"x": paddle.full([8], 2.0)}, str(path))
+    monkeypatch.undo()
+    t = {"x": paddle.zeros([8])}
+    ck.load_state_dict(t, str(path))
+    assert np.all(t["x"].numpy() == 1.0)
+    staging = [p for p in tmp_path.iterdir() if p.name.startswith("ckpt.tmp-")]
+    assert len(staging) == 1
+    # the staging dir was complete up to the rename: it is loadable on its own, never at `path`
+    assert ck.verify_checkpoint(str(staging[0])) == []
+    (staging[0] / "COMMIT").unlink()  # as if killed before the commit record
+    with pytest.raises(ck.IncompleteCheckpointError, match="COMMIT"):
+        ck.load_state_dict({"x": paddle.zeros([8])}, str(staging[0]))
+    assert "IncompleteCheckpointError" in ck.verify_checkpoint(str(staging[0]))[0]
+
+
+def test_verify_checkpoint_finds_problems(saved):
+    _, path = saved
+    assert ck.verify_checkpoint(str(path)) == []
+    backup = data_file(path).read_bytes()
+    _corrupt("flipped", path)
+    probs = ck.verify_checkpoint(str(path))
+    assert len(probs) == 1 and "checksum mismatch" in probs[0] and "'w'" in probs[0]
+    data_file(path).write_bytes(backup)
+    _corrupt("truncated", path)
+    assert any("bytes, expected" in p for p in ck.verify_checkpoint(str(path)))
+    data_file(path).write_bytes(backup)
+    _corrupt("missing_file", path)
+    assert any("missing" in p for p in ck.verify_checkpoint(str(path)))
+    data_file(path).write_bytes(backup)
+    assert ck.verify_checkpoint(str(path)) == []
+
+    def overlap(md):  # "w" gets a second piece covering rows 2..4 again
+        p = dict(md["tensors"]["w"]["pieces"][0])
+        p.update(box_offset=[2, 0], box_shape=[2, 4], nbytes=32, crc32=p["crc32"])
+        md["tensors"]["w"]["pieces"].append(p)
+
+    rewrite_metadata(path, overlap)
+    probs = ck.verify_checkpoint(str(path))
+    assert any("overlapping" in p and "'w'" in p for p in probs), probs
+
+
+def test_save_rejects_bad_records(tmp_path):
+    with pytest.raises(ck.InvalidStateDictError, match="'obj'"):
+        ck.save_state_dict({"obj": object()}, str(tmp_path / "a"))
+    with pytest.raises(ck.InvalidStateDictError, match="'f'.*elements"):
+        ck.save_state_dict({"f": flat_sw("f", paddle.zeros([3]), (4,), 0, 4)}, str(tmp_path / "b"))
+    with pytest.raises(ck.InvalidStateDictError, match="cover"):  # one rank holding part of a tensor
+        ck.save_state_dict({"f": flat_sw("f", paddle.zeros([2]), (4,), 0, 2)}, str(tmp_path / "c"))
+    assert not any(p.name.startswith(("a", "b", "c")) for p in tmp_path.iterdir())
+
+
+def test_range_reads_touch_only_needed_bytes(tmp_path):
+    """A rank that needs 1/8 of a 16 MiB param reads about that much (plus chunk alignment), not the file."""
+    n = 4 << 20  # 16 MiB of fp32
+    src = paddle.rand([n])
+    ck.save_state_dict({"p": flat_sw("p", src, (n,), 0, n)}, str(tmp_path / "c"))
+    a, b = 3 * n // 8 + 12345, n // 2 + 12345
+    t = {"p": flat_sw("p", paddle.zeros([b - a]), (n,), a, b)}
+    rep = ck.load_state_dict(t, str(tmp_path / "c"))
+    assert np.array_equal(bits(t["p"].local_tensor), src.numpy()[a:b].view(np.uint8))
+    need = (b - a) * 4
+    assert need <= rep.bytes_read <= need + 2 * (1 << 20), rep.bytes_read
+
+
+# ------------------------------------------------------------------------------------------ multi-process
+
+
+def test_multi_process_save_2_load_1_2_3(tmp_path, launch):
+    d = tmp_path / "mp"
+    d.mkdir()
+    r = launch(WORKER, 2, ["save", str(d)], timeout=300)
+    for rank in (0, 1):
+        res = r.result(rank)
+        assert all(v == "ok" for v in res.values()) and len(res) == 6, res
+    # 1 process: load in this process (no collectives)
+    w = _worker_module()
+    full = w.full_arrays()
+    for name in ("sync", "async"):
+        targets, checks = w.load_targets(0, 1)
+        rep = ck.load_state_dict(targets, str(d / name))
+        w.check_loaded(targets, checks, full, rep)
+    w.case_all_or_nothing(0, 1, str(d), full, ck)
+    full_loaded = ck.load_full_state_dict(str(d / "sync"))
+    for key in w.SPEC:
+        assert np.array_equal(bits(full_loaded[key]), w.expected_bits(full, key)), key
+    r = launch(WORKER, 3, ["load", str(d)], timeout=300)
+    for rank in (0, 1, 2):
+        res = r.result(rank)
+        assert all(v == "ok" for v in res.values()) and len(res) == 3, res
