@@ -312,15 +312,7 @@ class _SaveJob:
                 atomic=True,
             )
         except BaseException as e:
-            try:
-                storage.write_file(
-                    os.path.join(parts, f"{self.rank}.failed.json"),
-                    json.dumps({"error": f"{type(e).__name__}: {e}"}).encode(),
-                    fsync=False,
-                    atomic=True,
-                )
-            except OSError:
-                pass
+            _mark_failed(self.staging, self.rank, e)
             raise
         if self.rank == self.coordinator:
             try:
@@ -428,6 +420,25 @@ class _SaveJob:
             raise SaveFailedError(f"save to {self.path} aborted by the coordinator: {reason}")
 
 
+def _lazy_view(t):
+    """Piece provider for write_rank_file: the tensor's bytes (and their owner), produced when written."""
+    return lambda: storage.raw_view(t)
+
+
+def _mark_failed(staging: str, rank: int, e: BaseException) -> None:
+    try:
+        parts = os.path.join(staging, PARTS_DIR)
+        os.makedirs(parts, exist_ok=True)
+        storage.write_file(
+            os.path.join(parts, f"{rank}.failed.json"),
+            json.dumps({"error": f"{type(e).__name__}: {e}"}).encode(),
+            fsync=False,
+            atomic=True,
+        )
+    except OSError:
+        pass
+
+
 def save_state_dict(
     state_dict: dict,
     path: str,
@@ -468,20 +479,27 @@ def save_state_dict(
         [([RecordDesc.from_wire(w) for w in g[1]], g[2]) for g in gathered], checkpoint_id, chunk_bytes
     )
     by_key = {r.key: r for r in records}
-    arrays, keep = [], []
-    for key, _piece in plan.files[comm.rank].pieces:
-        t = by_key[key].tensor
-        arr, k = storage.raw_view(t)
-        if async_save:
-            if k is t:  # still the caller's memory: snapshot it
-                arr = arr.copy()
-            k = None
-        arrays.append(arr)
-        keep.append(k)
+    staging = f"{path}.tmp-{checkpoint_id}"
+    arrays: list = []
+    keep: list = []
+    try:
+        for key, _piece in plan.files[comm.rank].pieces:
+            t = by_key[key].tensor
+            if async_save:
+                # snapshot now: host copy of this rank's pieces (device tensors: the .cpu() copy is the snapshot)
+                arr, k = storage.raw_view(t)
+                arrays.append(arr.copy() if k is t else arr)
+            else:
+                # sync: write straight from tensor memory; device tensors are copied to host one piece at a
+                # time while writing (never the whole state at once)
+                arrays.append(_lazy_view(t))
+    except BaseException as e:
+        _mark_failed(staging, comm.rank, e)  # the coordinator must not wait for this rank until the timeout
+        raise
     tr.mark("plan+snapshot" if async_save else "plan")
     job = _SaveJob(
         path=path,
-        staging=f"{path}.tmp-{checkpoint_id}",
+        staging=staging,
         rank=comm.rank,
         world=comm.world,
         coordinator=coordinator_rank,

@@ -125,7 +125,12 @@ class _Writer:
 def write_rank_file(
     path: str, header: bytes, pieces: list[np.ndarray], chunk_bytes: int, checksum: bool = True
 ) -> tuple[int, list[list[int]]]:
-    """Write header + pieces (uint8 arrays) to ``path``, fsync once. Returns (size, per-piece chunk CRCs)."""
+    """Write header + pieces to ``path``, fsync once. Returns (size, per-piece chunk CRCs).
+
+    A piece is a uint8 array, or a callable returning ``(uint8 array, owner of its memory)``, called just
+    before that piece is written (so a device tensor is copied to host one piece at a time and the copy is
+    dropped right after).
+    """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     crcs: list[list[int]] = []
     size = len(header)
@@ -134,6 +139,9 @@ def write_rank_file(
         pending = [header]
         pending_bytes = len(header)
         for arr in pieces:
+            owner = None  # noqa: F841 - drops the previous piece's host copy
+            if callable(arr):
+                arr, owner = arr()
             mv = memoryview(arr).cast("B")
             piece_crcs: list[int] = []
             crcs.append(piece_crcs)
@@ -400,7 +408,7 @@ def read_range_direct(
         tmp = np.empty(min(C, piece.nbytes - a0), np.uint8)
         files.pread_into(piece.file, tmp, piece.offset + a0)
         _verify_chunks(files, key, piece, tmp, a0, C)
-        out[: A - a] = tmp[a - a0 + 1 : A - a0 + 1]
+        out[: A - a] = tmp[a - a0 : A - a0]
     slab = max(C, (SLAB_BYTES // C) * C)
     fd = files.fd(piece.file)
     for pos in range(A, B, slab):
