@@ -89,7 +89,11 @@ def check_paddle_version(version: str | None = None) -> str:
     if version is None:
         import paddle  # already imported when called from the fork's import path
 
-        version = str(getattr(paddle, "__version__", "unknown"))
+        version = str(
+            getattr(paddle, "__version__", None)
+            or getattr(sys.modules.get("paddle.version"), "full_version", None)
+            or "unknown"
+        )
         location = f" (imported from {os.path.dirname(getattr(paddle, '__file__', '') or '?')})"
     if _truthy(os.environ.get(SKIP_VERSION_CHECK_ENV)):
         return version

@@ -84,7 +84,7 @@ class FullyShardFusion:
         self._hooks = [LayerHooks(layer, bufs) for layer, bufs in layer_buffers.values()]
         model._fsdp = self
         model.sharded_state_dict = self.sharded_state_dict
-        logger.info(
+        logger.debug(
             "FullyShardFusion: %d params in %d buffers over %d ranks; this rank holds %d of %d bytes",
             len(self.param_keys), len(self.buffers), self.comm.world_size,
             self.resident_parameter_bytes(), self.total_parameter_bytes(),

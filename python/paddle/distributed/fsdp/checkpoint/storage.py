@@ -359,6 +359,24 @@ def read_piece_windows(
             pos = end
 
 
+CRC_THREADS = int(os.environ.get("PADDLE_FSDP_CKPT_CRC_THREADS", "1"))
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def _crc_pool():
+    """Shared thread pool that checksums slabs while the next ones are read (None: checksum inline)."""
+    global _pool
+    if CRC_THREADS <= 0:
+        return None
+    with _pool_lock:
+        if _pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _pool = ThreadPoolExecutor(max_workers=CRC_THREADS, thread_name_prefix="ckpt-crc")
+        return _pool
+
+
 def _verify_chunks(files: FileSet, key: str, piece: PieceMeta, buf, pos: int, chunk_bytes: int) -> None:
     """Check the CRC of every chunk of ``buf``, which holds piece bytes [pos, pos+len) (pos chunk-aligned)."""
     mv = memoryview(buf).cast("B")
@@ -411,13 +429,22 @@ def read_range_direct(
         out[: A - a] = tmp[a - a0 : A - a0]
     slab = max(C, (SLAB_BYTES // C) * C)
     fd = files.fd(piece.file)
-    for pos in range(A, B, slab):
-        end = min(B, pos + slab)
-        view = out[pos - a : end - a]
-        files.pread_into(piece.file, view, piece.offset + pos)
-        if end < B and hasattr(os, "posix_fadvise"):  # let the kernel fetch the next slab meanwhile
-            os.posix_fadvise(fd, piece.offset + end, min(B - end, 4 * slab), os.POSIX_FADV_WILLNEED)
-        _verify_chunks(files, key, piece, view, pos, C)
+    pool = _crc_pool()
+    futures = []
+    try:
+        for pos in range(A, B, slab):
+            end = min(B, pos + slab)
+            view = out[pos - a : end - a]
+            files.pread_into(piece.file, view, piece.offset + pos)
+            if end < B and hasattr(os, "posix_fadvise"):  # let the kernel fetch the next slab meanwhile
+                os.posix_fadvise(fd, piece.offset + end, min(B - end, 4 * slab), os.POSIX_FADV_WILLNEED)
+            if pool is None:
+                _verify_chunks(files, key, piece, view, pos, C)
+            else:  # checksum this slab while the next one is read (zlib releases the GIL)
+                futures.append(pool.submit(_verify_chunks, files, key, piece, view, pos, C))
+    finally:
+        for f in futures:
+            f.result()
     if B < b:  # tail: partial chunk
         b0 = min(B + C, piece.nbytes)
         tmp = np.empty(b0 - B, np.uint8)
