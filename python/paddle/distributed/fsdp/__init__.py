@@ -4,7 +4,11 @@ This package overlays stock ``paddle.distributed.fsdp`` (see README: installed n
 activated by an import hook); upstream's ``fully_shard`` is re-exported unchanged.
 """
 
-from .fully_shard import fully_shard  # stock paddle's module, found through the overlay's search path
-from .fully_shard_fusion import FullyShardFusion
+from paddle_fsdp_fork_activate import ensure_fork_import
+
+ensure_fork_import(__name__)  # refuse the private install name; check the paddle version
+
+from .fully_shard import fully_shard  # noqa: E402  # stock paddle's module, found through the overlay's search path
+from .fully_shard_fusion import FullyShardFusion  # noqa: E402
 
 __all__ = ["fully_shard", "FullyShardFusion"]
