@@ -193,7 +193,10 @@ def test_round_trip_all_record_kinds(saved):
     assert ck.verify_checkpoint(str(path)) == []
 
 
-def test_load_into_views_of_a_fused_buffer_preserves_sharing(saved):
+@pytest.mark.parametrize("host_fast_path", [True, False], ids=["memcpy", "copy_"])
+def test_load_into_views_of_a_fused_buffer_preserves_sharing(saved, monkeypatch, host_fast_path):
+    """Both commit paths (memcpy for host targets, Tensor.copy_ as used for device targets)."""
+    monkeypatch.setattr(ck_api, "_HOST_FAST_PATH", host_fast_path)
     sd, path = saved
     buf = paddle.full([30], -2.0)
     v = buf._slice(2, 12)  # 10 elements of "flat" [5, 15)

@@ -8,7 +8,7 @@ from launch_util import run_launch
 
 PARITY_CASES = [
     "sgd-float32", "momentum-float32", "sgd-float64", "momentum-float64", "adam_l2-float64",
-    "adamw_attr-float64", "adamw_clip-float64", "adamw_accum-float64",
+    "adamw_attr-float64", "adamw_clip-float64", "adamw_accum-float64", "adamw_groups-float64",
 ]
 EDGE_CASES = [
     "more_ranks_than_elements", "step_before_backward", "unused_parameters", "two_instances", "sharding_group",

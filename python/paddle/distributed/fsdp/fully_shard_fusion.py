@@ -16,6 +16,7 @@ import logging
 from typing import Callable
 
 import paddle
+from paddle.base import core
 
 from .communication import ShardingComm
 from .fused_buffer import FusedBuffer
@@ -57,6 +58,7 @@ class FullyShardFusion:
             raise RuntimeError("FullyShardFusion works in dygraph mode only")
         install_optimizer_integration()
         self.model = model
+        self._backward_end_armed = False
         self.comm = ShardingComm(group)
         groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn)
         self.buffers: list[FusedBuffer] = []
@@ -115,9 +117,19 @@ class FullyShardFusion:
         return sum(b.layout.used_numel * b.shard.element_size() for b in self.buffers)
 
     # ---- training-loop support --------------------------------------------------------------------
+    def arm_backward_end(self) -> None:
+        """Flush when the running backward pass ends (paddle clears final hooks after each backward)."""
+        if not self._backward_end_armed:
+            self._backward_end_armed = True
+            core.eager._add_backward_final_hook(self._on_backward_end)
+
+    def _on_backward_end(self) -> None:
+        self._backward_end_armed = False
+        self.flush_gradients()
+
     def flush_gradients(self) -> list[tuple]:
         """Reduce gradients still pending (parameters that got no gradient keep a buffer incomplete) and
-        release buffers gathered for backward. Collective: every rank calls it (the optimizer does)."""
+        release buffers gathered for backward. Collective: every rank runs it at the end of backward."""
         bound = []
         for buffer in self.buffers:
             if buffer.layout.trainable:

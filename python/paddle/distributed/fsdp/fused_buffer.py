@@ -144,6 +144,7 @@ class FusedBuffer:
         """
         self.gather()
         self.held_for_backward = True
+        self.owner.arm_backward_end()
         if not self._bound_grads:
             return
         with paddle.no_grad():

@@ -5,8 +5,8 @@ Every paddle optimizer (``Optimizer.step``, ``Adam.step``, ``AdamW.step``, group
 method, once per process, and act only when the optimizer holds parameters of a FullyShardFusion (found
 through the parameters themselves, so several instances can coexist and nothing global is kept):
 
-1. Flush gradients: buffers whose parameters did not all receive a gradient this backward (unused
-   parameters) are reduced now, and their parameters join the step.
+1. Flush gradients (a safety net: buffers whose parameters did not all receive a gradient, unused
+   parameters, are normally reduced when backward ends; see FullyShardFusion.arm_backward_end).
 2. Clip with norms over all ranks: parameters are local pieces at rest, so ``ClipGradByGlobalNorm`` and
    ``ClipGradByNorm`` need sums of squares all-reduced over the sharding group. ``ClipGradByValue`` is
    elementwise and runs as is.
@@ -22,7 +22,7 @@ import logging
 
 import paddle
 from paddle.nn.clip import ClipGradByGlobalNorm, ClipGradByNorm
-from paddle.optimizer import Optimizer
+from paddle.optimizer import Lamb, Optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +39,26 @@ def install_optimizer_integration() -> None:
         owners = fsdp_owners(self)
         if not owners or not paddle.in_dynamic_mode():
             return original(self, loss, startup_program, params_grads, param_group_idx)
-        params_grads = _flush_and_extend(self, owners, list(params_grads) if isinstance(params_grads, list) else params_grads, param_group_idx)
+        _warn_per_piece_norms(self, owners)
+        if isinstance(params_grads, list):
+            params_grads = list(params_grads)
+        params_grads = _flush_and_extend(self, owners, params_grads)
         with _fsdp_clip(self, owners, params_grads) as params_grads, _no_weight_decay(self):
             return original(self, loss, startup_program, params_grads, param_group_idx)
 
     setattr(_apply_optimize, _WRAPPED_FLAG, True)
     _apply_optimize.__wrapped__ = original
     Optimizer._apply_optimize = _apply_optimize
+
+
+def _warn_per_piece_norms(opt, owners) -> None:
+    """Lamb's trust ratio uses the norm of the tensor it steps: here a piece, not the whole parameter."""
+    if isinstance(opt, Lamb) and any(o.world_size > 1 for o in owners) and not getattr(opt, "_fsdp_warned", False):
+        logger.warning(
+            "Lamb under FullyShardFusion computes its trust ratio per local piece of each parameter, "
+            "not per whole parameter: results differ from one-process Lamb"
+        )
+        opt._fsdp_warned = True
 
 
 def optimizer_parameters(opt) -> list:
@@ -68,23 +81,25 @@ def fsdp_owners(opt) -> list:
     return list(owners.values())
 
 
-def _flush_and_extend(opt, owners, params_grads, param_group_idx):
-    """Reduce pending gradients; add the parameters that only now have a gradient to ``params_grads``."""
-    for owner in owners:
-        owner.flush_gradients()
-    if isinstance(params_grads, dict):  # one parameter group of a grouped optimizer
-        candidates = opt._param_groups[param_group_idx]["params"]
-    else:
-        candidates = optimizer_parameters(opt)
-    pairs = _pairs(params_grads)
-    present = {id(p) for p, _ in pairs}
-    for param in candidates:
-        if id(param) in present or param.stop_gradient or not hasattr(param, "_fsdp_buffer"):
-            continue
-        grad = param._grad_ivar()
-        if grad is not None:
-            pairs.append((param, grad))
-    return params_grads
+def _flush_and_extend(opt, owners, params_grads):
+    """Safety net: reduce gradients still pending (normally flushed at the end of backward already).
+
+    Pending pairs join a plain step. A grouped step cannot tell which group is running (AdamW.step
+    passes no group index), so there pending gradients are an error rather than a silent loss.
+    """
+    bound = [pair for owner in owners for pair in owner.flush_gradients()]
+    if not bound:
+        return params_grads
+    if isinstance(params_grads, dict):
+        raise RuntimeError(
+            "FullyShardFusion: gradients were still pending at a grouped optimizer step; they are "
+            "normally flushed when backward ends. Call opt.step() after loss.backward() has returned."
+        )
+    mine = {id(p) for p in optimizer_parameters(opt)}
+    present = {id(p) for p, _ in params_grads}
+    return params_grads + [
+        (p, g) for p, g in bound if id(p) in mine and id(p) not in present and not p.stop_gradient
+    ]
 
 
 def _pairs(params_grads):

@@ -30,14 +30,25 @@ class Tiny(paddle.nn.Layer):
         return (x * self.w).sum()
 
 
-class WithUnused(paddle.nn.Layer):
+class Pair(paddle.nn.Layer):
+    """One FSDP unit whose buffer holds a used and an unused Linear: the buffer never completes."""
+
     def __init__(self) -> None:
         super().__init__()
         self.used = paddle.nn.Linear(4, 4)
         self.unused = paddle.nn.Linear(4, 4)
 
     def forward(self, x):
-        return self.used(x).mean()
+        return self.used(x)
+
+
+class WithUnused(paddle.nn.Layer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair = Pair()
+
+    def forward(self, x):
+        return self.pair(x).mean()
 
 
 def case_more_ranks_than_elements(rank, world):
@@ -71,7 +82,7 @@ def case_unused_parameters(rank, world):
     ref = WithUnused()
     paddle.seed(5)
     model = WithUnused()
-    fsdp = FullyShardFusion(model)
+    fsdp = FullyShardFusion(model, fsdp_unit_layers=["Pair"])
     x = paddle.to_tensor(np.arange(8 * 4, dtype="float32").reshape([8, 4]) / 10)
     opt_ref = paddle.optimizer.Adam(0.1, parameters=ref.parameters())
     opt = paddle.optimizer.Adam(0.1, parameters=model.parameters())
@@ -85,6 +96,7 @@ def case_unused_parameters(rank, world):
     full = fsdp.full_parameters()
     for key, param in ref.named_parameters():
         np.testing.assert_allclose(full[key].numpy(), param.numpy(), rtol=1e-5, atol=1e-6, err_msg=key)
+    assert all(p.grad is None for p in model.pair.unused.parameters()), "an unused parameter got a gradient"
 
 
 def _train(model, opt, rank, world, steps=2):

@@ -102,6 +102,9 @@ from .planner import (
 from .records import collect, to_record
 
 PARTS_DIR = ".parts"
+# Load commit for contiguous host targets: memcpy into the target's memory (faster than paddle staging
+# tensors on CPU). False forces the generic path used for device targets (host staging tensor + copy_).
+_HOST_FAST_PATH = True
 _TRACE = os.environ.get("PADDLE_FSDP_CKPT_TRACE") == "1"
 
 
@@ -754,9 +757,14 @@ def load_state_dict(
         for tg in targets:
             if tg.region.numel == 0:
                 continue
-            pin = not storage._is_host(tg.tensor.place)
-            tg.staging = _staging_tensor(tg.tensor.shape, tg.dtype, pin)
-            tg.raw, _ = storage.raw_view(tg.staging, allow_copy=False)
+            if _HOST_FAST_PATH and storage._is_host(tg.tensor.place) and tg.tensor.is_contiguous():
+                # host target: plain numpy staging, committed with one memcpy into the target's own memory
+                tg.raw = np.empty(tg.region.numel * DTYPES[tg.dtype][0], np.uint8)
+            else:
+                # device (or strided) target: host staging tensor (pinned for devices), committed with copy_
+                pin = not storage._is_host(tg.tensor.place)
+                tg.staging = _staging_tensor(tg.tensor.shape, tg.dtype, pin)
+                tg.raw, _ = storage.raw_view(tg.staging, allow_copy=False)
             _fill(files, md, tg.key, md.tensors[tg.key], tg.region, tg.raw, verify_checksums)
         report.bytes_read = files.bytes_read
         tr.mark("read")
@@ -772,7 +780,12 @@ def load_state_dict(
     # all ranks are fine: commit into the targets
     for tg in targets:
         if tg.staging is not None:
+            # Tensor.copy_ writes into the existing allocation (views into fused buffers keep aliasing) and
+            # copies host->device on the target's own place
             tg.tensor.copy_(tg.staging, True)
+        elif tg.raw is not None:
+            dst, _ = storage.raw_view(tg.tensor, allow_copy=False)
+            np.copyto(dst, tg.raw)
         tg.staging = tg.raw = None
         report.loaded_keys.append(tg.key)
     for k, v in value_updates.items():

@@ -31,6 +31,24 @@ DEFAULT_WINDOW = 64 << 20  # read window (bounded host buffer per read)
 _IOV_MAX = 512
 
 
+CRC_THREADS = int(os.environ.get("PADDLE_FSDP_CKPT_CRC_THREADS", "2"))
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def _crc_pool():
+    """Shared thread pool that checksums slabs while other slabs are read or written (None: inline)."""
+    global _pool
+    if CRC_THREADS <= 0:
+        return None
+    with _pool_lock:
+        if _pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _pool = ThreadPoolExecutor(max_workers=CRC_THREADS, thread_name_prefix="ckpt-crc")
+        return _pool
+
+
 # ------------------------------------------------------------------------------------------- tensor memory
 
 
@@ -161,12 +179,17 @@ def write_rank_file(
             pending, pending_bytes = [], 0
             # large piece: checksum a slab while it is cache-hot, then hand that slab to the kernel
             slab = max(chunk_bytes, (SLAB_BYTES // chunk_bytes) * chunk_bytes) if checksum else WRITE_SLAB
+            pool = _crc_pool() if checksum else None
+            futures = []
             for i in range(0, len(mv), slab):
                 part = mv[i : i + slab]
-                if checksum:
-                    for j in range(0, len(part), chunk_bytes):
-                        piece_crcs.append(zlib.crc32(part[j : j + chunk_bytes]))
+                if checksum and pool is None:
+                    piece_crcs.extend(_chunk_crcs(part, chunk_bytes))
+                elif checksum:  # checksum this slab on a helper thread while the kernel copies it
+                    futures.append(pool.submit(_chunk_crcs, part, chunk_bytes))
                 w.write([part])
+            for f in futures:
+                piece_crcs.extend(f.result())
         w.write(pending)
         os.fsync(fd)
     finally:
@@ -359,22 +382,9 @@ def read_piece_windows(
             pos = end
 
 
-CRC_THREADS = int(os.environ.get("PADDLE_FSDP_CKPT_CRC_THREADS", "1"))
-_pool = None
-_pool_lock = threading.Lock()
-
-
-def _crc_pool():
-    """Shared thread pool that checksums slabs while the next ones are read (None: checksum inline)."""
-    global _pool
-    if CRC_THREADS <= 0:
-        return None
-    with _pool_lock:
-        if _pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _pool = ThreadPoolExecutor(max_workers=CRC_THREADS, thread_name_prefix="ckpt-crc")
-        return _pool
+def _chunk_crcs(buf, chunk_bytes: int) -> list[int]:
+    mv = memoryview(buf).cast("B")
+    return [zlib.crc32(mv[j : j + chunk_bytes]) for j in range(0, len(mv), chunk_bytes)]
 
 
 def _verify_chunks(files: FileSet, key: str, piece: PieceMeta, buf, pos: int, chunk_bytes: int) -> None:
