@@ -16,8 +16,9 @@ Save protocol (all ranks call ``save_state_dict`` collectively):
    by the lowest rank that holds them, coverage (each element exactly once) is checked, and the layout of every
    rank's file (offsets included) is fixed before any byte is written.
 2. every rank writes its own file into the staging directory ``<path>.tmp-<checkpoint_id>`` straight from tensor
-   memory, computing per-chunk CRC-32 on the way, fsyncs it once, then drops a small durable ``done`` marker
-   (sizes + checksums) into ``<staging>/.parts/``. A rank that fails drops a ``failed`` marker instead.
+   memory, computing per-chunk CRC-32 on the way, fsyncs it once, then drops a small ``done`` marker (sizes +
+   checksums; made visible atomically by rename) into ``<staging>/.parts/``. A rank that fails drops a
+   ``failed`` marker instead.
 3. the coordinator waits for all markers (file system polling, no collective), writes and fsyncs
    ``metadata.json``, ``0.metadata`` and ``COMMIT`` (last), fsyncs the directory and swaps it into ``path``
    atomically (``renameat2(RENAME_EXCHANGE)``; two renames where unsupported). The other ranks wait until they
@@ -25,7 +26,8 @@ Save protocol (all ranks call ``save_state_dict`` collectively):
    Steps 2-3 use no collectives, which is what makes them safe to run in a background thread.
 
 Saving to a path that holds a committed checkpoint replaces it atomically: readers see either the old or the
-new checkpoint, never a mix; the old one is deleted only after the new one is in place. A path that exists and
+new checkpoint, never a mix; the old one is deleted only after the new one is in place (by a non-daemon
+background thread, so the deletion does not delay the save). A path that exists and
 is neither empty nor a checkpoint of this engine is refused. A crashed save leaves only ``<path>.tmp-<id>``
 (never loadable: no COMMIT; safe to delete) and the previous checkpoint untouched. Two saves in flight from one
 process are serialised: a save (and a load) first waits for the previous async save; concurrent saves from
@@ -39,16 +41,28 @@ this rank writes; writing, fsync and commit run in a background (non-daemon) thr
 ``wait()`` is raised by the next ``save_state_dict``. gloo collectives are never issued from the background
 thread (they would race with the training loop's collectives), hence the file-based completion protocol.
 
-Checksums: CRC-32 per 1 MiB chunk of each piece (``chunk_bytes`` in metadata.json). A load that needs part of a
-piece reads the enclosing chunks, verifies them, then copies what it needs; so every byte loaded is verified and
-at most two extra chunks per contiguous range are read.
+Checksums: CRC-32 per 1 MiB chunk of each piece (``chunk_bytes`` in metadata.json), computed on the tensor
+memory during the single write pass (4 MiB slabs, on a helper thread while the kernel copies the slab). A load
+that needs part of a piece reads the enclosing chunks, verifies them, then copies what it needs; so every byte
+loaded is verified and at most two extra chunks per contiguous range are read.
 
 Load: every rank reads metadata.json (after checking COMMIT and its hash), intersects the flat runs of each of its
-requested records with the saved pieces and pread()s only those byte ranges (plus chunk alignment) of the files,
-in windows of at most 64 MiB, into host staging buffers (this rank's slice). Only when every key, shape, dtype,
-coverage and checksum on every rank is fine (one ``all_gather_object`` of the status) are the staging buffers
-copied into the targets in place (``Tensor.copy_``: views into fused buffers keep sharing memory). On any
-failure the targets are bit-identical to before. JSON values are written back into the dict.
+requested records with the saved pieces and pread()s only those byte ranges (plus chunk alignment) of the files:
+large ranges straight into the host staging buffer in 16 MiB slabs (checksummed on a helper thread while the
+next slab is read), small scattered ranges (rows of boxes) through windows of at most 64 MiB. Host staging is
+this rank's slice; nothing else grows with the checkpoint. Only when every key, shape, dtype, coverage and
+checksum on every rank is fine (one ``all_gather_object`` of the status) are the staging buffers copied into the
+targets in place: a memcpy into the tensor's own memory for contiguous host tensors, ``Tensor.copy_`` (host
+staging tensor, pinned, copied on the target's own place) otherwise; views into fused buffers keep sharing
+memory either way. On any failure the targets are bit-identical to before. JSON values are written back into
+the dict. ``strict=True`` (default) fails, before anything is written, on a requested key that is missing or
+has another shape/dtype/kind, naming the key; ``strict=False`` loads the matching subset and lists the rest in
+the returned LoadReport. Checkpoint keys no rank asked for are only reported (``LoadReport.unexpected_keys``),
+so a model-only load of a model+optimizer checkpoint works.
+
+Node-local disks: loading works when every rank sees every file it needs (shared FS, or files copied so that
+each node has the pieces its ranks read). Saving needs one file system visible to all ranks (see above).
+``process_group``: ranks, file names and ``coordinator_rank`` are group-local ranks.
 """
 
 from __future__ import annotations
@@ -58,7 +72,6 @@ import json
 import os
 import threading
 import time
-import traceback
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -88,7 +101,6 @@ from .metadata import (
     CheckpointMetadata,
     FileMeta,
     TensorMeta,
-    numel,
     resolve_member,
 )
 from .planner import (
@@ -226,16 +238,21 @@ _pending_lock = threading.Lock()
 
 
 def _wait_pending(raise_error: bool) -> None:
+    """Wait for this process's previous async save. Its uncollected error is raised here when
+    ``raise_error`` (the next save), else kept for the next save (a load does not consume it)."""
     global _pending
     with _pending_lock:
         h = _pending
-        _pending = None
     if h is None:
         return
     h._done.wait()
     if h._thread is not None:
         h._thread.join()
-    if raise_error and h._error is not None and not h._reported:
+    failed = h._error is not None and not h._reported
+    with _pending_lock:
+        if _pending is h and (raise_error or not failed):
+            _pending = None
+    if raise_error and failed:
         h._reported = True
         raise SaveFailedError(f"previous async save to {h.path} failed: {h._error}") from h._error
 
@@ -491,7 +508,11 @@ def save_state_dict(
             if async_save:
                 # snapshot now: host copy of this rank's pieces (device tensors: the .cpu() copy is the snapshot)
                 arr, k = storage.raw_view(t)
-                arrays.append(arr.copy() if k is t else arr)
+                if k is t:
+                    arrays.append(arr.copy())
+                else:  # already a private host copy (device or strided tensor): keep its owner alive
+                    arrays.append(arr)
+                    keep.append(k)
             else:
                 # sync: write straight from tensor memory; device tensors are copied to host one piece at a
                 # time while writing (never the whole state at once)
@@ -847,9 +868,6 @@ def verify_checkpoint(path: str) -> list[str]:
     except CheckpointError as e:
         return [f"{type(e).__name__}: {e}"]
     problems: list[str] = []
-    ranks = {}
-    for i, name in enumerate(sorted(md.files)):
-        ranks[name] = i
     for key, tm in md.tensors.items():
         problems += coverage_problems(
             key, tm.shape, [(md.files[p.file].rank, region_of_piece(tm.shape, p)) for p in tm.pieces]

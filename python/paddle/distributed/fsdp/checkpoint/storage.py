@@ -27,6 +27,7 @@ from .metadata import PieceMeta
 
 WRITE_SLAB = 64 << 20  # bytes handed to the kernel per write call
 SLAB_BYTES = int(os.environ.get("PADDLE_FSDP_CKPT_SLAB", 4 << 20))  # checksum+write step (cache-hot)
+READ_SLAB_BYTES = int(os.environ.get("PADDLE_FSDP_CKPT_READ_SLAB", 16 << 20))  # pread step of direct reads
 DEFAULT_WINDOW = 64 << 20  # read window (bounded host buffer per read)
 _IOV_MAX = 512
 
@@ -437,7 +438,7 @@ def read_range_direct(
         files.pread_into(piece.file, tmp, piece.offset + a0)
         _verify_chunks(files, key, piece, tmp, a0, C)
         out[: A - a] = tmp[a - a0 : A - a0]
-    slab = max(C, (SLAB_BYTES // C) * C)
+    slab = max(C, (READ_SLAB_BYTES // C) * C)
     fd = files.fd(piece.file)
     pool = _crc_pool()
     futures = []
