@@ -15,6 +15,7 @@ import paddle.distributed as dist
 import _paths  # noqa: F401  (puts launch_util on sys.path)
 from launch_util import report
 from models import global_batches, local_part, make_model
+from training import train
 
 from paddle.distributed.fsdp import FullyShardFusion
 
@@ -99,22 +100,14 @@ def case_unused_parameters(rank, world):
     assert all(p.grad is None for p in model.pair.unused.parameters()), "an unused parameter got a gradient"
 
 
-def _train(model, opt, rank, world, steps=2):
-    for ids, labels in global_batches(steps, 12):
-        loss = model(paddle.to_tensor(local_part(ids, rank, world)), paddle.to_tensor(local_part(labels, rank, world)))
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-
-
 def case_two_instances(rank, world):
     """A model and an EMA copy live side by side; a third model is built after them."""
     ref = make_model(11)
-    _train(ref, paddle.optimizer.Adam(0.01, parameters=ref.parameters()), 0, 1)
+    train(ref, paddle.optimizer.Adam(0.01, parameters=ref.parameters()), global_batches(2, 12), 0, 1)
     model, ema = make_model(11), make_model(11)
     fsdp, fsdp_ema = FullyShardFusion(model, ["Block"]), FullyShardFusion(ema, ["Block"])
     opt = paddle.optimizer.Adam(0.01, parameters=model.parameters())
-    _train(model, opt, rank, world)
+    train(model, opt, global_batches(2, 12), rank, world)
     with paddle.no_grad():  # EMA update on the local pieces: both models share one layout
         for p, q in zip(model.parameters(), ema.parameters()):
             q.scale_(0.5)
@@ -127,7 +120,7 @@ def case_two_instances(rank, world):
         np.testing.assert_allclose(full_ema[key].numpy(), expected, rtol=1e-5, atol=1e-6, err_msg=key)
     third = make_model(11)
     fsdp_third = FullyShardFusion(third, ["Block"])
-    _train(third, paddle.optimizer.Adam(0.01, parameters=third.parameters()), rank, world)
+    train(third, paddle.optimizer.Adam(0.01, parameters=third.parameters()), global_batches(2, 12), rank, world)
     for key, value in fsdp_third.full_parameters().items():
         np.testing.assert_allclose(value.numpy(), full[key].numpy(), rtol=1e-5, atol=1e-6, err_msg=key)
 
@@ -143,8 +136,8 @@ def case_sharding_group(rank, world):
         assert fsdp.comm.group is group, "FSDP did not pick fleet's sharding group"
     assert fsdp.world_size == world
     ref = make_model(13)
-    _train(ref, paddle.optimizer.SGD(0.1, parameters=ref.parameters()), 0, 1)
-    _train(model, paddle.optimizer.SGD(0.1, parameters=model.parameters()), rank, world)
+    train(ref, paddle.optimizer.SGD(0.1, parameters=ref.parameters()), global_batches(2, 12), 0, 1)
+    train(model, paddle.optimizer.SGD(0.1, parameters=model.parameters()), global_batches(2, 12), rank, world)
     full = fsdp.full_parameters()
     for key, param in ref.named_parameters():
         np.testing.assert_allclose(full[key].numpy(), param.numpy(), rtol=1e-5, atol=1e-6, err_msg=key)

@@ -24,7 +24,8 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 from launch_util import report
-from models import Bf16MLP, global_batches, local_part, make_model
+from models import Bf16MLP, global_batches, make_model
+from training import records, train
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
 from paddle.distributed.fsdp import FullyShardFusion
@@ -46,21 +47,6 @@ def build(config: str, seed: int, units):
         lr = paddle.optimizer.lr.StepDecay(0.01, step_size=2, gamma=0.5)
         return model, fsdp, paddle.optimizer.AdamW(lr, weight_decay=0.1, parameters=model.parameters())
     return model, fsdp, paddle.optimizer.ASGD(0.01, batch_num=2, parameters=model.parameters())
-
-
-def train(model, opt, batches, rank, world):
-    for ids, labels in batches:
-        model(paddle.to_tensor(local_part(ids, rank, world)), paddle.to_tensor(local_part(labels, rank, world))).backward()
-        opt.step()
-        opt.clear_grad()
-        if isinstance(opt._learning_rate, paddle.optimizer.lr.LRScheduler):
-            opt._learning_rate.step()
-
-
-def records(fsdp, opt) -> dict:
-    state = fsdp.sharded_state_dict()
-    state.update(fsdp.optimizer_sharded_state_dict(opt))
-    return state
 
 
 def describe(value):

@@ -18,7 +18,8 @@ import paddle
 import paddle.distributed as dist
 import _paths  # noqa: F401  (puts launch_util on sys.path)
 from launch_util import report
-from models import Bf16MLP, global_batches, local_part, make_model
+from models import Bf16MLP, global_batches, make_model
+from training import records, train
 
 from paddle.distributed.fsdp import FullyShardFusion
 from paddle.distributed.fsdp.optimizer_state_names import UnsupportedOptimizerStateError
@@ -80,23 +81,6 @@ def build(kind: str, form: str, seed: int):
     fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"] if kind != "sgd_bf16_master" else None)
     opt = _opt(kind, model.parameters(), scheduler=form == "one")
     return model, fsdp, opt
-
-
-def train(model, opt, steps, rank, world):
-    inner = getattr(opt, "_inner_opt", opt)
-    for ids, labels in steps:
-        loss = model(paddle.to_tensor(local_part(ids, rank, world)), paddle.to_tensor(local_part(labels, rank, world)))
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        if isinstance(inner._learning_rate, paddle.optimizer.lr.LRScheduler):
-            inner._learning_rate.step()
-
-
-def records(fsdp, opt) -> dict:
-    state = fsdp.sharded_state_dict()
-    state.update(fsdp.optimizer_sharded_state_dict(opt))
-    return state
 
 
 def as_numpy(value) -> np.ndarray:

@@ -12,7 +12,8 @@ import paddle
 import paddle.distributed as dist
 import _paths  # noqa: F401  (puts launch_util on sys.path)
 from launch_util import report
-from models import decay_fun_for, global_batches, local_part, make_model
+from models import decay_fun_for, global_batches, make_model
+from training import train
 
 from paddle.distributed.fsdp import FullyShardFusion
 
@@ -61,31 +62,13 @@ def make_optimizer(kind: str, model, fsdp_side: bool):
     raise ValueError(kind)
 
 
-def train(model, opt, rank, world, micro_batches: int):
-    batches = global_batches(STEPS, BATCH)
-    losses = []
-    for ids, labels in batches:
-        for k in range(micro_batches):
-            part = slice(k * BATCH // micro_batches, (k + 1) * BATCH // micro_batches)
-            x = paddle.to_tensor(local_part(ids[part], rank, world))
-            y = paddle.to_tensor(local_part(labels[part], rank, world))
-            loss = model(x, y) / micro_batches
-            loss.backward()
-            losses.append(float(loss))
-        opt.step()
-        opt.clear_grad()
-        if hasattr(opt._learning_rate, "step"):
-            opt._learning_rate.step()
-    return losses
-
-
 def check(kind: str, rank: int, world: int, dtype: str) -> None:
     micro = 2 if kind == "adamw_accum" else 1
     ref = make_model(7, dtype=dtype)
-    train(ref, make_optimizer(kind, ref, fsdp_side=False), 0, 1, micro)
+    train(ref, make_optimizer(kind, ref, fsdp_side=False), global_batches(STEPS, BATCH), 0, 1, micro)
     model = make_model(7, dtype=dtype)
     fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"])
-    train(model, make_optimizer(kind, model, fsdp_side=True), rank, world, micro)
+    train(model, make_optimizer(kind, model, fsdp_side=True), global_batches(STEPS, BATCH), rank, world, micro)
     full = fsdp.full_parameters()
     for key, param in ref.named_parameters():
         # Reduction order differs between N ranks and one process. In fp32 Adam turns that rounding
