@@ -81,3 +81,30 @@ def test_wrapping_twice_is_refused():
     FullyShardFusion(model)
     with pytest.raises(ValueError, match="already wrapped"):
         FullyShardFusion(model)
+
+
+def test_unlaunched_single_process_is_bit_exact():
+    """No launcher, no process group: FSDP over one rank issues no collective and equals plain training."""
+    import sys
+
+    import numpy as np
+    import paddle
+
+    from paddle.distributed.fsdp import FullyShardFusion
+
+    sys.path.insert(0, _worker(""))
+    from models import decay_fun_for, global_batches, make_model
+    from training import train
+
+    ref, model = make_model(3), make_model(3)
+    fsdp = FullyShardFusion(model, ["Block"])
+    assert fsdp.world_size == 1
+    # FSDP honours param.no_weight_decay itself; stock AdamW needs it spelled as apply_decay_param_fun
+    for m, decay_fun in ((ref, decay_fun_for(ref)), (model, None)):
+        opt = paddle.optimizer.AdamW(0.01, weight_decay=0.1, parameters=m.parameters(),
+                                     apply_decay_param_fun=decay_fun,
+                                     grad_clip=paddle.nn.ClipGradByGlobalNorm(0.1))
+        train(m, opt, global_batches(3, 4), 0, 1)
+    full = fsdp.full_parameters()
+    for key, param in ref.named_parameters():
+        np.testing.assert_array_equal(full[key].numpy(), param.numpy(), err_msg=key)

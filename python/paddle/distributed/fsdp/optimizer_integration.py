@@ -110,8 +110,8 @@ def _pairs(params_grads):
 def _fsdp_clip(opt, owners, params_grads):
     """Clip with sums of squares reduced over every sharding group involved; stock clip disabled inside."""
     clip = params_grads.get("grad_clip") if isinstance(params_grads, dict) else opt._grad_clip
-    if not isinstance(clip, (ClipGradByGlobalNorm, ClipGradByNorm)):
-        yield params_grads
+    if not isinstance(clip, (ClipGradByGlobalNorm, ClipGradByNorm)) or all(o.world_size == 1 for o in owners):
+        yield params_grads  # one rank: pieces are whole parameters, stock clipping is exact
         return
     pairs = _pairs(params_grads)
     clipped = _clip(owners, pairs, clip)
