@@ -85,6 +85,8 @@ setup(
     include_package_data=False,
     zip_safe=False,  # the import hook needs real files (spec_from_file_location)
     install_requires=["numpy>=1.21", "safetensors>=0.4"],
+    # the public name works because the .pth import hook serves the fork as paddle.distributed.fsdp
+    entry_points={"console_scripts": ["paddle-fsdp-ckpt = paddle.distributed.fsdp.tools.cli:main"]},
     extras_require={
         # Not a hard dependency: GPU users already have paddlepaddle-gpu (same `paddle` package).
         "cpu": ["paddlepaddle==3.3.1"],

@@ -1,0 +1,8 @@
+"""``python -m paddle.distributed.fsdp.tools ...`` == ``paddle-fsdp-ckpt ...``."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,504 @@
+"""Streaming access to checkpoints for the tools: key roles, one-tensor-at-a-time reads, a one-process writer.
+
+Built only on the engine's public pieces (``read_metadata``, the metadata dataclasses, the planner's coverage and
+read planning, the storage layer's checksummed range reads and rank-file writer), so the tools never hold more
+than one full tensor of a checkpoint in memory.
+
+Which keys are model weights and which are optimizer state
+----------------------------------------------------------
+A checkpoint key ``K`` is optimizer state iff ``K == P + "." + S`` where ``P`` is another tensor key of the same
+checkpoint and ``S`` contains no dot; ``P`` is then the parameter and ``S`` the state name
+(``blocks.0.mix.weight.moment1`` -> ``blocks.0.mix.weight`` / ``moment1``). Every other tensor key is a model
+weight. This is sound for checkpoints written from a paddle ``Layer`` (``FullyShardFusion.sharded_state_dict``
+plus ``optimizer_sharded_state_dict``, or ``save_checkpoint``): in a structured name every component but the last
+is a sublayer and the last is a parameter/buffer, and a ``Layer`` attribute is never both (``Layer.__setattr__``
+removes a name from the other registries), so no model key is another model key plus ``"." + something``;
+optimizer keys are exactly ``<param key>.<state name>`` with state names free of dots (the per-class table in
+``optimizer_state_names``, plus ``master_weight``). Checked on every checkpoint written by
+``test/collective/fsdp/workers/resume.py`` (18 optimizer configurations x 2 save forms). When the checkpoint
+carries ``__fsdp__.optimizer`` (``save_checkpoint`` with an optimizer), each state name is also checked against
+that optimizer class's table and a mismatch is logged. Limits: a hand-made state dict whose keys break the
+``Layer`` naming (e.g. both ``a`` and ``a.b`` as model tensors) is misclassified; optimizer state saved without its
+parameter (``P`` absent) is classified as model weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import time
+import uuid
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from ..checkpoint import read_metadata
+from ..checkpoint import storage
+from ..checkpoint.errors import CorruptCheckpointError
+from ..checkpoint.metadata import (
+    COMMIT_FILE,
+    DEFAULT_CHUNK_BYTES,
+    DTYPES,
+    FORMAT_NAME,
+    METADATA_FILE,
+    CheckpointMetadata,
+    FileMeta,
+    PieceMeta,
+    TensorMeta,
+    itemsize,
+    resolve_member,
+)
+from ..checkpoint.planner import (
+    Region,
+    coverage_problems,
+    plan_reads,
+    rank_file_name,
+    region_of_piece,
+    safetensors_header,
+)
+from .errors import ToolError
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZER_VALUE_KEY = "__fsdp__.optimizer"
+RNG_VALUE_KEY = "__fsdp__.rng"
+EXTRA_VALUE_KEY = "__fsdp__.extra_state"
+RESERVED_PREFIX = "__fsdp__."
+
+MODEL = "model"
+OPTIMIZER = "optimizer"
+
+#: engine dtype name -> numpy dtype holding its bits (numpy has no bfloat16 / float8: raw unsigned ints)
+NUMPY_STORAGE: dict[str, Any] = {
+    "float64": np.float64,
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+    "int64": np.int64,
+    "int32": np.int32,
+    "int16": np.int16,
+    "int8": np.int8,
+    "uint8": np.uint8,
+    "bool": np.bool_,
+    "complex64": np.complex64,
+    "float8_e4m3fn": np.uint8,
+    "float8_e5m2": np.uint8,
+}
+FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+def storage_dtype(name: str) -> np.dtype:
+    """numpy dtype holding the elements of engine dtype ``name`` (opaque fixed-size bytes for any other)."""
+    known = NUMPY_STORAGE.get(name)
+    return np.dtype(known) if known is not None else np.dtype(f"V{itemsize(name)}")
+#: safetensors dtype code -> engine dtype name
+DTYPE_OF_CODE = {code: name for name, (_, code) in DTYPES.items()}
+
+
+# ------------------------------------------------------------------------------------------------ key roles
+
+
+@dataclass(frozen=True)
+class KeyRole:
+    role: str  # MODEL or OPTIMIZER
+    param: str  # the parameter key (the key itself for model weights)
+    state: str | None = None  # optimizer state name
+
+
+def _known_state_names(optimizer_class: str) -> set[str] | None:
+    """Canonical state names of a paddle optimizer class (None if unknown or the table is unavailable)."""
+    try:
+        from .. import optimizer_state_names as names
+
+        table = names._STATE_TABLE  # class -> {accumulator: (canonical name, kind)}
+    except Exception:  # noqa: BLE001 - the cross-check is advisory only
+        return None
+    for cls, states in table.items():
+        if cls.__name__ == optimizer_class:
+            return {canonical for canonical, _ in states.values()} | {names.MASTER_WEIGHT}
+    return None
+
+
+def classify_keys(md: CheckpointMetadata) -> dict[str, KeyRole]:
+    """Role of every tensor key (see the module docstring for the rule and why it is sound)."""
+    keys = set(md.tensors)
+    roles: dict[str, KeyRole] = {}
+    for key in md.tensors:
+        head, dot, tail = key.rpartition(".")
+        if dot and tail and head in keys:
+            roles[key] = KeyRole(OPTIMIZER, head, tail)
+        else:
+            roles[key] = KeyRole(MODEL, key)
+    for key, r in roles.items():
+        if r.role == OPTIMIZER and roles[r.param].role != MODEL:
+            logger.warning("key %r is state of %r, which is itself optimizer state", key, r.param)
+    opt = md.values.get(OPTIMIZER_VALUE_KEY)
+    if isinstance(opt, dict) and isinstance(opt.get("class"), str):
+        known = _known_state_names(opt["class"])
+        if known is not None:
+            odd = sorted({r.state for r in roles.values() if r.role == OPTIMIZER} - known)
+            if odd:
+                logger.warning(
+                    "checkpoint holds %s state, but state names %s are not in that optimizer's table",
+                    opt["class"], odd,
+                )
+    return roles
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def resolve_checkpoint_path(path: str | os.PathLike) -> str:
+    """``path`` itself for a checkpoint directory; its latest committed checkpoint for a CheckpointManager root.
+
+    Uses the engine's ``resolve_checkpoint`` when this build has it (else returns ``path`` unchanged).
+    """
+    path = os.path.abspath(os.fspath(path))
+    try:
+        from ..checkpoint import resolve_checkpoint
+    except ImportError:  # an engine without numbered checkpoints
+        return path
+    resolved = resolve_checkpoint(path)
+    if resolved != path:
+        logger.info("%s is a checkpoint root: using its latest checkpoint %s", path, resolved)
+    return resolved
+
+
+
+class CheckpointReader:
+    """Reads full tensors of a committed checkpoint one at a time, verifying every checksum on the way.
+
+    Memory: the returned tensor (allocated per call) plus, only for pieces stored as boxes with partial rows, a
+    bounded read window. Raises the engine's ``CheckpointError`` family for damaged checkpoints.
+    """
+
+    WINDOW_BYTES = 16 << 20
+
+    def __init__(self, path: str | os.PathLike, verify: bool = True) -> None:
+        self.path = resolve_checkpoint_path(path)
+        self.md = read_metadata(self.path)
+        self.verify = verify and self.md.checksum == "crc32"
+        self._files = storage.FileSet(self.path, {n: f.size for n, f in self.md.files.items()}, resolve_member)
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._files.close()
+
+    @property
+    def bytes_read(self) -> int:
+        return self._files.bytes_read
+
+    def nbytes(self, key: str) -> int:
+        tm = self.md.tensors[key]
+        return Region.full(tm.shape).numel * itemsize(tm.dtype)
+
+    def read(self, key: str) -> np.ndarray:
+        """The full tensor ``key`` as a new C-contiguous numpy array (numpy storage dtype, see NUMPY_STORAGE)."""
+        raw = self.read_raw(key)
+        tm = self.md.tensors[key]
+        return raw.view(storage_dtype(tm.dtype)).reshape(tm.shape)
+
+    def read_raw(self, key: str) -> np.ndarray:
+        """The bytes of the full tensor ``key`` in row-major order (uint8)."""
+        tm = self.md.tensors[key]
+        md = self.md
+        isz = itemsize(tm.dtype)
+        region = Region.full(tm.shape)
+        out = np.empty(region.numel * isz, np.uint8)
+        if region.numel == 0:
+            return out
+        problems = coverage_problems(key, tm.shape, [(i, region_of_piece(tm.shape, p)) for i, p in enumerate(tm.pieces)])
+        if problems:
+            raise CorruptCheckpointError(f"checkpoint {self.path}: {problems[0]}")
+        items, covered = plan_reads(key, tm, region)
+        if covered != region.numel:  # pragma: no cover - coverage_problems already proved this
+            raise CorruptCheckpointError(
+                f"checkpoint {self.path}: key {key!r}: pieces cover {covered} of {region.numel} elements"
+            )
+        for it in items:
+            seg = it.segments
+            order = np.argsort(seg.src, kind="stable")
+            src = (seg.src[order] * isz).tolist()
+            dst = (seg.dst[order] * isz).tolist()
+            length = (seg.length[order] * isz).tolist()
+            if len(src) == 1:  # the usual case (flattened FSDP pieces, whole tensors): straight into `out`
+                a, d, n = src[0], dst[0], length[0]
+                storage.read_range_direct(
+                    self._files, key, it.piece, a, a + n, out[d : d + n], md.chunk_bytes, self.verify,
+                    window_bytes=self.WINDOW_BYTES,
+                )
+                continue
+            # a box piece with partial rows: stream the whole piece once, scatter its runs
+            j = 0
+            windows = storage.read_piece_windows(
+                self._files, key, it.piece, [(0, it.piece.nbytes)], md.chunk_bytes, self.verify,
+                window_bytes=self.WINDOW_BYTES,
+            )
+            for wpos, buf in windows:
+                wend = wpos + len(buf)
+                k = j
+                while k < len(src) and src[k] < wend:
+                    a, b = src[k], src[k] + length[k]
+                    lo, hi = max(a, wpos), min(b, wend)
+                    if hi > lo:
+                        d = dst[k] + (lo - a)
+                        out[d : d + (hi - lo)] = buf[lo - wpos : hi - wpos]
+                    if b <= wend and k == j:
+                        j += 1
+                    k += 1
+        return out
+
+
+# ------------------------------------------------------------------------------------------------ dtype casts
+
+
+def _f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even float32 -> bfloat16 bits (as torch does); NaN -> 0x7FC0."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    out = ((u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        out[nan] = np.uint16(0x7FC0)
+    return out
+
+
+def _bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def cast_array(arr: np.ndarray, src: str, dst: str) -> np.ndarray:
+    """Cast ``arr`` (numpy storage of engine dtype ``src``) to engine dtype ``dst`` (floating dtypes only)."""
+    if src == dst:
+        return arr
+    if src not in FLOAT_DTYPES or dst not in FLOAT_DTYPES:
+        raise ToolError(f"cannot cast {src} to {dst}")
+    values = _bf16_bits_to_f32(arr) if src == "bfloat16" else arr
+    if dst == "bfloat16":
+        if values.dtype != np.float32:
+            values = values.astype(np.float32)
+        return _f32_to_bf16_bits(values)
+    return values.astype(NUMPY_STORAGE[dst])
+
+
+def converted_blocks(
+    arr: np.ndarray, src: str, dst: str, transpose: bool, block_bytes: int = 2 << 20
+) -> Iterator[np.ndarray]:
+    """The bytes of ``arr`` (transposed if asked, cast to ``dst``) as uint8 blocks, row-major, bounded size.
+
+    Only one block of converted data exists at a time, so converting costs no second full-size copy.
+    """
+    if transpose:
+        if arr.ndim != 2:
+            raise ToolError(f"cannot transpose a tensor of shape {list(arr.shape)} (only 2-D)")
+        rows_out, cols_out = arr.shape[1], arr.shape[0]
+        isz = max(arr.itemsize, 1)
+        step = max(1, block_bytes // max(cols_out * isz, 1))
+        for r in range(0, rows_out, step):
+            block = np.ascontiguousarray(arr[:, r : r + step].T)
+            yield np.ascontiguousarray(cast_array(block, src, dst)).view(np.uint8).reshape(-1)
+        return
+    flat = arr.reshape(-1)
+    step = max(1, block_bytes // max(arr.itemsize, 1))
+    if src == dst:
+        raw = flat.view(np.uint8)
+        yield raw
+        return
+    for i in range(0, flat.size, step):
+        yield np.ascontiguousarray(cast_array(flat[i : i + step], src, dst)).view(np.uint8).reshape(-1)
+
+
+# ------------------------------------------------------------------------------------------------ output dirs
+
+
+def check_output_path(out: str) -> None:
+    """Refuse an output path that exists as a file or a non-empty directory (never overwrite)."""
+    if os.path.lexists(out):
+        if not os.path.isdir(out):
+            raise ToolError(f"output {out} exists and is not a directory")
+        if os.listdir(out):
+            raise ToolError(f"output directory {out} is not empty; refusing to overwrite it (remove it or pick another)")
+
+
+@contextlib.contextmanager
+def staged_output(out: str | os.PathLike) -> Iterator[str]:
+    """Yield a fresh staging directory next to ``out``; on success it is fsynced and renamed to ``out``.
+
+    On any error (or Ctrl-C) the staging directory is removed, so ``out`` either appears complete or not at all;
+    a hard kill leaves only ``<out>.tmp-<id>``, never something at ``out``.
+    """
+    out = os.path.abspath(os.fspath(out))
+    check_output_path(out)
+    parent = os.path.dirname(out)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise ToolError(f"cannot create the parent directory of {out}: {e.strerror or e}") from None
+    staging = f"{out}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        os.mkdir(staging)
+    except OSError as e:
+        raise ToolError(f"cannot create {staging}: {e.strerror or e}") from None
+    try:
+        yield staging
+        storage.fsync_dir(staging)
+        try:
+            os.rename(staging, out)  # `out` is absent or an empty directory
+        except OSError as e:
+            raise ToolError(f"cannot move the finished output into {out}: {e.strerror or e}") from None
+        storage.fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def write_all(fd: int, data) -> None:
+    mv = memoryview(data).cast("B")
+    while len(mv):
+        n = os.write(fd, mv)
+        mv = mv[n:]
+
+
+def pread_exact(fd: int, buf: np.ndarray, offset: int, what: str) -> None:
+    mv = memoryview(buf).cast("B")
+    done = 0
+    while done < len(mv):
+        n = os.preadv(fd, [mv[done:]], offset + done)
+        if n <= 0:
+            raise ToolError(f"{what} ends at byte {offset + done}, expected at least {offset + len(mv)} (truncated)")
+        done += n
+
+
+# ------------------------------------------------------------------------------------------------ writing
+
+
+Producer = Callable[[], np.ndarray]  # returns the tensor's bytes (uint8, row-major), called when written
+
+
+@dataclass
+class WriteEntry:
+    key: str
+    dtype: str  # engine dtype name
+    shape: tuple[int, ...]
+    produce: Producer
+
+    @property
+    def nbytes(self) -> int:
+        return Region.full(self.shape).numel * itemsize(self.dtype)
+
+
+class CheckpointWriter:
+    """Writes a checkpoint of the engine's format from ONE process, one data file at a time, one tensor in memory.
+
+    Every tensor is stored whole (one box piece covering it), so any world size can load any slice of it. Each
+    data file is ``<i>_0.safetensors`` with file rank ``i`` (as if rank ``i`` had saved it); ``commit`` writes
+    ``metadata.json``, the stock-paddle index ``0.metadata`` and the ``COMMIT`` record last, exactly like a
+    collective save. Write into a staging directory (see :func:`staged_output`).
+    """
+
+    def __init__(self, directory: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, on_bytes: Callable[[int], None] | None = None):
+        self.directory = directory
+        self.chunk_bytes = chunk_bytes
+        self.checkpoint_id = uuid.uuid4().hex
+        self.created = time.time()
+        self.files: dict[str, FileMeta] = {}
+        self.tensors: dict[str, TensorMeta] = {}
+        self.on_bytes = on_bytes
+
+    def write_file(self, entries: list[WriteEntry]) -> str:
+        rank = len(self.files)
+        name = rank_file_name(rank)
+        header_entries, stored, pos = [], [], 0
+        seen: set[str] = set()
+        for e in entries:
+            if e.key in self.tensors or e.key in seen:
+                raise ToolError(f"key {e.key!r} is written twice")
+            seen.add(e.key)
+            if e.dtype not in DTYPES:
+                raise ToolError(f"key {e.key!r}: dtype {e.dtype} is not supported by the checkpoint format")
+            if e.nbytes == 0:
+                continue
+            header_entries.append((e.key, e.dtype, tuple(e.shape), pos, pos + e.nbytes))
+            stored.append(e)
+            pos += e.nbytes
+        header = safetensors_header(
+            header_entries, {"format": FORMAT_NAME, "checkpoint_id": self.checkpoint_id, "rank": str(rank)}
+        )
+
+        path = os.path.join(self.directory, name)
+        crcs: list[list[int]] = []
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            write_all(fd, header)
+            size = len(header)
+            for e in stored:
+                # one tensor in memory at a time: produced, checksummed, written, released
+                data = e.produce()
+                if data.dtype != np.uint8 or data.ndim != 1 or data.size != e.nbytes:
+                    raise ToolError(f"key {e.key!r}: produced {data.size} bytes, expected {e.nbytes}")
+                mv = memoryview(data)
+                crcs.append([zlib.crc32(mv[i : i + self.chunk_bytes]) for i in range(0, len(mv), self.chunk_bytes)])
+                write_all(fd, mv)
+                size += len(mv)
+                del mv, data
+                if self.on_bytes is not None:
+                    self.on_bytes(e.nbytes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if size != len(header) + pos:
+            raise ToolError(f"{name}: wrote {size} bytes, expected {len(header) + pos}")
+        self.files[name] = FileMeta(rank=rank, size=size)
+        for e in entries:
+            self.tensors[e.key] = TensorMeta(dtype=e.dtype, shape=tuple(e.shape), pieces=[])
+        for (key, _dtype, shape, begin, end), piece_crcs in zip(header_entries, crcs):
+            self.tensors[key].pieces.append(
+                PieceMeta(
+                    file=name,
+                    name=key,
+                    offset=len(header) + begin,
+                    nbytes=end - begin,
+                    box_offset=(0,) * len(shape),
+                    box_shape=tuple(shape),
+                    flat_range=None,
+                    crc32=[int(c) for c in piece_crcs],
+                )
+            )
+        return name
+
+    def commit(self, values: dict[str, Any], write_stock_metadata: bool = True) -> CheckpointMetadata:
+        import hashlib
+        import json
+
+        md = CheckpointMetadata(
+            checkpoint_id=self.checkpoint_id,
+            world_size=max(len(self.files), 1),
+            chunk_bytes=self.chunk_bytes,
+            checksum="crc32",
+            created_unix=self.created,
+            files=dict(self.files),
+            tensors=dict(self.tensors),
+            values=dict(values),
+        )
+        md.validate(f"{self.directory}/{METADATA_FILE}")
+        data = md.dumps()
+        storage.write_file(os.path.join(self.directory, METADATA_FILE), data, fsync=True, atomic=False)
+        if write_stock_metadata:
+            from ..checkpoint.stock_compat import write_stock_metadata as write_stock
+
+            write_stock(self.directory, md)
+        commit = {
+            "format": FORMAT_NAME,
+            "checkpoint_id": self.checkpoint_id,
+            "metadata_sha256": hashlib.sha256(data).hexdigest(),
+        }
+        storage.write_file(os.path.join(self.directory, COMMIT_FILE), json.dumps(commit).encode(), fsync=True, atomic=False)
+        return md

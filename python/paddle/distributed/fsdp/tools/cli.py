@@ -1,0 +1,257 @@
+"""``paddle-fsdp-ckpt``: inspect, verify and convert FSDP checkpoints (also ``python -m paddle.distributed.fsdp.tools``).
+
+Exit codes: 0 success; 1 ``verify`` found problems; 2 bad input or usage (one line on stderr, nothing written);
+3 internal error (``--debug`` shows the traceback); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+from typing import Sequence
+
+PROG = "paddle-fsdp-ckpt"
+LOGGER_NAME = "paddle.distributed.fsdp"  # the fork's loggers: tools and checkpoint engine
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+def _rules_help(rename: str, transpose: str, direction: str) -> str:
+    return f"""\
+rules file (JSON), {direction}:
+  {{"rename":    {rename},
+   "transpose": {transpose}}}
+  rename: every [regex, replacement] is applied in order with re.sub (Python syntax: group 1 is \\1,
+  written "\\\\1" inside JSON);
+  transpose: a 2-D tensor whose SOURCE name (before renaming) matches any regex is transposed
+  (Paddle Linear weights are [in, out]; Hugging Face/torch use [out, in]). Keys starting with "_" are ignored.
+"""
+
+
+TO_HF_EPILOG = _rules_help(
+    r'[["^blocks\\.(\\d+)\\.", "model.layers.\\1."], ["^embed\\.weight$", "model.embed_tokens.weight"]]',
+    r'["^blocks\\.\\d+\\.(mix|up|down)\\.weight$"]',
+    "checkpoint key -> Hugging Face name",
+) + """
+The exact mapping is recorded in model.safetensors.index.json (metadata.paddle_fsdp), so from-hf can
+invert it without rules. Output is written to OUT.tmp-<id> and renamed to OUT when complete; OUT must
+not exist (or be empty).
+
+example:
+  paddle-fsdp-ckpt to-hf ckpt/step1000 hf_out --dtype bf16 --max-shard-size 2GB --rules to_hf.json
+"""
+
+FROM_HF_EPILOG = _rules_help(
+    r'[["^model\\.layers\\.(\\d+)\\.", "blocks.\\1."], ["^model\\.embed_tokens\\.weight$", "embed.weight"]]',
+    r'["^model\\.layers\\.\\d+\\.(mix|up|down)\\.weight$"]',
+    "Hugging Face name -> checkpoint key (transpose regexes match Hugging Face names)",
+) + """
+Without --rules, a name map recorded by to-hf is inverted exactly; with neither, names are kept.
+Every tensor is stored whole, so load_checkpoint / dist.load_state_dict read just their slice on any
+number of ranks. No random state is included, and no optimizer state unless the input came from
+`to-hf --include-optimizer`: load with fsdp.load_checkpoint(path) (no optimizer=).
+
+example:
+  paddle-fsdp-ckpt from-hf hf_model ckpt/init --rules from_hf.json --dtype fp32
+"""
+
+logger = logging.getLogger(__name__)
+
+
+def _common() -> argparse.ArgumentParser:
+    # defaults are SUPPRESS so the options work both before and after the subcommand
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                        help="log more (-v: info, -vv: debug)")
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the traceback of an internal error")
+    common.add_argument("--no-progress", action="store_true", default=argparse.SUPPRESS,
+                        help="never draw the progress bar (it is drawn only when stderr is a terminal)")
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _common()
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        parents=[common],
+        description="Inspect, verify and convert sharded FSDP checkpoints (paddle.distributed.fsdp).",
+        epilog="Run `%(prog)s COMMAND --help` for the options of a command. Exit codes: 0 ok, 1 verify found "
+               "problems, 2 bad input, 3 internal error.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("inspect", parents=[common], help="list keys, global shapes, dtypes, pieces and bytes",
+                       description="List a checkpoint's tensors (key, role, dtype, global shape, number of pieces, "
+                                   "bytes), files and JSON values. Reads the metadata only.")
+    p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory")
+    p.add_argument("--json", action="store_true", help="print one JSON object (for machines)")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("verify", parents=[common], help="prove a checkpoint complete and intact",
+                       description="Check that every element of every tensor is covered exactly once, that every "
+                                   "referenced file is present with the expected size, and every checksum. "
+                                   "Exit 0 when sound, 1 with the named problems otherwise.")
+    p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory")
+    p.add_argument("--json", action="store_true", help='print {"path", "ok", "problems"} as JSON')
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("to-hf", parents=[common], help="write model weights as Hugging Face safetensors",
+                       description="Write the model weights (optimizer state with --include-optimizer) as sharded\n"
+                                   "safetensors model-0000i-of-0000n.safetensors + model.safetensors.index.json,\n"
+                                   "streaming tensor by tensor (peak memory about the largest tensor).",
+                       epilog=TO_HF_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory")
+    p.add_argument("out", metavar="OUT", help="output directory (must not exist, or be empty)")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="largest shard, in tensor bytes: 5GB (default), 500MB, 2GiB or a byte count")
+    p.add_argument("--dtype", metavar="{bf16,fp16,fp32}", help="cast floating tensors (default: keep dtypes)")
+    p.add_argument("--rules", metavar="FILE", help="rename/transpose rules (JSON, see below)")
+    p.add_argument("--include-optimizer", action="store_true",
+                   help="also write optimizer state, as '<hf param name>.<state>'")
+    p.set_defaults(func=cmd_to_hf)
+
+    p = sub.add_parser("from-hf", parents=[common], help="write a checkpoint from Hugging Face safetensors",
+                       description="Write a checkpoint from a Hugging Face safetensors model (a directory with\n"
+                                   "model.safetensors.index.json or *.safetensors files, or one .safetensors file)\n"
+                                   "that load_checkpoint / dist.load_state_dict load at any world size.",
+                       epilog=FROM_HF_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("hf", metavar="HF_DIR", help="Hugging Face model directory or .safetensors file")
+    p.add_argument("out", metavar="OUT", help="output checkpoint directory (must not exist, or be empty)")
+    p.add_argument("--rules", metavar="FILE", help="rename/transpose rules, Hugging Face name -> checkpoint key")
+    p.add_argument("--dtype", metavar="{bf16,fp16,fp32}",
+                   help="cast floating tensors, e.g. to the model's parameter dtype (default: keep)")
+    p.set_defaults(func=cmd_from_hf)
+    return parser
+
+
+# ------------------------------------------------------------------------------------------------ commands
+
+
+def _progress(args) -> bool | None:
+    return False if getattr(args, "no_progress", False) else None
+
+
+def cmd_inspect(args) -> int:
+    from .inspect_cmd import format_text, inspect_checkpoint
+
+    info = inspect_checkpoint(args.ckpt)
+    print(json.dumps(info, indent=2) if args.json else format_text(info), flush=True)
+    return EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    from .progress import human_bytes
+    from .verify_cmd import verify
+
+    problems, summary = verify(args.ckpt)
+    if args.json:
+        print(json.dumps({"path": args.ckpt, "ok": not problems, "problems": problems}, indent=2))
+    elif not problems:
+        print(f"OK: {summary['path']}: {summary['tensors']} tensors fully covered, {summary['files']} data file(s), "
+              f"{human_bytes(summary['file_bytes'])}, checksums ({summary['checksum']}) match")
+    else:
+        for p in problems:
+            print(f"PROBLEM: {p}")
+    if problems:
+        print(f"{PROG} verify: {args.ckpt} is NOT sound: {len(problems)} problem(s); first: {_one_line(problems[0])}",
+              file=sys.stderr)
+        return EXIT_PROBLEMS
+    return EXIT_OK
+
+
+def cmd_to_hf(args) -> int:
+    from .hf_convert import to_hf
+    from .progress import human_bytes
+    from .rules import load_rules
+
+    rules = load_rules(args.rules)
+    s = to_hf(args.ckpt, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype, rules=rules,
+              include_optimizer=args.include_optimizer, progress=_progress(args))
+    print(f"wrote {s['tensors']} tensors ({human_bytes(s['total_size'])}, {s['transposed']} transposed) in "
+          f"{len(s['files'])} file(s) to {s['out']}")
+    return EXIT_OK
+
+
+def cmd_from_hf(args) -> int:
+    from .hf_convert import from_hf
+    from .progress import human_bytes
+    from .rules import load_rules
+
+    rules = load_rules(args.rules) if args.rules else None
+    s = from_hf(args.hf, args.out, rules=rules, dtype=args.dtype, progress=_progress(args))
+    print(f"wrote checkpoint {s['out']}: {s['tensors']} tensors ({human_bytes(s['total_size'])}, "
+          f"{s['transposed']} transposed) in {s['files']} data file(s)")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+@contextlib.contextmanager
+def _log_to_stderr(verbose: int):
+    """Route the fork's loggers (tools and checkpoint engine) to stderr as ``paddle-fsdp-ckpt: LEVEL: msg``.
+
+    Paddle installs its own root handler at import; the fork's logger is detached from it for the duration of
+    the command and restored afterwards (so calling ``main`` in-process leaves logging as it was).
+    """
+    level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    fork_logger = logging.getLogger(LOGGER_NAME)
+    saved = (fork_logger.level, fork_logger.propagate)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{PROG}: %(levelname)s: %(message)s"))
+    fork_logger.addHandler(handler)
+    fork_logger.setLevel(level)
+    fork_logger.propagate = False
+    try:
+        yield
+    finally:
+        fork_logger.removeHandler(handler)
+        fork_logger.setLevel(saved[0])
+        fork_logger.propagate = saved[1]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the tool with ``argv`` (default ``sys.argv[1:]``); returns the exit code (never calls sys.exit)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(None if argv is None else list(argv))
+    except SystemExit as e:  # --help (0) or a usage error (2, message already printed by argparse)
+        return int(e.code or 0) if isinstance(e.code, int) or e.code is None else EXIT_BAD_INPUT
+    from ..checkpoint.errors import CheckpointError
+    from .errors import ToolError
+
+    try:
+        with _log_to_stderr(getattr(args, "verbose", 0)):
+            return args.func(args)
+    except (ToolError, CheckpointError) as e:
+        print(f"{PROG} {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except BrokenPipeError:  # e.g. `inspect CKPT | head`: the reader went away, not an error
+        try:  # keep the interpreter from complaining when it flushes stdout at exit
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return EXIT_OK
+    except OSError as e:
+        print(f"{PROG} {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted (no output was left behind)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - a bug: one line unless --debug
+        if getattr(args, "debug", False):
+            raise
+        print(f"{PROG} {args.command}: internal error: {type(e).__name__}: {_one_line(e)} "
+              f"(run with --debug for the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
