@@ -63,7 +63,6 @@ class FusedBuffer:
                 )
         for index, param in enumerate(params):
             param._fsdp_buffer = self
-            param._fsdp_index = index
             if layout.trainable:
                 param._register_backward_hook(self._make_grad_hook(index))
         self.release()  # frees the full-size storage the model was built with
