@@ -17,14 +17,10 @@ resumes bit-exactly."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -32,32 +28,7 @@ import paddle
 from paddle import nn
 from paddle.optimizer.lr import LRScheduler
 
-_MODULE_NAME = "paddle.distributed.fsdp.optimizer_state_names"
-_MODULE_PATH = (
-    Path(__file__).resolve().parents[3]
-    / "python/paddle/distributed/fsdp/optimizer_state_names.py"
-)
-
-
-def _load_module() -> ModuleType:
-    """The installed fork's module, else the checkout's file loaded by path
-    (stock paddle has no such module, so the fallback cannot hide stale
-    code). Once the fork is always installed for tests, replace this with
-    ``from paddle.distributed.fsdp import optimizer_state_names``."""
-    try:
-        return importlib.import_module(_MODULE_NAME)
-    except ModuleNotFoundError:
-        pass
-    spec = importlib.util.spec_from_file_location(
-        "fsdp_optimizer_state_names", _MODULE_PATH
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look the module up
-    spec.loader.exec_module(module)
-    return module
-
-
-osn = _load_module()
+from paddle.distributed.fsdp import optimizer_state_names as osn
 
 E, S, K = osn.ELEMENTWISE, osn.SCALAR, osn.STACKED
 O = paddle.optimizer
