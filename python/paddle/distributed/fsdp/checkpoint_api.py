@@ -3,24 +3,60 @@
 Built on the records of checkpoint_mapping and the storage engine in ``checkpoint/``. Besides tensors,
 a checkpoint carries small JSON values under reserved keys (``__fsdp__.*``): the optimizer's class and
 non-tensor state, every rank's random generator state, and the caller's ``extra_state``.
+
+Numbered checkpoints (``checkpoint/manager.py``)::
+
+    fsdp.save_checkpoint(root, optimizer=opt, step=1200, keep_last=3)   # root/step_00001200, then `latest`
+    result = fsdp.load_checkpoint(root, optimizer=opt)                  # loads what root/latest names
+    result.step, result.path, result.report                             # result is the extra_state dict
+
+``latest`` moves only after the new checkpoint is committed, and older checkpoints are removed only after that.
+
+Loads are all-or-nothing and refuse, on every rank together and before any tensor is written: a path that is
+not a (committed) checkpoint, an optimizer of another class than the saved one (OptimizerMismatchError), and
+with ``strict=True`` a checkpoint of another model: keys it lacks (MissingKeyError), keys the model does not
+have (UnexpectedKeyError), other shapes or dtypes (ShapeMismatchError / DtypeMismatchError); each error names
+the key. ``strict=False`` loads the matching subset and returns the rest in ``result.report`` (also logged).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import paddle
 from paddle.base import core
 
 from . import optimizer_state_names as names
-from .checkpoint import load_state_dict, read_metadata, save_state_dict
+from .checkpoint import CheckpointManager, LoadReport, load_state_dict, read_metadata, save_state_dict
+from .checkpoint.api import _error_payload, _raise_gathered
+from .checkpoint.errors import OptimizerMismatchError, UnexpectedKeyError
+from .checkpoint.manager import parse_step, resolve_checkpoint, step_dir_name
 
 logger = logging.getLogger(__name__)
 
+RESERVED_PREFIX = "__fsdp__."
 OPTIMIZER_KEY = "__fsdp__.optimizer"
 RNG_KEY = "__fsdp__.rng"
 EXTRA_KEY = "__fsdp__.extra_state"
 HF_FORMAT_NAMES = {"hf", "huggingface", "hugging_face", "hf_safetensors", "transformers"}
+
+
+class LoadResult(dict):
+    """What :func:`load_checkpoint` returns: the saved ``extra_state`` (this dict itself, so
+    ``extra = fsdp.load_checkpoint(...)`` keeps working) plus what the load did.
+
+    Attributes:
+        report: the engine's LoadReport (loaded, missing, mismatched and unexpected keys; bytes read).
+        path: the checkpoint directory that was loaded (for a root: the one ``latest`` named).
+        step: its step when it is a CheckpointManager directory (``step_<N>``), else None.
+    """
+
+    def __init__(self, extra_state: dict, report: LoadReport, path: str) -> None:
+        super().__init__(extra_state)
+        self.report = report
+        self.path = path
+        self.step = parse_step(os.path.basename(path))
 
 
 def _rng_state() -> list:
@@ -50,12 +86,17 @@ def save_checkpoint(
     optimizer=None,
     extra_state: dict | None = None,
     *,
+    step: int | None = None,
+    keep_last: int | None = None,
     format: str = "fsdp",
     async_save: bool = False,
 ):
     """Save everything needed to resume bit-exactly. Collective: every rank of the group calls it.
 
-    Returns the engine's SaveHandle when ``async_save`` (call ``wait()`` before relying on the files).
+    With ``step``, ``path`` is a checkpoint root: the checkpoint goes to ``path/step_<step>``, ``path/latest``
+    names it once it is committed, and with ``keep_last=K`` only the K newest steps are kept (removed after
+    the commit). Returns the engine's SaveHandle when ``async_save`` (call ``wait()`` before relying on the
+    files; ``latest`` and pruning happen in the background too).
     """
     if str(format).lower() in HF_FORMAT_NAMES:
         raise ValueError(
@@ -65,6 +106,12 @@ def save_checkpoint(
         )
     if str(format).lower() != "fsdp":
         raise ValueError(f"unknown checkpoint format {format!r} (supported: 'fsdp')")
+    manager = None
+    if step is not None:
+        step_dir_name(step)  # validates before any collective
+        manager = CheckpointManager(path, keep_last=keep_last, process_group=fsdp.comm.group)
+    elif keep_last is not None:
+        raise ValueError("keep_last needs step=: numbered checkpoints live in a root as step_<N> directories")
     state = _state(fsdp, optimizer)
     if optimizer is not None:
         inner = names.unwrap_optimizer(optimizer)
@@ -74,41 +121,105 @@ def save_checkpoint(
         }
     state[RNG_KEY] = fsdp.comm.all_gather_object(_rng_state())
     state[EXTRA_KEY] = dict(extra_state or {})
+    if manager is not None:
+        return manager.save(step, state, async_save=async_save)
     return save_state_dict(state, path, process_group=fsdp.comm.group, async_save=async_save)
 
 
-def load_checkpoint(fsdp, path: str, optimizer=None, *, strict: bool = True, verify_checksums: bool = True) -> dict:
-    """Restore what :func:`save_checkpoint` wrote into ``fsdp``'s model and ``optimizer``, in place.
+def _foreign_keys(metadata, fsdp) -> list[str]:
+    """Checkpoint keys that belong to no parameter of this model (optimizer state ``<param key>.<name>`` and
+    reserved ``__fsdp__.*`` values belong)."""
+    model_keys = {key for key, _param, _buffer, _index in fsdp.managed_parameters()}
+    out = []
+    for key in list(metadata.tensors) + list(metadata.values):
+        if key in model_keys or key.startswith(RESERVED_PREFIX):
+            continue
+        head = key
+        while "." in head:  # "blocks.0.mix.weight.moment1" -> "blocks.0.mix.weight"
+            head = head.rsplit(".", 1)[0]
+            if head in model_keys:
+                break
+        else:
+            out.append(key)
+    return sorted(out)
 
-    All-or-nothing: every key, shape, dtype and checksum is checked before any tensor is written.
-    Returns the saved ``extra_state``.
-    """
-    metadata = read_metadata(path)
+
+def _precheck(fsdp, path: str, optimizer, strict: bool) -> tuple[str, list[str]]:
+    """Resolve ``path`` and refuse what must fail before any tensor is touched (this rank only)."""
+    resolved = resolve_checkpoint(path)
+    metadata = read_metadata(resolved)
     saved_optimizer = metadata.values.get(OPTIMIZER_KEY)
     if optimizer is not None:
-        inner = names.unwrap_optimizer(optimizer)
+        given = type(names.unwrap_optimizer(optimizer)).__name__
         if saved_optimizer is None:
-            raise ValueError(f"checkpoint {path} has no optimizer state; load it without optimizer=")
-        if saved_optimizer["class"] != type(inner).__name__:
-            raise ValueError(
-                f"checkpoint {path} holds {saved_optimizer['class']} state, but the optimizer given is "
-                f"{type(inner).__name__}"
+            raise OptimizerMismatchError(
+                f"checkpoint {resolved} has no optimizer state, but a {given} was given: load it without "
+                f"optimizer="
             )
+        if saved_optimizer.get("class") != given:
+            raise OptimizerMismatchError(
+                f"checkpoint {resolved} holds {saved_optimizer.get('class')} state, but the optimizer given is "
+                f"{given}"
+            )
+    foreign = _foreign_keys(metadata, fsdp)
+    if foreign and strict:
+        raise UnexpectedKeyError(
+            f"checkpoint {resolved} holds {len(foreign)} key(s) this model does not have (a checkpoint of another "
+            f"model?): {foreign[:5]}{' ...' if len(foreign) > 5 else ''}; pass strict=False to load the rest"
+        )
+    return resolved, foreign
+
+
+def load_checkpoint(
+    fsdp, path: str, optimizer=None, *, strict: bool = True, verify_checksums: bool = True
+) -> LoadResult:
+    """Restore what :func:`save_checkpoint` wrote into ``fsdp``'s model and ``optimizer``, in place.
+
+    ``path`` is a checkpoint directory or a root written with ``step=`` (its ``latest`` checkpoint is loaded).
+    All-or-nothing: every key, shape, dtype and checksum is checked on every rank before any tensor is written;
+    on failure every model and optimizer tensor is bit-identical to before (an optimizer without state yet gets
+    its freshly initialised accumulators, as its first step would create them). Returns a :class:`LoadResult`:
+    the saved ``extra_state`` dict, with ``.report``, ``.path`` and ``.step``.
+    """
+    err: BaseException | None = None
+    resolved, foreign = None, []
+    try:
+        resolved, foreign = _precheck(fsdp, path, optimizer, strict)
+    except Exception as e:  # noqa: BLE001 - whatever fails here must reach the exchange below
+        err = e
+    # every rank fails together: a rank raising alone would leave the others waiting in the load's collective
+    _raise_gathered([g[0] for g in fsdp.comm.all_gather_object((_error_payload(err),))], err)
+    if optimizer is not None:
+        inner = names.unwrap_optimizer(optimizer)
         fsdp.init_optimizer_state(optimizer)
     state = _state(fsdp, optimizer)
     for key in (RNG_KEY, EXTRA_KEY) + ((OPTIMIZER_KEY,) if optimizer is not None else ()):
         state[key] = None
-    load_state_dict(
-        state, path, process_group=fsdp.comm.group, strict=strict, verify_checksums=verify_checksums
+    report = load_state_dict(
+        state, resolved, process_group=fsdp.comm.group, strict=strict, verify_checksums=verify_checksums
     )
-    if optimizer is not None:
+    if optimizer is not None and state[OPTIMIZER_KEY] is not None:
         names.set_optimizer_global_state(inner, state[OPTIMIZER_KEY]["global_state"])
     rng = state[RNG_KEY]
-    if fsdp.rank < len(rng):
+    if rng is not None and fsdp.rank < len(rng):
         _set_rng_state(rng[fsdp.rank])
-    else:
+    elif not rng:  # converted from Hugging Face weights, say: no training run whose randomness resumes
+        logger.info("checkpoint %s holds no random state; the current one is kept", resolved)
+    else:  # saved by fewer ranks than load it
         logger.warning(
-            "checkpoint %s was saved by %d ranks; rank %d keeps its current random state",
-            path, len(rng), fsdp.rank,
+            "checkpoint %s holds no random state for rank %d (saved by %s ranks); it keeps its current one",
+            resolved, fsdp.rank, "?" if rng is None else len(rng),
         )
-    return state[EXTRA_KEY]
+    if not strict:
+        problems = {
+            "missing": [k for k in report.missing_keys if not k.startswith(RESERVED_PREFIX)],
+            "mismatched": {k: v for k, v in report.mismatched_keys.items() if not k.startswith(RESERVED_PREFIX)},
+            "not in the model": foreign,
+        }
+        if any(problems.values()):
+            logger.warning(
+                "load_checkpoint(%s, strict=False) skipped keys: %s",
+                resolved, "; ".join(f"{what}: {keys}" for what, keys in problems.items() if keys),
+            )
+    extra = state[EXTRA_KEY]
+    return LoadResult(extra if isinstance(extra, dict) else {}, report, resolved)

@@ -170,13 +170,21 @@ class FullyShardFusion:
         init_optimizer_state(self, optimizer)
 
     def save_checkpoint(self, path: str, optimizer=None, extra_state: dict | None = None, **kwargs):
-        """Model + optimizer + LR scheduler + RNG + ``extra_state``, in one collective call."""
+        """Model + optimizer + LR scheduler + RNG + ``extra_state``, in one collective call.
+
+        ``step=N`` treats ``path`` as a root (``root/step_<N>`` and a ``latest`` pointer moved after the
+        commit); ``keep_last=K`` then removes older steps; ``async_save=True`` returns a handle to wait on.
+        """
         from .checkpoint_api import save_checkpoint
 
         return save_checkpoint(self, path, optimizer=optimizer, extra_state=extra_state, **kwargs)
 
     def load_checkpoint(self, path: str, optimizer=None, **kwargs) -> dict:
-        """Restore what :meth:`save_checkpoint` wrote; returns the saved ``extra_state``."""
+        """Restore what :meth:`save_checkpoint` wrote (a checkpoint, or a root: its ``latest``).
+
+        Returns the saved ``extra_state`` as a dict that also carries ``.report`` (the LoadReport),
+        ``.path`` (the directory loaded) and ``.step`` (for ``step_<N>`` directories).
+        """
         from .checkpoint_api import load_checkpoint
 
         return load_checkpoint(self, path, optimizer=optimizer, **kwargs)

@@ -1,7 +1,8 @@
 """Sharded checkpoint storage engine of the FSDP fork.
 
 Per-rank safetensors data files + a JSON index (metadata.json) + a commit record; loading never unpickles.
-See ``api.py`` for the protocol and behaviour, ``metadata.py`` for the on-disk schema.
+See ``api.py`` for the protocol and behaviour, ``metadata.py`` for the on-disk schema, ``manager.py`` for
+numbered checkpoints with a ``latest`` pointer and keep-last-K, ``faults.py`` for the test-only crash hook.
 """
 
 from .api import (  # noqa: F401
@@ -25,7 +26,14 @@ from .errors import (  # noqa: F401
     SaveFailedError,
     ShapeMismatchError,
     StateDictMismatchError,
+    OptimizerMismatchError,
+    UnexpectedKeyError,
     UnsafePathError,
+)
+from .manager import (  # noqa: F401
+    CheckpointManager,
+    latest_checkpoint,
+    resolve_checkpoint,
 )
 from .metadata import CheckpointMetadata  # noqa: F401
 
@@ -37,6 +45,9 @@ __all__ = [
     "verify_checkpoint",
     "SaveHandle",
     "LoadReport",
+    "CheckpointManager",
+    "latest_checkpoint",
+    "resolve_checkpoint",
     "CheckpointMetadata",
     "CheckpointError",
     "CorruptCheckpointError",
@@ -49,5 +60,7 @@ __all__ = [
     "SaveFailedError",
     "ShapeMismatchError",
     "StateDictMismatchError",
+    "OptimizerMismatchError",
+    "UnexpectedKeyError",
     "UnsafePathError",
 ]

@@ -22,18 +22,35 @@ Save protocol (all ranks call ``save_state_dict`` collectively):
 3. the coordinator waits for all markers (file system polling, no collective), writes and fsyncs
    ``metadata.json``, ``0.metadata`` and ``COMMIT`` (last), fsyncs the directory and swaps it into ``path``
    atomically (``renameat2(RENAME_EXCHANGE)``; two renames where unsupported). The other ranks wait until they
-   see ``path/COMMIT`` with this checkpoint's id (or an ``ABORT`` marker). Every rank returns only after commit.
-   Steps 2-3 use no collectives, which is what makes them safe to run in a background thread.
+   see ``path/COMMIT`` with this checkpoint's id (or an ``ABORT`` marker); for a CheckpointManager save also
+   until ``latest`` names it. Every rank returns only after commit. Steps 2-3 use no collectives, which is what
+   makes them safe to run in a background thread.
 
-Saving to a path that holds a committed checkpoint replaces it atomically: readers see either the old or the
-new checkpoint, never a mix; the old one is deleted only after the new one is in place (by a non-daemon
-background thread, so the deletion does not delay the save). A path that exists and
-is neither empty nor a checkpoint of this engine is refused. A crashed save leaves only ``<path>.tmp-<id>``
-(never loadable: no COMMIT; safe to delete) and the previous checkpoint untouched. Two saves in flight from one
-process are serialised: a save (and a load) first waits for the previous async save; concurrent saves from
-different jobs to one path each commit atomically, the last commit wins. The staging directory is a sibling of
-``path``, so all ranks must see the same file system (shared FS); with node-local disks the commit would only
-happen on the coordinator's node.
+Saving twice to one path: saving to a path that holds a committed checkpoint replaces it atomically: readers see
+either the old or the new checkpoint, never a mix; the old one is deleted only after the new one is in place (by
+a non-daemon background thread, so the deletion does not delay the save). A path that exists and is neither
+empty nor a checkpoint of this engine is refused.
+
+Two saves in flight: the saves of one process never overlap, whatever thread they come from: a save (sync or
+async) first waits for this process's previous save to commit (a load waits too), so they commit in call order
+and, to one path, the later one wins. Two jobs saving to one path concurrently each commit atomically and the
+last commit wins (a commit that finds the path just created by the other job replaces it); the non-coordinator
+ranks of the job whose checkpoint was replaced before they saw it may time out (SaveFailedError) although it
+committed. The staging directory is a sibling of ``path``, so all ranks must see the same file system (shared
+FS); with node-local disks the commit would only happen on the coordinator's node.
+
+Crashes (kill -9 of any rank at any stage; stages in ``faults.py``, which also holds the test-only
+``PADDLE_FSDP_CKPT_FAULT`` hook that proves this): before the rename, ``path`` keeps the previous checkpoint
+untouched (or stays absent) and the partial save is only ``<path>.tmp-<id>`` (never loadable at ``path``; safe
+to delete; CheckpointManager removes it at its next save). Loading or verifying ``path`` when it is absent
+but such a staging directory exists raises / reports IncompleteCheckpointError ("never committed", saying
+whether the save failed with an error or was interrupted); the staging directory itself reports
+IncompleteCheckpointError too until its COMMIT is written. The survivors of a killed rank do not hang: the
+coordinator waits for the other ranks' data, and the other ranks wait for the commit, at most
+``commit_timeout`` (default ``PADDLE_FSDP_CKPT_COMMIT_TIMEOUT``, 1800 s), then raise SaveFailedError; a rank
+whose save fails with an error tells the others at once (``failed`` / ``ABORT`` markers).
+
+Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (CheckpointManager).
 
 ``async_save=True``: the caller is blocked for the descriptor exchange and a host copy (snapshot) of the pieces
 this rank writes; writing, fsync and commit run in a background (non-daemon) thread. The returned SaveHandle's
@@ -44,14 +61,16 @@ thread (they would race with the training loop's collectives), hence the file-ba
 Checksums: CRC-32 per 1 MiB chunk of each piece (``chunk_bytes`` in metadata.json), computed on the tensor
 memory during the single write pass (4 MiB slabs, on a helper thread while the kernel copies the slab). A load
 that needs part of a piece reads the enclosing chunks, verifies them, then copies what it needs; so every byte
-loaded is verified and at most two extra chunks per contiguous range are read.
+loaded is verified and at most two extra chunks per contiguous range are read. ``load_state_dict(...,
+verify_checksums=False)`` skips the check (on by default); sizes, metadata hash and COMMIT are still checked.
 
 Load: every rank reads metadata.json (after checking COMMIT and its hash), intersects the flat runs of each of its
 requested records with the saved pieces and pread()s only those byte ranges (plus chunk alignment) of the files:
 large ranges straight into the host staging buffer in 16 MiB slabs (checksummed on a helper thread while the
 next slab is read), small scattered ranges (rows of boxes) through windows of at most 64 MiB. Host staging is
 this rank's slice; nothing else grows with the checkpoint. Only when every key, shape, dtype, coverage and
-checksum on every rank is fine (one ``all_gather_object`` of the status) are the staging buffers copied into the
+checksum on every rank is fine, and every rank read the same checkpoint (checkpoint ids compared; one
+``all_gather_object`` of the status) are the staging buffers copied into the
 targets in place: a memcpy into the tensor's own memory for contiguous host tensors, ``Tensor.copy_`` (host
 staging tensor, pinned, copied on the target's own place) otherwise; views into fused buffers keep sharing
 memory either way. On any failure the targets are bit-identical to before. JSON values are written back into
@@ -78,7 +97,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from . import storage
+from . import faults, storage
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -97,6 +116,7 @@ from .metadata import (
     DEFAULT_CHUNK_BYTES,
     DTYPES,
     FORMAT_NAME,
+    LATEST_FILE,
     METADATA_FILE,
     CheckpointMetadata,
     FileMeta,
@@ -235,6 +255,21 @@ class SaveHandle:
 
 _pending: SaveHandle | None = None
 _pending_lock = threading.Lock()
+_save_lock = threading.Lock()
+
+
+class _Publisher:
+    """What CheckpointManager plugs into a save (duck-typed; this class documents the protocol)."""
+
+    def publish(self) -> None:
+        """Coordinator, right after the commit: make the new checkpoint the one ``latest`` names (durably)."""
+
+    def is_published(self) -> bool:
+        """Other ranks, after they saw the commit: True once ``publish`` has taken effect."""
+        return True
+
+    def cleanup(self) -> None:
+        """Coordinator, after ``publish``: remove what is no longer kept (best effort, never raises)."""
 
 
 def _wait_pending(raise_error: bool) -> None:
@@ -311,6 +346,7 @@ class _SaveJob:
     chunk_bytes: int
     timeout: float
     write_stock: bool
+    publisher: Any = None  # CheckpointManager hook: publish()/is_published()/cleanup(), see _Publisher
     created: float = field(default_factory=time.time)
 
     def run(self) -> None:
@@ -318,9 +354,12 @@ class _SaveJob:
         parts = os.path.join(self.staging, PARTS_DIR)
         os.makedirs(parts, exist_ok=True)
         layout = self.plan.files[self.rank]
+        faults.point("before_data", self.rank)
+        kill_at = layout.size // 2 if faults.hit("mid_data", self.rank) else None
         try:
             size, crcs = storage.write_rank_file(
-                os.path.join(self.staging, layout.name), layout.header, self.arrays, self.chunk_bytes
+                os.path.join(self.staging, layout.name), layout.header, self.arrays, self.chunk_bytes,
+                kill_at=kill_at,
             )
             self.arrays = self.keepalive = []  # release snapshot memory early
             tr.mark("write+fsync")
@@ -334,15 +373,24 @@ class _SaveJob:
         except BaseException as e:
             _mark_failed(self.staging, self.rank, e)
             raise
+        faults.point("after_data", self.rank)
         if self.rank == self.coordinator:
             try:
                 self._commit(parts, tr)
             except BaseException as e:
-                try:
-                    storage.write_file(os.path.join(parts, "ABORT"), str(e).encode(), fsync=False, atomic=True)
+                try:  # tells the waiting ranks at once (.parts is gone once the commit record is being written)
+                    os.makedirs(parts, exist_ok=True)
+                    storage.write_file(os.path.join(parts, "ABORT"), f"{type(e).__name__}: {e}".encode(),
+                                       fsync=False, atomic=True)
                 except OSError:
                     pass
                 raise
+            faults.point("after_rename", self.rank)
+            if self.publisher is not None:
+                self.publisher.publish()
+                tr.mark("publish")
+                faults.point("before_prune", self.rank)
+                self.publisher.cleanup()
         else:
             self._wait_commit(parts)
             tr.mark("wait-commit")
@@ -369,13 +417,15 @@ class _SaveJob:
             have = [r for r in range(self.world) if os.path.exists(os.path.join(parts, f"{r}.done.json"))]
             missing = sorted(set(range(self.world)) - set(have))
             raise SaveFailedError(
-                f"save to {self.path} aborted: ranks {missing} did not finish writing within {self.timeout:.0f} s"
+                f"save to {self.path} aborted: ranks {missing} did not finish writing within {self.timeout:g} s "
+                f"(did they die?); the previous checkpoint is untouched"
             ) from None
         tr.mark("wait-ranks")
         failed = {r: s[1] for r, s in status.items() if s[0] == "failed"}
         if failed:
             r, info = sorted(failed.items())[0]
             raise SaveFailedError(f"save to {self.path} aborted: rank {r} failed: {info.get('error')}")
+        faults.point("before_metadata", self.rank)
 
         md = CheckpointMetadata(
             checkpoint_id=self.checkpoint_id,
@@ -403,6 +453,7 @@ class _SaveJob:
 
             write_stock_metadata(self.staging, md)
         tr.mark("metadata")
+        faults.point("before_commit", self.rank)
         commit = {
             "format": FORMAT_NAME,
             "checkpoint_id": self.checkpoint_id,
@@ -415,22 +466,40 @@ class _SaveJob:
                            atomic=False)
         storage.fsync_dir(self.staging)
         tr.mark("commit-record")
+        faults.point("before_rename", self.rank)
         storage.replace_dir(self.staging, self.path, f"{self.path}.old-{self.checkpoint_id}")
         tr.mark("rename")
 
     def _wait_commit(self, parts: str) -> None:
+        """Wait until the coordinator committed (and, for a CheckpointManager save, moved ``latest``)."""
         commit_path = os.path.join(self.path, COMMIT_FILE)
         abort_path = os.path.join(parts, "ABORT")
+        seen_commit = False
 
         def state():
+            nonlocal seen_commit
             c = _read_json(commit_path)
             if c is not None and c.get("checkpoint_id") == self.checkpoint_id:
-                return "committed"
+                seen_commit = True
+                if self.publisher is None or self.publisher.is_published():
+                    return "committed"
+                return None
             if os.path.exists(abort_path):
                 return "aborted"
             return None
 
-        st = _poll(state, self.timeout, f"rank {self.coordinator} to commit {self.path}")
+        try:
+            st = _poll(state, self.timeout, f"rank {self.coordinator} to commit {self.path}")
+        except SaveFailedError:
+            if seen_commit:
+                raise SaveFailedError(
+                    f"save to {self.path}: rank {self.coordinator} committed the checkpoint but did not move the "
+                    f"'{LATEST_FILE}' pointer within {self.timeout:g} s (did it die?)"
+                ) from None
+            raise SaveFailedError(
+                f"save to {self.path} did not commit: rank {self.coordinator} (the coordinator) did not commit "
+                f"within {self.timeout:g} s (did it die?); the previous checkpoint is untouched"
+            ) from None
         if st == "aborted":
             try:
                 with open(abort_path) as f:
@@ -469,9 +538,29 @@ def save_state_dict(
     commit_timeout: float | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     write_stock_metadata: bool = True,
+    _publisher: _Publisher | None = None,
     **unused_stock_kwargs,
 ) -> SaveHandle | None:
-    """Save ``state_dict`` collectively into the checkpoint directory ``path`` (see the module docstring)."""
+    """Save ``state_dict`` collectively into the checkpoint directory ``path`` (see the module docstring).
+
+    ``_publisher`` is CheckpointManager's hook (moves ``latest`` after the commit); not for direct use.
+    """
+    with _save_lock:  # saves of one process never overlap, whatever thread they come from
+        return _save_locked(state_dict, path, process_group, coordinator_rank, async_save, commit_timeout,
+                            chunk_bytes, write_stock_metadata, _publisher)
+
+
+def _save_locked(
+    state_dict: dict,
+    path: str,
+    process_group,
+    coordinator_rank: int,
+    async_save: bool,
+    commit_timeout: float | None,
+    chunk_bytes: int,
+    write_stock_metadata: bool,
+    publisher: _Publisher | None,
+) -> SaveHandle | None:
     tr = _Tracer("save (calling thread)")
     _wait_pending(raise_error=True)
     tr.mark("wait-previous")
@@ -534,6 +623,7 @@ def save_state_dict(
         chunk_bytes=chunk_bytes,
         timeout=timeout,
         write_stock=write_stock_metadata,
+        publisher=publisher,
     )
     if not async_save:
         job.run()
@@ -569,16 +659,22 @@ def read_metadata(path: str) -> CheckpointMetadata:
     """Metadata of a committed checkpoint; raises NotACheckpointError / IncompleteCheckpointError / MetadataError."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
-        hint = ""
         parent = os.path.dirname(path)
         base = os.path.basename(path)
         try:
-            near = [n for n in os.listdir(parent) if n.startswith(base + ".old-") or n.startswith(base + ".tmp-")]
+            near = sorted(n for n in os.listdir(parent) if n.startswith((base + ".old-", base + ".tmp-")))
         except OSError:
             near = []
-        if near:
-            hint = f" (found {sorted(near)[:3]} next to it: an interrupted save or replacement)"
-        raise NotACheckpointError(f"{path} is not a checkpoint: no such directory{hint}")
+        staging = [n for n in near if n.startswith(base + ".tmp-")]
+        old = [n for n in near if n.startswith(base + ".old-")]
+        old_hint = (f"; {old[0]} holds the checkpoint that was being replaced (rename it back to "
+                    f"{base})") if old else ""
+        if staging:
+            raise IncompleteCheckpointError(
+                f"checkpoint {path} is incomplete: it was never committed; "
+                f"{_describe_staging(_newest(parent, staging))} left {staging[:3]} next to it{old_hint}"
+            )
+        raise NotACheckpointError(f"{path} is not a checkpoint: no such directory{old_hint}")
     mpath = os.path.join(path, METADATA_FILE)
     cpath = os.path.join(path, COMMIT_FILE)
     has_m, has_c = os.path.isfile(mpath), os.path.isfile(cpath)
@@ -589,6 +685,11 @@ def read_metadata(path: str) -> CheckpointMetadata:
             missing = "the commit record COMMIT" + ("" if has_m else " and metadata.json")
             raise IncompleteCheckpointError(
                 f"checkpoint {path} is incomplete: {missing} is missing (the save did not finish)"
+            )
+        if LATEST_FILE in names:
+            raise NotACheckpointError(
+                f"{path} is a checkpoint root ({LATEST_FILE} -> {_peek_latest(path)}), not a checkpoint: pass one "
+                f"of its checkpoint directories, or pass the root to load_checkpoint / CheckpointManager"
             )
         stock = any(n.endswith(".metadata") for n in names)
         raise NotACheckpointError(
@@ -614,6 +715,43 @@ def read_metadata(path: str) -> CheckpointMetadata:
     if md.checkpoint_id != cid:
         raise MetadataError(f"checkpoint {path}: commit record and metadata name different checkpoints")
     return md
+
+
+def _newest(parent: str, names: list[str]) -> str:
+    def mtime(n: str) -> float:
+        try:
+            return os.path.getmtime(os.path.join(parent, n))
+        except OSError:
+            return 0.0
+
+    return os.path.join(parent, max(names, key=mtime))
+
+
+def _describe_staging(staging: str) -> str:
+    """Why a staging directory is there: a save that failed with an error, or one that was killed (or runs)."""
+    parts = os.path.join(staging, PARTS_DIR)
+    try:
+        names = sorted(os.listdir(parts))
+    except OSError:
+        names = []
+    errors = [n for n in names if n.endswith(".failed.json") or n == "ABORT"]
+    if errors:
+        try:
+            with open(os.path.join(parts, errors[0]), "rb") as f:
+                raw = f.read(500)
+            why = json.loads(raw).get("error") if errors[0] != "ABORT" else raw.decode(errors="replace")
+        except (OSError, ValueError, AttributeError):
+            why = "unknown error"
+        return f"a save that failed ({why})"
+    return "a save that was interrupted (or is still running)"
+
+
+def _peek_latest(root: str) -> str:
+    try:
+        with open(os.path.join(root, LATEST_FILE), "rb") as f:
+            return f.read(256).decode(errors="replace").strip() or "empty"
+    except OSError:
+        return "unreadable"
 
 
 def _staging_tensor(shape, dtype: str, pin: bool):
@@ -794,8 +932,14 @@ def load_state_dict(
     finally:
         if files is not None:
             files.close()
-    statuses = comm.all_gather_object((_error_payload(err), requested))
+    statuses = comm.all_gather_object((_error_payload(err), requested, md.checkpoint_id if md else None))
     _raise_gathered([s[0] for s in statuses], err)
+    ids = sorted({s[2] for s in statuses})
+    if len(ids) > 1:  # e.g. the path was replaced by a concurrent save between the ranks' reads
+        raise CheckpointError(
+            f"load of {path}: ranks read different checkpoints ({ids}); was it replaced during the load? "
+            f"nothing was loaded"
+        )
     tr.mark("exchange")
 
     # all ranks are fine: commit into the targets

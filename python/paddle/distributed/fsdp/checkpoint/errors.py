@@ -47,6 +47,14 @@ class DtypeMismatchError(StateDictMismatchError):
     """A requested key has another dtype in the checkpoint."""
 
 
+class UnexpectedKeyError(StateDictMismatchError):
+    """The checkpoint holds keys the model does not have (a checkpoint of another model)."""
+
+
+class OptimizerMismatchError(StateDictMismatchError, ValueError):
+    """The optimizer given to a load is of another class than the saved one, or none was saved."""
+
+
 class InvalidStateDictError(CheckpointError, ValueError):
     """The state dict given to save/load is malformed (bad record, inconsistent ranks, ...)."""
 
@@ -68,6 +76,8 @@ ERROR_CLASSES = {
         MissingKeyError,
         ShapeMismatchError,
         DtypeMismatchError,
+        UnexpectedKeyError,
+        OptimizerMismatchError,
         InvalidStateDictError,
         SaveFailedError,
     )

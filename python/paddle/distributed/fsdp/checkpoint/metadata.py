@@ -48,6 +48,7 @@ FORMAT_NAME = "paddle-fsdp-checkpoint"
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
 COMMIT_FILE = "COMMIT"
+LATEST_FILE = "latest"  # in a CheckpointManager root: the name of the newest committed checkpoint directory
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 # dtype name -> (bytes per element, safetensors dtype code)

@@ -22,6 +22,7 @@ import zlib
 
 import numpy as np
 
+from . import faults
 from .errors import CorruptCheckpointError
 from .metadata import PieceMeta
 
@@ -126,14 +127,22 @@ _SFR = _sync_file_range()
 
 class _Writer:
     """Sequential writer that starts disk writeback of every KICK_BYTES written (Linux ``sync_file_range``), so
-    the data goes to disk while later data is still being checksummed and copied, and the final fsync is short."""
+    the data goes to disk while later data is still being checksummed and copied, and the final fsync is short.
 
-    def __init__(self, fd: int):
+    ``kill_at`` (test-only, see faults.py): write exactly that many bytes of the file, fsync, then SIGKILL."""
+
+    def __init__(self, fd: int, kill_at: int | None = None):
         self.fd = fd
         self.pos = 0
         self.kicked = 0
+        self.kill_at = kill_at
 
     def write(self, bufs: list) -> None:
+        if self.kill_at is not None and self.pos + sum(len(b) for b in bufs) >= self.kill_at:
+            data = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
+            _write_all(self.fd, [data[: self.kill_at - self.pos]])
+            os.fsync(self.fd)
+            faults.kill("mid_data")
         _write_all(self.fd, bufs)
         self.pos += sum(len(b) for b in bufs)
         if _SFR is not None and self.pos - self.kicked >= KICK_BYTES:
@@ -142,18 +151,23 @@ class _Writer:
 
 
 def write_rank_file(
-    path: str, header: bytes, pieces: list[np.ndarray], chunk_bytes: int, checksum: bool = True
+    path: str,
+    header: bytes,
+    pieces: list[np.ndarray],
+    chunk_bytes: int,
+    checksum: bool = True,
+    kill_at: int | None = None,
 ) -> tuple[int, list[list[int]]]:
     """Write header + pieces to ``path``, fsync once. Returns (size, per-piece chunk CRCs).
 
     A piece is a uint8 array, or a callable returning ``(uint8 array, owner of its memory)``, called just
     before that piece is written (so a device tensor is copied to host one piece at a time and the copy is
-    dropped right after).
+    dropped right after). ``kill_at`` is the test-only ``mid_data`` fault (see faults.py).
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     crcs: list[list[int]] = []
     size = len(header)
-    w = _Writer(fd)
+    w = _Writer(fd, kill_at)
     try:
         pending = [header]
         pending_bytes = len(header)
@@ -257,15 +271,22 @@ def replace_dir(staging: str, final: str, old_name: str, background_delete: bool
     """
     parent = os.path.dirname(os.path.abspath(final))
     leftover = None
-    if os.path.lexists(final):
-        if _renameat2_exchange(staging, final):
-            leftover = staging  # now holds the previous checkpoint
-        else:
-            os.rename(final, old_name)
+    for _attempt in range(3):
+        if os.path.lexists(final):
+            if _renameat2_exchange(staging, final):
+                leftover = staging  # now holds the previous checkpoint
+            else:
+                os.rename(final, old_name)
+                os.rename(staging, final)
+                leftover = old_name
+            break
+        try:
             os.rename(staging, final)
-            leftover = old_name
-    else:
-        os.rename(staging, final)
+            break
+        except OSError as e:
+            # another job committed to ``final`` since the lexists check: replace its checkpoint instead
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or _attempt == 2:
+                raise
     fsync_dir(parent)
     if leftover is None:
         return None

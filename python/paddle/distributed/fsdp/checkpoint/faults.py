@@ -1,0 +1,77 @@
+"""TEST-ONLY fault injection: kill this process with SIGKILL at a chosen stage of a save.
+
+Why: crash safety can only be shown by really dying at each step of the save protocol (no ``finally``, no
+``atexit``, no flush), on one rank, in a real multi-process job. Set::
+
+    PADDLE_FSDP_CKPT_FAULT=<stage>:<rank>[:<n>]
+
+and the process whose save-group rank is ``<rank>`` sends itself SIGKILL the ``<n>``-th time (default 1) it
+reaches ``<stage>``. Unset (the normal case) it costs one environment lookup per stage. Never set it in
+production. Stages, in protocol order:
+
+=================  ==========================================================================================
+``before_data``    the staging directory exists; this rank has not opened its data file
+``mid_data``       this rank's data file is half written (that half fsynced); no ``done`` marker
+``after_data``     this rank's data file is complete and fsynced, its ``done`` marker is visible
+``before_metadata`` coordinator: every rank's data is done; ``metadata.json`` not written yet
+``before_commit``  coordinator: ``metadata.json`` and ``0.metadata`` written; the ``COMMIT`` record not
+``before_rename``  coordinator: ``COMMIT`` written in the staging directory; not yet renamed into place
+``after_rename``   coordinator: the checkpoint is committed at its path; a ``latest`` pointer not yet moved
+``before_prune``   coordinator (CheckpointManager): ``latest`` moved; older checkpoints not yet removed
+=================  ==========================================================================================
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+ENV = "PADDLE_FSDP_CKPT_FAULT"
+STAGES = (
+    "before_data",
+    "mid_data",
+    "after_data",
+    "before_metadata",
+    "before_commit",
+    "before_rename",
+    "after_rename",
+    "before_prune",
+)
+
+_counts: dict[str, int] = {}
+_lock = threading.Lock()
+
+
+def _spec() -> tuple[str, int, int] | None:
+    raw = os.environ.get(ENV)
+    if not raw:
+        return None
+    parts = raw.strip().split(":")
+    if len(parts) not in (2, 3) or parts[0] not in STAGES:
+        raise ValueError(f"{ENV}={raw!r}: expected <stage>:<rank>[:<n>] with stage in {STAGES}")
+    return parts[0], int(parts[1]), int(parts[2]) if len(parts) == 3 else 1
+
+
+def hit(stage: str, rank: int) -> bool:
+    """True exactly when this arrival at ``stage`` on ``rank`` is the armed one (arrivals are counted)."""
+    spec = _spec()
+    if spec is None or spec[0] != stage or spec[1] != rank:
+        return False
+    with _lock:
+        _counts[stage] = _counts.get(stage, 0) + 1
+        return _counts[stage] == spec[2]
+
+
+def kill(stage: str) -> None:
+    """Die now, as ``kill -9`` would (stderr line first, so the test log shows where)."""
+    sys.stderr.write(f"[{ENV}] pid {os.getpid()}: SIGKILL at stage {stage}\n")
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def point(stage: str, rank: int) -> None:
+    """A stage boundary of the save protocol: dies here when armed for it."""
+    if hit(stage, rank):
+        kill(stage)
