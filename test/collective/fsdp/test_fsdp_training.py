@@ -108,3 +108,8 @@ def test_unlaunched_single_process_is_bit_exact():
     full = fsdp.full_parameters()
     for key, param in ref.named_parameters():
         np.testing.assert_array_equal(full[key].numpy(), param.numpy(), err_msg=key)
+    via_model, via_fsdp = model.sharded_state_dict(), fsdp.sharded_state_dict()
+    assert sorted(via_model) == sorted(via_fsdp) == sorted(k for k, _ in ref.named_parameters())
+    for key, record in via_model.items():
+        assert record.is_flattened and record.flattened_range == slice(0, record.local_tensor.shape[0])
+        np.testing.assert_array_equal(record.local_tensor.numpy().reshape(record.global_shape), full[key].numpy())
