@@ -11,6 +11,7 @@ from .api import (  # noqa: F401
     load_full_state_dict,
     load_state_dict,
     read_metadata,
+    release_host_buffers,
     save_state_dict,
     verify_checkpoint,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "load_full_state_dict",
     "read_metadata",
     "verify_checkpoint",
+    "release_host_buffers",
     "SaveHandle",
     "LoadReport",
     "CheckpointManager",

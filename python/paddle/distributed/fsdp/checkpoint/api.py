@@ -53,25 +53,36 @@ whose save fails with an error tells the others at once (``failed`` / ``ABORT`` 
 Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (CheckpointManager).
 
 ``async_save=True``: the caller is blocked for the descriptor exchange and a host copy (snapshot) of the pieces
-this rank writes; writing, fsync and commit run in a background (non-daemon) thread. The returned SaveHandle's
+this rank writes; writing, fsync and commit run in a background (non-daemon) thread. The snapshot of host tensors
+goes into one per-process host buffer (``storage.arena``) that is reused by every async save (grown when the
+state grows) and STAYS RESIDENT between saves: an async-saving process holds about one extra copy of the bytes
+it writes, all the time (filling fresh memory costs page faults, which made the snapshot several times slower
+than a copy into resident memory). ``release_host_buffers()`` frees it; the next async save allocates it again.
+Device (and strided) tensors are snapshotted with their own host copy instead. The returned SaveHandle's
 ``wait()`` returns after the commit (on every rank) or raises the background error; an error not collected by
 ``wait()`` is raised by the next ``save_state_dict``. gloo collectives are never issued from the background
 thread (they would race with the training loop's collectives), hence the file-based completion protocol.
 
 Checksums: CRC-32 per 1 MiB chunk of each piece (``chunk_bytes`` in metadata.json), computed on the tensor
-memory during the single write pass (4 MiB slabs, on a helper thread while the kernel copies the slab). A load
+memory during the single write pass (4 MiB slabs, on helper threads while the calling thread goes on writing). A load
 that needs part of a piece reads the enclosing chunks, verifies them, then copies what it needs; so every byte
 loaded is verified and at most two extra chunks per contiguous range are read. ``load_state_dict(...,
 verify_checksums=False)`` skips the check (on by default); sizes, metadata hash and COMMIT are still checked.
 
 Load: every rank reads metadata.json (after checking COMMIT and its hash), intersects the flat runs of each of its
-requested records with the saved pieces and pread()s only those byte ranges (plus chunk alignment) of the files:
-large ranges straight into the host staging buffer in 16 MiB slabs (checksummed on a helper thread while the
-next slab is read), small scattered ranges (rows of boxes) through windows of at most 64 MiB. Host staging is
-this rank's slice; nothing else grows with the checkpoint. Only when every key, shape, dtype, coverage and
-checksum on every rank is fine, and every rank read the same checkpoint (checkpoint ids compared; one
-``all_gather_object`` of the status) are the staging buffers copied into the
-targets in place: a memcpy into the tensor's own memory for contiguous host tensors, ``Tensor.copy_`` (host
+requested records with the saved pieces and pread()s only those byte ranges (plus chunk alignment) of the files.
+Contiguous host targets whose ranges are all large (the usual FSDP case): the file ranges are merged into spans
+and read in file order, 16 MiB at a time, into one host staging buffer (the kernel's sequential readahead;
+explicit ``POSIX_FADV_WILLNEED`` was measured slower; ``PADDLE_FSDP_CKPT_ODIRECT=1`` reads them with O_DIRECT
+instead, bypassing the page cache, which was faster here on an uncached disk and slower on a host-cached one). Other targets (small
+scattered ranges such as rows of boxes, device or strided tensors) get a staging buffer of their own, large
+ranges read straight into it, small ones through windows of at most 64 MiB. Checksums of the large ranges run on
+helper threads while later ranges are read; the rank waits for all of them before the status exchange. Host
+staging is this rank's slice (plus chunk and page alignment); it is the async-save buffer when this process has
+one (borrowed, no fresh memory), else fresh memory freed after the load; nothing else grows with the checkpoint.
+Only when every key, shape, dtype, coverage and checksum on every rank is fine, and every rank read the same
+checkpoint (checkpoint ids compared; one ``all_gather_object`` of the status) are the staged bytes copied into
+the targets in place: a memcpy into the tensor's own memory for contiguous host tensors, ``Tensor.copy_`` (host
 staging tensor, pinned, copied on the target's own place) otherwise; views into fused buffers keep sharing
 memory either way. On any failure the targets are bit-identical to before. JSON values are written back into
 the dict. ``strict=True`` (default) fails, before anything is written, on a requested key that is missing or
@@ -169,6 +180,7 @@ __all__ = [
     "load_full_state_dict",
     "read_metadata",
     "verify_checkpoint",
+    "release_host_buffers",
     "SaveHandle",
     "LoadReport",
 ]
@@ -348,8 +360,21 @@ class _SaveJob:
     write_stock: bool
     publisher: Any = None  # CheckpointManager hook: publish()/is_published()/cleanup(), see _Publisher
     created: float = field(default_factory=time.time)
+    release: Any = None  # async save: gives the snapshot arena back (called once the data file is written)
+
+    def _written(self) -> None:
+        self.arrays = self.keepalive = []  # release snapshot memory early
+        release, self.release = self.release, None
+        if release is not None:
+            release()
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._written()
+
+    def _run(self) -> None:
         tr = _Tracer(f"save rank {self.rank}")
         parts = os.path.join(self.staging, PARTS_DIR)
         os.makedirs(parts, exist_ok=True)
@@ -357,11 +382,13 @@ class _SaveJob:
         faults.point("before_data", self.rank)
         kill_at = layout.size // 2 if faults.hit("mid_data", self.rank) else None
         try:
-            size, crcs = storage.write_rank_file(
-                os.path.join(self.staging, layout.name), layout.header, self.arrays, self.chunk_bytes,
-                kill_at=kill_at,
-            )
-            self.arrays = self.keepalive = []  # release snapshot memory early
+            try:
+                size, crcs = storage.write_rank_file(
+                    os.path.join(self.staging, layout.name), layout.header, self.arrays, self.chunk_bytes,
+                    kill_at=kill_at,
+                )
+            finally:
+                self._written()
             tr.mark("write+fsync")
             # markers need atomic visibility, not durability: the data file itself is already fsynced
             storage.write_file(
@@ -509,6 +536,53 @@ class _SaveJob:
             raise SaveFailedError(f"save to {self.path} aborted by the coordinator: {reason}")
 
 
+_ALIGN = 64  # byte alignment of the pieces carved out of one host buffer
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _snapshot(tensors: list) -> tuple[list, list, Any]:
+    """Host copy of the pieces this rank writes, for an async save: (arrays, owners to keep alive, release).
+
+    Host tensors are copied into the per-process snapshot arena (``storage.arena``, grown when too small and
+    kept resident for the next async save; fresh memory when another user holds it); ``release`` gives the arena
+    back. A device (or strided) tensor's host copy made by ``raw_view`` is its snapshot already.
+    """
+    views = [storage.raw_view(t) for t in tensors]
+    need = sum(_aligned(len(arr)) for (arr, k), t in zip(views, tensors) if k is t)
+    buf = storage.arena.acquire(need, grow=True) if need else None
+    release = storage.arena.release if buf is not None else None
+    try:
+        if buf is None and need:
+            buf = storage.alloc_host(need)
+        arrays, keep, pos = [], [], 0
+        for (arr, k), t in zip(views, tensors):
+            if k is t:
+                dst = buf[pos : pos + len(arr)]
+                np.copyto(dst, arr)
+                arrays.append(dst)
+                pos += _aligned(len(arr))
+            else:  # already a private host copy (device or strided tensor): keep its owner alive
+                arrays.append(arr)
+                keep.append(k)
+    except BaseException:
+        if release is not None:
+            release()
+        raise
+    return arrays, keep, release
+
+
+def release_host_buffers() -> bool:
+    """Free the host buffer that async saves keep resident for their snapshots (and loads borrow as staging).
+
+    Returns False (and frees nothing) while a save or load of this process is using it. The next async save
+    allocates it again.
+    """
+    return storage.arena.free()
+
+
 def _lazy_view(t):
     """Piece provider for write_rank_file: the tensor's bytes (and their owner), produced when written."""
     return lambda: storage.raw_view(t)
@@ -589,27 +663,24 @@ def _save_locked(
     )
     by_key = {r.key: r for r in records}
     staging = f"{path}.tmp-{checkpoint_id}"
+    tr.mark("plan")
     arrays: list = []
     keep: list = []
+    release = None
     try:
-        for key, _piece in plan.files[comm.rank].pieces:
-            t = by_key[key].tensor
-            if async_save:
-                # snapshot now: host copy of this rank's pieces (device tensors: the .cpu() copy is the snapshot)
-                arr, k = storage.raw_view(t)
-                if k is t:
-                    arrays.append(arr.copy())
-                else:  # already a private host copy (device or strided tensor): keep its owner alive
-                    arrays.append(arr)
-                    keep.append(k)
-            else:
-                # sync: write straight from tensor memory; device tensors are copied to host one piece at a
-                # time while writing (never the whole state at once)
-                arrays.append(_lazy_view(t))
+        tensors = [by_key[key].tensor for key, _piece in plan.files[comm.rank].pieces]
+        if async_save:
+            # snapshot now: host copy of this rank's pieces into the reusable snapshot arena (device tensors:
+            # the .cpu() copy is the snapshot)
+            arrays, keep, release = _snapshot(tensors)
+        else:
+            # sync: write straight from tensor memory; device tensors are copied to host one piece at a
+            # time while writing (never the whole state at once)
+            arrays = [_lazy_view(t) for t in tensors]
     except BaseException as e:
         _mark_failed(staging, comm.rank, e)  # the coordinator must not wait for this rank until the timeout
         raise
-    tr.mark("plan+snapshot" if async_save else "plan")
+    tr.mark("snapshot" if async_save else "views")
     job = _SaveJob(
         path=path,
         staging=staging,
@@ -624,6 +695,7 @@ def _save_locked(
         timeout=timeout,
         write_stock=write_stock_metadata,
         publisher=publisher,
+        release=release,
     )
     if not async_save:
         job.run()
@@ -636,7 +708,14 @@ def _save_locked(
     global _pending
     with _pending_lock:
         _pending = handle
-    th.start()
+    try:
+        th.start()
+    except BaseException:
+        with _pending_lock:
+            if _pending is handle:
+                _pending = None
+        job._written()
+        raise
     tr.mark("start-thread")
     tr.done()
     return handle
@@ -765,27 +844,74 @@ def _staging_tensor(shape, dtype: str, pin: bool):
         return paddle.empty(list(shape), dtype=dtype, device=paddle.CPUPlace())
 
 
-def _fill(files: storage.FileSet, md: CheckpointMetadata, key: str, tm: TensorMeta, region: Region,
-          out: np.ndarray, verify: bool) -> None:
-    """Read every element of ``region`` of ``key`` into ``out`` (uint8, region storage order)."""
+def _segments(root: str, md: CheckpointMetadata, key: str, tm: TensorMeta, region: Region) -> list:
+    """Where the bytes of ``region`` of ``key`` are: per saved piece ``(piece, src, dst, length, big)``, byte
+    offsets (piece-relative source, region-relative destination) sorted by source; ``big`` marks the segments of
+    at least two checksum chunks (read straight, without a window buffer)."""
     items, covered = plan_reads(key, tm, region)
     if covered != region.numel:
         raise CorruptCheckpointError(
-            f"checkpoint {files.root}: key {key!r}: saved pieces cover {covered} of the {region.numel} "
+            f"checkpoint {root}: key {key!r}: saved pieces cover {covered} of the {region.numel} "
             f"requested elements"
         )
     isz = DTYPES[tm.dtype][0]
-    verify = verify and md.checksum == "crc32"
+    out = []
     for it in items:
         seg = it.segments
         order = np.argsort(seg.src, kind="stable")
-        src_b = seg.src[order] * isz
-        dst_b = seg.dst[order] * isz
         len_b = seg.length[order] * isz
+        out.append((it.piece, seg.src[order] * isz, seg.dst[order] * isz, len_b, len_b >= 2 * md.chunk_bytes))
+    return out
+
+
+_SPAN_GAP = 4096  # file ranges closer than this are read as one span (staging stays the slice + alignment)
+
+
+def _plan_spans(reads: list, chunk_bytes: int, verify: bool) -> list[list]:
+    """Group the in-place reads ``(target, piece, a, b, dst)`` into aligned file spans.
+
+    Returns ``[name, start, need, members]`` per span (``start`` aligned to DIRECT_ALIGN; ``need`` bytes from
+    there cover every member; with ``verify`` every member's range is widened to whole chunks of its piece)."""
+    C = chunk_bytes
+    ranges = []
+    for r in reads:
+        _tg, piece, a, b, _d = r
+        a0, b0 = ((a // C) * C, min(-(-b // C) * C, piece.nbytes)) if verify else (a, b)
+        ranges.append((piece.file, piece.offset + a0, piece.offset + b0, r, a0, b0))
+    ranges.sort(key=lambda x: (x[0], x[1]))
+    spans: list[list] = []
+    for name, fs, fe, r, a0, b0 in ranges:
+        if spans and spans[-1][0] == name and fs <= spans[-1][2] + _SPAN_GAP:
+            spans[-1][2] = max(spans[-1][2], fe)
+            spans[-1][3].append((r, a0, b0))
+        else:
+            spans.append([name, fs, fe, [(r, a0, b0)]])
+    A = storage.DIRECT_ALIGN
+    out = []
+    for name, fs, fe, members in spans:
+        start = (fs // A) * A
+        out.append([name, start, fe - start, members])
+    return out
+
+
+def _fill(files: storage.FileSet, md: CheckpointMetadata, key: str, tm: TensorMeta, region: Region,
+          out: np.ndarray, verify: bool, verifier: storage.ChunkVerifier | None = None,
+          deferred: list | None = None) -> None:
+    """Read every element of ``region`` of ``key`` into ``out`` (uint8, region storage order).
+
+    With ``verifier``, checks of large ranges are queued on it: ``out`` is verified only after its ``wait()``.
+    With ``deferred``, large ranges are not read here but appended to it as ``(key, piece, a, b, out view)``
+    for ``_read_deferred`` (which reads them in file order); small ones are read at once.
+    """
+    verify = verify and md.checksum == "crc32"
+    for piece, src_b, dst_b, len_b, big in _segments(files.root, md, key, tm, region):
         # large segments: read straight into the staging buffer (verified in place)
-        big = len_b >= 2 * md.chunk_bytes
         for a, d, l in zip(src_b[big].tolist(), dst_b[big].tolist(), len_b[big].tolist()):
-            storage.read_range_direct(files, key, it.piece, a, a + l, out[d : d + l], md.chunk_bytes, verify)
+            if deferred is not None:
+                deferred.append((key, piece, a, a + l, out[d : d + l]))
+                continue
+            storage.read_range_direct(files, key, piece, a, a + l, out[d : d + l], md.chunk_bytes, verify,
+                                      verifier=verifier)
         if big.all():
             continue
         src_b, dst_b, len_b = src_b[~big], dst_b[~big], len_b[~big]
@@ -798,7 +924,7 @@ def _fill(files: storage.FileSet, md: CheckpointMetadata, key: str, tm: TensorMe
                 merged.append((a, b))
         si = 0
         n = len(src_b)
-        for wpos, buf in storage.read_piece_windows(files, key, it.piece, merged, md.chunk_bytes, verify):
+        for wpos, buf in storage.read_piece_windows(files, key, piece, merged, md.chunk_bytes, verify):
             wend = wpos + len(buf)
             # segments are sorted by source offset and disjoint, so finished ones form a prefix
             j = si
@@ -812,6 +938,16 @@ def _fill(files: storage.FileSet, md: CheckpointMetadata, key: str, tm: TensorMe
                 if b <= wend and j == si:
                     si += 1
                 j += 1
+
+
+def _read_deferred(files: storage.FileSet, md: CheckpointMetadata, reads: list, verify: bool,
+                   verifier: storage.ChunkVerifier) -> None:
+    """Read the large ranges collected by ``_fill(deferred=...)`` in file order (sequential for the kernel's
+    readahead; requesting readahead explicitly with POSIX_FADV_WILLNEED was measured slower)."""
+    verify = verify and md.checksum == "crc32"
+    reads.sort(key=lambda r: (r[1].file, r[1].offset + r[2]))
+    for key, piece, a, b, out in reads:
+        storage.read_range_direct(files, key, piece, a, b, out, md.chunk_bytes, verify, verifier=verifier)
 
 
 # ------------------------------------------------------------------------------------------------ load
@@ -837,6 +973,7 @@ class _Target:
     dtype: str
     staging: Any = None
     raw: Any = None
+    copies: Any = None  # in-place host target: [(dst byte offset, verified source bytes in the span buffer)]
 
 
 def load_state_dict(
@@ -863,96 +1000,158 @@ def load_state_dict(
     value_updates: dict[str, Any] = {}
     md = None
     files = None
+    verifier = storage.ChunkVerifier()
+    arena_held = False
     requested = sorted(k for k in state_dict) if isinstance(state_dict, dict) else []
     try:
-        md = read_metadata(path)
-        tr.mark("metadata")
-        if not isinstance(state_dict, dict):
-            raise InvalidStateDictError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        problems: list[tuple[type, str]] = []
-        for key, val in state_dict.items():
-            rec = to_record(key, val)
-            if rec is None:
-                if key in md.values:
-                    value_updates[key] = md.values[key]
-                    report.loaded_keys.append(key)
-                elif key in md.tensors:
-                    report.mismatched_keys[key] = "saved as a tensor, requested as a plain value"
-                    problems.append((InvalidStateDictError, f"key {key!r} is a tensor in the checkpoint, "
-                                                             f"not a plain value"))
+        try:
+            md = read_metadata(path)
+            tr.mark("metadata")
+            if not isinstance(state_dict, dict):
+                raise InvalidStateDictError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+            problems: list[tuple[type, str]] = []
+            for key, val in state_dict.items():
+                rec = to_record(key, val)
+                if rec is None:
+                    if key in md.values:
+                        value_updates[key] = md.values[key]
+                        report.loaded_keys.append(key)
+                    elif key in md.tensors:
+                        report.mismatched_keys[key] = "saved as a tensor, requested as a plain value"
+                        problems.append((InvalidStateDictError, f"key {key!r} is a tensor in the checkpoint, "
+                                                                 f"not a plain value"))
+                    else:
+                        report.missing_keys.append(key)
+                        problems.append((MissingKeyError, f"key {key!r} is missing from checkpoint {path}"))
+                    continue
+                tm = md.tensors.get(key)
+                if tm is None:
+                    if key in md.values:
+                        report.mismatched_keys[key] = "saved as a plain value, requested as a tensor"
+                        problems.append((InvalidStateDictError, f"key {key!r} is a plain value in the "
+                                                                 f"checkpoint, not a tensor"))
+                    else:
+                        report.missing_keys.append(key)
+                        problems.append((MissingKeyError, f"key {key!r} is missing from checkpoint {path}"))
+                    continue
+                if tuple(tm.shape) != tuple(rec.region.shape):
+                    reason = f"shape {list(rec.region.shape)} requested, {list(tm.shape)} in the checkpoint"
+                    report.mismatched_keys[key] = reason
+                    problems.append((ShapeMismatchError, f"key {key!r}: {reason}"))
+                    continue
+                if tm.dtype != rec.dtype:
+                    reason = f"dtype {rec.dtype} requested, {tm.dtype} in the checkpoint"
+                    report.mismatched_keys[key] = reason
+                    problems.append((DtypeMismatchError, f"key {key!r}: {reason}"))
+                    continue
+                targets.append(_Target(key, rec.tensor, rec.region, rec.dtype))
+            if strict and problems:
+                cls, _ = problems[0]
+                more = f" (and {len(problems) - 1} more: " + "; ".join(m for _, m in problems[1:4]) + ")" \
+                    if len(problems) > 1 else ""
+                raise cls(problems[0][1] + more)
+            tr.mark("validate")
+            # read + verify everything into host staging (this rank's slice); targets untouched until commit.
+            # Host targets read in large ranges only (the usual case): their file ranges are read as aligned
+            # spans (O_DIRECT where supported) into one host buffer, committed with a memcpy per range into the
+            # target's own memory. Other targets (small scattered ranges, device or strided tensors) get a
+            # staging buffer of their own, committed with one memcpy (host) or Tensor.copy_ (device, strided).
+            # All host staging is carved out of one buffer: the async-save arena when there is one, else fresh.
+            verify = verify_checksums and md.checksum == "crc32"
+            direct: list = []  # (target, piece, a, b, dst offset)
+            staged: list[_Target] = []
+            for tg in targets:
+                if tg.region.numel == 0:
+                    continue
+                segs = _segments(path, md, tg.key, md.tensors[tg.key], tg.region)
+                host = storage._is_host(tg.tensor.place) and tg.tensor.is_contiguous()
+                if _HOST_FAST_PATH and host and all(bool(sg[4].all()) for sg in segs):
+                    tg.copies = []
+                    for piece, src_b, dst_b, len_b, _big in segs:
+                        for a, d, n in zip(src_b.tolist(), dst_b.tolist(), len_b.tolist()):
+                            direct.append((tg, piece, a, a + n, d))
                 else:
-                    report.missing_keys.append(key)
-                    problems.append((MissingKeyError, f"key {key!r} is missing from checkpoint {path}"))
-                continue
-            tm = md.tensors.get(key)
-            if tm is None:
-                if key in md.values:
-                    report.mismatched_keys[key] = "saved as a plain value, requested as a tensor"
-                    problems.append((InvalidStateDictError, f"key {key!r} is a plain value in the checkpoint, "
-                                                             f"not a tensor"))
-                else:
-                    report.missing_keys.append(key)
-                    problems.append((MissingKeyError, f"key {key!r} is missing from checkpoint {path}"))
-                continue
-            if tuple(tm.shape) != tuple(rec.region.shape):
-                reason = f"shape {list(rec.region.shape)} requested, {list(tm.shape)} in the checkpoint"
-                report.mismatched_keys[key] = reason
-                problems.append((ShapeMismatchError, f"key {key!r}: {reason}"))
-                continue
-            if tm.dtype != rec.dtype:
-                reason = f"dtype {rec.dtype} requested, {tm.dtype} in the checkpoint"
-                report.mismatched_keys[key] = reason
-                problems.append((DtypeMismatchError, f"key {key!r}: {reason}"))
-                continue
-            targets.append(_Target(key, rec.tensor, rec.region, rec.dtype))
-        if strict and problems:
-            cls, _ = problems[0]
-            more = f" (and {len(problems) - 1} more: " + "; ".join(m for _, m in problems[1:4]) + ")" \
-                if len(problems) > 1 else ""
-            raise cls(problems[0][1] + more)
-        tr.mark("validate")
-        # read + verify everything into host staging (this rank's slice); targets untouched
-        files = storage.FileSet(path, {n: f.size for n, f in md.files.items()}, resolve_member)
-        for tg in targets:
-            if tg.region.numel == 0:
-                continue
-            if _HOST_FAST_PATH and storage._is_host(tg.tensor.place) and tg.tensor.is_contiguous():
-                # host target: plain numpy staging, committed with one memcpy into the target's own memory
-                tg.raw = np.empty(tg.region.numel * DTYPES[tg.dtype][0], np.uint8)
-            else:
-                # device (or strided) target: host staging tensor (pinned for devices), committed with copy_
-                pin = not storage._is_host(tg.tensor.place)
-                tg.staging = _staging_tensor(tg.tensor.shape, tg.dtype, pin)
-                tg.raw, _ = storage.raw_view(tg.staging, allow_copy=False)
-            _fill(files, md, tg.key, md.tensors[tg.key], tg.region, tg.raw, verify_checksums)
-        report.bytes_read = files.bytes_read
-        tr.mark("read")
-    except Exception as e:  # noqa: BLE001 - every failure must reach the status exchange below
-        err = e
-    finally:
-        if files is not None:
-            files.close()
-    statuses = comm.all_gather_object((_error_payload(err), requested, md.checkpoint_id if md else None))
-    _raise_gathered([s[0] for s in statuses], err)
-    ids = sorted({s[2] for s in statuses})
-    if len(ids) > 1:  # e.g. the path was replaced by a concurrent save between the ranks' reads
-        raise CheckpointError(
-            f"load of {path}: ranks read different checkpoints ({ids}); was it replaced during the load? "
-            f"nothing was loaded"
-        )
-    tr.mark("exchange")
+                    staged.append(tg)
+            spans = _plan_spans(direct, md.chunk_bytes, verify)
+            A = storage.DIRECT_ALIGN
+            span_bytes = [-(-sp[2] // A) * A for sp in spans]
+            host_staged = [tg for tg in staged if _HOST_FAST_PATH and storage._is_host(tg.tensor.place)
+                           and tg.tensor.is_contiguous()]
+            need = sum(span_bytes) + sum(_aligned(tg.region.numel * DTYPES[tg.dtype][0]) for tg in host_staged)
+            stage = storage.arena.acquire(need, grow=storage.arena.capacity > 0) if need else None
+            arena_held = stage is not None
+            if stage is None and need:
+                stage = storage.alloc_host(need)
+            pos = 0
+            span_reads = []
+            for (name, start, n_need, members), nb in zip(spans, span_bytes):
+                buf = stage[pos : pos + nb]
+                pos += nb
+                checks, seen = [], set()
+                for (tg, piece, a, b, d), a0, b0 in members:
+                    lo = piece.offset + a - start
+                    tg.copies.append((d, buf[lo : lo + (b - a)]))
+                    if verify and (id(piece), a0, b0) not in seen:
+                        seen.add((id(piece), a0, b0))
+                        checks.append((tg.key, piece, a0, b0))
+                span_reads.append(storage.SpanRead(name, start, n_need, buf, checks))
+            for tg in host_staged:
+                n = tg.region.numel * DTYPES[tg.dtype][0]
+                tg.raw = stage[pos : pos + n]
+                pos += _aligned(n)
+            stage = None
+            files = storage.FileSet(path, {n: f.size for n, f in md.files.items()}, resolve_member)
+            storage.read_spans(files, span_reads, md.chunk_bytes, verifier if verify else None)
+            span_reads = None
+            reads: list = []  # large ranges of staged targets, read below in file order
+            for tg in staged:
+                if tg.raw is None:
+                    # device (or strided) target: host staging tensor (pinned for devices), committed with copy_
+                    pin = not storage._is_host(tg.tensor.place)
+                    tg.staging = _staging_tensor(tg.tensor.shape, tg.dtype, pin)
+                    tg.raw, _ = storage.raw_view(tg.staging, allow_copy=False)
+                _fill(files, md, tg.key, md.tensors[tg.key], tg.region, tg.raw, verify_checksums, verifier, reads)
+            _read_deferred(files, md, reads, verify_checksums, verifier)
+            tr.mark("read")
+            verifier.wait()  # every queued checksum, before this rank reports its status
+            report.bytes_read = files.bytes_read
+            tr.mark("verify-wait")
+        except Exception as e:  # noqa: BLE001 - every failure must reach the status exchange below
+            err = e
+        finally:
+            verifier.drain()  # no helper thread reads the staging any more
+            if files is not None:
+                files.close()
+        statuses = comm.all_gather_object((_error_payload(err), requested, md.checkpoint_id if md else None))
+        _raise_gathered([s[0] for s in statuses], err)
+        ids = sorted({s[2] for s in statuses})
+        if len(ids) > 1:  # e.g. the path was replaced by a concurrent save between the ranks' reads
+            raise CheckpointError(
+                f"load of {path}: ranks read different checkpoints ({ids}); was it replaced during the load? "
+                f"nothing was loaded"
+            )
+        tr.mark("exchange")
 
-    # all ranks are fine: commit into the targets
-    for tg in targets:
-        if tg.staging is not None:
-            # Tensor.copy_ writes into the existing allocation (views into fused buffers keep aliasing) and
-            # copies host->device on the target's own place
-            tg.tensor.copy_(tg.staging, True)
-        elif tg.raw is not None:
-            dst, _ = storage.raw_view(tg.tensor, allow_copy=False)
-            np.copyto(dst, tg.raw)
-        tg.staging = tg.raw = None
-        report.loaded_keys.append(tg.key)
+        # all ranks are fine: commit into the targets
+        for tg in targets:
+            if tg.copies is not None:
+                dst, _ = storage.raw_view(tg.tensor, allow_copy=False)
+                for d, src in tg.copies:
+                    np.copyto(dst[d : d + len(src)], src)
+            elif tg.staging is not None:
+                # Tensor.copy_ writes into the existing allocation (views into fused buffers keep aliasing) and
+                # copies host->device on the target's own place
+                tg.tensor.copy_(tg.staging, True)
+            elif tg.raw is not None:
+                dst, _ = storage.raw_view(tg.tensor, allow_copy=False)
+                np.copyto(dst, tg.raw)
+            tg.staging = tg.raw = tg.copies = None
+            report.loaded_keys.append(tg.key)
+    finally:
+        for tg in targets:
+            tg.staging = tg.raw = tg.copies = None
+        if arena_held:
+            storage.arena.release()
     for k, v in value_updates.items():
         state_dict[k] = v
     all_requested = set()
@@ -977,6 +1176,8 @@ def load_full_state_dict(path: str, keys: Iterable[str] | None = None) -> dict:
     wanted = list(md.tensors) if keys is None else list(keys)
     out: dict = {}
     files = storage.FileSet(path, {n: f.size for n, f in md.files.items()}, resolve_member)
+    verifier = storage.ChunkVerifier()
+    reads: list = []
     try:
         for key in wanted:
             if key in md.values and key not in md.tensors:
@@ -989,9 +1190,12 @@ def load_full_state_dict(path: str, keys: Iterable[str] | None = None) -> dict:
             region = Region.full(tm.shape)
             if region.numel:
                 raw, _ = storage.raw_view(t, allow_copy=False)
-                _fill(files, md, key, tm, region, raw, True)
+                _fill(files, md, key, tm, region, raw, True, verifier, reads)
             out[key] = t
+        _read_deferred(files, md, reads, True, verifier)
+        verifier.wait()  # nothing is returned before every checksum passed
     finally:
+        verifier.drain()
         files.close()
     return out
 

@@ -3,9 +3,16 @@
 * A rank file is a safetensors file written in one sequential pass straight from tensor memory (no
   whole-state copy): the header, then each piece with ``os.writev`` on memoryviews of the tensors' own memory.
   CRC-32 of every ``chunk_bytes`` chunk of every piece is computed on the same memory during that pass (no second
-  read). Each file is fsynced once.
+  read), on helper threads (``zlib.crc32`` releases the GIL) while the calling thread goes on writing; at most
+  ``CRC_INFLIGHT_BYTES`` of checksum work is queued ahead, and the memory of a piece (and its owner, e.g. the
+  host copy of a device tensor) stays alive until its bytes are both written and checksummed. Each file is
+  fsynced once.
 * Reads use ``os.preadv`` into preallocated buffers, in windows of at most ``window_bytes``; the chunks a window
-  touches are read whole and verified before any byte of them is used.
+  touches are read whole and verified before any byte of them is used. Large ranges read straight into the
+  caller's staging buffer can be verified on the helper threads while later ranges are read
+  (``ChunkVerifier``); the caller waits for all of them (``ChunkVerifier.wait``) before using the bytes.
+* ``alloc_host`` and ``HostArena``: page-aligned anonymous host memory (transparent huge pages requested), and
+  one reusable per-process buffer of it for async-save snapshots and load staging (see api.py).
 * Durability helpers: ``fsync_dir``, ``write_file_durable`` (tmp + fsync + rename + dir fsync) and
   ``replace_dir`` (atomic directory swap with ``renameat2(RENAME_EXCHANGE)`` where the kernel and file system
   support it, otherwise two renames).
@@ -13,8 +20,10 @@
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
+import mmap
 import os
 import shutil
 import threading
@@ -30,6 +39,10 @@ WRITE_SLAB = 64 << 20  # bytes handed to the kernel per write call
 SLAB_BYTES = int(os.environ.get("PADDLE_FSDP_CKPT_SLAB", 4 << 20))  # checksum+write step (cache-hot)
 READ_SLAB_BYTES = int(os.environ.get("PADDLE_FSDP_CKPT_READ_SLAB", 16 << 20))  # pread step of direct reads
 DEFAULT_WINDOW = 64 << 20  # read window (bounded host buffer per read)
+# Span reads (load) bypass the page cache with O_DIRECT where the file system allows it: the data then lands in
+# the staging buffer straight from the device, instead of being copied once more out of the page cache.
+ODIRECT = os.environ.get("PADDLE_FSDP_CKPT_ODIRECT", "0") == "1" and hasattr(os, "O_DIRECT")
+DIRECT_ALIGN = 4096  # offset, length and memory alignment of O_DIRECT reads
 _IOV_MAX = 512
 
 
@@ -49,6 +62,74 @@ def _crc_pool():
 
             _pool = ThreadPoolExecutor(max_workers=CRC_THREADS, thread_name_prefix="ckpt-crc")
         return _pool
+
+
+# ------------------------------------------------------------------------------------------- host memory
+
+HUGEPAGES = os.environ.get("PADDLE_FSDP_CKPT_HUGEPAGES", "1") != "0"
+
+
+def alloc_host(nbytes: int) -> np.ndarray:
+    """Fresh uint8 host buffer of ``nbytes`` in its own anonymous mapping (page aligned, returned to the OS when
+    the last view of it is dropped), with transparent huge pages requested (``MADV_HUGEPAGE``): first touch of
+    fresh memory costs one fault per 4 KiB page otherwise, which is most of the cost of filling it."""
+    if nbytes <= 0:
+        return np.empty(0, np.uint8)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if HUGEPAGES and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except (OSError, ValueError):
+            pass
+    return np.frombuffer(m, np.uint8)
+
+
+class HostArena:
+    """One reusable host buffer (per process) for the async-save snapshot and the load staging.
+
+    Fresh memory is slow to fill (page faults; on a VM whose balloon gives freed pages back to the host, many
+    times slower than a copy into memory that is already resident), so the snapshot of every async save goes
+    into the same buffer, which stays resident between saves; a load borrows it as its staging when it exists.
+    ``acquire`` hands it to one user at a time (None while another one holds it: the caller then uses fresh
+    memory); ``grow`` replaces a too small buffer by a larger one (else None). ``free`` drops it.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._buf: np.ndarray | None = None
+        self._busy = False
+
+    @property
+    def capacity(self) -> int:
+        buf = self._buf
+        return 0 if buf is None else len(buf)
+
+    def acquire(self, nbytes: int, grow: bool) -> np.ndarray | None:
+        with self._lock:
+            if self._busy:
+                return None
+            if self._buf is None or len(self._buf) < nbytes:
+                if not grow:
+                    return None
+                self._buf = None  # drop the small one before allocating (lower peak)
+                self._buf = alloc_host(nbytes)
+            self._busy = True
+            return self._buf[:nbytes]
+
+    def release(self) -> None:
+        with self._lock:
+            self._busy = False
+
+    def free(self) -> bool:
+        """Drop the buffer (its memory goes back to the OS once no view of it is alive); False while in use."""
+        with self._lock:
+            if self._busy:
+                return False
+            self._buf = None
+            return True
+
+
+arena = HostArena()
 
 
 # ------------------------------------------------------------------------------------------- tensor memory
@@ -150,6 +231,9 @@ class _Writer:
             self.kicked = self.pos
 
 
+CRC_INFLIGHT_BYTES = 2 * WRITE_SLAB  # checksum work queued ahead of the writer (bounds live lazy host copies)
+
+
 def write_rank_file(
     path: str,
     header: bytes,
@@ -161,53 +245,69 @@ def write_rank_file(
     """Write header + pieces to ``path``, fsync once. Returns (size, per-piece chunk CRCs).
 
     A piece is a uint8 array, or a callable returning ``(uint8 array, owner of its memory)``, called just
-    before that piece is written (so a device tensor is copied to host one piece at a time and the copy is
-    dropped right after). ``kill_at`` is the test-only ``mid_data`` fault (see faults.py).
+    before that piece is written (so a device tensor is copied to host one piece at a time; the copy is dropped
+    once its bytes are written and checksummed). Checksums run on the helper pool while the calling thread
+    writes (at most ``CRC_INFLIGHT_BYTES`` ahead of it). ``kill_at`` is the test-only ``mid_data`` fault (see
+    faults.py).
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     crcs: list[list[int]] = []
     size = len(header)
     w = _Writer(fd, kill_at)
+    pool = _crc_pool() if checksum else None
+    slab = max(chunk_bytes, (SLAB_BYTES // chunk_bytes) * chunk_bytes)
+    # checksum jobs in piece order: (that piece's CRC list, futures, bytes, owner kept alive until done)
+    jobs: collections.deque = collections.deque()
+    inflight = 0
+
+    def settle(limit: int) -> None:
+        nonlocal inflight
+        while jobs and inflight > limit:
+            piece_crcs, futs, n, _owner = jobs.popleft()
+            for f in futs:
+                piece_crcs.extend(f.result())
+            inflight -= n
+
     try:
-        pending = [header]
+        pending = [header]  # small pieces batched into one writev (with their owners, alive until written)
+        pending_owners: list = []
         pending_bytes = len(header)
         for arr in pieces:
-            owner = None  # noqa: F841 - drops the previous piece's host copy
+            owner = None
             if callable(arr):
                 arr, owner = arr()
             mv = memoryview(arr).cast("B")
             piece_crcs: list[int] = []
             crcs.append(piece_crcs)
             size += len(mv)
+            if checksum and pool is None:
+                piece_crcs.extend(_chunk_crcs(mv, chunk_bytes))
+            elif checksum and len(mv):
+                settle(max(0, CRC_INFLIGHT_BYTES - len(mv)))
+                futs = [pool.submit(_chunk_crcs, mv[i : i + slab], chunk_bytes) for i in range(0, len(mv), slab)]
+                jobs.append((piece_crcs, futs, len(mv), owner))
+                inflight += len(mv)
             if len(mv) < WRITE_SLAB:
-                # small piece: checksum now, batch it with its neighbours into one writev
-                if checksum:
-                    for i in range(0, len(mv), chunk_bytes):
-                        piece_crcs.append(zlib.crc32(mv[i : i + chunk_bytes]))
                 pending.append(mv)
+                pending_owners.append(owner)
                 pending_bytes += len(mv)
                 if pending_bytes >= WRITE_SLAB or len(pending) >= _IOV_MAX:
                     w.write(pending)
-                    pending, pending_bytes = [], 0
+                    pending, pending_owners, pending_bytes = [], [], 0
                 continue
             w.write(pending)
-            pending, pending_bytes = [], 0
-            # large piece: checksum a slab while it is cache-hot, then hand that slab to the kernel
-            slab = max(chunk_bytes, (SLAB_BYTES // chunk_bytes) * chunk_bytes) if checksum else WRITE_SLAB
-            pool = _crc_pool() if checksum else None
-            futures = []
-            for i in range(0, len(mv), slab):
-                part = mv[i : i + slab]
-                if checksum and pool is None:
-                    piece_crcs.extend(_chunk_crcs(part, chunk_bytes))
-                elif checksum:  # checksum this slab on a helper thread while the kernel copies it
-                    futures.append(pool.submit(_chunk_crcs, part, chunk_bytes))
-                w.write([part])
-            for f in futures:
-                piece_crcs.extend(f.result())
+            pending, pending_owners, pending_bytes = [], [], 0
+            for i in range(0, len(mv), WRITE_SLAB):
+                w.write([mv[i : i + WRITE_SLAB]])
         w.write(pending)
-        os.fsync(fd)
+        pending = pending_owners = []
+        os.fsync(fd)  # the last checksums finish meanwhile
+        settle(0)
     finally:
+        # no checksum job may still read a piece whose owner is dropped when this returns
+        for _crcs, futs, _n, _owner in jobs:
+            for f in futs:
+                f.exception()
         os.close(fd)
     return size, crcs
 
@@ -310,6 +410,7 @@ class FileSet:
         self.resolve = resolve
         self.fds: dict[str, int] = {}
         self.bytes_read = 0
+        self._direct: dict[str, int | None] = {}
 
     def fd(self, name: str) -> int:
         fd = self.fds.get(name)
@@ -344,13 +445,59 @@ class FileSet:
             done += n
         self.bytes_read += len(mv)
 
+    def direct_fd(self, name: str) -> int | None:
+        """An O_DIRECT descriptor of ``name`` (after the size check of ``fd``), or None where unsupported."""
+        if name in self._direct:
+            return self._direct[name]
+        self.fd(name)
+        fd = None
+        if ODIRECT:
+            try:
+                fd = os.open(self.resolve(self.root, name), os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                fd = None
+        self._direct[name] = fd
+        return fd
+
+    def _no_direct(self, name: str) -> None:
+        fd = self._direct.get(name)
+        self._direct[name] = None
+        if fd is not None:
+            os.close(fd)
+
+    def pread_span(self, name: str, buf: np.ndarray, offset: int, need: int) -> None:
+        """Read file bytes [offset, offset + need) into ``buf[:need]``; with O_DIRECT where possible, which reads
+        all of ``buf`` (page aligned, ``offset`` and ``len(buf)`` multiples of DIRECT_ALIGN; bytes past ``need``
+        or past the end of the file are not meaningful). Falls back to buffered reads."""
+        fd = self.direct_fd(name)
+        done = 0
+        if fd is not None:
+            mv = memoryview(buf).cast("B")
+            try:
+                while done < need:
+                    n = os.preadv(fd, [mv[done:]], offset + done)
+                    if n <= 0:
+                        break
+                    done += n
+                    if n % DIRECT_ALIGN:  # end of file: an unaligned continuation is not allowed
+                        break
+            except OSError as e:
+                if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+                    raise
+                self._no_direct(name)  # not supported here after all: buffered from now on
+            done = min(done, need)
+            self.bytes_read += done
+        if done < need:
+            self.pread_into(name, buf[done:need], offset + done)
+
     def close(self) -> None:
-        for fd in self.fds.values():
+        for fd in list(self.fds.values()) + [fd for fd in self._direct.values() if fd is not None]:
             try:
                 os.close(fd)
             except OSError:
                 pass
         self.fds.clear()
+        self._direct.clear()
 
 
 def read_piece_windows(
@@ -421,6 +568,40 @@ def _verify_chunks(files: FileSet, key: str, piece: PieceMeta, buf, pos: int, ch
             )
 
 
+class ChunkVerifier:
+    """Chunk CRC checks queued on the helper pool, so that they overlap the reads that follow.
+
+    ``wait()`` waits for every queued check (all of them, also after a mismatch: once it returns no helper
+    thread reads the buffers any more) and raises the first mismatch in submission order. Bytes checked this way
+    must not be used before ``wait()`` returned without error.
+    """
+
+    def __init__(self):
+        self.pool = _crc_pool()
+        self.futures: list = []
+
+    def check(self, files: FileSet, key: str, piece: PieceMeta, buf, pos: int, chunk_bytes: int) -> None:
+        if self.pool is None:
+            _verify_chunks(files, key, piece, buf, pos, chunk_bytes)
+        else:
+            self.futures.append(self.pool.submit(_verify_chunks, files, key, piece, buf, pos, chunk_bytes))
+
+    def drain(self) -> BaseException | None:
+        """Wait for every queued check; the first mismatch (in submission order) or None."""
+        futs, self.futures = self.futures, []
+        first = None
+        for f in futs:
+            e = f.exception()
+            if e is not None and first is None:
+                first = e
+        return first
+
+    def wait(self) -> None:
+        first = self.drain()
+        if first is not None:
+            raise first
+
+
 def read_range_direct(
     files: FileSet,
     key: str,
@@ -431,11 +612,14 @@ def read_range_direct(
     chunk_bytes: int,
     verify: bool,
     window_bytes: int = DEFAULT_WINDOW,
+    verifier: ChunkVerifier | None = None,
 ) -> None:
     """Read piece bytes [a, b) straight into ``out`` (uint8, len b-a), verifying every chunk they touch.
 
-    Chunk-aligned interior bytes are read into ``out`` itself and checksummed there (cache-hot, slab by slab);
-    only the partial chunks at both ends go through a one-chunk bounce buffer.
+    Chunk-aligned interior bytes are read into ``out`` itself and checksummed there (on the helper threads,
+    slab by slab, while the next slab is read); only the partial chunks at both ends go through a one-chunk
+    bounce buffer (checked at once). Without ``verifier`` the call returns after every check passed; with one,
+    the interior checks are queued on it and ``out`` must not be used before ``verifier.wait()`` returned.
     """
     if not verify:
         for pos in range(a, b, window_bytes):
@@ -460,26 +644,75 @@ def read_range_direct(
         _verify_chunks(files, key, piece, tmp, a0, C)
         out[: A - a] = tmp[a - a0 : A - a0]
     slab = max(C, (READ_SLAB_BYTES // C) * C)
-    fd = files.fd(piece.file)
-    pool = _crc_pool()
-    futures = []
+    own = verifier is None
+    if own:
+        verifier = ChunkVerifier()
     try:
         for pos in range(A, B, slab):
             end = min(B, pos + slab)
             view = out[pos - a : end - a]
             files.pread_into(piece.file, view, piece.offset + pos)
-            if end < B and hasattr(os, "posix_fadvise"):  # let the kernel fetch the next slab meanwhile
-                os.posix_fadvise(fd, piece.offset + end, min(B - end, 4 * slab), os.POSIX_FADV_WILLNEED)
-            if pool is None:
-                _verify_chunks(files, key, piece, view, pos, C)
-            else:  # checksum this slab while the next one is read (zlib releases the GIL)
-                futures.append(pool.submit(_verify_chunks, files, key, piece, view, pos, C))
-    finally:
-        for f in futures:
-            f.result()
+            verifier.check(files, key, piece, view, pos, C)  # checksummed while the next slab is read
+    except BaseException:
+        if own:
+            verifier.drain()
+        raise
+    if own:
+        verifier.wait()
     if B < b:  # tail: partial chunk
         b0 = min(B + C, piece.nbytes)
         tmp = np.empty(b0 - B, np.uint8)
         files.pread_into(piece.file, tmp, piece.offset + B)
         _verify_chunks(files, key, piece, tmp, B, C)
         out[B - a :] = tmp[: b - B]
+
+
+class SpanRead:
+    """An aligned file range ``[start, start + len(buf))`` of ``name`` read into ``buf`` (only the first
+    ``need`` bytes matter), and the chunk checks ``(key, piece, a0, b0)`` (piece-relative, chunk-aligned) of
+    the pieces inside it, queued as soon as their bytes are in."""
+
+    __slots__ = ("name", "start", "need", "buf", "checks")
+
+    def __init__(self, name: str, start: int, need: int, buf: np.ndarray, checks: list):
+        self.name, self.start, self.need, self.buf, self.checks = name, start, need, buf, checks
+
+
+def read_spans(files: FileSet, spans: list[SpanRead], chunk_bytes: int, verifier: ChunkVerifier | None) -> None:
+    """Read every span (in file order, ``READ_SLAB_BYTES`` at a time; O_DIRECT where supported, else buffered,
+    relying on the kernel's sequential readahead). The chunk checks go to ``verifier`` (None: no checks) as soon
+    as their chunks are in, so checksumming overlaps the reads that follow. The spans' bytes must not be used
+    before ``verifier.wait()`` returned."""
+    C = chunk_bytes
+    spans = sorted(spans, key=lambda sp: (sp.name, sp.start))
+    slab = max(DIRECT_ALIGN, (READ_SLAB_BYTES // DIRECT_ALIGN) * DIRECT_ALIGN)
+
+    def submit(sp: SpanRead, c: list, end: int) -> None:
+        key, piece, _a0, cur, _b0 = c
+        lo = piece.offset + cur - sp.start
+        verifier.check(files, key, piece, sp.buf[lo : lo + (end - cur)], cur, C)
+        c[3] = end
+
+    for sp in spans:
+        # [key, piece, first byte, next unchecked byte, end] (piece-relative, chunk-aligned), by file position
+        todo = sorted(([k, p, a0, a0, b0] for k, p, a0, b0 in sp.checks), key=lambda c: c[1].offset + c[2]) \
+            if verifier is not None else []
+        pos = 0
+        while pos < sp.need:
+            n = min(slab, len(sp.buf) - pos)
+            files.pread_span(sp.name, sp.buf[pos : pos + n], sp.start + pos, min(n, sp.need - pos))
+            pos += n
+            frontier = sp.start + min(pos, sp.need)
+            for c in todo:
+                piece, cur, b0 = c[1], c[3], c[4]
+                if piece.offset + c[2] >= frontier:
+                    break  # sorted by first byte: nothing of the rest is in yet
+                if cur >= b0:
+                    continue
+                # whole chunks that are in (all the rest once the range's end is in)
+                end = b0 if piece.offset + b0 <= frontier else cur + ((frontier - piece.offset - cur) // C) * C
+                if end > cur:
+                    submit(sp, c, end)
+            todo = [c for c in todo if c[3] < c[4]]
+        for c in todo:  # pragma: no cover - every range ends inside its span, so all were submitted above
+            submit(sp, c, c[4])
