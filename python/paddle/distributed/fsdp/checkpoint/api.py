@@ -1010,39 +1010,40 @@ def load_state_dict(
             if not isinstance(state_dict, dict):
                 raise InvalidStateDictError(f"state_dict must be a dict, got {type(state_dict).__name__}")
             problems: list[tuple[type, str]] = []
+
+            def refuse(error: type, key: str, reason: str) -> None:
+                """Record why ``key`` cannot load: in the report, and as the error strict mode raises."""
+                if error is MissingKeyError:
+                    report.missing_keys.append(key)
+                else:
+                    report.mismatched_keys[key] = reason
+                problems.append((error, f"key {key!r}: {reason}"))
+
+            def refuse_absent(key: str, wanted: str, saved_as: str) -> None:
+                if saved_as:
+                    refuse(InvalidStateDictError, key, f"saved as a {saved_as}, requested as a {wanted}")
+                else:
+                    refuse(MissingKeyError, key, f"missing from checkpoint {path}")
+
             for key, val in state_dict.items():
                 rec = to_record(key, val)
                 if rec is None:
                     if key in md.values:
                         value_updates[key] = md.values[key]
                         report.loaded_keys.append(key)
-                    elif key in md.tensors:
-                        report.mismatched_keys[key] = "saved as a tensor, requested as a plain value"
-                        problems.append((InvalidStateDictError, f"key {key!r} is a tensor in the checkpoint, "
-                                                                 f"not a plain value"))
                     else:
-                        report.missing_keys.append(key)
-                        problems.append((MissingKeyError, f"key {key!r} is missing from checkpoint {path}"))
+                        refuse_absent(key, "plain value", "tensor" if key in md.tensors else "")
                     continue
                 tm = md.tensors.get(key)
                 if tm is None:
-                    if key in md.values:
-                        report.mismatched_keys[key] = "saved as a plain value, requested as a tensor"
-                        problems.append((InvalidStateDictError, f"key {key!r} is a plain value in the "
-                                                                 f"checkpoint, not a tensor"))
-                    else:
-                        report.missing_keys.append(key)
-                        problems.append((MissingKeyError, f"key {key!r} is missing from checkpoint {path}"))
+                    refuse_absent(key, "tensor", "plain value" if key in md.values else "")
                     continue
                 if tuple(tm.shape) != tuple(rec.region.shape):
-                    reason = f"shape {list(rec.region.shape)} requested, {list(tm.shape)} in the checkpoint"
-                    report.mismatched_keys[key] = reason
-                    problems.append((ShapeMismatchError, f"key {key!r}: {reason}"))
+                    refuse(ShapeMismatchError, key,
+                           f"shape {list(rec.region.shape)} requested, {list(tm.shape)} in the checkpoint")
                     continue
                 if tm.dtype != rec.dtype:
-                    reason = f"dtype {rec.dtype} requested, {tm.dtype} in the checkpoint"
-                    report.mismatched_keys[key] = reason
-                    problems.append((DtypeMismatchError, f"key {key!r}: {reason}"))
+                    refuse(DtypeMismatchError, key, f"dtype {rec.dtype} requested, {tm.dtype} in the checkpoint")
                     continue
                 targets.append(_Target(key, rec.tensor, rec.region, rec.dtype))
             if strict and problems:
