@@ -84,7 +84,7 @@ setup(
     py_modules=["paddle_fsdp_fork_activate"],
     include_package_data=False,
     zip_safe=False,  # the import hook needs real files (spec_from_file_location)
-    install_requires=["numpy>=1.21", "safetensors>=0.4"],
+    install_requires=["numpy>=1.21", "safetensors>=0.4", "xxhash>=3.0"],
     # the public name works because the .pth import hook serves the fork as paddle.distributed.fsdp
     entry_points={"console_scripts": ["paddle-fsdp-ckpt = paddle.distributed.fsdp.tools.cli:main"]},
     extras_require={

@@ -507,7 +507,7 @@ class Tracer:
         tr_cls = getattr(api, "_Tracer", None)
         if tr_cls is None or not hasattr(tr_cls, "done"):
             return
-        api._TRACE = True
+        sys.modules[tr_cls.__module__]._TRACE = True  # the switch _Tracer reads (checkpoint/coordination.py)
         records = self.records
         orig_done = tr_cls.done
 

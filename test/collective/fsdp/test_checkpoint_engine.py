@@ -21,7 +21,7 @@ import pytest
 
 import paddle
 import paddle.distributed.fsdp.checkpoint as ck
-from paddle.distributed.fsdp.checkpoint import api as ck_api
+from paddle.distributed.fsdp.checkpoint import load as ck_load
 from paddle.distributed.fsdp.checkpoint import planner, storage
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
@@ -196,7 +196,7 @@ def test_round_trip_all_record_kinds(saved):
 @pytest.mark.parametrize("host_fast_path", [True, False], ids=["memcpy", "copy_"])
 def test_load_into_views_of_a_fused_buffer_preserves_sharing(saved, monkeypatch, host_fast_path):
     """Both commit paths (memcpy for host targets, Tensor.copy_ as used for device targets)."""
-    monkeypatch.setattr(ck_api, "_HOST_FAST_PATH", host_fast_path)
+    monkeypatch.setattr(ck_load, "_HOST_FAST_PATH", host_fast_path)
     sd, path = saved
     buf = paddle.full([30], -2.0)
     v = buf._slice(2, 12)  # 10 elements of "flat" [5, 15)
@@ -232,6 +232,29 @@ def test_strided_tensors_save_and_load_in_place(tmp_path, async_save):
     want_big = np.zeros((4, 6), np.float32)
     want_big[:, 1:3] = np.arange(24, dtype=np.float32).reshape(4, 6)[:, 1:3]
     assert np.array_equal(bits(big), want_big.view(np.uint8).ravel()) and np.array_equal(bits(target), want_cols)
+
+
+def test_async_snapshot_holds_save_time_values_of_the_pieces_this_rank_writes():
+    """Shards are copied on the helper thread during the exchange, replicas only when this rank writes them;
+    either way the arrays hold the values at save time and the arena is given back by ``release``."""
+    from paddle.distributed.fsdp.checkpoint.records import collect
+    from paddle.distributed.fsdp.checkpoint.snapshot import Snapshot
+
+    records, _ = collect(make_state())
+    assert {r.key for r in records if r.replicated} >= {"w", "i64"} and any(not r.replicated for r in records)
+    want = {r.key: bits(r.tensor) for r in records}
+    snap = Snapshot(records)
+    keys = [r.key for r in records if r.key != "i64"]  # another rank would write the replica "i64"
+    arrays, _keep, release = snap.arrays_for(keys)
+    for r in records:
+        paddle.assign(paddle.zeros_like(r.tensor), r.tensor)  # training goes on
+    assert not any(bits(r.tensor).any() for r in records)
+    for key, arr in zip(keys, arrays):
+        assert np.array_equal(np.asarray(arr).view(np.uint8).ravel(), want[key]), key
+    assert storage.arena.acquire(1, grow=False) is None  # still held for the background write
+    release()
+    assert storage.arena.acquire(1, grow=False) is not None
+    storage.arena.release()
 
 
 def test_load_full_state_dict_and_safetensors_readable(saved):
@@ -432,6 +455,54 @@ def test_damaged_checkpoint_raises_named_error_and_leaves_targets_identical(save
     assert ck.verify_checkpoint(str(path)), "verify_checkpoint found nothing wrong"
 
 
+@pytest.mark.parametrize("algorithm", ["xxh3-64", "crc32"])
+def test_checksum_algorithms_verify_and_detect_a_flipped_bit(tmp_path, monkeypatch, algorithm):
+    """Both algorithms are written as chosen, recorded, checked against an independent digest of the file's
+    bytes, and catch one flipped bit; checkpoints that call the list ``crc32`` (written before xxh3-64) load."""
+    import zlib
+
+    import xxhash
+
+    fn = {"xxh3-64": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32}[algorithm]
+    monkeypatch.setenv("PADDLE_FSDP_CKPT_CHECKSUM", algorithm)
+    sd = make_state()
+    path = tmp_path / "ckpt"
+    ck.save_state_dict(sd, str(path))
+    md = json.loads((path / "metadata.json").read_bytes())
+    assert md["checksum"] == algorithm
+    raw = data_file(path).read_bytes()
+    C = md["chunk_bytes"]
+    for key, tm in md["tensors"].items():
+        for p in tm["pieces"]:
+            piece = raw[p["offset"] : p["offset"] + p["nbytes"]]
+            assert p["checksums"] == [fn(piece[i : i + C]) for i in range(0, len(piece), C)], key
+    if algorithm == "crc32":
+        def legacy(m):  # the field name of checkpoints written before xxh3-64
+            for tm in m["tensors"].values():
+                for p in tm["pieces"]:
+                    p["crc32"] = p.pop("checksums")
+        rewrite_metadata(path, legacy)
+    monkeypatch.delenv("PADDLE_FSDP_CKPT_CHECKSUM")
+    t = fresh_targets()
+    ck.load_state_dict(t, str(path))
+    assert np.array_equal(bits(t["w"]), bits(sd["w"]))
+    assert ck.verify_checkpoint(str(path)) == []
+    _corrupt("flipped", path)
+    t = fresh_targets()
+    before = snapshot(t)
+    with pytest.raises(ck.CorruptCheckpointError, match="checksum mismatch .* key 'w'"):
+        ck.load_state_dict(t, str(path))
+    assert_unchanged(t, before)
+    assert any("checksum mismatch" in p for p in ck.verify_checkpoint(str(path)))
+
+
+def test_unknown_checksum_algorithm_is_refused_before_writing(tmp_path, monkeypatch):
+    monkeypatch.setenv("PADDLE_FSDP_CKPT_CHECKSUM", "md5")
+    with pytest.raises(ck.CheckpointError, match="PADDLE_FSDP_CKPT_CHECKSUM='md5'"):
+        ck.save_state_dict(make_state(), str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(ck.NotACheckpointError, match="no such directory"):
         ck.load_state_dict({"x": paddle.zeros([1])}, str(tmp_path / "nothing"))
@@ -486,7 +557,7 @@ def test_verify_checkpoint_finds_problems(saved):
 
     def overlap(md):  # "w" gets a second piece covering rows 2..4 again
         p = dict(md["tensors"]["w"]["pieces"][0])
-        p.update(box_offset=[2, 0], box_shape=[2, 4], nbytes=32, crc32=p["crc32"])
+        p.update(box_offset=[2, 0], box_shape=[2, 4], nbytes=32, checksums=p["checksums"])
         md["tensors"]["w"]["pieces"].append(p)
 
     rewrite_metadata(path, overlap)

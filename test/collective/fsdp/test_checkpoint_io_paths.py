@@ -15,6 +15,7 @@ import zlib
 
 import numpy as np
 import pytest
+import xxhash
 
 import paddle
 import paddle.distributed.fsdp.checkpoint as ck
@@ -216,13 +217,13 @@ def test_write_rank_file_keeps_lazy_owners_alive_until_written_and_checksummed(t
 
     header = b"\x00" * 8
     path = tmp_path / "f"
-    size, crcs = storage.write_rank_file(str(path), header, [piece(s) for s in sources], MIB)
+    size, sums = storage.write_rank_file(str(path), header, [piece(s) for s in sources], MIB, xxhash.xxh3_64_intdigest)
     data = path.read_bytes()
     assert size == len(data) == 8 + sum(len(s) for s in sources)
     pos = 8
-    for src, piece_crcs in zip(sources, crcs):
+    for src, piece_sums in zip(sources, sums):
         assert data[pos : pos + len(src)] == src.tobytes()
-        assert piece_crcs == [zlib.crc32(src[i : i + MIB]) for i in range(0, len(src), MIB)]
+        assert piece_sums == [xxhash.xxh3_64_intdigest(src[i : i + MIB]) for i in range(0, len(src), MIB)]
         pos += len(src)
 
 
@@ -251,8 +252,8 @@ def test_read_spans_checks_every_chunk_of_every_range_once_read(tmp_path, monkey
     p2 = PieceMeta("f", "p2", 100 + 40 * MIB + 7, 3 * MIB, (0,), (3 * MIB,), None)
     for p in (p1, p2):
         raw = data[p.offset : p.offset + p.nbytes]
-        p.crc32 = [zlib.crc32(raw[i : i + MIB]) for i in range(0, p.nbytes, MIB)]
-    files = storage.FileSet(str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}")
+        p.checksums = [zlib.crc32(raw[i : i + MIB]) for i in range(0, p.nbytes, MIB)]
+    files = storage.FileSet(str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}", zlib.crc32)
     start = 0
     need = p2.offset + p2.nbytes
     buf = storage.alloc_host(-(-need // storage.DIRECT_ALIGN) * storage.DIRECT_ALIGN)
@@ -270,7 +271,7 @@ def test_read_spans_checks_every_chunk_of_every_range_once_read(tmp_path, monkey
     bad = data.copy()
     bad[p1.offset + 20 * MIB + 3] ^= 1
     (tmp_path / "f").write_bytes(bad.tobytes())
-    files = storage.FileSet(str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}")
+    files = storage.FileSet(str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}", zlib.crc32)
     verifier = storage.ChunkVerifier()
     try:
         storage.read_spans(files, [storage.SpanRead("f", start, need, buf, checks[:1])], MIB, verifier)

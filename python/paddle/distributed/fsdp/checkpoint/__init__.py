@@ -1,8 +1,9 @@
 """Sharded checkpoint storage engine of the FSDP fork.
 
 Per-rank safetensors data files + a JSON index (metadata.json) + a commit record; loading never unpickles.
-See ``api.py`` for the protocol and behaviour, ``metadata.py`` for the on-disk schema, ``manager.py`` for
-numbered checkpoints with a ``latest`` pointer and keep-last-K, ``faults.py`` for the test-only crash hook.
+See ``save.py`` and ``load.py`` for the protocol and behaviour (``api.py`` re-exports the public functions),
+``metadata.py`` for the on-disk schema, ``manager.py`` for numbered checkpoints with a ``latest`` pointer and
+keep-last-K, ``faults.py`` for the test-only crash hook.
 """
 
 from .api import (  # noqa: F401

@@ -4,13 +4,13 @@ Why: a long run keeps several checkpoints and resumes from the newest one that i
 the pruning must never name or delete anything before the new checkpoint is committed. Layout::
 
     root/
-      step_00000100/        committed checkpoints: each is a checkpoint directory of the engine (api.py)
+      step_00000100/        committed checkpoints: each is a checkpoint directory of the engine (save.py)
       step_00000200/
       latest                one line, e.g. "step_00000200": the most recently committed checkpoint
 
 ``CheckpointManager(root, keep_last=K).save(step, state_dict)`` (collective) runs:
 
-1. the engine's save of ``root/step_<step:08d>`` (staging dir, checksums, COMMIT last, atomic rename; api.py);
+1. the engine's save of ``root/step_<step:08d>`` (staging dir, checksums, COMMIT last, atomic rename; save.py);
 2. the coordinator rewrites ``latest`` atomically and durably (tmp file + fsync + rename + directory fsync). The
    other ranks return only once they see the commit AND ``latest`` naming it, so after ``save`` returns
    ``latest()`` gives the new checkpoint on every rank (async saves: after ``handle.wait()``);
@@ -27,7 +27,7 @@ removes them). ``latest()`` returns the directory ``latest`` names if it is comm
 missing, unreadable or names no committed checkpoint, it falls back (with a warning) to the committed checkpoint
 with the highest step; None when there is none.
 
-Saving a step that exists replaces that checkpoint atomically (api.py); ``latest`` then names it even if
+Saving a step that exists replaces that checkpoint atomically (save.py); ``latest`` then names it even if
 higher steps exist (latest = most recently saved) and keep_last keeps it too. One job per root: two jobs
 saving into one root race on ``latest`` and on pruning (each checkpoint directory itself stays consistent).
 """
@@ -202,7 +202,7 @@ def _rmtree_all(paths: list[str]) -> None:
 
 
 class _LatestPublisher:
-    """The engine's post-commit hook for one CheckpointManager save (protocol: api._Publisher)."""
+    """The engine's post-commit hook for one CheckpointManager save (protocol: save._Publisher)."""
 
     def __init__(self, root: str, name: str, keep_last: int | None) -> None:
         self.root, self.name, self.keep_last = root, name, keep_last

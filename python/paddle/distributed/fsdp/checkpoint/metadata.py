@@ -7,7 +7,7 @@
       "checkpoint_id": "<32 hex>", "created_unix": 1760000000.0,
       "world_size": 2,                      # ranks that saved
       "chunk_bytes": 1048576,               # checksum granularity (see below)
-      "checksum": "crc32",
+      "checksum": "xxh3-64",                # or "crc32", "none" (checksums.py)
       "files": {"0_0.safetensors": {"rank": 0, "size": 123456}, ...},
       "tensors": {
         "<key>": {"dtype": "float32", "shape": [4, 8],           # global shape
@@ -16,17 +16,18 @@
                               "offset": 4096, "nbytes": 64,      # absolute byte range in the file
                               "box_offset": [0, 0], "box_shape": [4, 8],
                               "flat_range": [0, 16],             # or null: the whole box
-                              "crc32": [305419896]}]},           # one crc per chunk_bytes of the piece
+                              "checksums": [305419896]}]},       # one per chunk_bytes of the piece
       },
       "values": {"<key>": <any JSON value>}
     }
 
 A piece covers the elements of the box ``box_offset``/``box_shape`` of the global tensor (row-major), or, when
 ``flat_range`` is set, the elements ``[start, stop)`` of that box's row-major flattening. Its bytes are stored
-contiguously in row-major order of what it covers. ``crc32[i]`` is the CRC-32 of bytes ``[i*chunk_bytes,
-(i+1)*chunk_bytes)`` of the piece (the last chunk may be shorter); a reader that needs a sub-range of a piece reads
-the enclosing chunks, so every byte that reaches a tensor is verified while reading at most two extra chunks per
-contiguous range.
+contiguously in row-major order of what it covers. ``checksums[i]`` is the checksum (algorithm: ``checksum``) of
+bytes ``[i*chunk_bytes, (i+1)*chunk_bytes)`` of the piece (the last chunk may be shorter); a reader that needs a
+sub-range of a piece reads the enclosing chunks, so every byte that reaches a tensor is verified while reading at
+most two extra chunks per contiguous range. Checkpoints written before xxh3-64 call the list ``crc32``; it is
+read as ``checksums``.
 
 File names in the metadata must be plain base names (letters, digits, ``._-``, not starting with a dot); anything
 else, and any name that resolves (through symlinks) outside the checkpoint directory, is refused with
@@ -42,6 +43,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import checksums
 from .errors import MetadataError, NotACheckpointError, UnsafePathError
 
 FORMAT_NAME = "paddle-fsdp-checkpoint"
@@ -115,7 +117,7 @@ class PieceMeta:
     box_offset: tuple[int, ...]
     box_shape: tuple[int, ...]
     flat_range: tuple[int, int] | None
-    crc32: list[int] = field(default_factory=list)
+    checksums: list[int] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -132,7 +134,7 @@ class PieceMeta:
             "box_offset": list(self.box_offset),
             "box_shape": list(self.box_shape),
             "flat_range": None if self.flat_range is None else list(self.flat_range),
-            "crc32": list(self.crc32),
+            "checksums": list(self.checksums),
         }
 
     @classmethod
@@ -146,7 +148,7 @@ class PieceMeta:
             box_offset=tuple(int(x) for x in d["box_offset"]),
             box_shape=tuple(int(x) for x in d["box_shape"]),
             flat_range=None if fr is None else (int(fr[0]), int(fr[1])),
-            crc32=[int(x) for x in d.get("crc32", [])],
+            checksums=[int(x) for x in d.get("checksums", d.get("crc32", []))],
         )
 
 
@@ -186,7 +188,7 @@ class CheckpointMetadata:
     checkpoint_id: str
     world_size: int
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    checksum: str = "crc32"
+    checksum: str = checksums.CRC32
     created_unix: float = 0.0
     files: dict[str, FileMeta] = field(default_factory=dict)
     tensors: dict[str, TensorMeta] = field(default_factory=dict)
@@ -245,7 +247,7 @@ class CheckpointMetadata:
         """Structural checks that need no data files (coverage is checked by the planner)."""
         if self.chunk_bytes <= 0:
             raise MetadataError(f"{where}: chunk_bytes must be positive")
-        if self.checksum not in ("crc32", "none"):
+        if self.checksum not in checksums.KNOWN:
             raise MetadataError(f"{where}: unknown checksum algorithm {self.checksum!r}")
         for name, fm in self.files.items():
             check_file_name(name)
@@ -274,11 +276,11 @@ class CheckpointMetadata:
                     raise MetadataError(f"{where}: key {key!r} piece byte size does not match its elements")
                 if p.offset < 0 or p.offset + p.nbytes > self.files[p.file].size:
                     raise MetadataError(f"{where}: key {key!r} piece lies outside file {p.file}")
-                if self.checksum == "crc32":
+                if self.checksum != checksums.NONE:
                     want = -(-p.nbytes // self.chunk_bytes)
-                    if len(p.crc32) != want:
+                    if len(p.checksums) != want:
                         raise MetadataError(
-                            f"{where}: key {key!r} piece has {len(p.crc32)} checksums, expected {want}"
+                            f"{where}: key {key!r} piece has {len(p.checksums)} checksums, expected {want}"
                         )
         overlap = set(self.tensors) & set(self.values)
         if overlap:

@@ -345,7 +345,7 @@ def build_save_plan(
                 box_offset=reg.box_offset,
                 box_shape=reg.box_shape,
                 flat_range=reg.flat_range,
-                crc32=[],
+                checksums=[],
             )
             layout.pieces.append((key, piece))
             tensors[key].pieces.append(piece)

@@ -2,17 +2,15 @@
 
 * A rank file is a safetensors file written in one sequential pass straight from tensor memory (no
   whole-state copy): the header, then each piece with ``os.writev`` on memoryviews of the tensors' own memory.
-  CRC-32 of every ``chunk_bytes`` chunk of every piece is computed on the same memory during that pass (no second
-  read), on helper threads (``zlib.crc32`` releases the GIL) while the calling thread goes on writing; at most
-  ``CRC_INFLIGHT_BYTES`` of checksum work is queued ahead, and the memory of a piece (and its owner, e.g. the
-  host copy of a device tensor) stays alive until its bytes are both written and checksummed. Each file is
-  fsynced once.
+  The checksum of every ``chunk_bytes`` chunk of every piece (checksums.py) is computed on the same memory just
+  before it is written (no second pass over the state), and the memory of a piece (and its owner, e.g. the host
+  copy of a device tensor) stays alive until its bytes are written. Each file is fsynced once.
 * Reads use ``os.preadv`` into preallocated buffers, in windows of at most ``window_bytes``; the chunks a window
   touches are read whole and verified before any byte of them is used. Large ranges read straight into the
   caller's staging buffer can be verified on the helper threads while later ranges are read
   (``ChunkVerifier``); the caller waits for all of them (``ChunkVerifier.wait``) before using the bytes.
 * ``alloc_host`` and ``HostArena``: page-aligned anonymous host memory (transparent huge pages requested), and
-  one reusable per-process buffer of it for async-save snapshots and load staging (see api.py).
+  one reusable per-process buffer of it for async-save snapshots and load staging (see save.py, load.py).
 * Durability helpers: ``fsync_dir``, ``write_file_durable`` (tmp + fsync + rename + dir fsync) and
   ``replace_dir`` (atomic directory swap with ``renameat2(RENAME_EXCHANGE)`` where the kernel and file system
   support it, otherwise two renames).
@@ -20,23 +18,21 @@
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import errno
 import mmap
 import os
 import shutil
 import threading
-import zlib
 
 import numpy as np
 
-from . import faults
+from . import checksums, faults
+from .checksums import DigestFn
 from .errors import CorruptCheckpointError
 from .metadata import PieceMeta
 
 WRITE_SLAB = 64 << 20  # bytes handed to the kernel per write call
-SLAB_BYTES = int(os.environ.get("PADDLE_FSDP_CKPT_SLAB", 4 << 20))  # checksum+write step (cache-hot)
 READ_SLAB_BYTES = int(os.environ.get("PADDLE_FSDP_CKPT_READ_SLAB", 16 << 20))  # pread step of direct reads
 DEFAULT_WINDOW = 64 << 20  # read window (bounded host buffer per read)
 # Span reads (load) bypass the page cache with O_DIRECT where the file system allows it: the data then lands in
@@ -46,21 +42,21 @@ DIRECT_ALIGN = 4096  # offset, length and memory alignment of O_DIRECT reads
 _IOV_MAX = 512
 
 
-CRC_THREADS = int(os.environ.get("PADDLE_FSDP_CKPT_CRC_THREADS", "2"))
+CHECKSUM_THREADS = int(os.environ.get("PADDLE_FSDP_CKPT_CHECKSUM_THREADS", "2"))
 _pool = None
 _pool_lock = threading.Lock()
 
 
-def _crc_pool():
-    """Shared thread pool that checksums slabs while other slabs are read or written (None: inline)."""
+def _checksum_pool():
+    """Shared thread pool that verifies the chunks of one slab while the next one is read (None: inline)."""
     global _pool
-    if CRC_THREADS <= 0:
+    if CHECKSUM_THREADS <= 0:
         return None
     with _pool_lock:
         if _pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            _pool = ThreadPoolExecutor(max_workers=CRC_THREADS, thread_name_prefix="ckpt-crc")
+            _pool = ThreadPoolExecutor(max_workers=CHECKSUM_THREADS, thread_name_prefix="ckpt-checksum")
         return _pool
 
 
@@ -231,43 +227,26 @@ class _Writer:
             self.kicked = self.pos
 
 
-CRC_INFLIGHT_BYTES = 2 * WRITE_SLAB  # checksum work queued ahead of the writer (bounds live lazy host copies)
-
-
 def write_rank_file(
     path: str,
     header: bytes,
     pieces: list[np.ndarray],
     chunk_bytes: int,
-    checksum: bool = True,
+    digest: DigestFn | None,
     kill_at: int | None = None,
 ) -> tuple[int, list[list[int]]]:
-    """Write header + pieces to ``path``, fsync once. Returns (size, per-piece chunk CRCs).
+    """Write header + pieces to ``path``, fsync once. Returns (size, per-piece chunk checksums).
 
     A piece is a uint8 array, or a callable returning ``(uint8 array, owner of its memory)``, called just
     before that piece is written (so a device tensor is copied to host one piece at a time; the copy is dropped
-    once its bytes are written and checksummed). Checksums run on the helper pool while the calling thread
-    writes (at most ``CRC_INFLIGHT_BYTES`` ahead of it). ``kill_at`` is the test-only ``mid_data`` fault (see
-    faults.py).
+    once its bytes are written). Each piece is checksummed with ``digest`` (None: no checksums) by the calling
+    thread just before it is queued for writing: xxh3-64 runs at memory speed, far faster than the write, so
+    helper threads would only add hand-offs. ``kill_at`` is the test-only ``mid_data`` fault (see faults.py).
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-    crcs: list[list[int]] = []
+    sums: list[list[int]] = []
     size = len(header)
     w = _Writer(fd, kill_at)
-    pool = _crc_pool() if checksum else None
-    slab = max(chunk_bytes, (SLAB_BYTES // chunk_bytes) * chunk_bytes)
-    # checksum jobs in piece order: (that piece's CRC list, futures, bytes, owner kept alive until done)
-    jobs: collections.deque = collections.deque()
-    inflight = 0
-
-    def settle(limit: int) -> None:
-        nonlocal inflight
-        while jobs and inflight > limit:
-            piece_crcs, futs, n, _owner = jobs.popleft()
-            for f in futs:
-                piece_crcs.extend(f.result())
-            inflight -= n
-
     try:
         pending = [header]  # small pieces batched into one writev (with their owners, alive until written)
         pending_owners: list = []
@@ -277,16 +256,8 @@ def write_rank_file(
             if callable(arr):
                 arr, owner = arr()
             mv = memoryview(arr).cast("B")
-            piece_crcs: list[int] = []
-            crcs.append(piece_crcs)
+            sums.append(checksums.chunk_digests(mv, chunk_bytes, digest) if digest is not None else [])
             size += len(mv)
-            if checksum and pool is None:
-                piece_crcs.extend(_chunk_crcs(mv, chunk_bytes))
-            elif checksum and len(mv):
-                settle(max(0, CRC_INFLIGHT_BYTES - len(mv)))
-                futs = [pool.submit(_chunk_crcs, mv[i : i + slab], chunk_bytes) for i in range(0, len(mv), slab)]
-                jobs.append((piece_crcs, futs, len(mv), owner))
-                inflight += len(mv)
             if len(mv) < WRITE_SLAB:
                 pending.append(mv)
                 pending_owners.append(owner)
@@ -301,15 +272,10 @@ def write_rank_file(
                 w.write([mv[i : i + WRITE_SLAB]])
         w.write(pending)
         pending = pending_owners = []
-        os.fsync(fd)  # the last checksums finish meanwhile
-        settle(0)
+        os.fsync(fd)
     finally:
-        # no checksum job may still read a piece whose owner is dropped when this returns
-        for _crcs, futs, _n, _owner in jobs:
-            for f in futs:
-                f.exception()
         os.close(fd)
-    return size, crcs
+    return size, sums
 
 
 def fsync_dir(path: str) -> None:
@@ -402,15 +368,27 @@ def replace_dir(staging: str, final: str, old_name: str, background_delete: bool
 
 
 class FileSet:
-    """Open-on-demand read-only descriptors for the files of one checkpoint, with size checks."""
+    """Open-on-demand read-only descriptors for the files of one checkpoint, with size checks, and the checksum
+    function its chunks are verified with (None: reads are not verified)."""
 
-    def __init__(self, root: str, sizes: dict[str, int], resolve):
+    def __init__(self, root: str, sizes: dict[str, int], resolve, digest: DigestFn | None = None):
         self.root = root
         self.sizes = sizes
         self.resolve = resolve
+        self.digest = digest
         self.fds: dict[str, int] = {}
         self.bytes_read = 0
         self._direct: dict[str, int | None] = {}
+
+    @classmethod
+    def of(cls, root: str, md, resolve, verify: bool) -> "FileSet":
+        """The files of checkpoint ``md`` at ``root``; verified reads when ``verify`` and it has checksums."""
+        digest = checksums.digest_function(md.checksum) if verify and md.checksum != checksums.NONE else None
+        return cls(root, {n: f.size for n, f in md.files.items()}, resolve, digest)
+
+    @property
+    def verifies(self) -> bool:
+        return self.digest is not None
 
     def fd(self, name: str) -> int:
         fd = self.fds.get(name)
@@ -511,7 +489,7 @@ def read_piece_windows(
 ):
     """Yield (piece_byte_offset, uint8 buffer) windows that cover ``byte_ranges`` (piece-relative, sorted).
 
-    With ``verify``, windows are widened to whole checksum chunks and each chunk's CRC is checked before the
+    With ``verify``, windows are widened to whole checksum chunks and each chunk's checksum is checked before the
     window is yielded. The buffer is reused between windows (at most ``window_bytes`` + 2 chunks).
     """
     align = chunk_bytes if verify else 1
@@ -538,30 +516,18 @@ def read_piece_windows(
             view = buf[:n]
             files.pread_into(piece.file, view, piece.offset + pos)
             if verify:
-                mv = memoryview(view)
-                for c in range(0, n, chunk_bytes):
-                    ci = (pos + c) // chunk_bytes
-                    got = zlib.crc32(mv[c : c + chunk_bytes])
-                    if got != piece.crc32[ci]:
-                        raise CorruptCheckpointError(
-                            f"checkpoint {files.root}: checksum mismatch in file {piece.file} for key {key!r} "
-                            f"(chunk {ci}, bytes {piece.offset + pos + c}..)"
-                        )
+                _verify_chunks(files, key, piece, view, pos, chunk_bytes)
             yield pos, view
             pos = end
 
 
-def _chunk_crcs(buf, chunk_bytes: int) -> list[int]:
-    mv = memoryview(buf).cast("B")
-    return [zlib.crc32(mv[j : j + chunk_bytes]) for j in range(0, len(mv), chunk_bytes)]
-
-
 def _verify_chunks(files: FileSet, key: str, piece: PieceMeta, buf, pos: int, chunk_bytes: int) -> None:
-    """Check the CRC of every chunk of ``buf``, which holds piece bytes [pos, pos+len) (pos chunk-aligned)."""
+    """Check the checksum of every chunk of ``buf``, which holds piece bytes [pos, pos+len) (pos chunk-aligned)."""
     mv = memoryview(buf).cast("B")
+    digest = files.digest
     for c in range(0, len(mv), chunk_bytes):
         ci = (pos + c) // chunk_bytes
-        if zlib.crc32(mv[c : c + chunk_bytes]) != piece.crc32[ci]:
+        if digest(mv[c : c + chunk_bytes]) != piece.checksums[ci]:
             raise CorruptCheckpointError(
                 f"checkpoint {files.root}: checksum mismatch in file {piece.file} for key {key!r} "
                 f"(chunk {ci}, bytes {piece.offset + pos + c}..)"
@@ -569,7 +535,7 @@ def _verify_chunks(files: FileSet, key: str, piece: PieceMeta, buf, pos: int, ch
 
 
 class ChunkVerifier:
-    """Chunk CRC checks queued on the helper pool, so that they overlap the reads that follow.
+    """Chunk checksum checks queued on the helper pool, so that they overlap the reads that follow.
 
     ``wait()`` waits for every queued check (all of them, also after a mismatch: once it returns no helper
     thread reads the buffers any more) and raises the first mismatch in submission order. Bytes checked this way
@@ -577,7 +543,7 @@ class ChunkVerifier:
     """
 
     def __init__(self):
-        self.pool = _crc_pool()
+        self.pool = _checksum_pool()
         self.futures: list = []
 
     def check(self, files: FileSet, key: str, piece: PieceMeta, buf, pos: int, chunk_bytes: int) -> None:

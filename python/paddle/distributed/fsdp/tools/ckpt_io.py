@@ -30,14 +30,13 @@ import os
 import shutil
 import time
 import uuid
-import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from ..checkpoint import read_metadata
-from ..checkpoint import storage
+from ..checkpoint import checksums, storage
 from ..checkpoint.errors import CorruptCheckpointError
 from ..checkpoint.metadata import (
     COMMIT_FILE,
@@ -181,8 +180,8 @@ class CheckpointReader:
     def __init__(self, path: str | os.PathLike, verify: bool = True) -> None:
         self.path = resolve_checkpoint_path(path)
         self.md = read_metadata(self.path)
-        self.verify = verify and self.md.checksum == "crc32"
-        self._files = storage.FileSet(self.path, {n: f.size for n, f in self.md.files.items()}, resolve_member)
+        self._files = storage.FileSet.of(self.path, self.md, resolve_member, verify)
+        self.verify = self._files.verifies
 
     def __enter__(self) -> "CheckpointReader":
         return self
@@ -407,6 +406,8 @@ class CheckpointWriter:
     def __init__(self, directory: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, on_bytes: Callable[[int], None] | None = None):
         self.directory = directory
         self.chunk_bytes = chunk_bytes
+        self.checksum = checksums.default_algorithm()
+        self._digest = checksums.digest_function(self.checksum) if self.checksum != checksums.NONE else None
         self.checkpoint_id = uuid.uuid4().hex
         self.created = time.time()
         self.files: dict[str, FileMeta] = {}
@@ -434,7 +435,7 @@ class CheckpointWriter:
         )
 
         path = os.path.join(self.directory, name)
-        crcs: list[list[int]] = []
+        sums: list[list[int]] = []
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             write_all(fd, header)
@@ -445,7 +446,7 @@ class CheckpointWriter:
                 if data.dtype != np.uint8 or data.ndim != 1 or data.size != e.nbytes:
                     raise ToolError(f"key {e.key!r}: produced {data.size} bytes, expected {e.nbytes}")
                 mv = memoryview(data)
-                crcs.append([zlib.crc32(mv[i : i + self.chunk_bytes]) for i in range(0, len(mv), self.chunk_bytes)])
+                sums.append(checksums.chunk_digests(mv, self.chunk_bytes, self._digest) if self._digest else [])
                 write_all(fd, mv)
                 size += len(mv)
                 del mv, data
@@ -459,7 +460,7 @@ class CheckpointWriter:
         self.files[name] = FileMeta(rank=rank, size=size)
         for e in entries:
             self.tensors[e.key] = TensorMeta(dtype=e.dtype, shape=tuple(e.shape), pieces=[])
-        for (key, _dtype, shape, begin, end), piece_crcs in zip(header_entries, crcs):
+        for (key, _dtype, shape, begin, end), piece_sums in zip(header_entries, sums):
             self.tensors[key].pieces.append(
                 PieceMeta(
                     file=name,
@@ -469,7 +470,7 @@ class CheckpointWriter:
                     box_offset=(0,) * len(shape),
                     box_shape=tuple(shape),
                     flat_range=None,
-                    crc32=[int(c) for c in piece_crcs],
+                    checksums=[int(c) for c in piece_sums],
                 )
             )
         return name
@@ -482,7 +483,7 @@ class CheckpointWriter:
             checkpoint_id=self.checkpoint_id,
             world_size=max(len(self.files), 1),
             chunk_bytes=self.chunk_bytes,
-            checksum="crc32",
+            checksum=self.checksum,
             created_unix=self.created,
             files=dict(self.files),
             tensors=dict(self.tensors),

@@ -1,0 +1,559 @@
+"""Load path of the checkpoint engine: ``read_metadata``, ``load_state_dict``, ``load_full_state_dict``,
+``LoadReport``.
+
+The layout of a checkpoint directory and the save protocol (staging directory, COMMIT written last, atomic
+rename, what a crashed save leaves behind) are described in save.py.
+
+Checksums (xxh3-64, or CRC-32 in older checkpoints, per ``chunk_bytes`` chunk of each piece; checksums.py): a load
+that needs part of a piece reads the enclosing chunks, verifies them, then copies what it needs; so every byte
+loaded is verified and at most two extra chunks per contiguous range are read. ``load_state_dict(...,
+verify_checksums=False)`` skips the check (on by default); sizes, metadata hash and COMMIT are still checked.
+
+Load: every rank reads metadata.json (after checking COMMIT and its hash), intersects the flat runs of each of its
+requested records with the saved pieces and pread()s only those byte ranges (plus chunk alignment) of the files.
+Contiguous host targets whose ranges are all large (the usual FSDP case): the file ranges are merged into spans
+and read in file order, 16 MiB at a time, into one host staging buffer (the kernel's sequential readahead;
+explicit ``POSIX_FADV_WILLNEED`` was measured slower; ``PADDLE_FSDP_CKPT_ODIRECT=1`` reads them with O_DIRECT
+instead, bypassing the page cache, which was faster here on an uncached disk and slower on a host-cached one). Other targets (small
+scattered ranges such as rows of boxes, device or strided tensors) get a staging buffer of their own, large
+ranges read straight into it, small ones through windows of at most 64 MiB. Checksums of the large ranges run on
+helper threads while later ranges are read; the rank waits for all of them before the status exchange. Host
+staging is this rank's slice (plus chunk and page alignment); it is the async-save buffer when this process has
+one (borrowed, no fresh memory), else fresh memory freed after the load; nothing else grows with the checkpoint.
+Only when every key, shape, dtype, coverage and checksum on every rank is fine, and every rank read the same
+checkpoint (checkpoint ids compared; one ``all_gather_object`` of the status) are the staged bytes copied into
+the targets in place: a memcpy into the tensor's own memory for contiguous host tensors, ``Tensor.copy_`` (host
+staging tensor, pinned, copied on the target's own place) otherwise; views into fused buffers keep sharing
+memory either way. On any failure the targets are bit-identical to before. JSON values are written back into
+the dict. ``strict=True`` (default) fails, before anything is written, on a requested key that is missing or
+has another shape/dtype/kind, naming the key; ``strict=False`` loads the matching subset and lists the rest in
+the returned LoadReport. Checkpoint keys no rank asked for are only reported (``LoadReport.unexpected_keys``),
+so a model-only load of a model+optimizer checkpoint works.
+
+Node-local disks: loading works when every rank sees every file it needs (shared FS, or files copied so that
+each node has the pieces its ranks read). Saving needs one file system visible to all ranks (see save.py).
+``process_group``: ranks, file names and ``coordinator_rank`` are group-local ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from . import checksums, storage
+from .coordination import PARTS_DIR, _aligned, _Comm, _error_payload, _raise_gathered, _Tracer
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    DtypeMismatchError,
+    IncompleteCheckpointError,
+    InvalidStateDictError,
+    MetadataError,
+    MissingKeyError,
+    NotACheckpointError,
+    ShapeMismatchError,
+)
+from .metadata import (
+    COMMIT_FILE,
+    DTYPES,
+    FORMAT_NAME,
+    LATEST_FILE,
+    METADATA_FILE,
+    CheckpointMetadata,
+    TensorMeta,
+    resolve_member,
+)
+from .planner import Region, plan_reads
+from .records import to_record
+from .save import _wait_pending
+
+# Load commit for contiguous host targets: memcpy into the target's memory (faster than paddle staging
+# tensors on CPU). False forces the generic path used for device targets (host staging tensor + copy_).
+_HOST_FAST_PATH = True
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def _describe_dir(path: str) -> str:
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return "unreadable"
+    if len(names) > 8:
+        names = names[:8] + ["..."]
+    return ", ".join(names) or "empty"
+
+
+def read_metadata(path: str) -> CheckpointMetadata:
+    """Metadata of a committed checkpoint; raises NotACheckpointError / IncompleteCheckpointError / MetadataError."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        parent = os.path.dirname(path)
+        base = os.path.basename(path)
+        try:
+            near = sorted(n for n in os.listdir(parent) if n.startswith((base + ".old-", base + ".tmp-")))
+        except OSError:
+            near = []
+        staging = [n for n in near if n.startswith(base + ".tmp-")]
+        old = [n for n in near if n.startswith(base + ".old-")]
+        old_hint = (f"; {old[0]} holds the checkpoint that was being replaced (rename it back to "
+                    f"{base})") if old else ""
+        if staging:
+            raise IncompleteCheckpointError(
+                f"checkpoint {path} is incomplete: it was never committed; "
+                f"{_describe_staging(_newest(parent, staging))} left {staging[:3]} next to it{old_hint}"
+            )
+        raise NotACheckpointError(f"{path} is not a checkpoint: no such directory{old_hint}")
+    mpath = os.path.join(path, METADATA_FILE)
+    cpath = os.path.join(path, COMMIT_FILE)
+    has_m, has_c = os.path.isfile(mpath), os.path.isfile(cpath)
+    if not has_c:
+        names = os.listdir(path)
+        looks_partial = has_m or PARTS_DIR in names or any(n.endswith("_0.safetensors") for n in names)
+        if looks_partial:
+            missing = "the commit record COMMIT" + ("" if has_m else " and metadata.json")
+            raise IncompleteCheckpointError(
+                f"checkpoint {path} is incomplete: {missing} is missing (the save did not finish)"
+            )
+        if LATEST_FILE in names:
+            raise NotACheckpointError(
+                f"{path} is a checkpoint root ({LATEST_FILE} -> {_peek_latest(path)}), not a checkpoint: pass one "
+                f"of its checkpoint directories, or pass the root to load_checkpoint / CheckpointManager"
+            )
+        stock = any(n.endswith(".metadata") for n in names)
+        raise NotACheckpointError(
+            f"{path} is not a {FORMAT_NAME} checkpoint: no {METADATA_FILE} and no {COMMIT_FILE} "
+            f"({'looks like a stock paddle checkpoint; ' if stock else ''}contents: {_describe_dir(path)})"
+        )
+    try:
+        with open(cpath, "rb") as f:
+            commit = json.loads(f.read())
+        want_sha = commit["metadata_sha256"]
+        cid = commit["checkpoint_id"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise MetadataError(f"checkpoint {path}: commit record {COMMIT_FILE} is damaged: {e}") from None
+    if not has_m:
+        raise CorruptCheckpointError(f"checkpoint {path}: {METADATA_FILE} is missing although it was committed")
+    with open(mpath, "rb") as f:
+        data = f.read()
+    if hashlib.sha256(data).hexdigest() != want_sha:
+        raise MetadataError(
+            f"checkpoint {path}: {METADATA_FILE} does not match the checksum in the commit record (damaged)"
+        )
+    md = CheckpointMetadata.loads(data, where=f"{path}/{METADATA_FILE}")
+    if md.checkpoint_id != cid:
+        raise MetadataError(f"checkpoint {path}: commit record and metadata name different checkpoints")
+    return md
+
+
+def _newest(parent: str, names: list[str]) -> str:
+    def mtime(n: str) -> float:
+        try:
+            return os.path.getmtime(os.path.join(parent, n))
+        except OSError:
+            return 0.0
+
+    return os.path.join(parent, max(names, key=mtime))
+
+
+def _describe_staging(staging: str) -> str:
+    """Why a staging directory is there: a save that failed with an error, or one that was killed (or runs)."""
+    parts = os.path.join(staging, PARTS_DIR)
+    try:
+        names = sorted(os.listdir(parts))
+    except OSError:
+        names = []
+    errors = [n for n in names if n.endswith(".failed.json") or n == "ABORT"]
+    if errors:
+        try:
+            with open(os.path.join(parts, errors[0]), "rb") as f:
+                raw = f.read(500)
+            why = json.loads(raw).get("error") if errors[0] != "ABORT" else raw.decode(errors="replace")
+        except (OSError, ValueError, AttributeError):
+            why = "unknown error"
+        return f"a save that failed ({why})"
+    return "a save that was interrupted (or is still running)"
+
+
+def _peek_latest(root: str) -> str:
+    try:
+        with open(os.path.join(root, LATEST_FILE), "rb") as f:
+            return f.read(256).decode(errors="replace").strip() or "empty"
+    except OSError:
+        return "unreadable"
+
+
+def _staging_tensor(shape, dtype: str, pin: bool):
+    import paddle
+
+    try:
+        return paddle.empty(list(shape), dtype=dtype, device=paddle.CPUPlace(), pin_memory=pin)
+    except Exception:
+        if not pin:
+            raise
+        return paddle.empty(list(shape), dtype=dtype, device=paddle.CPUPlace())
+
+
+def _segments(root: str, md: CheckpointMetadata, key: str, tm: TensorMeta, region: Region) -> list:
+    """Where the bytes of ``region`` of ``key`` are: per saved piece ``(piece, src, dst, length, big)``, byte
+    offsets (piece-relative source, region-relative destination) sorted by source; ``big`` marks the segments of
+    at least two checksum chunks (read straight, without a window buffer)."""
+    items, covered = plan_reads(key, tm, region)
+    if covered != region.numel:
+        raise CorruptCheckpointError(
+            f"checkpoint {root}: key {key!r}: saved pieces cover {covered} of the {region.numel} "
+            f"requested elements"
+        )
+    isz = DTYPES[tm.dtype][0]
+    out = []
+    for it in items:
+        seg = it.segments
+        order = np.argsort(seg.src, kind="stable")
+        len_b = seg.length[order] * isz
+        out.append((it.piece, seg.src[order] * isz, seg.dst[order] * isz, len_b, len_b >= 2 * md.chunk_bytes))
+    return out
+
+
+_SPAN_GAP = 4096  # file ranges closer than this are read as one span (staging stays the slice + alignment)
+
+
+def _plan_spans(reads: list, chunk_bytes: int, verify: bool) -> list[list]:
+    """Group the in-place reads ``(target, piece, a, b, dst)`` into aligned file spans.
+
+    Returns ``[name, start, need, members]`` per span (``start`` aligned to DIRECT_ALIGN; ``need`` bytes from
+    there cover every member; with ``verify`` every member's range is widened to whole chunks of its piece)."""
+    C = chunk_bytes
+    ranges = []
+    for r in reads:
+        _tg, piece, a, b, _d = r
+        a0, b0 = ((a // C) * C, min(-(-b // C) * C, piece.nbytes)) if verify else (a, b)
+        ranges.append((piece.file, piece.offset + a0, piece.offset + b0, r, a0, b0))
+    ranges.sort(key=lambda x: (x[0], x[1]))
+    spans: list[list] = []
+    for name, fs, fe, r, a0, b0 in ranges:
+        if spans and spans[-1][0] == name and fs <= spans[-1][2] + _SPAN_GAP:
+            spans[-1][2] = max(spans[-1][2], fe)
+            spans[-1][3].append((r, a0, b0))
+        else:
+            spans.append([name, fs, fe, [(r, a0, b0)]])
+    A = storage.DIRECT_ALIGN
+    out = []
+    for name, fs, fe, members in spans:
+        start = (fs // A) * A
+        out.append([name, start, fe - start, members])
+    return out
+
+
+def _fill(files: storage.FileSet, md: CheckpointMetadata, key: str, tm: TensorMeta, region: Region,
+          out: np.ndarray, verify: bool, verifier: storage.ChunkVerifier | None = None,
+          deferred: list | None = None) -> None:
+    """Read every element of ``region`` of ``key`` into ``out`` (uint8, region storage order).
+
+    With ``verifier``, checks of large ranges are queued on it: ``out`` is verified only after its ``wait()``.
+    With ``deferred``, large ranges are not read here but appended to it as ``(key, piece, a, b, out view)``
+    for ``_read_deferred`` (which reads them in file order); small ones are read at once.
+    """
+    verify = verify and files.verifies
+    for piece, src_b, dst_b, len_b, big in _segments(files.root, md, key, tm, region):
+        # large segments: read straight into the staging buffer (verified in place)
+        for a, d, l in zip(src_b[big].tolist(), dst_b[big].tolist(), len_b[big].tolist()):
+            if deferred is not None:
+                deferred.append((key, piece, a, a + l, out[d : d + l]))
+                continue
+            storage.read_range_direct(files, key, piece, a, a + l, out[d : d + l], md.chunk_bytes, verify,
+                                      verifier=verifier)
+        if big.all():
+            continue
+        src_b, dst_b, len_b = src_b[~big], dst_b[~big], len_b[~big]
+        # small segments (e.g. rows of a box): read enclosing windows once, verify, scatter
+        merged: list[tuple[int, int]] = []
+        for a, b in zip(src_b.tolist(), (src_b + len_b).tolist()):
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        si = 0
+        n = len(src_b)
+        for wpos, buf in storage.read_piece_windows(files, key, piece, merged, md.chunk_bytes, verify):
+            wend = wpos + len(buf)
+            # segments are sorted by source offset and disjoint, so finished ones form a prefix
+            j = si
+            while j < n and src_b[j] < wend:
+                a = int(src_b[j])
+                b = a + int(len_b[j])
+                lo, hi = max(a, wpos), min(b, wend)
+                if hi > lo:
+                    d = int(dst_b[j]) + (lo - a)
+                    out[d : d + (hi - lo)] = buf[lo - wpos : hi - wpos]
+                if b <= wend and j == si:
+                    si += 1
+                j += 1
+
+
+def _read_deferred(files: storage.FileSet, md: CheckpointMetadata, reads: list, verify: bool,
+                   verifier: storage.ChunkVerifier) -> None:
+    """Read the large ranges collected by ``_fill(deferred=...)`` in file order (sequential for the kernel's
+    readahead; requesting readahead explicitly with POSIX_FADV_WILLNEED was measured slower)."""
+    verify = verify and files.verifies
+    reads.sort(key=lambda r: (r[1].file, r[1].offset + r[2]))
+    for key, piece, a, b, out in reads:
+        storage.read_range_direct(files, key, piece, a, b, out, md.chunk_bytes, verify, verifier=verifier)
+
+
+# ------------------------------------------------------------------------------------------------ load
+
+
+@dataclass
+class LoadReport:
+    """What a load did on this rank."""
+
+    loaded_keys: list[str] = field(default_factory=list)
+    missing_keys: list[str] = field(default_factory=list)  # requested, absent from the checkpoint
+    mismatched_keys: dict[str, str] = field(default_factory=dict)  # key -> reason (shape/dtype/kind)
+    unexpected_keys: list[str] = field(default_factory=list)  # in the checkpoint, requested by no rank
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _Target:
+    key: str
+    tensor: Any
+    region: Region
+    dtype: str
+    staging: Any = None
+    raw: Any = None
+    copies: Any = None  # in-place host target: [(dst byte offset, verified source bytes in the span buffer)]
+
+
+def load_state_dict(
+    state_dict: dict,
+    path: str,
+    process_group=None,
+    coordinator_rank: int = 0,
+    *,
+    verify_checksums: bool = True,
+    strict: bool = True,
+    **unused_stock_kwargs,
+) -> LoadReport:
+    """Load ``path`` into the tensors of ``state_dict`` in place, all-or-nothing (see the module docstring)."""
+    if unused_stock_kwargs.get("aoa_config") is not None:
+        raise InvalidStateDictError("aoa_config is not supported by the FSDP checkpoint engine")
+    tr = _Tracer("load")
+    _wait_pending(raise_error=False)
+    t0 = time.perf_counter()
+    path = os.path.abspath(os.fspath(path))
+    comm = _Comm(process_group)
+    report = LoadReport()
+    err: BaseException | None = None
+    targets: list[_Target] = []
+    value_updates: dict[str, Any] = {}
+    md = None
+    files = None
+    verifier = storage.ChunkVerifier()
+    arena_held = False
+    requested = sorted(k for k in state_dict) if isinstance(state_dict, dict) else []
+    try:
+        try:
+            md = read_metadata(path)
+            tr.mark("metadata")
+            if not isinstance(state_dict, dict):
+                raise InvalidStateDictError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+            problems: list[tuple[type, str]] = []
+
+            def refuse(error: type, key: str, reason: str) -> None:
+                """Record why ``key`` cannot load: in the report, and as the error strict mode raises."""
+                if error is MissingKeyError:
+                    report.missing_keys.append(key)
+                else:
+                    report.mismatched_keys[key] = reason
+                problems.append((error, f"key {key!r}: {reason}"))
+
+            def refuse_absent(key: str, wanted: str, saved_as: str) -> None:
+                if saved_as:
+                    refuse(InvalidStateDictError, key, f"saved as a {saved_as}, requested as a {wanted}")
+                else:
+                    refuse(MissingKeyError, key, f"missing from checkpoint {path}")
+
+            for key, val in state_dict.items():
+                rec = to_record(key, val)
+                if rec is None:
+                    if key in md.values:
+                        value_updates[key] = md.values[key]
+                        report.loaded_keys.append(key)
+                    else:
+                        refuse_absent(key, "plain value", "tensor" if key in md.tensors else "")
+                    continue
+                tm = md.tensors.get(key)
+                if tm is None:
+                    refuse_absent(key, "tensor", "plain value" if key in md.values else "")
+                    continue
+                if tuple(tm.shape) != tuple(rec.region.shape):
+                    refuse(ShapeMismatchError, key,
+                           f"shape {list(rec.region.shape)} requested, {list(tm.shape)} in the checkpoint")
+                    continue
+                if tm.dtype != rec.dtype:
+                    refuse(DtypeMismatchError, key, f"dtype {rec.dtype} requested, {tm.dtype} in the checkpoint")
+                    continue
+                targets.append(_Target(key, rec.tensor, rec.region, rec.dtype))
+            if strict and problems:
+                cls, _ = problems[0]
+                more = f" (and {len(problems) - 1} more: " + "; ".join(m for _, m in problems[1:4]) + ")" \
+                    if len(problems) > 1 else ""
+                raise cls(problems[0][1] + more)
+            tr.mark("validate")
+            # read + verify everything into host staging (this rank's slice); targets untouched until commit.
+            # Host targets read in large ranges only (the usual case): their file ranges are read as aligned
+            # spans (O_DIRECT where supported) into one host buffer, committed with a memcpy per range into the
+            # target's own memory. Other targets (small scattered ranges, device or strided tensors) get a
+            # staging buffer of their own, committed with one memcpy (host) or Tensor.copy_ (device, strided).
+            # All host staging is carved out of one buffer: the async-save arena when there is one, else fresh.
+            verify = verify_checksums and md.checksum != checksums.NONE
+            direct: list = []  # (target, piece, a, b, dst offset)
+            staged: list[_Target] = []
+            for tg in targets:
+                if tg.region.numel == 0:
+                    continue
+                segs = _segments(path, md, tg.key, md.tensors[tg.key], tg.region)
+                host = storage._is_host(tg.tensor.place) and tg.tensor.is_contiguous()
+                if _HOST_FAST_PATH and host and all(bool(sg[4].all()) for sg in segs):
+                    tg.copies = []
+                    for piece, src_b, dst_b, len_b, _big in segs:
+                        for a, d, n in zip(src_b.tolist(), dst_b.tolist(), len_b.tolist()):
+                            direct.append((tg, piece, a, a + n, d))
+                else:
+                    staged.append(tg)
+            spans = _plan_spans(direct, md.chunk_bytes, verify)
+            A = storage.DIRECT_ALIGN
+            span_bytes = [-(-sp[2] // A) * A for sp in spans]
+            host_staged = [tg for tg in staged if _HOST_FAST_PATH and storage._is_host(tg.tensor.place)
+                           and tg.tensor.is_contiguous()]
+            need = sum(span_bytes) + sum(_aligned(tg.region.numel * DTYPES[tg.dtype][0]) for tg in host_staged)
+            stage = storage.arena.acquire(need, grow=storage.arena.capacity > 0) if need else None
+            arena_held = stage is not None
+            if stage is None and need:
+                stage = storage.alloc_host(need)
+            pos = 0
+            span_reads = []
+            for (name, start, n_need, members), nb in zip(spans, span_bytes):
+                buf = stage[pos : pos + nb]
+                pos += nb
+                checks, seen = [], set()
+                for (tg, piece, a, b, d), a0, b0 in members:
+                    lo = piece.offset + a - start
+                    tg.copies.append((d, buf[lo : lo + (b - a)]))
+                    if verify and (id(piece), a0, b0) not in seen:
+                        seen.add((id(piece), a0, b0))
+                        checks.append((tg.key, piece, a0, b0))
+                span_reads.append(storage.SpanRead(name, start, n_need, buf, checks))
+            for tg in host_staged:
+                n = tg.region.numel * DTYPES[tg.dtype][0]
+                tg.raw = stage[pos : pos + n]
+                pos += _aligned(n)
+            stage = None
+            files = storage.FileSet.of(path, md, resolve_member, verify)
+            storage.read_spans(files, span_reads, md.chunk_bytes, verifier if verify else None)
+            span_reads = None
+            reads: list = []  # large ranges of staged targets, read below in file order
+            for tg in staged:
+                if tg.raw is None:
+                    # device (or strided) target: host staging tensor (pinned for devices), committed with copy_
+                    pin = not storage._is_host(tg.tensor.place)
+                    tg.staging = _staging_tensor(tg.tensor.shape, tg.dtype, pin)
+                    tg.raw, _ = storage.raw_view(tg.staging, allow_copy=False)
+                _fill(files, md, tg.key, md.tensors[tg.key], tg.region, tg.raw, verify_checksums, verifier, reads)
+            _read_deferred(files, md, reads, verify_checksums, verifier)
+            tr.mark("read")
+            verifier.wait()  # every queued checksum, before this rank reports its status
+            report.bytes_read = files.bytes_read
+            tr.mark("verify-wait")
+        except Exception as e:  # noqa: BLE001 - every failure must reach the status exchange below
+            err = e
+        finally:
+            verifier.drain()  # no helper thread reads the staging any more
+            if files is not None:
+                files.close()
+        statuses = comm.all_gather_object((_error_payload(err), requested, md.checkpoint_id if md else None))
+        _raise_gathered([s[0] for s in statuses], err)
+        ids = sorted({s[2] for s in statuses})
+        if len(ids) > 1:  # e.g. the path was replaced by a concurrent save between the ranks' reads
+            raise CheckpointError(
+                f"load of {path}: ranks read different checkpoints ({ids}); was it replaced during the load? "
+                f"nothing was loaded"
+            )
+        tr.mark("exchange")
+
+        # all ranks are fine: commit into the targets
+        for tg in targets:
+            if tg.copies is not None:
+                dst, _ = storage.raw_view(tg.tensor, allow_copy=False)
+                for d, src in tg.copies:
+                    np.copyto(dst[d : d + len(src)], src)
+            elif tg.staging is not None:
+                # Tensor.copy_ writes into the existing allocation (views into fused buffers keep aliasing) and
+                # copies host->device on the target's own place
+                tg.tensor.copy_(tg.staging, True)
+            elif tg.raw is not None:
+                dst, _ = storage.raw_view(tg.tensor, allow_copy=False)
+                np.copyto(dst, tg.raw)
+            tg.staging = tg.raw = tg.copies = None
+            report.loaded_keys.append(tg.key)
+    finally:
+        for tg in targets:
+            tg.staging = tg.raw = tg.copies = None
+        if arena_held:
+            storage.arena.release()
+    for k, v in value_updates.items():
+        state_dict[k] = v
+    all_requested = set()
+    for s in statuses:
+        all_requested.update(s[1])
+    report.unexpected_keys = sorted((set(md.tensors) | set(md.values)) - all_requested)
+    report.seconds = time.perf_counter() - t0
+    tr.mark("copy-into-targets")
+    tr.done()
+    return report
+
+
+def load_full_state_dict(path: str, keys: Iterable[str] | None = None) -> dict:
+    """Full tensors by key, read in this process only (no collectives), e.g. for ``model.set_state_dict``.
+
+    With ``keys=None`` every tensor of the checkpoint is returned; a key naming a JSON value returns the value.
+    """
+    import paddle  # noqa: F401
+
+    path = os.path.abspath(os.fspath(path))
+    md = read_metadata(path)
+    wanted = list(md.tensors) if keys is None else list(keys)
+    out: dict = {}
+    files = storage.FileSet.of(path, md, resolve_member, verify=True)
+    verifier = storage.ChunkVerifier()
+    reads: list = []
+    try:
+        for key in wanted:
+            if key in md.values and key not in md.tensors:
+                out[key] = md.values[key]
+                continue
+            tm = md.tensors.get(key)
+            if tm is None:
+                raise MissingKeyError(f"key {key!r} is missing from checkpoint {path}")
+            t = _staging_tensor(tm.shape, tm.dtype, False)
+            region = Region.full(tm.shape)
+            if region.numel:
+                raw, _ = storage.raw_view(t, allow_copy=False)
+                _fill(files, md, key, tm, region, raw, True, verifier, reads)
+            out[key] = t
+        _read_deferred(files, md, reads, True, verifier)
+        verifier.wait()  # nothing is returned before every checksum passed
+    finally:
+        verifier.drain()
+        files.close()
+    return out
+

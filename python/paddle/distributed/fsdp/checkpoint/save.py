@@ -1,0 +1,539 @@
+"""Save path of the checkpoint engine: ``save_state_dict``, ``SaveHandle``, ``release_host_buffers``.
+
+Layout of a committed checkpoint directory ``path``::
+
+    path/
+      0_0.safetensors  1_0.safetensors ...   one data file per saving rank (safetensors layout; may be empty)
+      metadata.json                          the index (schema in metadata.py), JSON only
+      0.metadata                             stock-paddle index (pickle) so stock ``dist.load_state_dict`` can
+                                             read the checkpoint; written for stock, NEVER read by this engine
+      COMMIT                                 commit record, written last: {"checkpoint_id", "metadata_sha256"}
+
+Save protocol (all ranks call ``save_state_dict`` collectively):
+
+1. every rank validates its records; one ``all_gather_object`` exchanges the small record descriptions (and any
+   validation error, so all ranks fail together); every rank then computes the same plan: replicas are written
+   by the lowest rank that holds them, coverage (each element exactly once) is checked, and the layout of every
+   rank's file (offsets included) is fixed before any byte is written.
+2. every rank writes its own file into the staging directory ``<path>.tmp-<checkpoint_id>`` straight from tensor
+   memory, computing per-chunk CRC-32 on the way, fsyncs it once, then drops a small ``done`` marker (sizes +
+   checksums; made visible atomically by rename) into ``<staging>/.parts/``. A rank that fails drops a
+   ``failed`` marker instead.
+3. the coordinator waits for all markers (file system polling, no collective), writes and fsyncs
+   ``metadata.json``, ``0.metadata`` and ``COMMIT`` (last), fsyncs the directory and swaps it into ``path``
+   atomically (``renameat2(RENAME_EXCHANGE)``; two renames where unsupported). The other ranks wait until they
+   see ``path/COMMIT`` with this checkpoint's id (or an ``ABORT`` marker); for a CheckpointManager save also
+   until ``latest`` names it. Every rank returns only after commit. Steps 2-3 use no collectives, which is what
+   makes them safe to run in a background thread.
+
+Saving twice to one path: saving to a path that holds a committed checkpoint replaces it atomically: readers see
+either the old or the new checkpoint, never a mix; the old one is deleted only after the new one is in place (by
+a non-daemon background thread, so the deletion does not delay the save). A path that exists and is neither
+empty nor a checkpoint of this engine is refused.
+
+Two saves in flight: the saves of one process never overlap, whatever thread they come from: a save (sync or
+async) first waits for this process's previous save to commit (a load waits too), so they commit in call order
+and, to one path, the later one wins. Two jobs saving to one path concurrently each commit atomically and the
+last commit wins (a commit that finds the path just created by the other job replaces it); the non-coordinator
+ranks of the job whose checkpoint was replaced before they saw it may time out (SaveFailedError) although it
+committed. The staging directory is a sibling of ``path``, so all ranks must see the same file system (shared
+FS); with node-local disks the commit would only happen on the coordinator's node.
+
+Crashes (kill -9 of any rank at any stage; stages in ``faults.py``, which also holds the test-only
+``PADDLE_FSDP_CKPT_FAULT`` hook that proves this): before the rename, ``path`` keeps the previous checkpoint
+untouched (or stays absent) and the partial save is only ``<path>.tmp-<id>`` (never loadable at ``path``; safe
+to delete; CheckpointManager removes it at its next save). Loading or verifying ``path`` when it is absent
+but such a staging directory exists raises / reports IncompleteCheckpointError ("never committed", saying
+whether the save failed with an error or was interrupted); the staging directory itself reports
+IncompleteCheckpointError too until its COMMIT is written. The survivors of a killed rank do not hang: the
+coordinator waits for the other ranks' data, and the other ranks wait for the commit, at most
+``commit_timeout`` (default ``PADDLE_FSDP_CKPT_COMMIT_TIMEOUT``, 1800 s), then raise SaveFailedError; a rank
+whose save fails with an error tells the others at once (``failed`` / ``ABORT`` markers).
+
+Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (CheckpointManager).
+
+``async_save=True``: the caller is blocked for the descriptor exchange and a host copy (snapshot) of the pieces
+this rank writes, which overlap (snapshot.py: the copy runs on a helper thread meanwhile); writing, fsync and commit run in a background (non-daemon) thread. The snapshot of host tensors
+goes into one per-process host buffer (``storage.arena``) that is reused by every async save (grown when the
+state grows) and STAYS RESIDENT between saves: an async-saving process holds about one extra copy of the bytes
+it writes, all the time (filling fresh memory costs page faults, which made the snapshot several times slower
+than a copy into resident memory). ``release_host_buffers()`` frees it; the next async save allocates it again.
+Device (and strided) tensors are snapshotted with their own host copy instead. The returned SaveHandle's
+``wait()`` returns after the commit (on every rank) or raises the background error; an error not collected by
+``wait()`` is raised by the next ``save_state_dict``. gloo collectives are never issued from the background
+thread (they would race with the training loop's collectives), hence the file-based completion protocol.
+
+Checksums: xxh3-64 (checksums.py) per 1 MiB chunk of each piece (``chunk_bytes`` in metadata.json), computed on
+the tensor memory during the single write pass, piece by piece just before it is written. The coordinator's
+choice of algorithm is used by every rank. Loads verify them (load.py).
+
+Node-local disks: saving needs one file system visible to all ranks (see above); loading: see load.py.
+``process_group``: ranks, file names and ``coordinator_rank`` are group-local ranks.
+
+Cross-rank helpers shared with the load path (process group, error exchange, file polling): coordination.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import checksums, faults, storage
+from .coordination import (
+    DEFAULT_COMMIT_TIMEOUT,
+    PARTS_DIR,
+    _check_target_path,
+    _Comm,
+    _error_payload,
+    _poll,
+    _raise_gathered,
+    _read_json,
+    _Tracer,
+)
+from .errors import InvalidStateDictError, SaveFailedError
+from .metadata import (
+    COMMIT_FILE,
+    DEFAULT_CHUNK_BYTES,
+    FORMAT_NAME,
+    LATEST_FILE,
+    METADATA_FILE,
+    CheckpointMetadata,
+    FileMeta,
+)
+from .planner import RecordDesc, build_save_plan
+from .records import collect
+from .snapshot import Snapshot
+
+
+# ------------------------------------------------------------------------------------------------ async state
+
+
+class SaveHandle:
+    """Handle of an async save. ``wait()`` blocks until the checkpoint is committed or raises its error."""
+
+    def __init__(self, path: str, checkpoint_id: str):
+        self.path = path
+        self.checkpoint_id = checkpoint_id
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._reported = False
+        self._done = threading.Event()
+
+    def _run(self, fn) -> None:
+        try:
+            fn()
+        except BaseException as e:  # surfaced by wait() or the next save
+            self._error = e
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"async save to {self.path} still running after {timeout} s")
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None and not self._reported:
+            self._reported = True
+            raise self._error
+
+
+_pending: SaveHandle | None = None
+_pending_lock = threading.Lock()
+_save_lock = threading.Lock()
+
+
+class _Publisher:
+    """What CheckpointManager plugs into a save (duck-typed; this class documents the protocol)."""
+
+    def publish(self) -> None:
+        """Coordinator, right after the commit: make the new checkpoint the one ``latest`` names (durably)."""
+
+    def is_published(self) -> bool:
+        """Other ranks, after they saw the commit: True once ``publish`` has taken effect."""
+        return True
+
+    def cleanup(self) -> None:
+        """Coordinator, after ``publish``: remove what is no longer kept (best effort, never raises)."""
+
+
+def _wait_pending(raise_error: bool) -> None:
+    """Wait for this process's previous async save. Its uncollected error is raised here when
+    ``raise_error`` (the next save), else kept for the next save (a load does not consume it)."""
+    global _pending
+    with _pending_lock:
+        h = _pending
+    if h is None:
+        return
+    h._done.wait()
+    if h._thread is not None:
+        h._thread.join()
+    failed = h._error is not None and not h._reported
+    with _pending_lock:
+        if _pending is h and (raise_error or not failed):
+            _pending = None
+    if raise_error and failed:
+        h._reported = True
+        raise SaveFailedError(f"previous async save to {h.path} failed: {h._error}") from h._error
+
+
+# ------------------------------------------------------------------------------------------------ save
+
+
+@dataclass
+class _SaveJob:
+    path: str
+    staging: str
+    rank: int
+    world: int
+    coordinator: int
+    checkpoint_id: str
+    plan: Any
+    arrays: list  # uint8 arrays, one per piece this rank writes (in layout order)
+    keepalive: list
+    chunk_bytes: int
+    checksum: str  # algorithm (checksums.py), the same on every rank
+    timeout: float
+    write_stock: bool
+    publisher: Any = None  # CheckpointManager hook: publish()/is_published()/cleanup(), see _Publisher
+    created: float = field(default_factory=time.time)
+    release: Any = None  # async save: gives the snapshot arena back (called once the data file is written)
+
+    def _written(self) -> None:
+        self.arrays = self.keepalive = []  # release snapshot memory early
+        release, self.release = self.release, None
+        if release is not None:
+            release()
+
+    def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._written()
+
+    def _run(self) -> None:
+        tr = _Tracer(f"save rank {self.rank}")
+        parts = os.path.join(self.staging, PARTS_DIR)
+        os.makedirs(parts, exist_ok=True)
+        layout = self.plan.files[self.rank]
+        faults.point("before_data", self.rank)
+        kill_at = layout.size // 2 if faults.hit("mid_data", self.rank) else None
+        try:
+            try:
+                digest = None if self.checksum == checksums.NONE else checksums.digest_function(self.checksum)
+                size, sums = storage.write_rank_file(
+                    os.path.join(self.staging, layout.name), layout.header, self.arrays, self.chunk_bytes,
+                    digest, kill_at=kill_at,
+                )
+            finally:
+                self._written()
+            tr.mark("write+fsync")
+            # markers need atomic visibility, not durability: the data file itself is already fsynced
+            storage.write_file(
+                os.path.join(parts, f"{self.rank}.done.json"),
+                json.dumps({"size": size, "checksums": sums}).encode(),
+                fsync=False,
+                atomic=True,
+            )
+        except BaseException as e:
+            _mark_failed(self.staging, self.rank, e)
+            raise
+        faults.point("after_data", self.rank)
+        if self.rank == self.coordinator:
+            try:
+                self._commit(parts, tr)
+            except BaseException as e:
+                try:  # tells the waiting ranks at once (.parts is gone once the commit record is being written)
+                    os.makedirs(parts, exist_ok=True)
+                    storage.write_file(os.path.join(parts, "ABORT"), f"{type(e).__name__}: {e}".encode(),
+                                       fsync=False, atomic=True)
+                except OSError:
+                    pass
+                raise
+            faults.point("after_rename", self.rank)
+            if self.publisher is not None:
+                self.publisher.publish()
+                tr.mark("publish")
+                faults.point("before_prune", self.rank)
+                self.publisher.cleanup()
+        else:
+            self._wait_commit(parts)
+            tr.mark("wait-commit")
+        tr.done()
+
+    def _commit(self, parts: str, tr: "_Tracer") -> None:
+        def all_parts():
+            status = {}
+            for r in range(self.world):
+                d = _read_json(os.path.join(parts, f"{r}.done.json"))
+                if d is not None:
+                    status[r] = ("done", d)
+                    continue
+                f = _read_json(os.path.join(parts, f"{r}.failed.json"))
+                if f is not None:
+                    status[r] = ("failed", f)
+            if any(s[0] == "failed" for s in status.values()):
+                return status
+            return status if len(status) == self.world else None
+
+        try:
+            status = _poll(all_parts, self.timeout, f"all {self.world} ranks to finish writing {self.staging}")
+        except SaveFailedError:
+            have = [r for r in range(self.world) if os.path.exists(os.path.join(parts, f"{r}.done.json"))]
+            missing = sorted(set(range(self.world)) - set(have))
+            raise SaveFailedError(
+                f"save to {self.path} aborted: ranks {missing} did not finish writing within {self.timeout:g} s "
+                f"(did they die?); the previous checkpoint is untouched"
+            ) from None
+        tr.mark("wait-ranks")
+        failed = {r: s[1] for r, s in status.items() if s[0] == "failed"}
+        if failed:
+            r, info = sorted(failed.items())[0]
+            raise SaveFailedError(f"save to {self.path} aborted: rank {r} failed: {info.get('error')}")
+        faults.point("before_metadata", self.rank)
+
+        md = CheckpointMetadata(
+            checkpoint_id=self.checkpoint_id,
+            world_size=self.world,
+            chunk_bytes=self.chunk_bytes,
+            checksum=self.checksum,
+            created_unix=self.created,
+            values=self.plan.values,
+        )
+        for r in range(self.world):
+            layout = self.plan.files[r]
+            done = status[r][1]
+            if int(done["size"]) != layout.size or len(done["checksums"]) != len(layout.pieces):
+                raise SaveFailedError(f"rank {r} reported a file that does not match the plan")
+            md.files[layout.name] = FileMeta(rank=r, size=layout.size)
+            for (key, piece), sums in zip(layout.pieces, done["checksums"]):
+                piece.checksums = [int(c) for c in sums]
+        md.tensors = self.plan.tensors
+        data = md.dumps()
+        # inside the (invisible) staging directory plain write+fsync is enough; order: data files (fsynced by
+        # their ranks), metadata, stock index, then the commit record, then the directory, then the rename
+        storage.write_file(os.path.join(self.staging, METADATA_FILE), data, fsync=True, atomic=False)
+        if self.write_stock:
+            from .stock_compat import write_stock_metadata
+
+            write_stock_metadata(self.staging, md)
+        tr.mark("metadata")
+        faults.point("before_commit", self.rank)
+        commit = {
+            "format": FORMAT_NAME,
+            "checkpoint_id": self.checkpoint_id,
+            "metadata_sha256": hashlib.sha256(data).hexdigest(),
+        }
+        import shutil
+
+        shutil.rmtree(parts, ignore_errors=True)
+        storage.write_file(os.path.join(self.staging, COMMIT_FILE), json.dumps(commit).encode(), fsync=True,
+                           atomic=False)
+        storage.fsync_dir(self.staging)
+        tr.mark("commit-record")
+        faults.point("before_rename", self.rank)
+        storage.replace_dir(self.staging, self.path, f"{self.path}.old-{self.checkpoint_id}")
+        tr.mark("rename")
+
+    def _wait_commit(self, parts: str) -> None:
+        """Wait until the coordinator committed (and, for a CheckpointManager save, moved ``latest``)."""
+        commit_path = os.path.join(self.path, COMMIT_FILE)
+        abort_path = os.path.join(parts, "ABORT")
+        seen_commit = False
+
+        def state():
+            nonlocal seen_commit
+            c = _read_json(commit_path)
+            if c is not None and c.get("checkpoint_id") == self.checkpoint_id:
+                seen_commit = True
+                if self.publisher is None or self.publisher.is_published():
+                    return "committed"
+                return None
+            if os.path.exists(abort_path):
+                return "aborted"
+            return None
+
+        try:
+            st = _poll(state, self.timeout, f"rank {self.coordinator} to commit {self.path}")
+        except SaveFailedError:
+            if seen_commit:
+                raise SaveFailedError(
+                    f"save to {self.path}: rank {self.coordinator} committed the checkpoint but did not move the "
+                    f"'{LATEST_FILE}' pointer within {self.timeout:g} s (did it die?)"
+                ) from None
+            raise SaveFailedError(
+                f"save to {self.path} did not commit: rank {self.coordinator} (the coordinator) did not commit "
+                f"within {self.timeout:g} s (did it die?); the previous checkpoint is untouched"
+            ) from None
+        if st == "aborted":
+            try:
+                with open(abort_path) as f:
+                    reason = f.read()
+            except OSError:
+                reason = "unknown"
+            raise SaveFailedError(f"save to {self.path} aborted by the coordinator: {reason}")
+
+
+def release_host_buffers() -> bool:
+    """Free the host buffer that async saves keep resident for their snapshots (and loads borrow as staging).
+
+    Returns False (and frees nothing) while a save or load of this process is using it. The next async save
+    allocates it again.
+    """
+    return storage.arena.free()
+
+
+def _lazy_view(t):
+    """Piece provider for write_rank_file: the tensor's bytes (and their owner), produced when written."""
+    return lambda: storage.raw_view(t)
+
+
+def _mark_failed(staging: str, rank: int, e: BaseException) -> None:
+    try:
+        parts = os.path.join(staging, PARTS_DIR)
+        os.makedirs(parts, exist_ok=True)
+        storage.write_file(
+            os.path.join(parts, f"{rank}.failed.json"),
+            json.dumps({"error": f"{type(e).__name__}: {e}"}).encode(),
+            fsync=False,
+            atomic=True,
+        )
+    except OSError:
+        pass
+
+
+def save_state_dict(
+    state_dict: dict,
+    path: str,
+    process_group=None,
+    coordinator_rank: int = 0,
+    *,
+    async_save: bool = False,
+    commit_timeout: float | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    write_stock_metadata: bool = True,
+    _publisher: _Publisher | None = None,
+    **unused_stock_kwargs,
+) -> SaveHandle | None:
+    """Save ``state_dict`` collectively into the checkpoint directory ``path`` (see the module docstring).
+
+    ``_publisher`` is CheckpointManager's hook (moves ``latest`` after the commit); not for direct use.
+    """
+    with _save_lock:  # saves of one process never overlap, whatever thread they come from
+        return _save_locked(state_dict, path, process_group, coordinator_rank, async_save, commit_timeout,
+                            chunk_bytes, write_stock_metadata, _publisher)
+
+
+def _save_locked(
+    state_dict: dict,
+    path: str,
+    process_group,
+    coordinator_rank: int,
+    async_save: bool,
+    commit_timeout: float | None,
+    chunk_bytes: int,
+    write_stock_metadata: bool,
+    publisher: _Publisher | None,
+) -> SaveHandle | None:
+    tr = _Tracer("save (calling thread)")
+    _wait_pending(raise_error=True)
+    tr.mark("wait-previous")
+    path = os.path.abspath(os.fspath(path))
+    comm = _Comm(process_group)
+    if not 0 <= coordinator_rank < comm.world:
+        raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
+    timeout = DEFAULT_COMMIT_TIMEOUT if commit_timeout is None else float(commit_timeout)
+
+    err, records, values, descs, algorithm, snap = None, [], {}, [], None, None
+    my_id = uuid.uuid4().hex
+    try:
+        algorithm = checksums.default_algorithm()
+        records, values = collect(state_dict)
+        descs = [r.desc().to_wire() for r in records]
+        if comm.rank == coordinator_rank:
+            _check_target_path(path)
+        if async_save:
+            # this rank's shards are copied to host on a helper thread during the exchange and the plan
+            snap = Snapshot(records)
+    except Exception as e:  # reported to every rank by the exchange, so no rank is left waiting
+        err = e
+    try:
+        gathered = comm.all_gather_object(
+            (_error_payload(err), descs, values if err is None else {}, my_id, algorithm)
+        )
+        _raise_gathered([g[0] for g in gathered], err)
+        tr.mark("exchange")
+        checkpoint_id, algorithm = gathered[coordinator_rank][3], gathered[coordinator_rank][4]
+        plan = build_save_plan(
+            [([RecordDesc.from_wire(w) for w in g[1]], g[2]) for g in gathered], checkpoint_id, chunk_bytes
+        )
+    except BaseException:
+        if snap is not None:
+            snap.cancel()
+        raise
+    by_key = {r.key: r for r in records}
+    staging = f"{path}.tmp-{checkpoint_id}"
+    tr.mark("plan")
+    arrays: list = []
+    keep: list = []
+    release = None
+    try:
+        keys = [key for key, _piece in plan.files[comm.rank].pieces]
+        if snap is not None:
+            arrays, keep, release = snap.arrays_for(keys)
+        else:
+            # sync: write straight from tensor memory; device tensors are copied to host one piece at a
+            # time while writing (never the whole state at once)
+            arrays = [_lazy_view(by_key[key].tensor) for key in keys]
+    except BaseException as e:
+        _mark_failed(staging, comm.rank, e)  # the coordinator must not wait for this rank until the timeout
+        raise
+    tr.mark("snapshot" if async_save else "views")
+    job = _SaveJob(
+        path=path,
+        staging=staging,
+        rank=comm.rank,
+        world=comm.world,
+        coordinator=coordinator_rank,
+        checkpoint_id=checkpoint_id,
+        plan=plan,
+        arrays=arrays,
+        keepalive=keep,
+        chunk_bytes=chunk_bytes,
+        checksum=algorithm,
+        timeout=timeout,
+        write_stock=write_stock_metadata,
+        publisher=publisher,
+        release=release,
+    )
+    if not async_save:
+        job.run()
+        tr.mark("write+commit")
+        tr.done()
+        return None
+    handle = SaveHandle(path, checkpoint_id)
+    th = threading.Thread(target=handle._run, args=(job.run,), name=f"ckpt-save-{checkpoint_id[:8]}")
+    handle._thread = th
+    global _pending
+    with _pending_lock:
+        _pending = handle
+    try:
+        th.start()
+    except BaseException:
+        with _pending_lock:
+            if _pending is handle:
+                _pending = None
+        job._written()
+        raise
+    tr.mark("start-thread")
+    tr.done()
+    return handle
+

@@ -1,0 +1,93 @@
+"""Offline soundness check of a committed checkpoint: ``verify_checkpoint``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from . import checksums, storage
+from .errors import CheckpointError, CorruptCheckpointError
+from .load import read_metadata
+from .metadata import resolve_member
+from .planner import coverage_problems, region_of_piece
+
+
+def verify_checkpoint(path: str) -> list[str]:
+    """Problems found in the checkpoint at ``path`` (empty list == sound).
+
+    Checks the commit record, metadata, that every element of every tensor is covered exactly once, that every
+    data file exists with the expected size and a safetensors header that matches the metadata, that pieces do
+    not overlap inside a file, and every checksum (reads all data once).
+    """
+    path = os.path.abspath(os.fspath(path))
+    try:
+        md = read_metadata(path)
+    except CheckpointError as e:
+        return [f"{type(e).__name__}: {e}"]
+    problems: list[str] = []
+    for key, tm in md.tensors.items():
+        problems += coverage_problems(
+            key, tm.shape, [(md.files[p.file].rank, region_of_piece(tm.shape, p)) for p in tm.pieces]
+        )
+    by_file: dict[str, list] = {n: [] for n in md.files}
+    for key, tm in md.tensors.items():
+        for p in tm.pieces:
+            by_file[p.file].append((p.offset, p.offset + p.nbytes, key, p))
+    usable = set()
+    for name, fm in md.files.items():
+        try:
+            fpath = resolve_member(path, name)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        if not os.path.isfile(fpath):
+            problems.append(f"data file {name} is missing")
+            continue
+        size = os.path.getsize(fpath)
+        if size != fm.size:
+            problems.append(f"data file {name} has {size} bytes, expected {fm.size}")
+            continue
+        usable.add(name)
+        spans = sorted(by_file[name], key=lambda x: x[0])
+        for (a0, a1, k0, _), (b0, b1, k1, _) in zip(spans, spans[1:]):
+            if b0 < a1:
+                problems.append(f"data file {name}: pieces of {k0!r} and {k1!r} overlap")
+        problems += _check_header(fpath, name, by_file[name])
+    if md.checksum != checksums.NONE:
+        try:
+            files = storage.FileSet.of(path, md, resolve_member, verify=True)
+        except CheckpointError as e:  # e.g. xxh3-64 checksums without the xxhash package
+            return problems + [str(e)]
+        try:
+            for key, tm in md.tensors.items():
+                for p in tm.pieces:
+                    if p.file not in usable or p.nbytes == 0:
+                        continue
+                    try:
+                        for _ in storage.read_piece_windows(
+                            files, key, p, [(0, p.nbytes)], md.chunk_bytes, True
+                        ):
+                            pass
+                    except CorruptCheckpointError as e:
+                        problems.append(str(e))
+        finally:
+            files.close()
+    return problems
+
+
+def _check_header(fpath: str, name: str, pieces) -> list[str]:
+    try:
+        with open(fpath, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n > 100 << 20:
+                return [f"data file {name}: implausible safetensors header length {n}"]
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        return [f"data file {name}: unreadable safetensors header: {e}"]
+    out = []
+    base = 8 + n
+    for a, b, key, p in pieces:
+        ent = header.get(p.name)
+        if not isinstance(ent, dict) or ent.get("data_offsets") != [a - base, b - base]:
+            out.append(f"data file {name}: safetensors header entry for {key!r} does not match the metadata")
+    return out
