@@ -69,11 +69,26 @@ class Region:
                     f"of its box"
                 )
 
+    def single_run(self) -> tuple[int, int] | None:
+        """(start, length) when the region is one contiguous global run whose box is the whole tensor (the
+        usual case: FSDP's flattened ranges and replicated tensors), else None. Lets planning skip numpy."""
+        if self.box_shape != self.shape or any(self.box_offset):
+            return None
+        if self.flat_range is not None:
+            a, b = self.flat_range
+            return a, max(0, b - a)
+        return 0, self.numel
+
     def runs(self) -> tuple[np.ndarray, np.ndarray]:
         """(starts, lengths) of the contiguous global flat runs, ascending, in storage order."""
         shape, off, box = self.shape, self.box_offset, self.box_shape
         nd = len(shape)
         empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        one = self.single_run()
+        if one is not None:
+            if one[1] == 0:
+                return empty
+            return np.array([one[0]], np.int64), np.array([one[1]], np.int64)
         if nd == 0:
             starts, lengths = np.zeros(1, np.int64), np.ones(1, np.int64)
         elif any(s == 0 for s in box):
@@ -163,6 +178,13 @@ def intersect(dst_runs, src_runs) -> Segments:
 def coverage_problems(key: str, shape, regions: list[tuple[int, Region]]) -> list[str]:
     """Check that the regions (tagged with an owner, e.g. a rank or a file) cover every element exactly once."""
     total = numel(shape) if all(s > 0 for s in shape) or len(shape) == 0 else 0
+    single = [(reg.single_run(), owner) for owner, reg in regions]
+    if all(run is not None for run, _ in single):
+        return _interval_problems(key, total, [(a, a + n, o) for (a, n), o in single if n > 0])
+    return _runs_problems(key, total, regions)
+
+
+def _runs_problems(key: str, total: int, regions: list[tuple[int, Region]]) -> list[str]:
     parts = []
     for owner, reg in regions:
         s, l = reg.runs()
@@ -200,6 +222,23 @@ def coverage_problems(key: str, shape, regions: list[tuple[int, Region]]) -> lis
             f"key {key!r}: records cover {covered} of {total} elements (first uncovered flat element {gap})"
         )
     return problems
+
+
+def _interval_problems(key: str, total: int, spans: list[tuple[int, int, int]]) -> list[str]:
+    """coverage_problems for regions that are single runs (start, end, owner): the same checks and messages."""
+    spans = sorted(spans, key=lambda sp: sp[0])  # stable, like the general path
+    for (_s0, e0, o0), (s1, _e1, o1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            return [f"key {key!r}: overlapping records (owners {o0} and {o1} both hold flat element {s1})"]
+    covered = sum(e - s for s, e, _o in spans)
+    if covered == total:
+        return []
+    pos = 0
+    for s, e, _o in spans:
+        if s > pos:
+            break
+        pos = max(pos, e)
+    return [f"key {key!r}: records cover {covered} of {total} elements (first uncovered flat element {pos})"]
 
 
 # ----------------------------------------------------------------------------------------------- save planning

@@ -19,7 +19,7 @@ from typing import Any
 from .errors import InvalidStateDictError
 from .metadata import DTYPES, is_json_value
 from .planner import RecordDesc, Region
-from .storage import dtype_name
+from .storage import dtype_name, numel_of
 
 
 def _sharded_weight_cls():
@@ -93,9 +93,9 @@ def to_record(key: str, val: Any) -> TensorRecord | None:
         else:
             region = Region(gshape, goff, lshape, None)
         region.check(key)
-        if int(t.numel()) != region.numel:
+        if numel_of(t) != region.numel:
             raise InvalidStateDictError(
-                f"key {key!r}: local_tensor has {int(t.numel())} elements but the record describes "
+                f"key {key!r}: local_tensor has {numel_of(t)} elements but the record describes "
                 f"{region.numel} (local_shape {list(lshape)}, flattened_range {region.flat_range})"
             )
         return TensorRecord(key, t, region, _check_dtype(t, key), replicated=False)

@@ -111,7 +111,7 @@ class Snapshot:
 
 
 def _nbytes(t) -> int:
-    return int(t.numel()) * t.element_size()
+    return storage.numel_of(t) * t.element_size()
 
 
 def _is_host_contiguous(t) -> bool:

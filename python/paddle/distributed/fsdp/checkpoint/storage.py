@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import math
 import mmap
 import os
 import shutil
@@ -131,6 +132,11 @@ arena = HostArena()
 # ------------------------------------------------------------------------------------------- tensor memory
 
 
+def numel_of(t) -> int:
+    """Element count from the shape: ``Tensor.numel()`` is an op (a tensor, then ``int``), ~40x slower."""
+    return math.prod(t.shape)
+
+
 def dtype_name(t) -> str:
     return str(t.dtype).split(".")[-1]
 
@@ -145,7 +151,7 @@ def raw_view(t, allow_copy: bool = True):
     Host, contiguous tensors are viewed in place through their data pointer; a device (or non-contiguous)
     tensor is first copied to host, one tensor at a time, with its own place's copy (never ``.cuda()``).
     """
-    n = int(t.numel()) * t.element_size()
+    n = numel_of(t) * t.element_size()
     if n == 0:
         return np.zeros(0, np.uint8), t
     keep = t
