@@ -17,7 +17,7 @@ Phases, each timed from a barrier to the slowest rank's end (GB = 1e9 bytes of s
     writes, one fsync (the limit for saves);
 (b) ``save sync`` / ``save async``: ``fsdp.save_checkpoint``; async reports the time the caller is blocked
     and the total until ``wait()``; blocked time is compared with a host memcpy of the rank's state (into
-    a preallocated buffer; a copy into fresh memory is reported as well); ``async overlap`` runs a matmul
+    a preallocated buffer, measured right before each async save; a copy into fresh memory is reported as well); ``async overlap`` runs a matmul
     loop while the save persists in the background and reports its speed relative to an idle run;
 (c) ``all_gather + paddle.save``: parameters gathered with ``fsdp.full_parameters()``, AdamW moments with
     one padded ``all_gather`` per parameter, rank 0 writes one ``paddle.save`` file and fsyncs it;
@@ -674,11 +674,9 @@ def run_full(args) -> None:
         frac = cached_fraction(files)
         res["cache"].setdefault(name, []).append(comm.gather(frac))
 
-    # ---- memcpy baseline (for async blocked time)
-    mc = [memcpy_times(ps, comm) for _ in range(R)]
-    res["memcpy"] = {"prealloc_s": [m["prealloc_s"] for m in mc], "fresh_s": [m["fresh_s"] for m in mc]}
-    LOG.info("memcpy of the rank's state: %.3f s preallocated, %.3f s into fresh memory",
-             median(res["memcpy"]["prealloc_s"]), median(res["memcpy"]["fresh_s"]))
+    # memcpy baseline of the async blocked time: measured in every round right before the async save, so both
+    # see the same machine (this VM's memory bandwidth drifts by up to 1.4x between minutes)
+    res["memcpy"] = {"prealloc_s": [], "fresh_s": []}
 
     keep_ckpt = None
     for rep in range(R):
@@ -704,7 +702,12 @@ def run_full(args) -> None:
             drop_cache(files_under(path))
         comm.barrier()
 
-        # (b) our save, async
+        # (b) our save, async (after the memcpy baseline)
+        mc = memcpy_times(ps, comm)
+        res["memcpy"]["prealloc_s"].append(mc["prealloc_s"])
+        res["memcpy"]["fresh_s"].append(mc["fresh_s"])
+        LOG.info("memcpy of the rank's state: %.3f s preallocated, %.3f s into fresh memory",
+                 mc["prealloc_s"], mc["fresh_s"])
         apath = os.path.join(work, f"ckpt_async_{rep}")
         with PeakRSS() as pk:
             comm.barrier()

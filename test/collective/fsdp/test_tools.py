@@ -455,6 +455,19 @@ def test_verify_sound_checkpoint(run, capsys):
     assert res.rc == 0 and json.loads(res.out)["ok"] is True
 
 
+def test_verify_progress_counts_every_data_byte(run, capsys):
+    from paddle.distributed.fsdp.checkpoint import read_metadata
+    from paddle.distributed.fsdp.tools.progress import human_bytes
+    from paddle.distributed.fsdp.tools.verify_cmd import verify
+
+    problems, summary = verify(run.ckpt, progress=True)
+    err = capsys.readouterr().err
+    assert problems == [] and summary["tensors"] > 0
+    md = read_metadata(summary["path"])
+    total = sum(p.nbytes for tm in md.tensors.values() for p in tm.pieces)
+    assert "verify [" in err and "100.0%" in err and f"{human_bytes(total)}/{human_bytes(total)}" in err, err
+
+
 def test_verify_names_each_problem(run, capsys, tmp_path):
     md = read_metadata(str(run.ckpt))
     cases = {}

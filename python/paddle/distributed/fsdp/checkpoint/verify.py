@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Callable
 
 from . import checksums, storage
 from .errors import CheckpointError, CorruptCheckpointError
@@ -12,12 +13,13 @@ from .metadata import resolve_member
 from .planner import coverage_problems, region_of_piece
 
 
-def verify_checkpoint(path: str) -> list[str]:
+def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) -> list[str]:
     """Problems found in the checkpoint at ``path`` (empty list == sound).
 
     Checks the commit record, metadata, that every element of every tensor is covered exactly once, that every
     data file exists with the expected size and a safetensors header that matches the metadata, that pieces do
-    not overlap inside a file, and every checksum (reads all data once).
+    not overlap inside a file, and every checksum (reads all data once). ``on_bytes(n)`` is called as data is
+    checked (a progress bar's ``update``).
     """
     path = os.path.abspath(os.fspath(path))
     try:
@@ -64,10 +66,11 @@ def verify_checkpoint(path: str) -> list[str]:
                     if p.file not in usable or p.nbytes == 0:
                         continue
                     try:
-                        for _ in storage.read_piece_windows(
+                        for _pos, window in storage.read_piece_windows(
                             files, key, p, [(0, p.nbytes)], md.chunk_bytes, True
                         ):
-                            pass
+                            if on_bytes is not None:
+                                on_bytes(len(window))
                     except CorruptCheckpointError as e:
                         problems.append(str(e))
         finally:

@@ -149,7 +149,7 @@ def cmd_verify(args) -> int:
     from .progress import human_bytes
     from .verify_cmd import verify
 
-    problems, summary = verify(args.ckpt)
+    problems, summary = verify(args.ckpt, progress=_progress(args))
     if args.json:
         print(json.dumps({"path": args.ckpt, "ok": not problems, "problems": problems}, indent=2))
     elif not problems:

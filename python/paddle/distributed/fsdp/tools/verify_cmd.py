@@ -2,7 +2,7 @@
 
 Runs the engine's ``verify_checkpoint``: commit record and metadata hash; every element of every tensor covered
 by exactly one record (no gap, no overlap); every referenced data file present with the size the metadata
-records and a safetensors header that matches it; no two pieces overlapping inside a file; every CRC-32 chunk
+records and a safetensors header that matches it; no two pieces overlapping inside a file; every chunk
 checksum (all data is read once). A path that is not a checkpoint at all is bad input (raised), not a problem.
 A CheckpointManager root is verified through its latest checkpoint.
 """
@@ -14,12 +14,14 @@ import os
 from ..checkpoint import read_metadata, verify_checkpoint
 from ..checkpoint.errors import CheckpointError, NotACheckpointError
 from .ckpt_io import resolve_checkpoint_path
+from .progress import Progress
 
 
-def verify(path: str | os.PathLike) -> tuple[list[str], dict | None]:
+def verify(path: str | os.PathLike, progress: bool | None = None) -> tuple[list[str], dict | None]:
     """``(problems, summary)``; ``problems == []`` means sound. Raises NotACheckpointError for a non-checkpoint.
 
-    ``summary`` (tensors, files, bytes) is None when the metadata itself cannot be read.
+    ``summary`` (tensors, files, bytes) is None when the metadata itself cannot be read. ``progress``: a bar on
+    stderr (None: when it is a terminal).
     """
     try:
         path = resolve_checkpoint_path(path)
@@ -28,8 +30,10 @@ def verify(path: str | os.PathLike) -> tuple[list[str], dict | None]:
     except CheckpointError as e:  # a root whose saves all crashed
         return [f"{type(e).__name__}: {e}"], None
     summary = None
+    data_bytes = 0
     try:
         md = read_metadata(path)
+        data_bytes = sum(p.nbytes for tm in md.tensors.values() for p in tm.pieces)
         summary = {
             "path": path,
             "tensors": len(md.tensors),
@@ -41,4 +45,5 @@ def verify(path: str | os.PathLike) -> tuple[list[str], dict | None]:
         raise
     except CheckpointError:
         pass  # reported (with the same message) by verify_checkpoint below
-    return verify_checkpoint(path), summary
+    with Progress(data_bytes, "verify", enabled=progress if summary else False) as bar:
+        return verify_checkpoint(path, on_bytes=bar.update), summary
