@@ -529,6 +529,66 @@ def test_unknown_checksum_algorithm_is_refused_before_writing(tmp_path, monkeypa
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_whole_pieces_are_read_in_place_and_restored_when_the_load_fails(tmp_path, monkeypatch):
+    """Tensors whose bytes are whole saved pieces are read straight into their memory (no staging copy after
+    the status exchange); when a later piece is damaged, every one of them gets its previous bytes back."""
+    from paddle.distributed.fsdp.checkpoint import inplace
+
+    paddle.seed(11)
+    sd = {f"t{i}": paddle.rand([700, 1000]) for i in range(4)}  # 2.8 MB each: several checksum chunks
+    path = tmp_path / "ckpt"
+    ck.save_state_dict(sd, str(path))
+    seen = {}
+    real_init = inplace.InPlaceReads.__init__
+
+    def spy_init(self, regions, undo):
+        seen["regions"] = sorted(key for key, _piece, _dst in regions)
+        real_init(self, regions, undo)
+
+    monkeypatch.setattr(inplace.InPlaceReads, "__init__", spy_init)
+    targets = {k: paddle.full([700, 1000], -1.0) for k in sd}
+    ptrs = {k: t.data_ptr() for k, t in targets.items()}
+    ck.load_state_dict(targets, str(path))
+    assert seen["regions"] == sorted(sd)
+    for k in sd:
+        assert targets[k].data_ptr() == ptrs[k] and np.array_equal(bits(targets[k]), bits(sd[k])), k
+
+    md = json.loads((path / "metadata.json").read_bytes())
+    last = max((tm["pieces"][0]["offset"], k) for k, tm in md["tensors"].items())[1]
+    raw = bytearray(data_file(path).read_bytes())
+    raw[md["tensors"][last]["pieces"][0]["offset"] + 2_500_000] ^= 0x01  # in the last chunk of the last piece
+    data_file(path).write_bytes(bytes(raw))
+    seen.clear()
+    targets = {k: paddle.full([700, 1000], float(i)) for i, k in enumerate(sd)}
+    before = {k: bits(t) for k, t in targets.items()}
+    with pytest.raises(ck.CorruptCheckpointError, match=f"checksum mismatch .* key '{last}'"):
+        ck.load_state_dict(targets, str(path))
+    assert seen["regions"] == sorted(sd)  # all were written in place before the mismatch was known
+    for k, t in targets.items():
+        assert np.array_equal(bits(t), before[k]), f"{k} not restored"
+
+
+def test_aliasing_targets_are_not_read_in_place(tmp_path, monkeypatch):
+    from paddle.distributed.fsdp.checkpoint import load as ck_load_mod
+
+    sd = {"a": paddle.rand([4, 300_000]), "b": paddle.rand([4, 300_000])}
+    ck.save_state_dict(sd, str(tmp_path / "c"))
+    base = paddle.zeros([4, 300_000])
+    got = {}
+    real = ck_load_mod._in_place_regions
+
+    def spy(reads):
+        regions, rest = real(reads)
+        got["in_place"] = [key for key, _p, _d in regions]
+        return regions, rest
+
+    monkeypatch.setattr(ck_load_mod, "_in_place_regions", spy)
+    t = {"a": base, "b": base}  # one memory for both keys: no undo order could restore it safely
+    ck.load_state_dict(t, str(tmp_path / "c"))
+    assert got["in_place"] == []
+    assert np.array_equal(bits(base), bits(sd["b"])) or np.array_equal(bits(base), bits(sd["a"]))
+
+
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(ck.NotACheckpointError, match="no such directory"):
         ck.load_state_dict({"x": paddle.zeros([1])}, str(tmp_path / "nothing"))

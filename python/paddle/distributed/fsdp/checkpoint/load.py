@@ -11,24 +11,28 @@ verify_checksums=False)`` skips the check (on by default); sizes, metadata hash 
 
 Load: every rank reads metadata.json (after checking COMMIT and its hash), intersects the flat runs of each of its
 requested records with the saved pieces and pread()s only those byte ranges (plus chunk alignment) of the files.
-Contiguous host targets whose ranges are all large (the usual FSDP case): the file ranges are merged into spans
-and read in file order, 16 MiB at a time, into one host staging buffer (the kernel's sequential readahead;
-explicit ``POSIX_FADV_WILLNEED`` was measured slower; ``PADDLE_FSDP_CKPT_ODIRECT=1`` reads them with O_DIRECT
-instead, bypassing the page cache, which was faster here on an uncached disk and slower on a host-cached one). Other targets (small
-scattered ranges such as rows of boxes, device or strided tensors) get a staging buffer of their own, large
+Contiguous host targets made of whole saved pieces (a load into the world size that saved, the usual resume) are
+read straight into their own memory, their previous bytes copied into an undo buffer just ahead of each read on a
+helper thread and put back if the load does not commit (inplace.py; ``PADDLE_FSDP_CKPT_IN_PLACE=0`` stages them
+instead). Other contiguous host targets whose ranges are all large: the file ranges are merged into spans and read
+in file order, 16 MiB at a time, into one host staging buffer (the kernel's sequential readahead; explicit
+``POSIX_FADV_WILLNEED`` was measured slower; ``PADDLE_FSDP_CKPT_ODIRECT=1`` reads them with O_DIRECT instead,
+bypassing the page cache, which was faster here on an uncached disk and slower on a host-cached one). Other targets
+(small scattered ranges such as rows of boxes, device or strided tensors) get a staging buffer of their own, large
 ranges read straight into it, small ones through windows of at most 64 MiB. Checksums of the large ranges run on
-helper threads while later ranges are read; the rank waits for all of them before the status exchange. Host
-staging is this rank's slice (plus chunk and page alignment); it is the async-save buffer when this process has
-one (borrowed, no fresh memory), else fresh memory freed after the load; nothing else grows with the checkpoint.
-Only when every key, shape, dtype, coverage and checksum on every rank is fine, and every rank read the same
-checkpoint (checkpoint ids compared; one ``all_gather_object`` of the status) are the staged bytes copied into
-the targets in place: a memcpy into the tensor's own memory for contiguous host tensors, ``Tensor.copy_`` (host
-staging tensor, pinned, copied on the target's own place) otherwise; views into fused buffers keep sharing
-memory either way. On any failure the targets are bit-identical to before. JSON values are written back into
-the dict. ``strict=True`` (default) fails, before anything is written, on a requested key that is missing or
-has another shape/dtype/kind, naming the key; ``strict=False`` loads the matching subset and lists the rest in
-the returned LoadReport. Checkpoint keys no rank asked for are only reported (``LoadReport.unexpected_keys``),
-so a model-only load of a model+optimizer checkpoint works.
+helper threads while later ranges are read; the rank waits for all of them before the status exchange. Host staging
+(with the undo buffer) is this rank's slice (plus chunk and page alignment); it is the async-save buffer when this
+process has one (borrowed, no fresh memory), else fresh memory freed after the load; nothing else grows with the
+checkpoint. Only when every key, shape, dtype, coverage and checksum on every rank is fine, and every rank read the
+same checkpoint (checkpoint ids compared; one ``all_gather_object`` of the status) is the load committed: the staged
+bytes are copied into the targets in place (and the undo copies of in-place reads dropped): a memcpy into the
+tensor's own memory for contiguous host tensors, ``Tensor.copy_`` (host staging tensor, pinned, copied on the
+target's own place) otherwise; views into fused buffers keep sharing memory either way. On any failure the targets
+are bit-identical to before. JSON values are written back into the dict. ``strict=True`` (default) fails, before
+anything is written, on a requested key that is missing or has another shape/dtype/kind, naming the key;
+``strict=False`` loads the matching subset and lists the rest in the returned LoadReport. Checkpoint keys no rank
+asked for are only reported (``LoadReport.unexpected_keys``), so a model-only load of a model+optimizer checkpoint
+works.
 
 Node-local disks: loading works when every rank sees every file it needs (shared FS, or files copied so that
 each node has the pieces its ranks read). Saving needs one file system visible to all ranks (see save.py).
@@ -69,6 +73,7 @@ from .metadata import (
     TensorMeta,
     resolve_member,
 )
+from .inplace import InPlaceReads
 from .planner import Region, plan_reads
 from .records import to_record
 from .save import _wait_pending
@@ -221,6 +226,40 @@ def _segments(root: str, md: CheckpointMetadata, key: str, tm: TensorMeta, regio
     return out
 
 
+_IN_PLACE = os.environ.get("PADDLE_FSDP_CKPT_IN_PLACE", "1") != "0"  # 0: stage everything (measurements)
+
+
+def _in_place_regions(reads: list) -> tuple[list, list]:
+    """Split the fast-path reads ``(target, piece, a, b, dst)`` into regions read in place (inplace.py) and the
+    rest. A target is read in place when each of its reads is a whole saved piece (no chunk widening: the piece's
+    chunks are the target's bytes) and its memory overlaps no other such target. Regions come in file order."""
+    if not _IN_PLACE:
+        return [], reads
+    by_target: dict[int, list] = {}
+    for r in reads:
+        by_target.setdefault(id(r[0]), []).append(r)
+    whole = [rs for rs in by_target.values() if all(a == 0 and b == piece.nbytes for _t, piece, a, b, _d in rs)]
+    spans = sorted((rs[0][0].tensor.data_ptr(), storage.raw_view(rs[0][0].tensor, allow_copy=False)[0].nbytes, i)
+                   for i, rs in enumerate(whole))
+    aliased, end, widest = set(), -1, -1  # widest: the interval reaching furthest so far
+    for ptr, n, i in spans:
+        if ptr < end:
+            aliased.update((i, widest))
+        if ptr + n > end:
+            end, widest = ptr + n, i
+    chosen = {id(rs[0][0]) for i, rs in enumerate(whole) if i not in aliased}
+    regions, rest = [], []
+    for r in reads:
+        tg, piece, a, b, d = r
+        if id(tg) not in chosen:
+            rest.append(r)
+            continue
+        dst, _ = storage.raw_view(tg.tensor, allow_copy=False)
+        regions.append((tg.key, piece, dst[d : d + (b - a)]))
+    regions.sort(key=lambda reg: (reg[1].file, reg[1].offset))
+    return regions, rest
+
+
 _SPAN_GAP = 4096  # file ranges closer than this are read as one span (staging stays the slice + alignment)
 
 
@@ -359,6 +398,8 @@ def load_state_dict(
     files = None
     verifier = storage.ChunkVerifier()
     arena_held = False
+    in_place: InPlaceReads | None = None
+    committed = False
     requested = sorted(k for k in state_dict) if isinstance(state_dict, dict) else []
     try:
         try:
@@ -430,12 +471,16 @@ def load_state_dict(
                             direct.append((tg, piece, a, a + n, d))
                 else:
                     staged.append(tg)
+            regions, direct = _in_place_regions(direct)
             spans = _plan_spans(direct, md.chunk_bytes, verify)
             A = storage.DIRECT_ALIGN
             span_bytes = [-(-sp[2] // A) * A for sp in spans]
             host_staged = [tg for tg in staged if _HOST_FAST_PATH and storage._is_host(tg.tensor.place)
                            and tg.tensor.is_contiguous()]
-            need = sum(span_bytes) + sum(_aligned(tg.region.numel * DTYPES[tg.dtype][0]) for tg in host_staged)
+            undo_bytes = sum(_aligned(len(dst)) for _key, _piece, dst in regions)
+            need = sum(span_bytes) + undo_bytes + sum(
+                _aligned(tg.region.numel * DTYPES[tg.dtype][0]) for tg in host_staged
+            )
             stage = storage.arena.acquire(need, grow=storage.arena.capacity > 0) if need else None
             arena_held = stage is not None
             if stage is None and need:
@@ -457,10 +502,14 @@ def load_state_dict(
                 n = tg.region.numel * DTYPES[tg.dtype][0]
                 tg.raw = stage[pos : pos + n]
                 pos += _aligned(n)
+            if regions:  # previous bytes copied to the undo buffer ahead of the reads, on a helper thread
+                in_place = InPlaceReads(regions, stage[pos : pos + undo_bytes])
             stage = None
             files = storage.FileSet.of(path, md, resolve_member, verify)
             storage.read_spans(files, span_reads, md.chunk_bytes, verifier if verify else None)
             span_reads = None
+            if in_place is not None:
+                in_place.read(files, md.chunk_bytes, verify, verifier)
             reads: list = []  # large ranges of staged targets, read below in file order
             for tg in staged:
                 if tg.raw is None:
@@ -505,9 +554,17 @@ def load_state_dict(
                 np.copyto(dst, tg.raw)
             tg.staging = tg.raw = tg.copies = None
             report.loaded_keys.append(tg.key)
+        committed = True
     finally:
         for tg in targets:
             tg.staging = tg.raw = tg.copies = None
+        if in_place is not None:
+            if committed:
+                in_place.finish()
+            else:
+                verifier.drain()  # no checksum thread reads a target while it is restored
+                in_place.restore()  # every tensor read in place gets its previous bytes back
+            in_place = None
         if arena_held:
             storage.arena.release()
     for k, v in value_updates.items():
