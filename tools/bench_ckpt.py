@@ -363,8 +363,10 @@ def median(xs):
 
 
 def clean_env() -> dict:
-    """Environment for a child job: without the variables of the paddle launch we run under."""
-    env = {k: v for k, v in os.environ.items() if not (k.startswith("PADDLE_") or k.startswith("POD_"))}
+    """Environment for a child job: without the variables of the paddle launch we run under (the engine's own
+    ``PADDLE_FSDP_CKPT_*`` settings are kept, so every phase runs with the same ones)."""
+    env = {k: v for k, v in os.environ.items()
+           if k.startswith("PADDLE_FSDP_CKPT_") or not (k.startswith("PADDLE_") or k.startswith("POD_"))}
     env["PYTHONWARNINGS"] = "ignore::UserWarning"
     return env
 
