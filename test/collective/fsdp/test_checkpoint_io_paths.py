@@ -239,6 +239,42 @@ class _Recorder:
         self.seen.setdefault(key, []).extend(range(pos // chunk_bytes, -(-(pos + len(buf)) // chunk_bytes)))
 
 
+def test_auto_odirect_reads_cached_files_buffered_and_uncached_files_direct(tmp_path, monkeypatch):
+    """mincore decides: a file in the page cache is read buffered, one that is not with O_DIRECT (where the file
+    system accepts it)."""
+    import os
+
+    monkeypatch.setattr(storage, "ODIRECT", "auto")
+    data = np.random.default_rng(2).integers(0, 255, 8 * MIB, dtype=np.uint8)
+    f = tmp_path / "f"
+    f.write_bytes(data.tobytes())
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.read(fd, len(data))  # in the page cache now
+        assert storage.page_cache_fraction(fd, len(data)) > 0.9
+        files = storage.FileSet(str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}")
+        assert files.direct_fd("f") is None
+        files.close()
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert storage.page_cache_fraction(fd, len(data)) < 0.1
+    finally:
+        os.close(fd)
+    try:
+        os.close(os.open(f, os.O_RDONLY | os.O_DIRECT))
+        supported = True
+    except OSError:
+        supported = False
+    files = storage.FileSet(str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}")
+    try:
+        assert (files.direct_fd("f") is not None) == supported
+        buf = storage.alloc_host(len(data))
+        files.pread_span("f", buf, 0, len(data))
+        assert np.array_equal(buf, data)
+    finally:
+        files.close()
+
+
 @pytest.mark.parametrize("odirect", [False, True], ids=["buffered", "odirect"])
 def test_read_spans_checks_every_chunk_of_every_range_once_read(tmp_path, monkeypatch, odirect):
     """Ranges larger than a read slab, overlapping ranges of one piece, a range ending at a piece's end."""

@@ -36,9 +36,14 @@ from .metadata import PieceMeta
 WRITE_SLAB = 64 << 20  # bytes handed to the kernel per write call
 READ_SLAB_BYTES = int(os.environ.get("PADDLE_FSDP_CKPT_READ_SLAB", 16 << 20))  # pread step of direct reads
 DEFAULT_WINDOW = 64 << 20  # read window (bounded host buffer per read)
-# Span reads (load) bypass the page cache with O_DIRECT where the file system allows it: the data then lands in
-# the staging buffer straight from the device, instead of being copied once more out of the page cache.
-ODIRECT = os.environ.get("PADDLE_FSDP_CKPT_ODIRECT", "0") == "1" and hasattr(os, "O_DIRECT")
+# Span reads (load) of files that are not in the page cache bypass it with O_DIRECT where the file system allows
+# it: the data lands in the staging buffer straight from the device instead of being copied once more out of the
+# page cache (less CPU: a 2 -> 3 rank load on 2 cores took a median 0.60 s against 0.79 s buffered). A file mostly
+# in the page cache (e.g. just saved) is read buffered: O_DIRECT would go to the device (0.10 s against 0.04 s for
+# 170 MB here). PADDLE_FSDP_CKPT_ODIRECT: "auto" (default, by mincore), "1" always, "0" never.
+_ODIRECT_MODE = os.environ.get("PADDLE_FSDP_CKPT_ODIRECT", "auto").strip().lower()
+ODIRECT: bool | str = ({"1": True, "0": False}.get(_ODIRECT_MODE, "auto")) if hasattr(os, "O_DIRECT") else False
+CACHED_FRACTION_FOR_BUFFERED = 0.5
 DIRECT_ALIGN = 4096  # offset, length and memory alignment of O_DIRECT reads
 _IOV_MAX = 512
 
@@ -373,6 +378,41 @@ def replace_dir(staging: str, final: str, old_name: str, background_delete: bool
 # ----------------------------------------------------------------------------------------------- reading
 
 
+def _libc_mincore():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mm, mc, mu = libc.mmap, libc.mincore, libc.munmap
+    except (OSError, AttributeError):
+        return None
+    mm.restype = ctypes.c_void_p
+    mm.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    mc.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    mu.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return mm, mc, mu
+
+
+_MINCORE = _libc_mincore()
+
+
+def page_cache_fraction(fd: int, size: int) -> float | None:
+    """Fraction of the file's pages resident in the page cache (``mincore`` on a mapping that is never touched,
+    so nothing is read); None where that cannot be asked."""
+    if _MINCORE is None or size <= 0:
+        return None
+    mm, mc, mu = _MINCORE
+    addr = mm(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        return None
+    try:
+        pages = -(-size // mmap.PAGESIZE)
+        vec = np.zeros(pages, np.uint8)
+        if mc(addr, size, vec.ctypes.data) != 0:
+            return None
+        return float(np.count_nonzero(vec & 1)) / pages
+    finally:
+        mu(addr, size)
+
+
 class FileSet:
     """Open-on-demand read-only descriptors for the files of one checkpoint, with size checks, and the checksum
     function its chunks are verified with (None: reads are not verified)."""
@@ -435,7 +475,11 @@ class FileSet:
             return self._direct[name]
         self.fd(name)
         fd = None
-        if ODIRECT:
+        use = ODIRECT
+        if use == "auto":
+            cached = page_cache_fraction(self.fds[name], self.sizes[name])
+            use = cached is not None and cached < CACHED_FRACTION_FOR_BUFFERED
+        if use:
             try:
                 fd = os.open(self.resolve(self.root, name), os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
             except OSError:
