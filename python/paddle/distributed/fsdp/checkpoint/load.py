@@ -15,24 +15,22 @@ Contiguous host targets made of whole saved pieces (a load into the world size t
 read straight into their own memory, their previous bytes copied into an undo buffer just ahead of each read on a
 helper thread and put back if the load does not commit (inplace.py; ``PADDLE_FSDP_CKPT_IN_PLACE=0`` stages them
 instead). Other contiguous host targets whose ranges are all large: the file ranges are merged into spans and read
-in file order, 16 MiB at a time, into one host staging buffer (the kernel's sequential readahead; explicit
-``POSIX_FADV_WILLNEED`` was measured slower; ``PADDLE_FSDP_CKPT_ODIRECT=1`` reads them with O_DIRECT instead,
-bypassing the page cache, which was faster here on an uncached disk and slower on a host-cached one). Other targets
-(small scattered ranges such as rows of boxes, device or strided tensors) get a staging buffer of their own, large
-ranges read straight into it, small ones through windows of at most 64 MiB. Checksums of the large ranges run on
-helper threads while later ranges are read; the rank waits for all of them before the status exchange. Host staging
-(with the undo buffer) is this rank's slice (plus chunk and page alignment); it is the async-save buffer when this
-process has one (borrowed, no fresh memory), else fresh memory freed after the load; nothing else grows with the
-checkpoint. Only when every key, shape, dtype, coverage and checksum on every rank is fine, and every rank read the
-same checkpoint (checkpoint ids compared; one ``all_gather_object`` of the status) is the load committed: the staged
-bytes are copied into the targets in place (and the undo copies of in-place reads dropped): a memcpy into the
-tensor's own memory for contiguous host tensors, ``Tensor.copy_`` (host staging tensor, pinned, copied on the
-target's own place) otherwise; views into fused buffers keep sharing memory either way. On any failure the targets
-are bit-identical to before. JSON values are written back into the dict. ``strict=True`` (default) fails, before
-anything is written, on a requested key that is missing or has another shape/dtype/kind, naming the key;
-``strict=False`` loads the matching subset and lists the rest in the returned LoadReport. Checkpoint keys no rank
-asked for are only reported (``LoadReport.unexpected_keys``), so a model-only load of a model+optimizer checkpoint
-works.
+in file order, 16 MiB at a time, into one host staging buffer, with O_DIRECT when the file is not in the page cache,
+else buffered (storage.py; explicit ``POSIX_FADV_WILLNEED`` was measured slower). Other targets (small scattered
+ranges such as rows of boxes, device or strided tensors) get a staging buffer of their own, large ranges read
+straight into it, small ones through windows of at most 64 MiB. Checksums of the large ranges run on helper threads
+while later ranges are read; the rank waits for all of them before the status exchange. Host staging (with the undo
+buffer) is this rank's slice (plus chunk and page alignment); it is the async-save buffer when this process has one
+(borrowed, no fresh memory), else fresh memory freed after the load; nothing else grows with the checkpoint. Only
+when every key, shape, dtype, coverage and checksum on every rank is fine, and every rank read the same checkpoint
+(checkpoint ids compared; one ``all_gather_object`` of the status) is the load committed: the staged bytes are
+copied into the targets in place (and the undo copies of in-place reads dropped): a memcpy into the tensor's own
+memory for contiguous host tensors, ``Tensor.copy_`` (host staging tensor, pinned, copied on the target's own place)
+otherwise; views into fused buffers keep sharing memory either way. On any failure the targets are bit-identical to
+before. JSON values are written back into the dict. ``strict=True`` (default) fails, before anything is written, on
+a requested key that is missing or has another shape/dtype/kind, naming the key; ``strict=False`` loads the matching
+subset and lists the rest in the returned LoadReport. Checkpoint keys no rank asked for are only reported
+(``LoadReport.unexpected_keys``), so a model-only load of a model+optimizer checkpoint works.
 
 Node-local disks: loading works when every rank sees every file it needs (shared FS, or files copied so that
 each node has the pieces its ranks read). Saving needs one file system visible to all ranks (see save.py).
