@@ -287,12 +287,16 @@ class CheckpointMetadata:
             raise MetadataError(f"{where}: keys stored both as tensor and value: {sorted(overlap)[:5]}")
 
 
+_PLAIN_SCALARS = {type(None), bool, int, float, str}
+
+
 def is_json_value(v: Any) -> bool:
     """Values allowed in ``values``: None, bool, int, float, str, and lists/tuples/dicts (str keys) of those."""
     if v is None or isinstance(v, (bool, int, float, str)):
         return True
     if isinstance(v, (list, tuple)):
-        return all(is_json_value(x) for x in v)
+        # fast path for flat lists of plain scalars (RNG states: thousands of ints, checked on every save)
+        return set(map(type, v)) <= _PLAIN_SCALARS or all(is_json_value(x) for x in v)
     if isinstance(v, dict):
         return all(isinstance(k, str) and is_json_value(x) for k, x in v.items())
     return False
