@@ -68,13 +68,15 @@ def _checksum_pool():
 
 # ------------------------------------------------------------------------------------------- host memory
 
-HUGEPAGES = os.environ.get("PADDLE_FSDP_CKPT_HUGEPAGES", "1") != "0"
+# Transparent huge pages only on request (PADDLE_FSDP_CKPT_HUGEPAGES=1): with THP defrag "madvise", a fault in a
+# MADV_HUGEPAGE region compacts memory synchronously; once memory was fragmented that made filling fresh memory
+# 1.4-3x slower here (and no huge page was obtained), and repeated first loads 30% slower.
+HUGEPAGES = os.environ.get("PADDLE_FSDP_CKPT_HUGEPAGES", "0") == "1"
 
 
 def alloc_host(nbytes: int) -> np.ndarray:
     """Fresh uint8 host buffer of ``nbytes`` in its own anonymous mapping (page aligned, returned to the OS when
-    the last view of it is dropped), with transparent huge pages requested (``MADV_HUGEPAGE``): first touch of
-    fresh memory costs one fault per 4 KiB page otherwise, which is most of the cost of filling it."""
+    the last view of it is dropped); MADV_HUGEPAGE when HUGEPAGES."""
     if nbytes <= 0:
         return np.empty(0, np.uint8)
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
