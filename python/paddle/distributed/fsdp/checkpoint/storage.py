@@ -9,7 +9,7 @@
   touches are read whole and verified before any byte of them is used. Large ranges read straight into the
   caller's staging buffer can be verified on the helper threads while later ranges are read
   (``ChunkVerifier``); the caller waits for all of them (``ChunkVerifier.wait``) before using the bytes.
-* ``alloc_host`` and ``HostArena``: page-aligned anonymous host memory (transparent huge pages requested), and
+* ``alloc_host`` and ``HostArena``: page-aligned anonymous host memory (huge pages only on request), and
   one reusable per-process buffer of it for async-save snapshots and load staging (see save.py, load.py).
 * Durability helpers: ``fsync_dir``, ``write_file_durable`` (tmp + fsync + rename + dir fsync) and
   ``replace_dir`` (atomic directory swap with ``renameat2(RENAME_EXCHANGE)`` where the kernel and file system
