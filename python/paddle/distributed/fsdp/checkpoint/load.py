@@ -482,7 +482,7 @@ def load_state_dict(
             stage = storage.arena.acquire(need, grow=storage.arena.capacity > 0) if need else None
             arena_held = stage is not None
             if stage is None and need:
-                stage = storage.alloc_host(need)
+                stage = storage.alloc_host(need, for_direct_reads=bool(span_bytes))
             pos = 0
             span_reads = []
             for (name, start, n_need, members), nb in zip(spans, span_bytes):

@@ -9,7 +9,7 @@
   touches are read whole and verified before any byte of them is used. Large ranges read straight into the
   caller's staging buffer can be verified on the helper threads while later ranges are read
   (``ChunkVerifier``); the caller waits for all of them (``ChunkVerifier.wait``) before using the bytes.
-* ``alloc_host`` and ``HostArena``: page-aligned anonymous host memory (huge pages only on request), and
+* ``alloc_host`` and ``HostArena``: page-aligned anonymous host memory (huge pages for O_DIRECT reads), and
   one reusable per-process buffer of it for async-save snapshots and load staging (see save.py, load.py).
 * Durability helpers: ``fsync_dir``, ``write_file_durable`` (tmp + fsync + rename + dir fsync) and
   ``replace_dir`` (atomic directory swap with ``renameat2(RENAME_EXCHANGE)`` where the kernel and file system
@@ -68,19 +68,22 @@ def _checksum_pool():
 
 # ------------------------------------------------------------------------------------------- host memory
 
-# Transparent huge pages only on request (PADDLE_FSDP_CKPT_HUGEPAGES=1): with THP defrag "madvise", a fault in a
-# MADV_HUGEPAGE region compacts memory synchronously; once memory was fragmented that made filling fresh memory
-# 1.4-3x slower here (and no huge page was obtained), and repeated first loads 30% slower.
-HUGEPAGES = os.environ.get("PADDLE_FSDP_CKPT_HUGEPAGES", "0") == "1"
+# Transparent huge pages (MADV_HUGEPAGE) for buffers filled by O_DIRECT reads: the kernel faults in every page it
+# pins, and a 2 -> 3 rank load took 0.61-0.68 s with huge pages against 0.86-1.16 s without. Not for buffers filled
+# by memcpy (snapshots, undo copies): with THP defrag "madvise" such faults compact memory synchronously, which
+# made those fills 1.4-3x slower here once memory was fragmented. PADDLE_FSDP_CKPT_HUGEPAGES: "auto" (default:
+# as the caller asks), "1" always, "0" never.
+_HUGEPAGES_MODE = os.environ.get("PADDLE_FSDP_CKPT_HUGEPAGES", "auto").strip().lower()
 
 
-def alloc_host(nbytes: int) -> np.ndarray:
+def alloc_host(nbytes: int, for_direct_reads: bool = False) -> np.ndarray:
     """Fresh uint8 host buffer of ``nbytes`` in its own anonymous mapping (page aligned, returned to the OS when
-    the last view of it is dropped); MADV_HUGEPAGE when HUGEPAGES."""
+    the last view of it is dropped); huge pages requested when it is filled by O_DIRECT reads (see above)."""
     if nbytes <= 0:
         return np.empty(0, np.uint8)
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if HUGEPAGES and hasattr(mmap, "MADV_HUGEPAGE"):
+    huge = {"1": True, "0": False}.get(_HUGEPAGES_MODE, for_direct_reads)
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             m.madvise(mmap.MADV_HUGEPAGE)
         except (OSError, ValueError):
