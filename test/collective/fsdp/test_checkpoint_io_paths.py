@@ -149,7 +149,7 @@ def test_async_snapshots_reuse_one_arena_and_load_borrows_it(tmp_path, monkeypat
     ck.release_host_buffers()
     allocs = []
     real_alloc = storage.alloc_host
-    monkeypatch.setattr(storage, "alloc_host", lambda n: allocs.append(n) or real_alloc(n))
+    monkeypatch.setattr(storage, "alloc_host", lambda n, **kw: allocs.append(n) or real_alloc(n, **kw))
     sd = big_state()
     ck.save_state_dict(sd, str(tmp_path / "s1"), async_save=True).wait()
     assert len(allocs) == 1 and storage.arena.capacity >= allocs[0]
