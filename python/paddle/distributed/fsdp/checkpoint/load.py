@@ -61,6 +61,7 @@ from .errors import (
     NotACheckpointError,
     ShapeMismatchError,
 )
+from .inplace import InPlaceReads
 from .metadata import (
     COMMIT_FILE,
     DTYPES,
@@ -71,7 +72,6 @@ from .metadata import (
     TensorMeta,
     resolve_member,
 )
-from .inplace import InPlaceReads
 from .planner import Region, plan_reads
 from .records import to_record
 from .save import _wait_pending

@@ -16,7 +16,7 @@ Save protocol (all ranks call ``save_state_dict`` collectively):
    by the lowest rank that holds them, coverage (each element exactly once) is checked, and the layout of every
    rank's file (offsets included) is fixed before any byte is written.
 2. every rank writes its own file into the staging directory ``<path>.tmp-<checkpoint_id>`` straight from tensor
-   memory, computing per-chunk CRC-32 on the way, fsyncs it once, then drops a small ``done`` marker (sizes +
+   memory, computing per-chunk checksums on the way, fsyncs it once, then drops a small ``done`` marker (sizes +
    checksums; made visible atomically by rename) into ``<staging>/.parts/``. A rank that fails drops a
    ``failed`` marker instead.
 3. the coordinator waits for all markers (file system polling, no collective), writes and fsyncs
@@ -52,16 +52,17 @@ whose save fails with an error tells the others at once (``failed`` / ``ABORT`` 
 
 Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (CheckpointManager).
 
-``async_save=True``: the caller is blocked for the descriptor exchange and a host copy (snapshot) of the pieces
-this rank writes, which overlap (snapshot.py: the copy runs on a helper thread meanwhile); writing, fsync and commit run in a background (non-daemon) thread. The snapshot of host tensors
-goes into one per-process host buffer (``storage.arena``) that is reused by every async save (grown when the
-state grows) and STAYS RESIDENT between saves: an async-saving process holds about one extra copy of the bytes
-it writes, all the time (filling fresh memory costs page faults, which made the snapshot several times slower
-than a copy into resident memory). ``release_host_buffers()`` frees it; the next async save allocates it again.
-Device (and strided) tensors are snapshotted with their own host copy instead. The returned SaveHandle's
-``wait()`` returns after the commit (on every rank) or raises the background error; an error not collected by
-``wait()`` is raised by the next ``save_state_dict``. gloo collectives are never issued from the background
-thread (they would race with the training loop's collectives), hence the file-based completion protocol.
+``async_save=True``: the caller is blocked for the descriptor exchange and a host copy (snapshot) of the pieces this
+rank writes, which overlap (snapshot.py: the copy runs on a helper thread meanwhile); writing, fsync and commit run
+in a background (non-daemon) thread. The snapshot of host tensors goes into one per-process host buffer
+(``storage.arena``) that is reused by every async save (grown when the state grows) and STAYS RESIDENT between
+saves: an async-saving process holds about one extra copy of the bytes it writes, all the time (filling fresh memory
+costs page faults, which made the snapshot several times slower than a copy into resident memory).
+``release_host_buffers()`` frees it; the next async save allocates it again. Device (and strided) tensors are
+snapshotted with their own host copy instead. The returned SaveHandle's ``wait()`` returns after the commit (on
+every rank) or raises the background error; an error not collected by ``wait()`` is raised by the next
+``save_state_dict``. gloo collectives are never issued from the background thread (they would race with the training
+loop's collectives), hence the file-based completion protocol.
 
 Checksums: xxh3-64 (checksums.py) per 1 MiB chunk of each piece (``chunk_bytes`` in metadata.json), computed on
 the tensor memory during the single write pass, piece by piece just before it is written. The coordinator's
