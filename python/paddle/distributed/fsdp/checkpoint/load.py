@@ -461,7 +461,7 @@ def load_state_dict(
                 if tg.region.numel == 0:
                     continue
                 segs = _segments(path, md, tg.key, md.tensors[tg.key], tg.region)
-                host = storage._is_host(tg.tensor.place) and tg.tensor.is_contiguous()
+                host = storage.is_host_contiguous(tg.tensor)
                 if _HOST_FAST_PATH and host and all(bool(sg[4].all()) for sg in segs):
                     tg.copies = []
                     for piece, src_b, dst_b, len_b, _big in segs:
@@ -473,8 +473,7 @@ def load_state_dict(
             spans = _plan_spans(direct, md.chunk_bytes, verify)
             A = storage.DIRECT_ALIGN
             span_bytes = [-(-sp[2] // A) * A for sp in spans]
-            host_staged = [tg for tg in staged if _HOST_FAST_PATH and storage._is_host(tg.tensor.place)
-                           and tg.tensor.is_contiguous()]
+            host_staged = [tg for tg in staged if _HOST_FAST_PATH and storage.is_host_contiguous(tg.tensor)]
             undo_bytes = sum(_aligned(len(dst)) for _key, _piece, dst in regions)
             need = sum(span_bytes) + undo_bytes + sum(
                 _aligned(tg.region.numel * DTYPES[tg.dtype][0]) for tg in host_staged

@@ -40,7 +40,7 @@ class Snapshot:
         self._slots: dict[str, np.ndarray] = {}  # key -> its place in the host buffer
         self._done: dict[str, tuple[np.ndarray, Any]] = {}  # key -> (array, owner): snapshot taken
         self._error: BaseException | None = None
-        host = [r for r in records if _nbytes(r.tensor) and _is_host_contiguous(r.tensor)]
+        host = [r for r in records if _nbytes(r.tensor) and storage.is_host_contiguous(r.tensor)]
         need = sum(_aligned(_nbytes(r.tensor)) for r in host)
         buf = storage.arena.acquire(need, grow=True) if need else None
         self._release: Callable[[], None] | None = storage.arena.release if buf is not None else None
@@ -112,7 +112,3 @@ class Snapshot:
 
 def _nbytes(t) -> int:
     return storage.numel_of(t) * t.element_size()
-
-
-def _is_host_contiguous(t) -> bool:
-    return storage._is_host(t.place) and t.is_contiguous()

@@ -155,6 +155,11 @@ def _is_host(place) -> bool:
     return place.is_cpu_place() or (hasattr(place, "is_cuda_pinned_place") and place.is_cuda_pinned_place())
 
 
+def is_host_contiguous(t) -> bool:
+    """Whether the tensor's bytes can be used in place through its data pointer (see raw_view)."""
+    return _is_host(t.place) and t.is_contiguous()
+
+
 def raw_view(t, allow_copy: bool = True):
     """uint8 numpy view of a tensor's bytes (row-major), plus the object that keeps the memory alive.
 
