@@ -676,6 +676,24 @@ def run_full(args) -> None:
         frac = cached_fraction(files)
         res["cache"].setdefault(name, []).append(comm.gather(frac))
 
+    def timed_load(name, path, files=None):
+        """Load ``path`` into zeroed targets from a dropped page cache; time it and verify the loaded state."""
+        ps.zero()
+        if comm.rank == 0:
+            drop_cache(files_under(path))
+        comm.barrier()
+        if files is not None:
+            note_cache(name, files)
+        with PeakRSS() as pk:
+            _, t, per = comm.timed(ps.fsdp.load_checkpoint, path, optimizer=ps.opt)
+        rss(name, pk)
+        trace(name)
+        got = sum(comm.gather(ps.checksum())) % (1 << 64)
+        if got != checksum:
+            raise SystemExit(f"load verification failed: checksum {got} != {checksum}")
+        add(name, t, state_bytes, per)
+        LOG.info("%s: %.3f s (%.2f GB/s), checksum verified", name, t, state_bytes / t / GB)
+
     # memcpy baseline of the async blocked time: measured in every round right before the async save, so both
     # see the same machine (this VM's memory bandwidth drifts by up to 1.4x between minutes)
     res["memcpy"] = {"prealloc_s": [], "fresh_s": []}
@@ -737,20 +755,7 @@ def run_full(args) -> None:
         res["drop_method"] = _DROP_METHOD
 
         # (d) our load, same world
-        ps.zero()
-        if comm.rank == 0:
-            drop_cache(files_under(path))
-        comm.barrier()
-        note_cache("load", files)
-        with PeakRSS() as pk:
-            _, t, per = comm.timed(ps.fsdp.load_checkpoint, path, optimizer=ps.opt)
-        rss("load", pk)
-        trace("load")
-        got = sum(comm.gather(ps.checksum())) % (1 << 64)
-        if got != checksum:
-            raise SystemExit(f"load verification failed: checksum {got} != {checksum}")
-        add("load", t, state_bytes, per)
-        LOG.info("load: %.3f s (%.2f GB/s), checksum verified", t, state_bytes / t / GB)
+        timed_load("load", path, files)
 
         if keep_ckpt is not None and comm.rank == 0:
             shutil.rmtree(keep_ckpt, ignore_errors=True)
@@ -762,19 +767,7 @@ def run_full(args) -> None:
 
     for rep in range(R):
         release_host_buffers()
-        ps.zero()
-        if comm.rank == 0:
-            drop_cache(files_under(keep_ckpt))
-        comm.barrier()
-        with PeakRSS() as pk:
-            _, t, per = comm.timed(ps.fsdp.load_checkpoint, keep_ckpt, optimizer=ps.opt)
-        rss("load (fresh staging)", pk)
-        trace("load (fresh staging)")
-        got = sum(comm.gather(ps.checksum())) % (1 << 64)
-        if got != checksum:
-            raise SystemExit(f"load verification failed: checksum {got} != {checksum}")
-        add("load (fresh staging)", t, state_bytes, per)
-        LOG.info("load, fresh staging: %.3f s (%.2f GB/s), checksum verified", t, state_bytes / t / GB)
+        timed_load("load (fresh staging)", keep_ckpt)
 
     # ---- async overlap: compute speed while the save persists in the background
     if args.overlap:
@@ -818,7 +811,7 @@ def run_full(args) -> None:
     info = {"rank_bytes": rank_bytes, "state_bytes": state_bytes, "checksum": checksum}
     comm.barrier()
     # every collective is done: the other ranks leave; rank 0 runs the child jobs
-    del ps
+    ps = None  # frees the state (the rank-0 child jobs need the memory)
     gc.collect()
     if comm.rank != 0:
         return

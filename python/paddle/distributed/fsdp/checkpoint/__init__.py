@@ -39,15 +39,10 @@ from .manager import (  # noqa: F401
 )
 from .metadata import CheckpointMetadata  # noqa: F401
 
+from .api import __all__ as _engine_api
+
 __all__ = [
-    "save_state_dict",
-    "load_state_dict",
-    "load_full_state_dict",
-    "read_metadata",
-    "verify_checkpoint",
-    "release_host_buffers",
-    "SaveHandle",
-    "LoadReport",
+    *_engine_api,
     "CheckpointManager",
     "latest_checkpoint",
     "resolve_checkpoint",
