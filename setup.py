@@ -44,9 +44,7 @@ class BuildPyWithPth(build_py):
             install_lib = self.get_finalized_command("install").install_lib
             if install_lib:
                 self.mkpath(install_lib)
-                self.copy_file(
-                    os.path.join(HERE, PTH_SRC), os.path.join(install_lib, PTH_NAME), preserve_mode=0
-                )
+                self.copy_file(os.path.join(HERE, PTH_SRC), os.path.join(install_lib, PTH_NAME), preserve_mode=0)
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
         return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, PTH_NAME)]
@@ -54,9 +52,7 @@ class BuildPyWithPth(build_py):
 
 def _fork_packages() -> list[str]:
     """The private package plus every subpackage directory (even one still lacking ``__init__.py``)."""
-    subpackages = find_namespace_packages(
-        where=os.path.join(HERE, FORK_SRC), exclude=["__pycache__", "*.__pycache__"]
-    )
+    subpackages = find_namespace_packages(where=os.path.join(HERE, FORK_SRC), exclude=["__pycache__", "*.__pycache__"])
     return [FORK_PACKAGE, *(f"{FORK_PACKAGE}.{name}" for name in subpackages)]
 
 
@@ -90,7 +86,7 @@ setup(
     extras_require={
         # Not a hard dependency: GPU users already have paddlepaddle-gpu (same `paddle` package).
         "cpu": ["paddlepaddle==3.3.1"],
-        "test": ["pytest>=7"],
+        "test": ["pytest>=7", "ruff==0.17.6"],
     },
     cmdclass={"build_py": BuildPyWithPth},
     classifiers=[

@@ -17,7 +17,6 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 import paddle.nn.functional as F
-
 from paddle.distributed.fsdp import FullyShardFusion
 
 VOCAB, DIM, SEQ = 64, 32, 8
@@ -67,7 +66,9 @@ def build():
     model = TinyLM()
     fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"])
     opt = paddle.optimizer.AdamW(
-        learning_rate=3e-3, parameters=model.parameters(), weight_decay=0.01,
+        learning_rate=3e-3,
+        parameters=model.parameters(),
+        weight_decay=0.01,
         grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0),
     )
     return model, fsdp, opt
@@ -84,8 +85,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, fsdp, opt = build()
     if rank == 0:
-        print(f"{world} rank(s); rank 0 holds {fsdp.resident_parameter_bytes()} of "
-              f"{fsdp.total_parameter_bytes()} parameter bytes")
+        print(
+            f"{world} rank(s); rank 0 holds {fsdp.resident_parameter_bytes()} of "
+            f"{fsdp.total_parameter_bytes()} parameter bytes"
+        )
     path = args.checkpoint or os.path.join(tempfile.gettempdir(), "fsdp_demo_checkpoint")
     for step in range(args.steps):
         loss = model(*batch(step, rank, world))

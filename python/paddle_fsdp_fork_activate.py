@@ -48,12 +48,12 @@ __all__ = [
 ]
 
 
-
 def _logger() -> logging.Logger:
     """The module logger, imported lazily (``logging`` alone would double the start-up cost)."""
     import logging
 
     return logging.getLogger(__name__)
+
 
 #: Private top-level name under which pip installs the fork's sources.
 FORK_PACKAGE = "paddle_fsdp_fork"

@@ -91,19 +91,28 @@ def parse_args(argv=None):
     )
     p.add_argument("--size-gib", type=float, default=1.0, help="params + AdamW state in all (GiB, default 1)")
     p.add_argument("--dim", type=int, default=2048, help="Linear(dim, dim) per block (default 2048)")
-    p.add_argument("--world", type=int, default=None,
-                   help="ranks; when started without paddle.distributed.launch the script launches itself "
-                        "with this many (default 2); under launch it must match --nproc_per_node")
-    p.add_argument("--load-world", type=int, default=None,
-                   help="ranks of the changed-world load (default: world + 1; 0 skips it)")
+    p.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        help="ranks; when started without paddle.distributed.launch the script launches itself "
+        "with this many (default 2); under launch it must match --nproc_per_node",
+    )
+    p.add_argument(
+        "--load-world", type=int, default=None, help="ranks of the changed-world load (default: world + 1; 0 skips it)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="repetitions of every phase (default 3)")
     p.add_argument("--dir", default=None, help="work directory for the files (default: a temp dir in /tmp)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--json", default=None, help="write all results to this JSON file")
     p.add_argument("--no-torch", action="store_true", help="skip PyTorch DCP even if torch is importable")
     p.add_argument("--no-gather", action="store_true", help="skip the all_gather + paddle.save phase")
-    p.add_argument("--gather-repeats", type=int, default=None,
-                   help="repetitions of the slow all_gather + paddle.save phase (default: --repeats)")
+    p.add_argument(
+        "--gather-repeats",
+        type=int,
+        default=None,
+        help="repetitions of the slow all_gather + paddle.save phase (default: --repeats)",
+    )
     p.add_argument("--no-trace", dest="trace", action="store_false", help="do not record engine phase timings")
     p.add_argument("--no-overlap", dest="overlap", action="store_false", help="skip the async overlap probe")
     p.add_argument("--seed", type=int, default=2024)
@@ -365,8 +374,11 @@ def median(xs):
 def clean_env() -> dict:
     """Environment for a child job: without the variables of the paddle launch we run under (the engine's own
     ``PADDLE_FSDP_CKPT_*`` settings are kept, so every phase runs with the same ones)."""
-    env = {k: v for k, v in os.environ.items()
-           if k.startswith("PADDLE_FSDP_CKPT_") or not (k.startswith("PADDLE_") or k.startswith("POD_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith("PADDLE_FSDP_CKPT_") or not (k.startswith("PADDLE_") or k.startswith("POD_"))
+    }
     env["PYTHONWARNINGS"] = "ignore::UserWarning"
     return env
 
@@ -514,8 +526,13 @@ class Tracer:
         orig_done = tr_cls.done
 
         def done(tr_self):
-            records.append({"what": tr_self.what, "marks": {n: round(d, 6) for n, d in tr_self.marks},
-                            "total": round(time.perf_counter() - tr_self.t0, 6)})
+            records.append(
+                {
+                    "what": tr_self.what,
+                    "marks": {n: round(d, 6) for n, d in tr_self.marks},
+                    "total": round(time.perf_counter() - tr_self.t0, 6),
+                }
+            )
 
         tr_cls.done = done
         self._orig = orig_done
@@ -580,8 +597,11 @@ def gather_and_paddle_save(ps: PaddleState, comm: Comm, path: str) -> dict:
     full = ps.fsdp.full_parameters()
     # AdamW moments: one padded all_gather per (parameter, moment); pieces ordered by their flat range
     recs = ps.fsdp.optimizer_sharded_state_dict(ps.opt)
-    ranges = {k: (v.flattened_range.start, v.flattened_range.stop, tuple(v.global_shape))
-              for k, v in recs.items() if getattr(v, "flattened_range", None) is not None}
+    ranges = {
+        k: (v.flattened_range.start, v.flattened_range.stop, tuple(v.global_shape))
+        for k, v in recs.items()
+        if getattr(v, "flattened_range", None) is not None
+    }
     all_ranges = comm.gather(ranges)
     keys = sorted(set().union(*[set(r) for r in all_ranges]))
     opt_full = {}
@@ -643,8 +663,16 @@ def run_full(args) -> None:
     load_start = os.getloadavg()
     if comm.rank == 0 and load_start[0] > 1.0:
         LOG.warning("the machine is busy (load average %.2f before the start): expect noisy figures", load_start[0])
-    LOG.info("world %d, %d x Linear(%d, %d), params + AdamW = %.3f GiB, repeats %d, work dir %s",
-             comm.world, nblocks, dim, dim, nblocks * (dim * dim + dim) * 12 / (1 << 30), R, work)
+    LOG.info(
+        "world %d, %d x Linear(%d, %d), params + AdamW = %.3f GiB, repeats %d, work dir %s",
+        comm.world,
+        nblocks,
+        dim,
+        dim,
+        nblocks * (dim * dim + dim) * 12 / (1 << 30),
+        R,
+        work,
+    )
     t0 = time.perf_counter()
     ps = PaddleState(args)
     LOG.info("model built, FSDP-wrapped, AdamW state created in %.1f s", time.perf_counter() - t0)
@@ -663,8 +691,7 @@ def run_full(args) -> None:
             ph.setdefault(k, []).append(v)
 
     def rss(name, pk: PeakRSS):
-        res["rss"].setdefault(name, []).append(comm.gather(
-            {"base": pk.base, "peak": pk.peak, "extra": pk.extra}))
+        res["rss"].setdefault(name, []).append(comm.gather({"base": pk.base, "peak": pk.peak, "extra": pk.extra}))
         res["rss_method"] = pk.method
 
     def trace(name):
@@ -726,8 +753,9 @@ def run_full(args) -> None:
         mc = memcpy_times(ps, comm)
         res["memcpy"]["prealloc_s"].append(mc["prealloc_s"])
         res["memcpy"]["fresh_s"].append(mc["fresh_s"])
-        LOG.info("memcpy of the rank's state: %.3f s preallocated, %.3f s into fresh memory",
-                 mc["prealloc_s"], mc["fresh_s"])
+        LOG.info(
+            "memcpy of the rank's state: %.3f s preallocated, %.3f s into fresh memory", mc["prealloc_s"], mc["fresh_s"]
+        )
         apath = os.path.join(work, f"ckpt_async_{rep}")
         with PeakRSS() as pk:
             comm.barrier()
@@ -765,7 +793,7 @@ def run_full(args) -> None:
     # (d) our load with fresh staging memory: no async-save buffer to borrow (like the first load of a job)
     from paddle.distributed.fsdp.checkpoint import release_host_buffers
 
-    for rep in range(R):
+    for _rep in range(R):
         release_host_buffers()
         timed_load("load (fresh staging)", keep_ckpt)
 
@@ -783,12 +811,17 @@ def run_full(args) -> None:
         per = comm.gather((t_block, t_total, busy))
         tracer.take()
         res["overlap"] = {
-            "idle_rate": idle, "busy_rate": [p[2] for p in per],
+            "idle_rate": idle,
+            "busy_rate": [p[2] for p in per],
             "relative": [p[2] / i for p, i in zip(per, idle)],
-            "blocked_s": max(p[0] for p in per), "total_s": max(p[1] for p in per),
+            "blocked_s": max(p[0] for p in per),
+            "total_s": max(p[1] for p in per),
         }
-        LOG.info("async overlap: compute during background save at %s of idle speed (total %.2f s)",
-                 ", ".join(f"{x:.0%}" for x in res["overlap"]["relative"]), res["overlap"]["total_s"])
+        LOG.info(
+            "async overlap: compute during background save at %s of idle speed (total %.2f s)",
+            ", ".join(f"{x:.0%}" for x in res["overlap"]["relative"]),
+            res["overlap"]["total_s"],
+        )
         if comm.rank == 0:
             shutil.rmtree(opath, ignore_errors=True)
         comm.barrier()
@@ -802,8 +835,13 @@ def run_full(args) -> None:
             rss("all_gather + paddle.save", pk)
             size = os.path.getsize(gpath) if comm.rank == 0 else None
             add("all_gather + paddle.save", t, state_bytes, file_bytes=size, split=d)
-            LOG.info("all_gather + paddle.save: %.3f s (gather %.2f, save %.2f, fsync %.2f)",
-                     t, d["gather_s"], d["save_s"], d["fsync_s"])
+            LOG.info(
+                "all_gather + paddle.save: %.3f s (gather %.2f, save %.2f, fsync %.2f)",
+                t,
+                d["gather_s"],
+                d["save_s"],
+                d["fsync_s"],
+            )
             if comm.rank == 0:
                 os.unlink(gpath)
             comm.barrier()
@@ -818,8 +856,14 @@ def run_full(args) -> None:
 
     res["loadavg"] = {"start": load_start, "end": os.getloadavg()}
     res["config"] = {
-        "world": comm.world, "load_world": load_world, "dim": dim, "blocks": nblocks,
-        "size_gib": args.size_gib, "repeats": R, "work_dir": work, **info,
+        "world": comm.world,
+        "load_world": load_world,
+        "dim": dim,
+        "blocks": nblocks,
+        "size_gib": args.size_gib,
+        "repeats": R,
+        "work_dir": work,
+        **info,
     }
     if load_world:
         LOG.info("---- changed world: loading with %d ranks", load_world)
@@ -831,11 +875,32 @@ def run_full(args) -> None:
 
 def run_child_load(args, ckpt: str, world: int, checksum: int, work: str) -> dict:
     out = os.path.join(work, f"load_world{world}.json")
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(world),
-           "--log_dir", os.path.join(work, f"log_load{world}"), os.path.abspath(__file__),
-           "--mode", "load-only", "--ckpt", ckpt, "--result", out, "--expect-checksum", str(checksum),
-           "--size-gib", str(args.size_gib), "--dim", str(args.dim), "--repeats", str(args.repeats),
-           "--seed", str(args.seed)] + ([] if args.trace else ["--no-trace"])
+    cmd = [
+        sys.executable,
+        "-m",
+        "paddle.distributed.launch",
+        "--nproc_per_node",
+        str(world),
+        "--log_dir",
+        os.path.join(work, f"log_load{world}"),
+        os.path.abspath(__file__),
+        "--mode",
+        "load-only",
+        "--ckpt",
+        ckpt,
+        "--result",
+        out,
+        "--expect-checksum",
+        str(checksum),
+        "--size-gib",
+        str(args.size_gib),
+        "--dim",
+        str(args.dim),
+        "--repeats",
+        str(args.repeats),
+        "--seed",
+        str(args.seed),
+    ] + ([] if args.trace else ["--no-trace"])
     r = subprocess.run(cmd, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if r.returncode != 0 or not os.path.exists(out):
         logs = os.path.join(work, f"log_load{world}")
@@ -854,11 +919,20 @@ def run_load_only(args) -> None:
     ps = PaddleState(args, seed_moments=False)
     tracer = Tracer(args.trace)
     files = data_files(args.ckpt)
-    res: dict = {"world": comm.world, "raw read (resident)": [], "raw read (ring)": [], "load": [],
-                 "load_per_rank": [], "raw_per_rank": [], "rss": [], "cache": [], "trace": []}
-    for rep in range(max(1, args.repeats)):
+    res: dict = {
+        "world": comm.world,
+        "raw read (resident)": [],
+        "raw read (ring)": [],
+        "load": [],
+        "load_per_rank": [],
+        "raw_per_rank": [],
+        "rss": [],
+        "cache": [],
+        "trace": [],
+    }
+    for _rep in range(max(1, args.repeats)):
         rr = raw_read_phase(comm, files)
-        for variant, (t, per, _n, _c) in rr.items():
+        for variant, (t, _per, _n, _c) in rr.items():
             res[f"raw read ({variant})"].append(t)
         res["raw_per_rank"].append({v: x[1] for v, x in rr.items()})
         ps.zero()
@@ -869,15 +943,19 @@ def run_load_only(args) -> None:
         with PeakRSS() as pk:
             _, t, per = comm.timed(ps.fsdp.load_checkpoint, args.ckpt, optimizer=ps.opt)
         res["load_per_rank"].append(per)
-        res["rss"].append(comm.gather({"base": pk.base, "peak": pk.peak, "extra": pk.extra,
-                                       "slice": ps.bytes}))
+        res["rss"].append(comm.gather({"base": pk.base, "peak": pk.peak, "extra": pk.extra, "slice": ps.bytes}))
         res["trace"].append(comm.gather(tracer.take()))
         got = sum(comm.gather(ps.checksum())) % (1 << 64)
         if args.expect_checksum is not None and got != args.expect_checksum:
             raise SystemExit(f"changed-world load verification failed: {got} != {args.expect_checksum}")
         res["load"].append(t)
-        LOG.info("world %d: raw read %.3f s (resident) / %.3f s (ring), load %.3f s (checksum verified)",
-                 comm.world, res["raw read (resident)"][-1], res["raw read (ring)"][-1], t)
+        LOG.info(
+            "world %d: raw read %.3f s (resident) / %.3f s (ring), load %.3f s (checksum verified)",
+            comm.world,
+            res["raw read (resident)"][-1],
+            res["raw read (ring)"][-1],
+            t,
+        )
     res["rank_bytes"] = comm.gather(ps.bytes)
     if comm.rank == 0:
         with open(args.result, "w") as f:
@@ -922,10 +1000,32 @@ def spawn_torch(args, world: int, task: str, ckpt: str, work: str) -> dict:
     for r in range(world):
         log = open(os.path.join(work, f"torch_{task}_{world}_rank{r}.log"), "w")
         logs.append(log)
-        cmd = [sys.executable, os.path.abspath(__file__), "--mode", "torch-worker", "--torch-rank", str(r),
-               "--torch-world", str(world), "--torch-port", str(port), "--torch-task", task, "--ckpt", ckpt,
-               "--result", result, "--size-gib", str(args.size_gib), "--dim", str(args.dim),
-               "--repeats", str(args.repeats), "--seed", str(args.seed)]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--mode",
+            "torch-worker",
+            "--torch-rank",
+            str(r),
+            "--torch-world",
+            str(world),
+            "--torch-port",
+            str(port),
+            "--torch-task",
+            task,
+            "--ckpt",
+            ckpt,
+            "--result",
+            result,
+            "--size-gib",
+            str(args.size_gib),
+            "--dim",
+            str(args.dim),
+            "--repeats",
+            str(args.repeats),
+            "--seed",
+            str(args.seed),
+        ]
         procs.append(subprocess.Popen(cmd, env=clean_env(), stdout=log, stderr=subprocess.STDOUT))
     codes = [p.wait() for p in procs]
     for log in logs:
@@ -947,8 +1047,7 @@ def run_torch_worker(args) -> None:
     rank, world = args.torch_rank, args.torch_world
     setup_logging(rank, tag=f"-torch{world}")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.torch_port}", rank=rank,
-                             world_size=world)
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.torch_port}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     dim, n = model_shape(args)
     torch.manual_seed(args.seed)
@@ -992,7 +1091,7 @@ def run_torch_worker(args) -> None:
     R = max(1, args.repeats)
     if args.torch_task == "save-load":
         res["saved_param_sum"] = param_sum()
-        for rep in range(R):
+        for _rep in range(R):
             if rank == 0 and os.path.exists(args.ckpt):
                 shutil.rmtree(args.ckpt)
             tdist.barrier()
@@ -1004,7 +1103,7 @@ def run_torch_worker(args) -> None:
                 drop_cache(files_under(args.ckpt))
             LOG.info("torch DCP save: %.3f s", t)
     # load: dcp.load into the live state dicts, then set_state_dict (as a resume does)
-    for rep in range(R):
+    for _rep in range(R):
         with torch.no_grad():
             for p in model.parameters():
                 p.to_local().zero_()
@@ -1060,9 +1159,17 @@ def finish(args, res: dict, work: str) -> None:
     rows = []  # (name, seconds list, limit seconds, torch seconds)
 
     def row(name, secs, limit=None, torch_s=None, note=""):
-        rows.append({"name": name, "seconds": secs, "median_s": median(secs), "gbps": S / median(secs) / GB,
-                     "vs_limit": (limit / median(secs)) if limit else None,
-                     "vs_torch": (torch_s / median(secs)) if torch_s else None, "note": note})
+        rows.append(
+            {
+                "name": name,
+                "seconds": secs,
+                "median_s": median(secs),
+                "gbps": S / median(secs) / GB,
+                "vs_limit": (limit / median(secs)) if limit else None,
+                "vs_torch": (torch_s / median(secs)) if torch_s else None,
+                "note": note,
+            }
+        )
 
     W = cfg["world"]
 
@@ -1086,8 +1193,13 @@ def finish(args, res: dict, work: str) -> None:
     if tsame:
         row(f"torch DCP save ({W} ranks)", tsame["save"], lim_w, ts)
     for v in ("resident", "ring"):
-        row(f"raw read ({W} ranks, {v})", ph[f"raw read ({v})"]["seconds"], lim_r, tl,
-            "limit for loads" if v == raw_same[0] else "")
+        row(
+            f"raw read ({W} ranks, {v})",
+            ph[f"raw read ({v})"]["seconds"],
+            lim_r,
+            tl,
+            "limit for loads" if v == raw_same[0] else "",
+        )
     row(f"load ({W} ranks)", ph["load"]["seconds"], lim_r, tl, "staging: async-save buffer")
     if "load (fresh staging)" in ph:
         row(f"load ({W} ranks, fresh staging)", ph["load (fresh staging)"]["seconds"], lim_r, tl)
@@ -1095,8 +1207,13 @@ def finish(args, res: dict, work: str) -> None:
         row(f"torch DCP load ({W} ranks)", tsame["load"], lim_r, tl)
     if cw:
         for v in ("resident", "ring"):
-            row(f"raw read ({M} ranks, {v})", cw[f"raw read ({v})"], lim_r2, tl2,
-                "limit, changed world" if v == raw_chg[0] else "")
+            row(
+                f"raw read ({M} ranks, {v})",
+                cw[f"raw read ({v})"],
+                lim_r2,
+                tl2,
+                "limit, changed world" if v == raw_chg[0] else "",
+            )
         row(f"load {W}->{M} ranks", cw["load"], lim_r2, tl2)
         if tchg:
             row(f"torch DCP load {W}->{M} ranks", tchg["load"], lim_r2, tl2)
@@ -1136,8 +1253,12 @@ def finish(args, res: dict, work: str) -> None:
         return f" (paired per round: median {median(ratios):.2f}x, {ratios[0]:.2f}-{ratios[-1]:.2f}x)"
 
     s = r_of("save sync")
-    target("save >= 0.9x raw write+fsync", f"{s['vs_limit']:.2f}x" + paired("raw write+fsync", "save sync"),
-           ">= 0.90x", s["vs_limit"] >= 0.9)
+    target(
+        "save >= 0.9x raw write+fsync",
+        f"{s['vs_limit']:.2f}x" + paired("raw write+fsync", "save sync"),
+        ">= 0.90x",
+        s["vs_limit"] >= 0.9,
+    )
     if s["vs_torch"]:
         target("save >= 1.5x torch DCP", f"{s['vs_torch']:.2f}x", ">= 1.50x", s["vs_torch"] >= 1.5)
     for title in (f"load ({W} ranks)", f"load ({W} ranks, fresh staging)"):
@@ -1152,72 +1273,112 @@ def finish(args, res: dict, work: str) -> None:
         l2 = r_of(f"load {W}->{M} ranks")
         target(f"load {W}->{M} ranks >= 0.8x raw read", f"{l2['vs_limit']:.2f}x", ">= 0.80x", l2["vs_limit"] >= 0.8)
         if l2["vs_torch"]:
-            target(f"load {W}->{M} ranks >= 1.2x torch DCP", f"{l2['vs_torch']:.2f}x", ">= 1.20x",
-                   l2["vs_torch"] >= 1.2)
+            target(
+                f"load {W}->{M} ranks >= 1.2x torch DCP", f"{l2['vs_torch']:.2f}x", ">= 1.20x", l2["vs_torch"] >= 1.2
+            )
     per_round = sorted(b / m for b, m in zip(ph["save async (blocked)"]["seconds"], res["memcpy"]["prealloc_s"]))
-    target("async blocked <= 1.5x memcpy", f"{blocked:.3f} s = {blocked / mc:.2f}x memcpy ({mc:.3f} s; per round "
-           f"median {median(per_round):.2f}x, {per_round[0]:.2f}-{per_round[-1]:.2f}x)",
-           "<= 1.50x", blocked <= 1.5 * mc,
-           f"memcpy into fresh memory {mcf:.3f} s ({blocked / mcf:.2f}x)")
+    target(
+        "async blocked <= 1.5x memcpy",
+        f"{blocked:.3f} s = {blocked / mc:.2f}x memcpy ({mc:.3f} s; per round "
+        f"median {median(per_round):.2f}x, {per_round[0]:.2f}-{per_round[-1]:.2f}x)",
+        "<= 1.50x",
+        blocked <= 1.5 * mc,
+        f"memcpy into fresh memory {mcf:.3f} s ({blocked / mcf:.2f}x)",
+    )
     worst_save = max(e / b for e, b in zip(save_extra, rank_bytes))
-    target("extra RSS save <= 5% of state", f"{worst_save:.1%} (max over ranks)", "<= 5%", worst_save <= 0.05,
-           "per rank MiB: " + ", ".join(f"{e / 2**20:.1f}" for e in save_extra))
+    target(
+        "extra RSS save <= 5% of state",
+        f"{worst_save:.1%} (max over ranks)",
+        "<= 5%",
+        worst_save <= 0.05,
+        "per rank MiB: " + ", ".join(f"{e / 2**20:.1f}" for e in save_extra),
+    )
     worst_load = max(e - b for e, b in zip(load_extra, rank_bytes))
-    target(f"extra RSS load ({W} ranks) <= slice + chunk", f"slice + {worst_load / 2**20:.1f} MiB",
-           f"<= slice + {chunk_bound >> 20} MiB", worst_load <= chunk_bound,
-           "extra per rank MiB: " + ", ".join(f"{e / 2**20:.1f}" for e in load_extra))
+    target(
+        f"extra RSS load ({W} ranks) <= slice + chunk",
+        f"slice + {worst_load / 2**20:.1f} MiB",
+        f"<= slice + {chunk_bound >> 20} MiB",
+        worst_load <= chunk_bound,
+        "extra per rank MiB: " + ", ".join(f"{e / 2**20:.1f}" for e in load_extra),
+    )
     if fresh_extra:
         worst_f = max(e - b for e, b in zip(fresh_extra, rank_bytes))
-        target(f"extra RSS load ({W} ranks, fresh staging) <= slice + chunk", f"slice + {worst_f / 2**20:.1f} MiB",
-               f"<= slice + {chunk_bound >> 20} MiB", worst_f <= chunk_bound,
-               "extra per rank MiB: " + ", ".join(f"{e / 2**20:.1f}" for e in fresh_extra))
+        target(
+            f"extra RSS load ({W} ranks, fresh staging) <= slice + chunk",
+            f"slice + {worst_f / 2**20:.1f} MiB",
+            f"<= slice + {chunk_bound >> 20} MiB",
+            worst_f <= chunk_bound,
+            "extra per rank MiB: " + ", ".join(f"{e / 2**20:.1f}" for e in fresh_extra),
+        )
     if cw:
         worst2 = max(e - r["slice"] for e, r in zip(cw_extra, cw_slice))
-        target(f"extra RSS load {W}->{M} <= slice + chunk", f"slice + {worst2 / 2**20:.1f} MiB",
-               f"<= slice + {chunk_bound >> 20} MiB", worst2 <= chunk_bound,
-               "extra per rank MiB: " + ", ".join(f"{e / 2**20:.1f}" for e in cw_extra))
+        target(
+            f"extra RSS load {W}->{M} <= slice + chunk",
+            f"slice + {worst2 / 2**20:.1f} MiB",
+            f"<= slice + {chunk_bound >> 20} MiB",
+            worst2 <= chunk_bound,
+            "extra per rank MiB: " + ", ".join(f"{e / 2**20:.1f}" for e in cw_extra),
+        )
 
     # ---- print
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     lines = []
-    lines.append(f"Checkpoint benchmark, {date}, {platform.node()} ({os.cpu_count()} cores), "
-                 f"paddle {_paddle_version()}" + (f", torch {tor.get('version')}" if tor else ""))
-    lines.append(f"state: {S / GB:.3f} GB ({cfg['blocks']} x Linear({cfg['dim']}, {cfg['dim']}) + AdamW, fp32), "
-                 f"{W} ranks, changed world {M}, medians of {cfg['repeats']} runs; page cache: "
-                 f"{res.get('drop_method')}; cached before reads: {_cache_summary(res, cw)}; load average "
-                 f"{res['loadavg']['start'][0]:.2f} at start, {res['loadavg']['end'][0]:.2f} before the child jobs")
+    lines.append(
+        f"Checkpoint benchmark, {date}, {platform.node()} ({os.cpu_count()} cores), "
+        f"paddle {_paddle_version()}" + (f", torch {tor.get('version')}" if tor else "")
+    )
+    lines.append(
+        f"state: {S / GB:.3f} GB ({cfg['blocks']} x Linear({cfg['dim']}, {cfg['dim']}) + AdamW, fp32), "
+        f"{W} ranks, changed world {M}, medians of {cfg['repeats']} runs; page cache: "
+        f"{res.get('drop_method')}; cached before reads: {_cache_summary(res, cw)}; load average "
+        f"{res['loadavg']['start'][0]:.2f} at start, {res['loadavg']['end'][0]:.2f} before the child jobs"
+    )
     lines.append("")
     lines.append("| phase | seconds (median, min-max) | GB/s | x raw limit | x torch DCP |")
     lines.append("|---|---|---|---|---|")
     for r in rows:
         sec = r["seconds"]
         name = r["name"] + (f" ({r['note']})" if r["note"] else "")
-        lines.append(f"| {name} | {r['median_s']:.3f} ({min(sec):.3f}-{max(sec):.3f}) | {r['gbps']:.2f} | "
-                     f"{_x(r['vs_limit'])} | {_x(r['vs_torch'])} |")
+        lines.append(
+            f"| {name} | {r['median_s']:.3f} ({min(sec):.3f}-{max(sec):.3f}) | {r['gbps']:.2f} | "
+            f"{_x(r['vs_limit'])} | {_x(r['vs_torch'])} |"
+        )
     lines.append(f"| save async, caller blocked | {blocked:.3f} | - | {blocked / mc:.2f}x memcpy | - |")
     first = ph["save async (blocked)"]["seconds"][0]
-    lines.append(f"| save async, caller blocked, first save (allocates the snapshot buffer) | {first:.3f} | - | "
-                 f"{first / mc:.2f}x memcpy | - |")
-    lines.append(f"| host memcpy of rank state (prealloc / fresh) | {mc:.3f} / {mcf:.3f} | "
-                 f"{S / W / mc / GB:.2f} / {S / W / mcf / GB:.2f} per rank | - | - |")
+    lines.append(
+        f"| save async, caller blocked, first save (allocates the snapshot buffer) | {first:.3f} | - | "
+        f"{first / mc:.2f}x memcpy | - |"
+    )
+    lines.append(
+        f"| host memcpy of rank state (prealloc / fresh) | {mc:.3f} / {mcf:.3f} | "
+        f"{S / W / mc / GB:.2f} / {S / W / mcf / GB:.2f} per rank | - | - |"
+    )
     if res.get("overlap"):
         ov = res["overlap"]
-        lines.append(f"| compute speed during async persistence | {ov['total_s']:.3f} total | - | "
-                     f"{', '.join(f'{x:.0%}' for x in ov['relative'])} of idle | - |")
+        lines.append(
+            f"| compute speed during async persistence | {ov['total_s']:.3f} total | - | "
+            f"{', '.join(f'{x:.0%}' for x in ov['relative'])} of idle | - |"
+        )
     lines.append("")
     lines.append("| peak RSS over baseline, per rank (MiB) | values | rank state (MiB) |")
     lines.append("|---|---|---|")
     rb = ", ".join(f"{b / 2**20:.0f}" for b in rank_bytes)
     lines.append(f"| save sync | {', '.join(f'{e / 2**20:.1f}' for e in save_extra)} | {rb} |")
     lines.append(f"| save async (snapshot) | {', '.join(f'{e / 2**20:.1f}' for e in async_extra)} | {rb} |")
-    lines.append(f"| load ({W} ranks, staging in the resident async-save buffer) | "
-                 f"{', '.join(f'{e / 2**20:.1f}' for e in load_extra)} | {rb} |")
+    lines.append(
+        f"| load ({W} ranks, staging in the resident async-save buffer) | "
+        f"{', '.join(f'{e / 2**20:.1f}' for e in load_extra)} | {rb} |"
+    )
     if fresh_extra:
-        lines.append(f"| load ({W} ranks, fresh staging) | {', '.join(f'{e / 2**20:.1f}' for e in fresh_extra)} | "
-                     f"{rb} |")
+        lines.append(
+            f"| load ({W} ranks, fresh staging) | {', '.join(f'{e / 2**20:.1f}' for e in fresh_extra)} | {rb} |"
+        )
     if cw:
-        lines.append(f"| load {W}->{M} ranks | {', '.join(f'{e / 2**20:.1f}' for e in cw_extra)} | " +
-                     ", ".join(f"{r['slice'] / 2**20:.0f}" for r in cw_slice) + " |")
+        lines.append(
+            f"| load {W}->{M} ranks | {', '.join(f'{e / 2**20:.1f}' for e in cw_extra)} | "
+            + ", ".join(f"{r['slice'] / 2**20:.0f}" for r in cw_slice)
+            + " |"
+        )
     if tsame:
         ts_x = [max(r[i]["extra"] for r in tsame["rss_save"]) for i in range(W)]
         tl_x = [max(r[i]["extra"] for r in tsame["rss_load"]) for i in range(W)]
@@ -1234,9 +1395,18 @@ def finish(args, res: dict, work: str) -> None:
     lines += _trace_summary(res, cw)
     print("\n".join(lines), flush=True)
     if args.json:
-        out = {"date": date, "host": platform.node(), "cores": os.cpu_count(), "paddle": _paddle_version(),
-               "rows": rows, "targets": targets, "memcpy": res["memcpy"], "rss_method": res.get("rss_method"),
-               "drop_method": res.get("drop_method"), **{k: res[k] for k in res if k not in ("memcpy",)}}
+        out = {
+            "date": date,
+            "host": platform.node(),
+            "cores": os.cpu_count(),
+            "paddle": _paddle_version(),
+            "rows": rows,
+            "targets": targets,
+            "memcpy": res["memcpy"],
+            "rss_method": res.get("rss_method"),
+            "drop_method": res.get("drop_method"),
+            **{k: res[k] for k in res if k not in ("memcpy",)},
+        }
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
         LOG.info("results written to %s", args.json)
@@ -1286,8 +1456,9 @@ def _trace_summary(res, cw) -> list[str]:
         for (what, rank), d in sorted(per_what.items(), key=lambda x: (x[0][1], x[0][0])):
             if rank > 1:
                 continue
-            out.append(f"  {name:>12} | {what} [rank {rank}]: " +
-                       " ".join(f"{m}={median(v) * 1000:.0f}" for m, v in d.items()))
+            out.append(
+                f"  {name:>12} | {what} [rank {rank}]: " + " ".join(f"{m}={median(v) * 1000:.0f}" for m, v in d.items())
+            )
     return out
 
 
@@ -1304,8 +1475,17 @@ def main(argv=None) -> None:
         world = args.world or 2
         setup_logging(0)
         log_dir = tempfile.mkdtemp(prefix="bench_ckpt_log_")
-        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(world), "--log_dir",
-               log_dir, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "paddle.distributed.launch",
+            "--nproc_per_node",
+            str(world),
+            "--log_dir",
+            log_dir,
+            os.path.abspath(__file__),
+            *(argv if argv is not None else sys.argv[1:]),
+        ]
         LOG.info("launching: %s (worker logs in %s)", " ".join(cmd), log_dir)
         rc = subprocess.call(cmd)
         if rc == 0:

@@ -31,20 +31,14 @@ INSTALL_HINT = 'pip install ".[cpu,test]"  (or, while developing, pip install -e
 
 
 def _source_files(root: Path) -> set[str]:
-    return {
-        str(p.relative_to(root))
-        for p in root.rglob("*.py")
-        if "__pycache__" not in p.parts
-    }
+    return {str(p.relative_to(root)) for p in root.rglob("*.py") if "__pycache__" not in p.parts}
 
 
 def _stale_files(installed: Path, source: Path) -> list[str]:
     """Relative paths whose installed copy is missing, extra or different from the checkout."""
     src, inst = _source_files(source), _source_files(installed)
     stale = sorted(src ^ inst)
-    stale += sorted(
-        rel for rel in src & inst if not filecmp.cmp(source / rel, installed / rel, shallow=False)
-    )
+    stale += sorted(rel for rel in src & inst if not filecmp.cmp(source / rel, installed / rel, shallow=False))
     return stale
 
 

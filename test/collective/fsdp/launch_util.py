@@ -161,11 +161,7 @@ def _tail(text: str, lines: int = _TAIL_LINES) -> str:
 
 
 def _clean_env(extra: Mapping[str, str] | None, result_dir: Path, port_range: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("PADDLE_") or k.startswith(_KEEP_PADDLE_ENV_PREFIX)
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_") or k.startswith(_KEEP_PADDLE_ENV_PREFIX)}
     env.pop("PORT_RANGE", None)
     env["PORT_RANGE"] = port_range
     env[RESULT_DIR_ENV] = str(result_dir)

@@ -27,10 +27,7 @@ RESULT_MARKER = "@@RESULT@@"
 
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 180) -> Any:
     """Run ``code`` in a fresh interpreter; return the object it passed to ``emit(obj)``."""
-    prelude = (
-        "import json as _json\n"
-        f"def emit(obj):\n    print({RESULT_MARKER!r} + _json.dumps(obj), flush=True)\n"
-    )
+    prelude = f"import json as _json\ndef emit(obj):\n    print({RESULT_MARKER!r} + _json.dumps(obj), flush=True)\n"
     full_env = {k: v for k, v in os.environ.items() if k != activate.DISABLE_ENV}
     full_env.update(env or {})
     proc = subprocess.run(

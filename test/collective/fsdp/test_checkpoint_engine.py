@@ -7,23 +7,21 @@ All value comparisons are on raw bytes, element by element.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
-import hashlib
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import pytest
-
 import paddle
 import paddle.distributed.fsdp.checkpoint as ck
+import pytest
+from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 from paddle.distributed.fsdp.checkpoint import load as ck_load
 from paddle.distributed.fsdp.checkpoint import planner, storage
-from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
 TEST_DIR = Path(__file__).resolve().parent
 WORKER = TEST_DIR / "workers" / "ckpt_engine.py"
@@ -41,8 +39,9 @@ def bits(t) -> np.ndarray:
 
 
 def flat_sw(key, local, shape, start, stop):
-    return ShardedWeight(key, local, list(shape), list(shape), [0] * len(shape), is_flattened=True,
-                         flattened_range=slice(start, stop))
+    return ShardedWeight(
+        key, local, list(shape), list(shape), [0] * len(shape), is_flattened=True, flattened_range=slice(start, stop)
+    )
 
 
 def make_state():
@@ -83,8 +82,11 @@ def fresh_targets():
 
 
 def target_tensors(t):
-    return {k: (v.local_tensor if isinstance(v, ShardedWeight) else v) for k, v in t.items()
-            if isinstance(v, (paddle.Tensor, ShardedWeight))}
+    return {
+        k: (v.local_tensor if isinstance(v, ShardedWeight) else v)
+        for k, v in t.items()
+        if isinstance(v, (paddle.Tensor, ShardedWeight))
+    }
 
 
 def snapshot(t):
@@ -121,7 +123,7 @@ def test_region_runs_and_intersection_match_brute_force():
     def brute(reg):
         g = np.arange(int(np.prod(reg.shape))).reshape(reg.shape)  # prod(()) == 1: a 0-d tensor
         v = g[tuple(slice(o, o + s) for o, s in zip(reg.box_offset, reg.box_shape))].ravel()
-        return v if reg.flat_range is None else v[reg.flat_range[0]: reg.flat_range[1]]
+        return v if reg.flat_range is None else v[reg.flat_range[0] : reg.flat_range[1]]
 
     def rand_region(shape):
         off = tuple(int(rng.integers(0, g + 1)) for g in shape)
@@ -146,8 +148,8 @@ def test_region_runs_and_intersection_match_brute_force():
         ea, eb = brute(a), brute(b)
         covered = []
         for s, d, n in zip(seg.src, seg.dst, seg.length):
-            assert np.array_equal(eb[s: s + n], ea[d: d + n])
-            covered += ea[d: d + n].tolist()
+            assert np.array_equal(eb[s : s + n], ea[d : d + n])
+            covered += ea[d : d + n].tolist()
         assert sorted(covered) == sorted(np.intersect1d(ea, eb).tolist())
 
 
@@ -167,8 +169,10 @@ def test_coverage_fast_path_agrees_with_the_general_one():
             a = int(rng.integers(0, n + 1))
             ranges.append((a, int(rng.integers(a, n + 1))))  # maybe an overlap
         rng.shuffle(ranges)
-        regions = [(i, planner.Region(shape, (0,) * len(shape), shape, (a, b) if rng.random() < 0.8 else None))
-                   for i, (a, b) in enumerate(ranges)]
+        regions = [
+            (i, planner.Region(shape, (0,) * len(shape), shape, (a, b) if rng.random() < 0.8 else None))
+            for i, (a, b) in enumerate(ranges)
+        ]
         total = n if all(s > 0 for s in shape) or not shape else 0
         fast = planner.coverage_problems("k", shape, regions)
         assert all(r.single_run() is not None for _, r in regions)
@@ -186,16 +190,24 @@ def test_save_plan_dedups_replicas_and_rejects_overlap_gap_and_disagreement():
     assert [r for r, lay in plan.files.items() if lay.pieces] == [0]  # lowest rank writes the replica
     assert plan.values == {"v": 1}
     with pytest.raises(ck.InvalidStateDictError, match="overlapping"):
-        planner.build_save_plan([([_desc("k", full, (0, 0), (3, 4))], {}), ([_desc("k", full, (2, 0), (2, 4))], {})],
-                                "id", 1 << 20)
+        planner.build_save_plan(
+            [([_desc("k", full, (0, 0), (3, 4))], {}), ([_desc("k", full, (2, 0), (2, 4))], {})], "id", 1 << 20
+        )
     with pytest.raises(ck.InvalidStateDictError, match="cover 12 of 16"):
         planner.build_save_plan([([_desc("k", full, (0, 0), (3, 4))], {})], "id", 1 << 20)
     with pytest.raises(ck.InvalidStateDictError, match="dtype"):
-        planner.build_save_plan([([_desc("k", (8,), (0,), (8,), (0, 4))], {}),
-                                 ([_desc("k", (8,), (0,), (8,), (4, 8), dtype="float16")], {})], "id", 1 << 20)
+        planner.build_save_plan(
+            [
+                ([_desc("k", (8,), (0,), (8,), (0, 4))], {}),
+                ([_desc("k", (8,), (0,), (8,), (4, 8), dtype="float16")], {}),
+            ],
+            "id",
+            1 << 20,
+        )
     with pytest.raises(ck.InvalidStateDictError, match="global shape"):
-        planner.build_save_plan([([_desc("k", (8,), (0,), (8,), (0, 4))], {}),
-                                 ([_desc("k", (9,), (0,), (9,), (4, 9))], {})], "id", 1 << 20)
+        planner.build_save_plan(
+            [([_desc("k", (8,), (0,), (8,), (0, 4))], {}), ([_desc("k", (9,), (0,), (9,), (4, 9))], {})], "id", 1 << 20
+        )
 
 
 # ------------------------------------------------------------------------------------------ round trips
@@ -434,18 +446,22 @@ def _corrupt(kind, path: Path):
         raw[40] ^= 0x01
         (path / "metadata.json").write_bytes(bytes(raw))
     elif kind == "traversal":
+
         def fn(md):
             md["files"]["../evil.safetensors"] = md["files"].pop("0_0.safetensors")
             for tm in md["tensors"].values():
                 for p in tm["pieces"]:
                     p["file"] = "../evil.safetensors"
+
         rewrite_metadata(path, fn)
     elif kind == "absolute":
+
         def fn(md):
             md["files"]["/etc/passwd"] = md["files"].pop("0_0.safetensors")
             for tm in md["tensors"].values():
                 for p in tm["pieces"]:
                     p["file"] = "/etc/passwd"
+
         rewrite_metadata(path, fn)
     elif kind == "symlink_escape":
         outside = path.parent / "outside.safetensors"
@@ -503,10 +519,12 @@ def test_checksum_algorithms_verify_and_detect_a_flipped_bit(tmp_path, monkeypat
             piece = raw[p["offset"] : p["offset"] + p["nbytes"]]
             assert p["checksums"] == [fn(piece[i : i + C]) for i in range(0, len(piece), C)], key
     if algorithm == "crc32":
+
         def legacy(m):  # the field name of checkpoints written before xxh3-64
             for tm in m["tensors"].values():
                 for p in tm["pieces"]:
                     p["crc32"] = p.pop("checksums")
+
         rewrite_metadata(path, legacy)
     monkeypatch.delenv("PADDLE_FSDP_CKPT_CHECKSUM")
     t = fresh_targets()

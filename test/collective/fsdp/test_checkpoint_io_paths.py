@@ -14,13 +14,12 @@ import json
 import zlib
 
 import numpy as np
-import pytest
-import xxhash
-
 import paddle
 import paddle.distributed.fsdp.checkpoint as ck
-from paddle.distributed.fsdp.checkpoint import storage
+import pytest
+import xxhash
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+from paddle.distributed.fsdp.checkpoint import storage
 
 MIB = 1 << 20
 
@@ -30,8 +29,9 @@ def bits(t) -> np.ndarray:
 
 
 def flat_sw(key, local, shape, start, stop):
-    return ShardedWeight(key, local, list(shape), list(shape), [0] * len(shape), is_flattened=True,
-                         flattened_range=slice(start, stop))
+    return ShardedWeight(
+        key, local, list(shape), list(shape), [0] * len(shape), is_flattened=True, flattened_range=slice(start, stop)
+    )
 
 
 def big_state(seed: int = 3) -> dict:

@@ -23,7 +23,9 @@ LOADS = {1: ["2"], 3: ["2"], 2: ["3", "1", "2:layer"], 4: ["2"]}
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("reshard")
-    saves = {n: run_launch(WORKER, n, ["save", str(workdir)], log_dir=tmp_path_factory.mktemp(f"save{n}")) for n in (1, 2, 3)}
+    saves = {
+        n: run_launch(WORKER, n, ["save", str(workdir)], log_dir=tmp_path_factory.mktemp(f"save{n}")) for n in (1, 2, 3)
+    }
     loads = {
         m: run_launch(WORKER, m, ["load", str(workdir), *sources], log_dir=tmp_path_factory.mktemp(f"load{m}"))
         for m, sources in LOADS.items()
@@ -33,7 +35,8 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize(
-    "load_world,source", [(m, s) for m, sources in LOADS.items() for s in sources],
+    "load_world,source",
+    [(m, s) for m, sources in LOADS.items() for s in sources],
     ids=lambda v: str(v),
 )
 def test_load_into_other_world_size(runs, config, load_world, source):
@@ -53,7 +56,6 @@ def test_mismatched_model_fails_before_writing(runs, load_world):
 def test_load_full_state_dict_into_plain_model(runs):
     """One process, no collectives: full tensors by key, usable with set_state_dict of an unsharded model."""
     import paddle
-
     from paddle.distributed.fsdp.checkpoint import load_full_state_dict
 
     workdir, _, _ = runs

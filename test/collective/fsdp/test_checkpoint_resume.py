@@ -10,9 +10,24 @@ from launch_util import run_launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "resume.py")
 OPTIMIZERS = [
-    "sgd", "momentum", "momentum_nesterov", "adam", "adamw", "adamw_named", "adamw_fleet_wrapped",
-    "adamax", "rmsprop", "rmsprop_centered_momentum", "adadelta", "nadam", "radam", "lamb", "adagrad",
-    "asgd", "rprop", "sgd_bf16_master",
+    "sgd",
+    "momentum",
+    "momentum_nesterov",
+    "adam",
+    "adamw",
+    "adamw_named",
+    "adamw_fleet_wrapped",
+    "adamax",
+    "rmsprop",
+    "rmsprop_centered_momentum",
+    "adadelta",
+    "nadam",
+    "radam",
+    "lamb",
+    "adagrad",
+    "asgd",
+    "rprop",
+    "sgd_bf16_master",
 ]
 NPROC = 2
 
@@ -51,9 +66,16 @@ def test_checkpoint_keys_and_shapes_are_the_models(runs):
     metadata = read_metadata(os.path.join(workdir, "adamw_named-one"))
     shapes = {key: tuple(meta.shape) for key, meta in metadata.tensors.items()}
     block = {
-        "norm1.weight": (16,), "norm1.bias": (16,), "mix.weight": (16, 16), "mix.bias": (16,),
-        "norm2.weight": (16,), "norm2.bias": (16,), "up.weight": (16, 48), "up.bias": (48,),
-        "down.weight": (48, 16), "down.bias": (16,),
+        "norm1.weight": (16,),
+        "norm1.bias": (16,),
+        "mix.weight": (16, 16),
+        "mix.bias": (16,),
+        "norm2.weight": (16,),
+        "norm2.bias": (16,),
+        "up.weight": (16, 48),
+        "up.bias": (48,),
+        "down.weight": (48, 16),
+        "down.bias": (16,),
     }
     params = {"embed.weight": (37, 16), "pos": (6, 16), "norm.weight": (16,), "norm.bias": (16,)}
     params.update({f"blocks.{i}.{k}": v for i in range(3) for k, v in block.items()})

@@ -30,14 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pytest
-
 import paddle
 import paddle.distributed.fsdp.checkpoint as ck
-from paddle.distributed.fsdp.checkpoint import faults, manager, storage
-
+import pytest
 from _results import assert_case_ok
 from launch_util import LaunchResult, run_launch
+from paddle.distributed.fsdp.checkpoint import faults, manager, storage
 
 TEST_DIR = Path(__file__).resolve().parent
 WORKER = TEST_DIR / "workers" / "crash_safety.py"
@@ -78,11 +76,25 @@ CELLS = [
     # `latest` moved; the coordinator died before removing step 1
     Cell("before_prune", 0, True, 2, (1, 2), "ok"),
 ]
-DAMAGE_KINDS = ["flipped_byte", "truncated_file", "missing_shard", "damaged_metadata", "damaged_commit",
-                "missing_commit", "checksums_off"]
-BAD_INPUT = ["not_a_checkpoint", "other_optimizer", "optimizer_but_none_saved",
-             "model_only_load_of_full_checkpoint", "missing_keys", "extra_keys", "shape_mismatch",
-             "dtype_mismatch"]
+DAMAGE_KINDS = [
+    "flipped_byte",
+    "truncated_file",
+    "missing_shard",
+    "damaged_metadata",
+    "damaged_commit",
+    "missing_commit",
+    "checksums_off",
+]
+BAD_INPUT = [
+    "not_a_checkpoint",
+    "other_optimizer",
+    "optimizer_but_none_saved",
+    "model_only_load_of_full_checkpoint",
+    "missing_keys",
+    "extra_keys",
+    "shape_mismatch",
+    "dtype_mismatch",
+]
 
 
 # ------------------------------------------------------------------------------------------------ launches
@@ -97,8 +109,9 @@ def crash_runs(tmp_path_factory) -> dict[str, tuple[LaunchResult, Path]]:
         root = base / cell.name / "root"
         root.parent.mkdir(parents=True)
         env = {faults.ENV: f"{cell.stage}:{cell.killed}:2", "PADDLE_FSDP_CKPT_COMMIT_TIMEOUT": str(COMMIT_TIMEOUT)}
-        res = run_launch(WORKER, 2, ["save", str(root)], timeout=120, env=env, log_dir=root.parent / "logs",
-                         check=False)
+        res = run_launch(
+            WORKER, 2, ["save", str(root)], timeout=120, env=env, log_dir=root.parent / "logs", check=False
+        )
         return res, root
 
     with ThreadPoolExecutor(PARALLEL_LAUNCHES) as pool:
@@ -112,8 +125,13 @@ def verify_run(crash_runs, tmp_path_factory) -> LaunchResult:
     spec = {
         "workdir": str(work),
         "cells": [
-            {"name": c.name, "root": str(crash_runs[c.name][1]), "committed": c.committed, "latest": c.latest,
-             "steps": list(c.steps)}
+            {
+                "name": c.name,
+                "root": str(crash_runs[c.name][1]),
+                "committed": c.committed,
+                "latest": c.latest,
+                "steps": list(c.steps),
+            }
             for c in CELLS
         ],
     }
@@ -328,8 +346,9 @@ def test_save_twice_to_one_path_and_saves_from_two_threads(tmp_path):
 
     storage.write_rank_file = guarded
     try:
-        threads = [threading.Thread(target=ck.save_state_dict, args=(_state(float(v), 1 << 16), path))
-                   for v in range(3, 9)]
+        threads = [
+            threading.Thread(target=ck.save_state_dict, args=(_state(float(v), 1 << 16), path)) for v in range(3, 9)
+        ]
         for th in threads:
             th.start()
         for th in threads:
@@ -368,8 +387,12 @@ def test_concurrent_saves_from_two_processes_to_one_path(tmp_path):
             ck.save_state_dict({{"w": paddle.full([4096], v + i), "tag": v + i}}, {str(path)!r})
         print("done")
     """)
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(v)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for v in (100.0, 200.0)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(v)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for v in (100.0, 200.0)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0 and "done" in out, err[-3000:]

@@ -7,11 +7,22 @@ from _results import assert_case_ok
 from launch_util import run_launch
 
 PARITY_CASES = [
-    "sgd-float32", "momentum-float32", "sgd-float64", "momentum-float64", "adam_l2-float64",
-    "adamw_attr-float64", "adamw_clip-float64", "adamw_accum-float64", "adamw_groups-float64",
+    "sgd-float32",
+    "momentum-float32",
+    "sgd-float64",
+    "momentum-float64",
+    "adam_l2-float64",
+    "adamw_attr-float64",
+    "adamw_clip-float64",
+    "adamw_accum-float64",
+    "adamw_groups-float64",
 ]
 EDGE_CASES = [
-    "more_ranks_than_elements", "step_before_backward", "unused_parameters", "two_instances", "sharding_group",
+    "more_ranks_than_elements",
+    "step_before_backward",
+    "unused_parameters",
+    "two_instances",
+    "sharding_group",
 ]
 
 
@@ -19,9 +30,7 @@ EDGE_CASES = [
 def parity_runs(tmp_path_factory):
     """One launch per world size runs every configuration (launches are the slow part)."""
     return {
-        n: run_launch(_worker("train_parity.py"), n,
-                      log_dir=tmp_path_factory.mktemp(f"parity{n}"))
-        for n in (1, 2, 3)
+        n: run_launch(_worker("train_parity.py"), n, log_dir=tmp_path_factory.mktemp(f"parity{n}")) for n in (1, 2, 3)
     }
 
 
@@ -56,7 +65,6 @@ def test_edge_cases(edge_runs, run, case):
 
 def test_model_without_parameters_is_refused():
     import paddle
-
     from paddle.distributed.fsdp import FullyShardFusion
 
     with pytest.raises(ValueError, match="has no parameters"):
@@ -65,7 +73,6 @@ def test_model_without_parameters_is_refused():
 
 def test_unknown_unit_class_is_refused():
     import paddle
-
     from paddle.distributed.fsdp import FullyShardFusion
 
     with pytest.raises(ValueError, match="NoSuchBlock"):
@@ -74,7 +81,6 @@ def test_unknown_unit_class_is_refused():
 
 def test_wrapping_twice_is_refused():
     import paddle
-
     from paddle.distributed.fsdp import FullyShardFusion
 
     model = paddle.nn.Linear(2, 2)
@@ -89,7 +95,6 @@ def test_unlaunched_single_process_is_bit_exact():
 
     import numpy as np
     import paddle
-
     from paddle.distributed.fsdp import FullyShardFusion
 
     sys.path.insert(0, _worker(""))
@@ -101,9 +106,13 @@ def test_unlaunched_single_process_is_bit_exact():
     assert fsdp.world_size == 1
     # FSDP honours param.no_weight_decay itself; stock AdamW needs it spelled as apply_decay_param_fun
     for m, decay_fun in ((ref, decay_fun_for(ref)), (model, None)):
-        opt = paddle.optimizer.AdamW(0.01, weight_decay=0.1, parameters=m.parameters(),
-                                     apply_decay_param_fun=decay_fun,
-                                     grad_clip=paddle.nn.ClipGradByGlobalNorm(0.1))
+        opt = paddle.optimizer.AdamW(
+            0.01,
+            weight_decay=0.1,
+            parameters=m.parameters(),
+            apply_decay_param_fun=decay_fun,
+            grad_clip=paddle.nn.ClipGradByGlobalNorm(0.1),
+        )
         train(m, opt, global_batches(3, 4), 0, 1)
     full = fsdp.full_parameters()
     for key, param in ref.named_parameters():

@@ -28,7 +28,6 @@ import pytest
 import safetensors.numpy as stnp
 from _results import assert_case_ok
 from launch_util import run_launch
-
 from paddle.distributed.fsdp.checkpoint import load_full_state_dict, read_metadata
 from paddle.distributed.fsdp.tools.cli import main as cli_main
 
@@ -191,7 +190,9 @@ def loaded(run):
     """from-hf outputs loaded by a 2-rank FSDP model (one launch for every case and both load forms)."""
     tmp = run.tmp.mktemp("from_hf")
     # case 1: our own to-hf output, back through from-hf (inverting the recorded name map)
-    assert cli_main(["to-hf", str(run.ckpt), str(tmp / "hf"), "--rules", str(run.rules), "--max-shard-size", "4KB"]) == 0
+    assert (
+        cli_main(["to-hf", str(run.ckpt), str(tmp / "hf"), "--rules", str(run.rules), "--max-shard-size", "4KB"]) == 0
+    )
     assert cli_main(["from-hf", str(tmp / "hf"), str(tmp / "ckpt_roundtrip")]) == 0
     # case 2: foreign Hugging Face weights, with a rules file in the HF -> checkpoint direction
     expected = make_foreign_hf(tmp / "foreign", run.full)
@@ -213,8 +214,12 @@ def loaded(run):
 def test_help_on_every_command(capsys):
     res = cli(capsys, "--help")
     assert res.rc == 0 and "inspect" in res.out and "from-hf" in res.out
-    for command, needle in [("inspect", "--json"), ("verify", "exactly once"), ("to-hf", "--max-shard-size"),
-                            ("from-hf", "--rules")]:
+    for command, needle in [
+        ("inspect", "--json"),
+        ("verify", "exactly once"),
+        ("to-hf", "--max-shard-size"),
+        ("from-hf", "--rules"),
+    ]:
         res = cli(capsys, command, "--help")
         assert res.rc == 0 and f"usage: paddle-fsdp-ckpt {command}" in res.out and needle in res.out, res.out
     res = cli(capsys)  # no command: usage error
@@ -224,12 +229,22 @@ def test_help_on_every_command(capsys):
 def test_entry_points_run_the_same_tool(run):
     """`python -m paddle.distributed.fsdp.tools`, the checkout script and the installed console script."""
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "paddle.distributed.fsdp.tools", "inspect", str(run.ckpt), "--json"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "paddle.distributed.fsdp.tools", "inspect", str(run.ckpt), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["optimizer_class"] == "AdamW"
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "paddle_fsdp_ckpt.py"), "verify", str(run.ckpt)],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools" / "paddle_fsdp_ckpt.py"), "verify", str(run.ckpt)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("OK:"), proc.stdout + proc.stderr
 
 
@@ -241,8 +256,13 @@ def test_console_script_is_installed():
     assert eps, "console script paddle-fsdp-ckpt is not installed (setup.py entry_points; reinstall the fork)"
     assert eps[0].value == "paddle.distributed.fsdp.tools.cli:main" and eps[0].load() is cli_main
     script = Path(sys.executable).parent / "paddle-fsdp-ckpt"
-    proc = subprocess.run([str(script), "verify", "--help"], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    proc = subprocess.run(
+        [str(script), "verify", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
     assert proc.returncode == 0 and "usage: paddle-fsdp-ckpt verify" in proc.stdout, proc.stderr
 
 
@@ -323,8 +343,23 @@ def test_bf16_rounding_of_special_values():
 
     one = np.float32(1.0)
     ulp = np.float32(2.0**-7)  # bf16 spacing at 1.0
-    values = np.array([0.0, -0.0, one, one + ulp / 2, one + 3 * ulp / 2, -(one + ulp / 2), one + ulp / 2 + 2**-20,
-                       3.14159265, -2.5e-39, 1e-45, 65504.0, -1e30], dtype=np.float32)
+    values = np.array(
+        [
+            0.0,
+            -0.0,
+            one,
+            one + ulp / 2,
+            one + 3 * ulp / 2,
+            -(one + ulp / 2),
+            one + ulp / 2 + 2**-20,
+            3.14159265,
+            -2.5e-39,
+            1e-45,
+            65504.0,
+            -1e30,
+        ],
+        dtype=np.float32,
+    )
     assert np.array_equal(cast_array(values, "float32", "bfloat16"), bf16_reference(values))
     special = cast_array(np.array([np.inf, -np.inf, np.nan], np.float32), "float32", "bfloat16")
     assert special.tolist() == [0x7F80, 0xFF80, 0x7FC0]
@@ -567,8 +602,9 @@ def test_bad_input_is_one_line_and_leaves_nothing(run, capsys, tmp_path):
         first = f.read(1)
         f.seek(piece.offset)
         f.write(bytes([first[0] ^ 0xFF]))
-    assert_one_error_line(cli(capsys, "to-hf", damaged, out, "--include-optimizer", "--max-shard-size", "2KB"),
-                          "checksum mismatch")
+    assert_one_error_line(
+        cli(capsys, "to-hf", damaged, out, "--include-optimizer", "--max-shard-size", "2KB"), "checksum mismatch"
+    )
     no_output_left(out)
 
     # from-hf: nothing to read, an unsupported dtype, a collision
@@ -577,8 +613,9 @@ def test_bad_input_is_one_line_and_leaves_nothing(run, capsys, tmp_path):
     stnp.save_file({"a": np.zeros(3, np.uint16)}, str(tmp_path / "u16" / "model.safetensors"))
     assert_one_error_line(cli(capsys, "from-hf", tmp_path / "u16", out), "'U16'")
     (tmp_path / "two").mkdir()
-    stnp.save_file({"a.x": np.zeros(3, np.float32), "a.y": np.ones(3, np.float32)},
-                   str(tmp_path / "two" / "model.safetensors"))
+    stnp.save_file(
+        {"a.x": np.zeros(3, np.float32), "a.y": np.ones(3, np.float32)}, str(tmp_path / "two" / "model.safetensors")
+    )
     merge = write_json(tmp_path / "merge.json", {"rename": [[r"\.(x|y)$", ".z"]]})
     assert_one_error_line(cli(capsys, "from-hf", tmp_path / "two", out, "--rules", merge), "name collision")
     truncated_hf = tmp_path / "truncated_hf"
@@ -624,8 +661,9 @@ _MEASURE = (
 def _peak_rss_mb(*args) -> float:
     """Peak RSS (MB) of one `python -m paddle.distributed.fsdp.tools ARGS` process."""
     cmd = [sys.executable, "-c", _MEASURE, sys.executable, "-m", "paddle.distributed.fsdp.tools", *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore")
+    )
     assert proc.returncode == 0, proc.stderr
     return int(proc.stdout.split()[-1]) / 1024
 
@@ -634,7 +672,6 @@ def test_to_hf_peak_memory_is_bounded_by_the_largest_tensor(tmp_path):
     """16 tensors of 16 MB (256 MB): to-hf (with transposes and a cast) and from-hf stay far below the model
     size over the interpreter's baseline."""
     import paddle
-
     from paddle.distributed.fsdp.checkpoint import save_state_dict
 
     n, rows, cols = 16, 2048, 2048  # float32: 16 MiB each
@@ -652,10 +689,14 @@ def test_to_hf_peak_memory_is_bounded_by_the_largest_tensor(tmp_path):
     rules = write_json(tmp_path / "rules.json", {"transpose": [r"^layers\.\d+\.weight$"]})
 
     baseline = _peak_rss_mb("inspect", ckpt)
-    to_hf = _peak_rss_mb("to-hf", ckpt, tmp_path / "hf", "--rules", rules, "--dtype", "bf16", "--max-shard-size", "100MB")
+    to_hf = _peak_rss_mb(
+        "to-hf", ckpt, tmp_path / "hf", "--rules", rules, "--dtype", "bf16", "--max-shard-size", "100MB"
+    )
     from_hf = _peak_rss_mb("from-hf", tmp_path / "hf", tmp_path / "back", "--dtype", "fp32")
-    print(f"\npeak RSS: baseline (inspect) {baseline:.0f} MB, to-hf {to_hf:.0f} MB, from-hf {from_hf:.0f} MB; "
-          f"model {total:.0f} MB, largest tensor {largest:.0f} MB")
+    print(
+        f"\npeak RSS: baseline (inspect) {baseline:.0f} MB, to-hf {to_hf:.0f} MB, from-hf {from_hf:.0f} MB; "
+        f"model {total:.0f} MB, largest tensor {largest:.0f} MB"
+    )
     assert to_hf - baseline < 2 * largest + 32, (baseline, to_hf)  # measured: ~1.5x largest
     assert from_hf - baseline < 3 * largest + 32, (baseline, from_hf)  # ~2.5x (bf16 in + fp32 out + blocks)
     assert to_hf - baseline < total / 3 and from_hf - baseline < total / 3
@@ -667,7 +708,6 @@ def test_to_hf_peak_memory_is_bounded_by_the_largest_tensor(tmp_path):
 def test_a_checkpoint_root_means_its_latest_checkpoint(capsys, tmp_path):
     """A CheckpointManager root (step_* + latest): every command uses its latest committed checkpoint."""
     import paddle
-
     from paddle.distributed.fsdp.checkpoint import CheckpointManager
 
     manager = CheckpointManager(tmp_path / "root")

@@ -7,7 +7,7 @@
     loss = model(x); loss.backward(); opt.step(); opt.clear_grad()
 
 Data flows one way: model -> parameter groups (param_grouping) -> buffer layouts (fused_layout) ->
-run-time buffers (fused_buffer) -> shard records (checkpoint_mapping) -> storage (checkpoint/).
+run-time buffers (fused_buffer) -> shard records (state/records.py) -> storage (checkpoint/).
 """
 
 from __future__ import annotations
@@ -88,8 +88,11 @@ class FullyShardFusion:
         model.sharded_state_dict = self.sharded_state_dict
         logger.debug(
             "FullyShardFusion: %d params in %d buffers over %d ranks; this rank holds %d of %d bytes",
-            len(self.param_keys), len(self.buffers), self.comm.world_size,
-            self.resident_parameter_bytes(), self.total_parameter_bytes(),
+            len(self.param_keys),
+            len(self.buffers),
+            self.comm.world_size,
+            self.resident_parameter_bytes(),
+            self.total_parameter_bytes(),
         )
 
     # ---- layout queries (the checkpoint and the tools are built on these) ----------------------
@@ -150,22 +153,22 @@ class FullyShardFusion:
                 buffer.release()
         return out
 
-    # ---- checkpoint API (checkpoint_mapping.py builds the records) -------------------------------
+    # ---- checkpoint API (state/records.py builds the records) -------------------------------
     def sharded_state_dict(self) -> dict:
         """This rank's model state as flattened ShardedWeight records keyed by structured name."""
-        from .checkpoint_mapping import model_sharded_state_dict
+        from .state.records import model_sharded_state_dict
 
         return model_sharded_state_dict(self)
 
     def optimizer_sharded_state_dict(self, optimizer) -> dict:
-        """This rank's optimizer state as ``<param key>.<state name>`` records (see checkpoint_mapping)."""
-        from .checkpoint_mapping import optimizer_sharded_state_dict
+        """This rank's optimizer state as ``<param key>.<state name>`` records (see state/records.py)."""
+        from .state.records import optimizer_sharded_state_dict
 
         return optimizer_sharded_state_dict(self, optimizer)
 
     def init_optimizer_state(self, optimizer) -> None:
         """Create ``optimizer``'s accumulators for the local pieces, so a load has targets to fill."""
-        from .checkpoint_mapping import init_optimizer_state
+        from .state.records import init_optimizer_state
 
         init_optimizer_state(self, optimizer)
 
@@ -175,7 +178,7 @@ class FullyShardFusion:
         ``step=N`` treats ``path`` as a root (``root/step_<N>`` and a ``latest`` pointer moved after the
         commit); ``keep_last=K`` then removes older steps; ``async_save=True`` returns a handle to wait on.
         """
-        from .checkpoint_api import save_checkpoint
+        from .state.resume import save_checkpoint
 
         return save_checkpoint(self, path, optimizer=optimizer, extra_state=extra_state, **kwargs)
 
@@ -185,6 +188,6 @@ class FullyShardFusion:
         Returns the saved ``extra_state`` as a dict that also carries ``.report`` (the LoadReport),
         ``.path`` (the directory loaded) and ``.step`` (for ``step_<N>`` directories).
         """
-        from .checkpoint_api import load_checkpoint
+        from .state.resume import load_checkpoint
 
         return load_checkpoint(self, path, optimizer=optimizer, **kwargs)

@@ -184,9 +184,7 @@ class FusedBuffer:
                 continue
             param = self.params[index]
             param.clear_gradient(False)
-            param._copy_gradient_from(
-                grad_source._slice(piece.shard_start, piece.shard_start + piece.length)
-            )
+            param._copy_gradient_from(grad_source._slice(piece.shard_start, piece.shard_start + piece.length))
             self._bound_grads.add(index)
             bound.append((param, param._grad_ivar()))
         self._arrived.clear()

@@ -97,9 +97,7 @@ def _flush_and_extend(opt, owners, params_grads):
         )
     mine = {id(p) for p in optimizer_parameters(opt)}
     present = {id(p) for p, _ in params_grads}
-    return params_grads + [
-        (p, g) for p, g in bound if id(p) in mine and id(p) not in present and not p.stop_gradient
-    ]
+    return params_grads + [(p, g) for p, g in bound if id(p) in mine and id(p) not in present and not p.stop_gradient]
 
 
 def _pairs(params_grads):

@@ -94,11 +94,17 @@ def plan_param_groups(
             scope_name, scope_layers = f"layer:{layer_prefix[id(layers[0])] or '<root>'}", layers
         group_key = (scope_name, str(param.dtype), trainable, exempt)
         if group_key not in groups:
-            name = f"{scope_name}|{str(param.dtype).replace('paddle.', '')}|" + (
-                "trainable" if trainable else "frozen"
-            ) + ("|no_decay" if exempt else "")
+            name = (
+                f"{scope_name}|{str(param.dtype).replace('paddle.', '')}|"
+                + ("trainable" if trainable else "frozen")
+                + ("|no_decay" if exempt else "")
+            )
             groups[group_key] = ParamGroup(
-                name, [], [], scope_layers, trainable,
+                name,
+                [],
+                [],
+                scope_layers,
+                trainable,
                 {"scope": scope_name, "tied": tied, "no_weight_decay": exempt},
             )
         groups[group_key].params.append(param)

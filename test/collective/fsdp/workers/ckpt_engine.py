@@ -70,8 +70,9 @@ def flat_sw(key: str, local, start: int, stop: int):
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
     shape = SPEC[key][0]
-    return ShardedWeight(key, local, list(shape), list(shape), [0] * len(shape), is_flattened=True,
-                         flattened_range=slice(start, stop))
+    return ShardedWeight(
+        key, local, list(shape), list(shape), [0] * len(shape), is_flattened=True, flattened_range=slice(start, stop)
+    )
 
 
 def box_sw(key: str, local, offset, box):
@@ -98,11 +99,13 @@ def save_state(rank: int, full: dict) -> dict:
         local = to_tensor(full[key].reshape(-1)[r[0] : r[1]], dtype)
         sd[key] = flat_sw(key, local, r[0], r[1])
     rows = [(0, 3), (3, 8)][rank]
-    sd["box.rows"] = box_sw("box.rows", to_tensor(full["box.rows"][rows[0] : rows[1]], "float32"), (rows[0], 0),
-                            (rows[1] - rows[0], 6))
+    sd["box.rows"] = box_sw(
+        "box.rows", to_tensor(full["box.rows"][rows[0] : rows[1]], "float32"), (rows[0], 0), (rows[1] - rows[0], 6)
+    )
     cols = [(0, 4), (4, 10)][rank]
-    sd["box.cols"] = box_sw("box.cols", to_tensor(full["box.cols"][:, cols[0] : cols[1]], "float64"), (0, cols[0]),
-                            (4, cols[1] - cols[0]))
+    sd["box.cols"] = box_sw(
+        "box.cols", to_tensor(full["box.cols"][:, cols[0] : cols[1]], "float64"), (0, cols[0]), (4, cols[1] - cols[0])
+    )
     for key in ("rep.w", "rep.scalar", "rep.i64"):
         sd[key] = to_tensor(full[key], SPEC[key][1])
     return sd
@@ -110,8 +113,10 @@ def save_state(rank: int, full: dict) -> dict:
 
 def split(n: int, world: int, rank: int) -> tuple[int, int]:
     """Uneven split of n into world parts (later ranks get more)."""
+
     def b(k):
         return int(round(n * (k / world) ** 1.3))
+
     return b(rank), b(rank + 1)
 
 
@@ -245,13 +250,11 @@ def case_all_or_nothing(rank, world, d, full, ck):
 
 
 def main() -> None:
+    import _paths  # noqa: F401
     import paddle  # noqa: F401
     import paddle.distributed as dist
-
-    import _paths  # noqa: F401
-    from launch_util import report
-
     import paddle.distributed.fsdp.checkpoint as ck
+    from launch_util import report
 
     mode, d = sys.argv[1], sys.argv[2]
     world_env = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))

@@ -26,15 +26,13 @@ import time
 import traceback
 from typing import Callable
 
+import _paths  # noqa: F401  (puts launch_util on sys.path)
 import numpy as np
 import paddle
 import paddle.distributed as dist
-
-import _paths  # noqa: F401  (puts launch_util on sys.path)
+import paddle.distributed.fsdp.checkpoint as ck
 from launch_util import report
 from models import DIM, global_batches, local_part, make_model
-
-import paddle.distributed.fsdp.checkpoint as ck
 from paddle.distributed.fsdp import FullyShardFusion
 from paddle.distributed.fsdp.checkpoint.manager import read_latest
 
@@ -49,8 +47,7 @@ STEP2 = "step_00000002"
 def make_optimizer(kind: str, model):
     O = paddle.optimizer
     if kind == "adamw":
-        return O.AdamW(O.lr.StepDecay(0.02, step_size=1, gamma=0.5), weight_decay=0.1,
-                       parameters=model.parameters())
+        return O.AdamW(O.lr.StepDecay(0.02, step_size=1, gamma=0.5), weight_decay=0.1, parameters=model.parameters())
     if kind == "momentum":
         return O.Momentum(0.02, momentum=0.9, parameters=model.parameters())
     raise ValueError(kind)
@@ -193,8 +190,12 @@ def case_cell(cell: dict, rank: int, world: int) -> None:
         assert_same(snapshot(fsdp, opt), refs_of(root, 2, rank), f"{step2}")
         return
     before = snapshot(fsdp, opt)
-    expect_error(lambda: fsdp.load_checkpoint(step2, optimizer=opt), ck.IncompleteCheckpointError,
-                 "incomplete", "never committed")
+    expect_error(
+        lambda: fsdp.load_checkpoint(step2, optimizer=opt),
+        ck.IncompleteCheckpointError,
+        "incomplete",
+        "never committed",
+    )
     assert_same(snapshot(fsdp, opt), before, "model after the refused load of the partial checkpoint")
     problems = ck.verify_checkpoint(step2)
     assert len(problems) == 1 and problems[0].startswith("IncompleteCheckpointError"), problems
@@ -204,8 +205,13 @@ def _damage(kind: str, path: str) -> None:
     md = json.load(open(os.path.join(path, "metadata.json")))
     if kind in ("flipped_byte", "checksums_off"):
         # the largest param piece in rank 1's file: only rank 1 reads it, so rank 0's own reads all succeed
-        pieces = [(p["nbytes"], p["offset"]) for key, tm in md["tensors"].items() if not key.endswith(
-            (".moment1", ".moment2", "_pow_acc")) for p in tm["pieces"] if p["file"] == "1_0.safetensors"]
+        pieces = [
+            (p["nbytes"], p["offset"])
+            for key, tm in md["tensors"].items()
+            if not key.endswith((".moment1", ".moment2", "_pow_acc"))
+            for p in tm["pieces"]
+            if p["file"] == "1_0.safetensors"
+        ]
         _, off = max(pieces)
         with open(os.path.join(path, "1_0.safetensors"), "r+b") as f:
             f.seek(off + 1)
@@ -270,8 +276,7 @@ def _f64_norm(model) -> None:
     model.norm.to(dtype="float64")
 
 
-def case_bad_input(name: str, workdir: str, pristine: str, model_only: str, full: dict, rank: int,
-                   world: int) -> None:
+def case_bad_input(name: str, workdir: str, pristine: str, model_only: str, full: dict, rank: int, world: int) -> None:
     if name == "not_a_checkpoint":
         model, fsdp, opt = trained(99, 1, rank, world)
         before = snapshot(fsdp, opt)
@@ -281,8 +286,12 @@ def case_bad_input(name: str, workdir: str, pristine: str, model_only: str, full
             open(os.path.join(junk, "notes.txt"), "w").write("not a checkpoint")
             os.makedirs(os.path.join(workdir, "empty"), exist_ok=True)
         fsdp.comm.barrier()
-        expect_error(lambda: fsdp.load_checkpoint(os.path.join(workdir, "nowhere"), optimizer=opt),
-                     ck.NotACheckpointError, "nowhere", "no such directory")
+        expect_error(
+            lambda: fsdp.load_checkpoint(os.path.join(workdir, "nowhere"), optimizer=opt),
+            ck.NotACheckpointError,
+            "nowhere",
+            "no such directory",
+        )
         expect_error(lambda: fsdp.load_checkpoint(junk, optimizer=opt), ck.NotACheckpointError, "notes.txt")
         expect_error(lambda: fsdp.load_checkpoint(os.path.join(workdir, "empty")), ck.NotACheckpointError, "empty")
         assert_same(snapshot(fsdp, opt), before, "after loading a non-checkpoint")
@@ -290,8 +299,9 @@ def case_bad_input(name: str, workdir: str, pristine: str, model_only: str, full
         model, fsdp, _ = trained(99, 0, rank, world, optimizer=None)
         opt = make_optimizer("momentum", model)
         before = snapshot(fsdp, None)
-        expect_error(lambda: fsdp.load_checkpoint(pristine, optimizer=opt), ck.OptimizerMismatchError,
-                     "AdamW", "Momentum")
+        expect_error(
+            lambda: fsdp.load_checkpoint(pristine, optimizer=opt), ck.OptimizerMismatchError, "AdamW", "Momentum"
+        )
         assert_same(snapshot(fsdp, None), before, "model after the refused load")
         assert not opt._accumulators, "the refused load created optimizer state"
         # the class check is a ValueError too, as before
@@ -299,8 +309,9 @@ def case_bad_input(name: str, workdir: str, pristine: str, model_only: str, full
     elif name == "optimizer_but_none_saved":
         model, fsdp, opt = trained(99, 1, rank, world)
         before = snapshot(fsdp, opt)
-        expect_error(lambda: fsdp.load_checkpoint(model_only, optimizer=opt), ck.OptimizerMismatchError,
-                     "no optimizer state")
+        expect_error(
+            lambda: fsdp.load_checkpoint(model_only, optimizer=opt), ck.OptimizerMismatchError, "no optimizer state"
+        )
         assert_same(snapshot(fsdp, opt), before, "after the refused load")
     elif name == "model_only_load_of_full_checkpoint":
         model, fsdp, _ = trained(99, 0, rank, world, optimizer=None)
@@ -407,9 +418,16 @@ def verify_main(spec_path: str, rank: int, world: int) -> None:
     full = full_params(fsdp)
     for kind in list(DAMAGE) + ["checksums_off"]:
         run(f"damaged:{kind}", lambda kind=kind: case_damaged(kind, workdir, pristine, rank, world, fsdp))
-    for name in ("not_a_checkpoint", "other_optimizer", "optimizer_but_none_saved",
-                 "model_only_load_of_full_checkpoint", "missing_keys", "extra_keys", "shape_mismatch",
-                 "dtype_mismatch"):
+    for name in (
+        "not_a_checkpoint",
+        "other_optimizer",
+        "optimizer_but_none_saved",
+        "model_only_load_of_full_checkpoint",
+        "missing_keys",
+        "extra_keys",
+        "shape_mismatch",
+        "dtype_mismatch",
+    ):
         run(f"bad:{name}", lambda name=name: case_bad_input(name, workdir, pristine, model_only, full, rank, world))
     run("two_saves_in_flight", lambda: case_two_saves_in_flight(workdir, rank, world))
     report(results)

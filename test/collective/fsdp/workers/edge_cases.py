@@ -9,15 +9,14 @@ from __future__ import annotations
 import sys
 import traceback
 
+import _paths  # noqa: F401  (puts launch_util on sys.path)
 import numpy as np
 import paddle
 import paddle.distributed as dist
-import _paths  # noqa: F401  (puts launch_util on sys.path)
 from launch_util import report
 from models import global_batches, local_part, make_model
-from training import train
-
 from paddle.distributed.fsdp import FullyShardFusion
+from training import train
 
 
 class Tiny(paddle.nn.Layer):

@@ -18,13 +18,12 @@ import os
 import sys
 import traceback
 
+import _paths  # noqa: F401  (puts launch_util on sys.path)
 import numpy as np
 import paddle
 import paddle.distributed as dist
-import _paths  # noqa: F401  (puts launch_util on sys.path)
 from launch_util import report
 from models import decay_fun_for, global_batches, local_part, make_model
-
 from paddle.distributed.fsdp import FullyShardFusion
 
 STEPS, BATCH = 2, 8
@@ -33,8 +32,9 @@ STEPS, BATCH = 2, 8
 def save(workdir: str, rank: int, world: int) -> None:
     model = make_model(7)
     fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"])
-    opt = paddle.optimizer.AdamW(0.01, parameters=model.parameters(), weight_decay=0.1,
-                                 apply_decay_param_fun=decay_fun_for(model))
+    opt = paddle.optimizer.AdamW(
+        0.01, parameters=model.parameters(), weight_decay=0.1, apply_decay_param_fun=decay_fun_for(model)
+    )
     for ids, labels in global_batches(STEPS, BATCH):
         loss = model(paddle.to_tensor(local_part(ids, rank, world)), paddle.to_tensor(local_part(labels, rank, world)))
         loss.backward()
@@ -59,7 +59,13 @@ def load_case(case: dict, form: str) -> None:
     assert sorted(full) == sorted(expected.files), sorted(set(full) ^ set(expected.files))
     for key, value in full.items():
         want = expected[key]
-        assert value.dtype == want.dtype and value.shape == want.shape, (key, value.dtype, value.shape, want.dtype, want.shape)
+        assert value.dtype == want.dtype and value.shape == want.shape, (
+            key,
+            value.dtype,
+            value.shape,
+            want.dtype,
+            want.shape,
+        )
         assert np.array_equal(value, want), f"{case['name']}/{form}: {key} differs after loading"
 
 

@@ -76,10 +76,7 @@ def global_batches(n_steps: int, batch: int, seed: int = 1234):
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    return [
-        (rng.integers(0, VOCAB, (batch, SEQ)), rng.integers(0, VOCAB, (batch, SEQ)))
-        for _ in range(n_steps)
-    ]
+    return [(rng.integers(0, VOCAB, (batch, SEQ)), rng.integers(0, VOCAB, (batch, SEQ))) for _ in range(n_steps)]
 
 
 def local_part(array, rank: int, world: int):

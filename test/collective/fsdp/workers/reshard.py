@@ -25,11 +25,10 @@ import paddle
 import paddle.distributed as dist
 from launch_util import report
 from models import Bf16MLP, global_batches, make_model
-from training import records, train
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
-
 from paddle.distributed.fsdp import FullyShardFusion
 from paddle.distributed.fsdp.checkpoint import ShapeMismatchError
+from training import records, train
 
 BATCH = 12
 CONFIGS = ["adamw_fp64", "asgd_fp64", "sgd_bf16_master"]

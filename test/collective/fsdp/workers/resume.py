@@ -13,16 +13,15 @@ import os
 import sys
 import traceback
 
+import _paths  # noqa: F401  (puts launch_util on sys.path)
 import numpy as np
 import paddle
 import paddle.distributed as dist
-import _paths  # noqa: F401  (puts launch_util on sys.path)
 from launch_util import report
 from models import Bf16MLP, global_batches, make_model
-from training import records, train
-
 from paddle.distributed.fsdp import FullyShardFusion
-from paddle.distributed.fsdp.optimizer_state_names import UnsupportedOptimizerStateError
+from paddle.distributed.fsdp.state.optimizer_states import UnsupportedOptimizerStateError
+from training import records, train
 
 STEPS, BATCH = 6, 12
 
@@ -65,9 +64,24 @@ def _opt(kind: str, params, scheduler: bool):
 
 
 OPTIMIZERS = [
-    "sgd", "momentum", "momentum_nesterov", "adam", "adamw", "adamw_named", "adamw_fleet_wrapped",
-    "adamax", "rmsprop", "rmsprop_centered_momentum", "adadelta", "nadam", "radam", "lamb", "adagrad",
-    "asgd", "rprop", "sgd_bf16_master",
+    "sgd",
+    "momentum",
+    "momentum_nesterov",
+    "adam",
+    "adamw",
+    "adamw_named",
+    "adamw_fleet_wrapped",
+    "adamax",
+    "rmsprop",
+    "rmsprop_centered_momentum",
+    "adadelta",
+    "nadam",
+    "radam",
+    "lamb",
+    "adagrad",
+    "asgd",
+    "rprop",
+    "sgd_bf16_master",
 ]
 FORMS = ["low", "one"]  # low-level calls (no dropout); one-call save/load_checkpoint (dropout, scheduler)
 
@@ -98,7 +112,9 @@ def save_case(kind, form, workdir, rank, world):
     else:
         fsdp.save_checkpoint(path, optimizer=opt, extra_state={"step": 3, "data_position": 36})
     train(model, opt, batches[3:], rank, world)
-    np.savez(os.path.join(workdir, f"{kind}-{form}.ref{rank}.npz"), **{k: as_numpy(v) for k, v in records(fsdp, opt).items()})
+    np.savez(
+        os.path.join(workdir, f"{kind}-{form}.ref{rank}.npz"), **{k: as_numpy(v) for k, v in records(fsdp, opt).items()}
+    )
 
 
 def resume_case(kind, form, workdir, rank, world):
@@ -114,7 +130,7 @@ def resume_case(kind, form, workdir, rank, world):
     train(model, opt, batches[3:], rank, world)
     reference = np.load(os.path.join(workdir, f"{kind}-{form}.ref{rank}.npz"))
     mine = {k: as_numpy(v) for k, v in records(fsdp, opt).items()}
-    assert sorted(mine) == sorted(reference.files), (sorted(set(mine) ^ set(reference.files)))
+    assert sorted(mine) == sorted(reference.files), sorted(set(mine) ^ set(reference.files))
     for key, value in mine.items():
         assert value.dtype == reference[key].dtype and np.array_equal(value, reference[key]), (
             f"{kind}/{form}: {key} differs after resume: max |diff| "

@@ -7,20 +7,25 @@ from __future__ import annotations
 
 import traceback
 
+import _paths  # noqa: F401  (puts launch_util on sys.path)
 import numpy as np
 import paddle
 import paddle.distributed as dist
-import _paths  # noqa: F401  (puts launch_util on sys.path)
 from launch_util import report
 from models import decay_fun_for, global_batches, make_model
+from paddle.distributed.fsdp import FullyShardFusion
 from training import train
 
-from paddle.distributed.fsdp import FullyShardFusion
-
 CASES = [
-    ("sgd", "float32"), ("momentum", "float32"),
-    ("sgd", "float64"), ("momentum", "float64"), ("adam_l2", "float64"), ("adamw_attr", "float64"),
-    ("adamw_clip", "float64"), ("adamw_accum", "float64"), ("adamw_groups", "float64"),
+    ("sgd", "float32"),
+    ("momentum", "float32"),
+    ("sgd", "float64"),
+    ("momentum", "float64"),
+    ("adam_l2", "float64"),
+    ("adamw_attr", "float64"),
+    ("adamw_clip", "float64"),
+    ("adamw_accum", "float64"),
+    ("adamw_groups", "float64"),
 ]
 STEPS, BATCH = 3, 24  # two micro-batches of 12 rows split evenly over 1, 2, 3 and 4 ranks
 
@@ -47,7 +52,10 @@ def make_optimizer(kind: str, model, fsdp_side: bool):
         exempt = {p.name for n, p in model.named_parameters() if n.endswith("bias") or "norm" in n}
         clip = paddle.nn.ClipGradByGlobalNorm(0.05) if kind == "adamw_clip" else None
         return paddle.optimizer.AdamW(
-            lr, weight_decay=0.3, grad_clip=clip, apply_decay_param_fun=lambda n: n not in exempt,
+            lr,
+            weight_decay=0.3,
+            grad_clip=clip,
+            apply_decay_param_fun=lambda n: n not in exempt,
             parameters=params,
         )
     if kind == "adamw_groups":  # parameter groups (dicts), each with its own weight decay and clip
@@ -56,7 +64,8 @@ def make_optimizer(kind: str, model, fsdp_side: bool):
         decayed = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
         exempt = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
         return paddle.optimizer.AdamW(
-            0.01, grad_clip=paddle.nn.ClipGradByGlobalNorm(0.05),
+            0.01,
+            grad_clip=paddle.nn.ClipGradByGlobalNorm(0.05),
             parameters=[{"params": decayed, "weight_decay": 0.3}, {"params": exempt, "weight_decay": 0.0}],
         )
     raise ValueError(kind)

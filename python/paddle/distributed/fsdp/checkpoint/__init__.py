@@ -16,6 +16,7 @@ from .api import (  # noqa: F401
     save_state_dict,
     verify_checkpoint,
 )
+from .api import __all__ as _engine_api
 from .errors import (  # noqa: F401
     CheckpointError,
     CorruptCheckpointError,
@@ -25,10 +26,10 @@ from .errors import (  # noqa: F401
     MetadataError,
     MissingKeyError,
     NotACheckpointError,
+    OptimizerMismatchError,
     SaveFailedError,
     ShapeMismatchError,
     StateDictMismatchError,
-    OptimizerMismatchError,
     UnexpectedKeyError,
     UnsafePathError,
 )
@@ -38,8 +39,6 @@ from .manager import (  # noqa: F401
     resolve_checkpoint,
 )
 from .metadata import CheckpointMetadata  # noqa: F401
-
-from .api import __all__ as _engine_api
 
 __all__ = [
     *_engine_api,

@@ -56,8 +56,9 @@ def default_algorithm() -> str:
         return XXH3_64
     if not _warned_fallback:
         _warned_fallback = True
-        logger.warning("the xxhash package is missing: checkpoints are checksummed with the slower CRC-32 "
-                       "(pip install xxhash)")
+        logger.warning(
+            "the xxhash package is missing: checkpoints are checksummed with the slower CRC-32 (pip install xxhash)"
+        )
     return CRC32
 
 

@@ -40,8 +40,14 @@ class _Tracer:
             import sys
 
             parts = " ".join(f"{n}={d * 1000:.1f}ms" for n, d in self.marks)
-            print(f"[ckpt-trace pid {os.getpid()}] {self.what}: {parts} total="
-                  f"{(time.perf_counter() - self.t0) * 1000:.1f}ms", file=sys.stderr, flush=True)
+            print(
+                f"[ckpt-trace pid {os.getpid()}] {self.what}: {parts} total="
+                f"{(time.perf_counter() - self.t0) * 1000:.1f}ms",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
 DEFAULT_COMMIT_TIMEOUT = float(os.environ.get("PADDLE_FSDP_CKPT_COMMIT_TIMEOUT", "1800"))
 
 
@@ -134,4 +140,3 @@ _ALIGN = 64  # byte alignment of the pieces carved out of one host buffer
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
-

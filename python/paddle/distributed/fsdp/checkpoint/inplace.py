@@ -64,8 +64,7 @@ class InPlaceReads:
                 if self._error is not None:
                     raise self._error
             self._started = i + 1
-            storage.read_range_direct(files, key, piece, 0, piece.nbytes, dst, chunk_bytes, verify,
-                                      verifier=verifier)
+            storage.read_range_direct(files, key, piece, 0, piece.nbytes, dst, chunk_bytes, verify, verifier=verifier)
 
     def restore(self) -> None:
         """Put back the previous bytes of every region that may have been written (the load did not commit)."""

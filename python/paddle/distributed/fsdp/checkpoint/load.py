@@ -43,8 +43,9 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -106,8 +107,9 @@ def read_metadata(path: str) -> CheckpointMetadata:
             near = []
         staging = [n for n in near if n.startswith(base + ".tmp-")]
         old = [n for n in near if n.startswith(base + ".old-")]
-        old_hint = (f"; {old[0]} holds the checkpoint that was being replaced (rename it back to "
-                    f"{base})") if old else ""
+        old_hint = (
+            (f"; {old[0]} holds the checkpoint that was being replaced (rename it back to {base})") if old else ""
+        )
         if staging:
             raise IncompleteCheckpointError(
                 f"checkpoint {path} is incomplete: it was never committed; "
@@ -211,8 +213,7 @@ def _segments(root: str, md: CheckpointMetadata, key: str, tm: TensorMeta, regio
     items, covered = plan_reads(key, tm, region)
     if covered != region.numel:
         raise CorruptCheckpointError(
-            f"checkpoint {root}: key {key!r}: saved pieces cover {covered} of the {region.numel} "
-            f"requested elements"
+            f"checkpoint {root}: key {key!r}: saved pieces cover {covered} of the {region.numel} requested elements"
         )
     isz = DTYPES[tm.dtype][0]
     out = []
@@ -237,8 +238,10 @@ def _in_place_regions(reads: list) -> tuple[list, list]:
     for r in reads:
         by_target.setdefault(id(r[0]), []).append(r)
     whole = [rs for rs in by_target.values() if all(a == 0 and b == piece.nbytes for _t, piece, a, b, _d in rs)]
-    spans = sorted((rs[0][0].tensor.data_ptr(), storage.raw_view(rs[0][0].tensor, allow_copy=False)[0].nbytes, i)
-                   for i, rs in enumerate(whole))
+    spans = sorted(
+        (rs[0][0].tensor.data_ptr(), storage.raw_view(rs[0][0].tensor, allow_copy=False)[0].nbytes, i)
+        for i, rs in enumerate(whole)
+    )
     aliased, end, widest = set(), -1, -1  # widest: the interval reaching furthest so far
     for ptr, n, i in spans:
         if ptr < end:
@@ -288,9 +291,17 @@ def _plan_spans(reads: list, chunk_bytes: int, verify: bool) -> list[list]:
     return out
 
 
-def _fill(files: storage.FileSet, md: CheckpointMetadata, key: str, tm: TensorMeta, region: Region,
-          out: np.ndarray, verify: bool, verifier: storage.ChunkVerifier | None = None,
-          deferred: list | None = None) -> None:
+def _fill(
+    files: storage.FileSet,
+    md: CheckpointMetadata,
+    key: str,
+    tm: TensorMeta,
+    region: Region,
+    out: np.ndarray,
+    verify: bool,
+    verifier: storage.ChunkVerifier | None = None,
+    deferred: list | None = None,
+) -> None:
     """Read every element of ``region`` of ``key`` into ``out`` (uint8, region storage order).
 
     With ``verifier``, checks of large ranges are queued on it: ``out`` is verified only after its ``wait()``.
@@ -304,8 +315,9 @@ def _fill(files: storage.FileSet, md: CheckpointMetadata, key: str, tm: TensorMe
             if deferred is not None:
                 deferred.append((key, piece, a, a + l, out[d : d + l]))
                 continue
-            storage.read_range_direct(files, key, piece, a, a + l, out[d : d + l], md.chunk_bytes, verify,
-                                      verifier=verifier)
+            storage.read_range_direct(
+                files, key, piece, a, a + l, out[d : d + l], md.chunk_bytes, verify, verifier=verifier
+            )
         if big.all():
             continue
         src_b, dst_b, len_b = src_b[~big], dst_b[~big], len_b[~big]
@@ -334,8 +346,9 @@ def _fill(files: storage.FileSet, md: CheckpointMetadata, key: str, tm: TensorMe
                 j += 1
 
 
-def _read_deferred(files: storage.FileSet, md: CheckpointMetadata, reads: list, verify: bool,
-                   verifier: storage.ChunkVerifier) -> None:
+def _read_deferred(
+    files: storage.FileSet, md: CheckpointMetadata, reads: list, verify: bool, verifier: storage.ChunkVerifier
+) -> None:
     """Read the large ranges collected by ``_fill(deferred=...)`` in file order (sequential for the kernel's
     readahead; requesting readahead explicitly with POSIX_FADV_WILLNEED was measured slower)."""
     verify = verify and files.verifies
@@ -435,8 +448,11 @@ def load_state_dict(
                     refuse_absent(key, "tensor", "plain value" if key in md.values else "")
                     continue
                 if tuple(tm.shape) != tuple(rec.region.shape):
-                    refuse(ShapeMismatchError, key,
-                           f"shape {list(rec.region.shape)} requested, {list(tm.shape)} in the checkpoint")
+                    refuse(
+                        ShapeMismatchError,
+                        key,
+                        f"shape {list(rec.region.shape)} requested, {list(tm.shape)} in the checkpoint",
+                    )
                     continue
                 if tm.dtype != rec.dtype:
                     refuse(DtypeMismatchError, key, f"dtype {rec.dtype} requested, {tm.dtype} in the checkpoint")
@@ -444,8 +460,11 @@ def load_state_dict(
                 targets.append(_Target(key, rec.tensor, rec.region, rec.dtype))
             if strict and problems:
                 cls, _ = problems[0]
-                more = f" (and {len(problems) - 1} more: " + "; ".join(m for _, m in problems[1:4]) + ")" \
-                    if len(problems) > 1 else ""
+                more = (
+                    f" (and {len(problems) - 1} more: " + "; ".join(m for _, m in problems[1:4]) + ")"
+                    if len(problems) > 1
+                    else ""
+                )
                 raise cls(problems[0][1] + more)
             tr.mark("validate")
             # read + verify everything into host staging (this rank's slice); targets untouched until commit.
@@ -475,8 +494,10 @@ def load_state_dict(
             span_bytes = [-(-sp[2] // A) * A for sp in spans]
             host_staged = [tg for tg in staged if _HOST_FAST_PATH and storage.is_host_contiguous(tg.tensor)]
             undo_bytes = sum(_aligned(len(dst)) for _key, _piece, dst in regions)
-            need = sum(span_bytes) + undo_bytes + sum(
-                _aligned(tg.region.numel * DTYPES[tg.dtype][0]) for tg in host_staged
+            need = (
+                sum(span_bytes)
+                + undo_bytes
+                + sum(_aligned(tg.region.numel * DTYPES[tg.dtype][0]) for tg in host_staged)
             )
             stage = storage.arena.acquire(need, grow=storage.arena.capacity > 0) if need else None
             arena_held = stage is not None
@@ -610,4 +631,3 @@ def load_full_state_dict(path: str, keys: Iterable[str] | None = None) -> dict:
         verifier.drain()
         files.close()
     return out
-

@@ -112,9 +112,13 @@ def latest_checkpoint(root: str) -> str | None:
     steps = committed_steps(root)
     if steps:
         fallback = os.path.join(root, step_dir_name(steps[-1]))
-        logger.warning("%s/%s %s; using the committed checkpoint with the highest step: %s", root, LATEST_FILE,
-                       "is missing or unreadable" if name is None else f"names {name!r}, which is not committed",
-                       fallback)
+        logger.warning(
+            "%s/%s %s; using the committed checkpoint with the highest step: %s",
+            root,
+            LATEST_FILE,
+            "is missing or unreadable" if name is None else f"names {name!r}, which is not committed",
+            fallback,
+        )
         return fallback
     return None
 

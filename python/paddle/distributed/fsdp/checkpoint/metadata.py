@@ -86,12 +86,7 @@ def numel(shape) -> int:
 
 def check_file_name(name: Any) -> str:
     """A file name from metadata must be a plain base name inside the checkpoint directory."""
-    if (
-        not isinstance(name, str)
-        or not _SAFE_NAME.match(name)
-        or name in (".", "..")
-        or ".." in name.split(os.sep)
-    ):
+    if not isinstance(name, str) or not _SAFE_NAME.match(name) or name in (".", "..") or ".." in name.split(os.sep):
         raise UnsafePathError(f"unsafe file name in checkpoint metadata: {name!r}")
     return name
 
@@ -138,7 +133,7 @@ class PieceMeta:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> "PieceMeta":
+    def from_json(cls, d: dict) -> PieceMeta:
         fr = d.get("flat_range")
         return cls(
             file=d["file"],
@@ -166,7 +161,7 @@ class TensorMeta:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> "TensorMeta":
+    def from_json(cls, d: dict) -> TensorMeta:
         return cls(
             dtype=str(d["dtype"]),
             shape=tuple(int(x) for x in d["shape"]),
@@ -213,7 +208,7 @@ class CheckpointMetadata:
         return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=True).encode()
 
     @classmethod
-    def loads(cls, data: bytes, where: str = "metadata.json") -> "CheckpointMetadata":
+    def loads(cls, data: bytes, where: str = "metadata.json") -> CheckpointMetadata:
         try:
             d = json.loads(data)
         except (ValueError, UnicodeDecodeError) as e:
@@ -231,10 +226,7 @@ class CheckpointMetadata:
                 chunk_bytes=int(d["chunk_bytes"]),
                 checksum=str(d["checksum"]),
                 created_unix=float(d.get("created_unix", 0.0)),
-                files={
-                    str(k): FileMeta(rank=int(v["rank"]), size=int(v["size"]))
-                    for k, v in d["files"].items()
-                },
+                files={str(k): FileMeta(rank=int(v["rank"]), size=int(v["size"])) for k, v in d["files"].items()},
                 tensors={str(k): TensorMeta.from_json(v) for k, v in d["tensors"].items()},
                 values=dict(d.get("values", {})),
             )

@@ -30,11 +30,11 @@ class Region:
     flat_range: tuple[int, int] | None = None
 
     @staticmethod
-    def full(shape) -> "Region":
+    def full(shape) -> Region:
         shape = tuple(int(s) for s in shape)
         return Region(shape, (0,) * len(shape), shape, None)
 
-    def normalized(self) -> "Region":
+    def normalized(self) -> Region:
         """Drop a flat_range that covers the whole box, so equal coverage compares equal."""
         if self.flat_range is not None and self.flat_range == (0, numel(self.box_shape)):
             return Region(self.shape, self.box_offset, self.box_shape, None)
@@ -65,8 +65,7 @@ class Region:
             a, b = self.flat_range
             if not (0 <= a <= b <= numel(self.box_shape)):
                 raise InvalidStateDictError(
-                    f"key {key!r}: flattened_range [{a}, {b}) outside the {numel(self.box_shape)} elements "
-                    f"of its box"
+                    f"key {key!r}: flattened_range [{a}, {b}) outside the {numel(self.box_shape)} elements of its box"
                 )
 
     def single_run(self) -> tuple[int, int] | None:
@@ -258,9 +257,11 @@ class RecordDesc:
         return (self.key, self.dtype, r.shape, r.box_offset, r.box_shape, r.flat_range, self.replicated)
 
     @staticmethod
-    def from_wire(w) -> "RecordDesc":
+    def from_wire(w) -> RecordDesc:
         key, dtype, shape, off, box, fr, rep = w
-        return RecordDesc(key, dtype, Region(tuple(shape), tuple(off), tuple(box), None if fr is None else tuple(fr)), rep)
+        return RecordDesc(
+            key, dtype, Region(tuple(shape), tuple(off), tuple(box), None if fr is None else tuple(fr)), rep
+        )
 
 
 def rank_file_name(rank: int) -> str:
@@ -321,9 +322,7 @@ def build_save_plan(
                 value_owner[k] = rank
     both = sorted(set(by_key) & set(values))
     if both:
-        raise InvalidStateDictError(
-            f"key {both[0]!r} is a tensor on some ranks and a plain value on others"
-        )
+        raise InvalidStateDictError(f"key {both[0]!r} is a tensor on some ranks and a plain value on others")
 
     # rank -> list of (key, desc) it must write
     writes: dict[int, list[tuple[str, RecordDesc]]] = {r: [] for r in range(world)}
@@ -333,9 +332,7 @@ def build_save_plan(
         r0, d0 = entries[0]
         for r, d in entries[1:]:
             if d.dtype != d0.dtype:
-                raise InvalidStateDictError(
-                    f"key {key!r}: dtype {d0.dtype} on rank {r0} but {d.dtype} on rank {r}"
-                )
+                raise InvalidStateDictError(f"key {key!r}: dtype {d0.dtype} on rank {r0} but {d.dtype} on rank {r}")
             if d.region.shape != d0.region.shape:
                 raise InvalidStateDictError(
                     f"key {key!r}: global shape {list(d0.region.shape)} on rank {r0} but "

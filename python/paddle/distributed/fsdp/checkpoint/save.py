@@ -111,7 +111,6 @@ from .planner import RecordDesc, build_save_plan
 from .records import collect
 from .snapshot import Snapshot
 
-
 # ------------------------------------------------------------------------------------------------ async state
 
 
@@ -231,8 +230,12 @@ class _SaveJob:
             try:
                 digest = None if self.checksum == checksums.NONE else checksums.digest_function(self.checksum)
                 size, sums = storage.write_rank_file(
-                    os.path.join(self.staging, layout.name), layout.header, self.arrays, self.chunk_bytes,
-                    digest, kill_at=kill_at,
+                    os.path.join(self.staging, layout.name),
+                    layout.header,
+                    self.arrays,
+                    self.chunk_bytes,
+                    digest,
+                    kill_at=kill_at,
                 )
             finally:
                 self._written()
@@ -254,8 +257,9 @@ class _SaveJob:
             except BaseException as e:
                 try:  # tells the waiting ranks at once (.parts is gone once the commit record is being written)
                     os.makedirs(parts, exist_ok=True)
-                    storage.write_file(os.path.join(parts, "ABORT"), f"{type(e).__name__}: {e}".encode(),
-                                       fsync=False, atomic=True)
+                    storage.write_file(
+                        os.path.join(parts, "ABORT"), f"{type(e).__name__}: {e}".encode(), fsync=False, atomic=True
+                    )
                 except OSError:
                     pass
                 raise
@@ -270,7 +274,7 @@ class _SaveJob:
             tr.mark("wait-commit")
         tr.done()
 
-    def _commit(self, parts: str, tr: "_Tracer") -> None:
+    def _commit(self, parts: str, tr: _Tracer) -> None:
         def all_parts():
             status = {}
             for r in range(self.world):
@@ -315,7 +319,7 @@ class _SaveJob:
             if int(done["size"]) != layout.size or len(done["checksums"]) != len(layout.pieces):
                 raise SaveFailedError(f"rank {r} reported a file that does not match the plan")
             md.files[layout.name] = FileMeta(rank=r, size=layout.size)
-            for (key, piece), sums in zip(layout.pieces, done["checksums"]):
+            for (_key, piece), sums in zip(layout.pieces, done["checksums"]):
                 piece.checksums = [int(c) for c in sums]
         md.tensors = self.plan.tensors
         data = md.dumps()
@@ -336,8 +340,9 @@ class _SaveJob:
         import shutil
 
         shutil.rmtree(parts, ignore_errors=True)
-        storage.write_file(os.path.join(self.staging, COMMIT_FILE), json.dumps(commit).encode(), fsync=True,
-                           atomic=False)
+        storage.write_file(
+            os.path.join(self.staging, COMMIT_FILE), json.dumps(commit).encode(), fsync=True, atomic=False
+        )
         storage.fsync_dir(self.staging)
         tr.mark("commit-record")
         faults.point("before_rename", self.rank)
@@ -429,8 +434,17 @@ def save_state_dict(
     ``_publisher`` is CheckpointManager's hook (moves ``latest`` after the commit); not for direct use.
     """
     with _save_lock:  # saves of one process never overlap, whatever thread they come from
-        return _save_locked(state_dict, path, process_group, coordinator_rank, async_save, commit_timeout,
-                            chunk_bytes, write_stock_metadata, _publisher)
+        return _save_locked(
+            state_dict,
+            path,
+            process_group,
+            coordinator_rank,
+            async_save,
+            commit_timeout,
+            chunk_bytes,
+            write_stock_metadata,
+            _publisher,
+        )
 
 
 def _save_locked(
@@ -467,9 +481,7 @@ def _save_locked(
     except Exception as e:  # reported to every rank by the exchange, so no rank is left waiting
         err = e
     try:
-        gathered = comm.all_gather_object(
-            (_error_payload(err), descs, values if err is None else {}, my_id, algorithm)
-        )
+        gathered = comm.all_gather_object((_error_payload(err), descs, values if err is None else {}, my_id, algorithm))
         _raise_gathered([g[0] for g in gathered], err)
         tr.mark("exchange")
         checkpoint_id, algorithm = gathered[coordinator_rank][3], gathered[coordinator_rank][4]
@@ -537,4 +549,3 @@ def _save_locked(
     tr.mark("start-thread")
     tr.done()
     return handle
-

@@ -437,7 +437,7 @@ class FileSet:
         self._direct: dict[str, int | None] = {}
 
     @classmethod
-    def of(cls, root: str, md, resolve, verify: bool) -> "FileSet":
+    def of(cls, root: str, md, resolve, verify: bool) -> FileSet:
         """The files of checkpoint ``md`` at ``root``; verified reads when ``verify`` and it has checksums."""
         digest = checksums.digest_function(md.checksum) if verify and md.checksum != checksums.NONE else None
         return cls(root, {n: f.size for n, f in md.files.items()}, resolve, digest)
@@ -721,8 +721,11 @@ def read_spans(files: FileSet, spans: list[SpanRead], chunk_bytes: int, verifier
 
     for sp in spans:
         # [key, piece, first byte, next unchecked byte, end] (piece-relative, chunk-aligned), by file position
-        todo = sorted(([k, p, a0, a0, b0] for k, p, a0, b0 in sp.checks), key=lambda c: c[1].offset + c[2]) \
-            if verifier is not None else []
+        todo = (
+            sorted(([k, p, a0, a0, b0] for k, p, a0, b0 in sp.checks), key=lambda c: c[1].offset + c[2])
+            if verifier is not None
+            else []
+        )
         pos = 0
         while pos < sp.need:
             n = min(slab, len(sp.buf) - pos)

@@ -51,7 +51,7 @@ def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) 
             continue
         usable.add(name)
         spans = sorted(by_file[name], key=lambda x: x[0])
-        for (a0, a1, k0, _), (b0, b1, k1, _) in zip(spans, spans[1:]):
+        for (_a0, a1, k0, _), (b0, _b1, k1, _) in zip(spans, spans[1:]):
             if b0 < a1:
                 problems.append(f"data file {name}: pieces of {k0!r} and {k1!r} overlap")
         problems += _check_header(fpath, name, by_file[name])

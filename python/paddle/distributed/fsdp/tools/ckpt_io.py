@@ -14,7 +14,7 @@ plus ``optimizer_sharded_state_dict``, or ``save_checkpoint``): in a structured 
 is a sublayer and the last is a parameter/buffer, and a ``Layer`` attribute is never both (``Layer.__setattr__``
 removes a name from the other registries), so no model key is another model key plus ``"." + something``;
 optimizer keys are exactly ``<param key>.<state name>`` with state names free of dots (the per-class table in
-``optimizer_state_names``, plus ``master_weight``). Checked on every checkpoint written by
+``state.optimizer_states``, plus ``master_weight``). Checked on every checkpoint written by
 ``test/collective/fsdp/workers/resume.py`` (18 optimizer configurations x 2 save forms). When the checkpoint
 carries ``__fsdp__.optimizer`` (``save_checkpoint`` with an optimizer), each state name is also checked against
 that optimizer class's table and a mismatch is logged. Limits: a hand-made state dict whose keys break the
@@ -30,13 +30,13 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
-from ..checkpoint import read_metadata
-from ..checkpoint import checksums, storage
+from ..checkpoint import checksums, read_metadata, storage
 from ..checkpoint.errors import CorruptCheckpointError
 from ..checkpoint.metadata import (
     COMMIT_FILE,
@@ -94,6 +94,8 @@ def storage_dtype(name: str) -> np.dtype:
     """numpy dtype holding the elements of engine dtype ``name`` (opaque fixed-size bytes for any other)."""
     known = NUMPY_STORAGE.get(name)
     return np.dtype(known) if known is not None else np.dtype(f"V{itemsize(name)}")
+
+
 #: safetensors dtype code -> engine dtype name
 DTYPE_OF_CODE = {code: name for name, (_, code) in DTYPES.items()}
 
@@ -111,7 +113,7 @@ class KeyRole:
 def _known_state_names(optimizer_class: str) -> set[str] | None:
     """Canonical state names of a paddle optimizer class (None if unknown or the table is unavailable)."""
     try:
-        from .. import optimizer_state_names as names
+        from ..state import optimizer_states as names
 
         table = names._STATE_TABLE  # class -> {accumulator: (canonical name, kind)}
     except Exception:  # noqa: BLE001 - the cross-check is advisory only
@@ -143,7 +145,8 @@ def classify_keys(md: CheckpointMetadata) -> dict[str, KeyRole]:
             if odd:
                 logger.warning(
                     "checkpoint holds %s state, but state names %s are not in that optimizer's table",
-                    opt["class"], odd,
+                    opt["class"],
+                    odd,
                 )
     return roles
 
@@ -167,7 +170,6 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> str:
     return resolved
 
 
-
 class CheckpointReader:
     """Reads full tensors of a committed checkpoint one at a time, verifying every checksum on the way.
 
@@ -183,7 +185,7 @@ class CheckpointReader:
         self._files = storage.FileSet.of(self.path, self.md, resolve_member, verify)
         self.verify = self._files.verifies
 
-    def __enter__(self) -> "CheckpointReader":
+    def __enter__(self) -> CheckpointReader:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -215,7 +217,9 @@ class CheckpointReader:
         out = np.empty(region.numel * isz, np.uint8)
         if region.numel == 0:
             return out
-        problems = coverage_problems(key, tm.shape, [(i, region_of_piece(tm.shape, p)) for i, p in enumerate(tm.pieces)])
+        problems = coverage_problems(
+            key, tm.shape, [(i, region_of_piece(tm.shape, p)) for i, p in enumerate(tm.pieces)]
+        )
         if problems:
             raise CorruptCheckpointError(f"checkpoint {self.path}: {problems[0]}")
         items, covered = plan_reads(key, tm, region)
@@ -232,14 +236,26 @@ class CheckpointReader:
             if len(src) == 1:  # the usual case (flattened FSDP pieces, whole tensors): straight into `out`
                 a, d, n = src[0], dst[0], length[0]
                 storage.read_range_direct(
-                    self._files, key, it.piece, a, a + n, out[d : d + n], md.chunk_bytes, self.verify,
+                    self._files,
+                    key,
+                    it.piece,
+                    a,
+                    a + n,
+                    out[d : d + n],
+                    md.chunk_bytes,
+                    self.verify,
                     window_bytes=self.WINDOW_BYTES,
                 )
                 continue
             # a box piece with partial rows: stream the whole piece once, scatter its runs
             j = 0
             windows = storage.read_piece_windows(
-                self._files, key, it.piece, [(0, it.piece.nbytes)], md.chunk_bytes, self.verify,
+                self._files,
+                key,
+                it.piece,
+                [(0, it.piece.nbytes)],
+                md.chunk_bytes,
+                self.verify,
                 window_bytes=self.WINDOW_BYTES,
             )
             for wpos, buf in windows:
@@ -324,7 +340,9 @@ def check_output_path(out: str) -> None:
         if not os.path.isdir(out):
             raise ToolError(f"output {out} exists and is not a directory")
         if os.listdir(out):
-            raise ToolError(f"output directory {out} is not empty; refusing to overwrite it (remove it or pick another)")
+            raise ToolError(
+                f"output directory {out} is not empty; refusing to overwrite it (remove it or pick another)"
+            )
 
 
 @contextlib.contextmanager
@@ -403,7 +421,9 @@ class CheckpointWriter:
     collective save. Write into a staging directory (see :func:`staged_output`).
     """
 
-    def __init__(self, directory: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, on_bytes: Callable[[int], None] | None = None):
+    def __init__(
+        self, directory: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, on_bytes: Callable[[int], None] | None = None
+    ):
         self.directory = directory
         self.chunk_bytes = chunk_bytes
         self.checksum = checksums.default_algorithm()
@@ -501,5 +521,7 @@ class CheckpointWriter:
             "checkpoint_id": self.checkpoint_id,
             "metadata_sha256": hashlib.sha256(data).hexdigest(),
         }
-        storage.write_file(os.path.join(self.directory, COMMIT_FILE), json.dumps(commit).encode(), fsync=True, atomic=False)
+        storage.write_file(
+            os.path.join(self.directory, COMMIT_FILE), json.dumps(commit).encode(), fsync=True, atomic=False
+        )
         return md

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 PROG = "paddle-fsdp-ckpt"
 LOGGER_NAME = "paddle.distributed.fsdp"  # the fork's loggers: tools and checkpoint engine
@@ -32,11 +32,13 @@ rules file (JSON), {direction}:
 """
 
 
-TO_HF_EPILOG = _rules_help(
-    r'[["^blocks\\.(\\d+)\\.", "model.layers.\\1."], ["^embed\\.weight$", "model.embed_tokens.weight"]]',
-    r'["^blocks\\.\\d+\\.(mix|up|down)\\.weight$"]',
-    "checkpoint key -> Hugging Face name",
-) + """
+TO_HF_EPILOG = (
+    _rules_help(
+        r'[["^blocks\\.(\\d+)\\.", "model.layers.\\1."], ["^embed\\.weight$", "model.embed_tokens.weight"]]',
+        r'["^blocks\\.\\d+\\.(mix|up|down)\\.weight$"]',
+        "checkpoint key -> Hugging Face name",
+    )
+    + """
 The exact mapping is recorded in model.safetensors.index.json (metadata.paddle_fsdp), so from-hf can
 invert it without rules. Output is written to OUT.tmp-<id> and renamed to OUT when complete; OUT must
 not exist (or be empty).
@@ -44,12 +46,15 @@ not exist (or be empty).
 example:
   paddle-fsdp-ckpt to-hf ckpt/step1000 hf_out --dtype bf16 --max-shard-size 2GB --rules to_hf.json
 """
+)
 
-FROM_HF_EPILOG = _rules_help(
-    r'[["^model\\.layers\\.(\\d+)\\.", "blocks.\\1."], ["^model\\.embed_tokens\\.weight$", "embed.weight"]]',
-    r'["^model\\.layers\\.\\d+\\.(mix|up|down)\\.weight$"]',
-    "Hugging Face name -> checkpoint key (transpose regexes match Hugging Face names)",
-) + """
+FROM_HF_EPILOG = (
+    _rules_help(
+        r'[["^model\\.layers\\.(\\d+)\\.", "blocks.\\1."], ["^model\\.embed_tokens\\.weight$", "embed.weight"]]',
+        r'["^model\\.layers\\.\\d+\\.(mix|up|down)\\.weight$"]',
+        "Hugging Face name -> checkpoint key (transpose regexes match Hugging Face names)",
+    )
+    + """
 Without --rules, a name map recorded by to-hf is inverted exactly; with neither, names are kept.
 Every tensor is stored whole, so load_checkpoint / dist.load_state_dict read just their slice on any
 number of ranks. No random state is included, and no optimizer state unless the input came from
@@ -58,6 +63,7 @@ number of ranks. No random state is included, and no optimizer state unless the 
 example:
   paddle-fsdp-ckpt from-hf hf_model ckpt/init --rules from_hf.json --dtype fp32
 """
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +71,18 @@ logger = logging.getLogger(__name__)
 def _common() -> argparse.ArgumentParser:
     # defaults are SUPPRESS so the options work both before and after the subcommand
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
-                        help="log more (-v: info, -vv: debug)")
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help="show the traceback of an internal error")
-    common.add_argument("--no-progress", action="store_true", default=argparse.SUPPRESS,
-                        help="never draw the progress bar (it is drawn only when stderr is a terminal)")
+    common.add_argument(
+        "-v", "--verbose", action="count", default=argparse.SUPPRESS, help="log more (-v: info, -vv: debug)"
+    )
+    common.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an internal error"
+    )
+    common.add_argument(
+        "--no-progress",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="never draw the progress bar (it is drawn only when stderr is a terminal)",
+    )
     return common
 
 
@@ -81,51 +93,77 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         description="Inspect, verify and convert sharded FSDP checkpoints (paddle.distributed.fsdp).",
         epilog="Run `%(prog)s COMMAND --help` for the options of a command. Exit codes: 0 ok, 1 verify found "
-               "problems, 2 bad input, 3 internal error.",
+        "problems, 2 bad input, 3 internal error.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("inspect", parents=[common], help="list keys, global shapes, dtypes, pieces and bytes",
-                       description="List a checkpoint's tensors (key, role, dtype, global shape, number of pieces, "
-                                   "bytes), files and JSON values. Reads the metadata only.")
+    p = sub.add_parser(
+        "inspect",
+        parents=[common],
+        help="list keys, global shapes, dtypes, pieces and bytes",
+        description="List a checkpoint's tensors (key, role, dtype, global shape, number of pieces, "
+        "bytes), files and JSON values. Reads the metadata only.",
+    )
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory")
     p.add_argument("--json", action="store_true", help="print one JSON object (for machines)")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("verify", parents=[common], help="prove a checkpoint complete and intact",
-                       description="Check that every element of every tensor is covered exactly once, that every "
-                                   "referenced file is present with the expected size, and every checksum. "
-                                   "Exit 0 when sound, 1 with the named problems otherwise.")
+    p = sub.add_parser(
+        "verify",
+        parents=[common],
+        help="prove a checkpoint complete and intact",
+        description="Check that every element of every tensor is covered exactly once, that every "
+        "referenced file is present with the expected size, and every checksum. "
+        "Exit 0 when sound, 1 with the named problems otherwise.",
+    )
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory")
     p.add_argument("--json", action="store_true", help='print {"path", "ok", "problems"} as JSON')
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("to-hf", parents=[common], help="write model weights as Hugging Face safetensors",
-                       description="Write the model weights (optimizer state with --include-optimizer) as sharded\n"
-                                   "safetensors model-0000i-of-0000n.safetensors + model.safetensors.index.json,\n"
-                                   "streaming tensor by tensor (peak memory about the largest tensor).",
-                       epilog=TO_HF_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "to-hf",
+        parents=[common],
+        help="write model weights as Hugging Face safetensors",
+        description="Write the model weights (optimizer state with --include-optimizer) as sharded\n"
+        "safetensors model-0000i-of-0000n.safetensors + model.safetensors.index.json,\n"
+        "streaming tensor by tensor (peak memory about the largest tensor).",
+        epilog=TO_HF_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory")
     p.add_argument("out", metavar="OUT", help="output directory (must not exist, or be empty)")
-    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
-                   help="largest shard, in tensor bytes: 5GB (default), 500MB, 2GiB or a byte count")
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest shard, in tensor bytes: 5GB (default), 500MB, 2GiB or a byte count",
+    )
     p.add_argument("--dtype", metavar="{bf16,fp16,fp32}", help="cast floating tensors (default: keep dtypes)")
     p.add_argument("--rules", metavar="FILE", help="rename/transpose rules (JSON, see below)")
-    p.add_argument("--include-optimizer", action="store_true",
-                   help="also write optimizer state, as '<hf param name>.<state>'")
+    p.add_argument(
+        "--include-optimizer", action="store_true", help="also write optimizer state, as '<hf param name>.<state>'"
+    )
     p.set_defaults(func=cmd_to_hf)
 
-    p = sub.add_parser("from-hf", parents=[common], help="write a checkpoint from Hugging Face safetensors",
-                       description="Write a checkpoint from a Hugging Face safetensors model (a directory with\n"
-                                   "model.safetensors.index.json or *.safetensors files, or one .safetensors file)\n"
-                                   "that load_checkpoint / dist.load_state_dict load at any world size.",
-                       epilog=FROM_HF_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "from-hf",
+        parents=[common],
+        help="write a checkpoint from Hugging Face safetensors",
+        description="Write a checkpoint from a Hugging Face safetensors model (a directory with\n"
+        "model.safetensors.index.json or *.safetensors files, or one .safetensors file)\n"
+        "that load_checkpoint / dist.load_state_dict load at any world size.",
+        epilog=FROM_HF_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("hf", metavar="HF_DIR", help="Hugging Face model directory or .safetensors file")
     p.add_argument("out", metavar="OUT", help="output checkpoint directory (must not exist, or be empty)")
     p.add_argument("--rules", metavar="FILE", help="rename/transpose rules, Hugging Face name -> checkpoint key")
-    p.add_argument("--dtype", metavar="{bf16,fp16,fp32}",
-                   help="cast floating tensors, e.g. to the model's parameter dtype (default: keep)")
+    p.add_argument(
+        "--dtype",
+        metavar="{bf16,fp16,fp32}",
+        help="cast floating tensors, e.g. to the model's parameter dtype (default: keep)",
+    )
     p.set_defaults(func=cmd_from_hf)
     return parser
 
@@ -153,14 +191,18 @@ def cmd_verify(args) -> int:
     if args.json:
         print(json.dumps({"path": args.ckpt, "ok": not problems, "problems": problems}, indent=2))
     elif not problems:
-        print(f"OK: {summary['path']}: {summary['tensors']} tensors fully covered, {summary['files']} data file(s), "
-              f"{human_bytes(summary['file_bytes'])}, checksums ({summary['checksum']}) match")
+        print(
+            f"OK: {summary['path']}: {summary['tensors']} tensors fully covered, {summary['files']} data file(s), "
+            f"{human_bytes(summary['file_bytes'])}, checksums ({summary['checksum']}) match"
+        )
     else:
         for p in problems:
             print(f"PROBLEM: {p}")
     if problems:
-        print(f"{PROG} verify: {args.ckpt} is NOT sound: {len(problems)} problem(s); first: {_one_line(problems[0])}",
-              file=sys.stderr)
+        print(
+            f"{PROG} verify: {args.ckpt} is NOT sound: {len(problems)} problem(s); first: {_one_line(problems[0])}",
+            file=sys.stderr,
+        )
         return EXIT_PROBLEMS
     return EXIT_OK
 
@@ -171,10 +213,19 @@ def cmd_to_hf(args) -> int:
     from .rules import load_rules
 
     rules = load_rules(args.rules)
-    s = to_hf(args.ckpt, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype, rules=rules,
-              include_optimizer=args.include_optimizer, progress=_progress(args))
-    print(f"wrote {s['tensors']} tensors ({human_bytes(s['total_size'])}, {s['transposed']} transposed) in "
-          f"{len(s['files'])} file(s) to {s['out']}")
+    s = to_hf(
+        args.ckpt,
+        args.out,
+        max_shard_size=args.max_shard_size,
+        dtype=args.dtype,
+        rules=rules,
+        include_optimizer=args.include_optimizer,
+        progress=_progress(args),
+    )
+    print(
+        f"wrote {s['tensors']} tensors ({human_bytes(s['total_size'])}, {s['transposed']} transposed) in "
+        f"{len(s['files'])} file(s) to {s['out']}"
+    )
     return EXIT_OK
 
 
@@ -185,8 +236,10 @@ def cmd_from_hf(args) -> int:
 
     rules = load_rules(args.rules) if args.rules else None
     s = from_hf(args.hf, args.out, rules=rules, dtype=args.dtype, progress=_progress(args))
-    print(f"wrote checkpoint {s['out']}: {s['tensors']} tensors ({human_bytes(s['total_size'])}, "
-          f"{s['transposed']} transposed) in {s['files']} data file(s)")
+    print(
+        f"wrote checkpoint {s['out']}: {s['tensors']} tensors ({human_bytes(s['total_size'])}, "
+        f"{s['transposed']} transposed) in {s['files']} data file(s)"
+    )
     return EXIT_OK
 
 
@@ -252,6 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - a bug: one line unless --debug
         if getattr(args, "debug", False):
             raise
-        print(f"{PROG} {args.command}: internal error: {type(e).__name__}: {_one_line(e)} "
-              f"(run with --debug for the traceback)", file=sys.stderr)
+        print(
+            f"{PROG} {args.command}: internal error: {type(e).__name__}: {_one_line(e)} "
+            f"(run with --debug for the traceback)",
+            file=sys.stderr,
+        )
         return EXIT_INTERNAL

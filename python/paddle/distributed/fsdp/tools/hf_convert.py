@@ -90,9 +90,16 @@ DTYPE_ALIASES = {
 DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 
 _SIZE_UNITS = {
-    "": 1, "B": 1,
-    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
 }
 
 
@@ -344,7 +351,9 @@ def to_hf(
                 "metadata": {"total_size": total, RECORD_KEY: record},
                 "weight_map": {t.name: fname for fname, shard in zip(files, shards) for t in shard},
             }
-            _write_small(os.path.join(staging, INDEX_FILE), (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+            _write_small(
+                os.path.join(staging, INDEX_FILE), (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+            )
     return {
         "out": out,
         "files": files,
@@ -392,8 +401,13 @@ def _write_hf_shard(path: str, shard: list[HfTensor], reader: CheckpointReader, 
 
 
 def _safe_member(directory: str, name: Any, where: str) -> str:
-    if not isinstance(name, str) or not name or os.path.basename(name) != name or name in (".", "..") \
-            or name.startswith("."):
+    if (
+        not isinstance(name, str)
+        or not name
+        or os.path.basename(name) != name
+        or name in (".", "..")
+        or name.startswith(".")
+    ):
         raise ToolError(f"{where}: file name {name!r} is not a plain file name inside {directory}")
     return os.path.join(directory, name)
 
@@ -498,7 +512,9 @@ def plan_from_hf(st_files: list[StFile], record: dict | None, rules: Rules | Non
                     f"transpose rule matches {e.name!r} of shape {list(e.shape)}: only 2-D tensors can be transposed"
                 )
             if key.startswith(ckpt_io.RESERVED_PREFIX):
-                raise ToolError(f"{e.name!r} would become {key!r}: names starting with {ckpt_io.RESERVED_PREFIX!r} are reserved")
+                raise ToolError(
+                    f"{e.name!r} would become {key!r}: names starting with {ckpt_io.RESERVED_PREFIX!r} are reserved"
+                )
             tensors.append(CkptTensor(key, e, _target_dtype(e.dtype, dtype), t))
             pairs.append((e.name, key))
         plan.append((st, tensors))
@@ -533,9 +549,7 @@ def from_hf(
         for st, ts in plan:
             fd = os.open(st.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             try:
-                writer.write_file([
-                    WriteEntry(t.key, t.dtype, t.shape, _producer(fd, st, t)) for t in ts
-                ])
+                writer.write_file([WriteEntry(t.key, t.dtype, t.shape, _producer(fd, st, t)) for t in ts])
             finally:
                 os.close(fd)
         keys = {t.key for t in tensors}

@@ -89,7 +89,9 @@ def format_text(info: dict[str, Any]) -> str:
         lines.append(f"value       {key} = {_short_value(key, info['values'][key])}")
     rows = [("KEY", "ROLE", "DTYPE", "SHAPE", "PIECES", "BYTES")]
     for key, t in info["tensors"].items():
-        rows.append((key, t["role"], t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]", str(t["pieces"]), str(t["bytes"])))
+        rows.append(
+            (key, t["role"], t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]", str(t["pieces"]), str(t["bytes"]))
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines.append("")
     for r in rows:

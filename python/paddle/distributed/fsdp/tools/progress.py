@@ -52,7 +52,7 @@ class Progress:
         self._last_draw = 0.0
         self._drawn = False
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -73,10 +73,7 @@ class Progress:
         bar = "#" * filled + "." * (self.width - filled)
         elapsed = max(now - self.t0, 1e-9)
         rate = human_bytes(self.done / elapsed)
-        line = (
-            f"\r{self.desc} [{bar}] {frac * 100:5.1f}% {human_bytes(self.done)}/{human_bytes(self.total)} "
-            f"{rate}/s"
-        )
+        line = f"\r{self.desc} [{bar}] {frac * 100:5.1f}% {human_bytes(self.done)}/{human_bytes(self.total)} {rate}/s"
         if note:
             line += f" {note[:40]}"
         try:

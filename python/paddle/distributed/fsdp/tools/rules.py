@@ -53,7 +53,7 @@ class Rules:
     where: str = "rules"
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "Rules":
+    def from_file(cls, path: str | os.PathLike) -> Rules:
         path = os.fspath(path)
         try:
             with open(path, "rb") as f:
@@ -67,7 +67,7 @@ class Rules:
         return cls.from_dict(data, where=f"rules file {path}")
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "rules") -> "Rules":
+    def from_dict(cls, data: Any, where: str = "rules") -> Rules:
         if not isinstance(data, dict):
             raise ToolError(f"{where}: expected a JSON object with 'rename' and/or 'transpose'")
         unknown = sorted(k for k in data if not str(k).startswith("_") and k not in KNOWN_KEYS)
@@ -81,12 +81,10 @@ class Rules:
             raise ToolError(f"{where}: 'transpose' must be a list of regexes")
         rename = []
         for i, item in enumerate(rename_raw):
-            if (
-                not isinstance(item, (list, tuple))
-                or len(item) != 2
-                or not all(isinstance(x, str) for x in item)
-            ):
-                raise ToolError(f"{where}: rename rule {i} must be a [regex, replacement] pair of strings, got {item!r}")
+            if not isinstance(item, (list, tuple)) or len(item) != 2 or not all(isinstance(x, str) for x in item):
+                raise ToolError(
+                    f"{where}: rename rule {i} must be a [regex, replacement] pair of strings, got {item!r}"
+                )
             rename.append((_compile(item[0], f"{where}: rename rule {i}"), item[1]))
         transpose = []
         for i, item in enumerate(transpose_raw):
@@ -107,8 +105,7 @@ class Rules:
                 out = pattern.sub(replacement, out)
             except (re.error, IndexError) as e:
                 raise ToolError(
-                    f"{self.where}: rename rule {i} ({pattern.pattern!r} -> {replacement!r}) fails on "
-                    f"{name!r}: {e}"
+                    f"{self.where}: rename rule {i} ({pattern.pattern!r} -> {replacement!r}) fails on {name!r}: {e}"
                 ) from None
         if not out:
             raise ToolError(f"{self.where}: renaming {name!r} gives an empty name")

@@ -8,7 +8,7 @@ without any all_gather. Optimizer state follows its parameter:
     ranks that hold a piece: recorded as a replicated tensor, restored into each holder;
   - stacked accumulators (ASGD's ``y``: ``[k, *param_shape]``) are recorded as a 2-D box
     ``[k, numel]`` whose columns are the piece's range.
-State names come from the per-class table in optimizer_state_names; anything it does not know raises.
+State names come from the per-class table in optimizer_states; anything it does not know raises.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 import paddle
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
-from . import optimizer_state_names as names
+from . import optimizer_states as names
 
 if TYPE_CHECKING:
-    from .fully_shard_fusion import FullyShardFusion
+    from ..fully_shard_fusion import FullyShardFusion
 
 
 def _flattened_record(key: str, local: paddle.Tensor, shape: tuple[int, ...], start: int, stop: int):
@@ -50,7 +50,7 @@ def model_sharded_state_dict(fsdp: FullyShardFusion) -> dict[str, ShardedWeight]
 
 
 def _optimizer_params(optimizer) -> dict[int, paddle.Tensor]:
-    from .optimizer_integration import optimizer_parameters
+    from ..optimizer_integration import optimizer_parameters
 
     return {id(p): p for p in optimizer_parameters(names.unwrap_optimizer(optimizer))}
 
@@ -78,8 +78,11 @@ def optimizer_sharded_state_dict(fsdp: FullyShardFusion, optimizer) -> dict:
                 # the optimizer created it from the 1-D piece, so it is [length]: record the live
                 # tensor itself (a reshape could copy, and loads must land in the optimizer's memory)
                 records[state_key] = _flattened_record(
-                    state_key, entry.tensor, piece.slot.shape,
-                    piece.param_start, piece.param_stop,
+                    state_key,
+                    entry.tensor,
+                    piece.slot.shape,
+                    piece.param_start,
+                    piece.param_stop,
                 )
             elif entry.kind == names.SCALAR:
                 records[state_key] = entry.tensor
@@ -111,4 +114,3 @@ def init_optimizer_state(fsdp: FullyShardFusion, optimizer) -> None:
         if id(param) in in_optimizer and not param.stop_gradient and buffer.pieces.get(index) is not None
     ]
     names.create_optimizer_state(optimizer, params)
-

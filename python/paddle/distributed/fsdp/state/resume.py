@@ -1,6 +1,6 @@
 """One-call checkpointing of a FullyShardFusion model: tensors, optimizer, LR scheduler, RNG, user state.
 
-Built on the records of checkpoint_mapping and the storage engine in ``checkpoint/``. Besides tensors,
+Built on the records of records.py and the storage engine in ``checkpoint/``. Besides tensors,
 a checkpoint carries small JSON values under reserved keys (``__fsdp__.*``): the optimizer's class and
 non-tensor state, every rank's random generator state, and the caller's ``extra_state``.
 
@@ -27,11 +27,11 @@ import os
 import paddle
 from paddle.base import core
 
-from . import optimizer_state_names as names
-from .checkpoint import CheckpointManager, LoadReport, load_state_dict, read_metadata, save_state_dict
-from .checkpoint.api import _error_payload, _raise_gathered
-from .checkpoint.errors import OptimizerMismatchError, UnexpectedKeyError
-from .checkpoint.manager import parse_step, resolve_checkpoint, step_dir_name
+from ..checkpoint import CheckpointManager, LoadReport, load_state_dict, read_metadata, save_state_dict
+from ..checkpoint.api import _error_payload, _raise_gathered
+from ..checkpoint.errors import OptimizerMismatchError, UnexpectedKeyError
+from ..checkpoint.manager import parse_step, resolve_checkpoint, step_dir_name
+from . import optimizer_states as names
 
 logger = logging.getLogger(__name__)
 
@@ -153,13 +153,11 @@ def _precheck(fsdp, path: str, optimizer, strict: bool) -> tuple[str, list[str]]
         given = type(names.unwrap_optimizer(optimizer)).__name__
         if saved_optimizer is None:
             raise OptimizerMismatchError(
-                f"checkpoint {resolved} has no optimizer state, but a {given} was given: load it without "
-                f"optimizer="
+                f"checkpoint {resolved} has no optimizer state, but a {given} was given: load it without optimizer="
             )
         if saved_optimizer.get("class") != given:
             raise OptimizerMismatchError(
-                f"checkpoint {resolved} holds {saved_optimizer.get('class')} state, but the optimizer given is "
-                f"{given}"
+                f"checkpoint {resolved} holds {saved_optimizer.get('class')} state, but the optimizer given is {given}"
             )
     foreign = _foreign_keys(metadata, fsdp)
     if foreign and strict:
@@ -208,7 +206,9 @@ def load_checkpoint(
     else:  # saved by fewer ranks than load it
         logger.warning(
             "checkpoint %s holds no random state for rank %d (saved by %s ranks); it keeps its current one",
-            resolved, fsdp.rank, "?" if rng is None else len(rng),
+            resolved,
+            fsdp.rank,
+            "?" if rng is None else len(rng),
         )
     if not strict:
         problems = {
@@ -219,7 +219,8 @@ def load_checkpoint(
         if any(problems.values()):
             logger.warning(
                 "load_checkpoint(%s, strict=False) skipped keys: %s",
-                resolved, "; ".join(f"{what}: {keys}" for what, keys in problems.items() if keys),
+                resolved,
+                "; ".join(f"{what}: {keys}" for what, keys in problems.items() if keys),
             )
     extra = state[EXTRA_KEY]
     return LoadResult(extra if isinstance(extra, dict) else {}, report, resolved)

@@ -11,7 +11,7 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Single-process tests of optimizer_state_names: every stateful optimizer of
+"""Single-process tests of state.optimizer_states: every stateful optimizer of
 paddle 3.3.1 is fully covered, kinds are right, and create + in-place load
 resumes bit-exactly."""
 
@@ -22,13 +22,11 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import pytest
-
 import paddle
+import pytest
 from paddle import nn
+from paddle.distributed.fsdp.state import optimizer_states as osn
 from paddle.optimizer.lr import LRScheduler
-
-from paddle.distributed.fsdp import optimizer_state_names as osn
 
 E, S, K = osn.ELEMENTWISE, osn.SCALAR, osn.STACKED
 O = paddle.optimizer
@@ -83,9 +81,7 @@ class LowPrecision(nn.Layer):
         self.b = self.create_parameter([3], dtype="bfloat16", is_bias=True)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        return paddle.matmul(x, self.w.astype("float32")) + self.b.astype(
-            "float32"
-        )
+        return paddle.matmul(x, self.w.astype("float32")) + self.b.astype("float32")
 
 
 # ------------------------------------------------------------------ configs
@@ -97,9 +93,7 @@ ADAM = {
     "beta2_pow_acc": S,
 }
 RMSPROP = {"momentum": E, "mean_square": E, "mean_grad": E}
-NADAM = dict.fromkeys(
-    ["momentum_decay_pow", "beta2_pow", "mu_product", "moment1", "moment2"], E
-)
+NADAM = dict.fromkeys(["momentum_decay_pow", "beta2_pow", "mu_product", "moment1", "moment2"], E)
 RADAM = dict.fromkeys(["beta1_pow", "beta2_pow", "rho", "moment1", "moment2"], E)
 
 
@@ -143,9 +137,7 @@ CONFIGS = [
     ),
     Config(
         "adamw_named",
-        lambda m: O.AdamW(
-            0.01, parameters=m.parameters(), weight_decay=0.1, name="opt"
-        ),
+        lambda m: O.AdamW(0.01, parameters=m.parameters(), weight_decay=0.1, name="opt"),
         ADAM,
     ),
     Config(
@@ -161,14 +153,10 @@ CONFIGS = [
         lambda m: O.Adamax(0.01, parameters=m.parameters()),
         {"moment": E, "inf_norm": E, "beta1_pow_acc": S},
     ),
-    Config(
-        "rmsprop", lambda m: O.RMSProp(0.01, parameters=m.parameters()), RMSPROP
-    ),
+    Config("rmsprop", lambda m: O.RMSProp(0.01, parameters=m.parameters()), RMSPROP),
     Config(
         "rmsprop_centered_momentum",
-        lambda m: O.RMSProp(
-            0.01, parameters=m.parameters(), centered=True, momentum=0.9
-        ),
+        lambda m: O.RMSProp(0.01, parameters=m.parameters(), centered=True, momentum=0.9),
         RMSPROP,
     ),
     Config(
@@ -196,9 +184,7 @@ CONFIGS = [
     ),
     Config(
         "momentum_multi_tensor",
-        lambda m: O.Momentum(
-            0.01, parameters=m.parameters(), use_multi_tensor=True
-        ),
+        lambda m: O.Momentum(0.01, parameters=m.parameters(), use_multi_tensor=True),
         {"velocity": E},
     ),
     Config("lamb", lambda m: O.Lamb(0.01, parameters=m.parameters()), ADAM),
@@ -247,11 +233,7 @@ CONFIGS = [
     ),
 ]
 
-CASES = [
-    pytest.param(cfg, model, id=f"{cfg.name}-{model.__name__}")
-    for cfg in CONFIGS
-    for model in cfg.models
-]
+CASES = [pytest.param(cfg, model, id=f"{cfg.name}-{model.__name__}") for cfg in CONFIGS for model in cfg.models]
 
 
 # ------------------------------------------------------------------ helpers
@@ -290,10 +272,7 @@ def _target_name(opt, param) -> str:
 def _snapshot(model, opt) -> tuple[list, list[dict[str, paddle.Tensor]]]:
     params = [p.detach().clone() for p in model.parameters()]
     states = [
-        {
-            e.state_name: e.tensor.detach().clone()
-            for e in osn.optimizer_state_entries(opt, p)
-        }
+        {e.state_name: e.tensor.detach().clone() for e in osn.optimizer_state_entries(opt, p)}
         for p in model.parameters()
     ]
     return params, states
@@ -324,9 +303,7 @@ def test_entries_cover_every_accumulator(cfg: Config, model_cls) -> None:
     for p in model.parameters():
         entries = osn.optimizer_state_entries(opt, p)
         target = _target_name(opt, p)
-        live = {
-            id(acc[target]) for acc in opt._accumulators.values() if target in acc
-        }
+        live = {id(acc[target]) for acc in opt._accumulators.values() if target in acc}
         got = {id(e.tensor) for e in entries if e.state_name != "master_weight"}
         assert got == live and len(got) == len(live) == len(cfg.kinds)
         total += len(live)
@@ -350,9 +327,7 @@ def test_entries_cover_every_accumulator(cfg: Config, model_cls) -> None:
                 assert shape == [2, *pshape]  # ASGD batch_num=2
     assert total == sum(len(v) for v in opt._accumulators.values())
     covered = osn.all_optimizer_state_entries(opt, model.parameters())
-    assert sum(len(v) for v in covered.values()) == total + len(
-        opt._master_weights
-    )
+    assert sum(len(v) for v in covered.values()) == total + len(opt._master_weights)
 
 
 @pytest.mark.parametrize("cfg,model_cls", CASES)
@@ -363,24 +338,17 @@ def test_bit_exact_resume(cfg: Config, model_cls) -> None:
         opt_a.set_lr(cfg.set_lr)
     _train(model_a, opt_a, batches[:3])
     saved_params, saved_states = _snapshot(model_a, opt_a)
-    saved_global = json.loads(
-        json.dumps(osn.optimizer_global_state(opt_a), allow_nan=False)
-    )
+    saved_global = json.loads(json.dumps(osn.optimizer_global_state(opt_a), allow_nan=False))
 
     model_b, opt_b = _build(cfg, model_cls, seed=2)
-    assert any(
-        _bits(pa) != _bits(pb)
-        for pa, pb in zip(model_a.parameters(), model_b.parameters())
-    )
+    assert any(_bits(pa) != _bits(pb) for pa, pb in zip(model_a.parameters(), model_b.parameters()))
     params_before = [_bits(p) for p in model_b.parameters()]
     lr_before = opt_b.get_lr()
     osn.create_optimizer_state(opt_b)
     assert [_bits(p) for p in model_b.parameters()] == params_before
     assert opt_b.get_lr() == lr_before
 
-    for p, value, states in zip(
-        model_b.parameters(), saved_params, saved_states
-    ):
+    for p, value, states in zip(model_b.parameters(), saved_params, saved_states):
         osn.copy_into_state_(p, value)
         entries = osn.optimizer_state_entries(opt_b, p)
         assert {e.state_name for e in entries} == states.keys()
@@ -401,9 +369,7 @@ def test_eager_creation_matches_lazy_first_step(cfg: Config, model_cls) -> None:
     model_a, opt_a = _build(cfg, model_cls, seed=1)
     model_b, opt_b = _build(cfg, model_cls, seed=1)
     osn.create_optimizer_state(opt_b)
-    assert sum(len(v) for v in opt_b._accumulators.values()) == len(
-        cfg.kinds
-    ) * len(model_b.parameters())
+    assert sum(len(v) for v in opt_b._accumulators.values()) == len(cfg.kinds) * len(model_b.parameters())
     _train(model_a, opt_a, batches)
     _train(model_b, opt_b, batches)
     _assert_same_run(model_a, opt_a, model_b, opt_b)
@@ -423,9 +389,7 @@ def test_create_keeps_group_hyperparameters() -> None:
     )
     osn.create_optimizer_state(opt2)
     assert opt2.initial_accumulator_value == 0.1
-    values = sorted(
-        float(t.flatten()[0]) for t in opt2._accumulators["moment"].values()
-    )
+    values = sorted(float(t.flatten()[0]) for t in opt2._accumulators["moment"].values())
     assert values == pytest.approx([0.1, 0.5])
 
 
@@ -447,9 +411,7 @@ def test_create_only_given_params_and_skips_frozen() -> None:
     # at step time) gets state too, unless param groups make it ambiguous.
     extra = paddle.create_parameter([5], "float32")
     osn.create_optimizer_state(opt2, [extra])
-    assert {e.state_name for e in osn.optimizer_state_entries(opt2, extra)} == (
-        ADAM.keys()
-    )
+    assert {e.state_name for e in osn.optimizer_state_entries(opt2, extra)} == (ADAM.keys())
     grouped = O.Adam(0.01, parameters=_groups(Dense()))
     with pytest.raises(ValueError, match="none of the param groups"):
         osn.create_optimizer_state(grouped, [extra])
@@ -486,12 +448,8 @@ def test_state_names_ignore_optimizer_name_and_counters() -> None:
     w = model.fc.weight
     plain_entries = osn.optimizer_state_entries(plain, w)
     named_entries = osn.optimizer_state_entries(named, w)
-    assert [e.state_name for e in plain_entries] == [
-        e.state_name for e in named_entries
-    ]
-    assert {e.accumulator_key for e in named_entries} == {
-        f"opt_{name}" for name in ADAM
-    }
+    assert [e.state_name for e in plain_entries] == [e.state_name for e in named_entries]
+    assert {e.accumulator_key for e in named_entries} == {f"opt_{name}" for name in ADAM}
     # Two optimizers on one param: distinct live tensors, counters differ.
     for a, b in zip(plain_entries, named_entries):
         assert a.tensor is not b.tensor and a.tensor.name != b.tensor.name
@@ -510,9 +468,7 @@ def test_two_unnamed_optimizers_on_one_param() -> None:
     e1 = {e.state_name: e.tensor for e in osn.optimizer_state_entries(first, w)}
     e2 = {e.state_name: e.tensor for e in osn.optimizer_state_entries(second, w)}
     assert e1.keys() == e2.keys() == ADAM.keys()
-    assert e1["moment1"].name.endswith("_0") and e2["moment1"].name.endswith(
-        "_1"
-    )
+    assert e1["moment1"].name.endswith("_0") and e2["moment1"].name.endswith("_1")
     assert all(e1[k] is not e2[k] for k in e1)
 
 
@@ -550,9 +506,7 @@ def test_subclass_adding_nothing_is_accepted() -> None:
     model = Dense()
     opt = _PlainAdamSubclass(0.01, parameters=model.parameters())
     _train(model, opt, _batches(1))
-    assert osn.accumulator_table(opt) == {k: k for k in ADAM} | {
-        "moment2_max": "moment2_max"
-    }
+    assert osn.accumulator_table(opt) == {k: k for k in ADAM} | {"moment2_max": "moment2_max"}
     assert len(osn.optimizer_state_entries(opt, model.fc.weight)) == 4
 
 
@@ -560,9 +514,7 @@ def test_known_accumulator_with_foreign_shape_is_refused() -> None:
     model = Dense()
     opt = _AdamWithOddMoment(0.01, parameters=model.parameters())
     osn.create_optimizer_state(opt)
-    with pytest.raises(
-        osn.UnsupportedOptimizerStateError, match="_AdamWithOddMoment.*moment1"
-    ):
+    with pytest.raises(osn.UnsupportedOptimizerStateError, match="_AdamWithOddMoment.*moment1"):
         osn.optimizer_state_entries(opt, model.fc.weight)
 
 
@@ -590,11 +542,7 @@ def test_table_matches_the_classes_accumulator_strings() -> None:
         O.Adam, O.AdamW, O.Adamax, O.RMSProp, O.Adadelta, O.NAdam, O.RAdam,
         O.Momentum, O.Lamb, O.Adagrad, O.ASGD, O.Rprop, O.SGD,
     ]:  # fmt: skip
-        declared = {
-            getattr(cls, a)
-            for a in dir(cls)
-            if "_acc" in a and a.endswith("_str")
-        }
+        declared = {getattr(cls, a) for a in dir(cls) if "_acc" in a and a.endswith("_str")}
         opt = cls(0.01, parameters=Dense().parameters())
         assert set(osn.accumulator_table(opt)) == declared, cls.__name__
         assert set(osn.accumulator_kinds(opt)) == declared
@@ -621,9 +569,7 @@ def test_wrapped_optimizers_are_unwrapped() -> None:
     assert osn.unwrap_optimizer(wrapped) is inner
     osn.create_optimizer_state(wrapped)
     entries = osn.optimizer_state_entries(wrapped, model.fc.weight)
-    assert [e.tensor for e in entries] == [
-        e.tensor for e in osn.optimizer_state_entries(inner, model.fc.weight)
-    ]
+    assert [e.tensor for e in entries] == [e.tensor for e in osn.optimizer_state_entries(inner, model.fc.weight)]
     assert osn.optimizer_global_state(wrapped)["optimizer_class"] == "AdamW"
 
     with pytest.raises(TypeError):
@@ -643,9 +589,7 @@ def test_all_entries_refuse_state_of_unlisted_params() -> None:
     model = Dense()
     opt = O.Adam(0.01, parameters=model.parameters())
     _train(model, opt, _batches(1))
-    with pytest.raises(
-        osn.UnsupportedOptimizerStateError, match="none of the given params"
-    ):
+    with pytest.raises(osn.UnsupportedOptimizerStateError, match="none of the given params"):
         osn.all_optimizer_state_entries(opt, [model.fc.weight])
 
 
@@ -662,9 +606,7 @@ def test_all_entries_refuse_state_of_unlisted_params() -> None:
     ],
     ids=["warm_restarts", "reduce_on_plateau", "linear_warmup", "one_cycle"],
 )
-def test_scheduler_state_round_trips_through_strict_json(
-    make_scheduler, step
-) -> None:
+def test_scheduler_state_round_trips_through_strict_json(make_scheduler, step) -> None:
     def advance(sched, i):
         if step == "metric":
             sched.step(float(3 - i % 2))
@@ -675,9 +617,7 @@ def test_scheduler_state_round_trips_through_strict_json(
     opt_a = O.SGD(make_scheduler(), parameters=model.parameters())
     for i in range(5):
         advance(opt_a._learning_rate, i)
-    state = json.loads(
-        json.dumps(osn.optimizer_global_state(opt_a), allow_nan=False)
-    )
+    state = json.loads(json.dumps(osn.optimizer_global_state(opt_a), allow_nan=False))
     opt_b = O.SGD(make_scheduler(), parameters=model.parameters())
     osn.set_optimizer_global_state(opt_b, state)
     lrs_a, lrs_b = [], []
@@ -694,13 +634,9 @@ def test_global_state_refuses_mismatches() -> None:
     state = osn.optimizer_global_state(O.Adam(0.01, parameters=model.parameters()))
     assert state["learning_rate"] == {"type": "float", "value": 0.01}
     with pytest.raises(ValueError, match="AdamW"):
-        osn.set_optimizer_global_state(
-            O.AdamW(0.01, parameters=model.parameters()), state
-        )
+        osn.set_optimizer_global_state(O.AdamW(0.01, parameters=model.parameters()), state)
     with pytest.raises(ValueError, match="StepDecay"):
-        osn.set_optimizer_global_state(
-            O.Adam(L.StepDecay(0.1, 2), parameters=model.parameters()), state
-        )
+        osn.set_optimizer_global_state(O.Adam(L.StepDecay(0.1, 2), parameters=model.parameters()), state)
 
 
 def test_copy_into_state_checks_shape_and_dtype_and_keeps_identity() -> None:

@@ -100,7 +100,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
 import paddle
 from paddle.optimizer import Optimizer
 from paddle.optimizer.lr import CosineAnnealingWarmRestarts, LRScheduler
@@ -258,17 +257,11 @@ def unwrap_optimizer(opt: Any) -> Optimizer:
     seen: set[int] = set()
     while True:
         if id(current) in seen:
-            raise ValueError(
-                f"optimizer wrapper chain of {_class_name(opt)} is cyclic"
-            )
+            raise ValueError(f"optimizer wrapper chain of {_class_name(opt)} is cyclic")
         seen.add(id(current))
         attrs = getattr(current, "__dict__", {})
         inner = next(
-            (
-                attrs[name]
-                for name in _WRAPPER_ATTRS
-                if attrs.get(name) is not None
-            ),
+            (attrs[name] for name in _WRAPPER_ATTRS if attrs.get(name) is not None),
             None,
         )
         if inner is None:
@@ -282,8 +275,7 @@ def unwrap_optimizer(opt: Any) -> Optimizer:
         current = inner
     if not isinstance(current, Optimizer):
         raise TypeError(
-            f"{_class_name(opt)} does not unwrap to a paddle.optimizer."
-            f"Optimizer (got {_class_name(current)})"
+            f"{_class_name(opt)} does not unwrap to a paddle.optimizer.Optimizer (got {_class_name(current)})"
         )
     return current
 
@@ -342,9 +334,7 @@ def _resolve_accumulator(opt: Optimizer, key: str) -> tuple[str, str]:
     return declared[base]
 
 
-def _compatible_kinds(
-    state_shape: list[int], param_shape: list[int]
-) -> set[str]:
+def _compatible_kinds(state_shape: list[int], param_shape: list[int]) -> set[str]:
     """Every kind that the two shapes allow (a 1-element param allows both
     ``elementwise`` and ``scalar``; the class table decides)."""
     state_numel = math.prod(state_shape)
@@ -394,9 +384,7 @@ def _validate_all_keys(opt: Optimizer) -> None:
         _resolve_accumulator(opt, key)
 
 
-def optimizer_state_entries(
-    opt: Any, param: paddle.Tensor
-) -> list[OptimizerStateEntry]:
+def optimizer_state_entries(opt: Any, param: paddle.Tensor) -> list[OptimizerStateEntry]:
     """Every tensor state that ``opt`` keeps for ``param``.
 
     Includes the master weight. Raises :class:`UnsupportedOptimizerStateError`
@@ -418,9 +406,7 @@ def optimizer_state_entries(
     master = inner._master_weights.get(param.name)
     if master is not None:
         kind = _checked_kind(inner, MASTER_WEIGHT, ELEMENTWISE, master, param)
-        entries.append(
-            OptimizerStateEntry(MASTER_WEIGHT, master, kind, MASTER_WEIGHT)
-        )
+        entries.append(OptimizerStateEntry(MASTER_WEIGHT, master, kind, MASTER_WEIGHT))
     names = [e.state_name for e in entries]
     if len(set(names)) != len(names):
         raise UnsupportedOptimizerStateError(
@@ -431,9 +417,7 @@ def optimizer_state_entries(
     return entries
 
 
-def all_optimizer_state_entries(
-    opt: Any, params: Iterable[paddle.Tensor]
-) -> dict[str, list[OptimizerStateEntry]]:
+def all_optimizer_state_entries(opt: Any, params: Iterable[paddle.Tensor]) -> dict[str, list[OptimizerStateEntry]]:
     """Entries of every param (keyed by ``param.name``), checking that they
     cover *all* of the optimizer's state.
 
@@ -459,8 +443,7 @@ def all_optimizer_state_entries(
     for owner, tensor in inner._master_weights.items():
         if id(tensor) not in claimed:
             raise UnsupportedOptimizerStateError(
-                f"optimizer {_class_name(inner)} master weight of {owner!r} "
-                "belongs to none of the given params",
+                f"optimizer {_class_name(inner)} master weight of {owner!r} belongs to none of the given params",
                 optimizer_class=_class_name(inner),
                 accumulator=MASTER_WEIGHT,
             )
@@ -491,9 +474,7 @@ def _to_json(value: Any, where: str) -> Any:
         return {str(k): _to_json(v, f"{where}.{k}") for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    raise TypeError(
-        f"{where}: {type(value).__name__} is not JSON-serializable state"
-    )
+    raise TypeError(f"{where}: {type(value).__name__} is not JSON-serializable state")
 
 
 def _from_json(value: Any) -> Any:
@@ -555,31 +536,24 @@ def set_optimizer_global_state(opt: Any, state: Mapping[str, Any]) -> None:
     """
     inner = unwrap_optimizer(opt)
     if state.get("version") != _GLOBAL_STATE_VERSION:
-        raise ValueError(
-            f"unsupported optimizer global state version {state.get('version')}"
-        )
+        raise ValueError(f"unsupported optimizer global state version {state.get('version')}")
     if state["optimizer_class"] != type(inner).__name__:
         raise ValueError(
-            f"optimizer state was saved from {state['optimizer_class']}, "
-            f"cannot load it into {type(inner).__name__}"
+            f"optimizer state was saved from {state['optimizer_class']}, cannot load it into {type(inner).__name__}"
         )
     lr_state = state["learning_rate"]
     lr = inner._learning_rate
     if lr_state["type"] == "scheduler":
         if type(lr).__name__ != lr_state["scheduler_class"]:
             raise ValueError(
-                f"LR scheduler was {lr_state['scheduler_class']}, the "
-                f"optimizer now uses {type(lr).__name__}"
+                f"LR scheduler was {lr_state['scheduler_class']}, the optimizer now uses {type(lr).__name__}"
             )
         lr.set_state_dict(_from_json(lr_state["state"]))
         for attr, value in _from_json(lr_state["extra"]).items():
             setattr(lr, attr, value)
     elif lr_state["type"] == "float":
         if isinstance(lr, LRScheduler):
-            raise ValueError(
-                "a constant learning rate was saved, the optimizer now uses "
-                f"{type(lr).__name__}"
-            )
+            raise ValueError(f"a constant learning rate was saved, the optimizer now uses {type(lr).__name__}")
         inner.set_lr(float(_from_json(lr_state["value"])))
     else:
         raise ValueError(f"unknown learning-rate state {lr_state['type']!r}")
@@ -588,18 +562,13 @@ def set_optimizer_global_state(opt: Any, state: Mapping[str, Any]) -> None:
 # -------------------------------------------------------------------- creation
 
 
-def _trainable_groups(
-    opt: Optimizer, params: list[paddle.Tensor] | None
-) -> list[list[paddle.Tensor] | dict[str, Any]]:
+def _trainable_groups(opt: Optimizer, params: list[paddle.Tensor] | None) -> list[list[paddle.Tensor] | dict[str, Any]]:
     """The param lists/group dicts that ``opt.step()`` would hand to
     ``_create_accumulators`` (group dicts carry per-group hyper-parameters,
     e.g. Adagrad's initial accumulator value)."""
     groups = opt._param_groups
     if not groups:
-        raise ValueError(
-            f"optimizer {_class_name(opt)} has no parameters; build it with "
-            "parameters= in dygraph mode"
-        )
+        raise ValueError(f"optimizer {_class_name(opt)} has no parameters; build it with parameters= in dygraph mode")
     grouped = isinstance(groups[0], dict)
     known = [p for g in groups for p in (g["params"] if grouped else [g])]
     known_ids = {id(p) for p in known}
@@ -629,9 +598,7 @@ def _trainable_groups(
     return [selected] if selected else []
 
 
-def create_optimizer_state(
-    opt: Any, params: Iterable[paddle.Tensor] | None = None
-) -> None:
+def create_optimizer_state(opt: Any, params: Iterable[paddle.Tensor] | None = None) -> None:
     """Make the optimizer state of ``params`` exist, as the first step would.
 
     Calls the class's own ``_create_accumulators`` (which also creates master
@@ -667,8 +634,7 @@ def create_optimizer_state(
     for attr, value in before.items():
         if attr not in _CREATION_REBINDS and after.get(attr) is not value:
             logger.debug(
-                "create_optimizer_state: restoring %s.%s rebound by "
-                "_create_accumulators",
+                "create_optimizer_state: restoring %s.%s rebound by _create_accumulators",
                 type(inner).__name__,
                 attr,
             )
@@ -682,9 +648,7 @@ def create_optimizer_state(
     )
 
 
-def copy_into_state_(
-    tensor: paddle.Tensor, value: paddle.Tensor | np.ndarray
-) -> None:
+def copy_into_state_(tensor: paddle.Tensor, value: paddle.Tensor | np.ndarray) -> None:
     """Write ``value`` into a live state tensor without rebinding it.
 
     The optimizer (and multi-tensor lists) hold references to the tensor, and
@@ -695,14 +659,9 @@ def copy_into_state_(
     if not isinstance(value, paddle.Tensor):
         value = paddle.to_tensor(value, place=paddle.CPUPlace())
     if list(value.shape) != list(tensor.shape):
-        raise ValueError(
-            f"cannot load shape {list(value.shape)} into {tensor.name} of "
-            f"shape {list(tensor.shape)}"
-        )
+        raise ValueError(f"cannot load shape {list(value.shape)} into {tensor.name} of shape {list(tensor.shape)}")
     if value.dtype != tensor.dtype:
-        raise ValueError(
-            f"cannot load {value.dtype} into {tensor.name} of {tensor.dtype}"
-        )
+        raise ValueError(f"cannot load {value.dtype} into {tensor.name} of {tensor.dtype}")
     if tensor.size == 0:
         # Nothing to write, and copy_ into an empty param (a rank holding no
         # piece of it) makes the param lose its gradient in later backwards.
