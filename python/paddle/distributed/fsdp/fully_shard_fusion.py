@@ -16,8 +16,8 @@ import logging
 from typing import Callable
 
 import paddle
-from paddle.base import core
 
+from . import gradient_sync
 from .communication import ShardingComm
 from .fused_buffer import FusedBuffer
 from .fused_layout import BufferLayout
@@ -58,7 +58,7 @@ class FullyShardFusion:
             raise RuntimeError("FullyShardFusion works in dygraph mode only")
         install_optimizer_integration()
         self.model = model
-        self._backward_end_armed = False
+        self.backward_end_armed = False
         self.comm = ShardingComm(group)
         groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn)
         self.buffers: list[FusedBuffer] = []
@@ -121,25 +121,13 @@ class FullyShardFusion:
 
     # ---- training-loop support --------------------------------------------------------------------
     def arm_backward_end(self) -> None:
-        """Flush when the running backward pass ends (paddle clears final hooks after each backward)."""
-        if not self._backward_end_armed:
-            self._backward_end_armed = True
-            core.eager._add_backward_final_hook(self._on_backward_end)
-
-    def _on_backward_end(self) -> None:
-        self._backward_end_armed = False
-        self.flush_gradients()
+        """Finish gradients when the running backward pass ends (see gradient_sync.py)."""
+        gradient_sync.arm_backward_end(self)
 
     def flush_gradients(self) -> list[tuple]:
-        """Reduce gradients still pending (parameters that got no gradient keep a buffer incomplete) and
-        release buffers gathered for backward. Collective: every rank runs it at the end of backward."""
-        bound = []
-        for buffer in self.buffers:
-            if buffer.layout.trainable:
-                bound.extend(buffer.reduce_gradients())
-            if buffer.is_gathered:
-                buffer.release()
-        return bound
+        """Finish a backward pass whose end was not seen (a safety net run at ``opt.step()``); returns the
+        (param, grad) pairs it bound. Collective only when every rank has something pending."""
+        return gradient_sync.flush_before_step(self)
 
     def full_parameters(self) -> dict[str, paddle.Tensor]:
         """Gathered copies of every parameter by key (collective; for tests and small models)."""

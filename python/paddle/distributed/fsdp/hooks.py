@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import paddle
 from paddle.autograd import PyLayer
 
+from .gradient_sync import before_backward_gather
+
 if TYPE_CHECKING:
     from .fused_buffer import FusedBuffer
 
@@ -28,8 +30,7 @@ class _PreBackwardGather(PyLayer):
 
     @staticmethod
     def backward(ctx, *grads):
-        for buffer in ctx.buffers:
-            buffer.prepare_for_backward()
+        before_backward_gather(ctx.buffers)
         return grads if len(grads) > 1 else grads[0]
 
 

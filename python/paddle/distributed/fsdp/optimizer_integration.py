@@ -40,6 +40,7 @@ def install_optimizer_integration() -> None:
         if not owners or not paddle.in_dynamic_mode():
             return original(self, loss, startup_program, params_grads, param_group_idx)
         _warn_per_piece_norms(self, owners)
+        _check_intact_once(self, owners)
         if isinstance(params_grads, list):
             params_grads = list(params_grads)
         params_grads = _flush_and_extend(self, owners, params_grads)
@@ -59,6 +60,16 @@ def _warn_per_piece_norms(opt, owners) -> None:
             "not per whole parameter: results differ from one-process Lamb"
         )
         opt._fsdp_warned = True
+
+
+def _check_intact_once(opt, owners) -> None:
+    """At the first step: refuse parameters cast after wrapping and unsupported AMP modes, by name."""
+    if getattr(opt, "_fsdp_checked", False):
+        return
+    for owner in owners:
+        for buffer in owner.buffers:
+            buffer.check_intact()
+    opt._fsdp_checked = True
 
 
 def optimizer_parameters(opt) -> list:
