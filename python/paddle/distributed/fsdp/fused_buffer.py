@@ -246,6 +246,21 @@ class FusedBuffer:
             bound.append((param, param._grad_ivar()))
         return bound
 
+    def param_position(self, param) -> int:
+        """Index of ``param`` in this buffer (by identity: tensors compare elementwise)."""
+        for index, mine in enumerate(self.params):
+            if mine is param:
+                return index
+        raise KeyError(f"parameter {param.name} is not in buffer {self.layout.name}")
+
+    def bound_grad_indices(self) -> set[int]:
+        """Parameters whose ``.grad`` is currently bound to a piece of this buffer's gradient."""
+        return set(self._bound_grads)
+
+    def grad_source(self) -> paddle.Tensor | None:
+        """The tensor every bound ``.grad`` is a view of: ``main_grad``, or its low-precision copy."""
+        return self._grad_in_param_dtype if self._grad_in_param_dtype is not None else self.main_grad
+
     def check_intact(self) -> None:
         """Refuse parameters changed behind FSDP's back (e.g. cast by ``paddle.amp.decorate`` after wrapping)."""
         for param, slot in zip(self.params, self.layout.slots):
