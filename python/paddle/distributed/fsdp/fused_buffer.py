@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import paddle
 
+from .device import check_same_place
 from .fused_layout import BufferLayout, LocalPiece
 
 if TYPE_CHECKING:
@@ -67,6 +68,8 @@ class FusedBuffer:
         self.shard = paddle.zeros([layout.shard_numel], dtype=params[0].dtype)
         # gradients are reduced and accumulated in at least fp32 (fp64 params keep fp64)
         self.grad_dtype = paddle.float64 if self.shard.dtype == paddle.float64 else paddle.float32
+        for param, slot in zip(params, layout.slots):  # a copy across places would leave the shard unfilled
+            check_same_place(slot.key, param, self.shard.place)
         with paddle.no_grad():
             for index, piece in self.pieces.items():
                 flat = params[index].reshape([-1])
