@@ -106,3 +106,17 @@ def launch(tmp_path: Path) -> LaunchFn:
         return run_launch(path, nproc, args, timeout=timeout, env=env, **kwargs)
 
     return _launch
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fake-device",
+        action="store_true",
+        help="run in fake-device mode (PADDLE_FSDP_FAKE_DEVICE=1, inherited by launched workers): CPU tensors "
+        "count as device memory, raw pointer reads of them raise, GPU-only collectives are emulated on gloo",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--fake-device", default=False):
+        os.environ["PADDLE_FSDP_FAKE_DEVICE"] = "1"  # before any test imports the fork (device options read once)

@@ -17,13 +17,17 @@ FAST_FAIL_ENV = {"PADDLE_PG_TIMEOUT": "60000"}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return {
-        n: run_launch(WORKER, n, timeout=400, env=FAST_FAIL_ENV, log_dir=tmp_path_factory.mktemp(f"grad{n}"))
+    out = {
+        (n, False): run_launch(WORKER, n, timeout=400, env=FAST_FAIL_ENV, log_dir=tmp_path_factory.mktemp(f"grad{n}"))
         for n in (1, 2, 3)
     }
+    # fake-device mode: the GPU branches (reduce_scatter emulated on gloo, device memory rules) on 2 ranks
+    fake_env = dict(FAST_FAIL_ENV, PADDLE_FSDP_FAKE_DEVICE="1")
+    out[(2, True)] = run_launch(WORKER, 2, timeout=400, env=fake_env, log_dir=tmp_path_factory.mktemp("grad2fake"))
+    return out
 
 
-@pytest.mark.parametrize("nproc", [1, 2, 3])
+@pytest.mark.parametrize("nproc,fake", [(1, False), (2, False), (3, False), (2, True)], ids=["1", "2", "3", "2-fake"])
 @pytest.mark.parametrize("case", CASES)
-def test_gradient_path(runs, nproc, case):
-    assert_case_ok(runs[nproc], case, nproc)
+def test_gradient_path(runs, nproc, fake, case):
+    assert_case_ok(runs[(nproc, fake)], case, nproc)

@@ -80,6 +80,15 @@ class ShardingComm:
         start = self.rank * shard_numel
         return full._slice(start, start + shard_numel)
 
+    @property
+    def reduce_scatter_mode(self) -> str:
+        """How gradients are reduce-scattered: "native", "emulated" (GPU path on gloo), "all_reduce", or "none"."""
+        if self.world_size == 1:
+            return "none"
+        if self._has_reduce_scatter:
+            return "native"
+        return "emulated" if self._emulate_reduce_scatter else "all_reduce"
+
     def _emulated_reduce_scatter(self, out: paddle.Tensor, full: paddle.Tensor, group=None) -> None:
         """``dist.reduce_scatter(out, full)`` (sum, this rank's equal part) with gloo's all_reduce."""
         summed = full.clone()

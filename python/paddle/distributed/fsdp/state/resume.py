@@ -24,9 +24,6 @@ from __future__ import annotations
 import logging
 import os
 
-import paddle
-from paddle.base import core
-
 from ..checkpoint import (
     CheckpointManager,
     LoadReport,
@@ -39,6 +36,7 @@ from ..checkpoint.errors import OptimizerMismatchError, UnexpectedKeyError
 from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
 from ..checkpoint.manager import parse_step, resolve_checkpoint, step_dir_name
 from . import optimizer_states as names
+from . import rng
 
 logger = logging.getLogger(__name__)
 
@@ -60,20 +58,6 @@ class LoadResult(dict):
         self.report = report
         self.path = path
         self.step = parse_step(os.path.basename(path))
-
-
-def _rng_state() -> list:
-    """This process's generator states as JSON (paddle's own pickle-free tuple form)."""
-    return [list(state.__getstate__()) for state in paddle.get_rng_state()]
-
-
-def _set_rng_state(saved: list) -> None:
-    states = []
-    for item in saved:
-        state = core.GeneratorState.__new__(core.GeneratorState)
-        state.__setstate__(tuple(item))
-        states.append(state)
-    paddle.set_rng_state(states)
 
 
 def _state(fsdp, optimizer) -> dict:
@@ -122,7 +106,7 @@ def save_checkpoint(
             "class": type(inner).__name__,
             "global_state": names.optimizer_global_state(inner),
         }
-    state[RNG_KEY] = fsdp.comm.all_gather_object(_rng_state())
+    state[RNG_KEY] = fsdp.comm.all_gather_object(rng.capture())
     state[EXTRA_KEY] = dict(extra_state or {})
     if manager is not None:
         return manager.save(step, state, async_save=async_save)
@@ -162,6 +146,7 @@ def _precheck(fsdp, path: str, optimizer, strict: bool) -> tuple[str, list[str]]
             raise OptimizerMismatchError(
                 f"checkpoint {resolved} holds {saved_optimizer.get('class')} state, but the optimizer given is {given}"
             )
+    rng.validate(metadata.values.get(RNG_KEY), fsdp.rank, f"checkpoint {resolved}")
     foreign = _foreign_keys(metadata, fsdp)
     if foreign and strict:
         raise UnexpectedKeyError(
@@ -201,18 +186,7 @@ def load_checkpoint(
     )
     if optimizer is not None and state[OPTIMIZER_KEY] is not None:
         names.set_optimizer_global_state(inner, state[OPTIMIZER_KEY]["global_state"])
-    rng = state[RNG_KEY]
-    if rng is not None and fsdp.rank < len(rng):
-        _set_rng_state(rng[fsdp.rank])
-    elif not rng:  # converted from Hugging Face weights, say: no training run whose randomness resumes
-        logger.info("checkpoint %s holds no random state; the current one is kept", resolved)
-    else:  # saved by fewer ranks than load it
-        logger.warning(
-            "checkpoint %s holds no random state for rank %d (saved by %s ranks); it keeps its current one",
-            resolved,
-            fsdp.rank,
-            "?" if rng is None else len(rng),
-        )
+    rng.restore(state[RNG_KEY], fsdp.rank, f"checkpoint {resolved}")
     if not strict:
         problems = {
             "missing": [k for k in report.missing_keys if not k.startswith(RESERVED_PREFIX)],
