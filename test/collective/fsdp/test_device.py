@@ -28,14 +28,30 @@ def fake_device():
 
 
 def test_fake_device_tensors_are_not_host_and_refuse_raw_pointers(fake_device):
+    from paddle.distributed.fsdp.checkpoint import storage
+
     t = paddle.arange(6, dtype="float32")
-    assert not device.is_host(t)
-    with pytest.raises(device.DeviceMemoryAccessError):
-        t.data_ptr()
-    with pytest.raises(device.DeviceMemoryAccessError):  # the segfault path on a GPU: from_address(data_ptr)
-        (ctypes.c_ubyte * 24).from_address(t.data_ptr())
+    assert not device.is_host(t) and not storage.is_host_contiguous(t)
     with pytest.raises(device.DeviceMemoryAccessError):
         device.data_ptr(t)
+    with pytest.raises(ValueError, match="not a contiguous host tensor"):  # the engine's in-place view refuses
+        storage.raw_view(t, allow_copy=False)
+    arr, keep = storage.raw_view(t)  # ... and copies through to_host when allowed
+    assert device.is_host(keep) and np.array_equal(arr.view(np.float32), np.arange(6, dtype="float32"))
+    (ctypes.c_ubyte * 24).from_address(t.data_ptr())  # stock and third-party callers are not guarded
+
+
+def test_bench_view_refuses_device_memory(fake_device):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_ckpt", os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools", "bench_ckpt.py")
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(device.DeviceMemoryAccessError, match="not contiguous host memory"):
+        bench.tensor_bytes_view(paddle.ones([4]))
+    assert bench.tensor_bytes_view(device.host_empty([4], "float32")).nbytes == 16
 
 
 def test_without_fake_device_cpu_tensors_are_host():

@@ -73,14 +73,10 @@ _HOST_FAST_PATH = True
 
 
 def _staging_tensor(shape, dtype: str, pin: bool):
-    import paddle
+    """Host memory to read into (pinned for device targets: ``CUDAPinnedPlace``, logged fallback)."""
+    from .. import device
 
-    try:
-        return paddle.empty(list(shape), dtype=dtype, device=paddle.CPUPlace(), pin_memory=pin)
-    except Exception:
-        if not pin:
-            raise
-        return paddle.empty(list(shape), dtype=dtype, device=paddle.CPUPlace())
+    return device.host_empty(list(shape), dtype, pinned=pin)
 
 
 _IN_PLACE = os.environ.get("PADDLE_FSDP_CKPT_IN_PLACE", "1") != "0"  # 0: stage everything (measurements)
@@ -322,7 +318,7 @@ def load_state_dict(
             for tg in staged:
                 if tg.raw is None:
                     # device (or strided) target: host staging tensor (pinned for devices), committed with copy_
-                    pin = not storage.is_host_place(tg.tensor.place)
+                    pin = not storage.is_host_contiguous(tg.tensor)
                     tg.staging = _staging_tensor(tg.tensor.shape, tg.dtype, pin)
                     tg.raw, _ = storage.raw_view(tg.staging, allow_copy=False)
                 read_region(files, md, tg.key, tg.region, tg.raw, verify_checksums, verifier, reads)
