@@ -13,8 +13,8 @@ Load: every rank reads metadata.json (after checking COMMIT and its hash), inter
 requested records with the saved pieces and pread()s only those byte ranges (plus chunk alignment) of the files.
 Contiguous host targets made of whole saved pieces (a load into the world size that saved, the usual resume) are
 read straight into their own memory, their previous bytes copied into an undo buffer just ahead of each read on a
-helper thread and put back if the load does not commit (inplace.py; ``PADDLE_FSDP_CKPT_IN_PLACE=0`` stages them
-instead). Other contiguous host targets whose ranges are all large: the file ranges are merged into spans and read
+helper thread and put back if the load does not commit (inplace.py; ``CheckpointOptions(in_place=False)`` stages
+them instead). Other contiguous host targets whose ranges are all large: the file ranges are merged into spans and read
 in file order, 16 MiB at a time, into one host staging buffer, with O_DIRECT when the file is not in the page cache,
 else buffered (storage.py; explicit ``POSIX_FADV_WILLNEED`` was measured slower). Other targets (small scattered
 ranges such as rows of boxes, device or strided tensors) get a staging buffer of their own, large ranges read
@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from . import checksums, storage
-from .coordination import Comm, Tracer, aligned, gather_errors
+from .coordination import Comm, aligned, gather_errors
 from .errors import (
     CheckpointError,
     DtypeMismatchError,
@@ -60,14 +60,11 @@ from .format.commit import read_metadata
 from .format.metadata import DTYPES, resolve_member
 from .format.regions import read_deferred, read_region, region_segments
 from .inplace import InPlaceReads
+from .options import CheckpointOptions, resolve
 from .planner import Region
 from .records import to_record
 from .save import wait_pending
-
-# Load commit for contiguous host targets: memcpy into the target's memory (faster than paddle staging
-# tensors on CPU). False forces the generic path used for device targets (host staging tensor + copy_).
-_HOST_FAST_PATH = True
-
+from .tracing import Tracer
 
 # ------------------------------------------------------------------------------------------------ reading
 
@@ -83,14 +80,12 @@ def _staging_tensor(shape, dtype: str, pin: bool):
         return paddle.empty(list(shape), dtype=dtype, device=paddle.CPUPlace())
 
 
-_IN_PLACE = os.environ.get("PADDLE_FSDP_CKPT_IN_PLACE", "1") != "0"  # 0: stage everything (measurements)
-
-
-def _in_place_regions(reads: list) -> tuple[list, list]:
+def _in_place_regions(reads: list, enabled: bool = True) -> tuple[list, list]:
     """Split the fast-path reads ``(target, piece, a, b, dst)`` into regions read in place (inplace.py) and the
     rest. A target is read in place when each of its reads is a whole saved piece (no chunk widening: the piece's
-    chunks are the target's bytes) and its memory overlaps no other such target. Regions come in file order."""
-    if not _IN_PLACE:
+    chunks are the target's bytes) and its memory overlaps no other such target. Regions come in file order.
+    ``enabled=False`` (CheckpointOptions.in_place) reads nothing in place."""
+    if not enabled:
         return [], reads
     by_target: dict[int, list] = {}
     for r in reads:
@@ -183,12 +178,21 @@ def load_state_dict(
     *,
     verify_checksums: bool = True,
     strict: bool = True,
+    options: CheckpointOptions | None = None,
     **unused_stock_kwargs,
 ) -> LoadReport:
-    """Load ``path`` into the tensors of ``state_dict`` in place, all-or-nothing (see the module docstring)."""
+    """Load ``path`` into the tensors of ``state_dict`` in place, all-or-nothing (see the module docstring).
+
+    ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now): O_DIRECT, huge pages,
+    in-place reads, read slab, checksum threads, tracing.
+    """
     if unused_stock_kwargs.get("aoa_config") is not None:
         raise InvalidStateDictError("aoa_config is not supported by the FSDP checkpoint engine")
-    tr = Tracer("load")
+    try:
+        opts, opts_error = resolve(options), None
+    except CheckpointError as e:  # a malformed PADDLE_FSDP_CKPT_* variable: reported by the exchange below
+        opts, opts_error = CheckpointOptions(), e
+    tr = Tracer("load", opts)
     wait_pending(raise_error=False)
     t0 = time.perf_counter()
     path = os.path.abspath(os.fspath(path))
@@ -199,13 +203,15 @@ def load_state_dict(
     value_updates: dict[str, Any] = {}
     md = None
     files = None
-    verifier = storage.ChunkVerifier()
+    verifier = storage.ChunkVerifier(opts.checksum_threads)
     arena_held = False
     in_place: InPlaceReads | None = None
     committed = False
     requested = sorted(k for k in state_dict) if isinstance(state_dict, dict) else []
     try:
         try:
+            if opts_error is not None:
+                raise opts_error
             md = read_metadata(path)
             tr.mark("metadata")
             if not isinstance(state_dict, dict):
@@ -273,26 +279,28 @@ def load_state_dict(
                     continue
                 segs = region_segments(path, md, tg.key, tg.region)
                 host = storage.is_host_contiguous(tg.tensor)
-                if _HOST_FAST_PATH and host and all(bool(sg[4].all()) for sg in segs):
+                if opts.host_fast_path and host and all(bool(sg[4].all()) for sg in segs):
                     tg.copies = []
                     for piece, src_b, dst_b, len_b, _big in segs:
                         for a, d, n in zip(src_b.tolist(), dst_b.tolist(), len_b.tolist()):
                             direct.append((tg, piece, a, a + n, d))
                 else:
                     staged.append(tg)
-            regions, direct = _in_place_regions(direct)
+            regions, direct = _in_place_regions(direct, opts.in_place)
             spans = _plan_spans(direct, md.chunk_bytes, verify)
             A = storage.DIRECT_ALIGN
             span_bytes = [-(-sp[2] // A) * A for sp in spans]
-            host_staged = [tg for tg in staged if _HOST_FAST_PATH and storage.is_host_contiguous(tg.tensor)]
+            host_staged = [tg for tg in staged if opts.host_fast_path and storage.is_host_contiguous(tg.tensor)]
             undo_bytes = sum(aligned(len(dst)) for _key, _piece, dst in regions)
             need = (
                 sum(span_bytes) + undo_bytes + sum(aligned(tg.region.numel * DTYPES[tg.dtype][0]) for tg in host_staged)
             )
-            stage = storage.arena.acquire(need, grow=storage.arena.capacity > 0) if need else None
+            stage = (
+                storage.arena.acquire(need, grow=storage.arena.capacity > 0, hugepages=opts.hugepages) if need else None
+            )
             arena_held = stage is not None
             if stage is None and need:
-                stage = storage.alloc_host(need, for_direct_reads=bool(span_bytes))
+                stage = storage.alloc_host(need, for_direct_reads=bool(span_bytes), hugepages=opts.hugepages)
             pos = 0
             span_reads = []
             for (name, start, n_need, members), nb in zip(spans, span_bytes):
@@ -313,7 +321,7 @@ def load_state_dict(
             if regions:  # previous bytes copied to the undo buffer ahead of the reads, on a helper thread
                 in_place = InPlaceReads(regions, stage[pos : pos + undo_bytes])
             stage = None
-            files = storage.FileSet.of(path, md, resolve_member, verify)
+            files = storage.FileSet.of(path, md, resolve_member, verify, opts)
             storage.read_spans(files, span_reads, md.chunk_bytes, verifier if verify else None)
             span_reads = None
             if in_place is not None:
@@ -386,19 +394,23 @@ def load_state_dict(
     return report
 
 
-def load_full_state_dict(path: str, keys: Iterable[str] | None = None) -> dict:
+def load_full_state_dict(
+    path: str, keys: Iterable[str] | None = None, *, options: CheckpointOptions | None = None
+) -> dict:
     """Full tensors by key, read in this process only (no collectives), e.g. for ``model.set_state_dict``.
 
     With ``keys=None`` every tensor of the checkpoint is returned; a key naming a JSON value returns the value.
+    ``options``: as for ``load_state_dict``.
     """
+    opts = resolve(options)
     import paddle  # noqa: F401
 
     path = os.path.abspath(os.fspath(path))
     md = read_metadata(path)
     wanted = list(md.tensors) if keys is None else list(keys)
     out: dict = {}
-    files = storage.FileSet.of(path, md, resolve_member, verify=True)
-    verifier = storage.ChunkVerifier()
+    files = storage.FileSet.of(path, md, resolve_member, True, opts)
+    verifier = storage.ChunkVerifier(opts.checksum_threads)
     reads: list = []
     try:
         for key in wanted:

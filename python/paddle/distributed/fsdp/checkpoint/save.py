@@ -47,7 +47,7 @@ but such a staging directory exists raises / reports IncompleteCheckpointError (
 whether the save failed with an error or was interrupted); the staging directory itself reports
 IncompleteCheckpointError too until its COMMIT is written. The survivors of a killed rank do not hang: the
 coordinator waits for the other ranks' data, and the other ranks wait for the commit, at most
-``commit_timeout`` (default ``PADDLE_FSDP_CKPT_COMMIT_TIMEOUT``, 1800 s), then raise SaveFailedError; a rank
+``commit_timeout`` (default ``CheckpointOptions.commit_timeout``, 1800 s), then raise SaveFailedError; a rank
 whose save fails with an error tells the others at once (``failed`` / ``ABORT`` markers).
 
 Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (CheckpointManager).
@@ -64,7 +64,7 @@ every rank) or raises the background error; an error not collected by ``wait()``
 ``save_state_dict``. gloo collectives are never issued from the background thread (they would race with the training
 loop's collectives), hence the file-based completion protocol.
 
-Checksums: xxh3-64 (checksums.py) per 1 MiB chunk of each piece (``chunk_bytes`` in metadata.json), computed on
+Checksums: xxh3-64 (checksums.py) per 1 MiB chunk of each piece (``chunk_bytes`` in metadata.json; ``CheckpointOptions.checksum``), computed on
 the tensor memory during the single write pass, piece by piece just before it is written. The coordinator's
 choice of algorithm is used by every rank. Loads verify them (load.py).
 
@@ -85,16 +85,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import checksums, faults, storage
-from .coordination import (
-    DEFAULT_COMMIT_TIMEOUT,
-    Comm,
-    Tracer,
-    check_target_path,
-    gather_errors,
-    poll,
-    read_json,
-)
-from .errors import InvalidStateDictError, SaveFailedError
+from .coordination import Comm, check_target_path, gather_errors, poll, read_json
+from .errors import CheckpointError, InvalidStateDictError, SaveFailedError
 from .format import commit as format_commit
 from .format.metadata import (
     COMMIT_FILE,
@@ -104,9 +96,11 @@ from .format.metadata import (
     CheckpointMetadata,
     FileMeta,
 )
+from .options import CheckpointOptions, resolve
 from .planner import RecordDesc, build_save_plan
 from .records import collect
 from .snapshot import Snapshot
+from .tracing import Tracer
 
 # ------------------------------------------------------------------------------------------------ async state
 
@@ -200,6 +194,7 @@ class _SaveJob:
     checksum: str  # algorithm (checksums.py), the same on every rank
     timeout: float
     write_stock: bool
+    options: CheckpointOptions = field(default_factory=CheckpointOptions)
     publisher: Any = None  # CheckpointManager hook: publish()/is_published()/cleanup(), see Publisher
     created: float = field(default_factory=time.time)
     release: Any = None  # async save: gives the snapshot arena back (called once the data file is written)
@@ -217,7 +212,7 @@ class _SaveJob:
             self._written()
 
     def _run(self) -> None:
-        tr = Tracer(f"save rank {self.rank}")
+        tr = Tracer(f"save rank {self.rank}", self.options)
         parts = os.path.join(self.staging, PARTS_DIR)
         os.makedirs(parts, exist_ok=True)
         layout = self.plan.files[self.rank]
@@ -411,11 +406,14 @@ def save_state_dict(
     commit_timeout: float | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     write_stock_metadata: bool = True,
+    options: CheckpointOptions | None = None,
     _publisher: Publisher | None = None,
     **unused_stock_kwargs,
 ) -> SaveHandle | None:
     """Save ``state_dict`` collectively into the checkpoint directory ``path`` (see the module docstring).
 
+    ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now) sets the checksum
+    algorithm, commit timeout and tracing; ``commit_timeout`` overrides ``options.commit_timeout``.
     ``_publisher`` is CheckpointManager's hook (moves ``latest`` after the commit); not for direct use.
     """
     with _save_lock:  # saves of one process never overlap, whatever thread they come from
@@ -428,6 +426,7 @@ def save_state_dict(
             commit_timeout,
             chunk_bytes,
             write_stock_metadata,
+            options,
             _publisher,
         )
 
@@ -441,28 +440,35 @@ def _save_locked(
     commit_timeout: float | None,
     chunk_bytes: int,
     write_stock_metadata: bool,
+    options: CheckpointOptions | None,
     publisher: Publisher | None,
 ) -> SaveHandle | None:
-    tr = Tracer("save (calling thread)")
+    try:
+        opts, opts_error = resolve(options), None
+    except CheckpointError as e:  # a malformed PADDLE_FSDP_CKPT_* variable: reported by the exchange below
+        opts, opts_error = CheckpointOptions(), e
+    tr = Tracer("save (calling thread)", opts)
     wait_pending(raise_error=True)
     tr.mark("wait-previous")
     path = os.path.abspath(os.fspath(path))
     comm = Comm(process_group)
     if not 0 <= coordinator_rank < comm.world:
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
-    timeout = DEFAULT_COMMIT_TIMEOUT if commit_timeout is None else float(commit_timeout)
+    timeout = opts.commit_timeout if commit_timeout is None else float(commit_timeout)
 
     err, records, values, descs, algorithm, snap = None, [], {}, [], None, None
     my_id = uuid.uuid4().hex
     try:
-        algorithm = checksums.default_algorithm()
+        if opts_error is not None:
+            raise opts_error
+        algorithm = opts.checksum_algorithm()
         records, values = collect(state_dict)
         descs = [r.desc().to_wire() for r in records]
         if comm.rank == coordinator_rank:
             check_target_path(path)
         if async_save:
             # this rank's shards are copied to host on a helper thread during the exchange and the plan
-            snap = Snapshot(records)
+            snap = Snapshot(records, hugepages=opts.hugepages)
     except Exception as e:  # reported to every rank by the exchange, so no rank is left waiting
         err = e
     try:
@@ -508,6 +514,7 @@ def _save_locked(
         checksum=algorithm,
         timeout=timeout,
         write_stock=write_stock_metadata,
+        options=opts,
         publisher=publisher,
         release=release,
     )

@@ -34,36 +34,36 @@ from .errors import CorruptCheckpointError
 from .format.metadata import PieceMeta
 
 WRITE_SLAB = 64 << 20  # bytes handed to the kernel per write call
-READ_SLAB_BYTES = int(os.environ.get("PADDLE_FSDP_CKPT_READ_SLAB", 16 << 20))  # pread step of direct reads
 DEFAULT_WINDOW = 64 << 20  # read window (bounded host buffer per read)
+DEFAULT_READ_SLAB = 16 << 20  # pread step of large ranges (CheckpointOptions.read_slab_bytes)
+DEFAULT_CHECKSUM_THREADS = 2  # CheckpointOptions.checksum_threads
 # Span reads (load) of files that are not in the page cache bypass it with O_DIRECT where the file system allows
 # it: the data lands in the staging buffer straight from the device instead of being copied once more out of the
 # page cache (less CPU: a 2 -> 3 rank load on 2 cores took a median 0.60 s against 0.79 s buffered). A file mostly
 # in the page cache (e.g. just saved) is read buffered: O_DIRECT would go to the device (0.10 s against 0.04 s for
-# 170 MB here). PADDLE_FSDP_CKPT_ODIRECT: "auto" (default, by mincore), "1" always, "0" never.
-_ODIRECT_MODE = os.environ.get("PADDLE_FSDP_CKPT_ODIRECT", "auto").strip().lower()
-ODIRECT: bool | str = ({"1": True, "0": False}.get(_ODIRECT_MODE, "auto")) if hasattr(os, "O_DIRECT") else False
+# 170 MB here). CheckpointOptions.odirect: "auto" (default, by mincore), True always, False never.
+HAVE_ODIRECT = hasattr(os, "O_DIRECT")
 CACHED_FRACTION_FOR_BUFFERED = 0.5
 DIRECT_ALIGN = 4096  # offset, length and memory alignment of O_DIRECT reads
 _IOV_MAX = 512
 
 
-CHECKSUM_THREADS = int(os.environ.get("PADDLE_FSDP_CKPT_CHECKSUM_THREADS", "2"))
-_pool = None
+_pools: dict[int, object] = {}
 _pool_lock = threading.Lock()
 
 
-def _checksum_pool():
-    """Shared thread pool that verifies the chunks of one slab while the next one is read (None: inline)."""
-    global _pool
-    if CHECKSUM_THREADS <= 0:
+def _checksum_pool(threads: int):
+    """Shared thread pool (one per size) that verifies the chunks of one slab while the next one is read
+    (None: inline)."""
+    if threads <= 0:
         return None
     with _pool_lock:
-        if _pool is None:
+        pool = _pools.get(threads)
+        if pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            _pool = ThreadPoolExecutor(max_workers=CHECKSUM_THREADS, thread_name_prefix="ckpt-checksum")
-        return _pool
+            pool = _pools[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-checksum")
+        return pool
 
 
 # ------------------------------------------------------------------------------------------- host memory
@@ -71,18 +71,17 @@ def _checksum_pool():
 # Transparent huge pages (MADV_HUGEPAGE) for buffers filled by O_DIRECT reads: the kernel faults in every page it
 # pins, and a 2 -> 3 rank load took 0.61-0.68 s with huge pages against 0.86-1.16 s without. Not for buffers filled
 # by memcpy (snapshots, undo copies): with THP defrag "madvise" such faults compact memory synchronously, which
-# made those fills 1.4-3x slower here once memory was fragmented. PADDLE_FSDP_CKPT_HUGEPAGES: "auto" (default:
-# as the caller asks), "1" always, "0" never.
-_HUGEPAGES_MODE = os.environ.get("PADDLE_FSDP_CKPT_HUGEPAGES", "auto").strip().lower()
+# made those fills 1.4-3x slower here once memory was fragmented. CheckpointOptions.hugepages: "auto" (default:
+# as the caller asks), True always, False never.
 
 
-def alloc_host(nbytes: int, for_direct_reads: bool = False) -> np.ndarray:
+def alloc_host(nbytes: int, for_direct_reads: bool = False, hugepages: bool | str = "auto") -> np.ndarray:
     """Fresh uint8 host buffer of ``nbytes`` in its own anonymous mapping (page aligned, returned to the OS when
     the last view of it is dropped); huge pages requested when it is filled by O_DIRECT reads (see above)."""
     if nbytes <= 0:
         return np.empty(0, np.uint8)
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    huge = {"1": True, "0": False}.get(_HUGEPAGES_MODE, for_direct_reads)
+    huge = for_direct_reads if hugepages == "auto" else bool(hugepages)
     if huge and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             m.madvise(mmap.MADV_HUGEPAGE)
@@ -111,7 +110,7 @@ class HostArena:
         buf = self._buf
         return 0 if buf is None else len(buf)
 
-    def acquire(self, nbytes: int, grow: bool) -> np.ndarray | None:
+    def acquire(self, nbytes: int, grow: bool, hugepages: bool | str = "auto") -> np.ndarray | None:
         with self._lock:
             if self._busy:
                 return None
@@ -119,7 +118,7 @@ class HostArena:
                 if not grow:
                     return None
                 self._buf = None  # drop the small one before allocating (lower peak)
-                self._buf = alloc_host(nbytes)
+                self._buf = alloc_host(nbytes, hugepages=hugepages)
             self._busy = True
             return self._buf[:nbytes]
 
@@ -432,8 +431,20 @@ class FileSet:
     """Open-on-demand read-only descriptors for the files of one checkpoint, with size checks, and the checksum
     function its chunks are verified with (None: reads are not verified)."""
 
-    def __init__(self, root: str, sizes: dict[str, int], resolve, digest: DigestFn | None = None):
+    def __init__(
+        self,
+        root: str,
+        sizes: dict[str, int],
+        resolve,
+        digest: DigestFn | None = None,
+        odirect: bool | str = "auto",
+        read_slab: int = DEFAULT_READ_SLAB,
+        checksum_threads: int = DEFAULT_CHECKSUM_THREADS,
+    ):
         self.root = root
+        self.odirect = odirect if HAVE_ODIRECT else False
+        self.read_slab = read_slab
+        self.checksum_threads = checksum_threads
         self.sizes = sizes
         self.resolve = resolve
         self.digest = digest
@@ -442,10 +453,21 @@ class FileSet:
         self._direct: dict[str, int | None] = {}
 
     @classmethod
-    def of(cls, root: str, md, resolve, verify: bool) -> FileSet:
-        """The files of checkpoint ``md`` at ``root``; verified reads when ``verify`` and it has checksums."""
+    def of(cls, root: str, md, resolve, verify: bool, options=None) -> FileSet:
+        """The files of checkpoint ``md`` at ``root``; verified reads when ``verify`` and it has checksums;
+        O_DIRECT and the read slab as ``options`` (a CheckpointOptions; None: the defaults)."""
         digest = checksums.digest_function(md.checksum) if verify and md.checksum != checksums.NONE else None
-        return cls(root, {n: f.size for n, f in md.files.items()}, resolve, digest)
+        if options is None:
+            return cls(root, {n: f.size for n, f in md.files.items()}, resolve, digest)
+        return cls(
+            root,
+            {n: f.size for n, f in md.files.items()},
+            resolve,
+            digest,
+            odirect=options.odirect,
+            read_slab=options.read_slab_bytes,
+            checksum_threads=options.checksum_threads,
+        )
 
     @property
     def verifies(self) -> bool:
@@ -490,7 +512,7 @@ class FileSet:
             return self._direct[name]
         self.fd(name)
         fd = None
-        use = ODIRECT
+        use = self.odirect
         if use == "auto":
             cached = page_cache_fraction(self.fds[name], self.sizes[name])
             use = cached is not None and cached < CACHED_FRACTION_FOR_BUFFERED
@@ -607,8 +629,8 @@ class ChunkVerifier:
     must not be used before ``wait()`` returned without error.
     """
 
-    def __init__(self):
-        self.pool = _checksum_pool()
+    def __init__(self, threads: int = DEFAULT_CHECKSUM_THREADS):
+        self.pool = _checksum_pool(threads)
         self.futures: list = []
 
     def check(self, files: FileSet, key: str, piece: PieceMeta, buf, pos: int, chunk_bytes: int) -> None:
@@ -674,10 +696,10 @@ def read_range_direct(
         files.pread_into(piece.file, tmp, piece.offset + a0)
         _verify_chunks(files, key, piece, tmp, a0, C)
         out[: A - a] = tmp[a - a0 : A - a0]
-    slab = max(C, (READ_SLAB_BYTES // C) * C)
+    slab = max(C, (files.read_slab // C) * C)
     own = verifier is None
     if own:
-        verifier = ChunkVerifier()
+        verifier = ChunkVerifier(files.checksum_threads)
     try:
         for pos in range(A, B, slab):
             end = min(B, pos + slab)
@@ -710,13 +732,13 @@ class SpanRead:
 
 
 def read_spans(files: FileSet, spans: list[SpanRead], chunk_bytes: int, verifier: ChunkVerifier | None) -> None:
-    """Read every span (in file order, ``READ_SLAB_BYTES`` at a time; O_DIRECT where supported, else buffered,
+    """Read every span (in file order, ``files.read_slab`` bytes at a time; O_DIRECT where supported, else buffered,
     relying on the kernel's sequential readahead). The chunk checks go to ``verifier`` (None: no checks) as soon
     as their chunks are in, so checksumming overlaps the reads that follow. The spans' bytes must not be used
     before ``verifier.wait()`` returned."""
     C = chunk_bytes
     spans = sorted(spans, key=lambda sp: (sp.name, sp.start))
-    slab = max(DIRECT_ALIGN, (READ_SLAB_BYTES // DIRECT_ALIGN) * DIRECT_ALIGN)
+    slab = max(DIRECT_ALIGN, (files.read_slab // DIRECT_ALIGN) * DIRECT_ALIGN)
 
     def submit(sp: SpanRead, c: list, end: int) -> None:
         key, piece, _a0, cur, _b0 = c

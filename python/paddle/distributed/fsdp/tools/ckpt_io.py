@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..checkpoint import checksums, read_metadata, storage
+from ..checkpoint import CheckpointOptions, checksums, read_metadata, storage
 from ..checkpoint.errors import CorruptCheckpointError
 from ..checkpoint.format import commit as format_commit
 from ..checkpoint.format.metadata import (
@@ -162,10 +162,11 @@ class CheckpointReader:
 
     WINDOW_BYTES = 16 << 20
 
-    def __init__(self, path: str | os.PathLike, verify: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, verify: bool = True, options: CheckpointOptions | None = None) -> None:
         self.path = resolve_checkpoint_path(path)
         self.md = read_metadata(self.path)
-        self._files = storage.FileSet.of(self.path, self.md, resolve_member, verify)
+        opts = CheckpointOptions.from_env() if options is None else options
+        self._files = storage.FileSet.of(self.path, self.md, resolve_member, verify, opts)
         self.verify = self._files.verifies
 
     def __enter__(self) -> CheckpointReader:
@@ -351,11 +352,17 @@ class CheckpointWriter:
     """
 
     def __init__(
-        self, directory: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, on_bytes: Callable[[int], None] | None = None
+        self,
+        directory: str,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        on_bytes: Callable[[int], None] | None = None,
+        options: CheckpointOptions | None = None,
     ):
         self.directory = directory
         self.chunk_bytes = chunk_bytes
-        self.checksum = checksums.default_algorithm()
+        self.checksum = (
+            CheckpointOptions.from_env().checksum_algorithm() if options is None else options.checksum_algorithm()
+        )
         self._digest = checksums.digest_function(self.checksum) if self.checksum != checksums.NONE else None
         self.checkpoint_id = uuid.uuid4().hex
         self.created = time.time()
