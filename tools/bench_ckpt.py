@@ -1217,7 +1217,7 @@ def finish(args, res: dict, work: str) -> None:
     async_extra = rss_extra("save async")
     load_extra = rss_extra("load")
     fresh_extra = rss_extra("load (fresh staging)")
-    chunk_bound = 64 << 20  # the engine's largest read window (storage.DEFAULT_WINDOW)
+    chunk_bound = 64 << 20  # the engine's largest read window (reader.DEFAULT_WINDOW)
     cw_extra = []
     if cw:
         n = len(cw["rss"][0])

@@ -20,7 +20,7 @@ import paddle
 import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
-from paddle.distributed.fsdp.checkpoint import planner, storage
+from paddle.distributed.fsdp.checkpoint import host_memory, libc, planner, writer
 
 TEST_DIR = Path(__file__).resolve().parent
 WORKER = TEST_DIR / "workers" / "ckpt_engine.py"
@@ -288,10 +288,10 @@ def test_async_snapshot_holds_save_time_values_of_the_pieces_this_rank_writes():
     assert not any(bits(r.tensor).any() for r in records)
     for key, arr in zip(keys, arrays):
         assert np.array_equal(np.asarray(arr).view(np.uint8).ravel(), want[key]), key
-    assert storage.arena.acquire(1, grow=False) is None  # still held for the background write
+    assert host_memory.arena.acquire(1, grow=False) is None  # still held for the background write
     release()
-    assert storage.arena.acquire(1, grow=False) is not None
-    storage.arena.release()
+    assert host_memory.arena.acquire(1, grow=False) is not None
+    host_memory.arena.release()
 
 
 def test_load_full_state_dict_and_safetensors_readable(saved):
@@ -318,7 +318,7 @@ def test_save_replaces_committed_checkpoint_atomically(tmp_path, monkeypatch):
     first_id = ck.read_metadata(str(path)).checkpoint_id
     ck.save_state_dict({"x": paddle.full([4], 2.0)}, str(path))
     # without renameat2 the two-rename fallback gives the same result
-    monkeypatch.setattr(storage, "_renameat2_exchange", lambda a, b: False)
+    monkeypatch.setattr(libc, "renameat2_exchange", lambda a, b: False)
     ck.save_state_dict({"x": paddle.full([4], 3.0)}, str(path))
     t = {"x": paddle.zeros([4])}
     ck.load_state_dict(t, str(path))
@@ -350,7 +350,7 @@ def test_async_save_round_trip_and_failure_surfaces(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(storage, "write_rank_file", boom)
+    monkeypatch.setattr(writer, "write_rank_file", boom)
     h = ck.save_state_dict({"x": src}, str(tmp_path / "b"), async_save=True)
     with pytest.raises(OSError, match="No space left"):
         h.wait()
@@ -625,7 +625,7 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     def crash(*a, **k):
         raise KeyboardInterrupt("killed during commit")
 
-    monkeypatch.setattr(storage, "replace_dir", crash)
+    monkeypatch.setattr(writer, "replace_dir", crash)
     with pytest.raises(KeyboardInterrupt):
         ck.save_state_dict({"x": paddle.full([8], 2.0)}, str(path))
     monkeypatch.undo()

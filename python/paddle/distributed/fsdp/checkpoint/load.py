@@ -16,7 +16,7 @@ read straight into their own memory, their previous bytes copied into an undo bu
 helper thread and put back if the load does not commit (inplace.py; ``CheckpointOptions(in_place=False)`` stages
 them instead). Other contiguous host targets whose ranges are all large: the file ranges are merged into spans and read
 in file order, 16 MiB at a time, into one host staging buffer, with O_DIRECT when the file is not in the page cache,
-else buffered (storage.py; explicit ``POSIX_FADV_WILLNEED`` was measured slower). Other targets (small scattered
+else buffered (reader.py; explicit ``POSIX_FADV_WILLNEED`` was measured slower). Other targets (small scattered
 ranges such as rows of boxes, device or strided tensors) get a staging buffer of their own, large ranges read
 straight into it, small ones through windows of at most 64 MiB. Checksums of the large ranges run on helper threads
 while later ranges are read; the rank waits for all of them before the status exchange. Host staging (with the undo
@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from . import checksums, storage
+from . import checksums, host_memory, reader
 from .coordination import Comm, aligned, gather_errors
 from .errors import (
     CheckpointError,
@@ -92,7 +92,7 @@ def _in_place_regions(reads: list, enabled: bool = True) -> tuple[list, list]:
         by_target.setdefault(id(r[0]), []).append(r)
     whole = [rs for rs in by_target.values() if all(a == 0 and b == piece.nbytes for _t, piece, a, b, _d in rs)]
     spans = sorted(
-        (rs[0][0].tensor.data_ptr(), storage.raw_view(rs[0][0].tensor, allow_copy=False)[0].nbytes, i)
+        (rs[0][0].tensor.data_ptr(), host_memory.raw_view(rs[0][0].tensor, allow_copy=False)[0].nbytes, i)
         for i, rs in enumerate(whole)
     )
     aliased, end, widest = set(), -1, -1  # widest: the interval reaching furthest so far
@@ -108,7 +108,7 @@ def _in_place_regions(reads: list, enabled: bool = True) -> tuple[list, list]:
         if id(tg) not in chosen:
             rest.append(r)
             continue
-        dst, _ = storage.raw_view(tg.tensor, allow_copy=False)
+        dst, _ = host_memory.raw_view(tg.tensor, allow_copy=False)
         regions.append((tg.key, piece, dst[d : d + (b - a)]))
     regions.sort(key=lambda reg: (reg[1].file, reg[1].offset))
     return regions, rest
@@ -136,7 +136,7 @@ def _plan_spans(reads: list, chunk_bytes: int, verify: bool) -> list[list]:
             spans[-1][3].append((r, a0, b0))
         else:
             spans.append([name, fs, fe, [(r, a0, b0)]])
-    A = storage.DIRECT_ALIGN
+    A = reader.DIRECT_ALIGN
     out = []
     for name, fs, fe, members in spans:
         start = (fs // A) * A
@@ -203,7 +203,7 @@ def load_state_dict(
     value_updates: dict[str, Any] = {}
     md = None
     files = None
-    verifier = storage.ChunkVerifier(opts.checksum_threads)
+    verifier = reader.ChunkVerifier(opts.checksum_threads)
     arena_held = False
     in_place: InPlaceReads | None = None
     committed = False
@@ -278,7 +278,7 @@ def load_state_dict(
                 if tg.region.numel == 0:
                     continue
                 segs = region_segments(path, md, tg.key, tg.region)
-                host = storage.is_host_contiguous(tg.tensor)
+                host = host_memory.is_host_contiguous(tg.tensor)
                 if opts.host_fast_path and host and all(bool(sg[4].all()) for sg in segs):
                     tg.copies = []
                     for piece, src_b, dst_b, len_b, _big in segs:
@@ -288,19 +288,21 @@ def load_state_dict(
                     staged.append(tg)
             regions, direct = _in_place_regions(direct, opts.in_place)
             spans = _plan_spans(direct, md.chunk_bytes, verify)
-            A = storage.DIRECT_ALIGN
+            A = reader.DIRECT_ALIGN
             span_bytes = [-(-sp[2] // A) * A for sp in spans]
-            host_staged = [tg for tg in staged if opts.host_fast_path and storage.is_host_contiguous(tg.tensor)]
+            host_staged = [tg for tg in staged if opts.host_fast_path and host_memory.is_host_contiguous(tg.tensor)]
             undo_bytes = sum(aligned(len(dst)) for _key, _piece, dst in regions)
             need = (
                 sum(span_bytes) + undo_bytes + sum(aligned(tg.region.numel * DTYPES[tg.dtype][0]) for tg in host_staged)
             )
             stage = (
-                storage.arena.acquire(need, grow=storage.arena.capacity > 0, hugepages=opts.hugepages) if need else None
+                host_memory.arena.acquire(need, grow=host_memory.arena.capacity > 0, hugepages=opts.hugepages)
+                if need
+                else None
             )
             arena_held = stage is not None
             if stage is None and need:
-                stage = storage.alloc_host(need, for_direct_reads=bool(span_bytes), hugepages=opts.hugepages)
+                stage = host_memory.alloc_host(need, for_direct_reads=bool(span_bytes), hugepages=opts.hugepages)
             pos = 0
             span_reads = []
             for (name, start, n_need, members), nb in zip(spans, span_bytes):
@@ -313,7 +315,7 @@ def load_state_dict(
                     if verify and (id(piece), a0, b0) not in seen:
                         seen.add((id(piece), a0, b0))
                         checks.append((tg.key, piece, a0, b0))
-                span_reads.append(storage.SpanRead(name, start, n_need, buf, checks))
+                span_reads.append(reader.SpanRead(name, start, n_need, buf, checks))
             for tg in host_staged:
                 n = tg.region.numel * DTYPES[tg.dtype][0]
                 tg.raw = stage[pos : pos + n]
@@ -321,8 +323,8 @@ def load_state_dict(
             if regions:  # previous bytes copied to the undo buffer ahead of the reads, on a helper thread
                 in_place = InPlaceReads(regions, stage[pos : pos + undo_bytes])
             stage = None
-            files = storage.FileSet.of(path, md, resolve_member, verify, opts)
-            storage.read_spans(files, span_reads, md.chunk_bytes, verifier if verify else None)
+            files = reader.FileSet.of(path, md, resolve_member, verify, opts)
+            reader.read_spans(files, span_reads, md.chunk_bytes, verifier if verify else None)
             span_reads = None
             if in_place is not None:
                 in_place.read(files, md.chunk_bytes, verify, verifier)
@@ -330,9 +332,9 @@ def load_state_dict(
             for tg in staged:
                 if tg.raw is None:
                     # device (or strided) target: host staging tensor (pinned for devices), committed with copy_
-                    pin = not storage.is_host_place(tg.tensor.place)
+                    pin = not host_memory.is_host_place(tg.tensor.place)
                     tg.staging = _staging_tensor(tg.tensor.shape, tg.dtype, pin)
-                    tg.raw, _ = storage.raw_view(tg.staging, allow_copy=False)
+                    tg.raw, _ = host_memory.raw_view(tg.staging, allow_copy=False)
                 read_region(files, md, tg.key, tg.region, tg.raw, verify_checksums, verifier, reads)
             read_deferred(files, md, reads, verify_checksums, verifier)
             tr.mark("read")
@@ -357,7 +359,7 @@ def load_state_dict(
         # all ranks are fine: commit into the targets
         for tg in targets:
             if tg.copies is not None:
-                dst, _ = storage.raw_view(tg.tensor, allow_copy=False)
+                dst, _ = host_memory.raw_view(tg.tensor, allow_copy=False)
                 for d, src in tg.copies:
                     np.copyto(dst[d : d + len(src)], src)
             elif tg.staging is not None:
@@ -365,7 +367,7 @@ def load_state_dict(
                 # copies host->device on the target's own place
                 tg.tensor.copy_(tg.staging, True)
             elif tg.raw is not None:
-                dst, _ = storage.raw_view(tg.tensor, allow_copy=False)
+                dst, _ = host_memory.raw_view(tg.tensor, allow_copy=False)
                 np.copyto(dst, tg.raw)
             tg.staging = tg.raw = tg.copies = None
             report.loaded_keys.append(tg.key)
@@ -381,7 +383,7 @@ def load_state_dict(
                 in_place.restore()  # every tensor read in place gets its previous bytes back
             in_place = None
         if arena_held:
-            storage.arena.release()
+            host_memory.arena.release()
     for k, v in value_updates.items():
         state_dict[k] = v
     all_requested = set()
@@ -409,8 +411,8 @@ def load_full_state_dict(
     md = read_metadata(path)
     wanted = list(md.tensors) if keys is None else list(keys)
     out: dict = {}
-    files = storage.FileSet.of(path, md, resolve_member, True, opts)
-    verifier = storage.ChunkVerifier(opts.checksum_threads)
+    files = reader.FileSet.of(path, md, resolve_member, True, opts)
+    verifier = reader.ChunkVerifier(opts.checksum_threads)
     reads: list = []
     try:
         for key in wanted:
@@ -423,7 +425,7 @@ def load_full_state_dict(
             t = _staging_tensor(tm.shape, tm.dtype, False)
             region = Region.full(tm.shape)
             if region.numel:
-                raw, _ = storage.raw_view(t, allow_copy=False)
+                raw, _ = host_memory.raw_view(t, allow_copy=False)
                 read_region(files, md, key, region, raw, True, verifier, reads)
             out[key] = t
         read_deferred(files, md, reads, True, verifier)

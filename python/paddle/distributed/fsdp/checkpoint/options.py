@@ -30,7 +30,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from . import checksums, storage
+from . import checksums, reader
 from .errors import CheckpointError
 from .tracing import TraceHook
 
@@ -64,12 +64,12 @@ class CheckpointOptions:
     """
 
     checksum: str | None = None
-    checksum_threads: int = storage.DEFAULT_CHECKSUM_THREADS
+    checksum_threads: int = reader.DEFAULT_CHECKSUM_THREADS
     commit_timeout: float = 1800.0
     odirect: bool | str = "auto"
     hugepages: bool | str = "auto"
     in_place: bool = True
-    read_slab_bytes: int = storage.DEFAULT_READ_SLAB
+    read_slab_bytes: int = reader.DEFAULT_READ_SLAB
     trace: bool = False
     trace_hook: TraceHook | None = field(default=None, compare=False)
     host_fast_path: bool = True

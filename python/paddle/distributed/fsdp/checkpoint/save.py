@@ -55,7 +55,7 @@ Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (
 ``async_save=True``: the caller is blocked for the descriptor exchange and a host copy (snapshot) of the pieces this
 rank writes, which overlap (snapshot.py: the copy runs on a helper thread meanwhile); writing, fsync and commit run
 in a background (non-daemon) thread. The snapshot of host tensors goes into one per-process host buffer
-(``storage.arena``) that is reused by every async save (grown when the state grows) and STAYS RESIDENT between
+(``host_memory.arena``) that is reused by every async save (grown when the state grows) and STAYS RESIDENT between
 saves: an async-saving process holds about one extra copy of the bytes it writes, all the time (filling fresh memory
 costs page faults, which made the snapshot several times slower than a copy into resident memory).
 ``release_host_buffers()`` frees it; the next async save allocates it again. Device (and strided) tensors are
@@ -84,7 +84,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import checksums, faults, storage
+from . import checksums, faults, host_memory, writer
 from .coordination import Comm, check_target_path, gather_errors, poll, read_json
 from .errors import CheckpointError, InvalidStateDictError, SaveFailedError
 from .format import commit as format_commit
@@ -221,7 +221,7 @@ class _SaveJob:
         try:
             try:
                 digest = None if self.checksum == checksums.NONE else checksums.digest_function(self.checksum)
-                size, sums = storage.write_rank_file(
+                size, sums = writer.write_rank_file(
                     os.path.join(self.staging, layout.name),
                     layout.header,
                     self.arrays,
@@ -233,7 +233,7 @@ class _SaveJob:
                 self._written()
             tr.mark("write+fsync")
             # markers need atomic visibility, not durability: the data file itself is already fsynced
-            storage.write_file(
+            writer.write_file(
                 os.path.join(parts, f"{self.rank}.done.json"),
                 json.dumps({"size": size, "checksums": sums}).encode(),
                 fsync=False,
@@ -249,7 +249,7 @@ class _SaveJob:
             except BaseException as e:
                 try:  # tells the waiting ranks at once (.parts is gone once the commit record is being written)
                     os.makedirs(parts, exist_ok=True)
-                    storage.write_file(
+                    writer.write_file(
                         os.path.join(parts, "ABORT"), f"{type(e).__name__}: {e}".encode(), fsync=False, atomic=True
                     )
                 except OSError:
@@ -323,10 +323,10 @@ class _SaveJob:
 
         shutil.rmtree(parts, ignore_errors=True)
         format_commit.write_commit(self.staging, self.checkpoint_id, data)
-        storage.fsync_dir(self.staging)
+        writer.fsync_dir(self.staging)
         tr.mark("commit-record")
         faults.point("before_rename", self.rank)
-        storage.replace_dir(self.staging, self.path, f"{self.path}.old-{self.checkpoint_id}")
+        writer.replace_dir(self.staging, self.path, f"{self.path}.old-{self.checkpoint_id}")
         tr.mark("rename")
 
     def _wait_commit(self, parts: str) -> None:
@@ -374,19 +374,19 @@ def release_host_buffers() -> bool:
     Returns False (and frees nothing) while a save or load of this process is using it. The next async save
     allocates it again.
     """
-    return storage.arena.free()
+    return host_memory.arena.free()
 
 
 def _lazy_view(t):
     """Piece provider for write_rank_file: the tensor's bytes (and their owner), produced when written."""
-    return lambda: storage.raw_view(t)
+    return lambda: host_memory.raw_view(t)
 
 
 def _mark_failed(staging: str, rank: int, e: BaseException) -> None:
     try:
         parts = os.path.join(staging, PARTS_DIR)
         os.makedirs(parts, exist_ok=True)
-        storage.write_file(
+        writer.write_file(
             os.path.join(parts, f"{rank}.failed.json"),
             json.dumps({"error": f"{type(e).__name__}: {e}"}).encode(),
             fsync=False,
