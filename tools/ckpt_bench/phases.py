@@ -10,14 +10,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
 
 from .common import (
-    ENTRY,
     GB,
     LOG,
     READ_SLAB,
@@ -29,8 +27,10 @@ from .common import (
     drop_cache,
     drop_method,
     files_under,
+    launch_cmd,
     model_shape,
     setup_logging,
+    state_args,
 )
 from .report import finish
 from .torch_dcp import run_torch
@@ -586,32 +586,9 @@ def run_full(args) -> None:
 
 def run_child_load(args, ckpt: str, world: int, checksum: int, work: str) -> dict:
     out = os.path.join(work, f"load_world{world}.json")
-    cmd = [
-        sys.executable,
-        "-m",
-        "paddle.distributed.launch",
-        "--nproc_per_node",
-        str(world),
-        "--log_dir",
-        os.path.join(work, f"log_load{world}"),
-        ENTRY,
-        "--mode",
-        "load-only",
-        "--ckpt",
-        ckpt,
-        "--result",
-        out,
-        "--expect-checksum",
-        str(checksum),
-        "--size-gib",
-        str(args.size_gib),
-        "--dim",
-        str(args.dim),
-        "--repeats",
-        str(args.repeats),
-        "--seed",
-        str(args.seed),
-    ] + ([] if args.trace else ["--no-trace"])
+    script_args = ["--mode", "load-only", "--ckpt", ckpt, "--result", out, "--expect-checksum", str(checksum)]
+    script_args += state_args(args) + ([] if args.trace else ["--no-trace"])
+    cmd = launch_cmd(world, os.path.join(work, f"log_load{world}"), script_args)
     r = subprocess.run(cmd, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if r.returncode != 0 or not os.path.exists(out):
         logs = os.path.join(work, f"log_load{world}")
