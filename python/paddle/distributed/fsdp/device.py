@@ -127,7 +127,7 @@ def is_host(tensor: paddle.Tensor) -> bool:
     return True
 
 
-_GUARDED_CALLERS = ("paddle.distributed.fsdp", "bench_ckpt")
+_GUARDED_CALLERS = ("paddle.distributed.fsdp", "bench_ckpt", "ckpt_bench")
 
 
 def _guarded_data_ptr(self: paddle.Tensor) -> int:

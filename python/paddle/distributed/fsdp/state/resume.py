@@ -26,6 +26,7 @@ import os
 
 from ..checkpoint import (
     CheckpointManager,
+    CheckpointOptions,
     LoadReport,
     gather_errors,
     load_state_dict,
@@ -77,12 +78,14 @@ def save_checkpoint(
     keep_last: int | None = None,
     format: str = "fsdp",
     async_save: bool = False,
+    options: CheckpointOptions | None = None,
 ):
     """Save everything needed to resume bit-exactly. Collective: every rank of the group calls it.
 
     With ``step``, ``path`` is a checkpoint root: the checkpoint goes to ``path/step_<step>``, ``path/latest``
     names it once it is committed, and with ``keep_last=K`` only the K newest steps are kept (removed after
-    the commit). Returns the engine's SaveHandle when ``async_save`` (call ``wait()`` before relying on the
+    the commit). ``options``: the engine's CheckpointOptions (None: from the environment). Returns the engine's
+    SaveHandle when ``async_save`` (call ``wait()`` before relying on the
     files; ``latest`` and pruning happen in the background too).
     """
     if str(format).lower() in HF_FORMAT_NAMES:
@@ -109,8 +112,8 @@ def save_checkpoint(
     state[RNG_KEY] = fsdp.comm.all_gather_object(rng.capture())
     state[EXTRA_KEY] = dict(extra_state or {})
     if manager is not None:
-        return manager.save(step, state, async_save=async_save)
-    return save_state_dict(state, path, process_group=fsdp.comm.group, async_save=async_save)
+        return manager.save(step, state, async_save=async_save, options=options)
+    return save_state_dict(state, path, process_group=fsdp.comm.group, async_save=async_save, options=options)
 
 
 def _foreign_keys(metadata, fsdp) -> list[str]:
@@ -157,7 +160,13 @@ def _precheck(fsdp, path: str, optimizer, strict: bool) -> tuple[str, list[str]]
 
 
 def load_checkpoint(
-    fsdp, path: str, optimizer=None, *, strict: bool = True, verify_checksums: bool = True
+    fsdp,
+    path: str,
+    optimizer=None,
+    *,
+    strict: bool = True,
+    verify_checksums: bool = True,
+    options: CheckpointOptions | None = None,
 ) -> LoadResult:
     """Restore what :func:`save_checkpoint` wrote into ``fsdp``'s model and ``optimizer``, in place.
 
@@ -182,7 +191,12 @@ def load_checkpoint(
     for key in (RNG_KEY, EXTRA_KEY) + ((OPTIMIZER_KEY,) if optimizer is not None else ()):
         state[key] = None
     report = load_state_dict(
-        state, resolved, process_group=fsdp.comm.group, strict=strict, verify_checksums=verify_checksums
+        state,
+        resolved,
+        process_group=fsdp.comm.group,
+        strict=strict,
+        verify_checksums=verify_checksums,
+        options=options,
     )
     if optimizer is not None and state[OPTIMIZER_KEY] is not None:
         names.set_optimizer_global_state(inner, state[OPTIMIZER_KEY]["global_state"])
