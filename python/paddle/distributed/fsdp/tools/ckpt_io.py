@@ -66,6 +66,7 @@ logger = logging.getLogger(__name__)
 OPTIMIZER_VALUE_KEY = "__fsdp__.optimizer"
 RNG_VALUE_KEY = "__fsdp__.rng"
 EXTRA_VALUE_KEY = "__fsdp__.extra_state"
+BUFFERS_VALUE_KEY = "__fsdp__.buffers"  # keys of persistable buffers, when the writer records them
 RESERVED_PREFIX = "__fsdp__."
 
 MODEL = "model"
@@ -184,6 +185,7 @@ class CheckpointReader:
         self.md = read_metadata(self.path)
         self._files = storage.FileSet.of(self.path, self.md, resolve_member, verify)
         self.verify = self._files.verifies
+        self._covered: set[str] = set()
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -211,17 +213,41 @@ class CheckpointReader:
     def read_raw(self, key: str) -> np.ndarray:
         """The bytes of the full tensor ``key`` in row-major order (uint8)."""
         tm = self.md.tensors[key]
-        md = self.md
-        isz = itemsize(tm.dtype)
-        region = Region.full(tm.shape)
-        out = np.empty(region.numel * isz, np.uint8)
-        if region.numel == 0:
-            return out
+        return self.read_region_raw(key, Region.full(tm.shape))
+
+    def read_flat(self, key: str, start: int, stop: int) -> np.ndarray:
+        """Elements ``[start, stop)`` of tensor ``key``'s row-major flattening, as a new 1-D numpy array.
+
+        Only the byte ranges holding them are read (plus checksum-chunk alignment), whatever the saved layout.
+        """
+        tm = self.md.tensors[key]
+        full = Region.full(tm.shape)
+        if not 0 <= start <= stop <= full.numel:
+            raise ValueError(f"key {key!r}: flat range [{start}, {stop}) outside its {full.numel} elements")
+        region = Region(full.shape, full.box_offset, full.box_shape, (start, stop))
+        return self.read_region_raw(key, region).view(storage_dtype(tm.dtype))
+
+    def check_coverage(self, key: str) -> None:
+        """Raise ``CorruptCheckpointError`` unless the pieces of ``key`` cover every element exactly once."""
+        if key in self._covered:
+            return
+        tm = self.md.tensors[key]
         problems = coverage_problems(
             key, tm.shape, [(i, region_of_piece(tm.shape, p)) for i, p in enumerate(tm.pieces)]
         )
         if problems:
             raise CorruptCheckpointError(f"checkpoint {self.path}: {problems[0]}")
+        self._covered.add(key)
+
+    def read_region_raw(self, key: str, region: Region) -> np.ndarray:
+        """The bytes of ``region`` of tensor ``key`` in the region's storage order (uint8)."""
+        tm = self.md.tensors[key]
+        md = self.md
+        isz = itemsize(tm.dtype)
+        out = np.empty(region.numel * isz, np.uint8)
+        if region.numel == 0:
+            return out
+        self.check_coverage(key)
         items, covered = plan_reads(key, tm, region)
         if covered != region.numel:  # pragma: no cover - coverage_problems already proved this
             raise CorruptCheckpointError(
@@ -247,13 +273,13 @@ class CheckpointReader:
                     window_bytes=self.WINDOW_BYTES,
                 )
                 continue
-            # a box piece with partial rows: stream the whole piece once, scatter its runs
+            # a box piece with partial rows: stream the span of the piece the runs touch once, scatter its runs
             j = 0
             windows = storage.read_piece_windows(
                 self._files,
                 key,
                 it.piece,
-                [(0, it.piece.nbytes)],
+                [(src[0], max(a + n for a, n in zip(src, length)))],
                 md.chunk_bytes,
                 self.verify,
                 window_bytes=self.WINDOW_BYTES,
