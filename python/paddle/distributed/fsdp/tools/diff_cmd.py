@@ -9,7 +9,8 @@ elements, the largest absolute difference ``|b - a|`` and the largest relative d
 ``inf`` where ``a == 0 != b``; NaNs in the same place count as equal, elsewhere as differing, ``nan_mismatch``).
 Tensors are read as windows of their row-major flattening (``window_bytes`` per side, default 16 MiB), each from
 the byte ranges of whichever pieces hold it, checksums verified: memory is two windows plus their float64 copies,
-never a whole tensor. JSON values (optimizer class, scheduler, extra state; not the RNG) are compared too.
+never a whole tensor. JSON values (optimizer class, scheduler, extra state; not the RNG) are compared too, an
+absent value counting as equal to an empty one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .progress import Progress
 
 DEFAULT_WINDOW_BYTES = 16 << 20
 IGNORED_VALUES = (ckpt_io.RNG_VALUE_KEY,)  # per-run random state: never equal across runs, not a weight
+EMPTY_VALUES = (None, {}, [])
 
 
 @dataclass
@@ -192,7 +194,9 @@ def diff(
         va = {k: v for k, v in ra.md.values.items() if k not in IGNORED_VALUES}
         vb = {k: v for k, v in rb.md.values.items() if k not in IGNORED_VALUES}
         for k in list(va) + [k for k in vb if k not in va]:
-            if k not in vb:
+            if va.get(k) in EMPTY_VALUES and vb.get(k) in EMPTY_VALUES:  # absent == empty ({} extra state)
+                report.values[k] = "equal"
+            elif k not in vb:
                 report.values[k] = "missing"
             elif k not in va:
                 report.values[k] = "extra"
