@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -522,3 +523,82 @@ def hf_saved(tmp_path_factory):
         )
         logits[preset] = d / "logits.npy"
     return SimpleNamespace(cases=cases, logits=logits)
+
+
+# ------------------------------------------------------------------------------------------------ memory
+
+_MEASURE = (
+    "import resource, subprocess, sys\n"
+    "rc = subprocess.call(sys.argv[1:], stdout=subprocess.DEVNULL)\n"
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+    "sys.exit(rc)\n"
+)
+
+
+def _peak_rss_mb(*args, rc: int = 0) -> float:
+    """Peak RSS (MB) of one `python -m paddle.distributed.fsdp.tools ARGS` process."""
+    cmd = [sys.executable, "-c", _MEASURE, sys.executable, "-m", "paddle.distributed.fsdp.tools", *map(str, args)]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore")
+    )
+    assert proc.returncode == rc, proc.stderr
+    return int(proc.stdout.split()[-1]) / 1024
+
+
+def test_split_merge_and_diff_memory_is_bounded(tmp_path):
+    """A Qwen3 (fused) checkpoint of ~300 MB whose largest tensor is 32 MiB: to-hf splitting every fused key,
+    from-hf merging them back, and diff (4 MiB windows) stay near one tensor over the interpreter's baseline."""
+    import paddle
+    from paddle.distributed.fsdp.checkpoint import save_state_dict
+
+    cfg = dict(
+        pf_models.hf_config("qwen3"),
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=4096,
+        num_hidden_layers=4,
+        vocab_size=8192,
+    )
+    config = _json(tmp_path / "config.json", cfg)
+    h, qkv, inter, vocab = 1024, (16 + 2 * 4) * 64, 4096, 8192
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
+    for i in range(4):
+        p = f"model.layers.{i}"
+        shapes.update(
+            {
+                f"{p}.self_attn.qkv_proj.weight": (h, qkv),
+                f"{p}.self_attn.o_proj.weight": (16 * 64, h),
+                f"{p}.self_attn.q_norm.weight": (64,),
+                f"{p}.self_attn.k_norm.weight": (64,),
+                f"{p}.mlp.up_gate_proj.weight": (h, 2 * inter),
+                f"{p}.mlp.down_proj.weight": (inter, h),
+                f"{p}.input_layernorm.weight": (h,),
+                f"{p}.post_attention_layernorm.weight": (h,),
+            }
+        )
+    state = {}
+    for j, (k, shape) in enumerate(shapes.items()):
+        arr = (np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape) % 251 + j).astype(np.float32)
+        state[k] = paddle.to_tensor(arr)
+    ckpt = tmp_path / "ckpt"
+    save_state_dict(state, str(ckpt))
+    del state, arr
+    largest = max(int(np.prod(s)) for s in shapes.values()) * 4 / 2**20
+    total = sum(int(np.prod(s)) for s in shapes.values()) * 4 / 2**20
+
+    baseline = _peak_rss_mb("inspect", ckpt)
+    to_hf = _peak_rss_mb(
+        "to-hf", ckpt, tmp_path / "hf", "--preset", "qwen3-fused", "--config", config, "--max-shard-size", "50MB"
+    )
+    from_hf = _peak_rss_mb("from-hf", tmp_path / "hf", tmp_path / "back")
+    diff = _peak_rss_mb("diff", ckpt, tmp_path / "back", "--window", "4MiB")
+    print(
+        f"\npeak RSS: baseline (inspect) {baseline:.0f} MB, to-hf {to_hf:.0f} MB, from-hf {from_hf:.0f} MB, "
+        f"diff {diff:.0f} MB; model {total:.0f} MB, largest tensor {largest:.0f} MB"
+    )
+    assert to_hf - baseline < 2 * largest + 32, (baseline, to_hf)
+    assert from_hf - baseline < 2 * largest + 32, (baseline, from_hf)
+    assert diff - baseline < largest, (baseline, diff)
+    assert max(to_hf, from_hf, diff) - baseline < total / 3
