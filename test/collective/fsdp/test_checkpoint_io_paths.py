@@ -68,16 +68,16 @@ def tensor_bits(t) -> np.ndarray:
 
 
 @pytest.fixture(params=["buffered", "odirect"])
-def io_mode(request, monkeypatch):
-    monkeypatch.setattr(storage, "ODIRECT", request.param == "odirect")
-    return request.param
+def io_mode(request) -> ck.CheckpointOptions:
+    """Options for the loads of a test: span reads buffered, or with O_DIRECT where the file system allows it."""
+    return ck.CheckpointOptions(odirect=request.param == "odirect")
 
 
 def test_span_load_is_exact(tmp_path, io_mode):
     sd = big_state()
     ck.save_state_dict(sd, str(tmp_path / "c"))
     t = zero_targets()
-    rep = ck.load_state_dict(t, str(tmp_path / "c"))
+    rep = ck.load_state_dict(t, str(tmp_path / "c"), options=io_mode)
     for k in ("a", "b", "small", "flat"):
         assert np.array_equal(tensor_bits(t[k]), want_bits(sd, k)), k
     assert t["step"] == 3 and sorted(rep.loaded_keys) == sorted(t)
@@ -100,12 +100,12 @@ def test_checksum_mismatch_anywhere_leaves_every_target_untouched(tmp_path, io_m
     t = zero_targets()
     before = {k: tensor_bits(v) for k, v in t.items() if k != "step"}
     with pytest.raises(ck.CorruptCheckpointError, match="checksum mismatch"):
-        ck.load_state_dict(t, str(path))
+        ck.load_state_dict(t, str(path), options=io_mode)
     for k, v in before.items():
         assert np.array_equal(tensor_bits(t[k]), v), f"{k} changed by a failed load"
     assert t["step"] is None
     # without verification the damaged byte is loaded (the check is what caught it)
-    ck.load_state_dict(t, str(path), verify_checksums=False)
+    ck.load_state_dict(t, str(path), verify_checksums=False, options=io_mode)
     got = tensor_bits(t[where])
     assert int((got != want_bits(sd, where)).sum()) == 1
 
@@ -239,12 +239,11 @@ class _Recorder:
         self.seen.setdefault(key, []).extend(range(pos // chunk_bytes, -(-(pos + len(buf)) // chunk_bytes)))
 
 
-def test_auto_odirect_reads_cached_files_buffered_and_uncached_files_direct(tmp_path, monkeypatch):
-    """mincore decides: a file in the page cache is read buffered, one that is not with O_DIRECT (where the file
-    system accepts it)."""
+def test_auto_odirect_reads_cached_files_buffered_and_uncached_files_direct(tmp_path):
+    """mincore decides (odirect="auto", the default): a file in the page cache is read buffered, one that is not
+    with O_DIRECT (where the file system accepts it)."""
     import os
 
-    monkeypatch.setattr(storage, "ODIRECT", "auto")
     data = np.random.default_rng(2).integers(0, 255, 8 * MIB, dtype=np.uint8)
     f = tmp_path / "f"
     f.write_bytes(data.tobytes())
@@ -276,11 +275,10 @@ def test_auto_odirect_reads_cached_files_buffered_and_uncached_files_direct(tmp_
 
 
 @pytest.mark.parametrize("odirect", [False, True], ids=["buffered", "odirect"])
-def test_read_spans_checks_every_chunk_of_every_range_once_read(tmp_path, monkeypatch, odirect):
+def test_read_spans_checks_every_chunk_of_every_range_once_read(tmp_path, odirect):
     """Ranges larger than a read slab, overlapping ranges of one piece, a range ending at a piece's end."""
-    from paddle.distributed.fsdp.checkpoint.metadata import PieceMeta
+    from paddle.distributed.fsdp.checkpoint.format.metadata import PieceMeta
 
-    monkeypatch.setattr(storage, "ODIRECT", odirect)
     rng = np.random.default_rng(1)
     data = rng.integers(0, 255, 45 * MIB + 12345, dtype=np.uint8)
     (tmp_path / "f").write_bytes(data.tobytes())
@@ -289,7 +287,9 @@ def test_read_spans_checks_every_chunk_of_every_range_once_read(tmp_path, monkey
     for p in (p1, p2):
         raw = data[p.offset : p.offset + p.nbytes]
         p.checksums = [zlib.crc32(raw[i : i + MIB]) for i in range(0, p.nbytes, MIB)]
-    files = storage.FileSet(str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}", zlib.crc32)
+    files = storage.FileSet(
+        str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}", zlib.crc32, odirect=odirect
+    )
     start = 0
     need = p2.offset + p2.nbytes
     buf = storage.alloc_host(-(-need // storage.DIRECT_ALIGN) * storage.DIRECT_ALIGN)
@@ -307,7 +307,9 @@ def test_read_spans_checks_every_chunk_of_every_range_once_read(tmp_path, monkey
     bad = data.copy()
     bad[p1.offset + 20 * MIB + 3] ^= 1
     (tmp_path / "f").write_bytes(bad.tobytes())
-    files = storage.FileSet(str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}", zlib.crc32)
+    files = storage.FileSet(
+        str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}", zlib.crc32, odirect=odirect
+    )
     verifier = storage.ChunkVerifier()
     try:
         storage.read_spans(files, [storage.SpanRead("f", start, need, buf, checks[:1])], MIB, verifier)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import storage
-from .coordination import _aligned
+from .coordination import aligned
 
 
 def _copy_all(jobs: list) -> None:
@@ -35,23 +35,23 @@ class Snapshot:
     the arrays are written. ``cancel()`` (on an error before that) waits for the copy thread and releases.
     """
 
-    def __init__(self, records: list):
+    def __init__(self, records: list, hugepages: bool | str = "auto"):
         self._records = {r.key: r for r in records}
         self._slots: dict[str, np.ndarray] = {}  # key -> its place in the host buffer
         self._done: dict[str, tuple[np.ndarray, Any]] = {}  # key -> (array, owner): snapshot taken
         self._error: BaseException | None = None
         host = [r for r in records if _nbytes(r.tensor) and storage.is_host_contiguous(r.tensor)]
-        need = sum(_aligned(_nbytes(r.tensor)) for r in host)
-        buf = storage.arena.acquire(need, grow=True) if need else None
+        need = sum(aligned(_nbytes(r.tensor)) for r in host)
+        buf = storage.arena.acquire(need, grow=True, hugepages=hugepages) if need else None
         self._release: Callable[[], None] | None = storage.arena.release if buf is not None else None
         try:
             if buf is None and need:
-                buf = storage.alloc_host(need)
+                buf = storage.alloc_host(need, hugepages=hugepages)
             pos = 0
             for r in host:
                 n = _nbytes(r.tensor)
                 self._slots[r.key] = buf[pos : pos + n]
-                pos += _aligned(n)
+                pos += aligned(n)
             jobs = []
             for r in records:
                 if r.replicated:

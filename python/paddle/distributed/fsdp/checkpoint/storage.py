@@ -31,39 +31,39 @@ import numpy as np
 from . import checksums, faults
 from .checksums import DigestFn
 from .errors import CorruptCheckpointError
-from .metadata import PieceMeta
+from .format.metadata import PieceMeta
 
 WRITE_SLAB = 64 << 20  # bytes handed to the kernel per write call
-READ_SLAB_BYTES = int(os.environ.get("PADDLE_FSDP_CKPT_READ_SLAB", 16 << 20))  # pread step of direct reads
 DEFAULT_WINDOW = 64 << 20  # read window (bounded host buffer per read)
+DEFAULT_READ_SLAB = 16 << 20  # pread step of large ranges (CheckpointOptions.read_slab_bytes)
+DEFAULT_CHECKSUM_THREADS = 2  # CheckpointOptions.checksum_threads
 # Span reads (load) of files that are not in the page cache bypass it with O_DIRECT where the file system allows
 # it: the data lands in the staging buffer straight from the device instead of being copied once more out of the
 # page cache (less CPU: a 2 -> 3 rank load on 2 cores took a median 0.60 s against 0.79 s buffered). A file mostly
 # in the page cache (e.g. just saved) is read buffered: O_DIRECT would go to the device (0.10 s against 0.04 s for
-# 170 MB here). PADDLE_FSDP_CKPT_ODIRECT: "auto" (default, by mincore), "1" always, "0" never.
-_ODIRECT_MODE = os.environ.get("PADDLE_FSDP_CKPT_ODIRECT", "auto").strip().lower()
-ODIRECT: bool | str = ({"1": True, "0": False}.get(_ODIRECT_MODE, "auto")) if hasattr(os, "O_DIRECT") else False
+# 170 MB here). CheckpointOptions.odirect: "auto" (default, by mincore), True always, False never.
+HAVE_ODIRECT = hasattr(os, "O_DIRECT")
 CACHED_FRACTION_FOR_BUFFERED = 0.5
 DIRECT_ALIGN = 4096  # offset, length and memory alignment of O_DIRECT reads
 _IOV_MAX = 512
 
 
-CHECKSUM_THREADS = int(os.environ.get("PADDLE_FSDP_CKPT_CHECKSUM_THREADS", "2"))
-_pool = None
+_pools: dict[int, object] = {}
 _pool_lock = threading.Lock()
 
 
-def _checksum_pool():
-    """Shared thread pool that verifies the chunks of one slab while the next one is read (None: inline)."""
-    global _pool
-    if CHECKSUM_THREADS <= 0:
+def _checksum_pool(threads: int):
+    """Shared thread pool (one per size) that verifies the chunks of one slab while the next one is read
+    (None: inline)."""
+    if threads <= 0:
         return None
     with _pool_lock:
-        if _pool is None:
+        pool = _pools.get(threads)
+        if pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            _pool = ThreadPoolExecutor(max_workers=CHECKSUM_THREADS, thread_name_prefix="ckpt-checksum")
-        return _pool
+            pool = _pools[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-checksum")
+        return pool
 
 
 # ------------------------------------------------------------------------------------------- host memory
@@ -71,18 +71,17 @@ def _checksum_pool():
 # Transparent huge pages (MADV_HUGEPAGE) for buffers filled by O_DIRECT reads: the kernel faults in every page it
 # pins, and a 2 -> 3 rank load took 0.61-0.68 s with huge pages against 0.86-1.16 s without. Not for buffers filled
 # by memcpy (snapshots, undo copies): with THP defrag "madvise" such faults compact memory synchronously, which
-# made those fills 1.4-3x slower here once memory was fragmented. PADDLE_FSDP_CKPT_HUGEPAGES: "auto" (default:
-# as the caller asks), "1" always, "0" never.
-_HUGEPAGES_MODE = os.environ.get("PADDLE_FSDP_CKPT_HUGEPAGES", "auto").strip().lower()
+# made those fills 1.4-3x slower here once memory was fragmented. CheckpointOptions.hugepages: "auto" (default:
+# as the caller asks), True always, False never.
 
 
-def alloc_host(nbytes: int, for_direct_reads: bool = False) -> np.ndarray:
+def alloc_host(nbytes: int, for_direct_reads: bool = False, hugepages: bool | str = "auto") -> np.ndarray:
     """Fresh uint8 host buffer of ``nbytes`` in its own anonymous mapping (page aligned, returned to the OS when
     the last view of it is dropped); huge pages requested when it is filled by O_DIRECT reads (see above)."""
     if nbytes <= 0:
         return np.empty(0, np.uint8)
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    huge = {"1": True, "0": False}.get(_HUGEPAGES_MODE, for_direct_reads)
+    huge = for_direct_reads if hugepages == "auto" else bool(hugepages)
     if huge and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             m.madvise(mmap.MADV_HUGEPAGE)
@@ -111,7 +110,7 @@ class HostArena:
         buf = self._buf
         return 0 if buf is None else len(buf)
 
-    def acquire(self, nbytes: int, grow: bool) -> np.ndarray | None:
+    def acquire(self, nbytes: int, grow: bool, hugepages: bool | str = "auto") -> np.ndarray | None:
         with self._lock:
             if self._busy:
                 return None
@@ -119,7 +118,7 @@ class HostArena:
                 if not grow:
                     return None
                 self._buf = None  # drop the small one before allocating (lower peak)
-                self._buf = alloc_host(nbytes)
+                self._buf = alloc_host(nbytes, hugepages=hugepages)
             self._busy = True
             return self._buf[:nbytes]
 
@@ -151,13 +150,13 @@ def dtype_name(t) -> str:
     return str(t.dtype).split(".")[-1]
 
 
-def _is_host(place) -> bool:
+def is_host_place(place) -> bool:
     return place.is_cpu_place() or (hasattr(place, "is_cuda_pinned_place") and place.is_cuda_pinned_place())
 
 
 def is_host_contiguous(t) -> bool:
     """Whether the tensor's bytes can be used in place through its data pointer (see raw_view)."""
-    return _is_host(t.place) and t.is_contiguous()
+    return is_host_place(t.place) and t.is_contiguous()
 
 
 def raw_view(t, allow_copy: bool = True):
@@ -170,12 +169,12 @@ def raw_view(t, allow_copy: bool = True):
     if n == 0:
         return np.zeros(0, np.uint8), t
     keep = t
-    if not _is_host(t.place) or not t.is_contiguous():
+    if not is_host_place(t.place) or not t.is_contiguous():
         if not allow_copy:
             raise ValueError("tensor is not a contiguous host tensor")
         if not t.is_contiguous():
             keep = t.contiguous()
-        if not _is_host(keep.place):
+        if not is_host_place(keep.place):
             keep = keep.cpu()
     ptr = keep.data_ptr()
     arr = np.frombuffer((ctypes.c_ubyte * n).from_address(ptr), dtype=np.uint8)
@@ -185,7 +184,7 @@ def raw_view(t, allow_copy: bool = True):
 # ----------------------------------------------------------------------------------------------- writing
 
 
-def _write_all(fd: int, bufs: list) -> None:
+def write_all(fd: int, bufs: list) -> None:
     """writev all buffers, handling short writes."""
     bufs = [memoryview(b).cast("B") for b in bufs if len(b)]
     while bufs:
@@ -238,10 +237,10 @@ class _Writer:
     def write(self, bufs: list) -> None:
         if self.kill_at is not None and self.pos + sum(len(b) for b in bufs) >= self.kill_at:
             data = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
-            _write_all(self.fd, [data[: self.kill_at - self.pos]])
+            write_all(self.fd, [data[: self.kill_at - self.pos]])
             os.fsync(self.fd)
             faults.kill("mid_data")
-        _write_all(self.fd, bufs)
+        write_all(self.fd, bufs)
         self.pos += sum(len(b) for b in bufs)
         if _SFR is not None and self.pos - self.kicked >= KICK_BYTES:
             _SFR(self.fd, self.kicked, self.pos - self.kicked, _SYNC_FILE_RANGE_WRITE)
@@ -255,14 +254,17 @@ def write_rank_file(
     chunk_bytes: int,
     digest: DigestFn | None,
     kill_at: int | None = None,
+    batch_bytes: int = WRITE_SLAB,
 ) -> tuple[int, list[list[int]]]:
     """Write header + pieces to ``path``, fsync once. Returns (size, per-piece chunk checksums).
 
-    A piece is a uint8 array, or a callable returning ``(uint8 array, owner of its memory)``, called just
-    before that piece is written (so a device tensor is copied to host one piece at a time; the copy is dropped
-    once its bytes are written). Each piece is checksummed with ``digest`` (None: no checksums) by the calling
-    thread just before it is queued for writing: xxh3-64 runs at memory speed, far faster than the write, so
-    helper threads would only add hand-offs. ``kill_at`` is the test-only ``mid_data`` fault (see faults.py).
+        A piece is a uint8 array, or a callable returning ``(uint8 array, owner of its memory)``, called just
+        before that piece is written (so a device tensor is copied to host one piece at a time; the copy is dropped
+        once its bytes are written). Each piece is checksummed with ``digest`` (None: no checksums) by the calling
+        thread just before it is queued for writing: xxh3-64 runs at memory speed, far faster than the write, so
+        helper threads would only add hand-offs. Pieces smaller than ``batch_bytes`` are batched into one writev (and
+    stay alive until it); ``batch_bytes=0`` writes and drops each piece before the next is produced (the tools: one
+    tensor in memory). ``kill_at`` is the test-only ``mid_data`` fault (see faults.py).
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     sums: list[list[int]] = []
@@ -283,14 +285,16 @@ def write_rank_file(
                 pending.append(mv)
                 pending_owners.append(owner)
                 pending_bytes += len(mv)
-                if pending_bytes >= WRITE_SLAB or len(pending) >= _IOV_MAX:
+                if pending_bytes >= batch_bytes or len(pending) >= _IOV_MAX:
                     w.write(pending)
                     pending, pending_owners, pending_bytes = [], [], 0
+                arr = owner = mv = None  # held by `pending` until written, by nothing once written
                 continue
             w.write(pending)
             pending, pending_owners, pending_bytes = [], [], 0
             for i in range(0, len(mv), WRITE_SLAB):
                 w.write([mv[i : i + WRITE_SLAB]])
+            arr = owner = mv = None  # a large piece's memory (e.g. a device's host copy) goes before the next
         w.write(pending)
         pending = pending_owners = []
         os.fsync(fd)
@@ -318,7 +322,7 @@ def write_file(path: str, data: bytes, fsync: bool, atomic: bool) -> None:
     target = f"{path}.part-{os.getpid()}-{threading.get_ident()}" if atomic else path
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        _write_all(fd, [data])
+        write_all(fd, [data])
         if fsync:
             os.fsync(fd)
     finally:
@@ -427,8 +431,20 @@ class FileSet:
     """Open-on-demand read-only descriptors for the files of one checkpoint, with size checks, and the checksum
     function its chunks are verified with (None: reads are not verified)."""
 
-    def __init__(self, root: str, sizes: dict[str, int], resolve, digest: DigestFn | None = None):
+    def __init__(
+        self,
+        root: str,
+        sizes: dict[str, int],
+        resolve,
+        digest: DigestFn | None = None,
+        odirect: bool | str = "auto",
+        read_slab: int = DEFAULT_READ_SLAB,
+        checksum_threads: int = DEFAULT_CHECKSUM_THREADS,
+    ):
         self.root = root
+        self.odirect = odirect if HAVE_ODIRECT else False
+        self.read_slab = read_slab
+        self.checksum_threads = checksum_threads
         self.sizes = sizes
         self.resolve = resolve
         self.digest = digest
@@ -437,10 +453,21 @@ class FileSet:
         self._direct: dict[str, int | None] = {}
 
     @classmethod
-    def of(cls, root: str, md, resolve, verify: bool) -> FileSet:
-        """The files of checkpoint ``md`` at ``root``; verified reads when ``verify`` and it has checksums."""
+    def of(cls, root: str, md, resolve, verify: bool, options=None) -> FileSet:
+        """The files of checkpoint ``md`` at ``root``; verified reads when ``verify`` and it has checksums;
+        O_DIRECT and the read slab as ``options`` (a CheckpointOptions; None: the defaults)."""
         digest = checksums.digest_function(md.checksum) if verify and md.checksum != checksums.NONE else None
-        return cls(root, {n: f.size for n, f in md.files.items()}, resolve, digest)
+        if options is None:
+            return cls(root, {n: f.size for n, f in md.files.items()}, resolve, digest)
+        return cls(
+            root,
+            {n: f.size for n, f in md.files.items()},
+            resolve,
+            digest,
+            odirect=options.odirect,
+            read_slab=options.read_slab_bytes,
+            checksum_threads=options.checksum_threads,
+        )
 
     @property
     def verifies(self) -> bool:
@@ -485,7 +512,7 @@ class FileSet:
             return self._direct[name]
         self.fd(name)
         fd = None
-        use = ODIRECT
+        use = self.odirect
         if use == "auto":
             cached = page_cache_fraction(self.fds[name], self.sizes[name])
             use = cached is not None and cached < CACHED_FRACTION_FOR_BUFFERED
@@ -602,8 +629,8 @@ class ChunkVerifier:
     must not be used before ``wait()`` returned without error.
     """
 
-    def __init__(self):
-        self.pool = _checksum_pool()
+    def __init__(self, threads: int = DEFAULT_CHECKSUM_THREADS):
+        self.pool = _checksum_pool(threads)
         self.futures: list = []
 
     def check(self, files: FileSet, key: str, piece: PieceMeta, buf, pos: int, chunk_bytes: int) -> None:
@@ -669,10 +696,10 @@ def read_range_direct(
         files.pread_into(piece.file, tmp, piece.offset + a0)
         _verify_chunks(files, key, piece, tmp, a0, C)
         out[: A - a] = tmp[a - a0 : A - a0]
-    slab = max(C, (READ_SLAB_BYTES // C) * C)
+    slab = max(C, (files.read_slab // C) * C)
     own = verifier is None
     if own:
-        verifier = ChunkVerifier()
+        verifier = ChunkVerifier(files.checksum_threads)
     try:
         for pos in range(A, B, slab):
             end = min(B, pos + slab)
@@ -705,13 +732,13 @@ class SpanRead:
 
 
 def read_spans(files: FileSet, spans: list[SpanRead], chunk_bytes: int, verifier: ChunkVerifier | None) -> None:
-    """Read every span (in file order, ``READ_SLAB_BYTES`` at a time; O_DIRECT where supported, else buffered,
+    """Read every span (in file order, ``files.read_slab`` bytes at a time; O_DIRECT where supported, else buffered,
     relying on the kernel's sequential readahead). The chunk checks go to ``verifier`` (None: no checks) as soon
     as their chunks are in, so checksumming overlaps the reads that follow. The spans' bytes must not be used
     before ``verifier.wait()`` returned."""
     C = chunk_bytes
     spans = sorted(spans, key=lambda sp: (sp.name, sp.start))
-    slab = max(DIRECT_ALIGN, (READ_SLAB_BYTES // DIRECT_ALIGN) * DIRECT_ALIGN)
+    slab = max(DIRECT_ALIGN, (files.read_slab // DIRECT_ALIGN) * DIRECT_ALIGN)
 
     def submit(sp: SpanRead, c: list, end: int) -> None:
         key, piece, _a0, cur, _b0 = c

@@ -1,7 +1,7 @@
 """One-call checkpointing of a FullyShardFusion model: tensors, optimizer, LR scheduler, RNG, user state.
 
 Built on the records of records.py and the storage engine in ``checkpoint/``. Besides tensors,
-a checkpoint carries small JSON values under reserved keys (``__fsdp__.*``): the optimizer's class and
+a checkpoint carries small JSON values under the reserved keys of ``checkpoint/format/reserved.py``: the optimizer's class and
 non-tensor state, every rank's random generator state, and the caller's ``extra_state``.
 
 Numbered checkpoints (``checkpoint/manager.py``)::
@@ -27,18 +27,22 @@ import os
 import paddle
 from paddle.base import core
 
-from ..checkpoint import CheckpointManager, LoadReport, load_state_dict, read_metadata, save_state_dict
-from ..checkpoint.api import _error_payload, _raise_gathered
+from ..checkpoint import (
+    CheckpointManager,
+    CheckpointOptions,
+    LoadReport,
+    gather_errors,
+    load_state_dict,
+    read_metadata,
+    save_state_dict,
+)
 from ..checkpoint.errors import OptimizerMismatchError, UnexpectedKeyError
+from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
 from ..checkpoint.manager import parse_step, resolve_checkpoint, step_dir_name
 from . import optimizer_states as names
 
 logger = logging.getLogger(__name__)
 
-RESERVED_PREFIX = "__fsdp__."
-OPTIMIZER_KEY = "__fsdp__.optimizer"
-RNG_KEY = "__fsdp__.rng"
-EXTRA_KEY = "__fsdp__.extra_state"
 HF_FORMAT_NAMES = {"hf", "huggingface", "hugging_face", "hf_safetensors", "transformers"}
 
 
@@ -90,12 +94,14 @@ def save_checkpoint(
     keep_last: int | None = None,
     format: str = "fsdp",
     async_save: bool = False,
+    options: CheckpointOptions | None = None,
 ):
     """Save everything needed to resume bit-exactly. Collective: every rank of the group calls it.
 
     With ``step``, ``path`` is a checkpoint root: the checkpoint goes to ``path/step_<step>``, ``path/latest``
     names it once it is committed, and with ``keep_last=K`` only the K newest steps are kept (removed after
-    the commit). Returns the engine's SaveHandle when ``async_save`` (call ``wait()`` before relying on the
+    the commit). ``options``: the engine's CheckpointOptions (None: from the environment). Returns the engine's
+    SaveHandle when ``async_save`` (call ``wait()`` before relying on the
     files; ``latest`` and pruning happen in the background too).
     """
     if str(format).lower() in HF_FORMAT_NAMES:
@@ -122,8 +128,8 @@ def save_checkpoint(
     state[RNG_KEY] = fsdp.comm.all_gather_object(_rng_state())
     state[EXTRA_KEY] = dict(extra_state or {})
     if manager is not None:
-        return manager.save(step, state, async_save=async_save)
-    return save_state_dict(state, path, process_group=fsdp.comm.group, async_save=async_save)
+        return manager.save(step, state, async_save=async_save, options=options)
+    return save_state_dict(state, path, process_group=fsdp.comm.group, async_save=async_save, options=options)
 
 
 def _foreign_keys(metadata, fsdp) -> list[str]:
@@ -169,7 +175,13 @@ def _precheck(fsdp, path: str, optimizer, strict: bool) -> tuple[str, list[str]]
 
 
 def load_checkpoint(
-    fsdp, path: str, optimizer=None, *, strict: bool = True, verify_checksums: bool = True
+    fsdp,
+    path: str,
+    optimizer=None,
+    *,
+    strict: bool = True,
+    verify_checksums: bool = True,
+    options: CheckpointOptions | None = None,
 ) -> LoadResult:
     """Restore what :func:`save_checkpoint` wrote into ``fsdp``'s model and ``optimizer``, in place.
 
@@ -186,7 +198,7 @@ def load_checkpoint(
     except Exception as e:  # noqa: BLE001 - whatever fails here must reach the exchange below
         err = e
     # every rank fails together: a rank raising alone would leave the others waiting in the load's collective
-    _raise_gathered([g[0] for g in fsdp.comm.all_gather_object((_error_payload(err),))], err)
+    gather_errors(fsdp.comm, err)
     if optimizer is not None:
         inner = names.unwrap_optimizer(optimizer)
         fsdp.init_optimizer_state(optimizer)
@@ -194,7 +206,12 @@ def load_checkpoint(
     for key in (RNG_KEY, EXTRA_KEY) + ((OPTIMIZER_KEY,) if optimizer is not None else ()):
         state[key] = None
     report = load_state_dict(
-        state, resolved, process_group=fsdp.comm.group, strict=strict, verify_checksums=verify_checksums
+        state,
+        resolved,
+        process_group=fsdp.comm.group,
+        strict=strict,
+        verify_checksums=verify_checksums,
+        options=options,
     )
     if optimizer is not None and state[OPTIMIZER_KEY] is not None:
         names.set_optimizer_global_state(inner, state[OPTIMIZER_KEY]["global_state"])

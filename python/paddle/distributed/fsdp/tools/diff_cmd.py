@@ -22,14 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.metadata import itemsize
+from ..checkpoint.format.metadata import itemsize
+from ..checkpoint.format.reserved import RNG_KEY
 from ..checkpoint.planner import Region
-from . import ckpt_io
 from .ckpt_io import CheckpointReader, classify_keys
 from .progress import Progress
 
 DEFAULT_WINDOW_BYTES = 16 << 20
-IGNORED_VALUES = (ckpt_io.RNG_VALUE_KEY,)  # per-run random state: never equal across runs, not a weight
+IGNORED_VALUES = (RNG_KEY,)  # per-run random state: never equal across runs, not a weight
 EMPTY_VALUES = (None, {}, [])
 
 

@@ -191,7 +191,7 @@ def plan_to_hf_preset(
 
 @dataclass
 class MergePart:
-    source: object  # (StFile, StEntry) of the HF tensor
+    source: object  # (SafetensorsFile, SafetensorsEntry) of the HF tensor
     row_start: int
     row_stop: int
     fused_pos: int  # first row of this block in the fused tensor (HF orientation)
@@ -212,7 +212,7 @@ class MergedTensor:
 def plan_from_hf_preset(
     sources: dict[str, tuple], preset: Preset, dims: ModelDims, allow_unmapped: bool
 ) -> list[MergedTensor]:
-    """HF tensors (``name -> (StFile, StEntry)``) -> checkpoint tensors under ``preset``."""
+    """HF tensors (``name -> (SafetensorsFile, SafetensorsEntry)``) -> checkpoint tensors under ``preset``."""
     expected = expected_params(preset, dims)
     shape_errors: list[str] = []
     unmapped: list[str] = []
