@@ -467,6 +467,7 @@ def test_exports_load_in_transformers_with_the_paddle_logits(models, exports, tm
         theirs = np.load(tmp_path / f"{p}.npy")
         assert theirs.shape == models[p].logits.shape
         err = float(np.abs(theirs - models[p].logits).max())
+        print(f"\ntransformers logits of the {p} export vs paddle: max abs {err:.2e}")
         assert err <= LOGITS_ATOL, (p, err)
 
 
@@ -481,6 +482,7 @@ def test_transformers_models_imported_into_fsdp_give_transformers_logits(world, 
         ours = np.load(c["out"])
         theirs = np.load(hf_saved.logits[c["name"]])
         err = float(np.abs(ours - theirs).max())
+        print(f"\nfrom-hf --preset {c['name']} on {world} rank(s) vs transformers: max abs {err:.2e}")
         assert err <= LOGITS_ATOL, (c["name"], world, err)
 
 
