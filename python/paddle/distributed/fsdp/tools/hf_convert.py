@@ -617,7 +617,7 @@ def from_hf(
         logger.info("from-hf: using preset %s recorded by to-hf", preset)
     if preset is not None:
         return _from_hf_preset(
-            hf_path, out, st_files, preset, config, dtype, allow_unmapped, progress, write_stock_metadata
+            hf_path, out, st_files, record, preset, config, dtype, allow_unmapped, progress, write_stock_metadata
         )
     plan = plan_from_hf(st_files, record, rules, dtype)
     tensors = [t for _, ts in plan for t in ts]
@@ -649,7 +649,9 @@ def from_hf(
     }
 
 
-def _from_hf_preset(hf_path, out, st_files, preset_name, config, dtype, allow_unmapped, progress, stock_md) -> dict:
+def _from_hf_preset(
+    hf_path, out, st_files, record, preset_name, config, dtype, allow_unmapped, progress, stock_md
+) -> dict:
     """from-hf with a preset: HF tensors grouped, shape-checked and merged into checkpoint tensors."""
     from .preset_plan import plan_from_hf_preset
     from .presets import check_model_type, get_preset, model_dims
@@ -691,7 +693,10 @@ def _from_hf_preset(hf_path, out, st_files, preset_name, config, dtype, allow_un
                     dst = _target_dtype(m.src_dtype, dtype)
                     entries.append(WriteEntry(m.key, dst, m.shape, _merge_producer(fds, m, dst)))
                 writer.write_file(entries)
-            writer.commit({RNG_KEY: [], EXTRA_KEY: {}}, write_stock_metadata=stock_md)
+            values: dict[str, Any] = {RNG_KEY: [], EXTRA_KEY: {}}
+            if record is not None and record.get("optimizer") is not None and any(m.state for m in merged):
+                values[OPTIMIZER_KEY] = record["optimizer"]
+            writer.commit(values, write_stock_metadata=stock_md)
             n_files = len(writer.files)
     finally:
         fds.close()
@@ -729,7 +734,8 @@ def _merge_producer(fds: _FdCache, m, dst: str, block_bytes: int = 2 << 20):
 
     def produce() -> np.ndarray:
         out = np.empty(_numel(m.shape), ckpt_io.storage_dtype(dst)).reshape(m.shape)
-        view = out.T if m.transpose else out  # HF orientation: parts are row ranges along axis 0
+        # HF orientation: parts are row ranges along axis 0 (a 0-d tensor is one row of one element)
+        view = out.T if m.transpose else out if m.shape else out.reshape(1)
         for part in m.parts:
             st, e = part.source
             fd = fds.get(st.path)
@@ -740,7 +746,7 @@ def _merge_producer(fds: _FdCache, m, dst: str, block_bytes: int = 2 << 20):
                 n = min(step, part.row_stop - r)
                 raw = np.empty(n * row_bytes, np.uint8)
                 ckpt_io.pread_exact(fd, raw, st.data_start + e.begin + r * row_bytes, st.path)
-                rows = raw.view(ckpt_io.storage_dtype(e.dtype)).reshape((n,) + tuple(e.shape[1:]))
+                rows = raw.view(ckpt_io.storage_dtype(e.dtype)).reshape((n,) + tuple(e.shape[1:]) if e.shape else (n,))
                 pos = part.fused_pos + (r - part.row_start)
                 view[pos : pos + n] = ckpt_io.cast_array(rows, e.dtype, dst)
         return out.reshape(-1).view(np.uint8)

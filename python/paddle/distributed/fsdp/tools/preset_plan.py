@@ -207,6 +207,7 @@ class MergedTensor:
     transpose: bool
     parts: list[MergePart]
     hf_names: list[str]
+    state: str | None = None  # optimizer state name, None for a parameter
 
 
 def plan_from_hf_preset(
@@ -223,12 +224,20 @@ def plan_from_hf_preset(
         if exp is not None and tuple(e.shape) != exp.shape:
             shape_errors.append(f"{name!r} has shape {list(e.shape)}, but the config gives {list(exp.shape)}")
             continue
+        state = None
         m, rest = _match(preset.hf_patterns(), name)
         if m is None or exp is None:
-            unmapped.append(name)
-            continue
+            # optimizer state written by `to-hf --include-optimizer`: "<HF param name>.<state>"
+            head, dot, tail = name.rpartition(".")
+            m, rest = (
+                _match(preset.hf_patterns(), head) if dot and head in expected and head in sources else (None, None)
+            )
+            if m is None:
+                unmapped.append(name)
+                continue
+            state = tail
         rule, j = rest
-        gkey = (id(rule), tuple(sorted(m.groupdict().items())))
+        gkey = (id(rule), tuple(sorted(m.groupdict().items())), state)
         groups.setdefault(gkey, {})[j] = name
         rules_of[gkey] = rule
     if shape_errors:
@@ -237,16 +246,26 @@ def plan_from_hf_preset(
     incomplete: list[str] = []
     for gkey in groups:
         rule = rules_of[gkey]
-        binding = dict(gkey[1])
-        names = [t.format(**binding) for t in rule.hf]
+        binding, state = dict(gkey[1]), gkey[2]
+        params = [t.format(**binding) for t in rule.hf]
+        names = params if state is None else [f"{n}.{state}" for n in params]
+        key = rule.ckpt.format(**binding) + ("" if state is None else f".{state}")
         absent = [n for n in names if n not in sources]
         if absent:
-            incomplete.append(f"{rule.ckpt.format(**binding)!r} needs {_names(absent)}")
+            incomplete.append(f"{key!r} needs {_names(absent)}")
             continue
         shapes = [tuple(sources[n][1].shape) for n in names]
         dtypes = {sources[n][1].dtype for n in names}
         if len(dtypes) != 1:
             raise ToolError(f"from-hf: {', '.join(names)} have different dtypes {sorted(dtypes)}: cannot merge them")
+        if state is not None and shapes != [expected[n].shape for n in params]:
+            # per-parameter state of another shape (beta1_pow_acc): to-hf copied it to every part; take one
+            if len(set(shapes)) != 1:
+                raise ToolError(f"from-hf: optimizer state {', '.join(names)} has different shapes {shapes}")
+            src = sources[names[0]]
+            rows = shapes[0][0] if shapes[0] else 1
+            out.append(MergedTensor(key, shapes[0], dtypes.pop(), False, [MergePart(src, 0, rows, 0)], names, state))
+            continue
         parts = []
         for s in split_of(rule, dims, names, shapes):
             src = sources[s.name]
@@ -257,11 +276,7 @@ def plan_from_hf_preset(
             for p, q in s.rows:
                 parts.append(MergePart(src, a, a + q - p, p))
                 a += q - p
-        out.append(
-            MergedTensor(
-                rule.ckpt.format(**binding), fused_shape(rule, shapes), dtypes.pop(), rule.transpose, parts, names
-            )
-        )
+        out.append(MergedTensor(key, fused_shape(rule, shapes), dtypes.pop(), rule.transpose, parts, names, state))
     missing = [n for n, e in expected.items() if e.required and n not in sources]
     problems = []
     if unmapped:
