@@ -298,6 +298,32 @@ def test_missing_parameters_and_bad_shapes_are_refused(models, tmp_path, capsys)
     _refused(res, "'model.layers.0.self_attn.qkv_proj.weight' has shape [32, 64]", "[32, 96]")
     res = cli(capsys, "to-hf", m.ckpt, tmp_path / "d", "--preset", "qwen3", "--config", m.config)
     _refused(res, "model_type 'qwen3_moe'", "preset qwen3 is for qwen3")
+    for layers, needle in ((10**12, "not a plausible layer count"), (100_000, "the checkpoint holds")):
+        huge = dict(m.cfg, num_hidden_layers=layers)
+        res = cli(
+            capsys,
+            "to-hf",
+            m.ckpt,
+            tmp_path / "h",
+            "--preset",
+            "qwen3-moe",
+            "--config",
+            _json(tmp_path / "h.json", huge),
+        )
+        _refused(res, needle)
+    for field, value in (("num_key_value_heads", 3), ("hidden_size", "32"), ("vocab_size", None), ("head_dim", -8)):
+        bad = dict(m.cfg, **{field: value})
+        res = cli(
+            capsys,
+            "to-hf",
+            m.ckpt,
+            tmp_path / "h",
+            "--preset",
+            "qwen3-moe",
+            "--config",
+            _json(tmp_path / "h.json", bad),
+        )
+        _refused(res, field)
     res = cli(capsys, "to-hf", m.ckpt, tmp_path / "e", "--preset", "qwen3-moe")
     _refused(res, "needs --config")
     res = cli(capsys, "to-hf", m.ckpt, tmp_path / "f", "--preset", "nope", "--config", m.config)
@@ -365,6 +391,8 @@ def test_buffers_are_left_out_unless_asked(models, tmp_path, capsys):
     assert res.rc == 0 and read_hf(tmp_path / "c")[buf].tolist() == [7]
     res = cli(capsys, "to-hf", src, tmp_path / "d")
     assert res.rc == 0 and buf not in read_hf(tmp_path / "d")
+    report = json.loads(cli(capsys, "diff", src, m.ckpt, "--json").out)
+    assert [k["role"] for k in report["keys"] if k["key"] == buf] == ["buffer"]
 
 
 def _json(path: Path, obj) -> Path:

@@ -139,6 +139,15 @@ def classify_keys(md: CheckpointMetadata) -> dict[str, KeyRole]:
 # ------------------------------------------------------------------------------------------------ reading
 
 
+def buffer_keys(md: CheckpointMetadata) -> set[str]:
+    """Keys of persistable buffers (model state that is not a parameter), as the checkpoint lists them under
+    ``BUFFERS_KEY`` (``save_checkpoint`` does); a checkpoint without that list has no known buffers."""
+    value = md.values.get(BUFFERS_KEY)
+    if not isinstance(value, (list, dict)):
+        return set()
+    return {k for k in value if isinstance(k, str) and k in md.tensors}
+
+
 def resolve_checkpoint_path(path: str | os.PathLike) -> str:
     """``path`` itself for a checkpoint directory; its latest committed checkpoint for a CheckpointManager root.
 

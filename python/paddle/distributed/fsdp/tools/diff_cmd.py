@@ -25,7 +25,7 @@ import numpy as np
 from ..checkpoint.format.metadata import itemsize
 from ..checkpoint.format.reserved import RNG_KEY
 from ..checkpoint.planner import Region
-from .ckpt_io import CheckpointReader, classify_keys
+from .ckpt_io import CheckpointReader, buffer_keys, classify_keys
 from .progress import Progress
 
 DEFAULT_WINDOW_BYTES = 16 << 20
@@ -36,7 +36,7 @@ EMPTY_VALUES = (None, {}, [])
 @dataclass
 class KeyDiff:
     key: str
-    role: str
+    role: str  # model | optimizer | buffer
     status: str  # equal | differs | missing | extra | dtype | shape
     dtype: str | None = None
     shape: list[int] | None = None
@@ -150,6 +150,7 @@ def diff(
     with CheckpointReader(a, verify=verify) as ra, CheckpointReader(b, verify=verify) as rb:
         report = DiffReport(ra.path, rb.path, atol=float(atol), rtol=float(rtol))
         roles_a, roles_b = classify_keys(ra.md), classify_keys(rb.md)
+        buffers = buffer_keys(ra.md) | buffer_keys(rb.md)
         ta, tb = ra.md.tensors, rb.md.tensors
         names = list(ta) + [k for k in tb if k not in ta]
         if keys is not None:
@@ -159,7 +160,7 @@ def diff(
         total = sum(ra.nbytes(k) for k in common if ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape)
         with Progress(total, "diff", enabled=progress) as bar:
             for k in names:
-                role = (roles_a.get(k) or roles_b[k]).role
+                role = "buffer" if k in buffers else (roles_a.get(k) or roles_b[k]).role
                 if k not in tb:
                     report.keys.append(KeyDiff(k, role, "missing", ta[k].dtype, list(ta[k].shape)))
                     continue

@@ -279,7 +279,7 @@ def to_hf(
     if preset is not None and config_dict is None:
         raise ToolError(f"--preset {preset} needs --config (the Hugging Face config.json: sizes for the splits)")
     with CheckpointReader(ckpt) as reader:
-        skip = set() if include_buffers else buffer_keys(reader.md)
+        skip = set() if include_buffers else ckpt_io.buffer_keys(reader.md)
         if skip:
             logger.info("to-hf: leaving out %d buffer(s) (--include-buffers to export them)", len(skip))
         if preset is not None:
@@ -345,20 +345,6 @@ def read_config(path: str | os.PathLike) -> tuple[bytes, dict]:
     if not isinstance(cfg, dict):
         raise ToolError(f"config {path} is not a JSON object")
     return raw, cfg
-
-
-def buffer_keys(md) -> set[str]:
-    """Checkpoint keys that hold persistable buffers rather than parameters (left out of exports by default).
-
-    A checkpoint names its buffers in the ``__fsdp__.buffers`` value (a list of keys) when its writer records them;
-    a checkpoint without that record has no known buffers.
-    """
-    value = md.values.get(ckpt_io.BUFFERS_KEY)
-    if isinstance(value, list):
-        return {k for k in value if isinstance(k, str) and k in md.tensors}
-    if isinstance(value, dict):
-        return {k for k in value if isinstance(k, str) and k in md.tensors}
-    return set()
 
 
 def plan_to_hf_with_preset(md, preset_name, config_dict, config_path, dtype, include_optimizer, allow_unmapped, skip):

@@ -87,6 +87,17 @@ def _suggest(keys: list[str], current: Preset) -> str:
     return ""
 
 
+def _limit(n_tensors: int, allow_unmapped: bool, what: str) -> tuple[int, str]:
+    """The most parameters a config may describe for an input of ``n_tensors`` tensors (and why): a complete
+    conversion needs every one of them, so a config describing far more is refused before they are listed."""
+    from .presets import MAX_EXPECTED
+
+    if allow_unmapped:
+        return MAX_EXPECTED, ""
+    limit = min(MAX_EXPECTED, 3 * n_tensors + 64)
+    return limit, f" (the {what} holds {n_tensors} tensors: most of the architecture would be missing)"
+
+
 def refuse_or_warn(problems: list[str], allow_unmapped: bool, what: str) -> None:
     if not problems:
         return
@@ -115,7 +126,7 @@ def plan_to_hf_preset(
     reported as unmapped.
     """
     roles = classify_keys(md)
-    expected = expected_params(preset, dims)
+    expected = expected_params(preset, dims, *_limit(len(md.tensors), allow_unmapped, "checkpoint"))
     produced: dict[str, str] = {}
     unmapped: list[str] = []
     outside: list[str] = []
@@ -214,7 +225,7 @@ def plan_from_hf_preset(
     sources: dict[str, tuple], preset: Preset, dims: ModelDims, allow_unmapped: bool
 ) -> list[MergedTensor]:
     """HF tensors (``name -> (SafetensorsFile, SafetensorsEntry)``) -> checkpoint tensors under ``preset``."""
-    expected = expected_params(preset, dims)
+    expected = expected_params(preset, dims, *_limit(len(sources), allow_unmapped, "input"))
     shape_errors: list[str] = []
     unmapped: list[str] = []
     groups: dict[tuple, dict[int, str]] = {}  # (rule, binding) -> {target index: HF name}

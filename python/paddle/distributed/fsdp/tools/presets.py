@@ -318,7 +318,10 @@ def model_dims(cfg: Any, where: str = "config") -> ModelDims:
     only = cfg.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(isinstance(x, int) for x in only):
         raise ToolError(f"{where}: mlp_only_layers must be a list of layer indices")
-    sparse = frozenset(i for i in range(layers) if experts > 0 and i not in only and (i + 1) % step == 0)
+    if layers > MAX_EXPECTED:
+        raise ToolError(f"{where}: num_hidden_layers {layers} is not a plausible layer count")
+    only_set = set(only)
+    sparse = frozenset(i for i in range(layers) if experts > 0 and i not in only_set and (i + 1) % step == 0)
     symbols = {
         "V": _int(cfg, "vocab_size", where),
         "H": hidden,
@@ -359,8 +362,38 @@ class ExpectedParam:
     required: bool
 
 
-def expected_params(preset: Preset, dims: ModelDims) -> dict[str, ExpectedParam]:
-    """Every HF parameter of the architecture ``dims`` describes, in model order."""
+MAX_EXPECTED = 1_000_000  # parameter tensors a config may describe (Qwen3-235B-A22B: ~37k)
+
+
+def expected_count(preset: Preset, dims: ModelDims) -> int:
+    """How many parameters :func:`expected_params` would list, computed without listing them."""
+
+    def n(scope: str) -> int:
+        return sum(1 for s in preset.params if s.scope == scope and (s.when is None or dims.flags.get(s.when, False)))
+
+    sparse = len(dims.sparse_layers)
+    return (
+        n("model")
+        + dims.layers * n("layer")
+        + (dims.layers - sparse) * n("dense")
+        + sparse * (n("sparse") + dims.experts * n("expert"))
+    )
+
+
+def expected_params(
+    preset: Preset, dims: ModelDims, limit: int = MAX_EXPECTED, context: str = ""
+) -> dict[str, ExpectedParam]:
+    """Every HF parameter of the architecture ``dims`` describes, in model order.
+
+    Refuses a config that describes more than ``limit`` parameters (checked before listing any), so a crafted
+    ``num_hidden_layers`` cannot make the tool spin or fill memory.
+    """
+    count = expected_count(preset, dims)
+    if count > limit:
+        raise ToolError(
+            f"the config describes {count} parameter tensors ({dims.layers} layers, {dims.experts} experts), "
+            f"more than the {limit} this conversion accepts{context}"
+        )
     out: dict[str, ExpectedParam] = {}
 
     def add(spec: ParamSpec, **binding: int) -> None:
