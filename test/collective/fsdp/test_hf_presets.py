@@ -683,3 +683,53 @@ def test_bf16_export_of_split_keys(models, exports, tmp_path, capsys):
         dtype, shape, data = got[name]
         assert dtype == "BF16" and list(shape) == list(value.shape), name
         assert data == bf16_reference(value).tobytes(), name
+
+
+def _fuzz_configs(n: int, seed: int = 20261201):
+    """Seeded random architectures: MHA, GQA and MQA, head_dim != hidden/heads (Qwen3), odd sizes."""
+    rng = np.random.default_rng(seed)
+    families = list(pf_models.FAMILIES)
+    for i in range(n):
+        family = families[i % len(families)]
+        kv = int(rng.choice([1, 2, 3]))
+        heads = kv * int(rng.choice([1, 2, 3]))
+        d = int(rng.choice([4, 6, 8]))
+        hidden = heads * d if family in ("llama", "qwen2") else int(rng.choice([12, 20, 24]))
+        over = dict(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            intermediate_size=int(rng.choice([10, 22, 36])),
+            num_hidden_layers=int(rng.choice([1, 2])),
+            vocab_size=int(rng.choice([50, 77])),
+        )
+        over["head_dim"] = d  # == hidden / heads for Llama and Qwen2, free for Qwen3
+        if family == "qwen3-moe":
+            over.update(moe_intermediate_size=int(rng.choice([6, 14])), num_experts=int(rng.choice([2, 3])))
+            over["num_experts_per_tok"] = min(2, over["num_experts"])
+            over["mlp_only_layers"] = [0] if over["num_hidden_layers"] == 2 else []
+        yield family, over
+
+
+@pytest.mark.parametrize("family,over", list(_fuzz_configs(8)), ids=lambda x: x if isinstance(x, str) else "")
+def test_fused_layouts_over_random_architectures(family, over, tmp_path, capsys):
+    """The class, not the case: for random head counts (MHA/GQA/MQA) and sizes, an unfused PaddleFormers model
+    exported and merged into a fused one (judged by PaddleFormers' fused forward) keeps its logits, and the fused
+    checkpoint splits back into the same bytes."""
+    cfg = dict(pf_models.hf_config(family), **over)
+    config = _json(tmp_path / "config.json", cfg)
+    model = pf_models.paddle_model(family, False, cfg, seed=7)
+    ids = pf_models.input_ids(cfg["vocab_size"], seed=3)
+    want = pf_models.paddle_logits(model, ids)
+    pf_models.save_single_process(model, tmp_path / "ckpt")
+    assert cli(capsys, "to-hf", tmp_path / "ckpt", tmp_path / "hf", "--preset", family, "--config", config).rc == 0
+    res = cli(capsys, "from-hf", tmp_path / "hf", tmp_path / "fused", "--preset", f"{family}-fused")
+    assert res.rc == 0, res.err
+    fused = pf_models.paddle_model(family, True, cfg, seed=8)
+    missing, unexpected = fused.set_state_dict(load_full_state_dict(str(tmp_path / "fused")))
+    assert not missing and not unexpected
+    np.testing.assert_allclose(pf_models.paddle_logits(fused, ids), want, rtol=0, atol=1e-5)
+    res = cli(capsys, "to-hf", tmp_path / "fused", tmp_path / "hf2", "--preset", f"{family}-fused", "--config", config)
+    assert res.rc == 0, res.err
+    a, b = read_hf(tmp_path / "hf"), read_hf(tmp_path / "hf2")
+    assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
