@@ -159,12 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--include-optimizer", action="store_true", help="also write optimizer state, as '<hf param name>.<state>'"
     )
-    _preset_options(p, "to-hf")
     p.add_argument(
         "--include-buffers",
         action="store_true",
-        help="also export persistable buffers the checkpoint records (left out by default: not HF parameters)",
+        help="also write the model's persistable buffers (left out by default)",
     )
+    _preset_options(p, "to-hf")
     p.set_defaults(func=cmd_to_hf)
 
     p = sub.add_parser(
@@ -309,11 +309,11 @@ def cmd_to_hf(args) -> int:
         dtype=args.dtype,
         rules=rules,
         include_optimizer=args.include_optimizer,
+        include_buffers=args.include_buffers,
         progress=_progress(args),
         preset=args.preset,
         config=args.config,
         allow_unmapped=args.allow_unmapped,
-        include_buffers=args.include_buffers,
     )
     print(
         f"wrote {s['tensors']} tensors ({human_bytes(s['total_size'])}, {s['transposed']} transposed, "

@@ -25,7 +25,7 @@ import numpy as np
 from ..checkpoint.format.metadata import itemsize
 from ..checkpoint.format.reserved import RNG_KEY
 from ..checkpoint.planner import Region
-from .ckpt_io import CheckpointReader, buffer_keys, classify_keys
+from .ckpt_io import BUFFER, CheckpointReader, buffer_keys, classify_keys
 from .progress import Progress
 
 DEFAULT_WINDOW_BYTES = 16 << 20
@@ -160,7 +160,7 @@ def diff(
         total = sum(ra.nbytes(k) for k in common if ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape)
         with Progress(total, "diff", enabled=progress) as bar:
             for k in names:
-                role = "buffer" if k in buffers else (roles_a.get(k) or roles_b[k]).role
+                role = BUFFER if k in buffers else (roles_a.get(k) or roles_b[k]).role
                 if k not in tb:
                     report.keys.append(KeyDiff(k, role, "missing", ta[k].dtype, list(ta[k].shape)))
                     continue

@@ -255,14 +255,16 @@ def to_hf(
     dtype: str | None = None,
     rules: Rules | None = None,
     include_optimizer: bool = False,
+    include_buffers: bool = False,
     progress: bool | None = None,
     preset: str | None = None,
     config: str | os.PathLike | None = None,
     allow_unmapped: bool = False,
-    include_buffers: bool = False,
 ) -> dict:
     """Convert checkpoint ``ckpt`` into Hugging Face safetensors in ``out`` (see the module docstring).
 
+    Persistable buffers that ``save_checkpoint`` listed (``__fsdp__.buffers``) are left out unless
+    ``include_buffers``: Hugging Face weights hold parameters, and a loader would report them as unexpected.
     ``preset`` (needs ``config``, an HF ``config.json``): the family's names, transposes and fused-key splits,
     with the export refused unless complete (``allow_unmapped`` skips what cannot be mapped). ``config`` is copied
     into the export as ``config.json``. Returns a summary: ``{"out", "files", "tensors", "total_size",
@@ -279,15 +281,15 @@ def to_hf(
     if preset is not None and config_dict is None:
         raise ToolError(f"--preset {preset} needs --config (the Hugging Face config.json: sizes for the splits)")
     with CheckpointReader(ckpt) as reader:
-        skip = set() if include_buffers else ckpt_io.buffer_keys(reader.md)
-        if skip:
-            logger.info("to-hf: leaving out %d buffer(s) (--include-buffers to export them)", len(skip))
+        buffers = set() if include_buffers else ckpt_io.buffer_keys(reader.md)
+        if buffers:
+            logger.info("to-hf: leaving out %d buffer(s) (--include-buffers to export them)", len(buffers))
         if preset is not None:
             tensors = plan_to_hf_with_preset(
-                reader.md, preset, config_dict, config, dtype, include_optimizer, allow_unmapped, skip
+                reader.md, preset, config_dict, config, dtype, include_optimizer, allow_unmapped, buffers
             )
         else:
-            tensors = [t for t in plan_to_hf(reader.md, rules, dtype, include_optimizer) if t.param not in skip]
+            tensors = plan_to_hf(ckpt_io.without_keys(reader.md, buffers), rules, dtype, include_optimizer)
         if not tensors:
             raise ToolError(f"checkpoint {reader.path} holds no tensors to export")
         shards = split_shards(tensors, max_bytes)
