@@ -243,10 +243,12 @@ class CheckpointReader:
     def read_region_raw(self, key: str, region: Region) -> np.ndarray:
         """The bytes of ``region`` of tensor ``key`` in the region's storage order (uint8)."""
         tm = self.md.tensors[key]
-        out = np.empty(region.numel * itemsize(tm.dtype), np.uint8)
         if region.numel == 0:
-            return out
+            return np.empty(0, np.uint8)
         self.check_coverage(key)
+        for name in sorted({p.file for p in tm.pieces if p.nbytes}):
+            self._files.fd(name)  # real regular files of the declared sizes, before allocating by the shape
+        out = np.empty(region.numel * itemsize(tm.dtype), np.uint8)
         read_region(self._files, self.md, key, region, out, self.verify, window_bytes=self.WINDOW_BYTES)
         return out
 
