@@ -733,3 +733,25 @@ def test_fused_layouts_over_random_architectures(family, over, tmp_path, capsys)
     assert res.rc == 0, res.err
     a, b = read_hf(tmp_path / "hf"), read_hf(tmp_path / "hf2")
     assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+def test_help_and_progress_of_the_new_options(models, tmp_path, capsys):
+    for command, needles in (
+        ("diff", ("largest absolute", "--atol", "--window", "Exit codes")),
+        ("to-hf", ("--preset", "--config", "--allow-unmapped", "--include-buffers", "qwen3-moe-fused", "per kv head")),
+        ("from-hf", ("--preset", "--allow-unmapped", "llama-fused", "HF_DIR/config.json")),
+    ):
+        res = cli(capsys, command, "--help")
+        assert res.rc == 0
+        for n in needles:
+            assert n in res.out, (command, n)
+    from paddle.distributed.fsdp.tools import diff, to_hf
+
+    m = models["qwen3-moe-fused"]
+    capsys.readouterr()
+    to_hf(str(m.ckpt), str(tmp_path / "hf"), preset="qwen3-moe-fused", config=str(m.config), progress=True)
+    err = capsys.readouterr().err
+    assert "to-hf [" in err and "100.0%" in err
+    report = diff(str(m.ckpt), str(m.ckpt), progress=True)
+    err = capsys.readouterr().err
+    assert "diff [" in err and "100.0%" in err and report.identical

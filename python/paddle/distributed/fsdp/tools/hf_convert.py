@@ -34,6 +34,16 @@ transposed. Values written: ``__fsdp__.rng = []`` (no saved random state: ``load
 own), ``__fsdp__.extra_state = {}``, and ``__fsdp__.optimizer`` when the record carries it and optimizer tensors
 are present. ``dtype`` casts floating tensors as in to-hf (e.g. ``fp32`` for a float32 model from bf16 weights).
 
+Presets
+-------
+With ``preset`` (``presets.py``: a model family's names, transposes and fused-key layouts, as data) and an HF
+``config.json``, ``preset_plan`` decides the tensors: to-hf splits a fused key into several HF tensors, each a list
+of row ranges of the source in HF orientation (``HfTensor.rows``); the fused source is read once for all its parts
+(``LastTensor``), so memory stays at one tensor plus bounded blocks. from-hf merges the parts back, reading each
+part's rows in bounded blocks straight into the fused tensor. The config is copied into the export and recorded
+(``paddle_fsdp.preset``), so from-hf of a preset export needs no flag. Incomplete conversions are refused (see
+``preset_plan``). Persistable buffers listed in ``__fsdp__.buffers`` are left out of exports unless asked.
+
 Both directions write into ``OUT.tmp-<id>`` and rename it to ``OUT`` only when complete; an existing non-empty
 ``OUT`` is refused. ``to_hf(from_hf(x))`` reproduces ``x``'s names, dtypes and values; when ``x`` itself came from
 ``to_hf`` with the same rules/shard size, the files are byte-identical.

@@ -176,9 +176,7 @@ def plan_to_hf_preset(
     refuse_or_warn(problems, allow_unmapped, f"to-hf --preset {preset.name}")
     if not include_optimizer:
         return items
-    out: list[ToHfItem] = []
-    for item in items:
-        out.append(item)
+    out = list(items)
     for key, tm in md.tensors.items():
         r = roles[key]
         if r.role != OPTIMIZER:
