@@ -516,18 +516,21 @@ def test_transformers_models_imported_into_fsdp_give_transformers_logits(world, 
 
 @pytest.fixture(scope="module")
 def hf_saved(tmp_path_factory):
-    """transformers models (random weights) saved by transformers, imported with from-hf for every preset."""
+    """transformers models (random weights) saved by transformers, imported with from-hf for every preset; plus a
+    Qwen3 with tied embeddings (transformers saves no lm_head.weight) imported fused."""
     root = tmp_path_factory.mktemp("hf_saved")
+    variants = {family: (family, {}) for family in pf_models.FAMILIES}
+    variants["qwen3-tied"] = ("qwen3", {"tie_word_embeddings": True})
     save_cases = []
-    for family in pf_models.FAMILIES:
-        d = root / family
+    for name, (family, over) in variants.items():
+        d = root / name
         d.mkdir()
-        config = pf_models.write_hf_config(family, d / "config.json")
+        config = _json(d / "config.json", dict(pf_models.hf_config(family), **over))
         ids = pf_models.input_ids(json.loads(config.read_text())["vocab_size"], seed=8)
         np.save(d / "ids.npy", ids)
         save_cases.append(
             {
-                "name": family,
+                "name": name,
                 "config": str(config),
                 "out_dir": str(d / "hf"),
                 "ids": str(d / "ids.npy"),
@@ -536,22 +539,24 @@ def hf_saved(tmp_path_factory):
             }
         )
     _torch_worker("save", save_cases, root / "save_cases.json")
+    assert "lm_head.weight" not in read_hf(root / "qwen3-tied" / "hf")
     cases, logits = [], {}
-    for preset in pf_models.PRESET_NAMES:
-        family, _fused = pf_models.family_of(preset)
-        d = root / family
-        ckpt = root / f"ckpt_{preset}"
-        assert cli_main(["from-hf", str(d / "hf"), str(ckpt), "--preset", preset]) == 0, preset
+    imports = [(p, pf_models.family_of(p)[0]) for p in pf_models.PRESET_NAMES] + [("qwen3-fused", "qwen3-tied")]
+    for preset, variant in imports:
+        d = root / variant
+        name = f"{preset}@{variant}"
+        ckpt = root / f"ckpt_{name}"
+        assert cli_main(["from-hf", str(d / "hf"), str(ckpt), "--preset", preset]) == 0, name
         cases.append(
             {
-                "name": preset,
+                "name": name,
                 "preset": preset,
                 "config": str(d / "config.json"),
                 "ckpt": str(ckpt),
                 "ids": str(d / "ids.npy"),
             }
         )
-        logits[preset] = d / "logits.npy"
+        logits[name] = d / "logits.npy"
     return SimpleNamespace(cases=cases, logits=logits)
 
 

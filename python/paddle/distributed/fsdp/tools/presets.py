@@ -286,12 +286,13 @@ class ModelDims:
     model_type: str | None
 
 
-def _int(cfg: dict, key: str, where: str, default: int | None = None) -> int:
+def _int(cfg: dict, key: str, where: str, default: int | None = None, positive: bool = False) -> int:
     v = cfg.get(key, default)
     if v is None:
         raise ToolError(f"{where}: missing {key!r}, which the preset needs")
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ToolError(f"{where}: {key!r} must be a non-negative integer, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or v < (1 if positive else 0):
+        kind = "a positive" if positive else "a non-negative"
+        raise ToolError(f"{where}: {key!r} must be {kind} integer, got {v!r}")
     return v
 
 
@@ -299,19 +300,17 @@ def model_dims(cfg: Any, where: str = "config") -> ModelDims:
     """Sizes from an HF config dict; refuses missing or inconsistent values (head counts, head_dim)."""
     if not isinstance(cfg, dict):
         raise ToolError(f"{where}: expected a JSON object")
-    hidden = _int(cfg, "hidden_size", where)
-    heads = _int(cfg, "num_attention_heads", where)
-    if heads == 0:
-        raise ToolError(f"{where}: num_attention_heads is 0")
-    kv = _int(cfg, "num_key_value_heads", where, heads)
-    if kv == 0 or heads % kv:
+    hidden = _int(cfg, "hidden_size", where, positive=True)
+    heads = _int(cfg, "num_attention_heads", where, positive=True)
+    kv = _int(cfg, "num_key_value_heads", where, heads, positive=True)
+    if heads % kv:
         raise ToolError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
     head_dim = cfg.get("head_dim")
     if head_dim is None:
         if hidden % heads:
             raise ToolError(f"{where}: no head_dim, and hidden_size {hidden} is not a multiple of {heads} heads")
         head_dim = hidden // heads
-    head_dim = _int({"head_dim": head_dim}, "head_dim", where)
+    head_dim = _int({"head_dim": head_dim}, "head_dim", where, positive=True)
     layers = _int(cfg, "num_hidden_layers", where)
     experts = _int(cfg, "num_experts", where, 0)
     step = _int(cfg, "decoder_sparse_step", where, 1) or 1
@@ -323,7 +322,7 @@ def model_dims(cfg: Any, where: str = "config") -> ModelDims:
     only_set = set(only)
     sparse = frozenset(i for i in range(layers) if experts > 0 and i not in only_set and (i + 1) % step == 0)
     symbols = {
-        "V": _int(cfg, "vocab_size", where),
+        "V": _int(cfg, "vocab_size", where, positive=True),
         "H": hidden,
         "Q": heads * head_dim,
         "K": kv * head_dim,
@@ -331,7 +330,7 @@ def model_dims(cfg: Any, where: str = "config") -> ModelDims:
         "G": heads // kv,
         "heads": heads,
         "kv": kv,
-        "I": _int(cfg, "intermediate_size", where),
+        "I": _int(cfg, "intermediate_size", where, positive=True),
         "M": _int(cfg, "moe_intermediate_size", where, 0),
         "E": experts,
     }
