@@ -760,3 +760,44 @@ def test_help_and_progress_of_the_new_options(models, tmp_path, capsys):
     report = diff(str(m.ckpt), str(m.ckpt), progress=True)
     err = capsys.readouterr().err
     assert "diff [" in err and "100.0%" in err and report.identical
+
+
+def test_crafted_configs_never_crash(models, exports, tmp_path, capsys):
+    """Seeded fuzz of config.json values (types, signs, sizes) for to-hf and from-hf: exit 0 or a one-line exit 2,
+    never an internal error (3), never a half-written output."""
+    rng = np.random.default_rng(7)
+    m = models["qwen3-moe-fused"]
+    fields = [
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_experts",
+        "num_hidden_layers",
+        "vocab_size",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "tie_word_embeddings",
+        "model_type",
+    ]
+    values = [None, -1, 0, 1, 3, 10**18, 2.5, "32", [], [0, "x"], {"a": 1}, True, "qwen3_moe", [10**9]]
+    for i in range(60):
+        cfg = dict(m.cfg)
+        for field in rng.choice(fields, size=int(rng.integers(1, 3)), replace=False):
+            value = values[int(rng.integers(len(values)))]
+            if value is None and rng.random() < 0.5:
+                cfg.pop(str(field), None)
+            else:
+                cfg[str(field)] = value
+        config = _json(tmp_path / f"c{i}.json", cfg)
+        out = tmp_path / f"o{i}"
+        res = cli(capsys, "to-hf", m.ckpt, out, "--preset", "qwen3-moe-fused", "--config", config)
+        assert res.rc in (0, 2), (cfg, res.err)
+        assert out.exists() == (res.rc == 0)
+        hf = tmp_path / f"h{i}"
+        shutil.copytree(exports["qwen3-moe-fused"], hf)
+        (hf / "config.json").write_text(config.read_text())
+        res = cli(capsys, "from-hf", hf, tmp_path / f"b{i}", "--preset", "qwen3-moe-fused", "--allow-unmapped")
+        assert res.rc in (0, 2), (cfg, res.err)
