@@ -21,7 +21,8 @@ Saving and loading (collective over the process group; every rank gets the same 
 * the ``CheckpointError`` family (errors.py).
 
 Where things live: ``format/`` owns the on-disk format (schema, commit record, safetensors headers, reserved
-keys, the one region reader); ``planner.py`` plans writes and reads; ``storage.py`` does the file I/O;
+keys, the one region reader); ``planner.py`` plans writes and reads; the file I/O is ``writer.py`` (rank files,
+durable commit), ``reader.py`` (checked range reads), ``host_memory.py`` (buffers, tensor views) and ``libc.py``;
 ``records.py`` normalises state-dict entries; ``faults.py`` holds the test-only crash hook.
 """
 

@@ -55,7 +55,7 @@ Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (
 ``async_save=True``: the caller is blocked for the descriptor exchange and a host copy (snapshot) of the pieces this
 rank writes, which overlap (snapshot.py: the copy runs on a helper thread meanwhile); writing, fsync and commit run
 in a background (non-daemon) thread. The snapshot of host tensors goes into one per-process host buffer
-(``storage.arena``) that is reused by every async save (grown when the state grows) and STAYS RESIDENT between
+(``host_memory.arena``) that is reused by every async save (grown when the state grows) and STAYS RESIDENT between
 saves: an async-saving process holds about one extra copy of the bytes it writes, all the time (filling fresh memory
 costs page faults, which made the snapshot several times slower than a copy into resident memory).
 ``release_host_buffers()`` frees it; the next async save allocates it again. Device (and strided) tensors are
@@ -78,13 +78,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import checksums, faults, storage
+from . import checksums, faults, host_memory, writer
 from .coordination import Comm, check_target_path, gather_errors, poll, read_json
 from .errors import CheckpointError, InvalidStateDictError, SaveFailedError
 from .format import commit as format_commit
@@ -221,7 +222,7 @@ class _SaveJob:
         try:
             try:
                 digest = None if self.checksum == checksums.NONE else checksums.digest_function(self.checksum)
-                size, sums = storage.write_rank_file(
+                size, sums = writer.write_rank_file(
                     os.path.join(self.staging, layout.name),
                     layout.header,
                     self.arrays,
@@ -233,7 +234,7 @@ class _SaveJob:
                 self._written()
             tr.mark("write+fsync")
             # markers need atomic visibility, not durability: the data file itself is already fsynced
-            storage.write_file(
+            writer.write_file(
                 os.path.join(parts, f"{self.rank}.done.json"),
                 json.dumps({"size": size, "checksums": sums}).encode(),
                 fsync=False,
@@ -249,7 +250,7 @@ class _SaveJob:
             except BaseException as e:
                 try:  # tells the waiting ranks at once (.parts is gone once the commit record is being written)
                     os.makedirs(parts, exist_ok=True)
-                    storage.write_file(
+                    writer.write_file(
                         os.path.join(parts, "ABORT"), f"{type(e).__name__}: {e}".encode(), fsync=False, atomic=True
                     )
                 except OSError:
@@ -267,6 +268,29 @@ class _SaveJob:
         tr.done()
 
     def _commit(self, parts: str, tr: Tracer) -> None:
+        """Coordinator: wait for every rank's data, write metadata.json, the stock index and COMMIT (last) into
+        the staging directory, then swap it into ``path`` atomically."""
+        status = self._wait_for_ranks(parts)
+        tr.mark("wait-ranks")
+        faults.point("before_metadata", self.rank)
+        md = self._metadata(status)
+        # inside the (invisible) staging directory plain write+fsync is enough; order: data files (fsynced by
+        # their ranks), metadata, stock index, then the commit record, then the directory, then the rename
+        data = format_commit.write_metadata(self.staging, md, self.write_stock)
+        tr.mark("metadata")
+        faults.point("before_commit", self.rank)
+        shutil.rmtree(parts, ignore_errors=True)
+        format_commit.write_commit(self.staging, self.checkpoint_id, data)
+        writer.fsync_dir(self.staging)
+        tr.mark("commit-record")
+        faults.point("before_rename", self.rank)
+        writer.replace_dir(self.staging, self.path, f"{self.path}.old-{self.checkpoint_id}")
+        tr.mark("rename")
+
+    def _wait_for_ranks(self, parts: str) -> dict:
+        """Every rank's ``done`` marker (rank -> ("done", sizes + checksums)); SaveFailedError on the first
+        ``failed`` marker or when a rank is silent for ``timeout``."""
+
         def all_parts():
             status = {}
             for r in range(self.world):
@@ -290,13 +314,14 @@ class _SaveJob:
                 f"save to {self.path} aborted: ranks {missing} did not finish writing within {self.timeout:g} s "
                 f"(did they die?); the previous checkpoint is untouched"
             ) from None
-        tr.mark("wait-ranks")
         failed = {r: s[1] for r, s in status.items() if s[0] == "failed"}
         if failed:
             r, info = sorted(failed.items())[0]
             raise SaveFailedError(f"save to {self.path} aborted: rank {r} failed: {info.get('error')}")
-        faults.point("before_metadata", self.rank)
+        return status
 
+    def _metadata(self, status: dict) -> CheckpointMetadata:
+        """The index of the checkpoint: the plan, with the sizes and checksums the ranks reported."""
         md = CheckpointMetadata(
             checkpoint_id=self.checkpoint_id,
             world_size=self.world,
@@ -314,20 +339,7 @@ class _SaveJob:
             for (_key, piece), sums in zip(layout.pieces, done["checksums"]):
                 piece.checksums = [int(c) for c in sums]
         md.tensors = self.plan.tensors
-        # inside the (invisible) staging directory plain write+fsync is enough; order: data files (fsynced by
-        # their ranks), metadata, stock index, then the commit record, then the directory, then the rename
-        data = format_commit.write_metadata(self.staging, md, self.write_stock)
-        tr.mark("metadata")
-        faults.point("before_commit", self.rank)
-        import shutil
-
-        shutil.rmtree(parts, ignore_errors=True)
-        format_commit.write_commit(self.staging, self.checkpoint_id, data)
-        storage.fsync_dir(self.staging)
-        tr.mark("commit-record")
-        faults.point("before_rename", self.rank)
-        storage.replace_dir(self.staging, self.path, f"{self.path}.old-{self.checkpoint_id}")
-        tr.mark("rename")
+        return md
 
     def _wait_commit(self, parts: str) -> None:
         """Wait until the coordinator committed (and, for a CheckpointManager save, moved ``latest``)."""
@@ -374,19 +386,19 @@ def release_host_buffers() -> bool:
     Returns False (and frees nothing) while a save or load of this process is using it. The next async save
     allocates it again.
     """
-    return storage.arena.free()
+    return host_memory.arena.free()
 
 
 def _lazy_view(t):
     """Piece provider for write_rank_file: the tensor's bytes (and their owner), produced when written."""
-    return lambda: storage.raw_view(t)
+    return lambda: host_memory.raw_view(t)
 
 
 def _mark_failed(staging: str, rank: int, e: BaseException) -> None:
     try:
         parts = os.path.join(staging, PARTS_DIR)
         os.makedirs(parts, exist_ok=True)
-        storage.write_file(
+        writer.write_file(
             os.path.join(parts, f"{rank}.failed.json"),
             json.dumps({"error": f"{type(e).__name__}: {e}"}).encode(),
             fsync=False,
@@ -431,6 +443,18 @@ def save_state_dict(
         )
 
 
+@dataclass
+class _Local:
+    """What this rank brings to the exchange of a save (step 1); ``error`` is reported to every rank."""
+
+    records: list = field(default_factory=list)
+    values: dict = field(default_factory=dict)
+    descs: list = field(default_factory=list)
+    algorithm: str | None = None
+    snapshot: Snapshot | None = None
+    error: BaseException | None = None
+
+
 def _save_locked(
     state_dict: dict,
     path: str,
@@ -443,6 +467,7 @@ def _save_locked(
     options: CheckpointOptions | None,
     publisher: Publisher | None,
 ) -> SaveHandle | None:
+    """The save protocol, in steps: validate -> exchange + plan -> piece sources -> write + commit."""
     try:
         opts, opts_error = resolve(options), None
     except CheckpointError as e:  # a malformed PADDLE_FSDP_CKPT_* variable: reported by the exchange below
@@ -456,49 +481,10 @@ def _save_locked(
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
     timeout = opts.commit_timeout if commit_timeout is None else float(commit_timeout)
 
-    err, records, values, descs, algorithm, snap = None, [], {}, [], None, None
-    my_id = uuid.uuid4().hex
-    try:
-        if opts_error is not None:
-            raise opts_error
-        algorithm = opts.checksum_algorithm()
-        records, values = collect(state_dict)
-        descs = [r.desc().to_wire() for r in records]
-        if comm.rank == coordinator_rank:
-            check_target_path(path)
-        if async_save:
-            # this rank's shards are copied to host on a helper thread during the exchange and the plan
-            snap = Snapshot(records, hugepages=opts.hugepages)
-    except Exception as e:  # reported to every rank by the exchange, so no rank is left waiting
-        err = e
-    try:
-        gathered = gather_errors(comm, err, (descs, values if err is None else {}, my_id, algorithm))
-        tr.mark("exchange")
-        checkpoint_id, algorithm = gathered[coordinator_rank][2], gathered[coordinator_rank][3]
-        plan = build_save_plan(
-            [([RecordDesc.from_wire(w) for w in g[0]], g[1]) for g in gathered], checkpoint_id, chunk_bytes
-        )
-    except BaseException:
-        if snap is not None:
-            snap.cancel()
-        raise
-    by_key = {r.key: r for r in records}
+    local = _validate(state_dict, path, comm.rank == coordinator_rank, async_save, opts, opts_error)
+    checkpoint_id, algorithm, plan = _exchange_and_plan(comm, local, coordinator_rank, chunk_bytes, tr)
     staging = f"{path}.tmp-{checkpoint_id}"
-    tr.mark("plan")
-    arrays: list = []
-    keep: list = []
-    release = None
-    try:
-        keys = [key for key, _piece in plan.files[comm.rank].pieces]
-        if snap is not None:
-            arrays, keep, release = snap.arrays_for(keys)
-        else:
-            # sync: write straight from tensor memory; device tensors are copied to host one piece at a
-            # time while writing (never the whole state at once)
-            arrays = [_lazy_view(by_key[key].tensor) for key in keys]
-    except BaseException as e:
-        _mark_failed(staging, comm.rank, e)  # the coordinator must not wait for this rank until the timeout
-        raise
+    arrays, keep, release = _piece_sources(plan, comm.rank, local, staging)
     tr.mark("snapshot" if async_save else "views")
     job = _SaveJob(
         path=path,
@@ -523,10 +509,82 @@ def _save_locked(
         tr.mark("write+commit")
         tr.done()
         return None
-    handle = SaveHandle(path, checkpoint_id)
-    th = threading.Thread(target=handle._run, args=(job.run,), name=f"ckpt-save-{checkpoint_id[:8]}")
-    handle._thread = th
+    handle = _start_in_background(job)
+    tr.mark("start-thread")
+    tr.done()
+    return handle
+
+
+def _validate(
+    state_dict: dict,
+    path: str,
+    is_coordinator: bool,
+    async_save: bool,
+    opts: CheckpointOptions,
+    opts_error: BaseException | None,
+) -> _Local:
+    """Step 1: this rank's records, their small descriptions and the checksum algorithm; the target path check
+    (coordinator); for an async save the snapshot starts here (copied on a helper thread during step 2). Never
+    raises: the error goes to the exchange, so no rank is left waiting."""
+    local = _Local()
+    try:
+        if opts_error is not None:
+            raise opts_error
+        local.algorithm = opts.checksum_algorithm()
+        local.records, local.values = collect(state_dict)
+        local.descs = [r.desc().to_wire() for r in local.records]
+        if is_coordinator:
+            check_target_path(path)
+        if async_save:
+            local.snapshot = Snapshot(local.records, hugepages=opts.hugepages)
+    except Exception as e:  # reported to every rank by the exchange
+        local.error = e
+    return local
+
+
+def _exchange_and_plan(comm: Comm, local: _Local, coordinator_rank: int, chunk_bytes: int, tr: Tracer):
+    """Step 2: one exchange of every rank's descriptions (and errors: all ranks fail together), then the same
+    plan on every rank. Returns ``(checkpoint_id, algorithm, plan)``, the coordinator's id and algorithm."""
+    my_id = uuid.uuid4().hex
+    try:
+        gathered = gather_errors(
+            comm, local.error, (local.descs, local.values if local.error is None else {}, my_id, local.algorithm)
+        )
+        tr.mark("exchange")
+        checkpoint_id, algorithm = gathered[coordinator_rank][2], gathered[coordinator_rank][3]
+        plan = build_save_plan(
+            [([RecordDesc.from_wire(w) for w in g[0]], g[1]) for g in gathered], checkpoint_id, chunk_bytes
+        )
+    except BaseException:
+        if local.snapshot is not None:
+            local.snapshot.cancel()
+        raise
+    tr.mark("plan")
+    return checkpoint_id, algorithm, plan
+
+
+def _piece_sources(plan, rank: int, local: _Local, staging: str) -> tuple[list, list, Any]:
+    """Step 3: what this rank writes, in layout order: the snapshot's host copies (async), or lazy views of the
+    tensors' own memory (sync: a device tensor is copied to host one piece at a time while writing). Returns
+    ``(arrays, owners to keep alive, release of the snapshot arena or None)``."""
+    by_key = {r.key: r for r in local.records}
+    try:
+        keys = [key for key, _piece in plan.files[rank].pieces]
+        if local.snapshot is not None:
+            return local.snapshot.arrays_for(keys)
+        return [_lazy_view(by_key[key].tensor) for key in keys], [], None
+    except BaseException as e:
+        _mark_failed(staging, rank, e)  # the coordinator must not wait for this rank until the timeout
+        raise
+
+
+def _start_in_background(job: _SaveJob) -> SaveHandle:
+    """Step 4 of an async save: write + commit on a non-daemon thread; the handle is this process's pending
+    save (the next save or load waits for it)."""
     global _pending
+    handle = SaveHandle(job.path, job.checkpoint_id)
+    th = threading.Thread(target=handle._run, args=(job.run,), name=f"ckpt-save-{job.checkpoint_id[:8]}")
+    handle._thread = th
     with _pending_lock:
         _pending = handle
     try:
@@ -537,6 +595,4 @@ def _save_locked(
                 _pending = None
         job._written()
         raise
-    tr.mark("start-thread")
-    tr.done()
     return handle

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..checkpoint import CheckpointOptions, checksums, read_metadata, storage
+from ..checkpoint import CheckpointOptions, checksums, read_metadata, reader, writer
 from ..checkpoint.errors import CorruptCheckpointError
 from ..checkpoint.format import commit as format_commit
 from ..checkpoint.format.metadata import (
@@ -184,7 +184,7 @@ class CheckpointReader:
         self.path = resolve_checkpoint_path(path)
         self.md = read_metadata(self.path)
         opts = CheckpointOptions.from_env() if options is None else options
-        self._files = storage.FileSet.of(self.path, self.md, resolve_member, verify, opts)
+        self._files = reader.FileSet.of(self.path, self.md, resolve_member, verify, opts)
         self.verify = self._files.verifies
         self._covered: set[str] = set()
 
@@ -346,12 +346,12 @@ def staged_output(out: str | os.PathLike) -> Iterator[str]:
         raise ToolError(f"cannot create {staging}: {e.strerror or e}") from None
     try:
         yield staging
-        storage.fsync_dir(staging)
+        writer.fsync_dir(staging)
         try:
             os.rename(staging, out)  # `out` is absent or an empty directory
         except OSError as e:
             raise ToolError(f"cannot move the finished output into {out}: {e.strerror or e}") from None
-        storage.fsync_dir(parent)
+        writer.fsync_dir(parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -433,7 +433,7 @@ class CheckpointWriter:
             header_entries, {"format": FORMAT_NAME, "checkpoint_id": self.checkpoint_id, "rank": str(rank)}
         )
         # one tensor in memory at a time: produced, checksummed and written by the engine's rank-file writer
-        size, sums = storage.write_rank_file(
+        size, sums = writer.write_rank_file(
             os.path.join(self.directory, name),
             header,
             [self._provider(e) for e in stored],

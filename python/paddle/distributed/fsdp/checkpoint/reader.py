@@ -1,39 +1,27 @@
-"""File I/O of the checkpoint engine: rank files, range reads, checksums, durable commit.
+"""Reading: checked, bounded reads of byte ranges of a checkpoint's data files, with chunk checksum verification.
 
-* A rank file is a safetensors file written in one sequential pass straight from tensor memory (no
-  whole-state copy): the header, then each piece with ``os.writev`` on memoryviews of the tensors' own memory.
-  The checksum of every ``chunk_bytes`` chunk of every piece (checksums.py) is computed on the same memory just
-  before it is written (no second pass over the state), and the memory of a piece (and its owner, e.g. the host
-  copy of a device tensor) stays alive until its bytes are written. Each file is fsynced once.
-* Reads use ``os.preadv`` into preallocated buffers, in windows of at most ``window_bytes``; the chunks a window
-  touches are read whole and verified before any byte of them is used. Large ranges read straight into the
-  caller's staging buffer can be verified on the helper threads while later ranges are read
-  (``ChunkVerifier``); the caller waits for all of them (``ChunkVerifier.wait``) before using the bytes.
-* ``alloc_host`` and ``HostArena``: page-aligned anonymous host memory (huge pages for O_DIRECT reads), and
-  one reusable per-process buffer of it for async-save snapshots and load staging (see save.py, load.py).
-* Durability helpers: ``fsync_dir``, ``write_file_durable`` (tmp + fsync + rename + dir fsync) and
-  ``replace_dir`` (atomic directory swap with ``renameat2(RENAME_EXCHANGE)`` where the kernel and file system
-  support it, otherwise two renames).
+* ``FileSet``: open-on-demand descriptors of one checkpoint's files, with size checks against the metadata, the
+  checksum function, and the read settings (O_DIRECT mode, read slab, checksum threads) of CheckpointOptions.
+* Reads use ``os.preadv`` into preallocated buffers, in windows of at most ``window_bytes``
+  (``read_piece_windows``); the chunks a window touches are read whole and verified before any byte of them is
+  used. Large ranges read straight into the caller's buffer (``read_range_direct``, ``read_spans``) are verified
+  on helper threads while later ranges are read (``ChunkVerifier``); the caller waits for all of them
+  (``ChunkVerifier.wait``) before using the bytes.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import math
-import mmap
 import os
-import shutil
 import threading
 
 import numpy as np
 
-from . import checksums, faults
+from . import checksums, libc
 from .checksums import DigestFn
 from .errors import CorruptCheckpointError
 from .format.metadata import PieceMeta
 
-WRITE_SLAB = 64 << 20  # bytes handed to the kernel per write call
 DEFAULT_WINDOW = 64 << 20  # read window (bounded host buffer per read)
 DEFAULT_READ_SLAB = 16 << 20  # pread step of large ranges (CheckpointOptions.read_slab_bytes)
 DEFAULT_CHECKSUM_THREADS = 2  # CheckpointOptions.checksum_threads
@@ -45,7 +33,6 @@ DEFAULT_CHECKSUM_THREADS = 2  # CheckpointOptions.checksum_threads
 HAVE_ODIRECT = hasattr(os, "O_DIRECT")
 CACHED_FRACTION_FOR_BUFFERED = 0.5
 DIRECT_ALIGN = 4096  # offset, length and memory alignment of O_DIRECT reads
-_IOV_MAX = 512
 
 
 _pools: dict[int, object] = {}
@@ -64,367 +51,6 @@ def _checksum_pool(threads: int):
 
             pool = _pools[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-checksum")
         return pool
-
-
-# ------------------------------------------------------------------------------------------- host memory
-
-# Transparent huge pages (MADV_HUGEPAGE) for buffers filled by O_DIRECT reads: the kernel faults in every page it
-# pins, and a 2 -> 3 rank load took 0.61-0.68 s with huge pages against 0.86-1.16 s without. Not for buffers filled
-# by memcpy (snapshots, undo copies): with THP defrag "madvise" such faults compact memory synchronously, which
-# made those fills 1.4-3x slower here once memory was fragmented. CheckpointOptions.hugepages: "auto" (default:
-# as the caller asks), True always, False never.
-
-
-def alloc_host(nbytes: int, for_direct_reads: bool = False, hugepages: bool | str = "auto") -> np.ndarray:
-    """Fresh uint8 host buffer of ``nbytes`` in its own anonymous mapping (page aligned, returned to the OS when
-    the last view of it is dropped); huge pages requested when it is filled by O_DIRECT reads (see above)."""
-    if nbytes <= 0:
-        return np.empty(0, np.uint8)
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    huge = for_direct_reads if hugepages == "auto" else bool(hugepages)
-    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            m.madvise(mmap.MADV_HUGEPAGE)
-        except (OSError, ValueError):
-            pass
-    return np.frombuffer(m, np.uint8)
-
-
-class HostArena:
-    """One reusable host buffer (per process) for the async-save snapshot and the load staging.
-
-    Fresh memory is slow to fill (page faults; on a VM whose balloon gives freed pages back to the host, many
-    times slower than a copy into memory that is already resident), so the snapshot of every async save goes
-    into the same buffer, which stays resident between saves; a load borrows it as its staging when it exists.
-    ``acquire`` hands it to one user at a time (None while another one holds it: the caller then uses fresh
-    memory); ``grow`` replaces a too small buffer by a larger one (else None). ``free`` drops it.
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._buf: np.ndarray | None = None
-        self._busy = False
-
-    @property
-    def capacity(self) -> int:
-        buf = self._buf
-        return 0 if buf is None else len(buf)
-
-    def acquire(self, nbytes: int, grow: bool, hugepages: bool | str = "auto") -> np.ndarray | None:
-        with self._lock:
-            if self._busy:
-                return None
-            if self._buf is None or len(self._buf) < nbytes:
-                if not grow:
-                    return None
-                self._buf = None  # drop the small one before allocating (lower peak)
-                self._buf = alloc_host(nbytes, hugepages=hugepages)
-            self._busy = True
-            return self._buf[:nbytes]
-
-    def release(self) -> None:
-        with self._lock:
-            self._busy = False
-
-    def free(self) -> bool:
-        """Drop the buffer (its memory goes back to the OS once no view of it is alive); False while in use."""
-        with self._lock:
-            if self._busy:
-                return False
-            self._buf = None
-            return True
-
-
-arena = HostArena()
-
-
-# ------------------------------------------------------------------------------------------- tensor memory
-
-
-def numel_of(t) -> int:
-    """Element count from the shape: ``Tensor.numel()`` is an op (a tensor, then ``int``), ~40x slower."""
-    return math.prod(t.shape)
-
-
-def dtype_name(t) -> str:
-    return str(t.dtype).split(".")[-1]
-
-
-def is_host_place(place) -> bool:
-    return place.is_cpu_place() or (hasattr(place, "is_cuda_pinned_place") and place.is_cuda_pinned_place())
-
-
-def is_host_contiguous(t) -> bool:
-    """Whether the tensor's bytes can be used in place through its data pointer (see raw_view)."""
-    return is_host_place(t.place) and t.is_contiguous()
-
-
-def raw_view(t, allow_copy: bool = True):
-    """uint8 numpy view of a tensor's bytes (row-major), plus the object that keeps the memory alive.
-
-    Host, contiguous tensors are viewed in place through their data pointer; a device (or non-contiguous)
-    tensor is first copied to host, one tensor at a time, with its own place's copy (never ``.cuda()``).
-    """
-    n = numel_of(t) * t.element_size()
-    if n == 0:
-        return np.zeros(0, np.uint8), t
-    keep = t
-    if not is_host_place(t.place) or not t.is_contiguous():
-        if not allow_copy:
-            raise ValueError("tensor is not a contiguous host tensor")
-        if not t.is_contiguous():
-            keep = t.contiguous()
-        if not is_host_place(keep.place):
-            keep = keep.cpu()
-    ptr = keep.data_ptr()
-    arr = np.frombuffer((ctypes.c_ubyte * n).from_address(ptr), dtype=np.uint8)
-    return arr, keep
-
-
-# ----------------------------------------------------------------------------------------------- writing
-
-
-def write_all(fd: int, bufs: list) -> None:
-    """writev all buffers, handling short writes."""
-    bufs = [memoryview(b).cast("B") for b in bufs if len(b)]
-    while bufs:
-        batch = bufs[:_IOV_MAX]
-        n = os.writev(fd, batch)
-        total = sum(len(b) for b in batch)
-        if n == total:
-            bufs = bufs[len(batch) :]
-            continue
-        # short write: drop what was written and retry the rest
-        while n:
-            if n >= len(bufs[0]):
-                n -= len(bufs[0])
-                bufs.pop(0)
-            else:
-                bufs[0] = bufs[0][n:]
-                n = 0
-
-
-_SYNC_FILE_RANGE_WRITE = 2
-KICK_BYTES = 16 << 20
-
-
-def _sync_file_range():
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SFR = _sync_file_range()
-
-
-class _Writer:
-    """Sequential writer that starts disk writeback of every KICK_BYTES written (Linux ``sync_file_range``), so
-    the data goes to disk while later data is still being checksummed and copied, and the final fsync is short.
-
-    ``kill_at`` (test-only, see faults.py): write exactly that many bytes of the file, fsync, then SIGKILL."""
-
-    def __init__(self, fd: int, kill_at: int | None = None):
-        self.fd = fd
-        self.pos = 0
-        self.kicked = 0
-        self.kill_at = kill_at
-
-    def write(self, bufs: list) -> None:
-        if self.kill_at is not None and self.pos + sum(len(b) for b in bufs) >= self.kill_at:
-            data = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
-            write_all(self.fd, [data[: self.kill_at - self.pos]])
-            os.fsync(self.fd)
-            faults.kill("mid_data")
-        write_all(self.fd, bufs)
-        self.pos += sum(len(b) for b in bufs)
-        if _SFR is not None and self.pos - self.kicked >= KICK_BYTES:
-            _SFR(self.fd, self.kicked, self.pos - self.kicked, _SYNC_FILE_RANGE_WRITE)
-            self.kicked = self.pos
-
-
-def write_rank_file(
-    path: str,
-    header: bytes,
-    pieces: list[np.ndarray],
-    chunk_bytes: int,
-    digest: DigestFn | None,
-    kill_at: int | None = None,
-    batch_bytes: int = WRITE_SLAB,
-) -> tuple[int, list[list[int]]]:
-    """Write header + pieces to ``path``, fsync once. Returns (size, per-piece chunk checksums).
-
-        A piece is a uint8 array, or a callable returning ``(uint8 array, owner of its memory)``, called just
-        before that piece is written (so a device tensor is copied to host one piece at a time; the copy is dropped
-        once its bytes are written). Each piece is checksummed with ``digest`` (None: no checksums) by the calling
-        thread just before it is queued for writing: xxh3-64 runs at memory speed, far faster than the write, so
-        helper threads would only add hand-offs. Pieces smaller than ``batch_bytes`` are batched into one writev (and
-    stay alive until it); ``batch_bytes=0`` writes and drops each piece before the next is produced (the tools: one
-    tensor in memory). ``kill_at`` is the test-only ``mid_data`` fault (see faults.py).
-    """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-    sums: list[list[int]] = []
-    size = len(header)
-    w = _Writer(fd, kill_at)
-    try:
-        pending = [header]  # small pieces batched into one writev (with their owners, alive until written)
-        pending_owners: list = []
-        pending_bytes = len(header)
-        for arr in pieces:
-            owner = None
-            if callable(arr):
-                arr, owner = arr()
-            mv = memoryview(arr).cast("B")
-            sums.append(checksums.chunk_digests(mv, chunk_bytes, digest) if digest is not None else [])
-            size += len(mv)
-            if len(mv) < WRITE_SLAB:
-                pending.append(mv)
-                pending_owners.append(owner)
-                pending_bytes += len(mv)
-                if pending_bytes >= batch_bytes or len(pending) >= _IOV_MAX:
-                    w.write(pending)
-                    pending, pending_owners, pending_bytes = [], [], 0
-                arr = owner = mv = None  # held by `pending` until written, by nothing once written
-                continue
-            w.write(pending)
-            pending, pending_owners, pending_bytes = [], [], 0
-            for i in range(0, len(mv), WRITE_SLAB):
-                w.write([mv[i : i + WRITE_SLAB]])
-            arr = owner = mv = None  # a large piece's memory (e.g. a device's host copy) goes before the next
-        w.write(pending)
-        pending = pending_owners = []
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return size, sums
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file_durable(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically and durably (tmp file, fsync, rename, fsync dir)."""
-    write_file(path, data, fsync=True, atomic=True)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def write_file(path: str, data: bytes, fsync: bool, atomic: bool) -> None:
-    """Write a small file; ``atomic`` makes it appear complete or not at all (tmp + rename)."""
-    target = f"{path}.part-{os.getpid()}-{threading.get_ident()}" if atomic else path
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-    try:
-        write_all(fd, [data])
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    if atomic:
-        os.replace(target, path)
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _renameat2_exchange(a: str, b: str) -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    if rc == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, getattr(errno, "EOPNOTSUPP", errno.ENOTSUP)):
-        return False
-    raise OSError(err, f"renameat2({a!r}, {b!r}, RENAME_EXCHANGE): {os.strerror(err)}")
-
-
-def replace_dir(staging: str, final: str, old_name: str, background_delete: bool = True):
-    """Atomically make ``staging`` appear at ``final``; a previous ``final`` is removed afterwards.
-
-    With RENAME_EXCHANGE there is no instant at which ``final`` is missing. Without it, the previous directory
-    is first renamed to ``old_name`` (so a crash in between leaves it there, intact) and then removed. The
-    removal of the previous checkpoint runs in a non-daemon thread (returned, or None) so it does not delay
-    the commit; the interpreter waits for it at exit.
-    """
-    parent = os.path.dirname(os.path.abspath(final))
-    leftover = None
-    for _attempt in range(3):
-        if os.path.lexists(final):
-            if _renameat2_exchange(staging, final):
-                leftover = staging  # now holds the previous checkpoint
-            else:
-                os.rename(final, old_name)
-                os.rename(staging, final)
-                leftover = old_name
-            break
-        try:
-            os.rename(staging, final)
-            break
-        except OSError as e:
-            # another job committed to ``final`` since the lexists check: replace its checkpoint instead
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or _attempt == 2:
-                raise
-    fsync_dir(parent)
-    if leftover is None:
-        return None
-    if not background_delete:
-        shutil.rmtree(leftover, ignore_errors=True)
-        return None
-    th = threading.Thread(target=shutil.rmtree, args=(leftover, True), name="ckpt-rm-old", daemon=False)
-    th.start()
-    return th
-
-
-# ----------------------------------------------------------------------------------------------- reading
-
-
-def _libc_mincore():
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        mm, mc, mu = libc.mmap, libc.mincore, libc.munmap
-    except (OSError, AttributeError):
-        return None
-    mm.restype = ctypes.c_void_p
-    mm.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    mc.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    mu.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return mm, mc, mu
-
-
-_MINCORE = _libc_mincore()
-
-
-def page_cache_fraction(fd: int, size: int) -> float | None:
-    """Fraction of the file's pages resident in the page cache (``mincore`` on a mapping that is never touched,
-    so nothing is read); None where that cannot be asked."""
-    if _MINCORE is None or size <= 0:
-        return None
-    mm, mc, mu = _MINCORE
-    addr = mm(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    if addr is None or addr == ctypes.c_void_p(-1).value:
-        return None
-    try:
-        pages = -(-size // mmap.PAGESIZE)
-        vec = np.zeros(pages, np.uint8)
-        if mc(addr, size, vec.ctypes.data) != 0:
-            return None
-        return float(np.count_nonzero(vec & 1)) / pages
-    finally:
-        mu(addr, size)
 
 
 class FileSet:
@@ -514,7 +140,7 @@ class FileSet:
         fd = None
         use = self.odirect
         if use == "auto":
-            cached = page_cache_fraction(self.fds[name], self.sizes[name])
+            cached = libc.page_cache_fraction(self.fds[name], self.sizes[name])
             use = cached is not None and cached < CACHED_FRACTION_FOR_BUFFERED
         if use:
             try:
