@@ -27,6 +27,14 @@ class MetadataError(CorruptCheckpointError):
     """metadata.json (or the commit record) cannot be parsed or is inconsistent."""
 
 
+class NotARegularFileError(CorruptCheckpointError):
+    """A file of the checkpoint is a FIFO, a device, a directory or a socket (never opened for reading)."""
+
+
+class CheckpointRemovedError(NotACheckpointError):
+    """The checkpoint was removed (e.g. by ``keep_last`` rotation) while it was being read."""
+
+
 class UnsafePathError(MetadataError):
     """A file name in the metadata would escape the checkpoint directory."""
 
@@ -72,6 +80,8 @@ ERROR_CLASSES = {
         CorruptCheckpointError,
         MetadataError,
         UnsafePathError,
+        NotARegularFileError,
+        CheckpointRemovedError,
         StateDictMismatchError,
         MissingKeyError,
         ShapeMismatchError,

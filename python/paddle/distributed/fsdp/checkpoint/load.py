@@ -43,7 +43,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +52,7 @@ import numpy as np
 from . import checksums, storage
 from .coordination import PARTS_DIR, _aligned, _Comm, _error_payload, _raise_gathered, _Tracer
 from .errors import (
-    CheckpointError,
+    CheckpointRemovedError,
     CorruptCheckpointError,
     DtypeMismatchError,
     IncompleteCheckpointError,
@@ -73,8 +73,9 @@ from .metadata import (
     TensorMeta,
     resolve_member,
 )
-from .planner import Region, plan_reads
+from .planner import Region, coverage_problems, plan_reads, region_of_piece
 from .records import to_record
+from .removal import removed_or
 from .save import _wait_pending
 
 # Load commit for contiguous host targets: memcpy into the target's memory (faster than paddle staging
@@ -137,17 +138,28 @@ def read_metadata(path: str) -> CheckpointMetadata:
             f"{path} is not a {FORMAT_NAME} checkpoint: no {METADATA_FILE} and no {COMMIT_FILE} "
             f"({'looks like a stock paddle checkpoint; ' if stock else ''}contents: {_describe_dir(path)})"
         )
+    from .schema import parse_commit
+    from .strict_json import DEFAULT_MAX_METADATA_BYTES, SMALL_FILE_BYTES, loads_strict, read_capped
+
     try:
-        with open(cpath, "rb") as f:
-            commit = json.loads(f.read())
-        want_sha = commit["metadata_sha256"]
-        cid = commit["checkpoint_id"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        cid, want_sha = parse_commit(
+            loads_strict(read_capped(cpath, SMALL_FILE_BYTES, COMMIT_FILE), f"{path}/{COMMIT_FILE}"),
+            f"{path}/{COMMIT_FILE}",
+        )
+    except MetadataError as e:
         raise MetadataError(f"checkpoint {path}: commit record {COMMIT_FILE} is damaged: {e}") from None
+    except FileNotFoundError:
+        raise removed_or(path, CorruptCheckpointError(f"checkpoint {path}: {COMMIT_FILE} vanished")) from None
     if not has_m:
-        raise CorruptCheckpointError(f"checkpoint {path}: {METADATA_FILE} is missing although it was committed")
-    with open(mpath, "rb") as f:
-        data = f.read()
+        raise removed_or(
+            path, CorruptCheckpointError(f"checkpoint {path}: {METADATA_FILE} is missing although it was committed")
+        )
+    try:
+        data = read_capped(mpath, DEFAULT_MAX_METADATA_BYTES, METADATA_FILE)
+    except FileNotFoundError:
+        raise removed_or(
+            path, CorruptCheckpointError(f"checkpoint {path}: {METADATA_FILE} is missing although it was committed")
+        ) from None
     if hashlib.sha256(data).hexdigest() != want_sha:
         raise MetadataError(
             f"checkpoint {path}: {METADATA_FILE} does not match the checksum in the commit record (damaged)"
@@ -223,6 +235,41 @@ def _segments(root: str, md: CheckpointMetadata, key: str, tm: TensorMeta, regio
         len_b = seg.length[order] * isz
         out.append((it.piece, seg.src[order] * isz, seg.dst[order] * isz, len_b, len_b >= 2 * md.chunk_bytes))
     return out
+
+
+def named_read_error(path: str, e: BaseException | None) -> BaseException | None:
+    """A read failure as a named error: an OSError (EIO, EACCES, ...) reading the checkpoint is
+    CorruptCheckpointError naming the path; errors of the engine pass through."""
+    if isinstance(e, OSError):
+        err = CorruptCheckpointError(f"checkpoint {path}: cannot read it: {type(e).__name__}: {e}")
+        err.__cause__ = e
+        return err
+    return e
+
+
+def check_coverage(root: str, md: CheckpointMetadata, keys) -> None:
+    """Every element of each of ``keys`` is saved exactly once (coverage.py; the check verify_checkpoint runs),
+    before a byte of data is read; CorruptCheckpointError naming the key otherwise."""
+    for key in sorted(keys):
+        tm = md.tensors[key]
+        problems = coverage_problems(
+            key, tm.shape, [(i, region_of_piece(tm.shape, p)) for i, p in enumerate(tm.pieces)]
+        )
+        if problems:
+            raise CorruptCheckpointError(f"checkpoint {root}: {problems[0]}")
+
+
+def check_data_files(root: str, md: CheckpointMetadata, keys) -> None:
+    """The data files holding ``keys`` are regular files of the sizes the metadata gives (opened without
+    blocking, one at a time), so what is planned and allocated afterwards is bounded by bytes really there."""
+    names = sorted({p.file for key in keys for p in md.tensors[key].pieces if p.nbytes})
+    files = storage.FileSet.of(root, md, resolve_member, verify=False)
+    try:
+        for name in names:
+            files.fd(name)
+            files.close()
+    finally:
+        files.close()
 
 
 _IN_PLACE = os.environ.get("PADDLE_FSDP_CKPT_IN_PLACE", "1") != "0"  # 0: stage everything (measurements)
@@ -391,9 +438,16 @@ def load_state_dict(
     *,
     verify_checksums: bool = True,
     strict: bool = True,
+    precheck: Callable[[CheckpointMetadata], None] | None = None,
     **unused_stock_kwargs,
 ) -> LoadReport:
-    """Load ``path`` into the tensors of ``state_dict`` in place, all-or-nothing (see the module docstring)."""
+    """Load ``path`` into the tensors of ``state_dict`` in place, all-or-nothing (see the module docstring).
+
+    ``precheck(metadata)`` (optional) runs on every rank after the engine's own checks (keys, shapes, dtypes,
+    exact coverage, data file kinds and sizes) and before any data is read: what it raises on any rank is
+    exchanged, so every rank raises the same named error and nothing is written. Callers decode and validate
+    the non-tensor state they will restore there (state/resume.py).
+    """
     if unused_stock_kwargs.get("aoa_config") is not None:
         raise InvalidStateDictError("aoa_config is not supported by the FSDP checkpoint engine")
     tr = _Tracer("load")
@@ -413,6 +467,7 @@ def load_state_dict(
     committed = False
     requested = sorted(k for k in state_dict) if isinstance(state_dict, dict) else []
     try:
+        # ---- validate (no data read): metadata, keys, shapes, dtypes, exact coverage, files, caller's checks
         try:
             md = read_metadata(path)
             tr.mark("metadata")
@@ -466,6 +521,23 @@ def load_state_dict(
                     else ""
                 )
                 raise cls(problems[0][1] + more)
+            check_coverage(path, md, {tg.key for tg in targets})
+            check_data_files(path, md, {tg.key for tg in targets})
+            if precheck is not None:
+                precheck(md)
+        except Exception as e:  # noqa: BLE001 - every failure must reach the verdict exchange below
+            err = named_read_error(path, e)
+        # the verdict of every rank, before any byte of data is read or any target written
+        statuses = comm.all_gather_object((_error_payload(err), requested, md.checkpoint_id if md else None))
+        _raise_gathered([s[0] for s in statuses], err)
+        ids = sorted({s[2] for s in statuses})
+        if len(ids) > 1:  # e.g. the path was replaced by a concurrent save between the ranks' reads
+            raise CheckpointRemovedError(
+                f"load of {path}: ranks read different checkpoints ({ids}); was it replaced during the load? "
+                f"nothing was loaded"
+            )
+        # ---- read and verify into staging (or in place with an undo copy)
+        try:
             tr.mark("validate")
             # read + verify everything into host staging (this rank's slice); targets untouched until commit.
             # Host targets read in large ranges only (the usual case): their file ranges are read as aligned
@@ -547,14 +619,11 @@ def load_state_dict(
             verifier.drain()  # no helper thread reads the staging any more
             if files is not None:
                 files.close()
-        statuses = comm.all_gather_object((_error_payload(err), requested, md.checkpoint_id if md else None))
-        _raise_gathered([s[0] for s in statuses], err)
-        ids = sorted({s[2] for s in statuses})
-        if len(ids) > 1:  # e.g. the path was replaced by a concurrent save between the ranks' reads
-            raise CheckpointError(
-                f"load of {path}: ranks read different checkpoints ({ids}); was it replaced during the load? "
-                f"nothing was loaded"
-            )
+        err = named_read_error(path, err)
+        if isinstance(err, CorruptCheckpointError):
+            err = removed_or(path, err, md.checkpoint_id)  # a file gone under the reader: removed, not corrupt
+        read_statuses = comm.all_gather_object(_error_payload(err))
+        _raise_gathered(read_statuses, err)
         tr.mark("exchange")
 
         # all ranks are fine: commit into the targets
@@ -607,6 +676,26 @@ def load_full_state_dict(path: str, keys: Iterable[str] | None = None) -> dict:
     path = os.path.abspath(os.fspath(path))
     md = read_metadata(path)
     wanted = list(md.tensors) if keys is None else list(keys)
+    for key in wanted:
+        if key not in md.tensors and key not in md.values:
+            raise MissingKeyError(f"key {key!r} is missing from checkpoint {path}")
+    tensor_keys = [k for k in wanted if k in md.tensors]
+    try:
+        # before allocating by a declared shape: exact coverage + real files of the declared sizes, so what is
+        # allocated is the bytes of pieces that really are on disk (pieces never share bytes: schema.py)
+        check_coverage(path, md, tensor_keys)
+        check_data_files(path, md, tensor_keys)
+        return _read_full(path, md, wanted)
+    except OSError as e:
+        raise removed_or(path, named_read_error(path, e), md.checkpoint_id) from e
+    except CorruptCheckpointError as e:
+        gone = removed_or(path, e, md.checkpoint_id)
+        if gone is e:
+            raise
+        raise gone from e
+
+
+def _read_full(path: str, md: CheckpointMetadata, wanted: list[str]) -> dict:
     out: dict = {}
     files = storage.FileSet.of(path, md, resolve_member, verify=True)
     verifier = storage.ChunkVerifier()
@@ -616,9 +705,7 @@ def load_full_state_dict(path: str, keys: Iterable[str] | None = None) -> dict:
             if key in md.values and key not in md.tensors:
                 out[key] = md.values[key]
                 continue
-            tm = md.tensors.get(key)
-            if tm is None:
-                raise MissingKeyError(f"key {key!r} is missing from checkpoint {path}")
+            tm = md.tensors[key]
             t = _staging_tensor(tm.shape, tm.dtype, False)
             region = Region.full(tm.shape)
             if region.numel:

@@ -25,6 +25,7 @@ import mmap
 import os
 import shutil
 import threading
+from collections import OrderedDict
 
 import numpy as np
 
@@ -46,6 +47,9 @@ ODIRECT: bool | str = ({"1": True, "0": False}.get(_ODIRECT_MODE, "auto")) if ha
 CACHED_FRACTION_FOR_BUFFERED = 0.5
 DIRECT_ALIGN = 4096  # offset, length and memory alignment of O_DIRECT reads
 _IOV_MAX = 512
+# Descriptors a reader keeps open at once (least recently used ones are closed): any number of data files can
+# be read under a low RLIMIT_NOFILE.
+MAX_OPEN_FILES = int(os.environ.get("PADDLE_FSDP_CKPT_MAX_OPEN_FILES", "64"))
 
 
 CHECKSUM_THREADS = int(os.environ.get("PADDLE_FSDP_CKPT_CHECKSUM_THREADS", "2"))
@@ -427,12 +431,22 @@ class FileSet:
     """Open-on-demand read-only descriptors for the files of one checkpoint, with size checks, and the checksum
     function its chunks are verified with (None: reads are not verified)."""
 
-    def __init__(self, root: str, sizes: dict[str, int], resolve, digest: DigestFn | None = None):
+    def __init__(
+        self,
+        root: str,
+        sizes: dict[str, int],
+        resolve,
+        digest: DigestFn | None = None,
+        checkpoint_id: str | None = None,
+        max_open: int = MAX_OPEN_FILES,
+    ):
         self.root = root
         self.sizes = sizes
         self.resolve = resolve
         self.digest = digest
-        self.fds: dict[str, int] = {}
+        self.checkpoint_id = checkpoint_id
+        self.max_open = max(2, max_open)
+        self.fds: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self.bytes_read = 0
         self._direct: dict[str, int | None] = {}
 
@@ -440,21 +454,44 @@ class FileSet:
     def of(cls, root: str, md, resolve, verify: bool) -> FileSet:
         """The files of checkpoint ``md`` at ``root``; verified reads when ``verify`` and it has checksums."""
         digest = checksums.digest_function(md.checksum) if verify and md.checksum != checksums.NONE else None
-        return cls(root, {n: f.size for n, f in md.files.items()}, resolve, digest)
+        return cls(root, {n: f.size for n, f in md.files.items()}, resolve, digest, md.checkpoint_id)
 
     @property
     def verifies(self) -> bool:
         return self.digest is not None
 
+    def _open(self, name: str, flags: int = 0) -> int:
+        """A regular-file descriptor of ``name`` (never blocks on a FIFO or device); a missing file is a removed
+        checkpoint when its commit record went too (removal.py), else corruption."""
+        from .removal import removed_or
+        from .strict_json import open_regular
+
+        path = self.resolve(self.root, name)
+        try:
+            return open_regular(path, flags)
+        except FileNotFoundError:
+            raise removed_or(
+                self.root,
+                CorruptCheckpointError(f"checkpoint {self.root}: data file {name} is missing"),
+                self.checkpoint_id,
+            ) from None
+
+    def _make_room(self) -> None:
+        """Close least recently used descriptors so that one more stays within ``max_open``."""
+        while len(self.fds) + sum(fd is not None for fd in self._direct.values()) >= self.max_open and self.fds:
+            old, fd = self.fds.popitem(last=False)
+            os.close(fd)
+            dfd = self._direct.pop(old, None)
+            if dfd is not None:
+                os.close(dfd)
+
     def fd(self, name: str) -> int:
         fd = self.fds.get(name)
         if fd is not None:
+            self.fds.move_to_end(name)
             return fd
-        path = self.resolve(self.root, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"checkpoint {self.root}: data file {name} is missing") from None
+        self._make_room()
+        fd = self._open(name)
         size = os.fstat(fd).st_size
         if size != self.sizes[name]:
             os.close(fd)
@@ -481,7 +518,8 @@ class FileSet:
 
     def direct_fd(self, name: str) -> int | None:
         """An O_DIRECT descriptor of ``name`` (after the size check of ``fd``), or None where unsupported."""
-        if name in self._direct:
+        if name in self._direct and name in self.fds:
+            self.fds.move_to_end(name)
             return self._direct[name]
         self.fd(name)
         fd = None
@@ -491,7 +529,7 @@ class FileSet:
             use = cached is not None and cached < CACHED_FRACTION_FOR_BUFFERED
         if use:
             try:
-                fd = os.open(self.resolve(self.root, name), os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+                fd = self._open(name, os.O_DIRECT)
             except OSError:
                 fd = None
         self._direct[name] = fd

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Callable
 
 from . import checksums, storage
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointRemovedError, CorruptCheckpointError
 from .load import read_metadata
 from .metadata import resolve_member
 from .planner import coverage_problems, region_of_piece
+from .removal import removed_or
+from .strict_json import loads_strict, open_regular
+
+_MAX_HEADER_BYTES = 100 << 20
 
 
 def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) -> list[str]:
@@ -39,22 +42,22 @@ def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) 
     for name, fm in md.files.items():
         try:
             fpath = resolve_member(path, name)
-        except CheckpointError as e:
-            problems.append(str(e))
-            continue
-        if not os.path.isfile(fpath):
+            fd = open_regular(fpath)
+        except FileNotFoundError:
             problems.append(f"data file {name} is missing")
             continue
-        size = os.path.getsize(fpath)
-        if size != fm.size:
-            problems.append(f"data file {name} has {size} bytes, expected {fm.size}")
+        except (CheckpointError, OSError) as e:
+            problems.append(f"data file {name}: {e}")
             continue
-        usable.add(name)
-        spans = sorted(by_file[name], key=lambda x: x[0])
-        for (_a0, a1, k0, _), (b0, _b1, k1, _) in zip(spans, spans[1:]):
-            if b0 < a1:
-                problems.append(f"data file {name}: pieces of {k0!r} and {k1!r} overlap")
-        problems += _check_header(fpath, name, by_file[name])
+        try:
+            size = os.fstat(fd).st_size
+            if size != fm.size:
+                problems.append(f"data file {name} has {size} bytes, expected {fm.size}")
+                continue
+            usable.add(name)
+            problems += _check_header(fd, size, name, by_file[name])
+        finally:
+            os.close(fd)
     if md.checksum != checksums.NONE:
         try:
             files = storage.FileSet.of(path, md, resolve_member, verify=True)
@@ -71,22 +74,34 @@ def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) 
                         ):
                             if on_bytes is not None:
                                 on_bytes(len(window))
-                    except CorruptCheckpointError as e:
+                    except (CheckpointError, OSError) as e:
                         problems.append(str(e))
         finally:
             files.close()
+    if problems:
+        # a checkpoint removed (keep_last rotation) or replaced while being verified is not corrupt
+        gone = removed_or(path, CorruptCheckpointError(""), md.checkpoint_id)
+        if isinstance(gone, CheckpointRemovedError):
+            return [f"{type(gone).__name__}: {gone}"]
     return problems
 
 
-def _check_header(fpath: str, name: str, pieces) -> list[str]:
+def _check_header(fd: int, size: int, name: str, pieces) -> list[str]:
+    """The safetensors header of the open data file ``fd`` must be a JSON object whose entry for each piece has
+    the piece's byte range (the header length is bounded by the file size and a cap, checked before reading)."""
     try:
-        with open(fpath, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if n > 100 << 20:
-                return [f"data file {name}: implausible safetensors header length {n}"]
-            header = json.loads(f.read(n))
-    except (OSError, ValueError) as e:
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            return [f"data file {name}: too short for a safetensors header"]
+        n = int.from_bytes(head, "little")
+        if n > min(size - 8, _MAX_HEADER_BYTES):
+            return [f"data file {name}: implausible safetensors header length {n}"]
+        raw = os.pread(fd, n, 8)
+        header = loads_strict(raw, f"data file {name} safetensors header")
+    except (OSError, CheckpointError) as e:
         return [f"data file {name}: unreadable safetensors header: {e}"]
+    if not isinstance(header, dict):
+        return [f"data file {name}: safetensors header is not a JSON object"]
     out = []
     base = 8 + n
     for a, b, key, p in pieces:
