@@ -43,7 +43,7 @@ import uuid
 
 from . import storage
 from .api import LoadReport, SaveHandle, _Comm, _error_payload, _raise_gathered, load_state_dict, save_state_dict
-from .errors import CheckpointError, IncompleteCheckpointError, NotACheckpointError
+from .errors import CheckpointError, CheckpointRemovedError, IncompleteCheckpointError, NotACheckpointError
 from .metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, check_file_name
 
 logger = logging.getLogger(__name__)
@@ -81,10 +81,18 @@ def _committed(path: str) -> bool:
 
 def read_latest(root: str) -> str | None:
     """The name in ``root/latest`` when it is a plain directory name, else None (missing, empty, unsafe)."""
+    from .strict_json import open_regular
+
     try:
-        with open(os.path.join(root, LATEST_FILE), "rb") as f:
-            name = f.read(4096).decode().strip()
+        fd = open_regular(os.path.join(root, LATEST_FILE))  # never blocks on a FIFO in its place
+        try:
+            name = os.read(fd, 4096).decode().strip()
+        finally:
+            os.close(fd)
     except (OSError, UnicodeDecodeError):
+        return None
+    except CheckpointError as e:  # not a regular file
+        logger.warning("ignoring %s/%s: %s", root, LATEST_FILE, e)
         return None
     try:
         return check_file_name(name)
@@ -123,7 +131,7 @@ def latest_checkpoint(root: str) -> str | None:
     return None
 
 
-def _is_root(path: str) -> bool:
+def is_checkpoint_root(path: str) -> bool:
     try:
         names = os.listdir(path)
     except OSError:
@@ -140,7 +148,7 @@ def resolve_checkpoint(path: str) -> str:
     directories in it, else NotACheckpointError.
     """
     path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path) or not _is_root(path):
+    if not os.path.isdir(path) or not is_checkpoint_root(path):
         return path  # the engine's read_metadata reports what is wrong with it, if anything
     found = latest_checkpoint(path)
     if found is not None:
@@ -277,11 +285,19 @@ class CheckpointManager:
         return committed_steps(self.root)
 
     def load_latest(self, state_dict: dict, **load_kwargs) -> LoadReport:
-        """Load the newest committed checkpoint into ``state_dict`` (engine's ``load_state_dict``)."""
-        return load_state_dict(
-            state_dict,
-            resolve_checkpoint_collective(self.root, _Comm(self.process_group)),
-            process_group=self.process_group,
-            coordinator_rank=self.coordinator_rank,
-            **load_kwargs,
-        )
+        """Load the newest committed checkpoint into ``state_dict`` (engine's ``load_state_dict``); a load that
+        loses a race with keep_last rotation (CheckpointRemovedError on every rank) retries with the new latest."""
+        for attempt in range(4):
+            try:
+                return load_state_dict(
+                    state_dict,
+                    resolve_checkpoint_collective(self.root, _Comm(self.process_group)),
+                    process_group=self.process_group,
+                    coordinator_rank=self.coordinator_rank,
+                    **load_kwargs,
+                )
+            except CheckpointRemovedError as e:
+                if attempt == 3:
+                    raise
+                logger.warning("load_latest(%s): %s; retrying with what %s names now", self.root, e, LATEST_FILE)
+        raise AssertionError("unreachable")  # pragma: no cover
