@@ -35,6 +35,10 @@ class CheckpointRemovedError(NotACheckpointError):
     """The checkpoint was removed (e.g. by ``keep_last`` rotation) while it was being read."""
 
 
+class SafetensorsHeaderError(CorruptCheckpointError):
+    """A safetensors file's header is malformed, implausible or does not fit the file."""
+
+
 class UnsafePathError(MetadataError):
     """A file name in the metadata would escape the checkpoint directory."""
 
@@ -79,6 +83,7 @@ ERROR_CLASSES = {
         IncompleteCheckpointError,
         CorruptCheckpointError,
         MetadataError,
+        SafetensorsHeaderError,
         UnsafePathError,
         NotARegularFileError,
         CheckpointRemovedError,

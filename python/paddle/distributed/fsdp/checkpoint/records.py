@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidStateDictError
-from .metadata import DTYPES, is_json_value
+from .format.metadata import DTYPES, is_json_value
 from .planner import RecordDesc, Region
 from .storage import dtype_name, numel_of
 
@@ -110,7 +110,7 @@ def to_record(key: str, val: Any) -> TensorRecord | None:
     if is_json_value(val):
         return None
     if isinstance(val, (list, tuple, dict, float, int)):
-        from .strict_json import json_value_problem
+        from .format.strict_json import json_value_problem
 
         raise InvalidStateDictError(f"key {key!r}: cannot checkpoint this value: {json_value_problem(val)}")
     raise InvalidStateDictError(

@@ -12,13 +12,13 @@ from __future__ import annotations
 import os
 
 from .errors import CheckpointError, CheckpointRemovedError
-from .metadata import COMMIT_FILE
+from .format.metadata import COMMIT_FILE
 
 
 def commit_id(path: str) -> str | None:
     """The checkpoint id the commit record at ``path`` names now (None: absent or unreadable)."""
-    from .schema import parse_commit
-    from .strict_json import SMALL_FILE_BYTES, loads_strict, read_capped
+    from .format.schema import parse_commit
+    from .format.strict_json import SMALL_FILE_BYTES, loads_strict, read_capped
 
     try:
         where = os.path.join(path, COMMIT_FILE)

@@ -6,14 +6,14 @@ import os
 from typing import Callable
 
 from . import checksums, storage
-from .errors import CheckpointError, CheckpointRemovedError, CorruptCheckpointError
-from .load import read_metadata
-from .metadata import resolve_member
+from .errors import CheckpointError, CheckpointRemovedError, CorruptCheckpointError, SafetensorsHeaderError
+from .format import safetensors
+from .format.commit import read_metadata
+from .format.metadata import resolve_member
+from .format.regions import iter_piece
+from .format.strict_json import open_regular
 from .planner import coverage_problems, region_of_piece
 from .removal import removed_or
-from .strict_json import loads_strict, open_regular
-
-_MAX_HEADER_BYTES = 100 << 20
 
 
 def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) -> list[str]:
@@ -55,9 +55,9 @@ def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) 
                 problems.append(f"data file {name} has {size} bytes, expected {fm.size}")
                 continue
             usable.add(name)
-            problems += _check_header(fd, size, name, by_file[name])
         finally:
             os.close(fd)
+        problems += _check_header(fpath, name, by_file[name])
     if md.checksum != checksums.NONE:
         try:
             files = storage.FileSet.of(path, md, resolve_member, verify=True)
@@ -69,9 +69,7 @@ def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) 
                     if p.file not in usable or p.nbytes == 0:
                         continue
                     try:
-                        for _pos, window in storage.read_piece_windows(
-                            files, key, p, [(0, p.nbytes)], md.chunk_bytes, True
-                        ):
+                        for window in iter_piece(files, md, key, p, True):
                             if on_bytes is not None:
                                 on_bytes(len(window))
                     except (CheckpointError, OSError) as e:
@@ -86,26 +84,17 @@ def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) 
     return problems
 
 
-def _check_header(fd: int, size: int, name: str, pieces) -> list[str]:
-    """The safetensors header of the open data file ``fd`` must be a JSON object whose entry for each piece has
-    the piece's byte range (the header length is bounded by the file size and a cap, checked before reading)."""
+def _check_header(fpath: str, name: str, pieces) -> list[str]:
+    """The safetensors header of the data file (format/safetensors.py: bounded, strict) must hold each piece's
+    byte range."""
     try:
-        head = os.pread(fd, 8, 0)
-        if len(head) < 8:
-            return [f"data file {name}: too short for a safetensors header"]
-        n = int.from_bytes(head, "little")
-        if n > min(size - 8, _MAX_HEADER_BYTES):
-            return [f"data file {name}: implausible safetensors header length {n}"]
-        raw = os.pread(fd, n, 8)
-        header = loads_strict(raw, f"data file {name} safetensors header")
-    except (OSError, CheckpointError) as e:
+        st = safetensors.read_header(fpath)
+    except SafetensorsHeaderError as e:
         return [f"data file {name}: unreadable safetensors header: {e}"]
-    if not isinstance(header, dict):
-        return [f"data file {name}: safetensors header is not a JSON object"]
+    entries = {e.name: e for e in st.entries}
     out = []
-    base = 8 + n
     for a, b, key, p in pieces:
-        ent = header.get(p.name)
-        if not isinstance(ent, dict) or ent.get("data_offsets") != [a - base, b - base]:
+        ent = entries.get(p.name)
+        if ent is None or (ent.begin, ent.end) != (a - st.data_start, b - st.data_start):
             out.append(f"data file {name}: safetensors header entry for {key!r} does not match the metadata")
     return out

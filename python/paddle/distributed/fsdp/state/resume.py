@@ -1,7 +1,7 @@
 """One-call checkpointing of a FullyShardFusion model: tensors, optimizer, LR scheduler, RNG, user state.
 
 Built on the records of records.py and the storage engine in ``checkpoint/``. Besides tensors,
-a checkpoint carries small JSON values under reserved keys (``__fsdp__.*``): the optimizer's class and
+a checkpoint carries small JSON values under the reserved keys of ``checkpoint/format/reserved.py``: the optimizer's class and
 non-tensor state, every rank's random generator state, and the caller's ``extra_state``.
 
 Numbered checkpoints (``checkpoint/manager.py``)::
@@ -29,8 +29,14 @@ from typing import Any
 import paddle
 from paddle.base import core
 
-from ..checkpoint import CheckpointManager, LoadReport, load_state_dict, save_state_dict
-from ..checkpoint.api import _error_payload, _raise_gathered
+from ..checkpoint import (
+    CheckpointManager,
+    LoadReport,
+    gather_errors,
+    load_state_dict,
+    read_metadata,
+    save_state_dict,
+)
 from ..checkpoint.errors import (
     CheckpointRemovedError,
     MetadataError,
@@ -38,15 +44,12 @@ from ..checkpoint.errors import (
     StateDictMismatchError,
     UnexpectedKeyError,
 )
+from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
 from ..checkpoint.manager import is_checkpoint_root, parse_step, resolve_checkpoint, step_dir_name
 from . import optimizer_states as names
 
 logger = logging.getLogger(__name__)
 
-RESERVED_PREFIX = "__fsdp__."
-OPTIMIZER_KEY = "__fsdp__.optimizer"
-RNG_KEY = "__fsdp__.rng"
-EXTRA_KEY = "__fsdp__.extra_state"
 HF_FORMAT_NAMES = {"hf", "huggingface", "hugging_face", "hf_safetensors", "transformers"}
 
 
@@ -287,15 +290,15 @@ def _load_once(fsdp, path: str, optimizer, strict: bool, verify_checksums: bool)
     resolved = None
     try:
         resolved = resolve_checkpoint(path)
+        # refused here, before the optimizer's state is even created: the same checks run again on the metadata
+        # the engine loads (below), in case the checkpoint was replaced in between
+        _precheck(fsdp, resolved, read_metadata(resolved), optimizer, strict)
     except Exception as e:  # noqa: BLE001 - whatever fails here must reach the exchange below
         err = e
     # every rank fails together: a rank raising alone would leave the others waiting in the load's collective
-    gathered = fsdp.comm.all_gather_object((_error_payload(err), resolved))
-    _raise_gathered([g[0] for g in gathered], err)
-    if len({g[1] for g in gathered}) > 1:  # `latest` moved between the ranks' reads
-        raise CheckpointRemovedError(
-            f"ranks resolved {path} to different checkpoints: {sorted({g[1] for g in gathered})}"
-        )
+    resolutions = gather_errors(fsdp.comm, err, resolved)
+    if len(set(resolutions)) > 1:  # `latest` moved between the ranks' reads
+        raise CheckpointRemovedError(f"ranks resolved {path} to different checkpoints: {sorted(set(resolutions))}")
     if optimizer is not None:
         fsdp.init_optimizer_state(optimizer)
     state = _state(fsdp, optimizer)

@@ -17,7 +17,7 @@ import math
 import re
 from typing import Any
 
-from .errors import MetadataError, NotACheckpointError
+from ..errors import MetadataError, NotACheckpointError
 
 MAX_NDIM = 64
 MAX_DIM = 1 << 62

@@ -22,7 +22,7 @@ import os
 import stat
 from typing import Any
 
-from .errors import MetadataError, NotACheckpointError, NotARegularFileError
+from ..errors import MetadataError, NotACheckpointError, NotARegularFileError
 
 MAX_DEPTH = 64  # nesting of JSON containers in any checkpoint JSON (values included)
 MAX_INT_DIGITS = 40  # longest integer literal accepted (uint64 checksums and RNG words need 20)

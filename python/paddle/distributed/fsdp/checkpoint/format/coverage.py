@@ -77,7 +77,7 @@ def _run_count(shape, box_shape) -> int:
 def coverage_problems(key: str, shape, regions: list) -> list[str]:
     """Problems (empty: exact) of ``regions``, a list of ``(owner, Region)`` (owner: a rank or file index),
     covering the tensor of ``shape``: overlaps (naming both owners) or elements left uncovered."""
-    from .planner import _interval_problems, _runs_problems
+    from ..planner import _interval_problems, _runs_problems
 
     shape = tuple(int(s) for s in shape)
     total = math.prod(shape) if all(s > 0 for s in shape) or not shape else 0
