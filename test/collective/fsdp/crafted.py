@@ -59,7 +59,7 @@ def craft(path: Path, tensors: dict, pieces: dict, values: dict | None = None, c
         header = build_header(entries, {"format": "paddle-fsdp-checkpoint"})
         (path / name).write_bytes(header + b"".join(blobs))
         md.files[name] = FileMeta(rank=fi, size=len(header) + pos)
-        for (ename, _dt, _shape, b, _e), (key, off, box, fr, data), raw in zip(entries, by_file.get(fi, []), blobs):
+        for (ename, _dt, _shape, b, _e), (key, off, box, fr, _data), raw in zip(entries, by_file.get(fi, []), blobs):
             md.tensors[key].pieces.append(
                 PieceMeta(
                     file=name,

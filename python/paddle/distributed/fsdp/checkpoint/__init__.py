@@ -24,6 +24,7 @@ keys, the one region reader); ``planner.py`` plans writes and reads; ``storage.p
 from .coordination import gather_errors
 from .errors import (
     CheckpointError,
+    CheckpointRemovedError,
     CorruptCheckpointError,
     DtypeMismatchError,
     IncompleteCheckpointError,
@@ -31,6 +32,7 @@ from .errors import (
     MetadataError,
     MissingKeyError,
     NotACheckpointError,
+    NotARegularFileError,
     OptimizerMismatchError,
     SafetensorsHeaderError,
     SaveFailedError,
@@ -69,6 +71,8 @@ __all__ = [
     "MissingKeyError",
     "NotACheckpointError",
     "SafetensorsHeaderError",
+    "CheckpointRemovedError",
+    "NotARegularFileError",
     "SaveFailedError",
     "ShapeMismatchError",
     "StateDictMismatchError",

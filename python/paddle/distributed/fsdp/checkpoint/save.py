@@ -257,6 +257,7 @@ class _SaveJob:
                 fsync=False,
                 atomic=True,
             )
+            faults.point("after_data", self.rank)
         except _PeerFailed as e:  # another rank failed first: stop writing, free the space, say who failed
             _remove_quietly(data_path)
             raise SaveFailedError(f"save to {self.path} aborted: {e}; the previous checkpoint is untouched") from None
@@ -265,7 +266,6 @@ class _SaveJob:
             if isinstance(e, Exception):  # (an interrupt leaves the staging as a kill would)
                 _remove_quietly(data_path)
             raise
-        faults.point("after_data", self.rank)
         if self.rank == self.coordinator:
             try:
                 self._commit(parts, tr)
