@@ -43,7 +43,13 @@ import uuid
 
 from . import storage
 from .coordination import Comm, gather_errors
-from .errors import CheckpointError, CheckpointRemovedError, IncompleteCheckpointError, NotACheckpointError
+from .errors import (
+    CheckpointError,
+    CheckpointRemovedError,
+    IncompleteCheckpointError,
+    NotACheckpointError,
+    SaveFailedError,
+)
 from .format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, check_file_name
 from .load import LoadReport, load_state_dict
 from .save import SaveHandle, save_state_dict
@@ -263,7 +269,10 @@ class CheckpointManager:
         ``save_kwargs`` go to the engine's ``save_state_dict`` (``async_save``, ``commit_timeout``, ...).
         """
         name = step_dir_name(step)
-        os.makedirs(self.root, exist_ok=True)
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:  # read-only file system, permissions: a named error, like any failed save
+            raise SaveFailedError(f"save to {self.root}: cannot create the checkpoint root: {e}") from e
         return save_state_dict(
             state_dict,
             os.path.join(self.root, name),

@@ -58,8 +58,16 @@ def write_commit(directory: str, checkpoint_id: str, metadata_bytes: bytes) -> N
 
 
 def read_metadata(path: str) -> CheckpointMetadata:
-    """Metadata of a committed checkpoint; raises NotACheckpointError / IncompleteCheckpointError / MetadataError."""
+    """Metadata of a committed checkpoint; raises NotACheckpointError / IncompleteCheckpointError / MetadataError
+    (CorruptCheckpointError for an I/O error such as EACCES or EIO: never a bare OSError)."""
     path = os.path.abspath(os.fspath(path))
+    try:
+        return _read_metadata(path)
+    except OSError as e:
+        raise CorruptCheckpointError(f"checkpoint {path}: cannot read it: {type(e).__name__}: {e}") from e
+
+
+def _read_metadata(path: str) -> CheckpointMetadata:
     if not os.path.isdir(path):
         parent = os.path.dirname(path)
         base = os.path.basename(path)

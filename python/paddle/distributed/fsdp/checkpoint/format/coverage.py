@@ -100,7 +100,7 @@ def coverage_problems(key: str, shape, regions: list) -> list[str]:
 
 
 def _box_overlap(key: str, boxes: list[tuple[Box, int]]) -> str | None:
-    """First pair of boxes sharing an element (a sweep over the first dimension, vectorised over the rest)."""
+    """First pair of boxes sharing an element (a sweep over one dimension, vectorised over the rest)."""
     if len(boxes) < 2:
         return None
     nd = len(boxes[0][0][0])
@@ -109,13 +109,16 @@ def _box_overlap(key: str, boxes: list[tuple[Box, int]]) -> str | None:
     # bounds fit int64: every box lies inside its tensor, whose dimensions are at most 2**62 (schema.py)
     lo = np.array([off for (off, _e), _o in boxes], dtype=np.int64).reshape(len(boxes), nd)
     hi = lo + np.array([e for (_off, e), _o in boxes], dtype=np.int64).reshape(len(boxes), nd)
-    order = np.argsort(lo[:, 0], kind="stable")
+    # sweep along the dimension where the boxes start at the most distinct places (column shards: the columns),
+    # so each box is compared with few candidates
+    k = max(range(nd), key=lambda d: len(np.unique(lo[:, d])))
+    order = np.argsort(lo[:, k], kind="stable")
     lo, hi = lo[order], hi[order]
     owners = [boxes[i][1] for i in order.tolist()]
-    starts0 = lo[:, 0]
+    starts0 = lo[:, k]
     for i in range(len(boxes) - 1):
         # candidates: later boxes starting (dim 0) before this one ends
-        j_end = int(np.searchsorted(starts0, hi[i, 0], "left"))
+        j_end = int(np.searchsorted(starts0, hi[i, k], "left"))
         if j_end <= i + 1:
             continue
         cand_lo, cand_hi = lo[i + 1 : j_end], hi[i + 1 : j_end]
