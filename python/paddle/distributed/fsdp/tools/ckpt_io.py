@@ -197,14 +197,16 @@ class CheckpointReader:
         md = self.md
         isz = itemsize(tm.dtype)
         region = Region.full(tm.shape)
-        out = np.empty(region.numel * isz, np.uint8)
         if region.numel == 0:
-            return out
+            return np.empty(0, np.uint8)
         problems = coverage_problems(
             key, tm.shape, [(i, region_of_piece(tm.shape, p)) for i, p in enumerate(tm.pieces)]
         )
         if problems:
             raise CorruptCheckpointError(f"checkpoint {self.path}: {problems[0]}")
+        for name in sorted({p.file for p in tm.pieces if p.nbytes}):
+            self._files.fd(name)  # real regular files of the declared sizes, before allocating by the shape
+        out = np.empty(region.numel * isz, np.uint8)
         read_region(self._files, md, key, region, out, self.verify, window_bytes=self.WINDOW_BYTES)
         return out
 
