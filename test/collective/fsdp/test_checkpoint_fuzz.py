@@ -279,6 +279,22 @@ def _check_round(ckpt: Path, values, targets, want, what: str) -> str:
     return outcome
 
 
+def _check_cli(ckpt: Path, what: str) -> None:
+    """The CLI on the same input: bad input is exit 2 (verify: 1 for problems found) with one line, never 3."""
+    import io
+
+    from paddle.distributed.fsdp.tools.cli import main
+
+    for cmd, allowed in (("inspect", (0, 2)), ("verify", (0, 1, 2))):
+        err = io.StringIO()
+        with alarm(20, f"paddle-fsdp-ckpt {cmd} after {what}"):
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+                rc = main([cmd, str(ckpt)])
+        assert rc in allowed and "internal error" not in err.getvalue(), f"{what}: {cmd} exit {rc}: {err.getvalue()}"
+        if rc == 2:
+            assert len(err.getvalue().strip().splitlines()) == 1, f"{what}: {cmd}: {err.getvalue()}"
+
+
 @pytest.fixture
 def fuzz_dir():
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
@@ -310,6 +326,8 @@ def test_seeded_mutation_fuzz(fuzz_dir):
         label = f"seed={SEED} round={i} mutation={what}"
         try:
             outcome = _check_round(ckpt, values, targets, want, label)
+            if i % 5 == 0:
+                _check_cli(ckpt, label)
         except AssertionError:
             raise
         except Exception as e:  # another exception type is a failure of the contract
