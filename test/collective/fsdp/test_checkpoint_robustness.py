@@ -492,3 +492,43 @@ def test_cli_answers_bad_input_with_one_line_and_never_exit_3(saved, damage, cap
     if rc_inspect == 2:
         assert len(err_inspect.strip().splitlines()) == 1 and "internal error" not in err_inspect, err_inspect
     assert "internal error" not in err_verify.err
+
+
+# ------------------------------------------------------------------------------- coverage against brute force
+
+
+def _random_region(rng, shape):
+    from paddle.distributed.fsdp.checkpoint import planner
+
+    off = tuple(int(rng.integers(0, s)) for s in shape)
+    box = tuple(int(rng.integers(0, s - o + 1)) for o, s in zip(off, shape))
+    fr = None
+    if rng.random() < 0.5:
+        m = int(np.prod(box))
+        a = int(rng.integers(0, m + 1))
+        fr = (a, int(rng.integers(a, m + 1)))
+    return planner.Region(shape, off, box, fr)
+
+
+def test_box_coverage_and_flat_span_agree_with_the_run_based_brute_force():
+    """The bounded (box-based) coverage check gives the run-based verdicts (and its gap messages), and a region's
+    flat span from its bounds equals the span of its listed runs, on random regions of 1-3 dimensions."""
+    from paddle.distributed.fsdp.checkpoint import planner
+    from paddle.distributed.fsdp.checkpoint.format.coverage import coverage_problems, flat_range_boxes, flat_span
+
+    rng = np.random.default_rng(11)
+    for _ in range(3000):
+        shape = tuple(int(x) for x in rng.integers(1, 5, size=int(rng.integers(1, 4))))
+        regions = [(i, _random_region(rng, shape)) for i in range(int(rng.integers(0, 5)))]
+        got = coverage_problems("k", shape, regions)
+        want = planner._runs_problems("k", int(np.prod(shape)), regions)
+        assert bool(got) == bool(want), (shape, regions, got, want)
+        if want and "cover" in want[0]:
+            assert got == want
+        for _o, r in regions:
+            st, ln = r.runs()
+            assert flat_span(shape, r.box_offset, r.box_shape, r.flat_range) == (
+                (0, 0) if len(st) == 0 else (int(st[0]), int(st[-1] + ln[-1]))
+            )
+            if r.flat_range is not None:
+                assert len(flat_range_boxes(r.box_shape, *r.flat_range)) <= 2 * len(shape) + 1

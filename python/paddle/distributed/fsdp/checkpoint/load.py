@@ -58,7 +58,7 @@ from .errors import (
     ShapeMismatchError,
 )
 from .format.commit import read_metadata
-from .format.coverage import coverage_problems
+from .format.coverage import coverage_problems, flat_span
 from .format.metadata import DTYPES, CheckpointMetadata, resolve_member
 from .format.regions import read_deferred, read_region, region_segments
 from .inplace import InPlaceReads
@@ -108,13 +108,28 @@ def check_coverage(root: str, md: CheckpointMetadata, keys) -> None:
             raise CorruptCheckpointError(f"checkpoint {root}: {problems[0]}")
 
 
-def check_data_files(root: str, md: CheckpointMetadata, keys) -> None:
-    """The data files holding ``keys`` are regular files of the sizes the metadata gives (opened without
-    blocking, one at a time), so what is planned and allocated afterwards is bounded by bytes really there."""
-    names = sorted({p.file for key in keys for p in md.tensors[key].pieces if p.nbytes})
+def check_data_files(root: str, md: CheckpointMetadata, keys, regions: dict | None = None) -> None:
+    """The data files holding ``keys`` (only the pieces that touch ``regions[key]``, when given) are regular
+    files of the sizes the metadata gives (opened without blocking, one at a time), so what is planned and
+    allocated afterwards is bounded by bytes really there."""
+    names = set()
+    for key in keys:
+        tm = md.tensors[key]
+        span = None
+        if regions is not None and key in regions:
+            r = regions[key]
+            span = flat_span(r.shape, r.box_offset, r.box_shape, r.flat_range)
+        for p in tm.pieces:
+            if not p.nbytes:
+                continue
+            if span is not None:
+                first, end = flat_span(tm.shape, p.box_offset, p.box_shape, p.flat_range)
+                if first >= span[1] or end <= span[0]:
+                    continue
+            names.add(p.file)
     files = storage.FileSet.of(root, md, resolve_member, verify=False)
     try:
-        for name in names:
+        for name in sorted(names):
             files.fd(name)
             files.close()
     finally:
@@ -307,7 +322,7 @@ def load_state_dict(
                 )
                 raise cls(problems[0][1] + more)
             check_coverage(path, md, {tg.key for tg in targets})
-            check_data_files(path, md, {tg.key for tg in targets})
+            check_data_files(path, md, {tg.key for tg in targets}, {tg.key: tg.region for tg in targets})
         except Exception as e:  # noqa: BLE001 - every failure must reach the verdict exchange below
             err = named_read_error(path, e)
         # the verdict of every rank, before any byte of data is read or any target written

@@ -391,7 +391,12 @@ def plan_reads(key: str, tm: TensorMeta, target: Region) -> tuple[list[ReadItem]
     if len(dst_runs[0]) == 0:
         return items, 0
     lo, hi = int(dst_runs[0][0]), int(dst_runs[0][-1] + dst_runs[1][-1])
+    from .format.coverage import flat_span
+
     for p in tm.pieces:
+        first, end = flat_span(tm.shape, p.box_offset, p.box_shape, p.flat_range)
+        if first >= hi or end <= lo:  # from the bounds: no runs listed for pieces this region does not touch
+            continue
         src_runs = region_of_piece(tm.shape, p).runs()
         if len(src_runs[0]) == 0:
             continue

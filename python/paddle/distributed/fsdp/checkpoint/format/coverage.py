@@ -65,6 +65,28 @@ def region_boxes(box_offset, box_shape, flat_range) -> list[Box]:
     return [(tuple(o + p for o, p in zip(box_offset, off)), ext) for off, ext in local]
 
 
+def flat_span(shape, box_offset, box_shape, flat_range) -> tuple[int, int]:
+    """``[first, last + 1)`` global row-major flat indices of a region's elements (``(0, 0)`` when empty), from its
+    bounds alone: O(ndim), whatever the number of rows the region declares."""
+    shape, box_offset, box_shape = tuple(shape), tuple(box_offset), tuple(box_shape)
+    n = math.prod(box_shape) if box_shape else 1
+    a, b = (0, n) if flat_range is None else (int(flat_range[0]), int(flat_range[1]))
+    if a >= b or n == 0:
+        return 0, 0
+
+    def global_index(local: int) -> int:
+        idx = []
+        for s in reversed(box_shape):
+            local, r = divmod(local, s)
+            idx.append(r)
+        g = 0
+        for o, i, s in zip(box_offset, reversed(idx), shape):
+            g = g * s + o + i
+        return g
+
+    return global_index(a), global_index(b - 1) + 1
+
+
 def _run_count(shape, box_shape) -> int:
     """Flat runs of a box (what Region.runs would list)."""
     nd = len(shape)
