@@ -532,3 +532,42 @@ def test_box_coverage_and_flat_span_agree_with_the_run_based_brute_force():
             )
             if r.flat_range is not None:
                 assert len(flat_range_boxes(r.box_shape, *r.flat_range)) <= 2 * len(shape) + 1
+
+
+def test_load_checkpoint_of_a_root_retries_after_rotation(tmp_path, monkeypatch):
+    """load_checkpoint(root) whose checkpoint is removed by keep_last rotation while it is read loads what
+    `latest` names now (one process)."""
+    import threading
+
+    from paddle.distributed.fsdp import FullyShardFusion
+
+    paddle.seed(1)
+    model = paddle.nn.Linear(4, 4)
+    fsdp = FullyShardFusion(model)
+    opt = paddle.optimizer.AdamW(0.01, parameters=model.parameters())
+    model(paddle.ones([2, 4])).sum().backward()
+    opt.step()
+    opt.clear_grad()
+    root = tmp_path / "run"
+    fsdp.save_checkpoint(str(root), optimizer=opt, step=1, keep_last=1, extra_state={"step": 1})
+    real = storage.FileSet._open
+    raced = []
+
+    def racing(self, name, flags=0):
+        if not raced:  # a newer save lands; rotation removes step 1 while it is being read
+            raced.append(1)
+            monkeypatch.setattr(storage.FileSet, "_open", real)
+            with paddle.no_grad():
+                model.weight.set_value(paddle.full(model.weight.shape, 2.0))
+            fsdp.save_checkpoint(str(root), optimizer=opt, step=2, keep_last=1, extra_state={"step": 2})
+            with paddle.no_grad():
+                model.weight.set_value(paddle.zeros(model.weight.shape))
+            for th in threading.enumerate():
+                if th.name in ("ckpt-prune", "ckpt-rm-old"):
+                    th.join()
+        return real(self, name, flags)
+
+    monkeypatch.setattr(storage.FileSet, "_open", racing)
+    result = fsdp.load_checkpoint(str(root), optimizer=opt)
+    assert raced and result.step == 2 and result["step"] == 2
+    assert np.all(fsdp.full_parameters()["weight"].numpy() == 2.0)
