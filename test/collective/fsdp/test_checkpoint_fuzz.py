@@ -25,7 +25,7 @@ import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 from crafted import craft, reseal, snapshot_files
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
-from paddle.distributed.fsdp.checkpoint import storage
+from paddle.distributed.fsdp.checkpoint import host_memory
 
 ROUNDS = int(os.environ.get("FSDP_FUZZ_ROUNDS", "2000"))
 SEED = int(os.environ.get("FSDP_FUZZ_SEED", "1234"))
@@ -88,7 +88,7 @@ def _targets(values):
 
 
 def _raw(v):
-    return storage.raw_view(v.local_tensor if isinstance(v, ShardedWeight) else v, allow_copy=False)[0]
+    return host_memory.raw_view(v.local_tensor if isinstance(v, ShardedWeight) else v, allow_copy=False)[0]
 
 
 REPLACEMENTS = [

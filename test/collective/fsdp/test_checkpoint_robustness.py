@@ -30,7 +30,7 @@ import paddle
 import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 from crafted import craft, edit_metadata, flat_boxes
-from paddle.distributed.fsdp.checkpoint import faults, storage
+from paddle.distributed.fsdp.checkpoint import faults, reader
 
 HERE = Path(__file__).resolve().parent
 
@@ -180,8 +180,8 @@ def test_overlap_with_gap_is_refused_before_any_data_is_read(tmp_path, monkeypat
     full = np.arange(16, dtype=np.float32)
     craft(tmp_path / "c", {"v": full}, {"v": [(0, (0,), (16,), (0, 8)), (1, (0,), (16,), (4, 12))]})
     reads = []
-    real = storage.FileSet.pread_into
-    monkeypatch.setattr(storage.FileSet, "pread_into", lambda self, *a: (reads.append(a), real(self, *a))[1])
+    real = reader.FileSet.pread_into
+    monkeypatch.setattr(reader.FileSet, "pread_into", lambda self, *a: (reads.append(a), real(self, *a))[1])
     t = {"v": paddle.full([16], 7.0)}
     with pytest.raises(ck.CorruptCheckpointError, match="overlapping records"):
         ck.load_state_dict(t, str(tmp_path / "c"))
@@ -303,7 +303,7 @@ def test_any_number_of_data_files_under_a_low_open_file_limit(tmp_path):
 def _remove_when_first_opened(monkeypatch, ckpt: Path):
     """Make the checkpoint disappear (as keep_last rotation does: rename away, delete) when a reader first
     opens one of its data files."""
-    real = storage.FileSet._open
+    real = reader.FileSet._open
     done = []
 
     def racing(self, name, flags=0):
@@ -314,7 +314,7 @@ def _remove_when_first_opened(monkeypatch, ckpt: Path):
             shutil.rmtree(trash)
         return real(self, name, flags)
 
-    monkeypatch.setattr(storage.FileSet, "_open", racing)
+    monkeypatch.setattr(reader.FileSet, "_open", racing)
 
 
 @pytest.mark.parametrize("reader", ["load", "load_full", "verify"])
@@ -337,13 +337,13 @@ def test_reader_losing_a_race_with_removal_says_removed(saved, monkeypatch, read
 def test_load_latest_retries_with_the_new_latest_after_rotation(tmp_path, monkeypatch):
     mgr = ck.CheckpointManager(tmp_path / "run", keep_last=1)
     mgr.save(1, {"x": paddle.full([4], 1.0)})
-    real = storage.FileSet._open
+    real = reader.FileSet._open
     raced = []
 
     def racing(self, name, flags=0):
         if not raced:  # a newer save lands and rotation removes the checkpoint being read
             raced.append(1)
-            monkeypatch.setattr(storage.FileSet, "_open", real)
+            monkeypatch.setattr(reader.FileSet, "_open", real)
             mgr.save(2, {"x": paddle.full([4], 2.0)})
             import threading
 
@@ -352,7 +352,7 @@ def test_load_latest_retries_with_the_new_latest_after_rotation(tmp_path, monkey
                     th.join()
         return real(self, name, flags)
 
-    monkeypatch.setattr(storage.FileSet, "_open", racing)
+    monkeypatch.setattr(reader.FileSet, "_open", racing)
     t = {"x": paddle.zeros([4])}
     mgr.load_latest(t)
     assert raced and np.all(t["x"].numpy() == 2.0)
@@ -550,13 +550,13 @@ def test_load_checkpoint_of_a_root_retries_after_rotation(tmp_path, monkeypatch)
     opt.clear_grad()
     root = tmp_path / "run"
     fsdp.save_checkpoint(str(root), optimizer=opt, step=1, keep_last=1, extra_state={"step": 1})
-    real = storage.FileSet._open
+    real = reader.FileSet._open
     raced = []
 
     def racing(self, name, flags=0):
         if not raced:  # a newer save lands; rotation removes step 1 while it is being read
             raced.append(1)
-            monkeypatch.setattr(storage.FileSet, "_open", real)
+            monkeypatch.setattr(reader.FileSet, "_open", real)
             with paddle.no_grad():
                 model.weight.set_value(paddle.full(model.weight.shape, 2.0))
             fsdp.save_checkpoint(str(root), optimizer=opt, step=2, keep_last=1, extra_state={"step": 2})
@@ -567,7 +567,7 @@ def test_load_checkpoint_of_a_root_retries_after_rotation(tmp_path, monkeypatch)
                     th.join()
         return real(self, name, flags)
 
-    monkeypatch.setattr(storage.FileSet, "_open", racing)
+    monkeypatch.setattr(reader.FileSet, "_open", racing)
     result = fsdp.load_checkpoint(str(root), optimizer=opt)
     assert raced and result.step == 2 and result["step"] == 2
     assert np.all(fsdp.full_parameters()["weight"].numpy() == 2.0)

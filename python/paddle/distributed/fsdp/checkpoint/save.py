@@ -47,7 +47,7 @@ but such a staging directory exists raises / reports IncompleteCheckpointError (
 whether the save failed with an error or was interrupted); the staging directory itself reports
 IncompleteCheckpointError too until its COMMIT is written. The survivors of a killed rank do not hang: the
 coordinator waits for the other ranks' data, and the other ranks wait for the commit, at most
-``commit_timeout`` (default ``PADDLE_FSDP_CKPT_COMMIT_TIMEOUT``, 1800 s), then raise SaveFailedError; a rank
+``commit_timeout`` (default ``CheckpointOptions.commit_timeout``, 1800 s), then raise SaveFailedError; a rank
 whose save fails with an error tells the others at once (``failed`` / ``ABORT`` markers).
 
 Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (CheckpointManager).
@@ -55,7 +55,7 @@ Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (
 ``async_save=True``: the caller is blocked for the descriptor exchange and a host copy (snapshot) of the pieces this
 rank writes, which overlap (snapshot.py: the copy runs on a helper thread meanwhile); writing, fsync and commit run
 in a background (non-daemon) thread. The snapshot of host tensors goes into one per-process host buffer
-(``storage.arena``) that is reused by every async save (grown when the state grows) and STAYS RESIDENT between
+(``host_memory.arena``) that is reused by every async save (grown when the state grows) and STAYS RESIDENT between
 saves: an async-saving process holds about one extra copy of the bytes it writes, all the time (filling fresh memory
 costs page faults, which made the snapshot several times slower than a copy into resident memory).
 ``release_host_buffers()`` frees it; the next async save allocates it again. Device (and strided) tensors are
@@ -64,7 +64,7 @@ every rank) or raises the background error; an error not collected by ``wait()``
 ``save_state_dict``. gloo collectives are never issued from the background thread (they would race with the training
 loop's collectives), hence the file-based completion protocol.
 
-Checksums: xxh3-64 (checksums.py) per 1 MiB chunk of each piece (``chunk_bytes`` in metadata.json), computed on
+Checksums: xxh3-64 (checksums.py) per 1 MiB chunk of each piece (``chunk_bytes`` in metadata.json; ``CheckpointOptions.checksum``), computed on
 the tensor memory during the single write pass, piece by piece just before it is written. The coordinator's
 choice of algorithm is used by every rank. Loads verify them (load.py).
 
@@ -80,22 +80,15 @@ import errno
 import json
 import os
 import re
+import shutil
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import checksums, faults, storage
-from .coordination import (
-    DEFAULT_COMMIT_TIMEOUT,
-    Comm,
-    Tracer,
-    check_target_path,
-    gather_errors,
-    poll,
-    read_json,
-)
+from . import checksums, faults, host_memory, writer
+from .coordination import Comm, check_target_path, gather_errors, poll, read_json
 from .errors import CheckpointError, InvalidStateDictError, SaveFailedError
 from .format import commit as format_commit
 from .format.metadata import (
@@ -106,9 +99,11 @@ from .format.metadata import (
     CheckpointMetadata,
     FileMeta,
 )
+from .options import CheckpointOptions, resolve
 from .planner import RecordDesc, build_save_plan
 from .records import collect
 from .snapshot import Snapshot
+from .tracing import Tracer
 
 # ------------------------------------------------------------------------------------------------ async state
 
@@ -202,6 +197,7 @@ class _SaveJob:
     checksum: str  # algorithm (checksums.py), the same on every rank
     timeout: float
     write_stock: bool
+    options: CheckpointOptions = field(default_factory=CheckpointOptions)
     publisher: Any = None  # CheckpointManager hook: publish()/is_published()/cleanup(), see Publisher
     created: float = field(default_factory=time.time)
     release: Any = None  # async save: gives the snapshot arena back (called once the data file is written)
@@ -228,7 +224,7 @@ class _SaveJob:
             self._written()
 
     def _run(self) -> None:
-        tr = Tracer(f"save rank {self.rank}")
+        tr = Tracer(f"save rank {self.rank}", self.options)
         parts = os.path.join(self.staging, PARTS_DIR)
         layout = self.plan.files[self.rank]
         data_path = os.path.join(self.staging, layout.name)
@@ -238,7 +234,7 @@ class _SaveJob:
             kill_at = layout.size // 2 if faults.hit("mid_data", self.rank) else None
             try:
                 digest = None if self.checksum == checksums.NONE else checksums.digest_function(self.checksum)
-                size, sums = storage.write_rank_file(
+                size, sums = writer.write_rank_file(
                     data_path,
                     layout.header,
                     self.arrays,
@@ -251,7 +247,7 @@ class _SaveJob:
                 self._written()
             tr.mark("write+fsync")
             # markers need atomic visibility, not durability: the data file itself is already fsynced
-            storage.write_file(
+            writer.write_file(
                 os.path.join(parts, f"{self.rank}.done.json"),
                 json.dumps({"size": size, "checksums": sums}).encode(),
                 fsync=False,
@@ -307,6 +303,29 @@ class _SaveJob:
             raise _PeerFailed(f"rank {r} failed: {why}")
 
     def _commit(self, parts: str, tr: Tracer) -> None:
+        """Coordinator: wait for every rank's data, write metadata.json, the stock index and COMMIT (last) into
+        the staging directory, then swap it into ``path`` atomically."""
+        status = self._wait_for_ranks(parts)
+        tr.mark("wait-ranks")
+        faults.point("before_metadata", self.rank)
+        md = self._metadata(status)
+        # inside the (invisible) staging directory plain write+fsync is enough; order: data files (fsynced by
+        # their ranks), metadata, stock index, then the commit record, then the directory, then the rename
+        data = format_commit.write_metadata(self.staging, md, self.write_stock)
+        tr.mark("metadata")
+        faults.point("before_commit", self.rank)
+        shutil.rmtree(parts, ignore_errors=True)
+        format_commit.write_commit(self.staging, self.checkpoint_id, data)
+        writer.fsync_dir(self.staging)
+        tr.mark("commit-record")
+        faults.point("before_rename", self.rank)
+        writer.replace_dir(self.staging, self.path, f"{self.path}.old-{self.checkpoint_id}")
+        tr.mark("rename")
+
+    def _wait_for_ranks(self, parts: str) -> dict:
+        """Every rank's ``done`` marker (rank -> ("done", sizes + checksums)); SaveFailedError on the first
+        ``failed`` marker or when a rank is silent for ``timeout``."""
+
         def all_parts():
             failed = failures(self.staging)
             if failed:
@@ -327,14 +346,15 @@ class _SaveJob:
                 f"save to {self.path} aborted: ranks {missing} did not finish writing within {self.timeout:g} s "
                 f"(did they die?); the previous checkpoint is untouched"
             ) from None
-        tr.mark("wait-ranks")
         if "failed" in status:
             r, why = sorted(status["failed"].items())[0]
             raise SaveFailedError(
                 f"save to {self.path} aborted: rank {r} failed: {why}; the previous checkpoint is untouched"
             )
-        faults.point("before_metadata", self.rank)
+        return status
 
+    def _metadata(self, status: dict) -> CheckpointMetadata:
+        """The index of the checkpoint: the plan, with the sizes and checksums the ranks reported."""
         md = CheckpointMetadata(
             checkpoint_id=self.checkpoint_id,
             world_size=self.world,
@@ -352,20 +372,7 @@ class _SaveJob:
             for (_key, piece), sums in zip(layout.pieces, done["checksums"]):
                 piece.checksums = [int(c) for c in sums]
         md.tensors = self.plan.tensors
-        # inside the (invisible) staging directory plain write+fsync is enough; order: data files (fsynced by
-        # their ranks), metadata, stock index, then the commit record, then the directory, then the rename
-        data = format_commit.write_metadata(self.staging, md, self.write_stock)
-        tr.mark("metadata")
-        faults.point("before_commit", self.rank)
-        import shutil
-
-        shutil.rmtree(parts, ignore_errors=True)
-        format_commit.write_commit(self.staging, self.checkpoint_id, data)
-        storage.fsync_dir(self.staging)
-        tr.mark("commit-record")
-        faults.point("before_rename", self.rank)
-        storage.replace_dir(self.staging, self.path, f"{self.path}.old-{self.checkpoint_id}")
-        tr.mark("rename")
+        return md
 
     def _wait_commit(self, parts: str) -> None:
         """Wait until the coordinator committed (and, for a CheckpointManager save, moved ``latest``)."""
@@ -510,7 +517,7 @@ def _mark_aborted(staging: str, e: BaseException) -> None:
         parts = os.path.join(staging, PARTS_DIR)
         os.makedirs(parts, exist_ok=True)
         _touch(os.path.join(parts, f"ABORT.{_tag(e)}"))
-        storage.write_file(os.path.join(parts, "ABORT"), _cause(e).encode(), fsync=False, atomic=True)
+        writer.write_file(os.path.join(parts, "ABORT"), _cause(e).encode(), fsync=False, atomic=True)
     except OSError:
         pass
 
@@ -521,12 +528,12 @@ def release_host_buffers() -> bool:
     Returns False (and frees nothing) while a save or load of this process is using it. The next async save
     allocates it again.
     """
-    return storage.arena.free()
+    return host_memory.arena.free()
 
 
 def _lazy_view(t):
     """Piece provider for write_rank_file: the tensor's bytes (and their owner), produced when written."""
-    return lambda: storage.raw_view(t)
+    return lambda: host_memory.raw_view(t)
 
 
 def _mark_failed(staging: str, rank: int, e: BaseException) -> None:
@@ -537,7 +544,7 @@ def _mark_failed(staging: str, rank: int, e: BaseException) -> None:
         return
     _touch(os.path.join(parts, f"{rank}.failed.{_tag(e)}"))
     try:
-        storage.write_file(
+        writer.write_file(
             os.path.join(parts, f"{rank}.failed.json"),
             json.dumps({"error": _cause(e)}).encode(),
             fsync=False,
@@ -576,11 +583,14 @@ def save_state_dict(
     commit_timeout: float | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     write_stock_metadata: bool = True,
+    options: CheckpointOptions | None = None,
     _publisher: Publisher | None = None,
     **unused_stock_kwargs,
 ) -> SaveHandle | None:
     """Save ``state_dict`` collectively into the checkpoint directory ``path`` (see the module docstring).
 
+    ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now) sets the checksum
+    algorithm, commit timeout and tracing; ``commit_timeout`` overrides ``options.commit_timeout``.
     ``_publisher`` is CheckpointManager's hook (moves ``latest`` after the commit); not for direct use.
     """
     with _save_lock:  # saves of one process never overlap, whatever thread they come from
@@ -593,8 +603,21 @@ def save_state_dict(
             commit_timeout,
             chunk_bytes,
             write_stock_metadata,
+            options,
             _publisher,
         )
+
+
+@dataclass
+class _Local:
+    """What this rank brings to the exchange of a save (step 1); ``error`` is reported to every rank."""
+
+    records: list = field(default_factory=list)
+    values: dict = field(default_factory=dict)
+    descs: list = field(default_factory=list)
+    algorithm: str | None = None
+    snapshot: Snapshot | None = None
+    error: BaseException | None = None
 
 
 def _save_locked(
@@ -606,64 +629,27 @@ def _save_locked(
     commit_timeout: float | None,
     chunk_bytes: int,
     write_stock_metadata: bool,
+    options: CheckpointOptions | None,
     publisher: Publisher | None,
 ) -> SaveHandle | None:
-    tr = Tracer("save (calling thread)")
+    """The save protocol, in steps: validate -> exchange + plan -> piece sources -> write + commit."""
+    try:
+        opts, opts_error = resolve(options), None
+    except CheckpointError as e:  # a malformed PADDLE_FSDP_CKPT_* variable: reported by the exchange below
+        opts, opts_error = CheckpointOptions(), e
+    tr = Tracer("save (calling thread)", opts)
     wait_pending(raise_error=True)
     tr.mark("wait-previous")
     path = os.path.abspath(os.fspath(path))
     comm = Comm(process_group)
     if not 0 <= coordinator_rank < comm.world:
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
-    timeout = DEFAULT_COMMIT_TIMEOUT if commit_timeout is None else float(commit_timeout)
+    timeout = opts.commit_timeout if commit_timeout is None else float(commit_timeout)
 
-    err, records, values, descs, algorithm, snap = None, [], {}, [], None, None
-    my_id = uuid.uuid4().hex
-    try:
-        algorithm = checksums.default_algorithm()
-        records, values = collect(state_dict)
-        descs = [r.desc().to_wire() for r in records]
-        if comm.rank == coordinator_rank:
-            remove_failed_stagings(path)  # what earlier failed saves left (their space is needed now)
-            check_target_path(path)
-        if async_save:
-            # this rank's shards are copied to host on a helper thread during the exchange and the plan
-            snap = Snapshot(records)
-    except CheckpointError as e:  # reported to every rank by the exchange, so no rank is left waiting
-        err = e
-    except Exception as e:  # an I/O error or a bug: named, with the rank and the cause
-        err = SaveFailedError(f"save to {path} failed: rank {comm.rank} failed: {_cause(e)}")
-        err.__cause__ = e
-    try:
-        gathered = gather_errors(comm, err, (descs, values if err is None else {}, my_id, algorithm))
-        tr.mark("exchange")
-        checkpoint_id, algorithm = gathered[coordinator_rank][2], gathered[coordinator_rank][3]
-        plan = build_save_plan(
-            [([RecordDesc.from_wire(w) for w in g[0]], g[1]) for g in gathered], checkpoint_id, chunk_bytes
-        )
-    except BaseException:
-        if snap is not None:
-            snap.cancel()
-        raise
-    by_key = {r.key: r for r in records}
+    local = _validate(state_dict, path, comm.rank, coordinator_rank, async_save, opts, opts_error)
+    checkpoint_id, algorithm, plan = _exchange_and_plan(comm, local, coordinator_rank, chunk_bytes, tr)
     staging = f"{path}.tmp-{checkpoint_id}"
-    tr.mark("plan")
-    arrays: list = []
-    keep: list = []
-    release = None
-    try:
-        keys = [key for key, _piece in plan.files[comm.rank].pieces]
-        if snap is not None:
-            arrays, keep, release = snap.arrays_for(keys)
-        else:
-            # sync: write straight from tensor memory; device tensors are copied to host one piece at a
-            # time while writing (never the whole state at once)
-            arrays = [_lazy_view(by_key[key].tensor) for key in keys]
-    except BaseException as e:
-        _mark_failed(staging, comm.rank, e)  # the coordinator must not wait for this rank until the timeout
-        if isinstance(e, Exception) and not isinstance(e, CheckpointError):
-            raise SaveFailedError(f"save to {path} failed: rank {comm.rank} failed: {_cause(e)}") from e
-        raise
+    arrays, keep, release = _piece_sources(plan, comm.rank, local, staging)
     tr.mark("snapshot" if async_save else "views")
     job = _SaveJob(
         path=path,
@@ -679,6 +665,7 @@ def _save_locked(
         checksum=algorithm,
         timeout=timeout,
         write_stock=write_stock_metadata,
+        options=opts,
         publisher=publisher,
         release=release,
     )
@@ -687,10 +674,89 @@ def _save_locked(
         tr.mark("write+commit")
         tr.done()
         return None
-    handle = SaveHandle(path, checkpoint_id)
-    th = threading.Thread(target=handle._run, args=(job.run,), name=f"ckpt-save-{checkpoint_id[:8]}")
-    handle._thread = th
+    handle = _start_in_background(job)
+    tr.mark("start-thread")
+    tr.done()
+    return handle
+
+
+def _validate(
+    state_dict: dict,
+    path: str,
+    rank: int,
+    coordinator_rank: int,
+    async_save: bool,
+    opts: CheckpointOptions,
+    opts_error: BaseException | None,
+) -> _Local:
+    """Step 1: this rank's records, their small descriptions and the checksum algorithm; the target path check
+    (coordinator); for an async save the snapshot starts here (copied on a helper thread during step 2). Never
+    raises: the error goes to the exchange, so no rank is left waiting."""
+    local = _Local()
+    try:
+        if opts_error is not None:
+            raise opts_error
+        local.algorithm = opts.checksum_algorithm()
+        local.records, local.values = collect(state_dict)
+        local.descs = [r.desc().to_wire() for r in local.records]
+        if rank == coordinator_rank:
+            remove_failed_stagings(path)  # what earlier failed saves left (their space is needed now)
+            check_target_path(path)
+        if async_save:
+            local.snapshot = Snapshot(local.records, hugepages=opts.hugepages)
+    except CheckpointError as e:  # reported to every rank by the exchange
+        local.error = e
+    except Exception as e:  # an I/O error or a bug: named, with the rank and the cause
+        local.error = SaveFailedError(f"save to {path} failed: rank {rank} failed: {_cause(e)}")
+        local.error.__cause__ = e
+    return local
+
+
+def _exchange_and_plan(comm: Comm, local: _Local, coordinator_rank: int, chunk_bytes: int, tr: Tracer):
+    """Step 2: one exchange of every rank's descriptions (and errors: all ranks fail together), then the same
+    plan on every rank. Returns ``(checkpoint_id, algorithm, plan)``, the coordinator's id and algorithm."""
+    my_id = uuid.uuid4().hex
+    try:
+        gathered = gather_errors(
+            comm, local.error, (local.descs, local.values if local.error is None else {}, my_id, local.algorithm)
+        )
+        tr.mark("exchange")
+        checkpoint_id, algorithm = gathered[coordinator_rank][2], gathered[coordinator_rank][3]
+        plan = build_save_plan(
+            [([RecordDesc.from_wire(w) for w in g[0]], g[1]) for g in gathered], checkpoint_id, chunk_bytes
+        )
+    except BaseException:
+        if local.snapshot is not None:
+            local.snapshot.cancel()
+        raise
+    tr.mark("plan")
+    return checkpoint_id, algorithm, plan
+
+
+def _piece_sources(plan, rank: int, local: _Local, staging: str) -> tuple[list, list, Any]:
+    """Step 3: what this rank writes, in layout order: the snapshot's host copies (async), or lazy views of the
+    tensors' own memory (sync: a device tensor is copied to host one piece at a time while writing). Returns
+    ``(arrays, owners to keep alive, release of the snapshot arena or None)``."""
+    by_key = {r.key: r for r in local.records}
+    try:
+        keys = [key for key, _piece in plan.files[rank].pieces]
+        if local.snapshot is not None:
+            return local.snapshot.arrays_for(keys)
+        return [_lazy_view(by_key[key].tensor) for key in keys], [], None
+    except BaseException as e:
+        _mark_failed(staging, rank, e)  # the coordinator must not wait for this rank until the timeout
+        if isinstance(e, Exception) and not isinstance(e, CheckpointError):
+            raise SaveFailedError(f"save to {staging} failed: rank {rank} failed: {_cause(e)}") from e
+        raise
+
+
+def _start_in_background(job: _SaveJob) -> SaveHandle:
+    """Step 4 of an async save: write + commit on a non-daemon thread; the handle is this process's pending
+    save (the next save or load waits for it)."""
     global _pending
+    handle = SaveHandle(job.path, job.checkpoint_id)
+    th = threading.Thread(target=handle._run, args=(job.run,), name=f"ckpt-save-{job.checkpoint_id[:8]}")
+    handle._thread = th
     with _pending_lock:
         _pending = handle
     try:
@@ -701,6 +767,4 @@ def _save_locked(
                 _pending = None
         job._written()
         raise
-    tr.mark("start-thread")
-    tr.done()
     return handle

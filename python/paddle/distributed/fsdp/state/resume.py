@@ -31,6 +31,7 @@ from paddle.base import core
 
 from ..checkpoint import (
     CheckpointManager,
+    CheckpointOptions,
     LoadReport,
     gather_errors,
     load_state_dict,
@@ -144,12 +145,14 @@ def save_checkpoint(
     keep_last: int | None = None,
     format: str = "fsdp",
     async_save: bool = False,
+    options: CheckpointOptions | None = None,
 ):
     """Save everything needed to resume bit-exactly. Collective: every rank of the group calls it.
 
     With ``step``, ``path`` is a checkpoint root: the checkpoint goes to ``path/step_<step>``, ``path/latest``
     names it once it is committed, and with ``keep_last=K`` only the K newest steps are kept (removed after
-    the commit). Returns the engine's SaveHandle when ``async_save`` (call ``wait()`` before relying on the
+    the commit). ``options``: the engine's CheckpointOptions (None: from the environment). Returns the engine's
+    SaveHandle when ``async_save`` (call ``wait()`` before relying on the
     files; ``latest`` and pruning happen in the background too).
     """
     if str(format).lower() in HF_FORMAT_NAMES:
@@ -176,8 +179,8 @@ def save_checkpoint(
     state[RNG_KEY] = fsdp.comm.all_gather_object(_rng_state())
     state[EXTRA_KEY] = dict(extra_state or {})
     if manager is not None:
-        return manager.save(step, state, async_save=async_save)
-    return save_state_dict(state, path, process_group=fsdp.comm.group, async_save=async_save)
+        return manager.save(step, state, async_save=async_save, options=options)
+    return save_state_dict(state, path, process_group=fsdp.comm.group, async_save=async_save, options=options)
 
 
 def _foreign_keys(metadata, fsdp) -> list[str]:
@@ -262,7 +265,13 @@ _REMOVED_RETRIES = 3
 
 
 def load_checkpoint(
-    fsdp, path: str, optimizer=None, *, strict: bool = True, verify_checksums: bool = True
+    fsdp,
+    path: str,
+    optimizer=None,
+    *,
+    strict: bool = True,
+    verify_checksums: bool = True,
+    options: CheckpointOptions | None = None,
 ) -> LoadResult:
     """Restore what :func:`save_checkpoint` wrote into ``fsdp``'s model and ``optimizer``, in place.
 
@@ -277,7 +286,7 @@ def load_checkpoint(
     """
     for attempt in range(_REMOVED_RETRIES + 1):
         try:
-            return _load_once(fsdp, path, optimizer, strict, verify_checksums)
+            return _load_once(fsdp, path, optimizer, strict, verify_checksums, options)
         except CheckpointRemovedError as e:  # raised on every rank alike (the engine exchanges errors)
             if attempt == _REMOVED_RETRIES or not is_checkpoint_root(os.path.abspath(os.fspath(path))):
                 raise
@@ -285,7 +294,7 @@ def load_checkpoint(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _load_once(fsdp, path: str, optimizer, strict: bool, verify_checksums: bool) -> LoadResult:
+def _load_once(fsdp, path: str, optimizer, strict: bool, verify_checksums: bool, options) -> LoadResult:
     err: BaseException | None = None
     resolved = None
     try:
@@ -316,6 +325,7 @@ def _load_once(fsdp, path: str, optimizer, strict: bool, verify_checksums: bool)
         strict=strict,
         verify_checksums=verify_checksums,
         precheck=precheck,
+        options=options,
     )
     checked["apply"]()  # validated above on every rank: restores optimizer global state and RNG, cannot fail
     foreign = checked["foreign"]
