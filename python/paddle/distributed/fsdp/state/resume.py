@@ -81,13 +81,9 @@ def _set_rng_state(saved: list) -> None:
 
 
 def decode_rng_state(saved: Any, where: str) -> list:
-    """This process's generator states decoded from a checkpoint entry, checked completely before use.
-
-    paddle itself validates nothing (a truncated state string is accepted and leaves a half-set engine), so each
-    entry must match this process's generators: same count and device ids, a ``(device, seed, offset, bytes)``
-    tuple of integers, whose engine text survives a round trip through a scratch generator unchanged (the engine
-    parsed all of it). MetadataError for malformed entries, StateDictMismatchError for another device setup.
-    """
+    """This process's generator states decoded from a checkpoint entry (one per generator of
+    ``paddle.get_rng_state()``), each checked by :func:`check_generator_state`; same count and device ids as this
+    process's generators, else StateDictMismatchError (another device setup)."""
     current = [st.__getstate__() for st in paddle.get_rng_state()]
     if type(saved) is not list:
         raise MetadataError(f"{where} must be a list of generator states, got {type(saved).__name__}")
@@ -96,28 +92,41 @@ def decode_rng_state(saved: Any, where: str) -> list:
             f"{where} holds {len(saved)} generator states, this process has {len(current)} (another device setup)"
         )
     out = []
-    scratch = core.Generator()
     for i, (item, now) in enumerate(zip(saved, current)):
-        at = f"{where}[{i}]"
-        if type(item) is not list or len(item) != 4 or any(type(x) is not int for x in item[:3]):
-            raise MetadataError(f"{at} must be [device, seed, offset, state bytes]")
-        if type(item[3]) is not list or len(item[3]) > 1 << 16 or set(map(type, item[3])) - {int}:
-            raise MetadataError(f"{at}: the engine state must be a list of byte values")
-        if any(not 0 <= b < 256 for b in item[3]) or not -(1 << 63) <= item[1] < 1 << 64 or item[2] < 0:
-            raise MetadataError(f"{at}: a value is out of range")
+        state = check_generator_state(item, f"{where}[{i}]")
         if item[0] != now[0]:
-            raise StateDictMismatchError(f"{at} is the state of device {item[0]}, this process has {now[0]} there")
-        state = core.GeneratorState.__new__(core.GeneratorState)
-        try:
-            state.__setstate__(tuple(item))
-            scratch.set_state(state)
-            back = scratch.get_state().__getstate__()
-        except Exception as e:  # noqa: BLE001 - whatever paddle raises on a bad state
-            raise MetadataError(f"{at} is not a generator state: {e}") from None
-        if list(back[3]) != item[3]:
-            raise MetadataError(f"{at}: the generator engine state is damaged (it does not parse whole)")
+            raise StateDictMismatchError(f"{where}[{i}] is the state of device {item[0]}, this process has {now[0]}")
         out.append(state)
     return out
+
+
+_scratch_generator = None
+
+
+def check_generator_state(item: Any, where: str):
+    """One saved generator state (``[device, seed, offset, engine state bytes]``) decoded and checked completely
+    before use, as a ``GeneratorState``: paddle validates nothing (a truncated engine text is accepted and leaves a
+    half-set engine), so the text must survive a round trip through a scratch generator unchanged (the engine
+    parsed all of it). MetadataError naming ``where`` otherwise."""
+    global _scratch_generator
+    if type(item) is not list or len(item) != 4 or any(type(x) is not int for x in item[:3]):
+        raise MetadataError(f"{where} must be [device, seed, offset, state bytes]")
+    if type(item[3]) is not list or len(item[3]) > 1 << 16 or set(map(type, item[3])) - {int}:
+        raise MetadataError(f"{where}: the engine state must be a list of byte values")
+    if any(not 0 <= b < 256 for b in item[3]) or not -(1 << 63) <= item[1] < 1 << 64 or item[2] < 0:
+        raise MetadataError(f"{where}: a value is out of range")
+    state = core.GeneratorState.__new__(core.GeneratorState)
+    try:
+        state.__setstate__(tuple(item))
+        if _scratch_generator is None:
+            _scratch_generator = core.Generator()
+        _scratch_generator.set_state(state)
+        back = _scratch_generator.get_state().__getstate__()
+    except Exception as e:  # noqa: BLE001 - whatever paddle raises on a bad state
+        raise MetadataError(f"{where} is not a generator state: {e}") from None
+    if list(back[3]) != item[3]:
+        raise MetadataError(f"{where}: the generator engine state is damaged (it does not parse whole)")
+    return state
 
 
 def decode_extra_state(saved: Any, where: str) -> dict:
