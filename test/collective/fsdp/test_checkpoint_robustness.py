@@ -161,6 +161,17 @@ def test_metadata_size_is_capped_before_reading(saved, monkeypatch):
         tracemalloc.stop()
 
 
+def test_metadata_cap_and_open_file_cap_are_options(saved, monkeypatch):
+    _, ckpt = saved
+    small = ck.CheckpointOptions(max_metadata_bytes=64)
+    with pytest.raises(ck.MetadataError, match="more than the limit of 64 bytes"):
+        ck.load_full_state_dict(str(ckpt), options=small)
+    monkeypatch.setenv("PADDLE_FSDP_CKPT_MAX_METADATA_BYTES", "64")
+    with pytest.raises(ck.MetadataError, match="limit of 64 bytes"):
+        ck.read_metadata(str(ckpt))
+    assert ck.CheckpointOptions.from_env({"PADDLE_FSDP_CKPT_MAX_OPEN_FILES": "7"}).max_open_files == 7
+
+
 def test_non_finite_values_are_refused_at_save_naming_the_key(tmp_path):
     with pytest.raises(ck.InvalidStateDictError, match="'loss'.*non-finite"):
         ck.save_state_dict({"x": paddle.zeros([2]), "loss": float("nan")}, str(tmp_path / "c"))

@@ -319,7 +319,7 @@ class _LoadJob:
         mismatches go to the report. Then exact coverage of every target's tensor and the kinds and sizes of the
         data files its pieces are in: everything that can be refused before a byte of data is read."""
         path, report = self.path, self.report
-        md = self.md = read_metadata(path)
+        md = self.md = read_metadata(path, self.opts)
         self.tr.mark("metadata")
         if precheck is not None:  # the caller's checks first: "another optimizer" says more than its keys
             precheck(md)
@@ -550,7 +550,7 @@ def load_full_state_dict(
     import paddle  # noqa: F401
 
     path = os.path.abspath(os.fspath(path))
-    md = read_metadata(path)
+    md = read_metadata(path, opts)
     wanted = list(md.tensors) if keys is None else list(keys)
     for key in wanted:
         if key not in md.tensors and key not in md.values:

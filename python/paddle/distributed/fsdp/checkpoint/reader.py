@@ -36,7 +36,7 @@ CACHED_FRACTION_FOR_BUFFERED = 0.5
 DIRECT_ALIGN = 4096  # offset, length and memory alignment of O_DIRECT reads
 # Descriptors a reader keeps open at once (least recently used ones are closed): any number of data files can
 # be read under a low RLIMIT_NOFILE.
-MAX_OPEN_FILES = int(os.environ.get("PADDLE_FSDP_CKPT_MAX_OPEN_FILES", "64"))
+MAX_OPEN_FILES = 64  # CheckpointOptions.max_open_files
 
 
 _pools: dict[int, object] = {}
@@ -102,6 +102,7 @@ class FileSet:
             read_slab=options.read_slab_bytes,
             checksum_threads=options.checksum_threads,
             checkpoint_id=md.checkpoint_id,
+            max_open=options.max_open_files,
         )
 
     @property

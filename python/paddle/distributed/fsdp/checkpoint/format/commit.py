@@ -25,7 +25,7 @@ from ..errors import (
 )
 from .metadata import COMMIT_FILE, FORMAT_NAME, LATEST_FILE, METADATA_FILE, PARTS_DIR, CheckpointMetadata
 from .schema import parse_commit
-from .strict_json import DEFAULT_MAX_METADATA_BYTES, SMALL_FILE_BYTES, loads_strict, read_capped
+from .strict_json import SMALL_FILE_BYTES, loads_strict, read_capped
 
 
 def write_metadata(directory: str, md: CheckpointMetadata, write_stock: bool) -> bytes:
@@ -57,17 +57,21 @@ def write_commit(directory: str, checkpoint_id: str, metadata_bytes: bytes) -> N
     )
 
 
-def read_metadata(path: str) -> CheckpointMetadata:
+def read_metadata(path: str, options=None) -> CheckpointMetadata:
     """Metadata of a committed checkpoint; raises NotACheckpointError / IncompleteCheckpointError / MetadataError
     (CorruptCheckpointError for an I/O error such as EACCES or EIO: never a bare OSError)."""
     path = os.path.abspath(os.fspath(path))
+    if options is None:
+        from ..options import resolve
+
+        options = resolve(None)
     try:
-        return _read_metadata(path)
+        return _read_metadata(path, options.max_metadata_bytes)
     except OSError as e:
         raise CorruptCheckpointError(f"checkpoint {path}: cannot read it: {type(e).__name__}: {e}") from e
 
 
-def _read_metadata(path: str) -> CheckpointMetadata:
+def _read_metadata(path: str, max_metadata_bytes: int) -> CheckpointMetadata:
     if not os.path.isdir(path):
         parent = os.path.dirname(path)
         base = os.path.basename(path)
@@ -120,7 +124,7 @@ def _read_metadata(path: str) -> CheckpointMetadata:
     if not has_m:
         raise _removed_or(path, missing)
     try:
-        data = read_capped(mpath, DEFAULT_MAX_METADATA_BYTES, METADATA_FILE)
+        data = read_capped(mpath, max_metadata_bytes, METADATA_FILE)
     except FileNotFoundError:
         raise _removed_or(path, missing) from None
     if hashlib.sha256(data).hexdigest() != want_sha:

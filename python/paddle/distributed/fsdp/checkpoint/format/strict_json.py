@@ -27,8 +27,8 @@ from ..errors import MetadataError, NotACheckpointError, NotARegularFileError
 MAX_DEPTH = 64  # nesting of JSON containers in any checkpoint JSON (values included)
 MAX_INT_DIGITS = 40  # longest integer literal accepted (uint64 checksums and RNG words need 20)
 # metadata.json larger than this is refused before reading (a real 30B-MoE index measured 246 MB; parsing costs
-# about 10x its size in memory)
-DEFAULT_MAX_METADATA_BYTES = int(os.environ.get("PADDLE_FSDP_CKPT_MAX_METADATA_BYTES", str(512 << 20)))
+# about 10x its size in memory); CheckpointOptions.max_metadata_bytes
+DEFAULT_MAX_METADATA_BYTES = 512 << 20
 SMALL_FILE_BYTES = 1 << 20  # COMMIT, markers, latest
 
 
