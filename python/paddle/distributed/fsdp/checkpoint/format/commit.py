@@ -67,6 +67,8 @@ def read_metadata(path: str, options=None) -> CheckpointMetadata:
         options = resolve(None)
     try:
         return _read_metadata(path, options.max_metadata_bytes)
+    except FileNotFoundError as e:  # the directory went away under the reader (keep_last rotation)
+        raise _removed_or(path, CorruptCheckpointError(f"checkpoint {path}: {e}")) from e
     except OSError as e:
         raise CorruptCheckpointError(f"checkpoint {path}: cannot read it: {type(e).__name__}: {e}") from e
 
