@@ -29,6 +29,7 @@ durable commit), ``reader.py`` (checked range reads), ``host_memory.py`` (buffer
 from .coordination import gather_errors
 from .errors import (
     CheckpointError,
+    CheckpointRemovedError,
     CorruptCheckpointError,
     DtypeMismatchError,
     IncompleteCheckpointError,
@@ -36,6 +37,7 @@ from .errors import (
     MetadataError,
     MissingKeyError,
     NotACheckpointError,
+    NotARegularFileError,
     OptimizerMismatchError,
     SafetensorsHeaderError,
     SaveFailedError,
@@ -78,6 +80,8 @@ __all__ = [
     "MissingKeyError",
     "NotACheckpointError",
     "SafetensorsHeaderError",
+    "CheckpointRemovedError",
+    "NotARegularFileError",
     "SaveFailedError",
     "ShapeMismatchError",
     "StateDictMismatchError",

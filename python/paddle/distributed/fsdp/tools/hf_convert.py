@@ -65,6 +65,7 @@ from ..checkpoint.format import safetensors
 from ..checkpoint.format.metadata import itemsize
 from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
 from ..checkpoint.format.safetensors import SafetensorsEntry, SafetensorsFile
+from ..checkpoint.format.strict_json import open_regular
 from ..checkpoint.planner import Region
 from ..checkpoint.writer import write_all
 from . import ckpt_io
@@ -496,10 +497,12 @@ def discover_hf(hf_path: str) -> tuple[list[SafetensorsFile], dict | None]:
             raise ToolError(f"{hf_path} holds no .safetensors files and no {INDEX_FILE}")
         return [read_safetensors_header(os.path.join(hf_path, n)) for n in files], None
     ipath = os.path.join(hf_path, indexes[0])
-    try:
-        with open(ipath, "rb") as f:
-            index = json.loads(f.read())
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+    from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.format.strict_json import SMALL_FILE_BYTES, loads_strict, read_capped
+
+    try:  # bounded, strict, never blocking on a FIFO
+        index = loads_strict(read_capped(ipath, 64 * SMALL_FILE_BYTES, "index"), f"index {ipath}")
+    except (OSError, CheckpointError) as e:
         raise ToolError(f"cannot read index {ipath}: {e}") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
@@ -625,7 +628,7 @@ def from_hf(
     with staged_output(out) as staging, Progress(total, "from-hf", enabled=progress) as bar:
         writer = CheckpointWriter(staging, on_bytes=bar.update)
         for st, ts in plan:
-            fd = os.open(st.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = open_regular(st.path)  # never blocks on a FIFO swapped in since the header was read
             try:
                 writer.write_file([WriteEntry(t.key, t.dtype, t.shape, _producer(fd, st, t)) for t in ts])
             finally:
