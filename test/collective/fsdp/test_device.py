@@ -14,6 +14,7 @@ import numpy as np
 import paddle
 import pytest
 from paddle.distributed.fsdp import FullyShardFusion, device
+from paddle.distributed.fsdp.checkpoint.errors import MetadataError
 from paddle.distributed.fsdp.state import rng
 
 
@@ -151,8 +152,11 @@ def test_rng_mismatches_are_refused(fake_device):
     legacy = [[list(s.__getstate__()) for s in paddle.get_rng_state()] * 2]  # saved with one more device visible
     with pytest.raises(rng.RngStateMismatchError, match="device visibility differs"):
         rng.validate(legacy, 0)
-    with pytest.raises(rng.RngStateMismatchError, match="known format"):
+    with pytest.raises(MetadataError, match="known format"):
         rng.validate([{"format": "other"}], 0)
+    damaged = [dict(with_device[0], cpu=with_device[0]["cpu"][:3] + [with_device[0]["cpu"][3][:-7]])]
+    with pytest.raises(MetadataError, match="damaged"):
+        rng.validate(damaged, 0)
     rng.validate([], 0)  # no random state saved (a converted checkpoint): nothing to restore
 
 

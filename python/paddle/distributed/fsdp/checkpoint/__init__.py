@@ -29,6 +29,7 @@ durable commit), ``reader.py`` (checked range reads), ``host_memory.py`` (buffer
 from .coordination import gather_errors
 from .errors import (
     CheckpointError,
+    CheckpointRemovedError,
     CorruptCheckpointError,
     DtypeMismatchError,
     IncompleteCheckpointError,
@@ -36,7 +37,9 @@ from .errors import (
     MetadataError,
     MissingKeyError,
     NotACheckpointError,
+    NotARegularFileError,
     OptimizerMismatchError,
+    RngStateMismatchError,
     SafetensorsHeaderError,
     SaveFailedError,
     ShapeMismatchError,
@@ -78,10 +81,13 @@ __all__ = [
     "MissingKeyError",
     "NotACheckpointError",
     "SafetensorsHeaderError",
+    "CheckpointRemovedError",
+    "NotARegularFileError",
     "SaveFailedError",
     "ShapeMismatchError",
     "StateDictMismatchError",
     "OptimizerMismatchError",
+    "RngStateMismatchError",
     "UnexpectedKeyError",
     "UnsafePathError",
 ]

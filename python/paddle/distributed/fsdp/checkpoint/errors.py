@@ -27,6 +27,14 @@ class MetadataError(CorruptCheckpointError):
     """metadata.json (or the commit record) cannot be parsed or is inconsistent."""
 
 
+class NotARegularFileError(CorruptCheckpointError):
+    """A file of the checkpoint is a FIFO, a device, a directory or a socket (never opened for reading)."""
+
+
+class CheckpointRemovedError(NotACheckpointError):
+    """The checkpoint was removed (e.g. by ``keep_last`` rotation) while it was being read."""
+
+
 class SafetensorsHeaderError(CorruptCheckpointError):
     """A safetensors file's header is malformed, implausible or does not fit the file."""
 
@@ -55,6 +63,11 @@ class UnexpectedKeyError(StateDictMismatchError):
     """The checkpoint holds keys the model does not have (a checkpoint of another model)."""
 
 
+class RngStateMismatchError(StateDictMismatchError):
+    """The saved random state belongs to another device setup (another device type, or an old-style entry for
+    another number of visible devices): refused before anything is written."""
+
+
 class OptimizerMismatchError(StateDictMismatchError, ValueError):
     """The optimizer given to a load is of another class than the saved one, or none was saved."""
 
@@ -77,12 +90,15 @@ ERROR_CLASSES = {
         MetadataError,
         SafetensorsHeaderError,
         UnsafePathError,
+        NotARegularFileError,
+        CheckpointRemovedError,
         StateDictMismatchError,
         MissingKeyError,
         ShapeMismatchError,
         DtypeMismatchError,
         UnexpectedKeyError,
         OptimizerMismatchError,
+        RngStateMismatchError,
         InvalidStateDictError,
         SaveFailedError,
     )

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 from ..checkpoint import (
     CheckpointManager,
@@ -33,9 +35,14 @@ from ..checkpoint import (
     read_metadata,
     save_state_dict,
 )
-from ..checkpoint.errors import OptimizerMismatchError, UnexpectedKeyError
+from ..checkpoint.errors import (
+    CheckpointRemovedError,
+    MetadataError,
+    OptimizerMismatchError,
+    UnexpectedKeyError,
+)
 from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
-from ..checkpoint.manager import parse_step, resolve_checkpoint, step_dir_name
+from ..checkpoint.manager import is_checkpoint_root, parse_step, resolve_checkpoint, step_dir_name
 from . import optimizer_states as names
 from . import rng
 
@@ -59,6 +66,14 @@ class LoadResult(dict):
         self.report = report
         self.path = path
         self.step = parse_step(os.path.basename(path))
+
+
+def decode_extra_state(saved: Any, where: str) -> dict:
+    if saved is None:
+        return {}
+    if type(saved) is not dict:
+        raise MetadataError(f"{where} must be an object, got {type(saved).__name__}")
+    return saved
 
 
 def _state(fsdp, optimizer) -> dict:
@@ -134,29 +149,51 @@ def _foreign_keys(metadata, fsdp) -> list[str]:
     return sorted(out)
 
 
-def _precheck(fsdp, path: str, optimizer, strict: bool) -> tuple[str, list[str]]:
-    """Resolve ``path`` and refuse what must fail before any tensor is touched (this rank only)."""
-    resolved = resolve_checkpoint(path)
-    metadata = read_metadata(resolved)
-    saved_optimizer = metadata.values.get(OPTIMIZER_KEY)
+def _precheck(fsdp, resolved: str, metadata, optimizer, strict: bool) -> tuple[list[str], Callable[[], None]]:
+    """Everything a load must refuse before any tensor is written (this rank; the engine exchanges the verdict):
+    the optimizer class, keys of another model, and every piece of non-tensor state decoded and validated
+    (optimizer global state and LR scheduler with field types, this rank's RNG state and the structure of every
+    rank's, ``extra_state``). Returns the foreign keys and a function applying the decoded state, which cannot
+    fail half-way."""
+    values = metadata.values
+    saved_optimizer = values.get(OPTIMIZER_KEY)
+    apply_optimizer = None
     if optimizer is not None:
-        given = type(names.unwrap_optimizer(optimizer)).__name__
+        inner = names.unwrap_optimizer(optimizer)
+        given = type(inner).__name__
         if saved_optimizer is None:
             raise OptimizerMismatchError(
                 f"checkpoint {resolved} has no optimizer state, but a {given} was given: load it without optimizer="
             )
-        if saved_optimizer.get("class") != given:
+        if type(saved_optimizer) is not dict or type(saved_optimizer.get("class")) is not str:
+            raise MetadataError(f"checkpoint {resolved}: {OPTIMIZER_KEY} must be an object with a 'class' string")
+        if saved_optimizer["class"] != given:
             raise OptimizerMismatchError(
-                f"checkpoint {resolved} holds {saved_optimizer.get('class')} state, but the optimizer given is {given}"
+                f"checkpoint {resolved} holds {saved_optimizer['class']} state, but the optimizer given is {given}"
             )
-    rng.validate(metadata.values.get(RNG_KEY), fsdp.rank, f"checkpoint {resolved}")
+        try:
+            apply_optimizer = names.decode_optimizer_global_state(inner, saved_optimizer.get("global_state"))
+        except MetadataError as e:
+            raise MetadataError(f"checkpoint {resolved}: {e}") from None
     foreign = _foreign_keys(metadata, fsdp)
     if foreign and strict:
         raise UnexpectedKeyError(
             f"checkpoint {resolved} holds {len(foreign)} key(s) this model does not have (a checkpoint of another "
             f"model?): {foreign[:5]}{' ...' if len(foreign) > 5 else ''}; pass strict=False to load the rest"
         )
-    return resolved, foreign
+    apply_rng = rng.decode(values.get(RNG_KEY), fsdp.rank, f"checkpoint {resolved}")
+    decode_extra_state(values.get(EXTRA_KEY), f"checkpoint {resolved}: {EXTRA_KEY}")
+
+    def apply() -> None:
+        if apply_optimizer is not None:
+            apply_optimizer()
+        apply_rng()
+
+    return foreign, apply
+
+
+# a load that lost a race with keep_last rotation (or a replacing save) retries with what `latest` names now
+_REMOVED_RETRIES = 3
 
 
 def load_checkpoint(
@@ -171,36 +208,59 @@ def load_checkpoint(
     """Restore what :func:`save_checkpoint` wrote into ``fsdp``'s model and ``optimizer``, in place.
 
     ``path`` is a checkpoint directory or a root written with ``step=`` (its ``latest`` checkpoint is loaded).
-    All-or-nothing: every key, shape, dtype and checksum is checked on every rank before any tensor is written;
-    on failure every model and optimizer tensor is bit-identical to before (an optimizer without state yet gets
-    its freshly initialised accumulators, as its first step would create them). Returns a :class:`LoadResult`:
-    the saved ``extra_state`` dict, with ``.report``, ``.path`` and ``.step``.
+    All-or-nothing: every key, shape, dtype, coverage and checksum, and every piece of non-tensor state
+    (optimizer class and global state, LR scheduler class and fields with their types, RNG, ``extra_state``) is
+    decoded and checked on every rank, and the verdict exchanged, before anything is written; on failure every
+    rank raises the same named error and every model and optimizer tensor is bit-identical to before (an
+    optimizer without state yet gets its freshly initialised accumulators, as its first step would create them).
+    For a root, a load that loses a race with ``keep_last`` rotation retries with what ``latest`` names now.
+    Returns a :class:`LoadResult`: the saved ``extra_state`` dict, with ``.report``, ``.path`` and ``.step``.
     """
+    for attempt in range(_REMOVED_RETRIES + 1):
+        try:
+            return _load_once(fsdp, path, optimizer, strict, verify_checksums, options)
+        except CheckpointRemovedError as e:  # raised on every rank alike (the engine exchanges errors)
+            if attempt == _REMOVED_RETRIES or not is_checkpoint_root(os.path.abspath(os.fspath(path))):
+                raise
+            logger.warning("load_checkpoint(%s): %s; retrying with what %s names now", path, e, "latest")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _load_once(fsdp, path: str, optimizer, strict: bool, verify_checksums: bool, options) -> LoadResult:
     err: BaseException | None = None
-    resolved, foreign = None, []
+    resolved = None
     try:
-        resolved, foreign = _precheck(fsdp, path, optimizer, strict)
+        resolved = resolve_checkpoint(path)
+        # refused here, before the optimizer's state is even created: the same checks run again on the metadata
+        # the engine loads (below), in case the checkpoint was replaced in between
+        _precheck(fsdp, resolved, read_metadata(resolved), optimizer, strict)
     except Exception as e:  # noqa: BLE001 - whatever fails here must reach the exchange below
         err = e
     # every rank fails together: a rank raising alone would leave the others waiting in the load's collective
-    gather_errors(fsdp.comm, err)
+    resolutions = gather_errors(fsdp.comm, err, resolved)
+    if len(set(resolutions)) > 1:  # `latest` moved between the ranks' reads
+        raise CheckpointRemovedError(f"ranks resolved {path} to different checkpoints: {sorted(set(resolutions))}")
     if optimizer is not None:
-        inner = names.unwrap_optimizer(optimizer)
         fsdp.init_optimizer_state(optimizer)
     state = _state(fsdp, optimizer)
     for key in (RNG_KEY, EXTRA_KEY) + ((OPTIMIZER_KEY,) if optimizer is not None else ()):
         state[key] = None
+    checked: dict = {}
+
+    def precheck(metadata) -> None:
+        checked["foreign"], checked["apply"] = _precheck(fsdp, resolved, metadata, optimizer, strict)
+
     report = load_state_dict(
         state,
         resolved,
         process_group=fsdp.comm.group,
         strict=strict,
         verify_checksums=verify_checksums,
+        precheck=precheck,
         options=options,
     )
-    if optimizer is not None and state[OPTIMIZER_KEY] is not None:
-        names.set_optimizer_global_state(inner, state[OPTIMIZER_KEY]["global_state"])
-    rng.restore(state[RNG_KEY], fsdp.rank, f"checkpoint {resolved}")
+    checked["apply"]()  # validated above on every rank: restores optimizer global state and RNG, cannot fail
+    foreign = checked["foreign"]
     if not strict:
         problems = {
             "missing": [k for k in report.missing_keys if not k.startswith(RESERVED_PREFIX)],
