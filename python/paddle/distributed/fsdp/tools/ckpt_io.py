@@ -37,7 +37,6 @@ from typing import Any, Callable
 import numpy as np
 
 from ..checkpoint import CheckpointOptions, checksums, read_metadata, reader, writer
-from ..checkpoint.errors import CorruptCheckpointError
 from ..checkpoint.format import commit as format_commit
 from ..checkpoint.format.metadata import (
     DEFAULT_CHUNK_BYTES,
@@ -55,7 +54,8 @@ from ..checkpoint.format.metadata import (
 from ..checkpoint.format.regions import read_region
 from ..checkpoint.format.reserved import OPTIMIZER_KEY
 from ..checkpoint.format.safetensors import build_header
-from ..checkpoint.planner import Region, coverage_problems, region_of_piece
+from ..checkpoint.load import check_coverage
+from ..checkpoint.planner import Region
 from .errors import ToolError
 
 logger = logging.getLogger(__name__)
@@ -200,11 +200,7 @@ class CheckpointReader:
         region = Region.full(tm.shape)
         if region.numel == 0:
             return np.empty(0, np.uint8)
-        problems = coverage_problems(
-            key, tm.shape, [(i, region_of_piece(tm.shape, p)) for i, p in enumerate(tm.pieces)]
-        )
-        if problems:
-            raise CorruptCheckpointError(f"checkpoint {self.path}: {problems[0]}")
+        check_coverage(self.path, md, [key])
         for name in sorted({p.file for p in tm.pieces if p.nbytes}):
             self._files.fd(name)  # real regular files of the declared sizes, before allocating by the shape
         out = np.empty(region.numel * isz, np.uint8)
@@ -317,13 +313,12 @@ def staged_output(out: str | os.PathLike) -> Iterator[str]:
 
 
 def pread_exact(fd: int, buf: np.ndarray, offset: int, what: str) -> None:
-    mv = memoryview(buf).cast("B")
-    done = 0
-    while done < len(mv):
-        n = os.preadv(fd, [mv[done:]], offset + done)
-        if n <= 0:
-            raise ToolError(f"{what} ends at byte {offset + done}, expected at least {offset + len(mv)} (truncated)")
-        done += n
+    """Fill ``buf`` from ``fd`` at ``offset`` through the engine's read loop; ToolError naming ``what`` (a file
+    of the tool's input) when the file ends first."""
+    want = memoryview(buf).nbytes
+    done = reader.pread_full(fd, buf, offset)
+    if done < want:
+        raise ToolError(f"{what} ends at byte {offset + done}, expected at least {offset + want} (truncated)")
 
 
 # ------------------------------------------------------------------------------------------------ writing
