@@ -1,8 +1,9 @@
 """Streaming access to checkpoints for the tools: key roles, one-tensor-at-a-time reads, a one-process writer.
 
-Built only on the engine's public pieces (``read_metadata``, the metadata dataclasses, the planner's coverage and
-read planning, the storage layer's checksummed range reads and rank-file writer), so the tools never hold more
-than one full tensor of a checkpoint in memory.
+Built only on the engine's public pieces (``read_metadata``, the metadata dataclasses, the coverage check every
+load runs (``load.check_coverage``), ``format.regions.read_region`` with its checksummed reads, ``reader``'s read
+loop, ``writer``'s rank-file writer and ``format.commit``), so the format has one implementation and the tools
+never hold more than one full tensor of a checkpoint in memory.
 
 Which keys are model weights and which are optimizer state
 ----------------------------------------------------------
