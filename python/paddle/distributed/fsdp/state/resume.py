@@ -45,6 +45,7 @@ from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREF
 from ..checkpoint.manager import is_checkpoint_root, parse_step, resolve_checkpoint, step_dir_name
 from . import optimizer_states as names
 from . import rng
+from .records import refresh_master_weights
 
 logger = logging.getLogger(__name__)
 
@@ -260,6 +261,12 @@ def _load_once(fsdp, path: str, optimizer, strict: bool, verify_checksums: bool,
         options=options,
     )
     checked["apply"]()  # validated above on every rank: restores optimizer global state and RNG, cannot fail
+    if optimizer is not None:  # a parameter loaded without its master weight: the master follows the parameter
+        refreshed = refresh_master_weights(fsdp, optimizer, report.loaded_keys)
+        if refreshed:
+            logger.info(
+                "load_checkpoint(%s): master weights re-cast from the loaded parameters %s", resolved, refreshed
+            )
     foreign = checked["foreign"]
     if not strict:
         problems = {
