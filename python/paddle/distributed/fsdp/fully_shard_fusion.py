@@ -59,6 +59,7 @@ class FullyShardFusion:
         install_optimizer_integration()
         self.model = model
         self._backward_end_armed = False
+        self.summoned = False  # inside summon_full_params: every buffer stays gathered
         self.comm = ShardingComm(group)
         groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn)
         self.buffers: list[FusedBuffer] = []
@@ -83,7 +84,8 @@ class FullyShardFusion:
                 self.param_index[id(param)] = len(self.param_index)
             for layer in group_plan.scope_layers:
                 layer_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
-        self._hooks = [LayerHooks(layer, bufs) for layer, bufs in layer_buffers.values()]
+        prefixes = {id(layer): prefix for prefix, layer in model.named_sublayers(include_self=True)}
+        self._hooks = [LayerHooks(layer, bufs, prefixes.get(id(layer), "")) for layer, bufs in layer_buffers.values()]
         model._fsdp = self
         model.sharded_state_dict = self.sharded_state_dict
         logger.debug(
