@@ -22,6 +22,7 @@ from .communication import ShardingComm
 from .fused_buffer import FusedBuffer
 from .fused_layout import BufferLayout
 from .hooks import LayerHooks
+from .layer_integration import install_layer_integration
 from .optimizer_integration import install_optimizer_integration
 from .param_grouping import plan_param_groups
 
@@ -57,6 +58,7 @@ class FullyShardFusion:
         if not paddle.in_dynamic_mode():
             raise RuntimeError("FullyShardFusion works in dygraph mode only")
         install_optimizer_integration()
+        install_layer_integration()
         self.model = model
         self._backward_end_armed = False
         self.summoned = False  # inside summon_full_params: every buffer stays gathered
@@ -154,6 +156,21 @@ class FullyShardFusion:
             if not was_gathered:
                 buffer.release()
         return out
+
+    # ---- full parameters (full_params.py) -----------------------------------------------------
+    def summon_full_params(self, writeback: bool = False, rank0_only: bool = False):
+        """Context manager (collective): every parameter whole inside, e.g. for ``print``, ``save_pretrained``,
+        evaluation or custom initialisation; ``writeback=True`` scatters changes made inside back to the shards."""
+        from .full_params import summon_full_params
+
+        return summon_full_params(self, writeback=writeback, rank0_only=rank0_only)
+
+    def full_state_dict(self, rank0_only: bool = True, offload_to_cpu: bool = True) -> dict:
+        """The unwrapped model's ``state_dict()`` (whole parameters + persistable buffers), gathered one unit at a
+        time (collective); other ranks get ``{}`` with ``rank0_only``."""
+        from .full_params import full_state_dict
+
+        return full_state_dict(self, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
 
     # ---- checkpoint API (state/records.py builds the records) -------------------------------
     def sharded_state_dict(self) -> dict:

@@ -32,6 +32,7 @@ from ..checkpoint.api import _error_payload, _raise_gathered
 from ..checkpoint.errors import OptimizerMismatchError, UnexpectedKeyError
 from ..checkpoint.manager import parse_step, resolve_checkpoint, step_dir_name
 from . import optimizer_states as names
+from .buffers import persistable_buffers, warn_if_buffers_differ
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ RESERVED_PREFIX = "__fsdp__."
 OPTIMIZER_KEY = "__fsdp__.optimizer"
 RNG_KEY = "__fsdp__.rng"
 EXTRA_KEY = "__fsdp__.extra_state"
+BUFFERS_KEY = "__fsdp__.buffers"  # keys of the model's persistable buffers (to-hf leaves them out unless asked)
 HF_FORMAT_NAMES = {"hf", "huggingface", "hugging_face", "hf_safetensors", "transformers"}
 
 
@@ -119,6 +121,8 @@ def save_checkpoint(
             "class": type(inner).__name__,
             "global_state": names.optimizer_global_state(inner),
         }
+    warn_if_buffers_differ(fsdp)
+    state[BUFFERS_KEY] = list(persistable_buffers(fsdp.model))
     state[RNG_KEY] = fsdp.comm.all_gather_object(_rng_state())
     state[EXTRA_KEY] = dict(extra_state or {})
     if manager is not None:
@@ -130,6 +134,7 @@ def _foreign_keys(metadata, fsdp) -> list[str]:
     """Checkpoint keys that belong to no parameter of this model (optimizer state ``<param key>.<name>`` and
     reserved ``__fsdp__.*`` values belong)."""
     model_keys = {key for key, _param, _buffer, _index in fsdp.managed_parameters()}
+    model_keys.update(persistable_buffers(fsdp.model))
     out = []
     for key in list(metadata.tensors) + list(metadata.values):
         if key in model_keys or key.startswith(RESERVED_PREFIX):
