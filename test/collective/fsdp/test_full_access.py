@@ -24,6 +24,7 @@ def runs(tmp_path_factory):
     for n in (1, 2):
         work = tmp_path_factory.mktemp(f"full{n}")
         out[n] = run_launch(os.path.join(WORKERS, "full_access.py"), n, [str(work)], log_dir=work / "logs")
+        out[n].workdir = work
     return out
 
 
@@ -36,3 +37,28 @@ def test_full_access(runs, nproc, case):
     unwrapped model; persistable buffers round-trip (low level and one call), rank 0's value wins when ranks
     differ (with a warning), non-persistable buffers stay out."""
     assert_case_ok(runs[nproc], case, nproc)
+
+
+def test_tools_show_buffers_and_to_hf_leaves_them_out(runs, tmp_path, capsys):
+    """inspect labels persistable buffers "buffer"; to-hf leaves them out unless --include-buffers."""
+    import json
+
+    import safetensors.numpy as stnp
+    from paddle.distributed.fsdp.tools.cli import main as cli_main
+
+    ckpt = runs[2].workdir / "buffers_one_call"
+    assert cli_main(["inspect", str(ckpt), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    buffers = {k for k, t in info["tensors"].items() if t["role"] == "buffer"}
+    assert buffers == {f"blocks.{i}.{name}" for i in range(3) for name in ("steps", "ema")}
+    assert info["buffer_tensors"] == 6 and not any("scratch" in k for k in info["tensors"])
+    exported = {}
+    for flag in ([], ["--include-buffers"]):
+        out = tmp_path / f"hf{len(flag)}"
+        assert cli_main(["to-hf", str(ckpt), str(out), *flag]) == 0
+        names = set()
+        for f in out.glob("*.safetensors"):
+            names |= set(stnp.load_file(str(f)))
+        exported[bool(flag)] = names
+    assert not exported[False] & buffers and "head.weight" in exported[False]
+    assert exported[True] == exported[False] | buffers

@@ -25,6 +25,7 @@ parameter (``P`` absent) is classified as model weights.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -53,7 +54,7 @@ from ..checkpoint.format.metadata import (
     resolve_member,
 )
 from ..checkpoint.format.regions import read_region
-from ..checkpoint.format.reserved import OPTIMIZER_KEY
+from ..checkpoint.format.reserved import BUFFERS_KEY, OPTIMIZER_KEY
 from ..checkpoint.format.safetensors import build_header
 from ..checkpoint.planner import Region, coverage_problems, region_of_piece
 from .errors import ToolError
@@ -62,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
+BUFFER = "buffer"  # a persistable buffer (model state, not a parameter); classified MODEL by classify_keys
 
 #: engine dtype name -> numpy dtype holding its bits (numpy has no bfloat16 / float8: raw unsigned ints)
 NUMPY_STORAGE: dict[str, Any] = {
@@ -132,6 +134,22 @@ def classify_keys(md: CheckpointMetadata) -> dict[str, KeyRole]:
                     odd,
                 )
     return roles
+
+
+def buffer_keys(md: CheckpointMetadata) -> set[str]:
+    """Tensor keys that ``save_checkpoint`` recorded as persistable buffers (``__fsdp__.buffers``); a checkpoint
+    written by the low-level API carries no such list, and its buffers count as model weights."""
+    listed = md.values.get(BUFFERS_KEY)
+    if not isinstance(listed, list):
+        return set()
+    return {key for key in listed if isinstance(key, str) and key in md.tensors}
+
+
+def without_keys(md: CheckpointMetadata, keys: set[str]) -> CheckpointMetadata:
+    """A shallow copy of ``md`` whose tensor table leaves ``keys`` out (for planning exports)."""
+    if not keys:
+        return md
+    return dataclasses.replace(md, tensors={k: v for k, v in md.tensors.items() if k not in keys})
 
 
 # ------------------------------------------------------------------------------------------------ reading

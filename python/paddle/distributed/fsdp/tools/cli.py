@@ -144,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--include-optimizer", action="store_true", help="also write optimizer state, as '<hf param name>.<state>'"
     )
+    p.add_argument(
+        "--include-buffers",
+        action="store_true",
+        help="also write the model's persistable buffers (left out by default)",
+    )
     p.set_defaults(func=cmd_to_hf)
 
     p = sub.add_parser(
@@ -220,6 +225,7 @@ def cmd_to_hf(args) -> int:
         dtype=args.dtype,
         rules=rules,
         include_optimizer=args.include_optimizer,
+        include_buffers=args.include_buffers,
         progress=_progress(args),
     )
     print(

@@ -247,9 +247,13 @@ def to_hf(
     dtype: str | None = None,
     rules: Rules | None = None,
     include_optimizer: bool = False,
+    include_buffers: bool = False,
     progress: bool | None = None,
 ) -> dict:
     """Convert checkpoint ``ckpt`` into Hugging Face safetensors in ``out`` (see the module docstring).
+
+    Persistable buffers that ``save_checkpoint`` listed (``__fsdp__.buffers``) are left out unless
+    ``include_buffers``: Hugging Face weights hold parameters, and a loader would report them as unexpected.
 
     Returns a summary: ``{"out", "files", "tensors", "total_size", "transposed"}``.
     """
@@ -259,7 +263,8 @@ def to_hf(
     out = os.path.abspath(os.fspath(out))
     ckpt_io.check_output_path(out)
     with CheckpointReader(ckpt) as reader:
-        tensors = plan_to_hf(reader.md, rules, dtype, include_optimizer)
+        buffers = set() if include_buffers else ckpt_io.buffer_keys(reader.md)
+        tensors = plan_to_hf(ckpt_io.without_keys(reader.md, buffers), rules, dtype, include_optimizer)
         if not tensors:
             raise ToolError(f"checkpoint {reader.path} holds no tensors to export")
         shards = split_shards(tensors, max_bytes)
