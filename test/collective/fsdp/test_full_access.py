@@ -21,10 +21,14 @@ CASES = [
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for n in (1, 2):
+    script = os.path.join(WORKERS, "full_access.py")
+    for n in (2, 1):  # the 1-rank run also loads the 2-rank run's checkpoint (buffers_elastic)
         work = tmp_path_factory.mktemp(f"full{n}")
-        out[n] = run_launch(os.path.join(WORKERS, "full_access.py"), n, [str(work)], log_dir=work / "logs")
+        args = [str(work)] + ([str(out[2].workdir)] if n == 1 else [])
+        out[n] = run_launch(script, n, args, log_dir=work / "logs")
         out[n].workdir = work
+    work = tmp_path_factory.mktemp("full3")
+    out[3] = run_launch(script, 3, [str(work), str(out[2].workdir), "--only-elastic"], log_dir=work / "logs")
     return out
 
 
@@ -37,6 +41,13 @@ def test_full_access(runs, nproc, case):
     unwrapped model; persistable buffers round-trip (low level and one call), rank 0's value wins when ranks
     differ (with a warning), non-persistable buffers stay out."""
     assert_case_ok(runs[nproc], case, nproc)
+
+
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_buffers_restored_on_another_world_size(runs, nproc):
+    """The 2-rank checkpoint (buffers that differed across ranks included) loads on 1 and 3 ranks: every
+    buffer equals the saved value (rank 0's) on every rank, and every parameter equals the saved one."""
+    assert_case_ok(runs[nproc], "buffers_elastic", nproc)
 
 
 def test_tools_show_buffers_and_to_hf_leaves_them_out(runs, tmp_path, capsys):

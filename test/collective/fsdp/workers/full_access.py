@@ -1,6 +1,7 @@
 """Full-parameter access and persistable buffers on a wrapped model, against the same model unwrapped.
 
-Usage: full_access.py WORKDIR. Each rank reports {case: "ok" | traceback}.
+Usage: full_access.py WORKDIR [OTHER_WORKDIR]: OTHER_WORKDIR holds a checkpoint saved by another world size
+(buffers_elastic); with --only-elastic only that case runs. Each rank reports {case: "ok" | traceback}.
 """
 
 from __future__ import annotations
@@ -257,12 +258,33 @@ def case_buffers_checkpointed(rank, world, workdir):
         assert int(full["blocks.0.steps"]) == 2 and "blocks.0.scratch" not in full
 
 
+def case_buffers_elastic(rank, world, workdir):
+    """A checkpoint saved by another world size (argv[2]) restores every buffer on every rank, and the
+    parameters with them."""
+    if len(sys.argv) < 3:
+        return
+    path = os.path.join(sys.argv[2], "buffers_one_call")
+    model = make(seed=5)
+    fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"])
+    opt = paddle.optimizer.AdamW(parameters=model.parameters())
+    fsdp.load_checkpoint(path, optimizer=opt)
+    saved = load_full_state_dict(path)
+    for key, value in model.named_buffers():
+        if "scratch" in key:
+            continue
+        np.testing.assert_array_equal(value.numpy(), saved[key].numpy(), err_msg=key)
+    full = fsdp.full_state_dict(rank0_only=False)
+    for key, value in full.items():
+        np.testing.assert_array_equal(value.numpy(), saved[key].numpy(), err_msg=key)
+
+
 CASES = {
     "print_and_state_dict": case_print_and_state_dict,
     "summon_writeback": case_summon_writeback,
     "summon_rank0_only_and_errors": case_summon_rank0_only_and_errors,
     "full_state_dict": case_full_state_dict,
     "buffers_checkpointed": case_buffers_checkpointed,
+    "buffers_elastic": case_buffers_elastic,
 }
 
 
@@ -272,7 +294,11 @@ def main() -> None:
         dist.init_parallel_env()
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
+    only = "--only-elastic" in sys.argv
+    sys.argv = [a for a in sys.argv if a != "--only-elastic"]
     for name, case in CASES.items():
+        if only and name != "buffers_elastic":
+            continue
         try:
             case(rank, world, workdir)
             out[name] = "ok"
