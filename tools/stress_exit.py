@@ -12,7 +12,8 @@ the job reported success. Not part of the pytest run (it takes minutes): run it 
 
 Jobs (``--job``): ``fsdp``: PaddleFormers' tiny Qwen3MoeForCausalLM under FullyShardFusion, AdamW, a few steps,
 a synchronous and an asynchronous ``save_checkpoint``; ``stock``: the same model and steps with the fork disabled
-(``PADDLE_FSDP_FORK_DISABLE=1``), gradients all-reduced by hand and ``paddle.save`` on rank 0.
+(``PADDLE_FSDP_FORK_DISABLE=1``), gradients all-reduced by hand and ``paddle.save`` on rank 0 (rank 1 does not
+wait for it). ``--final-barrier`` ends either job with ``dist.barrier()``, so the ranks exit together.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _build_moe():
     return Qwen3MoeForCausalLM(config)
 
 
-def run_job(kind: str, workdir: str, steps: int) -> None:
+def run_job(kind: str, workdir: str, steps: int, final_barrier: bool = False) -> None:
     import logging
 
     import numpy as np
@@ -106,14 +107,25 @@ def run_job(kind: str, workdir: str, steps: int) -> None:
         if rank == 0:
             paddle.save(model.state_dict(), os.path.join(workdir, "model.pdparams"))
             paddle.save(opt.state_dict(), os.path.join(workdir, "opt.pdopt"))
+    if final_barrier:
         dist.barrier()
     print(f"rank {rank}: job done", flush=True)
 
 
-def rank_wrapper(argv: list[str]) -> int:
+def _allow_core_dumps() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+
+def rank_wrapper(argv: list[str], workdir: str, cores: bool) -> int:
     """Run the real rank as a child and record how it ended (the launcher only sees this wrapper)."""
     rank = os.environ.get("PADDLE_TRAINER_ID", "0")
-    proc = subprocess.run([sys.executable, HERE, "--rank-job", *argv])
+    cwd = os.path.join(workdir, f"cwd{rank}")
+    os.makedirs(cwd, exist_ok=True)  # a core file (core_pattern "core") lands here
+    proc = subprocess.run(
+        [sys.executable, HERE, "--rank-job", *argv], cwd=cwd, preexec_fn=_allow_core_dumps if cores else None
+    )
     status_dir = os.environ.get(STATUS_FILE_ENV)
     if status_dir:
         with open(os.path.join(status_dir, f"rank{rank}"), "w") as f:
@@ -129,26 +141,31 @@ def one_run(args, index: int) -> dict:
     status = os.path.join(work, "status")
     os.makedirs(status)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_") or k.startswith("PADDLE_FSDP_")}
-    env.update({STATUS_FILE_ENV: status, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    # faulthandler prints every Python thread's stack to the worker log if a rank dies of a signal
+    env.update({STATUS_FILE_ENV: status, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
     if args.job == "stock":
         env["PADDLE_FSDP_FORK_DISABLE"] = "1"
-    cmd = [
-        sys.executable,
-        "-m",
-        "paddle.distributed.launch",
-        "--nproc_per_node",
-        str(args.nproc),
-        "--log_dir",
-        os.path.join(work, "logs"),
-        HERE,
-        "--rank-wrapper",
-        "--job",
-        args.job,
-        "--workdir",
-        work,
-        "--steps",
-        str(args.steps),
-    ]
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "paddle.distributed.launch",
+            "--nproc_per_node",
+            str(args.nproc),
+            "--log_dir",
+            os.path.join(work, "logs"),
+            HERE,
+            "--rank-wrapper",
+            "--job",
+            args.job,
+            "--workdir",
+            work,
+            "--steps",
+            str(args.steps),
+        ]
+        + (["--cores"] if args.cores else [])
+        + (["--final-barrier"] if args.final_barrier else [])
+    )
     start = time.monotonic()
     try:
         launcher = subprocess.run(
@@ -182,14 +199,19 @@ def main() -> int:
     parser.add_argument("--tmp", default=None, help="where run directories go (default: the system temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the directories of successful runs too")
     parser.add_argument("--json", help="write every run's exit codes here")
+    parser.add_argument("--cores", action="store_true", help="allow core dumps (into each run's cwd<rank>/)")
+    parser.add_argument(
+        "--final-barrier", action="store_true", help="end the job with dist.barrier() (ranks exit together)"
+    )
     parser.add_argument("--rank-wrapper", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank-job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    job_args = ["--job", args.job, "--workdir", args.workdir, "--steps", str(args.steps)]
     if args.rank_wrapper:
-        return rank_wrapper(["--job", args.job, "--workdir", args.workdir, "--steps", str(args.steps)])
+        return rank_wrapper(job_args + (["--final-barrier"] if args.final_barrier else []), args.workdir, args.cores)
     if args.rank_job:
-        run_job(args.job, args.workdir, args.steps)
+        run_job(args.job, args.workdir, args.steps, args.final_barrier)
         return 0
     runs = []
     for index in range(args.runs):

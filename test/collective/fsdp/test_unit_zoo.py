@@ -29,6 +29,7 @@ CASES = [
     "no_grad_eval",
     "recompute_tanh",
     "recompute_tuple",
+    "recompute_nonreentrant",
     "unsupported",
 ]
 

@@ -100,6 +100,7 @@ def case_train(kind: str, rank: int, world: int, workdir: str) -> None:
     model, unit, model_class = build(kind, seed=1)
     reference, _, _ = build(kind, seed=1)
     fsdp = FullyShardFusion(model, fsdp_unit_layers=[unit])
+    assert repr(model) == repr(reference), "print(model) differs from the unwrapped model's"
     opt, ref_opt = optimizer(model), optimizer(reference)
     train(model, opt, range(3), rank, world)
     train(reference, ref_opt, range(3), 0, 1)

@@ -115,7 +115,13 @@ class Model(paddle.nn.Layer):
         super().__init__()
         self.case = case
         self.embed = paddle.nn.Linear(DIM, DIM)
-        ending = {"used_twice": "tanh", "called_twice": "tanh", "recurrence": "sigmoid", "no_grad_eval": "tanh"}
+        ending = {
+            "used_twice": "tanh",
+            "called_twice": "tanh",
+            "recurrence": "sigmoid",
+            "no_grad_eval": "tanh",
+            "recompute_nonreentrant": "softmax",
+        }
         if case == "nested":
             self.unit = Outer()
         else:
@@ -133,6 +139,8 @@ class Model(paddle.nn.Layer):
             y = h
             for _ in range(3):
                 y = self.unit(y) + h
+        elif self.case == "recompute_nonreentrant":
+            y = _first(recompute(self.unit, h, use_reentrant=False))
         elif self.case.startswith("recompute_"):
             y = _first(recompute(self.unit, h, use_reentrant=True))
         else:
@@ -160,6 +168,7 @@ CASES = [
     "no_grad_eval",
     "recompute_tanh",
     "recompute_tuple",
+    "recompute_nonreentrant",
 ]
 
 
