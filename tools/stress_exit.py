@@ -109,7 +109,11 @@ def run_job(kind: str, workdir: str, steps: int, final_barrier: bool = False) ->
             paddle.save(opt.state_dict(), os.path.join(workdir, "opt.pdopt"))
     if final_barrier:
         dist.barrier()
-    print(f"rank {rank}: job done", flush=True)
+    import threading
+
+    python_threads = sorted(t.name for t in threading.enumerate())
+    os_threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else -1
+    print(f"rank {rank}: job done; Python threads {python_threads}; OS threads {os_threads}", flush=True)
 
 
 def _allow_core_dumps() -> None:
