@@ -50,13 +50,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..checkpoint import storage
 from ..checkpoint.errors import SafetensorsHeaderError
 from ..checkpoint.format import safetensors
 from ..checkpoint.format.metadata import itemsize
 from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
 from ..checkpoint.format.safetensors import SafetensorsEntry, SafetensorsFile
+from ..checkpoint.format.strict_json import open_regular
 from ..checkpoint.planner import Region
+from ..checkpoint.writer import write_all
 from . import ckpt_io
 from .ckpt_io import (
     FLOAT_DTYPES,
@@ -301,7 +302,7 @@ def to_hf(
 def _write_small(path: str, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        storage.write_all(fd, [data])
+        write_all(fd, [data])
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -315,13 +316,13 @@ def _write_hf_shard(path: str, shard: list[HfTensor], reader: CheckpointReader, 
     header = safetensors.build_header(entries, HF_FILE_METADATA)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        storage.write_all(fd, [header])
+        write_all(fd, [header])
         for t in shard:
             arr = reader.read(t.key)
             written = 0
             block = None
             for block in converted_blocks(arr, t.src_dtype, t.dtype, t.transpose):
-                storage.write_all(fd, [block])
+                write_all(fd, [block])
                 written += block.size
                 bar.update(block.size, t.name)
             arr = block = None  # release this tensor before reading the next one (peak = one tensor)
@@ -368,10 +369,12 @@ def discover_hf(hf_path: str) -> tuple[list[SafetensorsFile], dict | None]:
             raise ToolError(f"{hf_path} holds no .safetensors files and no {INDEX_FILE}")
         return [read_safetensors_header(os.path.join(hf_path, n)) for n in files], None
     ipath = os.path.join(hf_path, indexes[0])
-    try:
-        with open(ipath, "rb") as f:
-            index = json.loads(f.read())
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+    from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.format.strict_json import SMALL_FILE_BYTES, loads_strict, read_capped
+
+    try:  # bounded, strict, never blocking on a FIFO
+        index = loads_strict(read_capped(ipath, 64 * SMALL_FILE_BYTES, "index"), f"index {ipath}")
+    except (OSError, CheckpointError) as e:
         raise ToolError(f"cannot read index {ipath}: {e}") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
@@ -482,7 +485,7 @@ def from_hf(
     with staged_output(out) as staging, Progress(total, "from-hf", enabled=progress) as bar:
         writer = CheckpointWriter(staging, on_bytes=bar.update)
         for st, ts in plan:
-            fd = os.open(st.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = open_regular(st.path)  # never blocks on a FIFO swapped in since the header was read
             try:
                 writer.write_file([WriteEntry(t.key, t.dtype, t.shape, _producer(fd, st, t)) for t in ts])
             finally:
