@@ -9,7 +9,6 @@ gathers one buffer (one unit) at a time, so its transient memory is bounded by t
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -19,8 +18,6 @@ from .state.buffers import persistable_buffers
 
 if TYPE_CHECKING:
     from .fully_shard_fusion import FullyShardFusion
-
-logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager

@@ -31,13 +31,15 @@ class ShardedStateDictError(RuntimeError):
 def sharded_parameters_at_rest(layer: paddle.nn.Layer, include_sublayers: bool = True) -> list:
     """(param, logical shape) for every FSDP parameter of ``layer`` currently bound to its local piece."""
     out = []
-    params = layer.parameters(include_sublayers=include_sublayers)
-    for param in params:
+    positions: dict[int, dict[int, int]] = {}  # id(buffer) -> {id(param): index in the buffer}
+    for param in layer.parameters(include_sublayers=include_sublayers):
         buffer = getattr(param, "_fsdp_buffer", None)
         if buffer is None or buffer.is_gathered:
             continue
-        index = next(i for i, p in enumerate(buffer.params) if p is param)
-        out.append((param, buffer.layout.slots[index].shape))
+        index_of = positions.get(id(buffer))
+        if index_of is None:
+            index_of = positions[id(buffer)] = {id(p): i for i, p in enumerate(buffer.params)}
+        out.append((param, buffer.layout.slots[index_of[id(param)]].shape))
     return out
 
 
