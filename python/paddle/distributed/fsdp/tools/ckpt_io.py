@@ -186,6 +186,7 @@ class CheckpointReader:
         opts = CheckpointOptions.from_env() if options is None else options
         self._files = reader.FileSet.of(self.path, self.md, resolve_member, verify, opts)
         self.verify = self._files.verifies
+        self._covered: set[str] = set()
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -213,20 +214,42 @@ class CheckpointReader:
     def read_raw(self, key: str) -> np.ndarray:
         """The bytes of the full tensor ``key`` in row-major order (uint8)."""
         tm = self.md.tensors[key]
-        md = self.md
-        isz = itemsize(tm.dtype)
-        region = Region.full(tm.shape)
-        if region.numel == 0:
-            return np.empty(0, np.uint8)
+        return self.read_region_raw(key, Region.full(tm.shape))
+
+    def read_flat(self, key: str, start: int, stop: int) -> np.ndarray:
+        """Elements ``[start, stop)`` of tensor ``key``'s row-major flattening, as a new 1-D numpy array.
+
+        Only the byte ranges holding them are read (plus checksum-chunk alignment), whatever the saved layout.
+        """
+        tm = self.md.tensors[key]
+        full = Region.full(tm.shape)
+        if not 0 <= start <= stop <= full.numel:
+            raise ValueError(f"key {key!r}: flat range [{start}, {stop}) outside its {full.numel} elements")
+        region = Region(full.shape, full.box_offset, full.box_shape, (start, stop))
+        return self.read_region_raw(key, region).view(storage_dtype(tm.dtype))
+
+    def check_coverage(self, key: str) -> None:
+        """Raise ``CorruptCheckpointError`` unless the pieces of ``key`` cover every element exactly once."""
+        if key in self._covered:
+            return
+        tm = self.md.tensors[key]
         problems = coverage_problems(
             key, tm.shape, [(i, region_of_piece(tm.shape, p)) for i, p in enumerate(tm.pieces)]
         )
         if problems:
             raise CorruptCheckpointError(f"checkpoint {self.path}: {problems[0]}")
+        self._covered.add(key)
+
+    def read_region_raw(self, key: str, region: Region) -> np.ndarray:
+        """The bytes of ``region`` of tensor ``key`` in the region's storage order (uint8)."""
+        tm = self.md.tensors[key]
+        if region.numel == 0:
+            return np.empty(0, np.uint8)
+        self.check_coverage(key)
         for name in sorted({p.file for p in tm.pieces if p.nbytes}):
             self._files.fd(name)  # real regular files of the declared sizes, before allocating by the shape
-        out = np.empty(region.numel * isz, np.uint8)
-        read_region(self._files, md, key, region, out, self.verify, window_bytes=self.WINDOW_BYTES)
+        out = np.empty(region.numel * itemsize(tm.dtype), np.uint8)
+        read_region(self._files, self.md, key, region, out, self.verify, window_bytes=self.WINDOW_BYTES)
         return out
 
 
