@@ -341,6 +341,8 @@ def _load_once(fsdp, path: str, optimizer, strict: bool, verify_checksums: bool,
         options=options,
     )
     checked["apply"]()  # validated above on every rank: restores optimizer global state and RNG, cannot fail
+    # the list of buffer keys is for the tools (to-hf); the buffers themselves were loaded as model state
+    report.unexpected_keys = [k for k in report.unexpected_keys if k != BUFFERS_KEY]
     foreign = checked["foreign"]
     if not strict:
         problems = {
