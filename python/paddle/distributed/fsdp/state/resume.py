@@ -49,6 +49,7 @@ from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, OPTIMIZER_KEY, 
 from ..checkpoint.manager import is_checkpoint_root, parse_step, resolve_checkpoint, step_dir_name
 from . import optimizer_states as names
 from .buffers import persistable_buffers, warn_if_buffers_differ
+from .records import refresh_master_weights
 
 logger = logging.getLogger(__name__)
 
@@ -343,6 +344,12 @@ def _load_once(fsdp, path: str, optimizer, strict: bool, verify_checksums: bool,
     checked["apply"]()  # validated above on every rank: restores optimizer global state and RNG, cannot fail
     # the list of buffer keys is for the tools (to-hf); the buffers themselves were loaded as model state
     report.unexpected_keys = [k for k in report.unexpected_keys if k != BUFFERS_KEY]
+    if optimizer is not None:  # a parameter loaded without its master weight: the master follows the parameter
+        refreshed = refresh_master_weights(fsdp, optimizer, report.loaded_keys)
+        if refreshed:
+            logger.info(
+                "load_checkpoint(%s): master weights re-cast from the loaded parameters %s", resolved, refreshed
+            )
     foreign = checked["foreign"]
     if not strict:
         problems = {
