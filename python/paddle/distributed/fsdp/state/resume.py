@@ -41,10 +41,11 @@ from ..checkpoint.errors import (
     OptimizerMismatchError,
     UnexpectedKeyError,
 )
-from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
+from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
 from ..checkpoint.manager import is_checkpoint_root, parse_step, resolve_checkpoint, step_dir_name
 from . import optimizer_states as names
 from . import rng
+from .buffers import persistable_buffers, warn_if_buffers_differ
 from .records import refresh_master_weights
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,8 @@ def save_checkpoint(
             "class": type(inner).__name__,
             "global_state": names.optimizer_global_state(inner),
         }
+    warn_if_buffers_differ(fsdp)
+    state[BUFFERS_KEY] = list(persistable_buffers(fsdp.model))
     state[RNG_KEY] = fsdp.comm.all_gather_object(rng.capture())
     state[EXTRA_KEY] = dict(extra_state or {})
     if manager is not None:
@@ -136,6 +139,7 @@ def _foreign_keys(metadata, fsdp) -> list[str]:
     """Checkpoint keys that belong to no parameter of this model (optimizer state ``<param key>.<name>`` and
     reserved ``__fsdp__.*`` values belong)."""
     model_keys = {key for key, _param, _buffer, _index in fsdp.managed_parameters()}
+    model_keys.update(persistable_buffers(fsdp.model))
     out = []
     for key in list(metadata.tensors) + list(metadata.values):
         if key in model_keys or key.startswith(RESERVED_PREFIX):
@@ -261,6 +265,8 @@ def _load_once(fsdp, path: str, optimizer, strict: bool, verify_checksums: bool,
         options=options,
     )
     checked["apply"]()  # validated above on every rank: restores optimizer global state and RNG, cannot fail
+    # the list of buffer keys is for the tools (to-hf); the buffers themselves were loaded as model state
+    report.unexpected_keys = [k for k in report.unexpected_keys if k != BUFFERS_KEY]
     if optimizer is not None:  # a parameter loaded without its master weight: the master follows the parameter
         refreshed = refresh_master_weights(fsdp, optimizer, report.loaded_keys)
         if refreshed:
