@@ -87,7 +87,16 @@ class FullyShardFusion:
             for layer in group_plan.scope_layers:
                 layer_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
         prefixes = {id(layer): prefix for prefix, layer in model.named_sublayers(include_self=True)}
-        self._hooks = [LayerHooks(layer, bufs, prefixes.get(id(layer), "")) for layer, bufs in layer_buffers.values()]
+        ancestors = _ancestors(model)
+        self._hooks = [
+            LayerHooks(
+                layer,
+                bufs,
+                prefixes.get(id(layer), ""),
+                enclosing={id(b) for a in ancestors.get(id(layer), ()) for b in layer_buffers.get(a, (None, []))[1]},
+            )
+            for layer, bufs in layer_buffers.values()
+        ]
         model._fsdp = self
         model.sharded_state_dict = self.sharded_state_dict
         logger.debug(
@@ -143,6 +152,10 @@ class FullyShardFusion:
                 out[slot.key] = param.detach().clone()
             if not was_gathered:
                 buffer.release()
+        for prefix, layer in self.model.named_sublayers(include_self=True):  # replicated (never sharded) ones
+            for name, param in layer._parameters.items():
+                if param is not None and not hasattr(param, "_fsdp_buffer"):
+                    out.setdefault(f"{prefix}.{name}" if prefix else name, param.detach().clone())
         return out
 
     # ---- full parameters (full_params.py) -----------------------------------------------------
@@ -198,3 +211,21 @@ class FullyShardFusion:
         from .state.resume import load_checkpoint
 
         return load_checkpoint(self, path, optimizer=optimizer, **kwargs)
+
+
+def _ancestors(model: paddle.nn.Layer) -> dict[int, set[int]]:
+    """Layer id -> ids of the layers enclosing it (not itself); a layer under several names gets the union."""
+    out: dict[int, set[int]] = {}
+
+    def walk(layer, above: tuple[int, ...]):
+        seen = out.setdefault(id(layer), set())
+        before = len(seen)
+        seen.update(above)
+        if before and len(seen) == before:
+            return
+        for child in layer._sub_layers.values():
+            if child is not None and id(child) not in above:
+                walk(child, (*above, id(layer)))
+
+    walk(model, ())
+    return out

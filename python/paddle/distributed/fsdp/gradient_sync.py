@@ -25,12 +25,17 @@ if TYPE_CHECKING:
     from .fused_buffer import FusedBuffer
 
 
-def before_backward_gather(buffers: list[FusedBuffer]) -> None:
-    """A layer's backward is about to run: reduce the buffers whose backward is over, then gather ``buffers``."""
+def before_backward_gather(buffers: list[FusedBuffer], still_running: set[int] = frozenset()) -> None:
+    """A layer's backward is about to run: reduce the buffers whose backward is over, then gather ``buffers``.
+
+    ``still_running`` holds the buffers of layers enclosing this one (the root's, an outer unit's): their
+    backward continues after this layer's, so they are reduced later (at the end of backward at the latest).
+    Every rank passes the same set for the same layer, so the order of reductions stays rank-independent.
+    """
     if not buffers:
         return
     owner = buffers[0].owner
-    current = {id(b) for b in buffers}
+    current = {id(b) for b in buffers} | set(still_running)
     for buffer in owner.buffers:
         if buffer.reduce_pending and id(buffer) not in current:
             buffer.reduce_gradients()

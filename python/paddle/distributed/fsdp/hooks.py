@@ -84,9 +84,13 @@ def _tensor_ids(inputs) -> set[int]:
 class LayerHooks:
     """Gathers ``buffers`` around every forward of ``layer`` and arms their pre-backward gather."""
 
-    def __init__(self, layer: paddle.nn.Layer, buffers: list[FusedBuffer], name: str) -> None:
+    def __init__(
+        self, layer: paddle.nn.Layer, buffers: list[FusedBuffer], name: str, enclosing: set[int] | None = None
+    ) -> None:
         self.layer = layer
         self.buffers = buffers
+        # buffers gathered by layers enclosing this one: their backward is not over when this one's starts
+        self.enclosing = set(enclosing or ())
         self.name = f"{name or '<root>'} ({type(layer).__name__})"
         self._handles = [
             layer.register_forward_pre_hook(self._pre_forward),
@@ -119,7 +123,7 @@ class LayerHooks:
                     f"FullyShardFusion: backward through {self.name} inside summon_full_params() is not "
                     "supported; run evaluation under paddle.no_grad(), train outside the context"
                 )
-        before_backward_gather(self.buffers)
+        before_backward_gather(self.buffers, still_running=self.enclosing)
         return None
 
     def remove(self) -> None:
