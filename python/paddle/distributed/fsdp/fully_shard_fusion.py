@@ -61,6 +61,7 @@ class FullyShardFusion:
         install_layer_integration()
         self.model = model
         self.backward_end_armed = False
+        self.rearm_backward_end = False  # a nested backward ended while the enclosing one runs on
         self.summoned = False  # inside summon_full_params: every buffer stays gathered
         self.comm = ShardingComm(group)
         groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn)
@@ -107,6 +108,13 @@ class FullyShardFusion:
             self.resident_parameter_bytes(),
             self.total_parameter_bytes(),
         )
+
+    def describe_buffer(self, index: int) -> str:
+        """A buffer's name and first parameter, for error messages."""
+        if not 0 <= index < len(self.buffers):
+            return f"#{index}"
+        layout = self.buffers[index].layout
+        return f"{layout.name} ({layout.slots[0].key}, ...)"
 
     # ---- layout queries (the checkpoint and the tools are built on these) ----------------------
     @property

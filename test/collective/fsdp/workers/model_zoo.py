@@ -146,6 +146,25 @@ class RootLoose(paddle.nn.Layer):
         return (self.head(h) + paddle.matmul(h, self.inp.weight).sum(-1, keepdim=True)).pow(2).mean()
 
 
+class RecomputeNet(paddle.nn.Layer):
+    """Reentrant recompute around units, with root parameters used before and after (their gradients arrive
+    after the nested backward of the recomputed unit has ended)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = paddle.nn.Linear(D, D)
+        self.blocks = paddle.nn.LayerList([Block(), Block()])
+        self.head = paddle.nn.Linear(D, 1)
+
+    def forward(self, x):
+        from paddle.distributed.fleet.utils import recompute
+
+        h = self.inp(x)
+        for b in self.blocks:
+            h = recompute(b, h, use_reentrant=True)
+        return self.head(h).pow(2).mean()
+
+
 class Expert(paddle.nn.Layer):
     def __init__(self) -> None:
         super().__init__()
@@ -363,6 +382,10 @@ def case_root_loose_no_units():
     train_compare(RootLoose, None, batch, steps=2)
 
 
+def case_recompute_reentrant():
+    train_compare(RecomputeNet, ["Block"], batch, steps=2)
+
+
 def case_moe_inside_units():
     train_compare(lambda: MoENet("inside"), ["MoEBlock"], batch, steps=2)
 
@@ -373,6 +396,22 @@ def case_moe_no_units():
 
 def case_moe_outside_unit():
     train_compare(lambda: MoENet("outside"), ["MoEBlock"], batch, steps=2)
+
+
+def case_moe_expert_units():
+    """Experts as units, idle ones skipped: the experts' gathers differ per rank. Unsupported on several ranks;
+    it must fail on every rank at once with a named error (never a gloo abort or timeout)."""
+    from paddle.distributed.fsdp.communication import CollectiveOrderError
+
+    if world()[1] == 1:
+        train_compare(lambda: MoENet("inside"), ["Expert"], batch, steps=2)
+        return
+    try:
+        train_compare(lambda: MoENet("inside"), ["Expert"], batch, steps=2)
+    except CollectiveOrderError as e:
+        assert "experts" in str(e) and "rank 1" in str(e), str(e)
+    else:
+        raise AssertionError("experts run on some ranks only were not refused")
 
 
 def case_eval_modes():
@@ -401,6 +440,8 @@ CASES = {
     "root_loose": case_root_loose,
     "root_loose_no_units": case_root_loose_no_units,
     "eval_modes": case_eval_modes,
+    "moe_expert_units": case_moe_expert_units,
+    "recompute_reentrant": case_recompute_reentrant,
     "moe_inside_units": case_moe_inside_units,
     "moe_no_units": case_moe_no_units,
     "moe_outside_unit": case_moe_outside_unit,
