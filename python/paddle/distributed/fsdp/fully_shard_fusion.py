@@ -35,7 +35,8 @@ class FullyShardFusion:
     Args:
         model: the dygraph model; it is modified in place (parameters become shard views, hooks added).
         fsdp_unit_layers: class names of sublayers that are gathered as one unit (e.g. transformer
-            blocks). Parameters outside units are gathered per layer that registers them.
+            blocks). Parameters outside units belong to the root: gathered for the root's whole forward and
+            backward (list large loose layers, e.g. the embedding and lm head classes, to bound that).
         group: the process group to shard over; default: fleet's sharding group if fleet set one up
             with ``sharding_degree > 1``, else the global group, else a single process.
         no_weight_decay_fn: optional ``fn(structured_name) -> bool`` marking extra parameters exempt

@@ -13,6 +13,7 @@ Each rank reports {case: "ok" | traceback}.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -26,6 +27,7 @@ import paddle.distributed as dist
 import paddle.nn.functional as F
 
 D = 6
+WORKDIR = [""]  # a directory shared by every rank (set by run)
 CASE_TIMEOUT = float(os.environ.get("FSDP_ZOO_CASE_TIMEOUT", "60"))  # seconds; far below gloo's timeout
 
 
@@ -344,6 +346,23 @@ def case_batchnorm():
     for m in (model, ref):
         m.train()
     params_match(fsdp, ref)
+    # running statistics are state: checkpointed, restored, and in full_state_dict
+    path = os.path.join(WORKDIR[0], "batchnorm")
+    fsdp.save_checkpoint(path)
+    paddle.seed(4)
+    fresh = BNNet()
+    from paddle.distributed.fsdp import FullyShardFusion
+    from paddle.distributed.fsdp.checkpoint import load_full_state_dict
+
+    fresh_fsdp = FullyShardFusion(fresh, fsdp_unit_layers=["Block"])
+    fresh_fsdp.load_checkpoint(path)
+    params_match(fresh_fsdp, ref)
+    saved = load_full_state_dict(path)
+    state = fresh_fsdp.full_state_dict(rank0_only=False)
+    assert list(state) == list(ref.state_dict()), (list(state), list(ref.state_dict()))
+    for key, value in ref.state_dict().items():
+        np.testing.assert_allclose(state[key].numpy(), value.numpy(), rtol=1e-10, err_msg=key)
+        np.testing.assert_allclose(saved[key].numpy(), value.numpy(), rtol=1e-10, err_msg=key)
 
 
 def case_tied_registered():
@@ -620,11 +639,12 @@ def run(selected: list[str]) -> dict:
                 os._exit(3)
 
     threading.Thread(target=watchdog, daemon=True).start()
-    workdir = tempfile.mkdtemp(prefix="redmodel-zoo-") if rank == 0 else None
+    workdir = tempfile.mkdtemp(prefix="fsdp-model-zoo-") if rank == 0 else None
     if size > 1:
         holder = [workdir]
         dist.broadcast_object_list(holder, src=0)
         workdir = holder[0]
+    WORKDIR[0] = workdir
     for name in selected:
         current.update(case=name, since=time.monotonic())
         paddle.set_default_dtype("float32" if name in PF_CASES else "float64")
@@ -647,6 +667,10 @@ def run(selected: list[str]) -> dict:
         results[name] = mine if mine != "ok" else ("ok" if not failed else f"failed on rank {failed[0][0]}")
         report(results)
     current["case"] = None
+    if size > 1:
+        dist.barrier()
+    if rank == 0:
+        shutil.rmtree(workdir, ignore_errors=True)
     return results
 
 
