@@ -70,6 +70,7 @@ class FullyShardFusion:
         self.param_keys: dict[int, str] = {}  # id(param) -> structured key
         self.param_index: dict[int, int] = {}  # id(param) -> position in model order, same on every rank
         layer_buffers: dict[int, tuple[paddle.nn.Layer, list[FusedBuffer]]] = {}
+        fallback_buffers: dict[int, tuple[paddle.nn.Layer, list[FusedBuffer]]] = {}
         for index, group_plan in enumerate(groups):
             first = group_plan.params[0]
             layout = BufferLayout.plan(
@@ -88,6 +89,8 @@ class FullyShardFusion:
                 self.param_index[id(param)] = len(self.param_index)
             for layer in group_plan.scope_layers:
                 layer_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
+            for layer in group_plan.fallback_layers:
+                fallback_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
         prefixes = {id(layer): prefix for prefix, layer in model.named_sublayers(include_self=True)}
         ancestors = _ancestors(model)
         self._hooks = [
@@ -96,8 +99,10 @@ class FullyShardFusion:
                 bufs,
                 prefixes.get(id(layer), ""),
                 enclosing={id(b) for a in ancestors.get(id(layer), ()) for b in layer_buffers.get(a, (None, []))[1]},
+                fallback=fallback,
             )
-            for layer, bufs in layer_buffers.values()
+            for table, fallback in ((layer_buffers, False), (fallback_buffers, True))
+            for layer, bufs in table.values()
         ]
         model._fsdp = self
         model.sharded_state_dict = self.sharded_state_dict

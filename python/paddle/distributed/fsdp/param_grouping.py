@@ -11,7 +11,9 @@ leftover parameters): a gather is a collective, so it must run on every rank in 
 that runs on some ranks only (an MoE expert skipping tokenless batches, a branch on the data) would gather
 on those ranks only and hang or mix up the collectives; and a parameter read by an enclosing layer's own
 code (``matmul(h, self.embed.weight, transpose_y=True)`` in the root's forward, a tied head) would be seen
-as its 1-D piece. Every rank runs the root's and each unit's forward, so their gathers line up. The cost:
+as its 1-D piece. Every rank runs the root's and each unit's forward, so their gathers line up. A layer
+holding root parameters and called on its own (``model.backbone(x)``, outside the root's forward) gathers
+them itself, as the root is not running (it must then run on every rank). The cost:
 parameters outside units stay gathered for the root's whole forward and backward (put large layers that
 run unconditionally in units to bound that).
 Keys are the model's structured names; a tied parameter is known by its first name.
@@ -36,6 +38,9 @@ class ParamGroup:
     scope_layers: list  # layers whose forward needs the whole buffer
     trainable: bool
     attrs: dict = field(default_factory=dict)
+    # root scope only: the layers registering the parameters; they gather the buffer when called on their own
+    # (outside the root's forward, e.g. ``model.backbone(x)``), as the root is not there to do it
+    fallback_layers: list = field(default_factory=list)
 
 
 #: Attribute a user sets on a parameter (``param.fsdp_replicated = True``) to keep it out of sharding.
@@ -146,4 +151,7 @@ def plan_param_groups(
             )
         groups[group_key].params.append(param)
         groups[group_key].keys.append(keys[pid])
+        if unit is None:
+            fallback = groups[group_key].fallback_layers
+            fallback.extend(x for x in layers if x is not model and all(x is not f for f in fallback))
     return list(groups.values())

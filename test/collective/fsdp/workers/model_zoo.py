@@ -417,6 +417,82 @@ def case_moe_outside_unit():
     train_compare(lambda: MoENet("outside"), ["MoEBlock"], batch, steps=2)
 
 
+def case_optimizer_before_wrap():
+    """The optimizer is built on the unwrapped model, then the model is wrapped (parameter objects survive)."""
+    from paddle.distributed.fsdp import FullyShardFusion
+
+    rank, size = world()
+    paddle.seed(3)
+    model = RootLoose()
+    paddle.seed(3)
+    reference = RootLoose()
+    opt, ref_opt = make_opt(model, "adamw"), make_opt(reference, "adamw")
+    opt.clear_grad()  # before any backward
+    fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"])
+    for step in range(2):
+        model(batch(rank, step)).backward()
+        (sum(reference(batch(r, step)) for r in range(size)) / size).backward()
+        grad_pieces_match(fsdp, reference)
+        opt.step()
+        ref_opt.step()
+        opt.clear_grad()
+        ref_opt.clear_grad()
+    params_match(fsdp, reference)
+
+
+class Backbone(paddle.nn.Layer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = paddle.nn.Linear(D, D)
+        self.blocks = paddle.nn.LayerList([Block(), Block()])
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return h
+
+
+class TwoPart(paddle.nn.Layer):
+    """Called part by part (``model.backbone(x)``, then ``model.head(h)``): the root's forward never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = Backbone()
+        self.head = paddle.nn.Linear(D, 1)
+
+    def forward(self, x):
+        return self.head(self.backbone(x)).pow(2).mean()
+
+
+def case_submodules_called_alone():
+    from paddle.distributed.fsdp import FullyShardFusion
+
+    rank, size = world()
+    paddle.seed(3)
+    model = TwoPart()
+    paddle.seed(3)
+    reference = TwoPart()
+    fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"])
+    opt, ref_opt = make_opt(model, "adamw"), make_opt(reference, "adamw")
+
+    def loss_of(m, x):
+        return m.head(m.backbone(x)).pow(2).mean()
+
+    for step in range(2):
+        loss_of(model, batch(rank, step)).backward()
+        (sum(loss_of(reference, batch(r, step)) for r in range(size)) / size).backward()
+        grad_pieces_match(fsdp, reference)
+        opt.step()
+        ref_opt.step()
+        opt.clear_grad()
+        ref_opt.clear_grad()
+    params_match(fsdp, reference)
+    with paddle.no_grad():  # and the whole model once more
+        np.testing.assert_allclose(model(batch(5, 5)).numpy(), reference(batch(5, 5)).numpy(), rtol=1e-10)
+    assert not any(b.is_gathered for b in fsdp.buffers)
+
+
 def case_moe_expert_units():
     """Experts as units, idle ones skipped: the experts' gathers differ per rank. Unsupported on several ranks;
     it must fail on every rank at once with a named error (never a gloo abort or timeout)."""
@@ -459,6 +535,8 @@ CASES = {
     "root_loose": case_root_loose,
     "root_loose_no_units": case_root_loose_no_units,
     "eval_modes": case_eval_modes,
+    "submodules_called_alone": case_submodules_called_alone,
+    "optimizer_before_wrap": case_optimizer_before_wrap,
     "moe_expert_units": case_moe_expert_units,
     "recompute_reentrant": case_recompute_reentrant,
     "moe_inside_units": case_moe_inside_units,
@@ -468,14 +546,15 @@ CASES = {
 
 
 # ---- PaddleFormers causal LMs --------------------------------------------------------------------------------------
-PF_CASES = ["llama", "llama-fused", "qwen2", "qwen2-fused", "pf_units_bound_memory"]
+PF_CASES = ["llama", "llama-fused", "qwen2", "qwen2-fused", "qwen2-tied", "pf_units_bound_memory"]
 
 
 def pf_build(preset: str):
     from pf_models import COMMON, family_of, paddle_model
 
-    family, fused = family_of(preset)
-    cfg = dict(COMMON, num_hidden_layers=2)
+    tied = preset.endswith("-tied")
+    family, fused = family_of(preset[: -len("-tied")] if tied else preset)
+    cfg = dict(COMMON, num_hidden_layers=2, tie_word_embeddings=tied)
     return paddle_model(family, fused, cfg, seed=5)
 
 
@@ -508,7 +587,7 @@ def case_pf(preset: str, workdir: str):
     from pf_models import decoder_layer, family_of
 
     rank, size = world()
-    unit = decoder_layer(family_of(preset)[0])
+    unit = decoder_layer(family_of(preset.replace("-tied", ""))[0])
     model, reference = pf_build(preset), pf_build(preset)
     model.train()
     reference.train()
