@@ -15,7 +15,6 @@ import os
 import time
 
 from .errors import InvalidStateDictError, SaveFailedError, rebuild_remote_error
-from .metadata import COMMIT_FILE, FORMAT_NAME, METADATA_FILE
 
 PARTS_DIR = ".parts"
 _TRACE = os.environ.get("PADDLE_FSDP_CKPT_TRACE") == "1"
@@ -106,12 +105,7 @@ def _check_target_path(path: str) -> None:
     names = os.listdir(path)
     if not names:
         return
-    if COMMIT_FILE in names or METADATA_FILE in names:
-        return  # a (possibly incomplete) checkpoint of ours: replaced atomically
-    raise InvalidStateDictError(
-        f"cannot save to {path}: the directory is not empty and holds no {FORMAT_NAME} checkpoint "
-        f"(refusing to replace {len(names)} foreign entries)"
-    )
+    # a checkpoint of ours is replaced atomically; entries of other tools are kept (save.py adopts them)
 
 
 def _poll(cond, timeout: float, what: str):

@@ -110,6 +110,7 @@ from .metadata import (
 from .planner import RecordDesc, build_save_plan
 from .records import collect
 from .snapshot import Snapshot
+from .stock.directories import adopt_foreign_entries, check_shared_directory, own_entry_names
 
 # ------------------------------------------------------------------------------------------------ async state
 
@@ -346,6 +347,8 @@ class _SaveJob:
         storage.fsync_dir(self.staging)
         tr.mark("commit-record")
         faults.point("before_rename", self.rank)
+        # entries of other tools in the target directory are kept (hard links), then the directory is swapped
+        adopt_foreign_entries(self.path, self.staging, own_entry_names(self.path))
         storage.replace_dir(self.staging, self.path, f"{self.path}.old-{self.checkpoint_id}")
         tr.mark("rename")
 
@@ -466,6 +469,7 @@ def _save_locked(
     if not 0 <= coordinator_rank < comm.world:
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
     timeout = DEFAULT_COMMIT_TIMEOUT if commit_timeout is None else float(commit_timeout)
+    check_shared_directory(path, comm, coordinator_rank)  # different/node-local dirs: fail now, not at the timeout
 
     err, records, values, descs, algorithm, snap = None, [], {}, [], None, None
     my_id = uuid.uuid4().hex
