@@ -40,6 +40,7 @@ class Case:
     name: str
     steps: list[Step]
     shared_tmp: bool | None = None  # None: the case does not use TemporaryDirectory
+    setup: Step | None = None  # run once per mode for all cases with the same setup (their common save)
 
 
 def cases() -> list[Case]:
@@ -49,14 +50,13 @@ def cases() -> list[Case]:
         for n in (1, 4)
     ]
     for saved in (1, 4):
+        save = Step(f"{hs}/semi_auto_save_only.py", saved, {"device_num": str(saved)})
         for loaded in (1, 2, 4, 8):
             out.append(
                 Case(
                     f"semi_auto_load_state_dict[save {saved} -> load {loaded}]",
-                    [
-                        Step(f"{hs}/semi_auto_save_only.py", saved, {"device_num": str(saved)}),
-                        Step(f"{hs}/semi_auto_load_state_dict.py", loaded, {"device_num": str(loaded)}),
-                    ],
+                    [Step(f"{hs}/semi_auto_load_state_dict.py", loaded, {"device_num": str(loaded)})],
+                    setup=save,
                 )
             )
     for shared in (True, False):
@@ -106,9 +106,37 @@ def cases() -> list[Case]:
     return out
 
 
-def run_case(suite: str, case: Case, fork: bool, timeout: float, python: str) -> tuple[bool, str, float]:
-    """(passed, last lines of output of the failing step, seconds) of one case in one mode."""
-    t0 = time.monotonic()
+def run_step(suite: str, step: Step, env: dict, work: str, tag: str, timeout: float, python: str) -> tuple[bool, str]:
+    """(passed, tail of its output and worker logs) of one script run."""
+    step_env = dict(env, **step.env)
+    script = os.path.join(suite, step.script)
+    log_dir = os.path.join(work, f"log-{tag}")
+    if step.unittest:
+        cmd, cwd = [python, "-m", "unittest", "-q", step.unittest], os.path.dirname(script)
+    elif step.nproc == 1:
+        cmd, cwd = [python, os.path.join(suite, "cpu_shim.py"), script], work
+    else:
+        launch = [python, "-m", "paddle.distributed.launch", "--nproc_per_node", str(step.nproc), "--log_dir", log_dir]
+        cmd, cwd = [*launch, os.path.join(suite, "cpu_shim.py"), script], work
+    try:
+        proc = subprocess.run(
+            cmd, cwd=cwd, env=step_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout
+        )
+        ok, text = proc.returncode == 0, proc.stdout.decode(errors="replace")
+    except subprocess.TimeoutExpired as e:
+        ok, text = False, f"timed out after {timeout:g} s\n" + (e.stdout or b"").decode(errors="replace")
+    if ok:
+        return True, ""
+    if os.path.isdir(log_dir):
+        for name in sorted(os.listdir(log_dir)):
+            with open(os.path.join(log_dir, name), errors="replace") as f:
+                text += f"\n--- {name}\n" + "".join(f.readlines()[-15:])
+    tail = "\n".join(text.strip().splitlines()[-25:])
+    return False, f"{os.path.basename(step.script)} on {step.nproc} proc: {tail}"
+
+
+def run_group(suite: str, group: list[Case], fork: bool, timeout: float, python: str) -> list[tuple[bool, str, float]]:
+    """Run the cases of one group (same setup) in one mode: (passed, failure text, seconds) per case."""
     work = tempfile.mkdtemp(prefix="fsdp-conformance-")
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_TRAINER", "PADDLE_CURRENT"))}
@@ -118,53 +146,24 @@ def run_case(suite: str, case: Case, fork: bool, timeout: float, python: str) ->
         env["ckpt_path"] = os.path.join(work, "ckpt")
         env["PYTHONPATH"] = os.pathsep.join([suite, os.path.join(suite, "flex_checkpoint")])
         env["TMPDIR"] = work
-        if case.shared_tmp:
+        env.pop("PEER_SHARED_TEMPDIR", None)
+        if group[0].shared_tmp:
             env["PEER_SHARED_TEMPDIR"] = os.path.join(work, "shared")
-        else:
-            env.pop("PEER_SHARED_TEMPDIR", None)
-        shim = os.path.join(suite, "cpu_shim.py")
-        for i, step in enumerate(case.steps):
-            step_env = dict(env, **step.env)
-            script = os.path.join(suite, step.script)
-            if step.unittest:
-                cmd = [python, "-m", "unittest", "-q", step.unittest]
-                cwd = os.path.dirname(script)
-            elif step.nproc == 1:
-                cmd, cwd = [python, shim, script], work
-            else:
-                log_dir = os.path.join(work, f"log{i}")
-                cmd = [
-                    python,
-                    "-m",
-                    "paddle.distributed.launch",
-                    "--nproc_per_node",
-                    str(step.nproc),
-                    "--log_dir",
-                    log_dir,
-                    shim,
-                    script,
-                ]
-                cwd = work
-            try:
-                proc = subprocess.run(
-                    cmd, cwd=cwd, env=step_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout
-                )
-                ok, text = proc.returncode == 0, proc.stdout.decode(errors="replace")
-            except subprocess.TimeoutExpired as e:
-                ok, text = False, f"timed out after {timeout:g} s\n" + (e.stdout or b"").decode(errors="replace")
-            if not ok:
-                logs = os.path.join(work, f"log{i}")
-                if os.path.isdir(logs):
-                    for name in sorted(os.listdir(logs)):
-                        with open(os.path.join(logs, name), errors="replace") as f:
-                            text += f"\n--- {name}\n" + "".join(f.readlines()[-15:])
-                tail = "\n".join(text.strip().splitlines()[-25:])
-                return (
-                    False,
-                    f"step {i + 1} ({os.path.basename(step.script)}, {step.nproc} proc): {tail}",
-                    time.monotonic() - t0,
-                )
-        return True, "", time.monotonic() - t0
+        setup_ok, setup_text, t_setup = True, "", 0.0
+        if group[0].setup is not None:
+            t0 = time.monotonic()
+            setup_ok, setup_text = run_step(suite, group[0].setup, env, work, "setup", timeout, python)
+            t_setup = time.monotonic() - t0
+        out = []
+        for ci, case in enumerate(group):
+            t0 = time.monotonic()
+            ok, text = setup_ok, f"setup {setup_text}"
+            for si, step in enumerate(case.steps if setup_ok else []):
+                ok, text = run_step(suite, step, env, work, f"{ci}-{si}", timeout, python)
+                if not ok:
+                    break
+            out.append((ok, text, t_setup + time.monotonic() - t0))
+        return out
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -182,12 +181,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     selected = [c for c in cases() if args.k in c.name]
     t0 = time.monotonic()
-    jobs = [(c, fork) for c in selected for fork in (False, True)]
+    groups: dict[int, list[Case]] = {}
+    for c in selected:  # cases sharing a setup (the same save) run in one group per mode
+        groups.setdefault(id(c.setup) if c.setup is not None else id(c), []).append(c)
+    jobs = [(g, fork) for g in groups.values() for fork in (False, True)]
+    jobs.sort(key=lambda j: -sum(s.nproc for c in j[0] for s in c.steps))  # longest first
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        results = list(pool.map(lambda j: run_case(args.suite, j[0], j[1], args.timeout, args.python), jobs))
+        results = list(pool.map(lambda j: run_group(args.suite, j[0], j[1], args.timeout, args.python), jobs))
     by_case: dict[str, dict[bool, tuple]] = {}
-    for (c, fork), r in zip(jobs, results):
-        by_case.setdefault(c.name, {})[fork] = r
+    for (g, fork), rs in zip(jobs, results):
+        for c, r in zip(g, rs):
+            by_case.setdefault(c.name, {})[fork] = r
     bad = 0
     for c in selected:
         stock, fork = by_case[c.name][False], by_case[c.name][True]

@@ -41,7 +41,9 @@ def check_shared_directory(path: str, group: Group, coordinator: int) -> None:
     gathered = group.all_gather_object((path, os.path.basename(probe) if probe else None, err))
     try:
         name = gathered[coordinator][1]
-        seen = name is not None and os.path.exists(os.path.join(parent, name))
+        # the probe sits beside the target: the same parent (seen through this rank's path) and the same base name
+        same_name = os.path.basename(path) == os.path.basename(gathered[coordinator][0])
+        seen = name is not None and same_name and os.path.exists(os.path.join(parent, name))
         answers = group.all_gather_object(seen)
     finally:
         if probe is not None:
