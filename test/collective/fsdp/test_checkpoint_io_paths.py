@@ -278,7 +278,7 @@ def test_auto_odirect_reads_cached_files_buffered_and_uncached_files_direct(tmp_
 @pytest.mark.parametrize("odirect", [False, True], ids=["buffered", "odirect"])
 def test_read_spans_checks_every_chunk_of_every_range_once_read(tmp_path, monkeypatch, odirect):
     """Ranges larger than a read slab, overlapping ranges of one piece, a range ending at a piece's end."""
-    from paddle.distributed.fsdp.checkpoint.metadata import PieceMeta
+    from paddle.distributed.fsdp.checkpoint.format.metadata import PieceMeta
 
     monkeypatch.setattr(storage, "ODIRECT", odirect)
     rng = np.random.default_rng(1)

@@ -1,23 +1,28 @@
-"""Sharded checkpoint storage engine of the FSDP fork.
+"""Sharded checkpoint storage engine of the FSDP fork: the public surface.
 
 Per-rank safetensors data files + a JSON index (metadata.json) + a commit record; loading never unpickles.
-See ``save.py`` and ``load.py`` for the protocol and behaviour (``api.py`` re-exports the public functions),
-``metadata.py`` for the on-disk schema, ``manager.py`` for numbered checkpoints with a ``latest`` pointer and
-keep-last-K, ``faults.py`` for the test-only crash hook.
+
+Saving and loading (collective over the process group; every rank gets the same named error on failure):
+
+* ``save_state_dict(state_dict, path, ...)`` -> ``SaveHandle`` (async) or None; ``release_host_buffers()``
+  (save.py: directory layout, save/commit protocol, crash safety, async saves).
+* ``load_state_dict(state_dict, path, ...)`` -> ``LoadReport``, all-or-nothing, any world size (load.py).
+* ``load_full_state_dict(path, keys=None)``: whole tensors in one process, no collectives (load.py).
+* ``read_metadata(path)`` -> ``CheckpointMetadata`` of a committed checkpoint (format/commit.py).
+* ``verify_checkpoint(path)`` -> list of problems (verify.py).
+* ``CheckpointManager``, ``latest_checkpoint``, ``resolve_checkpoint``: numbered checkpoints with a ``latest``
+  pointer and keep-last-K (manager.py).
+* ``gather_errors(comm, error, payload)``: the one "every rank fails together with the same named error"
+  exchange, for callers that check something before a collective save or load (coordination.py).
+* the ``CheckpointError`` family (errors.py).
+
+Where things live: ``format/`` owns the on-disk format (schema, commit record, safetensors headers, reserved
+keys, the one region reader); ``planner.py`` plans writes and reads; ``storage.py`` does the file I/O;
+``records.py`` normalises state-dict entries; ``faults.py`` holds the test-only crash hook.
 """
 
-from .api import (  # noqa: F401
-    LoadReport,
-    SaveHandle,
-    load_full_state_dict,
-    load_state_dict,
-    read_metadata,
-    release_host_buffers,
-    save_state_dict,
-    verify_checkpoint,
-)
-from .api import __all__ as _engine_api
-from .errors import (  # noqa: F401
+from .coordination import gather_errors
+from .errors import (
     CheckpointError,
     CorruptCheckpointError,
     DtypeMismatchError,
@@ -27,25 +32,34 @@ from .errors import (  # noqa: F401
     MissingKeyError,
     NotACheckpointError,
     OptimizerMismatchError,
+    SafetensorsHeaderError,
     SaveFailedError,
     ShapeMismatchError,
     StateDictMismatchError,
     UnexpectedKeyError,
     UnsafePathError,
 )
-from .manager import (  # noqa: F401
-    CheckpointManager,
-    latest_checkpoint,
-    resolve_checkpoint,
-)
-from .metadata import CheckpointMetadata  # noqa: F401
+from .format.commit import read_metadata
+from .format.metadata import CheckpointMetadata
+from .load import LoadReport, load_full_state_dict, load_state_dict
+from .manager import CheckpointManager, latest_checkpoint, resolve_checkpoint
+from .save import SaveHandle, release_host_buffers, save_state_dict
+from .verify import verify_checkpoint
 
 __all__ = [
-    *_engine_api,
+    "save_state_dict",
+    "load_state_dict",
+    "load_full_state_dict",
+    "read_metadata",
+    "verify_checkpoint",
+    "release_host_buffers",
+    "SaveHandle",
+    "LoadReport",
     "CheckpointManager",
     "latest_checkpoint",
     "resolve_checkpoint",
     "CheckpointMetadata",
+    "gather_errors",
     "CheckpointError",
     "CorruptCheckpointError",
     "DtypeMismatchError",
@@ -54,6 +68,7 @@ __all__ = [
     "MetadataError",
     "MissingKeyError",
     "NotACheckpointError",
+    "SafetensorsHeaderError",
     "SaveFailedError",
     "ShapeMismatchError",
     "StateDictMismatchError",

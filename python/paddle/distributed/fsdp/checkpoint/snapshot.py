@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import storage
-from .coordination import _aligned
+from .coordination import aligned
 
 
 def _copy_all(jobs: list) -> None:
@@ -41,7 +41,7 @@ class Snapshot:
         self._done: dict[str, tuple[np.ndarray, Any]] = {}  # key -> (array, owner): snapshot taken
         self._error: BaseException | None = None
         host = [r for r in records if _nbytes(r.tensor) and storage.is_host_contiguous(r.tensor)]
-        need = sum(_aligned(_nbytes(r.tensor)) for r in host)
+        need = sum(aligned(_nbytes(r.tensor)) for r in host)
         buf = storage.arena.acquire(need, grow=True) if need else None
         self._release: Callable[[], None] | None = storage.arena.release if buf is not None else None
         try:
@@ -51,7 +51,7 @@ class Snapshot:
             for r in host:
                 n = _nbytes(r.tensor)
                 self._slots[r.key] = buf[pos : pos + n]
-                pos += _aligned(n)
+                pos += aligned(n)
             jobs = []
             for r in records:
                 if r.replicated:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..checkpoint.errors import CheckpointError, NotACheckpointError
-from ..checkpoint.metadata import itemsize, numel
+from ..checkpoint.format.metadata import itemsize, numel
 from ..checkpoint.planner import Region, coverage_problems
 from ..checkpoint.stock import classify, index_hf, index_stock
 from ..checkpoint.stock.boxes import PieceData, assemble_box

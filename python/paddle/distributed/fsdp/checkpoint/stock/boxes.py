@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from ..metadata import numel
+from ..format.metadata import numel
 from .index import Piece, PieceIndex
 from .unpickler import load_distcp
 

@@ -106,7 +106,7 @@ def _link_tree(src: str, dst: str) -> None:
 
 def own_entry_names(final: str) -> set[str]:
     """Names in ``final`` that belong to a checkpoint of this engine (replaced by the new one, not kept)."""
-    from ..metadata import COMMIT_FILE, METADATA_FILE
+    from ..format.metadata import COMMIT_FILE, METADATA_FILE
     from ..stock_compat import STOCK_METADATA_FILE
 
     ours = {COMMIT_FILE, METADATA_FILE, STOCK_METADATA_FILE}

@@ -27,7 +27,7 @@ import logging
 import os
 from typing import Any
 
-from ..metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE
+from ..format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE
 from .collective import Group
 from .errors import StockFormatError
 from .index import index_fork, index_hf, index_stock, stock_versions

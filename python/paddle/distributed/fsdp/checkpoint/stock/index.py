@@ -13,22 +13,18 @@ The loader (``loader.py``) reads boxes of any key from any mix of pieces; nothin
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import struct
 from dataclasses import dataclass, field
 
 from ..errors import MetadataError, NotACheckpointError
-from ..metadata import DTYPES, check_file_name, numel
+from ..format.metadata import DTYPES, check_file_name, numel
+from ..format.safetensors import read_header
 from .errors import StockVersionNotFoundError
 from .unpickler import load_stock_metadata
 
 STOCK_METADATA_RE = re.compile(r"^(\d+)\.metadata$")
 STOCK_DATA_RE = re.compile(r"^(\d+)_(\d+)\.(distcp|safetensors)$")
-#: safetensors dtype code -> dtype name (the engine's table, inverted).
-SAFETENSORS_DTYPES = {code: name for name, (_size, code) in DTYPES.items()}
-MAX_SAFETENSORS_HEADER = 100 << 20
 
 
 @dataclass(frozen=True)
@@ -180,39 +176,6 @@ def index_stock(root: str, unique_id: int | None) -> PieceIndex:
     return idx
 
 
-def read_safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
-    """name -> (dtype name, shape, absolute start, absolute end) from a safetensors file's JSON header."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        size = os.fstat(f.fileno()).st_size
-        if len(head) != 8:
-            raise MetadataError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(MAX_SAFETENSORS_HEADER, size - 8):
-            raise MetadataError(f"{path}: safetensors header of {n} bytes does not fit the file")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise MetadataError(f"{path}: unreadable safetensors header ({e})") from None
-    if not isinstance(header, dict):
-        raise MetadataError(f"{path}: safetensors header is not an object")
-    base = 8 + n
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = SAFETENSORS_DTYPES[info["dtype"]]
-            shape = _ints(info["shape"], "shape", f"{path} tensor {name!r}")
-            a, b = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise MetadataError(f"{path}: tensor {name!r} has an unsupported or malformed header entry ({e})") from None
-        if not 0 <= a <= b or base + b > size or b - a != numel(shape) * DTYPES[dtype][0]:
-            raise MetadataError(f"{path}: tensor {name!r} byte range [{a}, {b}) is inconsistent with its shape/file")
-        out[name] = (dtype, shape, base + a, base + b)
-    return out
-
-
 def _attach_safetensors_offsets(idx: PieceIndex) -> None:
     """Give every piece stored in a visible safetensors file its byte offset (checked against the header)."""
     headers: dict[str, dict] = {}
@@ -224,15 +187,17 @@ def _attach_safetensors_offsets(idx: PieceIndex) -> None:
             if not os.path.isfile(path):
                 continue  # on another node: read there (loader exchange)
             if p.file not in headers:
-                headers[p.file] = read_safetensors_header(path)
-            h = headers[p.file].get(p.name)
-            if h is None:
+                st = read_header(path)
+                headers[p.file] = {e.name: (e, st.data_start) for e in st.entries}
+            found = headers[p.file].get(p.name)
+            if found is None:
                 raise MetadataError(f"{path}: has no tensor {p.name!r} that the metadata places there")
-            if h[0] != entry.dtype and not (entry.dtype == "bfloat16" and h[0] == "uint16"):
-                raise MetadataError(f"{path}: tensor {p.name!r} is {h[0]}, the metadata says {entry.dtype}")
-            if numel(h[1]) != p.numel:
-                raise MetadataError(f"{path}: tensor {p.name!r} has {numel(h[1])} elements, the metadata {p.numel}")
-            entry.pieces[i] = Piece(p.file, p.name, p.box_offset, p.box_shape, p.flat_range, h[2])
+            h, start = found
+            if h.dtype != entry.dtype:
+                raise MetadataError(f"{path}: tensor {p.name!r} is {h.dtype}, the metadata says {entry.dtype}")
+            if numel(h.shape) != p.numel:
+                raise MetadataError(f"{path}: tensor {p.name!r} has {numel(h.shape)} elements, the metadata {p.numel}")
+            entry.pieces[i] = Piece(p.file, p.name, p.box_offset, p.box_shape, p.flat_range, start + h.begin)
 
 
 def index_hf(root: str) -> PieceIndex:
@@ -246,19 +211,20 @@ def index_hf(root: str) -> PieceIndex:
         raise NotACheckpointError(f"{root}: no metadata and no *.safetensors files")
     for name in names:
         check_file_name(name)
-        for key, (dtype, shape, start, _end) in read_safetensors_header(os.path.join(root, name)).items():
-            if key in idx.tensors:
-                raise MetadataError(
-                    f"{root}: tensor {key!r} is in two files ({idx.tensors[key].pieces[0].file}, {name})"
-                )
-            zero = (0,) * len(shape)
-            idx.tensors[key] = TensorEntry(dtype, shape, [Piece(name, key, zero, shape, None, start)])
+        st = read_header(os.path.join(root, name))
+        for e in st.entries:
+            if e.name in idx.tensors:
+                first = idx.tensors[e.name].pieces[0].file
+                raise MetadataError(f"{root}: tensor {e.name!r} is in two files ({first}, {name})")
+            zero = (0,) * len(e.shape)
+            piece = Piece(name, e.name, zero, e.shape, None, st.data_start + e.begin)
+            idx.tensors[e.name] = TensorEntry(e.dtype, e.shape, [piece])
     return idx
 
 
 def index_fork(root: str) -> PieceIndex:
     """Index this engine's own checkpoint (metadata.json, COMMIT-checked by ``read_metadata``)."""
-    from ..load import read_metadata
+    from ..format.commit import read_metadata
 
     md = read_metadata(root)
     idx = PieceIndex(root=md_root(root), kind="fork")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidStateDictError
-from ..metadata import numel
+from ..format.metadata import numel
 from ..storage import dtype_name
 
 
