@@ -27,3 +27,7 @@ def test_node_local_directories_load_through_an_exchange(tmp_path):
 
 def test_engine_save_with_different_directories_fails_on_every_rank(tmp_path):
     ok(run_launch(WORKER, 2, ["different_dirs", str(tmp_path)], log_dir=tmp_path / "log"), 2)
+
+
+def test_stock_checkpoint_loads_into_fsdp_model(tmp_path):
+    ok(run_launch(WORKER, 2, ["fsdp_from_stock", str(tmp_path)], log_dir=tmp_path / "log"), 2)

@@ -5,6 +5,8 @@ Cases:
   dist_load        load WORKDIR/dist (saved by any world) into Shard(1) DistTensors, replicated DistTensors and
                    FSDP-style flattened ShardedWeights; compare with the known full values
   node_local       stock-format save and load where every rank is given its own directory
+  fsdp_from_stock  a plain model's state_dict saved by stock's own writer (data parallel)
+                   loads into a FullyShardFusion model of this world size through dist.load_state_dict
   different_dirs   the engine (safetensors=True) with a different directory per rank: a named error on every
                    rank, not the commit timeout
 """
@@ -82,6 +84,23 @@ def node_local(work):
     dist.load_state_dict(got, mine)
     np.testing.assert_array_equal(tgt.numpy(), full_w()[rows[0] : rows[-1] + 1])
     np.testing.assert_array_equal(got["b"].numpy(), full_b())
+
+
+def fsdp_from_stock(work):
+    from models import make_model
+    from paddle.distributed.flex_checkpoint.dcp.save_state_dict import save_state_dict as stock_save
+    from paddle.distributed.fsdp import FullyShardFusion
+
+    path = os.path.join(work, "plain")
+    stock_save(dict(make_model(seed=5).state_dict()), path)  # stock's data-parallel save (pickles), collective
+    want = {k: v.numpy() for k, v in make_model(seed=5).state_dict().items()}
+    model = make_model(seed=77)
+    fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"])
+    dist.load_state_dict(fsdp.sharded_state_dict(), path)
+    got = fsdp.full_parameters()
+    assert got, "no parameters"
+    for k, v in got.items():
+        np.testing.assert_array_equal(v.numpy(), want[k], err_msg=k)
 
 
 def different_dirs(work):
