@@ -196,3 +196,64 @@ def test_not_a_checkpoint_is_named(tmp_path):
     (tmp_path / "x.txt").write_text("")
     with pytest.raises(NotACheckpointError):
         dist.load_state_dict({"w": paddle.zeros([1])}, str(tmp_path))
+
+
+def test_fuzzed_stock_files_fail_with_named_errors(tmp_path):
+    """Seeded byte flips / truncations of a stock checkpoint: the load succeeds bit-exactly or raises a
+    CheckpointError; the targets are untouched on error."""
+    from paddle.distributed.fsdp.checkpoint import CheckpointError
+
+    src = tmp_path / "src"
+    stock_save(state(4), str(src))
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        case = tmp_path / f"c{trial}"
+        case.mkdir()
+        for name in os.listdir(src):
+            (case / name).write_bytes((src / name).read_bytes())
+        victim = case / ("0.metadata" if trial % 2 else "0_0.distcp")
+        data = bytearray(victim.read_bytes())
+        if trial % 3 == 0:
+            data = data[: int(rng.integers(0, len(data)))]
+        else:
+            for _ in range(int(rng.integers(1, 4))):
+                data[int(rng.integers(0, len(data)))] = int(rng.integers(0, 256))
+        victim.write_bytes(bytes(data))
+        got = zeros_like(state())
+        try:
+            dist.load_state_dict(got, str(case))
+        except CheckpointError:
+            assert all(float(v.astype("float32").abs().sum()) == 0 for v in got.values())
+
+
+def test_explicit_safetensors_false_keeps_fsdp_records_in_stocks_format(tmp_path):
+    full = arr((4, 5), 3)
+    sws = {"w": ShardedWeight("w", paddle.to_tensor(full.reshape(-1)), (4, 5), (4, 5), (0, 0), True, slice(0, 20))}
+    dist.save_state_dict(sws, str(tmp_path / "stockfmt"), safetensors=False)
+    assert sorted(os.listdir(tmp_path / "stockfmt")) == ["0.metadata", "0_0.distcp"]
+    dist.save_state_dict(sws, str(tmp_path / "ours"))  # default: FSDP records go to the engine
+    assert "COMMIT" in os.listdir(tmp_path / "ours")
+    for d in ("stockfmt", "ours"):
+        got = {"w": paddle.zeros([4, 5])}
+        dist.load_state_dict(got, str(tmp_path / d), safetensors=d == "ours")
+        np.testing.assert_array_equal(got["w"].numpy(), full)
+
+
+def test_cli_inspect_verify_import_stock(tmp_path, capsys):
+    from paddle.distributed.fsdp.tools.cli import main as cli
+
+    src = tmp_path / "stock"
+    stock_save(state(6), str(src), unique_id=0)
+    assert cli(["inspect", str(src), "--json"]) == 0
+    info = __import__("json").loads(capsys.readouterr().out)
+    assert info["num_tensors"] == 4 and info["tensors"]["w"]["shape"] == [4, 6]
+    assert cli(["verify", str(src)]) == 0
+    out = tmp_path / "ours"
+    assert cli(["import-stock", str(src), str(out)]) == 0
+    assert cli(["verify", str(out)]) == 0
+    got = zeros_like(state())
+    dist.load_state_dict(got, str(out))
+    for k, v in state(6).items():
+        same(got[k], v)
+    (src / "0_0.distcp").unlink()
+    assert cli(["verify", str(src)]) == 1
