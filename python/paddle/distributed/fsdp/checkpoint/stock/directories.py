@@ -16,13 +16,13 @@ import os
 import shutil
 import uuid
 
-from .collective import Group
+from ..coordination import Comm
 from .errors import DirectoryMismatchError
 
 PROBE_PREFIX = ".paddle-fsdp-probe-"
 
 
-def check_shared_directory(path: str, group: Group, coordinator: int) -> None:
+def check_shared_directory(path: str, group: Comm, coordinator: int) -> None:
     """Collective: raise DirectoryMismatchError on every rank unless all ranks see one directory for ``path``."""
     if group.world == 1:
         return

@@ -27,8 +27,8 @@ import logging
 import os
 from typing import Any
 
+from ..coordination import Comm, gather_errors
 from ..format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE
-from .collective import Group
 from .errors import StockFormatError
 from .index import index_fork, index_hf, index_stock, stock_versions
 from .loader import load_indexed
@@ -218,7 +218,7 @@ def load_state_dict(
     _check_options(fork_options, FORK_LOAD_OPTIONS, "load_state_dict")
     if comm_method not in COMM_METHODS:
         raise ValueError(f"Invalid communication method '{comm_method}'. Please choose from {list(COMM_METHODS)}.")
-    group = Group(process_group)
+    group = Comm(process_group)
     kind = classify(path, unique_id, bool(safetensors))
     kinds = group.all_gather_object(kind)
     if len(set(kinds)) > 1:
@@ -253,6 +253,6 @@ def load_state_dict(
         )
     except Exception as e:
         err = e
-    group.fail_together(err)
+    gather_errors(group, err)
     load_indexed(state_dict, index, process_group, aoa_config, mw_name_compatibility)
     return None

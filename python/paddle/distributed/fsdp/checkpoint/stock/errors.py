@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from ..errors import CorruptCheckpointError, InvalidStateDictError, NotACheckpointError, SaveFailedError
+from ..errors import (
+    ERROR_CLASSES,
+    CorruptCheckpointError,
+    InvalidStateDictError,
+    NotACheckpointError,
+    SaveFailedError,
+)
 
 
 class UnsafePickleError(CorruptCheckpointError):
@@ -22,3 +28,12 @@ class StockFormatError(InvalidStateDictError):
 
 class DirectoryMismatchError(SaveFailedError):
     """The ranks of one save do not see one shared directory (different paths or node-local disks)."""
+
+
+# errors raised on one rank are rebuilt by name on the others (coordination.gather_errors)
+ERROR_CLASSES.update(
+    {
+        cls.__name__: cls
+        for cls in (UnsafePickleError, StockVersionNotFoundError, StockFormatError, DirectoryMismatchError)
+    }
+)

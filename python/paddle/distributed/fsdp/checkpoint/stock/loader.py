@@ -5,7 +5,7 @@ Collective, all-or-nothing, CPU-only arithmetic, never unpickling beyond the res
 1. targets from the state dict (``targets.py``), the keys they read (stock's master-weight name compatibility
    when ``mw_name_compatibility``), and what to copy (``aoa.py`` when ``aoa_config`` is given). Keys the
    checkpoint lacks are left untouched with a warning, as stock does. Shape / dtype disagreements and bad
-   statements are errors on every rank (``Group.fail_together``).
+   statements are errors on every rank (``coordination.gather_errors``).
 2. every rank reads the pieces overlapping what it needs. Pieces in files this rank cannot see (ranks given
    node-local directories) are read by a rank that sees them and sent over one object all-gather.
 3. all ranks agree that reading worked, then every target is assigned (``paddle.assign`` into the caller's
@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from ..coordination import Comm, gather_errors
 from ..errors import DtypeMismatchError, ShapeMismatchError
 from .aoa import Assignment, plan_aoa, postprocess, target_shard_info
 from .boxes import PieceData, assemble_box, pieces_overlapping, storage_type
-from .collective import Group
 from .index import Piece, PieceIndex
 from .targets import Target, flatten_state_dict, make_target, mw_compatible_key
 
@@ -82,7 +82,7 @@ def _plain_plan(index: PieceIndex, targets: list[Target], mw: bool) -> tuple[dic
     return plan, missing, None
 
 
-def _fetch_remote(group: Group, index: PieceIndex, data: PieceData, wanted: dict[tuple, Piece]) -> dict[tuple, Any]:
+def _fetch_remote(group: Comm, index: PieceIndex, data: PieceData, wanted: dict[tuple, Piece]) -> dict[tuple, Any]:
     """Collective: pieces this rank needs but cannot see, read by the lowest rank that sees each file."""
     all_files = sorted(index.files())
     mine = [f for f in all_files if data.visible(f)]
@@ -109,7 +109,7 @@ def _fetch_remote(group: Group, index: PieceIndex, data: PieceData, wanted: dict
                 serve[pid] = data.read(key, piece)
     except Exception as e:
         err = e
-    group.fail_together(err)
+    gather_errors(group, err)
     received: dict[tuple, Any] = {}
     for served in group.all_gather_object(serve):
         received.update(served)
@@ -124,7 +124,7 @@ def load_indexed(
     mw_name_compatibility: bool = True,
 ) -> list[str]:
     """Load ``index`` into ``state_dict`` in place (collective); returns the target keys the checkpoint lacked."""
-    group = Group(process_group)
+    group = Comm(process_group)
     err: BaseException | None = None
     targets: list[Target] = []
     plan: dict[str, list[Assignment]] = {}
@@ -146,7 +146,7 @@ def load_indexed(
                 plan, missing, err = _plain_plan(index, targets, mw_name_compatibility)
         except Exception as e:
             err = e
-    group.fail_together(err)
+    gather_errors(group, err)
     if missing:
         logger.warning("keys %s are not in the checkpoint %s and were left unchanged", sorted(missing), index.root)
 
@@ -191,7 +191,7 @@ def load_indexed(
         data.close()
     except Exception as e:
         err = e
-    group.fail_together(err)
+    gather_errors(group, err)
 
     for t, box, covered in staged:
         flat = box.reshape(-1)
