@@ -257,3 +257,15 @@ def test_cli_inspect_verify_import_stock(tmp_path, capsys):
         same(got[k], v)
     (src / "0_0.distcp").unlink()
     assert cli(["verify", str(src)]) == 1
+
+
+def test_engine_options_route_to_the_engine(tmp_path):
+    from paddle.distributed.fsdp.checkpoint import CheckpointOptions
+
+    dist.save_state_dict({"w": paddle.ones([3])}, str(tmp_path), options=CheckpointOptions(checksum="crc32"))
+    assert "COMMIT" in os.listdir(tmp_path)
+    got = {"w": paddle.zeros([3])}
+    dist.load_state_dict(got, str(tmp_path), options=CheckpointOptions())
+    assert float(got["w"].sum()) == 3
+    with pytest.raises(TypeError, match="bogus"):
+        dist.save_state_dict({"w": paddle.ones([3])}, str(tmp_path / "x"), bogus=1)

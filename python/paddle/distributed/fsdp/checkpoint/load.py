@@ -13,10 +13,10 @@ Load: every rank reads metadata.json (after checking COMMIT and its hash), inter
 requested records with the saved pieces and pread()s only those byte ranges (plus chunk alignment) of the files.
 Contiguous host targets made of whole saved pieces (a load into the world size that saved, the usual resume) are
 read straight into their own memory, their previous bytes copied into an undo buffer just ahead of each read on a
-helper thread and put back if the load does not commit (inplace.py; ``PADDLE_FSDP_CKPT_IN_PLACE=0`` stages them
-instead). Other contiguous host targets whose ranges are all large: the file ranges are merged into spans and read
+helper thread and put back if the load does not commit (inplace.py; ``CheckpointOptions(in_place=False)`` stages
+them instead). Other contiguous host targets whose ranges are all large: the file ranges are merged into spans and read
 in file order, 16 MiB at a time, into one host staging buffer, with O_DIRECT when the file is not in the page cache,
-else buffered (storage.py; explicit ``POSIX_FADV_WILLNEED`` was measured slower). Other targets (small scattered
+else buffered (reader.py; explicit ``POSIX_FADV_WILLNEED`` was measured slower). Other targets (small scattered
 ranges such as rows of boxes, device or strided tensors) get a staging buffer of their own, large ranges read
 straight into it, small ones through windows of at most 64 MiB. Checksums of the large ranges run on helper threads
 while later ranges are read; the rank waits for all of them before the status exchange. Host staging (with the undo
@@ -41,33 +41,34 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from . import checksums, storage
-from .coordination import Comm, Tracer, aligned, gather_errors
+from . import checksums, host_memory, reader
+from .coordination import Comm, aligned, gather_errors
 from .errors import (
     CheckpointError,
+    CheckpointRemovedError,
+    CorruptCheckpointError,
     DtypeMismatchError,
     InvalidStateDictError,
     MissingKeyError,
     ShapeMismatchError,
 )
 from .format.commit import read_metadata
-from .format.metadata import DTYPES, resolve_member
+from .format.coverage import coverage_problems, flat_span
+from .format.metadata import DTYPES, CheckpointMetadata, resolve_member
 from .format.regions import read_deferred, read_region, region_segments
 from .inplace import InPlaceReads
-from .planner import Region
+from .options import CheckpointOptions, resolve
+from .planner import Region, region_of_piece
 from .records import to_record
+from .removal import removed_or
 from .save import wait_pending
-
-# Load commit for contiguous host targets: memcpy into the target's memory (faster than paddle staging
-# tensors on CPU). False forces the generic path used for device targets (host staging tensor + copy_).
-_HOST_FAST_PATH = True
-
+from .tracing import Tracer
 
 # ------------------------------------------------------------------------------------------------ reading
 
@@ -83,21 +84,69 @@ def _staging_tensor(shape, dtype: str, pin: bool):
         return paddle.empty(list(shape), dtype=dtype, device=paddle.CPUPlace())
 
 
-_IN_PLACE = os.environ.get("PADDLE_FSDP_CKPT_IN_PLACE", "1") != "0"  # 0: stage everything (measurements)
+def named_read_error(path: str, e: BaseException | None) -> BaseException | None:
+    """A read failure as a named error: an OSError (EIO, EACCES, ...) reading the checkpoint is
+    CorruptCheckpointError naming the path; errors of the engine pass through."""
+    if isinstance(e, OSError):
+        err = CorruptCheckpointError(f"checkpoint {path}: cannot read it: {type(e).__name__}: {e}")
+        err.__cause__ = e
+        return err
+    return e
 
 
-def _in_place_regions(reads: list) -> tuple[list, list]:
+def check_coverage(root: str, md: CheckpointMetadata, keys) -> None:
+    """Every element of each of ``keys`` is saved exactly once (coverage.py; the check verify_checkpoint runs),
+    before a byte of data is read; CorruptCheckpointError naming the key otherwise."""
+    for key in sorted(keys):
+        tm = md.tensors[key]
+        problems = coverage_problems(
+            key, tm.shape, [(i, region_of_piece(tm.shape, p)) for i, p in enumerate(tm.pieces)]
+        )
+        if problems:
+            raise CorruptCheckpointError(f"checkpoint {root}: {problems[0]}")
+
+
+def check_data_files(root: str, md: CheckpointMetadata, keys, regions: dict | None = None, options=None) -> None:
+    """The data files holding ``keys`` (only the pieces that touch ``regions[key]``, when given) are regular
+    files of the sizes the metadata gives (opened without blocking, one at a time), so what is planned and
+    allocated afterwards is bounded by bytes really there."""
+    names = set()
+    for key in keys:
+        tm = md.tensors[key]
+        span = None
+        if regions is not None and key in regions:
+            r = regions[key]
+            span = flat_span(r.shape, r.box_offset, r.box_shape, r.flat_range)
+        for p in tm.pieces:
+            if not p.nbytes:
+                continue
+            if span is not None:
+                first, end = flat_span(tm.shape, p.box_offset, p.box_shape, p.flat_range)
+                if first >= span[1] or end <= span[0]:
+                    continue
+            names.add(p.file)
+    files = reader.FileSet.of(root, md, resolve_member, verify=False, options=options)
+    try:
+        for name in sorted(names):
+            files.fd(name)
+            files.close()
+    finally:
+        files.close()
+
+
+def _in_place_regions(reads: list, enabled: bool = True) -> tuple[list, list]:
     """Split the fast-path reads ``(target, piece, a, b, dst)`` into regions read in place (inplace.py) and the
     rest. A target is read in place when each of its reads is a whole saved piece (no chunk widening: the piece's
-    chunks are the target's bytes) and its memory overlaps no other such target. Regions come in file order."""
-    if not _IN_PLACE:
+    chunks are the target's bytes) and its memory overlaps no other such target. Regions come in file order.
+    ``enabled=False`` (CheckpointOptions.in_place) reads nothing in place."""
+    if not enabled:
         return [], reads
     by_target: dict[int, list] = {}
     for r in reads:
         by_target.setdefault(id(r[0]), []).append(r)
     whole = [rs for rs in by_target.values() if all(a == 0 and b == piece.nbytes for _t, piece, a, b, _d in rs)]
     spans = sorted(
-        (rs[0][0].tensor.data_ptr(), storage.raw_view(rs[0][0].tensor, allow_copy=False)[0].nbytes, i)
+        (rs[0][0].tensor.data_ptr(), host_memory.raw_view(rs[0][0].tensor, allow_copy=False)[0].nbytes, i)
         for i, rs in enumerate(whole)
     )
     aliased, end, widest = set(), -1, -1  # widest: the interval reaching furthest so far
@@ -113,7 +162,7 @@ def _in_place_regions(reads: list) -> tuple[list, list]:
         if id(tg) not in chosen:
             rest.append(r)
             continue
-        dst, _ = storage.raw_view(tg.tensor, allow_copy=False)
+        dst, _ = host_memory.raw_view(tg.tensor, allow_copy=False)
         regions.append((tg.key, piece, dst[d : d + (b - a)]))
     regions.sort(key=lambda reg: (reg[1].file, reg[1].offset))
     return regions, rest
@@ -141,7 +190,7 @@ def _plan_spans(reads: list, chunk_bytes: int, verify: bool) -> list[list]:
             spans[-1][3].append((r, a0, b0))
         else:
             spans.append([name, fs, fe, [(r, a0, b0)]])
-    A = storage.DIRECT_ALIGN
+    A = reader.DIRECT_ALIGN
     out = []
     for name, fs, fe, members in spans:
         start = (fs // A) * A
@@ -183,173 +232,272 @@ def load_state_dict(
     *,
     verify_checksums: bool = True,
     strict: bool = True,
+    precheck: Callable[[CheckpointMetadata], None] | None = None,
+    options: CheckpointOptions | None = None,
     **unused_stock_kwargs,
 ) -> LoadReport:
-    """Load ``path`` into the tensors of ``state_dict`` in place, all-or-nothing (see the module docstring)."""
+    """Load ``path`` into the tensors of ``state_dict`` in place, all-or-nothing (see the module docstring).
+
+    ``precheck(metadata)`` (optional) runs on every rank right after the metadata is read, before the engine's
+    own checks (keys, shapes, dtypes, exact coverage, data file kinds and sizes) and before any data is read:
+    what it raises on any rank is exchanged, so every rank raises the same named error and nothing is written.
+    Callers decode and validate the non-tensor state they will restore there (state/resume.py).
+
+    ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now): O_DIRECT, huge pages,
+    in-place reads, read slab, checksum threads, tracing.
+
+    Steps (``_LoadJob``): validate -> plan -> read -> exchange -> commit. Nothing a target holds changes before
+    the exchange has shown that every rank validated and read everything (in-place reads keep an undo copy).
+    """
     if unused_stock_kwargs.get("aoa_config") is not None:
         raise InvalidStateDictError("aoa_config is not supported by the FSDP checkpoint engine")
-    tr = Tracer("load")
+    try:
+        opts, opts_error = resolve(options), None
+    except CheckpointError as e:  # a malformed PADDLE_FSDP_CKPT_* variable: reported by the exchange below
+        opts, opts_error = CheckpointOptions(), e
+    tr = Tracer("load", opts)
     wait_pending(raise_error=False)
     t0 = time.perf_counter()
-    path = os.path.abspath(os.fspath(path))
+    job = _LoadJob(state_dict, os.path.abspath(os.fspath(path)), opts, verify_checksums, tr)
     comm = Comm(process_group)
-    report = LoadReport()
     err: BaseException | None = None
-    targets: list[_Target] = []
-    value_updates: dict[str, Any] = {}
-    md = None
-    files = None
-    verifier = storage.ChunkVerifier()
-    arena_held = False
-    in_place: InPlaceReads | None = None
-    committed = False
-    requested = sorted(k for k in state_dict) if isinstance(state_dict, dict) else []
     try:
+        # 1. validate (no data read): metadata, caller's checks, keys, shapes, dtypes, exact coverage, files;
+        # the verdict of every rank is exchanged before any byte of data is read or any target written
         try:
-            md = read_metadata(path)
-            tr.mark("metadata")
-            if not isinstance(state_dict, dict):
-                raise InvalidStateDictError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-            problems: list[tuple[type, str]] = []
-
-            def refuse(error: type, key: str, reason: str) -> None:
-                """Record why ``key`` cannot load: in the report, and as the error strict mode raises."""
-                if error is MissingKeyError:
-                    report.missing_keys.append(key)
-                else:
-                    report.mismatched_keys[key] = reason
-                problems.append((error, f"key {key!r}: {reason}"))
-
-            def refuse_absent(key: str, wanted: str, saved_as: str) -> None:
-                if saved_as:
-                    refuse(InvalidStateDictError, key, f"saved as a {saved_as}, requested as a {wanted}")
-                else:
-                    refuse(MissingKeyError, key, f"missing from checkpoint {path}")
-
-            for key, val in state_dict.items():
-                rec = to_record(key, val)
-                if rec is None:
-                    if key in md.values:
-                        value_updates[key] = md.values[key]
-                        report.loaded_keys.append(key)
-                    else:
-                        refuse_absent(key, "plain value", "tensor" if key in md.tensors else "")
-                    continue
-                tm = md.tensors.get(key)
-                if tm is None:
-                    refuse_absent(key, "tensor", "plain value" if key in md.values else "")
-                    continue
-                if tuple(tm.shape) != tuple(rec.region.shape):
-                    refuse(
-                        ShapeMismatchError,
-                        key,
-                        f"shape {list(rec.region.shape)} requested, {list(tm.shape)} in the checkpoint",
-                    )
-                    continue
-                if tm.dtype != rec.dtype:
-                    refuse(DtypeMismatchError, key, f"dtype {rec.dtype} requested, {tm.dtype} in the checkpoint")
-                    continue
-                targets.append(_Target(key, rec.tensor, rec.region, rec.dtype))
-            if strict and problems:
-                cls, _ = problems[0]
-                more = (
-                    f" (and {len(problems) - 1} more: " + "; ".join(m for _, m in problems[1:4]) + ")"
-                    if len(problems) > 1
-                    else ""
-                )
-                raise cls(problems[0][1] + more)
-            tr.mark("validate")
-            # read + verify everything into host staging (this rank's slice); targets untouched until commit.
-            # Host targets read in large ranges only (the usual case): their file ranges are read as aligned
-            # spans (O_DIRECT where supported) into one host buffer, committed with a memcpy per range into the
-            # target's own memory. Other targets (small scattered ranges, device or strided tensors) get a
-            # staging buffer of their own, committed with one memcpy (host) or Tensor.copy_ (device, strided).
-            # All host staging is carved out of one buffer: the async-save arena when there is one, else fresh.
-            verify = verify_checksums and md.checksum != checksums.NONE
-            direct: list = []  # (target, piece, a, b, dst offset)
-            staged: list[_Target] = []
-            for tg in targets:
-                if tg.region.numel == 0:
-                    continue
-                segs = region_segments(path, md, tg.key, tg.region)
-                host = storage.is_host_contiguous(tg.tensor)
-                if _HOST_FAST_PATH and host and all(bool(sg[4].all()) for sg in segs):
-                    tg.copies = []
-                    for piece, src_b, dst_b, len_b, _big in segs:
-                        for a, d, n in zip(src_b.tolist(), dst_b.tolist(), len_b.tolist()):
-                            direct.append((tg, piece, a, a + n, d))
-                else:
-                    staged.append(tg)
-            regions, direct = _in_place_regions(direct)
-            spans = _plan_spans(direct, md.chunk_bytes, verify)
-            A = storage.DIRECT_ALIGN
-            span_bytes = [-(-sp[2] // A) * A for sp in spans]
-            host_staged = [tg for tg in staged if _HOST_FAST_PATH and storage.is_host_contiguous(tg.tensor)]
-            undo_bytes = sum(aligned(len(dst)) for _key, _piece, dst in regions)
-            need = (
-                sum(span_bytes) + undo_bytes + sum(aligned(tg.region.numel * DTYPES[tg.dtype][0]) for tg in host_staged)
-            )
-            stage = storage.arena.acquire(need, grow=storage.arena.capacity > 0) if need else None
-            arena_held = stage is not None
-            if stage is None and need:
-                stage = storage.alloc_host(need, for_direct_reads=bool(span_bytes))
-            pos = 0
-            span_reads = []
-            for (name, start, n_need, members), nb in zip(spans, span_bytes):
-                buf = stage[pos : pos + nb]
-                pos += nb
-                checks, seen = [], set()
-                for (tg, piece, a, b, d), a0, b0 in members:
-                    lo = piece.offset + a - start
-                    tg.copies.append((d, buf[lo : lo + (b - a)]))
-                    if verify and (id(piece), a0, b0) not in seen:
-                        seen.add((id(piece), a0, b0))
-                        checks.append((tg.key, piece, a0, b0))
-                span_reads.append(storage.SpanRead(name, start, n_need, buf, checks))
-            for tg in host_staged:
-                n = tg.region.numel * DTYPES[tg.dtype][0]
-                tg.raw = stage[pos : pos + n]
-                pos += aligned(n)
-            if regions:  # previous bytes copied to the undo buffer ahead of the reads, on a helper thread
-                in_place = InPlaceReads(regions, stage[pos : pos + undo_bytes])
-            stage = None
-            files = storage.FileSet.of(path, md, resolve_member, verify)
-            storage.read_spans(files, span_reads, md.chunk_bytes, verifier if verify else None)
-            span_reads = None
-            if in_place is not None:
-                in_place.read(files, md.chunk_bytes, verify, verifier)
-            reads: list = []  # large ranges of staged targets, read below in file order
-            for tg in staged:
-                if tg.raw is None:
-                    # device (or strided) target: host staging tensor (pinned for devices), committed with copy_
-                    pin = not storage.is_host_place(tg.tensor.place)
-                    tg.staging = _staging_tensor(tg.tensor.shape, tg.dtype, pin)
-                    tg.raw, _ = storage.raw_view(tg.staging, allow_copy=False)
-                read_region(files, md, tg.key, tg.region, tg.raw, verify_checksums, verifier, reads)
-            read_deferred(files, md, reads, verify_checksums, verifier)
-            tr.mark("read")
-            verifier.wait()  # every queued checksum, before this rank reports its status
-            report.bytes_read = files.bytes_read
-            tr.mark("verify-wait")
+            if opts_error is not None:
+                raise opts_error
+            job.validate(strict, precheck)
+        except Exception as e:  # noqa: BLE001 - every failure must reach the verdict exchange below
+            err = named_read_error(job.path, e)
+        all_requested = job.exchange(comm, err)
+        # 2-3. plan, read and verify; 4. exchange; 5. commit
+        try:
+            job.plan()
+            job.read()
         except Exception as e:  # noqa: BLE001 - every failure must reach the status exchange below
-            err = e
+            err = named_read_error(job.path, e)
+            if isinstance(err, CorruptCheckpointError):  # a file gone under the reader: removed, not corrupt
+                err = removed_or(job.path, err, job.md.checkpoint_id)
         finally:
-            verifier.drain()  # no helper thread reads the staging any more
-            if files is not None:
-                files.close()
-        statuses = gather_errors(comm, err, (requested, md.checkpoint_id if md else None))
+            job.stop_reading()
+        job.exchange(comm, err)
+        job.commit()
+    finally:
+        job.release()
+    return job.finish(all_requested, time.perf_counter() - t0)
+
+
+class _LoadJob:
+    """The state of one ``load_state_dict`` call on this rank, and its steps in order."""
+
+    def __init__(self, state_dict, path: str, opts: CheckpointOptions, verify_checksums: bool, tr: Tracer):
+        self.state_dict = state_dict
+        self.path = path
+        self.opts = opts
+        self.verify_checksums = verify_checksums
+        self.tr = tr
+        self.report = LoadReport()
+        self.md: CheckpointMetadata | None = None
+        self.targets: list[_Target] = []
+        self.value_updates: dict[str, Any] = {}
+        self.requested = sorted(k for k in state_dict) if isinstance(state_dict, dict) else []
+        self.verifier = reader.ChunkVerifier(opts.checksum_threads)
+        self.files: reader.FileSet | None = None
+        self.arena_held = False
+        self.in_place: InPlaceReads | None = None
+        self.committed = False
+        # filled by plan(), consumed by read()
+        self.span_reads: list = []
+        self.staged: list[_Target] = []
+
+    # ------------------------------------------------------------------------------------------ 1. validate
+
+    def validate(self, strict: bool, precheck=None) -> None:
+        """Read the committed metadata, run the caller's ``precheck`` on it, and match every requested key against
+        it (kind, shape, dtype). With ``strict`` any mismatch raises the named error of the first one; else
+        mismatches go to the report. Then exact coverage of every target's tensor and the kinds and sizes of the
+        data files its pieces are in: everything that can be refused before a byte of data is read."""
+        path, report = self.path, self.report
+        md = self.md = read_metadata(path, self.opts)
+        self.tr.mark("metadata")
+        if precheck is not None:  # the caller's checks first: "another optimizer" says more than its keys
+            precheck(md)
+        if not isinstance(self.state_dict, dict):
+            raise InvalidStateDictError(f"state_dict must be a dict, got {type(self.state_dict).__name__}")
+        problems: list[tuple[type, str]] = []
+
+        def refuse(error: type, key: str, reason: str) -> None:
+            """Record why ``key`` cannot load: in the report, and as the error strict mode raises."""
+            if error is MissingKeyError:
+                report.missing_keys.append(key)
+            else:
+                report.mismatched_keys[key] = reason
+            problems.append((error, f"key {key!r}: {reason}"))
+
+        def refuse_absent(key: str, wanted: str, saved_as: str) -> None:
+            if saved_as:
+                refuse(InvalidStateDictError, key, f"saved as a {saved_as}, requested as a {wanted}")
+            else:
+                refuse(MissingKeyError, key, f"missing from checkpoint {path}")
+
+        for key, val in self.state_dict.items():
+            rec = to_record(key, val)
+            if rec is None:
+                if key in md.values:
+                    self.value_updates[key] = md.values[key]
+                    report.loaded_keys.append(key)
+                else:
+                    refuse_absent(key, "plain value", "tensor" if key in md.tensors else "")
+                continue
+            tm = md.tensors.get(key)
+            if tm is None:
+                refuse_absent(key, "tensor", "plain value" if key in md.values else "")
+                continue
+            if tuple(tm.shape) != tuple(rec.region.shape):
+                refuse(
+                    ShapeMismatchError,
+                    key,
+                    f"shape {list(rec.region.shape)} requested, {list(tm.shape)} in the checkpoint",
+                )
+                continue
+            if tm.dtype != rec.dtype:
+                refuse(DtypeMismatchError, key, f"dtype {rec.dtype} requested, {tm.dtype} in the checkpoint")
+                continue
+            self.targets.append(_Target(key, rec.tensor, rec.region, rec.dtype))
+        if strict and problems:
+            cls, _ = problems[0]
+            more = (
+                f" (and {len(problems) - 1} more: " + "; ".join(m for _, m in problems[1:4]) + ")"
+                if len(problems) > 1
+                else ""
+            )
+            raise cls(problems[0][1] + more)
+        check_coverage(path, md, {tg.key for tg in self.targets})
+        check_data_files(
+            path, md, {tg.key for tg in self.targets}, {tg.key: tg.region for tg in self.targets}, self.opts
+        )
+        self.tr.mark("validate")
+
+    # ------------------------------------------------------------------------------------------ 2. plan
+
+    @property
+    def verify(self) -> bool:
+        return self.verify_checksums and self.md.checksum != checksums.NONE
+
+    def plan(self) -> None:
+        """Decide where every byte goes, and carve all host staging out of one buffer.
+
+        Host targets read in large ranges only (the usual case): their file ranges are read as aligned spans
+        (O_DIRECT where supported) into the buffer and committed with a memcpy per range, or read in place
+        (whole saved pieces, with an undo copy). Other targets (small scattered ranges, device or strided
+        tensors) get a staging area of their own, committed with one memcpy (host) or Tensor.copy_ (device,
+        strided). The buffer is the async-save arena when there is one, else fresh memory.
+        """
+        md, opts, verify = self.md, self.opts, self.verify
+        direct: list = []  # (target, piece, a, b, dst offset)
+        for tg in self.targets:
+            if tg.region.numel == 0:
+                continue
+            segs = region_segments(self.path, md, tg.key, tg.region)
+            host = host_memory.is_host_contiguous(tg.tensor)
+            if opts.host_fast_path and host and all(bool(sg[4].all()) for sg in segs):
+                tg.copies = []
+                for piece, src_b, dst_b, len_b, _big in segs:
+                    for a, d, n in zip(src_b.tolist(), dst_b.tolist(), len_b.tolist()):
+                        direct.append((tg, piece, a, a + n, d))
+            else:
+                self.staged.append(tg)
+        regions, direct = _in_place_regions(direct, opts.in_place)
+        spans = _plan_spans(direct, md.chunk_bytes, verify)
+        A = reader.DIRECT_ALIGN
+        span_bytes = [-(-sp[2] // A) * A for sp in spans]
+        host_staged = [tg for tg in self.staged if opts.host_fast_path and host_memory.is_host_contiguous(tg.tensor)]
+        undo_bytes = sum(aligned(len(dst)) for _key, _piece, dst in regions)
+        need = sum(span_bytes) + undo_bytes + sum(aligned(tg.region.numel * DTYPES[tg.dtype][0]) for tg in host_staged)
+        stage = (
+            host_memory.arena.acquire(need, grow=host_memory.arena.capacity > 0, hugepages=opts.hugepages)
+            if need
+            else None
+        )
+        self.arena_held = stage is not None
+        if stage is None and need:
+            stage = host_memory.alloc_host(need, for_direct_reads=bool(span_bytes), hugepages=opts.hugepages)
+        pos = 0
+        for (name, start, n_need, members), nb in zip(spans, span_bytes):
+            buf = stage[pos : pos + nb]
+            pos += nb
+            checks, seen = [], set()
+            for (tg, piece, a, b, d), a0, b0 in members:
+                lo = piece.offset + a - start
+                tg.copies.append((d, buf[lo : lo + (b - a)]))
+                if verify and (id(piece), a0, b0) not in seen:
+                    seen.add((id(piece), a0, b0))
+                    checks.append((tg.key, piece, a0, b0))
+            self.span_reads.append(reader.SpanRead(name, start, n_need, buf, checks))
+        for tg in host_staged:
+            n = tg.region.numel * DTYPES[tg.dtype][0]
+            tg.raw = stage[pos : pos + n]
+            pos += aligned(n)
+        if regions:  # previous bytes copied to the undo buffer ahead of the reads, on a helper thread
+            self.in_place = InPlaceReads(regions, stage[pos : pos + undo_bytes])
+
+    # ------------------------------------------------------------------------------------------ 3. read
+
+    def read(self) -> None:
+        """Read and verify everything planned (targets read in place keep their undo copy until commit)."""
+        md, verify, verifier = self.md, self.verify, self.verifier
+        files = self.files = reader.FileSet.of(self.path, md, resolve_member, verify, self.opts)
+        reader.read_spans(files, self.span_reads, md.chunk_bytes, verifier if verify else None)
+        self.span_reads = []
+        if self.in_place is not None:
+            self.in_place.read(files, md.chunk_bytes, verify, verifier)
+        reads: list = []  # large ranges of staged targets, read below in file order
+        for tg in self.staged:
+            if tg.raw is None:
+                # device (or strided) target: host staging tensor (pinned for devices), committed with copy_
+                pin = not host_memory.is_host_place(tg.tensor.place)
+                tg.staging = _staging_tensor(tg.tensor.shape, tg.dtype, pin)
+                tg.raw, _ = host_memory.raw_view(tg.staging, allow_copy=False)
+            read_region(files, md, tg.key, tg.region, tg.raw, self.verify_checksums, verifier, reads)
+        read_deferred(files, md, reads, self.verify_checksums, verifier)
+        self.tr.mark("read")
+        verifier.wait()  # every queued checksum, before this rank reports its status
+        self.report.bytes_read = files.bytes_read
+        self.tr.mark("verify-wait")
+
+    def stop_reading(self) -> None:
+        """After read (or its failure): no helper thread reads the staging any more, files closed."""
+        self.verifier.drain()
+        if self.files is not None:
+            self.files.close()
+
+    # ------------------------------------------------------------------------------------------ 4. exchange
+
+    def exchange(self, comm: Comm, err: BaseException | None) -> set[str]:
+        """Every rank's status: raise the same named error on every rank if any failed, or if the ranks read
+        different checkpoints. Returns the keys requested by any rank."""
+        md = self.md
+        statuses = gather_errors(comm, err, (self.requested, md.checkpoint_id if md else None))
         ids = sorted({s[1] for s in statuses})
         if len(ids) > 1:  # e.g. the path was replaced by a concurrent save between the ranks' reads
-            raise CheckpointError(
-                f"load of {path}: ranks read different checkpoints ({ids}); was it replaced during the load? "
-                f"nothing was loaded"
+            raise CheckpointRemovedError(
+                f"load of {self.path}: ranks read different checkpoints ({ids}); was it replaced during the "
+                f"load? nothing was loaded"
             )
-        tr.mark("exchange")
+        self.tr.mark("exchange")
+        all_requested: set[str] = set()
+        for s in statuses:
+            all_requested.update(s[0])
+        return all_requested
 
-        # all ranks are fine: commit into the targets
-        for tg in targets:
+    # ------------------------------------------------------------------------------------------ 5. commit
+
+    def commit(self) -> None:
+        """All ranks are fine: copy the staged bytes into the targets (in-place targets hold them already)."""
+        for tg in self.targets:
             if tg.copies is not None:
-                dst, _ = storage.raw_view(tg.tensor, allow_copy=False)
+                dst, _ = host_memory.raw_view(tg.tensor, allow_copy=False)
                 for d, src in tg.copies:
                     np.copyto(dst[d : d + len(src)], src)
             elif tg.staging is not None:
@@ -357,61 +505,87 @@ def load_state_dict(
                 # copies host->device on the target's own place
                 tg.tensor.copy_(tg.staging, True)
             elif tg.raw is not None:
-                dst, _ = storage.raw_view(tg.tensor, allow_copy=False)
+                dst, _ = host_memory.raw_view(tg.tensor, allow_copy=False)
                 np.copyto(dst, tg.raw)
             tg.staging = tg.raw = tg.copies = None
-            report.loaded_keys.append(tg.key)
-        committed = True
-    finally:
-        for tg in targets:
+            self.report.loaded_keys.append(tg.key)
+        self.committed = True
+
+    def release(self) -> None:
+        """Always: drop staging views, finish (committed) or undo (not committed) in-place reads, give the
+        arena back."""
+        for tg in self.targets:
             tg.staging = tg.raw = tg.copies = None
-        if in_place is not None:
-            if committed:
-                in_place.finish()
+        if self.in_place is not None:
+            if self.committed:
+                self.in_place.finish()
             else:
-                verifier.drain()  # no checksum thread reads a target while it is restored
-                in_place.restore()  # every tensor read in place gets its previous bytes back
-            in_place = None
-        if arena_held:
-            storage.arena.release()
-    for k, v in value_updates.items():
-        state_dict[k] = v
-    all_requested = set()
-    for s in statuses:
-        all_requested.update(s[0])
-    report.unexpected_keys = sorted((set(md.tensors) | set(md.values)) - all_requested)
-    report.seconds = time.perf_counter() - t0
-    tr.mark("copy-into-targets")
-    tr.done()
-    return report
+                self.verifier.drain()  # no checksum thread reads a target while it is restored
+                self.in_place.restore()  # every tensor read in place gets its previous bytes back
+            self.in_place = None
+        if self.arena_held:
+            host_memory.arena.release()
+
+    def finish(self, all_requested: set[str], seconds: float) -> LoadReport:
+        """After the commit: JSON values into the dict, the report completed."""
+        for k, v in self.value_updates.items():
+            self.state_dict[k] = v
+        md, report = self.md, self.report
+        report.unexpected_keys = sorted((set(md.tensors) | set(md.values)) - all_requested)
+        report.seconds = seconds
+        self.tr.mark("copy-into-targets")
+        self.tr.done()
+        return report
 
 
-def load_full_state_dict(path: str, keys: Iterable[str] | None = None) -> dict:
+def load_full_state_dict(
+    path: str, keys: Iterable[str] | None = None, *, options: CheckpointOptions | None = None
+) -> dict:
     """Full tensors by key, read in this process only (no collectives), e.g. for ``model.set_state_dict``.
 
     With ``keys=None`` every tensor of the checkpoint is returned; a key naming a JSON value returns the value.
+    ``options``: as for ``load_state_dict``.
     """
+    opts = resolve(options)
     import paddle  # noqa: F401
 
     path = os.path.abspath(os.fspath(path))
-    md = read_metadata(path)
+    md = read_metadata(path, opts)
     wanted = list(md.tensors) if keys is None else list(keys)
+    for key in wanted:
+        if key not in md.tensors and key not in md.values:
+            raise MissingKeyError(f"key {key!r} is missing from checkpoint {path}")
+    tensor_keys = [k for k in wanted if k in md.tensors]
+    try:
+        # before allocating by a declared shape: exact coverage + real files of the declared sizes, so what is
+        # allocated is the bytes of pieces that really are on disk (pieces never share bytes: schema.py)
+        check_coverage(path, md, tensor_keys)
+        check_data_files(path, md, tensor_keys, options=opts)
+        return _read_full(path, md, wanted, opts)
+    except OSError as e:
+        raise removed_or(path, named_read_error(path, e), md.checkpoint_id) from e
+    except CorruptCheckpointError as e:
+        gone = removed_or(path, e, md.checkpoint_id)
+        if gone is e:
+            raise
+        raise gone from e
+
+
+def _read_full(path: str, md: CheckpointMetadata, wanted: list[str], opts: CheckpointOptions) -> dict:
     out: dict = {}
-    files = storage.FileSet.of(path, md, resolve_member, verify=True)
-    verifier = storage.ChunkVerifier()
+    files = reader.FileSet.of(path, md, resolve_member, True, opts)
+    verifier = reader.ChunkVerifier(opts.checksum_threads)
     reads: list = []
     try:
         for key in wanted:
             if key in md.values and key not in md.tensors:
                 out[key] = md.values[key]
                 continue
-            tm = md.tensors.get(key)
-            if tm is None:
-                raise MissingKeyError(f"key {key!r} is missing from checkpoint {path}")
+            tm = md.tensors[key]
             t = _staging_tensor(tm.shape, tm.dtype, False)
             region = Region.full(tm.shape)
             if region.numel:
-                raw, _ = storage.raw_view(t, allow_copy=False)
+                raw, _ = host_memory.raw_view(t, allow_copy=False)
                 read_region(files, md, key, region, raw, True, verifier, reads)
             out[key] = t
         read_deferred(files, md, reads, True, verifier)

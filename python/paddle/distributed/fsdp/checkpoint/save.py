@@ -47,7 +47,7 @@ but such a staging directory exists raises / reports IncompleteCheckpointError (
 whether the save failed with an error or was interrupted); the staging directory itself reports
 IncompleteCheckpointError too until its COMMIT is written. The survivors of a killed rank do not hang: the
 coordinator waits for the other ranks' data, and the other ranks wait for the commit, at most
-``commit_timeout`` (default ``PADDLE_FSDP_CKPT_COMMIT_TIMEOUT``, 1800 s), then raise SaveFailedError; a rank
+``commit_timeout`` (default ``CheckpointOptions.commit_timeout``, 1800 s), then raise SaveFailedError; a rank
 whose save fails with an error tells the others at once (``failed`` / ``ABORT`` markers).
 
 Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (CheckpointManager).
@@ -55,7 +55,7 @@ Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (
 ``async_save=True``: the caller is blocked for the descriptor exchange and a host copy (snapshot) of the pieces this
 rank writes, which overlap (snapshot.py: the copy runs on a helper thread meanwhile); writing, fsync and commit run
 in a background (non-daemon) thread. The snapshot of host tensors goes into one per-process host buffer
-(``storage.arena``) that is reused by every async save (grown when the state grows) and STAYS RESIDENT between
+(``host_memory.arena``) that is reused by every async save (grown when the state grows) and STAYS RESIDENT between
 saves: an async-saving process holds about one extra copy of the bytes it writes, all the time (filling fresh memory
 costs page faults, which made the snapshot several times slower than a copy into resident memory).
 ``release_host_buffers()`` frees it; the next async save allocates it again. Device (and strided) tensors are
@@ -64,7 +64,7 @@ every rank) or raises the background error; an error not collected by ``wait()``
 ``save_state_dict``. gloo collectives are never issued from the background thread (they would race with the training
 loop's collectives), hence the file-based completion protocol.
 
-Checksums: xxh3-64 (checksums.py) per 1 MiB chunk of each piece (``chunk_bytes`` in metadata.json), computed on
+Checksums: xxh3-64 (checksums.py) per 1 MiB chunk of each piece (``chunk_bytes`` in metadata.json; ``CheckpointOptions.checksum``), computed on
 the tensor memory during the single write pass, piece by piece just before it is written. The coordinator's
 choice of algorithm is used by every rank. Loads verify them (load.py).
 
@@ -76,25 +76,20 @@ Cross-rank helpers shared with the load path (process group, error exchange, fil
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
+import shutil
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import checksums, faults, storage
-from .coordination import (
-    DEFAULT_COMMIT_TIMEOUT,
-    Comm,
-    Tracer,
-    check_target_path,
-    gather_errors,
-    poll,
-    read_json,
-)
-from .errors import InvalidStateDictError, SaveFailedError
+from . import checksums, faults, host_memory, writer
+from .coordination import Comm, check_target_path, gather_errors, poll, read_json
+from .errors import CheckpointError, InvalidStateDictError, SaveFailedError
 from .format import commit as format_commit
 from .format.metadata import (
     COMMIT_FILE,
@@ -104,10 +99,12 @@ from .format.metadata import (
     CheckpointMetadata,
     FileMeta,
 )
+from .options import CheckpointOptions, resolve
 from .planner import RecordDesc, build_save_plan
 from .records import collect
 from .snapshot import Snapshot
 from .stock.directories import adopt_foreign_entries, check_shared_directory, own_entry_names
+from .tracing import Tracer
 
 # ------------------------------------------------------------------------------------------------ async state
 
@@ -201,6 +198,7 @@ class _SaveJob:
     checksum: str  # algorithm (checksums.py), the same on every rank
     timeout: float
     write_stock: bool
+    options: CheckpointOptions = field(default_factory=CheckpointOptions)
     publisher: Any = None  # CheckpointManager hook: publish()/is_published()/cleanup(), see Publisher
     created: float = field(default_factory=time.time)
     release: Any = None  # async save: gives the snapshot arena back (called once the data file is written)
@@ -212,58 +210,83 @@ class _SaveJob:
             release()
 
     def run(self) -> None:
+        """Write, then commit (coordinator) or wait for the commit; every failure is a SaveFailedError naming
+        the rank that failed and its cause, on every rank, as soon as it is known (failure markers, below)."""
         try:
             self._run()
+        except SaveFailedError:
+            raise
+        except Exception as e:
+            raise SaveFailedError(
+                f"save to {self.path} failed: rank {self.rank} failed: {_cause(e)}; the previous checkpoint is "
+                f"untouched"
+            ) from e
         finally:
             self._written()
 
     def _run(self) -> None:
-        tr = Tracer(f"save rank {self.rank}")
+        tr = Tracer(f"save rank {self.rank}", self.options)
         parts = os.path.join(self.staging, PARTS_DIR)
-        os.makedirs(parts, exist_ok=True)
         layout = self.plan.files[self.rank]
-        faults.point("before_data", self.rank)
-        kill_at = layout.size // 2 if faults.hit("mid_data", self.rank) else None
+        data_path = os.path.join(self.staging, layout.name)
         try:
+            os.makedirs(parts, exist_ok=True)
+            faults.point("before_data", self.rank)
+            kill_at = layout.size // 2 if faults.hit("mid_data", self.rank) else None
             try:
                 digest = None if self.checksum == checksums.NONE else checksums.digest_function(self.checksum)
-                size, sums = storage.write_rank_file(
-                    os.path.join(self.staging, layout.name),
+                size, sums = writer.write_rank_file(
+                    data_path,
                     layout.header,
                     self.arrays,
                     self.chunk_bytes,
                     digest,
                     kill_at=kill_at,
+                    should_stop=lambda: self._peer_failure(parts),
                 )
             finally:
                 self._written()
             tr.mark("write+fsync")
             # markers need atomic visibility, not durability: the data file itself is already fsynced
-            storage.write_file(
+            writer.write_file(
                 os.path.join(parts, f"{self.rank}.done.json"),
                 json.dumps({"size": size, "checksums": sums}).encode(),
                 fsync=False,
                 atomic=True,
             )
+            faults.point("after_data", self.rank)
+        except _PeerFailed as e:  # another rank failed first: stop writing, free the space, say who failed
+            _remove_quietly(data_path)
+            raise SaveFailedError(f"save to {self.path} aborted: {e}; the previous checkpoint is untouched") from None
         except BaseException as e:
             _mark_failed(self.staging, self.rank, e)
+            if isinstance(e, Exception):  # (an interrupt leaves the staging as a kill would)
+                _remove_quietly(data_path)
             raise
-        faults.point("after_data", self.rank)
         if self.rank == self.coordinator:
             try:
                 self._commit(parts, tr)
             except BaseException as e:
-                try:  # tells the waiting ranks at once (.parts is gone once the commit record is being written)
-                    os.makedirs(parts, exist_ok=True)
-                    storage.write_file(
-                        os.path.join(parts, "ABORT"), f"{type(e).__name__}: {e}".encode(), fsync=False, atomic=True
-                    )
-                except OSError:
-                    pass
-                raise
+                _mark_aborted(self.staging, e)  # tells the waiting ranks at once
+                if isinstance(e, Exception):  # (an interrupt leaves the staging as a kill would)
+                    _remove_quietly(data_path)
+                if isinstance(e, SaveFailedError) or not isinstance(e, Exception):
+                    raise
+                raise SaveFailedError(
+                    f"save to {self.path} failed: rank {self.rank} (the coordinator) failed to commit: {_cause(e)}; "
+                    f"the previous checkpoint is untouched"
+                ) from e
             faults.point("after_rename", self.rank)
             if self.publisher is not None:
-                self.publisher.publish()
+                try:
+                    self.publisher.publish()
+                except Exception as e:
+                    # committed, but `latest` could not be moved: the waiting ranks must not wait for it
+                    _mark_aborted(self.staging, e)
+                    raise SaveFailedError(
+                        f"save to {self.path}: the checkpoint was committed, but rank {self.rank} could not move "
+                        f"the '{LATEST_FILE}' pointer: {_cause(e)}"
+                    ) from e
                 tr.mark("publish")
                 faults.point("before_prune", self.rank)
                 self.publisher.cleanup()
@@ -272,19 +295,49 @@ class _SaveJob:
             tr.mark("wait-commit")
         tr.done()
 
+    def _peer_failure(self, parts: str) -> None:
+        """Raise _PeerFailed when another rank reported a failure (checked between slabs of a long write)."""
+        failed = failures(self.staging)
+        failed.pop(self.rank, None)
+        if failed:
+            r, why = sorted(failed.items())[0]
+            raise _PeerFailed(f"rank {r} failed: {why}")
+
     def _commit(self, parts: str, tr: Tracer) -> None:
+        """Coordinator: wait for every rank's data, write metadata.json, the stock index and COMMIT (last) into
+        the staging directory, then swap it into ``path`` atomically."""
+        status = self._wait_for_ranks(parts)
+        tr.mark("wait-ranks")
+        faults.point("before_metadata", self.rank)
+        md = self._metadata(status)
+        # inside the (invisible) staging directory plain write+fsync is enough; order: data files (fsynced by
+        # their ranks), metadata, stock index, then the commit record, then the directory, then the rename
+        data = format_commit.write_metadata(self.staging, md, self.write_stock)
+        tr.mark("metadata")
+        faults.point("before_commit", self.rank)
+        shutil.rmtree(parts, ignore_errors=True)
+        format_commit.write_commit(self.staging, self.checkpoint_id, data)
+        writer.fsync_dir(self.staging)
+        tr.mark("commit-record")
+        faults.point("before_rename", self.rank)
+        # entries of other tools in the target directory are kept (hard links), then the directory is swapped
+        adopt_foreign_entries(self.path, self.staging, own_entry_names(self.path))
+        writer.replace_dir(self.staging, self.path, f"{self.path}.old-{self.checkpoint_id}")
+        tr.mark("rename")
+
+    def _wait_for_ranks(self, parts: str) -> dict:
+        """Every rank's ``done`` marker (rank -> ("done", sizes + checksums)); SaveFailedError on the first
+        ``failed`` marker or when a rank is silent for ``timeout``."""
+
         def all_parts():
+            failed = failures(self.staging)
+            if failed:
+                return {"failed": failed}
             status = {}
             for r in range(self.world):
                 d = read_json(os.path.join(parts, f"{r}.done.json"))
                 if d is not None:
-                    status[r] = ("done", d)
-                    continue
-                f = read_json(os.path.join(parts, f"{r}.failed.json"))
-                if f is not None:
-                    status[r] = ("failed", f)
-            if any(s[0] == "failed" for s in status.values()):
-                return status
+                    status[r] = d
             return status if len(status) == self.world else None
 
         try:
@@ -296,13 +349,15 @@ class _SaveJob:
                 f"save to {self.path} aborted: ranks {missing} did not finish writing within {self.timeout:g} s "
                 f"(did they die?); the previous checkpoint is untouched"
             ) from None
-        tr.mark("wait-ranks")
-        failed = {r: s[1] for r, s in status.items() if s[0] == "failed"}
-        if failed:
-            r, info = sorted(failed.items())[0]
-            raise SaveFailedError(f"save to {self.path} aborted: rank {r} failed: {info.get('error')}")
-        faults.point("before_metadata", self.rank)
+        if "failed" in status:
+            r, why = sorted(status["failed"].items())[0]
+            raise SaveFailedError(
+                f"save to {self.path} aborted: rank {r} failed: {why}; the previous checkpoint is untouched"
+            )
+        return status
 
+    def _metadata(self, status: dict) -> CheckpointMetadata:
+        """The index of the checkpoint: the plan, with the sizes and checksums the ranks reported."""
         md = CheckpointMetadata(
             checkpoint_id=self.checkpoint_id,
             world_size=self.world,
@@ -313,50 +368,44 @@ class _SaveJob:
         )
         for r in range(self.world):
             layout = self.plan.files[r]
-            done = status[r][1]
+            done = status[r]
             if int(done["size"]) != layout.size or len(done["checksums"]) != len(layout.pieces):
                 raise SaveFailedError(f"rank {r} reported a file that does not match the plan")
             md.files[layout.name] = FileMeta(rank=r, size=layout.size)
             for (_key, piece), sums in zip(layout.pieces, done["checksums"]):
                 piece.checksums = [int(c) for c in sums]
         md.tensors = self.plan.tensors
-        # inside the (invisible) staging directory plain write+fsync is enough; order: data files (fsynced by
-        # their ranks), metadata, stock index, then the commit record, then the directory, then the rename
-        data = format_commit.write_metadata(self.staging, md, self.write_stock)
-        tr.mark("metadata")
-        faults.point("before_commit", self.rank)
-        import shutil
-
-        shutil.rmtree(parts, ignore_errors=True)
-        format_commit.write_commit(self.staging, self.checkpoint_id, data)
-        storage.fsync_dir(self.staging)
-        tr.mark("commit-record")
-        faults.point("before_rename", self.rank)
-        # entries of other tools in the target directory are kept (hard links), then the directory is swapped
-        adopt_foreign_entries(self.path, self.staging, own_entry_names(self.path))
-        storage.replace_dir(self.staging, self.path, f"{self.path}.old-{self.checkpoint_id}")
-        tr.mark("rename")
+        return md
 
     def _wait_commit(self, parts: str) -> None:
         """Wait until the coordinator committed (and, for a CheckpointManager save, moved ``latest``)."""
         commit_path = os.path.join(self.path, COMMIT_FILE)
-        abort_path = os.path.join(parts, "ABORT")
         seen_commit = False
+
+        def mine() -> bool:
+            c = read_json(commit_path)
+            return isinstance(c, dict) and c.get("checkpoint_id") == self.checkpoint_id
 
         def state():
             nonlocal seen_commit
-            c = read_json(commit_path)
-            if c is not None and c.get("checkpoint_id") == self.checkpoint_id:
+            if mine():
                 seen_commit = True
+            abort = aborted(self.staging)
+            if abort is not None:
+                return ("aborted", abort)
+            if seen_commit:
                 if self.publisher is None or self.publisher.is_published():
-                    return "committed"
+                    return ("committed", None)
                 return None
-            if os.path.exists(abort_path):
-                return "aborted"
+            failed = failures(self.staging)
+            if failed:
+                return ("failed", sorted(failed.items())[0])
+            if not os.path.isdir(self.staging) and not mine():
+                return ("aborted", "its staging directory was removed before the commit")
             return None
 
         try:
-            st = poll(state, self.timeout, f"rank {self.coordinator} to commit {self.path}")
+            st, info = poll(state, self.timeout, f"rank {self.coordinator} to commit {self.path}")
         except SaveFailedError:
             if seen_commit:
                 raise SaveFailedError(
@@ -367,13 +416,113 @@ class _SaveJob:
                 f"save to {self.path} did not commit: rank {self.coordinator} (the coordinator) did not commit "
                 f"within {self.timeout:g} s (did it die?); the previous checkpoint is untouched"
             ) from None
+        if st == "failed":
+            r, why = info
+            _remove_quietly(os.path.join(self.staging, self.plan.files[self.rank].name))
+            raise SaveFailedError(
+                f"save to {self.path} aborted: rank {r} failed: {why}; the previous checkpoint is untouched"
+            )
         if st == "aborted":
-            try:
-                with open(abort_path) as f:
-                    reason = f.read()
-            except OSError:
-                reason = "unknown"
-            raise SaveFailedError(f"save to {self.path} aborted by the coordinator: {reason}")
+            _remove_quietly(os.path.join(self.staging, self.plan.files[self.rank].name))
+            if seen_commit:
+                raise SaveFailedError(f"save to {self.path}: committed, but the coordinator failed after: {info}")
+            raise SaveFailedError(
+                f"save to {self.path} aborted by rank {self.coordinator} (the coordinator): {info}; the previous "
+                f"checkpoint is untouched"
+            )
+
+
+# ------------------------------------------------------------------------------------------------ failure markers
+# A failing rank (and an aborting coordinator) leaves markers in <staging>/.parts that every other rank polls.
+# The marker's *name* carries the cause (an empty file needs no data block, so it can be created on a full disk);
+# the details go into a JSON file next to it when the file system still takes it.
+
+_FAILED_RE = re.compile(r"^(\d+)\.failed(?:\.([A-Za-z0-9_]+))?$")
+_ABORT_RE = re.compile(r"^ABORT(?:\.([A-Za-z0-9_]+))?$")
+
+
+class _PeerFailed(Exception):
+    """Another rank reported a failure while this one was still writing."""
+
+
+def _cause(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _tag(e: BaseException) -> str:
+    """The marker-name form of a cause: the errno name of an OSError, else the exception class name."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return errno.errorcode.get(e.errno, type(e).__name__)
+    return re.sub(r"[^A-Za-z0-9_]", "_", type(e).__name__)[:64]
+
+
+def _touch(path: str) -> None:
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644))
+    except OSError:
+        pass
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def failures(staging: str) -> dict[int, str]:
+    """Ranks that reported a failure into ``staging`` and their causes."""
+    parts = os.path.join(staging, PARTS_DIR)
+    try:
+        names = os.listdir(parts)
+    except OSError:
+        return {}
+    out: dict[int, str] = {}
+    for n in names:
+        m = _FAILED_RE.match(n)
+        if m is None:
+            continue
+        r = int(m.group(1))
+        if m.group(2) is None and r in out:
+            continue
+        detail = read_json(os.path.join(parts, f"{r}.failed.json"))
+        if isinstance(detail, dict) and isinstance(detail.get("error"), str):
+            out[r] = detail["error"]
+        elif m.group(2) is not None:
+            code = getattr(errno, m.group(2), None)
+            out[r] = f"{m.group(2)}" + (f" ({os.strerror(code)})" if isinstance(code, int) else "")
+    return out
+
+
+def aborted(staging: str) -> str | None:
+    """The coordinator's reason when it aborted the save in ``staging`` (None: not aborted)."""
+    parts = os.path.join(staging, PARTS_DIR)
+    try:
+        names = os.listdir(parts)
+    except OSError:
+        return None
+    tags = [m.group(1) for m in map(_ABORT_RE.match, names) if m is not None]
+    if not tags:
+        return None
+    try:
+        with open(os.path.join(parts, "ABORT"), "rb") as f:
+            reason = f.read(4096).decode(errors="replace")
+        if reason:
+            return reason
+    except OSError:
+        pass
+    tag = next((t for t in tags if t), None)
+    return tag or "unknown reason"
+
+
+def _mark_aborted(staging: str, e: BaseException) -> None:
+    try:
+        parts = os.path.join(staging, PARTS_DIR)
+        os.makedirs(parts, exist_ok=True)
+        _touch(os.path.join(parts, f"ABORT.{_tag(e)}"))
+        writer.write_file(os.path.join(parts, "ABORT"), _cause(e).encode(), fsync=False, atomic=True)
+    except OSError:
+        pass
 
 
 def release_host_buffers() -> bool:
@@ -382,26 +531,49 @@ def release_host_buffers() -> bool:
     Returns False (and frees nothing) while a save or load of this process is using it. The next async save
     allocates it again.
     """
-    return storage.arena.free()
+    return host_memory.arena.free()
 
 
 def _lazy_view(t):
     """Piece provider for write_rank_file: the tensor's bytes (and their owner), produced when written."""
-    return lambda: storage.raw_view(t)
+    return lambda: host_memory.raw_view(t)
 
 
 def _mark_failed(staging: str, rank: int, e: BaseException) -> None:
     try:
         parts = os.path.join(staging, PARTS_DIR)
         os.makedirs(parts, exist_ok=True)
-        storage.write_file(
+    except OSError:
+        return
+    _touch(os.path.join(parts, f"{rank}.failed.{_tag(e)}"))
+    try:
+        writer.write_file(
             os.path.join(parts, f"{rank}.failed.json"),
-            json.dumps({"error": f"{type(e).__name__}: {e}"}).encode(),
+            json.dumps({"error": _cause(e)}).encode(),
             fsync=False,
             atomic=True,
         )
     except OSError:
         pass
+
+
+def remove_failed_stagings(path: str) -> list[str]:
+    """Remove the staging directories of earlier saves to ``path`` that failed with an error (they carry failure
+    or abort markers; a save still running, or killed, has none and is left alone). Best effort."""
+    parent, base = os.path.split(path)
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(f"{base}.tmp-")]
+    except OSError:
+        return []
+    import shutil
+
+    removed = []
+    for n in names:
+        staging = os.path.join(parent, n)
+        if failures(staging) or aborted(staging) is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+            removed.append(n)
+    return removed
 
 
 def save_state_dict(
@@ -414,11 +586,14 @@ def save_state_dict(
     commit_timeout: float | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     write_stock_metadata: bool = True,
+    options: CheckpointOptions | None = None,
     _publisher: Publisher | None = None,
     **unused_stock_kwargs,
 ) -> SaveHandle | None:
     """Save ``state_dict`` collectively into the checkpoint directory ``path`` (see the module docstring).
 
+    ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now) sets the checksum
+    algorithm, commit timeout and tracing; ``commit_timeout`` overrides ``options.commit_timeout``.
     ``_publisher`` is CheckpointManager's hook (moves ``latest`` after the commit); not for direct use.
     """
     with _save_lock:  # saves of one process never overlap, whatever thread they come from
@@ -431,8 +606,21 @@ def save_state_dict(
             commit_timeout,
             chunk_bytes,
             write_stock_metadata,
+            options,
             _publisher,
         )
+
+
+@dataclass
+class _Local:
+    """What this rank brings to the exchange of a save (step 1); ``error`` is reported to every rank."""
+
+    records: list = field(default_factory=list)
+    values: dict = field(default_factory=dict)
+    descs: list = field(default_factory=list)
+    algorithm: str | None = None
+    snapshot: Snapshot | None = None
+    error: BaseException | None = None
 
 
 def _save_locked(
@@ -444,59 +632,28 @@ def _save_locked(
     commit_timeout: float | None,
     chunk_bytes: int,
     write_stock_metadata: bool,
+    options: CheckpointOptions | None,
     publisher: Publisher | None,
 ) -> SaveHandle | None:
-    tr = Tracer("save (calling thread)")
+    """The save protocol, in steps: validate -> exchange + plan -> piece sources -> write + commit."""
+    try:
+        opts, opts_error = resolve(options), None
+    except CheckpointError as e:  # a malformed PADDLE_FSDP_CKPT_* variable: reported by the exchange below
+        opts, opts_error = CheckpointOptions(), e
+    tr = Tracer("save (calling thread)", opts)
     wait_pending(raise_error=True)
     tr.mark("wait-previous")
     path = os.path.abspath(os.fspath(path))
     comm = Comm(process_group)
     if not 0 <= coordinator_rank < comm.world:
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
-    timeout = DEFAULT_COMMIT_TIMEOUT if commit_timeout is None else float(commit_timeout)
+    timeout = opts.commit_timeout if commit_timeout is None else float(commit_timeout)
     check_shared_directory(path, comm, coordinator_rank)  # different/node-local dirs: fail now, not at the timeout
 
-    err, records, values, descs, algorithm, snap = None, [], {}, [], None, None
-    my_id = uuid.uuid4().hex
-    try:
-        algorithm = checksums.default_algorithm()
-        records, values = collect(state_dict)
-        descs = [r.desc().to_wire() for r in records]
-        if comm.rank == coordinator_rank:
-            check_target_path(path)
-        if async_save:
-            # this rank's shards are copied to host on a helper thread during the exchange and the plan
-            snap = Snapshot(records)
-    except Exception as e:  # reported to every rank by the exchange, so no rank is left waiting
-        err = e
-    try:
-        gathered = gather_errors(comm, err, (descs, values if err is None else {}, my_id, algorithm))
-        tr.mark("exchange")
-        checkpoint_id, algorithm = gathered[coordinator_rank][2], gathered[coordinator_rank][3]
-        plan = build_save_plan(
-            [([RecordDesc.from_wire(w) for w in g[0]], g[1]) for g in gathered], checkpoint_id, chunk_bytes
-        )
-    except BaseException:
-        if snap is not None:
-            snap.cancel()
-        raise
-    by_key = {r.key: r for r in records}
+    local = _validate(state_dict, path, comm.rank, coordinator_rank, async_save, opts, opts_error)
+    checkpoint_id, algorithm, plan = _exchange_and_plan(comm, local, coordinator_rank, chunk_bytes, tr)
     staging = f"{path}.tmp-{checkpoint_id}"
-    tr.mark("plan")
-    arrays: list = []
-    keep: list = []
-    release = None
-    try:
-        keys = [key for key, _piece in plan.files[comm.rank].pieces]
-        if snap is not None:
-            arrays, keep, release = snap.arrays_for(keys)
-        else:
-            # sync: write straight from tensor memory; device tensors are copied to host one piece at a
-            # time while writing (never the whole state at once)
-            arrays = [_lazy_view(by_key[key].tensor) for key in keys]
-    except BaseException as e:
-        _mark_failed(staging, comm.rank, e)  # the coordinator must not wait for this rank until the timeout
-        raise
+    arrays, keep, release = _piece_sources(plan, comm.rank, local, staging)
     tr.mark("snapshot" if async_save else "views")
     job = _SaveJob(
         path=path,
@@ -512,6 +669,7 @@ def _save_locked(
         checksum=algorithm,
         timeout=timeout,
         write_stock=write_stock_metadata,
+        options=opts,
         publisher=publisher,
         release=release,
     )
@@ -520,10 +678,89 @@ def _save_locked(
         tr.mark("write+commit")
         tr.done()
         return None
-    handle = SaveHandle(path, checkpoint_id)
-    th = threading.Thread(target=handle._run, args=(job.run,), name=f"ckpt-save-{checkpoint_id[:8]}")
-    handle._thread = th
+    handle = _start_in_background(job)
+    tr.mark("start-thread")
+    tr.done()
+    return handle
+
+
+def _validate(
+    state_dict: dict,
+    path: str,
+    rank: int,
+    coordinator_rank: int,
+    async_save: bool,
+    opts: CheckpointOptions,
+    opts_error: BaseException | None,
+) -> _Local:
+    """Step 1: this rank's records, their small descriptions and the checksum algorithm; the target path check
+    (coordinator); for an async save the snapshot starts here (copied on a helper thread during step 2). Never
+    raises: the error goes to the exchange, so no rank is left waiting."""
+    local = _Local()
+    try:
+        if opts_error is not None:
+            raise opts_error
+        local.algorithm = opts.checksum_algorithm()
+        local.records, local.values = collect(state_dict)
+        local.descs = [r.desc().to_wire() for r in local.records]
+        if rank == coordinator_rank:
+            remove_failed_stagings(path)  # what earlier failed saves left (their space is needed now)
+            check_target_path(path)
+        if async_save:
+            local.snapshot = Snapshot(local.records, hugepages=opts.hugepages)
+    except CheckpointError as e:  # reported to every rank by the exchange
+        local.error = e
+    except Exception as e:  # an I/O error or a bug: named, with the rank and the cause
+        local.error = SaveFailedError(f"save to {path} failed: rank {rank} failed: {_cause(e)}")
+        local.error.__cause__ = e
+    return local
+
+
+def _exchange_and_plan(comm: Comm, local: _Local, coordinator_rank: int, chunk_bytes: int, tr: Tracer):
+    """Step 2: one exchange of every rank's descriptions (and errors: all ranks fail together), then the same
+    plan on every rank. Returns ``(checkpoint_id, algorithm, plan)``, the coordinator's id and algorithm."""
+    my_id = uuid.uuid4().hex
+    try:
+        gathered = gather_errors(
+            comm, local.error, (local.descs, local.values if local.error is None else {}, my_id, local.algorithm)
+        )
+        tr.mark("exchange")
+        checkpoint_id, algorithm = gathered[coordinator_rank][2], gathered[coordinator_rank][3]
+        plan = build_save_plan(
+            [([RecordDesc.from_wire(w) for w in g[0]], g[1]) for g in gathered], checkpoint_id, chunk_bytes
+        )
+    except BaseException:
+        if local.snapshot is not None:
+            local.snapshot.cancel()
+        raise
+    tr.mark("plan")
+    return checkpoint_id, algorithm, plan
+
+
+def _piece_sources(plan, rank: int, local: _Local, staging: str) -> tuple[list, list, Any]:
+    """Step 3: what this rank writes, in layout order: the snapshot's host copies (async), or lazy views of the
+    tensors' own memory (sync: a device tensor is copied to host one piece at a time while writing). Returns
+    ``(arrays, owners to keep alive, release of the snapshot arena or None)``."""
+    by_key = {r.key: r for r in local.records}
+    try:
+        keys = [key for key, _piece in plan.files[rank].pieces]
+        if local.snapshot is not None:
+            return local.snapshot.arrays_for(keys)
+        return [_lazy_view(by_key[key].tensor) for key in keys], [], None
+    except BaseException as e:
+        _mark_failed(staging, rank, e)  # the coordinator must not wait for this rank until the timeout
+        if isinstance(e, Exception) and not isinstance(e, CheckpointError):
+            raise SaveFailedError(f"save to {staging} failed: rank {rank} failed: {_cause(e)}") from e
+        raise
+
+
+def _start_in_background(job: _SaveJob) -> SaveHandle:
+    """Step 4 of an async save: write + commit on a non-daemon thread; the handle is this process's pending
+    save (the next save or load waits for it)."""
     global _pending
+    handle = SaveHandle(job.path, job.checkpoint_id)
+    th = threading.Thread(target=handle._run, args=(job.run,), name=f"ckpt-save-{job.checkpoint_id[:8]}")
+    handle._thread = th
     with _pending_lock:
         _pending = handle
     try:
@@ -534,6 +771,4 @@ def _save_locked(
                 _pending = None
         job._written()
         raise
-    tr.mark("start-thread")
-    tr.done()
     return handle

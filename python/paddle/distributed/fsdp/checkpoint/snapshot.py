@@ -6,7 +6,7 @@ thread exchanges descriptors and plans: the caller is blocked about as long as t
 own shards (records that are not replicated) are copied early; a replicated tensor is written by its
 lowest-ranked holder only, which the plan decides, so it is copied (by the rank that writes it) afterwards.
 
-Host tensors go into the per-process arena (``storage.arena``: grown when too small and kept resident for the
+Host tensors go into the per-process arena (``host_memory.arena``: grown when too small and kept resident for the
 next async save; fresh memory when another user holds it). A device (or strided) tensor's host copy, made by
 ``raw_view`` on the calling thread (paddle calls stay off helper threads), is its snapshot already.
 """
@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import storage
+from . import host_memory
 from .coordination import aligned
 
 
@@ -35,18 +35,18 @@ class Snapshot:
     the arrays are written. ``cancel()`` (on an error before that) waits for the copy thread and releases.
     """
 
-    def __init__(self, records: list):
+    def __init__(self, records: list, hugepages: bool | str = "auto"):
         self._records = {r.key: r for r in records}
         self._slots: dict[str, np.ndarray] = {}  # key -> its place in the host buffer
         self._done: dict[str, tuple[np.ndarray, Any]] = {}  # key -> (array, owner): snapshot taken
         self._error: BaseException | None = None
-        host = [r for r in records if _nbytes(r.tensor) and storage.is_host_contiguous(r.tensor)]
+        host = [r for r in records if _nbytes(r.tensor) and host_memory.is_host_contiguous(r.tensor)]
         need = sum(aligned(_nbytes(r.tensor)) for r in host)
-        buf = storage.arena.acquire(need, grow=True) if need else None
-        self._release: Callable[[], None] | None = storage.arena.release if buf is not None else None
+        buf = host_memory.arena.acquire(need, grow=True, hugepages=hugepages) if need else None
+        self._release: Callable[[], None] | None = host_memory.arena.release if buf is not None else None
         try:
             if buf is None and need:
-                buf = storage.alloc_host(need)
+                buf = host_memory.alloc_host(need, hugepages=hugepages)
             pos = 0
             for r in host:
                 n = _nbytes(r.tensor)
@@ -56,7 +56,7 @@ class Snapshot:
             for r in records:
                 if r.replicated:
                     continue
-                arr, owner = storage.raw_view(r.tensor)
+                arr, owner = host_memory.raw_view(r.tensor)
                 if r.key in self._slots:
                     jobs.append((self._slots[r.key], arr))
                     self._done[r.key] = (self._slots[r.key], None)
@@ -88,7 +88,7 @@ class Snapshot:
             for key in keys:
                 got = self._done.get(key)
                 if got is None:  # a replicated record this rank writes
-                    arr, owner = storage.raw_view(self._records[key].tensor)
+                    arr, owner = host_memory.raw_view(self._records[key].tensor)
                     slot = self._slots.get(key)
                     if slot is not None:
                         late.append((slot, arr))
@@ -111,4 +111,4 @@ class Snapshot:
 
 
 def _nbytes(t) -> int:
-    return storage.numel_of(t) * t.element_size()
+    return host_memory.numel_of(t) * t.element_size()

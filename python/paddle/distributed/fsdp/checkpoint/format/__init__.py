@@ -6,29 +6,17 @@
   checkpoint (with a diagnosis of directories that are not one).
 * ``safetensors.py``: the one safetensors header builder and the one parser.
 * ``reserved.py``: the reserved ``__fsdp__.*`` value keys of the one-call API.
+* ``strict_json.py``: bounded, strict reading of the small JSON files (size cap before reading, regular files
+  only and never blocking, no NaN/Infinity, depth and integer caps) and the writer's side of the same rules.
+* ``schema.py``: every field of ``metadata.json`` and ``COMMIT`` typed, refusals naming the field; pieces never
+  share bytes in a file.
+* ``coverage.py``: the one exact-coverage check (overlaps and gaps) of a tensor by its pieces, bounded by the
+  number of pieces (verify, loads, the save plan).
 * ``regions.py``: ``read_region``, the one reader of a region of a saved tensor (load, full loads, tools), and
   ``iter_piece`` (verify).
 
 Writers and readers elsewhere (save.py, load.py, verify.py, tools/) call these; a format change is made here.
+
+Import the submodule that owns a name (``from ..format.metadata import CheckpointMetadata``): one import path per
+name, and importing the package pulls in no I/O code.
 """
-
-from __future__ import annotations
-
-from .metadata import (  # noqa: F401
-    COMMIT_FILE,
-    DEFAULT_CHUNK_BYTES,
-    DTYPES,
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    LATEST_FILE,
-    METADATA_FILE,
-    PARTS_DIR,
-    CheckpointMetadata,
-    FileMeta,
-    PieceMeta,
-    TensorMeta,
-    itemsize,
-    rank_file_name,
-    resolve_member,
-)
-from .reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY, is_reserved  # noqa: F401

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import InvalidStateDictError
 from ..format.metadata import numel
-from ..storage import dtype_name
+from ..host_memory import dtype_name
 
 
 @dataclass
