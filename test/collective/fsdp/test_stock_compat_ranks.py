@@ -15,7 +15,7 @@ def ok(res, n):
         assert res.result(r) == "ok", f"rank {r}:\n{res.result(r)}"
 
 
-@pytest.mark.parametrize("saved,loaded", [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("saved,loaded", [(2, 1), (1, 2)])
 def test_semi_auto_dist_tensors_save_with_stock_and_load_at_any_world_size(tmp_path, saved, loaded):
     ok(run_launch(WORKER, saved, ["dist_save", str(tmp_path)], log_dir=tmp_path / "s"), saved)
     ok(run_launch(WORKER, loaded, ["dist_load", str(tmp_path)], log_dir=tmp_path / "l"), loaded)
