@@ -19,6 +19,7 @@ import paddle
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
 from . import optimizer_states as names
+from .buffers import persistable_buffers
 
 if TYPE_CHECKING:
     from ..fully_shard_fusion import FullyShardFusion
@@ -36,9 +37,10 @@ def _flattened_record(key: str, local: paddle.Tensor, shape: tuple[int, ...], st
     )
 
 
-def model_sharded_state_dict(fsdp: FullyShardFusion) -> dict[str, ShardedWeight]:
-    """Every parameter piece this rank holds, keyed by structured name (tied params appear once)."""
-    records = {}
+def model_sharded_state_dict(fsdp: FullyShardFusion) -> dict:
+    """Every parameter piece this rank holds, keyed by structured name (tied params appear once), and every
+    persistable buffer as a replicated tensor (see buffers.py: saved from rank 0, loaded on every rank)."""
+    records: dict = {}
     for key, _param, buffer, index in fsdp.managed_parameters():
         piece = buffer.pieces.get(index)
         if piece is None:
@@ -46,6 +48,7 @@ def model_sharded_state_dict(fsdp: FullyShardFusion) -> dict[str, ShardedWeight]
         records[key] = _flattened_record(
             key, buffer.local_view(index), piece.slot.shape, piece.param_start, piece.param_stop
         )
+    records.update(persistable_buffers(fsdp.model))
     return records
 
 
@@ -114,3 +117,24 @@ def init_optimizer_state(fsdp: FullyShardFusion, optimizer) -> None:
         if id(param) in in_optimizer and not param.stop_gradient and buffer.pieces.get(index) is not None
     ]
     names.create_optimizer_state(optimizer, params)
+
+
+def refresh_master_weights(fsdp: FullyShardFusion, optimizer, loaded_keys) -> list[str]:
+    """After a load: re-cast the master weight of every parameter piece the load wrote without its master weight.
+
+    Why: on GPU paddle's multi-precision kernels compute a low-precision parameter from its fp32 master weight at
+    every step, so a master weight left at its pre-load value would overwrite the loaded parameter at the next
+    step. A load writes a parameter without its master weight when the checkpoint has none for it (saved before
+    the parameter's first step, or by a run without ``multi_precision``) and ``strict=False`` let it through.
+    Returns the keys of the parameters whose master weights were refreshed.
+    """
+    loaded = set(loaded_keys)
+    in_optimizer = _optimizer_params(optimizer)
+    refreshed = []
+    for key, param, buffer, index in fsdp.managed_parameters():
+        if key not in loaded or f"{key}.{names.MASTER_WEIGHT}" in loaded or id(param) not in in_optimizer:
+            continue
+        piece = buffer.local_view(index)  # what the load wrote (the param may be bound to a gathered copy)
+        if piece is not None and names.refresh_master_weight_(optimizer, param, piece):
+            refreshed.append(key)
+    return refreshed
