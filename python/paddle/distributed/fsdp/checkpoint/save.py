@@ -103,6 +103,7 @@ from .options import CheckpointOptions, resolve
 from .planner import RecordDesc, build_save_plan
 from .records import collect
 from .snapshot import Snapshot
+from .stock.directories import adopt_foreign_entries, check_shared_directory, own_entry_names
 from .tracing import Tracer
 
 # ------------------------------------------------------------------------------------------------ async state
@@ -319,6 +320,8 @@ class _SaveJob:
         writer.fsync_dir(self.staging)
         tr.mark("commit-record")
         faults.point("before_rename", self.rank)
+        # entries of other tools in the target directory are kept (hard links), then the directory is swapped
+        adopt_foreign_entries(self.path, self.staging, own_entry_names(self.path))
         writer.replace_dir(self.staging, self.path, f"{self.path}.old-{self.checkpoint_id}")
         tr.mark("rename")
 
@@ -645,6 +648,7 @@ def _save_locked(
     if not 0 <= coordinator_rank < comm.world:
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
     timeout = opts.commit_timeout if commit_timeout is None else float(commit_timeout)
+    check_shared_directory(path, comm, coordinator_rank)  # different/node-local dirs: fail now, not at the timeout
 
     local = _validate(state_dict, path, comm.rank, coordinator_rank, async_save, opts, opts_error)
     checkpoint_id, algorithm, plan = _exchange_and_plan(comm, local, coordinator_rank, chunk_bytes, tr)
