@@ -4,8 +4,11 @@ BatchNorm (buffers updated in forward, train/eval switch), tied embedding + lm h
 by the root's own forward), frozen and trainable parameters in one unit, LayerNorm with no-weight-decay
 parameters and optimizer parameter groups (different LR and decay), gradient accumulation
 (``clear_grad(set_to_zero=False)`` and zeroing), units plus loose layers and a root parameter, one unit under two
-names, skip-idle-experts MoE inside units / without units / registered outside the unit (per-rank data, so
-ranks run different experts), eval under no_grad; PaddleFormers Llama and Qwen2 (fused and unfused attention):
+names, reentrant recompute around units, submodules called on their own (the root's forward never runs), an
+optimizer built before wrapping, skip-idle-experts MoE inside units / without units / registered outside the
+unit (per-rank data, so ranks run different experts) and with the expert class as unit (refused on every rank
+with CollectiveOrderError, never a gloo abort), eval under no_grad; PaddleFormers Llama, Qwen2 (fused and
+unfused attention) and tied Qwen2, and the gathered-memory peak with embedding/lm head as units:
 FSDP vs one process, print, summon_full_params(writeback=True) + a step, bit-exact resume, full_state_dict into
 an unwrapped model (identical logits). All cases of one world size run in one launch.
 """
