@@ -266,7 +266,7 @@ class _SaveJob:
             try:
                 self._commit(parts, tr)
             except BaseException as e:
-                _mark_aborted(self.staging, e)  # tells the waiting ranks at once
+                _mark_aborted(self.staging, self.rank, e)  # tells the waiting ranks at once
                 if isinstance(e, Exception):  # (an interrupt leaves the staging as a kill would)
                     _remove_quietly(data_path)
                 if isinstance(e, SaveFailedError) or not isinstance(e, Exception):
@@ -281,7 +281,7 @@ class _SaveJob:
                     self.publisher.publish()
                 except Exception as e:
                     # committed, but `latest` could not be moved: the waiting ranks must not wait for it
-                    _mark_aborted(self.staging, e)
+                    _mark_aborted(self.staging, self.rank, e)
                     raise SaveFailedError(
                         f"save to {self.path}: the checkpoint was committed, but rank {self.rank} could not move "
                         f"the '{LATEST_FILE}' pointer: {_cause(e)}"
@@ -431,8 +431,10 @@ class _SaveJob:
 
 # ------------------------------------------------------------------------------------------------ failure markers
 # A failing rank (and an aborting coordinator) leaves markers in <staging>/.parts that every other rank polls.
-# The marker's *name* carries the cause (an empty file needs no data block, so it can be created on a full disk);
-# the details go into a JSON file next to it when the file system still takes it.
+# The details (the full cause) go first into a file made visible atomically, when the file system still takes it;
+# then an empty marker whose *name* carries the cause (errno name; an empty file needs no data block, so it can be
+# created on a full disk). That order is what gives every rank the same message: a rank that sees any marker sees
+# the details too, unless they could not be written, and then the name alone still says errno and strerror.
 
 _FAILED_RE = re.compile(r"^(\d+)\.failed(?:\.([A-Za-z0-9_]+))?$")
 _ABORT_RE = re.compile(r"^ABORT(?:\.([A-Za-z0-9_]+))?$")
@@ -485,10 +487,15 @@ def failures(staging: str) -> dict[int, str]:
         detail = read_json(os.path.join(parts, f"{r}.failed.json"))
         if isinstance(detail, dict) and isinstance(detail.get("error"), str):
             out[r] = detail["error"]
-        elif m.group(2) is not None:
-            code = getattr(errno, m.group(2), None)
-            out[r] = f"{m.group(2)}" + (f" ({os.strerror(code)})" if isinstance(code, int) else "")
+        elif m.group(2) is not None and m.group(2) != "json":
+            out[r] = _describe_tag(m.group(2))
     return out
+
+
+def _describe_tag(tag: str) -> str:
+    """The cause a marker name carries, as a message: ``EIO`` -> ``OSError EIO (Input/output error)``."""
+    code = getattr(errno, tag, None)
+    return f"OSError {tag} ({os.strerror(code)})" if isinstance(code, int) else tag
 
 
 def aborted(staging: str) -> str | None:
@@ -509,17 +516,21 @@ def aborted(staging: str) -> str | None:
     except OSError:
         pass
     tag = next((t for t in tags if t), None)
-    return tag or "unknown reason"
+    return _describe_tag(tag) if tag else "unknown reason"
 
 
-def _mark_aborted(staging: str, e: BaseException) -> None:
+def _mark_aborted(staging: str, rank: int, e: BaseException) -> None:
+    parts = os.path.join(staging, PARTS_DIR)
     try:
-        parts = os.path.join(staging, PARTS_DIR)
         os.makedirs(parts, exist_ok=True)
-        _touch(os.path.join(parts, f"ABORT.{_tag(e)}"))
+    except OSError:
+        return
+    try:  # details first: see the note on failure markers above
         writer.write_file(os.path.join(parts, "ABORT"), _cause(e).encode(), fsync=False, atomic=True)
     except OSError:
         pass
+    faults.delay("markers", rank)
+    _touch(os.path.join(parts, f"ABORT.{_tag(e)}"))
 
 
 def release_host_buffers() -> bool:
@@ -542,8 +553,7 @@ def _mark_failed(staging: str, rank: int, e: BaseException) -> None:
         os.makedirs(parts, exist_ok=True)
     except OSError:
         return
-    _touch(os.path.join(parts, f"{rank}.failed.{_tag(e)}"))
-    try:
+    try:  # details first: see the note on failure markers above
         writer.write_file(
             os.path.join(parts, f"{rank}.failed.json"),
             json.dumps({"error": _cause(e)}).encode(),
@@ -552,6 +562,8 @@ def _mark_failed(staging: str, rank: int, e: BaseException) -> None:
         )
     except OSError:
         pass
+    faults.delay("markers", rank)
+    _touch(os.path.join(parts, f"{rank}.failed.{_tag(e)}"))
 
 
 def remove_failed_stagings(path: str) -> list[str]:
