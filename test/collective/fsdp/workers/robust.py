@@ -222,21 +222,25 @@ def main() -> None:
     # ---- prompt, named save failure on every rank: an injected I/O error on one rank; with ``markers`` the failing
     # rank pauses between the detail of its failure marker and the marker named by its cause (faults.delay): every
     # rank must still report the full cause, whenever it looks
+    # ``after_data``: the failing rank's data is complete and handed over (done marker); the coordinator decides: it
+    # aborts when it sees the failure before its commit record (every rank raises), else the checkpoint is complete
+    # and every rank returns; ``handed_over`` delays the failure until after that decision
     cases = [
-        ("mid_data", 0, "ENOSPC", None),
-        ("mid_data", 1, "ENOSPC", None),
-        ("before_data", 1, "EACCES", None),
-        ("after_data", 1, "EIO", None),
-        ("before_metadata", 0, "EROFS", None),
-        ("before_commit", 0, "EIO", None),
-        ("mid_data", 1, "ENOSPC", "markers"),
-        ("before_commit", 0, "EIO", "markers"),
+        ("mid_data", 0, "ENOSPC", None, "fail"),
+        ("mid_data", 1, "ENOSPC", None, "fail"),
+        ("before_data", 1, "EACCES", None, "fail"),
+        ("after_data", 1, "EIO", None, "same on every rank"),
+        ("before_metadata", 0, "EROFS", None, "fail"),
+        ("before_commit", 0, "EIO", None, "fail"),
+        ("mid_data", 1, "ENOSPC", "markers", "fail"),
+        ("before_commit", 0, "EIO", "markers", "fail"),
+        ("after_data", 1, "EIO", "handed_over", "commit"),
     ]
     import errno as errno_mod
 
-    for stage, bad_rank, code, slow in cases:
+    for stage, bad_rank, code, slow, expect in cases:
 
-        def fail_once(stage=stage, bad_rank=bad_rank, code=code, slow=slow):
+        def fail_once(stage=stage, bad_rank=bad_rank, code=code, slow=slow, expect=expect):
             with step():
                 os.environ[faults.ENV] = f"{stage}:{bad_rank}:1:{code}"
                 if slow:
@@ -244,15 +248,21 @@ def main() -> None:
                 faults.reset()
                 try:
                     fsdp.save_checkpoint(base, optimizer=opt, extra_state={"epoch": 2})
+                    outcome = "commit"
                 except ck.SaveFailedError as e:
+                    outcome = "fail"
                     msg = str(e)
                     assert f"rank {bad_rank} " in msg and os.strerror(getattr(errno_mod, code)) in msg, msg
                     assert f"[injected by {faults.ENV} at stage {stage}]" in msg, f"not the full cause: {msg}"
-                else:
-                    raise AssertionError("the save with an injected I/O error succeeded")
                 finally:
                     os.environ.pop(faults.ENV, None)
                     os.environ.pop(faults.DELAY_ENV, None)
+                assert expect in (outcome, "same on every rank"), f"expected the save to {expect}, it did {outcome}"
+            with step():
+                outcomes: list = []
+                dist.all_gather_object(outcomes, outcome)
+                assert len(set(outcomes)) == 1, f"the ranks disagree on the save: {outcomes}"
+                assert ck.verify_checkpoint(base) == [], "the checkpoint at the path does not verify"
             with step():
                 m, f, o = other()
                 f.load_checkpoint(base, optimizer=o)  # the previous checkpoint is intact and loads

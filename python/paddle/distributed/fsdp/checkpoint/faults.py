@@ -29,6 +29,8 @@ whose save-group rank is ``<rank>`` sleep at ``<point>`` every time it gets ther
 =================  ==========================================================================================
 ``markers``        a failing rank (or aborting coordinator) wrote the detail of its failure marker; the
                    marker named by its cause (what an empty-file-only full disk still takes) not yet
+``handed_over``    this rank's ``done`` marker is visible (the coordinator may commit with its file now);
+                   ``after_data`` not reached yet
 =================  ==========================================================================================
 """
 
@@ -43,7 +45,7 @@ import time
 
 ENV = "PADDLE_FSDP_CKPT_FAULT"
 DELAY_ENV = "PADDLE_FSDP_CKPT_FAULT_DELAY"
-DELAY_POINTS = ("markers",)
+DELAY_POINTS = ("markers", "handed_over")
 STAGES = (
     "before_data",
     "mid_data",

@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -104,6 +105,8 @@ from .planner import RecordDesc, build_save_plan
 from .records import collect
 from .snapshot import Snapshot
 from .tracing import Tracer
+
+logger = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------------------------ async state
 
@@ -228,6 +231,7 @@ class _SaveJob:
         parts = os.path.join(self.staging, PARTS_DIR)
         layout = self.plan.files[self.rank]
         data_path = os.path.join(self.staging, layout.name)
+        handed_over = False  # this rank's done marker is visible: its data file belongs to the coordinator's commit
         try:
             os.makedirs(parts, exist_ok=True)
             faults.point("before_data", self.rank)
@@ -253,12 +257,21 @@ class _SaveJob:
                 fsync=False,
                 atomic=True,
             )
+            handed_over = True
+            faults.delay("handed_over", self.rank)
             faults.point("after_data", self.rank)
         except _PeerFailed as e:  # another rank failed first: stop writing, free the space, say who failed
             _remove_quietly(data_path)
             raise SaveFailedError(f"save to {self.path} aborted: {e}; the previous checkpoint is untouched") from None
         except BaseException as e:
             _mark_failed(self.staging, self.rank, e)
+            if handed_over and self.rank != self.coordinator and isinstance(e, Exception):
+                # the coordinator may be committing with this rank's (complete, fsynced) file already: deleting it
+                # could leave a committed checkpoint without it, and raising alone would make the ranks disagree.
+                # The coordinator decides (it checks the failure markers once more right before the commit record);
+                # this rank follows its decision
+                self._follow_decision(parts, data_path, e, tr)
+                return
             if isinstance(e, Exception):  # (an interrupt leaves the staging as a kill would)
                 _remove_quietly(data_path)
             raise
@@ -314,6 +327,14 @@ class _SaveJob:
         data = format_commit.write_metadata(self.staging, md, self.write_stock)
         tr.mark("metadata")
         faults.point("before_commit", self.rank)
+        # the last point at which the save can still be aborted: a rank that failed after handing its data over
+        # (its done marker seen above) waits for this decision (_follow_decision)
+        late = failures(self.staging)
+        if late:
+            r, why = sorted(late.items())[0]
+            raise SaveFailedError(
+                f"save to {self.path} aborted: rank {r} failed: {why}; the previous checkpoint is untouched"
+            )
         shutil.rmtree(parts, ignore_errors=True)
         format_commit.write_commit(self.staging, self.checkpoint_id, data)
         writer.fsync_dir(self.staging)
@@ -374,7 +395,34 @@ class _SaveJob:
         md.tensors = self.plan.tensors
         return md
 
-    def _wait_commit(self, parts: str) -> None:
+    def _follow_decision(self, parts: str, data_path: str, error: Exception, tr: Tracer) -> None:
+        """This rank failed after handing its data over: the coordinator's decision is the outcome on every rank.
+        Aborted: raise this rank's own error (named by run()). Committed (the failure came after the decision;
+        the checkpoint is complete, this rank's file included): return like every other rank, with the error
+        logged."""
+        try:
+            self._wait_commit(parts, ignore_own_failure=True)
+        except SaveFailedError:
+            _remove_quietly(data_path)
+            raise error from None
+        stray = os.path.join(self.path, PARTS_DIR)  # our marker, if written after the coordinator removed .parts
+        for n in os.listdir(stray) if os.path.isdir(stray) else []:
+            if n.startswith(f"{self.rank}.failed"):
+                _remove_quietly(os.path.join(stray, n))
+        try:
+            os.rmdir(stray)
+        except OSError:
+            pass
+        logger.error(
+            "save to %s: rank %d failed after its data was complete (%s); the coordinator had committed already, "
+            "so the checkpoint is complete and this rank returns like the others",
+            self.path,
+            self.rank,
+            _cause(error),
+        )
+        tr.done()
+
+    def _wait_commit(self, parts: str, ignore_own_failure: bool = False) -> None:
         """Wait until the coordinator committed (and, for a CheckpointManager save, moved ``latest``)."""
         commit_path = os.path.join(self.path, COMMIT_FILE)
         seen_commit = False
@@ -395,6 +443,8 @@ class _SaveJob:
                     return ("committed", None)
                 return None
             failed = failures(self.staging)
+            if ignore_own_failure:
+                failed.pop(self.rank, None)
             if failed:
                 return ("failed", sorted(failed.items())[0])
             if not os.path.isdir(self.staging) and not mine():
