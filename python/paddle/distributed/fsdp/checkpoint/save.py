@@ -48,7 +48,8 @@ whether the save failed with an error or was interrupted); the staging directory
 IncompleteCheckpointError too until its COMMIT is written. The survivors of a killed rank do not hang: the
 coordinator waits for the other ranks' data, and the other ranks wait for the commit, at most
 ``commit_timeout`` (default ``CheckpointOptions.commit_timeout``, 1800 s), then raise SaveFailedError; a rank
-whose save fails with an error tells the others at once (``failed`` / ``ABORT`` markers).
+whose save fails with an error tells the others at once (``failed`` / ``ABORT`` markers); one that fails after its
+``done`` marker (its file handed over) follows the coordinator's decision, taken once more right before ``COMMIT``.
 
 Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (CheckpointManager).
 
