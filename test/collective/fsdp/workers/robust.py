@@ -232,9 +232,10 @@ def main() -> None:
         ("after_data", 1, "EIO", None, "same on every rank"),
         ("before_metadata", 0, "EROFS", None, "fail"),
         ("before_commit", 0, "EIO", None, "fail"),
-        ("mid_data", 1, "ENOSPC", "markers", "fail"),
-        ("before_commit", 0, "EIO", "markers", "fail"),
-        ("after_data", 1, "EIO", "handed_over", "commit"),
+        ("mid_data", 1, "ENOSPC", ("markers", 1), "fail"),
+        ("before_commit", 0, "EIO", ("markers", 0), "fail"),
+        ("after_data", 1, "EIO", ("handed_over", 1), "commit"),
+        ("after_data", 1, "EIO", ("before_data", 0), "fail"),  # the coordinator learns it while still writing
     ]
     import errno as errno_mod
 
@@ -244,7 +245,7 @@ def main() -> None:
             with step():
                 os.environ[faults.ENV] = f"{stage}:{bad_rank}:1:{code}"
                 if slow:
-                    os.environ[faults.DELAY_ENV] = f"{slow}:{bad_rank}:2"
+                    os.environ[faults.DELAY_ENV] = f"{slow[0]}:{slow[1]}:2"
                 faults.reset()
                 try:
                     fsdp.save_checkpoint(base, optimizer=opt, extra_state={"epoch": 2})
@@ -277,7 +278,7 @@ def main() -> None:
             left = [n for n in os.listdir(workdir) if n.startswith("base.tmp-")]
             assert not left, f"failed staging directories left: {left}"
 
-        run(f"save_fault:{stage}:{bad_rank}:{code}" + (f":slow_{slow}" if slow else ""), fail_once)
+        run(f"save_fault:{stage}:{bad_rank}:{code}" + (f":slow_{slow[0]}_{slow[1]}" if slow else ""), fail_once)
 
     # ---- a real full file system
     if tmpfs:

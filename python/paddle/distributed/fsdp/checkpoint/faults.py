@@ -27,6 +27,7 @@ Timing (races made deterministic): ``PADDLE_FSDP_CKPT_FAULT_DELAY=<point>:<rank>
 whose save-group rank is ``<rank>`` sleep at ``<point>`` every time it gets there. Points:
 
 =================  ==========================================================================================
+``before_data``    as the fault stage: this rank has not opened its data file yet
 ``markers``        a failing rank (or aborting coordinator) wrote the detail of its failure marker; the
                    marker named by its cause (what an empty-file-only full disk still takes) not yet
 ``handed_over``    this rank's ``done`` marker is visible (the coordinator may commit with its file now);
@@ -45,7 +46,7 @@ import time
 
 ENV = "PADDLE_FSDP_CKPT_FAULT"
 DELAY_ENV = "PADDLE_FSDP_CKPT_FAULT_DELAY"
-DELAY_POINTS = ("markers", "handed_over")
+DELAY_POINTS = ("before_data", "markers", "handed_over")
 STAGES = (
     "before_data",
     "mid_data",

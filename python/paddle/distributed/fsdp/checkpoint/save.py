@@ -235,6 +235,7 @@ class _SaveJob:
         handed_over = False  # this rank's done marker is visible: its data file belongs to the coordinator's commit
         try:
             os.makedirs(parts, exist_ok=True)
+            faults.delay("before_data", self.rank)
             faults.point("before_data", self.rank)
             kill_at = layout.size // 2 if faults.hit("mid_data", self.rank) else None
             try:
@@ -263,7 +264,10 @@ class _SaveJob:
             faults.point("after_data", self.rank)
         except _PeerFailed as e:  # another rank failed first: stop writing, free the space, say who failed
             _remove_quietly(data_path)
-            raise SaveFailedError(f"save to {self.path} aborted: {e}; the previous checkpoint is untouched") from None
+            err = SaveFailedError(f"save to {self.path} aborted: {e}; the previous checkpoint is untouched")
+            if self.rank == self.coordinator:  # the decision: a rank that failed after its hand-over waits for it
+                _mark_aborted(self.staging, self.rank, err)
+            raise err from None
         except BaseException as e:
             _mark_failed(self.staging, self.rank, e)
             if handed_over and self.rank != self.coordinator and isinstance(e, Exception):
