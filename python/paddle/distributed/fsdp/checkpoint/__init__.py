@@ -39,6 +39,7 @@ from .errors import (
     NotACheckpointError,
     NotARegularFileError,
     OptimizerMismatchError,
+    RngStateMismatchError,
     SafetensorsHeaderError,
     SaveFailedError,
     ShapeMismatchError,
@@ -86,6 +87,7 @@ __all__ = [
     "ShapeMismatchError",
     "StateDictMismatchError",
     "OptimizerMismatchError",
+    "RngStateMismatchError",
     "UnexpectedKeyError",
     "UnsafePathError",
 ]
