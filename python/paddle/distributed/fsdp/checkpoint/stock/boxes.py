@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError
 from ..format.metadata import numel
+from ..format.strict_json import open_regular
 from .index import Piece, PieceIndex
 from .unpickler import load_distcp
 
@@ -60,7 +61,7 @@ class PieceData:
         if piece.byte_offset is not None:
             nbytes = piece.numel * st.itemsize
             buf = bytearray(nbytes)
-            with open(path, "rb") as f:
+            with os.fdopen(open_regular(path), "rb") as f:  # a FIFO / device in place of a data file: named error
                 got = f.readinto(memoryview(buf)) if f.seek(piece.byte_offset) == piece.byte_offset else 0
             if got != nbytes:
                 raise CorruptCheckpointError(f"{path}: truncated (piece of {key!r} needs {nbytes} bytes)")

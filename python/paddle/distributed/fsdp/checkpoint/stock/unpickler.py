@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptCheckpointError, MetadataError
+from ..format.strict_json import open_regular
 from .errors import UnsafePickleError
 
 #: Modules under which stock paddle pickles its metadata dataclasses (3.x; the 2.x/3.0 module name).
@@ -79,7 +80,7 @@ def _restricted_load(data: bytes, allowed: set[tuple[str, str]], where: str) -> 
 
 
 def _read_bounded(path: str, limit: int | None) -> bytes:
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:  # never blocks on a FIFO, never reads a device
         size = os.fstat(f.fileno()).st_size
         if limit is not None and size > limit:
             raise MetadataError(f"{path}: {size} bytes is too large for a stock metadata file (limit {limit})")
