@@ -59,6 +59,8 @@ def run_cli(capsys, work: Path, args: list, out: Path | None, what: str):
         rc = cli_main([str(a) for a in args])
     cap = capsys.readouterr()
     lines = [ln for ln in cap.err.splitlines() if ln.strip()]
+    if rc == 3 and os.environ.get("FSDP_TOOLS_FUZZ_DEBUG"):  # show the traceback of the internal error
+        cli_main([str(a) for a in args] + ["--debug"])
     assert rc in (0, 1, 2), f"{what}: exit {rc}: {cap.err}"
     assert "Traceback" not in cap.err, f"{what}: {cap.err}"
     if rc == 2:

@@ -507,7 +507,9 @@ def discover_hf(hf_path: str) -> tuple[list[SafetensorsFile], dict | None]:
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise ToolError(f"index {ipath} has no weight_map")
-    files = sorted(set(weight_map.values()), key=str)
+    for tensor, name in weight_map.items():  # every value a plain file name of the directory, before any use
+        _safe_member(hf_path, name, f"index {ipath}: weight_map[{tensor!r}]")
+    files = sorted(set(weight_map.values()))
     st_files = []
     for name in files:
         path = _safe_member(hf_path, name, f"index {ipath}")
