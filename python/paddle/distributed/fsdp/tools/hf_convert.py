@@ -714,16 +714,21 @@ def _from_hf_preset(
 
 
 class _FdCache:
-    """Open read-only descriptors by path (a merged tensor reads parts from several input files)."""
+    """Read-only descriptors by path (a merged tensor reads parts from several input files), at most
+    ``MAX_OPEN`` at once whatever the number of input files (least recently used closed first)."""
+
+    MAX_OPEN = 32
 
     def __init__(self) -> None:
-        self.fds: dict[str, int] = {}
+        self.fds: dict[str, int] = {}  # insertion order = use order
 
     def get(self, path: str) -> int:
-        fd = self.fds.get(path)
+        fd = self.fds.pop(path, None)
         if fd is None:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            self.fds[path] = fd
+            while len(self.fds) >= self.MAX_OPEN:
+                os.close(self.fds.pop(next(iter(self.fds))))
+            fd = open_regular(path)  # never blocks on a FIFO swapped in since the header was read
+        self.fds[path] = fd
         return fd
 
     def close(self) -> None:
