@@ -462,6 +462,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         print(f"{PROG} {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except MemoryError as e:  # a tensor larger than this machine's memory: named, not an internal error
+        print(f"{PROG} {args.command}: error: out of memory ({_one_line(e) or 'MemoryError'})", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted (no output was left behind)", file=sys.stderr)
         return EXIT_INTERRUPTED

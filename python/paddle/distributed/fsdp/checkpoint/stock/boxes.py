@@ -60,8 +60,9 @@ class PieceData:
         path = os.path.join(self.index.root, piece.file)
         if piece.byte_offset is not None:
             nbytes = piece.numel * st.itemsize
-            buf = bytearray(nbytes)
             with os.fdopen(open_regular(path), "rb") as f:  # a FIFO / device in place of a data file: named error
+                self._check_size(f.fileno(), path, key, piece.byte_offset, nbytes)  # before allocating
+                buf = bytearray(nbytes)
                 got = f.readinto(memoryview(buf)) if f.seek(piece.byte_offset) == piece.byte_offset else 0
             if got != nbytes:
                 raise CorruptCheckpointError(f"{path}: truncated (piece of {key!r} needs {nbytes} bytes)")
@@ -79,6 +80,33 @@ class PieceData:
                 f"{piece.numel} x {dtype}"
             )
         return np.ascontiguousarray(arr).reshape(-1).view(st)
+
+    @staticmethod
+    def _check_size(fd: int, path: str, key: str, offset: int, nbytes: int) -> None:
+        """Refuse a piece the file is too short for, so a declared size never decides an allocation."""
+        if os.fstat(fd).st_size < offset + nbytes:
+            raise CorruptCheckpointError(f"{path}: truncated (piece of {key!r} needs bytes up to {offset + nbytes})")
+
+    def check(self, key: str, piece: Piece, block_bytes: int = 16 << 20) -> int:
+        """Read the piece's bytes once, in bounded blocks (memory: one block, not the piece); returns its bytes.
+        Raises CorruptCheckpointError when they cannot all be read."""
+        if piece.byte_offset is None:  # a .distcp piece: its file is unpickled whole (bounded by the file's size)
+            arr = self.read(key, piece)
+            return arr.nbytes
+        nbytes = piece.numel * storage_type(self.index.tensors[key].dtype).itemsize
+        path = os.path.join(self.index.root, piece.file)
+        fd = open_regular(path)
+        try:
+            self._check_size(fd, path, key, piece.byte_offset, nbytes)
+            done = 0
+            while done < nbytes:
+                got = len(os.pread(fd, min(block_bytes, nbytes - done), piece.byte_offset + done))
+                if not got:
+                    raise CorruptCheckpointError(f"{path}: truncated (piece of {key!r} needs {nbytes} bytes)")
+                done += got
+        finally:
+            os.close(fd)
+        return nbytes
 
     def close(self) -> None:
         self._distcp_name, self._distcp = None, {}
