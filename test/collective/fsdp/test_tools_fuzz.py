@@ -569,3 +569,53 @@ def test_a_real_100gb_sparse_tensor_fails_by_name_under_a_memory_limit(tmp_path)
     codes = _child_codes([["from-hf", str(hf), out], ["inspect", str(hf)], ["import-stock", str(hf), imp]])
     assert codes == [2, 0, 2], codes
     assert not os.path.exists(out) and not os.path.exists(imp)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "directory", "dangling", "deep_array"])
+def test_special_files_in_place_of_every_input(base, qwen3, stock, tmp_path, capsys, kind):
+    """A FIFO, /dev/zero, a directory, a dangling symlink or 100k-deep JSON as the index, a shard, config.json,
+    a rules file, a stock .metadata or .distcp file: a named refusal (or a problem from verify), never a hang."""
+
+    def special(p: Path) -> None:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+        if kind == "fifo":
+            os.mkfifo(p)
+        elif kind == "dev_zero":
+            p.symlink_to("/dev/zero")
+        elif kind == "directory":
+            p.mkdir()
+        elif kind == "dangling":
+            p.symlink_to(tmp_path / "nowhere")
+        else:
+            p.write_text("[" * 100_000 + "]" * 100_000)
+
+    cases = []
+    hf = fresh(base, tmp_path, "hf")
+    special(hf / INDEX)
+    cases.append((["from-hf", hf], "out1"))
+    hf2 = tmp_path / "hf2"
+    shutil.copytree(base / "hf", hf2)
+    special(sorted(hf2.glob("*.safetensors"))[0])
+    cases.append((["from-hf", hf2], "out2"))
+    cfg = tmp_path / "config.json"
+    special(cfg)
+    cases.append((["from-hf", qwen3 / "hf", "--preset", "qwen3", "--config", cfg], "out3"))
+    cases.append((["to-hf", qwen3 / "ckpt", "--preset", "qwen3", "--config", cfg], "out4"))
+    rules = tmp_path / "rules.json"
+    special(rules)
+    cases.append((["to-hf", base / "ckpt", "--rules", rules], "out5"))
+    cases.append((["from-hf", base / "hf", "--rules", rules], "out6"))
+    for name in sorted(p.name for p in stock.iterdir()):
+        src = tmp_path / f"stock-{name}"
+        shutil.copytree(stock, src)
+        special(src / name)
+        cases.append((["import-stock", src], f"imp-{name}"))
+        for cmd in ("inspect", "verify"):
+            run_cli(capsys, tmp_path, [cmd, src], None, f"{kind} {cmd} {name}")
+    for args, out in cases:
+        argv = [args[0], args[1], tmp_path / out, *args[2:]]
+        rc, _ = run_cli(capsys, tmp_path, argv, tmp_path / out, f"{kind}: {argv}")
+        assert rc == 2, (kind, argv)

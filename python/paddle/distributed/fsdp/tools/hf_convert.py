@@ -343,16 +343,20 @@ def to_hf(
 
 def read_config(path: str | os.PathLike) -> tuple[bytes, dict]:
     """The bytes and the parsed object of a Hugging Face ``config.json``."""
+    from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.format.strict_json import read_capped
+
     path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
+    try:  # bounded, and only a regular file (a FIFO or device never blocks or streams forever)
+        raw = read_capped(path, MAX_CONFIG_BYTES, "config")
     except OSError as e:
         raise ToolError(f"cannot read config {path}: {e.strerror or e}") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ToolError(f"config {path} is larger than {MAX_CONFIG_BYTES} bytes")
+    except CheckpointError as e:
+        raise ToolError(f"cannot read config {path}: {e}") from None
     try:
-        cfg = json.loads(raw)
+        cfg = json.loads(raw)  # lenient like transformers (NaN allowed; every field used is type-checked)
+    except RecursionError:
+        raise ToolError(f"config {path} is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ToolError(f"config {path} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
