@@ -619,3 +619,18 @@ def test_special_files_in_place_of_every_input(base, qwen3, stock, tmp_path, cap
         argv = [args[0], args[1], tmp_path / out, *args[2:]]
         rc, _ = run_cli(capsys, tmp_path, argv, tmp_path / out, f"{kind}: {argv}")
         assert rc == 2, (kind, argv)
+
+
+@pytest.mark.parametrize("opcode", [b"\x96", b"\x8e", b"\x8d", b"\x95"])  # BYTEARRAY8, BINBYTES8, BINUNICODE8, FRAME
+def test_a_pickle_declaring_a_huge_length_is_refused_before_allocating(stock, tmp_path, capsys, opcode):
+    """A stock .metadata / .distcp pickle whose opcode declares 1 TiB: a named error, no MemoryError, no 1 TiB."""
+    crafted = b"\x80\x05" + opcode + struct.pack("<Q", 1 << 40) + b"x" * 64 + b"."
+    for name in sorted(p.name for p in stock.iterdir() if p.suffix in (".metadata", ".distcp")):
+        src = tmp_path / f"s-{name}-{opcode.hex()}"
+        shutil.copytree(stock, src)
+        (src / name).write_bytes(crafted)
+        for cmd in ("inspect", "verify"):
+            run_cli(capsys, tmp_path, [cmd, src], None, f"{cmd} {name}")
+        out = tmp_path / f"o-{name}-{opcode.hex()}"
+        rc, cap = run_cli(capsys, tmp_path, ["import-stock", src, out], out, f"import-stock {name}")
+        assert rc == 2 and "MemoryError" not in cap.err, cap.err
