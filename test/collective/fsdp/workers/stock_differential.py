@@ -42,10 +42,18 @@ logging.getLogger().setLevel(logging.ERROR)
 
 
 def stock_reader():
-    """Stock's own loader in both modes (the overlay only redirects ``paddle.distributed.load_state_dict``)."""
+    """Stock's own loader in both modes (the overlay only redirects ``paddle.distributed.load_state_dict``); its
+    ``.cuda()`` calls are not counted (they are stock's, not the fork's)."""
     from paddle.distributed.flex_checkpoint.dcp.load_state_dict import load_state_dict
 
-    return load_state_dict
+    def read(*args, **kwargs):
+        before = CUDA_CALLS[0]
+        try:
+            return load_state_dict(*args, **kwargs)
+        finally:
+            CUDA_CALLS[0] = before
+
+    return read
 
 
 # ------------------------------------------------------------------------------------------------ observing
@@ -428,9 +436,26 @@ def case_async_save(d):
 
     clear_async_save_task_queue()
     o["files"] = stock_files(d)
+    o["expect_files"] = ["0.metadata", "0_0.distcp"]
     got = {"w": paddle.zeros([3, 2])}
     o["load"] = attempt(dist.load_state_dict, got, d)
     o["loaded"] = digest(got["w"])
+    o["expect_loaded"] = digest(sd["w"])
+    return o
+
+
+def case_save_replicas_and_safetensors_versions(d):
+    sd = {"w": t([3, 2], 1)}
+    o = roundtrip(os.path.join(d, "rep"), sd, {"save_replicas": True})
+    for uid in (3, 4):
+        o[f"save_st{uid}"] = attempt(
+            dist.save_state_dict, {"w": t([3, 2], uid)}, os.path.join(d, "st"), unique_id=uid, safetensors=True
+        )
+    for uid in (3, 4):
+        got = {"w": paddle.zeros([3, 2])}
+        o[f"load_st{uid}"] = attempt(dist.load_state_dict, got, os.path.join(d, "st"), unique_id=uid, safetensors=True)
+        o[f"loaded_st{uid}"] = digest(got["w"])
+        o[f"expect_loaded_st{uid}"] = digest(t([3, 2], uid))
     return o
 
 
@@ -509,6 +534,7 @@ ONE = [
     case_aoa,
     case_hf_directory,
     case_async_save,
+    case_save_replicas_and_safetensors_versions,
 ]
 
 
@@ -526,7 +552,7 @@ def shared(d):
 def case2_data_parallel(d):
     d = shared(d)
     m, opt = model_and_optimizer(5)  # same seed on every rank: replicated
-    sd = {"model": m.state_dict(), "opt": opt.state_dict()}
+    sd = {**m.state_dict(), **opt.state_dict()}
     o = roundtrip(d, sd)
     dist.barrier()
     o["files"] = stock_files(d)
@@ -609,6 +635,7 @@ def case2_unique_ids(d):
         got = {"w": paddle.zeros([4])}
         o[f"load{uid}"] = attempt(dist.load_state_dict, got, d, unique_id=uid)
         o[f"loaded{uid}"] = digest(got["w"])
+        o[f"expect_loaded{uid}"] = digest(t([4], 20 + (0 if uid == 0 else 1)))
     return o
 
 
@@ -633,7 +660,29 @@ def case2_safetensors(d):
     return o
 
 
+def case2_node_local(d):
+    """Every rank given its own directory (node-local disks), stock's format."""
+    r = dist.get_rank()
+    mine = os.path.join(d, f"node{r}")
+    full = arr((4, 2), 7)
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+    sd = {"w": ShardedWeight("w", paddle.to_tensor(full[2 * r : 2 * r + 2]), (2, 2), (4, 2), (2 * r, 0))}
+    o = {"save": attempt(dist.save_state_dict, sd, mine)}
+    dist.barrier()
+    o["files"] = stock_files(mine)
+    got = ShardedWeight("w", paddle.zeros([2, 2]), (2, 2), (4, 2), (2 * r, 0))
+    o["load_same"] = attempt(dist.load_state_dict, {"w": got}, mine)
+    o["loaded_same"] = digest(got.local_tensor)
+    got = ShardedWeight("w", paddle.zeros([2, 2]), (2, 2), (4, 2), (2 * (1 - r), 0))
+    o["load_swapped"] = attempt(dist.load_state_dict, {"w": got}, mine)
+    o["loaded_swapped"] = digest(got.local_tensor)
+    o["expect_loaded_swapped"] = digest(paddle.to_tensor(full[2 * (1 - r) : 4 - 2 * r]))
+    return o
+
+
 TWO = [
+    case2_node_local,
     case2_data_parallel,
     case2_rank_values_differ,
     case2_tensor_parallel_boxes,
@@ -652,7 +701,7 @@ def main() -> None:
         dist.init_parallel_env()
     results = {}
     for case in cases:
-        name = case.__name__[5:]
+        name = case.__name__.split("_", 1)[1]
         if only and name not in only.split(","):
             continue
         CUDA_CALLS[0] = 0

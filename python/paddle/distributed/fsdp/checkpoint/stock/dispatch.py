@@ -143,6 +143,12 @@ def flatten_for_engine_probe(d: dict):
             yield v
 
 
+def _has_device_sync() -> bool:
+    import paddle
+
+    return bool(paddle.is_compiled_with_cuda() or paddle.is_compiled_with_xpu())
+
+
 def stock_save():
     from paddle.distributed.flex_checkpoint.dcp.save_state_dict import save_state_dict as stock
 
@@ -166,6 +172,11 @@ def save_state_dict(
     route = _save_route(state_dict, unique_id, safetensors, save_replicas, fork_options)
     logger.debug("save_state_dict(%s): %s", path, route)
     if route == "stock":
+        if async_save and not _has_device_sync():
+            # stock's async save starts with paddle.device.synchronize(), which raises TypeError on CPU-only
+            # builds: write the same files synchronously instead (the save is complete when this returns)
+            logger.info("save_state_dict(%s): async_save on a CPU-only build is done synchronously", path)
+            async_save = False
         return stock_save()(
             state_dict,
             path,
