@@ -115,7 +115,13 @@ def _run_one(tmp: pathlib.Path, mode: str, env: dict) -> dict:
         timeout=300,
     )
     assert proc.returncode == 0, f"{mode} worker failed:\n{proc.stderr[-4000:]}"
-    return json.loads((tmp / f"{mode}.json.rank0").read_text())
+    return _results(tmp / f"{mode}.json.rank0", mode)
+
+
+def _results(path: pathlib.Path, mode: str) -> dict:
+    data = json.loads(path.read_text())
+    assert data["fork_active"] == (mode == "fork"), f"{path}: the overlay is {'on' if data['fork_active'] else 'off'}"
+    return data["results"]
 
 
 def test_one_process_stock_use_cases(tmp_path):
@@ -130,7 +136,7 @@ def _run_two(tmp: pathlib.Path, mode: str, env: dict) -> dict:
     out = tmp / f"{mode}.json"
     e = dict(env) if env["PADDLE_FSDP_FORK_DISABLE"] else {}
     run_launch(WORKER, 2, ["two", str(tmp / mode), str(out)], env=e, log_dir=tmp / f"log-{mode}", timeout=300)
-    ranks = [json.loads((tmp / f"{mode}.json.rank{r}").read_text()) for r in range(2)]
+    ranks = [_results(tmp / f"{mode}.json.rank{r}", mode) for r in range(2)]
     return {f"{case}@rank{r}": ranks[r][case] for r in range(2) for case in ranks[r]}
 
 

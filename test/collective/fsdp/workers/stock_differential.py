@@ -172,6 +172,7 @@ def case_model_optimizer(d):
     m2, opt2 = model_and_optimizer(2)
     o["load_into_live"] = attempt(dist.load_state_dict, {**m2.state_dict(), **opt2.state_dict()}, d)
     o["live_params"] = [digest(p) for p in m2.parameters()]
+    o["live_flags"] = [(p.stop_gradient, p.persistable, str(p.dtype)) for p in m2.parameters()]
     o["expect_live_params"] = [digest(p) for p in m.parameters()]
     return o
 
@@ -486,6 +487,41 @@ def case_aoa(d):
     return o
 
 
+def case_path_forms(d):
+    """pathlib.Path, a trailing slash, a relative path, a directory holding a trainer's other files."""
+    import pathlib
+
+    o = {}
+    sd = {"w": t([3], 1)}
+    for name, path in {
+        "pathlib": pathlib.Path(d) / "p",
+        "slash": os.path.join(d, "s") + "/",
+        "relative": os.path.relpath(os.path.join(d, "r")),
+    }.items():
+        o[f"save_{name}"] = attempt(dist.save_state_dict, sd, path)
+        got = {"w": paddle.zeros([3])}
+        o[f"load_{name}"] = attempt(dist.load_state_dict, got, path)
+        o[f"loaded_{name}"] = digest(got["w"])
+    busy = os.path.join(d, "busy")
+    os.makedirs(os.path.join(busy, "logs"))
+    with open(os.path.join(busy, "config.json"), "w") as f:
+        f.write("{}")
+    o["save_busy"] = attempt(dist.save_state_dict, sd, busy)
+    o["busy_entries"] = sorted(os.listdir(busy))
+    got = {"w": paddle.zeros([3])}
+    o["load_busy"] = attempt(dist.load_state_dict, got, busy)
+    o["loaded_busy"] = digest(got["w"])
+    return o
+
+
+def case_odd_values(d):
+    return {
+        "int_key": attempt(dist.save_state_dict, {0: t([2])}, os.path.join(d, "a")),
+        "list_of_tensors": attempt(dist.save_state_dict, {"l": [t([2]), t([2])]}, os.path.join(d, "b")),
+        "load_int_key": attempt(dist.load_state_dict, {0: paddle.zeros([2])}, os.path.join(d, "a")),
+    }
+
+
 def case_hf_directory(d):
     from safetensors.numpy import save_file
 
@@ -533,6 +569,8 @@ ONE = [
     case_master_weight_names,
     case_aoa,
     case_hf_directory,
+    case_path_forms,
+    case_odd_values,
     case_async_save,
     case_save_replicas_and_safetensors_versions,
 ]
@@ -714,7 +752,8 @@ def main() -> None:
             dist.barrier()
     rank = dist.get_rank() if group == "two" else 0
     with open(f"{out}.rank{rank}", "w") as f:
-        json.dump(results, f, indent=1, sort_keys=True)
+        active = bool(getattr(dist.save_state_dict, "_paddle_fsdp_fork_wrapper", False))
+        json.dump({"fork_active": active, "results": results}, f, indent=1, sort_keys=True)
 
 
 if __name__ == "__main__":
