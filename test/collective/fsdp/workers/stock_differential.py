@@ -719,7 +719,27 @@ def case2_node_local(d):
     return o
 
 
+def case2_rank_specific_keys(d):
+    """Keys only one rank holds (per-rank RNG or pipeline-stage state) next to shared ones."""
+    d = shared(d)
+    r = dist.get_rank()
+    sd = {"shared": t([3], 1), f"only{r}": t([2], 5 + r)}
+    o = {"save": attempt(dist.save_state_dict, sd, d)}
+    dist.barrier()
+    o["files"] = stock_files(d)
+    got = zeros_like(sd)
+    o["load"] = attempt(dist.load_state_dict, got, d)
+    o["loaded"] = digests(got)
+    o["expect_loaded"] = digests(sd)
+    other = {f"only{1 - r}": paddle.zeros([2])}  # the other rank's key: read from its file
+    o["load_other"] = attempt(dist.load_state_dict, other, d)
+    o["loaded_other"] = digests(other)
+    o["expect_loaded_other"] = {f"only{1 - r}": digest(t([2], 5 + 1 - r))}
+    return o
+
+
 TWO = [
+    case2_rank_specific_keys,
     case2_node_local,
     case2_data_parallel,
     case2_rank_values_differ,
