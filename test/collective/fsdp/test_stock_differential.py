@@ -79,6 +79,9 @@ def compare(stock: dict, fork: dict, label: str) -> list[str]:
                 problems.append(f"{label}/{case}: harness error under {name}:\n{side['obs']['harness_error']}")
         if f["cuda_calls"]:
             problems.append(f"{label}/{case}: the fork called .cuda() {f['cuda_calls']} times (fails on CPU)")
+        for key, want in f["obs"].items():  # the fork is right, whatever stock did
+            if key.startswith("expect_") and f["obs"].get(key[7:]) != want:
+                problems.append(f"{label}/{case}/{key[7:]}: fork {f['obs'].get(key[7:])!r}, expected {want!r}")
         for path, sv, fv in _leaves(s["obs"], f["obs"]):
             key = path[0]
             if key.startswith("expect_"):  # computed from the inputs, the same in both runs
@@ -101,13 +104,13 @@ def compare(stock: dict, fork: dict, label: str) -> list[str]:
     return problems
 
 
-def _run_one(tmp: pathlib.Path, mode: str, env: dict) -> dict:
-    out = tmp / f"{mode}.json"
+def _run_one(tmp: pathlib.Path, mode: str, env: dict, group: str = "one", work: pathlib.Path | None = None) -> dict:
+    out = tmp / f"{mode}-{group}.json"
     e = {**os.environ, **env}
     if not env["PADDLE_FSDP_FORK_DISABLE"]:
         e.pop("PADDLE_FSDP_FORK_DISABLE", None)
     proc = subprocess.run(
-        [sys.executable, str(WORKER), "one", str(tmp / mode), str(out)],
+        [sys.executable, str(WORKER), group, str(work or tmp / mode), str(out)],
         env=e,
         cwd=str(tmp),
         capture_output=True,
@@ -115,7 +118,7 @@ def _run_one(tmp: pathlib.Path, mode: str, env: dict) -> dict:
         timeout=300,
     )
     assert proc.returncode == 0, f"{mode} worker failed:\n{proc.stderr[-4000:]}"
-    return _results(tmp / f"{mode}.json.rank0", mode)
+    return _results(tmp / f"{mode}-{group}.json.rank0", mode)
 
 
 def _results(path: pathlib.Path, mode: str) -> dict:
@@ -144,6 +147,12 @@ def test_two_rank_stock_use_cases(tmp_path):
     stock = _run_two(tmp_path, "stock", STOCK)
     fork = _run_two(tmp_path, "fork", FORK)
     problems = compare(stock, fork, "two")
+    # the checkpoints stock wrote on 2 ranks, read in one process by stock and by the fork
+    reload_fork = _run_one(tmp_path, "fork", FORK, "reload", tmp_path / "stock")
+    problems += compare(_run_one(tmp_path, "stock", STOCK, "reload", tmp_path / "stock"), reload_fork, "2->1")
+    for case in ("tp_checkpoint_in_one_process", "dist_tensor_checkpoint_in_one_process"):
+        obs = reload_fork[case]["obs"]
+        assert obs["load"] == "None" and obs["loaded"] == obs["expect_loaded"], (case, obs)
     assert not problems, "\n".join(problems)
 
 
@@ -154,6 +163,7 @@ def test_two_rank_stock_use_cases(tmp_path):
         ({"load": "raise:KeyError/LookupError"}, {"load": "raise:ShapeMismatchError/RuntimeError"}, False),
         ({"load": "None"}, {"load": "raise:ValueError"}, False),
         ({"loaded": {"w": "a"}}, {"loaded": {"w": "b"}, "expect_loaded": {"w": "a"}}, False),
+        ({"loaded": {"w": "b"}}, {"loaded": {"w": "b"}, "expect_loaded": {"w": "a"}}, False),
         ({"loaded": {"w": "a"}}, {"loaded": {"w": "b"}, "expect_loaded": {"w": "b"}}, True),
     ],
 )
