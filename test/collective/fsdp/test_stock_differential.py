@@ -46,6 +46,8 @@ STOCK_FAILS = {
     ("async_save", "save"): "stock's async save calls paddle.device.synchronize(): TypeError on CPU builds",
     ("async_save", "load"): "stock's failed async save left no data file",
     ("safetensors_true", "default_load_load"): "stock needs safetensors=True to read its safetensors variant",
+    ("format_flags_crossed", "pickles_load"): "stock reads .distcp files as safetensors when safetensors=True",
+    ("format_flags_crossed", "st_load"): "stock needs safetensors=True to read its safetensors variant",
     ("unique_ids@2", "loadNone"): "stock asserts on a directory holding several versions",
 }
 #: (case, observation) -> why the fork refusing an input stock accepts is right

@@ -336,6 +336,18 @@ def case_safetensors_false_explicit(d):
     return roundtrip(d, {"w": t([3], 1)}, {"safetensors": False}, {"safetensors": False})
 
 
+def case_format_flags_crossed(d):
+    """Stock's pickles read with safetensors=True; the safetensors variant read with unique_id=0."""
+    o = {}
+    for k, v in roundtrip(os.path.join(d, "a"), {"w": t([3], 1)}, {}, {"safetensors": True}, stock_reads=False).items():
+        o[f"pickles_{k}"] = v
+    for k, v in roundtrip(
+        os.path.join(d, "b"), {"w": t([3], 2)}, {"safetensors": True}, {"unique_id": 0}, stock_reads=False
+    ).items():
+        o[f"st_{k}"] = v
+    return {("expect_" + k.replace("expect_", "")) if "expect_" in k else k: v for k, v in o.items()}
+
+
 def case_offload_and_keywords(d):
     sd = {"w": t([3, 4], 1), "b": t([4], 2)}
     o = roundtrip(d, sd, {"process_group": None, "coordinator_rank": 0, "async_save": False}, {"offload": True})
@@ -565,6 +577,7 @@ ONE = [
     case_save_twice_other_keys,
     case_safetensors_true,
     case_safetensors_false_explicit,
+    case_format_flags_crossed,
     case_offload_and_keywords,
     case_positional,
     case_structure_change,
