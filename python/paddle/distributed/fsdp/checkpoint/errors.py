@@ -51,7 +51,7 @@ class MissingKeyError(StateDictMismatchError):
     """A requested key is absent from the checkpoint."""
 
 
-class ShapeMismatchError(StateDictMismatchError):
+class ShapeMismatchError(StateDictMismatchError, ValueError):
     """A requested key has another global shape in the checkpoint."""
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from ..errors import CorruptCheckpointError
 from ..format.metadata import numel
 from ..format.strict_json import open_regular
+from .errors import StockIncompleteCheckpointError
 from .index import Piece, PieceIndex
 from .unpickler import load_distcp
 
@@ -73,7 +74,7 @@ class PieceData:
             self._distcp_name = piece.file
         arr = self._distcp.get(piece.name)
         if arr is None:
-            raise CorruptCheckpointError(f"{path}: has no tensor {piece.name!r} that the metadata places there")
+            raise StockIncompleteCheckpointError(f"{path}: has no tensor {piece.name!r} that the metadata places there")
         if arr.size != piece.numel or arr.dtype.itemsize != st.itemsize:
             raise CorruptCheckpointError(
                 f"{path}: tensor {piece.name!r} holds {arr.size} x {arr.dtype} elements, the metadata says "

@@ -28,8 +28,15 @@ import os
 from typing import Any
 
 from ..coordination import Comm, gather_errors
+from ..errors import NotACheckpointError
 from ..format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE
-from .errors import StockFormatError
+from .errors import (
+    CheckpointPathNotADirectoryError,
+    CheckpointPathNotFoundError,
+    InvalidArgumentError,
+    NoCheckpointMetadataError,
+    StockFormatError,
+)
 from .index import index_fork, index_hf, index_stock, stock_versions
 from .loader import load_indexed
 from .targets import dist_tensor_box, is_dist_tensor
@@ -136,6 +143,12 @@ def flatten_for_engine_probe(d: dict):
             yield v
 
 
+def _has_device_sync() -> bool:
+    import paddle
+
+    return bool(paddle.is_compiled_with_cuda() or paddle.is_compiled_with_xpu())
+
+
 def stock_save():
     from paddle.distributed.flex_checkpoint.dcp.save_state_dict import save_state_dict as stock
 
@@ -159,6 +172,11 @@ def save_state_dict(
     route = _save_route(state_dict, unique_id, safetensors, save_replicas, fork_options)
     logger.debug("save_state_dict(%s): %s", path, route)
     if route == "stock":
+        if async_save and not _has_device_sync():
+            # stock's async save starts with paddle.device.synchronize(), which raises TypeError on CPU-only
+            # builds: write the same files synchronously instead (the save is complete when this returns)
+            logger.info("save_state_dict(%s): async_save on a CPU-only build is done synchronously", path)
+            async_save = False
         return stock_save()(
             state_dict,
             path,
@@ -177,10 +195,13 @@ def save_state_dict(
 
 
 def classify(path: str, unique_id: int | None, safetensors: bool) -> str:
-    """Which reader serves ``path``: "fork" (the engine), "stock", or "hf"."""
+    """Which reader serves ``path``: "fork" (the engine), "stock", or "hf"; "missing", "file" or "none" (a
+    directory without checkpoint metadata) for paths that hold no checkpoint (the engine says why)."""
     root = os.path.abspath(os.fspath(path))
+    if not os.path.lexists(root):
+        return "missing"
     if not os.path.isdir(root):
-        return "fork"  # the engine names what is there (nothing, a staging directory, a file)
+        return "file"
     names = set(os.listdir(root))
     fork = COMMIT_FILE in names or METADATA_FILE in names or LATEST_FILE in names
     versions = stock_versions(root)
@@ -195,7 +216,28 @@ def classify(path: str, unique_id: int | None, safetensors: bool) -> str:
         return "stock"
     if safetensors and any(n.endswith(".safetensors") for n in names):
         return "hf"
-    return "fork"
+    return "none"  # the engine names what is there (an interrupted save, nothing)
+
+
+NO_CHECKPOINT = {
+    "missing": CheckpointPathNotFoundError,
+    "file": CheckpointPathNotADirectoryError,
+    "none": NoCheckpointMetadataError,
+}
+
+
+def _engine_load(state_dict, path, process_group, coordinator_rank, fork_options: dict):
+    from ..load import load_state_dict as engine_load
+
+    flat = flatten_for_engine(state_dict) if isinstance(state_dict, dict) else state_dict
+    same = isinstance(state_dict, dict) and flat.keys() == state_dict.keys()
+    target = state_dict if same and all(flat[k] is state_dict[k] for k in flat) else flat
+    report = engine_load(target, path, process_group, coordinator_rank, **fork_options)
+    if target is not state_dict:  # JSON values loaded into the flattened view go back to the caller's dict
+        for k in report.loaded_keys if report is not None else []:
+            if k in state_dict and not _is_tensor_like(state_dict[k]) and not isinstance(state_dict[k], dict):
+                state_dict[k] = target[k]
+    return report if fork_options else None  # stock returns None; engine options ask for the engine's report
 
 
 def load_state_dict(
@@ -214,32 +256,29 @@ def load_state_dict(
 ):
     """Stock's ``load_state_dict`` signature; in place, all-or-nothing, on CPU as on GPU. ``offload``,
     ``worker_groups`` and ``comm_method`` choose how stock moves data between devices and ranks; this loader
-    reads on the host and exchanges only what a rank cannot read itself, so they do not change the result."""
+    reads on the host and exchanges only what a rank cannot read itself, so they do not change the result.
+    Returns None, as stock; the engine's ``LoadReport`` when an engine option (``strict``, ``verify_checksums``,
+    ``options``) is passed."""
     _check_options(fork_options, FORK_LOAD_OPTIONS, "load_state_dict")
     if comm_method not in COMM_METHODS:
-        raise ValueError(f"Invalid communication method '{comm_method}'. Please choose from {list(COMM_METHODS)}.")
+        raise InvalidArgumentError(
+            f"Invalid communication method '{comm_method}'. Please choose from {list(COMM_METHODS)}."
+        )
     group = Comm(process_group)
     kind = classify(path, unique_id, bool(safetensors))
     kinds = group.all_gather_object(kind)
     if len(set(kinds)) > 1:
-        from ..errors import NotACheckpointError
-
         raise NotACheckpointError(
             f"load of {path}: the ranks see different kinds of checkpoint there ({dict(enumerate(kinds))}); give "
             f"every rank a directory holding the same checkpoint"
         )
+    if kind in NO_CHECKPOINT:
+        try:
+            return _engine_load(state_dict, path, process_group, coordinator_rank, fork_options)
+        except NotACheckpointError as e:  # raised as stock would: FileNotFoundError, NotADirectoryError, assert
+            raise NO_CHECKPOINT[kind](str(e)) from None
     if kind == "fork" and aoa_config is None:
-        from ..load import load_state_dict as engine_load
-
-        flat = flatten_for_engine(state_dict) if isinstance(state_dict, dict) else state_dict
-        same = isinstance(state_dict, dict) and flat.keys() == state_dict.keys()
-        target = state_dict if same and all(flat[k] is state_dict[k] for k in flat) else flat
-        report = engine_load(target, path, process_group, coordinator_rank, **fork_options)
-        if target is not state_dict:  # JSON values loaded into the flattened view go back to the caller's dict
-            for k in report.loaded_keys if report is not None else []:
-                if k in state_dict and not _is_tensor_like(state_dict[k]) and not isinstance(state_dict[k], dict):
-                    state_dict[k] = target[k]
-        return report
+        return _engine_load(state_dict, path, process_group, coordinator_rank, fork_options)
     if fork_options:
         raise StockFormatError(
             f"load_state_dict: options {sorted(fork_options)} apply to this engine's checkpoints; {path} is read by "

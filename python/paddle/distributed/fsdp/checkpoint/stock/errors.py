@@ -6,9 +6,13 @@ from ..errors import (
     ERROR_CLASSES,
     CorruptCheckpointError,
     InvalidStateDictError,
+    MissingKeyError,
     NotACheckpointError,
     SaveFailedError,
 )
+
+# Where stock paddle raises a builtin type for an input, ours also derives from that type, so code written
+# against stock (``except KeyError``, ``except AssertionError``, ``except FileNotFoundError``) keeps working.
 
 
 class UnsafePickleError(CorruptCheckpointError):
@@ -18,8 +22,34 @@ class UnsafePickleError(CorruptCheckpointError):
     """
 
 
-class StockVersionNotFoundError(NotACheckpointError):
-    """The requested ``unique_id`` has no ``<id>.metadata`` (or no data files) in the directory."""
+class StockVersionNotFoundError(NotACheckpointError, AssertionError):
+    """The requested ``unique_id`` has no ``<id>.metadata`` (or no data files) in the directory (stock asserts)."""
+
+
+class StockMissingKeyError(MissingKeyError, KeyError):
+    """Keys of the state dict are not in a stock-format checkpoint (stock raises KeyError; nothing is loaded)."""
+
+    __str__ = RuntimeError.__str__  # not KeyError's quoted repr
+
+
+class StockIncompleteCheckpointError(CorruptCheckpointError, AssertionError):
+    """A stock checkpoint's metadata names data files or tensors that are not there (stock asserts)."""
+
+
+class CheckpointPathNotFoundError(NotACheckpointError, FileNotFoundError):
+    """The checkpoint directory does not exist (stock: FileNotFoundError from ``os.listdir``)."""
+
+
+class CheckpointPathNotADirectoryError(NotACheckpointError, NotADirectoryError):
+    """The checkpoint path is a file (stock: NotADirectoryError from ``os.listdir``)."""
+
+
+class NoCheckpointMetadataError(NotACheckpointError, AssertionError):
+    """The directory holds no checkpoint metadata (stock asserts that a ``<id>.metadata`` file exists)."""
+
+
+class InvalidArgumentError(ValueError, AssertionError):
+    """An argument stock validates with ``assert`` (e.g. ``comm_method``)."""
 
 
 class StockFormatError(InvalidStateDictError):
@@ -34,6 +64,17 @@ class DirectoryMismatchError(SaveFailedError):
 ERROR_CLASSES.update(
     {
         cls.__name__: cls
-        for cls in (UnsafePickleError, StockVersionNotFoundError, StockFormatError, DirectoryMismatchError)
+        for cls in (
+            UnsafePickleError,
+            StockVersionNotFoundError,
+            StockFormatError,
+            DirectoryMismatchError,
+            StockMissingKeyError,
+            StockIncompleteCheckpointError,
+            CheckpointPathNotFoundError,
+            CheckpointPathNotADirectoryError,
+            InvalidArgumentError,
+            NoCheckpointMetadataError,
+        )
     }
 )

@@ -26,6 +26,7 @@ from ..coordination import Comm, gather_errors
 from ..errors import DtypeMismatchError, ShapeMismatchError
 from .aoa import Assignment, plan_aoa, postprocess, target_shard_info
 from .boxes import PieceData, assemble_box, pieces_overlapping, storage_type
+from .errors import StockIncompleteCheckpointError, StockMissingKeyError
 from .index import Piece, PieceIndex
 from .targets import Target, flatten_state_dict, make_target, mw_compatible_key
 
@@ -99,9 +100,7 @@ def _fetch_remote(group: Comm, index: PieceIndex, data: PieceData, wanted: dict[
     try:
         unseen = sorted({pid[1] for pid in requested if pid[1] not in sees})
         if unseen:
-            from ..errors import CorruptCheckpointError
-
-            raise CorruptCheckpointError(f"{index.root}: no rank can read data file(s) {unseen}")
+            raise StockIncompleteCheckpointError(f"{index.root}: no rank can read data file(s) {unseen}")
         for pid in sorted(requested):
             if sees[pid[1]] == group.rank:
                 key = pid[0]
@@ -144,6 +143,11 @@ def load_indexed(
                 missing = [t.key for t in targets if not plan.get(t.key)]
             else:
                 plan, missing, err = _plain_plan(index, targets, mw_name_compatibility)
+                if err is None and missing:  # stock raises KeyError here (its resharder), before reading
+                    err = StockMissingKeyError(
+                        f"keys {sorted(missing)} of the state dict are not in the checkpoint {index.root}; load a "
+                        f"state dict of the keys it holds ({len(index.tensors)} keys), or map them with aoa_config"
+                    )
         except Exception as e:
             err = e
     gather_errors(group, err)
