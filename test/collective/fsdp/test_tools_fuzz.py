@@ -634,3 +634,33 @@ def test_a_pickle_declaring_a_huge_length_is_refused_before_allocating(stock, tm
         out = tmp_path / f"o-{name}-{opcode.hex()}"
         rc, cap = run_cli(capsys, tmp_path, ["import-stock", src, out], out, f"import-stock {name}")
         assert rc == 2 and "MemoryError" not in cap.err, cap.err
+
+
+def test_many_input_files_under_a_small_open_file_limit(tmp_path):
+    """300 safetensors shards (index and plain directory) under RLIMIT_NOFILE 200 (readers keep at most
+    max_open_files = 64 each): from-hf, inspect, verify,
+    import-stock and diff keep a bounded number of files open."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    weight_map = {}
+    for i in range(300):
+        name = f"model-{i:05d}-of-00300.safetensors"
+        stnp.save_file({f"t{i}.weight": np.full((2, 3), i, np.float32)}, str(hf / name))
+        weight_map[f"t{i}.weight"] = name
+    plain = tmp_path / "plain"
+    shutil.copytree(hf, plain)
+    (hf / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    a, b, c = (str(tmp_path / n) for n in ("a", "b", "c"))
+    code = textwrap.dedent(
+        f"""
+        import resource
+        from paddle.distributed.fsdp.tools.cli import main
+        resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))
+        print("CODES", [main(x) for x in (["from-hf", {str(hf)!r}, {a!r}], ["import-stock", {str(plain)!r}, {b!r}],
+                                          ["inspect", {str(plain)!r}], ["verify", {str(plain)!r}], ["diff", {a!r}, {b!r}],
+                                          ["to-hf", {a!r}, {c!r}, "--max-shard-size", "30"], ["verify", {a!r}])])
+        """
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "CODES" in p.stdout, p.stderr[-3000:]
+    assert json.loads(p.stdout.split("CODES", 1)[1].strip()) == [0, 0, 0, 0, 0, 0, 0], p.stderr[-3000:]
