@@ -664,3 +664,27 @@ def test_many_input_files_under_a_small_open_file_limit(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "CODES" in p.stdout, p.stderr[-3000:]
     assert json.loads(p.stdout.split("CODES", 1)[1].strip()) == [0, 0, 0, 0, 0, 0, 0], p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kind", ["link_to_empty_dir", "dangling_link", "fifo", "file", "non_empty_dir"])
+def test_bad_output_paths_are_refused_before_any_work(base, tmp_path, capsys, kind):
+    out = tmp_path / "out"
+    (tmp_path / "elsewhere").mkdir()
+    if kind == "link_to_empty_dir":
+        out.symlink_to(tmp_path / "elsewhere")
+    elif kind == "dangling_link":
+        out.symlink_to(tmp_path / "nowhere")
+    elif kind == "fifo":
+        os.mkfifo(out)
+    elif kind == "file":
+        out.write_text("x")
+    else:
+        out.mkdir()
+        (out / "keep").write_text("x")
+    for argv in (["from-hf", base / "hf", out], ["to-hf", base / "ckpt", out], ["import-stock", base / "hf", out]):
+        before = tree(tmp_path)
+        capsys.readouterr()
+        rc = cli_main([str(a) for a in argv])
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert rc == 2 and len(err) == 1 and str(out) in err[0], (argv, err)
+        assert tree(tmp_path) == before, argv  # nothing written, nothing left, nothing through the link

@@ -311,8 +311,10 @@ def converted_blocks(
 
 
 def check_output_path(out: str) -> None:
-    """Refuse an output path that exists as a file or a non-empty directory (never overwrite)."""
+    """Refuse an output path that exists as a file, a symbolic link or a non-empty directory (never overwrite)."""
     if os.path.lexists(out):
+        if os.path.islink(out):  # refused before any work (the final rename cannot replace a link by a directory)
+            raise ToolError(f"output {out} is a symbolic link; give the real directory path (nothing is written)")
         if not os.path.isdir(out):
             raise ToolError(f"output {out} exists and is not a directory")
         if os.listdir(out):
