@@ -688,3 +688,22 @@ def test_bad_output_paths_are_refused_before_any_work(base, tmp_path, capsys, ki
         err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
         assert rc == 2 and len(err) == 1 and str(out) in err[0], (argv, err)
         assert tree(tmp_path) == before, argv  # nothing written, nothing left, nothing through the link
+
+
+def test_from_hf_preset_fuzz(qwen3, tmp_path, capsys):
+    """Crafted headers and data of a real qwen3 export through the preset paths (renames, transposes, merges)."""
+    rng = random.Random(SEED + 6)
+    for i in range(ROUNDS // 2):
+        work = tmp_path / f"r{i}"
+        work.mkdir()
+        shutil.copytree(qwen3 / "hf", work / "hf")
+        shard = work / "hf" / "model.safetensors"
+        what = mutate_st_header(rng, shard) if rng.random() < 0.7 else "bytes"
+        if what == "bytes":
+            shard.write_bytes(mutate_bytes(rng, shard.read_bytes()))
+        preset = rng.choice(["qwen3", "qwen3-fused"])
+        out = work / "out"
+        run_cli(
+            capsys, work, ["from-hf", work / "hf", out, "--preset", preset], out, f"seed {SEED + 6} round {i}: {what}"
+        )
+        shutil.rmtree(work)
