@@ -707,3 +707,30 @@ def test_from_hf_preset_fuzz(qwen3, tmp_path, capsys):
             capsys, work, ["from-hf", work / "hf", out, "--preset", preset], out, f"seed {SEED + 6} round {i}: {what}"
         )
         shutil.rmtree(work)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--atol", "nan"],
+        ["--rtol", "-1"],
+        ["--atol", "inf"],
+        ["--window", "0"],
+        ["--window", "nan"],
+        ["--window", "1e999"],
+    ],
+)
+def test_bad_diff_options_are_usage_errors(base, capsys, extra):
+    capsys.readouterr()
+    rc = cli_main(["diff", str(base / "ckpt"), str(base / "ckpt"), *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and err.strip().splitlines()[-1].startswith("paddle-fsdp-ckpt diff"), err
+
+
+@pytest.mark.parametrize("uid", ["-1", "x", "99999999999999999999999"])
+def test_bad_unique_id_is_a_named_error(base, tmp_path, capsys, uid):
+    capsys.readouterr()
+    rc = cli_main(["import-stock", str(base / "hf"), str(tmp_path / "o"), "--unique-id", uid])
+    err = capsys.readouterr().err
+    assert rc == 2 and "internal error" not in err and "Traceback" not in err, err
+    assert not (tmp_path / "o").exists()
