@@ -273,24 +273,27 @@ def test_strided_tensors_save_and_load_in_place(tmp_path, async_save):
 
 
 def test_async_snapshot_holds_save_time_values_of_the_pieces_this_rank_writes():
-    """Shards are copied on the helper thread during the exchange, replicas only when this rank writes them;
-    either way the arrays hold the values at save time and the arena is given back by ``release``."""
+    """Volatile records are copied at construction, deferred ones by ``copy_deferred`` (the save's background
+    thread); either way the arrays hold the values at save time and the arena is given back by ``written``."""
     from paddle.distributed.fsdp.checkpoint.records import collect
     from paddle.distributed.fsdp.checkpoint.snapshot import Snapshot
 
     records, _ = collect(make_state())
-    assert {r.key for r in records if r.replicated} >= {"w", "i64"} and any(not r.replicated for r in records)
     want = {r.key: bits(r.tensor) for r in records}
-    snap = Snapshot(records)
-    keys = [r.key for r in records if r.key != "i64"]  # another rank would write the replica "i64"
-    arrays, _keep, release = snap.arrays_for(keys)
+    deferred = {"w", "box"}
+    snap = Snapshot(records, lambda r: r.key in deferred)
+    assert snap.pending and ck.snapshot_in_flight()
     for r in records:
-        paddle.assign(paddle.zeros_like(r.tensor), r.tensor)  # training goes on
-    assert not any(bits(r.tensor).any() for r in records)
-    for key, arr in zip(keys, arrays):
-        assert np.array_equal(np.asarray(arr).view(np.uint8).ravel(), want[key]), key
+        if r.key not in deferred:
+            paddle.assign(paddle.zeros_like(r.tensor), r.tensor)  # training goes on (volatile: copied already)
+    snap.copy_deferred()
+    assert not snap.pending and not ck.snapshot_in_flight()
+    for r in records:
+        paddle.assign(paddle.zeros_like(r.tensor), r.tensor)
+    for r, arr in zip(records, snap.arrays):
+        assert np.array_equal(np.asarray(arr).view(np.uint8).ravel(), want[r.key]), r.key
     assert storage.arena.acquire(1, grow=False) is None  # still held for the background write
-    release()
+    snap.written()
     assert storage.arena.acquire(1, grow=False) is not None
     storage.arena.release()
 

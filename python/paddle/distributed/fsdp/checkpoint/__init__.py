@@ -14,7 +14,9 @@ from .api import (  # noqa: F401
     read_metadata,
     release_host_buffers,
     save_state_dict,
+    snapshot_in_flight,
     verify_checkpoint,
+    wait_for_snapshot,
 )
 from .api import __all__ as _engine_api
 from .errors import (  # noqa: F401

@@ -34,6 +34,7 @@ from .save import (  # noqa: F401
     release_host_buffers,
     save_state_dict,
 )
+from .snapshot_guard import snapshot_in_flight, wait_for_snapshot  # noqa: F401
 from .verify import verify_checkpoint  # noqa: F401
 
 __all__ = [
@@ -43,6 +44,8 @@ __all__ = [
     "read_metadata",
     "verify_checkpoint",
     "release_host_buffers",
+    "wait_for_snapshot",
+    "snapshot_in_flight",
     "SaveHandle",
     "LoadReport",
 ]

@@ -52,14 +52,18 @@ whose save fails with an error tells the others at once (``failed`` / ``ABORT`` 
 
 Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (CheckpointManager).
 
-``async_save=True``: the caller is blocked for the descriptor exchange and a host copy (snapshot) of the pieces this
-rank writes, which overlap (snapshot.py: the copy runs on a helper thread meanwhile); writing, fsync and commit run
-in a background (non-daemon) thread. The snapshot of host tensors goes into one per-process host buffer
+``async_save=True`` (zero-stall): the caller is blocked for the descriptor exchange, the plan and the copy of
+the *volatile* tensors only (everything but trainable parameters and optimizer state, see snapshot.py); the
+parameters and optimizer state are copied to host by the background (non-daemon) thread during the next forward
+and backward, and every writer of that memory (optimizer step, in-place Tensor methods, ``set_value``, loads,
+``wait_for_snapshot()``; snapshot_guard.py lists what is and is not intercepted) waits for the copy first, so the
+checkpoint holds the values at the call. Writing, fsync and commit follow on the same thread. The snapshot of
+host tensors goes into one per-process host buffer
 (``storage.arena``) that is reused by every async save (grown when the state grows) and STAYS RESIDENT between
 saves: an async-saving process holds about one extra copy of the bytes it writes, all the time (filling fresh memory
 costs page faults, which made the snapshot several times slower than a copy into resident memory).
 ``release_host_buffers()`` frees it; the next async save allocates it again. Device (and strided) tensors are
-snapshotted with their own host copy instead. The returned SaveHandle's ``wait()`` returns after the commit (on
+snapshotted with their own host copy at the call instead. The returned SaveHandle's ``wait()`` returns after the commit (on
 every rank) or raises the background error; an error not collected by ``wait()`` is raised by the next
 ``save_state_dict``. gloo collectives are never issued from the background thread (they would race with the training
 loop's collectives), hence the file-based completion protocol.
@@ -83,6 +87,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import Any
 
 from . import checksums, faults, storage
@@ -109,7 +114,7 @@ from .metadata import (
 )
 from .planner import RecordDesc, build_save_plan
 from .records import collect
-from .snapshot import Snapshot
+from .snapshot import Snapshot, default_deferred
 
 # ------------------------------------------------------------------------------------------------ async state
 
@@ -206,6 +211,7 @@ class _SaveJob:
     publisher: Any = None  # CheckpointManager hook: publish()/is_published()/cleanup(), see _Publisher
     created: float = field(default_factory=time.time)
     release: Any = None  # async save: gives the snapshot arena back (called once the data file is written)
+    snapshot: Any = None  # async save: the Snapshot whose deferred copies run first in the background thread
 
     def _written(self) -> None:
         self.arrays = self.keepalive = []  # release snapshot memory early
@@ -215,6 +221,12 @@ class _SaveJob:
 
     def run(self) -> None:
         try:
+            if self.snapshot is not None:  # async: copy the deferred tensors first (snapshot.py), then write
+                try:
+                    self.snapshot.copy_deferred()
+                except BaseException as e:
+                    _mark_failed(self.staging, self.rank, e)
+                    raise
             self._run()
         finally:
             self._written()
@@ -426,11 +438,15 @@ def save_state_dict(
     commit_timeout: float | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     write_stock_metadata: bool = True,
+    deferred_keys: Collection[str] | None = None,
     _publisher: _Publisher | None = None,
     **unused_stock_kwargs,
 ) -> SaveHandle | None:
     """Save ``state_dict`` collectively into the checkpoint directory ``path`` (see the module docstring).
 
+    ``deferred_keys`` (async saves): keys whose tensors change only through an optimizer step or a direct write
+    the engine intercepts (snapshot_guard.py); their host copy runs after the call returns (snapshot.py).
+    Default: the keys whose tensor is a trainable paddle Parameter. Every other tensor is copied at the call.
     ``_publisher`` is CheckpointManager's hook (moves ``latest`` after the commit); not for direct use.
     """
     with _save_lock:  # saves of one process never overlap, whatever thread they come from
@@ -443,6 +459,7 @@ def save_state_dict(
             commit_timeout,
             chunk_bytes,
             write_stock_metadata,
+            deferred_keys,
             _publisher,
         )
 
@@ -456,6 +473,7 @@ def _save_locked(
     commit_timeout: float | None,
     chunk_bytes: int,
     write_stock_metadata: bool,
+    deferred_keys: Collection[str] | None,
     publisher: _Publisher | None,
 ) -> SaveHandle | None:
     tr = _Tracer("save (calling thread)")
@@ -475,23 +493,15 @@ def _save_locked(
         descs = [r.desc().to_wire() for r in records]
         if comm.rank == coordinator_rank:
             _check_target_path(path)
-        if async_save:
-            # this rank's shards are copied to host on a helper thread during the exchange and the plan
-            snap = Snapshot(records)
     except Exception as e:  # reported to every rank by the exchange, so no rank is left waiting
         err = e
-    try:
-        gathered = comm.all_gather_object((_error_payload(err), descs, values if err is None else {}, my_id, algorithm))
-        _raise_gathered([g[0] for g in gathered], err)
-        tr.mark("exchange")
-        checkpoint_id, algorithm = gathered[coordinator_rank][3], gathered[coordinator_rank][4]
-        plan = build_save_plan(
-            [([RecordDesc.from_wire(w) for w in g[1]], g[2]) for g in gathered], checkpoint_id, chunk_bytes
-        )
-    except BaseException:
-        if snap is not None:
-            snap.cancel()
-        raise
+    gathered = comm.all_gather_object((_error_payload(err), descs, values if err is None else {}, my_id, algorithm))
+    _raise_gathered([g[0] for g in gathered], err)
+    tr.mark("exchange")
+    checkpoint_id, algorithm = gathered[coordinator_rank][3], gathered[coordinator_rank][4]
+    plan = build_save_plan(
+        [([RecordDesc.from_wire(w) for w in g[1]], g[2]) for g in gathered], checkpoint_id, chunk_bytes
+    )
     by_key = {r.key: r for r in records}
     staging = f"{path}.tmp-{checkpoint_id}"
     tr.mark("plan")
@@ -500,16 +510,27 @@ def _save_locked(
     release = None
     try:
         keys = [key for key, _piece in plan.files[comm.rank].pieces]
-        if snap is not None:
-            arrays, keep, release = snap.arrays_for(keys)
+        if async_save:
+            if deferred_keys is None:
+                is_deferred = default_deferred
+            else:
+                wanted = set(deferred_keys)
+
+                def is_deferred(record) -> bool:
+                    return record.key in wanted
+
+            snap = Snapshot([by_key[key] for key in keys], is_deferred)
+            arrays, keep, release = snap.arrays, snap.keep, snap.written
         else:
             # sync: write straight from tensor memory; device tensors are copied to host one piece at a
             # time while writing (never the whole state at once)
             arrays = [_lazy_view(by_key[key].tensor) for key in keys]
     except BaseException as e:
+        if snap is not None:
+            snap.cancel()
         _mark_failed(staging, comm.rank, e)  # the coordinator must not wait for this rank until the timeout
         raise
-    tr.mark("snapshot" if async_save else "views")
+    tr.mark("snapshot (volatile part)" if async_save else "views")
     job = _SaveJob(
         path=path,
         staging=staging,
@@ -526,6 +547,7 @@ def _save_locked(
         write_stock=write_stock_metadata,
         publisher=publisher,
         release=release,
+        snapshot=snap,
     )
     if not async_save:
         job.run()
@@ -544,6 +566,8 @@ def _save_locked(
         with _pending_lock:
             if _pending is handle:
                 _pending = None
+        if snap is not None:
+            snap.cancel()
         job._written()
         raise
     tr.mark("start-thread")

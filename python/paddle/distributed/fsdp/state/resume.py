@@ -80,6 +80,18 @@ def _state(fsdp, optimizer) -> dict:
     return state
 
 
+def _deferred_keys(fsdp, state: dict) -> list[str]:
+    """Keys an async save may copy after it returned: pieces of trainable parameters and optimizer state, which
+    only the optimizer step (or a direct write) changes, and both wait for the copy (checkpoint/snapshot_guard.py).
+    Parameters of non-trainable buffers are copied at the call."""
+    model, trainable = set(), set()
+    for key, _param, buffer, _index in fsdp.managed_parameters():
+        model.add(key)
+        if buffer.layout.trainable:
+            trainable.add(key)
+    return [key for key in state if key in trainable or (key not in model and not key.startswith(RESERVED_PREFIX))]
+
+
 def save_checkpoint(
     fsdp,
     path: str,
@@ -96,7 +108,10 @@ def save_checkpoint(
     With ``step``, ``path`` is a checkpoint root: the checkpoint goes to ``path/step_<step>``, ``path/latest``
     names it once it is committed, and with ``keep_last=K`` only the K newest steps are kept (removed after
     the commit). Returns the engine's SaveHandle when ``async_save`` (call ``wait()`` before relying on the
-    files; ``latest`` and pruning happen in the background too).
+    files; ``latest`` and pruning happen in the background too). An async save does not stall training: it
+    returns after capturing RNG, LR scheduler, ``extra_state`` and non-trainable tensors; parameters and
+    optimizer state are copied during the next forward/backward, and the next ``optimizer.step()`` waits for
+    that copy by itself (see checkpoint/snapshot_guard.py for what else waits).
     """
     if str(format).lower() in HF_FORMAT_NAMES:
         raise ValueError(
@@ -121,9 +136,12 @@ def save_checkpoint(
         }
     state[RNG_KEY] = fsdp.comm.all_gather_object(_rng_state())
     state[EXTRA_KEY] = dict(extra_state or {})
+    deferred = _deferred_keys(fsdp, state) if async_save else None
     if manager is not None:
-        return manager.save(step, state, async_save=async_save)
-    return save_state_dict(state, path, process_group=fsdp.comm.group, async_save=async_save)
+        return manager.save(step, state, async_save=async_save, deferred_keys=deferred)
+    return save_state_dict(
+        state, path, process_group=fsdp.comm.group, async_save=async_save, deferred_keys=deferred
+    )
 
 
 def _foreign_keys(metadata, fsdp) -> list[str]:
