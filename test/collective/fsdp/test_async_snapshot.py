@@ -104,6 +104,7 @@ def test_write_right_after_async_save_waits_and_save_holds_values_at_the_call(tm
     at_call = {k: bits(v) for k, v in state.items()}
     h = ck.save_state_dict(state, str(tmp_path / "c"), async_save=True)
     assert ck.snapshot_in_flight()
+
     def write():
         if writer == "optimizer_step":
             WRITES[writer](lin, opt)

@@ -86,8 +86,8 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import checksums, faults, storage

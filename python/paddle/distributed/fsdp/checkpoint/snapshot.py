@@ -20,7 +20,6 @@ host on the calling thread (``copy_to_host``: the one place a pinned, side-strea
 
 from __future__ import annotations
 
-import threading
 from typing import Callable
 
 import numpy as np

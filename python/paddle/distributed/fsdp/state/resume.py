@@ -139,9 +139,7 @@ def save_checkpoint(
     deferred = _deferred_keys(fsdp, state) if async_save else None
     if manager is not None:
         return manager.save(step, state, async_save=async_save, deferred_keys=deferred)
-    return save_state_dict(
-        state, path, process_group=fsdp.comm.group, async_save=async_save, deferred_keys=deferred
-    )
+    return save_state_dict(state, path, process_group=fsdp.comm.group, async_save=async_save, deferred_keys=deferred)
 
 
 def _foreign_keys(metadata, fsdp) -> list[str]:
