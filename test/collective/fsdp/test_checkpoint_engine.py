@@ -488,14 +488,19 @@ def _corrupt(kind, path: Path):
         ("symlink_escape", ck.UnsafePathError, "outside"),
     ],
 )
-def test_damaged_checkpoint_raises_named_error_and_leaves_targets_identical(saved, kind, err, match):
+@pytest.mark.parametrize("atomic", [False, True], ids=["bounded", "atomic"])
+def test_damaged_checkpoint_raises_named_error_and_leaves_targets_identical(saved, kind, err, match, atomic):
+    """Everything but damaged data is found before any byte is written (targets identical in both modes);
+    damaged data is found while reading: atomic=True restores, the default stops with PartiallyLoadedError."""
     _, path = saved
     _corrupt(kind, path)
     t = fresh_targets()
     before = snapshot(t)
-    with pytest.raises(err, match=match):
-        ck.load_state_dict(t, str(path))
-    assert_unchanged(t, before)
+    mid_load = kind == "flipped" and not atomic
+    with pytest.raises(ck.PartiallyLoadedError if mid_load else err, match=match):
+        ck.load_state_dict(t, str(path), atomic=atomic)
+    if not mid_load:
+        assert_unchanged(t, before)
     assert t["step"] is None and t["cfg"] is None
     assert ck.verify_checkpoint(str(path)), "verify_checkpoint found nothing wrong"
 
@@ -538,7 +543,7 @@ def test_checksum_algorithms_verify_and_detect_a_flipped_bit(tmp_path, monkeypat
     t = fresh_targets()
     before = snapshot(t)
     with pytest.raises(ck.CorruptCheckpointError, match="checksum mismatch .* key 'w'"):
-        ck.load_state_dict(t, str(path))
+        ck.load_state_dict(t, str(path), atomic=True)
     assert_unchanged(t, before)
     assert any("checksum mismatch" in p for p in ck.verify_checkpoint(str(path)))
 
@@ -550,9 +555,10 @@ def test_unknown_checksum_algorithm_is_refused_before_writing(tmp_path, monkeypa
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_whole_pieces_are_read_in_place_and_restored_when_the_load_fails(tmp_path, monkeypatch):
-    """Tensors whose bytes are whole saved pieces are read straight into their memory (no staging copy after
-    the status exchange); when a later piece is damaged, every one of them gets its previous bytes back."""
+def test_whole_pieces_are_read_in_place_and_restored_when_the_atomic_load_fails(tmp_path, monkeypatch):
+    """atomic=True: tensors whose bytes are whole saved pieces are read straight into their memory (no staging
+    copy after the status exchange); when a later piece is damaged, every one of them gets its previous bytes
+    back."""
     from paddle.distributed.fsdp.checkpoint import inplace
 
     paddle.seed(11)
@@ -569,7 +575,7 @@ def test_whole_pieces_are_read_in_place_and_restored_when_the_load_fails(tmp_pat
     monkeypatch.setattr(inplace.InPlaceReads, "__init__", spy_init)
     targets = {k: paddle.full([700, 1000], -1.0) for k in sd}
     ptrs = {k: t.data_ptr() for k, t in targets.items()}
-    ck.load_state_dict(targets, str(path))
+    ck.load_state_dict(targets, str(path), atomic=True)
     assert seen["regions"] == sorted(sd)
     for k in sd:
         assert targets[k].data_ptr() == ptrs[k] and np.array_equal(bits(targets[k]), bits(sd[k])), k
@@ -583,7 +589,7 @@ def test_whole_pieces_are_read_in_place_and_restored_when_the_load_fails(tmp_pat
     targets = {k: paddle.full([700, 1000], float(i)) for i, k in enumerate(sd)}
     before = {k: bits(t) for k, t in targets.items()}
     with pytest.raises(ck.CorruptCheckpointError, match=f"checksum mismatch .* key '{last}'"):
-        ck.load_state_dict(targets, str(path))
+        ck.load_state_dict(targets, str(path), atomic=True)
     assert seen["regions"] == sorted(sd)  # all were written in place before the mismatch was known
     for k, t in targets.items():
         assert np.array_equal(bits(t), before[k]), f"{k} not restored"
@@ -605,7 +611,7 @@ def test_aliasing_targets_are_not_read_in_place(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ck_load_mod, "_in_place_regions", spy)
     t = {"a": base, "b": base}  # one memory for both keys: no undo order could restore it safely
-    ck.load_state_dict(t, str(tmp_path / "c"))
+    ck.load_state_dict(t, str(tmp_path / "c"), atomic=True)
     assert got["in_place"] == []
     assert np.array_equal(bits(base), bits(sd["b"])) or np.array_equal(bits(base), bits(sd["a"]))
 

@@ -25,6 +25,7 @@ import mmap
 import os
 import shutil
 import threading
+import weakref
 
 import numpy as np
 
@@ -76,6 +77,47 @@ def _checksum_pool():
 _HUGEPAGES_MODE = os.environ.get("PADDLE_FSDP_CKPT_HUGEPAGES", "auto").strip().lower()
 
 
+class HostMemoryAccount:
+    """The engine's own accounting of the host buffers it holds: bytes alive now and the peak since
+    ``reset_peak``. Every buffer a load or save allocates goes through ``track`` (``alloc_host``, ``host_empty``,
+    staging tensors), so a bound on the extra host memory of a load is checked against this account."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.current = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+
+    def sub(self, nbytes: int) -> None:
+        with self._lock:
+            self.current -= nbytes
+
+    def track(self, obj, nbytes: int):
+        """Count ``nbytes`` until ``obj`` (an array or tensor owning them) is garbage."""
+        if nbytes > 0:
+            self.add(nbytes)
+            weakref.finalize(obj, self.sub, nbytes)
+        return obj
+
+    def reset_peak(self) -> int:
+        """Start a new peak at the current level; returns that level."""
+        with self._lock:
+            self.peak = self.current
+            return self.current
+
+
+host_memory = HostMemoryAccount()
+
+
+def host_empty(nbytes: int) -> np.ndarray:
+    """An accounted uint8 scratch buffer (bounce buffers and read windows)."""
+    return host_memory.track(np.empty(nbytes, np.uint8), nbytes)
+
+
 def alloc_host(nbytes: int, for_direct_reads: bool = False) -> np.ndarray:
     """Fresh uint8 host buffer of ``nbytes`` in its own anonymous mapping (page aligned, returned to the OS when
     the last view of it is dropped); huge pages requested when it is filled by O_DIRECT reads (see above)."""
@@ -88,7 +130,7 @@ def alloc_host(nbytes: int, for_direct_reads: bool = False) -> np.ndarray:
             m.madvise(mmap.MADV_HUGEPAGE)
         except (OSError, ValueError):
             pass
-    return np.frombuffer(m, np.uint8)
+    return host_memory.track(np.frombuffer(m, np.uint8), nbytes)
 
 
 class HostArena:
@@ -572,7 +614,7 @@ def read_piece_windows(
                 end = max(pos + align, (end // align) * align)
             n = end - pos
             if buf is None or len(buf) < n:
-                buf = np.empty(min(window_bytes + 2 * align, max(n, b - a)), np.uint8)
+                buf = host_empty(min(window_bytes + 2 * align, max(n, b - a)))
             view = buf[:n]
             files.pread_into(piece.file, view, piece.offset + pos)
             if verify:
@@ -658,14 +700,14 @@ def read_range_direct(
     if A >= B:  # no whole chunk inside: read the enclosing chunks
         a0 = (a // C) * C
         b0 = min(-(-b // C) * C, piece.nbytes)
-        tmp = np.empty(b0 - a0, np.uint8)
+        tmp = host_empty(b0 - a0)
         files.pread_into(piece.file, tmp, piece.offset + a0)
         _verify_chunks(files, key, piece, tmp, a0, C)
         out[:] = tmp[a - a0 : b - a0]
         return
     if a < A:  # head: partial chunk
         a0 = A - C
-        tmp = np.empty(min(C, piece.nbytes - a0), np.uint8)
+        tmp = host_empty(min(C, piece.nbytes - a0))
         files.pread_into(piece.file, tmp, piece.offset + a0)
         _verify_chunks(files, key, piece, tmp, a0, C)
         out[: A - a] = tmp[a - a0 : A - a0]
@@ -687,7 +729,7 @@ def read_range_direct(
         verifier.wait()
     if B < b:  # tail: partial chunk
         b0 = min(B + C, piece.nbytes)
-        tmp = np.empty(b0 - B, np.uint8)
+        tmp = host_empty(b0 - B)
         files.pread_into(piece.file, tmp, piece.offset + B)
         _verify_chunks(files, key, piece, tmp, B, C)
         out[B - a :] = tmp[: b - B]

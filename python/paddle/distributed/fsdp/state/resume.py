@@ -29,8 +29,8 @@ from paddle.base import core
 
 from ..checkpoint import CheckpointManager, LoadReport, load_state_dict, read_metadata, save_state_dict
 from ..checkpoint.api import _error_payload, _raise_gathered
-from ..checkpoint.errors import OptimizerMismatchError, UnexpectedKeyError
-from ..checkpoint.manager import parse_step, resolve_checkpoint, step_dir_name
+from ..checkpoint.errors import OptimizerMismatchError, PartiallyLoadedError, UnexpectedKeyError
+from ..checkpoint.manager import committed_steps, parse_step, resolve_checkpoint, step_dir_name
 from . import optimizer_states as names
 
 logger = logging.getLogger(__name__)
@@ -47,9 +47,13 @@ class LoadResult(dict):
     ``extra = fsdp.load_checkpoint(...)`` keeps working) plus what the load did.
 
     Attributes:
-        report: the engine's LoadReport (loaded, missing, mismatched and unexpected keys; bytes read).
-        path: the checkpoint directory that was loaded (for a root: the one ``latest`` named).
+        report: the engine's LoadReport (loaded, missing, mismatched and unexpected keys; bytes read; host
+            memory held).
+        path: the checkpoint directory that was loaded (for a root: the one ``latest`` named, or the older one
+            the load fell back to).
         step: its step when it is a CheckpointManager directory (``step_<N>``), else None.
+        fallback_from: ``[(checkpoint, error)]`` for the newer checkpoints of a root that failed mid-load before
+            this one loaded (empty normally).
     """
 
     def __init__(self, extra_state: dict, report: LoadReport, path: str) -> None:
@@ -57,6 +61,7 @@ class LoadResult(dict):
         self.report = report
         self.path = path
         self.step = parse_step(os.path.basename(path))
+        self.fallback_from: list[tuple[str, str]] = []
 
 
 def _rng_state() -> list:
@@ -185,16 +190,63 @@ def _precheck(fsdp, path: str, optimizer, strict: bool) -> tuple[str, list[str]]
 
 
 def load_checkpoint(
-    fsdp, path: str, optimizer=None, *, strict: bool = True, verify_checksums: bool = True
+    fsdp,
+    path: str,
+    optimizer=None,
+    *,
+    strict: bool = True,
+    verify_checksums: bool = True,
+    atomic: bool = False,
+    max_host_bytes: int | None = None,
 ) -> LoadResult:
     """Restore what :func:`save_checkpoint` wrote into ``fsdp``'s model and ``optimizer``, in place.
 
     ``path`` is a checkpoint directory or a root written with ``step=`` (its ``latest`` checkpoint is loaded).
-    All-or-nothing: every key, shape, dtype and checksum is checked on every rank before any tensor is written;
-    on failure every model and optimizer tensor is bit-identical to before (an optimizer without state yet gets
-    its freshly initialised accumulators, as its first step would create them). Returns a :class:`LoadResult`:
-    the saved ``extra_state`` dict, with ``.report``, ``.path`` and ``.step``.
+    Every key, shape, dtype, file size and the optimizer class are checked on every rank before any tensor is
+    written (on such a failure every model and optimizer tensor is bit-identical to before; an optimizer without
+    state yet gets its freshly initialised accumulators, as its first step would create them). The data is then
+    read straight into the tensors with bounded host memory (``max_host_bytes``, default ``max(64 MiB, 2%)`` of
+    the rank's state); data found corrupt while reading stops the load on every rank with PartiallyLoadedError
+    (tensors partly written). Given a root, the load then falls back to the newest older committed checkpoint
+    (logged, listed in ``result.fallback_from``), which overwrites every tensor again; ``atomic=True`` instead
+    keeps an undo copy of the rank's state and restores it. Returns a :class:`LoadResult`: the saved
+    ``extra_state`` dict, with ``.report``, ``.path``, ``.step`` and ``.fallback_from``.
     """
+    options = dict(strict=strict, verify_checksums=verify_checksums, atomic=atomic, max_host_bytes=max_host_bytes)
+    root = os.path.abspath(os.fspath(path))
+    skipped: list[tuple[str, str]] = []
+    target = path
+    while True:
+        try:
+            result = _load_one(fsdp, target, optimizer, **options)
+        except PartiallyLoadedError as e:
+            failed = getattr(e, "checkpoint", None)
+            older = _older_checkpoint(root, failed) if failed is not None and failed != root else None
+            if older is None:
+                raise
+            skipped.append((failed, str(e)))
+            logger.warning("load_checkpoint(%s): %s failed mid-load (%s); falling back to %s", root, failed, e, older)
+            target = older
+            continue
+        result.fallback_from = skipped
+        return result
+
+
+def _older_checkpoint(root: str, failed: str) -> str | None:
+    """The newest committed ``step_*`` checkpoint of ``root`` older than ``failed`` (None: there is none)."""
+    if os.path.dirname(failed) != root:
+        return None
+    step = parse_step(os.path.basename(failed))
+    if step is None:
+        return None
+    older = [s for s in committed_steps(root) if s < step]
+    return os.path.join(root, step_dir_name(older[-1])) if older else None
+
+
+def _load_one(
+    fsdp, path: str, optimizer, *, strict: bool, verify_checksums: bool, atomic: bool, max_host_bytes
+) -> LoadResult:
+    """One load attempt of ``path`` (a checkpoint or a root's latest); see :func:`load_checkpoint`."""
     err: BaseException | None = None
     resolved, foreign = None, []
     try:
@@ -209,9 +261,19 @@ def load_checkpoint(
     state = _state(fsdp, optimizer)
     for key in (RNG_KEY, EXTRA_KEY) + ((OPTIMIZER_KEY,) if optimizer is not None else ()):
         state[key] = None
-    report = load_state_dict(
-        state, resolved, process_group=fsdp.comm.group, strict=strict, verify_checksums=verify_checksums
-    )
+    try:
+        report = load_state_dict(
+            state,
+            resolved,
+            process_group=fsdp.comm.group,
+            strict=strict,
+            verify_checksums=verify_checksums,
+            atomic=atomic,
+            max_host_bytes=max_host_bytes,
+        )
+    except PartiallyLoadedError as e:
+        e.checkpoint = resolved  # which checkpoint failed, for the fallback
+        raise
     if optimizer is not None and state[OPTIMIZER_KEY] is not None:
         names.set_optimizer_global_state(inner, state[OPTIMIZER_KEY]["global_state"])
     rng = state[RNG_KEY]
