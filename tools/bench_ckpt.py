@@ -515,13 +515,13 @@ class Tracer:
         if not enabled:
             return
         try:
-            from paddle.distributed.fsdp.checkpoint import api
+            from paddle.distributed.fsdp.checkpoint import coordination
         except ImportError:
             return
-        tr_cls = getattr(api, "_Tracer", None)
+        tr_cls = getattr(coordination, "Tracer", None)
         if tr_cls is None or not hasattr(tr_cls, "done"):
             return
-        sys.modules[tr_cls.__module__]._TRACE = True  # the switch _Tracer reads (checkpoint/coordination.py)
+        sys.modules[tr_cls.__module__]._TRACE = True  # the switch Tracer reads (checkpoint/coordination.py)
         records = self.records
         orig_done = tr_cls.done
 

@@ -1,25 +1,32 @@
-"""Sharded checkpoint storage engine of the FSDP fork.
+"""Sharded checkpoint storage engine of the FSDP fork: the public surface.
 
 Per-rank safetensors data files + a JSON index (metadata.json) + a commit record; loading never unpickles.
-See ``save.py`` and ``load.py`` for the protocol and behaviour (``api.py`` re-exports the public functions),
-``metadata.py`` for the on-disk schema, ``manager.py`` for numbered checkpoints with a ``latest`` pointer and
-keep-last-K, ``faults.py`` for the test-only crash hook.
+
+Saving and loading (collective over the process group; every rank gets the same named error on failure):
+
+* ``save_state_dict(state_dict, path, ...)`` -> ``SaveHandle`` (async) or None; ``release_host_buffers()``
+  (save.py: directory layout, save/commit protocol, crash safety, async saves).
+* ``load_state_dict(state_dict, path, ...)`` -> ``LoadReport``, any world size, memory-bounded; all-or-nothing
+  for everything checkable before writing, ``PartiallyLoadedError`` on every rank for data found corrupt while
+  writing, or fully all-or-nothing with ``atomic=True`` (load.py).
+* ``wait_for_snapshot()`` / ``snapshot_in_flight()``: an async save copies parameters and optimizer state after
+  it returned; writers the engine cannot intercept wait with this first (snapshot_guard.py).
+* ``load_full_state_dict(path, keys=None)``: whole tensors in one process, no collectives (load.py).
+* ``read_metadata(path)`` -> ``CheckpointMetadata`` of a committed checkpoint (format/commit.py).
+* ``verify_checkpoint(path)`` -> list of problems (verify.py).
+* ``CheckpointManager``, ``latest_checkpoint``, ``resolve_checkpoint``: numbered checkpoints with a ``latest``
+  pointer and keep-last-K (manager.py).
+* ``gather_errors(comm, error, payload)``: the one "every rank fails together with the same named error"
+  exchange, for callers that check something before a collective save or load (coordination.py).
+* the ``CheckpointError`` family (errors.py).
+
+Where things live: ``format/`` owns the on-disk format (schema, commit record, safetensors headers, reserved
+keys, the one region reader); ``planner.py`` plans writes and reads; ``storage.py`` does the file I/O;
+``records.py`` normalises state-dict entries; ``faults.py`` holds the test-only crash hook.
 """
 
-from .api import (  # noqa: F401
-    LoadReport,
-    SaveHandle,
-    load_full_state_dict,
-    load_state_dict,
-    read_metadata,
-    release_host_buffers,
-    save_state_dict,
-    snapshot_in_flight,
-    verify_checkpoint,
-    wait_for_snapshot,
-)
-from .api import __all__ as _engine_api
-from .errors import (  # noqa: F401
+from .coordination import gather_errors
+from .errors import (
     CheckpointError,
     CorruptCheckpointError,
     DtypeMismatchError,
@@ -30,25 +37,37 @@ from .errors import (  # noqa: F401
     NotACheckpointError,
     OptimizerMismatchError,
     PartiallyLoadedError,
+    SafetensorsHeaderError,
     SaveFailedError,
     ShapeMismatchError,
     StateDictMismatchError,
     UnexpectedKeyError,
     UnsafePathError,
 )
-from .manager import (  # noqa: F401
-    CheckpointManager,
-    latest_checkpoint,
-    resolve_checkpoint,
-)
-from .metadata import CheckpointMetadata  # noqa: F401
+from .format.commit import read_metadata
+from .format.metadata import CheckpointMetadata
+from .load import LoadReport, load_full_state_dict, load_state_dict
+from .manager import CheckpointManager, latest_checkpoint, resolve_checkpoint
+from .save import SaveHandle, release_host_buffers, save_state_dict
+from .snapshot_guard import snapshot_in_flight, wait_for_snapshot
+from .verify import verify_checkpoint
 
 __all__ = [
-    *_engine_api,
+    "save_state_dict",
+    "load_state_dict",
+    "load_full_state_dict",
+    "read_metadata",
+    "verify_checkpoint",
+    "release_host_buffers",
+    "wait_for_snapshot",
+    "snapshot_in_flight",
+    "SaveHandle",
+    "LoadReport",
     "CheckpointManager",
     "latest_checkpoint",
     "resolve_checkpoint",
     "CheckpointMetadata",
+    "gather_errors",
     "CheckpointError",
     "CorruptCheckpointError",
     "DtypeMismatchError",
@@ -57,6 +76,7 @@ __all__ = [
     "MetadataError",
     "MissingKeyError",
     "NotACheckpointError",
+    "SafetensorsHeaderError",
     "SaveFailedError",
     "PartiallyLoadedError",
     "ShapeMismatchError",

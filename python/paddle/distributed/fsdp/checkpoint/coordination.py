@@ -1,11 +1,10 @@
 """Cross-rank coordination shared by the save and load paths of the checkpoint engine.
 
-The process group wrapper (``_Comm``: one ``all_gather_object`` per exchange, none in a single process), the
-error exchange that makes all ranks fail together (``_error_payload`` / ``_raise_gathered``), the file-based
-completion protocol helpers used instead of collectives (``PARTS_DIR`` markers, ``_poll``, ``_read_json``), the
-save target check, the commit timeout, byte alignment of host buffers, and phase tracing
-(``PADDLE_FSDP_CKPT_TRACE=1``; the switch is this module's ``_TRACE``). The protocols themselves are described in
-save.py and load.py.
+The process group wrapper (``Comm``: one ``all_gather_object`` per exchange, none in a single process), the
+error exchange that makes all ranks fail together with the same named error (``gather_errors``), the file-based
+completion protocol helpers used instead of collectives (``poll``, ``read_json``), the save target check, the
+commit timeout, byte alignment of host buffers, and phase tracing (``PADDLE_FSDP_CKPT_TRACE=1``; the switch is
+this module's ``_TRACE``). The protocols themselves are described in save.py and load.py.
 """
 
 from __future__ import annotations
@@ -13,15 +12,15 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any
 
 from .errors import InvalidStateDictError, SaveFailedError, rebuild_remote_error
-from .metadata import COMMIT_FILE, FORMAT_NAME, METADATA_FILE
+from .format.metadata import COMMIT_FILE, FORMAT_NAME, METADATA_FILE
 
-PARTS_DIR = ".parts"
 _TRACE = os.environ.get("PADDLE_FSDP_CKPT_TRACE") == "1"
 
 
-class _Tracer:
+class Tracer:
     """Phase timings printed to stderr when PADDLE_FSDP_CKPT_TRACE=1 (for finding where time goes)."""
 
     def __init__(self, what: str):
@@ -54,7 +53,9 @@ DEFAULT_COMMIT_TIMEOUT = float(os.environ.get("PADDLE_FSDP_CKPT_COMMIT_TIMEOUT",
 # ------------------------------------------------------------------------------------------------ groups
 
 
-class _Comm:
+class Comm:
+    """Ranks of the process group a save or load runs on, and the one collective it uses."""
+
     def __init__(self, process_group):
         import paddle.distributed as dist
 
@@ -80,25 +81,28 @@ class _Comm:
         return out
 
 
-def _error_payload(e: BaseException):
-    if e is None:
-        return None
-    return (type(e).__name__, str(e))
+def gather_errors(comm, error: BaseException | None, payload: Any = None) -> list:
+    """Exchange every rank's error (and ``payload``) in one ``all_gather_object``; if any rank failed, raise on
+    every rank: the rank's own error where it has one, else the first failed rank's, rebuilt as the same named
+    class (errors.rebuild_remote_error). Returns every rank's ``payload`` (by rank) when none failed.
 
-
-def _raise_gathered(statuses: list, own: BaseException | None) -> None:
-    """Raise on every rank if any rank failed: the own error where there is one, else the first remote one."""
-    if own is not None:
-        raise own
-    for r, st in enumerate(statuses):
+    ``comm`` is anything with ``all_gather_object(obj) -> list`` (``Comm``, FullyShardFusion's ``comm``). Every
+    rank must call it, also a failed one: that is what keeps a failing rank from leaving the others waiting.
+    """
+    status = None if error is None else (type(error).__name__, str(error))
+    gathered = comm.all_gather_object((status, payload))
+    if error is not None:
+        raise error
+    for r, (st, _payload) in enumerate(gathered):
         if st is not None:
             raise rebuild_remote_error(st[0], st[1], r)
+    return [p for _st, p in gathered]
 
 
 # ------------------------------------------------------------------------------------------------ file protocol
 
 
-def _check_target_path(path: str) -> None:
+def check_target_path(path: str) -> None:
     if not os.path.lexists(path):
         return
     if not os.path.isdir(path):
@@ -114,7 +118,7 @@ def _check_target_path(path: str) -> None:
     )
 
 
-def _poll(cond, timeout: float, what: str):
+def poll(cond, timeout: float, what: str):
     t0 = time.monotonic()
     delay = 0.001
     while True:
@@ -127,7 +131,7 @@ def _poll(cond, timeout: float, what: str):
         delay = min(delay * 2, 0.005)
 
 
-def _read_json(path: str):
+def read_json(path: str):
     try:
         with open(path, "rb") as f:
             return json.loads(f.read())
@@ -135,8 +139,9 @@ def _read_json(path: str):
         return None
 
 
-_ALIGN = 64  # byte alignment of the pieces carved out of one host buffer
+ALIGN = 64  # byte alignment of the pieces carved out of one host buffer
 
 
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+def aligned(n: int) -> int:
+    """``n`` rounded up to ALIGN."""
+    return -(-n // ALIGN) * ALIGN

@@ -27,6 +27,10 @@ class MetadataError(CorruptCheckpointError):
     """metadata.json (or the commit record) cannot be parsed or is inconsistent."""
 
 
+class SafetensorsHeaderError(CorruptCheckpointError):
+    """A safetensors file's header is malformed, implausible or does not fit the file."""
+
+
 class UnsafePathError(MetadataError):
     """A file name in the metadata would escape the checkpoint directory."""
 
@@ -78,6 +82,7 @@ ERROR_CLASSES = {
         IncompleteCheckpointError,
         CorruptCheckpointError,
         MetadataError,
+        SafetensorsHeaderError,
         UnsafePathError,
         StateDictMismatchError,
         MissingKeyError,

@@ -20,7 +20,7 @@ import threading
 import numpy as np
 
 from . import storage
-from .coordination import _aligned
+from .coordination import aligned
 
 
 class InPlaceReads:
@@ -32,7 +32,7 @@ class InPlaceReads:
         pos = 0
         for _key, _piece, dst in regions:
             self._undo.append(undo[pos : pos + len(dst)])
-            pos += _aligned(len(dst))
+            pos += aligned(len(dst))
         self._backed = 0  # regions [0, _backed) have their previous bytes in the undo buffer
         self._started = 0  # regions [0, _started) may have been written
         self._cond = threading.Condition()

@@ -1,5 +1,5 @@
-"""Load path of the checkpoint engine: ``read_metadata``, ``load_state_dict``, ``load_full_state_dict``,
-``LoadReport``.
+"""Load path of the checkpoint engine: ``load_state_dict``, ``load_full_state_dict``, ``LoadReport``
+(``read_metadata`` is format/commit.py's).
 
 The layout of a checkpoint directory and the save protocol (staging directory, COMMIT written last, atomic
 rename, what a crashed save leaves behind) are described in save.py.
@@ -39,8 +39,6 @@ each node has the pieces its ranks read). Saving needs one file system visible t
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from collections.abc import Iterable
@@ -50,33 +48,22 @@ from typing import Any
 import numpy as np
 
 from . import checksums, storage
-from .coordination import PARTS_DIR, _aligned, _Comm, _error_payload, _raise_gathered, _Tracer
+from .coordination import Comm, Tracer, aligned, gather_errors
 from .errors import (
     CheckpointError,
-    CorruptCheckpointError,
     DtypeMismatchError,
-    IncompleteCheckpointError,
     InvalidStateDictError,
-    MetadataError,
     MissingKeyError,
-    NotACheckpointError,
     PartiallyLoadedError,
     ShapeMismatchError,
 )
+from .format.commit import read_metadata
+from .format.metadata import DTYPES, CheckpointMetadata, resolve_member
+from .format.regions import clip_segments, read_deferred, read_region, region_segments
 from .inplace import InPlaceReads
-from .metadata import (
-    COMMIT_FILE,
-    DTYPES,
-    FORMAT_NAME,
-    LATEST_FILE,
-    METADATA_FILE,
-    CheckpointMetadata,
-    TensorMeta,
-    resolve_member,
-)
-from .planner import Region, plan_reads
+from .planner import Region
 from .records import to_record
-from .save import _wait_pending
+from .save import wait_pending
 
 # Load commit for contiguous host targets: memcpy into the target's memory (faster than paddle staging
 # tensors on CPU). False forces the generic path used for device targets (host staging tensor + copy_).
@@ -84,116 +71,6 @@ _HOST_FAST_PATH = True
 
 
 # ------------------------------------------------------------------------------------------------ reading
-
-
-def _describe_dir(path: str) -> str:
-    try:
-        names = sorted(os.listdir(path))
-    except OSError:
-        return "unreadable"
-    if len(names) > 8:
-        names = names[:8] + ["..."]
-    return ", ".join(names) or "empty"
-
-
-def read_metadata(path: str) -> CheckpointMetadata:
-    """Metadata of a committed checkpoint; raises NotACheckpointError / IncompleteCheckpointError / MetadataError."""
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path):
-        parent = os.path.dirname(path)
-        base = os.path.basename(path)
-        try:
-            near = sorted(n for n in os.listdir(parent) if n.startswith((base + ".old-", base + ".tmp-")))
-        except OSError:
-            near = []
-        staging = [n for n in near if n.startswith(base + ".tmp-")]
-        old = [n for n in near if n.startswith(base + ".old-")]
-        old_hint = (
-            (f"; {old[0]} holds the checkpoint that was being replaced (rename it back to {base})") if old else ""
-        )
-        if staging:
-            raise IncompleteCheckpointError(
-                f"checkpoint {path} is incomplete: it was never committed; "
-                f"{_describe_staging(_newest(parent, staging))} left {staging[:3]} next to it{old_hint}"
-            )
-        raise NotACheckpointError(f"{path} is not a checkpoint: no such directory{old_hint}")
-    mpath = os.path.join(path, METADATA_FILE)
-    cpath = os.path.join(path, COMMIT_FILE)
-    has_m, has_c = os.path.isfile(mpath), os.path.isfile(cpath)
-    if not has_c:
-        names = os.listdir(path)
-        looks_partial = has_m or PARTS_DIR in names or any(n.endswith("_0.safetensors") for n in names)
-        if looks_partial:
-            missing = "the commit record COMMIT" + ("" if has_m else " and metadata.json")
-            raise IncompleteCheckpointError(
-                f"checkpoint {path} is incomplete: {missing} is missing (the save did not finish)"
-            )
-        if LATEST_FILE in names:
-            raise NotACheckpointError(
-                f"{path} is a checkpoint root ({LATEST_FILE} -> {_peek_latest(path)}), not a checkpoint: pass one "
-                f"of its checkpoint directories, or pass the root to load_checkpoint / CheckpointManager"
-            )
-        stock = any(n.endswith(".metadata") for n in names)
-        raise NotACheckpointError(
-            f"{path} is not a {FORMAT_NAME} checkpoint: no {METADATA_FILE} and no {COMMIT_FILE} "
-            f"({'looks like a stock paddle checkpoint; ' if stock else ''}contents: {_describe_dir(path)})"
-        )
-    try:
-        with open(cpath, "rb") as f:
-            commit = json.loads(f.read())
-        want_sha = commit["metadata_sha256"]
-        cid = commit["checkpoint_id"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise MetadataError(f"checkpoint {path}: commit record {COMMIT_FILE} is damaged: {e}") from None
-    if not has_m:
-        raise CorruptCheckpointError(f"checkpoint {path}: {METADATA_FILE} is missing although it was committed")
-    with open(mpath, "rb") as f:
-        data = f.read()
-    if hashlib.sha256(data).hexdigest() != want_sha:
-        raise MetadataError(
-            f"checkpoint {path}: {METADATA_FILE} does not match the checksum in the commit record (damaged)"
-        )
-    md = CheckpointMetadata.loads(data, where=f"{path}/{METADATA_FILE}")
-    if md.checkpoint_id != cid:
-        raise MetadataError(f"checkpoint {path}: commit record and metadata name different checkpoints")
-    return md
-
-
-def _newest(parent: str, names: list[str]) -> str:
-    def mtime(n: str) -> float:
-        try:
-            return os.path.getmtime(os.path.join(parent, n))
-        except OSError:
-            return 0.0
-
-    return os.path.join(parent, max(names, key=mtime))
-
-
-def _describe_staging(staging: str) -> str:
-    """Why a staging directory is there: a save that failed with an error, or one that was killed (or runs)."""
-    parts = os.path.join(staging, PARTS_DIR)
-    try:
-        names = sorted(os.listdir(parts))
-    except OSError:
-        names = []
-    errors = [n for n in names if n.endswith(".failed.json") or n == "ABORT"]
-    if errors:
-        try:
-            with open(os.path.join(parts, errors[0]), "rb") as f:
-                raw = f.read(500)
-            why = json.loads(raw).get("error") if errors[0] != "ABORT" else raw.decode(errors="replace")
-        except (OSError, ValueError, AttributeError):
-            why = "unknown error"
-        return f"a save that failed ({why})"
-    return "a save that was interrupted (or is still running)"
-
-
-def _peek_latest(root: str) -> str:
-    try:
-        with open(os.path.join(root, LATEST_FILE), "rb") as f:
-            return f.read(256).decode(errors="replace").strip() or "empty"
-    except OSError:
-        return "unreadable"
 
 
 def _staging_tensor(shape, dtype: str, pin: bool):
@@ -205,25 +82,6 @@ def _staging_tensor(shape, dtype: str, pin: bool):
         if not pin:
             raise
         return paddle.empty(list(shape), dtype=dtype, device=paddle.CPUPlace())
-
-
-def _segments(root: str, md: CheckpointMetadata, key: str, tm: TensorMeta, region: Region) -> list:
-    """Where the bytes of ``region`` of ``key`` are: per saved piece ``(piece, src, dst, length, big)``, byte
-    offsets (piece-relative source, region-relative destination) sorted by source; ``big`` marks the segments of
-    at least two checksum chunks (read straight, without a window buffer)."""
-    items, covered = plan_reads(key, tm, region)
-    if covered != region.numel:
-        raise CorruptCheckpointError(
-            f"checkpoint {root}: key {key!r}: saved pieces cover {covered} of the {region.numel} requested elements"
-        )
-    isz = DTYPES[tm.dtype][0]
-    out = []
-    for it in items:
-        seg = it.segments
-        order = np.argsort(seg.src, kind="stable")
-        len_b = seg.length[order] * isz
-        out.append((it.piece, seg.src[order] * isz, seg.dst[order] * isz, len_b, len_b >= 2 * md.chunk_bytes))
-    return out
 
 
 _IN_PLACE = os.environ.get("PADDLE_FSDP_CKPT_IN_PLACE", "1") != "0"  # 0: stage everything (measurements)
@@ -290,104 +148,6 @@ def _plan_spans(reads: list, chunk_bytes: int, verify: bool) -> list[list]:
         start = (fs // A) * A
         out.append([name, start, fe - start, members])
     return out
-
-
-def _fill(
-    files: storage.FileSet,
-    md: CheckpointMetadata,
-    key: str,
-    tm: TensorMeta,
-    region: Region,
-    out: np.ndarray,
-    verify: bool,
-    verifier: storage.ChunkVerifier | None = None,
-    deferred: list | None = None,
-) -> None:
-    """Read every element of ``region`` of ``key`` into ``out`` (uint8, region storage order).
-
-    With ``verifier``, checks of large ranges are queued on it: ``out`` is verified only after its ``wait()``.
-    With ``deferred``, large ranges are not read here but appended to it as ``(key, piece, a, b, out view)``
-    for ``_read_deferred`` (which reads them in file order); small ones are read at once.
-    """
-    segs = _segments(files.root, md, key, tm, region)
-    _fill_segments(files, md, key, segs, out, verify, verifier, deferred)
-
-
-def _fill_segments(
-    files: storage.FileSet,
-    md: CheckpointMetadata,
-    key: str,
-    segs: list,
-    out: np.ndarray,
-    verify: bool,
-    verifier: storage.ChunkVerifier | None = None,
-    deferred: list | None = None,
-    window_bytes: int = storage.DEFAULT_WINDOW,
-) -> None:
-    """``_fill`` for the segments ``segs`` (from ``_segments``, destinations relative to ``out``); small
-    segments go through read windows of at most ``window_bytes`` (plus two chunks)."""
-    verify = verify and files.verifies
-    for piece, src_b, dst_b, len_b, big in segs:
-        # large segments: read straight into the staging buffer (verified in place)
-        for a, d, l in zip(src_b[big].tolist(), dst_b[big].tolist(), len_b[big].tolist()):
-            if deferred is not None:
-                deferred.append((key, piece, a, a + l, out[d : d + l]))
-                continue
-            storage.read_range_direct(
-                files, key, piece, a, a + l, out[d : d + l], md.chunk_bytes, verify, verifier=verifier
-            )
-        if big.all():
-            continue
-        src_b, dst_b, len_b = src_b[~big], dst_b[~big], len_b[~big]
-        # small segments (e.g. rows of a box): read enclosing windows once, verify, scatter
-        merged: list[tuple[int, int]] = []
-        for a, b in zip(src_b.tolist(), (src_b + len_b).tolist()):
-            if merged and a <= merged[-1][1]:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-            else:
-                merged.append((a, b))
-        si = 0
-        n = len(src_b)
-        windows = storage.read_piece_windows(files, key, piece, merged, md.chunk_bytes, verify, window_bytes)
-        for wpos, buf in windows:
-            wend = wpos + len(buf)
-            # segments are sorted by source offset and disjoint, so finished ones form a prefix
-            j = si
-            while j < n and src_b[j] < wend:
-                a = int(src_b[j])
-                b = a + int(len_b[j])
-                lo, hi = max(a, wpos), min(b, wend)
-                if hi > lo:
-                    d = int(dst_b[j]) + (lo - a)
-                    out[d : d + (hi - lo)] = buf[lo - wpos : hi - wpos]
-                if b <= wend and j == si:
-                    si += 1
-                j += 1
-
-
-def _clip_segments(segs: list, w0: int, w1: int, chunk_bytes: int) -> list:
-    """The parts of ``segs`` whose destination lies in ``[w0, w1)``, destinations made relative to ``w0``."""
-    out = []
-    for piece, src_b, dst_b, len_b, _big in segs:
-        lo = np.maximum(dst_b, w0)
-        hi = np.minimum(dst_b + len_b, w1)
-        keep = hi > lo
-        if not keep.any():
-            continue
-        length = (hi - lo)[keep]
-        out.append((piece, (src_b + (lo - dst_b))[keep], lo[keep] - w0, length, length >= 2 * chunk_bytes))
-    return out
-
-
-def _read_deferred(
-    files: storage.FileSet, md: CheckpointMetadata, reads: list, verify: bool, verifier: storage.ChunkVerifier
-) -> None:
-    """Read the large ranges collected by ``_fill(deferred=...)`` in file order (sequential for the kernel's
-    readahead; requesting readahead explicitly with POSIX_FADV_WILLNEED was measured slower)."""
-    verify = verify and files.verifies
-    reads.sort(key=lambda r: (r[1].file, r[1].offset + r[2]))
-    for key, piece, a, b, out in reads:
-        storage.read_range_direct(files, key, piece, a, b, out, md.chunk_bytes, verify, verifier=verifier)
 
 
 # ------------------------------------------------------------------------------------------------ load
@@ -508,11 +268,11 @@ def load_state_dict(
     """
     if unused_stock_kwargs.get("aoa_config") is not None:
         raise InvalidStateDictError("aoa_config is not supported by the FSDP checkpoint engine")
-    tr = _Tracer("load")
-    _wait_pending(raise_error=False)
+    tr = Tracer("load")
+    wait_pending(raise_error=False)
     t0 = time.perf_counter()
     path = os.path.abspath(os.fspath(path))
-    comm = _Comm(process_group)
+    comm = Comm(process_group)
     report = LoadReport(atomic=bool(atomic))
     requested = sorted(k for k in state_dict) if isinstance(state_dict, dict) else []
     load = _load_atomic if atomic else _load_bounded
@@ -523,7 +283,7 @@ def load_state_dict(
         state_dict[k] = v
     all_requested = set()
     for s in statuses:
-        all_requested.update(s[1])
+        all_requested.update(s[0])
     report.unexpected_keys = sorted((set(md.tensors) | set(md.values)) - all_requested)
     report.seconds = time.perf_counter() - t0
     tr.done()
@@ -531,7 +291,7 @@ def load_state_dict(
 
 
 def _check_same_checkpoint(path: str, statuses: list) -> None:
-    ids = sorted({s[2] for s in statuses})
+    ids = sorted({s[1] for s in statuses})
     if len(ids) > 1:  # e.g. the path was replaced by a concurrent save between the ranks' reads
         raise CheckpointError(
             f"load of {path}: ranks read different checkpoints ({ids}); was it replaced during the load? "
@@ -568,15 +328,14 @@ def _load_bounded(state_dict, path, comm, report, requested, verify_checksums, s
             for tg in targets:
                 if tg.region.numel == 0:
                     continue
-                segs = _segments(path, md, tg.key, md.tensors[tg.key], tg.region)
+                segs = region_segments(path, md, tg.key, tg.region)
                 for seg in segs:
                     files.fd(seg[0].file)  # opened and size-checked before any byte is written
                 plan.append((tg, segs))
             tr.mark("validate")
         except Exception as e:  # noqa: BLE001 - every failure must reach the status exchange below
             err = e
-        statuses = comm.all_gather_object((_error_payload(err), requested, md.checkpoint_id if md else None))
-        _raise_gathered([s[0] for s in statuses], err)
+        statuses = gather_errors(comm, err, (requested, md.checkpoint_id if md else None))
         _check_same_checkpoint(path, statuses)
         tr.mark("exchange-checks")
 
@@ -591,11 +350,11 @@ def _load_bounded(state_dict, path, comm, report, requested, verify_checksums, s
             for tg, segs in plan:
                 if _HOST_FAST_PATH and storage.is_host_contiguous(tg.tensor):
                     dst, _ = storage.raw_view(tg.tensor, allow_copy=False)
-                    _fill_segments(files, md, tg.key, segs, dst, verify_checksums, verifier, reads, window)
+                    read_region(files, md, tg.key, tg.region, dst, verify_checksums, verifier, reads, window, segs)
                 else:
                     _fill_through_window(files, md, tg, segs, verify_checksums, verifier, window)
                 report.loaded_keys.append(tg.key)
-            _read_deferred(files, md, reads, verify_checksums, verifier)
+            read_deferred(files, md, reads, verify_checksums, verifier)
             tr.mark("read")
             verifier.wait()
             report.bytes_read = files.bytes_read
@@ -605,16 +364,16 @@ def _load_bounded(state_dict, path, comm, report, requested, verify_checksums, s
         finally:
             verifier.drain()
             report.peak_host_bytes = max(0, storage.host_memory.peak - base)
-        statuses2 = comm.all_gather_object(_error_payload(err))
-        failed = [(r, st) for r, st in enumerate(statuses2) if st is not None]
-        if failed:
-            r, (name, msg) = failed[0]
+        try:
+            gather_errors(comm, err)
+        except Exception as e:  # noqa: BLE001 - a failure on any rank: this rank's own, else the first other one
+            cause = f"rank {comm.rank} failed: {type(e).__name__}: {e}" if e is err else f"{type(e).__name__}: {e}"
             raise PartiallyLoadedError(
-                f"load of {path} failed after writing into the targets had begun: rank {r}: {name}: {msg}. The "
+                f"load of {path} failed after writing into the targets had begun ({cause}). The "
                 f"tensors being loaded on every rank that read data now hold a mix of their previous and the loaded "
                 f"values: do not continue with them. Load a checkpoint again (load_checkpoint(root) falls back to "
                 f"the newest older checkpoint by itself), or load with atomic=True, which keeps an undo copy"
-            ) from err
+            ) from e
         tr.mark("exchange-status")
     finally:
         verifier.drain()
@@ -628,7 +387,7 @@ def _fill_through_window(files, md, tg: _Target, segs: list, verify: bool, verif
     bytes, rows at a time, each window verified and then copied into the target with ``Tensor.copy_``."""
     shape = list(tg.tensor.shape)
     nbytes = tg.region.numel * DTYPES[tg.dtype][0]
-    pin = not storage._is_host(tg.tensor.place)
+    pin = not storage.is_host_place(tg.tensor.place)
     rows = shape[0] if shape else 1
     row_bytes = nbytes // max(rows, 1)
     per_window = max(1, window // max(row_bytes, 1))
@@ -636,7 +395,7 @@ def _fill_through_window(files, md, tg: _Target, segs: list, verify: bool, verif
         # whole target at once (small, 0-d or strided: a strided target cannot be written row window-wise)
         staging = storage.host_memory.track(_staging_tensor(shape, tg.dtype, pin), nbytes)
         raw, _ = storage.raw_view(staging, allow_copy=False)
-        _fill_segments(files, md, tg.key, segs, raw, verify, verifier, None, window)
+        read_region(files, md, tg.key, tg.region, raw, verify, verifier, None, window, segs)
         verifier.wait()
         tg.tensor.copy_(staging, True)
         return
@@ -647,17 +406,8 @@ def _fill_through_window(files, md, tg: _Target, segs: list, verify: bool, verif
     for r0 in range(0, rows, per_window):
         r1 = min(rows, r0 + per_window)
         w0, w1 = r0 * row_bytes, r1 * row_bytes
-        _fill_segments(
-            files,
-            md,
-            tg.key,
-            _clip_segments(segs, w0, w1, md.chunk_bytes),
-            raw[: w1 - w0],
-            verify,
-            verifier,
-            None,
-            window,
-        )
+        window_segs = clip_segments(segs, w0, w1, md.chunk_bytes)
+        read_region(files, md, tg.key, tg.region, raw[: w1 - w0], verify, verifier, None, window, window_segs)
         verifier.wait()  # the window is reused next: its checks must be done
         src = staging if r1 - r0 == per_window else staging._slice(0, r1 - r0)
         tg.tensor._slice(r0, r1).copy_(src, True)
@@ -694,7 +444,7 @@ def _load_atomic(state_dict, path, comm, report, requested, verify_checksums, st
             for tg in targets:
                 if tg.region.numel == 0:
                     continue
-                segs = _segments(path, md, tg.key, md.tensors[tg.key], tg.region)
+                segs = region_segments(path, md, tg.key, tg.region)
                 host = storage.is_host_contiguous(tg.tensor)
                 if _HOST_FAST_PATH and host and all(bool(sg[4].all()) for sg in segs):
                     tg.copies = []
@@ -708,11 +458,9 @@ def _load_atomic(state_dict, path, comm, report, requested, verify_checksums, st
             A = storage.DIRECT_ALIGN
             span_bytes = [-(-sp[2] // A) * A for sp in spans]
             host_staged = [tg for tg in staged if _HOST_FAST_PATH and storage.is_host_contiguous(tg.tensor)]
-            undo_bytes = sum(_aligned(len(dst)) for _key, _piece, dst in regions)
+            undo_bytes = sum(aligned(len(dst)) for _key, _piece, dst in regions)
             need = (
-                sum(span_bytes)
-                + undo_bytes
-                + sum(_aligned(tg.region.numel * DTYPES[tg.dtype][0]) for tg in host_staged)
+                sum(span_bytes) + undo_bytes + sum(aligned(tg.region.numel * DTYPES[tg.dtype][0]) for tg in host_staged)
             )
             stage = storage.arena.acquire(need, grow=storage.arena.capacity > 0) if need else None
             arena_held = stage is not None
@@ -735,7 +483,7 @@ def _load_atomic(state_dict, path, comm, report, requested, verify_checksums, st
             for tg in host_staged:
                 n = tg.region.numel * DTYPES[tg.dtype][0]
                 tg.raw = stage[pos : pos + n]
-                pos += _aligned(n)
+                pos += aligned(n)
             if regions:  # previous bytes copied to the undo buffer ahead of the reads, on a helper thread
                 in_place = InPlaceReads(regions, stage[pos : pos + undo_bytes])
             stage = None
@@ -748,11 +496,11 @@ def _load_atomic(state_dict, path, comm, report, requested, verify_checksums, st
             for tg in staged:
                 if tg.raw is None:
                     # device (or strided) target: host staging tensor (pinned for devices), committed with copy_
-                    pin = not storage._is_host(tg.tensor.place)
+                    pin = not storage.is_host_place(tg.tensor.place)
                     tg.staging = _staging_tensor(tg.tensor.shape, tg.dtype, pin)
                     tg.raw, _ = storage.raw_view(tg.staging, allow_copy=False)
-                _fill(files, md, tg.key, md.tensors[tg.key], tg.region, tg.raw, verify_checksums, verifier, reads)
-            _read_deferred(files, md, reads, verify_checksums, verifier)
+                read_region(files, md, tg.key, tg.region, tg.raw, verify_checksums, verifier, reads)
+            read_deferred(files, md, reads, verify_checksums, verifier)
             tr.mark("read")
             verifier.wait()  # every queued checksum, before this rank reports its status
             report.bytes_read = files.bytes_read
@@ -763,8 +511,7 @@ def _load_atomic(state_dict, path, comm, report, requested, verify_checksums, st
             verifier.drain()  # no helper thread reads the staging any more
             if files is not None:
                 files.close()
-        statuses = comm.all_gather_object((_error_payload(err), requested, md.checkpoint_id if md else None))
-        _raise_gathered([s[0] for s in statuses], err)
+        statuses = gather_errors(comm, err, (requested, md.checkpoint_id if md else None))
         _check_same_checkpoint(path, statuses)
         tr.mark("exchange")
 
@@ -828,9 +575,9 @@ def load_full_state_dict(path: str, keys: Iterable[str] | None = None) -> dict:
             region = Region.full(tm.shape)
             if region.numel:
                 raw, _ = storage.raw_view(t, allow_copy=False)
-                _fill(files, md, key, tm, region, raw, True, verifier, reads)
+                read_region(files, md, key, region, raw, True, verifier, reads)
             out[key] = t
-        _read_deferred(files, md, reads, True, verifier)
+        read_deferred(files, md, reads, True, verifier)
         verifier.wait()  # nothing is returned before every checksum passed
     finally:
         verifier.drain()

@@ -42,9 +42,11 @@ import threading
 import uuid
 
 from . import storage
-from .api import LoadReport, SaveHandle, _Comm, _error_payload, _raise_gathered, load_state_dict, save_state_dict
+from .coordination import Comm, gather_errors
 from .errors import CheckpointError, IncompleteCheckpointError, NotACheckpointError
-from .metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, check_file_name
+from .format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, check_file_name
+from .load import LoadReport, load_state_dict
+from .save import SaveHandle, save_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -160,8 +162,7 @@ def resolve_checkpoint_collective(path: str, comm) -> str:
         resolved = resolve_checkpoint(path)
     except CheckpointError as e:
         err = e
-    gathered = comm.all_gather_object((_error_payload(err), resolved))
-    _raise_gathered([g[0] for g in gathered], err)
+    gather_errors(comm, err)
     return resolved
 
 
@@ -206,7 +207,7 @@ def _rmtree_all(paths: list[str]) -> None:
 
 
 class _LatestPublisher:
-    """The engine's post-commit hook for one CheckpointManager save (protocol: save._Publisher)."""
+    """The engine's post-commit hook for one CheckpointManager save (protocol: save.Publisher)."""
 
     def __init__(self, root: str, name: str, keep_last: int | None) -> None:
         self.root, self.name, self.keep_last = root, name, keep_last
@@ -280,7 +281,7 @@ class CheckpointManager:
         """Load the newest committed checkpoint into ``state_dict`` (engine's ``load_state_dict``)."""
         return load_state_dict(
             state_dict,
-            resolve_checkpoint_collective(self.root, _Comm(self.process_group)),
+            resolve_checkpoint_collective(self.root, Comm(self.process_group)),
             process_group=self.process_group,
             coordinator_rank=self.coordinator_rank,
             **load_kwargs,

@@ -11,13 +11,13 @@ All run arithmetic is vectorised with numpy so boxes with many rows stay cheap.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .errors import InvalidStateDictError
-from .metadata import DTYPES, PieceMeta, TensorMeta, numel
+from .format.metadata import DTYPES, FORMAT_NAME, PieceMeta, TensorMeta, numel, rank_file_name
+from .format.safetensors import build_header
 
 
 @dataclass(frozen=True)
@@ -264,11 +264,6 @@ class RecordDesc:
         )
 
 
-def rank_file_name(rank: int) -> str:
-    # "<rank>_0.safetensors" is also the data file name stock paddle's loader expects for unique_id 0.
-    return f"{rank}_0.safetensors"
-
-
 @dataclass
 class FileLayout:
     name: str
@@ -287,16 +282,6 @@ class SavePlan:
 
     def my_writes(self, rank: int) -> list[tuple[str, PieceMeta]]:
         return self.files[rank].pieces
-
-
-def safetensors_header(entries: list[tuple[str, str, tuple, int, int]], meta: dict[str, str]) -> bytes:
-    """entries: (name, dtype, shape, begin, end) relative to the data section. Padded to 8 bytes."""
-    h: dict[str, object] = {"__metadata__": meta}
-    for name, dtype, shape, b, e in entries:
-        h[name] = {"dtype": DTYPES[dtype][1], "shape": list(shape), "data_offsets": [b, e]}
-    raw = json.dumps(h, separators=(",", ":")).encode()
-    raw += b" " * ((-len(raw)) % 8)
-    return len(raw).to_bytes(8, "little") + raw
 
 
 def build_save_plan(
@@ -368,9 +353,7 @@ def build_save_plan(
             entries.append((key, d.dtype, st_shape, pos, pos + nbytes))
             items.append((key, reg, pos, nbytes))
             pos += nbytes
-        header = safetensors_header(
-            entries, {"format": "paddle-fsdp-checkpoint", "checkpoint_id": checkpoint_id, "rank": str(rank)}
-        )
+        header = build_header(entries, {"format": FORMAT_NAME, "checkpoint_id": checkpoint_id, "rank": str(rank)})
         layout = FileLayout(name=name, rank=rank, header=header, size=len(header) + pos)
         for key, reg, p, nbytes in items:
             piece = PieceMeta(

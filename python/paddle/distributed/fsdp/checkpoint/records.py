@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidStateDictError
-from .metadata import DTYPES, is_json_value
+from .format.metadata import DTYPES, is_json_value
 from .planner import RecordDesc, Region
 from .storage import dtype_name, numel_of
 

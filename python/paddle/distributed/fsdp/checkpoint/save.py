@@ -80,7 +80,6 @@ Cross-rank helpers shared with the load path (process group, error exchange, fil
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
@@ -93,22 +92,20 @@ from typing import Any
 from . import checksums, faults, storage
 from .coordination import (
     DEFAULT_COMMIT_TIMEOUT,
-    PARTS_DIR,
-    _check_target_path,
-    _Comm,
-    _error_payload,
-    _poll,
-    _raise_gathered,
-    _read_json,
-    _Tracer,
+    Comm,
+    Tracer,
+    check_target_path,
+    gather_errors,
+    poll,
+    read_json,
 )
 from .errors import InvalidStateDictError, SaveFailedError
-from .metadata import (
+from .format import commit as format_commit
+from .format.metadata import (
     COMMIT_FILE,
     DEFAULT_CHUNK_BYTES,
-    FORMAT_NAME,
     LATEST_FILE,
-    METADATA_FILE,
+    PARTS_DIR,
     CheckpointMetadata,
     FileMeta,
 )
@@ -156,7 +153,7 @@ _pending_lock = threading.Lock()
 _save_lock = threading.Lock()
 
 
-class _Publisher:
+class Publisher:
     """What CheckpointManager plugs into a save (duck-typed; this class documents the protocol)."""
 
     def publish(self) -> None:
@@ -170,7 +167,7 @@ class _Publisher:
         """Coordinator, after ``publish``: remove what is no longer kept (best effort, never raises)."""
 
 
-def _wait_pending(raise_error: bool) -> None:
+def wait_pending(raise_error: bool) -> None:
     """Wait for this process's previous async save. Its uncollected error is raised here when
     ``raise_error`` (the next save), else kept for the next save (a load does not consume it)."""
     global _pending
@@ -208,7 +205,7 @@ class _SaveJob:
     checksum: str  # algorithm (checksums.py), the same on every rank
     timeout: float
     write_stock: bool
-    publisher: Any = None  # CheckpointManager hook: publish()/is_published()/cleanup(), see _Publisher
+    publisher: Any = None  # CheckpointManager hook: publish()/is_published()/cleanup(), see Publisher
     created: float = field(default_factory=time.time)
     release: Any = None  # async save: gives the snapshot arena back (called once the data file is written)
     snapshot: Any = None  # async save: the Snapshot whose deferred copies run first in the background thread
@@ -232,7 +229,7 @@ class _SaveJob:
             self._written()
 
     def _run(self) -> None:
-        tr = _Tracer(f"save rank {self.rank}")
+        tr = Tracer(f"save rank {self.rank}")
         parts = os.path.join(self.staging, PARTS_DIR)
         os.makedirs(parts, exist_ok=True)
         layout = self.plan.files[self.rank]
@@ -286,15 +283,15 @@ class _SaveJob:
             tr.mark("wait-commit")
         tr.done()
 
-    def _commit(self, parts: str, tr: _Tracer) -> None:
+    def _commit(self, parts: str, tr: Tracer) -> None:
         def all_parts():
             status = {}
             for r in range(self.world):
-                d = _read_json(os.path.join(parts, f"{r}.done.json"))
+                d = read_json(os.path.join(parts, f"{r}.done.json"))
                 if d is not None:
                     status[r] = ("done", d)
                     continue
-                f = _read_json(os.path.join(parts, f"{r}.failed.json"))
+                f = read_json(os.path.join(parts, f"{r}.failed.json"))
                 if f is not None:
                     status[r] = ("failed", f)
             if any(s[0] == "failed" for s in status.values()):
@@ -302,7 +299,7 @@ class _SaveJob:
             return status if len(status) == self.world else None
 
         try:
-            status = _poll(all_parts, self.timeout, f"all {self.world} ranks to finish writing {self.staging}")
+            status = poll(all_parts, self.timeout, f"all {self.world} ranks to finish writing {self.staging}")
         except SaveFailedError:
             have = [r for r in range(self.world) if os.path.exists(os.path.join(parts, f"{r}.done.json"))]
             missing = sorted(set(range(self.world)) - set(have))
@@ -334,27 +331,15 @@ class _SaveJob:
             for (_key, piece), sums in zip(layout.pieces, done["checksums"]):
                 piece.checksums = [int(c) for c in sums]
         md.tensors = self.plan.tensors
-        data = md.dumps()
         # inside the (invisible) staging directory plain write+fsync is enough; order: data files (fsynced by
         # their ranks), metadata, stock index, then the commit record, then the directory, then the rename
-        storage.write_file(os.path.join(self.staging, METADATA_FILE), data, fsync=True, atomic=False)
-        if self.write_stock:
-            from .stock_compat import write_stock_metadata
-
-            write_stock_metadata(self.staging, md)
+        data = format_commit.write_metadata(self.staging, md, self.write_stock)
         tr.mark("metadata")
         faults.point("before_commit", self.rank)
-        commit = {
-            "format": FORMAT_NAME,
-            "checkpoint_id": self.checkpoint_id,
-            "metadata_sha256": hashlib.sha256(data).hexdigest(),
-        }
         import shutil
 
         shutil.rmtree(parts, ignore_errors=True)
-        storage.write_file(
-            os.path.join(self.staging, COMMIT_FILE), json.dumps(commit).encode(), fsync=True, atomic=False
-        )
+        format_commit.write_commit(self.staging, self.checkpoint_id, data)
         storage.fsync_dir(self.staging)
         tr.mark("commit-record")
         faults.point("before_rename", self.rank)
@@ -369,7 +354,7 @@ class _SaveJob:
 
         def state():
             nonlocal seen_commit
-            c = _read_json(commit_path)
+            c = read_json(commit_path)
             if c is not None and c.get("checkpoint_id") == self.checkpoint_id:
                 seen_commit = True
                 if self.publisher is None or self.publisher.is_published():
@@ -380,7 +365,7 @@ class _SaveJob:
             return None
 
         try:
-            st = _poll(state, self.timeout, f"rank {self.coordinator} to commit {self.path}")
+            st = poll(state, self.timeout, f"rank {self.coordinator} to commit {self.path}")
         except SaveFailedError:
             if seen_commit:
                 raise SaveFailedError(
@@ -439,7 +424,7 @@ def save_state_dict(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     write_stock_metadata: bool = True,
     deferred_keys: Collection[str] | None = None,
-    _publisher: _Publisher | None = None,
+    _publisher: Publisher | None = None,
     **unused_stock_kwargs,
 ) -> SaveHandle | None:
     """Save ``state_dict`` collectively into the checkpoint directory ``path`` (see the module docstring).
@@ -474,13 +459,13 @@ def _save_locked(
     chunk_bytes: int,
     write_stock_metadata: bool,
     deferred_keys: Collection[str] | None,
-    publisher: _Publisher | None,
+    publisher: Publisher | None,
 ) -> SaveHandle | None:
-    tr = _Tracer("save (calling thread)")
-    _wait_pending(raise_error=True)
+    tr = Tracer("save (calling thread)")
+    wait_pending(raise_error=True)
     tr.mark("wait-previous")
     path = os.path.abspath(os.fspath(path))
-    comm = _Comm(process_group)
+    comm = Comm(process_group)
     if not 0 <= coordinator_rank < comm.world:
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
     timeout = DEFAULT_COMMIT_TIMEOUT if commit_timeout is None else float(commit_timeout)
@@ -492,15 +477,14 @@ def _save_locked(
         records, values = collect(state_dict)
         descs = [r.desc().to_wire() for r in records]
         if comm.rank == coordinator_rank:
-            _check_target_path(path)
+            check_target_path(path)
     except Exception as e:  # reported to every rank by the exchange, so no rank is left waiting
         err = e
-    gathered = comm.all_gather_object((_error_payload(err), descs, values if err is None else {}, my_id, algorithm))
-    _raise_gathered([g[0] for g in gathered], err)
+    gathered = gather_errors(comm, err, (descs, values if err is None else {}, my_id, algorithm))
     tr.mark("exchange")
-    checkpoint_id, algorithm = gathered[coordinator_rank][3], gathered[coordinator_rank][4]
+    checkpoint_id, algorithm = gathered[coordinator_rank][2], gathered[coordinator_rank][3]
     plan = build_save_plan(
-        [([RecordDesc.from_wire(w) for w in g[1]], g[2]) for g in gathered], checkpoint_id, chunk_bytes
+        [([RecordDesc.from_wire(w) for w in g[0]], g[1]) for g in gathered], checkpoint_id, chunk_bytes
     )
     by_key = {r.key: r for r in records}
     staging = f"{path}.tmp-{checkpoint_id}"

@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 
 from . import snapshot_guard, storage
-from .coordination import _aligned
+from .coordination import aligned
 
 
 def copy_to_host(tensor):
@@ -57,7 +57,7 @@ class Snapshot:
         self.volatile_bytes = 0
         self._guard: snapshot_guard.SnapshotInFlight | None = None
         host = [r for r in records if _nbytes(r.tensor) and storage.is_host_contiguous(r.tensor)]
-        need = sum(_aligned(_nbytes(r.tensor)) for r in host)
+        need = sum(aligned(_nbytes(r.tensor)) for r in host)
         buf = storage.arena.acquire(need, grow=True) if need else None
         self.release: Callable[[], None] | None = storage.arena.release if buf is not None else None
         try:
@@ -76,7 +76,7 @@ class Snapshot:
                     continue
                 n = _nbytes(r.tensor)
                 slot = buf[pos : pos + n]
-                pos += _aligned(n)
+                pos += aligned(n)
                 src, _ = storage.raw_view(r.tensor, allow_copy=False)
                 self.arrays.append(slot)
                 if deferred(r):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from .metadata import CheckpointMetadata
+from .format.metadata import CheckpointMetadata
 
 STOCK_METADATA_FILE = "0.metadata"
 

@@ -32,7 +32,7 @@ import numpy as np
 from . import checksums, faults
 from .checksums import DigestFn
 from .errors import CorruptCheckpointError
-from .metadata import PieceMeta
+from .format.metadata import PieceMeta
 
 WRITE_SLAB = 64 << 20  # bytes handed to the kernel per write call
 READ_SLAB_BYTES = int(os.environ.get("PADDLE_FSDP_CKPT_READ_SLAB", 16 << 20))  # pread step of direct reads
@@ -193,13 +193,13 @@ def dtype_name(t) -> str:
     return str(t.dtype).split(".")[-1]
 
 
-def _is_host(place) -> bool:
+def is_host_place(place) -> bool:
     return place.is_cpu_place() or (hasattr(place, "is_cuda_pinned_place") and place.is_cuda_pinned_place())
 
 
 def is_host_contiguous(t) -> bool:
     """Whether the tensor's bytes can be used in place through its data pointer (see raw_view)."""
-    return _is_host(t.place) and t.is_contiguous()
+    return is_host_place(t.place) and t.is_contiguous()
 
 
 def raw_view(t, allow_copy: bool = True):
@@ -212,12 +212,12 @@ def raw_view(t, allow_copy: bool = True):
     if n == 0:
         return np.zeros(0, np.uint8), t
     keep = t
-    if not _is_host(t.place) or not t.is_contiguous():
+    if not is_host_place(t.place) or not t.is_contiguous():
         if not allow_copy:
             raise ValueError("tensor is not a contiguous host tensor")
         if not t.is_contiguous():
             keep = t.contiguous()
-        if not _is_host(keep.place):
+        if not is_host_place(keep.place):
             keep = keep.cpu()
     ptr = keep.data_ptr()
     arr = np.frombuffer((ctypes.c_ubyte * n).from_address(ptr), dtype=np.uint8)
@@ -227,7 +227,7 @@ def raw_view(t, allow_copy: bool = True):
 # ----------------------------------------------------------------------------------------------- writing
 
 
-def _write_all(fd: int, bufs: list) -> None:
+def write_all(fd: int, bufs: list) -> None:
     """writev all buffers, handling short writes."""
     bufs = [memoryview(b).cast("B") for b in bufs if len(b)]
     while bufs:
@@ -280,10 +280,10 @@ class _Writer:
     def write(self, bufs: list) -> None:
         if self.kill_at is not None and self.pos + sum(len(b) for b in bufs) >= self.kill_at:
             data = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
-            _write_all(self.fd, [data[: self.kill_at - self.pos]])
+            write_all(self.fd, [data[: self.kill_at - self.pos]])
             os.fsync(self.fd)
             faults.kill("mid_data")
-        _write_all(self.fd, bufs)
+        write_all(self.fd, bufs)
         self.pos += sum(len(b) for b in bufs)
         if _SFR is not None and self.pos - self.kicked >= KICK_BYTES:
             _SFR(self.fd, self.kicked, self.pos - self.kicked, _SYNC_FILE_RANGE_WRITE)
@@ -297,14 +297,17 @@ def write_rank_file(
     chunk_bytes: int,
     digest: DigestFn | None,
     kill_at: int | None = None,
+    batch_bytes: int = WRITE_SLAB,
 ) -> tuple[int, list[list[int]]]:
     """Write header + pieces to ``path``, fsync once. Returns (size, per-piece chunk checksums).
 
-    A piece is a uint8 array, or a callable returning ``(uint8 array, owner of its memory)``, called just
-    before that piece is written (so a device tensor is copied to host one piece at a time; the copy is dropped
-    once its bytes are written). Each piece is checksummed with ``digest`` (None: no checksums) by the calling
-    thread just before it is queued for writing: xxh3-64 runs at memory speed, far faster than the write, so
-    helper threads would only add hand-offs. ``kill_at`` is the test-only ``mid_data`` fault (see faults.py).
+        A piece is a uint8 array, or a callable returning ``(uint8 array, owner of its memory)``, called just
+        before that piece is written (so a device tensor is copied to host one piece at a time; the copy is dropped
+        once its bytes are written). Each piece is checksummed with ``digest`` (None: no checksums) by the calling
+        thread just before it is queued for writing: xxh3-64 runs at memory speed, far faster than the write, so
+        helper threads would only add hand-offs. Pieces smaller than ``batch_bytes`` are batched into one writev (and
+    stay alive until it); ``batch_bytes=0`` writes and drops each piece before the next is produced (the tools: one
+    tensor in memory). ``kill_at`` is the test-only ``mid_data`` fault (see faults.py).
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     sums: list[list[int]] = []
@@ -325,14 +328,16 @@ def write_rank_file(
                 pending.append(mv)
                 pending_owners.append(owner)
                 pending_bytes += len(mv)
-                if pending_bytes >= WRITE_SLAB or len(pending) >= _IOV_MAX:
+                if pending_bytes >= batch_bytes or len(pending) >= _IOV_MAX:
                     w.write(pending)
                     pending, pending_owners, pending_bytes = [], [], 0
+                arr = owner = mv = None  # held by `pending` until written, by nothing once written
                 continue
             w.write(pending)
             pending, pending_owners, pending_bytes = [], [], 0
             for i in range(0, len(mv), WRITE_SLAB):
                 w.write([mv[i : i + WRITE_SLAB]])
+            arr = owner = mv = None  # a large piece's memory (e.g. a device's host copy) goes before the next
         w.write(pending)
         pending = pending_owners = []
         os.fsync(fd)
@@ -360,7 +365,7 @@ def write_file(path: str, data: bytes, fsync: bool, atomic: bool) -> None:
     target = f"{path}.part-{os.getpid()}-{threading.get_ident()}" if atomic else path
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        _write_all(fd, [data])
+        write_all(fd, [data])
         if fsync:
             os.fsync(fd)
     finally:

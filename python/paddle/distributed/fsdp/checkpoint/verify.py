@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Callable
 
 from . import checksums, storage
-from .errors import CheckpointError, CorruptCheckpointError
-from .load import read_metadata
-from .metadata import resolve_member
+from .errors import CheckpointError, CorruptCheckpointError, SafetensorsHeaderError
+from .format import safetensors
+from .format.commit import read_metadata
+from .format.metadata import resolve_member
+from .format.regions import iter_piece
 from .planner import coverage_problems, region_of_piece
 
 
@@ -66,9 +67,7 @@ def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) 
                     if p.file not in usable or p.nbytes == 0:
                         continue
                     try:
-                        for _pos, window in storage.read_piece_windows(
-                            files, key, p, [(0, p.nbytes)], md.chunk_bytes, True
-                        ):
+                        for window in iter_piece(files, md, key, p, True):
                             if on_bytes is not None:
                                 on_bytes(len(window))
                     except CorruptCheckpointError as e:
@@ -80,17 +79,13 @@ def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) 
 
 def _check_header(fpath: str, name: str, pieces) -> list[str]:
     try:
-        with open(fpath, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if n > 100 << 20:
-                return [f"data file {name}: implausible safetensors header length {n}"]
-            header = json.loads(f.read(n))
-    except (OSError, ValueError) as e:
+        st = safetensors.read_header(fpath)
+    except SafetensorsHeaderError as e:
         return [f"data file {name}: unreadable safetensors header: {e}"]
+    entries = {e.name: e for e in st.entries}
     out = []
-    base = 8 + n
     for a, b, key, p in pieces:
-        ent = header.get(p.name)
-        if not isinstance(ent, dict) or ent.get("data_offsets") != [a - base, b - base]:
+        ent = entries.get(p.name)
+        if ent is None or (ent.begin, ent.end) != (a - st.data_start, b - st.data_start):
             out.append(f"data file {name}: safetensors header entry for {key!r} does not match the metadata")
     return out

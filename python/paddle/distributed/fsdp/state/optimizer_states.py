@@ -121,6 +121,7 @@ __all__ = [
     "create_optimizer_state",
     "copy_into_state_",
     "refresh_master_weight_",
+    "state_names_of_class",
 ]
 
 logger = logging.getLogger(__name__)
@@ -291,6 +292,15 @@ def _declared_states(opt: Optimizer) -> dict[str, tuple[str, str]]:
         f"{', '.join(sorted(c.__name__ for c in _STATE_TABLE))})",
         optimizer_class=_class_name(opt),
     )
+
+
+def state_names_of_class(class_name: str) -> set[str] | None:
+    """Canonical state names (plus ``master_weight``) of the optimizer class called ``class_name``; None if the
+    table has no such class. For readers of a checkpoint that only know the saved class name (the tools)."""
+    for cls, states in _STATE_TABLE.items():
+        if cls.__name__ == class_name:
+            return {canonical for canonical, _ in states.values()} | {MASTER_WEIGHT}
+    return None
 
 
 def accumulator_table(opt: Any) -> dict[str, str]:

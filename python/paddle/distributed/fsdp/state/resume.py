@@ -1,7 +1,7 @@
 """One-call checkpointing of a FullyShardFusion model: tensors, optimizer, LR scheduler, RNG, user state.
 
 Built on the records of records.py and the storage engine in ``checkpoint/``. Besides tensors,
-a checkpoint carries small JSON values under reserved keys (``__fsdp__.*``): the optimizer's class and
+a checkpoint carries small JSON values under the reserved keys of ``checkpoint/format/reserved.py``: the optimizer's class and
 non-tensor state, every rank's random generator state, and the caller's ``extra_state``.
 
 Numbered checkpoints (``checkpoint/manager.py``)::
@@ -27,18 +27,21 @@ import os
 import paddle
 from paddle.base import core
 
-from ..checkpoint import CheckpointManager, LoadReport, load_state_dict, read_metadata, save_state_dict
-from ..checkpoint.api import _error_payload, _raise_gathered
+from ..checkpoint import (
+    CheckpointManager,
+    LoadReport,
+    gather_errors,
+    load_state_dict,
+    read_metadata,
+    save_state_dict,
+)
 from ..checkpoint.errors import OptimizerMismatchError, PartiallyLoadedError, UnexpectedKeyError
+from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
 from ..checkpoint.manager import committed_steps, parse_step, resolve_checkpoint, step_dir_name
 from . import optimizer_states as names
 
 logger = logging.getLogger(__name__)
 
-RESERVED_PREFIX = "__fsdp__."
-OPTIMIZER_KEY = "__fsdp__.optimizer"
-RNG_KEY = "__fsdp__.rng"
-EXTRA_KEY = "__fsdp__.extra_state"
 HF_FORMAT_NAMES = {"hf", "huggingface", "hugging_face", "hf_safetensors", "transformers"}
 
 
@@ -254,7 +257,7 @@ def _load_one(
     except Exception as e:  # noqa: BLE001 - whatever fails here must reach the exchange below
         err = e
     # every rank fails together: a rank raising alone would leave the others waiting in the load's collective
-    _raise_gathered([g[0] for g in fsdp.comm.all_gather_object((_error_payload(err),))], err)
+    gather_errors(fsdp.comm, err)
     if optimizer is not None:
         inner = names.unwrap_optimizer(optimizer)
         fsdp.init_optimizer_state(optimizer)

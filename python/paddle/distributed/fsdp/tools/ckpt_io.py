@@ -38,8 +38,8 @@ import numpy as np
 
 from ..checkpoint import checksums, read_metadata, storage
 from ..checkpoint.errors import CorruptCheckpointError
-from ..checkpoint.metadata import (
-    COMMIT_FILE,
+from ..checkpoint.format import commit as format_commit
+from ..checkpoint.format.metadata import (
     DEFAULT_CHUNK_BYTES,
     DTYPES,
     FORMAT_NAME,
@@ -49,24 +49,16 @@ from ..checkpoint.metadata import (
     PieceMeta,
     TensorMeta,
     itemsize,
+    rank_file_name,
     resolve_member,
 )
-from ..checkpoint.planner import (
-    Region,
-    coverage_problems,
-    plan_reads,
-    rank_file_name,
-    region_of_piece,
-    safetensors_header,
-)
+from ..checkpoint.format.regions import read_region
+from ..checkpoint.format.reserved import OPTIMIZER_KEY
+from ..checkpoint.format.safetensors import build_header
+from ..checkpoint.planner import Region, coverage_problems, region_of_piece
 from .errors import ToolError
 
 logger = logging.getLogger(__name__)
-
-OPTIMIZER_VALUE_KEY = "__fsdp__.optimizer"
-RNG_VALUE_KEY = "__fsdp__.rng"
-EXTRA_VALUE_KEY = "__fsdp__.extra_state"
-RESERVED_PREFIX = "__fsdp__."
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -96,10 +88,6 @@ def storage_dtype(name: str) -> np.dtype:
     return np.dtype(known) if known is not None else np.dtype(f"V{itemsize(name)}")
 
 
-#: safetensors dtype code -> engine dtype name
-DTYPE_OF_CODE = {code: name for name, (_, code) in DTYPES.items()}
-
-
 # ------------------------------------------------------------------------------------------------ key roles
 
 
@@ -113,15 +101,10 @@ class KeyRole:
 def _known_state_names(optimizer_class: str) -> set[str] | None:
     """Canonical state names of a paddle optimizer class (None if unknown or the table is unavailable)."""
     try:
-        from ..state import optimizer_states as names
-
-        table = names._STATE_TABLE  # class -> {accumulator: (canonical name, kind)}
+        from ..state.optimizer_states import state_names_of_class
     except Exception:  # noqa: BLE001 - the cross-check is advisory only
         return None
-    for cls, states in table.items():
-        if cls.__name__ == optimizer_class:
-            return {canonical for canonical, _ in states.values()} | {names.MASTER_WEIGHT}
-    return None
+    return state_names_of_class(optimizer_class)
 
 
 def classify_keys(md: CheckpointMetadata) -> dict[str, KeyRole]:
@@ -137,7 +120,7 @@ def classify_keys(md: CheckpointMetadata) -> dict[str, KeyRole]:
     for key, r in roles.items():
         if r.role == OPTIMIZER and roles[r.param].role != MODEL:
             logger.warning("key %r is state of %r, which is itself optimizer state", key, r.param)
-    opt = md.values.get(OPTIMIZER_VALUE_KEY)
+    opt = md.values.get(OPTIMIZER_KEY)
     if isinstance(opt, dict) and isinstance(opt.get("class"), str):
         known = _known_state_names(opt["class"])
         if known is not None:
@@ -222,54 +205,7 @@ class CheckpointReader:
         )
         if problems:
             raise CorruptCheckpointError(f"checkpoint {self.path}: {problems[0]}")
-        items, covered = plan_reads(key, tm, region)
-        if covered != region.numel:  # pragma: no cover - coverage_problems already proved this
-            raise CorruptCheckpointError(
-                f"checkpoint {self.path}: key {key!r}: pieces cover {covered} of {region.numel} elements"
-            )
-        for it in items:
-            seg = it.segments
-            order = np.argsort(seg.src, kind="stable")
-            src = (seg.src[order] * isz).tolist()
-            dst = (seg.dst[order] * isz).tolist()
-            length = (seg.length[order] * isz).tolist()
-            if len(src) == 1:  # the usual case (flattened FSDP pieces, whole tensors): straight into `out`
-                a, d, n = src[0], dst[0], length[0]
-                storage.read_range_direct(
-                    self._files,
-                    key,
-                    it.piece,
-                    a,
-                    a + n,
-                    out[d : d + n],
-                    md.chunk_bytes,
-                    self.verify,
-                    window_bytes=self.WINDOW_BYTES,
-                )
-                continue
-            # a box piece with partial rows: stream the whole piece once, scatter its runs
-            j = 0
-            windows = storage.read_piece_windows(
-                self._files,
-                key,
-                it.piece,
-                [(0, it.piece.nbytes)],
-                md.chunk_bytes,
-                self.verify,
-                window_bytes=self.WINDOW_BYTES,
-            )
-            for wpos, buf in windows:
-                wend = wpos + len(buf)
-                k = j
-                while k < len(src) and src[k] < wend:
-                    a, b = src[k], src[k] + length[k]
-                    lo, hi = max(a, wpos), min(b, wend)
-                    if hi > lo:
-                        d = dst[k] + (lo - a)
-                        out[d : d + (hi - lo)] = buf[lo - wpos : hi - wpos]
-                    if b <= wend and k == j:
-                        j += 1
-                    k += 1
+        read_region(self._files, md, key, region, out, self.verify, window_bytes=self.WINDOW_BYTES)
         return out
 
 
@@ -377,13 +313,6 @@ def staged_output(out: str | os.PathLike) -> Iterator[str]:
         raise
 
 
-def write_all(fd: int, data) -> None:
-    mv = memoryview(data).cast("B")
-    while len(mv):
-        n = os.write(fd, mv)
-        mv = mv[n:]
-
-
 def pread_exact(fd: int, buf: np.ndarray, offset: int, what: str) -> None:
     mv = memoryview(buf).cast("B")
     done = 0
@@ -450,31 +379,18 @@ class CheckpointWriter:
             header_entries.append((e.key, e.dtype, tuple(e.shape), pos, pos + e.nbytes))
             stored.append(e)
             pos += e.nbytes
-        header = safetensors_header(
+        header = build_header(
             header_entries, {"format": FORMAT_NAME, "checkpoint_id": self.checkpoint_id, "rank": str(rank)}
         )
-
-        path = os.path.join(self.directory, name)
-        sums: list[list[int]] = []
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            write_all(fd, header)
-            size = len(header)
-            for e in stored:
-                # one tensor in memory at a time: produced, checksummed, written, released
-                data = e.produce()
-                if data.dtype != np.uint8 or data.ndim != 1 or data.size != e.nbytes:
-                    raise ToolError(f"key {e.key!r}: produced {data.size} bytes, expected {e.nbytes}")
-                mv = memoryview(data)
-                sums.append(checksums.chunk_digests(mv, self.chunk_bytes, self._digest) if self._digest else [])
-                write_all(fd, mv)
-                size += len(mv)
-                del mv, data
-                if self.on_bytes is not None:
-                    self.on_bytes(e.nbytes)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        # one tensor in memory at a time: produced, checksummed and written by the engine's rank-file writer
+        size, sums = storage.write_rank_file(
+            os.path.join(self.directory, name),
+            header,
+            [self._provider(e) for e in stored],
+            self.chunk_bytes,
+            self._digest,
+            batch_bytes=0,
+        )
         if size != len(header) + pos:
             raise ToolError(f"{name}: wrote {size} bytes, expected {len(header) + pos}")
         self.files[name] = FileMeta(rank=rank, size=size)
@@ -495,10 +411,18 @@ class CheckpointWriter:
             )
         return name
 
-    def commit(self, values: dict[str, Any], write_stock_metadata: bool = True) -> CheckpointMetadata:
-        import hashlib
-        import json
+    def _provider(self, e: WriteEntry) -> Callable[[], tuple[np.ndarray, None]]:
+        def produce() -> tuple[np.ndarray, None]:
+            data = e.produce()
+            if data.dtype != np.uint8 or data.ndim != 1 or data.size != e.nbytes:
+                raise ToolError(f"key {e.key!r}: produced {data.size} bytes, expected {e.nbytes}")
+            if self.on_bytes is not None:
+                self.on_bytes(e.nbytes)
+            return data, None
 
+        return produce
+
+    def commit(self, values: dict[str, Any], write_stock_metadata: bool = True) -> CheckpointMetadata:
         md = CheckpointMetadata(
             checkpoint_id=self.checkpoint_id,
             world_size=max(len(self.files), 1),
@@ -510,18 +434,6 @@ class CheckpointWriter:
             values=dict(values),
         )
         md.validate(f"{self.directory}/{METADATA_FILE}")
-        data = md.dumps()
-        storage.write_file(os.path.join(self.directory, METADATA_FILE), data, fsync=True, atomic=False)
-        if write_stock_metadata:
-            from ..checkpoint.stock_compat import write_stock_metadata as write_stock
-
-            write_stock(self.directory, md)
-        commit = {
-            "format": FORMAT_NAME,
-            "checkpoint_id": self.checkpoint_id,
-            "metadata_sha256": hashlib.sha256(data).hexdigest(),
-        }
-        storage.write_file(
-            os.path.join(self.directory, COMMIT_FILE), json.dumps(commit).encode(), fsync=True, atomic=False
-        )
+        data = format_commit.write_metadata(self.directory, md, write_stock_metadata)
+        format_commit.write_commit(self.directory, self.checkpoint_id, data)
         return md

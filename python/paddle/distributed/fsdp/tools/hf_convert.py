@@ -50,7 +50,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..checkpoint.metadata import DTYPES, itemsize
+from ..checkpoint import storage
+from ..checkpoint.errors import SafetensorsHeaderError
+from ..checkpoint.format import safetensors
+from ..checkpoint.format.metadata import itemsize
+from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
+from ..checkpoint.format.safetensors import SafetensorsEntry, SafetensorsFile
 from ..checkpoint.planner import Region
 from . import ckpt_io
 from .ckpt_io import (
@@ -75,7 +80,6 @@ RECORD_KEY = "paddle_fsdp"
 RECORD_VERSION = 1
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 HF_FILE_METADATA = {"format": "pt"}
-MAX_HEADER_BYTES = 100 << 20
 
 DTYPE_ALIASES = {
     "bf16": "bfloat16",
@@ -139,86 +143,12 @@ def _numel(shape) -> int:
 # ------------------------------------------------------------------------------------------------ safetensors
 
 
-@dataclass
-class StEntry:
-    """One tensor of a safetensors file."""
-
-    name: str
-    dtype: str  # engine dtype name
-    shape: tuple[int, ...]
-    begin: int  # relative to the data section
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-
-@dataclass
-class StFile:
-    path: str
-    data_start: int
-    entries: list[StEntry]  # in data order
-    metadata: dict
-
-
-def read_safetensors_header(path: str) -> StFile:
-    """Parse and validate a safetensors header (no tensor data is read, nothing is executed)."""
+def read_safetensors_header(path: str) -> SafetensorsFile:
+    """The engine's safetensors header parser, its refusals reported as ToolError (a bad input, exit code 2)."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ToolError(f"{path} is not a safetensors file (only {size} bytes)")
-            n = int.from_bytes(head, "little")
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise ToolError(f"{path} is not a safetensors file (header length {n} for a {size}-byte file)")
-            raw = f.read(n)
-    except OSError as e:
-        raise ToolError(f"cannot read {path}: {e.strerror or e}") from None
-    try:
-        header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ToolError(f"{path} is not a safetensors file (header is not JSON: {e})") from None
-    if not isinstance(header, dict):
-        raise ToolError(f"{path} is not a safetensors file (header is not a JSON object)")
-    data_start = 8 + n
-    data_len = size - data_start
-    meta = header.pop("__metadata__", None) or {}
-    entries = []
-    for name, info in header.items():
-        try:
-            code = info["dtype"]
-            shape = tuple(int(s) for s in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ToolError(f"{path}: malformed header entry for {name!r}: {e}") from None
-        dtype = ckpt_io.DTYPE_OF_CODE.get(code)
-        if dtype is None:
-            raise ToolError(
-                f"{path}: tensor {name!r} has dtype {code!r}, which paddle checkpoints cannot hold "
-                f"(supported: {', '.join(sorted(ckpt_io.DTYPE_OF_CODE))})"
-            )
-        if any(s < 0 for s in shape) or not 0 <= begin <= end <= data_len:
-            raise ToolError(f"{path}: tensor {name!r} has a bad shape or lies outside the file (truncated?)")
-        if end - begin != _numel(shape) * itemsize(dtype):
-            raise ToolError(f"{path}: tensor {name!r}: {end - begin} bytes for shape {list(shape)} of {dtype}")
-        entries.append(StEntry(name, dtype, shape, begin, end))
-    entries.sort(key=lambda e: (e.begin, e.end))
-    for a, b in zip(entries, entries[1:]):
-        if b.begin < a.end:
-            raise ToolError(f"{path}: tensors {a.name!r} and {b.name!r} overlap")
-    return StFile(path, data_start, entries, meta if isinstance(meta, dict) else {})
-
-
-def safetensors_header_bytes(entries: list[tuple[str, str, tuple, int, int]], metadata: dict[str, str]) -> bytes:
-    """8-byte length + JSON header padded with spaces to a multiple of 8 (as the safetensors library writes)."""
-    h: dict[str, Any] = {"__metadata__": dict(metadata)}
-    for name, dtype, shape, begin, end in entries:
-        h[name] = {"dtype": DTYPES[dtype][1], "shape": list(shape), "data_offsets": [begin, end]}
-    raw = json.dumps(h, separators=(",", ":")).encode()
-    raw += b" " * ((-len(raw)) % 8)
-    return len(raw).to_bytes(8, "little") + raw
+        return safetensors.read_header(path)
+    except SafetensorsHeaderError as e:
+        raise ToolError(str(e)) from None
 
 
 # ------------------------------------------------------------------------------------------------ to-hf
@@ -344,7 +274,7 @@ def to_hf(
                 "names": {t.name: t.key for t in tensors},
                 "transposed": [t.name for t in tensors if t.transpose],
             }
-            opt_value = reader.md.values.get(ckpt_io.OPTIMIZER_VALUE_KEY)
+            opt_value = reader.md.values.get(OPTIMIZER_KEY)
             if opt_value is not None and any(t.key != t.param for t in tensors):
                 record["optimizer"] = opt_value
             index = {
@@ -366,7 +296,7 @@ def to_hf(
 def _write_small(path: str, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        ckpt_io.write_all(fd, data)
+        storage.write_all(fd, [data])
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -377,16 +307,16 @@ def _write_hf_shard(path: str, shard: list[HfTensor], reader: CheckpointReader, 
     for t in shard:
         entries.append((t.name, t.dtype, t.shape, pos, pos + t.nbytes))
         pos += t.nbytes
-    header = safetensors_header_bytes(entries, HF_FILE_METADATA)
+    header = safetensors.build_header(entries, HF_FILE_METADATA)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        ckpt_io.write_all(fd, header)
+        storage.write_all(fd, [header])
         for t in shard:
             arr = reader.read(t.key)
             written = 0
             block = None
             for block in converted_blocks(arr, t.src_dtype, t.dtype, t.transpose):
-                ckpt_io.write_all(fd, block)
+                storage.write_all(fd, [block])
                 written += block.size
                 bar.update(block.size, t.name)
             arr = block = None  # release this tensor before reading the next one (peak = one tensor)
@@ -412,7 +342,7 @@ def _safe_member(directory: str, name: Any, where: str) -> str:
     return os.path.join(directory, name)
 
 
-def discover_hf(hf_path: str) -> tuple[list[StFile], dict | None]:
+def discover_hf(hf_path: str) -> tuple[list[SafetensorsFile], dict | None]:
     """The safetensors files of a Hugging Face checkpoint (in order) and the index's ``paddle_fsdp`` record."""
     hf_path = os.path.abspath(os.fspath(hf_path))
     if os.path.isfile(hf_path):
@@ -473,7 +403,7 @@ class CkptTensor:
     """One output tensor of from-hf."""
 
     key: str
-    entry: StEntry
+    entry: SafetensorsEntry
     dtype: str
     transpose: bool
 
@@ -482,7 +412,7 @@ class CkptTensor:
         return tuple(reversed(self.entry.shape)) if self.transpose else self.entry.shape
 
 
-def plan_from_hf(st_files: list[StFile], record: dict | None, rules: Rules | None, dtype: str | None):
+def plan_from_hf(st_files: list[SafetensorsFile], record: dict | None, rules: Rules | None, dtype: str | None):
     """Per input file, the output tensors (in data order); raises ToolError for collisions etc."""
     if rules is not None:
         name_of: Callable[[str], str] = rules.rename_name
@@ -511,9 +441,9 @@ def plan_from_hf(st_files: list[StFile], record: dict | None, rules: Rules | Non
                 raise ToolError(
                     f"transpose rule matches {e.name!r} of shape {list(e.shape)}: only 2-D tensors can be transposed"
                 )
-            if key.startswith(ckpt_io.RESERVED_PREFIX):
+            if key.startswith(RESERVED_PREFIX):
                 raise ToolError(
-                    f"{e.name!r} would become {key!r}: names starting with {ckpt_io.RESERVED_PREFIX!r} are reserved"
+                    f"{e.name!r} would become {key!r}: names starting with {RESERVED_PREFIX!r} are reserved"
                 )
             tensors.append(CkptTensor(key, e, _target_dtype(e.dtype, dtype), t))
             pairs.append((e.name, key))
@@ -553,10 +483,10 @@ def from_hf(
             finally:
                 os.close(fd)
         keys = {t.key for t in tensors}
-        values: dict[str, Any] = {ckpt_io.RNG_VALUE_KEY: [], ckpt_io.EXTRA_VALUE_KEY: {}}
+        values: dict[str, Any] = {RNG_KEY: [], EXTRA_KEY: {}}
         if record is not None and rules is None and record.get("optimizer") is not None:
             if any(k.rpartition(".")[0] in keys for k in keys):
-                values[ckpt_io.OPTIMIZER_VALUE_KEY] = record["optimizer"]
+                values[OPTIMIZER_KEY] = record["optimizer"]
         writer.commit(values, write_stock_metadata=write_stock_metadata)
         n_files = len(writer.files)
     return {
@@ -568,7 +498,7 @@ def from_hf(
     }
 
 
-def _producer(fd: int, st: StFile, t: CkptTensor):
+def _producer(fd: int, st: SafetensorsFile, t: CkptTensor):
     def produce() -> np.ndarray:
         e = t.entry
         raw = np.empty(e.nbytes, np.uint8)

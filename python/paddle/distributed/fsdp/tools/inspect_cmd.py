@@ -13,9 +13,10 @@ import os
 from typing import Any
 
 from ..checkpoint import read_metadata
-from ..checkpoint.metadata import itemsize
+from ..checkpoint.format.metadata import itemsize
+from ..checkpoint.format.reserved import OPTIMIZER_KEY, RNG_KEY
 from ..checkpoint.planner import Region
-from .ckpt_io import MODEL, OPTIMIZER, OPTIMIZER_VALUE_KEY, RNG_VALUE_KEY, classify_keys, resolve_checkpoint_path
+from .ckpt_io import MODEL, OPTIMIZER, classify_keys, resolve_checkpoint_path
 from .progress import human_bytes
 
 
@@ -42,7 +43,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         tensors[key] = entry
         totals[r.role][0] += 1
         totals[r.role][1] += nbytes
-    opt = md.values.get(OPTIMIZER_VALUE_KEY)
+    opt = md.values.get(OPTIMIZER_KEY)
     return {
         "path": path,
         "format_version": md.version,
@@ -66,7 +67,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _short_value(key: str, value: Any, limit: int = 70) -> str:
-    if key == RNG_VALUE_KEY and isinstance(value, list):
+    if key == RNG_KEY and isinstance(value, list):
         return f"<random generator states of {len(value)} rank(s)>"
     text = json.dumps(value, sort_keys=True)
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,4 +1,5 @@
-"""Checkpoint metadata: dataclasses, JSON (de)serialization and validation.
+"""Checkpoint metadata: the schema of ``metadata.json`` (dataclasses, JSON (de)serialization, validation) and
+the names of the files of a checkpoint directory.
 
 ``metadata.json`` (schema version 1) is the only index of a checkpoint; loading never unpickles anything::
 
@@ -43,14 +44,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import checksums
-from .errors import MetadataError, NotACheckpointError, UnsafePathError
+from .. import checksums
+from ..errors import MetadataError, NotACheckpointError, UnsafePathError
 
 FORMAT_NAME = "paddle-fsdp-checkpoint"
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
 COMMIT_FILE = "COMMIT"
 LATEST_FILE = "latest"  # in a CheckpointManager root: the name of the newest committed checkpoint directory
+PARTS_DIR = ".parts"  # in a staging directory: per-rank done/failed markers and the coordinator's ABORT
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 # dtype name -> (bytes per element, safetensors dtype code)
@@ -71,6 +73,11 @@ DTYPES: dict[str, tuple[int, str]] = {
 }
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]*$")
+
+
+def rank_file_name(rank: int) -> str:
+    """Data file of ``rank``: ``<rank>_0.safetensors`` is also the name stock paddle's loader expects (unique_id 0)."""
+    return f"{rank}_0.safetensors"
 
 
 def itemsize(dtype: str) -> int:

@@ -1,0 +1,34 @@
+"""The on-disk format of a checkpoint, owned here and nowhere else.
+
+* ``metadata.py``: the schema of ``metadata.json`` (dataclasses, JSON, validation), dtype table, file names of a
+  checkpoint directory (``metadata.json``, ``COMMIT``, ``latest``, ``.parts``, ``<rank>_0.safetensors``).
+* ``commit.py``: writing ``metadata.json`` then the ``COMMIT`` record, and ``read_metadata`` of a committed
+  checkpoint (with a diagnosis of directories that are not one).
+* ``safetensors.py``: the one safetensors header builder and the one parser.
+* ``reserved.py``: the reserved ``__fsdp__.*`` value keys of the one-call API.
+* ``regions.py``: ``read_region``, the one reader of a region of a saved tensor (load, full loads, tools), and
+  ``iter_piece`` (verify).
+
+Writers and readers elsewhere (save.py, load.py, verify.py, tools/) call these; a format change is made here.
+"""
+
+from __future__ import annotations
+
+from .metadata import (  # noqa: F401
+    COMMIT_FILE,
+    DEFAULT_CHUNK_BYTES,
+    DTYPES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LATEST_FILE,
+    METADATA_FILE,
+    PARTS_DIR,
+    CheckpointMetadata,
+    FileMeta,
+    PieceMeta,
+    TensorMeta,
+    itemsize,
+    rank_file_name,
+    resolve_member,
+)
+from .reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY, is_reserved  # noqa: F401

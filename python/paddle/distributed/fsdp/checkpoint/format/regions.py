@@ -1,0 +1,146 @@
+"""Reading a region of a saved tensor: the one function every reader of checkpoint data goes through.
+
+``read_region`` fills a caller's uint8 buffer with the elements of a region (a box, or a flat range of one) of a
+saved tensor, whatever pieces the saving ranks wrote: the planner intersects the region's flat runs with each
+piece (``region_segments``), large segments are read straight into the buffer (checksummed slab by slab on
+helper threads while later slabs are read), small scattered ones (rows of a box) through bounded windows of
+whole checksum chunks that are verified before any byte of them is copied. Used by ``load_state_dict`` (staged
+targets), ``load_full_state_dict`` and the tools' ``CheckpointReader``; ``verify_checkpoint`` streams whole
+pieces through ``iter_piece`` (the same windowed, verified reader, without a destination buffer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from .. import storage
+from ..errors import CorruptCheckpointError
+from ..planner import Region, plan_reads
+from .metadata import DTYPES, CheckpointMetadata, PieceMeta
+
+
+def region_segments(root: str, md: CheckpointMetadata, key: str, region: Region) -> list:
+    """Where the bytes of ``region`` of ``key`` are: per saved piece ``(piece, src, dst, length, big)``, byte
+    offsets (piece-relative source, region-relative destination) sorted by source; ``big`` marks the segments of
+    at least two checksum chunks (read straight, without a window buffer). Raises CorruptCheckpointError when the
+    saved pieces do not cover the region."""
+    tm = md.tensors[key]
+    items, covered = plan_reads(key, tm, region)
+    if covered != region.numel:
+        raise CorruptCheckpointError(
+            f"checkpoint {root}: key {key!r}: saved pieces cover {covered} of the {region.numel} requested elements"
+        )
+    isz = DTYPES[tm.dtype][0]
+    out = []
+    for it in items:
+        seg = it.segments
+        order = np.argsort(seg.src, kind="stable")
+        len_b = seg.length[order] * isz
+        out.append((it.piece, seg.src[order] * isz, seg.dst[order] * isz, len_b, len_b >= 2 * md.chunk_bytes))
+    return out
+
+
+def clip_segments(segments: list, w0: int, w1: int, chunk_bytes: int) -> list:
+    """The parts of ``segments`` whose destination lies in ``[w0, w1)``, destinations made relative to ``w0``
+    (a window of a region, for readers that fill a bounded staging buffer one window at a time)."""
+    out = []
+    for piece, src_b, dst_b, len_b, _big in segments:
+        lo = np.maximum(dst_b, w0)
+        hi = np.minimum(dst_b + len_b, w1)
+        keep = hi > lo
+        if not keep.any():
+            continue
+        length = (hi - lo)[keep]
+        out.append((piece, (src_b + (lo - dst_b))[keep], lo[keep] - w0, length, length >= 2 * chunk_bytes))
+    return out
+
+
+def read_region(
+    files: storage.FileSet,
+    md: CheckpointMetadata,
+    key: str,
+    region: Region,
+    out: np.ndarray,
+    verify: bool,
+    verifier: storage.ChunkVerifier | None = None,
+    deferred: list | None = None,
+    window_bytes: int = storage.DEFAULT_WINDOW,
+    segments: list | None = None,
+) -> None:
+    """Read every element of ``region`` of ``key`` into ``out`` (uint8, region storage order).
+
+    ``segments``: the region's ``region_segments`` when the caller has them (or a part of them from
+    ``clip_segments``: then only those bytes are read, their destinations relative to ``out``).
+
+    ``verify`` checks every chunk a byte comes from (when the checkpoint has checksums and ``files`` verifies).
+    With ``verifier``, checks of large ranges are queued on it: ``out`` is verified only after its ``wait()``;
+    without one every check passed when this returns. With ``deferred``, large ranges are not read here but
+    appended to it as ``(key, piece, a, b, out view)`` for ``read_deferred`` (which reads them in file order);
+    small ones are read at once. Small scattered ranges go through windows of at most ``window_bytes``.
+    """
+    verify = verify and files.verifies
+    if segments is None:
+        segments = region_segments(files.root, md, key, region)
+    for piece, src_b, dst_b, len_b, big in segments:
+        # large segments: read straight into the destination (verified in place)
+        for a, d, n in zip(src_b[big].tolist(), dst_b[big].tolist(), len_b[big].tolist()):
+            if deferred is not None:
+                deferred.append((key, piece, a, a + n, out[d : d + n]))
+                continue
+            storage.read_range_direct(
+                files, key, piece, a, a + n, out[d : d + n], md.chunk_bytes, verify, window_bytes, verifier
+            )
+        if big.all():
+            continue
+        _scatter_small(files, md, key, piece, src_b[~big], dst_b[~big], len_b[~big], out, verify, window_bytes)
+
+
+def _scatter_small(files, md, key, piece, src_b, dst_b, len_b, out, verify: bool, window_bytes: int) -> None:
+    """Small segments (e.g. rows of a box): read the enclosing windows once, verify, scatter."""
+    merged: list[tuple[int, int]] = []
+    for a, b in zip(src_b.tolist(), (src_b + len_b).tolist()):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    si = 0
+    n = len(src_b)
+    for wpos, buf in storage.read_piece_windows(files, key, piece, merged, md.chunk_bytes, verify, window_bytes):
+        wend = wpos + len(buf)
+        # segments are sorted by source offset and disjoint, so finished ones form a prefix
+        j = si
+        while j < n and src_b[j] < wend:
+            a = int(src_b[j])
+            b = a + int(len_b[j])
+            lo, hi = max(a, wpos), min(b, wend)
+            if hi > lo:
+                d = int(dst_b[j]) + (lo - a)
+                out[d : d + (hi - lo)] = buf[lo - wpos : hi - wpos]
+            if b <= wend and j == si:
+                si += 1
+            j += 1
+
+
+def read_deferred(
+    files: storage.FileSet,
+    md: CheckpointMetadata,
+    reads: list,
+    verify: bool,
+    verifier: storage.ChunkVerifier | None,
+) -> None:
+    """Read the large ranges collected by ``read_region(deferred=...)`` in file order (sequential for the
+    kernel's readahead; requesting readahead explicitly with POSIX_FADV_WILLNEED was measured slower)."""
+    verify = verify and files.verifies
+    reads.sort(key=lambda r: (r[1].file, r[1].offset + r[2]))
+    for key, piece, a, b, out in reads:
+        storage.read_range_direct(files, key, piece, a, b, out, md.chunk_bytes, verify, verifier=verifier)
+
+
+def iter_piece(
+    files: storage.FileSet, md: CheckpointMetadata, key: str, piece: PieceMeta, verify: bool
+) -> Iterator[np.ndarray]:
+    """The bytes of a whole saved piece as bounded windows, each verified before it is yielded (``verify``)."""
+    for _pos, window in storage.read_piece_windows(files, key, piece, [(0, piece.nbytes)], md.chunk_bytes, verify):
+        yield window
