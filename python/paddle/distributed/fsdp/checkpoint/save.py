@@ -54,10 +54,11 @@ Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (
 
 ``async_save=True`` (zero-stall): the caller is blocked for the descriptor exchange, the plan and the copy of
 the *volatile* tensors only (everything but trainable parameters and optimizer state, see snapshot.py); the
-parameters and optimizer state are copied to host by the background (non-daemon) thread during the next forward
-and backward, and every writer of that memory (optimizer step, in-place Tensor methods, ``set_value``, loads,
-``wait_for_snapshot()``; snapshot_guard.py lists what is and is not intercepted) waits for the copy first, so the
-checkpoint holds the values at the call. Writing, fsync and commit follow on the same thread. The snapshot of
+parameters and optimizer state are copied to host by the background thread (one per process; interpreter exit
+waits for a save in flight) during the next forward and backward, and every writer of that memory (optimizer
+step, in-place Tensor methods, ``set_value``, loads, ``wait_for_snapshot()``; snapshot_guard.py lists what is and
+is not intercepted) waits for the copy first, so the checkpoint holds the values at the call. Writing, fsync and
+commit follow on the same thread. The snapshot of
 host tensors goes into one per-process host buffer
 (``storage.arena``) that is reused by every async save (grown when the state grows) and STAYS RESIDENT between
 saves: an async-saving process holds about one extra copy of the bytes it writes, all the time (filling fresh memory
@@ -80,8 +81,10 @@ Cross-rank helpers shared with the load path (process group, error exchange, fil
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import queue
 import threading
 import time
 import uuid
@@ -151,6 +154,35 @@ class SaveHandle:
 _pending: SaveHandle | None = None
 _pending_lock = threading.Lock()
 _save_lock = threading.Lock()
+
+
+class _BackgroundWorker:
+    """The one long-lived thread that runs the background part of async saves (one at a time: saves of a
+    process never overlap). Handing a save to a thread that already runs costs the caller a queue put; starting
+    a thread per save made the caller wait until the new thread was scheduled (up to tens of ms on a busy
+    machine). It is a daemon thread, so an idle worker never keeps the interpreter alive; ``atexit`` waits for
+    a save still in flight, so a checkpoint started before exit is still committed."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="ckpt-save", daemon=True)
+                self._thread.start()
+                atexit.register(wait_pending, False)
+        self._queue.put(fn)
+
+    def _loop(self) -> None:
+        while True:
+            fn = self._queue.get()
+            fn()
+
+
+_worker = _BackgroundWorker()
 
 
 class Publisher:
@@ -424,6 +456,7 @@ def save_state_dict(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     write_stock_metadata: bool = True,
     deferred_keys: Collection[str] | None = None,
+    per_rank_values: Collection[str] = (),
     _publisher: Publisher | None = None,
     **unused_stock_kwargs,
 ) -> SaveHandle | None:
@@ -432,6 +465,8 @@ def save_state_dict(
     ``deferred_keys`` (async saves): keys whose tensors change only through an optimizer step or a direct write
     the engine intercepts (snapshot_guard.py); their host copy runs after the call returns (snapshot.py).
     Default: the keys whose tensor is a trainable paddle Parameter. Every other tensor is copied at the call.
+    ``per_rank_values``: JSON-value keys every rank gives its own value for (e.g. its RNG state); saved as the
+    list of all ranks' values by rank, gathered by the save's one exchange (no collective of their own).
     ``_publisher`` is CheckpointManager's hook (moves ``latest`` after the commit); not for direct use.
     """
     with _save_lock:  # saves of one process never overlap, whatever thread they come from
@@ -445,6 +480,7 @@ def save_state_dict(
             chunk_bytes,
             write_stock_metadata,
             deferred_keys,
+            per_rank_values,
             _publisher,
         )
 
@@ -459,6 +495,7 @@ def _save_locked(
     chunk_bytes: int,
     write_stock_metadata: bool,
     deferred_keys: Collection[str] | None,
+    per_rank_values: Collection[str],
     publisher: Publisher | None,
 ) -> SaveHandle | None:
     tr = Tracer("save (calling thread)")
@@ -486,6 +523,8 @@ def _save_locked(
     plan = build_save_plan(
         [([RecordDesc.from_wire(w) for w in g[0]], g[1]) for g in gathered], checkpoint_id, chunk_bytes
     )
+    for key in per_rank_values:
+        plan.values[key] = [g[1].get(key) for g in gathered]
     by_key = {r.key: r for r in records}
     staging = f"{path}.tmp-{checkpoint_id}"
     tr.mark("plan")
@@ -539,13 +578,11 @@ def _save_locked(
         tr.done()
         return None
     handle = SaveHandle(path, checkpoint_id)
-    th = threading.Thread(target=handle._run, args=(job.run,), name=f"ckpt-save-{checkpoint_id[:8]}")
-    handle._thread = th
     global _pending
     with _pending_lock:
         _pending = handle
     try:
-        th.start()
+        _worker.submit(lambda: handle._run(job.run))
     except BaseException:
         with _pending_lock:
             if _pending is handle:
@@ -554,6 +591,6 @@ def _save_locked(
             snap.cancel()
         job._written()
         raise
-    tr.mark("start-thread")
+    tr.mark("hand-over")
     tr.done()
     return handle

@@ -142,12 +142,13 @@ def save_checkpoint(
             "class": type(inner).__name__,
             "global_state": names.optimizer_global_state(inner),
         }
-    state[RNG_KEY] = fsdp.comm.all_gather_object(_rng_state())
+    state[RNG_KEY] = _rng_state()  # every rank's, gathered by the save's own exchange (per_rank_values)
     state[EXTRA_KEY] = dict(extra_state or {})
     deferred = _deferred_keys(fsdp, state) if async_save else None
+    options = dict(async_save=async_save, deferred_keys=deferred, per_rank_values=(RNG_KEY,))
     if manager is not None:
-        return manager.save(step, state, async_save=async_save, deferred_keys=deferred)
-    return save_state_dict(state, path, process_group=fsdp.comm.group, async_save=async_save, deferred_keys=deferred)
+        return manager.save(step, state, **options)
+    return save_state_dict(state, path, process_group=fsdp.comm.group, **options)
 
 
 def _foreign_keys(metadata, fsdp) -> list[str]:
