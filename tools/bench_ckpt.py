@@ -41,7 +41,7 @@ disk of a VM may still be cached by the host, so cold-read figures are noisy.
 Memory: each rank's extra peak RSS over its RSS before the phase (``VmHWM`` after resetting it via
 ``/proc/self/clear_refs``; a sampling thread where that is not allowed; freed heap memory is returned with
 ``malloc_trim`` first, so reused heap pages count), during sync save, async save and load, compared with
-its state bytes. The engine's per-phase timings (``PADDLE_FSDP_CKPT_TRACE``) are recorded in-process
+its state bytes. The engine's per-phase timings (its public ``CheckpointOptions.trace_hook``) are recorded in-process
 (``--no-trace`` turns that off). The load average at the start is printed: other jobs on the machine make
 every figure noisy. Results: a table on stdout (markdown), ``--json`` for everything (per-rank times too).
 """
@@ -507,36 +507,22 @@ class PaddleState:
 
 
 class Tracer:
-    """Collect the engine's phase timings (PADDLE_FSDP_CKPT_TRACE) in-process, without editing the engine."""
+    """Collect the engine's phase timings in-process through its public trace hook
+    (``CheckpointOptions.trace_hook``); ``options`` is what every save and load of the benchmark passes."""
 
     def __init__(self, enabled: bool):
+        from paddle.distributed.fsdp.checkpoint import CheckpointOptions
+
         self.records: list[dict] = []
-        self.enabled = False
-        if not enabled:
-            return
-        try:
-            from paddle.distributed.fsdp.checkpoint import coordination
-        except ImportError:
-            return
-        tr_cls = getattr(coordination, "Tracer", None)
-        if tr_cls is None or not hasattr(tr_cls, "done"):
-            return
-        sys.modules[tr_cls.__module__]._TRACE = True  # the switch Tracer reads (checkpoint/coordination.py)
-        records = self.records
-        orig_done = tr_cls.done
+        self.enabled = enabled
+        # the PADDLE_FSDP_CKPT_* settings of the run still apply (from_env), plus the hook when tracing
+        base = CheckpointOptions.from_env()
+        self.options = base.replace(trace_hook=self._record) if enabled else base
 
-        def done(tr_self):
-            records.append(
-                {
-                    "what": tr_self.what,
-                    "marks": {n: round(d, 6) for n, d in tr_self.marks},
-                    "total": round(time.perf_counter() - tr_self.t0, 6),
-                }
-            )
-
-        tr_cls.done = done
-        self._orig = orig_done
-        self.enabled = True
+    def _record(self, rec) -> None:
+        self.records.append(
+            {"what": rec.what, "marks": {n: round(d, 6) for n, d in rec.marks}, "total": round(rec.total, 6)}
+        )
 
     def take(self) -> list[dict]:
         out = list(self.records)
@@ -712,7 +698,7 @@ def run_full(args) -> None:
         if files is not None:
             note_cache(name, files)
         with PeakRSS() as pk:
-            _, t, per = comm.timed(ps.fsdp.load_checkpoint, path, optimizer=ps.opt)
+            _, t, per = comm.timed(ps.fsdp.load_checkpoint, path, optimizer=ps.opt, options=tracer.options)
         rss(name, pk)
         trace(name)
         got = sum(comm.gather(ps.checksum())) % (1 << 64)
@@ -739,7 +725,7 @@ def run_full(args) -> None:
         # (b) our save, sync
         path = os.path.join(work, f"ckpt_sync_{rep}")
         with PeakRSS() as pk:
-            _, t, per = comm.timed(ps.fsdp.save_checkpoint, path, optimizer=ps.opt)
+            _, t, per = comm.timed(ps.fsdp.save_checkpoint, path, optimizer=ps.opt, options=tracer.options)
         comm.barrier()
         rss("save sync", pk)
         trace("save sync")
@@ -760,7 +746,7 @@ def run_full(args) -> None:
         with PeakRSS() as pk:
             comm.barrier()
             t0 = time.perf_counter()
-            handle = ps.fsdp.save_checkpoint(apath, optimizer=ps.opt, async_save=True)
+            handle = ps.fsdp.save_checkpoint(apath, optimizer=ps.opt, async_save=True, options=tracer.options)
             t_block = time.perf_counter() - t0
             handle.wait()
             t_total = time.perf_counter() - t0
@@ -803,7 +789,7 @@ def run_full(args) -> None:
         opath = os.path.join(work, "ckpt_overlap")
         comm.barrier()
         t0 = time.perf_counter()
-        handle = ps.fsdp.save_checkpoint(opath, optimizer=ps.opt, async_save=True)
+        handle = ps.fsdp.save_checkpoint(opath, optimizer=ps.opt, async_save=True, options=tracer.options)
         t_block = time.perf_counter() - t0
         busy = probe_rate(stop=handle.done)
         handle.wait()
@@ -941,7 +927,7 @@ def run_load_only(args) -> None:
         comm.barrier()
         res["cache"].append(comm.gather(cached_fraction(files)))
         with PeakRSS() as pk:
-            _, t, per = comm.timed(ps.fsdp.load_checkpoint, args.ckpt, optimizer=ps.opt)
+            _, t, per = comm.timed(ps.fsdp.load_checkpoint, args.ckpt, optimizer=ps.opt, options=tracer.options)
         res["load_per_rank"].append(per)
         res["rss"].append(comm.gather({"base": pk.base, "peak": pk.peak, "extra": pk.extra, "slice": ps.bytes}))
         res["trace"].append(comm.gather(tracer.take()))
@@ -1231,7 +1217,7 @@ def finish(args, res: dict, work: str) -> None:
     async_extra = rss_extra("save async")
     load_extra = rss_extra("load")
     fresh_extra = rss_extra("load (fresh staging)")
-    chunk_bound = 64 << 20  # the engine's largest read window (storage.DEFAULT_WINDOW)
+    chunk_bound = 64 << 20  # the engine's largest read window (reader.DEFAULT_WINDOW)
     cw_extra = []
     if cw:
         n = len(cw["rss"][0])
@@ -1435,7 +1421,7 @@ def _cache_summary(res, cw) -> str:
 
 
 def _trace_summary(res, cw) -> list[str]:
-    """Median engine phase timings (rank 0 / slowest) from PADDLE_FSDP_CKPT_TRACE."""
+    """Median engine phase timings (rank 0 / slowest) from the engine's trace hook."""
     out = []
     groups = dict(res.get("trace", {}))
     if cw and cw.get("trace"):
@@ -1452,7 +1438,7 @@ def _trace_summary(res, cw) -> list[str]:
         if not per_what:
             continue
         if not out:
-            out += ["", "engine phases (PADDLE_FSDP_CKPT_TRACE, median ms):"]
+            out += ["", "engine phases (trace hook, median ms):"]
         for (what, rank), d in sorted(per_what.items(), key=lambda x: (x[0][1], x[0][0])):
             if rank > 1:
                 continue

@@ -89,19 +89,19 @@ def test_changed_world_load_stays_within_the_budget(saved, rank):
         assert np.array_equal(sw.local_tensor.numpy(), want[k]), k
 
 
-def test_staged_targets_go_through_row_windows_within_the_budget(saved, monkeypatch):
+def test_staged_targets_go_through_row_windows_within_the_budget(saved):
     """Targets that cannot be read into directly (device tensors; here host tensors on the same path) are
     filled through a staging window of rows and copied with ``Tensor.copy_`` into the same memory."""
     path, full = saved
-    monkeypatch.setattr(ck_load, "_HOST_FAST_PATH", False)
+    staged = ck.CheckpointOptions(host_fast_path=False)
     targets = {k: paddle.full(list(v.shape), -1.0) for k, v in full.items()}
     ptrs = {k: t.data_ptr() for k, t in targets.items()}
-    report = ck.load_state_dict(targets, str(path), max_host_bytes=BUDGET)
+    report = ck.load_state_dict(targets, str(path), max_host_bytes=BUDGET, options=staged)
     assert 0 < report.peak_host_bytes <= BUDGET
     for k, t in targets.items():
         assert t.data_ptr() == ptrs[k] and np.array_equal(t.numpy(), full[k]), k
     targets, want = _changed_world_targets(full, 1, 3)
-    report = ck.load_state_dict(targets, str(path), max_host_bytes=BUDGET)
+    report = ck.load_state_dict(targets, str(path), max_host_bytes=BUDGET, options=staged)
     assert report.peak_host_bytes <= BUDGET
     for k, sw in targets.items():
         assert np.array_equal(sw.local_tensor.numpy(), want[k]), k

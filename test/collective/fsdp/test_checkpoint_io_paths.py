@@ -19,7 +19,7 @@ import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 import xxhash
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
-from paddle.distributed.fsdp.checkpoint import storage
+from paddle.distributed.fsdp.checkpoint import host_memory, libc, reader, writer
 
 MIB = 1 << 20
 
@@ -68,9 +68,9 @@ def tensor_bits(t) -> np.ndarray:
 
 
 @pytest.fixture(params=["buffered", "odirect"])
-def io_mode(request, monkeypatch):
-    monkeypatch.setattr(storage, "ODIRECT", request.param == "odirect")
-    return request.param
+def io_mode(request) -> ck.CheckpointOptions:
+    """Options for the loads of a test: span reads buffered, or with O_DIRECT where the file system allows it."""
+    return ck.CheckpointOptions(odirect=request.param == "odirect")
 
 
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "bounded"])
@@ -78,7 +78,7 @@ def test_span_load_is_exact(tmp_path, io_mode, atomic):
     sd = big_state()
     ck.save_state_dict(sd, str(tmp_path / "c"))
     t = zero_targets()
-    rep = ck.load_state_dict(t, str(tmp_path / "c"), atomic=atomic)
+    rep = ck.load_state_dict(t, str(tmp_path / "c"), atomic=atomic, options=io_mode)
     for k in ("a", "b", "small", "flat"):
         assert np.array_equal(tensor_bits(t[k]), want_bits(sd, k)), k
     assert t["step"] == 3 and sorted(rep.loaded_keys) == sorted(t)
@@ -101,7 +101,7 @@ def test_checksum_mismatch_anywhere_leaves_every_target_untouched_when_atomic(tm
     t = zero_targets()
     before = {k: tensor_bits(v) for k, v in t.items() if k != "step"}
     with pytest.raises(ck.CorruptCheckpointError, match="checksum mismatch"):
-        ck.load_state_dict(t, str(path), atomic=True)
+        ck.load_state_dict(t, str(path), atomic=True, options=io_mode)
     for k, v in before.items():
         assert np.array_equal(tensor_bits(t[k]), v), f"{k} changed by a failed load"
     assert t["step"] is None
@@ -110,7 +110,7 @@ def test_checksum_mismatch_anywhere_leaves_every_target_untouched_when_atomic(tm
         ck.load_state_dict(t, str(path))
     assert t["step"] is None
     # without verification the damaged byte is loaded (the check is what caught it)
-    ck.load_state_dict(t, str(path), verify_checksums=False)
+    ck.load_state_dict(t, str(path), verify_checksums=False, options=io_mode)
     got = tensor_bits(t[where])
     assert int((got != want_bits(sd, where)).sum()) == 1
 
@@ -120,13 +120,13 @@ def test_failure_on_another_key_after_large_reads_changes_nothing(tmp_path, monk
     sd = big_state()
     path = tmp_path / "c"
     ck.save_state_dict(sd, str(path))
-    real = storage.read_spans
+    real = reader.read_spans
 
     def spans_then_fail(*a, **k):
         real(*a, **k)
         raise ck.CorruptCheckpointError("injected after the span reads")
 
-    monkeypatch.setattr(storage, "read_spans", spans_then_fail)
+    monkeypatch.setattr(reader, "read_spans", spans_then_fail)
     t = zero_targets()
     with pytest.raises(ck.CorruptCheckpointError, match="injected"):
         ck.load_state_dict(t, str(path), atomic=True)
@@ -153,25 +153,25 @@ def test_load_full_state_dict_verifies_before_returning(tmp_path):
 def test_async_snapshots_reuse_one_arena_and_an_atomic_load_borrows_it(tmp_path, monkeypatch):
     ck.release_host_buffers()
     allocs = []
-    real_alloc = storage.alloc_host
-    monkeypatch.setattr(storage, "alloc_host", lambda n, **kw: allocs.append(n) or real_alloc(n, **kw))
+    real_alloc = host_memory.alloc_host
+    monkeypatch.setattr(host_memory, "alloc_host", lambda n, **kw: allocs.append(n) or real_alloc(n, **kw))
     sd = big_state()
     ck.save_state_dict(sd, str(tmp_path / "s1"), async_save=True).wait()
-    assert len(allocs) == 1 and storage.arena.capacity >= allocs[0]
-    buf_id = id(storage.arena._buf)
+    assert len(allocs) == 1 and host_memory.arena.capacity >= allocs[0]
+    buf_id = id(host_memory.arena._buf)
     # the snapshot is taken at call time: a change right after the call is not saved
     want_a = bits(sd["a"])
     h = ck.save_state_dict(sd, str(tmp_path / "s2"), async_save=True)
     sd["a"].fill_(7.0)
     h.wait()
-    assert len(allocs) == 1 and id(storage.arena._buf) == buf_id, "the second async save allocated again"
+    assert len(allocs) == 1 and id(host_memory.arena._buf) == buf_id, "the second async save allocated again"
     t = zero_targets()
     ck.load_state_dict(t, str(tmp_path / "s2"), atomic=True)
     assert len(allocs) == 1, "the load did not borrow the arena"
     assert np.array_equal(tensor_bits(t["a"]), want_a)
     assert np.array_equal(tensor_bits(t["b"]), bits(sd["b"]))
     # busy arena: fresh memory instead (the arena is never shared)
-    held = storage.arena.acquire(1, grow=False)
+    held = host_memory.arena.acquire(1, grow=False)
     assert held is not None
     try:
         t2 = zero_targets()
@@ -179,23 +179,23 @@ def test_async_snapshots_reuse_one_arena_and_an_atomic_load_borrows_it(tmp_path,
         assert len(allocs) == 2 and np.array_equal(tensor_bits(t2["b"]), bits(sd["b"]))
         assert ck.release_host_buffers() is False
     finally:
-        storage.arena.release()
-    assert ck.release_host_buffers() is True and storage.arena.capacity == 0
+        host_memory.arena.release()
+    assert ck.release_host_buffers() is True and host_memory.arena.capacity == 0
     # a memory-bounded load (the default) needs no staging at all: it reads straight into the targets
     ck.load_state_dict(zero_targets(), str(tmp_path / "s2"))
-    assert storage.arena.capacity == 0 and len(allocs) == 2
+    assert host_memory.arena.capacity == 0 and len(allocs) == 2
     # without an arena a load uses fresh memory and does not keep it
     ck.load_state_dict(zero_targets(), str(tmp_path / "s2"), atomic=True)
-    assert storage.arena.capacity == 0
+    assert host_memory.arena.capacity == 0
 
 
 def test_failed_async_save_gives_the_arena_back(tmp_path, monkeypatch):
     ck.release_host_buffers()
-    monkeypatch.setattr(storage, "write_rank_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
+    monkeypatch.setattr(writer, "write_rank_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
     h = ck.save_state_dict(big_state(), str(tmp_path / "s"), async_save=True)
     with pytest.raises(OSError):
         h.wait()
-    assert not storage.arena._busy
+    assert not host_memory.arena._busy
     assert ck.release_host_buffers() is True
 
 
@@ -225,7 +225,7 @@ def test_write_rank_file_keeps_lazy_owners_alive_until_written_and_checksummed(t
 
     header = b"\x00" * 8
     path = tmp_path / "f"
-    size, sums = storage.write_rank_file(str(path), header, [piece(s) for s in sources], MIB, xxhash.xxh3_64_intdigest)
+    size, sums = writer.write_rank_file(str(path), header, [piece(s) for s in sources], MIB, xxhash.xxh3_64_intdigest)
     data = path.read_bytes()
     assert size == len(data) == 8 + sum(len(s) for s in sources)
     pos = 8
@@ -243,16 +243,15 @@ class _Recorder:
 
     def check(self, files, key, piece, buf, pos, chunk_bytes):
         assert pos % chunk_bytes == 0 and len(buf) % chunk_bytes in (0, (piece.nbytes - pos) % chunk_bytes)
-        storage._verify_chunks(files, key, piece, buf, pos, chunk_bytes)
+        reader._verify_chunks(files, key, piece, buf, pos, chunk_bytes)
         self.seen.setdefault(key, []).extend(range(pos // chunk_bytes, -(-(pos + len(buf)) // chunk_bytes)))
 
 
-def test_auto_odirect_reads_cached_files_buffered_and_uncached_files_direct(tmp_path, monkeypatch):
-    """mincore decides: a file in the page cache is read buffered, one that is not with O_DIRECT (where the file
-    system accepts it)."""
+def test_auto_odirect_reads_cached_files_buffered_and_uncached_files_direct(tmp_path):
+    """mincore decides (odirect="auto", the default): a file in the page cache is read buffered, one that is not
+    with O_DIRECT (where the file system accepts it)."""
     import os
 
-    monkeypatch.setattr(storage, "ODIRECT", "auto")
     data = np.random.default_rng(2).integers(0, 255, 8 * MIB, dtype=np.uint8)
     f = tmp_path / "f"
     f.write_bytes(data.tobytes())
@@ -260,12 +259,12 @@ def test_auto_odirect_reads_cached_files_buffered_and_uncached_files_direct(tmp_
     try:
         os.fsync(fd)
         os.read(fd, len(data))  # in the page cache now
-        assert storage.page_cache_fraction(fd, len(data)) > 0.9
-        files = storage.FileSet(str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}")
+        assert libc.page_cache_fraction(fd, len(data)) > 0.9
+        files = reader.FileSet(str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}")
         assert files.direct_fd("f") is None
         files.close()
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        assert storage.page_cache_fraction(fd, len(data)) < 0.1
+        assert libc.page_cache_fraction(fd, len(data)) < 0.1
     finally:
         os.close(fd)
     try:
@@ -273,10 +272,10 @@ def test_auto_odirect_reads_cached_files_buffered_and_uncached_files_direct(tmp_
         supported = True
     except OSError:
         supported = False
-    files = storage.FileSet(str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}")
+    files = reader.FileSet(str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}")
     try:
         assert (files.direct_fd("f") is not None) == supported
-        buf = storage.alloc_host(len(data))
+        buf = host_memory.alloc_host(len(data))
         files.pread_span("f", buf, 0, len(data))
         assert np.array_equal(buf, data)
     finally:
@@ -284,11 +283,10 @@ def test_auto_odirect_reads_cached_files_buffered_and_uncached_files_direct(tmp_
 
 
 @pytest.mark.parametrize("odirect", [False, True], ids=["buffered", "odirect"])
-def test_read_spans_checks_every_chunk_of_every_range_once_read(tmp_path, monkeypatch, odirect):
+def test_read_spans_checks_every_chunk_of_every_range_once_read(tmp_path, odirect):
     """Ranges larger than a read slab, overlapping ranges of one piece, a range ending at a piece's end."""
     from paddle.distributed.fsdp.checkpoint.format.metadata import PieceMeta
 
-    monkeypatch.setattr(storage, "ODIRECT", odirect)
     rng = np.random.default_rng(1)
     data = rng.integers(0, 255, 45 * MIB + 12345, dtype=np.uint8)
     (tmp_path / "f").write_bytes(data.tobytes())
@@ -297,14 +295,16 @@ def test_read_spans_checks_every_chunk_of_every_range_once_read(tmp_path, monkey
     for p in (p1, p2):
         raw = data[p.offset : p.offset + p.nbytes]
         p.checksums = [zlib.crc32(raw[i : i + MIB]) for i in range(0, p.nbytes, MIB)]
-    files = storage.FileSet(str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}", zlib.crc32)
+    files = reader.FileSet(
+        str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}", zlib.crc32, odirect=odirect
+    )
     start = 0
     need = p2.offset + p2.nbytes
-    buf = storage.alloc_host(-(-need // storage.DIRECT_ALIGN) * storage.DIRECT_ALIGN)
+    buf = host_memory.alloc_host(-(-need // reader.DIRECT_ALIGN) * reader.DIRECT_ALIGN)
     checks = [("p1", p1, 0, p1.nbytes), ("p1b", p1, 5 * MIB, 9 * MIB), ("p2", p2, MIB, 3 * MIB)]
     rec = _Recorder()
     try:
-        storage.read_spans(files, [storage.SpanRead("f", start, need, buf, checks)], MIB, rec)
+        reader.read_spans(files, [reader.SpanRead("f", start, need, buf, checks)], MIB, rec)
     finally:
         files.close()
     assert np.array_equal(buf[:need], data[:need])
@@ -315,10 +315,12 @@ def test_read_spans_checks_every_chunk_of_every_range_once_read(tmp_path, monkey
     bad = data.copy()
     bad[p1.offset + 20 * MIB + 3] ^= 1
     (tmp_path / "f").write_bytes(bad.tobytes())
-    files = storage.FileSet(str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}", zlib.crc32)
-    verifier = storage.ChunkVerifier()
+    files = reader.FileSet(
+        str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}", zlib.crc32, odirect=odirect
+    )
+    verifier = reader.ChunkVerifier()
     try:
-        storage.read_spans(files, [storage.SpanRead("f", start, need, buf, checks[:1])], MIB, verifier)
+        reader.read_spans(files, [reader.SpanRead("f", start, need, buf, checks[:1])], MIB, verifier)
         with pytest.raises(ck.CorruptCheckpointError, match="chunk 20"):
             verifier.wait()
     finally:

@@ -35,7 +35,7 @@ import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 from _results import assert_case_ok
 from launch_util import LaunchResult, run_launch
-from paddle.distributed.fsdp.checkpoint import faults, manager, storage
+from paddle.distributed.fsdp.checkpoint import faults, manager, writer
 
 TEST_DIR = Path(__file__).resolve().parent
 WORKER = TEST_DIR / "workers" / "crash_safety.py"
@@ -261,7 +261,7 @@ def test_latest_moves_only_after_commit_and_prune_only_after_latest(tmp_path, mo
     def crash(*a, **k):
         raise OSError(5, "I/O error during the rename")
 
-    monkeypatch.setattr(storage, "replace_dir", crash)
+    monkeypatch.setattr(writer, "replace_dir", crash)
     with pytest.raises(OSError, match="rename"):
         mgr.save(2, _state(2.0))
     monkeypatch.undo()
@@ -305,7 +305,7 @@ def test_latest_falls_back_to_highest_committed_step(tmp_path, caplog):
 def test_root_without_committed_checkpoint(tmp_path, monkeypatch):
     root = tmp_path / "run"
     mgr = ck.CheckpointManager(root)
-    monkeypatch.setattr(storage, "write_rank_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "disk full")))
+    monkeypatch.setattr(writer, "write_rank_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "disk full")))
     with pytest.raises(OSError):
         mgr.save(1, _state(1.0))
     monkeypatch.undo()
@@ -332,7 +332,7 @@ def test_save_twice_to_one_path_and_saves_from_two_threads(tmp_path):
     assert _load_value(path) == 2.0
     inside = threading.Semaphore(1)
     overlaps = []
-    real = storage.write_rank_file
+    real = writer.write_rank_file
 
     def guarded(*a, **k):  # counts writers inside a save at the same time
         if not inside.acquire(blocking=False):
@@ -344,7 +344,7 @@ def test_save_twice_to_one_path_and_saves_from_two_threads(tmp_path):
         finally:
             inside.release()
 
-    storage.write_rank_file = guarded
+    writer.write_rank_file = guarded
     try:
         threads = [
             threading.Thread(target=ck.save_state_dict, args=(_state(float(v), 1 << 16), path)) for v in range(3, 9)
@@ -354,7 +354,7 @@ def test_save_twice_to_one_path_and_saves_from_two_threads(tmp_path):
         for th in threads:
             th.join()
     finally:
-        storage.write_rank_file = real
+        writer.write_rank_file = real
     assert not overlaps, "two saves of one process ran at the same time"
     t = {"w": paddle.zeros([1 << 16]), "step": None}
     ck.load_state_dict(t, path)

@@ -375,7 +375,11 @@ def case_two_saves_in_flight(workdir: str, rank: int, world: int) -> None:
     assert h.done(), "the second save returned before the first one finished"
     h.wait()
     mgr = ck.CheckpointManager(root)
-    assert mgr.latest_step() == 2 and mgr.steps() == [2], (mgr.latest_step(), mgr.steps())
+    assert mgr.latest_step() == 2, mgr.latest_step()
+    # keep_last pruning runs on the coordinator after `latest` moved; the other ranks return once `latest`
+    # names the new checkpoint (manager.py), so only the coordinator is sure to see it pruned already
+    if rank == 0:
+        assert mgr.steps() == [2], mgr.steps()
     m2, f2, o2 = trained(99, 1, rank, world)
     f2.load_checkpoint(root, optimizer=o2)
     assert_same(snapshot(f2, o2), ref2, "second of two saves in flight")

@@ -16,12 +16,17 @@ Saving and loading (collective over the process group; every rank gets the same 
 * ``verify_checkpoint(path)`` -> list of problems (verify.py).
 * ``CheckpointManager``, ``latest_checkpoint``, ``resolve_checkpoint``: numbered checkpoints with a ``latest``
   pointer and keep-last-K (manager.py).
+* ``CheckpointOptions`` (options.py): how saves and loads run (checksum algorithm, threads, commit timeout,
+  O_DIRECT, huge pages, in-place reads, read slab, tracing and ``trace_hook`` receiving ``TraceRecord``s);
+  passed as ``options=``; without it ``CheckpointOptions.from_env()`` reads the ``PADDLE_FSDP_CKPT_*``
+  variables at call time.
 * ``gather_errors(comm, error, payload)``: the one "every rank fails together with the same named error"
   exchange, for callers that check something before a collective save or load (coordination.py).
 * the ``CheckpointError`` family (errors.py).
 
 Where things live: ``format/`` owns the on-disk format (schema, commit record, safetensors headers, reserved
-keys, the one region reader); ``planner.py`` plans writes and reads; ``storage.py`` does the file I/O;
+keys, the one region reader); ``planner.py`` plans writes and reads; the file I/O is ``writer.py`` (rank files,
+durable commit), ``reader.py`` (checked range reads), ``host_memory.py`` (buffers, tensor views) and ``libc.py``;
 ``records.py`` normalises state-dict entries; ``faults.py`` holds the test-only crash hook.
 """
 
@@ -48,8 +53,10 @@ from .format.commit import read_metadata
 from .format.metadata import CheckpointMetadata
 from .load import LoadReport, load_full_state_dict, load_state_dict
 from .manager import CheckpointManager, latest_checkpoint, resolve_checkpoint
+from .options import CheckpointOptions
 from .save import SaveHandle, release_host_buffers, save_state_dict
 from .snapshot_guard import snapshot_in_flight, wait_for_snapshot
+from .tracing import TraceRecord
 from .verify import verify_checkpoint
 
 __all__ = [
@@ -67,6 +74,8 @@ __all__ = [
     "latest_checkpoint",
     "resolve_checkpoint",
     "CheckpointMetadata",
+    "CheckpointOptions",
+    "TraceRecord",
     "gather_errors",
     "CheckpointError",
     "CorruptCheckpointError",

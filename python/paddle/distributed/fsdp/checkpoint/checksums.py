@@ -8,7 +8,7 @@ Every piece's bytes are checksummed per ``chunk_bytes`` chunk (see metadata.py).
   checksumming about a third of the CPU time of a save on 2 cores.
 * ``crc32``: zlib's CRC-32. Checkpoints written before xxh3-64 use it; they stay readable without ``xxhash``.
   It is written only when ``xxhash`` cannot be imported (logged once) or when chosen with
-  ``PADDLE_FSDP_CKPT_CHECKSUM=crc32``.
+  ``CheckpointOptions(checksum="crc32")`` (``PADDLE_FSDP_CKPT_CHECKSUM=crc32``).
 * ``none``: nothing to verify (sizes, metadata hash and COMMIT are still checked).
 
 Both hash functions release the GIL, so helper threads can checksum while the calling thread reads or writes.
@@ -17,7 +17,6 @@ Both hash functions release the GIL, so helper threads can checksum while the ca
 from __future__ import annotations
 
 import logging
-import os
 import zlib
 from typing import Callable
 
@@ -43,13 +42,13 @@ except ImportError:  # pragma: no cover - xxhash is a dependency of the package;
 _warned_fallback = False
 
 
-def default_algorithm() -> str:
-    """Algorithm for new checkpoints: ``PADDLE_FSDP_CKPT_CHECKSUM`` if set, else xxh3-64 (crc32 without xxhash)."""
+def default_algorithm(chosen: str | None = None) -> str:
+    """Algorithm for new checkpoints: ``chosen`` (CheckpointOptions.checksum) if set, else xxh3-64 (crc32
+    without xxhash)."""
     global _warned_fallback
-    chosen = os.environ.get("PADDLE_FSDP_CKPT_CHECKSUM", "").strip().lower()
     if chosen:
         if chosen not in KNOWN:
-            raise CheckpointError(f"PADDLE_FSDP_CKPT_CHECKSUM={chosen!r}: expected one of {', '.join(KNOWN)}")
+            raise CheckpointError(f"checksum {chosen!r}: expected one of {', '.join(KNOWN)}")
         digest_function(chosen)  # refuse xxh3-64 without xxhash here, not after the data was written
         return chosen
     if XXH3_64 in _FUNCS:

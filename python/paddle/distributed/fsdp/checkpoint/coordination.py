@@ -2,9 +2,8 @@
 
 The process group wrapper (``Comm``: one ``all_gather_object`` per exchange, none in a single process), the
 error exchange that makes all ranks fail together with the same named error (``gather_errors``), the file-based
-completion protocol helpers used instead of collectives (``poll``, ``read_json``), the save target check, the
-commit timeout, byte alignment of host buffers, and phase tracing (``PADDLE_FSDP_CKPT_TRACE=1``; the switch is
-this module's ``_TRACE``). The protocols themselves are described in save.py and load.py.
+completion protocol helpers used instead of collectives (``poll``, ``read_json``), the save target check, and
+byte alignment of host buffers. The protocols themselves are described in save.py and load.py.
 """
 
 from __future__ import annotations
@@ -16,39 +15,6 @@ from typing import Any
 
 from .errors import InvalidStateDictError, SaveFailedError, rebuild_remote_error
 from .format.metadata import COMMIT_FILE, FORMAT_NAME, METADATA_FILE
-
-_TRACE = os.environ.get("PADDLE_FSDP_CKPT_TRACE") == "1"
-
-
-class Tracer:
-    """Phase timings printed to stderr when PADDLE_FSDP_CKPT_TRACE=1 (for finding where time goes)."""
-
-    def __init__(self, what: str):
-        self.what = what
-        self.t0 = self.last = time.perf_counter()
-        self.marks: list[tuple[str, float]] = []
-
-    def mark(self, name: str) -> None:
-        if _TRACE:
-            now = time.perf_counter()
-            self.marks.append((name, now - self.last))
-            self.last = now
-
-    def done(self) -> None:
-        if _TRACE:
-            import sys
-
-            parts = " ".join(f"{n}={d * 1000:.1f}ms" for n, d in self.marks)
-            print(
-                f"[ckpt-trace pid {os.getpid()}] {self.what}: {parts} total="
-                f"{(time.perf_counter() - self.t0) * 1000:.1f}ms",
-                file=sys.stderr,
-                flush=True,
-            )
-
-
-DEFAULT_COMMIT_TIMEOUT = float(os.environ.get("PADDLE_FSDP_CKPT_COMMIT_TIMEOUT", "1800"))
-
 
 # ------------------------------------------------------------------------------------------------ groups
 

@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-from . import storage
+from . import reader
 from .coordination import aligned
 
 
@@ -55,7 +55,7 @@ class InPlaceReads:
                 self._error = e
                 self._cond.notify_all()
 
-    def read(self, files: storage.FileSet, chunk_bytes: int, verify: bool, verifier: storage.ChunkVerifier) -> None:
+    def read(self, files: reader.FileSet, chunk_bytes: int, verify: bool, verifier: reader.ChunkVerifier) -> None:
         """Read every region into its target (each once its previous bytes are saved); checks go to ``verifier``."""
         for i, (key, piece, dst) in enumerate(self._regions):
             with self._cond:
@@ -64,7 +64,7 @@ class InPlaceReads:
                 if self._error is not None:
                     raise self._error
             self._started = i + 1
-            storage.read_range_direct(files, key, piece, 0, piece.nbytes, dst, chunk_bytes, verify, verifier=verifier)
+            reader.read_range_direct(files, key, piece, 0, piece.nbytes, dst, chunk_bytes, verify, verifier=verifier)
 
     def restore(self) -> None:
         """Put back the previous bytes of every region that may have been written (the load did not commit)."""

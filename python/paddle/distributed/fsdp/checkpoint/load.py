@@ -13,10 +13,10 @@ Load: every rank reads metadata.json (after checking COMMIT and its hash), inter
 requested records with the saved pieces and pread()s only those byte ranges (plus chunk alignment) of the files.
 Contiguous host targets made of whole saved pieces (a load into the world size that saved, the usual resume) are
 read straight into their own memory, their previous bytes copied into an undo buffer just ahead of each read on a
-helper thread and put back if the load does not commit (inplace.py; ``PADDLE_FSDP_CKPT_IN_PLACE=0`` stages them
-instead). Other contiguous host targets whose ranges are all large: the file ranges are merged into spans and read
+helper thread and put back if the load does not commit (inplace.py; ``CheckpointOptions(in_place=False)`` stages
+them instead). Other contiguous host targets whose ranges are all large: the file ranges are merged into spans and read
 in file order, 16 MiB at a time, into one host staging buffer, with O_DIRECT when the file is not in the page cache,
-else buffered (storage.py; explicit ``POSIX_FADV_WILLNEED`` was measured slower). Other targets (small scattered
+else buffered (reader.py; explicit ``POSIX_FADV_WILLNEED`` was measured slower). Other targets (small scattered
 ranges such as rows of boxes, device or strided tensors) get a staging buffer of their own, large ranges read
 straight into it, small ones through windows of at most 64 MiB. Checksums of the large ranges run on helper threads
 while later ranges are read; the rank waits for all of them before the status exchange. Host staging (with the undo
@@ -47,8 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from . import checksums, storage
-from .coordination import Comm, Tracer, aligned, gather_errors
+from . import checksums, host_memory, reader
+from .coordination import Comm, aligned, gather_errors
 from .errors import (
     CheckpointError,
     DtypeMismatchError,
@@ -61,14 +61,11 @@ from .format.commit import read_metadata
 from .format.metadata import DTYPES, CheckpointMetadata, resolve_member
 from .format.regions import clip_segments, read_deferred, read_region, region_segments
 from .inplace import InPlaceReads
+from .options import CheckpointOptions, resolve
 from .planner import Region
 from .records import to_record
 from .save import wait_pending
-
-# Load commit for contiguous host targets: memcpy into the target's memory (faster than paddle staging
-# tensors on CPU). False forces the generic path used for device targets (host staging tensor + copy_).
-_HOST_FAST_PATH = True
-
+from .tracing import Tracer
 
 # ------------------------------------------------------------------------------------------------ reading
 
@@ -84,21 +81,19 @@ def _staging_tensor(shape, dtype: str, pin: bool):
         return paddle.empty(list(shape), dtype=dtype, device=paddle.CPUPlace())
 
 
-_IN_PLACE = os.environ.get("PADDLE_FSDP_CKPT_IN_PLACE", "1") != "0"  # 0: stage everything (measurements)
-
-
-def _in_place_regions(reads: list) -> tuple[list, list]:
+def _in_place_regions(reads: list, enabled: bool = True) -> tuple[list, list]:
     """Split the fast-path reads ``(target, piece, a, b, dst)`` into regions read in place (inplace.py) and the
     rest. A target is read in place when each of its reads is a whole saved piece (no chunk widening: the piece's
-    chunks are the target's bytes) and its memory overlaps no other such target. Regions come in file order."""
-    if not _IN_PLACE:
+    chunks are the target's bytes) and its memory overlaps no other such target. Regions come in file order.
+    ``enabled=False`` (CheckpointOptions.in_place) reads nothing in place."""
+    if not enabled:
         return [], reads
     by_target: dict[int, list] = {}
     for r in reads:
         by_target.setdefault(id(r[0]), []).append(r)
     whole = [rs for rs in by_target.values() if all(a == 0 and b == piece.nbytes for _t, piece, a, b, _d in rs)]
     spans = sorted(
-        (rs[0][0].tensor.data_ptr(), storage.raw_view(rs[0][0].tensor, allow_copy=False)[0].nbytes, i)
+        (rs[0][0].tensor.data_ptr(), host_memory.raw_view(rs[0][0].tensor, allow_copy=False)[0].nbytes, i)
         for i, rs in enumerate(whole)
     )
     aliased, end, widest = set(), -1, -1  # widest: the interval reaching furthest so far
@@ -114,7 +109,7 @@ def _in_place_regions(reads: list) -> tuple[list, list]:
         if id(tg) not in chosen:
             rest.append(r)
             continue
-        dst, _ = storage.raw_view(tg.tensor, allow_copy=False)
+        dst, _ = host_memory.raw_view(tg.tensor, allow_copy=False)
         regions.append((tg.key, piece, dst[d : d + (b - a)]))
     regions.sort(key=lambda reg: (reg[1].file, reg[1].offset))
     return regions, rest
@@ -142,7 +137,7 @@ def _plan_spans(reads: list, chunk_bytes: int, verify: bool) -> list[list]:
             spans[-1][3].append((r, a0, b0))
         else:
             spans.append([name, fs, fe, [(r, a0, b0)]])
-    A = storage.DIRECT_ALIGN
+    A = reader.DIRECT_ALIGN
     out = []
     for name, fs, fe, members in spans:
         start = (fs // A) * A
@@ -257,6 +252,7 @@ def load_state_dict(
     strict: bool = True,
     atomic: bool = False,
     max_host_bytes: int | None = None,
+    options: CheckpointOptions | None = None,
     **unused_stock_kwargs,
 ) -> LoadReport:
     """Load ``path`` into the tensors of ``state_dict`` in place (see the module docstring).
@@ -265,10 +261,16 @@ def load_state_dict(
     ``default_load_budget``), all-or-nothing for everything checked before the first byte is written, and
     PartiallyLoadedError on every rank when data turns out corrupt (or unreadable) once writing has begun.
     ``atomic=True``: all-or-nothing for everything, at the cost of a host copy of the rank's slice.
+    ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now): O_DIRECT, huge pages,
+    in-place reads, read slab, checksum threads, tracing.
     """
     if unused_stock_kwargs.get("aoa_config") is not None:
         raise InvalidStateDictError("aoa_config is not supported by the FSDP checkpoint engine")
-    tr = Tracer("load")
+    try:
+        opts, opts_error = resolve(options), None
+    except CheckpointError as e:  # a malformed PADDLE_FSDP_CKPT_* variable: reported by the exchange below
+        opts, opts_error = CheckpointOptions(), e
+    tr = Tracer("load", opts)
     wait_pending(raise_error=False)
     t0 = time.perf_counter()
     path = os.path.abspath(os.fspath(path))
@@ -277,7 +279,7 @@ def load_state_dict(
     requested = sorted(k for k in state_dict) if isinstance(state_dict, dict) else []
     load = _load_atomic if atomic else _load_bounded
     md, value_updates, statuses = load(
-        state_dict, path, comm, report, requested, verify_checksums, strict, max_host_bytes, tr
+        state_dict, path, comm, report, requested, verify_checksums, strict, max_host_bytes, tr, opts, opts_error
     )
     for k, v in value_updates.items():
         state_dict[k] = v
@@ -299,7 +301,9 @@ def _check_same_checkpoint(path: str, statuses: list) -> None:
         )
 
 
-def _load_bounded(state_dict, path, comm, report, requested, verify_checksums, strict, max_host_bytes, tr):
+def _load_bounded(
+    state_dict, path, comm, report, requested, verify_checksums, strict, max_host_bytes, tr, opts, opts_error
+):
     """Memory-bounded load: checks, status exchange, then reads straight into the targets (windows for the rest).
 
     Everything that can be checked without the data is checked on every rank before any byte is written:
@@ -315,16 +319,18 @@ def _load_bounded(state_dict, path, comm, report, requested, verify_checksums, s
     files = None
     plan: list = []
     value_updates: dict = {}
-    verifier = storage.ChunkVerifier()
+    verifier = reader.ChunkVerifier(opts.checksum_threads)
     try:
         try:
+            if opts_error is not None:
+                raise opts_error
             md = read_metadata(path)
             tr.mark("metadata")
             targets, value_updates = _check_requests(state_dict, md, path, strict, report)
             state_bytes = sum(tg.region.numel * DTYPES[tg.dtype][0] for tg in targets)
             budget = default_load_budget(state_bytes) if max_host_bytes is None else int(max_host_bytes)
             report.host_budget = budget
-            files = storage.FileSet.of(path, md, resolve_member, verify_checksums)
+            files = reader.FileSet.of(path, md, resolve_member, verify_checksums, opts)
             for tg in targets:
                 if tg.region.numel == 0:
                     continue
@@ -340,7 +346,7 @@ def _load_bounded(state_dict, path, comm, report, requested, verify_checksums, s
         tr.mark("exchange-checks")
 
         # from here on the targets are written
-        base = storage.host_memory.reset_peak()
+        base = host_memory.account.reset_peak()
         C = md.chunk_bytes
         # live buffers at once: a staging window, a read window (+2 chunks) and two bounce chunks
         window = max(C, (budget - 4 * C) // 2)
@@ -348,8 +354,8 @@ def _load_bounded(state_dict, path, comm, report, requested, verify_checksums, s
         try:
             reads: list = []  # large ranges of host targets, read straight into them in file order
             for tg, segs in plan:
-                if _HOST_FAST_PATH and storage.is_host_contiguous(tg.tensor):
-                    dst, _ = storage.raw_view(tg.tensor, allow_copy=False)
+                if opts.host_fast_path and host_memory.is_host_contiguous(tg.tensor):
+                    dst, _ = host_memory.raw_view(tg.tensor, allow_copy=False)
                     read_region(files, md, tg.key, tg.region, dst, verify_checksums, verifier, reads, window, segs)
                 else:
                     _fill_through_window(files, md, tg, segs, verify_checksums, verifier, window)
@@ -363,7 +369,7 @@ def _load_bounded(state_dict, path, comm, report, requested, verify_checksums, s
             err = e
         finally:
             verifier.drain()
-            report.peak_host_bytes = max(0, storage.host_memory.peak - base)
+            report.peak_host_bytes = max(0, host_memory.account.peak - base)
         try:
             gather_errors(comm, err)
         except Exception as e:  # noqa: BLE001 - a failure on any rank: this rank's own, else the first other one
@@ -387,22 +393,22 @@ def _fill_through_window(files, md, tg: _Target, segs: list, verify: bool, verif
     bytes, rows at a time, each window verified and then copied into the target with ``Tensor.copy_``."""
     shape = list(tg.tensor.shape)
     nbytes = tg.region.numel * DTYPES[tg.dtype][0]
-    pin = not storage.is_host_place(tg.tensor.place)
+    pin = not host_memory.is_host_place(tg.tensor.place)
     rows = shape[0] if shape else 1
     row_bytes = nbytes // max(rows, 1)
     per_window = max(1, window // max(row_bytes, 1))
     if not shape or per_window >= rows or not tg.tensor.is_contiguous():
         # whole target at once (small, 0-d or strided: a strided target cannot be written row window-wise)
-        staging = storage.host_memory.track(_staging_tensor(shape, tg.dtype, pin), nbytes)
-        raw, _ = storage.raw_view(staging, allow_copy=False)
+        staging = host_memory.account.track(_staging_tensor(shape, tg.dtype, pin), nbytes)
+        raw, _ = host_memory.raw_view(staging, allow_copy=False)
         read_region(files, md, tg.key, tg.region, raw, verify, verifier, None, window, segs)
         verifier.wait()
         tg.tensor.copy_(staging, True)
         return
-    staging = storage.host_memory.track(
+    staging = host_memory.account.track(
         _staging_tensor([per_window] + shape[1:], tg.dtype, pin), per_window * row_bytes
     )
-    raw, _ = storage.raw_view(staging, allow_copy=False)
+    raw, _ = host_memory.raw_view(staging, allow_copy=False)
     for r0 in range(0, rows, per_window):
         r1 = min(rows, r0 + per_window)
         w0, w1 = r0 * row_bytes, r1 * row_bytes
@@ -413,7 +419,9 @@ def _fill_through_window(files, md, tg: _Target, segs: list, verify: bool, verif
         tg.tensor._slice(r0, r1).copy_(src, True)
 
 
-def _load_atomic(state_dict, path, comm, report, requested, verify_checksums, strict, max_host_bytes, tr):
+def _load_atomic(
+    state_dict, path, comm, report, requested, verify_checksums, strict, max_host_bytes, tr, opts, opts_error
+):
     """All-or-nothing load (``atomic=True``): reads into host staging and undo copies (inplace.py) first,
     commits into the targets only once every rank read and verified everything."""
     err: BaseException | None = None
@@ -421,13 +429,15 @@ def _load_atomic(state_dict, path, comm, report, requested, verify_checksums, st
     value_updates: dict[str, Any] = {}
     md = None
     files = None
-    verifier = storage.ChunkVerifier()
+    verifier = reader.ChunkVerifier(opts.checksum_threads)
     arena_held = False
     in_place: InPlaceReads | None = None
     committed = False
-    base = storage.host_memory.reset_peak()
+    base = host_memory.account.reset_peak()
     try:
         try:
+            if opts_error is not None:
+                raise opts_error
             md = read_metadata(path)
             tr.mark("metadata")
             targets, value_updates = _check_requests(state_dict, md, path, strict, report)
@@ -445,28 +455,32 @@ def _load_atomic(state_dict, path, comm, report, requested, verify_checksums, st
                 if tg.region.numel == 0:
                     continue
                 segs = region_segments(path, md, tg.key, tg.region)
-                host = storage.is_host_contiguous(tg.tensor)
-                if _HOST_FAST_PATH and host and all(bool(sg[4].all()) for sg in segs):
+                host = host_memory.is_host_contiguous(tg.tensor)
+                if opts.host_fast_path and host and all(bool(sg[4].all()) for sg in segs):
                     tg.copies = []
                     for piece, src_b, dst_b, len_b, _big in segs:
                         for a, d, n in zip(src_b.tolist(), dst_b.tolist(), len_b.tolist()):
                             direct.append((tg, piece, a, a + n, d))
                 else:
                     staged.append(tg)
-            regions, direct = _in_place_regions(direct)
+            regions, direct = _in_place_regions(direct, opts.in_place)
             spans = _plan_spans(direct, md.chunk_bytes, verify)
-            A = storage.DIRECT_ALIGN
+            A = reader.DIRECT_ALIGN
             span_bytes = [-(-sp[2] // A) * A for sp in spans]
-            host_staged = [tg for tg in staged if _HOST_FAST_PATH and storage.is_host_contiguous(tg.tensor)]
+            host_staged = [tg for tg in staged if opts.host_fast_path and host_memory.is_host_contiguous(tg.tensor)]
             undo_bytes = sum(aligned(len(dst)) for _key, _piece, dst in regions)
             need = (
                 sum(span_bytes) + undo_bytes + sum(aligned(tg.region.numel * DTYPES[tg.dtype][0]) for tg in host_staged)
             )
-            stage = storage.arena.acquire(need, grow=storage.arena.capacity > 0) if need else None
+            stage = (
+                host_memory.arena.acquire(need, grow=host_memory.arena.capacity > 0, hugepages=opts.hugepages)
+                if need
+                else None
+            )
             arena_held = stage is not None
             report.peak_host_bytes = need
             if stage is None and need:
-                stage = storage.alloc_host(need, for_direct_reads=bool(span_bytes))
+                stage = host_memory.alloc_host(need, for_direct_reads=bool(span_bytes), hugepages=opts.hugepages)
             pos = 0
             span_reads = []
             for (name, start, n_need, members), nb in zip(spans, span_bytes):
@@ -479,7 +493,7 @@ def _load_atomic(state_dict, path, comm, report, requested, verify_checksums, st
                     if verify and (id(piece), a0, b0) not in seen:
                         seen.add((id(piece), a0, b0))
                         checks.append((tg.key, piece, a0, b0))
-                span_reads.append(storage.SpanRead(name, start, n_need, buf, checks))
+                span_reads.append(reader.SpanRead(name, start, n_need, buf, checks))
             for tg in host_staged:
                 n = tg.region.numel * DTYPES[tg.dtype][0]
                 tg.raw = stage[pos : pos + n]
@@ -487,8 +501,8 @@ def _load_atomic(state_dict, path, comm, report, requested, verify_checksums, st
             if regions:  # previous bytes copied to the undo buffer ahead of the reads, on a helper thread
                 in_place = InPlaceReads(regions, stage[pos : pos + undo_bytes])
             stage = None
-            files = storage.FileSet.of(path, md, resolve_member, verify)
-            storage.read_spans(files, span_reads, md.chunk_bytes, verifier if verify else None)
+            files = reader.FileSet.of(path, md, resolve_member, verify, opts)
+            reader.read_spans(files, span_reads, md.chunk_bytes, verifier if verify else None)
             span_reads = None
             if in_place is not None:
                 in_place.read(files, md.chunk_bytes, verify, verifier)
@@ -496,9 +510,9 @@ def _load_atomic(state_dict, path, comm, report, requested, verify_checksums, st
             for tg in staged:
                 if tg.raw is None:
                     # device (or strided) target: host staging tensor (pinned for devices), committed with copy_
-                    pin = not storage.is_host_place(tg.tensor.place)
+                    pin = not host_memory.is_host_place(tg.tensor.place)
                     tg.staging = _staging_tensor(tg.tensor.shape, tg.dtype, pin)
-                    tg.raw, _ = storage.raw_view(tg.staging, allow_copy=False)
+                    tg.raw, _ = host_memory.raw_view(tg.staging, allow_copy=False)
                 read_region(files, md, tg.key, tg.region, tg.raw, verify_checksums, verifier, reads)
             read_deferred(files, md, reads, verify_checksums, verifier)
             tr.mark("read")
@@ -518,7 +532,7 @@ def _load_atomic(state_dict, path, comm, report, requested, verify_checksums, st
         # all ranks are fine: commit into the targets
         for tg in targets:
             if tg.copies is not None:
-                dst, _ = storage.raw_view(tg.tensor, allow_copy=False)
+                dst, _ = host_memory.raw_view(tg.tensor, allow_copy=False)
                 for d, src in tg.copies:
                     np.copyto(dst[d : d + len(src)], src)
             elif tg.staging is not None:
@@ -526,7 +540,7 @@ def _load_atomic(state_dict, path, comm, report, requested, verify_checksums, st
                 # copies host->device on the target's own place
                 tg.tensor.copy_(tg.staging, True)
             elif tg.raw is not None:
-                dst, _ = storage.raw_view(tg.tensor, allow_copy=False)
+                dst, _ = host_memory.raw_view(tg.tensor, allow_copy=False)
                 np.copyto(dst, tg.raw)
             tg.staging = tg.raw = tg.copies = None
             report.loaded_keys.append(tg.key)
@@ -542,26 +556,30 @@ def _load_atomic(state_dict, path, comm, report, requested, verify_checksums, st
                 in_place.restore()  # every tensor read in place gets its previous bytes back
             in_place = None
         if arena_held:
-            storage.arena.release()
+            host_memory.arena.release()
         # borrowed arena bytes count too: the staging is a copy of the slice wherever it lives
-        report.peak_host_bytes = max(storage.host_memory.peak - base, report.peak_host_bytes)
+        report.peak_host_bytes = max(host_memory.account.peak - base, report.peak_host_bytes)
     tr.mark("copy-into-targets")
     return md, value_updates, statuses
 
 
-def load_full_state_dict(path: str, keys: Iterable[str] | None = None) -> dict:
+def load_full_state_dict(
+    path: str, keys: Iterable[str] | None = None, *, options: CheckpointOptions | None = None
+) -> dict:
     """Full tensors by key, read in this process only (no collectives), e.g. for ``model.set_state_dict``.
 
     With ``keys=None`` every tensor of the checkpoint is returned; a key naming a JSON value returns the value.
+    ``options``: as for ``load_state_dict``.
     """
+    opts = resolve(options)
     import paddle  # noqa: F401
 
     path = os.path.abspath(os.fspath(path))
     md = read_metadata(path)
     wanted = list(md.tensors) if keys is None else list(keys)
     out: dict = {}
-    files = storage.FileSet.of(path, md, resolve_member, verify=True)
-    verifier = storage.ChunkVerifier()
+    files = reader.FileSet.of(path, md, resolve_member, True, opts)
+    verifier = reader.ChunkVerifier(opts.checksum_threads)
     reads: list = []
     try:
         for key in wanted:
@@ -574,7 +592,7 @@ def load_full_state_dict(path: str, keys: Iterable[str] | None = None) -> dict:
             t = _staging_tensor(tm.shape, tm.dtype, False)
             region = Region.full(tm.shape)
             if region.numel:
-                raw, _ = storage.raw_view(t, allow_copy=False)
+                raw, _ = host_memory.raw_view(t, allow_copy=False)
                 read_region(files, md, key, region, raw, True, verifier, reads)
             out[key] = t
         read_deferred(files, md, reads, True, verifier)

@@ -41,7 +41,7 @@ import shutil
 import threading
 import uuid
 
-from . import storage
+from . import writer
 from .coordination import Comm, gather_errors
 from .errors import CheckpointError, IncompleteCheckpointError, NotACheckpointError
 from .format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, check_file_name
@@ -192,7 +192,7 @@ def prune(root: str, keep_last: int, protect: tuple[str, ...] = ()) -> list[str]
     try:
         trash = [os.path.join(root, n) for n in os.listdir(root) if n.startswith(TRASH_PREFIX)]
         if trash:
-            storage.fsync_dir(root)
+            writer.fsync_dir(root)
             threading.Thread(target=_rmtree_all, args=(trash,), name="ckpt-prune", daemon=False).start()
     except OSError as e:
         logger.warning("keep_last: could not clean %s: %s", root, e)
@@ -213,7 +213,7 @@ class _LatestPublisher:
         self.root, self.name, self.keep_last = root, name, keep_last
 
     def publish(self) -> None:
-        storage.write_file_durable(os.path.join(self.root, LATEST_FILE), f"{self.name}\n".encode())
+        writer.write_file_durable(os.path.join(self.root, LATEST_FILE), f"{self.name}\n".encode())
 
     def is_published(self) -> bool:
         return read_latest(self.root) == self.name

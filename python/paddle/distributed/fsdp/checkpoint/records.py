@@ -18,8 +18,8 @@ from typing import Any
 
 from .errors import InvalidStateDictError
 from .format.metadata import DTYPES, is_json_value
+from .host_memory import dtype_name, numel_of
 from .planner import RecordDesc, Region
-from .storage import dtype_name, numel_of
 
 
 def _sharded_weight_cls():

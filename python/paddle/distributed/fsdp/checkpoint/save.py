@@ -47,7 +47,7 @@ but such a staging directory exists raises / reports IncompleteCheckpointError (
 whether the save failed with an error or was interrupted); the staging directory itself reports
 IncompleteCheckpointError too until its COMMIT is written. The survivors of a killed rank do not hang: the
 coordinator waits for the other ranks' data, and the other ranks wait for the commit, at most
-``commit_timeout`` (default ``PADDLE_FSDP_CKPT_COMMIT_TIMEOUT``, 1800 s), then raise SaveFailedError; a rank
+``commit_timeout`` (default ``CheckpointOptions.commit_timeout``, 1800 s), then raise SaveFailedError; a rank
 whose save fails with an error tells the others at once (``failed`` / ``ABORT`` markers).
 
 Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (CheckpointManager).
@@ -60,7 +60,7 @@ step, in-place Tensor methods, ``set_value``, loads, ``wait_for_snapshot()``; sn
 is not intercepted) waits for the copy first, so the checkpoint holds the values at the call. Writing, fsync and
 commit follow on the same thread. The snapshot of
 host tensors goes into one per-process host buffer
-(``storage.arena``) that is reused by every async save (grown when the state grows) and STAYS RESIDENT between
+(``host_memory.arena``) that is reused by every async save (grown when the state grows) and STAYS RESIDENT between
 saves: an async-saving process holds about one extra copy of the bytes it writes, all the time (filling fresh memory
 costs page faults, which made the snapshot several times slower than a copy into resident memory).
 ``release_host_buffers()`` frees it; the next async save allocates it again. Device (and strided) tensors are
@@ -69,7 +69,7 @@ every rank) or raises the background error; an error not collected by ``wait()``
 ``save_state_dict``. gloo collectives are never issued from the background thread (they would race with the training
 loop's collectives), hence the file-based completion protocol.
 
-Checksums: xxh3-64 (checksums.py) per 1 MiB chunk of each piece (``chunk_bytes`` in metadata.json), computed on
+Checksums: xxh3-64 (checksums.py) per 1 MiB chunk of each piece (``chunk_bytes`` in metadata.json; ``CheckpointOptions.checksum``), computed on
 the tensor memory during the single write pass, piece by piece just before it is written. The coordinator's
 choice of algorithm is used by every rank. Loads verify them (load.py).
 
@@ -92,17 +92,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import checksums, faults, storage
-from .coordination import (
-    DEFAULT_COMMIT_TIMEOUT,
-    Comm,
-    Tracer,
-    check_target_path,
-    gather_errors,
-    poll,
-    read_json,
-)
-from .errors import InvalidStateDictError, SaveFailedError
+from . import checksums, faults, host_memory, writer
+from .coordination import Comm, check_target_path, gather_errors, poll, read_json
+from .errors import CheckpointError, InvalidStateDictError, SaveFailedError
 from .format import commit as format_commit
 from .format.metadata import (
     COMMIT_FILE,
@@ -112,9 +104,11 @@ from .format.metadata import (
     CheckpointMetadata,
     FileMeta,
 )
+from .options import CheckpointOptions, resolve
 from .planner import RecordDesc, build_save_plan
 from .records import collect
 from .snapshot import Snapshot, default_deferred
+from .tracing import Tracer
 
 # ------------------------------------------------------------------------------------------------ async state
 
@@ -237,6 +231,7 @@ class _SaveJob:
     checksum: str  # algorithm (checksums.py), the same on every rank
     timeout: float
     write_stock: bool
+    options: CheckpointOptions = field(default_factory=CheckpointOptions)
     publisher: Any = None  # CheckpointManager hook: publish()/is_published()/cleanup(), see Publisher
     created: float = field(default_factory=time.time)
     release: Any = None  # async save: gives the snapshot arena back (called once the data file is written)
@@ -261,7 +256,7 @@ class _SaveJob:
             self._written()
 
     def _run(self) -> None:
-        tr = Tracer(f"save rank {self.rank}")
+        tr = Tracer(f"save rank {self.rank}", self.options)
         parts = os.path.join(self.staging, PARTS_DIR)
         os.makedirs(parts, exist_ok=True)
         layout = self.plan.files[self.rank]
@@ -270,7 +265,7 @@ class _SaveJob:
         try:
             try:
                 digest = None if self.checksum == checksums.NONE else checksums.digest_function(self.checksum)
-                size, sums = storage.write_rank_file(
+                size, sums = writer.write_rank_file(
                     os.path.join(self.staging, layout.name),
                     layout.header,
                     self.arrays,
@@ -282,7 +277,7 @@ class _SaveJob:
                 self._written()
             tr.mark("write+fsync")
             # markers need atomic visibility, not durability: the data file itself is already fsynced
-            storage.write_file(
+            writer.write_file(
                 os.path.join(parts, f"{self.rank}.done.json"),
                 json.dumps({"size": size, "checksums": sums}).encode(),
                 fsync=False,
@@ -298,7 +293,7 @@ class _SaveJob:
             except BaseException as e:
                 try:  # tells the waiting ranks at once (.parts is gone once the commit record is being written)
                     os.makedirs(parts, exist_ok=True)
-                    storage.write_file(
+                    writer.write_file(
                         os.path.join(parts, "ABORT"), f"{type(e).__name__}: {e}".encode(), fsync=False, atomic=True
                     )
                 except OSError:
@@ -372,10 +367,10 @@ class _SaveJob:
 
         shutil.rmtree(parts, ignore_errors=True)
         format_commit.write_commit(self.staging, self.checkpoint_id, data)
-        storage.fsync_dir(self.staging)
+        writer.fsync_dir(self.staging)
         tr.mark("commit-record")
         faults.point("before_rename", self.rank)
-        storage.replace_dir(self.staging, self.path, f"{self.path}.old-{self.checkpoint_id}")
+        writer.replace_dir(self.staging, self.path, f"{self.path}.old-{self.checkpoint_id}")
         tr.mark("rename")
 
     def _wait_commit(self, parts: str) -> None:
@@ -423,19 +418,19 @@ def release_host_buffers() -> bool:
     Returns False (and frees nothing) while a save or load of this process is using it. The next async save
     allocates it again.
     """
-    return storage.arena.free()
+    return host_memory.arena.free()
 
 
 def _lazy_view(t):
     """Piece provider for write_rank_file: the tensor's bytes (and their owner), produced when written."""
-    return lambda: storage.raw_view(t)
+    return lambda: host_memory.raw_view(t)
 
 
 def _mark_failed(staging: str, rank: int, e: BaseException) -> None:
     try:
         parts = os.path.join(staging, PARTS_DIR)
         os.makedirs(parts, exist_ok=True)
-        storage.write_file(
+        writer.write_file(
             os.path.join(parts, f"{rank}.failed.json"),
             json.dumps({"error": f"{type(e).__name__}: {e}"}).encode(),
             fsync=False,
@@ -457,6 +452,7 @@ def save_state_dict(
     write_stock_metadata: bool = True,
     deferred_keys: Collection[str] | None = None,
     per_rank_values: Collection[str] = (),
+    options: CheckpointOptions | None = None,
     _publisher: Publisher | None = None,
     **unused_stock_kwargs,
 ) -> SaveHandle | None:
@@ -467,6 +463,8 @@ def save_state_dict(
     Default: the keys whose tensor is a trainable paddle Parameter. Every other tensor is copied at the call.
     ``per_rank_values``: JSON-value keys every rank gives its own value for (e.g. its RNG state); saved as the
     list of all ranks' values by rank, gathered by the save's one exchange (no collective of their own).
+    ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now) sets the checksum
+    algorithm, commit timeout and tracing; ``commit_timeout`` overrides ``options.commit_timeout``.
     ``_publisher`` is CheckpointManager's hook (moves ``latest`` after the commit); not for direct use.
     """
     with _save_lock:  # saves of one process never overlap, whatever thread they come from
@@ -481,6 +479,7 @@ def save_state_dict(
             write_stock_metadata,
             deferred_keys,
             per_rank_values,
+            options,
             _publisher,
         )
 
@@ -496,21 +495,28 @@ def _save_locked(
     write_stock_metadata: bool,
     deferred_keys: Collection[str] | None,
     per_rank_values: Collection[str],
+    options: CheckpointOptions | None,
     publisher: Publisher | None,
 ) -> SaveHandle | None:
-    tr = Tracer("save (calling thread)")
+    try:
+        opts, opts_error = resolve(options), None
+    except CheckpointError as e:  # a malformed PADDLE_FSDP_CKPT_* variable: reported by the exchange below
+        opts, opts_error = CheckpointOptions(), e
+    tr = Tracer("save (calling thread)", opts)
     wait_pending(raise_error=True)
     tr.mark("wait-previous")
     path = os.path.abspath(os.fspath(path))
     comm = Comm(process_group)
     if not 0 <= coordinator_rank < comm.world:
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
-    timeout = DEFAULT_COMMIT_TIMEOUT if commit_timeout is None else float(commit_timeout)
+    timeout = opts.commit_timeout if commit_timeout is None else float(commit_timeout)
 
     err, records, values, descs, algorithm, snap = None, [], {}, [], None, None
     my_id = uuid.uuid4().hex
     try:
-        algorithm = checksums.default_algorithm()
+        if opts_error is not None:
+            raise opts_error
+        algorithm = opts.checksum_algorithm()
         records, values = collect(state_dict)
         descs = [r.desc().to_wire() for r in records]
         if comm.rank == coordinator_rank:
@@ -542,7 +548,7 @@ def _save_locked(
                 def is_deferred(record) -> bool:
                     return record.key in wanted
 
-            snap = Snapshot([by_key[key] for key in keys], is_deferred)
+            snap = Snapshot([by_key[key] for key in keys], is_deferred, hugepages=opts.hugepages)
             arrays, keep, release = snap.arrays, snap.keep, snap.written
         else:
             # sync: write straight from tensor memory; device tensors are copied to host one piece at a
@@ -568,6 +574,7 @@ def _save_locked(
         checksum=algorithm,
         timeout=timeout,
         write_stock=write_stock_metadata,
+        options=opts,
         publisher=publisher,
         release=release,
         snapshot=snap,

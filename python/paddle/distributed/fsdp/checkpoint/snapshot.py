@@ -13,7 +13,7 @@ Zero-stall schedule. The state a rank saves falls into two kinds:
 The caller says which keys are deferred (``save_state_dict(deferred_keys=...)``; FSDP passes its parameter and
 optimizer records); by default a key is deferred when its tensor is a trainable paddle Parameter.
 
-Host tensors are copied into the per-process arena (``storage.arena``: grown when too small and kept resident
+Host tensors are copied into the per-process arena (``host_memory.arena``: grown when too small and kept resident
 for the next async save; fresh memory when another user holds it). A device (or strided) tensor is copied to
 host on the calling thread (``copy_to_host``: the one place a pinned, side-stream device copy would go).
 """
@@ -24,13 +24,13 @@ from typing import Callable
 
 import numpy as np
 
-from . import snapshot_guard, storage
+from . import host_memory, snapshot_guard
 from .coordination import aligned
 
 
 def copy_to_host(tensor):
     """Host bytes of a device or strided tensor and the object that owns them (calling thread only)."""
-    return storage.raw_view(tensor)
+    return host_memory.raw_view(tensor)
 
 
 def default_deferred(record) -> bool:
@@ -48,7 +48,7 @@ class Snapshot:
     the arrays are written. ``copy_deferred`` always ends the guard's wait, also on error; ``cancel`` too.
     """
 
-    def __init__(self, records: list, deferred: Callable[[object], bool]):
+    def __init__(self, records: list, deferred: Callable[[object], bool], hugepages: bool | str = "auto"):
         self.arrays: list[np.ndarray] = []
         self.keep: list = []
         self._jobs: list[tuple[np.ndarray, np.ndarray]] = []  # (slot, source view): deferred copies
@@ -56,13 +56,13 @@ class Snapshot:
         self.deferred_bytes = 0
         self.volatile_bytes = 0
         self._guard: snapshot_guard.SnapshotInFlight | None = None
-        host = [r for r in records if _nbytes(r.tensor) and storage.is_host_contiguous(r.tensor)]
+        host = [r for r in records if _nbytes(r.tensor) and host_memory.is_host_contiguous(r.tensor)]
         need = sum(aligned(_nbytes(r.tensor)) for r in host)
-        buf = storage.arena.acquire(need, grow=True) if need else None
-        self.release: Callable[[], None] | None = storage.arena.release if buf is not None else None
+        buf = host_memory.arena.acquire(need, grow=True, hugepages=hugepages) if need else None
+        self.release: Callable[[], None] | None = host_memory.arena.release if buf is not None else None
         try:
             if buf is None and need:
-                buf = storage.alloc_host(need)
+                buf = host_memory.alloc_host(need, hugepages=hugepages)
             host_ids = {id(r) for r in host}
             pos = 0
             ranges = []
@@ -77,7 +77,7 @@ class Snapshot:
                 n = _nbytes(r.tensor)
                 slot = buf[pos : pos + n]
                 pos += aligned(n)
-                src, _ = storage.raw_view(r.tensor, allow_copy=False)
+                src, _ = host_memory.raw_view(r.tensor, allow_copy=False)
                 self.arrays.append(slot)
                 if deferred(r):
                     self._jobs.append((slot, src))
@@ -131,4 +131,4 @@ class Snapshot:
 
 
 def _nbytes(t) -> int:
-    return storage.numel_of(t) * t.element_size()
+    return host_memory.numel_of(t) * t.element_size()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from . import checksums, storage
+from . import checksums, reader
 from .errors import CheckpointError, CorruptCheckpointError, SafetensorsHeaderError
 from .format import safetensors
 from .format.commit import read_metadata
@@ -58,7 +58,7 @@ def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) 
         problems += _check_header(fpath, name, by_file[name])
     if md.checksum != checksums.NONE:
         try:
-            files = storage.FileSet.of(path, md, resolve_member, verify=True)
+            files = reader.FileSet.of(path, md, resolve_member, verify=True)
         except CheckpointError as e:  # e.g. xxh3-64 checksums without the xxhash package
             return problems + [str(e)]
         try:

@@ -29,6 +29,7 @@ from paddle.base import core
 
 from ..checkpoint import (
     CheckpointManager,
+    CheckpointOptions,
     LoadReport,
     gather_errors,
     load_state_dict,
@@ -110,16 +111,18 @@ def save_checkpoint(
     keep_last: int | None = None,
     format: str = "fsdp",
     async_save: bool = False,
+    options: CheckpointOptions | None = None,
 ):
     """Save everything needed to resume bit-exactly. Collective: every rank of the group calls it.
 
     With ``step``, ``path`` is a checkpoint root: the checkpoint goes to ``path/step_<step>``, ``path/latest``
     names it once it is committed, and with ``keep_last=K`` only the K newest steps are kept (removed after
-    the commit). Returns the engine's SaveHandle when ``async_save`` (call ``wait()`` before relying on the
-    files; ``latest`` and pruning happen in the background too). An async save does not stall training: it
-    returns after capturing RNG, LR scheduler, ``extra_state`` and non-trainable tensors; parameters and
-    optimizer state are copied during the next forward/backward, and the next ``optimizer.step()`` waits for
-    that copy by itself (see checkpoint/snapshot_guard.py for what else waits).
+    the commit). ``options``: the engine's CheckpointOptions (None: from the environment). Returns the engine's
+    SaveHandle when ``async_save`` (call ``wait()`` before relying on the files; ``latest`` and pruning happen in
+    the background too). An async save does not stall training: it returns after capturing RNG, LR scheduler,
+    ``extra_state`` and non-trainable tensors; parameters and optimizer state are copied during the next
+    forward/backward, and the next ``optimizer.step()`` waits for that copy by itself (see
+    checkpoint/snapshot_guard.py for what else waits).
     """
     if str(format).lower() in HF_FORMAT_NAMES:
         raise ValueError(
@@ -145,10 +148,10 @@ def save_checkpoint(
     state[RNG_KEY] = _rng_state()  # every rank's, gathered by the save's own exchange (per_rank_values)
     state[EXTRA_KEY] = dict(extra_state or {})
     deferred = _deferred_keys(fsdp, state) if async_save else None
-    options = dict(async_save=async_save, deferred_keys=deferred, per_rank_values=(RNG_KEY,))
+    save_options = dict(async_save=async_save, deferred_keys=deferred, per_rank_values=(RNG_KEY,), options=options)
     if manager is not None:
-        return manager.save(step, state, **options)
-    return save_state_dict(state, path, process_group=fsdp.comm.group, **options)
+        return manager.save(step, state, **save_options)
+    return save_state_dict(state, path, process_group=fsdp.comm.group, **save_options)
 
 
 def _foreign_keys(metadata, fsdp) -> list[str]:
@@ -202,6 +205,7 @@ def load_checkpoint(
     verify_checksums: bool = True,
     atomic: bool = False,
     max_host_bytes: int | None = None,
+    options: CheckpointOptions | None = None,
 ) -> LoadResult:
     """Restore what :func:`save_checkpoint` wrote into ``fsdp``'s model and ``optimizer``, in place.
 
@@ -216,13 +220,15 @@ def load_checkpoint(
     keeps an undo copy of the rank's state and restores it. Returns a :class:`LoadResult`: the saved
     ``extra_state`` dict, with ``.report``, ``.path``, ``.step`` and ``.fallback_from``.
     """
-    options = dict(strict=strict, verify_checksums=verify_checksums, atomic=atomic, max_host_bytes=max_host_bytes)
+    load_options = dict(
+        strict=strict, verify_checksums=verify_checksums, atomic=atomic, max_host_bytes=max_host_bytes, options=options
+    )
     root = os.path.abspath(os.fspath(path))
     skipped: list[tuple[str, str]] = []
     target = path
     while True:
         try:
-            result = _load_one(fsdp, target, optimizer, **options)
+            result = _load_one(fsdp, target, optimizer, **load_options)
         except PartiallyLoadedError as e:
             failed = getattr(e, "checkpoint", None)
             older = _older_checkpoint(root, failed) if failed is not None and failed != root else None
@@ -248,7 +254,7 @@ def _older_checkpoint(root: str, failed: str) -> str | None:
 
 
 def _load_one(
-    fsdp, path: str, optimizer, *, strict: bool, verify_checksums: bool, atomic: bool, max_host_bytes
+    fsdp, path: str, optimizer, *, strict: bool, verify_checksums: bool, atomic: bool, max_host_bytes, options
 ) -> LoadResult:
     """One load attempt of ``path`` (a checkpoint or a root's latest); see :func:`load_checkpoint`."""
     err: BaseException | None = None
@@ -274,6 +280,7 @@ def _load_one(
             verify_checksums=verify_checksums,
             atomic=atomic,
             max_host_bytes=max_host_bytes,
+            options=options,
         )
     except PartiallyLoadedError as e:
         e.checkpoint = resolved  # which checkpoint failed, for the fallback

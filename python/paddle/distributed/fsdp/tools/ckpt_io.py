@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..checkpoint import checksums, read_metadata, storage
+from ..checkpoint import CheckpointOptions, checksums, read_metadata, reader, writer
 from ..checkpoint.errors import CorruptCheckpointError
 from ..checkpoint.format import commit as format_commit
 from ..checkpoint.format.metadata import (
@@ -162,10 +162,11 @@ class CheckpointReader:
 
     WINDOW_BYTES = 16 << 20
 
-    def __init__(self, path: str | os.PathLike, verify: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, verify: bool = True, options: CheckpointOptions | None = None) -> None:
         self.path = resolve_checkpoint_path(path)
         self.md = read_metadata(self.path)
-        self._files = storage.FileSet.of(self.path, self.md, resolve_member, verify)
+        opts = CheckpointOptions.from_env() if options is None else options
+        self._files = reader.FileSet.of(self.path, self.md, resolve_member, verify, opts)
         self.verify = self._files.verifies
 
     def __enter__(self) -> CheckpointReader:
@@ -302,12 +303,12 @@ def staged_output(out: str | os.PathLike) -> Iterator[str]:
         raise ToolError(f"cannot create {staging}: {e.strerror or e}") from None
     try:
         yield staging
-        storage.fsync_dir(staging)
+        writer.fsync_dir(staging)
         try:
             os.rename(staging, out)  # `out` is absent or an empty directory
         except OSError as e:
             raise ToolError(f"cannot move the finished output into {out}: {e.strerror or e}") from None
-        storage.fsync_dir(parent)
+        writer.fsync_dir(parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -351,11 +352,17 @@ class CheckpointWriter:
     """
 
     def __init__(
-        self, directory: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, on_bytes: Callable[[int], None] | None = None
+        self,
+        directory: str,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        on_bytes: Callable[[int], None] | None = None,
+        options: CheckpointOptions | None = None,
     ):
         self.directory = directory
         self.chunk_bytes = chunk_bytes
-        self.checksum = checksums.default_algorithm()
+        self.checksum = (
+            CheckpointOptions.from_env().checksum_algorithm() if options is None else options.checksum_algorithm()
+        )
         self._digest = checksums.digest_function(self.checksum) if self.checksum != checksums.NONE else None
         self.checkpoint_id = uuid.uuid4().hex
         self.created = time.time()
@@ -383,7 +390,7 @@ class CheckpointWriter:
             header_entries, {"format": FORMAT_NAME, "checkpoint_id": self.checkpoint_id, "rank": str(rank)}
         )
         # one tensor in memory at a time: produced, checksummed and written by the engine's rank-file writer
-        size, sums = storage.write_rank_file(
+        size, sums = writer.write_rank_file(
             os.path.join(self.directory, name),
             header,
             [self._provider(e) for e in stored],

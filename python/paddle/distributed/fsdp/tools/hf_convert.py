@@ -50,13 +50,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..checkpoint import storage
 from ..checkpoint.errors import SafetensorsHeaderError
 from ..checkpoint.format import safetensors
 from ..checkpoint.format.metadata import itemsize
 from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
 from ..checkpoint.format.safetensors import SafetensorsEntry, SafetensorsFile
 from ..checkpoint.planner import Region
+from ..checkpoint.writer import write_all
 from . import ckpt_io
 from .ckpt_io import (
     FLOAT_DTYPES,
@@ -296,7 +296,7 @@ def to_hf(
 def _write_small(path: str, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        storage.write_all(fd, [data])
+        write_all(fd, [data])
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -310,13 +310,13 @@ def _write_hf_shard(path: str, shard: list[HfTensor], reader: CheckpointReader, 
     header = safetensors.build_header(entries, HF_FILE_METADATA)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        storage.write_all(fd, [header])
+        write_all(fd, [header])
         for t in shard:
             arr = reader.read(t.key)
             written = 0
             block = None
             for block in converted_blocks(arr, t.src_dtype, t.dtype, t.transpose):
-                storage.write_all(fd, [block])
+                write_all(fd, [block])
                 written += block.size
                 bar.update(block.size, t.name)
             arr = block = None  # release this tensor before reading the next one (peak = one tensor)

@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 
-from .. import storage
+from .. import writer
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, MetadataError, NotACheckpointError
 from .metadata import COMMIT_FILE, FORMAT_NAME, LATEST_FILE, METADATA_FILE, PARTS_DIR, CheckpointMetadata
 
@@ -23,7 +23,7 @@ def write_metadata(directory: str, md: CheckpointMetadata, write_stock: bool) ->
     """Write and fsync ``metadata.json`` (and stock paddle's ``0.metadata`` when ``write_stock``) into the
     (not yet visible) ``directory``; returns the bytes written, which ``write_commit`` seals."""
     data = md.dumps()
-    storage.write_file(os.path.join(directory, METADATA_FILE), data, fsync=True, atomic=False)
+    writer.write_file(os.path.join(directory, METADATA_FILE), data, fsync=True, atomic=False)
     if write_stock:
         from ..stock_compat import write_stock_metadata
 
@@ -43,7 +43,7 @@ def commit_record(checkpoint_id: str, metadata_bytes: bytes) -> bytes:
 
 def write_commit(directory: str, checkpoint_id: str, metadata_bytes: bytes) -> None:
     """Write and fsync the ``COMMIT`` record (after every data file and ``metadata.json`` are durable)."""
-    storage.write_file(
+    writer.write_file(
         os.path.join(directory, COMMIT_FILE), commit_record(checkpoint_id, metadata_bytes), fsync=True, atomic=False
     )
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .. import storage
+from .. import reader
 from ..errors import CorruptCheckpointError
 from ..planner import Region, plan_reads
 from .metadata import DTYPES, CheckpointMetadata, PieceMeta
@@ -58,15 +58,15 @@ def clip_segments(segments: list, w0: int, w1: int, chunk_bytes: int) -> list:
 
 
 def read_region(
-    files: storage.FileSet,
+    files: reader.FileSet,
     md: CheckpointMetadata,
     key: str,
     region: Region,
     out: np.ndarray,
     verify: bool,
-    verifier: storage.ChunkVerifier | None = None,
+    verifier: reader.ChunkVerifier | None = None,
     deferred: list | None = None,
-    window_bytes: int = storage.DEFAULT_WINDOW,
+    window_bytes: int = reader.DEFAULT_WINDOW,
     segments: list | None = None,
 ) -> None:
     """Read every element of ``region`` of ``key`` into ``out`` (uint8, region storage order).
@@ -89,7 +89,7 @@ def read_region(
             if deferred is not None:
                 deferred.append((key, piece, a, a + n, out[d : d + n]))
                 continue
-            storage.read_range_direct(
+            reader.read_range_direct(
                 files, key, piece, a, a + n, out[d : d + n], md.chunk_bytes, verify, window_bytes, verifier
             )
         if big.all():
@@ -107,7 +107,7 @@ def _scatter_small(files, md, key, piece, src_b, dst_b, len_b, out, verify: bool
             merged.append((a, b))
     si = 0
     n = len(src_b)
-    for wpos, buf in storage.read_piece_windows(files, key, piece, merged, md.chunk_bytes, verify, window_bytes):
+    for wpos, buf in reader.read_piece_windows(files, key, piece, merged, md.chunk_bytes, verify, window_bytes):
         wend = wpos + len(buf)
         # segments are sorted by source offset and disjoint, so finished ones form a prefix
         j = si
@@ -124,23 +124,23 @@ def _scatter_small(files, md, key, piece, src_b, dst_b, len_b, out, verify: bool
 
 
 def read_deferred(
-    files: storage.FileSet,
+    files: reader.FileSet,
     md: CheckpointMetadata,
     reads: list,
     verify: bool,
-    verifier: storage.ChunkVerifier | None,
+    verifier: reader.ChunkVerifier | None,
 ) -> None:
     """Read the large ranges collected by ``read_region(deferred=...)`` in file order (sequential for the
     kernel's readahead; requesting readahead explicitly with POSIX_FADV_WILLNEED was measured slower)."""
     verify = verify and files.verifies
     reads.sort(key=lambda r: (r[1].file, r[1].offset + r[2]))
     for key, piece, a, b, out in reads:
-        storage.read_range_direct(files, key, piece, a, b, out, md.chunk_bytes, verify, verifier=verifier)
+        reader.read_range_direct(files, key, piece, a, b, out, md.chunk_bytes, verify, verifier=verifier)
 
 
 def iter_piece(
-    files: storage.FileSet, md: CheckpointMetadata, key: str, piece: PieceMeta, verify: bool
+    files: reader.FileSet, md: CheckpointMetadata, key: str, piece: PieceMeta, verify: bool
 ) -> Iterator[np.ndarray]:
     """The bytes of a whole saved piece as bounded windows, each verified before it is yielded (``verify``)."""
-    for _pos, window in storage.read_piece_windows(files, key, piece, [(0, piece.nbytes)], md.chunk_bytes, verify):
+    for _pos, window in reader.read_piece_windows(files, key, piece, [(0, piece.nbytes)], md.chunk_bytes, verify):
         yield window

@@ -1,0 +1,145 @@
+"""Engine options: one frozen object passed to save and load, instead of module globals.
+
+``save_state_dict(..., options=CheckpointOptions(...))`` and ``load_state_dict(..., options=...)`` (also
+``load_full_state_dict``, ``CheckpointManager.save`` / ``load_latest``, ``fsdp.save_checkpoint`` /
+``load_checkpoint``). Without ``options`` the engine uses ``CheckpointOptions.from_env()``, which reads the
+``PADDLE_FSDP_CKPT_*`` environment variables at call time (a variable set after import counts):
+
+=====================================  ============================  =======================================
+field                                  environment variable          default
+=====================================  ============================  =======================================
+``checksum``                           ``PADDLE_FSDP_CKPT_CHECKSUM``  None: xxh3-64 (crc32 without xxhash)
+``checksum_threads``                   ``..._CHECKSUM_THREADS``       2 (0: verify on the reading thread)
+``commit_timeout``                     ``..._COMMIT_TIMEOUT``         1800 s
+``odirect``                            ``..._ODIRECT``                "auto" (by page-cache residency)
+``hugepages``                          ``..._HUGEPAGES``              "auto" (for O_DIRECT read buffers)
+``in_place``                           ``..._IN_PLACE``               True
+``read_slab_bytes``                    ``..._READ_SLAB``              16 MiB
+``trace``                              ``..._TRACE``                  False
+``trace_hook``                         (none)                         None
+``host_fast_path``                     (none)                         True
+=====================================  ============================  =======================================
+
+Only the test-only crash hook ``PADDLE_FSDP_CKPT_FAULT`` (faults.py) stays an environment variable: it must
+reach child processes started by a launcher, and it is not an option anyone should set in production.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from . import checksums, reader
+from .errors import CheckpointError
+from .tracing import TraceHook
+
+ENV_PREFIX = "PADDLE_FSDP_CKPT_"
+_MODES = {"1": True, "0": False}  # anything else: "auto"
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """How the engine saves and loads (not what: that is the state dict and the path).
+
+    Attributes:
+        checksum: algorithm for new checkpoints, ``"xxh3-64"``, ``"crc32"`` or ``"none"``; None picks xxh3-64
+            (crc32 when the xxhash package is missing). Loads use what the checkpoint says.
+        checksum_threads: helper threads that verify chunks while later ones are read (0: on the reading
+            thread). One pool per thread count, shared by the process.
+        commit_timeout: seconds a save waits for the other ranks' data (coordinator) or for the commit (other
+            ranks) before SaveFailedError; ``save_state_dict(commit_timeout=)`` overrides it.
+        odirect: span reads of a load with O_DIRECT: ``"auto"`` when the file is mostly not in the page cache,
+            True always, False never (where the OS or file system refuses it, buffered reads are used).
+        hugepages: transparent huge pages for host buffers: ``"auto"`` for buffers filled by O_DIRECT reads
+            only, True for all, False never.
+        in_place: a load reads whole saved pieces straight into contiguous host targets, with an undo copy
+            (inplace.py); False stages them like every other target (for measurements).
+        read_slab_bytes: bytes per pread of a large range (checksums of one slab overlap the next read).
+        trace: print the phase timings of every save and load to stderr.
+        trace_hook: called with a TraceRecord at the end of every save and load (and of a save's background
+            part); for benchmarks. Runs on the thread that did the work; must not raise.
+        host_fast_path: load contiguous host targets through memcpy from host staging; False forces the
+            generic path used for device targets (a host staging tensor + ``Tensor.copy_``), for tests.
+    """
+
+    checksum: str | None = None
+    checksum_threads: int = reader.DEFAULT_CHECKSUM_THREADS
+    commit_timeout: float = 1800.0
+    odirect: bool | str = "auto"
+    hugepages: bool | str = "auto"
+    in_place: bool = True
+    read_slab_bytes: int = reader.DEFAULT_READ_SLAB
+    trace: bool = False
+    trace_hook: TraceHook | None = field(default=None, compare=False)
+    host_fast_path: bool = True
+
+    def __post_init__(self) -> None:
+        if self.checksum is not None and self.checksum not in checksums.KNOWN:
+            raise CheckpointError(f"checksum={self.checksum!r}: expected one of {', '.join(checksums.KNOWN)}")
+        for name in ("odirect", "hugepages"):
+            if getattr(self, name) not in ("auto", True, False):
+                raise CheckpointError(f"{name}={getattr(self, name)!r}: expected 'auto', True or False")
+        if self.checksum_threads < 0:
+            raise CheckpointError(f"checksum_threads must be >= 0, got {self.checksum_threads}")
+        if self.read_slab_bytes <= 0:
+            raise CheckpointError(f"read_slab_bytes must be positive, got {self.read_slab_bytes}")
+        if not self.commit_timeout > 0:
+            raise CheckpointError(f"commit_timeout must be positive, got {self.commit_timeout}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> CheckpointOptions:
+        """Options from the ``PADDLE_FSDP_CKPT_*`` variables of ``environ`` (default: ``os.environ``, read now);
+        an unset variable keeps the default, a malformed one raises CheckpointError naming it."""
+        env = os.environ if environ is None else environ
+        kw: dict = {}
+
+        def get(name: str) -> str | None:
+            v = env.get(ENV_PREFIX + name)
+            return None if v is None or not v.strip() else v.strip()
+
+        def number(name: str, conv):
+            raw = get(name)
+            if raw is None:
+                return None
+            try:
+                return conv(raw)
+            except ValueError:
+                raise CheckpointError(f"{ENV_PREFIX}{name}={raw!r} is not a number") from None
+
+        chosen = get("CHECKSUM")
+        if chosen is not None:
+            chosen = chosen.lower()
+            if chosen not in checksums.KNOWN:
+                raise CheckpointError(f"{ENV_PREFIX}CHECKSUM={chosen!r}: expected one of {', '.join(checksums.KNOWN)}")
+            kw["checksum"] = chosen
+        for name, key, conv in (
+            ("CHECKSUM_THREADS", "checksum_threads", int),
+            ("COMMIT_TIMEOUT", "commit_timeout", float),
+            ("READ_SLAB", "read_slab_bytes", int),
+        ):
+            v = number(name, conv)
+            if v is not None:
+                kw[key] = v
+        for name, key in (("ODIRECT", "odirect"), ("HUGEPAGES", "hugepages")):
+            raw = get(name)
+            if raw is not None:
+                kw[key] = _MODES.get(raw.lower(), "auto")
+        raw = get("IN_PLACE")
+        if raw is not None:
+            kw["in_place"] = raw != "0"
+        kw["trace"] = env.get(ENV_PREFIX + "TRACE") == "1"
+        return cls(**kw)
+
+    def replace(self, **changes) -> CheckpointOptions:
+        """A copy with ``changes`` (the object itself is frozen)."""
+        return replace(self, **changes)
+
+    def checksum_algorithm(self) -> str:
+        """The algorithm a new checkpoint is written with (refuses xxh3-64 without xxhash before any write)."""
+        return checksums.default_algorithm(self.checksum)
+
+
+def resolve(options: CheckpointOptions | None) -> CheckpointOptions:
+    """``options``, or the environment's when None (the documented fallback)."""
+    return CheckpointOptions.from_env() if options is None else options

@@ -1,0 +1,66 @@
+"""Phase tracing of saves and loads: where the time of one save or load goes, per rank.
+
+A ``Tracer`` collects ``(phase, seconds)`` marks; at ``done()`` it prints them to stderr
+(``CheckpointOptions.trace``, ``PADDLE_FSDP_CKPT_TRACE=1``) and/or hands a ``TraceRecord`` to
+``CheckpointOptions.trace_hook`` (the benchmark's public way in). Without either it records nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .options import CheckpointOptions
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    """Phase timings of one save or load on one rank, handed to ``CheckpointOptions.trace_hook``."""
+
+    what: str  # e.g. "save (calling thread)", "save rank 0", "load"
+    pid: int
+    marks: tuple[tuple[str, float], ...]  # (phase name, seconds since the previous mark), in order
+    total: float  # seconds from start to done
+
+    def phases_ms(self) -> dict[str, float]:
+        return {name: seconds * 1000 for name, seconds in self.marks}
+
+
+TraceHook = Callable[[TraceRecord], None]
+
+
+class Tracer:
+    """Phase timings of one save or load: printed to stderr with ``options.trace``, handed to
+    ``options.trace_hook``; free when neither is set."""
+
+    def __init__(self, what: str, options: CheckpointOptions):
+        self.what = what
+        self.print = options.trace
+        self.hook = options.trace_hook
+        self.on = self.print or self.hook is not None
+        self.t0 = self.last = time.perf_counter()
+        self.marks: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        if self.on:
+            now = time.perf_counter()
+            self.marks.append((name, now - self.last))
+            self.last = now
+
+    def done(self) -> None:
+        if not self.on:
+            return
+        record = TraceRecord(self.what, os.getpid(), tuple(self.marks), time.perf_counter() - self.t0)
+        if self.print:
+            parts = " ".join(f"{n}={d * 1000:.1f}ms" for n, d in record.marks)
+            print(
+                f"[ckpt-trace pid {record.pid}] {self.what}: {parts} total={record.total * 1000:.1f}ms",
+                file=sys.stderr,
+                flush=True,
+            )
+        if self.hook is not None:
+            self.hook(record)
