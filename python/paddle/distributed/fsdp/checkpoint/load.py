@@ -9,8 +9,25 @@ that needs part of a piece reads the enclosing chunks, verifies them, then copie
 loaded is verified and at most two extra chunks per contiguous range are read. ``load_state_dict(...,
 verify_checksums=False)`` skips the check (on by default); sizes, metadata hash and COMMIT are still checked.
 
-Load: every rank reads metadata.json (after checking COMMIT and its hash), intersects the flat runs of each of its
-requested records with the saved pieces and pread()s only those byte ranges (plus chunk alignment) of the files.
+Load (default, memory-bounded): every rank reads metadata.json (after checking COMMIT and its hash), matches every
+requested key (kind, shape, dtype), intersects the flat runs of each requested record with the saved pieces
+(coverage), opens every data file it needs and checks its size; one ``all_gather_object`` then tells every rank
+whether any rank failed (the same named error everywhere) and that all read the same checkpoint. Up to here
+nothing is written: everything that can be checked without the data is all-or-nothing. Then each rank reads its
+byte ranges (plus chunk alignment) in file order straight into the targets' own memory (contiguous host tensors),
+or through a staging window of rows (device or strided tensors, copied with ``Tensor.copy_``); small scattered
+ranges (rows of boxes) go through bounded read windows, the partial chunks at both ends of a range through a
+one-chunk bounce buffer. Checksums of large ranges run on helper threads while later ranges are read. The extra
+host memory is at most ``max_host_bytes`` (default ``max(64 MiB, 2%)`` of the rank's requested state,
+``default_load_budget``), counted by the engine's own account (``host_memory.account``; ``LoadReport.
+peak_host_bytes``): a load never needs a second copy of the rank's state. Data found corrupt (or unreadable) while
+reading stops that rank's reads; a second exchange then raises ``PartiallyLoadedError`` on EVERY rank: the targets
+were written in part and must not be used (no rank can continue unknowingly with mixed state).
+``load_checkpoint(root)`` (state/resume.py) then falls back to the newest older committed checkpoint, which
+rewrites every target. Measured choice: a verify-first pass would read everything twice (cold cache: twice the
+I/O; warm: the page cache must hold the slice); an undo log is a copy of the slice in host memory.
+
+``atomic=True``: all-or-nothing for everything, at the cost of a host copy of the rank's slice.
 Contiguous host targets made of whole saved pieces (a load into the world size that saved, the usual resume) are
 read straight into their own memory, their previous bytes copied into an undo buffer just ahead of each read on a
 helper thread and put back if the load does not commit (inplace.py; ``CheckpointOptions(in_place=False)`` stages
@@ -21,13 +38,15 @@ ranges such as rows of boxes, device or strided tensors) get a staging buffer of
 straight into it, small ones through windows of at most 64 MiB. Checksums of the large ranges run on helper threads
 while later ranges are read; the rank waits for all of them before the status exchange. Host staging (with the undo
 buffer) is this rank's slice (plus chunk and page alignment); it is the async-save buffer when this process has one
-(borrowed, no fresh memory), else fresh memory freed after the load; nothing else grows with the checkpoint. Only
+(borrowed, no fresh memory), else fresh memory freed after the load. Only
 when every key, shape, dtype, coverage and checksum on every rank is fine, and every rank read the same checkpoint
 (checkpoint ids compared; one ``all_gather_object`` of the status) is the load committed: the staged bytes are
 copied into the targets in place (and the undo copies of in-place reads dropped): a memcpy into the tensor's own
 memory for contiguous host tensors, ``Tensor.copy_`` (host staging tensor, pinned, copied on the target's own place)
 otherwise; views into fused buffers keep sharing memory either way. On any failure the targets are bit-identical to
-before. JSON values are written back into the dict. ``strict=True`` (default) fails, before anything is written, on
+before.
+
+Both: JSON values are written back into the dict. ``strict=True`` (default) fails, before anything is written, on
 a requested key that is missing or has another shape/dtype/kind, naming the key; ``strict=False`` loads the matching
 subset and lists the rest in the returned LoadReport. Checkpoint keys no rank asked for are only reported
 (``LoadReport.unexpected_keys``), so a model-only load of a model+optimizer checkpoint works.
@@ -163,17 +182,6 @@ class LoadReport:
     peak_host_bytes: int = 0  # the engine's own account of the extra host memory this load held at its peak
 
 
-@dataclass
-class _Target:
-    key: str
-    tensor: Any
-    region: Region
-    dtype: str
-    staging: Any = None
-    raw: Any = None
-    copies: Any = None  # in-place host target: [(dst byte offset, verified source bytes in the span buffer)]
-
-
 LOAD_MIN_HOST_BYTES = 64 << 20  # memory-bounded loads: extra host memory at most max(this, ...
 LOAD_HOST_FRACTION = 0.02  # ... this fraction of the rank's requested state)
 
@@ -183,63 +191,15 @@ def default_load_budget(state_bytes: int) -> int:
     return max(LOAD_MIN_HOST_BYTES, int(LOAD_HOST_FRACTION * state_bytes))
 
 
-def _check_requests(state_dict, md: CheckpointMetadata, path: str, strict: bool, report: LoadReport):
-    """Match the requested entries with the checkpoint: the tensor targets and the JSON values to load.
-
-    Fills the report's missing/mismatched keys; with ``strict`` the first problem is raised (naming the key)."""
-    if not isinstance(state_dict, dict):
-        raise InvalidStateDictError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-    targets: list[_Target] = []
-    value_updates: dict[str, Any] = {}
-    problems: list[tuple[type, str]] = []
-
-    def refuse(error: type, key: str, reason: str) -> None:
-        """Record why ``key`` cannot load: in the report, and as the error strict mode raises."""
-        if error is MissingKeyError:
-            report.missing_keys.append(key)
-        else:
-            report.mismatched_keys[key] = reason
-        problems.append((error, f"key {key!r}: {reason}"))
-
-    def refuse_absent(key: str, wanted: str, saved_as: str) -> None:
-        if saved_as:
-            refuse(InvalidStateDictError, key, f"saved as a {saved_as}, requested as a {wanted}")
-        else:
-            refuse(MissingKeyError, key, f"missing from checkpoint {path}")
-
-    for key, val in state_dict.items():
-        rec = to_record(key, val)
-        if rec is None:
-            if key in md.values:
-                value_updates[key] = md.values[key]
-                report.loaded_keys.append(key)
-            else:
-                refuse_absent(key, "plain value", "tensor" if key in md.tensors else "")
-            continue
-        tm = md.tensors.get(key)
-        if tm is None:
-            refuse_absent(key, "tensor", "plain value" if key in md.values else "")
-            continue
-        if tuple(tm.shape) != tuple(rec.region.shape):
-            refuse(
-                ShapeMismatchError,
-                key,
-                f"shape {list(rec.region.shape)} requested, {list(tm.shape)} in the checkpoint",
-            )
-            continue
-        if tm.dtype != rec.dtype:
-            refuse(DtypeMismatchError, key, f"dtype {rec.dtype} requested, {tm.dtype} in the checkpoint")
-            continue
-        targets.append(_Target(key, rec.tensor, rec.region, rec.dtype))
-    if strict and problems:
-        cls, _ = problems[0]
-        more = (
-            f" (and {len(problems) - 1} more: " + "; ".join(m for _, m in problems[1:4]) + ")"
-            if len(problems) > 1
-            else ""
-        )
-        raise cls(problems[0][1] + more)
-    return targets, value_updates
+@dataclass
+class _Target:
+    key: str
+    tensor: Any
+    region: Region
+    dtype: str
+    staging: Any = None
+    raw: Any = None
+    copies: Any = None  # in-place host target: [(dst byte offset, verified source bytes in the span buffer)]
 
 
 def load_state_dict(
@@ -257,12 +217,16 @@ def load_state_dict(
 ) -> LoadReport:
     """Load ``path`` into the tensors of ``state_dict`` in place (see the module docstring).
 
-    Default: memory-bounded (at most ``max_host_bytes`` of extra host memory, default
-    ``default_load_budget``), all-or-nothing for everything checked before the first byte is written, and
-    PartiallyLoadedError on every rank when data turns out corrupt (or unreadable) once writing has begun.
-    ``atomic=True``: all-or-nothing for everything, at the cost of a host copy of the rank's slice.
+    Default: memory-bounded (at most ``max_host_bytes`` of extra host memory, default ``default_load_budget``),
+    all-or-nothing for everything checked before the first byte is written, and PartiallyLoadedError on every
+    rank when data turns out corrupt (or unreadable) once writing has begun. ``atomic=True``: all-or-nothing for
+    everything, at the cost of a host copy of the rank's slice.
     ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now): O_DIRECT, huge pages,
     in-place reads, read slab, checksum threads, tracing.
+
+    Steps (``_LoadJob``, atomic): validate -> plan -> read -> exchange -> commit; nothing a target holds changes
+    before the exchange has shown that every rank validated and read everything (in-place reads keep an undo
+    copy). ``_BoundedLoadJob`` (default): validate -> prepare -> exchange -> read into the targets -> exchange.
     """
     if unused_stock_kwargs.get("aoa_config") is not None:
         raise InvalidStateDictError("aoa_config is not supported by the FSDP checkpoint engine")
@@ -273,264 +237,237 @@ def load_state_dict(
     tr = Tracer("load", opts)
     wait_pending(raise_error=False)
     t0 = time.perf_counter()
-    path = os.path.abspath(os.fspath(path))
     comm = Comm(process_group)
-    report = LoadReport(atomic=bool(atomic))
-    requested = sorted(k for k in state_dict) if isinstance(state_dict, dict) else []
-    load = _load_atomic if atomic else _load_bounded
-    md, value_updates, statuses = load(
-        state_dict, path, comm, report, requested, verify_checksums, strict, max_host_bytes, tr, opts, opts_error
-    )
-    for k, v in value_updates.items():
-        state_dict[k] = v
-    all_requested = set()
-    for s in statuses:
-        all_requested.update(s[0])
-    report.unexpected_keys = sorted((set(md.tensors) | set(md.values)) - all_requested)
-    report.seconds = time.perf_counter() - t0
-    tr.done()
-    return report
-
-
-def _check_same_checkpoint(path: str, statuses: list) -> None:
-    ids = sorted({s[1] for s in statuses})
-    if len(ids) > 1:  # e.g. the path was replaced by a concurrent save between the ranks' reads
-        raise CheckpointError(
-            f"load of {path}: ranks read different checkpoints ({ids}); was it replaced during the load? "
-            f"nothing was loaded"
-        )
-
-
-def _load_bounded(
-    state_dict, path, comm, report, requested, verify_checksums, strict, max_host_bytes, tr, opts, opts_error
-):
-    """Memory-bounded load: checks, status exchange, then reads straight into the targets (windows for the rest).
-
-    Everything that can be checked without the data is checked on every rank before any byte is written:
-    commit record, metadata, keys, shapes, dtypes, coverage, the size of every data file this rank reads (files
-    stay open from then on), the checkpoint id of every rank. Then each rank reads its ranges in file order
-    straight into the targets' memory (contiguous host tensors), or through a staging window of at most the
-    budget for device / strided ones, verifying every chunk; small scattered ranges go through read windows.
-    A checksum mismatch or read error found then stops the rank's reads; after the second status exchange every
-    rank raises PartiallyLoadedError naming the failing rank: targets were partly written.
-    """
-    err: BaseException | None = None
-    md = None
-    files = None
-    plan: list = []
-    value_updates: dict = {}
-    verifier = reader.ChunkVerifier(opts.checksum_threads)
-    try:
-        try:
-            if opts_error is not None:
-                raise opts_error
-            md = read_metadata(path)
-            tr.mark("metadata")
-            targets, value_updates = _check_requests(state_dict, md, path, strict, report)
-            state_bytes = sum(tg.region.numel * DTYPES[tg.dtype][0] for tg in targets)
-            budget = default_load_budget(state_bytes) if max_host_bytes is None else int(max_host_bytes)
-            report.host_budget = budget
-            files = reader.FileSet.of(path, md, resolve_member, verify_checksums, opts)
-            for tg in targets:
-                if tg.region.numel == 0:
-                    continue
-                segs = region_segments(path, md, tg.key, tg.region)
-                for seg in segs:
-                    files.fd(seg[0].file)  # opened and size-checked before any byte is written
-                plan.append((tg, segs))
-            tr.mark("validate")
-        except Exception as e:  # noqa: BLE001 - every failure must reach the status exchange below
-            err = e
-        statuses = gather_errors(comm, err, (requested, md.checkpoint_id if md else None))
-        _check_same_checkpoint(path, statuses)
-        tr.mark("exchange-checks")
-
-        # from here on the targets are written
-        base = host_memory.account.reset_peak()
-        C = md.chunk_bytes
-        # live buffers at once: a staging window, a read window (+2 chunks) and two bounce chunks
-        window = max(C, (budget - 4 * C) // 2)
-        err = None
-        try:
-            reads: list = []  # large ranges of host targets, read straight into them in file order
-            for tg, segs in plan:
-                if opts.host_fast_path and host_memory.is_host_contiguous(tg.tensor):
-                    dst, _ = host_memory.raw_view(tg.tensor, allow_copy=False)
-                    read_region(files, md, tg.key, tg.region, dst, verify_checksums, verifier, reads, window, segs)
-                else:
-                    _fill_through_window(files, md, tg, segs, verify_checksums, verifier, window)
-                report.loaded_keys.append(tg.key)
-            read_deferred(files, md, reads, verify_checksums, verifier)
-            tr.mark("read")
-            verifier.wait()
-            report.bytes_read = files.bytes_read
-            tr.mark("verify-wait")
-        except Exception as e:  # noqa: BLE001 - every failure must reach the status exchange below
-            err = e
-        finally:
-            verifier.drain()
-            report.peak_host_bytes = max(0, host_memory.account.peak - base)
-        try:
-            gather_errors(comm, err)
-        except Exception as e:  # noqa: BLE001 - a failure on any rank: this rank's own, else the first other one
-            cause = f"rank {comm.rank} failed: {type(e).__name__}: {e}" if e is err else f"{type(e).__name__}: {e}"
-            raise PartiallyLoadedError(
-                f"load of {path} failed after writing into the targets had begun ({cause}). The "
-                f"tensors being loaded on every rank that read data now hold a mix of their previous and the loaded "
-                f"values: do not continue with them. Load a checkpoint again (load_checkpoint(root) falls back to "
-                f"the newest older checkpoint by itself), or load with atomic=True, which keeps an undo copy"
-            ) from e
-        tr.mark("exchange-status")
-    finally:
-        verifier.drain()
-        if files is not None:
-            files.close()
-    return md, value_updates, statuses
-
-
-def _fill_through_window(files, md, tg: _Target, segs: list, verify: bool, verifier, window: int) -> None:
-    """Device (or strided) target: read into a host staging tensor (pinned for devices) of at most ``window``
-    bytes, rows at a time, each window verified and then copied into the target with ``Tensor.copy_``."""
-    shape = list(tg.tensor.shape)
-    nbytes = tg.region.numel * DTYPES[tg.dtype][0]
-    pin = not host_memory.is_host_place(tg.tensor.place)
-    rows = shape[0] if shape else 1
-    row_bytes = nbytes // max(rows, 1)
-    per_window = max(1, window // max(row_bytes, 1))
-    if not shape or per_window >= rows or not tg.tensor.is_contiguous():
-        # whole target at once (small, 0-d or strided: a strided target cannot be written row window-wise)
-        staging = host_memory.account.track(_staging_tensor(shape, tg.dtype, pin), nbytes)
-        raw, _ = host_memory.raw_view(staging, allow_copy=False)
-        read_region(files, md, tg.key, tg.region, raw, verify, verifier, None, window, segs)
-        verifier.wait()
-        tg.tensor.copy_(staging, True)
-        return
-    staging = host_memory.account.track(
-        _staging_tensor([per_window] + shape[1:], tg.dtype, pin), per_window * row_bytes
-    )
-    raw, _ = host_memory.raw_view(staging, allow_copy=False)
-    for r0 in range(0, rows, per_window):
-        r1 = min(rows, r0 + per_window)
-        w0, w1 = r0 * row_bytes, r1 * row_bytes
-        window_segs = clip_segments(segs, w0, w1, md.chunk_bytes)
-        read_region(files, md, tg.key, tg.region, raw[: w1 - w0], verify, verifier, None, window, window_segs)
-        verifier.wait()  # the window is reused next: its checks must be done
-        src = staging if r1 - r0 == per_window else staging._slice(0, r1 - r0)
-        tg.tensor._slice(r0, r1).copy_(src, True)
-
-
-def _load_atomic(
-    state_dict, path, comm, report, requested, verify_checksums, strict, max_host_bytes, tr, opts, opts_error
-):
-    """All-or-nothing load (``atomic=True``): reads into host staging and undo copies (inplace.py) first,
-    commits into the targets only once every rank read and verified everything."""
-    err: BaseException | None = None
-    targets: list[_Target] = []
-    value_updates: dict[str, Any] = {}
-    md = None
-    files = None
-    verifier = reader.ChunkVerifier(opts.checksum_threads)
-    arena_held = False
-    in_place: InPlaceReads | None = None
-    committed = False
+    if not atomic:
+        job = _BoundedLoadJob(state_dict, os.path.abspath(os.fspath(path)), opts, verify_checksums, tr)
+        all_requested = job.run(comm, strict, max_host_bytes, opts_error)
+        return job.finish(all_requested, time.perf_counter() - t0)
+    job = _LoadJob(state_dict, os.path.abspath(os.fspath(path)), opts, verify_checksums, tr)
+    job.report.atomic = True
     base = host_memory.account.reset_peak()
+    err: BaseException | None = None
     try:
         try:
             if opts_error is not None:
                 raise opts_error
-            md = read_metadata(path)
-            tr.mark("metadata")
-            targets, value_updates = _check_requests(state_dict, md, path, strict, report)
-            tr.mark("validate")
-            # read + verify everything into host staging (this rank's slice); targets untouched until commit.
-            # Host targets read in large ranges only (the usual case): their file ranges are read as aligned
-            # spans (O_DIRECT where supported) into one host buffer, committed with a memcpy per range into the
-            # target's own memory. Other targets (small scattered ranges, device or strided tensors) get a
-            # staging buffer of their own, committed with one memcpy (host) or Tensor.copy_ (device, strided).
-            # All host staging is carved out of one buffer: the async-save arena when there is one, else fresh.
-            verify = verify_checksums and md.checksum != checksums.NONE
-            direct: list = []  # (target, piece, a, b, dst offset)
-            staged: list[_Target] = []
-            for tg in targets:
-                if tg.region.numel == 0:
-                    continue
-                segs = region_segments(path, md, tg.key, tg.region)
-                host = host_memory.is_host_contiguous(tg.tensor)
-                if opts.host_fast_path and host and all(bool(sg[4].all()) for sg in segs):
-                    tg.copies = []
-                    for piece, src_b, dst_b, len_b, _big in segs:
-                        for a, d, n in zip(src_b.tolist(), dst_b.tolist(), len_b.tolist()):
-                            direct.append((tg, piece, a, a + n, d))
-                else:
-                    staged.append(tg)
-            regions, direct = _in_place_regions(direct, opts.in_place)
-            spans = _plan_spans(direct, md.chunk_bytes, verify)
-            A = reader.DIRECT_ALIGN
-            span_bytes = [-(-sp[2] // A) * A for sp in spans]
-            host_staged = [tg for tg in staged if opts.host_fast_path and host_memory.is_host_contiguous(tg.tensor)]
-            undo_bytes = sum(aligned(len(dst)) for _key, _piece, dst in regions)
-            need = (
-                sum(span_bytes) + undo_bytes + sum(aligned(tg.region.numel * DTYPES[tg.dtype][0]) for tg in host_staged)
-            )
-            stage = (
-                host_memory.arena.acquire(need, grow=host_memory.arena.capacity > 0, hugepages=opts.hugepages)
-                if need
-                else None
-            )
-            arena_held = stage is not None
-            report.peak_host_bytes = need
-            if stage is None and need:
-                stage = host_memory.alloc_host(need, for_direct_reads=bool(span_bytes), hugepages=opts.hugepages)
-            pos = 0
-            span_reads = []
-            for (name, start, n_need, members), nb in zip(spans, span_bytes):
-                buf = stage[pos : pos + nb]
-                pos += nb
-                checks, seen = [], set()
-                for (tg, piece, a, b, d), a0, b0 in members:
-                    lo = piece.offset + a - start
-                    tg.copies.append((d, buf[lo : lo + (b - a)]))
-                    if verify and (id(piece), a0, b0) not in seen:
-                        seen.add((id(piece), a0, b0))
-                        checks.append((tg.key, piece, a0, b0))
-                span_reads.append(reader.SpanRead(name, start, n_need, buf, checks))
-            for tg in host_staged:
-                n = tg.region.numel * DTYPES[tg.dtype][0]
-                tg.raw = stage[pos : pos + n]
-                pos += aligned(n)
-            if regions:  # previous bytes copied to the undo buffer ahead of the reads, on a helper thread
-                in_place = InPlaceReads(regions, stage[pos : pos + undo_bytes])
-            stage = None
-            files = reader.FileSet.of(path, md, resolve_member, verify, opts)
-            reader.read_spans(files, span_reads, md.chunk_bytes, verifier if verify else None)
-            span_reads = None
-            if in_place is not None:
-                in_place.read(files, md.chunk_bytes, verify, verifier)
-            reads: list = []  # large ranges of staged targets, read below in file order
-            for tg in staged:
-                if tg.raw is None:
-                    # device (or strided) target: host staging tensor (pinned for devices), committed with copy_
-                    pin = not host_memory.is_host_place(tg.tensor.place)
-                    tg.staging = _staging_tensor(tg.tensor.shape, tg.dtype, pin)
-                    tg.raw, _ = host_memory.raw_view(tg.staging, allow_copy=False)
-                read_region(files, md, tg.key, tg.region, tg.raw, verify_checksums, verifier, reads)
-            read_deferred(files, md, reads, verify_checksums, verifier)
-            tr.mark("read")
-            verifier.wait()  # every queued checksum, before this rank reports its status
-            report.bytes_read = files.bytes_read
-            tr.mark("verify-wait")
+            job.validate(strict)
+            job.plan()
+            job.read()
         except Exception as e:  # noqa: BLE001 - every failure must reach the status exchange below
             err = e
         finally:
-            verifier.drain()  # no helper thread reads the staging any more
-            if files is not None:
-                files.close()
-        statuses = gather_errors(comm, err, (requested, md.checkpoint_id if md else None))
-        _check_same_checkpoint(path, statuses)
-        tr.mark("exchange")
+            job.stop_reading()
+        all_requested = job.exchange(comm, err)
+        job.commit()
+    finally:
+        job.release()
+        # staging and undo copies count, also when borrowed from the arena: a copy of the slice wherever it lives
+        job.report.peak_host_bytes = max(host_memory.account.peak - base, job.staged_bytes)
+    return job.finish(all_requested, time.perf_counter() - t0)
 
-        # all ranks are fine: commit into the targets
-        for tg in targets:
+
+class _LoadJob:
+    """The state of one ``load_state_dict`` call on this rank, and its steps in order."""
+
+    def __init__(self, state_dict, path: str, opts: CheckpointOptions, verify_checksums: bool, tr: Tracer):
+        self.state_dict = state_dict
+        self.path = path
+        self.opts = opts
+        self.verify_checksums = verify_checksums
+        self.tr = tr
+        self.report = LoadReport()
+        self.md: CheckpointMetadata | None = None
+        self.targets: list[_Target] = []
+        self.value_updates: dict[str, Any] = {}
+        self.requested = sorted(k for k in state_dict) if isinstance(state_dict, dict) else []
+        self.verifier = reader.ChunkVerifier(opts.checksum_threads)
+        self.files: reader.FileSet | None = None
+        self.arena_held = False
+        self.in_place: InPlaceReads | None = None
+        self.committed = False
+        # filled by plan(), consumed by read()
+        self.span_reads: list = []
+        self.staged: list[_Target] = []
+        self.staged_bytes = 0  # host staging + undo bytes (a copy of the slice)
+
+    # ------------------------------------------------------------------------------------------ 1. validate
+
+    def validate(self, strict: bool) -> None:
+        """Read the committed metadata and match every requested key against it (kind, shape, dtype). With
+        ``strict`` any mismatch raises the named error of the first one; else mismatches go to the report."""
+        path, report = self.path, self.report
+        md = self.md = read_metadata(path)
+        self.tr.mark("metadata")
+        if not isinstance(self.state_dict, dict):
+            raise InvalidStateDictError(f"state_dict must be a dict, got {type(self.state_dict).__name__}")
+        problems: list[tuple[type, str]] = []
+
+        def refuse(error: type, key: str, reason: str) -> None:
+            """Record why ``key`` cannot load: in the report, and as the error strict mode raises."""
+            if error is MissingKeyError:
+                report.missing_keys.append(key)
+            else:
+                report.mismatched_keys[key] = reason
+            problems.append((error, f"key {key!r}: {reason}"))
+
+        def refuse_absent(key: str, wanted: str, saved_as: str) -> None:
+            if saved_as:
+                refuse(InvalidStateDictError, key, f"saved as a {saved_as}, requested as a {wanted}")
+            else:
+                refuse(MissingKeyError, key, f"missing from checkpoint {path}")
+
+        for key, val in self.state_dict.items():
+            rec = to_record(key, val)
+            if rec is None:
+                if key in md.values:
+                    self.value_updates[key] = md.values[key]
+                    report.loaded_keys.append(key)
+                else:
+                    refuse_absent(key, "plain value", "tensor" if key in md.tensors else "")
+                continue
+            tm = md.tensors.get(key)
+            if tm is None:
+                refuse_absent(key, "tensor", "plain value" if key in md.values else "")
+                continue
+            if tuple(tm.shape) != tuple(rec.region.shape):
+                refuse(
+                    ShapeMismatchError,
+                    key,
+                    f"shape {list(rec.region.shape)} requested, {list(tm.shape)} in the checkpoint",
+                )
+                continue
+            if tm.dtype != rec.dtype:
+                refuse(DtypeMismatchError, key, f"dtype {rec.dtype} requested, {tm.dtype} in the checkpoint")
+                continue
+            self.targets.append(_Target(key, rec.tensor, rec.region, rec.dtype))
+        if strict and problems:
+            cls, _ = problems[0]
+            more = (
+                f" (and {len(problems) - 1} more: " + "; ".join(m for _, m in problems[1:4]) + ")"
+                if len(problems) > 1
+                else ""
+            )
+            raise cls(problems[0][1] + more)
+        self.tr.mark("validate")
+
+    # ------------------------------------------------------------------------------------------ 2. plan
+
+    @property
+    def verify(self) -> bool:
+        return self.verify_checksums and self.md.checksum != checksums.NONE
+
+    def plan(self) -> None:
+        """Decide where every byte goes, and carve all host staging out of one buffer.
+
+        Host targets read in large ranges only (the usual case): their file ranges are read as aligned spans
+        (O_DIRECT where supported) into the buffer and committed with a memcpy per range, or read in place
+        (whole saved pieces, with an undo copy). Other targets (small scattered ranges, device or strided
+        tensors) get a staging area of their own, committed with one memcpy (host) or Tensor.copy_ (device,
+        strided). The buffer is the async-save arena when there is one, else fresh memory.
+        """
+        md, opts, verify = self.md, self.opts, self.verify
+        direct: list = []  # (target, piece, a, b, dst offset)
+        for tg in self.targets:
+            if tg.region.numel == 0:
+                continue
+            segs = region_segments(self.path, md, tg.key, tg.region)
+            host = host_memory.is_host_contiguous(tg.tensor)
+            if opts.host_fast_path and host and all(bool(sg[4].all()) for sg in segs):
+                tg.copies = []
+                for piece, src_b, dst_b, len_b, _big in segs:
+                    for a, d, n in zip(src_b.tolist(), dst_b.tolist(), len_b.tolist()):
+                        direct.append((tg, piece, a, a + n, d))
+            else:
+                self.staged.append(tg)
+        regions, direct = _in_place_regions(direct, opts.in_place)
+        spans = _plan_spans(direct, md.chunk_bytes, verify)
+        A = reader.DIRECT_ALIGN
+        span_bytes = [-(-sp[2] // A) * A for sp in spans]
+        host_staged = [tg for tg in self.staged if opts.host_fast_path and host_memory.is_host_contiguous(tg.tensor)]
+        undo_bytes = sum(aligned(len(dst)) for _key, _piece, dst in regions)
+        need = sum(span_bytes) + undo_bytes + sum(aligned(tg.region.numel * DTYPES[tg.dtype][0]) for tg in host_staged)
+        self.staged_bytes = need
+        stage = (
+            host_memory.arena.acquire(need, grow=host_memory.arena.capacity > 0, hugepages=opts.hugepages)
+            if need
+            else None
+        )
+        self.arena_held = stage is not None
+        if stage is None and need:
+            stage = host_memory.alloc_host(need, for_direct_reads=bool(span_bytes), hugepages=opts.hugepages)
+        pos = 0
+        for (name, start, n_need, members), nb in zip(spans, span_bytes):
+            buf = stage[pos : pos + nb]
+            pos += nb
+            checks, seen = [], set()
+            for (tg, piece, a, b, d), a0, b0 in members:
+                lo = piece.offset + a - start
+                tg.copies.append((d, buf[lo : lo + (b - a)]))
+                if verify and (id(piece), a0, b0) not in seen:
+                    seen.add((id(piece), a0, b0))
+                    checks.append((tg.key, piece, a0, b0))
+            self.span_reads.append(reader.SpanRead(name, start, n_need, buf, checks))
+        for tg in host_staged:
+            n = tg.region.numel * DTYPES[tg.dtype][0]
+            tg.raw = stage[pos : pos + n]
+            pos += aligned(n)
+        if regions:  # previous bytes copied to the undo buffer ahead of the reads, on a helper thread
+            self.in_place = InPlaceReads(regions, stage[pos : pos + undo_bytes])
+
+    # ------------------------------------------------------------------------------------------ 3. read
+
+    def read(self) -> None:
+        """Read and verify everything planned (targets read in place keep their undo copy until commit)."""
+        md, verify, verifier = self.md, self.verify, self.verifier
+        files = self.files = reader.FileSet.of(self.path, md, resolve_member, verify, self.opts)
+        reader.read_spans(files, self.span_reads, md.chunk_bytes, verifier if verify else None)
+        self.span_reads = []
+        if self.in_place is not None:
+            self.in_place.read(files, md.chunk_bytes, verify, verifier)
+        reads: list = []  # large ranges of staged targets, read below in file order
+        for tg in self.staged:
+            if tg.raw is None:
+                # device (or strided) target: host staging tensor (pinned for devices), committed with copy_
+                pin = not host_memory.is_host_place(tg.tensor.place)
+                tg.staging = _staging_tensor(tg.tensor.shape, tg.dtype, pin)
+                tg.raw, _ = host_memory.raw_view(tg.staging, allow_copy=False)
+            read_region(files, md, tg.key, tg.region, tg.raw, self.verify_checksums, verifier, reads)
+        read_deferred(files, md, reads, self.verify_checksums, verifier)
+        self.tr.mark("read")
+        verifier.wait()  # every queued checksum, before this rank reports its status
+        self.report.bytes_read = files.bytes_read
+        self.tr.mark("verify-wait")
+
+    def stop_reading(self) -> None:
+        """After read (or its failure): no helper thread reads the staging any more, files closed."""
+        self.verifier.drain()
+        if self.files is not None:
+            self.files.close()
+
+    # ------------------------------------------------------------------------------------------ 4. exchange
+
+    def exchange(self, comm: Comm, err: BaseException | None) -> set[str]:
+        """Every rank's status: raise the same named error on every rank if any failed, or if the ranks read
+        different checkpoints. Returns the keys requested by any rank."""
+        md = self.md
+        statuses = gather_errors(comm, err, (self.requested, md.checkpoint_id if md else None))
+        ids = sorted({s[1] for s in statuses})
+        if len(ids) > 1:  # e.g. the path was replaced by a concurrent save between the ranks' reads
+            raise CheckpointError(
+                f"load of {self.path}: ranks read different checkpoints ({ids}); was it replaced during the "
+                f"load? nothing was loaded"
+            )
+        self.tr.mark("exchange")
+        all_requested: set[str] = set()
+        for s in statuses:
+            all_requested.update(s[0])
+        return all_requested
+
+    # ------------------------------------------------------------------------------------------ 5. commit
+
+    def commit(self) -> None:
+        """All ranks are fine: copy the staged bytes into the targets (in-place targets hold them already)."""
+        for tg in self.targets:
             if tg.copies is not None:
                 dst, _ = host_memory.raw_view(tg.tensor, allow_copy=False)
                 for d, src in tg.copies:
@@ -543,24 +480,153 @@ def _load_atomic(
                 dst, _ = host_memory.raw_view(tg.tensor, allow_copy=False)
                 np.copyto(dst, tg.raw)
             tg.staging = tg.raw = tg.copies = None
-            report.loaded_keys.append(tg.key)
-        committed = True
-    finally:
-        for tg in targets:
+            self.report.loaded_keys.append(tg.key)
+        self.committed = True
+
+    def release(self) -> None:
+        """Always: drop staging views, finish (committed) or undo (not committed) in-place reads, give the
+        arena back."""
+        for tg in self.targets:
             tg.staging = tg.raw = tg.copies = None
-        if in_place is not None:
-            if committed:
-                in_place.finish()
+        if self.in_place is not None:
+            if self.committed:
+                self.in_place.finish()
             else:
-                verifier.drain()  # no checksum thread reads a target while it is restored
-                in_place.restore()  # every tensor read in place gets its previous bytes back
-            in_place = None
-        if arena_held:
+                self.verifier.drain()  # no checksum thread reads a target while it is restored
+                self.in_place.restore()  # every tensor read in place gets its previous bytes back
+            self.in_place = None
+        if self.arena_held:
             host_memory.arena.release()
-        # borrowed arena bytes count too: the staging is a copy of the slice wherever it lives
-        report.peak_host_bytes = max(host_memory.account.peak - base, report.peak_host_bytes)
-    tr.mark("copy-into-targets")
-    return md, value_updates, statuses
+
+    def finish(self, all_requested: set[str], seconds: float) -> LoadReport:
+        """After the commit: JSON values into the dict, the report completed."""
+        for k, v in self.value_updates.items():
+            self.state_dict[k] = v
+        md, report = self.md, self.report
+        report.unexpected_keys = sorted((set(md.tensors) | set(md.values)) - all_requested)
+        report.seconds = seconds
+        self.tr.mark("copy-into-targets")
+        self.tr.done()
+        return report
+
+
+class _BoundedLoadJob(_LoadJob):
+    """A memory-bounded load (the default; module docstring): validate -> prepare -> exchange -> read straight
+    into the targets -> exchange of the outcome."""
+
+    def run(self, comm: Comm, strict: bool, max_host_bytes: int | None, opts_error) -> set[str]:
+        err: BaseException | None = None
+        plan: list = []
+        try:
+            try:
+                if opts_error is not None:
+                    raise opts_error
+                self.validate(strict)
+                plan = self.prepare(max_host_bytes)
+            except Exception as e:  # noqa: BLE001 - every failure must reach the status exchange below
+                err = e
+            all_requested = self.exchange(comm, err)  # raises on every rank if any failed: nothing was written
+            self.tr.mark("exchange-checks")
+            err = None
+            try:
+                self.write_targets(plan)
+            except Exception as e:  # noqa: BLE001 - every failure must reach the outcome exchange below
+                err = e
+            finally:
+                self.verifier.drain()
+            self.exchange_outcome(comm, err)
+        finally:
+            self.stop_reading()
+        return all_requested
+
+    def prepare(self, max_host_bytes: int | None) -> list:
+        """Everything checkable without the data: coverage of every target, every data file opened and its size
+        checked. Returns ``[(target, segments)]`` and sets the host-memory budget."""
+        md = self.md
+        state_bytes = sum(tg.region.numel * DTYPES[tg.dtype][0] for tg in self.targets)
+        self.budget = default_load_budget(state_bytes) if max_host_bytes is None else int(max_host_bytes)
+        self.report.host_budget = self.budget
+        self.files = reader.FileSet.of(self.path, md, resolve_member, self.verify_checksums, self.opts)
+        plan = []
+        for tg in self.targets:
+            if tg.region.numel == 0:
+                continue
+            segs = region_segments(self.path, md, tg.key, tg.region)
+            for seg in segs:
+                self.files.fd(seg[0].file)  # opened and size-checked before any byte is written
+            plan.append((tg, segs))
+        self.tr.mark("prepare")
+        return plan
+
+    def write_targets(self, plan: list) -> None:
+        """Read every target's bytes into its own memory (host) or through a staging window (device, strided);
+        the report gets the peak of the engine's host-memory account over this step."""
+        md, files, verifier = self.md, self.files, self.verifier
+        base = host_memory.account.reset_peak()
+        C = md.chunk_bytes
+        # live at once at most: a staging window, a read window (+2 chunks) and two bounce chunks
+        window = max(C, (self.budget - 4 * C) // 2)
+        try:
+            reads: list = []  # large ranges of host targets, read straight into them in file order
+            for tg, segs in plan:
+                if self.opts.host_fast_path and host_memory.is_host_contiguous(tg.tensor):
+                    dst, _ = host_memory.raw_view(tg.tensor, allow_copy=False)
+                    read_region(files, md, tg.key, tg.region, dst, self.verify_checksums, verifier, reads, window, segs)
+                else:
+                    self._fill_through_window(tg, segs, window)
+                self.report.loaded_keys.append(tg.key)
+            read_deferred(files, md, reads, self.verify_checksums, verifier)
+            self.tr.mark("read")
+            verifier.wait()
+            self.report.bytes_read = files.bytes_read
+            self.tr.mark("verify-wait")
+        finally:
+            self.report.peak_host_bytes = max(0, host_memory.account.peak - base)
+
+    def _fill_through_window(self, tg: _Target, segs: list, window: int) -> None:
+        """Device (or strided) target: read into a host staging tensor (pinned for devices) of at most ``window``
+        bytes, rows at a time, each window verified and then copied into the target with ``Tensor.copy_``."""
+        md, files, verifier, verify = self.md, self.files, self.verifier, self.verify_checksums
+        shape = list(tg.tensor.shape)
+        nbytes = tg.region.numel * DTYPES[tg.dtype][0]
+        pin = not host_memory.is_host_place(tg.tensor.place)
+        rows = shape[0] if shape else 1
+        row_bytes = nbytes // max(rows, 1)
+        per_window = max(1, window // max(row_bytes, 1))
+        if not shape or per_window >= rows or not tg.tensor.is_contiguous():
+            # whole target at once (small, 0-d or strided: a strided target cannot be written row window-wise)
+            staging = host_memory.account.track(_staging_tensor(shape, tg.dtype, pin), nbytes)
+            raw, _ = host_memory.raw_view(staging, allow_copy=False)
+            read_region(files, md, tg.key, tg.region, raw, verify, verifier, None, window, segs)
+            verifier.wait()
+            tg.tensor.copy_(staging, True)
+            return
+        staging = host_memory.account.track(
+            _staging_tensor([per_window] + shape[1:], tg.dtype, pin), per_window * row_bytes
+        )
+        raw, _ = host_memory.raw_view(staging, allow_copy=False)
+        for r0 in range(0, rows, per_window):
+            r1 = min(rows, r0 + per_window)
+            w0, w1 = r0 * row_bytes, r1 * row_bytes
+            window_segs = clip_segments(segs, w0, w1, md.chunk_bytes)
+            read_region(files, md, tg.key, tg.region, raw[: w1 - w0], verify, verifier, None, window, window_segs)
+            verifier.wait()  # the window is reused next: its checks must be done
+            src = staging if r1 - r0 == per_window else staging._slice(0, r1 - r0)
+            tg.tensor._slice(r0, r1).copy_(src, True)
+
+    def exchange_outcome(self, comm: Comm, err: BaseException | None) -> None:
+        """After writing: a failure on any rank raises PartiallyLoadedError on every rank."""
+        try:
+            gather_errors(comm, err)
+        except Exception as e:  # noqa: BLE001 - a failure on any rank: this rank's own, else the first other one
+            cause = f"rank {comm.rank} failed: {type(e).__name__}: {e}" if e is err else f"{type(e).__name__}: {e}"
+            raise PartiallyLoadedError(
+                f"load of {self.path} failed after writing into the targets had begun ({cause}). The tensors "
+                f"being loaded on every rank that read data now hold a mix of their previous and the loaded "
+                f"values: do not continue with them. Load a checkpoint again (load_checkpoint(root) falls back to "
+                f"the newest older checkpoint by itself), or load with atomic=True, which keeps an undo copy"
+            ) from e
+        self.tr.mark("exchange-outcome")
 
 
 def load_full_state_dict(

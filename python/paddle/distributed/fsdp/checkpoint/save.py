@@ -58,8 +58,7 @@ parameters and optimizer state are copied to host by the background thread (one 
 waits for a save in flight) during the next forward and backward, and every writer of that memory (optimizer
 step, in-place Tensor methods, ``set_value``, loads, ``wait_for_snapshot()``; snapshot_guard.py lists what is and
 is not intercepted) waits for the copy first, so the checkpoint holds the values at the call. Writing, fsync and
-commit follow on the same thread. The snapshot of
-host tensors goes into one per-process host buffer
+commit follow on the same thread. The snapshot of host tensors goes into one per-process host buffer
 (``host_memory.arena``) that is reused by every async save (grown when the state grows) and STAYS RESIDENT between
 saves: an async-saving process holds about one extra copy of the bytes it writes, all the time (filling fresh memory
 costs page faults, which made the snapshot several times slower than a copy into resident memory).
@@ -85,6 +84,7 @@ import atexit
 import json
 import os
 import queue
+import shutil
 import threading
 import time
 import uuid
@@ -311,6 +311,29 @@ class _SaveJob:
         tr.done()
 
     def _commit(self, parts: str, tr: Tracer) -> None:
+        """Coordinator: wait for every rank's data, write metadata.json, the stock index and COMMIT (last) into
+        the staging directory, then swap it into ``path`` atomically."""
+        status = self._wait_for_ranks(parts)
+        tr.mark("wait-ranks")
+        faults.point("before_metadata", self.rank)
+        md = self._metadata(status)
+        # inside the (invisible) staging directory plain write+fsync is enough; order: data files (fsynced by
+        # their ranks), metadata, stock index, then the commit record, then the directory, then the rename
+        data = format_commit.write_metadata(self.staging, md, self.write_stock)
+        tr.mark("metadata")
+        faults.point("before_commit", self.rank)
+        shutil.rmtree(parts, ignore_errors=True)
+        format_commit.write_commit(self.staging, self.checkpoint_id, data)
+        writer.fsync_dir(self.staging)
+        tr.mark("commit-record")
+        faults.point("before_rename", self.rank)
+        writer.replace_dir(self.staging, self.path, f"{self.path}.old-{self.checkpoint_id}")
+        tr.mark("rename")
+
+    def _wait_for_ranks(self, parts: str) -> dict:
+        """Every rank's ``done`` marker (rank -> ("done", sizes + checksums)); SaveFailedError on the first
+        ``failed`` marker or when a rank is silent for ``timeout``."""
+
         def all_parts():
             status = {}
             for r in range(self.world):
@@ -334,13 +357,14 @@ class _SaveJob:
                 f"save to {self.path} aborted: ranks {missing} did not finish writing within {self.timeout:g} s "
                 f"(did they die?); the previous checkpoint is untouched"
             ) from None
-        tr.mark("wait-ranks")
         failed = {r: s[1] for r, s in status.items() if s[0] == "failed"}
         if failed:
             r, info = sorted(failed.items())[0]
             raise SaveFailedError(f"save to {self.path} aborted: rank {r} failed: {info.get('error')}")
-        faults.point("before_metadata", self.rank)
+        return status
 
+    def _metadata(self, status: dict) -> CheckpointMetadata:
+        """The index of the checkpoint: the plan, with the sizes and checksums the ranks reported."""
         md = CheckpointMetadata(
             checkpoint_id=self.checkpoint_id,
             world_size=self.world,
@@ -358,20 +382,7 @@ class _SaveJob:
             for (_key, piece), sums in zip(layout.pieces, done["checksums"]):
                 piece.checksums = [int(c) for c in sums]
         md.tensors = self.plan.tensors
-        # inside the (invisible) staging directory plain write+fsync is enough; order: data files (fsynced by
-        # their ranks), metadata, stock index, then the commit record, then the directory, then the rename
-        data = format_commit.write_metadata(self.staging, md, self.write_stock)
-        tr.mark("metadata")
-        faults.point("before_commit", self.rank)
-        import shutil
-
-        shutil.rmtree(parts, ignore_errors=True)
-        format_commit.write_commit(self.staging, self.checkpoint_id, data)
-        writer.fsync_dir(self.staging)
-        tr.mark("commit-record")
-        faults.point("before_rename", self.rank)
-        writer.replace_dir(self.staging, self.path, f"{self.path}.old-{self.checkpoint_id}")
-        tr.mark("rename")
+        return md
 
     def _wait_commit(self, parts: str) -> None:
         """Wait until the coordinator committed (and, for a CheckpointManager save, moved ``latest``)."""
@@ -484,6 +495,18 @@ def save_state_dict(
         )
 
 
+@dataclass
+class _Local:
+    """What this rank brings to the exchange of a save (step 1); ``error`` is reported to every rank."""
+
+    records: list = field(default_factory=list)
+    values: dict = field(default_factory=dict)
+    descs: list = field(default_factory=list)
+    algorithm: str | None = None
+    error: BaseException | None = None
+    all_values: list = field(default_factory=list)  # every rank's values, by rank (filled by the exchange)
+
+
 def _save_locked(
     state_dict: dict,
     path: str,
@@ -498,6 +521,7 @@ def _save_locked(
     options: CheckpointOptions | None,
     publisher: Publisher | None,
 ) -> SaveHandle | None:
+    """The save protocol, in steps: validate -> exchange + plan -> piece sources -> write + commit."""
     try:
         opts, opts_error = resolve(options), None
     except CheckpointError as e:  # a malformed PADDLE_FSDP_CKPT_* variable: reported by the exchange below
@@ -511,54 +535,17 @@ def _save_locked(
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
     timeout = opts.commit_timeout if commit_timeout is None else float(commit_timeout)
 
-    err, records, values, descs, algorithm, snap = None, [], {}, [], None, None
-    my_id = uuid.uuid4().hex
-    try:
-        if opts_error is not None:
-            raise opts_error
-        algorithm = opts.checksum_algorithm()
-        records, values = collect(state_dict)
-        descs = [r.desc().to_wire() for r in records]
-        if comm.rank == coordinator_rank:
-            check_target_path(path)
-    except Exception as e:  # reported to every rank by the exchange, so no rank is left waiting
-        err = e
-    gathered = gather_errors(comm, err, (descs, values if err is None else {}, my_id, algorithm))
-    tr.mark("exchange")
-    checkpoint_id, algorithm = gathered[coordinator_rank][2], gathered[coordinator_rank][3]
-    plan = build_save_plan(
-        [([RecordDesc.from_wire(w) for w in g[0]], g[1]) for g in gathered], checkpoint_id, chunk_bytes
-    )
+    local = _validate(state_dict, path, comm.rank == coordinator_rank, opts, opts_error)
+    checkpoint_id, algorithm, plan = _exchange_and_plan(comm, local, coordinator_rank, chunk_bytes, tr)
     for key in per_rank_values:
-        plan.values[key] = [g[1].get(key) for g in gathered]
-    by_key = {r.key: r for r in records}
+        plan.values[key] = [v.get(key) for v in local.all_values]
     staging = f"{path}.tmp-{checkpoint_id}"
-    tr.mark("plan")
-    arrays: list = []
-    keep: list = []
-    release = None
-    try:
-        keys = [key for key, _piece in plan.files[comm.rank].pieces]
-        if async_save:
-            if deferred_keys is None:
-                is_deferred = default_deferred
-            else:
-                wanted = set(deferred_keys)
-
-                def is_deferred(record) -> bool:
-                    return record.key in wanted
-
-            snap = Snapshot([by_key[key] for key in keys], is_deferred, hugepages=opts.hugepages)
-            arrays, keep, release = snap.arrays, snap.keep, snap.written
-        else:
-            # sync: write straight from tensor memory; device tensors are copied to host one piece at a
-            # time while writing (never the whole state at once)
-            arrays = [_lazy_view(by_key[key].tensor) for key in keys]
-    except BaseException as e:
-        if snap is not None:
-            snap.cancel()
-        _mark_failed(staging, comm.rank, e)  # the coordinator must not wait for this rank until the timeout
-        raise
+    snap = None
+    if async_save:
+        snap = _snapshot(plan, comm.rank, local, staging, deferred_keys, opts)
+        arrays, keep, release = snap.arrays, snap.keep, snap.written
+    else:
+        arrays, keep, release = _piece_sources(plan, comm.rank, local, staging)
     tr.mark("snapshot (volatile part)" if async_save else "views")
     job = _SaveJob(
         path=path,
@@ -584,8 +571,89 @@ def _save_locked(
         tr.mark("write+commit")
         tr.done()
         return None
-    handle = SaveHandle(path, checkpoint_id)
+    handle = _start_in_background(job)
+    tr.mark("hand-over")
+    tr.done()
+    return handle
+
+
+def _validate(
+    state_dict: dict,
+    path: str,
+    is_coordinator: bool,
+    opts: CheckpointOptions,
+    opts_error: BaseException | None,
+) -> _Local:
+    """Step 1: this rank's records, their small descriptions and the checksum algorithm; the target path check
+    (coordinator). Never raises: the error goes to the exchange, so no rank is left waiting."""
+    local = _Local()
+    try:
+        if opts_error is not None:
+            raise opts_error
+        local.algorithm = opts.checksum_algorithm()
+        local.records, local.values = collect(state_dict)
+        local.descs = [r.desc().to_wire() for r in local.records]
+        if is_coordinator:
+            check_target_path(path)
+    except Exception as e:  # reported to every rank by the exchange
+        local.error = e
+    return local
+
+
+def _exchange_and_plan(comm: Comm, local: _Local, coordinator_rank: int, chunk_bytes: int, tr: Tracer):
+    """Step 2: one exchange of every rank's descriptions (and errors: all ranks fail together), then the same
+    plan on every rank. Returns ``(checkpoint_id, algorithm, plan)``, the coordinator's id and algorithm."""
+    my_id = uuid.uuid4().hex
+    gathered = gather_errors(
+        comm, local.error, (local.descs, local.values if local.error is None else {}, my_id, local.algorithm)
+    )
+    tr.mark("exchange")
+    checkpoint_id, algorithm = gathered[coordinator_rank][2], gathered[coordinator_rank][3]
+    plan = build_save_plan(
+        [([RecordDesc.from_wire(w) for w in g[0]], g[1]) for g in gathered], checkpoint_id, chunk_bytes
+    )
+    local.all_values = [g[1] for g in gathered]
+    tr.mark("plan")
+    return checkpoint_id, algorithm, plan
+
+
+def _piece_sources(plan, rank: int, local: _Local, staging: str) -> tuple[list, list, Any]:
+    """Step 3 of a sync save: what this rank writes, in layout order: lazy views of the tensors' own memory (a
+    device tensor is copied to host one piece at a time while writing). Returns ``(arrays, [], None)``."""
+    by_key = {r.key: r for r in local.records}
+    try:
+        keys = [key for key, _piece in plan.files[rank].pieces]
+        return [_lazy_view(by_key[key].tensor) for key in keys], [], None
+    except BaseException as e:
+        _mark_failed(staging, rank, e)  # the coordinator must not wait for this rank until the timeout
+        raise
+
+
+def _snapshot(plan, rank: int, local: _Local, staging: str, deferred_keys, opts: CheckpointOptions) -> Snapshot:
+    """Step 3 of an async save: the Snapshot of what this rank writes (layout order): volatile tensors copied
+    now, deferred ones (``deferred_keys``, default: trainable Parameters) registered for the background copy."""
+    by_key = {r.key: r for r in local.records}
+    if deferred_keys is None:
+        is_deferred = default_deferred
+    else:
+        wanted = set(deferred_keys)
+
+        def is_deferred(record) -> bool:
+            return record.key in wanted
+
+    try:
+        keys = [key for key, _piece in plan.files[rank].pieces]
+        return Snapshot([by_key[key] for key in keys], is_deferred, hugepages=opts.hugepages)
+    except BaseException as e:
+        _mark_failed(staging, rank, e)  # the coordinator must not wait for this rank until the timeout
+        raise
+
+
+def _start_in_background(job: _SaveJob) -> SaveHandle:
+    """Step 4 of an async save: deferred copies, write + commit on the background worker; the handle is this
+    process's pending save (the next save or load waits for it)."""
     global _pending
+    handle = SaveHandle(job.path, job.checkpoint_id)
     with _pending_lock:
         _pending = handle
     try:
@@ -594,10 +662,8 @@ def _save_locked(
         with _pending_lock:
             if _pending is handle:
                 _pending = None
-        if snap is not None:
-            snap.cancel()
+        if job.snapshot is not None:
+            job.snapshot.cancel()
         job._written()
         raise
-    tr.mark("hand-over")
-    tr.done()
     return handle
