@@ -92,6 +92,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--no-trace", dest="trace", action="store_false", help="do not record engine phase timings")
     p.add_argument("--no-overlap", dest="overlap", action="store_false", help="skip the async overlap probe")
+    p.add_argument(
+        "--no-train", dest="train", action="store_false", help="skip the training-loop phase (ckpt_bench/train_loop.py)"
+    )
+    p.add_argument("--train-steps", type=int, default=30, help="training-loop phase: steps per loop (default 30)")
+    p.add_argument("--train-every", type=int, default=10, help="training-loop phase: checkpoint every N steps")
+    p.add_argument("--train-repeats", type=int, default=2, help="training-loop phase: loops of each kind")
     p.add_argument("--seed", type=int, default=2024)
     # internal modes
     p.add_argument("--mode", default="full", choices=["full", "load-only", "torch-worker"], help=argparse.SUPPRESS)
@@ -101,7 +107,9 @@ def parse_args(argv=None):
     p.add_argument("--torch-rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--torch-world", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--torch-port", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--torch-task", default="save-load", choices=["save-load", "load"], help=argparse.SUPPRESS)
+    p.add_argument("--torch-task", default="save", choices=["save", "load"], help=argparse.SUPPRESS)
+    p.add_argument("--cache", default="cold", choices=["cold", "warm"], help=argparse.SUPPRESS)
+    p.add_argument("--atomic", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

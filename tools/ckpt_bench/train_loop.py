@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Training-loop phase of the checkpoint benchmark: what an async checkpoint costs a running training loop.
 
-Usage::
+Run by ``tools/bench_ckpt.py`` (``run_training_loops``: the benchmark's world and 1 rank), or alone::
 
-    python tools/bench_train_loop.py --world 2 --size-gib 1 --json train.json    # launches itself
+    python tools/ckpt_bench/train_loop.py --world 2 --size-gib 1 --json train.json    # launches itself
 
 For each framework, on ``--world`` ranks: the benchmark model (``Linear(dim, dim)`` blocks, AdamW, fp32; the same
 sizes as ``tools/bench_ckpt.py``) trains ``--steps`` steps of a batch sized so that one step takes at least
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import json
 import logging
 import os
@@ -452,18 +453,45 @@ def run_main(args) -> dict:
     out["paddle_summary"] = summarize(pres, memcpy, ckpts_per_loop)
     LOG.info("paddle: %s", out["paddle_summary"])
     if "torch" in fw:
-        try:
-            import importlib.util
-
-            have_torch = importlib.util.find_spec("torch") is not None
-        except ImportError:
-            have_torch = False
-        if have_torch:
+        if importlib.util.find_spec("torch") is not None:
             LOG.info("training loop, %d rank(s): torch DCP async_save", args.world)
             tres = launch_torch(args, pres["batch"])
             out["torch"] = tres
             out["torch_summary"] = summarize(tres, memcpy, ckpts_per_loop)
             LOG.info("torch: %s", out["torch_summary"])
+    return out
+
+
+def run_training_loops(bench_args, worlds: list[int], work: str) -> list[dict]:
+    """The phase for ``tools/bench_ckpt.py``: one ``run_main`` per world (same sizes and seed as the benchmark)."""
+    out = []
+    for world in dict.fromkeys(worlds):
+        args = parse_args(
+            [
+                "--world",
+                str(world),
+                "--size-gib",
+                str(bench_args.size_gib),
+                "--dim",
+                str(bench_args.dim),
+                "--steps",
+                str(bench_args.train_steps),
+                "--every",
+                str(bench_args.train_every),
+                "--repeats",
+                str(bench_args.train_repeats),
+                "--seed",
+                str(bench_args.seed),
+                "--dir",
+                os.path.join(work, f"train_{world}"),
+            ]
+            + (
+                []
+                if importlib.util.find_spec("torch") is not None and not bench_args.no_torch
+                else ["--frameworks", "paddle"]
+            )
+        )
+        out.append(run_main(args))
     return out
 
 
