@@ -80,6 +80,7 @@ Cross-rank helpers shared with the load path (process group, error exchange, fil
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import json
 import os
@@ -153,24 +154,26 @@ _save_lock = threading.Lock()
 class _BackgroundWorker:
     """The one long-lived thread that runs the background part of async saves (one at a time: saves of a
     process never overlap). Handing a save to a thread that already runs costs the caller a queue put; starting
-    a thread per save made the caller wait until the new thread was scheduled (up to tens of ms on a busy
-    machine). It is a daemon thread, so an idle worker never keeps the interpreter alive; ``atexit`` waits for
-    a save still in flight, so a checkpoint started before exit is still committed."""
+    a ``threading.Thread`` per save made the caller wait until the new thread was scheduled (``start()`` waits for
+    it; tens of ms on a busy machine), so the worker is started with ``_thread.start_new_thread``, which does not
+    wait. It never keeps the interpreter alive; ``atexit`` waits for a save still in flight, so a checkpoint
+    started before exit is still committed."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._started = False
 
     def submit(self, fn) -> None:
         with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="ckpt-save", daemon=True)
-                self._thread.start()
+            if not self._started:
+                _thread.start_new_thread(self._loop, ())
                 atexit.register(wait_pending, False)
+                self._started = True
         self._queue.put(fn)
 
     def _loop(self) -> None:
+        threading.current_thread().name = "ckpt-save"
         while True:
             fn = self._queue.get()
             fn()
