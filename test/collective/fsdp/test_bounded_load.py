@@ -43,7 +43,17 @@ def test_default_budget_is_64_mib_or_2_percent():
     assert ck_load.default_load_budget(100 << 30) == int(0.02 * (100 << 30))
 
 
-def test_same_world_load_reads_into_the_targets_within_the_budget(saved):
+@pytest.fixture(params=["cached", "uncached"])
+def page_cache(request, monkeypatch):
+    """Both read paths: chunks checked inline right after each copy (file in the page cache), or slabs checked
+    on the helper threads (file on disk)."""
+    from paddle.distributed.fsdp.checkpoint import reader
+
+    monkeypatch.setattr(reader.FileSet, "mostly_cached", lambda self, name: request.param == "cached")
+    return request.param
+
+
+def test_same_world_load_reads_into_the_targets_within_the_budget(saved, page_cache):
     path, full = saved
     targets = {k: paddle.full(list(v.shape), -1.0) for k, v in full.items()}
     ptrs = {k: t.data_ptr() for k, t in targets.items()}
@@ -79,7 +89,7 @@ def _changed_world_targets(full: dict, rank: int, world: int) -> tuple[dict, dic
 
 
 @pytest.mark.parametrize("rank", [0, 1, 2])
-def test_changed_world_load_stays_within_the_budget(saved, rank):
+def test_changed_world_load_stays_within_the_budget(saved, rank, page_cache):
     path, full = saved
     targets, want = _changed_world_targets(full, rank, 3)
     report = ck.load_state_dict(targets, str(path), max_host_bytes=BUDGET)
@@ -107,7 +117,7 @@ def test_staged_targets_go_through_row_windows_within_the_budget(saved):
         assert np.array_equal(sw.local_tensor.numpy(), want[k]), k
 
 
-def test_checks_before_writing_leave_targets_identical_and_corrupt_data_is_named(saved, tmp_path):
+def test_checks_before_writing_leave_targets_identical_and_corrupt_data_is_named(saved, tmp_path, page_cache):
     """A missing key is refused before any byte is written; a flipped byte is found mid-load and reported as
     PartiallyLoadedError (the targets were written in part)."""
     path, full = saved

@@ -78,6 +78,7 @@ class FileSet:
         self.fds: dict[str, int] = {}
         self.bytes_read = 0
         self._direct: dict[str, int | None] = {}
+        self._cached: dict[str, bool] = {}
 
     @classmethod
     def of(cls, root: str, md, resolve, verify: bool, options=None) -> FileSet:
@@ -132,6 +133,17 @@ class FileSet:
                 )
             done += n
         self.bytes_read += len(mv)
+
+    def mostly_cached(self, name: str) -> bool:
+        """Whether most of ``name`` is in the page cache (mincore, asked once per file): reads of it are then
+        memory copies, and checksums are best computed right after each chunk is copied, while it is in the CPU
+        cache, instead of on helper threads from main memory later."""
+        got = self._cached.get(name)
+        if got is None:
+            fd = self.fd(name)
+            frac = libc.page_cache_fraction(fd, self.sizes[name])
+            got = self._cached[name] = frac is not None and frac >= CACHED_FRACTION_FOR_BUFFERED
+        return got
 
     def direct_fd(self, name: str) -> int | None:
         """An O_DIRECT descriptor of ``name`` (after the size check of ``fd``), or None where unsupported."""
@@ -323,6 +335,17 @@ def read_range_direct(
         files.pread_into(piece.file, tmp, piece.offset + a0)
         _verify_chunks(files, key, piece, tmp, a0, C)
         out[: A - a] = tmp[a - a0 : A - a0]
+    if files.mostly_cached(piece.file):
+        # page cache: copy a chunk, check it while it is in the CPU cache (fused; measured 2.6x faster than
+        # checking 16 MiB slabs from main memory afterwards)
+        for pos in range(A, B, C):
+            end = min(B, pos + C)
+            view = out[pos - a : end - a]
+            files.pread_into(piece.file, view, piece.offset + pos)
+            _verify_chunks(files, key, piece, view, pos, C)
+        if B < b:
+            _read_tail(files, key, piece, B, b, a, out, C)
+        return
     slab = max(C, (files.read_slab // C) * C)
     own = verifier is None
     if own:
@@ -339,12 +362,18 @@ def read_range_direct(
         raise
     if own:
         verifier.wait()
-    if B < b:  # tail: partial chunk
-        b0 = min(B + C, piece.nbytes)
-        tmp = host_empty(b0 - B)
-        files.pread_into(piece.file, tmp, piece.offset + B)
-        _verify_chunks(files, key, piece, tmp, B, C)
-        out[B - a :] = tmp[: b - B]
+    if B < b:
+        _read_tail(files, key, piece, B, b, a, out, C)
+
+
+def _read_tail(files: FileSet, key: str, piece: PieceMeta, B: int, b: int, a: int, out: np.ndarray, C: int) -> None:
+    """The partial chunk at the end of a range ``[a, b)`` (from the chunk boundary ``B``): through a one-chunk
+    bounce buffer, checked before its bytes are copied into ``out``."""
+    b0 = min(B + C, piece.nbytes)
+    tmp = host_empty(b0 - B)
+    files.pread_into(piece.file, tmp, piece.offset + B)
+    _verify_chunks(files, key, piece, tmp, B, C)
+    out[B - a :] = tmp[: b - B]
 
 
 class SpanRead:
