@@ -89,16 +89,13 @@ def _state(fsdp, optimizer) -> dict:
     return state
 
 
-def _deferred_keys(fsdp, state: dict) -> list[str]:
+def _deferred_keys(fsdp, model_state: dict, optimizer_state: dict) -> list[str]:
     """Keys an async save may copy after it returned: pieces of trainable parameters and optimizer state, which
     only the optimizer step (or a direct write) changes, and both wait for the copy (checkpoint/snapshot_guard.py).
-    Parameters of non-trainable buffers are copied at the call."""
-    model, trainable = set(), set()
-    for key, _param, buffer, _index in fsdp.managed_parameters():
-        model.add(key)
-        if buffer.layout.trainable:
-            trainable.add(key)
-    return [key for key in state if key in trainable or (key not in model and not key.startswith(RESERVED_PREFIX))]
+    Everything else (parameters of non-trainable buffers, persistable buffers that forward updates) is copied at
+    the call."""
+    trainable = {key for key, _param, buffer, _index in fsdp.managed_parameters() if buffer.layout.trainable}
+    return [key for key in model_state if key in trainable] + list(optimizer_state)
 
 
 def save_checkpoint(
@@ -138,7 +135,10 @@ def save_checkpoint(
         manager = CheckpointManager(path, keep_last=keep_last, process_group=fsdp.comm.group)
     elif keep_last is not None:
         raise ValueError("keep_last needs step=: numbered checkpoints live in a root as step_<N> directories")
-    state = _state(fsdp, optimizer)
+    state = fsdp.sharded_state_dict()
+    optimizer_state = fsdp.optimizer_sharded_state_dict(optimizer) if optimizer is not None else {}
+    deferred = _deferred_keys(fsdp, state, optimizer_state) if async_save else None
+    state.update(optimizer_state)
     if optimizer is not None:
         inner = names.unwrap_optimizer(optimizer)
         state[OPTIMIZER_KEY] = {
@@ -147,7 +147,6 @@ def save_checkpoint(
         }
     state[RNG_KEY] = _rng_state()  # every rank's, gathered by the save's own exchange (per_rank_values)
     state[EXTRA_KEY] = dict(extra_state or {})
-    deferred = _deferred_keys(fsdp, state) if async_save else None
     save_options = dict(async_save=async_save, deferred_keys=deferred, per_rank_values=(RNG_KEY,), options=options)
     if manager is not None:
         return manager.save(step, state, **save_options)
