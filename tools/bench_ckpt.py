@@ -63,7 +63,7 @@ import subprocess
 import sys
 import tempfile
 
-from ckpt_bench.common import LOG, setup_logging
+from ckpt_bench.common import LOG, launch_cmd, setup_logging
 from ckpt_bench.phases import run_full, run_load_only
 from ckpt_bench.torch_dcp import run_torch_worker
 
@@ -131,17 +131,7 @@ def main(argv=None) -> None:
         world = args.world or 2
         setup_logging(0)
         log_dir = tempfile.mkdtemp(prefix="bench_ckpt_log_")
-        cmd = [
-            sys.executable,
-            "-m",
-            "paddle.distributed.launch",
-            "--nproc_per_node",
-            str(world),
-            "--log_dir",
-            log_dir,
-            os.path.abspath(__file__),
-            *(argv if argv is not None else sys.argv[1:]),
-        ]
+        cmd = launch_cmd(world, log_dir, list(argv if argv is not None else sys.argv[1:]))
         LOG.info("launching: %s (worker logs in %s)", " ".join(cmd), log_dir)
         rc = subprocess.call(cmd)
         if rc == 0:

@@ -35,6 +35,35 @@ FLOAT_BYTES = 4
 STATE_COPIES = 3  # fp32 parameter + AdamW moment1 + moment2
 
 
+def launch_cmd(world: int, log_dir: str, script_args: list[str]) -> list[str]:
+    """``python -m paddle.distributed.launch`` of the entry point on ``world`` ranks."""
+    return [
+        sys.executable,
+        "-m",
+        "paddle.distributed.launch",
+        "--nproc_per_node",
+        str(world),
+        "--log_dir",
+        log_dir,
+        ENTRY,
+        *script_args,
+    ]
+
+
+def state_args(args, repeats: int | None = None) -> list[str]:
+    """The arguments that make a child job build the same state as this one (``repeats``: its own count)."""
+    return [
+        "--size-gib",
+        str(args.size_gib),
+        "--dim",
+        str(args.dim),
+        "--repeats",
+        str(args.repeats if repeats is None else repeats),
+        "--seed",
+        str(args.seed),
+    ]
+
+
 def model_shape(args) -> tuple[int, int]:
     """(dim, number of Linear blocks) whose params + moments come closest to --size-gib."""
     per_block = (args.dim * args.dim + args.dim) * FLOAT_BYTES * STATE_COPIES

@@ -10,14 +10,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
 
 from .common import (
-    ENTRY,
     GB,
     LOG,
     READ_SLAB,
@@ -29,8 +27,10 @@ from .common import (
     drop_cache,
     drop_method,
     files_under,
+    launch_cmd,
     model_shape,
     setup_logging,
+    state_args,
 )
 from .report import finish
 from .torch_dcp import run_torch
@@ -574,36 +574,10 @@ def run_full(args) -> None:
 def run_child_load(args, ckpt: str, world: int, checksum: int, work: str, cache: str, atomic: bool, tag: str) -> dict:
     """One fresh ``paddle.distributed.launch`` of ``world`` ranks: raw read + the first load of the process."""
     out = os.path.join(work, f"load_{tag}.json")
-    cmd = (
-        [
-            sys.executable,
-            "-m",
-            "paddle.distributed.launch",
-            "--nproc_per_node",
-            str(world),
-            "--log_dir",
-            os.path.join(work, f"log_load_{tag}"),
-            ENTRY,
-            "--mode",
-            "load-only",
-            "--ckpt",
-            ckpt,
-            "--result",
-            out,
-            "--expect-checksum",
-            str(checksum),
-            "--size-gib",
-            str(args.size_gib),
-            "--dim",
-            str(args.dim),
-            "--cache",
-            cache,
-            "--seed",
-            str(args.seed),
-        ]
-        + ([] if args.trace else ["--no-trace"])
-        + (["--atomic"] if atomic else [])
-    )
+    script_args = ["--mode", "load-only", "--ckpt", ckpt, "--result", out, "--expect-checksum", str(checksum)]
+    script_args += state_args(args) + ["--cache", cache] + ([] if args.trace else ["--no-trace"])
+    script_args += ["--atomic"] if atomic else []
+    cmd = launch_cmd(world, os.path.join(work, f"log_load_{tag}"), script_args)
     r = subprocess.run(cmd, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if r.returncode != 0 or not os.path.exists(out):
         logs = os.path.join(work, f"log_load_{tag}")

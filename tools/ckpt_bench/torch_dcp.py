@@ -10,7 +10,18 @@ import subprocess
 import sys
 import time
 
-from .common import ENTRY, LOG, PeakRSS, clean_env, drop_cache, files_under, free_port, model_shape, setup_logging
+from .common import (
+    ENTRY,
+    LOG,
+    PeakRSS,
+    clean_env,
+    drop_cache,
+    files_under,
+    free_port,
+    model_shape,
+    setup_logging,
+    state_args,
+)
 
 
 def run_torch(args, world: int, load_world: int, work: str) -> dict | None:
@@ -73,14 +84,7 @@ def spawn_torch(args, world: int, task: str, ckpt: str, work: str, repeats: int 
             ckpt,
             "--result",
             result,
-            "--size-gib",
-            str(args.size_gib),
-            "--dim",
-            str(args.dim),
-            "--repeats",
-            str(args.repeats if repeats is None else repeats),
-            "--seed",
-            str(args.seed),
+            *state_args(args, repeats),
         ]
         procs.append(subprocess.Popen(cmd, env=clean_env(), stdout=log, stderr=subprocess.STDOUT))
     codes = [p.wait() for p in procs]

@@ -725,3 +725,40 @@ def test_multi_process_save_2_load_1_2_3(tmp_path, launch):
     for rank in (0, 1, 2):
         res = r.result(rank)
         assert all(v == "ok" for v in res.values()) and len(res) == 3, res
+
+
+def test_options_from_env_are_read_at_call_time_and_validated(tmp_path, monkeypatch):
+    """The PADDLE_FSDP_CKPT_* fallback is read when a save/load runs (not at import), malformed values are named
+    errors, and explicit options win over the environment."""
+    import dataclasses
+
+    monkeypatch.setenv("PADDLE_FSDP_CKPT_COMMIT_TIMEOUT", "12.5")
+    monkeypatch.setenv("PADDLE_FSDP_CKPT_ODIRECT", "0")
+    monkeypatch.setenv("PADDLE_FSDP_CKPT_IN_PLACE", "0")
+    monkeypatch.setenv("PADDLE_FSDP_CKPT_CHECKSUM", "crc32")
+    o = ck.CheckpointOptions.from_env()
+    assert (o.commit_timeout, o.odirect, o.in_place, o.checksum) == (12.5, False, False, "crc32")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.trace = True
+    ck.save_state_dict({"x": paddle.ones([4])}, str(tmp_path / "env"))
+    assert ck.read_metadata(str(tmp_path / "env")).checksum == "crc32"
+    ck.save_state_dict({"x": paddle.ones([4])}, str(tmp_path / "opt"), options=ck.CheckpointOptions())
+    assert ck.read_metadata(str(tmp_path / "opt")).checksum == "xxh3-64"
+    monkeypatch.setenv("PADDLE_FSDP_CKPT_READ_SLAB", "lots")
+    with pytest.raises(ck.CheckpointError, match="PADDLE_FSDP_CKPT_READ_SLAB='lots'"):
+        ck.load_state_dict({"x": paddle.zeros([4])}, str(tmp_path / "env"))
+    with pytest.raises(ck.CheckpointError, match="checksum='md5'"):
+        ck.CheckpointOptions(checksum="md5")
+
+
+def test_trace_hook_receives_the_phases_of_every_save_and_load(tmp_path):
+    records = []
+    options = ck.CheckpointOptions(trace_hook=records.append)
+    ck.save_state_dict({"x": paddle.ones([4])}, str(tmp_path / "c"), options=options)
+    ck.load_state_dict({"x": paddle.zeros([4])}, str(tmp_path / "c"), options=options)
+    assert [r.what for r in records] == ["save rank 0", "save (calling thread)", "load"]
+    assert [name for name, _ in records[0].marks][-1] == "rename"
+    assert [name for name, _ in records[2].marks][:2] == ["metadata", "validate"]
+    assert all(r.total >= sum(d for _, d in r.marks) - 1e-9 for r in records)
+    ck.load_state_dict({"x": paddle.zeros([4])}, str(tmp_path / "c"))  # no hook: nothing recorded
+    assert len(records) == 3

@@ -5,20 +5,15 @@
 ``load_checkpoint``). Without ``options`` the engine uses ``CheckpointOptions.from_env()``, which reads the
 ``PADDLE_FSDP_CKPT_*`` environment variables at call time (a variable set after import counts):
 
-=====================================  ============================  =======================================
-field                                  environment variable          default
-=====================================  ============================  =======================================
-``checksum``                           ``PADDLE_FSDP_CKPT_CHECKSUM``  None: xxh3-64 (crc32 without xxhash)
-``checksum_threads``                   ``..._CHECKSUM_THREADS``       2 (0: verify on the reading thread)
-``commit_timeout``                     ``..._COMMIT_TIMEOUT``         1800 s
-``odirect``                            ``..._ODIRECT``                "auto" (by page-cache residency)
-``hugepages``                          ``..._HUGEPAGES``              "auto" (for O_DIRECT read buffers)
-``in_place``                           ``..._IN_PLACE``               True
-``read_slab_bytes``                    ``..._READ_SLAB``              16 MiB
-``trace``                              ``..._TRACE``                  False
-``trace_hook``                         (none)                         None
-``host_fast_path``                     (none)                         True
-=====================================  ============================  =======================================
+* ``checksum``: ``PADDLE_FSDP_CKPT_CHECKSUM``; default None (xxh3-64, crc32 without xxhash)
+* ``checksum_threads``: ``PADDLE_FSDP_CKPT_CHECKSUM_THREADS``; default 2 (0: verify on the reading thread)
+* ``commit_timeout``: ``PADDLE_FSDP_CKPT_COMMIT_TIMEOUT``; default 1800 s
+* ``odirect``: ``PADDLE_FSDP_CKPT_ODIRECT`` (``1``/``0``); default "auto" (by page-cache residency)
+* ``hugepages``: ``PADDLE_FSDP_CKPT_HUGEPAGES`` (``1``/``0``); default "auto" (O_DIRECT read buffers)
+* ``in_place``: ``PADDLE_FSDP_CKPT_IN_PLACE`` (``0``: off); default True
+* ``read_slab_bytes``: ``PADDLE_FSDP_CKPT_READ_SLAB``; default 16 MiB
+* ``trace``: ``PADDLE_FSDP_CKPT_TRACE`` (``1``: on); default False
+* ``trace_hook``, ``host_fast_path``: no variable; default None, True
 
 Only the test-only crash hook ``PADDLE_FSDP_CKPT_FAULT`` (faults.py) stays an environment variable: it must
 reach child processes started by a launcher, and it is not an option anyone should set in production.

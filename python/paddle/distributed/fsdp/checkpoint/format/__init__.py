@@ -10,25 +10,7 @@
   ``iter_piece`` (verify).
 
 Writers and readers elsewhere (save.py, load.py, verify.py, tools/) call these; a format change is made here.
+
+Import the submodule that owns a name (``from ..format.metadata import CheckpointMetadata``): one import path per
+name, and importing the package pulls in no I/O code.
 """
-
-from __future__ import annotations
-
-from .metadata import (  # noqa: F401
-    COMMIT_FILE,
-    DEFAULT_CHUNK_BYTES,
-    DTYPES,
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    LATEST_FILE,
-    METADATA_FILE,
-    PARTS_DIR,
-    CheckpointMetadata,
-    FileMeta,
-    PieceMeta,
-    TensorMeta,
-    itemsize,
-    rank_file_name,
-    resolve_member,
-)
-from .reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY, is_reserved  # noqa: F401
