@@ -502,14 +502,11 @@ def table(results: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        step = statistics.median(s for loop in r["paddle"]["plain"] for s in loop["step_s"])
-        for name, key in (
-            ("paddle FSDP async_save", "paddle_summary"),
-            ("torch FSDP2 DCP async_save", "torch_summary"),
-        ):
-            s = r.get(key)
+        for name, fw in (("paddle FSDP async_save", "paddle"), ("torch FSDP2 DCP async_save", "torch")):
+            s = r.get(f"{fw}_summary")
             if s is None:
                 continue
+            step = statistics.median(x for loop in r[fw]["plain"] for x in loop["step_s"])
             lines.append(
                 f"| {name} | {r['world']} | {step:.3f} | {r['memcpy_s']:.3f} | {s['loop_plain_s']:.2f} | "
                 f"{s['extra_per_ckpt_s']:.3f} | {s['extra_vs_memcpy']:.2f}x | {s['blocked_median_s']:.3f} |"
