@@ -86,7 +86,7 @@ setup(
     extras_require={
         # Not a hard dependency: GPU users already have paddlepaddle-gpu (same `paddle` package).
         "cpu": ["paddlepaddle==3.3.1"],
-        "test": ["pytest>=7", "ruff==0.17.6"],
+        "test": ["pytest>=7", "ruff==0.17.6", "paddleformers==0.4.1"],  # real model code in the suite
     },
     cmdclass={"build_py": BuildPyWithPth},
     classifiers=[

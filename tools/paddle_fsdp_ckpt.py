@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run ``paddle-fsdp-ckpt`` from a checkout: ``python tools/paddle_fsdp_ckpt.py {inspect,verify,to-hf,from-hf} ...``.
+"""Run ``paddle-fsdp-ckpt`` from a checkout: ``python tools/paddle_fsdp_ckpt.py {inspect,verify,to-hf,from-hf,diff} ...``.
 
 The same tool as the installed console script and ``python -m paddle.distributed.fsdp.tools``; the fork must be
 installed (``pip install -e .`` from the checkout) so that ``paddle.distributed.fsdp`` is the fork.

@@ -355,7 +355,7 @@ def test_async_save_round_trip_and_failure_surfaces(tmp_path, monkeypatch):
 
     monkeypatch.setattr(writer, "write_rank_file", boom)
     h = ck.save_state_dict({"x": src}, str(tmp_path / "b"), async_save=True)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(ck.SaveFailedError, match="rank 0 failed: OSError: .*No space left"):
         h.wait()
     h.wait()  # reported once
     h = ck.save_state_dict({"x": src}, str(tmp_path / "c"), async_save=True)

@@ -193,7 +193,7 @@ def test_failed_async_save_gives_the_arena_back(tmp_path, monkeypatch):
     ck.release_host_buffers()
     monkeypatch.setattr(writer, "write_rank_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
     h = ck.save_state_dict(big_state(), str(tmp_path / "s"), async_save=True)
-    with pytest.raises(OSError):
+    with pytest.raises(ck.SaveFailedError, match="rank 0 failed: OSError"):
         h.wait()
     assert not host_memory.arena._busy
     assert ck.release_host_buffers() is True

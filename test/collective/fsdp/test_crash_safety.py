@@ -262,7 +262,7 @@ def test_latest_moves_only_after_commit_and_prune_only_after_latest(tmp_path, mo
         raise OSError(5, "I/O error during the rename")
 
     monkeypatch.setattr(writer, "replace_dir", crash)
-    with pytest.raises(OSError, match="rename"):
+    with pytest.raises(ck.SaveFailedError, match="rank 0 .*rename"):
         mgr.save(2, _state(2.0))
     monkeypatch.undo()
     assert mgr.latest_step() == 1 and mgr.steps() == [1]
@@ -271,7 +271,7 @@ def test_latest_moves_only_after_commit_and_prune_only_after_latest(tmp_path, mo
         ck.read_metadata(mgr.path_for(2))
     # publish fails: committed, but `latest` and step 1 untouched
     monkeypatch.setattr(manager._LatestPublisher, "publish", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(ck.SaveFailedError):
         mgr.save(3, _state(3.0))
     monkeypatch.undo()
     assert mgr.latest_step() == 1 and mgr.steps() == [1, 3]
@@ -306,7 +306,7 @@ def test_root_without_committed_checkpoint(tmp_path, monkeypatch):
     root = tmp_path / "run"
     mgr = ck.CheckpointManager(root)
     monkeypatch.setattr(writer, "write_rank_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "disk full")))
-    with pytest.raises(OSError):
+    with pytest.raises(ck.SaveFailedError, match="disk full"):
         mgr.save(1, _state(1.0))
     monkeypatch.undo()
     with pytest.raises(ck.IncompleteCheckpointError, match="no committed checkpoint: only interrupted saves"):

@@ -33,6 +33,7 @@ durable commit), ``reader.py`` (checked range reads), ``host_memory.py`` (buffer
 from .coordination import gather_errors
 from .errors import (
     CheckpointError,
+    CheckpointRemovedError,
     CorruptCheckpointError,
     DtypeMismatchError,
     IncompleteCheckpointError,
@@ -40,6 +41,7 @@ from .errors import (
     MetadataError,
     MissingKeyError,
     NotACheckpointError,
+    NotARegularFileError,
     OptimizerMismatchError,
     PartiallyLoadedError,
     SafetensorsHeaderError,
@@ -86,6 +88,8 @@ __all__ = [
     "MissingKeyError",
     "NotACheckpointError",
     "SafetensorsHeaderError",
+    "CheckpointRemovedError",
+    "NotARegularFileError",
     "SaveFailedError",
     "PartiallyLoadedError",
     "ShapeMismatchError",

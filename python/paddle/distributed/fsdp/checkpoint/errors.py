@@ -27,6 +27,14 @@ class MetadataError(CorruptCheckpointError):
     """metadata.json (or the commit record) cannot be parsed or is inconsistent."""
 
 
+class NotARegularFileError(CorruptCheckpointError):
+    """A file of the checkpoint is a FIFO, a device, a directory or a socket (never opened for reading)."""
+
+
+class CheckpointRemovedError(NotACheckpointError):
+    """The checkpoint was removed (e.g. by ``keep_last`` rotation) while it was being read."""
+
+
 class SafetensorsHeaderError(CorruptCheckpointError):
     """A safetensors file's header is malformed, implausible or does not fit the file."""
 
@@ -84,6 +92,8 @@ ERROR_CLASSES = {
         MetadataError,
         SafetensorsHeaderError,
         UnsafePathError,
+        NotARegularFileError,
+        CheckpointRemovedError,
         StateDictMismatchError,
         MissingKeyError,
         ShapeMismatchError,

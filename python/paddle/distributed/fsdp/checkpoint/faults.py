@@ -1,13 +1,16 @@
-"""TEST-ONLY fault injection: kill this process with SIGKILL at a chosen stage of a save.
+"""TEST-ONLY fault injection: kill this process with SIGKILL, or fail with an I/O error, at a chosen stage of a save.
 
 Why: crash safety can only be shown by really dying at each step of the save protocol (no ``finally``, no
-``atexit``, no flush), on one rank, in a real multi-process job. Set::
+``atexit``, no flush), on one rank, in a real multi-process job; prompt named failure on every rank by really
+failing one rank's I/O at each step. Set::
 
-    PADDLE_FSDP_CKPT_FAULT=<stage>:<rank>[:<n>]
+    PADDLE_FSDP_CKPT_FAULT=<stage>:<rank>[:<n>][:<ERRNO>]
 
 and the process whose save-group rank is ``<rank>`` sends itself SIGKILL the ``<n>``-th time (default 1) it
-reaches ``<stage>``. Unset (the normal case) it costs one environment lookup per stage. Never set it in
-production. Stages, in protocol order:
+reaches ``<stage>``; with an errno name (``ENOSPC``, ``EIO``, ``EROFS``, ``EACCES``, ...) it raises that
+``OSError`` there instead, as the file system would (``mid_data``: after half of the data file was written).
+Unset (the normal case) it costs one environment lookup per stage. Never set it in production. Stages, in
+protocol order:
 
 =================  ==========================================================================================
 ``before_data``    the staging directory exists; this rank has not opened its data file
@@ -23,6 +26,7 @@ production. Stages, in protocol order:
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -44,14 +48,20 @@ _counts: dict[str, int] = {}
 _lock = threading.Lock()
 
 
-def _spec() -> tuple[str, int, int] | None:
+def _spec() -> tuple[str, int, int, int | None] | None:
     raw = os.environ.get(ENV)
     if not raw:
         return None
     parts = raw.strip().split(":")
+    code = None
+    if len(parts) >= 3 and parts[-1].isalpha():
+        code = getattr(errno, parts[-1], None)
+        if not isinstance(code, int):
+            raise ValueError(f"{ENV}={raw!r}: {parts[-1]!r} is not an errno name")
+        parts = parts[:-1]
     if len(parts) not in (2, 3) or parts[0] not in STAGES:
-        raise ValueError(f"{ENV}={raw!r}: expected <stage>:<rank>[:<n>] with stage in {STAGES}")
-    return parts[0], int(parts[1]), int(parts[2]) if len(parts) == 3 else 1
+        raise ValueError(f"{ENV}={raw!r}: expected <stage>:<rank>[:<n>][:<ERRNO>] with stage in {STAGES}")
+    return parts[0], int(parts[1]), int(parts[2]) if len(parts) == 3 else 1, code
 
 
 def hit(stage: str, rank: int) -> bool:
@@ -64,14 +74,25 @@ def hit(stage: str, rank: int) -> bool:
         return _counts[stage] == spec[2]
 
 
+def reset() -> None:
+    """Forget the arrivals counted so far (a test running several faulty saves in one process)."""
+    with _lock:
+        _counts.clear()
+
+
 def kill(stage: str) -> None:
-    """Die now, as ``kill -9`` would (stderr line first, so the test log shows where)."""
+    """Die now, as ``kill -9`` would (stderr line first, so the test log shows where); or, when the fault names
+    an errno, raise that OSError as a failing file system would."""
+    spec = _spec()
+    if spec is not None and spec[3] is not None:
+        code = spec[3]
+        raise OSError(code, f"{os.strerror(code)} [injected by {ENV} at stage {stage}]")
     sys.stderr.write(f"[{ENV}] pid {os.getpid()}: SIGKILL at stage {stage}\n")
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def point(stage: str, rank: int) -> None:
-    """A stage boundary of the save protocol: dies here when armed for it."""
+    """A stage boundary of the save protocol: dies (or fails) here when armed for it."""
     if hit(stage, rank):
         kill(stage)

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +70,8 @@ from . import checksums, host_memory, reader
 from .coordination import Comm, aligned, gather_errors
 from .errors import (
     CheckpointError,
+    CheckpointRemovedError,
+    CorruptCheckpointError,
     DtypeMismatchError,
     InvalidStateDictError,
     MissingKeyError,
@@ -77,12 +79,14 @@ from .errors import (
     ShapeMismatchError,
 )
 from .format.commit import read_metadata
+from .format.coverage import coverage_problems, flat_span
 from .format.metadata import DTYPES, CheckpointMetadata, resolve_member
 from .format.regions import clip_segments, read_deferred, read_region, region_segments
 from .inplace import InPlaceReads
 from .options import CheckpointOptions, resolve
-from .planner import Region
+from .planner import Region, region_of_piece
 from .records import to_record
+from .removal import removed_or
 from .save import wait_pending
 from .tracing import Tracer
 
@@ -98,6 +102,56 @@ def _staging_tensor(shape, dtype: str, pin: bool):
         if not pin:
             raise
         return paddle.empty(list(shape), dtype=dtype, device=paddle.CPUPlace())
+
+
+def named_read_error(path: str, e: BaseException | None) -> BaseException | None:
+    """A read failure as a named error: an OSError (EIO, EACCES, ...) reading the checkpoint is
+    CorruptCheckpointError naming the path; errors of the engine pass through."""
+    if isinstance(e, OSError):
+        err = CorruptCheckpointError(f"checkpoint {path}: cannot read it: {type(e).__name__}: {e}")
+        err.__cause__ = e
+        return err
+    return e
+
+
+def check_coverage(root: str, md: CheckpointMetadata, keys) -> None:
+    """Every element of each of ``keys`` is saved exactly once (coverage.py; the check verify_checkpoint runs),
+    before a byte of data is read; CorruptCheckpointError naming the key otherwise."""
+    for key in sorted(keys):
+        tm = md.tensors[key]
+        problems = coverage_problems(
+            key, tm.shape, [(i, region_of_piece(tm.shape, p)) for i, p in enumerate(tm.pieces)]
+        )
+        if problems:
+            raise CorruptCheckpointError(f"checkpoint {root}: {problems[0]}")
+
+
+def check_data_files(root: str, md: CheckpointMetadata, keys, regions: dict | None = None, options=None) -> None:
+    """The data files holding ``keys`` (only the pieces that touch ``regions[key]``, when given) are regular
+    files of the sizes the metadata gives (opened without blocking, one at a time), so what is planned and
+    allocated afterwards is bounded by bytes really there."""
+    names = set()
+    for key in keys:
+        tm = md.tensors[key]
+        span = None
+        if regions is not None and key in regions:
+            r = regions[key]
+            span = flat_span(r.shape, r.box_offset, r.box_shape, r.flat_range)
+        for p in tm.pieces:
+            if not p.nbytes:
+                continue
+            if span is not None:
+                first, end = flat_span(tm.shape, p.box_offset, p.box_shape, p.flat_range)
+                if first >= span[1] or end <= span[0]:
+                    continue
+            names.add(p.file)
+    files = reader.FileSet.of(root, md, resolve_member, verify=False, options=options)
+    try:
+        for name in sorted(names):
+            files.fd(name)
+            files.close()
+    finally:
+        files.close()
 
 
 def _in_place_regions(reads: list, enabled: bool = True) -> tuple[list, list]:
@@ -212,6 +266,7 @@ def load_state_dict(
     strict: bool = True,
     atomic: bool = False,
     max_host_bytes: int | None = None,
+    precheck: Callable[[CheckpointMetadata], None] | None = None,
     options: CheckpointOptions | None = None,
     **unused_stock_kwargs,
 ) -> LoadReport:
@@ -221,6 +276,12 @@ def load_state_dict(
     all-or-nothing for everything checked before the first byte is written, and PartiallyLoadedError on every
     rank when data turns out corrupt (or unreadable) once writing has begun. ``atomic=True``: all-or-nothing for
     everything, at the cost of a host copy of the rank's slice.
+
+    ``precheck(metadata)`` (optional) runs on every rank right after the metadata is read, before the engine's
+    own checks (keys, shapes, dtypes, exact coverage, data file kinds and sizes) and before any data is read:
+    what it raises on any rank is exchanged, so every rank raises the same named error and nothing is written.
+    Callers decode and validate the non-tensor state they will restore there (state/resume.py).
+
     ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now): O_DIRECT, huge pages,
     in-place reads, read slab, checksum threads, tracing.
 
@@ -240,24 +301,33 @@ def load_state_dict(
     comm = Comm(process_group)
     if not atomic:
         job = _BoundedLoadJob(state_dict, os.path.abspath(os.fspath(path)), opts, verify_checksums, tr)
-        all_requested = job.run(comm, strict, max_host_bytes, opts_error)
+        all_requested = job.run(comm, strict, max_host_bytes, opts_error, precheck)
         return job.finish(all_requested, time.perf_counter() - t0)
     job = _LoadJob(state_dict, os.path.abspath(os.fspath(path)), opts, verify_checksums, tr)
     job.report.atomic = True
     base = host_memory.account.reset_peak()
     err: BaseException | None = None
     try:
+        # 1. validate (no data read): metadata, caller's checks, keys, shapes, dtypes, exact coverage, files;
+        # the verdict of every rank is exchanged before any byte of data is read or any target written
         try:
             if opts_error is not None:
                 raise opts_error
-            job.validate(strict)
+            job.validate(strict, precheck)
+        except Exception as e:  # noqa: BLE001 - every failure must reach the verdict exchange below
+            err = named_read_error(job.path, e)
+        all_requested = job.exchange(comm, err)
+        # 2-3. plan, read and verify; 4. exchange; 5. commit
+        try:
             job.plan()
             job.read()
         except Exception as e:  # noqa: BLE001 - every failure must reach the status exchange below
-            err = e
+            err = named_read_error(job.path, e)
+            if isinstance(err, CorruptCheckpointError):  # a file gone under the reader: removed, not corrupt
+                err = removed_or(job.path, err, job.md.checkpoint_id)
         finally:
             job.stop_reading()
-        all_requested = job.exchange(comm, err)
+        job.exchange(comm, err)
         job.commit()
     finally:
         job.release()
@@ -292,12 +362,16 @@ class _LoadJob:
 
     # ------------------------------------------------------------------------------------------ 1. validate
 
-    def validate(self, strict: bool) -> None:
-        """Read the committed metadata and match every requested key against it (kind, shape, dtype). With
-        ``strict`` any mismatch raises the named error of the first one; else mismatches go to the report."""
+    def validate(self, strict: bool, precheck=None) -> None:
+        """Read the committed metadata, run the caller's ``precheck`` on it, and match every requested key against
+        it (kind, shape, dtype). With ``strict`` any mismatch raises the named error of the first one; else
+        mismatches go to the report. Then exact coverage of every target's tensor and the kinds and sizes of the
+        data files its pieces are in: everything that can be refused before a byte of data is read."""
         path, report = self.path, self.report
-        md = self.md = read_metadata(path)
+        md = self.md = read_metadata(path, self.opts)
         self.tr.mark("metadata")
+        if precheck is not None:  # the caller's checks first: "another optimizer" says more than its keys
+            precheck(md)
         if not isinstance(self.state_dict, dict):
             raise InvalidStateDictError(f"state_dict must be a dict, got {type(self.state_dict).__name__}")
         problems: list[tuple[type, str]] = []
@@ -348,6 +422,10 @@ class _LoadJob:
                 else ""
             )
             raise cls(problems[0][1] + more)
+        check_coverage(path, md, {tg.key for tg in self.targets})
+        check_data_files(
+            path, md, {tg.key for tg in self.targets}, {tg.key: tg.region for tg in self.targets}, self.opts
+        )
         self.tr.mark("validate")
 
     # ------------------------------------------------------------------------------------------ 2. plan
@@ -453,7 +531,7 @@ class _LoadJob:
         statuses = gather_errors(comm, err, (self.requested, md.checkpoint_id if md else None))
         ids = sorted({s[1] for s in statuses})
         if len(ids) > 1:  # e.g. the path was replaced by a concurrent save between the ranks' reads
-            raise CheckpointError(
+            raise CheckpointRemovedError(
                 f"load of {self.path}: ranks read different checkpoints ({ids}); was it replaced during the "
                 f"load? nothing was loaded"
             )
@@ -514,24 +592,26 @@ class _BoundedLoadJob(_LoadJob):
     """A memory-bounded load (the default; module docstring): validate -> prepare -> exchange -> read straight
     into the targets -> exchange of the outcome."""
 
-    def run(self, comm: Comm, strict: bool, max_host_bytes: int | None, opts_error) -> set[str]:
+    def run(self, comm: Comm, strict: bool, max_host_bytes: int | None, opts_error, precheck=None) -> set[str]:
         err: BaseException | None = None
         plan: list = []
         try:
             try:
                 if opts_error is not None:
                     raise opts_error
-                self.validate(strict)
+                self.validate(strict, precheck)
                 plan = self.prepare(max_host_bytes)
             except Exception as e:  # noqa: BLE001 - every failure must reach the status exchange below
-                err = e
+                err = named_read_error(self.path, e)
             all_requested = self.exchange(comm, err)  # raises on every rank if any failed: nothing was written
             self.tr.mark("exchange-checks")
             err = None
             try:
                 self.write_targets(plan)
             except Exception as e:  # noqa: BLE001 - every failure must reach the outcome exchange below
-                err = e
+                err = named_read_error(self.path, e)
+                if isinstance(err, CorruptCheckpointError):  # a file gone under the reader: removed, not corrupt
+                    err = removed_or(self.path, err, self.md.checkpoint_id)
             finally:
                 self.verifier.drain()
             self.exchange_outcome(comm, err)
@@ -641,8 +721,28 @@ def load_full_state_dict(
     import paddle  # noqa: F401
 
     path = os.path.abspath(os.fspath(path))
-    md = read_metadata(path)
+    md = read_metadata(path, opts)
     wanted = list(md.tensors) if keys is None else list(keys)
+    for key in wanted:
+        if key not in md.tensors and key not in md.values:
+            raise MissingKeyError(f"key {key!r} is missing from checkpoint {path}")
+    tensor_keys = [k for k in wanted if k in md.tensors]
+    try:
+        # before allocating by a declared shape: exact coverage + real files of the declared sizes, so what is
+        # allocated is the bytes of pieces that really are on disk (pieces never share bytes: schema.py)
+        check_coverage(path, md, tensor_keys)
+        check_data_files(path, md, tensor_keys, options=opts)
+        return _read_full(path, md, wanted, opts)
+    except OSError as e:
+        raise removed_or(path, named_read_error(path, e), md.checkpoint_id) from e
+    except CorruptCheckpointError as e:
+        gone = removed_or(path, e, md.checkpoint_id)
+        if gone is e:
+            raise
+        raise gone from e
+
+
+def _read_full(path: str, md: CheckpointMetadata, wanted: list[str], opts: CheckpointOptions) -> dict:
     out: dict = {}
     files = reader.FileSet.of(path, md, resolve_member, True, opts)
     verifier = reader.ChunkVerifier(opts.checksum_threads)
@@ -652,9 +752,7 @@ def load_full_state_dict(
             if key in md.values and key not in md.tensors:
                 out[key] = md.values[key]
                 continue
-            tm = md.tensors.get(key)
-            if tm is None:
-                raise MissingKeyError(f"key {key!r} is missing from checkpoint {path}")
+            tm = md.tensors[key]
             t = _staging_tensor(tm.shape, tm.dtype, False)
             region = Region.full(tm.shape)
             if region.numel:

@@ -43,7 +43,13 @@ import uuid
 
 from . import writer
 from .coordination import Comm, gather_errors
-from .errors import CheckpointError, IncompleteCheckpointError, NotACheckpointError
+from .errors import (
+    CheckpointError,
+    CheckpointRemovedError,
+    IncompleteCheckpointError,
+    NotACheckpointError,
+    SaveFailedError,
+)
 from .format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, check_file_name
 from .load import LoadReport, load_state_dict
 from .save import SaveHandle, save_state_dict
@@ -83,10 +89,18 @@ def _committed(path: str) -> bool:
 
 def read_latest(root: str) -> str | None:
     """The name in ``root/latest`` when it is a plain directory name, else None (missing, empty, unsafe)."""
+    from .format.strict_json import open_regular
+
     try:
-        with open(os.path.join(root, LATEST_FILE), "rb") as f:
-            name = f.read(4096).decode().strip()
+        fd = open_regular(os.path.join(root, LATEST_FILE))  # never blocks on a FIFO in its place
+        try:
+            name = os.read(fd, 4096).decode().strip()
+        finally:
+            os.close(fd)
     except (OSError, UnicodeDecodeError):
+        return None
+    except CheckpointError as e:  # not a regular file
+        logger.warning("ignoring %s/%s: %s", root, LATEST_FILE, e)
         return None
     try:
         return check_file_name(name)
@@ -125,7 +139,7 @@ def latest_checkpoint(root: str) -> str | None:
     return None
 
 
-def _is_root(path: str) -> bool:
+def is_checkpoint_root(path: str) -> bool:
     try:
         names = os.listdir(path)
     except OSError:
@@ -142,7 +156,7 @@ def resolve_checkpoint(path: str) -> str:
     directories in it, else NotACheckpointError.
     """
     path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path) or not _is_root(path):
+    if not os.path.isdir(path) or not is_checkpoint_root(path):
         return path  # the engine's read_metadata reports what is wrong with it, if anything
     found = latest_checkpoint(path)
     if found is not None:
@@ -255,7 +269,10 @@ class CheckpointManager:
         ``save_kwargs`` go to the engine's ``save_state_dict`` (``async_save``, ``commit_timeout``, ...).
         """
         name = step_dir_name(step)
-        os.makedirs(self.root, exist_ok=True)
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:  # read-only file system, permissions: a named error, like any failed save
+            raise SaveFailedError(f"save to {self.root}: cannot create the checkpoint root: {e}") from e
         return save_state_dict(
             state_dict,
             os.path.join(self.root, name),
@@ -278,11 +295,19 @@ class CheckpointManager:
         return committed_steps(self.root)
 
     def load_latest(self, state_dict: dict, **load_kwargs) -> LoadReport:
-        """Load the newest committed checkpoint into ``state_dict`` (engine's ``load_state_dict``)."""
-        return load_state_dict(
-            state_dict,
-            resolve_checkpoint_collective(self.root, Comm(self.process_group)),
-            process_group=self.process_group,
-            coordinator_rank=self.coordinator_rank,
-            **load_kwargs,
-        )
+        """Load the newest committed checkpoint into ``state_dict`` (engine's ``load_state_dict``); a load that
+        loses a race with keep_last rotation (CheckpointRemovedError on every rank) retries with the new latest."""
+        for attempt in range(4):
+            try:
+                return load_state_dict(
+                    state_dict,
+                    resolve_checkpoint_collective(self.root, Comm(self.process_group)),
+                    process_group=self.process_group,
+                    coordinator_rank=self.coordinator_rank,
+                    **load_kwargs,
+                )
+            except CheckpointRemovedError as e:
+                if attempt == 3:
+                    raise
+                logger.warning("load_latest(%s): %s; retrying with what %s names now", self.root, e, LATEST_FILE)
+        raise AssertionError("unreachable")  # pragma: no cover

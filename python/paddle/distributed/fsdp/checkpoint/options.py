@@ -13,6 +13,8 @@
 * ``in_place``: ``PADDLE_FSDP_CKPT_IN_PLACE`` (``0``: off); default True
 * ``read_slab_bytes``: ``PADDLE_FSDP_CKPT_READ_SLAB``; default 16 MiB
 * ``trace``: ``PADDLE_FSDP_CKPT_TRACE`` (``1``: on); default False
+* ``max_metadata_bytes``: ``PADDLE_FSDP_CKPT_MAX_METADATA_BYTES``; default 512 MiB
+* ``max_open_files``: ``PADDLE_FSDP_CKPT_MAX_OPEN_FILES``; default 64
 * ``trace_hook``, ``host_fast_path``: no variable; default None, True
 
 Only the test-only crash hook ``PADDLE_FSDP_CKPT_FAULT`` (faults.py) stays an environment variable: it must
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from . import checksums, reader
 from .errors import CheckpointError
+from .format import strict_json
 from .tracing import TraceHook
 
 ENV_PREFIX = "PADDLE_FSDP_CKPT_"
@@ -56,6 +59,10 @@ class CheckpointOptions:
             part); for benchmarks. Runs on the thread that did the work; must not raise.
         host_fast_path: load contiguous host targets through memcpy from host staging; False forces the
             generic path used for device targets (a host staging tensor + ``Tensor.copy_``), for tests.
+        max_metadata_bytes: a ``metadata.json`` larger than this is refused (MetadataError) before it is read:
+            parsing costs about ten times its size in memory. A real 30B-MoE index measured 246 MB.
+        max_open_files: descriptors a reader keeps open at once (least recently used ones are closed), so any
+            number of data files reads under a low RLIMIT_NOFILE.
     """
 
     checksum: str | None = None
@@ -68,6 +75,8 @@ class CheckpointOptions:
     trace: bool = False
     trace_hook: TraceHook | None = field(default=None, compare=False)
     host_fast_path: bool = True
+    max_metadata_bytes: int = strict_json.DEFAULT_MAX_METADATA_BYTES
+    max_open_files: int = reader.MAX_OPEN_FILES
 
     def __post_init__(self) -> None:
         if self.checksum is not None and self.checksum not in checksums.KNOWN:
@@ -81,6 +90,8 @@ class CheckpointOptions:
             raise CheckpointError(f"read_slab_bytes must be positive, got {self.read_slab_bytes}")
         if not self.commit_timeout > 0:
             raise CheckpointError(f"commit_timeout must be positive, got {self.commit_timeout}")
+        if self.max_metadata_bytes <= 0 or self.max_open_files < 2:
+            raise CheckpointError("max_metadata_bytes must be positive and max_open_files at least 2")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> CheckpointOptions:
@@ -112,6 +123,8 @@ class CheckpointOptions:
             ("CHECKSUM_THREADS", "checksum_threads", int),
             ("COMMIT_TIMEOUT", "commit_timeout", float),
             ("READ_SLAB", "read_slab_bytes", int),
+            ("MAX_METADATA_BYTES", "max_metadata_bytes", int),
+            ("MAX_OPEN_FILES", "max_open_files", int),
         ):
             v = number(name, conv)
             if v is not None:

@@ -175,12 +175,11 @@ def intersect(dst_runs, src_runs) -> Segments:
 
 
 def coverage_problems(key: str, shape, regions: list[tuple[int, Region]]) -> list[str]:
-    """Check that the regions (tagged with an owner, e.g. a rank or a file) cover every element exactly once."""
-    total = numel(shape) if all(s > 0 for s in shape) or len(shape) == 0 else 0
-    single = [(reg.single_run(), owner) for owner, reg in regions]
-    if all(run is not None for run, _ in single):
-        return _interval_problems(key, total, [(a, a + n, o) for (a, n), o in single if n > 0])
-    return _runs_problems(key, total, regions)
+    """Check that the regions (tagged with an owner, e.g. a rank or a file) cover every element exactly once
+    (coverage.py: work bounded by the number of regions, not by their shapes)."""
+    from .format.coverage import coverage_problems as exact_coverage
+
+    return exact_coverage(key, shape, regions)
 
 
 def _runs_problems(key: str, total: int, regions: list[tuple[int, Region]]) -> list[str]:
@@ -392,7 +391,12 @@ def plan_reads(key: str, tm: TensorMeta, target: Region) -> tuple[list[ReadItem]
     if len(dst_runs[0]) == 0:
         return items, 0
     lo, hi = int(dst_runs[0][0]), int(dst_runs[0][-1] + dst_runs[1][-1])
+    from .format.coverage import flat_span
+
     for p in tm.pieces:
+        first, end = flat_span(tm.shape, p.box_offset, p.box_shape, p.flat_range)
+        if first >= hi or end <= lo:  # from the bounds: no runs listed for pieces this region does not touch
+            continue
         src_runs = region_of_piece(tm.shape, p).runs()
         if len(src_runs[0]) == 0:
             continue

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections import OrderedDict
 
 import numpy as np
 
@@ -34,6 +35,9 @@ DEFAULT_CHECKSUM_THREADS = 2  # CheckpointOptions.checksum_threads
 HAVE_ODIRECT = hasattr(os, "O_DIRECT")
 CACHED_FRACTION_FOR_BUFFERED = 0.5
 DIRECT_ALIGN = 4096  # offset, length and memory alignment of O_DIRECT reads
+# Descriptors a reader keeps open at once (least recently used ones are closed): any number of data files can
+# be read under a low RLIMIT_NOFILE.
+MAX_OPEN_FILES = 64  # CheckpointOptions.max_open_files
 
 
 _pools: dict[int, object] = {}
@@ -67,15 +71,19 @@ class FileSet:
         odirect: bool | str = "auto",
         read_slab: int = DEFAULT_READ_SLAB,
         checksum_threads: int = DEFAULT_CHECKSUM_THREADS,
+        checkpoint_id: str | None = None,
+        max_open: int = MAX_OPEN_FILES,
     ):
         self.root = root
+        self.checkpoint_id = checkpoint_id
+        self.max_open = max(2, max_open)
         self.odirect = odirect if HAVE_ODIRECT else False
         self.read_slab = read_slab
         self.checksum_threads = checksum_threads
         self.sizes = sizes
         self.resolve = resolve
         self.digest = digest
-        self.fds: dict[str, int] = {}
+        self.fds: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self.bytes_read = 0
         self._direct: dict[str, int | None] = {}
         self._cached: dict[str, bool] = {}
@@ -86,7 +94,7 @@ class FileSet:
         O_DIRECT and the read slab as ``options`` (a CheckpointOptions; None: the defaults)."""
         digest = checksums.digest_function(md.checksum) if verify and md.checksum != checksums.NONE else None
         if options is None:
-            return cls(root, {n: f.size for n, f in md.files.items()}, resolve, digest)
+            return cls(root, {n: f.size for n, f in md.files.items()}, resolve, digest, checkpoint_id=md.checkpoint_id)
         return cls(
             root,
             {n: f.size for n, f in md.files.items()},
@@ -95,21 +103,46 @@ class FileSet:
             odirect=options.odirect,
             read_slab=options.read_slab_bytes,
             checksum_threads=options.checksum_threads,
+            checkpoint_id=md.checkpoint_id,
+            max_open=options.max_open_files,
         )
 
     @property
     def verifies(self) -> bool:
         return self.digest is not None
 
+    def _open(self, name: str, flags: int = 0) -> int:
+        """A regular-file descriptor of ``name`` (never blocks on a FIFO or device); a missing file is a removed
+        checkpoint when its commit record went too (removal.py), else corruption."""
+        from .format.strict_json import open_regular
+        from .removal import removed_or
+
+        path = self.resolve(self.root, name)
+        try:
+            return open_regular(path, flags)
+        except FileNotFoundError:
+            raise removed_or(
+                self.root,
+                CorruptCheckpointError(f"checkpoint {self.root}: data file {name} is missing"),
+                self.checkpoint_id,
+            ) from None
+
+    def _make_room(self) -> None:
+        """Close least recently used descriptors so that one more stays within ``max_open``."""
+        while len(self.fds) + sum(fd is not None for fd in self._direct.values()) >= self.max_open and self.fds:
+            old, fd = self.fds.popitem(last=False)
+            os.close(fd)
+            dfd = self._direct.pop(old, None)
+            if dfd is not None:
+                os.close(dfd)
+
     def fd(self, name: str) -> int:
         fd = self.fds.get(name)
         if fd is not None:
+            self.fds.move_to_end(name)
             return fd
-        path = self.resolve(self.root, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"checkpoint {self.root}: data file {name} is missing") from None
+        self._make_room()
+        fd = self._open(name)
         size = os.fstat(fd).st_size
         if size != self.sizes[name]:
             os.close(fd)
@@ -147,7 +180,8 @@ class FileSet:
 
     def direct_fd(self, name: str) -> int | None:
         """An O_DIRECT descriptor of ``name`` (after the size check of ``fd``), or None where unsupported."""
-        if name in self._direct:
+        if name in self._direct and name in self.fds:
+            self.fds.move_to_end(name)
             return self._direct[name]
         self.fd(name)
         fd = None
@@ -157,7 +191,7 @@ class FileSet:
             use = cached is not None and cached < CACHED_FRACTION_FOR_BUFFERED
         if use:
             try:
-                fd = os.open(self.resolve(self.root, name), os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+                fd = self._open(name, os.O_DIRECT)
             except OSError:
                 fd = None
         self._direct[name] = fd

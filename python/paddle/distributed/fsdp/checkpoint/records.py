@@ -109,6 +109,10 @@ def to_record(key: str, val: Any) -> TensorRecord | None:
         return TensorRecord(key, val, Region.full(shape), _check_dtype(val, key), replicated=True)
     if is_json_value(val):
         return None
+    if isinstance(val, (list, tuple, dict, float, int)):
+        from .format.strict_json import json_value_problem
+
+        raise InvalidStateDictError(f"key {key!r}: cannot checkpoint this value: {json_value_problem(val)}")
     raise InvalidStateDictError(
         f"key {key!r}: cannot checkpoint a value of type {type(val).__name__} (expected ShardedWeight, "
         f"paddle.Tensor or a JSON-serialisable value)"

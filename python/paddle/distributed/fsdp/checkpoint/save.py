@@ -82,9 +82,11 @@ from __future__ import annotations
 
 import _thread
 import atexit
+import errno
 import json
 import os
 import queue
+import re
 import shutil
 import threading
 import time
@@ -247,6 +249,8 @@ class _SaveJob:
             release()
 
     def run(self) -> None:
+        """Write, then commit (coordinator) or wait for the commit; every failure is a SaveFailedError naming
+        the rank that failed and its cause, on every rank, as soon as it is known (failure markers, below)."""
         try:
             if self.snapshot is not None:  # async: copy the deferred tensors first (snapshot.py), then write
                 try:
@@ -255,26 +259,35 @@ class _SaveJob:
                     _mark_failed(self.staging, self.rank, e)
                     raise
             self._run()
+        except SaveFailedError:
+            raise
+        except Exception as e:
+            raise SaveFailedError(
+                f"save to {self.path} failed: rank {self.rank} failed: {_cause(e)}; the previous checkpoint is "
+                f"untouched"
+            ) from e
         finally:
             self._written()
 
     def _run(self) -> None:
         tr = Tracer(f"save rank {self.rank}", self.options)
         parts = os.path.join(self.staging, PARTS_DIR)
-        os.makedirs(parts, exist_ok=True)
         layout = self.plan.files[self.rank]
-        faults.point("before_data", self.rank)
-        kill_at = layout.size // 2 if faults.hit("mid_data", self.rank) else None
+        data_path = os.path.join(self.staging, layout.name)
         try:
+            os.makedirs(parts, exist_ok=True)
+            faults.point("before_data", self.rank)
+            kill_at = layout.size // 2 if faults.hit("mid_data", self.rank) else None
             try:
                 digest = None if self.checksum == checksums.NONE else checksums.digest_function(self.checksum)
                 size, sums = writer.write_rank_file(
-                    os.path.join(self.staging, layout.name),
+                    data_path,
                     layout.header,
                     self.arrays,
                     self.chunk_bytes,
                     digest,
                     kill_at=kill_at,
+                    should_stop=lambda: self._peer_failure(parts),
                 )
             finally:
                 self._written()
@@ -286,25 +299,39 @@ class _SaveJob:
                 fsync=False,
                 atomic=True,
             )
+            faults.point("after_data", self.rank)
+        except _PeerFailed as e:  # another rank failed first: stop writing, free the space, say who failed
+            _remove_quietly(data_path)
+            raise SaveFailedError(f"save to {self.path} aborted: {e}; the previous checkpoint is untouched") from None
         except BaseException as e:
             _mark_failed(self.staging, self.rank, e)
+            if isinstance(e, Exception):  # (an interrupt leaves the staging as a kill would)
+                _remove_quietly(data_path)
             raise
-        faults.point("after_data", self.rank)
         if self.rank == self.coordinator:
             try:
                 self._commit(parts, tr)
             except BaseException as e:
-                try:  # tells the waiting ranks at once (.parts is gone once the commit record is being written)
-                    os.makedirs(parts, exist_ok=True)
-                    writer.write_file(
-                        os.path.join(parts, "ABORT"), f"{type(e).__name__}: {e}".encode(), fsync=False, atomic=True
-                    )
-                except OSError:
-                    pass
-                raise
+                _mark_aborted(self.staging, e)  # tells the waiting ranks at once
+                if isinstance(e, Exception):  # (an interrupt leaves the staging as a kill would)
+                    _remove_quietly(data_path)
+                if isinstance(e, SaveFailedError) or not isinstance(e, Exception):
+                    raise
+                raise SaveFailedError(
+                    f"save to {self.path} failed: rank {self.rank} (the coordinator) failed to commit: {_cause(e)}; "
+                    f"the previous checkpoint is untouched"
+                ) from e
             faults.point("after_rename", self.rank)
             if self.publisher is not None:
-                self.publisher.publish()
+                try:
+                    self.publisher.publish()
+                except Exception as e:
+                    # committed, but `latest` could not be moved: the waiting ranks must not wait for it
+                    _mark_aborted(self.staging, e)
+                    raise SaveFailedError(
+                        f"save to {self.path}: the checkpoint was committed, but rank {self.rank} could not move "
+                        f"the '{LATEST_FILE}' pointer: {_cause(e)}"
+                    ) from e
                 tr.mark("publish")
                 faults.point("before_prune", self.rank)
                 self.publisher.cleanup()
@@ -312,6 +339,14 @@ class _SaveJob:
             self._wait_commit(parts)
             tr.mark("wait-commit")
         tr.done()
+
+    def _peer_failure(self, parts: str) -> None:
+        """Raise _PeerFailed when another rank reported a failure (checked between slabs of a long write)."""
+        failed = failures(self.staging)
+        failed.pop(self.rank, None)
+        if failed:
+            r, why = sorted(failed.items())[0]
+            raise _PeerFailed(f"rank {r} failed: {why}")
 
     def _commit(self, parts: str, tr: Tracer) -> None:
         """Coordinator: wait for every rank's data, write metadata.json, the stock index and COMMIT (last) into
@@ -338,17 +373,14 @@ class _SaveJob:
         ``failed`` marker or when a rank is silent for ``timeout``."""
 
         def all_parts():
+            failed = failures(self.staging)
+            if failed:
+                return {"failed": failed}
             status = {}
             for r in range(self.world):
                 d = read_json(os.path.join(parts, f"{r}.done.json"))
                 if d is not None:
-                    status[r] = ("done", d)
-                    continue
-                f = read_json(os.path.join(parts, f"{r}.failed.json"))
-                if f is not None:
-                    status[r] = ("failed", f)
-            if any(s[0] == "failed" for s in status.values()):
-                return status
+                    status[r] = d
             return status if len(status) == self.world else None
 
         try:
@@ -360,10 +392,11 @@ class _SaveJob:
                 f"save to {self.path} aborted: ranks {missing} did not finish writing within {self.timeout:g} s "
                 f"(did they die?); the previous checkpoint is untouched"
             ) from None
-        failed = {r: s[1] for r, s in status.items() if s[0] == "failed"}
-        if failed:
-            r, info = sorted(failed.items())[0]
-            raise SaveFailedError(f"save to {self.path} aborted: rank {r} failed: {info.get('error')}")
+        if "failed" in status:
+            r, why = sorted(status["failed"].items())[0]
+            raise SaveFailedError(
+                f"save to {self.path} aborted: rank {r} failed: {why}; the previous checkpoint is untouched"
+            )
         return status
 
     def _metadata(self, status: dict) -> CheckpointMetadata:
@@ -378,7 +411,7 @@ class _SaveJob:
         )
         for r in range(self.world):
             layout = self.plan.files[r]
-            done = status[r][1]
+            done = status[r]
             if int(done["size"]) != layout.size or len(done["checksums"]) != len(layout.pieces):
                 raise SaveFailedError(f"rank {r} reported a file that does not match the plan")
             md.files[layout.name] = FileMeta(rank=r, size=layout.size)
@@ -390,23 +423,32 @@ class _SaveJob:
     def _wait_commit(self, parts: str) -> None:
         """Wait until the coordinator committed (and, for a CheckpointManager save, moved ``latest``)."""
         commit_path = os.path.join(self.path, COMMIT_FILE)
-        abort_path = os.path.join(parts, "ABORT")
         seen_commit = False
+
+        def mine() -> bool:
+            c = read_json(commit_path)
+            return isinstance(c, dict) and c.get("checkpoint_id") == self.checkpoint_id
 
         def state():
             nonlocal seen_commit
-            c = read_json(commit_path)
-            if c is not None and c.get("checkpoint_id") == self.checkpoint_id:
+            if mine():
                 seen_commit = True
+            abort = aborted(self.staging)
+            if abort is not None:
+                return ("aborted", abort)
+            if seen_commit:
                 if self.publisher is None or self.publisher.is_published():
-                    return "committed"
+                    return ("committed", None)
                 return None
-            if os.path.exists(abort_path):
-                return "aborted"
+            failed = failures(self.staging)
+            if failed:
+                return ("failed", sorted(failed.items())[0])
+            if not os.path.isdir(self.staging) and not mine():
+                return ("aborted", "its staging directory was removed before the commit")
             return None
 
         try:
-            st = poll(state, self.timeout, f"rank {self.coordinator} to commit {self.path}")
+            st, info = poll(state, self.timeout, f"rank {self.coordinator} to commit {self.path}")
         except SaveFailedError:
             if seen_commit:
                 raise SaveFailedError(
@@ -417,13 +459,113 @@ class _SaveJob:
                 f"save to {self.path} did not commit: rank {self.coordinator} (the coordinator) did not commit "
                 f"within {self.timeout:g} s (did it die?); the previous checkpoint is untouched"
             ) from None
+        if st == "failed":
+            r, why = info
+            _remove_quietly(os.path.join(self.staging, self.plan.files[self.rank].name))
+            raise SaveFailedError(
+                f"save to {self.path} aborted: rank {r} failed: {why}; the previous checkpoint is untouched"
+            )
         if st == "aborted":
-            try:
-                with open(abort_path) as f:
-                    reason = f.read()
-            except OSError:
-                reason = "unknown"
-            raise SaveFailedError(f"save to {self.path} aborted by the coordinator: {reason}")
+            _remove_quietly(os.path.join(self.staging, self.plan.files[self.rank].name))
+            if seen_commit:
+                raise SaveFailedError(f"save to {self.path}: committed, but the coordinator failed after: {info}")
+            raise SaveFailedError(
+                f"save to {self.path} aborted by rank {self.coordinator} (the coordinator): {info}; the previous "
+                f"checkpoint is untouched"
+            )
+
+
+# ------------------------------------------------------------------------------------------------ failure markers
+# A failing rank (and an aborting coordinator) leaves markers in <staging>/.parts that every other rank polls.
+# The marker's *name* carries the cause (an empty file needs no data block, so it can be created on a full disk);
+# the details go into a JSON file next to it when the file system still takes it.
+
+_FAILED_RE = re.compile(r"^(\d+)\.failed(?:\.([A-Za-z0-9_]+))?$")
+_ABORT_RE = re.compile(r"^ABORT(?:\.([A-Za-z0-9_]+))?$")
+
+
+class _PeerFailed(Exception):
+    """Another rank reported a failure while this one was still writing."""
+
+
+def _cause(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _tag(e: BaseException) -> str:
+    """The marker-name form of a cause: the errno name of an OSError, else the exception class name."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return errno.errorcode.get(e.errno, type(e).__name__)
+    return re.sub(r"[^A-Za-z0-9_]", "_", type(e).__name__)[:64]
+
+
+def _touch(path: str) -> None:
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644))
+    except OSError:
+        pass
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def failures(staging: str) -> dict[int, str]:
+    """Ranks that reported a failure into ``staging`` and their causes."""
+    parts = os.path.join(staging, PARTS_DIR)
+    try:
+        names = os.listdir(parts)
+    except OSError:
+        return {}
+    out: dict[int, str] = {}
+    for n in names:
+        m = _FAILED_RE.match(n)
+        if m is None:
+            continue
+        r = int(m.group(1))
+        if m.group(2) is None and r in out:
+            continue
+        detail = read_json(os.path.join(parts, f"{r}.failed.json"))
+        if isinstance(detail, dict) and isinstance(detail.get("error"), str):
+            out[r] = detail["error"]
+        elif m.group(2) is not None:
+            code = getattr(errno, m.group(2), None)
+            out[r] = f"{m.group(2)}" + (f" ({os.strerror(code)})" if isinstance(code, int) else "")
+    return out
+
+
+def aborted(staging: str) -> str | None:
+    """The coordinator's reason when it aborted the save in ``staging`` (None: not aborted)."""
+    parts = os.path.join(staging, PARTS_DIR)
+    try:
+        names = os.listdir(parts)
+    except OSError:
+        return None
+    tags = [m.group(1) for m in map(_ABORT_RE.match, names) if m is not None]
+    if not tags:
+        return None
+    try:
+        with open(os.path.join(parts, "ABORT"), "rb") as f:
+            reason = f.read(4096).decode(errors="replace")
+        if reason:
+            return reason
+    except OSError:
+        pass
+    tag = next((t for t in tags if t), None)
+    return tag or "unknown reason"
+
+
+def _mark_aborted(staging: str, e: BaseException) -> None:
+    try:
+        parts = os.path.join(staging, PARTS_DIR)
+        os.makedirs(parts, exist_ok=True)
+        _touch(os.path.join(parts, f"ABORT.{_tag(e)}"))
+        writer.write_file(os.path.join(parts, "ABORT"), _cause(e).encode(), fsync=False, atomic=True)
+    except OSError:
+        pass
 
 
 def release_host_buffers() -> bool:
@@ -444,14 +586,37 @@ def _mark_failed(staging: str, rank: int, e: BaseException) -> None:
     try:
         parts = os.path.join(staging, PARTS_DIR)
         os.makedirs(parts, exist_ok=True)
+    except OSError:
+        return
+    _touch(os.path.join(parts, f"{rank}.failed.{_tag(e)}"))
+    try:
         writer.write_file(
             os.path.join(parts, f"{rank}.failed.json"),
-            json.dumps({"error": f"{type(e).__name__}: {e}"}).encode(),
+            json.dumps({"error": _cause(e)}).encode(),
             fsync=False,
             atomic=True,
         )
     except OSError:
         pass
+
+
+def remove_failed_stagings(path: str) -> list[str]:
+    """Remove the staging directories of earlier saves to ``path`` that failed with an error (they carry failure
+    or abort markers; a save still running, or killed, has none and is left alone). Best effort."""
+    parent, base = os.path.split(path)
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(f"{base}.tmp-")]
+    except OSError:
+        return []
+    import shutil
+
+    removed = []
+    for n in names:
+        staging = os.path.join(parent, n)
+        if failures(staging) or aborted(staging) is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+            removed.append(n)
+    return removed
 
 
 def save_state_dict(
@@ -538,7 +703,7 @@ def _save_locked(
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
     timeout = opts.commit_timeout if commit_timeout is None else float(commit_timeout)
 
-    local = _validate(state_dict, path, comm.rank == coordinator_rank, opts, opts_error)
+    local = _validate(state_dict, path, comm.rank, coordinator_rank, opts, opts_error)
     checkpoint_id, algorithm, plan = _exchange_and_plan(comm, local, coordinator_rank, chunk_bytes, tr)
     for key in per_rank_values:
         plan.values[key] = [v.get(key) for v in local.all_values]
@@ -583,7 +748,8 @@ def _save_locked(
 def _validate(
     state_dict: dict,
     path: str,
-    is_coordinator: bool,
+    rank: int,
+    coordinator_rank: int,
     opts: CheckpointOptions,
     opts_error: BaseException | None,
 ) -> _Local:
@@ -596,10 +762,14 @@ def _validate(
         local.algorithm = opts.checksum_algorithm()
         local.records, local.values = collect(state_dict)
         local.descs = [r.desc().to_wire() for r in local.records]
-        if is_coordinator:
+        if rank == coordinator_rank:
+            remove_failed_stagings(path)  # what earlier failed saves left (their space is needed now)
             check_target_path(path)
-    except Exception as e:  # reported to every rank by the exchange
+    except CheckpointError as e:  # reported to every rank by the exchange
         local.error = e
+    except Exception as e:  # an I/O error or a bug: named, with the rank and the cause
+        local.error = SaveFailedError(f"save to {path} failed: rank {rank} failed: {_cause(e)}")
+        local.error.__cause__ = e
     return local
 
 
@@ -629,6 +799,8 @@ def _piece_sources(plan, rank: int, local: _Local, staging: str) -> tuple[list, 
         return [_lazy_view(by_key[key].tensor) for key in keys], [], None
     except BaseException as e:
         _mark_failed(staging, rank, e)  # the coordinator must not wait for this rank until the timeout
+        if isinstance(e, Exception) and not isinstance(e, CheckpointError):
+            raise SaveFailedError(f"save to {staging} failed: rank {rank} failed: {_cause(e)}") from e
         raise
 
 

@@ -6,12 +6,14 @@ import os
 from typing import Callable
 
 from . import checksums, reader
-from .errors import CheckpointError, CorruptCheckpointError, SafetensorsHeaderError
+from .errors import CheckpointError, CheckpointRemovedError, CorruptCheckpointError, SafetensorsHeaderError
 from .format import safetensors
 from .format.commit import read_metadata
 from .format.metadata import resolve_member
 from .format.regions import iter_piece
+from .format.strict_json import open_regular
 from .planner import coverage_problems, region_of_piece
+from .removal import removed_or
 
 
 def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) -> list[str]:
@@ -40,21 +42,21 @@ def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) 
     for name, fm in md.files.items():
         try:
             fpath = resolve_member(path, name)
-        except CheckpointError as e:
-            problems.append(str(e))
-            continue
-        if not os.path.isfile(fpath):
+            fd = open_regular(fpath)
+        except FileNotFoundError:
             problems.append(f"data file {name} is missing")
             continue
-        size = os.path.getsize(fpath)
-        if size != fm.size:
-            problems.append(f"data file {name} has {size} bytes, expected {fm.size}")
+        except (CheckpointError, OSError) as e:
+            problems.append(f"data file {name}: {e}")
             continue
-        usable.add(name)
-        spans = sorted(by_file[name], key=lambda x: x[0])
-        for (_a0, a1, k0, _), (b0, _b1, k1, _) in zip(spans, spans[1:]):
-            if b0 < a1:
-                problems.append(f"data file {name}: pieces of {k0!r} and {k1!r} overlap")
+        try:
+            size = os.fstat(fd).st_size
+            if size != fm.size:
+                problems.append(f"data file {name} has {size} bytes, expected {fm.size}")
+                continue
+            usable.add(name)
+        finally:
+            os.close(fd)
         problems += _check_header(fpath, name, by_file[name])
     if md.checksum != checksums.NONE:
         try:
@@ -70,14 +72,21 @@ def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) 
                         for window in iter_piece(files, md, key, p, True):
                             if on_bytes is not None:
                                 on_bytes(len(window))
-                    except CorruptCheckpointError as e:
+                    except (CheckpointError, OSError) as e:
                         problems.append(str(e))
         finally:
             files.close()
+    if problems:
+        # a checkpoint removed (keep_last rotation) or replaced while being verified is not corrupt
+        gone = removed_or(path, CorruptCheckpointError(""), md.checkpoint_id)
+        if isinstance(gone, CheckpointRemovedError):
+            return [f"{type(gone).__name__}: {gone}"]
     return problems
 
 
 def _check_header(fpath: str, name: str, pieces) -> list[str]:
+    """The safetensors header of the data file (format/safetensors.py: bounded, strict) must hold each piece's
+    byte range."""
     try:
         st = safetensors.read_header(fpath)
     except SafetensorsHeaderError as e:

@@ -54,13 +54,16 @@ class _Writer:
 
     ``kill_at`` (test-only, see faults.py): write exactly that many bytes of the file, fsync, then SIGKILL."""
 
-    def __init__(self, fd: int, kill_at: int | None = None):
+    def __init__(self, fd: int, kill_at: int | None = None, should_stop=None):
         self.fd = fd
         self.pos = 0
         self.kicked = 0
         self.kill_at = kill_at
+        self.should_stop = should_stop
 
     def write(self, bufs: list) -> None:
+        if self.should_stop is not None:
+            self.should_stop()  # raises when the save was given up elsewhere (another rank failed)
         if self.kill_at is not None and self.pos + sum(len(b) for b in bufs) >= self.kill_at:
             data = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
             write_all(self.fd, [data[: self.kill_at - self.pos]])
@@ -80,6 +83,7 @@ def write_rank_file(
     digest: DigestFn | None,
     kill_at: int | None = None,
     batch_bytes: int = WRITE_SLAB,
+    should_stop=None,
 ) -> tuple[int, list[list[int]]]:
     """Write header + pieces to ``path``, fsync once. Returns (size, per-piece chunk checksums).
 
@@ -90,11 +94,13 @@ def write_rank_file(
         helper threads would only add hand-offs. Pieces smaller than ``batch_bytes`` are batched into one writev (and
     stay alive until it); ``batch_bytes=0`` writes and drops each piece before the next is produced (the tools: one
     tensor in memory). ``kill_at`` is the test-only ``mid_data`` fault (see faults.py).
+    ``should_stop()`` is called before each write call (at most every ``WRITE_SLAB`` bytes) and raises to give
+    up (another rank failed): a long write stops within one slab.
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     sums: list[list[int]] = []
     size = len(header)
-    w = _Writer(fd, kill_at)
+    w = _Writer(fd, kill_at, should_stop)
     try:
         pending = [header]  # small pieces batched into one writev (with their owners, alive until written)
         pending_owners: list = []

@@ -118,6 +118,7 @@ __all__ = [
     "all_optimizer_state_entries",
     "optimizer_global_state",
     "set_optimizer_global_state",
+    "decode_optimizer_global_state",
     "create_optimizer_state",
     "copy_into_state_",
     "refresh_master_weight_",
@@ -490,7 +491,12 @@ def _to_json(value: Any, where: str) -> Any:
 def _from_json(value: Any) -> Any:
     if isinstance(value, dict):
         if set(value) == {_NONFINITE}:
-            return float(value[_NONFINITE])
+            text = value[_NONFINITE]
+            if text not in ("inf", "-inf", "nan"):
+                from ..checkpoint.errors import MetadataError
+
+                raise MetadataError(f"bad encoded non-finite number {text!r} in optimizer state")
+            return float(text)
         return {k: _from_json(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_from_json(v) for v in value]
@@ -542,31 +548,123 @@ def set_optimizer_global_state(opt: Any, state: Mapping[str, Any]) -> None:
     """Restore what :func:`optimizer_global_state` returned.
 
     Refuses a state from another optimizer class or learning-rate type rather
-    than resuming with silently different hyper-parameters.
+    than resuming with silently different hyper-parameters
+    (:func:`decode_optimizer_global_state` checks everything first).
     """
-    inner = unwrap_optimizer(opt)
-    if state.get("version") != _GLOBAL_STATE_VERSION:
-        raise ValueError(f"unsupported optimizer global state version {state.get('version')}")
-    if state["optimizer_class"] != type(inner).__name__:
-        raise ValueError(
-            f"optimizer state was saved from {state['optimizer_class']}, cannot load it into {type(inner).__name__}"
-        )
-    lr_state = state["learning_rate"]
-    lr = inner._learning_rate
-    if lr_state["type"] == "scheduler":
-        if type(lr).__name__ != lr_state["scheduler_class"]:
-            raise ValueError(
-                f"LR scheduler was {lr_state['scheduler_class']}, the optimizer now uses {type(lr).__name__}"
-            )
-        lr.set_state_dict(_from_json(lr_state["state"]))
-        for attr, value in _from_json(lr_state["extra"]).items():
-            setattr(lr, attr, value)
-    elif lr_state["type"] == "float":
-        if isinstance(lr, LRScheduler):
-            raise ValueError(f"a constant learning rate was saved, the optimizer now uses {type(lr).__name__}")
-        inner.set_lr(float(_from_json(lr_state["value"])))
+    decode_optimizer_global_state(opt, state)()
+
+
+def _same_kind(saved: Any, current: Any, where: str) -> None:
+    """``saved`` (decoded from a checkpoint) has the JSON kind of ``current`` (the live value it replaces), at
+    every level: bool/int/float/str/None, lists of the same length, dicts with the same keys. An int is accepted
+    for a float; a live ``None`` (e.g. ReduceOnPlateau's ``best`` before its first step) accepts a number."""
+    from ..checkpoint.errors import MetadataError
+
+    def bad(want: str) -> MetadataError:
+        shown = repr(saved)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        return MetadataError(f"optimizer state field {where} must be {want}, got {shown} ({type(saved).__name__})")
+
+    if isinstance(current, paddle.Tensor) and current.size == 1:
+        current = current.item()
+    if isinstance(current, np.generic):
+        current = current.item()
+    if current is None:
+        if saved is not None and (type(saved) not in (int, float)):
+            raise bad("null or a number")
+    elif isinstance(current, bool):
+        if type(saved) is not bool:
+            raise bad("a bool")
+    elif isinstance(current, int):
+        if type(saved) is not int:
+            raise bad("an integer")
+    elif isinstance(current, float):
+        if type(saved) not in (int, float) or math.isnan(saved):
+            raise bad("a number")
+    elif isinstance(current, str):
+        if type(saved) is not str:
+            raise bad("a string")
+    elif isinstance(current, (list, tuple)):
+        if type(saved) is not list or len(saved) != len(current):
+            raise bad(f"a list of {len(current)} items")
+        for i, (s, c) in enumerate(zip(saved, current)):
+            _same_kind(s, c, f"{where}[{i}]")
+    elif isinstance(current, Mapping):
+        if type(saved) is not dict or set(saved) != {str(k) for k in current}:
+            raise bad(f"an object with the keys {sorted(str(k) for k in current)}")
+        for k, c in current.items():
+            _same_kind(saved[str(k)], c, f"{where}.{k}")
     else:
-        raise ValueError(f"unknown learning-rate state {lr_state['type']!r}")
+        raise bad(f"like the live {type(current).__name__}")
+
+
+def decode_optimizer_global_state(opt: Any, state: Any):
+    """Check ``state`` (from a checkpoint) against ``opt`` completely and return a function that applies it.
+
+    Every field is checked before anything changes, so the returned function cannot fail half-way: the format
+    (MetadataError naming the field), the optimizer class, the learning-rate kind, the scheduler class and every
+    scheduler field with its type against the live scheduler (OptimizerMismatchError when the saved state does not
+    belong to this optimizer). Used by load_checkpoint before any tensor is written.
+    """
+    from ..checkpoint.errors import MetadataError, OptimizerMismatchError
+
+    inner = unwrap_optimizer(opt)
+    where = "__fsdp__.optimizer.global_state"
+
+    def field(d: Any, name: str, path: str) -> Any:
+        if type(d) is not dict:
+            raise MetadataError(f"optimizer state field {path} must be an object, got {type(d).__name__}")
+        if name not in d:
+            raise MetadataError(f"optimizer state field {path}.{name} is missing")
+        return d[name]
+
+    version = field(state, "version", where)
+    if type(version) is not int or version != _GLOBAL_STATE_VERSION:
+        raise MetadataError(f"unsupported optimizer global state version {version!r}")
+    saved_class = field(state, "optimizer_class", where)
+    if type(saved_class) is not str:
+        raise MetadataError(f"optimizer state field {where}.optimizer_class must be a string")
+    if saved_class != type(inner).__name__:
+        raise OptimizerMismatchError(
+            f"optimizer state was saved from {saved_class}, cannot load it into {type(inner).__name__}"
+        )
+    lr_state = field(state, "learning_rate", where)
+    kind = field(lr_state, "type", f"{where}.learning_rate")
+    lr = inner._learning_rate
+    if kind == "scheduler":
+        saved_sched = field(lr_state, "scheduler_class", f"{where}.learning_rate")
+        if type(saved_sched) is not str:
+            raise MetadataError(f"optimizer state field {where}.learning_rate.scheduler_class must be a string")
+        if not isinstance(lr, LRScheduler):
+            raise OptimizerMismatchError(
+                f"LR scheduler {saved_sched} was saved, the optimizer now uses a constant learning rate"
+            )
+        if type(lr).__name__ != saved_sched:
+            raise OptimizerMismatchError(f"LR scheduler was {saved_sched}, the optimizer now uses {type(lr).__name__}")
+        sched_state = _from_json(field(lr_state, "state", f"{where}.learning_rate"))
+        _same_kind(sched_state, lr.state_dict(), f"{where}.learning_rate.state")
+        attrs = _scheduler_extra_attrs(lr)
+        extra = _from_json(field(lr_state, "extra", f"{where}.learning_rate"))
+        _same_kind(extra, {a: getattr(lr, a) for a in attrs}, f"{where}.learning_rate.extra")
+
+        def apply() -> None:
+            lr.set_state_dict(sched_state)
+            for attr, value in extra.items():
+                setattr(lr, attr, value)
+
+        return apply
+    if kind == "float":
+        if isinstance(lr, LRScheduler):
+            raise OptimizerMismatchError(
+                f"a constant learning rate was saved, the optimizer now uses {type(lr).__name__}"
+            )
+        value = _from_json(field(lr_state, "value", f"{where}.learning_rate"))
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise MetadataError(
+                f"optimizer state field {where}.learning_rate.value must be a finite number, got {value!r}"
+            )
+        return lambda: inner.set_lr(float(value))
+    raise MetadataError(f"optimizer state field {where}.learning_rate.type: unknown learning-rate state {kind!r}")
 
 
 # -------------------------------------------------------------------- creation

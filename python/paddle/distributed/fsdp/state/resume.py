@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 import paddle
 from paddle.base import core
@@ -36,9 +38,22 @@ from ..checkpoint import (
     read_metadata,
     save_state_dict,
 )
-from ..checkpoint.errors import OptimizerMismatchError, PartiallyLoadedError, UnexpectedKeyError
+from ..checkpoint.errors import (
+    CheckpointRemovedError,
+    MetadataError,
+    OptimizerMismatchError,
+    PartiallyLoadedError,
+    StateDictMismatchError,
+    UnexpectedKeyError,
+)
 from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
-from ..checkpoint.manager import committed_steps, parse_step, resolve_checkpoint, step_dir_name
+from ..checkpoint.manager import (
+    committed_steps,
+    is_checkpoint_root,
+    parse_step,
+    resolve_checkpoint,
+    step_dir_name,
+)
 from . import optimizer_states as names
 
 logger = logging.getLogger(__name__)
@@ -74,12 +89,64 @@ def _rng_state() -> list:
 
 
 def _set_rng_state(saved: list) -> None:
-    states = []
-    for item in saved:
-        state = core.GeneratorState.__new__(core.GeneratorState)
+    paddle.set_rng_state(decode_rng_state(saved, "rng"))
+
+
+def decode_rng_state(saved: Any, where: str) -> list:
+    """This process's generator states decoded from a checkpoint entry (one per generator of
+    ``paddle.get_rng_state()``), each checked by :func:`check_generator_state`; same count and device ids as this
+    process's generators, else StateDictMismatchError (another device setup)."""
+    current = [st.__getstate__() for st in paddle.get_rng_state()]
+    if type(saved) is not list:
+        raise MetadataError(f"{where} must be a list of generator states, got {type(saved).__name__}")
+    if len(saved) != len(current):
+        raise StateDictMismatchError(
+            f"{where} holds {len(saved)} generator states, this process has {len(current)} (another device setup)"
+        )
+    out = []
+    for i, (item, now) in enumerate(zip(saved, current)):
+        state = check_generator_state(item, f"{where}[{i}]")
+        if item[0] != now[0]:
+            raise StateDictMismatchError(f"{where}[{i}] is the state of device {item[0]}, this process has {now[0]}")
+        out.append(state)
+    return out
+
+
+_scratch_generator = None
+
+
+def check_generator_state(item: Any, where: str):
+    """One saved generator state (``[device, seed, offset, engine state bytes]``) decoded and checked completely
+    before use, as a ``GeneratorState``: paddle validates nothing (a truncated engine text is accepted and leaves a
+    half-set engine), so the text must survive a round trip through a scratch generator unchanged (the engine
+    parsed all of it). MetadataError naming ``where`` otherwise."""
+    global _scratch_generator
+    if type(item) is not list or len(item) != 4 or any(type(x) is not int for x in item[:3]):
+        raise MetadataError(f"{where} must be [device, seed, offset, state bytes]")
+    if type(item[3]) is not list or len(item[3]) > 1 << 16 or set(map(type, item[3])) - {int}:
+        raise MetadataError(f"{where}: the engine state must be a list of byte values")
+    if any(not 0 <= b < 256 for b in item[3]) or not -(1 << 63) <= item[1] < 1 << 64 or item[2] < 0:
+        raise MetadataError(f"{where}: a value is out of range")
+    state = core.GeneratorState.__new__(core.GeneratorState)
+    try:
         state.__setstate__(tuple(item))
-        states.append(state)
-    paddle.set_rng_state(states)
+        if _scratch_generator is None:
+            _scratch_generator = core.Generator()
+        _scratch_generator.set_state(state)
+        back = _scratch_generator.get_state().__getstate__()
+    except Exception as e:  # noqa: BLE001 - whatever paddle raises on a bad state
+        raise MetadataError(f"{where} is not a generator state: {e}") from None
+    if list(back[3]) != item[3]:
+        raise MetadataError(f"{where}: the generator engine state is damaged (it does not parse whole)")
+    return state
+
+
+def decode_extra_state(saved: Any, where: str) -> dict:
+    if saved is None:
+        return {}
+    if type(saved) is not dict:
+        raise MetadataError(f"{where} must be an object, got {type(saved).__name__}")
+    return saved
 
 
 def _state(fsdp, optimizer) -> dict:
@@ -171,28 +238,67 @@ def _foreign_keys(metadata, fsdp) -> list[str]:
     return sorted(out)
 
 
-def _precheck(fsdp, path: str, optimizer, strict: bool) -> tuple[str, list[str]]:
-    """Resolve ``path`` and refuse what must fail before any tensor is touched (this rank only)."""
-    resolved = resolve_checkpoint(path)
-    metadata = read_metadata(resolved)
-    saved_optimizer = metadata.values.get(OPTIMIZER_KEY)
+def _precheck(fsdp, resolved: str, metadata, optimizer, strict: bool) -> tuple[list[str], Callable[[], None]]:
+    """Everything a load must refuse before any tensor is written (this rank; the engine exchanges the verdict):
+    the optimizer class, keys of another model, and every piece of non-tensor state decoded and validated
+    (optimizer global state and LR scheduler with field types, this rank's RNG state and the structure of every
+    rank's, ``extra_state``). Returns the foreign keys and a function applying the decoded state, which cannot
+    fail half-way."""
+    values = metadata.values
+    saved_optimizer = values.get(OPTIMIZER_KEY)
+    apply_optimizer = None
     if optimizer is not None:
-        given = type(names.unwrap_optimizer(optimizer)).__name__
+        inner = names.unwrap_optimizer(optimizer)
+        given = type(inner).__name__
         if saved_optimizer is None:
             raise OptimizerMismatchError(
                 f"checkpoint {resolved} has no optimizer state, but a {given} was given: load it without optimizer="
             )
-        if saved_optimizer.get("class") != given:
+        if type(saved_optimizer) is not dict or type(saved_optimizer.get("class")) is not str:
+            raise MetadataError(f"checkpoint {resolved}: {OPTIMIZER_KEY} must be an object with a 'class' string")
+        if saved_optimizer["class"] != given:
             raise OptimizerMismatchError(
-                f"checkpoint {resolved} holds {saved_optimizer.get('class')} state, but the optimizer given is {given}"
+                f"checkpoint {resolved} holds {saved_optimizer['class']} state, but the optimizer given is {given}"
             )
+        try:
+            apply_optimizer = names.decode_optimizer_global_state(inner, saved_optimizer.get("global_state"))
+        except MetadataError as e:
+            raise MetadataError(f"checkpoint {resolved}: {e}") from None
     foreign = _foreign_keys(metadata, fsdp)
     if foreign and strict:
         raise UnexpectedKeyError(
             f"checkpoint {resolved} holds {len(foreign)} key(s) this model does not have (a checkpoint of another "
             f"model?): {foreign[:5]}{' ...' if len(foreign) > 5 else ''}; pass strict=False to load the rest"
         )
-    return resolved, foreign
+    rng = values.get(RNG_KEY)
+    rng_states = None
+    if rng is not None:
+        if type(rng) is not list or any(type(entry) is not list for entry in rng):
+            raise MetadataError(f"checkpoint {resolved}: {RNG_KEY} must be a list (one entry per saving rank)")
+        if fsdp.rank < len(rng):
+            rng_states = decode_rng_state(rng[fsdp.rank], f"checkpoint {resolved}: {RNG_KEY}[{fsdp.rank}]")
+    decode_extra_state(values.get(EXTRA_KEY), f"checkpoint {resolved}: {EXTRA_KEY}")
+
+    def apply() -> None:
+        if apply_optimizer is not None:
+            apply_optimizer()
+        if rng_states is not None:
+            paddle.set_rng_state(rng_states)
+        elif not rng:  # converted from Hugging Face weights, say: no training run whose randomness resumes
+            logger.info("checkpoint %s holds no random state; the current one is kept", resolved)
+        else:  # saved by fewer ranks than load it
+            logger.warning(
+                "checkpoint %s holds no random state for rank %d (saved by %d ranks); it keeps its current one",
+                resolved,
+                fsdp.rank,
+                len(rng),
+            )
+
+    return foreign, apply
+
+
+# a load that lost a race with keep_last rotation (or a replacing save) retries with what `latest` names now
+_REMOVED_RETRIES = 3
 
 
 def load_checkpoint(
@@ -209,25 +315,27 @@ def load_checkpoint(
     """Restore what :func:`save_checkpoint` wrote into ``fsdp``'s model and ``optimizer``, in place.
 
     ``path`` is a checkpoint directory or a root written with ``step=`` (its ``latest`` checkpoint is loaded).
-    Every key, shape, dtype, file size and the optimizer class are checked on every rank before any tensor is
-    written (on such a failure every model and optimizer tensor is bit-identical to before; an optimizer without
-    state yet gets its freshly initialised accumulators, as its first step would create them). The data is then
-    read straight into the tensors with bounded host memory (``max_host_bytes``, default ``max(64 MiB, 2%)`` of
-    the rank's state); data found corrupt while reading stops the load on every rank with PartiallyLoadedError
-    (tensors partly written). Given a root, the load then falls back to the newest older committed checkpoint
-    (logged, listed in ``result.fallback_from``), which overwrites every tensor again; ``atomic=True`` instead
-    keeps an undo copy of the rank's state and restores it. Returns a :class:`LoadResult`: the saved
-    ``extra_state`` dict, with ``.report``, ``.path``, ``.step`` and ``.fallback_from``.
+    All-or-nothing: every key, shape, dtype, coverage and checksum, and every piece of non-tensor state
+    (optimizer class and global state, LR scheduler class and fields with their types, RNG, ``extra_state``) is
+    decoded and checked on every rank, and the verdict exchanged, before anything is written; on failure every
+    rank raises the same named error and every model and optimizer tensor is bit-identical to before (an
+    optimizer without state yet gets its freshly initialised accumulators, as its first step would create them).
+    For a root, a load that loses a race with ``keep_last`` rotation retries with what ``latest`` names now.
+
+    The data is then read straight into the tensors with bounded host memory (``max_host_bytes``, default
+    ``max(64 MiB, 2%)`` of the rank's state); data found corrupt while reading stops the load on every rank with
+    PartiallyLoadedError (tensors partly written). Given a root, the load then falls back to the newest older
+    committed checkpoint (logged, listed in ``result.fallback_from``), which overwrites every tensor again;
+    ``atomic=True`` instead keeps an undo copy of the rank's state and restores it on any failure.
+    Returns a :class:`LoadResult`: the saved ``extra_state`` dict, with ``.report``, ``.path``, ``.step`` and
+    ``.fallback_from``.
     """
-    load_options = dict(
-        strict=strict, verify_checksums=verify_checksums, atomic=atomic, max_host_bytes=max_host_bytes, options=options
-    )
     root = os.path.abspath(os.fspath(path))
     skipped: list[tuple[str, str]] = []
     target = path
     while True:
         try:
-            result = _load_one(fsdp, target, optimizer, **load_options)
+            result = _load_retrying(fsdp, target, optimizer, strict, verify_checksums, atomic, max_host_bytes, options)
         except PartiallyLoadedError as e:
             failed = getattr(e, "checkpoint", None)
             older = _older_checkpoint(root, failed) if failed is not None and failed != root else None
@@ -252,24 +360,44 @@ def _older_checkpoint(root: str, failed: str) -> str | None:
     return os.path.join(root, step_dir_name(older[-1])) if older else None
 
 
-def _load_one(
-    fsdp, path: str, optimizer, *, strict: bool, verify_checksums: bool, atomic: bool, max_host_bytes, options
+def _load_retrying(fsdp, path, optimizer, strict, verify_checksums, atomic, max_host_bytes, options) -> LoadResult:
+    """One load of ``path``, retried when ``keep_last`` rotation removed the checkpoint being read."""
+    for attempt in range(_REMOVED_RETRIES + 1):
+        try:
+            return _load_once(fsdp, path, optimizer, strict, verify_checksums, atomic, max_host_bytes, options)
+        except CheckpointRemovedError as e:  # raised on every rank alike (the engine exchanges errors)
+            if attempt == _REMOVED_RETRIES or not is_checkpoint_root(os.path.abspath(os.fspath(path))):
+                raise
+            logger.warning("load_checkpoint(%s): %s; retrying with what %s names now", path, e, "latest")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _load_once(
+    fsdp, path: str, optimizer, strict: bool, verify_checksums: bool, atomic: bool, max_host_bytes, options
 ) -> LoadResult:
-    """One load attempt of ``path`` (a checkpoint or a root's latest); see :func:`load_checkpoint`."""
     err: BaseException | None = None
-    resolved, foreign = None, []
+    resolved = None
     try:
-        resolved, foreign = _precheck(fsdp, path, optimizer, strict)
+        resolved = resolve_checkpoint(path)
+        # refused here, before the optimizer's state is even created: the same checks run again on the metadata
+        # the engine loads (below), in case the checkpoint was replaced in between
+        _precheck(fsdp, resolved, read_metadata(resolved), optimizer, strict)
     except Exception as e:  # noqa: BLE001 - whatever fails here must reach the exchange below
         err = e
     # every rank fails together: a rank raising alone would leave the others waiting in the load's collective
-    gather_errors(fsdp.comm, err)
+    resolutions = gather_errors(fsdp.comm, err, resolved)
+    if len(set(resolutions)) > 1:  # `latest` moved between the ranks' reads
+        raise CheckpointRemovedError(f"ranks resolved {path} to different checkpoints: {sorted(set(resolutions))}")
     if optimizer is not None:
-        inner = names.unwrap_optimizer(optimizer)
         fsdp.init_optimizer_state(optimizer)
     state = _state(fsdp, optimizer)
     for key in (RNG_KEY, EXTRA_KEY) + ((OPTIMIZER_KEY,) if optimizer is not None else ()):
         state[key] = None
+    checked: dict = {}
+
+    def precheck(metadata) -> None:
+        checked["foreign"], checked["apply"] = _precheck(fsdp, resolved, metadata, optimizer, strict)
+
     try:
         report = load_state_dict(
             state,
@@ -279,25 +407,14 @@ def _load_one(
             verify_checksums=verify_checksums,
             atomic=atomic,
             max_host_bytes=max_host_bytes,
+            precheck=precheck,
             options=options,
         )
     except PartiallyLoadedError as e:
         e.checkpoint = resolved  # which checkpoint failed, for the fallback
         raise
-    if optimizer is not None and state[OPTIMIZER_KEY] is not None:
-        names.set_optimizer_global_state(inner, state[OPTIMIZER_KEY]["global_state"])
-    rng = state[RNG_KEY]
-    if rng is not None and fsdp.rank < len(rng):
-        _set_rng_state(rng[fsdp.rank])
-    elif not rng:  # converted from Hugging Face weights, say: no training run whose randomness resumes
-        logger.info("checkpoint %s holds no random state; the current one is kept", resolved)
-    else:  # saved by fewer ranks than load it
-        logger.warning(
-            "checkpoint %s holds no random state for rank %d (saved by %s ranks); it keeps its current one",
-            resolved,
-            fsdp.rank,
-            "?" if rng is None else len(rng),
-        )
+    checked["apply"]()  # validated above on every rank: restores optimizer global state and RNG, cannot fail
+    foreign = checked["foreign"]
     if not strict:
         problems = {
             "missing": [k for k in report.missing_keys if not k.startswith(RESERVED_PREFIX)],

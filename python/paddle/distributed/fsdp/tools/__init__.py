@@ -1,7 +1,8 @@
 """Command-line tools for FSDP checkpoints: ``paddle-fsdp-ckpt`` (``python -m paddle.distributed.fsdp.tools``).
 
-Subcommands (see ``cli.py``): ``inspect``, ``verify``, ``to-hf``, ``from-hf``. The library functions behind them
-can be used directly: :func:`inspect_checkpoint`, :func:`verify`, :func:`to_hf`, :func:`from_hf`, and the streaming
+Subcommands (see ``cli.py``): ``inspect``, ``verify``, ``to-hf``, ``from-hf``, ``diff``. The library functions behind
+them can be used directly: :func:`inspect_checkpoint`, :func:`verify`, :func:`to_hf`, :func:`from_hf`, :func:`diff`
+(model-family presets: ``PRESETS``), and the streaming
 :class:`CheckpointReader` / one-process :class:`CheckpointWriter`. Modules are imported lazily.
 """
 
@@ -13,6 +14,8 @@ __all__ = [
     "verify",
     "to_hf",
     "from_hf",
+    "diff",
+    "PRESETS",
     "Rules",
     "ToolError",
     "CheckpointReader",
@@ -26,6 +29,8 @@ _LAZY = {
     "verify": ("verify_cmd", "verify"),
     "to_hf": ("hf_convert", "to_hf"),
     "from_hf": ("hf_convert", "from_hf"),
+    "diff": ("diff_cmd", "diff"),
+    "PRESETS": ("presets", "PRESETS"),
     "Rules": ("rules", "Rules"),
     "ToolError": ("errors", "ToolError"),
     "CheckpointReader": ("ckpt_io", "CheckpointReader"),

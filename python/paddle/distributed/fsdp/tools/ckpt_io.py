@@ -25,6 +25,7 @@ parameter (``P`` absent) is classified as model weights.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -53,7 +54,7 @@ from ..checkpoint.format.metadata import (
     resolve_member,
 )
 from ..checkpoint.format.regions import read_region
-from ..checkpoint.format.reserved import OPTIMIZER_KEY
+from ..checkpoint.format.reserved import BUFFERS_KEY, OPTIMIZER_KEY
 from ..checkpoint.format.safetensors import build_header
 from ..checkpoint.planner import Region, coverage_problems, region_of_piece
 from .errors import ToolError
@@ -62,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
+BUFFER = "buffer"  # a persistable buffer (model state, not a parameter); classified MODEL by classify_keys
 
 #: engine dtype name -> numpy dtype holding its bits (numpy has no bfloat16 / float8: raw unsigned ints)
 NUMPY_STORAGE: dict[str, Any] = {
@@ -134,6 +136,22 @@ def classify_keys(md: CheckpointMetadata) -> dict[str, KeyRole]:
     return roles
 
 
+def buffer_keys(md: CheckpointMetadata) -> set[str]:
+    """Tensor keys that ``save_checkpoint`` recorded as persistable buffers (``__fsdp__.buffers``); a checkpoint
+    written by the low-level API carries no such list, and its buffers count as model weights."""
+    listed = md.values.get(BUFFERS_KEY)
+    if not isinstance(listed, list):
+        return set()
+    return {key for key in listed if isinstance(key, str) and key in md.tensors}
+
+
+def without_keys(md: CheckpointMetadata, keys: set[str]) -> CheckpointMetadata:
+    """A shallow copy of ``md`` whose tensor table leaves ``keys`` out (for planning exports)."""
+    if not keys:
+        return md
+    return dataclasses.replace(md, tensors={k: v for k, v in md.tensors.items() if k not in keys})
+
+
 # ------------------------------------------------------------------------------------------------ reading
 
 
@@ -168,6 +186,7 @@ class CheckpointReader:
         opts = CheckpointOptions.from_env() if options is None else options
         self._files = reader.FileSet.of(self.path, self.md, resolve_member, verify, opts)
         self.verify = self._files.verifies
+        self._covered: set[str] = set()
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -195,18 +214,42 @@ class CheckpointReader:
     def read_raw(self, key: str) -> np.ndarray:
         """The bytes of the full tensor ``key`` in row-major order (uint8)."""
         tm = self.md.tensors[key]
-        md = self.md
-        isz = itemsize(tm.dtype)
-        region = Region.full(tm.shape)
-        out = np.empty(region.numel * isz, np.uint8)
-        if region.numel == 0:
-            return out
+        return self.read_region_raw(key, Region.full(tm.shape))
+
+    def read_flat(self, key: str, start: int, stop: int) -> np.ndarray:
+        """Elements ``[start, stop)`` of tensor ``key``'s row-major flattening, as a new 1-D numpy array.
+
+        Only the byte ranges holding them are read (plus checksum-chunk alignment), whatever the saved layout.
+        """
+        tm = self.md.tensors[key]
+        full = Region.full(tm.shape)
+        if not 0 <= start <= stop <= full.numel:
+            raise ValueError(f"key {key!r}: flat range [{start}, {stop}) outside its {full.numel} elements")
+        region = Region(full.shape, full.box_offset, full.box_shape, (start, stop))
+        return self.read_region_raw(key, region).view(storage_dtype(tm.dtype))
+
+    def check_coverage(self, key: str) -> None:
+        """Raise ``CorruptCheckpointError`` unless the pieces of ``key`` cover every element exactly once."""
+        if key in self._covered:
+            return
+        tm = self.md.tensors[key]
         problems = coverage_problems(
             key, tm.shape, [(i, region_of_piece(tm.shape, p)) for i, p in enumerate(tm.pieces)]
         )
         if problems:
             raise CorruptCheckpointError(f"checkpoint {self.path}: {problems[0]}")
-        read_region(self._files, md, key, region, out, self.verify, window_bytes=self.WINDOW_BYTES)
+        self._covered.add(key)
+
+    def read_region_raw(self, key: str, region: Region) -> np.ndarray:
+        """The bytes of ``region`` of tensor ``key`` in the region's storage order (uint8)."""
+        tm = self.md.tensors[key]
+        if region.numel == 0:
+            return np.empty(0, np.uint8)
+        self.check_coverage(key)
+        for name in sorted({p.file for p in tm.pieces if p.nbytes}):
+            self._files.fd(name)  # real regular files of the declared sizes, before allocating by the shape
+        out = np.empty(region.numel * itemsize(tm.dtype), np.uint8)
+        read_region(self._files, self.md, key, region, out, self.verify, window_bytes=self.WINDOW_BYTES)
         return out
 
 

@@ -1,6 +1,6 @@
 """``paddle-fsdp-ckpt``: inspect, verify and convert FSDP checkpoints (also ``python -m paddle.distributed.fsdp.tools``).
 
-Exit codes: 0 success; 1 ``verify`` found problems; 2 bad input or usage (one line on stderr, nothing written);
+Exit codes: 0 success; 1 ``verify`` found problems or ``diff`` found differences; 2 bad input or usage (one line on stderr, nothing written);
 3 internal error (``--debug`` shows the traceback); 130 interrupted.
 """
 
@@ -39,12 +39,20 @@ TO_HF_EPILOG = (
         "checkpoint key -> Hugging Face name",
     )
     + """
+presets (--preset NAME --config config.json), for PaddleFormers models: names, Linear transposes and
+fused keys split into Hugging Face's (qkv_proj -> q/k/v_proj, interleaved per kv head as PaddleFormers
+computes it; up_gate_proj / gate_up_fused_proj -> gate_proj, up_proj), sizes from the config, every shape
+checked. The export is refused (exit 2, naming the keys) if a checkpoint key is not mapped or a parameter
+of the architecture is missing (--allow-unmapped skips them); config.json is copied into OUT.
+  PRESETS
+
 The exact mapping is recorded in model.safetensors.index.json (metadata.paddle_fsdp), so from-hf can
 invert it without rules. Output is written to OUT.tmp-<id> and renamed to OUT when complete; OUT must
 not exist (or be empty).
 
-example:
+examples:
   paddle-fsdp-ckpt to-hf ckpt/step1000 hf_out --dtype bf16 --max-shard-size 2GB --rules to_hf.json
+  paddle-fsdp-ckpt to-hf ckpt/step1000 hf_out --preset qwen3-fused --config qwen3/config.json
 """
 )
 
@@ -55,13 +63,20 @@ FROM_HF_EPILOG = (
         "Hugging Face name -> checkpoint key (transpose regexes match Hugging Face names)",
     )
     + """
-Without --rules, a name map recorded by to-hf is inverted exactly; with neither, names are kept.
+presets (--preset NAME): the inverse of to-hf's: Hugging Face names -> checkpoint keys, transposes, and
+merges into fused keys (q/k/v_proj -> qkv_proj, gate/up_proj -> up_gate_proj) for the -fused presets.
+Sizes come from HF_DIR/config.json (or --config); refused (exit 2) if a parameter of the architecture is
+missing or a tensor unmapped, unless --allow-unmapped.
+  PRESETS
+
+Without --rules or --preset, a preset or name map recorded by to-hf is used; with neither, names are kept.
 Every tensor is stored whole, so load_checkpoint / dist.load_state_dict read just their slice on any
 number of ranks. No random state is included, and no optimizer state unless the input came from
 `to-hf --include-optimizer`: load with fsdp.load_checkpoint(path) (no optimizer=).
 
 example:
   paddle-fsdp-ckpt from-hf hf_model ckpt/init --rules from_hf.json --dtype fp32
+  paddle-fsdp-ckpt from-hf Qwen3-0.6B ckpt/init --preset qwen3-fused
 """
 )
 
@@ -93,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         description="Inspect, verify and convert sharded FSDP checkpoints (paddle.distributed.fsdp).",
         epilog="Run `%(prog)s COMMAND --help` for the options of a command. Exit codes: 0 ok, 1 verify found "
-        "problems, 2 bad input, 3 internal error.",
+        "problems / diff found differences, 2 bad input, 3 internal error.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -128,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write the model weights (optimizer state with --include-optimizer) as sharded\n"
         "safetensors model-0000i-of-0000n.safetensors + model.safetensors.index.json,\n"
         "streaming tensor by tensor (peak memory about the largest tensor).",
-        epilog=TO_HF_EPILOG,
+        epilog=TO_HF_EPILOG.replace("  PRESETS", _preset_table()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory")
@@ -144,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--include-optimizer", action="store_true", help="also write optimizer state, as '<hf param name>.<state>'"
     )
+    p.add_argument(
+        "--include-buffers",
+        action="store_true",
+        help="also write the model's persistable buffers (left out by default)",
+    )
+    _preset_options(p, "to-hf")
     p.set_defaults(func=cmd_to_hf)
 
     p = sub.add_parser(
@@ -153,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write a checkpoint from a Hugging Face safetensors model (a directory with\n"
         "model.safetensors.index.json or *.safetensors files, or one .safetensors file)\n"
         "that load_checkpoint / dist.load_state_dict load at any world size.",
-        epilog=FROM_HF_EPILOG,
+        epilog=FROM_HF_EPILOG.replace("  PRESETS", _preset_table()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("hf", metavar="HF_DIR", help="Hugging Face model directory or .safetensors file")
@@ -164,8 +185,73 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="{bf16,fp16,fp32}",
         help="cast floating tensors, e.g. to the model's parameter dtype (default: keep)",
     )
+    _preset_options(p, "from-hf")
     p.set_defaults(func=cmd_from_hf)
+
+    p = sub.add_parser(
+        "diff",
+        parents=[common],
+        help="compare two checkpoints key by key (any world sizes)",
+        description="Compare checkpoints A and B tensor by tensor, model weights and optimizer state,\n"
+        "whatever world sizes wrote them: bit-equal, or the number of differing elements with the\n"
+        "largest absolute |b-a| and relative |b-a|/|a| difference; keys missing from B (MISSING) or\n"
+        "only in B (EXTRA), other dtype or shape; JSON values (optimizer, scheduler, extra state;\n"
+        "not the RNG). Streams windows of each tensor (memory: two windows, never a whole tensor).",
+        epilog="Exit codes: 0 identical (or every difference within --atol/--rtol), 1 different, 2 bad input.\n\n"
+        "examples:\n"
+        "  paddle-fsdp-ckpt diff run_a/step_1000 run_b/step_1000\n"
+        "  paddle-fsdp-ckpt diff resumed/step_2000 straight/step_2000 --atol 1e-6 --json > diff.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("a", metavar="A", help="checkpoint directory (or a root with numbered checkpoints: its latest)")
+    p.add_argument("b", metavar="B", help="checkpoint directory to compare with A")
+    p.add_argument("--json", action="store_true", help="print one JSON object: summary, every key, values")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute difference accepted as equal (default 0)")
+    p.add_argument("--rtol", type=float, default=0.0, help="relative difference accepted as equal (default 0)")
+    p.add_argument("--key", action="append", metavar="KEY", help="compare only this key (repeatable)")
+    p.add_argument("--show-equal", action="store_true", help="list equal keys too (text output)")
+    p.add_argument(
+        "--window", default="16MiB", metavar="SIZE", help="bytes read per tensor window and side (default 16MiB)"
+    )
+    p.set_defaults(func=cmd_diff)
     return parser
+
+
+def _preset_options(p: argparse.ArgumentParser, command: str) -> None:
+    p.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="model family (instead of --rules): names, transposes, fused-key splits; one of: "
+        + ", ".join(_preset_names()),
+    )
+    p.add_argument(
+        "--config",
+        metavar="CONFIG_JSON",
+        help=(
+            "Hugging Face config.json: copied into the export, sizes for fused splits, checked against shapes "
+            "(required with --preset)"
+            if command == "to-hf"
+            else "Hugging Face config.json for --preset (default: HF_DIR/config.json)"
+        ),
+    )
+    p.add_argument(
+        "--allow-unmapped",
+        action="store_true",
+        help="with --preset: convert even if keys are unmapped or parameters of the architecture are missing "
+        "(they are skipped and logged); otherwise such a conversion is refused (exit 2)",
+    )
+
+
+def _preset_table() -> str:
+    from .presets import preset_help
+
+    return preset_help()
+
+
+def _preset_names() -> list[str]:
+    from .presets import PRESETS
+
+    return list(PRESETS)
 
 
 # ------------------------------------------------------------------------------------------------ commands
@@ -208,10 +294,13 @@ def cmd_verify(args) -> int:
 
 
 def cmd_to_hf(args) -> int:
+    from .errors import ToolError
     from .hf_convert import to_hf
     from .progress import human_bytes
     from .rules import load_rules
 
+    if args.preset and args.rules:
+        raise ToolError("give either --preset or --rules, not both")
     rules = load_rules(args.rules)
     s = to_hf(
         args.ckpt,
@@ -220,27 +309,63 @@ def cmd_to_hf(args) -> int:
         dtype=args.dtype,
         rules=rules,
         include_optimizer=args.include_optimizer,
+        include_buffers=args.include_buffers,
         progress=_progress(args),
+        preset=args.preset,
+        config=args.config,
+        allow_unmapped=args.allow_unmapped,
     )
     print(
-        f"wrote {s['tensors']} tensors ({human_bytes(s['total_size'])}, {s['transposed']} transposed) in "
-        f"{len(s['files'])} file(s) to {s['out']}"
+        f"wrote {s['tensors']} tensors ({human_bytes(s['total_size'])}, {s['transposed']} transposed, "
+        f"{s['split']} split from fused keys) in {len(s['files'])} file(s) to {s['out']}"
     )
     return EXIT_OK
 
 
 def cmd_from_hf(args) -> int:
+    from .errors import ToolError
     from .hf_convert import from_hf
     from .progress import human_bytes
     from .rules import load_rules
 
+    if args.preset and args.rules:
+        raise ToolError("give either --preset or --rules, not both")
     rules = load_rules(args.rules) if args.rules else None
-    s = from_hf(args.hf, args.out, rules=rules, dtype=args.dtype, progress=_progress(args))
+    s = from_hf(
+        args.hf,
+        args.out,
+        rules=rules,
+        dtype=args.dtype,
+        progress=_progress(args),
+        preset=args.preset,
+        config=args.config,
+        allow_unmapped=args.allow_unmapped,
+    )
     print(
         f"wrote checkpoint {s['out']}: {s['tensors']} tensors ({human_bytes(s['total_size'])}, "
-        f"{s['transposed']} transposed) in {s['files']} data file(s)"
+        f"{s['transposed']} transposed, {s['merged']} merged into fused keys) in {s['files']} data file(s)"
     )
     return EXIT_OK
+
+
+def cmd_diff(args) -> int:
+    from .diff_cmd import diff, format_text
+    from .hf_convert import parse_size
+
+    report = diff(
+        args.a,
+        args.b,
+        window_bytes=parse_size(args.window),
+        atol=args.atol,
+        rtol=args.rtol,
+        keys=args.key,
+        progress=_progress(args),
+    )
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(format_text(report, show_equal=args.show_equal))
+    return EXIT_OK if report.identical else EXIT_PROBLEMS
 
 
 # ------------------------------------------------------------------------------------------------ main

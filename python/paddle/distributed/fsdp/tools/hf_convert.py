@@ -34,6 +34,16 @@ transposed. Values written: ``__fsdp__.rng = []`` (no saved random state: ``load
 own), ``__fsdp__.extra_state = {}``, and ``__fsdp__.optimizer`` when the record carries it and optimizer tensors
 are present. ``dtype`` casts floating tensors as in to-hf (e.g. ``fp32`` for a float32 model from bf16 weights).
 
+Presets
+-------
+With ``preset`` (``presets.py``: a model family's names, transposes and fused-key layouts, as data) and an HF
+``config.json``, ``preset_plan`` decides the tensors: to-hf splits a fused key into several HF tensors, each a list
+of row ranges of the source in HF orientation (``HfTensor.rows``); the fused source is read once for all its parts
+(``LastTensor``), so memory stays at one tensor plus bounded blocks. from-hf merges the parts back, reading each
+part's rows in bounded blocks straight into the fused tensor. The config is copied into the export and recorded
+(``paddle_fsdp.preset``), so from-hf of a preset export needs no flag. Incomplete conversions are refused (see
+``preset_plan``). Persistable buffers listed in ``__fsdp__.buffers`` are left out of exports unless asked.
+
 Both directions write into ``OUT.tmp-<id>`` and rename it to ``OUT`` only when complete; an existing non-empty
 ``OUT`` is refused. ``to_hf(from_hf(x))`` reproduces ``x``'s names, dtypes and values; when ``x`` itself came from
 ``to_hf`` with the same rules/shard size, the files are byte-identical.
@@ -55,6 +65,7 @@ from ..checkpoint.format import safetensors
 from ..checkpoint.format.metadata import itemsize
 from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
 from ..checkpoint.format.safetensors import SafetensorsEntry, SafetensorsFile
+from ..checkpoint.format.strict_json import open_regular
 from ..checkpoint.planner import Region
 from ..checkpoint.writer import write_all
 from . import ckpt_io
@@ -79,6 +90,8 @@ INDEX_FILE = "model.safetensors.index.json"
 RECORD_KEY = "paddle_fsdp"
 RECORD_VERSION = 1
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+CONFIG_FILE = "config.json"
+MAX_CONFIG_BYTES = 16 << 20
 HF_FILE_METADATA = {"format": "pt"}
 
 DTYPE_ALIASES = {
@@ -165,14 +178,20 @@ class HfTensor:
     src_shape: tuple[int, ...]
     transpose: bool
     param: str  # the parameter key (== key for model weights)
+    # a part of a fused source: row ranges of the source in HF orientation (transposed if ``transpose``), in
+    # output order, and the resulting shape; None: the whole source
+    rows: tuple[tuple[int, int], ...] | None = None
+    part_shape: tuple[int, ...] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
+        if self.part_shape is not None:
+            return self.part_shape
         return tuple(reversed(self.src_shape)) if self.transpose else self.src_shape
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.src_shape) * itemsize(self.dtype)
+        return _numel(self.shape) * itemsize(self.dtype)
 
 
 def plan_to_hf(md, rules: Rules, dtype: str | None, include_optimizer: bool) -> list[HfTensor]:
@@ -247,19 +266,41 @@ def to_hf(
     dtype: str | None = None,
     rules: Rules | None = None,
     include_optimizer: bool = False,
+    include_buffers: bool = False,
     progress: bool | None = None,
+    preset: str | None = None,
+    config: str | os.PathLike | None = None,
+    allow_unmapped: bool = False,
 ) -> dict:
     """Convert checkpoint ``ckpt`` into Hugging Face safetensors in ``out`` (see the module docstring).
 
-    Returns a summary: ``{"out", "files", "tensors", "total_size", "transposed"}``.
+    Persistable buffers that ``save_checkpoint`` listed (``__fsdp__.buffers``) are left out unless
+    ``include_buffers``: Hugging Face weights hold parameters, and a loader would report them as unexpected.
+    ``preset`` (needs ``config``, an HF ``config.json``): the family's names, transposes and fused-key splits,
+    with the export refused unless complete (``allow_unmapped`` skips what cannot be mapped). ``config`` is copied
+    into the export as ``config.json``. Returns a summary: ``{"out", "files", "tensors", "total_size",
+    "transposed", "split"}``.
     """
+    if preset is not None and rules is not None and not rules.is_identity:
+        raise ToolError("give either a preset or rules, not both")
     rules = rules or Rules()
     max_bytes = parse_size(max_shard_size)
     dtype = parse_dtype(dtype)
     out = os.path.abspath(os.fspath(out))
     ckpt_io.check_output_path(out)
+    config_bytes, config_dict = read_config(config) if config is not None else (None, None)
+    if preset is not None and config_dict is None:
+        raise ToolError(f"--preset {preset} needs --config (the Hugging Face config.json: sizes for the splits)")
     with CheckpointReader(ckpt) as reader:
-        tensors = plan_to_hf(reader.md, rules, dtype, include_optimizer)
+        buffers = set() if include_buffers else ckpt_io.buffer_keys(reader.md)
+        if buffers:
+            logger.info("to-hf: leaving out %d buffer(s) (--include-buffers to export them)", len(buffers))
+        if preset is not None:
+            tensors = plan_to_hf_with_preset(
+                reader.md, preset, config_dict, config, dtype, include_optimizer, allow_unmapped, buffers
+            )
+        else:
+            tensors = plan_to_hf(ckpt_io.without_keys(reader.md, buffers), rules, dtype, include_optimizer)
         if not tensors:
             raise ToolError(f"checkpoint {reader.path} holds no tensors to export")
         shards = split_shards(tensors, max_bytes)
@@ -267,13 +308,19 @@ def to_hf(
         files = [shard_file_name(i, len(shards)) for i in range(len(shards))]
         logger.info("to-hf: %d tensors, %d bytes, %d shard(s)", len(tensors), total, len(shards))
         with staged_output(out) as staging, Progress(total, "to-hf", enabled=progress) as bar:
+            source = LastTensor(reader)
             for fname, shard in zip(files, shards):
-                _write_hf_shard(os.path.join(staging, fname), shard, reader, bar)
+                _write_hf_shard(os.path.join(staging, fname), shard, source, bar)
+            source.release()
             record: dict[str, Any] = {
                 "version": RECORD_VERSION,
                 "names": {t.name: t.key for t in tensors},
                 "transposed": [t.name for t in tensors if t.transpose],
             }
+            if preset is not None:
+                record["preset"] = preset
+            if config_bytes is not None:
+                _write_small(os.path.join(staging, CONFIG_FILE), config_bytes)
             opt_value = reader.md.values.get(OPTIMIZER_KEY)
             if opt_value is not None and any(t.key != t.param for t in tensors):
                 record["optimizer"] = opt_value
@@ -290,7 +337,84 @@ def to_hf(
         "tensors": len(tensors),
         "total_size": total,
         "transposed": sum(1 for t in tensors if t.transpose),
+        "split": sum(1 for t in tensors if t.rows is not None),
     }
+
+
+def read_config(path: str | os.PathLike) -> tuple[bytes, dict]:
+    """The bytes and the parsed object of a Hugging Face ``config.json``."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ToolError(f"cannot read config {path}: {e.strerror or e}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ToolError(f"config {path} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        cfg = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ToolError(f"config {path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ToolError(f"config {path} is not a JSON object")
+    return raw, cfg
+
+
+def plan_to_hf_with_preset(md, preset_name, config_dict, config_path, dtype, include_optimizer, allow_unmapped, skip):
+    """HfTensors for ``to-hf --preset`` (see ``preset_plan``): parts of fused keys carry their row ranges."""
+    from .preset_plan import plan_to_hf_preset
+    from .presets import check_model_type, get_preset, model_dims
+
+    preset = get_preset(preset_name)
+    dims = model_dims(config_dict, f"config {config_path}")
+    check_model_type(preset, dims, f"config {config_path}")
+    out = []
+    for item in plan_to_hf_preset(md, preset, dims, include_optimizer, allow_unmapped, skip):
+        tm = md.tensors[item.key]
+        for sp in item.splits:
+            out.append(
+                HfTensor(
+                    sp.name,
+                    item.key,
+                    tm.dtype,
+                    _target_dtype(tm.dtype, dtype),
+                    tuple(tm.shape),
+                    item.transpose,
+                    item.param,
+                    sp.rows,
+                    sp.shape if sp.rows is not None else None,
+                )
+            )
+    _check_collisions([(t.key, t.name) for t in out], "checkpoint key")
+    return out
+
+
+class LastTensor:
+    """Reads checkpoint tensors, keeping only the last one: the parts of a fused key are written one after the
+    other, so the fused tensor is read once and memory stays at one tensor."""
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        self.reader = reader
+        self.key: str | None = None
+        self.arr: np.ndarray | None = None
+
+    def get(self, key: str) -> np.ndarray:
+        if key != self.key:
+            self.arr = None  # release the previous tensor before reading the next
+            self.arr = self.reader.read(key)
+            self.key = key
+        return self.arr
+
+    def release(self) -> None:
+        self.key, self.arr = None, None
+
+
+def row_blocks(view: np.ndarray, start: int, stop: int, block_bytes: int = 2 << 20):
+    """Rows ``[start, stop)`` of ``view`` (any strides) as C-contiguous arrays of about ``block_bytes``."""
+    row_bytes = max(_numel(view.shape[1:]) * view.itemsize, 1)
+    step = max(1, block_bytes // row_bytes)
+    for r in range(start, stop, step):
+        yield np.ascontiguousarray(view[r : min(r + step, stop)])
 
 
 def _write_small(path: str, data: bytes) -> None:
@@ -302,7 +426,7 @@ def _write_small(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def _write_hf_shard(path: str, shard: list[HfTensor], reader: CheckpointReader, bar: Progress) -> None:
+def _write_hf_shard(path: str, shard: list[HfTensor], source: LastTensor, bar: Progress) -> None:
     entries, pos = [], 0
     for t in shard:
         entries.append((t.name, t.dtype, t.shape, pos, pos + t.nbytes))
@@ -312,14 +436,24 @@ def _write_hf_shard(path: str, shard: list[HfTensor], reader: CheckpointReader, 
     try:
         write_all(fd, [header])
         for t in shard:
-            arr = reader.read(t.key)
+            arr = source.get(t.key)
             written = 0
             block = None
-            for block in converted_blocks(arr, t.src_dtype, t.dtype, t.transpose):
+            if t.rows is None:
+                blocks = converted_blocks(arr, t.src_dtype, t.dtype, t.transpose)
+                source.release()  # not needed again (only the parts of a split key are read twice)
+            else:
+                view = arr.T if t.transpose else arr
+                blocks = (
+                    np.ascontiguousarray(ckpt_io.cast_array(rows, t.src_dtype, t.dtype)).view(np.uint8).reshape(-1)
+                    for a, b in t.rows
+                    for rows in row_blocks(view, a, b)
+                )
+            for block in blocks:
                 write_all(fd, [block])
                 written += block.size
                 bar.update(block.size, t.name)
-            arr = block = None  # release this tensor before reading the next one (peak = one tensor)
+            arr = block = blocks = None  # release this tensor before reading the next one (peak = one tensor)
             if written != t.nbytes:  # pragma: no cover - internal consistency
                 raise ToolError(f"{t.key!r}: wrote {written} bytes, expected {t.nbytes}")
         os.fsync(fd)
@@ -363,10 +497,12 @@ def discover_hf(hf_path: str) -> tuple[list[SafetensorsFile], dict | None]:
             raise ToolError(f"{hf_path} holds no .safetensors files and no {INDEX_FILE}")
         return [read_safetensors_header(os.path.join(hf_path, n)) for n in files], None
     ipath = os.path.join(hf_path, indexes[0])
-    try:
-        with open(ipath, "rb") as f:
-            index = json.loads(f.read())
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+    from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.format.strict_json import SMALL_FILE_BYTES, loads_strict, read_capped
+
+    try:  # bounded, strict, never blocking on a FIFO
+        index = loads_strict(read_capped(ipath, 64 * SMALL_FILE_BYTES, "index"), f"index {ipath}")
+    except (OSError, CheckpointError) as e:
         raise ToolError(f"cannot read index {ipath}: {e}") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
@@ -460,15 +596,30 @@ def from_hf(
     dtype: str | None = None,
     progress: bool | None = None,
     write_stock_metadata: bool = True,
+    preset: str | None = None,
+    config: str | os.PathLike | None = None,
+    allow_unmapped: bool = False,
 ) -> dict:
     """Convert Hugging Face safetensors at ``hf_path`` into a checkpoint at ``out`` (see the module docstring).
 
-    Returns a summary: ``{"out", "tensors", "total_size", "files", "transposed"}``.
+    ``preset``: the family's names, transposes and merges of fused keys (sizes from ``config``, by default the
+    input directory's ``config.json``); refused unless every parameter of the architecture is present and every
+    input tensor mapped (``allow_unmapped`` skips). Without ``preset`` and ``rules``, a preset recorded by to-hf is
+    used. Returns a summary: ``{"out", "tensors", "total_size", "files", "transposed", "merged"}``.
     """
+    if preset is not None and rules is not None:
+        raise ToolError("give either a preset or rules, not both")
     dtype = parse_dtype(dtype)
     out = os.path.abspath(os.fspath(out))
     ckpt_io.check_output_path(out)
     st_files, record = discover_hf(hf_path)
+    if preset is None and rules is None and record is not None and isinstance(record.get("preset"), str):
+        preset = record["preset"]
+        logger.info("from-hf: using preset %s recorded by to-hf", preset)
+    if preset is not None:
+        return _from_hf_preset(
+            hf_path, out, st_files, record, preset, config, dtype, allow_unmapped, progress, write_stock_metadata
+        )
     plan = plan_from_hf(st_files, record, rules, dtype)
     tensors = [t for _, ts in plan for t in ts]
     if not tensors:
@@ -477,7 +628,7 @@ def from_hf(
     with staged_output(out) as staging, Progress(total, "from-hf", enabled=progress) as bar:
         writer = CheckpointWriter(staging, on_bytes=bar.update)
         for st, ts in plan:
-            fd = os.open(st.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = open_regular(st.path)  # never blocks on a FIFO swapped in since the header was read
             try:
                 writer.write_file([WriteEntry(t.key, t.dtype, t.shape, _producer(fd, st, t)) for t in ts])
             finally:
@@ -495,7 +646,113 @@ def from_hf(
         "total_size": total,
         "files": n_files,
         "transposed": sum(1 for t in tensors if t.transpose),
+        "merged": 0,
     }
+
+
+def _from_hf_preset(
+    hf_path, out, st_files, record, preset_name, config, dtype, allow_unmapped, progress, stock_md
+) -> dict:
+    """from-hf with a preset: HF tensors grouped, shape-checked and merged into checkpoint tensors."""
+    from .preset_plan import plan_from_hf_preset
+    from .presets import check_model_type, get_preset, model_dims
+
+    preset = get_preset(preset_name)
+    if config is None:
+        base = hf_path if os.path.isdir(hf_path) else os.path.dirname(os.path.abspath(hf_path))
+        config = os.path.join(base, CONFIG_FILE)
+        if not os.path.isfile(config):
+            raise ToolError(f"--preset {preset.name} needs the model's config.json: none in {base}, pass --config")
+    _raw, cfg = read_config(config)
+    dims = model_dims(cfg, f"config {config}")
+    check_model_type(preset, dims, f"config {config}")
+    sources: dict[str, tuple[SafetensorsFile, SafetensorsEntry]] = {}
+    for st in st_files:
+        for e in st.entries:
+            if e.name in sources:
+                raise ToolError(f"tensor {e.name!r} is in both {sources[e.name][0].path} and {st.path}")
+            sources[e.name] = (st, e)
+    merged = plan_from_hf_preset(sources, preset, dims, allow_unmapped)
+    if not merged:
+        raise ToolError(f"{hf_path} holds no tensors preset {preset.name} maps")
+    for m in merged:
+        if m.key.startswith(RESERVED_PREFIX):  # pragma: no cover - preset templates never produce these
+            raise ToolError(f"{m.key!r}: names starting with {RESERVED_PREFIX!r} are reserved")
+    order = {st.path: i for i, st in enumerate(st_files)}
+    # one data file per input file (by a tensor's first part), tensors in input order: reads stay sequential
+    by_file: dict[int, list] = {}
+    for m in sorted(merged, key=lambda m: (order[m.parts[0].source[0].path], m.parts[0].source[1].begin)):
+        by_file.setdefault(order[m.parts[0].source[0].path], []).append(m)
+    total = sum(_numel(m.shape) * itemsize(_target_dtype(m.src_dtype, dtype)) for m in merged)
+    fds = _FdCache()
+    try:
+        with staged_output(out) as staging, Progress(total, "from-hf", enabled=progress) as bar:
+            writer = CheckpointWriter(staging, on_bytes=bar.update)
+            for _i, ms in sorted(by_file.items()):
+                entries = []
+                for m in ms:
+                    dst = _target_dtype(m.src_dtype, dtype)
+                    entries.append(WriteEntry(m.key, dst, m.shape, _merge_producer(fds, m, dst)))
+                writer.write_file(entries)
+            values: dict[str, Any] = {RNG_KEY: [], EXTRA_KEY: {}}
+            if record is not None and record.get("optimizer") is not None and any(m.state for m in merged):
+                values[OPTIMIZER_KEY] = record["optimizer"]
+            writer.commit(values, write_stock_metadata=stock_md)
+            n_files = len(writer.files)
+    finally:
+        fds.close()
+    return {
+        "out": out,
+        "tensors": len(merged),
+        "total_size": total,
+        "files": n_files,
+        "transposed": sum(1 for m in merged if m.transpose),
+        "merged": sum(1 for m in merged if len(m.hf_names) > 1),
+    }
+
+
+class _FdCache:
+    """Open read-only descriptors by path (a merged tensor reads parts from several input files)."""
+
+    def __init__(self) -> None:
+        self.fds: dict[str, int] = {}
+
+    def get(self, path: str) -> int:
+        fd = self.fds.get(path)
+        if fd is None:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            self.fds[path] = fd
+        return fd
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _merge_producer(fds: _FdCache, m, dst: str, block_bytes: int = 2 << 20):
+    """Assemble checkpoint tensor ``m`` from its HF parts, reading each part's rows in bounded blocks."""
+
+    def produce() -> np.ndarray:
+        out = np.empty(_numel(m.shape), ckpt_io.storage_dtype(dst)).reshape(m.shape)
+        # HF orientation: parts are row ranges along axis 0 (a 0-d tensor is one row of one element)
+        view = out.T if m.transpose else out if m.shape else out.reshape(1)
+        for part in m.parts:
+            st, e = part.source
+            fd = fds.get(st.path)
+            row_elems = _numel(e.shape[1:])
+            row_bytes = row_elems * itemsize(e.dtype)
+            step = max(1, block_bytes // max(row_bytes, 1))
+            for r in range(part.row_start, part.row_stop, step):
+                n = min(step, part.row_stop - r)
+                raw = np.empty(n * row_bytes, np.uint8)
+                ckpt_io.pread_exact(fd, raw, st.data_start + e.begin + r * row_bytes, st.path)
+                rows = raw.view(ckpt_io.storage_dtype(e.dtype)).reshape((n,) + tuple(e.shape[1:]) if e.shape else (n,))
+                pos = part.fused_pos + (r - part.row_start)
+                view[pos : pos + n] = ckpt_io.cast_array(rows, e.dtype, dst)
+        return out.reshape(-1).view(np.uint8)
+
+    return produce
 
 
 def _producer(fd: int, st: SafetensorsFile, t: CkptTensor):

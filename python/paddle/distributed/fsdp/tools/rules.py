@@ -33,7 +33,6 @@ come from ``to-hf`` (no record), give ``from-hf`` its own rules file in the HF -
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -55,14 +54,18 @@ class Rules:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> Rules:
         path = os.fspath(path)
-        try:
-            with open(path, "rb") as f:
-                raw = f.read()
+        from ..checkpoint.errors import CheckpointError
+        from ..checkpoint.format.strict_json import SMALL_FILE_BYTES, loads_strict, read_capped
+
+        try:  # bounded, strict, never blocking on a FIFO
+            raw = read_capped(path, SMALL_FILE_BYTES, "rules file")
         except OSError as e:
             raise ToolError(f"cannot read rules file {path}: {e.strerror or e}") from None
+        except CheckpointError as e:
+            raise ToolError(f"cannot read rules file {path}: {e}") from None
         try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+            data = loads_strict(raw, f"rules file {path}")
+        except CheckpointError as e:
             raise ToolError(f"rules file {path} is not valid JSON: {e}") from None
         return cls.from_dict(data, where=f"rules file {path}")
 

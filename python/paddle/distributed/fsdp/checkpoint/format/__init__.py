@@ -6,6 +6,12 @@
   checkpoint (with a diagnosis of directories that are not one).
 * ``safetensors.py``: the one safetensors header builder and the one parser.
 * ``reserved.py``: the reserved ``__fsdp__.*`` value keys of the one-call API.
+* ``strict_json.py``: bounded, strict reading of the small JSON files (size cap before reading, regular files
+  only and never blocking, no NaN/Infinity, depth and integer caps) and the writer's side of the same rules.
+* ``schema.py``: every field of ``metadata.json`` and ``COMMIT`` typed, refusals naming the field; pieces never
+  share bytes in a file.
+* ``coverage.py``: the one exact-coverage check (overlaps and gaps) of a tensor by its pieces, bounded by the
+  number of pieces (verify, loads, the save plan).
 * ``regions.py``: ``read_region``, the one reader of a region of a saved tensor (load, full loads, tools), and
   ``iter_piece`` (verify).
 

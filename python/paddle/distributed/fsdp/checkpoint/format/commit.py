@@ -13,10 +13,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 
 from .. import writer
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, MetadataError, NotACheckpointError
+from ..errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    MetadataError,
+    NotACheckpointError,
+)
 from .metadata import COMMIT_FILE, FORMAT_NAME, LATEST_FILE, METADATA_FILE, PARTS_DIR, CheckpointMetadata
+from .schema import parse_commit
+from .strict_json import SMALL_FILE_BYTES, loads_strict, read_capped
 
 
 def write_metadata(directory: str, md: CheckpointMetadata, write_stock: bool) -> bytes:
@@ -48,9 +57,23 @@ def write_commit(directory: str, checkpoint_id: str, metadata_bytes: bytes) -> N
     )
 
 
-def read_metadata(path: str) -> CheckpointMetadata:
-    """Metadata of a committed checkpoint; raises NotACheckpointError / IncompleteCheckpointError / MetadataError."""
+def read_metadata(path: str, options=None) -> CheckpointMetadata:
+    """Metadata of a committed checkpoint; raises NotACheckpointError / IncompleteCheckpointError / MetadataError
+    (CorruptCheckpointError for an I/O error such as EACCES or EIO: never a bare OSError)."""
     path = os.path.abspath(os.fspath(path))
+    if options is None:
+        from ..options import resolve
+
+        options = resolve(None)
+    try:
+        return _read_metadata(path, options.max_metadata_bytes)
+    except FileNotFoundError as e:  # the directory went away under the reader (keep_last rotation)
+        raise _removed_or(path, CorruptCheckpointError(f"checkpoint {path}: {e}")) from e
+    except OSError as e:
+        raise CorruptCheckpointError(f"checkpoint {path}: cannot read it: {type(e).__name__}: {e}") from e
+
+
+def _read_metadata(path: str, max_metadata_bytes: int) -> CheckpointMetadata:
     if not os.path.isdir(path):
         parent = os.path.dirname(path)
         base = os.path.basename(path)
@@ -91,16 +114,21 @@ def read_metadata(path: str) -> CheckpointMetadata:
             f"({'looks like a stock paddle checkpoint; ' if stock else ''}contents: {_describe_dir(path)})"
         )
     try:
-        with open(cpath, "rb") as f:
-            commit = json.loads(f.read())
-        want_sha = commit["metadata_sha256"]
-        cid = commit["checkpoint_id"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        cid, want_sha = parse_commit(
+            loads_strict(read_capped(cpath, SMALL_FILE_BYTES, COMMIT_FILE), f"{path}/{COMMIT_FILE}"),
+            f"{path}/{COMMIT_FILE}",
+        )
+    except MetadataError as e:
         raise MetadataError(f"checkpoint {path}: commit record {COMMIT_FILE} is damaged: {e}") from None
+    except FileNotFoundError:
+        raise _removed_or(path, CorruptCheckpointError(f"checkpoint {path}: {COMMIT_FILE} vanished")) from None
+    missing = CorruptCheckpointError(f"checkpoint {path}: {METADATA_FILE} is missing although it was committed")
     if not has_m:
-        raise CorruptCheckpointError(f"checkpoint {path}: {METADATA_FILE} is missing although it was committed")
-    with open(mpath, "rb") as f:
-        data = f.read()
+        raise _removed_or(path, missing)
+    try:
+        data = read_capped(mpath, max_metadata_bytes, METADATA_FILE)
+    except FileNotFoundError:
+        raise _removed_or(path, missing) from None
     if hashlib.sha256(data).hexdigest() != want_sha:
         raise MetadataError(
             f"checkpoint {path}: {METADATA_FILE} does not match the checksum in the commit record (damaged)"
@@ -109,6 +137,12 @@ def read_metadata(path: str) -> CheckpointMetadata:
     if md.checkpoint_id != cid:
         raise MetadataError(f"checkpoint {path}: commit record and metadata name different checkpoints")
     return md
+
+
+def _removed_or(path: str, error):
+    from ..removal import removed_or
+
+    return removed_or(path, error)
 
 
 def _describe_dir(path: str) -> str:
@@ -138,21 +172,29 @@ def _describe_staging(staging: str) -> str:
         names = sorted(os.listdir(parts))
     except OSError:
         names = []
-    errors = [n for n in names if n.endswith(".failed.json") or n == "ABORT"]
+    errors = [n for n in names if _FAILURE_MARKER.match(n)]
     if errors:
+        errors.sort(key=lambda n: (not n.endswith(".json") and n != "ABORT", n))  # details first, then tags
+        n = errors[0]
         try:
-            with open(os.path.join(parts, errors[0]), "rb") as f:
-                raw = f.read(500)
-            why = json.loads(raw).get("error") if errors[0] != "ABORT" else raw.decode(errors="replace")
-        except (OSError, ValueError, AttributeError):
+            raw = read_capped(os.path.join(parts, n), SMALL_FILE_BYTES, n)[:500]
+            if n.endswith(".json"):
+                why = loads_strict(raw, n).get("error")
+            else:
+                why = raw.decode(errors="replace") or n.split(".", 2)[-1]
+        except (OSError, CheckpointError, AttributeError):
             why = "unknown error"
         return f"a save that failed ({why})"
     return "a save that was interrupted (or is still running)"
 
 
+# failure markers of a save (save.py): details in <rank>.failed.json / ABORT, the cause in the name otherwise
+_FAILURE_MARKER = re.compile(r"^(\d+\.failed(\.json|\.[A-Za-z0-9_]+)?|ABORT(\.[A-Za-z0-9_]+)?)$")
+
+
 def _peek_latest(root: str) -> str:
     try:
-        with open(os.path.join(root, LATEST_FILE), "rb") as f:
-            return f.read(256).decode(errors="replace").strip() or "empty"
-    except OSError:
+        raw = read_capped(os.path.join(root, LATEST_FILE), SMALL_FILE_BYTES, LATEST_FILE)
+        return raw[:256].decode(errors="replace").strip() or "empty"
+    except (OSError, CheckpointError):
         return "unreadable"

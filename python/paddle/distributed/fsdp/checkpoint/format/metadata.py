@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import checksums
-from ..errors import MetadataError, NotACheckpointError, UnsafePathError
+from ..errors import MetadataError, UnsafePathError
 
 FORMAT_NAME = "paddle-fsdp-checkpoint"
 FORMAT_VERSION = 1
@@ -212,33 +212,17 @@ class CheckpointMetadata:
         }
 
     def dumps(self) -> bytes:
-        return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=True).encode()
+        # strict JSON: values are checked at save (records.py), so NaN/Infinity never reach the file
+        return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
     def loads(cls, data: bytes, where: str = "metadata.json") -> CheckpointMetadata:
-        try:
-            d = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise MetadataError(f"{where} is not valid JSON: {e}") from None
-        if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
-            raise NotACheckpointError(f"{where} is not a {FORMAT_NAME} metadata file")
-        if d.get("version") != FORMAT_VERSION:
-            raise MetadataError(
-                f"{where}: unsupported format version {d.get('version')!r} (this build reads {FORMAT_VERSION})"
-            )
-        try:
-            md = cls(
-                checkpoint_id=str(d["checkpoint_id"]),
-                world_size=int(d["world_size"]),
-                chunk_bytes=int(d["chunk_bytes"]),
-                checksum=str(d["checksum"]),
-                created_unix=float(d.get("created_unix", 0.0)),
-                files={str(k): FileMeta(rank=int(v["rank"]), size=int(v["size"])) for k, v in d["files"].items()},
-                tensors={str(k): TensorMeta.from_json(v) for k, v in d["tensors"].items()},
-                values=dict(d.get("values", {})),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-            raise MetadataError(f"{where} is malformed: {type(e).__name__}: {e}") from None
+        """Parse and check ``metadata.json``: strict bounded JSON (strict_json.py), every field typed
+        (schema.py), then the structure (``validate``); MetadataError naming the field otherwise."""
+        from .schema import parse_metadata
+        from .strict_json import loads_strict
+
+        md = parse_metadata(loads_strict(data, where), where, FORMAT_NAME, FORMAT_VERSION)
         md.validate(where)
         return md
 
@@ -257,6 +241,8 @@ class CheckpointMetadata:
                 raise MetadataError(f"{where}: key {key!r} has unsupported dtype {tm.dtype!r}")
             if any(s < 0 for s in tm.shape):
                 raise MetadataError(f"{where}: key {key!r} has a negative dimension")
+            if numel(tm.shape) >= 1 << 62:
+                raise MetadataError(f"{where}: key {key!r} declares {numel(tm.shape)} elements")
             isz = DTYPES[tm.dtype][0]
             for p in tm.pieces:
                 check_file_name(p.file)
@@ -281,21 +267,19 @@ class CheckpointMetadata:
                         raise MetadataError(
                             f"{where}: key {key!r} piece has {len(p.checksums)} checksums, expected {want}"
                         )
+        from .schema import file_overlap_problems
+
+        problems = file_overlap_problems(self)
+        if problems:
+            raise MetadataError(f"{where}: {problems[0]}")
         overlap = set(self.tensors) & set(self.values)
         if overlap:
             raise MetadataError(f"{where}: keys stored both as tensor and value: {sorted(overlap)[:5]}")
 
 
-_PLAIN_SCALARS = {type(None), bool, int, float, str}
-
-
 def is_json_value(v: Any) -> bool:
-    """Values allowed in ``values``: None, bool, int, float, str, and lists/tuples/dicts (str keys) of those."""
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return True
-    if isinstance(v, (list, tuple)):
-        # fast path for flat lists of plain scalars (RNG states: thousands of ints, checked on every save)
-        return set(map(type, v)) <= _PLAIN_SCALARS or all(is_json_value(x) for x in v)
-    if isinstance(v, dict):
-        return all(isinstance(k, str) and is_json_value(x) for k, x in v.items())
-    return False
+    """Values allowed in ``values``: None, bool, int, float, str, and lists/tuples/dicts (str keys) of those,
+    finite, nested at most strict_json.MAX_DEPTH deep (what a reader accepts back)."""
+    from .strict_json import json_value_problem
+
+    return json_value_problem(v) is None

@@ -10,6 +10,7 @@ RESERVED_PREFIX = "__fsdp__."
 OPTIMIZER_KEY = "__fsdp__.optimizer"  # {"class": optimizer class name, "global_state": its non-tensor state}
 RNG_KEY = "__fsdp__.rng"  # one entry per saving rank: paddle's generator states (a list, JSON)
 EXTRA_KEY = "__fsdp__.extra_state"  # the caller's extra_state dict
+BUFFERS_KEY = "__fsdp__.buffers"  # keys of the model's persistable buffers (to-hf leaves them out unless asked)
 
 
 def is_reserved(key: str) -> bool:

@@ -12,8 +12,9 @@ import json
 import os
 from dataclasses import dataclass
 
-from ..errors import SafetensorsHeaderError
+from ..errors import MetadataError, NotARegularFileError, SafetensorsHeaderError
 from .metadata import DTYPES, itemsize, numel
+from .strict_json import loads_strict, open_regular
 
 MAX_HEADER_BYTES = 100 << 20  # a longer header is refused as implausible (bounded memory for crafted files)
 
@@ -63,34 +64,46 @@ def read_header(path: str) -> SafetensorsFile:
     not match shape and dtype, entries outside the file, overlapping entries.
     """
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise SafetensorsHeaderError(f"{path} is not a safetensors file (only {size} bytes)")
-            n = int.from_bytes(head, "little")
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise SafetensorsHeaderError(
-                    f"{path} is not a safetensors file (header length {n} for a {size}-byte file)"
-                )
-            raw = f.read(n)
+        fd = open_regular(path)  # a FIFO or device in its place is refused, never blocks
+    except NotARegularFileError as e:
+        raise SafetensorsHeaderError(str(e)) from None
     except OSError as e:
         raise SafetensorsHeaderError(f"cannot read {path}: {e.strerror or e}") from None
     try:
-        header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise SafetensorsHeaderError(f"{path} is not a safetensors file (header is not JSON: {e})") from None
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise SafetensorsHeaderError(f"{path} is not a safetensors file (only {size} bytes)")
+        n = int.from_bytes(head, "little")
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise SafetensorsHeaderError(f"{path} is not a safetensors file (header length {n} for a {size}-byte file)")
+        raw = os.pread(fd, n, 8)
+    except OSError as e:
+        raise SafetensorsHeaderError(f"cannot read {path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    try:
+        header = loads_strict(raw, f"{path} header")  # bounded depth, no NaN/Infinity
+    except MetadataError as e:
+        raise SafetensorsHeaderError(f"{path} is not a safetensors file (header is not strict JSON: {e})") from None
     if not isinstance(header, dict):
         raise SafetensorsHeaderError(f"{path} is not a safetensors file (header is not a JSON object)")
     data_start = 8 + n
     data_len = size - data_start
     meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or any(type(v) is not str for v in meta.values()):
+        raise SafetensorsHeaderError(f"{path}: __metadata__ must map strings to strings")
     entries = []
     for name, info in header.items():
         try:
             code = info["dtype"]
-            shape = tuple(int(s) for s in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
+            shape, offsets = info["shape"], info["data_offsets"]
+            if type(code) is not str or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
+                raise TypeError("dtype must be a string, shape a list and data_offsets [begin, end]")
+            if len(shape) > 64 or any(type(x) is not int for x in (*shape, *offsets)):
+                raise TypeError("shape and data_offsets must hold integers (at most 64 dimensions)")
+            shape = tuple(shape)
+            begin, end = offsets
         except (KeyError, TypeError, ValueError) as e:
             raise SafetensorsHeaderError(f"{path}: malformed header entry for {name!r}: {e}") from None
         dtype = DTYPE_OF_CODE.get(code)

@@ -1,0 +1,174 @@
+"""Strict typing of ``metadata.json`` and ``COMMIT``: every field checked, every refusal naming the field.
+
+Why: the index of a checkpoint is input from disk. ``int("12")``, ``int(3.7)``, ``str([...])`` or ``float(True)``
+would silently accept a damaged or crafted file and fail later (or load wrong bytes). Here an integer field must
+be a JSON integer (not a bool, a float or a string), a string field a JSON string, a list a list, within limits
+that keep every later computation bounded (dimensions, element counts, list lengths); anything else raises
+:class:`MetadataError` naming ``where`` and the field, e.g. ``tensors['w'].pieces[0].offset``.
+
+The structural checks that relate fields to each other (pieces inside their tensor's shape and their file, byte
+sizes matching element counts, checksum counts, pieces of one file not overlapping, exact coverage of every
+tensor by its pieces: coverage.py) run on the typed result, before any data file is opened.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from ..errors import MetadataError, NotACheckpointError
+
+MAX_NDIM = 64
+MAX_DIM = 1 << 62
+MAX_CHUNK_BYTES = 1 << 40
+_HEX = re.compile(r"^[0-9a-f]{1,128}$")
+
+
+class _Fields:
+    """Typed accessors that name the field and ``where`` in every refusal."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, field: str, what: str, value: Any) -> MetadataError:
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        return MetadataError(f"{self.where}: field {field} must be {what}, got {shown} ({type(value).__name__})")
+
+    def obj(self, d: Any, field: str) -> dict:
+        if type(d) is not dict:
+            raise self.fail(field, "an object", d)
+        return d
+
+    def get(self, d: dict, name: str, field: str) -> Any:
+        if name not in d:
+            raise MetadataError(f"{self.where}: field {field} is missing")
+        return d[name]
+
+    def int(self, v: Any, field: str, lo: int = 0, hi: int = MAX_DIM) -> int:
+        if type(v) is not int or not lo <= v <= hi:
+            raise self.fail(field, f"an integer in [{lo}, {hi}]", v)
+        return v
+
+    def str(self, v: Any, field: str, max_len: int = 4096) -> str:
+        if type(v) is not str or len(v) > max_len:
+            raise self.fail(field, f"a string of at most {max_len} characters", v)
+        return v
+
+    def number(self, v: Any, field: str) -> float:
+        if type(v) not in (int, float) or not math.isfinite(v):
+            raise self.fail(field, "a finite number", v)
+        return float(v)
+
+    def list(self, v: Any, field: str) -> list:
+        if type(v) is not list:
+            raise self.fail(field, "a list", v)
+        return v
+
+    def ints(self, v: Any, field: str, lo: int = 0, hi: int = MAX_DIM, max_len: int = MAX_NDIM) -> tuple[int, ...]:
+        v = self.list(v, field)
+        if len(v) > max_len:
+            raise self.fail(field, f"a list of at most {max_len} integers", v)
+        return tuple(self.int(x, f"{field}[{i}]", lo, hi) for i, x in enumerate(v))
+
+
+def parse_commit(d: Any, where: str) -> tuple[str, str]:
+    """``(checkpoint_id, metadata_sha256)`` of a parsed COMMIT record."""
+    f = _Fields(where)
+    d = f.obj(d, "(top level)")
+    cid = f.str(f.get(d, "checkpoint_id", "checkpoint_id"), "checkpoint_id", 128)
+    sha = f.str(f.get(d, "metadata_sha256", "metadata_sha256"), "metadata_sha256", 64)
+    if not re.fullmatch(r"[0-9a-f]{64}", sha):
+        raise f.fail("metadata_sha256", "64 lowercase hex digits", sha)
+    return cid, sha
+
+
+def parse_metadata(d: Any, where: str, format_name: str, version: int):
+    """The typed CheckpointMetadata of parsed ``metadata.json`` (structure checked by its ``validate``)."""
+    from .metadata import CheckpointMetadata, FileMeta, PieceMeta, TensorMeta
+
+    f = _Fields(where)
+    if type(d) is not dict or d.get("format") != format_name:
+        raise NotACheckpointError(f"{where} is not a {format_name} metadata file")
+    if d.get("version") != version or type(d.get("version")) is not int:
+        raise MetadataError(f"{where}: unsupported format version {d.get('version')!r} (this build reads {version})")
+    files = {}
+    for name, fm in f.obj(f.get(d, "files", "files"), "files").items():
+        fd = f.obj(fm, f"files[{name!r}]")
+        files[name] = FileMeta(
+            rank=f.int(f.get(fd, "rank", f"files[{name!r}].rank"), f"files[{name!r}].rank", 0, 1 << 31),
+            size=f.int(f.get(fd, "size", f"files[{name!r}].size"), f"files[{name!r}].size"),
+        )
+    tensors = {}
+    for key, td in f.obj(f.get(d, "tensors", "tensors"), "tensors").items():
+        at = f"tensors[{key!r}]"
+        td = f.obj(td, at)
+        shape = f.ints(f.get(td, "shape", f"{at}.shape"), f"{at}.shape")
+        pieces = []
+        for i, pd in enumerate(f.list(f.get(td, "pieces", f"{at}.pieces"), f"{at}.pieces")):
+            ap = f"{at}.pieces[{i}]"
+            pd = f.obj(pd, ap)
+            fr = pd.get("flat_range")
+            if fr is not None:
+                fr = f.ints(fr, f"{ap}.flat_range", max_len=2)
+                if len(fr) != 2:
+                    raise f.fail(f"{ap}.flat_range", "null or [start, stop]", fr)
+            sums_name = "checksums" if "checksums" in pd else "crc32"
+            sums = f.list(pd.get(sums_name, []), f"{ap}.{sums_name}")
+            if set(map(type, sums)) - {int} or any(not 0 <= c < 1 << 64 for c in sums):
+                bad = next(c for c in sums if type(c) is not int or not 0 <= c < 1 << 64)
+                raise f.fail(f"{ap}.{sums_name}", "a list of unsigned 64-bit integers", bad)
+            pieces.append(
+                PieceMeta(
+                    file=f.str(f.get(pd, "file", f"{ap}.file"), f"{ap}.file", 255),
+                    name=f.str(f.get(pd, "name", f"{ap}.name"), f"{ap}.name", 1 << 16),
+                    offset=f.int(f.get(pd, "offset", f"{ap}.offset"), f"{ap}.offset"),
+                    nbytes=f.int(f.get(pd, "nbytes", f"{ap}.nbytes"), f"{ap}.nbytes"),
+                    box_offset=f.ints(f.get(pd, "box_offset", f"{ap}.box_offset"), f"{ap}.box_offset"),
+                    box_shape=f.ints(f.get(pd, "box_shape", f"{ap}.box_shape"), f"{ap}.box_shape"),
+                    flat_range=fr,
+                    checksums=sums,
+                )
+            )
+        tensors[key] = TensorMeta(
+            dtype=f.str(f.get(td, "dtype", f"{at}.dtype"), f"{at}.dtype", 64), shape=shape, pieces=pieces
+        )
+    values = d.get("values", {})
+    f.obj(values, "values")
+    created = d.get("created_unix", 0.0)
+    return CheckpointMetadata(
+        checkpoint_id=f.str(f.get(d, "checkpoint_id", "checkpoint_id"), "checkpoint_id", 128),
+        world_size=f.int(f.get(d, "world_size", "world_size"), "world_size", 1, 1 << 31),
+        chunk_bytes=f.int(f.get(d, "chunk_bytes", "chunk_bytes"), "chunk_bytes", 1, MAX_CHUNK_BYTES),
+        checksum=f.str(f.get(d, "checksum", "checksum"), "checksum", 64),
+        created_unix=f.number(created, "created_unix"),
+        files=files,
+        tensors=tensors,
+        values=values,
+    )
+
+
+def file_overlap_problems(md) -> list[str]:
+    """Pieces that share bytes inside one data file, or share a safetensors name in it (each piece must own its
+    bytes: otherwise a small file could stand for any number of declared tensors)."""
+    by_file: dict[str, list] = {}
+    for key, tm in md.tensors.items():
+        for p in tm.pieces:
+            if p.nbytes:
+                by_file.setdefault(p.file, []).append((p.offset, p.offset + p.nbytes, key, p.name))
+    problems = []
+    for name, spans in by_file.items():
+        spans.sort()
+        for (_a0, a1, k0, _n0), (b0, _b1, k1, _n1) in zip(spans, spans[1:]):
+            if b0 < a1:
+                problems.append(f"data file {name}: overlapping pieces of {k0!r} and {k1!r} (they share bytes)")
+                break
+        seen: set[str] = set()
+        for _a, _b, _key, pname in spans:
+            if pname in seen:
+                problems.append(f"data file {name}: two pieces are named {pname!r}")
+                break
+            seen.add(pname)
+    return problems

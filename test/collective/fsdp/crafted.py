@@ -1,0 +1,95 @@
+"""Building checkpoints by hand, for tests that need layouts one process cannot save (several files, pieces of
+any shape, overlaps and gaps with valid checksums) and for re-sealing an edited ``metadata.json``.
+
+Written with the engine's own format module (format/metadata.py, format/safetensors.py, format/commit.py), so a
+crafted checkpoint differs from a saved one only where the test says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import xxhash
+from paddle.distributed.fsdp.checkpoint.format import commit as format_commit
+from paddle.distributed.fsdp.checkpoint.format.metadata import CheckpointMetadata, FileMeta, PieceMeta, TensorMeta
+from paddle.distributed.fsdp.checkpoint.format.safetensors import build_header
+
+CHUNK = 64  # small checksum chunks: several per piece
+
+
+def flat_boxes(shape, n_files: int):
+    """``n_files`` flat ranges covering a tensor of ``shape`` exactly (some may be empty)."""
+    total = int(np.prod(shape)) if shape else 1
+    cuts = np.linspace(0, total, n_files + 1).astype(int)
+    return [(int(a), int(b)) for a, b in zip(cuts, cuts[1:])]
+
+
+def craft(path: Path, tensors: dict, pieces: dict, values: dict | None = None, chunk: int = CHUNK) -> None:
+    """Write a committed checkpoint at ``path``.
+
+    ``tensors``: key -> numpy array (its global value). ``pieces``: key -> list of ``(file index, box_offset,
+    box_shape, flat_range or None)``; each piece stores those elements of the global array, row-major.
+    """
+    path.mkdir(parents=True, exist_ok=False)
+    md = CheckpointMetadata(checkpoint_id="c" * 32, world_size=1, chunk_bytes=chunk, checksum="xxh3-64")
+    md.values = dict(values or {})
+    by_file: dict[int, list] = {}
+    for key, arr in tensors.items():
+        md.tensors[key] = TensorMeta(dtype=str(arr.dtype), shape=tuple(arr.shape), pieces=[])
+        for fi, off, box, fr in pieces[key]:
+            sl = tuple(slice(o, o + s) for o, s in zip(off, box))
+            data = np.ascontiguousarray(arr[sl]).reshape(-1)
+            if fr is not None:
+                data = data[fr[0] : fr[1]]
+            by_file.setdefault(fi, []).append((key, off, box, fr, data))
+    world = max(by_file) + 1 if by_file else 1
+    md.world_size = world
+    for fi in range(world):
+        name = f"{fi}_0.safetensors"
+        entries, pos, blobs = [], 0, []
+        for n, (key, _off, _box, _fr, data) in enumerate(by_file.get(fi, [])):
+            raw = data.view(np.uint8).tobytes()
+            entries.append((f"{key}#{n}", str(data.dtype), (data.size,), pos, pos + len(raw)))
+            blobs.append(raw)
+            pos += len(raw)
+        header = build_header(entries, {"format": "paddle-fsdp-checkpoint"})
+        (path / name).write_bytes(header + b"".join(blobs))
+        md.files[name] = FileMeta(rank=fi, size=len(header) + pos)
+        for (ename, _dt, _shape, b, _e), (key, off, box, fr, _data), raw in zip(entries, by_file.get(fi, []), blobs):
+            md.tensors[key].pieces.append(
+                PieceMeta(
+                    file=name,
+                    name=ename,
+                    offset=len(header) + b,
+                    nbytes=len(raw),
+                    box_offset=tuple(off),
+                    box_shape=tuple(box),
+                    flat_range=None if fr is None else tuple(fr),
+                    checksums=[xxhash.xxh3_64_intdigest(raw[j : j + chunk]) for j in range(0, len(raw), chunk)],
+                )
+            )
+    data = format_commit.write_metadata(str(path), md, write_stock=False)
+    format_commit.write_commit(str(path), md.checkpoint_id, data)
+
+
+def reseal(path: Path, metadata_bytes: bytes) -> None:
+    """Replace metadata.json with ``metadata_bytes`` and make COMMIT name its hash (only the edit is wrong)."""
+    (path / "metadata.json").write_bytes(metadata_bytes)
+    commit = json.loads((path / "COMMIT").read_bytes())
+    commit["metadata_sha256"] = hashlib.sha256(metadata_bytes).hexdigest()
+    (path / "COMMIT").write_text(json.dumps(commit))
+
+
+def edit_metadata(path: Path, fn) -> None:
+    """Edit metadata.json as a dict with ``fn`` and re-seal it."""
+    md = json.loads((path / "metadata.json").read_bytes())
+    fn(md)
+    reseal(path, json.dumps(md).encode())
+
+
+def snapshot_files(path: Path) -> dict[str, bytes]:
+    return {n: (path / n).read_bytes() for n in os.listdir(path) if (path / n).is_file()}
