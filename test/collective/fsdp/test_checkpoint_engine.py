@@ -21,6 +21,7 @@ import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 from paddle.distributed.fsdp.checkpoint import host_memory, libc, planner, writer
+from paddle.distributed.fsdp.checkpoint.format import coverage
 
 TEST_DIR = Path(__file__).resolve().parent
 WORKER = TEST_DIR / "workers" / "ckpt_engine.py"
@@ -173,9 +174,9 @@ def test_coverage_fast_path_agrees_with_the_general_one():
             for i, (a, b) in enumerate(ranges)
         ]
         total = n if all(s > 0 for s in shape) or not shape else 0
-        fast = planner.coverage_problems("k", shape, regions)
+        fast = coverage.coverage_problems("k", shape, regions)
         assert all(r.single_run() is not None for _, r in regions)
-        assert fast == planner._runs_problems("k", total, regions), (shape, ranges)
+        assert fast == coverage.runs_coverage_problems("k", total, regions), (shape, ranges)
 
 
 def _desc(key, shape, off, box, fr=None, dtype="float32", rep=False):

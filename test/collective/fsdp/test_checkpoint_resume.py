@@ -91,3 +91,63 @@ def test_checkpoint_keys_and_shapes_are_the_models(runs):
     assert set(metadata.values) == {"__fsdp__.optimizer", "__fsdp__.rng", "__fsdp__.extra_state"}
     assert metadata.values["__fsdp__.optimizer"]["class"] == "AdamW"
     assert metadata.values["__fsdp__.extra_state"] == {"step": 3, "data_position": 36}
+
+
+class _MasterSGD(__import__("paddle").optimizer.SGD):
+    """SGD that steps the fp32 master weight and derives the parameter from it, as paddle's GPU multi-precision
+    kernels do (the CPU bf16 kernel leaves the master weight alone, so it cannot show a stale one)."""
+
+    def _append_optimize_op(self, block, param_and_grad):
+        import paddle
+
+        if isinstance(param_and_grad, dict):
+            param_and_grad = self._update_param_group(param_and_grad)
+        param, grad = param_and_grad
+        master = self._master_weights[param.name]
+        lr = self._create_param_lr(param_and_grad).astype("float32")
+        with paddle.no_grad():
+            new = master - lr * grad.astype("float32")
+            paddle.assign(new, output=master)
+            paddle.assign(new.astype(param.dtype), output=param)
+
+
+def test_parameter_loaded_without_master_weight_refreshes_it(tmp_path):
+    """strict=False load of a checkpoint saved before the first step (parameters, no master weights): the master
+    weights created for the load are re-cast from the loaded parameters, so a step that computes the parameter
+    from its master weight continues from the loaded values (same bits as a run that never stopped)."""
+    import numpy as np
+    import paddle
+    from paddle.distributed.fsdp import FullyShardFusion
+
+    class Bf16Linear(paddle.nn.Layer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = self.create_parameter([8, 4], dtype="bfloat16")
+
+        def forward(self, x):
+            return (x @ self.w.astype("float32")).square().sum()
+
+    def build(seed: int):
+        paddle.seed(seed)
+        model = Bf16Linear()
+        fsdp = FullyShardFusion(model)
+        return model, fsdp, _MasterSGD(0.1, parameters=model.parameters(), multi_precision=True)
+
+    def step(model, opt) -> np.ndarray:
+        model(paddle.arange(16, dtype="float32").reshape([2, 8]) / 16).backward()
+        opt.step()
+        opt.clear_grad()
+        return np.array(model.w.numpy())  # bf16 as uint16 bit patterns
+
+    model, fsdp, opt = build(1)
+    fsdp.save_checkpoint(str(tmp_path / "ckpt"), optimizer=opt)  # before the first step: no master weights
+    reference = step(model, opt)
+
+    model, fsdp, opt = build(2)
+    result = fsdp.load_checkpoint(str(tmp_path / "ckpt"), optimizer=opt, strict=False)
+    assert result.report.missing_keys == ["w.master_weight"]
+    state = fsdp.optimizer_sharded_state_dict(opt)
+    master = state["w.master_weight"].local_tensor
+    loaded = fsdp.sharded_state_dict()["w"].local_tensor
+    assert np.array_equal(master.numpy(), loaded.astype("float32").numpy())
+    assert np.array_equal(step(model, opt), reference)

@@ -524,15 +524,19 @@ def _random_region(rng, shape):
 def test_box_coverage_and_flat_span_agree_with_the_run_based_brute_force():
     """The bounded (box-based) coverage check gives the run-based verdicts (and its gap messages), and a region's
     flat span from its bounds equals the span of its listed runs, on random regions of 1-3 dimensions."""
-    from paddle.distributed.fsdp.checkpoint import planner
-    from paddle.distributed.fsdp.checkpoint.format.coverage import coverage_problems, flat_range_boxes, flat_span
+    from paddle.distributed.fsdp.checkpoint.format.coverage import (
+        coverage_problems,
+        flat_range_boxes,
+        flat_span,
+        runs_coverage_problems,
+    )
 
     rng = np.random.default_rng(11)
     for _ in range(3000):
         shape = tuple(int(x) for x in rng.integers(1, 5, size=int(rng.integers(1, 4))))
         regions = [(i, _random_region(rng, shape)) for i in range(int(rng.integers(0, 5)))]
         got = coverage_problems("k", shape, regions)
-        want = planner._runs_problems("k", int(np.prod(shape)), regions)
+        want = runs_coverage_problems("k", int(np.prod(shape)), regions)
         assert bool(got) == bool(want), (shape, regions, got, want)
         if want and "cover" in want[0]:
             assert got == want

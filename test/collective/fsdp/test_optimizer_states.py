@@ -33,6 +33,11 @@ O = paddle.optimizer
 L = paddle.optimizer.lr
 
 
+def _set_global_state(opt, state) -> None:
+    """Restore what optimizer_global_state returned (decoding checks everything first)."""
+    osn.decode_optimizer_global_state(opt, state)()
+
+
 @pytest.fixture(autouse=True)
 def _quiet_dygraph():
     paddle.disable_static()
@@ -354,7 +359,7 @@ def test_bit_exact_resume(cfg: Config, model_cls) -> None:
         assert {e.state_name for e in entries} == states.keys()
         for e in entries:
             osn.copy_into_state_(e.tensor, states[e.state_name])
-    osn.set_optimizer_global_state(opt_b, saved_global)
+    _set_global_state(opt_b, saved_global)
 
     _train(model_a, opt_a, batches[3:])
     _train(model_b, opt_b, batches[3:])
@@ -619,7 +624,7 @@ def test_scheduler_state_round_trips_through_strict_json(make_scheduler, step) -
         advance(opt_a._learning_rate, i)
     state = json.loads(json.dumps(osn.optimizer_global_state(opt_a), allow_nan=False))
     opt_b = O.SGD(make_scheduler(), parameters=model.parameters())
-    osn.set_optimizer_global_state(opt_b, state)
+    _set_global_state(opt_b, state)
     lrs_a, lrs_b = [], []
     for i in range(5, 12):
         advance(opt_a._learning_rate, i)
@@ -634,9 +639,9 @@ def test_global_state_refuses_mismatches() -> None:
     state = osn.optimizer_global_state(O.Adam(0.01, parameters=model.parameters()))
     assert state["learning_rate"] == {"type": "float", "value": 0.01}
     with pytest.raises(ValueError, match="AdamW"):
-        osn.set_optimizer_global_state(O.AdamW(0.01, parameters=model.parameters()), state)
+        _set_global_state(O.AdamW(0.01, parameters=model.parameters()), state)
     with pytest.raises(ValueError, match="StepDecay"):
-        osn.set_optimizer_global_state(O.Adam(L.StepDecay(0.1, 2), parameters=model.parameters()), state)
+        _set_global_state(O.Adam(L.StepDecay(0.1, 2), parameters=model.parameters()), state)
 
 
 def test_copy_into_state_checks_shape_and_dtype_and_keeps_identity() -> None:
@@ -656,5 +661,5 @@ def test_non_finite_scheduler_values_survive_strict_json() -> None:
     opt_a._learning_rate.best = float("-inf")
     text = json.dumps(osn.optimizer_global_state(opt_a), allow_nan=False)
     opt_b = O.SGD(L.ReduceOnPlateau(0.1), parameters=model.parameters())
-    osn.set_optimizer_global_state(opt_b, json.loads(text))
+    _set_global_state(opt_b, json.loads(text))
     assert opt_b._learning_rate.best == float("-inf")

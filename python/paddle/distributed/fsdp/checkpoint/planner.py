@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import InvalidStateDictError
+from .format.coverage import coverage_problems, flat_span
 from .format.metadata import DTYPES, FORMAT_NAME, PieceMeta, TensorMeta, numel, rank_file_name
 from .format.safetensors import build_header
 
@@ -174,71 +175,6 @@ def intersect(dst_runs, src_runs) -> Segments:
     )
 
 
-def coverage_problems(key: str, shape, regions: list[tuple[int, Region]]) -> list[str]:
-    """Check that the regions (tagged with an owner, e.g. a rank or a file) cover every element exactly once
-    (coverage.py: work bounded by the number of regions, not by their shapes)."""
-    from .format.coverage import coverage_problems as exact_coverage
-
-    return exact_coverage(key, shape, regions)
-
-
-def _runs_problems(key: str, total: int, regions: list[tuple[int, Region]]) -> list[str]:
-    parts = []
-    for owner, reg in regions:
-        s, l = reg.runs()
-        parts.append((s, l, np.full(len(s), owner, dtype=np.int64)))
-    if parts:
-        starts = np.concatenate([p[0] for p in parts])
-        lengths = np.concatenate([p[1] for p in parts])
-        owners = np.concatenate([p[2] for p in parts])
-    else:
-        starts = lengths = owners = np.zeros(0, np.int64)
-    problems = []
-    order = np.argsort(starts, kind="stable")
-    starts, lengths, owners = starts[order], lengths[order], owners[order]
-    ends = starts + lengths
-    if len(starts) > 1:
-        bad = np.nonzero(starts[1:] < ends[:-1])[0]
-        if len(bad):
-            i = int(bad[0])
-            problems.append(
-                f"key {key!r}: overlapping records (owners {int(owners[i])} and {int(owners[i + 1])} both hold "
-                f"flat element {int(starts[i + 1])})"
-            )
-    covered = int(lengths.sum())
-    if not problems and covered != total:
-        # find the first gap for the message
-        pos, gap = 0, None
-        for s, e in zip(starts.tolist(), ends.tolist()):
-            if s > pos:
-                gap = pos
-                break
-            pos = max(pos, e)
-        if gap is None:
-            gap = pos
-        problems.append(
-            f"key {key!r}: records cover {covered} of {total} elements (first uncovered flat element {gap})"
-        )
-    return problems
-
-
-def _interval_problems(key: str, total: int, spans: list[tuple[int, int, int]]) -> list[str]:
-    """coverage_problems for regions that are single runs (start, end, owner): the same checks and messages."""
-    spans = sorted(spans, key=lambda sp: sp[0])  # stable, like the general path
-    for (_s0, e0, o0), (s1, _e1, o1) in zip(spans, spans[1:]):
-        if s1 < e0:
-            return [f"key {key!r}: overlapping records (owners {o0} and {o1} both hold flat element {s1})"]
-    covered = sum(e - s for s, e, _o in spans)
-    if covered == total:
-        return []
-    pos = 0
-    for s, e, _o in spans:
-        if s > pos:
-            break
-        pos = max(pos, e)
-    return [f"key {key!r}: records cover {covered} of {total} elements (first uncovered flat element {pos})"]
-
-
 # ----------------------------------------------------------------------------------------------- save planning
 
 
@@ -391,8 +327,6 @@ def plan_reads(key: str, tm: TensorMeta, target: Region) -> tuple[list[ReadItem]
     if len(dst_runs[0]) == 0:
         return items, 0
     lo, hi = int(dst_runs[0][0]), int(dst_runs[0][-1] + dst_runs[1][-1])
-    from .format.coverage import flat_span
-
     for p in tm.pieces:
         first, end = flat_span(tm.shape, p.box_offset, p.box_shape, p.flat_range)
         if first >= hi or end <= lo:  # from the bounds: no runs listed for pieces this region does not touch

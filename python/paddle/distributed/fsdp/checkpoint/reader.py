@@ -58,6 +58,20 @@ def _checksum_pool(threads: int):
         return pool
 
 
+def pread_full(fd: int, buf, offset: int) -> int:
+    """Read ``len(buf)`` bytes of ``fd`` at ``offset`` into ``buf`` (a contiguous buffer), over as many short
+    reads as it takes; returns the bytes read, fewer only where the file ends. The one buffered read loop of the
+    engine and the tools (callers name the short read in their own error)."""
+    mv = memoryview(buf).cast("B")
+    done = 0
+    while done < len(mv):
+        n = os.preadv(fd, [mv[done:]], offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
 class FileSet:
     """Open-on-demand read-only descriptors for the files of one checkpoint, with size checks, and the checksum
     function its chunks are verified with (None: reads are not verified)."""
@@ -92,9 +106,11 @@ class FileSet:
     def of(cls, root: str, md, resolve, verify: bool, options=None) -> FileSet:
         """The files of checkpoint ``md`` at ``root``; verified reads when ``verify`` and it has checksums;
         O_DIRECT and the read slab as ``options`` (a CheckpointOptions; None: the defaults)."""
-        digest = checksums.digest_function(md.checksum) if verify and md.checksum != checksums.NONE else None
         if options is None:
-            return cls(root, {n: f.size for n, f in md.files.items()}, resolve, digest, checkpoint_id=md.checkpoint_id)
+            from .options import CheckpointOptions  # options.py takes its defaults from this module
+
+            options = CheckpointOptions()
+        digest = checksums.digest_function(md.checksum) if verify and md.checksum != checksums.NONE else None
         return cls(
             root,
             {n: f.size for n, f in md.files.items()},
@@ -154,18 +170,13 @@ class FileSet:
         return fd
 
     def pread_into(self, name: str, buf: np.ndarray, offset: int) -> None:
-        fd = self.fd(name)
-        mv = memoryview(buf).cast("B")
-        done = 0
-        while done < len(mv):
-            n = os.preadv(fd, [mv[done:]], offset + done)
-            if n <= 0:
-                raise CorruptCheckpointError(
-                    f"checkpoint {self.root}: data file {name} ends at byte {offset + done}, "
-                    f"expected at least {offset + len(mv)}"
-                )
-            done += n
-        self.bytes_read += len(mv)
+        want = memoryview(buf).nbytes
+        done = pread_full(self.fd(name), buf, offset)
+        if done < want:
+            raise CorruptCheckpointError(
+                f"checkpoint {self.root}: data file {name} ends at byte {offset + done}, expected at least {offset + want}"
+            )
+        self.bytes_read += done
 
     def mostly_cached(self, name: str) -> bool:
         """Whether most of ``name`` is in the page cache (mincore, asked once per file): reads of it are then

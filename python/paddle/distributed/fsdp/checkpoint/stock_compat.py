@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from .format.metadata import CheckpointMetadata
+from .writer import fsync_path
 
 STOCK_METADATA_FILE = "0.metadata"
 
@@ -67,8 +68,4 @@ def write_stock_metadata(directory: str, md: CheckpointMetadata) -> None:
 
     path = os.path.join(directory, STOCK_METADATA_FILE)
     paddle.save(stock_metadata(md), path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)

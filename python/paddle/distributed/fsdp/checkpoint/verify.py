@@ -9,10 +9,11 @@ from . import checksums, reader
 from .errors import CheckpointError, CheckpointRemovedError, CorruptCheckpointError, SafetensorsHeaderError
 from .format import safetensors
 from .format.commit import read_metadata
+from .format.coverage import coverage_problems
 from .format.metadata import resolve_member
 from .format.regions import iter_piece
 from .format.strict_json import open_regular
-from .planner import coverage_problems, region_of_piece
+from .planner import region_of_piece
 from .removal import removed_or
 
 

@@ -134,12 +134,17 @@ def write_rank_file(
     return size, sums
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+def fsync_path(path: str, flags: int = 0) -> None:
+    """fsync the file (or, with ``O_DIRECTORY`` in ``flags``, the directory) at ``path``."""
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    fsync_path(path, getattr(os, "O_DIRECTORY", 0))
 
 
 def write_file_durable(path: str, data: bytes) -> None:

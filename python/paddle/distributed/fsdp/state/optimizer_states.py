@@ -117,7 +117,6 @@ __all__ = [
     "optimizer_state_entries",
     "all_optimizer_state_entries",
     "optimizer_global_state",
-    "set_optimizer_global_state",
     "decode_optimizer_global_state",
     "create_optimizer_state",
     "copy_into_state_",
@@ -544,16 +543,6 @@ def optimizer_global_state(opt: Any) -> dict[str, Any]:
     }
 
 
-def set_optimizer_global_state(opt: Any, state: Mapping[str, Any]) -> None:
-    """Restore what :func:`optimizer_global_state` returned.
-
-    Refuses a state from another optimizer class or learning-rate type rather
-    than resuming with silently different hyper-parameters
-    (:func:`decode_optimizer_global_state` checks everything first).
-    """
-    decode_optimizer_global_state(opt, state)()
-
-
 def _same_kind(saved: Any, current: Any, where: str) -> None:
     """``saved`` (decoded from a checkpoint) has the JSON kind of ``current`` (the live value it replaces), at
     every level: bool/int/float/str/None, lists of the same length, dicts with the same keys. An int is accepted
@@ -720,9 +709,9 @@ def create_optimizer_state(opt: Any, params: Iterable[paddle.Tensor] | None = No
     An optimizer without param groups also accepts tensors outside its
     parameter list (step() may be handed other tensors, e.g. FSDP buffers).
 
-    A master weight is a cast of the param *at creation time*: after loading a
-    checkpoint that has no master weight for a param, call
-    :func:`refresh_master_weight_` for it.
+    A master weight is a cast of the param *at creation time*: a load that
+    writes a param but not its master weight must re-cast it with
+    :func:`refresh_master_weight_` (``load_checkpoint`` does).
     """
     inner = unwrap_optimizer(opt)
     _declared_states(inner)
@@ -780,15 +769,19 @@ def copy_into_state_(tensor: paddle.Tensor, value: paddle.Tensor | np.ndarray) -
         tensor.copy_(value, True)
 
 
-def refresh_master_weight_(opt: Any, param: paddle.Tensor) -> None:
-    """Re-cast ``param`` into its master weight in place.
+def refresh_master_weight_(opt: Any, param: paddle.Tensor, value: paddle.Tensor | None = None) -> bool:
+    """Re-cast ``param`` (or ``value``, its current contents when ``param`` is bound elsewhere) into its master
+    weight in place; False when it has none.
 
-    For a param whose master weight was created before the param was loaded
-    and that the checkpoint had no master weight for (it never got a
-    gradient before the save); the lazy path would have cast the loaded value.
+    Why: paddle's multi-precision kernels (GPU) compute the param from its master weight at every step
+    (``param_out = cast(master_out)``), so a master weight that a load left at its old value would overwrite
+    the loaded param at the next step. For a param loaded from a checkpoint that holds no master weight for it
+    (saved before its first step, or loaded with ``strict=False``); the lazy path would have cast the loaded
+    value.
     """
     inner = unwrap_optimizer(opt)
     master = inner._master_weights.get(param.name)
     if master is None:
-        return
-    copy_into_state_(master, paddle.cast(param, master.dtype))
+        return False
+    copy_into_state_(master, paddle.cast(param if value is None else value, master.dtype))
+    return True

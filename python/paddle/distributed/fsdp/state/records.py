@@ -114,3 +114,24 @@ def init_optimizer_state(fsdp: FullyShardFusion, optimizer) -> None:
         if id(param) in in_optimizer and not param.stop_gradient and buffer.pieces.get(index) is not None
     ]
     names.create_optimizer_state(optimizer, params)
+
+
+def refresh_master_weights(fsdp: FullyShardFusion, optimizer, loaded_keys) -> list[str]:
+    """After a load: re-cast the master weight of every parameter piece the load wrote without its master weight.
+
+    Why: on GPU paddle's multi-precision kernels compute a low-precision parameter from its fp32 master weight at
+    every step, so a master weight left at its pre-load value would overwrite the loaded parameter at the next
+    step. A load writes a parameter without its master weight when the checkpoint has none for it (saved before
+    the parameter's first step, or by a run without ``multi_precision``) and ``strict=False`` let it through.
+    Returns the keys of the parameters whose master weights were refreshed.
+    """
+    loaded = set(loaded_keys)
+    in_optimizer = _optimizer_params(optimizer)
+    refreshed = []
+    for key, param, buffer, index in fsdp.managed_parameters():
+        if key not in loaded or f"{key}.{names.MASTER_WEIGHT}" in loaded or id(param) not in in_optimizer:
+            continue
+        piece = buffer.local_view(index)  # what the load wrote (the param may be bound to a gathered copy)
+        if piece is not None and names.refresh_master_weight_(optimizer, param, piece):
+            refreshed.append(key)
+    return refreshed

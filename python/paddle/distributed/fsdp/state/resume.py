@@ -55,6 +55,7 @@ from ..checkpoint.manager import (
     step_dir_name,
 )
 from . import optimizer_states as names
+from .records import refresh_master_weights
 
 logger = logging.getLogger(__name__)
 
@@ -414,6 +415,12 @@ def _load_once(
         e.checkpoint = resolved  # which checkpoint failed, for the fallback
         raise
     checked["apply"]()  # validated above on every rank: restores optimizer global state and RNG, cannot fail
+    if optimizer is not None:  # a parameter loaded without its master weight: the master follows the parameter
+        refreshed = refresh_master_weights(fsdp, optimizer, report.loaded_keys)
+        if refreshed:
+            logger.info(
+                "load_checkpoint(%s): master weights re-cast from the loaded parameters %s", resolved, refreshed
+            )
     foreign = checked["foreign"]
     if not strict:
         problems = {

@@ -1,8 +1,9 @@
 """Streaming access to checkpoints for the tools: key roles, one-tensor-at-a-time reads, a one-process writer.
 
-Built only on the engine's public pieces (``read_metadata``, the metadata dataclasses, the planner's coverage and
-read planning, the storage layer's checksummed range reads and rank-file writer), so the tools never hold more
-than one full tensor of a checkpoint in memory.
+Built only on the engine's public pieces (``read_metadata``, the metadata dataclasses, the coverage check every
+load runs (``load.check_coverage``), ``format.regions.read_region`` with its checksummed reads, ``reader``'s read
+loop, ``writer``'s rank-file writer and ``format.commit``), so the format has one implementation and the tools
+never hold more than one full tensor of a checkpoint in memory.
 
 Which keys are model weights and which are optimizer state
 ----------------------------------------------------------
@@ -38,7 +39,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..checkpoint import CheckpointOptions, checksums, read_metadata, reader, writer
-from ..checkpoint.errors import CorruptCheckpointError
+from ..checkpoint import load as engine_load
 from ..checkpoint.format import commit as format_commit
 from ..checkpoint.format.metadata import (
     DEFAULT_CHUNK_BYTES,
@@ -56,7 +57,7 @@ from ..checkpoint.format.metadata import (
 from ..checkpoint.format.regions import read_region
 from ..checkpoint.format.reserved import BUFFERS_KEY, OPTIMIZER_KEY
 from ..checkpoint.format.safetensors import build_header
-from ..checkpoint.planner import Region, coverage_problems, region_of_piece
+from ..checkpoint.planner import Region
 from .errors import ToolError
 
 logger = logging.getLogger(__name__)
@@ -232,12 +233,7 @@ class CheckpointReader:
         """Raise ``CorruptCheckpointError`` unless the pieces of ``key`` cover every element exactly once."""
         if key in self._covered:
             return
-        tm = self.md.tensors[key]
-        problems = coverage_problems(
-            key, tm.shape, [(i, region_of_piece(tm.shape, p)) for i, p in enumerate(tm.pieces)]
-        )
-        if problems:
-            raise CorruptCheckpointError(f"checkpoint {self.path}: {problems[0]}")
+        engine_load.check_coverage(self.path, self.md, [key])  # the check every load runs
         self._covered.add(key)
 
     def read_region_raw(self, key: str, region: Region) -> np.ndarray:
@@ -358,13 +354,12 @@ def staged_output(out: str | os.PathLike) -> Iterator[str]:
 
 
 def pread_exact(fd: int, buf: np.ndarray, offset: int, what: str) -> None:
-    mv = memoryview(buf).cast("B")
-    done = 0
-    while done < len(mv):
-        n = os.preadv(fd, [mv[done:]], offset + done)
-        if n <= 0:
-            raise ToolError(f"{what} ends at byte {offset + done}, expected at least {offset + len(mv)} (truncated)")
-        done += n
+    """Fill ``buf`` from ``fd`` at ``offset`` through the engine's read loop; ToolError naming ``what`` (a file
+    of the tool's input) when the file ends first."""
+    want = memoryview(buf).nbytes
+    done = reader.pread_full(fd, buf, offset)
+    if done < want:
+        raise ToolError(f"{what} ends at byte {offset + done}, expected at least {offset + want} (truncated)")
 
 
 # ------------------------------------------------------------------------------------------------ writing

@@ -99,8 +99,6 @@ def _run_count(shape, box_shape) -> int:
 def coverage_problems(key: str, shape, regions: list) -> list[str]:
     """Problems (empty: exact) of ``regions``, a list of ``(owner, Region)`` (owner: a rank or file index),
     covering the tensor of ``shape``: overlaps (naming both owners) or elements left uncovered."""
-    from ..planner import _interval_problems, _runs_problems
-
     shape = tuple(int(s) for s in shape)
     total = math.prod(shape) if all(s > 0 for s in shape) or not shape else 0
     single = [(reg.single_run(), owner) for owner, reg in regions]
@@ -117,7 +115,7 @@ def coverage_problems(key: str, shape, regions: list) -> list[str]:
     if covered == total:
         return []
     if sum(_run_count(shape, reg.box_shape) for _o, reg in regions) <= _MESSAGE_RUNS_LIMIT:
-        return _runs_problems(key, total, regions)  # same verdict; its message names the first gap
+        return runs_coverage_problems(key, total, regions)  # same verdict; its message names the first gap
     return [f"key {key!r}: records cover {covered} of {total} elements"]
 
 
@@ -153,3 +151,63 @@ def _box_overlap(key: str, boxes: list[tuple[Box, int]]) -> str | None:
                 f"index {corner})"
             )
     return None
+
+
+def runs_coverage_problems(key: str, total: int, regions: list) -> list[str]:
+    """coverage_problems by listing every flat run of every region (``Region.runs``): exact, with memory
+    proportional to the runs; names the first uncovered element. The reference the bounded check is tested
+    against, and its message for gaps when the runs are few."""
+    parts = []
+    for owner, reg in regions:
+        s, l = reg.runs()
+        parts.append((s, l, np.full(len(s), owner, dtype=np.int64)))
+    if parts:
+        starts = np.concatenate([p[0] for p in parts])
+        lengths = np.concatenate([p[1] for p in parts])
+        owners = np.concatenate([p[2] for p in parts])
+    else:
+        starts = lengths = owners = np.zeros(0, np.int64)
+    problems = []
+    order = np.argsort(starts, kind="stable")
+    starts, lengths, owners = starts[order], lengths[order], owners[order]
+    ends = starts + lengths
+    if len(starts) > 1:
+        bad = np.nonzero(starts[1:] < ends[:-1])[0]
+        if len(bad):
+            i = int(bad[0])
+            problems.append(
+                f"key {key!r}: overlapping records (owners {int(owners[i])} and {int(owners[i + 1])} both hold "
+                f"flat element {int(starts[i + 1])})"
+            )
+    covered = int(lengths.sum())
+    if not problems and covered != total:
+        # find the first gap for the message
+        pos, gap = 0, None
+        for s, e in zip(starts.tolist(), ends.tolist()):
+            if s > pos:
+                gap = pos
+                break
+            pos = max(pos, e)
+        if gap is None:
+            gap = pos
+        problems.append(
+            f"key {key!r}: records cover {covered} of {total} elements (first uncovered flat element {gap})"
+        )
+    return problems
+
+
+def _interval_problems(key: str, total: int, spans: list[tuple[int, int, int]]) -> list[str]:
+    """coverage_problems for regions that are single runs (start, end, owner): the same checks and messages."""
+    spans = sorted(spans, key=lambda sp: sp[0])  # stable, like the general path
+    for (_s0, e0, o0), (s1, _e1, o1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            return [f"key {key!r}: overlapping records (owners {o0} and {o1} both hold flat element {s1})"]
+    covered = sum(e - s for s, e, _o in spans)
+    if covered == total:
+        return []
+    pos = 0
+    for s, e, _o in spans:
+        if s > pos:
+            break
+        pos = max(pos, e)
+    return [f"key {key!r}: records cover {covered} of {total} elements (first uncovered flat element {pos})"]
