@@ -54,11 +54,11 @@ Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (
 
 ``async_save=True`` (zero-stall): the caller is blocked for the descriptor exchange, the plan and the copy of
 the *volatile* tensors only (everything but trainable parameters and optimizer state, see snapshot.py); the
-parameters and optimizer state are copied to host by the save's copier thread during the next forward and
-backward (interpreter exit waits for a save in flight), and every writer of that memory (optimizer
+parameters and optimizer state are copied to host by the background thread (one per process; interpreter exit
+waits for a save in flight) during the next forward and backward, and every writer of that memory (optimizer
 step, in-place Tensor methods, ``set_value``, loads, ``wait_for_snapshot()``; snapshot_guard.py lists what is and
 is not intercepted) waits for the copy first, so the checkpoint holds the values at the call. Writing, fsync and
-commit follow on the writer thread, at a lower CPU priority (``_BackgroundWorker``). The snapshot of host tensors goes into one per-process host buffer
+commit follow on the same thread. The snapshot of host tensors goes into one per-process host buffer
 (``host_memory.arena``) that is reused by every async save (grown when the state grows) and STAYS RESIDENT between
 saves: an async-saving process holds about one extra copy of the bytes it writes, all the time (filling fresh memory
 costs page faults, which made the snapshot several times slower than a copy into resident memory).
@@ -154,55 +154,35 @@ _save_lock = threading.Lock()
 
 
 class _BackgroundWorker:
-    """The two long-lived threads that run the background part of async saves (one save at a time: saves of a
-    process never overlap).
-
-    * the copier copies the deferred tensors (snapshot.py) at normal priority: the next optimizer step waits
-      for it, so it must finish within the forward and backward;
-    * the writer writes, fsyncs and commits at a lower CPU priority (``WRITER_NICENESS``, Linux): that part
-      waits for nothing of the training loop, so it takes the CPU time training leaves (an idle core at full
-      speed) instead of slowing the loop down when every core trains.
-
-    Handing a save over costs the caller a queue put; starting a ``threading.Thread`` per save made the caller
-    wait until the new thread was scheduled (``start()`` waits for it; tens of ms on a busy machine), so the
-    threads are started with ``_thread.start_new_thread``, which does not wait. They never keep the interpreter
-    alive; ``atexit`` waits for a save still in flight, so a checkpoint started before exit is still committed.
-    """
+    """The one long-lived thread that runs the background part of async saves (one at a time: saves of a
+    process never overlap). Handing a save to a thread that already runs costs the caller a queue put; starting
+    a ``threading.Thread`` per save made the caller wait until the new thread was scheduled (``start()`` waits for
+    it; tens of ms on a busy machine), so the worker is started with ``_thread.start_new_thread``, which does not
+    wait. It never keeps the interpreter alive; ``atexit`` waits for a save still in flight, so a checkpoint
+    started before exit is still committed. It runs at normal CPU priority: a lower one (nice 10 for the write
+    phase) was measured to slow training down, not to spare it: a writer descheduled while it holds the GIL
+    blocks the training thread of its process until the kernel runs it again (priority inversion)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._copies: queue.SimpleQueue = queue.SimpleQueue()
-        self._writes: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._started = False
 
-    def submit(self, handle: SaveHandle, job: _SaveJob) -> None:
+    def submit(self, fn) -> None:
         with self._lock:
             if not self._started:
-                _thread.start_new_thread(self._copy_loop, ())
-                _thread.start_new_thread(self._write_loop, ())
+                _thread.start_new_thread(self._loop, ())
                 atexit.register(wait_pending, False)
                 self._started = True
-        self._copies.put((handle, job))
+        self._queue.put(fn)
 
-    def _copy_loop(self) -> None:
-        threading.current_thread().name = "ckpt-save-copy"
+    def _loop(self) -> None:
+        threading.current_thread().name = "ckpt-save"
         while True:
-            handle, job = self._copies.get()
-            job.copy_deferred()  # never raises: a failure is kept for run(), which reports it
-            self._writes.put((handle, job))
-
-    def _write_loop(self) -> None:
-        threading.current_thread().name = "ckpt-save-write"
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
-        except (AttributeError, OSError):  # not Linux, or not allowed: normal priority
-            pass
-        while True:
-            handle, job = self._writes.get()
-            handle._run(job.run)
+            fn = self._queue.get()
+            fn()
 
 
-WRITER_NICENESS = 10  # CPU priority of the async-save writer thread (nice value; 0 = like the training loop)
 _worker = _BackgroundWorker()
 
 
@@ -262,8 +242,7 @@ class _SaveJob:
     publisher: Any = None  # CheckpointManager hook: publish()/is_published()/cleanup(), see Publisher
     created: float = field(default_factory=time.time)
     release: Any = None  # async save: gives the snapshot arena back (called once the data file is written)
-    snapshot: Any = None  # async save: the Snapshot whose deferred copies run first (copier thread)
-    copy_error: BaseException | None = None  # async save: why the deferred copy failed
+    snapshot: Any = None  # async save: the Snapshot whose deferred copies run first in the background thread
 
     def _written(self) -> None:
         self.arrays = self.keepalive = []  # release snapshot memory early
@@ -271,21 +250,16 @@ class _SaveJob:
         if release is not None:
             release()
 
-    def copy_deferred(self) -> None:
-        """Async save, on the copier thread: the snapshot's deferred copies; a failure is kept for ``run``."""
-        try:
-            if self.snapshot is not None:
-                self.snapshot.copy_deferred()
-        except BaseException as e:  # noqa: BLE001 - reported by run() on the writer thread
-            self.copy_error = e
-
     def run(self) -> None:
         """Write, then commit (coordinator) or wait for the commit; every failure is a SaveFailedError naming
         the rank that failed and its cause, on every rank, as soon as it is known (failure markers, below)."""
         try:
-            if self.copy_error is not None:  # async: the deferred copy failed (copy_deferred)
-                _mark_failed(self.staging, self.rank, self.copy_error)
-                raise self.copy_error
+            if self.snapshot is not None:  # async: copy the deferred tensors first (snapshot.py), then write
+                try:
+                    self.snapshot.copy_deferred()
+                except BaseException as e:
+                    _mark_failed(self.staging, self.rank, e)
+                    raise
             self._run()
         except SaveFailedError:
             raise
@@ -860,7 +834,7 @@ def _start_in_background(job: _SaveJob) -> SaveHandle:
     with _pending_lock:
         _pending = handle
     try:
-        _worker.submit(handle, job)
+        _worker.submit(lambda: handle._run(job.run))
     except BaseException:
         with _pending_lock:
             if _pending is handle:
