@@ -104,6 +104,9 @@ def parse_args(argv=None):
         "--no-train", dest="train", action="store_false", help="skip the training-loop phase (ckpt_bench/train_loop.py)"
     )
     p.add_argument("--train-steps", type=int, default=30, help="training-loop phase: steps per loop (default 30)")
+    p.add_argument(
+        "--train-size-gib", type=float, default=None, help="training-loop phase: state size (default: --size-gib)"
+    )
     p.add_argument("--train-every", type=int, default=10, help="training-loop phase: checkpoint every N steps")
     p.add_argument("--train-repeats", type=int, default=2, help="training-loop phase: loops of each kind")
     p.add_argument("--seed", type=int, default=2024)

@@ -237,6 +237,12 @@ def finish(args, res: dict, work: str) -> None:
         from .train_loop import table as train_table
 
         lines.append("")
+        lines.append(
+            f"training loop: {res['train_loop'][0]['steps']} steps, an async checkpoint every "
+            f"{res['train_loop'][0]['every']} ({res['train_loop'][0]['ckpts_per_loop']} per loop), state "
+            f"{getattr(args, 'train_size_gib', None) or cfg['size_gib']} GiB; medians of the loops"
+        )
+        lines.append("")
         lines.append(train_table(res["train_loop"]))
     lines.append("")
     lines.append("| target | measured | goal | met |")

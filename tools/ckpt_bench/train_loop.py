@@ -471,7 +471,7 @@ def run_training_loops(bench_args, worlds: list[int], work: str) -> list[dict]:
                 "--world",
                 str(world),
                 "--size-gib",
-                str(bench_args.size_gib),
+                str(bench_args.train_size_gib or bench_args.size_gib),
                 "--dim",
                 str(bench_args.dim),
                 "--steps",
