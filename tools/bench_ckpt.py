@@ -121,6 +121,7 @@ def parse_args(argv=None):
     p.add_argument("--torch-task", default="save", choices=["save", "load"], help=argparse.SUPPRESS)
     p.add_argument("--cache", default="cold", choices=["cold", "warm"], help=argparse.SUPPRESS)
     p.add_argument("--atomic", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-verify", dest="verify", action="store_false", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

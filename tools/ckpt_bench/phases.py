@@ -544,14 +544,17 @@ def run_full(args) -> None:
     }
     # (d) + (e) loads, each the first load of a fresh process (no buffer left by an earlier save or load), next to
     # the raw read of the same bytes in that process; configurations round robin so drift hits all alike
-    configs = [("same", comm.world, "cold", False), ("warm", comm.world, "warm", False)]
+    # (name, ranks, page cache, atomic, verify checksums)
+    configs = [("same", comm.world, "cold", False, True), ("warm", comm.world, "warm", False, True)]
     if load_world:
-        configs.append(("changed", load_world, "cold", False))
-    configs.append(("atomic", comm.world, "cold", True))
+        configs.append(("changed", load_world, "cold", False, True))
+    configs.append(("atomic", comm.world, "cold", True, True))
+    configs.append(("warm, unverified", comm.world, "warm", False, False))  # what checksums cost from the cache
     res["fresh_loads"] = {name: [] for name, *_ in configs}
     for rep in range(R):
-        for name, world, cache, atomic in configs:
-            got = run_child_load(args, keep_ckpt, world, checksum, work, cache, atomic, f"{name}_{rep}")
+        for name, world, cache, atomic, verify in configs:
+            tag = f"{name.replace(', ', '_')}_{rep}"
+            got = run_child_load(args, keep_ckpt, world, checksum, work, cache, atomic, tag, verify)
             res["fresh_loads"][name].append(got)
             LOG.info(
                 "fresh-process load, %s (%d ranks, %s cache%s): load %.3f s, raw read %s",
@@ -571,12 +574,14 @@ def run_full(args) -> None:
     finish(args, res, work)
 
 
-def run_child_load(args, ckpt: str, world: int, checksum: int, work: str, cache: str, atomic: bool, tag: str) -> dict:
+def run_child_load(
+    args, ckpt: str, world: int, checksum: int, work: str, cache: str, atomic: bool, tag: str, verify: bool = True
+) -> dict:
     """One fresh ``paddle.distributed.launch`` of ``world`` ranks: raw read + the first load of the process."""
     out = os.path.join(work, f"load_{tag}.json")
     script_args = ["--mode", "load-only", "--ckpt", ckpt, "--result", out, "--expect-checksum", str(checksum)]
     script_args += state_args(args) + ["--cache", cache] + ([] if args.trace else ["--no-trace"])
-    script_args += ["--atomic"] if atomic else []
+    script_args += (["--atomic"] if atomic else []) + ([] if verify else ["--no-verify"])
     cmd = launch_cmd(world, os.path.join(work, f"log_load_{tag}"), script_args)
     r = subprocess.run(cmd, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if r.returncode != 0 or not os.path.exists(out):
@@ -636,7 +641,12 @@ def run_load_only(args) -> None:
     res["cache"] = comm.gather(cached_fraction(files))
     with PeakRSS() as pk:
         result, t, per = comm.timed(
-            ps.fsdp.load_checkpoint, args.ckpt, optimizer=ps.opt, atomic=args.atomic, options=tracer.options
+            ps.fsdp.load_checkpoint,
+            args.ckpt,
+            optimizer=ps.opt,
+            atomic=args.atomic,
+            verify_checksums=args.verify,
+            options=tracer.options,
         )
     res["load"] = t
     res["load_per_rank"] = per

@@ -76,6 +76,14 @@ def finish(args, res: dict, work: str) -> None:
     if fl.get("warm"):
         row(f"plain read ({W} ranks, warm cache)", raws("warm", "resident"), lim_warm, None, "limit, warm")
         row(f"load ({W} ranks, warm cache)", loads("warm"), lim_warm, None, "first load of a fresh process")
+    if fl.get("warm, unverified"):
+        row(
+            f"load ({W} ranks, warm cache, verify_checksums=False)",
+            loads("warm, unverified"),
+            lim_warm,
+            None,
+            "what checksums cost",
+        )
     lim_r2 = None
     if fl.get("changed"):
         chg_var, chg_raw = best_raw("changed")
