@@ -151,11 +151,19 @@ class Comm:
 
 
 def tensor_bytes_view(t) -> np.ndarray:
-    """uint8 view of a contiguous host tensor's memory (no copy)."""
+    """uint8 view of a contiguous host tensor's memory (no copy); device memory is refused, not read through
+    a pointer the CPU cannot follow (that segfaults on a GPU)."""
+    from paddle.distributed.fsdp import device
+
     n = int(t.numel()) * t.element_size()
     if n == 0:
         return np.zeros(0, np.uint8)
-    return np.frombuffer((ctypes.c_ubyte * n).from_address(t.data_ptr()), dtype=np.uint8)
+    if not device.is_host(t) or not t.is_contiguous():
+        raise device.DeviceMemoryAccessError(
+            f"bench: a tensor on {t.place} is not contiguous host memory; its bytes cannot be viewed in place "
+            "(copy it with paddle.distributed.fsdp.device.to_host)"
+        )
+    return np.frombuffer((ctypes.c_ubyte * n).from_address(device.data_ptr(t)), dtype=np.uint8)
 
 
 class PaddleState:

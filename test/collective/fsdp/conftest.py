@@ -106,3 +106,31 @@ def launch(tmp_path: Path) -> LaunchFn:
         return run_launch(path, nproc, args, timeout=timeout, env=env, **kwargs)
 
     return _launch
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fake-device",
+        action="store_true",
+        help="run in fake-device mode (PADDLE_FSDP_FAKE_DEVICE=1, inherited by launched workers): CPU tensors "
+        "count as device memory, raw pointer reads of them raise, GPU-only collectives are emulated on gloo",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "host_memory_path: asserts how host tensors are read/written in place (arena, in-place reads); device "
+        "memory never takes that path, so the test does not apply in --fake-device runs",
+    )
+    if config.getoption("--fake-device", default=False):
+        os.environ["PADDLE_FSDP_FAKE_DEVICE"] = "1"  # before any test imports the fork (device options read once)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    if not config.getoption("--fake-device", default=False):
+        return
+    not_applicable = pytest.mark.skip(reason="host-memory fast path: device tensors are staged instead (--fake-device)")
+    for item in items:
+        if "host_memory_path" in item.keywords:
+            item.add_marker(not_applicable)

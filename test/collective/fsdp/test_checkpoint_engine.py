@@ -272,6 +272,7 @@ def test_strided_tensors_save_and_load_in_place(tmp_path, async_save):
     assert np.array_equal(bits(big), want_big.view(np.uint8).ravel()) and np.array_equal(bits(target), want_cols)
 
 
+@pytest.mark.host_memory_path
 def test_async_snapshot_holds_save_time_values_of_the_pieces_this_rank_writes():
     """Volatile records are copied at construction, deferred ones by ``copy_deferred`` (the save's background
     thread); either way the arrays hold the values at save time and the arena is given back by ``written``."""
@@ -555,6 +556,7 @@ def test_unknown_checksum_algorithm_is_refused_before_writing(tmp_path, monkeypa
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.host_memory_path
 def test_whole_pieces_are_read_in_place_and_restored_when_the_atomic_load_fails(tmp_path, monkeypatch):
     """atomic=True: tensors whose bytes are whole saved pieces are read straight into their memory (no staging
     copy after the status exchange); when a later piece is damaged, every one of them gets its previous bytes

@@ -150,6 +150,7 @@ def test_load_full_state_dict_verifies_before_returning(tmp_path):
         ck.load_full_state_dict(str(path), keys=["b"])
 
 
+@pytest.mark.host_memory_path
 def test_async_snapshots_reuse_one_arena_and_an_atomic_load_borrows_it(tmp_path, monkeypatch):
     ck.release_host_buffers()
     allocs = []

@@ -88,7 +88,8 @@ def test_checkpoint_keys_and_shapes_are_the_models(runs):
         expected[f"{key}.beta1_pow_acc"] = (1,)
         expected[f"{key}.beta2_pow_acc"] = (1,)
     assert shapes == expected
-    assert set(metadata.values) == {"__fsdp__.optimizer", "__fsdp__.rng", "__fsdp__.extra_state"}
+    assert set(metadata.values) == {"__fsdp__.optimizer", "__fsdp__.rng", "__fsdp__.extra_state", "__fsdp__.buffers"}
+    assert metadata.values["__fsdp__.buffers"] == []  # TinyLM has no persistable buffers
     assert metadata.values["__fsdp__.optimizer"]["class"] == "AdamW"
     assert metadata.values["__fsdp__.extra_state"] == {"step": 3, "data_position": 36}
 

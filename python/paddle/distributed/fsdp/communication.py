@@ -1,7 +1,9 @@
 """Every collective FullyShardFusion issues, in one place.
 
 Backend gaps are handled here and nowhere else: gloo (CPU) has no reduce_scatter, so it becomes an
-all_reduce followed by a local slice. A world of one rank issues no collective at all, because a
+all_reduce followed by a local slice. With ``PADDLE_FSDP_EMULATE_GPU_COLLECTIVES=1`` (or fake-device
+mode, see device.py) the reduce_scatter code path itself runs, its collective emulated on gloo, so the
+branch GPUs take is exercised on CPU too. A world of one rank issues no collective at all, because a
 single-process run (launched with one process, or not launched) has no global group.
 """
 
@@ -11,6 +13,8 @@ import logging
 
 import paddle
 import paddle.distributed as dist
+
+from . import device
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,9 @@ class ShardingComm:
         if self.rank < 0:
             raise RuntimeError("this process is not a member of the sharding group it was given")
         self._has_reduce_scatter = self.world_size > 1 and self._backend() not in ("GLOO", "gloo")
+        self._emulate_reduce_scatter = (
+            self.world_size > 1 and not self._has_reduce_scatter and device.options().emulate_gpu_collectives
+        )
 
     def _backend(self) -> str:
         try:
@@ -64,13 +71,30 @@ class ShardingComm:
         if self.world_size == 1:
             return full
         full.scale_(1.0 / self.world_size)
-        if self._has_reduce_scatter:
+        if self._has_reduce_scatter or self._emulate_reduce_scatter:
             out = paddle.empty([shard_numel], dtype=full.dtype)
-            dist.reduce_scatter(out, full, group=self.group)
+            reduce_scatter = dist.reduce_scatter if self._has_reduce_scatter else self._emulated_reduce_scatter
+            reduce_scatter(out, full, group=self.group)
             return out
         dist.all_reduce(full, group=self.group)
         start = self.rank * shard_numel
         return full._slice(start, start + shard_numel)
+
+    @property
+    def reduce_scatter_mode(self) -> str:
+        """How gradients are reduce-scattered: "native", "emulated" (GPU path on gloo), "all_reduce", or "none"."""
+        if self.world_size == 1:
+            return "none"
+        if self._has_reduce_scatter:
+            return "native"
+        return "emulated" if self._emulate_reduce_scatter else "all_reduce"
+
+    def _emulated_reduce_scatter(self, out: paddle.Tensor, full: paddle.Tensor, group=None) -> None:
+        """``dist.reduce_scatter(out, full)`` (sum, this rank's equal part) with gloo's all_reduce."""
+        summed = full.clone()
+        dist.all_reduce(summed, group=group)
+        start = self.rank * out.shape[0]
+        out.copy_(summed._slice(start, start + out.shape[0]), True)
 
     def all_reduce_sum(self, tensor: paddle.Tensor) -> paddle.Tensor:
         if self.world_size > 1:

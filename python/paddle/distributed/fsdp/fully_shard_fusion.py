@@ -16,12 +16,13 @@ import logging
 from typing import Callable
 
 import paddle
-from paddle.base import core
 
+from . import gradient_sync
 from .communication import ShardingComm
 from .fused_buffer import FusedBuffer
 from .fused_layout import BufferLayout
 from .hooks import LayerHooks
+from .layer_integration import install_layer_integration
 from .optimizer_integration import install_optimizer_integration
 from .param_grouping import plan_param_groups
 
@@ -57,8 +58,10 @@ class FullyShardFusion:
         if not paddle.in_dynamic_mode():
             raise RuntimeError("FullyShardFusion works in dygraph mode only")
         install_optimizer_integration()
+        install_layer_integration()
         self.model = model
-        self._backward_end_armed = False
+        self.backward_end_armed = False
+        self.summoned = False  # inside summon_full_params: every buffer stays gathered
         self.comm = ShardingComm(group)
         groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn)
         self.buffers: list[FusedBuffer] = []
@@ -83,7 +86,8 @@ class FullyShardFusion:
                 self.param_index[id(param)] = len(self.param_index)
             for layer in group_plan.scope_layers:
                 layer_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
-        self._hooks = [LayerHooks(layer, bufs) for layer, bufs in layer_buffers.values()]
+        prefixes = {id(layer): prefix for prefix, layer in model.named_sublayers(include_self=True)}
+        self._hooks = [LayerHooks(layer, bufs, prefixes.get(id(layer), "")) for layer, bufs in layer_buffers.values()]
         model._fsdp = self
         model.sharded_state_dict = self.sharded_state_dict
         logger.debug(
@@ -121,25 +125,13 @@ class FullyShardFusion:
 
     # ---- training-loop support --------------------------------------------------------------------
     def arm_backward_end(self) -> None:
-        """Flush when the running backward pass ends (paddle clears final hooks after each backward)."""
-        if not self._backward_end_armed:
-            self._backward_end_armed = True
-            core.eager._add_backward_final_hook(self._on_backward_end)
-
-    def _on_backward_end(self) -> None:
-        self._backward_end_armed = False
-        self.flush_gradients()
+        """Finish gradients when the running backward pass ends (see gradient_sync.py)."""
+        gradient_sync.arm_backward_end(self)
 
     def flush_gradients(self) -> list[tuple]:
-        """Reduce gradients still pending (parameters that got no gradient keep a buffer incomplete) and
-        release buffers gathered for backward. Collective: every rank runs it at the end of backward."""
-        bound = []
-        for buffer in self.buffers:
-            if buffer.layout.trainable:
-                bound.extend(buffer.reduce_gradients())
-            if buffer.is_gathered:
-                buffer.release()
-        return bound
+        """Finish a backward pass whose end was not seen (a safety net run at ``opt.step()``); returns the
+        (param, grad) pairs it bound. Collective only when every rank has something pending."""
+        return gradient_sync.flush_before_step(self)
 
     def full_parameters(self) -> dict[str, paddle.Tensor]:
         """Gathered copies of every parameter by key (collective; for tests and small models)."""
@@ -152,6 +144,21 @@ class FullyShardFusion:
             if not was_gathered:
                 buffer.release()
         return out
+
+    # ---- full parameters (full_params.py) -----------------------------------------------------
+    def summon_full_params(self, writeback: bool = False, rank0_only: bool = False):
+        """Context manager (collective): every parameter whole inside, e.g. for ``print``, ``save_pretrained``,
+        evaluation or custom initialisation; ``writeback=True`` scatters changes made inside back to the shards."""
+        from .full_params import summon_full_params
+
+        return summon_full_params(self, writeback=writeback, rank0_only=rank0_only)
+
+    def full_state_dict(self, rank0_only: bool = True, offload_to_cpu: bool = True) -> dict:
+        """The unwrapped model's ``state_dict()`` (whole parameters + persistable buffers), gathered one unit at a
+        time (collective); other ranks get ``{}`` with ``rank0_only``."""
+        from .full_params import full_state_dict
+
+        return full_state_dict(self, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
 
     # ---- checkpoint API (state/records.py builds the records) -------------------------------
     def sharded_state_dict(self) -> dict:

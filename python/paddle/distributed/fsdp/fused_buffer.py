@@ -6,11 +6,14 @@ never changes, so autograd's saved references stay valid):
     optimizer steps these views directly, so it only ever touches local slices;
   - while its layer runs forward or backward it is a full-shape view into the gathered buffer.
 
-Gradients: autograd produces a full-shape gradient; a post-accumulation hook copies it into a full-size
-fp32 (fp64 for fp64 params) buffer and drops it. When every trainable parameter of the buffer has reported, the buffer is
-reduce-scattered (mean over ranks) and added into ``main_grad``, the fp32 gradient of the local shard,
-which also accumulates across micro-batches. Each parameter's ``.grad`` is then bound to its piece of
-that gradient, so ``opt.step()`` and ``opt.clear_grad()`` work unchanged.
+Gradients: autograd produces a full-shape gradient; a post-accumulation hook adds it into a full-size
+fp32 (fp64 for fp64 params) buffer and drops it. The buffer is reduce-scattered (mean over ranks) into
+``main_grad``, the fp32 gradient of the local shard, at a point every rank reaches in the same order
+(gradient_sync.py): never when "all gradients arrived here", which differs between ranks that leave
+different parameters unused. ``main_grad`` accumulates across micro-batches and is the source of truth;
+at the end of backward each parameter's ``.grad`` is bound to its piece of it (or to a piece of one cast
+of it for low-precision parameters without AMP master grads), so ``opt.step()`` and ``opt.clear_grad()``
+work unchanged.
 """
 
 from __future__ import annotations
@@ -20,12 +23,20 @@ from typing import TYPE_CHECKING
 
 import paddle
 
+from .device import check_same_place
 from .fused_layout import BufferLayout, LocalPiece
 
 if TYPE_CHECKING:
     from .communication import ShardingComm
 
 logger = logging.getLogger(__name__)
+
+
+def amp_master_grad_enabled() -> bool:
+    """Whether paddle AMP's master-grad mode (``paddle.amp.decorate(..., master_grad=True)``) is on."""
+    from paddle.amp.auto_cast import amp_global_state
+
+    return bool(getattr(amp_global_state(), "use_master_grad", False))
 
 
 def _bind(param: paddle.Tensor, source: paddle.Tensor, shape: list[int]) -> None:
@@ -48,12 +59,17 @@ class FusedBuffer:
         self.full_grad: paddle.Tensor | None = None
         self.main_grad: paddle.Tensor | None = None
         self._grad_in_param_dtype: paddle.Tensor | None = None
-        self._arrived: set[int] = set()
+        self._arrived: set[int] = set()  # gradients of the running backward (local; only frees memory early)
+        self.received: set[int] = set()  # gradients since the last end of backward (exchanged there)
+        self.has_grad: set[int] = set()  # parameters with a gradient in main_grad (same on every rank)
         self._bound_grads: set[int] = set()
         self.held_for_backward = False
+        self.reduce_pending = False  # gathered for backward and not reduced yet (same on every rank)
         self.shard = paddle.zeros([layout.shard_numel], dtype=params[0].dtype)
         # gradients are reduced and accumulated in at least fp32 (fp64 params keep fp64)
         self.grad_dtype = paddle.float64 if self.shard.dtype == paddle.float64 else paddle.float32
+        for param, slot in zip(params, layout.slots):  # a copy across places would leave the shard unfilled
+            check_same_place(slot.key, param, self.shard.place)
         with paddle.no_grad():
             for index, piece in self.pieces.items():
                 flat = params[index].reshape([-1])
@@ -98,6 +114,7 @@ class FusedBuffer:
                 _bind(param, self._shard_view(piece), [piece.length])
         self.full = None
         self.held_for_backward = False
+        self._arrived.clear()
 
     def local_view(self, index: int) -> paddle.Tensor | None:
         """This rank's piece of parameter ``index`` as a 1-D view of the shard, or None if it owns none."""
@@ -112,6 +129,8 @@ class FusedBuffer:
         return hook
 
     def _on_grad_ready(self, index: int) -> None:
+        """Move a full-shape gradient into ``full_grad``. Never communicates: when to reduce is decided
+        by events every rank sees in the same order (see gradient_sync.py), not by what arrived here."""
         param = self.params[index]
         grad = param._grad_ivar()
         if grad is None:
@@ -120,32 +139,47 @@ class FusedBuffer:
         with paddle.no_grad():
             if self.full_grad is None:
                 self.full_grad = paddle.zeros([self.layout.padded_numel], dtype=self.grad_dtype)
-            target = self.full_grad._slice(slot.offset, slot.end)
             flat = grad.reshape([-1])
             if flat.dtype != self.grad_dtype:
                 flat = flat.astype(self.grad_dtype)
-            if index in self._arrived:  # a second backward before the reduce: accumulate
-                target.add_(flat)
-            else:
-                paddle.assign(flat, output=target)
+            self.full_grad._slice(slot.offset, slot.end).add_(flat)
         param.clear_gradient(False)
+        self.received.add(index)
         self._arrived.add(index)
         if len(self._arrived) == len(self.params):
-            self.reduce_gradients()
+            # every parameter has its gradient: nothing of this backward reads the gathered weights any more,
+            # so give the memory back now (local, no collective); the reduction waits for its turn
+            self._arrived.clear()
+            self.release()
 
     def prepare_for_backward(self) -> None:
         """Before this buffer's backward: gather, and take back the gradients lent to ``param.grad``.
 
-        ``param.grad`` stays bound to a piece of ``main_grad`` between backward passes, so that the user
-        and the optimizer see it. Autograd must find ``.grad`` empty to create a full-shape gradient,
-        so the bound pieces are unbound here; whatever the user did to them meanwhile is honoured:
-        zeroed in place (``clear_grad()``) or dropped (``clear_grad(set_to_zero=False)``) both mean zero.
+        Called through :func:`gradient_sync.before_backward_gather`, which first reduces the buffers whose
+        backward is over. Autograd must find ``.grad`` empty to create a full-shape gradient, so the
+        gradients bound between backward passes are taken back here (see :meth:`take_back_grads`).
         """
+        self.take_back_grads()
         self.gather()
         self.held_for_backward = True
-        self.owner.arm_backward_end()
+        if self.layout.trainable:
+            self.reduce_pending = True
+
+    def take_back_grads(self) -> None:
+        """Fold what the user (or AMP) left in the bound ``.grad`` tensors back into ``main_grad``, unbind.
+
+        ``main_grad`` is the source of truth. A ``.grad`` that *is* a piece of it already carries every
+        in-place change (``clear_grad()`` zeroes it there). A dropped one (``clear_grad(set_to_zero=False)``)
+        means zero and no gradient. A low-precision copy left untouched keeps the fp32 value (accumulation
+        stays exact across micro-batches); a modified or replaced one (AMP's ``set_master_grads``, a
+        GradScaler unscale, a user assignment) is taken as the new value.
+        """
         if not self._bound_grads:
             return
+        copy = self._grad_in_param_dtype
+        copy_changed = copy is not None and not bool(
+            paddle.equal_all(copy.astype("float32"), self.main_grad.astype(copy.dtype).astype("float32"))
+        )
         with paddle.no_grad():
             for index in self._bound_grads:
                 param, piece = self.params[index], self.pieces[index]
@@ -153,42 +187,98 @@ class FusedBuffer:
                 grad = param._grad_ivar()
                 if grad is None:
                     main_piece.zero_()
-                elif grad.dtype != self.grad_dtype:
-                    paddle.assign(grad.astype(self.grad_dtype), output=main_piece)
+                    self.has_grad.discard(index)
+                elif grad._is_shared_buffer_with(self.main_grad):
+                    pass
+                elif copy is not None and grad._is_shared_buffer_with(copy) and not copy_changed:
+                    pass
+                else:
+                    paddle.assign(grad.reshape([-1]).astype(self.grad_dtype), output=main_piece)
                 param.clear_gradient(False)
         self._bound_grads.clear()
+        self._grad_in_param_dtype = None
 
-    def reduce_gradients(self) -> list[tuple]:
-        """Reduce-scatter the gathered gradients into ``main_grad``, release, bind ``.grad`` pieces.
-
-        Returns the (param, grad) pairs it bound. A no-op when no gradient arrived since the last call.
-        """
-        if not self._arrived:
-            return []
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter this backward's gradients into ``main_grad`` (collective: every rank calls it at
+        the same point, with zeros when no gradient arrived here)."""
+        self.reduce_pending = False
+        self.take_back_grads()  # main_grad changes below: a bound low-precision copy would go stale
+        if self.full_grad is None and self.comm.world_size == 1:
+            return
         with paddle.no_grad():
-            local = self.comm.reduce_scatter_mean(self.full_grad)
+            full = self.full_grad
+            if full is None:
+                full = paddle.zeros([self.layout.padded_numel], dtype=self.grad_dtype)
+            local = self.comm.reduce_scatter_mean(full)
             if self.main_grad is None:
                 self.main_grad = paddle.zeros([self.layout.shard_numel], dtype=self.grad_dtype)
             self.main_grad.add_(local)
             self.full_grad = None
-            if self.shard.dtype == self.grad_dtype:
-                grad_source = self.main_grad
-            else:
-                self._grad_in_param_dtype = self.main_grad.astype(self.shard.dtype)
-                grad_source = self._grad_in_param_dtype
-        self.release()
+
+    def optimizer_grad_dtype(self):
+        """The dtype ``.grad`` gets: the parameter's own, except under AMP master grads (fp32, as paddle's
+        ``set_master_grads`` would make it)."""
+        if self.shard.dtype == self.grad_dtype or amp_master_grad_enabled():
+            return self.grad_dtype
+        return self.shard.dtype
+
+    def bind_grads(self) -> list[tuple]:
+        """Bind ``.grad`` of every local piece that has a gradient to its piece of ``main_grad`` (or of one
+        cast of it). Returns the (param, grad) pairs bound."""
+        if self.main_grad is None or not self.has_grad:
+            return []
+        dtype = self.optimizer_grad_dtype()
+        source = self.main_grad
+        if dtype != self.grad_dtype:
+            with paddle.no_grad():
+                self._grad_in_param_dtype = source = self.main_grad.astype(dtype)
         bound = []
-        for index in sorted(self._arrived):
+        for index in sorted(self.has_grad):
             piece = self.pieces.get(index)
-            if piece is None:
+            if piece is None or index in self._bound_grads:
                 continue
             param = self.params[index]
+            view = source._slice(piece.shard_start, piece.shard_start + piece.length)
             param.clear_gradient(False)
-            param._copy_gradient_from(grad_source._slice(piece.shard_start, piece.shard_start + piece.length))
+            if view.dtype == param.dtype:
+                param._copy_gradient_from(view)
+            else:  # fp32 gradient of a low-precision parameter: make a gradient of that dtype, then share
+                param.grad = view
+                view._share_buffer_to(param._grad_ivar())
             self._bound_grads.add(index)
             bound.append((param, param._grad_ivar()))
-        self._arrived.clear()
         return bound
+
+    def param_position(self, param) -> int:
+        """Index of ``param`` in this buffer (by identity: tensors compare elementwise)."""
+        for index, mine in enumerate(self.params):
+            if mine is param:
+                return index
+        raise KeyError(f"parameter {param.name} is not in buffer {self.layout.name}")
+
+    def bound_grad_indices(self) -> set[int]:
+        """Parameters whose ``.grad`` is currently bound to a piece of this buffer's gradient."""
+        return set(self._bound_grads)
+
+    def grad_source(self) -> paddle.Tensor | None:
+        """The tensor every bound ``.grad`` is a view of: ``main_grad``, or its low-precision copy."""
+        return self._grad_in_param_dtype if self._grad_in_param_dtype is not None else self.main_grad
+
+    def check_intact(self) -> None:
+        """Refuse parameters changed behind FSDP's back (e.g. cast by ``paddle.amp.decorate`` after wrapping)."""
+        for param, slot in zip(self.params, self.layout.slots):
+            if param.dtype != self.shard.dtype:
+                raise RuntimeError(
+                    f"FullyShardFusion: parameter {slot.key!r} is now {param.dtype}, its fused buffer holds "
+                    f"{self.shard.dtype}: it was cast after wrapping. Call paddle.amp.decorate(...) (or .to(dtype)) "
+                    "before FullyShardFusion(model, ...)"
+                )
+            if hasattr(param, "main_grad"):
+                raise RuntimeError(
+                    f"FullyShardFusion: parameter {slot.key!r} has a `main_grad` attribute: AMP's tensor-fusion "
+                    "master-grad mode (FLAGS_enable_tensor_fusion) is not supported; FSDP keeps fp32 gradients "
+                    "itself. Unset FLAGS_enable_tensor_fusion"
+                )
 
     # ---- introspection --------------------------------------------------------------------------
     def resident_bytes(self) -> int:

@@ -2,72 +2,92 @@
 
 Forward: a layer's buffers are gathered right before its forward and released right after, so at most
 the running layer's parameters are full-size. Backward: paddle has no "before this layer's backward"
-hook, so the layer's outputs pass through an identity PyLayer whose backward runs first among the
-layer's gradient computations; it gathers the buffers again. The buffers are released by their own
-gradient reduction (trainable) or at the next optimizer step / forward (frozen buffers).
+hook, so a gradient hook is registered on every differentiable tensor the layer returns: paddle runs a
+tensor's hooks right before the node that produced it, i.e. before the layer's own gradient computations,
+and the hook gathers the buffers again. A tensor hook leaves the output itself untouched (no new tensor,
+no version bump), so ops that save their output for backward (tanh, sigmoid, softmax, exp) keep working.
+The buffers are released by their own gradient reduction (trainable) or when backward ends (frozen ones).
+
+What the hook cannot see is refused at the first forward, naming the layer: an output object that is not
+a tensor, list, tuple, dict or dataclass (its tensors would reach backward with the parameters sharded).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import paddle
-from paddle.autograd import PyLayer
+
+from .gradient_sync import before_backward_gather
 
 if TYPE_CHECKING:
     from .fused_buffer import FusedBuffer
 
-
-class _PreBackwardGather(PyLayer):
-    """Identity in forward; gathers the layer's buffers when the gradient reaches its outputs."""
-
-    @staticmethod
-    def forward(ctx, buffers, *tensors):
-        ctx.buffers = buffers
-        return tensors if len(tensors) > 1 else tensors[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        for buffer in ctx.buffers:
-            buffer.prepare_for_backward()
-        return grads if len(grads) > 1 else grads[0]
+_PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes)
 
 
-def _differentiable_leaves(outputs) -> list[paddle.Tensor]:
-    found: list[paddle.Tensor] = []
+class UnsupportedUnitOutputError(TypeError):
+    """A wrapped layer returned an object whose tensors FSDP cannot find (it could not gather for backward)."""
+
+
+def _differentiable_outputs(layer_name: str, outputs, exclude: set[int]) -> list[paddle.Tensor]:
+    """The non-leaf tensors requiring grad inside ``outputs``, each once; ``exclude`` holds ids to skip."""
+    found: dict[int, paddle.Tensor] = {}
+
+    def visit(value, where: str):
+        if isinstance(value, paddle.Tensor):
+            if not value.stop_gradient and not value.is_leaf and id(value) not in exclude:
+                found.setdefault(id(value), value)
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                visit(item, f"{where}[{key!r}]")
+        elif isinstance(value, (list, tuple)):
+            for k, item in enumerate(value):
+                visit(item, f"{where}[{k}]")
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                visit(getattr(value, f.name, None), f"{where}.{f.name}")
+        elif not isinstance(value, _PLAIN_VALUES) and not _is_numpy(value):
+            raise UnsupportedUnitOutputError(
+                f"FullyShardFusion: layer {layer_name} returned {where} of type {type(value).__name__}, which "
+                "FSDP cannot look into: return tensors inside a tuple, list, dict or dataclass (or compute it "
+                "under paddle.no_grad()), so that its parameters can be gathered before its backward"
+            )
+
+    visit(outputs, "output")
+    return list(found.values())
+
+
+def _is_numpy(value) -> bool:
+    return type(value).__module__ == "numpy"
+
+
+def _tensor_ids(inputs) -> set[int]:
+    ids: set[int] = set()
 
     def visit(value):
         if isinstance(value, paddle.Tensor):
-            if not value.stop_gradient:
-                found.append(value)
+            ids.add(id(value))
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                visit(item)
         elif isinstance(value, (list, tuple)):
             for item in value:
                 visit(item)
-        elif isinstance(value, dict):
-            for item in value.values():
-                visit(item)
 
-    visit(outputs)
-    return found
-
-
-def _replace_leaves(outputs, replacement: dict[int, paddle.Tensor]):
-    if isinstance(outputs, paddle.Tensor):
-        return replacement.get(id(outputs), outputs)
-    if isinstance(outputs, (list, tuple)):
-        items = [_replace_leaves(item, replacement) for item in outputs]
-        return type(outputs)(items) if not hasattr(outputs, "_fields") else type(outputs)(*items)
-    if isinstance(outputs, dict):
-        return type(outputs)((k, _replace_leaves(v, replacement)) for k, v in outputs.items())
-    return outputs
+    visit(inputs)
+    return ids
 
 
 class LayerHooks:
     """Gathers ``buffers`` around every forward of ``layer`` and arms their pre-backward gather."""
 
-    def __init__(self, layer: paddle.nn.Layer, buffers: list[FusedBuffer]) -> None:
+    def __init__(self, layer: paddle.nn.Layer, buffers: list[FusedBuffer], name: str) -> None:
         self.layer = layer
         self.buffers = buffers
+        self.name = f"{name or '<root>'} ({type(layer).__name__})"
         self._handles = [
             layer.register_forward_pre_hook(self._pre_forward),
             layer.register_forward_post_hook(self._post_forward),
@@ -79,16 +99,28 @@ class LayerHooks:
         return None
 
     def _post_forward(self, layer, inputs, outputs):
-        leaves = _differentiable_leaves(outputs) if paddle.is_grad_enabled() else []
+        try:
+            outs = _differentiable_outputs(self.name, outputs, _tensor_ids(inputs)) if paddle.is_grad_enabled() else []
+        finally:
+            self._release()
+        for tensor in outs:
+            tensor.register_hook(self._before_backward)
+        return None
+
+    def _release(self) -> None:
         for buffer in self.buffers:
-            if not buffer.held_for_backward:
+            if not buffer.held_for_backward and not buffer.owner.summoned:
                 buffer.release()
-        if not leaves:
-            return None
-        wrapped = _PreBackwardGather.apply(self.buffers, *leaves)
-        if isinstance(wrapped, paddle.Tensor):
-            wrapped = (wrapped,)
-        return _replace_leaves(outputs, {id(a): b for a, b in zip(leaves, wrapped)})
+
+    def _before_backward(self, grad):
+        for buffer in self.buffers:
+            if buffer.owner.summoned:
+                raise RuntimeError(
+                    f"FullyShardFusion: backward through {self.name} inside summon_full_params() is not "
+                    "supported; run evaluation under paddle.no_grad(), train outside the context"
+                )
+        before_backward_gather(self.buffers)
+        return None
 
     def remove(self) -> None:
         for handle in self._handles:

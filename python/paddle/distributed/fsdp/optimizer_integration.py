@@ -45,6 +45,7 @@ def install_optimizer_integration() -> None:
         if not owners or not paddle.in_dynamic_mode():
             return original(self, loss, startup_program, params_grads, param_group_idx)
         _warn_per_piece_norms(self, owners)
+        _check_intact_once(self, owners)
         if isinstance(params_grads, list):
             params_grads = list(params_grads)
         params_grads = _flush_and_extend(self, owners, params_grads)
@@ -64,6 +65,16 @@ def _warn_per_piece_norms(opt, owners) -> None:
             "not per whole parameter: results differ from one-process Lamb"
         )
         opt._fsdp_warned = True
+
+
+def _check_intact_once(opt, owners) -> None:
+    """At the first step: refuse parameters cast after wrapping and unsupported AMP modes, by name."""
+    if getattr(opt, "_fsdp_checked", False):
+        return
+    for owner in owners:
+        for buffer in owner.buffers:
+            buffer.check_intact()
+    opt._fsdp_checked = True
 
 
 def optimizer_parameters(opt) -> list:
@@ -113,11 +124,13 @@ def _pairs(params_grads):
 def _fsdp_clip(opt, owners, params_grads):
     """Clip with sums of squares reduced over every sharding group involved; stock clip disabled inside."""
     clip = params_grads.get("grad_clip") if isinstance(params_grads, dict) else opt._grad_clip
-    if not isinstance(clip, (ClipGradByGlobalNorm, ClipGradByNorm)) or all(o.world_size == 1 for o in owners):
+    if isinstance(clip, ClipGradByGlobalNorm):
+        clipped = clip_by_global_norm(owners, _pairs(params_grads), clip)
+    elif isinstance(clip, ClipGradByNorm) and any(o.world_size > 1 for o in owners):
+        clipped = _clip(owners, _pairs(params_grads), clip)
+    else:
         yield params_grads  # one rank: pieces are whole parameters, stock clipping is exact
         return
-    pairs = _pairs(params_grads)
-    clipped = _clip(owners, pairs, clip)
     if isinstance(params_grads, dict):
         params_grads = dict(params_grads, params=clipped, grad_clip=None)
     else:
@@ -127,6 +140,73 @@ def _fsdp_clip(opt, owners, params_grads):
         yield params_grads
     finally:
         opt._grad_clip = saved
+
+
+def _buffer_grad_source(buffer, pairs_of_buffer: dict[int, object]):
+    """The one tensor holding every gradient of ``buffer`` handed to this step, or None when the pairs are
+    not exactly its bound gradients (then the per-parameter path is used)."""
+    if set(pairs_of_buffer) != buffer.bound_grad_indices() or not pairs_of_buffer:
+        return None
+    source = buffer.grad_source()
+    if source is None:
+        return None
+    for grad in pairs_of_buffer.values():
+        if not grad._is_shared_buffer_with(source):
+            return None
+    return source
+
+
+def clip_by_global_norm(owners, pairs, clip: ClipGradByGlobalNorm) -> list:
+    """Stock ``ClipGradByGlobalNorm`` in a few kernels: one sum of squares per fused buffer (over the tensor
+    its gradients are views of), one all-reduce per sharding group, one scaled copy per buffer.
+
+    Parameters outside FSDP, and buffers whose gradients were replaced or only partly handed to the
+    optimizer, fall back to a sum per parameter. The result is the same formula as stock paddle
+    (scale = max_norm / max(norm, max_norm)), with the norm over all ranks.
+    """
+    selected = _clippable(pairs)
+    out = list(pairs)
+    if not selected:
+        return out
+    by_buffer: dict[int, tuple[object, dict[int, object]]] = {}
+    loose = []  # (k, param, grad) summed per parameter
+    for k, param, grad in selected:
+        buffer = getattr(param, "_fsdp_buffer", None)
+        if buffer is None or buffer.owner not in owners:
+            loose.append((k, param, grad))
+            continue
+        index = buffer.param_position(param)
+        by_buffer.setdefault(id(buffer), (buffer, {}))[1][index] = grad
+    fused: dict[int, paddle.Tensor] = {}  # id(buffer) -> the tensor its pairs are views of
+    owner_sums: dict[int, paddle.Tensor] = {id(o): paddle.zeros([1], dtype="float64") for o in owners}
+    for key, (buffer, grads) in by_buffer.items():
+        source = _buffer_grad_source(buffer, grads)
+        if source is not None:
+            fused[key] = source
+            flat = source.astype("float32") if source.dtype not in (paddle.float32, paddle.float64) else source
+            partial = paddle.square(flat).sum().astype("float64").reshape([1])
+        else:
+            partial = paddle.zeros([1], dtype="float64")
+            for grad in grads.values():
+                partial = partial + _sum_of_squares(grad).reshape([1])
+        owner_sums[id(buffer.owner)] = owner_sums[id(buffer.owner)] + partial
+    total = paddle.zeros([1], dtype="float64")
+    for owner in owners:
+        total = total + owner.comm.all_reduce_sum(owner_sums[id(owner)])
+    for _, _, grad in loose:  # replicated parameters: their sums are complete on every rank
+        total = total + _sum_of_squares(grad).reshape([1])
+    max_norm = paddle.full([1], clip.clip_norm, dtype="float64")
+    scale = max_norm / paddle.maximum(paddle.sqrt(total), max_norm)
+    scaled_sources = {key: paddle.multiply(source, scale.astype(source.dtype)) for key, source in fused.items()}
+    for k, param, grad in selected:
+        buffer = getattr(param, "_fsdp_buffer", None)
+        scaled = scaled_sources.get(id(buffer)) if buffer is not None else None
+        if scaled is not None:
+            piece = buffer.pieces[buffer.param_position(param)]
+            out[k] = (param, scaled._slice(piece.shard_start, piece.shard_start + piece.length))
+        else:
+            out[k] = (param, paddle.multiply(grad, scale.astype(grad.dtype).reshape([])))
+    return out
 
 
 def _sum_of_squares(grad) -> paddle.Tensor:

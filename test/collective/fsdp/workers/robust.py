@@ -148,10 +148,10 @@ def main() -> None:
         return case
 
     def rng_of_rank1_truncated(md):
-        md["values"][RNG_KEY][1][0][3] = md["values"][RNG_KEY][1][0][3][:-7]
+        md["values"][RNG_KEY][1]["cpu"][3] = md["values"][RNG_KEY][1]["cpu"][3][:-7]
 
-    def rng_of_rank1_two_generators(md):
-        md["values"][RNG_KEY][1].append(md["values"][RNG_KEY][1][0])
+    def rng_of_rank1_two_generators(md):  # saved where a GPU generator existed, loaded on CPU only
+        md["values"][RNG_KEY][1]["device"] = {"type": "gpu", "state": md["values"][RNG_KEY][1]["cpu"]}
 
     def scheduler_field_as_string(md):
         st = md["values"][OPTIMIZER_KEY]["global_state"]["learning_rate"]["state"]

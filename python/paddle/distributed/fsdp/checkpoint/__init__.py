@@ -44,6 +44,7 @@ from .errors import (
     NotARegularFileError,
     OptimizerMismatchError,
     PartiallyLoadedError,
+    RngStateMismatchError,
     SafetensorsHeaderError,
     SaveFailedError,
     ShapeMismatchError,
@@ -95,6 +96,7 @@ __all__ = [
     "ShapeMismatchError",
     "StateDictMismatchError",
     "OptimizerMismatchError",
+    "RngStateMismatchError",
     "UnexpectedKeyError",
     "UnsafePathError",
 ]

@@ -63,6 +63,11 @@ class UnexpectedKeyError(StateDictMismatchError):
     """The checkpoint holds keys the model does not have (a checkpoint of another model)."""
 
 
+class RngStateMismatchError(StateDictMismatchError):
+    """The saved random state belongs to another device setup (another device type, or an old-style entry for
+    another number of visible devices): refused before anything is written."""
+
+
 class OptimizerMismatchError(StateDictMismatchError, ValueError):
     """The optimizer given to a load is of another class than the saved one, or none was saved."""
 
@@ -100,6 +105,7 @@ ERROR_CLASSES = {
         DtypeMismatchError,
         UnexpectedKeyError,
         OptimizerMismatchError,
+        RngStateMismatchError,
         InvalidStateDictError,
         SaveFailedError,
         PartiallyLoadedError,

@@ -144,8 +144,11 @@ def is_host_place(place) -> bool:
 
 
 def is_host_contiguous(t) -> bool:
-    """Whether the tensor's bytes can be used in place through its data pointer (see raw_view)."""
-    return is_host_place(t.place) and t.is_contiguous()
+    """Whether the tensor's bytes can be used in place through its data pointer (see raw_view); device memory
+    (and, in fake-device mode, every tensor not made as host memory) cannot: see ``fsdp/device.py``."""
+    from .. import device
+
+    return device.is_host(t) and t.is_contiguous()
 
 
 def raw_view(t, allow_copy: bool = True):
@@ -154,17 +157,19 @@ def raw_view(t, allow_copy: bool = True):
     Host, contiguous tensors are viewed in place through their data pointer; a device (or non-contiguous)
     tensor is first copied to host, one tensor at a time, with its own place's copy (never ``.cuda()``).
     """
+    from .. import device
+
     n = numel_of(t) * t.element_size()
     if n == 0:
         return np.zeros(0, np.uint8), t
     keep = t
-    if not is_host_place(t.place) or not t.is_contiguous():
+    if not device.is_host(t) or not t.is_contiguous():
         if not allow_copy:
             raise ValueError("tensor is not a contiguous host tensor")
         if not t.is_contiguous():
             keep = t.contiguous()
-        if not is_host_place(keep.place):
-            keep = keep.cpu()
-    ptr = keep.data_ptr()
+        if not device.is_host(keep):
+            keep = device.to_host([keep])[0]
+    ptr = device.data_ptr(keep)
     arr = np.frombuffer((ctypes.c_ubyte * n).from_address(ptr), dtype=np.uint8)
     return arr, keep

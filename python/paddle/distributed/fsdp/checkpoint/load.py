@@ -94,14 +94,10 @@ from .tracing import Tracer
 
 
 def _staging_tensor(shape, dtype: str, pin: bool):
-    import paddle
+    """Host memory to read into (pinned for device targets: ``CUDAPinnedPlace``, logged fallback)."""
+    from .. import device
 
-    try:
-        return paddle.empty(list(shape), dtype=dtype, device=paddle.CPUPlace(), pin_memory=pin)
-    except Exception:
-        if not pin:
-            raise
-        return paddle.empty(list(shape), dtype=dtype, device=paddle.CPUPlace())
+    return device.host_empty(list(shape), dtype, pinned=pin)
 
 
 def named_read_error(path: str, e: BaseException | None) -> BaseException | None:
@@ -506,7 +502,7 @@ class _LoadJob:
         for tg in self.staged:
             if tg.raw is None:
                 # device (or strided) target: host staging tensor (pinned for devices), committed with copy_
-                pin = not host_memory.is_host_place(tg.tensor.place)
+                pin = not host_memory.is_host_contiguous(tg.tensor)
                 tg.staging = _staging_tensor(tg.tensor.shape, tg.dtype, pin)
                 tg.raw, _ = host_memory.raw_view(tg.staging, allow_copy=False)
             read_region(files, md, tg.key, tg.region, tg.raw, self.verify_checksums, verifier, reads)

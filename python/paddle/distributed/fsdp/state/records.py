@@ -19,6 +19,7 @@ import paddle
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
 from . import optimizer_states as names
+from .buffers import persistable_buffers
 
 if TYPE_CHECKING:
     from ..fully_shard_fusion import FullyShardFusion
@@ -36,9 +37,10 @@ def _flattened_record(key: str, local: paddle.Tensor, shape: tuple[int, ...], st
     )
 
 
-def model_sharded_state_dict(fsdp: FullyShardFusion) -> dict[str, ShardedWeight]:
-    """Every parameter piece this rank holds, keyed by structured name (tied params appear once)."""
-    records = {}
+def model_sharded_state_dict(fsdp: FullyShardFusion) -> dict:
+    """Every parameter piece this rank holds, keyed by structured name (tied params appear once), and every
+    persistable buffer as a replicated tensor (see buffers.py: saved from rank 0, loaded on every rank)."""
+    records: dict = {}
     for key, _param, buffer, index in fsdp.managed_parameters():
         piece = buffer.pieces.get(index)
         if piece is None:
@@ -46,6 +48,7 @@ def model_sharded_state_dict(fsdp: FullyShardFusion) -> dict[str, ShardedWeight]
         records[key] = _flattened_record(
             key, buffer.local_view(index), piece.slot.shape, piece.param_start, piece.param_stop
         )
+    records.update(persistable_buffers(fsdp.model))
     return records
 
 

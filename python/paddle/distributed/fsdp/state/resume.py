@@ -26,9 +26,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import paddle
-from paddle.base import core
-
 from ..checkpoint import (
     CheckpointManager,
     CheckpointOptions,
@@ -43,10 +40,9 @@ from ..checkpoint.errors import (
     MetadataError,
     OptimizerMismatchError,
     PartiallyLoadedError,
-    StateDictMismatchError,
     UnexpectedKeyError,
 )
-from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
+from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
 from ..checkpoint.manager import (
     committed_steps,
     is_checkpoint_root,
@@ -55,6 +51,8 @@ from ..checkpoint.manager import (
     step_dir_name,
 )
 from . import optimizer_states as names
+from . import rng
+from .buffers import persistable_buffers, warn_if_buffers_differ
 from .records import refresh_master_weights
 
 logger = logging.getLogger(__name__)
@@ -82,64 +80,6 @@ class LoadResult(dict):
         self.path = path
         self.step = parse_step(os.path.basename(path))
         self.fallback_from: list[tuple[str, str]] = []
-
-
-def _rng_state() -> list:
-    """This process's generator states as JSON (paddle's own pickle-free tuple form)."""
-    return [list(state.__getstate__()) for state in paddle.get_rng_state()]
-
-
-def _set_rng_state(saved: list) -> None:
-    paddle.set_rng_state(decode_rng_state(saved, "rng"))
-
-
-def decode_rng_state(saved: Any, where: str) -> list:
-    """This process's generator states decoded from a checkpoint entry (one per generator of
-    ``paddle.get_rng_state()``), each checked by :func:`check_generator_state`; same count and device ids as this
-    process's generators, else StateDictMismatchError (another device setup)."""
-    current = [st.__getstate__() for st in paddle.get_rng_state()]
-    if type(saved) is not list:
-        raise MetadataError(f"{where} must be a list of generator states, got {type(saved).__name__}")
-    if len(saved) != len(current):
-        raise StateDictMismatchError(
-            f"{where} holds {len(saved)} generator states, this process has {len(current)} (another device setup)"
-        )
-    out = []
-    for i, (item, now) in enumerate(zip(saved, current)):
-        state = check_generator_state(item, f"{where}[{i}]")
-        if item[0] != now[0]:
-            raise StateDictMismatchError(f"{where}[{i}] is the state of device {item[0]}, this process has {now[0]}")
-        out.append(state)
-    return out
-
-
-_scratch_generator = None
-
-
-def check_generator_state(item: Any, where: str):
-    """One saved generator state (``[device, seed, offset, engine state bytes]``) decoded and checked completely
-    before use, as a ``GeneratorState``: paddle validates nothing (a truncated engine text is accepted and leaves a
-    half-set engine), so the text must survive a round trip through a scratch generator unchanged (the engine
-    parsed all of it). MetadataError naming ``where`` otherwise."""
-    global _scratch_generator
-    if type(item) is not list or len(item) != 4 or any(type(x) is not int for x in item[:3]):
-        raise MetadataError(f"{where} must be [device, seed, offset, state bytes]")
-    if type(item[3]) is not list or len(item[3]) > 1 << 16 or set(map(type, item[3])) - {int}:
-        raise MetadataError(f"{where}: the engine state must be a list of byte values")
-    if any(not 0 <= b < 256 for b in item[3]) or not -(1 << 63) <= item[1] < 1 << 64 or item[2] < 0:
-        raise MetadataError(f"{where}: a value is out of range")
-    state = core.GeneratorState.__new__(core.GeneratorState)
-    try:
-        state.__setstate__(tuple(item))
-        if _scratch_generator is None:
-            _scratch_generator = core.Generator()
-        _scratch_generator.set_state(state)
-        back = _scratch_generator.get_state().__getstate__()
-    except Exception as e:  # noqa: BLE001 - whatever paddle raises on a bad state
-        raise MetadataError(f"{where} is not a generator state: {e}") from None
-    if list(back[3]) != item[3]:
-        raise MetadataError(f"{where}: the generator engine state is damaged (it does not parse whole)")
-    return state
 
 
 def decode_extra_state(saved: Any, where: str) -> dict:
@@ -213,7 +153,9 @@ def save_checkpoint(
             "class": type(inner).__name__,
             "global_state": names.optimizer_global_state(inner),
         }
-    state[RNG_KEY] = _rng_state()  # every rank's, gathered by the save's own exchange (per_rank_values)
+    warn_if_buffers_differ(fsdp)
+    state[BUFFERS_KEY] = list(persistable_buffers(fsdp.model))
+    state[RNG_KEY] = rng.capture()  # every rank's, gathered by the save's own exchange (per_rank_values)
     state[EXTRA_KEY] = dict(extra_state or {})
     save_options = dict(async_save=async_save, deferred_keys=deferred, per_rank_values=(RNG_KEY,), options=options)
     if manager is not None:
@@ -225,6 +167,7 @@ def _foreign_keys(metadata, fsdp) -> list[str]:
     """Checkpoint keys that belong to no parameter of this model (optimizer state ``<param key>.<name>`` and
     reserved ``__fsdp__.*`` values belong)."""
     model_keys = {key for key, _param, _buffer, _index in fsdp.managed_parameters()}
+    model_keys.update(persistable_buffers(fsdp.model))
     out = []
     for key in list(metadata.tensors) + list(metadata.values):
         if key in model_keys or key.startswith(RESERVED_PREFIX):
@@ -271,29 +214,13 @@ def _precheck(fsdp, resolved: str, metadata, optimizer, strict: bool) -> tuple[l
             f"checkpoint {resolved} holds {len(foreign)} key(s) this model does not have (a checkpoint of another "
             f"model?): {foreign[:5]}{' ...' if len(foreign) > 5 else ''}; pass strict=False to load the rest"
         )
-    rng = values.get(RNG_KEY)
-    rng_states = None
-    if rng is not None:
-        if type(rng) is not list or any(type(entry) is not list for entry in rng):
-            raise MetadataError(f"checkpoint {resolved}: {RNG_KEY} must be a list (one entry per saving rank)")
-        if fsdp.rank < len(rng):
-            rng_states = decode_rng_state(rng[fsdp.rank], f"checkpoint {resolved}: {RNG_KEY}[{fsdp.rank}]")
+    apply_rng = rng.decode(values.get(RNG_KEY), fsdp.rank, f"checkpoint {resolved}")
     decode_extra_state(values.get(EXTRA_KEY), f"checkpoint {resolved}: {EXTRA_KEY}")
 
     def apply() -> None:
         if apply_optimizer is not None:
             apply_optimizer()
-        if rng_states is not None:
-            paddle.set_rng_state(rng_states)
-        elif not rng:  # converted from Hugging Face weights, say: no training run whose randomness resumes
-            logger.info("checkpoint %s holds no random state; the current one is kept", resolved)
-        else:  # saved by fewer ranks than load it
-            logger.warning(
-                "checkpoint %s holds no random state for rank %d (saved by %d ranks); it keeps its current one",
-                resolved,
-                fsdp.rank,
-                len(rng),
-            )
+        apply_rng()
 
     return foreign, apply
 
@@ -415,6 +342,8 @@ def _load_once(
         e.checkpoint = resolved  # which checkpoint failed, for the fallback
         raise
     checked["apply"]()  # validated above on every rank: restores optimizer global state and RNG, cannot fail
+    # the list of buffer keys is for the tools (to-hf); the buffers themselves were loaded as model state
+    report.unexpected_keys = [k for k in report.unexpected_keys if k != BUFFERS_KEY]
     if optimizer is not None:  # a parameter loaded without its master weight: the master follows the parameter
         refreshed = refresh_master_weights(fsdp, optimizer, report.loaded_keys)
         if refreshed:

@@ -16,7 +16,7 @@ from ..checkpoint import read_metadata
 from ..checkpoint.format.metadata import itemsize
 from ..checkpoint.format.reserved import OPTIMIZER_KEY, RNG_KEY
 from ..checkpoint.planner import Region
-from .ckpt_io import MODEL, OPTIMIZER, classify_keys, resolve_checkpoint_path
+from .ckpt_io import BUFFER, MODEL, OPTIMIZER, buffer_keys, classify_keys, resolve_checkpoint_path
 from .progress import human_bytes
 
 
@@ -25,13 +25,15 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     path = resolve_checkpoint_path(path)
     md = read_metadata(path)
     roles = classify_keys(md)
+    buffers = buffer_keys(md)
     tensors: dict[str, Any] = {}
-    totals = {MODEL: [0, 0], OPTIMIZER: [0, 0]}
+    totals = {MODEL: [0, 0], OPTIMIZER: [0, 0], BUFFER: [0, 0]}
     for key, tm in md.tensors.items():
         nbytes = Region.full(tm.shape).numel * itemsize(tm.dtype)
         r = roles[key]
+        role = BUFFER if key in buffers else r.role
         entry: dict[str, Any] = {
-            "role": r.role,
+            "role": role,
             "dtype": tm.dtype,
             "shape": list(tm.shape),
             "pieces": len(tm.pieces),
@@ -41,8 +43,8 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             entry["param"] = r.param
             entry["state"] = r.state
         tensors[key] = entry
-        totals[r.role][0] += 1
-        totals[r.role][1] += nbytes
+        totals[role][0] += 1
+        totals[role][1] += nbytes
     opt = md.values.get(OPTIMIZER_KEY)
     return {
         "path": path,
@@ -55,9 +57,11 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         "files": {name: {"rank": f.rank, "size": f.size} for name, f in sorted(md.files.items())},
         "file_bytes": sum(f.size for f in md.files.values()),
         "num_tensors": len(tensors),
-        "total_bytes": totals[MODEL][1] + totals[OPTIMIZER][1],
+        "total_bytes": totals[MODEL][1] + totals[OPTIMIZER][1] + totals[BUFFER][1],
         "model_tensors": totals[MODEL][0],
         "model_bytes": totals[MODEL][1],
+        "buffer_tensors": totals[BUFFER][0],
+        "buffer_bytes": totals[BUFFER][1],
         "optimizer_tensors": totals[OPTIMIZER][0],
         "optimizer_bytes": totals[OPTIMIZER][1],
         "optimizer_class": opt.get("class") if isinstance(opt, dict) else None,
@@ -84,6 +88,7 @@ def format_text(info: dict[str, Any]) -> str:
         f"{info['world_size']} rank(s){created})",
         f"files       {len(info['files'])} data file(s), {human_bytes(info['file_bytes'])}, checksums: {info['checksum']}",
         f"tensors     {info['num_tensors']}: {info['model_tensors']} model ({human_bytes(info['model_bytes'])}), "
+        f"{info['buffer_tensors']} buffer ({human_bytes(info['buffer_bytes'])}), "
         f"{info['optimizer_tensors']} optimizer state{opt} ({human_bytes(info['optimizer_bytes'])})",
     ]
     for key in sorted(info["values"]):

@@ -1,0 +1,130 @@
+"""Full-parameter access to a FullyShardFusion model: summon_full_params and full_state_dict.
+
+At rest every parameter is this rank's 1-D piece. Code that needs whole parameters (printing values,
+``save_pretrained``, evaluation, custom initialisation) runs inside :func:`summon_full_params`, a collective
+context in which every parameter is bound to its full logical shape and value. :func:`full_state_dict`
+gathers one buffer (one unit) at a time, so its transient memory is bounded by the largest unit, not the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import paddle
+
+from .state.buffers import persistable_buffers
+
+if TYPE_CHECKING:
+    from .fully_shard_fusion import FullyShardFusion
+
+
+@contextlib.contextmanager
+def summon_full_params(fsdp: FullyShardFusion, writeback: bool = False, rank0_only: bool = False):
+    """Every parameter full-size inside the context. Collective: every rank of the group enters and exits it.
+
+    Args:
+        writeback: copy what the parameters hold at exit back into each rank's shard (values changed in place
+            or by ``set_value``/``set_state_dict``); without it, changes made inside are discarded.
+        rank0_only: only rank 0 keeps the full parameters (the others see their pieces); cannot be combined
+            with ``writeback`` (the other ranks would have nothing to write back).
+
+    Backward inside the context is refused (run evaluation under ``paddle.no_grad()``); forwards work.
+    """
+    if rank0_only and writeback:
+        raise ValueError("summon_full_params: writeback=True needs rank0_only=False (every rank writes its shard)")
+    if fsdp.summoned:
+        raise RuntimeError("summon_full_params is already active for this model (contexts do not nest)")
+    keep = not rank0_only or fsdp.rank == 0
+    backups = []
+    gathered = []
+    try:
+        for buffer in fsdp.buffers:
+            # one rank holds the whole buffer as its shard: the gathered view would alias it, so keep a copy
+            # that an exit without writeback restores
+            if fsdp.world_size == 1 and not writeback and keep:
+                backups.append((buffer, buffer.shard.clone()))
+            buffer.gather()
+            gathered.append(buffer)
+            if not keep:
+                buffer.release()
+        fsdp.summoned = keep
+        yield
+    finally:
+        fsdp.summoned = False
+        try:
+            if writeback:
+                for buffer in gathered:
+                    _write_back(buffer)
+        finally:
+            for buffer in gathered:
+                buffer.release()
+            with paddle.no_grad():
+                for buffer, saved in backups:
+                    paddle.assign(saved, output=buffer.shard)
+
+
+def _write_back(buffer) -> None:
+    """Copy this rank's piece of every parameter, as it is now, into the shard."""
+    with paddle.no_grad():
+        for index, param in enumerate(buffer.params):
+            slot = buffer.layout.slots[index]
+            if list(param.shape) != list(slot.shape):
+                raise ValueError(
+                    f"summon_full_params(writeback=True): {slot.key} changed shape inside the context "
+                    f"({list(slot.shape)} -> {list(param.shape)}); parameters keep their shape"
+                )
+            piece = buffer.pieces.get(index)
+            if piece is None:
+                continue
+            value = param.reshape([-1])[piece.param_start : piece.param_stop]
+            if value.dtype != buffer.shard.dtype:
+                value = value.astype(buffer.shard.dtype)
+            paddle.assign(value, output=buffer.local_view(index))
+
+
+def full_state_dict(fsdp: FullyShardFusion, rank0_only: bool = True, offload_to_cpu: bool = True) -> OrderedDict:
+    """The model's ``state_dict()`` with whole parameters, gathered one buffer at a time. Collective.
+
+    Keys and order are those of the unwrapped model's ``state_dict()`` (tied parameters under each of their
+    names, persistable buffers included), so ``unwrapped.set_state_dict(full)`` loads it. With ``rank0_only``
+    the other ranks return an empty dict. Tensors are copies (on CPU with ``offload_to_cpu``).
+    """
+    keep = not rank0_only or fsdp.rank == 0
+    names_of: dict[int, list[str]] = {}
+    order: list[str] = []
+    for prefix, layer in fsdp.model.named_sublayers(include_self=True):
+        for name, value in list(layer._parameters.items()) + list(layer._buffers.items()):
+            if value is None or (name in layer._buffers and name in layer._non_persistable_buffer_names_set):
+                continue
+            key = f"{prefix}.{name}" if prefix else name
+            names_of.setdefault(id(value), []).append(key)
+            order.append(key)
+    values: dict[str, paddle.Tensor] = {}
+
+    def take(tensor: paddle.Tensor) -> paddle.Tensor:
+        copy = tensor.detach()
+        if offload_to_cpu and not copy.place.is_cpu_place():
+            return copy.cpu()
+        return copy.clone()
+
+    for buffer in fsdp.buffers:
+        was_gathered = buffer.is_gathered
+        buffer.gather()
+        try:
+            if keep:
+                for param in buffer.params:
+                    value = take(param)
+                    for key in names_of.get(id(param), []):
+                        values[key] = value
+        finally:
+            if not was_gathered:
+                buffer.release()
+    if not keep:
+        return OrderedDict()
+    for key, tensor in persistable_buffers(fsdp.model).items():
+        value = take(tensor)
+        for name in names_of.get(id(tensor), [key]):
+            values[name] = value
+    return OrderedDict((key, values[key]) for key in order if key in values)

@@ -1,0 +1,112 @@
+"""When gradients are reduced: only at events every rank sees in the same order.
+
+A reduction is a collective, so the order of reductions must be the same on every rank, whatever data
+each rank saw. Ranks may leave different parameters unused (an MoE layer skipping idle experts, a branch
+on the rank), so "all gradients of a buffer arrived here" is a local fact and must never trigger one.
+The triggers used instead:
+
+1. the next pre-backward gather: when a layer's backward is about to start, every buffer gathered for an
+   earlier backward and not reduced yet is reduced first, in buffer order. Pre-backward gathers are
+   themselves collectives issued in graph order, so every rank passes them in the same order;
+2. the end of backward (paddle's backward-final hook): the remaining buffers are reduced, then one small
+   all-reduce tells every rank which parameters received a gradient anywhere (so a parameter used on
+   another rank only still gets its averaged gradient stepped here) and which buffers received gradients
+   after their reduction; those are reduced once more, in buffer order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import paddle
+from paddle.base import core
+
+if TYPE_CHECKING:
+    from .fused_buffer import FusedBuffer
+
+
+def before_backward_gather(buffers: list[FusedBuffer]) -> None:
+    """A layer's backward is about to run: reduce the buffers whose backward is over, then gather ``buffers``."""
+    if not buffers:
+        return
+    owner = buffers[0].owner
+    current = {id(b) for b in buffers}
+    for buffer in owner.buffers:
+        if buffer.reduce_pending and id(buffer) not in current:
+            buffer.reduce_gradients()
+    for buffer in buffers:
+        buffer.prepare_for_backward()
+    arm_backward_end(owner)
+
+
+def arm_backward_end(owner) -> None:
+    """Run :func:`end_of_backward` when the running backward pass ends (paddle clears final hooks after each)."""
+    if not owner.backward_end_armed:
+        owner.backward_end_armed = True
+
+        def hook() -> None:
+            owner.backward_end_armed = False
+            end_of_backward(owner)
+
+        core.eager._add_backward_final_hook(hook)
+
+
+def _exchange_received(owner) -> tuple[list[set[int]], list[bool]]:
+    """Per buffer: parameters that received a gradient on any rank; whether any rank has gradients left
+    unreduced. One all-reduce of a small vector (none in a one-rank world)."""
+    buffers = owner.buffers
+    sizes = [len(b.params) for b in buffers]
+    if owner.comm.world_size == 1:
+        return [set(b.received) for b in buffers], [b.full_grad is not None for b in buffers]
+    flags = [0.0] * (sum(sizes) + len(buffers))
+    offset = 0
+    for k, buffer in enumerate(buffers):
+        for index in buffer.received:
+            flags[offset + index] = 1.0
+        offset += sizes[k]
+        flags[sum(sizes) + k] = 1.0 if buffer.full_grad is not None else 0.0
+    vector = paddle.to_tensor(flags, dtype="float32")
+    owner.comm.all_reduce_sum(vector)
+    values = vector.numpy().tolist()
+    received, offset = [], 0
+    for size in sizes:
+        received.append({i for i in range(size) if values[offset + i] > 0})
+        offset += size
+    late = [v > 0 for v in values[sum(sizes) :]]
+    return received, late
+
+
+def end_of_backward(owner) -> list[tuple]:
+    """Reduce what is left, agree on who got gradients, bind ``.grad``; release gathered buffers.
+    Collective: every rank runs it at the end of each backward. Returns the (param, grad) pairs bound."""
+    for buffer in owner.buffers:
+        if buffer.reduce_pending:
+            buffer.reduce_gradients()
+    received, late = _exchange_received(owner)
+    bound = []
+    for buffer, got, is_late in zip(owner.buffers, received, late):
+        if is_late:  # gradients that arrived after their buffer's reduction (rare: autograd ran them late)
+            buffer.reduce_gradients()
+        buffer.received.clear()
+        buffer.has_grad |= got
+        if buffer.layout.trainable:
+            bound.extend(buffer.bind_grads())
+        if buffer.is_gathered:
+            buffer.release()
+    return bound
+
+
+def flush_before_step(owner) -> list[tuple]:
+    """Safety net at ``opt.step()``: finish a backward whose end was not seen (every rank agrees, since the
+    pending state is set by collective gathers); anything else pending here alone is refused."""
+    if any(b.reduce_pending for b in owner.buffers):
+        return end_of_backward(owner)
+    if any(b.full_grad is not None or b.received for b in owner.buffers):
+        raise RuntimeError(
+            "FullyShardFusion: gradients arrived outside a tracked backward pass (no pre-backward gather ran); "
+            "they cannot be reduced without risking different collective orders on different ranks"
+        )
+    for buffer in owner.buffers:
+        if buffer.is_gathered and buffer.held_for_backward:
+            buffer.release()
+    return []

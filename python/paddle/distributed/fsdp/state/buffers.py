@@ -1,0 +1,74 @@
+"""Persistable buffers in checkpoints: which ones, and what happens when ranks disagree.
+
+A buffer (``register_buffer``, persistable by default) is model state the optimizer does not step: step
+counters, EMA statistics, MoE routing biases updated outside the optimizer, quantization scales. FSDP does not
+shard buffers, so every rank holds the whole tensor; it is recorded as a replicated tensor under its
+structured name (``model.state_dict()``'s key), saved once and loaded into every rank whatever the world size.
+Non-persistable buffers (``persistable=False``) are left out, as ``state_dict()`` leaves them out.
+
+Ranks that disagree: the saved value is rank 0's, and every rank gets it back on load. This is the rule of
+data-parallel training (DDP broadcasts rank 0's buffers), and buffers that legitimately drift per rank (batch
+norm statistics over local batches) must stay savable; so ``save_checkpoint`` compares a hash of every buffer
+across ranks and logs a warning naming the buffers that differ, instead of refusing the save.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import paddle
+
+logger = logging.getLogger(__name__)
+
+
+def persistable_buffers(model: paddle.nn.Layer) -> OrderedDict:
+    """The model's persistable buffers by structured name, in ``model.state_dict()`` order (a buffer object
+    registered under two names is known by the first)."""
+    out: OrderedDict = OrderedDict()
+    seen: set[int] = set()
+    for prefix, layer in model.named_sublayers(include_self=True):
+        for name, buffer in layer._buffers.items():
+            if buffer is None or name in layer._non_persistable_buffer_names_set or id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            out[f"{prefix}.{name}" if prefix else name] = buffer
+    return out
+
+
+def _fingerprint(tensor: paddle.Tensor) -> str:
+    import xxhash
+
+    array = tensor.detach().cpu().numpy()
+    return f"{array.dtype}{list(array.shape)}:{xxhash.xxh3_64_hexdigest(array.tobytes())}"
+
+
+def buffers_differing_across_ranks(fsdp) -> dict[str, list[int]]:
+    """Buffer key -> ranks whose value differs from rank 0's. Collective (one small all_gather_object) when the
+    model has persistable buffers (none: no collective, so an async save of such a model blocks for one less)."""
+    buffers = persistable_buffers(fsdp.model)
+    if not buffers:  # the model's structure is the same on every rank: all skip the collective together
+        return {}
+    mine = {key: _fingerprint(value) for key, value in buffers.items()}
+    every = fsdp.comm.all_gather_object(mine)
+    differing: dict[str, list[int]] = {}
+    for rank, prints in enumerate(every[1:], start=1):
+        for key, value in prints.items():
+            if every[0].get(key) != value:
+                differing.setdefault(key, []).append(rank)
+    return differing
+
+
+def warn_if_buffers_differ(fsdp) -> dict[str, list[int]]:
+    """Log (on every rank) which buffers will be saved from rank 0 although other ranks hold other values."""
+    differing = buffers_differing_across_ranks(fsdp)
+    if differing:
+        shown = ", ".join(f"{key} (ranks {ranks})" for key, ranks in list(differing.items())[:10])
+        logger.warning(
+            "save_checkpoint: %d persistable buffer(s) differ across ranks; rank 0's value is saved and every rank "
+            "gets it back on load: %s%s",
+            len(differing),
+            shown,
+            " ..." if len(differing) > 10 else "",
+        )
+    return differing
