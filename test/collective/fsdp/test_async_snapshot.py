@@ -196,6 +196,35 @@ def test_fsdp_async_checkpoint_then_training_step_saves_the_state_at_the_call(tm
         assert np.array_equal(bits(t), at_call[k]), k
 
 
+def test_summon_full_params_writeback_right_after_an_async_save_waits(tmp_path, gated):
+    """The writeback of ``summon_full_params(writeback=True)`` goes through ``paddle.assign(output=shard)``: it
+    waits for the snapshot, and the checkpoint holds the parameters at the call."""
+    from paddle.distributed.fsdp import FullyShardFusion
+
+    gate, reached = gated
+    paddle.seed(5)
+    model = paddle.nn.Sequential(paddle.nn.Linear(6, 5), paddle.nn.Linear(5, 3))
+    fsdp = FullyShardFusion(model)
+    records = fsdp.sharded_state_dict()
+    at_call = {k: bits(v.local_tensor) for k, v in records.items()}
+    h = fsdp.save_checkpoint(str(tmp_path / "c"), async_save=True)
+
+    def rewrite():
+        with fsdp.summon_full_params(writeback=True), paddle.no_grad():
+            for p in model.parameters():
+                p.set_value(paddle.full(p.shape, 9.0, dtype=p.dtype))
+
+    _write_while_gated(gate, reached, rewrite)
+    h.wait()
+    assert all(bool((v.local_tensor.numpy() == 9.0).all()) for v in fsdp.sharded_state_dict().values())
+    paddle.seed(77)
+    model2 = paddle.nn.Sequential(paddle.nn.Linear(6, 5), paddle.nn.Linear(5, 3))
+    fsdp2 = FullyShardFusion(model2)
+    fsdp2.load_checkpoint(str(tmp_path / "c"))
+    for k, v in fsdp2.sharded_state_dict().items():
+        assert np.array_equal(bits(v.local_tensor), at_call[k]), k
+
+
 def test_snapshot_guard_overlap_is_by_address():
     g = snapshot_guard.SnapshotInFlight([(100, 200), (300, 310), (1000, 5000)])
     assert g.overlaps(150, 160) and g.overlaps(190, 305) and g.overlaps(4999, 6000) and g.overlaps(0, 101)
