@@ -293,7 +293,9 @@ def _paddle_version():
 
 
 def _cache_summary(fl) -> str:
-    vals = [x for name, runs in fl.items() if name != "warm" for r in runs for x in r["cache"] if x is not None]
+    vals = [
+        x for name, runs in fl.items() if not name.startswith("warm") for r in runs for x in r["cache"] if x is not None
+    ]
     return f"max {max(vals):.1%} of pages" if vals else "unknown"
 
 
