@@ -162,18 +162,21 @@ class _PatchingLoader:
 def _make_checkpoint_wrapper(name: str, stock: Callable[..., Any] | None) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         # Imported at call time: paddle.distributed is still initialising when this is installed.
-        from paddle.distributed.fsdp import checkpoint as fork_checkpoint
+        # stock's signature and results for stock inputs, the fork's engine on top (checkpoint/stock/dispatch.py)
+        from paddle.distributed.fsdp.checkpoint import stock as dispatch
 
-        return getattr(fork_checkpoint, name)(*args, **kwargs)
+        return getattr(dispatch, name)(*args, **kwargs)
 
     wrapper.__name__ = name
     wrapper.__qualname__ = name
     wrapper.__module__ = DISTRIBUTED_PACKAGE
     wrapper.__doc__ = (
-        f"paddle-fsdp-fork: forwards all arguments to `{TARGET_PACKAGE}.checkpoint.{name}`.\n\n"
+        f"paddle-fsdp-fork: stock's signature, dispatched by `{TARGET_PACKAGE}.checkpoint.stock.{name}`.\n\n"
         f"The stock implementation stays available as `{DISTRIBUTED_PACKAGE}.{name}.__wrapped_stock__`."
     )
     wrapper.__wrapped_stock__ = stock  # type: ignore[attr-defined]
+    if stock is not None:
+        wrapper.__wrapped__ = stock  # type: ignore[attr-defined]  # inspect.signature shows stock's signature
     setattr(wrapper, WRAPPER_MARKER, True)
     return wrapper
 

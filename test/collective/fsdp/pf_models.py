@@ -123,10 +123,11 @@ def paddle_logits(model, ids: np.ndarray) -> np.ndarray:
 
 
 def save_single_process(model, path: str | os.PathLike) -> None:
-    """The model's state dict as an engine checkpoint, written by this one process."""
-    import paddle.distributed as dist
+    """The model's state dict as an engine checkpoint, written by this one process (the engine's own save:
+    ``dist.save_state_dict`` of plain tensors writes stock paddle's format, as stock does)."""
+    from paddle.distributed.fsdp.checkpoint import save_state_dict
 
-    dist.save_state_dict(model.state_dict(), str(path))
+    save_state_dict(model.state_dict(), str(path))
 
 
 def decoder_layer(family: str) -> str:

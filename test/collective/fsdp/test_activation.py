@@ -95,7 +95,7 @@ def test_checkpoint_api_is_redirected_to_the_fork() -> None:
     info = run_python(
         """
         import paddle.distributed as dist
-        import paddle.distributed.fsdp.checkpoint as fork_ckpt
+        import paddle.distributed.fsdp.checkpoint.stock as fork_ckpt  # the dispatch (stock's signature)
         calls = []
         fork_ckpt.save_state_dict = lambda *a, **k: calls.append(("save", a, k)) or "saved"
         fork_ckpt.load_state_dict = lambda *a, **k: calls.append(("load", a, k)) or "loaded"

@@ -55,6 +55,16 @@ SAVE_CASES = [
     "after_data:1:EIO",
     "before_metadata:0:EROFS",
     "before_commit:0:EIO",
+    # the failing rank pauses between the detail of its failure marker and the marker named by its cause: the
+    # others must report its full cause all the same (once a race that failed under load, on one rank only)
+    "mid_data:1:ENOSPC:slow_markers_1",
+    "before_commit:0:EIO:slow_markers_0",
+    # the failing rank's data was handed over and the coordinator committed before the failure: every rank returns,
+    # the checkpoint is complete (once: the coordinator returned, the failing rank raised and deleted its file)
+    "after_data:1:EIO:slow_handed_over_1",
+    # ... and when the coordinator learns of that failure while still writing its own file, it aborts visibly (once:
+    # it raised without an ABORT marker and the handed-over rank waited for the commit timeout)
+    "after_data:1:EIO:slow_before_data_0",
 ]
 
 

@@ -173,7 +173,7 @@ def test_load_refuses_rng_mismatch_before_writing(tmp_path):
     with paddle.no_grad():
         for p in model.parameters():
             p.set_value(paddle.full(p.shape, 3.0, dtype=p.dtype))
-    before = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    before = {k: v.numpy().copy() for k, v in model.named_parameters()}
     saved_options = device.options()
     device.set_options(device.DeviceOptions(fake_device=True))
     try:
@@ -181,5 +181,5 @@ def test_load_refuses_rng_mismatch_before_writing(tmp_path):
             fsdp.load_checkpoint(path)
     finally:
         device.set_options(saved_options)
-    for key, value in model.state_dict().items():
+    for key, value in model.named_parameters():
         np.testing.assert_array_equal(value.numpy(), before[key])

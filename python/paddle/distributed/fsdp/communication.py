@@ -32,6 +32,17 @@ def resolve_sharding_group(group=None):
     return None
 
 
+#: ``PADDLE_FSDP_CHECK_COLLECTIVE_ORDER=0`` turns off the per-collective order check (on by default).
+CHECK_ORDER_ENV = "PADDLE_FSDP_CHECK_COLLECTIVE_ORDER"
+#: What an FSDP collective is for, as exchanged by the order check.
+GATHER, REDUCE, EXCHANGE = 1, 2, 3
+_KIND_NAMES = {GATHER: "gather parameters of buffer", REDUCE: "reduce gradients of buffer", EXCHANGE: "end of backward"}
+
+
+class CollectiveOrderError(RuntimeError):
+    """Ranks were about to issue different FSDP collectives (raised on every rank, before the collective)."""
+
+
 class ShardingComm:
     """Collectives over the sharding group; ranks are positions inside that group."""
 
@@ -50,6 +61,39 @@ class ShardingComm:
         self._has_reduce_scatter = self.world_size > 1 and self._backend() not in ("GLOO", "gloo")
         self._emulate_reduce_scatter = (
             self.world_size > 1 and not self._has_reduce_scatter and device.options().emulate_gpu_collectives
+        )
+        import os
+
+        self.check_order = self.world_size > 1 and os.environ.get(CHECK_ORDER_ENV, "1") != "0"
+
+    def agree(self, kind: int, index: int, describe=None) -> None:
+        """Refuse, on every rank at once, a collective that not every rank is issuing.
+
+        A collective issued on some ranks only (a unit that runs on some ranks only, e.g. an expert class listed
+        in ``fsdp_unit_layers`` and skipped when idle) pairs with a different collective elsewhere: gloo aborts
+        the process or hangs, NCCL hangs or mixes up data. Each FSDP collective is therefore preceded by a tiny
+        fixed-size all-gather of (kind, buffer index); any difference raises :class:`CollectiveOrderError` on
+        every rank. ``describe(index)`` names a buffer. Off with ``PADDLE_FSDP_CHECK_COLLECTIVE_ORDER=0``.
+        """
+        if not self.check_order:
+            return
+        mine = paddle.to_tensor([kind, index], dtype="int64")
+        every = paddle.empty([2 * self.world_size], dtype="int64")
+        dist.all_gather(every, mine, group=self.group)
+        values = every.numpy().reshape([self.world_size, 2]).tolist()
+        if all(v == values[0] for v in values):
+            return
+
+        def name(k: int, i: int) -> str:
+            what = _KIND_NAMES.get(k, f"collective {k}")
+            return what if k == EXCHANGE else f"{what} {describe(i) if describe else i}"
+
+        ops = "; ".join(f"rank {r}: {name(k, i)}" for r, (k, i) in enumerate(values))
+        raise CollectiveOrderError(
+            "FullyShardFusion: ranks are about to issue different collectives (" + ops + "). A layer gathered as "
+            "a unit ran on some ranks only: units must run on every rank (an MoE that skips idle experts must not "
+            "list the expert class in fsdp_unit_layers; list the MoE block or the decoder layer instead, or leave "
+            "the experts to their enclosing unit or the root)"
         )
 
     def _backend(self) -> str:

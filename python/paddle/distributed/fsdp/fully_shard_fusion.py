@@ -35,7 +35,8 @@ class FullyShardFusion:
     Args:
         model: the dygraph model; it is modified in place (parameters become shard views, hooks added).
         fsdp_unit_layers: class names of sublayers that are gathered as one unit (e.g. transformer
-            blocks). Parameters outside units are gathered per layer that registers them.
+            blocks). Parameters outside units belong to the root: gathered for the root's whole forward and
+            backward (list large loose layers, e.g. the embedding and lm head classes, to bound that).
         group: the process group to shard over; default: fleet's sharding group if fleet set one up
             with ``sharding_degree > 1``, else the global group, else a single process.
         no_weight_decay_fn: optional ``fn(structured_name) -> bool`` marking extra parameters exempt
@@ -61,6 +62,7 @@ class FullyShardFusion:
         install_layer_integration()
         self.model = model
         self.backward_end_armed = False
+        self.rearm_backward_end = False  # a nested backward ended while the enclosing one runs on
         self.summoned = False  # inside summon_full_params: every buffer stays gathered
         self.comm = ShardingComm(group)
         groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn)
@@ -68,6 +70,7 @@ class FullyShardFusion:
         self.param_keys: dict[int, str] = {}  # id(param) -> structured key
         self.param_index: dict[int, int] = {}  # id(param) -> position in model order, same on every rank
         layer_buffers: dict[int, tuple[paddle.nn.Layer, list[FusedBuffer]]] = {}
+        fallback_buffers: dict[int, tuple[paddle.nn.Layer, list[FusedBuffer]]] = {}
         for index, group_plan in enumerate(groups):
             first = group_plan.params[0]
             layout = BufferLayout.plan(
@@ -86,8 +89,21 @@ class FullyShardFusion:
                 self.param_index[id(param)] = len(self.param_index)
             for layer in group_plan.scope_layers:
                 layer_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
+            for layer in group_plan.fallback_layers:
+                fallback_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
         prefixes = {id(layer): prefix for prefix, layer in model.named_sublayers(include_self=True)}
-        self._hooks = [LayerHooks(layer, bufs, prefixes.get(id(layer), "")) for layer, bufs in layer_buffers.values()]
+        ancestors = _ancestors(model)
+        self._hooks = [
+            LayerHooks(
+                layer,
+                bufs,
+                prefixes.get(id(layer), ""),
+                enclosing={id(b) for a in ancestors.get(id(layer), ()) for b in layer_buffers.get(a, (None, []))[1]},
+                fallback=fallback,
+            )
+            for table, fallback in ((layer_buffers, False), (fallback_buffers, True))
+            for layer, bufs in table.values()
+        ]
         model._fsdp = self
         model.sharded_state_dict = self.sharded_state_dict
         logger.debug(
@@ -98,6 +114,13 @@ class FullyShardFusion:
             self.resident_parameter_bytes(),
             self.total_parameter_bytes(),
         )
+
+    def describe_buffer(self, index: int) -> str:
+        """A buffer's name and first parameter, for error messages."""
+        if not 0 <= index < len(self.buffers):
+            return f"#{index}"
+        layout = self.buffers[index].layout
+        return f"{layout.name} ({layout.slots[0].key}, ...)"
 
     # ---- layout queries (the checkpoint and the tools are built on these) ----------------------
     @property
@@ -143,6 +166,10 @@ class FullyShardFusion:
                 out[slot.key] = param.detach().clone()
             if not was_gathered:
                 buffer.release()
+        for prefix, layer in self.model.named_sublayers(include_self=True):  # replicated (never sharded) ones
+            for name, param in layer._parameters.items():
+                if param is not None and not hasattr(param, "_fsdp_buffer"):
+                    out.setdefault(f"{prefix}.{name}" if prefix else name, param.detach().clone())
         return out
 
     # ---- full parameters (full_params.py) -----------------------------------------------------
@@ -199,3 +226,21 @@ class FullyShardFusion:
         from .state.resume import load_checkpoint
 
         return load_checkpoint(self, path, optimizer=optimizer, **kwargs)
+
+
+def _ancestors(model: paddle.nn.Layer) -> dict[int, set[int]]:
+    """Layer id -> ids of the layers enclosing it (not itself); a layer under several names gets the union."""
+    out: dict[int, set[int]] = {}
+
+    def walk(layer, above: tuple[int, ...]):
+        seen = out.setdefault(id(layer), set())
+        before = len(seen)
+        seen.update(above)
+        if before and len(seen) == before:
+            return
+        for child in layer._sub_layers.values():
+            if child is not None and id(child) not in above:
+                walk(child, (*above, id(layer)))
+
+    walk(model, ())
+    return out

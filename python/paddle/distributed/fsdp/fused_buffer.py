@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import paddle
 
+from .communication import GATHER, REDUCE
 from .device import check_same_place
 from .fused_layout import BufferLayout, LocalPiece
 
@@ -52,6 +53,7 @@ class FusedBuffer:
         self.params = params
         self.comm = comm
         self.owner = owner  # the FullyShardFusion this buffer belongs to
+        self.index = len(owner.buffers)  # position in owner.buffers (same on every rank)
         self.pieces: dict[int, LocalPiece] = {}
         for piece in layout.local_pieces(comm.rank):
             self.pieces[layout.slots.index(piece.slot)] = piece
@@ -99,6 +101,7 @@ class FusedBuffer:
             if self.comm.world_size == 1:
                 self.full = self.shard
             else:
+                self.comm.agree(GATHER, self.index, self.owner.describe_buffer)
                 self.full = paddle.empty([self.layout.padded_numel], dtype=self.shard.dtype)
                 self.comm.all_gather_into(self.full, self.shard)
         for param, slot in zip(self.params, self.layout.slots):
@@ -144,6 +147,10 @@ class FusedBuffer:
                 flat = flat.astype(self.grad_dtype)
             self.full_grad._slice(slot.offset, slot.end).add_(flat)
         param.clear_gradient(False)
+        if self.owner.rearm_backward_end:  # a nested backward ended; the enclosing one goes on (gradient_sync)
+            from .gradient_sync import arm_backward_end
+
+            arm_backward_end(self.owner)
         self.received.add(index)
         self._arrived.add(index)
         if len(self._arrived) == len(self.params):
@@ -206,6 +213,7 @@ class FusedBuffer:
         if self.full_grad is None and self.comm.world_size == 1:
             return
         with paddle.no_grad():
+            self.comm.agree(REDUCE, self.index, self.owner.describe_buffer)
             full = self.full_grad
             if full is None:
                 full = paddle.zeros([self.layout.padded_numel], dtype=self.grad_dtype)

@@ -25,12 +25,17 @@ if TYPE_CHECKING:
     from .fused_buffer import FusedBuffer
 
 
-def before_backward_gather(buffers: list[FusedBuffer]) -> None:
-    """A layer's backward is about to run: reduce the buffers whose backward is over, then gather ``buffers``."""
+def before_backward_gather(buffers: list[FusedBuffer], still_running: set[int] = frozenset()) -> None:
+    """A layer's backward is about to run: reduce the buffers whose backward is over, then gather ``buffers``.
+
+    ``still_running`` holds the buffers of layers enclosing this one (the root's, an outer unit's): their
+    backward continues after this layer's, so they are reduced later (at the end of backward at the latest).
+    Every rank passes the same set for the same layer, so the order of reductions stays rank-independent.
+    """
     if not buffers:
         return
     owner = buffers[0].owner
-    current = {id(b) for b in buffers}
+    current = {id(b) for b in buffers} | set(still_running)
     for buffer in owner.buffers:
         if buffer.reduce_pending and id(buffer) not in current:
             buffer.reduce_gradients()
@@ -39,13 +44,43 @@ def before_backward_gather(buffers: list[FusedBuffer]) -> None:
     arm_backward_end(owner)
 
 
+#: Python entry points of a backward pass (``Tensor.backward``, ``paddle.autograd.backward``).
+_BACKWARD_ENTRIES = (("tensor_patch_methods.py", "backward"), ("backward_mode.py", "backward"))
+
+
+def _nested_backward_depth() -> int:
+    """How many backward passes are running on this thread's Python stack. Reentrant recompute
+    (``recompute(..., use_reentrant=True)``) runs a backward inside the backward of the enclosing graph;
+    paddle runs (and clears) the final hooks at the end of the inner one too."""
+    import sys
+
+    depth, frame = 0, sys._getframe()
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "backward" and any(code.co_filename.endswith(f) for f, _ in _BACKWARD_ENTRIES):
+            depth += 1
+        frame = frame.f_back
+    return depth
+
+
 def arm_backward_end(owner) -> None:
-    """Run :func:`end_of_backward` when the running backward pass ends (paddle clears final hooks after each)."""
+    """Run :func:`end_of_backward` when the running backward pass ends (paddle clears final hooks after each).
+
+    The end of a backward nested in another (reentrant recompute) is not the end: buffers of enclosing scopes
+    (the root's) still get gradients afterwards. There nothing is done but asking for the outer end: the
+    next gradient arriving (or pre-backward gather) arms it again (hooks cannot be added while paddle runs
+    them), and ``opt.step()`` finishes whatever is still pending (the pending state is set by collective
+    gathers, so every rank agrees on it).
+    """
+    owner.rearm_backward_end = False
     if not owner.backward_end_armed:
         owner.backward_end_armed = True
 
         def hook() -> None:
             owner.backward_end_armed = False
+            if _nested_backward_depth() > 1:
+                owner.rearm_backward_end = True
+                return
             end_of_backward(owner)
 
         core.eager._add_backward_final_hook(hook)
@@ -65,6 +100,9 @@ def _exchange_received(owner) -> tuple[list[set[int]], list[bool]]:
             flags[offset + index] = 1.0
         offset += sizes[k]
         flags[sum(sizes) + k] = 1.0 if buffer.full_grad is not None else 0.0
+    from .communication import EXCHANGE
+
+    owner.comm.agree(EXCHANGE, 0)
     vector = paddle.to_tensor(flags, dtype="float32")
     owner.comm.all_reduce_sum(vector)
     values = vector.numpy().tolist()

@@ -84,9 +84,23 @@ def _tensor_ids(inputs) -> set[int]:
 class LayerHooks:
     """Gathers ``buffers`` around every forward of ``layer`` and arms their pre-backward gather."""
 
-    def __init__(self, layer: paddle.nn.Layer, buffers: list[FusedBuffer], name: str) -> None:
+    def __init__(
+        self,
+        layer: paddle.nn.Layer,
+        buffers: list[FusedBuffer],
+        name: str,
+        enclosing: set[int] | None = None,
+        fallback: bool = False,
+    ) -> None:
         self.layer = layer
-        self.buffers = buffers
+        self.all_buffers = buffers
+        self.buffers = buffers  # those this forward gathered (a fallback takes only what no one holds)
+        # fallback: the layer registers root parameters; it gathers them only when called outside the root's
+        # forward (nothing holds them then) and is inert inside it, so it adds no rank-dependent collective
+        self.fallback = fallback
+        self._taken: list[list[FusedBuffer]] = []
+        # buffers gathered by layers enclosing this one: their backward is not over when this one's starts
+        self.enclosing = set(enclosing or ())
         self.name = f"{name or '<root>'} ({type(layer).__name__})"
         self._handles = [
             layer.register_forward_pre_hook(self._pre_forward),
@@ -94,11 +108,21 @@ class LayerHooks:
         ]
 
     def _pre_forward(self, layer, inputs):
+        if self.fallback:
+            self._taken.append([b for b in self.all_buffers if not b.is_gathered])
+            for buffer in self._taken[-1]:
+                buffer.gather()
+            return None
         for buffer in self.buffers:
             buffer.gather()
         return None
 
     def _post_forward(self, layer, inputs, outputs):
+        if self.fallback:
+            taken = self._taken.pop() if self._taken else []
+            if not taken:
+                return None
+            self.buffers = taken
         try:
             outs = _differentiable_outputs(self.name, outputs, _tensor_ids(inputs)) if paddle.is_grad_enabled() else []
         finally:
@@ -119,7 +143,7 @@ class LayerHooks:
                     f"FullyShardFusion: backward through {self.name} inside summon_full_params() is not "
                     "supported; run evaluation under paddle.no_grad(), train outside the context"
                 )
-        before_backward_gather(self.buffers)
+        before_backward_gather(self.buffers, still_running=self.enclosing)
         return None
 
     def remove(self) -> None:

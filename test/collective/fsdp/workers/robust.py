@@ -76,11 +76,47 @@ def assert_same(got: dict, want: dict, what: str) -> None:
     assert not bad, f"{what}: changed by a refused load: {bad[:5]}"
 
 
+class CaseFailed(Exception):
+    """Some rank failed a step of a case; raised on every rank at the same step (carries every rank's traceback)."""
+
+
+_failure: list = []  # this rank's traceback of the current step, until it is exchanged
+
+
+def agree() -> None:
+    """End of a step: exchange every rank's outcome before any further collective (also a barrier).
+
+    Why: a check that fails on one rank only must not make that rank skip collectives the others still run (the
+    ranks would pair different collectives and gloo aborts the whole job); so each step's outcome is exchanged
+    and every rank leaves the case at the same point, reporting every rank's traceback."""
+    mine = _failure.pop() if _failure else None
+    outcomes: list = []
+    dist.all_gather_object(outcomes, mine)
+    bad = {r: tb for r, tb in enumerate(outcomes) if tb is not None}
+    if bad:
+        raise CaseFailed("\n".join(f"[rank {r}] {tb}" for r, tb in sorted(bad.items())))
+
+
+class step:
+    """``with step(): ...`` runs one step of a case: its exception (if any) is kept for ``agree`` at the end."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        if kind is not None and issubclass(kind, CaseFailed):
+            return False  # an inner step: every rank raised it at the same exchange already
+        if kind is not None and issubclass(kind, Exception):
+            _failure[:] = ["".join(traceback.format_exception(kind, value, tb))]
+        agree()
+        return kind is not None and issubclass(kind, Exception)
+
+
 def on_rank0(rank: int, fn) -> None:
     """Run ``fn`` on rank 0 (file edits), then every rank continues after it."""
-    if rank == 0:
-        fn()
-    dist.barrier()
+    with step():
+        if rank == 0:
+            fn()
 
 
 def fresh_copy(src: str, dst: str) -> None:
@@ -109,14 +145,15 @@ def main() -> None:
     out: dict = {}
 
     def run(case: str, fn) -> None:
+        """One case: every step of it ends in an exchange (``step``), and so does the case itself."""
         t0 = time.monotonic()
         try:
-            fn()
+            with step():
+                fn()
             out[case] = "ok"
-        except Exception:  # noqa: BLE001 - reported to the test
-            out[case] = traceback.format_exc()
+        except CaseFailed as e:  # noqa: BLE001 - reported to the test, by every rank alike
+            out[case] = str(e)
         out[case + ":seconds"] = time.monotonic() - t0
-        dist.barrier()
 
     base = os.path.join(workdir, "base")
     model, fsdp, opt = build(1)
@@ -182,47 +219,66 @@ def main() -> None:
 
     run("sound_load_still_works", sound_load_still_works)
 
-    # ---- prompt, named save failure on every rank: an injected I/O error on one rank
+    # ---- prompt, named save failure on every rank: an injected I/O error on one rank; with ``markers`` the failing
+    # rank pauses between the detail of its failure marker and the marker named by its cause (faults.delay): every
+    # rank must still report the full cause, whenever it looks
+    # ``after_data``: the failing rank's data is complete and handed over (done marker); the coordinator decides: it
+    # aborts when it sees the failure before its commit record (every rank raises), else the checkpoint is complete
+    # and every rank returns; ``handed_over`` delays the failure until after that decision
     cases = [
-        ("mid_data", 0, "ENOSPC"),
-        ("mid_data", 1, "ENOSPC"),
-        ("before_data", 1, "EACCES"),
-        ("after_data", 1, "EIO"),
-        ("before_metadata", 0, "EROFS"),
-        ("before_commit", 0, "EIO"),
+        ("mid_data", 0, "ENOSPC", None, "fail"),
+        ("mid_data", 1, "ENOSPC", None, "fail"),
+        ("before_data", 1, "EACCES", None, "fail"),
+        ("after_data", 1, "EIO", None, "same on every rank"),
+        ("before_metadata", 0, "EROFS", None, "fail"),
+        ("before_commit", 0, "EIO", None, "fail"),
+        ("mid_data", 1, "ENOSPC", ("markers", 1), "fail"),
+        ("before_commit", 0, "EIO", ("markers", 0), "fail"),
+        ("after_data", 1, "EIO", ("handed_over", 1), "commit"),
+        ("after_data", 1, "EIO", ("before_data", 0), "fail"),  # the coordinator learns it while still writing
     ]
     import errno as errno_mod
 
-    for stage, bad_rank, code in cases:
+    for stage, bad_rank, code, slow, expect in cases:
 
-        def fail_once(stage=stage, bad_rank=bad_rank, code=code):
-            os.environ[faults.ENV] = f"{stage}:{bad_rank}:1:{code}"
-            faults.reset()
-            try:
-                fsdp.save_checkpoint(base, optimizer=opt, extra_state={"epoch": 2})
-            except ck.SaveFailedError as e:
-                msg = str(e)
-                assert f"rank {bad_rank} " in msg and os.strerror(getattr(errno_mod, code)) in msg, msg
-            else:
-                raise AssertionError("the save with an injected I/O error succeeded")
-            finally:
-                del os.environ[faults.ENV]
-            dist.barrier()
-            m, f, o = other()
-            f.load_checkpoint(base, optimizer=o)  # the previous checkpoint is intact and loads
-            got, want = everything(f, o), dict(saved)
-            got.pop("__rng__"), want.pop("__rng__")
-            assert_same(got, want, "previous checkpoint after a failed save")
-            dist.barrier()
-            fsdp.save_checkpoint(base, optimizer=opt, extra_state={"epoch": 1})  # a later save succeeds
-            for th in __import__("threading").enumerate():
-                if th.name == "ckpt-rm-old":
-                    th.join()
-            dist.barrier()
+        def fail_once(stage=stage, bad_rank=bad_rank, code=code, slow=slow, expect=expect):
+            with step():
+                os.environ[faults.ENV] = f"{stage}:{bad_rank}:1:{code}"
+                if slow:
+                    os.environ[faults.DELAY_ENV] = f"{slow[0]}:{slow[1]}:2"
+                faults.reset()
+                try:
+                    fsdp.save_checkpoint(base, optimizer=opt, extra_state={"epoch": 2})
+                    outcome = "commit"
+                except ck.SaveFailedError as e:
+                    outcome = "fail"
+                    msg = str(e)
+                    assert f"rank {bad_rank} " in msg and os.strerror(getattr(errno_mod, code)) in msg, msg
+                    assert f"[injected by {faults.ENV} at stage {stage}]" in msg, f"not the full cause: {msg}"
+                finally:
+                    os.environ.pop(faults.ENV, None)
+                    os.environ.pop(faults.DELAY_ENV, None)
+                assert expect in (outcome, "same on every rank"), f"expected the save to {expect}, it did {outcome}"
+            with step():
+                outcomes: list = []
+                dist.all_gather_object(outcomes, outcome)
+                assert len(set(outcomes)) == 1, f"the ranks disagree on the save: {outcomes}"
+                assert ck.verify_checkpoint(base) == [], "the checkpoint at the path does not verify"
+            with step():
+                m, f, o = other()
+                f.load_checkpoint(base, optimizer=o)  # the previous checkpoint is intact and loads
+                got, want = everything(f, o), dict(saved)
+                got.pop("__rng__"), want.pop("__rng__")
+                assert_same(got, want, "previous checkpoint after a failed save")
+            with step():
+                fsdp.save_checkpoint(base, optimizer=opt, extra_state={"epoch": 1})  # a later save succeeds
+                for th in __import__("threading").enumerate():
+                    if th.name == "ckpt-rm-old":
+                        th.join()
             left = [n for n in os.listdir(workdir) if n.startswith("base.tmp-")]
             assert not left, f"failed staging directories left: {left}"
 
-        run(f"save_fault:{stage}:{bad_rank}:{code}", fail_once)
+        run(f"save_fault:{stage}:{bad_rank}:{code}" + (f":slow_{slow[0]}_{slow[1]}" if slow else ""), fail_once)
 
     # ---- a real full file system
     if tmpfs:
@@ -238,35 +294,37 @@ def main() -> None:
                 )
             }
             path = os.path.join(tmpfs, "ckpt")
-            ck.save_state_dict(first, path, write_stock_metadata=False)
+            with step():
+                ck.save_state_dict(first, path, write_stock_metadata=False)
             paddle.seed(4)
             second = {
                 "x": ShardedWeight(
                     "x", paddle.rand([b - a]), [n], [n], [0], is_flattened=True, flattened_range=slice(a, b)
                 )
             }
-            try:
-                ck.save_state_dict(second, path, write_stock_metadata=False)
-            except ck.SaveFailedError as e:
-                assert "No space left" in str(e) and "failed" in str(e), str(e)
-            else:
-                raise AssertionError("a save that cannot fit succeeded")
-            dist.barrier()
+            with step():
+                try:
+                    ck.save_state_dict(second, path, write_stock_metadata=False)
+                except ck.SaveFailedError as e:
+                    assert "No space left" in str(e) and "failed" in str(e), str(e)
+                else:
+                    raise AssertionError("a save that cannot fit succeeded")
             t = {
                 "x": ShardedWeight(
                     "x", paddle.zeros([b - a]), [n], [n], [0], is_flattened=True, flattened_range=slice(a, b)
                 )
             }
-            ck.load_state_dict(t, path)
-            assert np.array_equal(t["x"].local_tensor.numpy(), full[a:b].numpy())
-            dist.barrier()
+            with step():
+                ck.load_state_dict(t, path)
+                assert np.array_equal(t["x"].local_tensor.numpy(), full[a:b].numpy())
             small = {"y": paddle.ones([50_000])}
-            ck.save_state_dict(small, os.path.join(tmpfs, "small"), write_stock_metadata=False)  # fits
-            ck.save_state_dict(small, path, write_stock_metadata=False)  # and replaces; failed staging removed
-            for th in __import__("threading").enumerate():
-                if th.name == "ckpt-rm-old":
-                    th.join()
-            dist.barrier()
+            with step():
+                ck.save_state_dict(small, os.path.join(tmpfs, "small"), write_stock_metadata=False)  # fits
+            with step():
+                ck.save_state_dict(small, path, write_stock_metadata=False)  # and replaces; failed staging removed
+                for th in __import__("threading").enumerate():
+                    if th.name == "ckpt-rm-old":
+                        th.join()
             assert sorted(os.listdir(tmpfs)) == ["ckpt", "small"], os.listdir(tmpfs)
 
         run("full_tmpfs", full_tmpfs)

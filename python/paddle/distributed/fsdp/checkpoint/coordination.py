@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 from .errors import InvalidStateDictError, SaveFailedError, rebuild_remote_error
-from .format.metadata import COMMIT_FILE, FORMAT_NAME, METADATA_FILE
 
 # ------------------------------------------------------------------------------------------------ groups
 
@@ -76,12 +75,7 @@ def check_target_path(path: str) -> None:
     names = os.listdir(path)
     if not names:
         return
-    if COMMIT_FILE in names or METADATA_FILE in names:
-        return  # a (possibly incomplete) checkpoint of ours: replaced atomically
-    raise InvalidStateDictError(
-        f"cannot save to {path}: the directory is not empty and holds no {FORMAT_NAME} checkpoint "
-        f"(refusing to replace {len(names)} foreign entries)"
-    )
+    # a checkpoint of ours is replaced atomically; entries of other tools are kept (save.py adopts them)
 
 
 def poll(cond, timeout: float, what: str):

@@ -22,6 +22,17 @@ protocol order:
 ``after_rename``   coordinator: the checkpoint is committed at its path; a ``latest`` pointer not yet moved
 ``before_prune``   coordinator (CheckpointManager): ``latest`` moved; older checkpoints not yet removed
 =================  ==========================================================================================
+
+Timing (races made deterministic): ``PADDLE_FSDP_CKPT_FAULT_DELAY=<point>:<rank>:<seconds>`` makes the process
+whose save-group rank is ``<rank>`` sleep at ``<point>`` every time it gets there. Points:
+
+=================  ==========================================================================================
+``before_data``    as the fault stage: this rank has not opened its data file yet
+``markers``        a failing rank (or aborting coordinator) wrote the detail of its failure marker; the
+                   marker named by its cause (what an empty-file-only full disk still takes) not yet
+``handed_over``    this rank's ``done`` marker is visible (the coordinator may commit with its file now);
+                   ``after_data`` not reached yet
+=================  ==========================================================================================
 """
 
 from __future__ import annotations
@@ -31,8 +42,11 @@ import os
 import signal
 import sys
 import threading
+import time
 
 ENV = "PADDLE_FSDP_CKPT_FAULT"
+DELAY_ENV = "PADDLE_FSDP_CKPT_FAULT_DELAY"
+DELAY_POINTS = ("before_data", "markers", "handed_over")
 STAGES = (
     "before_data",
     "mid_data",
@@ -96,3 +110,15 @@ def point(stage: str, rank: int) -> None:
     """A stage boundary of the save protocol: dies (or fails) here when armed for it."""
     if hit(stage, rank):
         kill(stage)
+
+
+def delay(point: str, rank: int) -> None:
+    """A point where a race can be widened on purpose: sleeps when ``PADDLE_FSDP_CKPT_FAULT_DELAY`` names it."""
+    raw = os.environ.get(DELAY_ENV)
+    if not raw:
+        return
+    parts = raw.strip().split(":")
+    if len(parts) != 3 or parts[0] not in DELAY_POINTS:
+        raise ValueError(f"{DELAY_ENV}={raw!r}: expected <point>:<rank>:<seconds> with point in {DELAY_POINTS}")
+    if parts[0] == point and int(parts[1]) == rank:
+        time.sleep(float(parts[2]))

@@ -48,7 +48,8 @@ whether the save failed with an error or was interrupted); the staging directory
 IncompleteCheckpointError too until its COMMIT is written. The survivors of a killed rank do not hang: the
 coordinator waits for the other ranks' data, and the other ranks wait for the commit, at most
 ``commit_timeout`` (default ``CheckpointOptions.commit_timeout``, 1800 s), then raise SaveFailedError; a rank
-whose save fails with an error tells the others at once (``failed`` / ``ABORT`` markers).
+whose save fails with an error tells the others at once (``failed`` / ``ABORT`` markers); one that fails after its
+``done`` marker (its file handed over) follows the coordinator's decision, taken once more right before ``COMMIT``.
 
 Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (CheckpointManager).
 
@@ -84,6 +85,7 @@ import _thread
 import atexit
 import errno
 import json
+import logging
 import os
 import queue
 import re
@@ -111,7 +113,10 @@ from .options import CheckpointOptions, resolve
 from .planner import RecordDesc, build_save_plan
 from .records import collect
 from .snapshot import Snapshot, default_deferred
+from .stock.directories import adopt_foreign_entries, check_shared_directory, own_entry_names
 from .tracing import Tracer
+
+logger = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------------------------ async state
 
@@ -276,8 +281,10 @@ class _SaveJob:
         parts = os.path.join(self.staging, PARTS_DIR)
         layout = self.plan.files[self.rank]
         data_path = os.path.join(self.staging, layout.name)
+        handed_over = False  # this rank's done marker is visible: its data file belongs to the coordinator's commit
         try:
             os.makedirs(parts, exist_ok=True)
+            faults.delay("before_data", self.rank)
             faults.point("before_data", self.rank)
             kill_at = layout.size // 2 if faults.hit("mid_data", self.rank) else None
             try:
@@ -301,12 +308,24 @@ class _SaveJob:
                 fsync=False,
                 atomic=True,
             )
+            handed_over = True
+            faults.delay("handed_over", self.rank)
             faults.point("after_data", self.rank)
         except _PeerFailed as e:  # another rank failed first: stop writing, free the space, say who failed
             _remove_quietly(data_path)
-            raise SaveFailedError(f"save to {self.path} aborted: {e}; the previous checkpoint is untouched") from None
+            err = SaveFailedError(f"save to {self.path} aborted: {e}; the previous checkpoint is untouched")
+            if self.rank == self.coordinator:  # the decision: a rank that failed after its hand-over waits for it
+                _mark_aborted(self.staging, self.rank, err)
+            raise err from None
         except BaseException as e:
             _mark_failed(self.staging, self.rank, e)
+            if handed_over and self.rank != self.coordinator and isinstance(e, Exception):
+                # the coordinator may be committing with this rank's (complete, fsynced) file already: deleting it
+                # could leave a committed checkpoint without it, and raising alone would make the ranks disagree.
+                # The coordinator decides (it checks the failure markers once more right before the commit record);
+                # this rank follows its decision
+                self._follow_decision(parts, data_path, e, tr)
+                return
             if isinstance(e, Exception):  # (an interrupt leaves the staging as a kill would)
                 _remove_quietly(data_path)
             raise
@@ -314,7 +333,7 @@ class _SaveJob:
             try:
                 self._commit(parts, tr)
             except BaseException as e:
-                _mark_aborted(self.staging, e)  # tells the waiting ranks at once
+                _mark_aborted(self.staging, self.rank, e)  # tells the waiting ranks at once
                 if isinstance(e, Exception):  # (an interrupt leaves the staging as a kill would)
                     _remove_quietly(data_path)
                 if isinstance(e, SaveFailedError) or not isinstance(e, Exception):
@@ -329,7 +348,7 @@ class _SaveJob:
                     self.publisher.publish()
                 except Exception as e:
                     # committed, but `latest` could not be moved: the waiting ranks must not wait for it
-                    _mark_aborted(self.staging, e)
+                    _mark_aborted(self.staging, self.rank, e)
                     raise SaveFailedError(
                         f"save to {self.path}: the checkpoint was committed, but rank {self.rank} could not move "
                         f"the '{LATEST_FILE}' pointer: {_cause(e)}"
@@ -362,11 +381,21 @@ class _SaveJob:
         data = format_commit.write_metadata(self.staging, md, self.write_stock)
         tr.mark("metadata")
         faults.point("before_commit", self.rank)
+        # the last point at which the save can still be aborted: a rank that failed after handing its data over
+        # (its done marker seen above) waits for this decision (_follow_decision)
+        late = failures(self.staging)
+        if late:
+            r, why = sorted(late.items())[0]
+            raise SaveFailedError(
+                f"save to {self.path} aborted: rank {r} failed: {why}; the previous checkpoint is untouched"
+            )
         shutil.rmtree(parts, ignore_errors=True)
         format_commit.write_commit(self.staging, self.checkpoint_id, data)
         writer.fsync_dir(self.staging)
         tr.mark("commit-record")
         faults.point("before_rename", self.rank)
+        # entries of other tools in the target directory are kept (hard links), then the directory is swapped
+        adopt_foreign_entries(self.path, self.staging, own_entry_names(self.path))
         writer.replace_dir(self.staging, self.path, f"{self.path}.old-{self.checkpoint_id}")
         tr.mark("rename")
 
@@ -422,7 +451,34 @@ class _SaveJob:
         md.tensors = self.plan.tensors
         return md
 
-    def _wait_commit(self, parts: str) -> None:
+    def _follow_decision(self, parts: str, data_path: str, error: Exception, tr: Tracer) -> None:
+        """This rank failed after handing its data over: the coordinator's decision is the outcome on every rank.
+        Aborted: raise this rank's own error (named by run()). Committed (the failure came after the decision;
+        the checkpoint is complete, this rank's file included): return like every other rank, with the error
+        logged."""
+        try:
+            self._wait_commit(parts, ignore_own_failure=True)
+        except SaveFailedError:
+            _remove_quietly(data_path)
+            raise error from None
+        stray = os.path.join(self.path, PARTS_DIR)  # our marker, if written after the coordinator removed .parts
+        for n in os.listdir(stray) if os.path.isdir(stray) else []:
+            if n.startswith(f"{self.rank}.failed"):
+                _remove_quietly(os.path.join(stray, n))
+        try:
+            os.rmdir(stray)
+        except OSError:
+            pass
+        logger.error(
+            "save to %s: rank %d failed after its data was complete (%s); the coordinator had committed already, "
+            "so the checkpoint is complete and this rank returns like the others",
+            self.path,
+            self.rank,
+            _cause(error),
+        )
+        tr.done()
+
+    def _wait_commit(self, parts: str, ignore_own_failure: bool = False) -> None:
         """Wait until the coordinator committed (and, for a CheckpointManager save, moved ``latest``)."""
         commit_path = os.path.join(self.path, COMMIT_FILE)
         seen_commit = False
@@ -443,6 +499,8 @@ class _SaveJob:
                     return ("committed", None)
                 return None
             failed = failures(self.staging)
+            if ignore_own_failure:
+                failed.pop(self.rank, None)
             if failed:
                 return ("failed", sorted(failed.items())[0])
             if not os.path.isdir(self.staging) and not mine():
@@ -479,8 +537,10 @@ class _SaveJob:
 
 # ------------------------------------------------------------------------------------------------ failure markers
 # A failing rank (and an aborting coordinator) leaves markers in <staging>/.parts that every other rank polls.
-# The marker's *name* carries the cause (an empty file needs no data block, so it can be created on a full disk);
-# the details go into a JSON file next to it when the file system still takes it.
+# The details (the full cause) go first into a file made visible atomically, when the file system still takes it;
+# then an empty marker whose *name* carries the cause (errno name; an empty file needs no data block, so it can be
+# created on a full disk). That order is what gives every rank the same message: a rank that sees any marker sees
+# the details too, unless they could not be written, and then the name alone still says errno and strerror.
 
 _FAILED_RE = re.compile(r"^(\d+)\.failed(?:\.([A-Za-z0-9_]+))?$")
 _ABORT_RE = re.compile(r"^ABORT(?:\.([A-Za-z0-9_]+))?$")
@@ -533,10 +593,15 @@ def failures(staging: str) -> dict[int, str]:
         detail = read_json(os.path.join(parts, f"{r}.failed.json"))
         if isinstance(detail, dict) and isinstance(detail.get("error"), str):
             out[r] = detail["error"]
-        elif m.group(2) is not None:
-            code = getattr(errno, m.group(2), None)
-            out[r] = f"{m.group(2)}" + (f" ({os.strerror(code)})" if isinstance(code, int) else "")
+        elif m.group(2) is not None and m.group(2) != "json":
+            out[r] = _describe_tag(m.group(2))
     return out
+
+
+def _describe_tag(tag: str) -> str:
+    """The cause a marker name carries, as a message: ``EIO`` -> ``OSError EIO (Input/output error)``."""
+    code = getattr(errno, tag, None)
+    return f"OSError {tag} ({os.strerror(code)})" if isinstance(code, int) else tag
 
 
 def aborted(staging: str) -> str | None:
@@ -557,17 +622,21 @@ def aborted(staging: str) -> str | None:
     except OSError:
         pass
     tag = next((t for t in tags if t), None)
-    return tag or "unknown reason"
+    return _describe_tag(tag) if tag else "unknown reason"
 
 
-def _mark_aborted(staging: str, e: BaseException) -> None:
+def _mark_aborted(staging: str, rank: int, e: BaseException) -> None:
+    parts = os.path.join(staging, PARTS_DIR)
     try:
-        parts = os.path.join(staging, PARTS_DIR)
         os.makedirs(parts, exist_ok=True)
-        _touch(os.path.join(parts, f"ABORT.{_tag(e)}"))
+    except OSError:
+        return
+    try:  # details first: see the note on failure markers above
         writer.write_file(os.path.join(parts, "ABORT"), _cause(e).encode(), fsync=False, atomic=True)
     except OSError:
         pass
+    faults.delay("markers", rank)
+    _touch(os.path.join(parts, f"ABORT.{_tag(e)}"))
 
 
 def release_host_buffers() -> bool:
@@ -590,8 +659,7 @@ def _mark_failed(staging: str, rank: int, e: BaseException) -> None:
         os.makedirs(parts, exist_ok=True)
     except OSError:
         return
-    _touch(os.path.join(parts, f"{rank}.failed.{_tag(e)}"))
-    try:
+    try:  # details first: see the note on failure markers above
         writer.write_file(
             os.path.join(parts, f"{rank}.failed.json"),
             json.dumps({"error": _cause(e)}).encode(),
@@ -600,6 +668,8 @@ def _mark_failed(staging: str, rank: int, e: BaseException) -> None:
         )
     except OSError:
         pass
+    faults.delay("markers", rank)
+    _touch(os.path.join(parts, f"{rank}.failed.{_tag(e)}"))
 
 
 def remove_failed_stagings(path: str) -> list[str]:
@@ -704,6 +774,7 @@ def _save_locked(
     if not 0 <= coordinator_rank < comm.world:
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
     timeout = opts.commit_timeout if commit_timeout is None else float(commit_timeout)
+    check_shared_directory(path, comm, coordinator_rank)  # different/node-local dirs: fail now, not at the timeout
 
     local = _validate(state_dict, path, comm.rank, coordinator_rank, opts, opts_error)
     checkpoint_id, algorithm, plan = _exchange_and_plan(comm, local, coordinator_rank, chunk_bytes, tr)

@@ -6,6 +6,10 @@ shard buffers, so every rank holds the whole tensor; it is recorded as a replica
 structured name (``model.state_dict()``'s key), saved once and loaded into every rank whatever the world size.
 Non-persistable buffers (``persistable=False``) are left out, as ``state_dict()`` leaves them out.
 
+Replicated parameters are recorded the same way: parameters FSDP leaves whole on every rank because the
+forward writes to them (batch norm's running ``_mean``/``_variance``, ``param.fsdp_replicated = True``; see
+param_grouping.is_replicated_parameter). They are state the optimizer does not step, like buffers.
+
 Ranks that disagree: the saved value is rank 0's, and every rank gets it back on load. This is the rule of
 data-parallel training (DDP broadcasts rank 0's buffers), and buffers that legitimately drift per rank (batch
 norm statistics over local batches) must stay savable; so ``save_checkpoint`` compares a hash of every buffer
@@ -24,11 +28,17 @@ logger = logging.getLogger(__name__)
 
 def persistable_buffers(model: paddle.nn.Layer) -> OrderedDict:
     """The model's persistable buffers by structured name, in ``model.state_dict()`` order (a buffer object
-    registered under two names is known by the first)."""
+    registered under two names is known by the first); on a wrapped model also its replicated parameters
+    (those FSDP did not shard)."""
     out: OrderedDict = OrderedDict()
     seen: set[int] = set()
+    wrapped = getattr(model, "_fsdp", None) is not None
     for prefix, layer in model.named_sublayers(include_self=True):
-        for name, buffer in layer._buffers.items():
+        entries = list(layer._buffers.items())
+        if wrapped:
+            entries = [(n, p) for n, p in layer._parameters.items() if p is not None and not hasattr(p, "_fsdp_buffer")]
+            entries += list(layer._buffers.items())
+        for name, buffer in entries:
             if buffer is None or name in layer._non_persistable_buffer_names_set or id(buffer) in seen:
                 continue
             seen.add(id(buffer))

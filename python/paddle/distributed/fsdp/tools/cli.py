@@ -214,6 +214,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--window", default="16MiB", metavar="SIZE", help="bytes read per tensor window and side (default 16MiB)"
     )
     p.set_defaults(func=cmd_diff)
+
+    p = sub.add_parser(
+        "import-stock",
+        parents=[common],
+        help="convert a stock paddle checkpoint (or safetensors directory) into this format",
+        description="Convert a checkpoint written by stock paddle's save_state_dict (<id>.metadata + .distcp or\n"
+        ".safetensors; the pickled index is read without executing code) or a plain safetensors directory\n"
+        "into a checkpoint of this engine (checksums, commit record), streaming one tensor at a time.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("src", metavar="STOCK_CKPT", help="stock checkpoint directory")
+    p.add_argument("out", metavar="OUT", help="output checkpoint directory (must not exist, or be empty)")
+    p.add_argument("--unique-id", type=int, default=None, help="version to convert (default: the newest)")
+    p.set_defaults(func=cmd_import_stock)
     return parser
 
 
@@ -263,7 +277,12 @@ def _progress(args) -> bool | None:
 
 def cmd_inspect(args) -> int:
     from .inspect_cmd import format_text, inspect_checkpoint
+    from .stock_cmd import format_foreign, inspect_foreign, is_foreign
 
+    if is_foreign(args.ckpt):  # stock paddle / plain safetensors directory
+        info = inspect_foreign(args.ckpt)
+        print(json.dumps(info, indent=2) if args.json else format_foreign(info), flush=True)
+        return EXIT_OK
     info = inspect_checkpoint(args.ckpt)
     print(json.dumps(info, indent=2) if args.json else format_text(info), flush=True)
     return EXIT_OK
@@ -271,11 +290,21 @@ def cmd_inspect(args) -> int:
 
 def cmd_verify(args) -> int:
     from .progress import human_bytes
+    from .stock_cmd import is_foreign, verify_foreign
     from .verify_cmd import verify
 
-    problems, summary = verify(args.ckpt, progress=_progress(args))
+    foreign = is_foreign(args.ckpt)  # stock paddle / plain safetensors directory (no checksums to check)
+    if foreign:
+        problems, summary = verify_foreign(args.ckpt, progress=_progress(args))
+    else:
+        problems, summary = verify(args.ckpt, progress=_progress(args))
     if args.json:
         print(json.dumps({"path": args.ckpt, "ok": not problems, "problems": problems}, indent=2))
+    elif not problems and foreign:
+        print(
+            f"OK: {summary['path']}: {summary['tensors']} tensors fully covered, {summary['files']} data file(s), "
+            f"every piece readable; no checksums to check ({summary['checksum']})"
+        )
     elif not problems:
         print(
             f"OK: {summary['path']}: {summary['tensors']} tensors fully covered, {summary['files']} data file(s), "
@@ -345,6 +374,15 @@ def cmd_from_hf(args) -> int:
         f"wrote checkpoint {s['out']}: {s['tensors']} tensors ({human_bytes(s['total_size'])}, "
         f"{s['transposed']} transposed, {s['merged']} merged into fused keys) in {s['files']} data file(s)"
     )
+    return EXIT_OK
+
+
+def cmd_import_stock(args) -> int:
+    from .progress import human_bytes
+    from .stock_cmd import import_stock
+
+    s = import_stock(args.src, args.out, unique_id=args.unique_id, progress=_progress(args))
+    print(f"wrote checkpoint {s['out']}: {s['tensors']} tensors ({human_bytes(s['total_size'])})")
     return EXIT_OK
 
 

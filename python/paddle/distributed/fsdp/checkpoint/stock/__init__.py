@@ -1,0 +1,34 @@
+"""Stock paddle compatibility: ``dist.save_state_dict`` / ``load_state_dict`` as a strict superset of stock.
+
+``dispatch.py`` decides who serves a call (this engine or stock's save; this engine or ``loader.py`` for loads);
+``unpickler.py`` reads stock's pickled metadata and ``.distcp`` files without executing code; ``index.py`` turns
+stock checkpoints, Hugging Face safetensors directories and ours into one piece index; ``loader.py`` (with
+``boxes.py``, ``targets.py``, ``aoa.py``) loads from it; ``directories.py`` holds the shared-directory check and
+the adoption of foreign entries used by the engine's save.
+"""
+
+from .dispatch import classify, load_state_dict, save_state_dict  # noqa: F401
+from .errors import (  # noqa: F401
+    DirectoryMismatchError,
+    StockFormatError,
+    StockVersionNotFoundError,
+    UnsafePickleError,
+)
+from .index import PieceIndex, index_fork, index_hf, index_stock  # noqa: F401
+from .unpickler import load_distcp, load_stock_metadata  # noqa: F401
+
+__all__ = [
+    "save_state_dict",
+    "load_state_dict",
+    "classify",
+    "PieceIndex",
+    "index_stock",
+    "index_hf",
+    "index_fork",
+    "load_stock_metadata",
+    "load_distcp",
+    "UnsafePickleError",
+    "StockFormatError",
+    "StockVersionNotFoundError",
+    "DirectoryMismatchError",
+]

@@ -1,0 +1,122 @@
+"""Directory checks and moves that let saves work in directories as users have them.
+
+* ``check_shared_directory``: collective check, at the start of a save, that every rank sees the coordinator's
+  directory (same path string AND same file system). Ranks given different directories, or node-local disks
+  behind one path, fail on every rank within the time of two all-gathers instead of waiting for the commit
+  timeout.
+* ``adopt_foreign_entries``: a save into a directory that holds files of other tools (a trainer's output
+  directory) keeps them: right before the atomic swap they are hard-linked (recreated for directories) into the
+  staging directory, so the committed directory holds them as well and the old one can be dropped.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+
+from ..coordination import Comm
+from .errors import DirectoryMismatchError
+
+PROBE_PREFIX = ".paddle-fsdp-probe-"
+
+
+def check_shared_directory(path: str, group: Comm, coordinator: int) -> None:
+    """Collective: raise DirectoryMismatchError on every rank unless all ranks see one directory for ``path``."""
+    if group.world == 1:
+        return
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path) or "."
+    probe = None
+    err = None
+    if group.rank == coordinator:
+        try:
+            os.makedirs(parent, exist_ok=True)
+            probe = os.path.join(parent, f"{PROBE_PREFIX}{os.path.basename(path)}-{uuid.uuid4().hex}")
+            with open(probe, "wb"):
+                pass
+        except OSError as e:
+            err = f"cannot create {probe or parent}: {e}"
+    gathered = group.all_gather_object((path, os.path.basename(probe) if probe else None, err))
+    try:
+        name = gathered[coordinator][1]
+        # the probe sits beside the target: the same parent (seen through this rank's path) and the same base name
+        same_name = os.path.basename(path) == os.path.basename(gathered[coordinator][0])
+        seen = name is not None and same_name and os.path.exists(os.path.join(parent, name))
+        answers = group.all_gather_object(seen)
+    finally:
+        if probe is not None:
+            try:
+                os.unlink(probe)
+            except OSError:
+                pass
+    if gathered[coordinator][2]:
+        raise DirectoryMismatchError(f"save to {path}: coordinator rank {coordinator}: {gathered[coordinator][2]}")
+    paths = [g[0] for g in gathered]
+    blind = [r for r, ok in enumerate(answers) if not ok]
+    if blind:
+        differ = {r: p for r, p in enumerate(paths) if p != paths[coordinator]}
+        why = (
+            f"ranks were given different directories {differ} (coordinator rank {coordinator}: {paths[coordinator]})"
+            if differ
+            else "the path is on a file system the coordinator's files do not appear on (node-local disks?)"
+        )
+        raise DirectoryMismatchError(
+            f"save to {paths[coordinator]}: ranks {blind} cannot see the coordinator's directory: {why}. This engine "
+            f"commits one checkpoint in one directory shared by all ranks; give every rank the same path on a shared "
+            f"file system (stock's format, safetensors=False, writes per-rank files and allows node-local "
+            f"directories)"
+        )
+
+
+def adopt_foreign_entries(final: str, staging: str, ours: set[str]) -> list[str]:
+    """Hard-link every entry of ``final`` whose name is not in ``ours`` (and not already in ``staging``) into
+    ``staging``; returns the names adopted. Falls back to copying across file systems."""
+    try:
+        names = os.listdir(final)
+    except FileNotFoundError:
+        return []
+    adopted = []
+    for name in names:
+        if name in ours or os.path.lexists(os.path.join(staging, name)):
+            continue
+        _link_tree(os.path.join(final, name), os.path.join(staging, name))
+        adopted.append(name)
+    return adopted
+
+
+def _link_tree(src: str, dst: str) -> None:
+    if os.path.isdir(src) and not os.path.islink(src):
+        os.mkdir(dst)
+        shutil.copystat(src, dst, follow_symlinks=False)
+        for name in os.listdir(src):
+            _link_tree(os.path.join(src, name), os.path.join(dst, name))
+        return
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+        if os.path.islink(src):
+            os.symlink(os.readlink(src), dst)
+        else:
+            shutil.copy2(src, dst)
+
+
+def own_entry_names(final: str) -> set[str]:
+    """Names in ``final`` that belong to a checkpoint of this engine (replaced by the new one, not kept)."""
+    from ..format.metadata import COMMIT_FILE, METADATA_FILE
+    from ..stock_compat import STOCK_METADATA_FILE
+
+    ours = {COMMIT_FILE, METADATA_FILE, STOCK_METADATA_FILE}
+    try:
+        names = os.listdir(final)
+    except FileNotFoundError:
+        return ours
+    if COMMIT_FILE not in names and METADATA_FILE not in names:
+        return ours  # no checkpoint of ours there: everything else is foreign
+    import re
+
+    data = re.compile(r"^\d+_0\.safetensors$")
+    return ours | {n for n in names if data.match(n)}

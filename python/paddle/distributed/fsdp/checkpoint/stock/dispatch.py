@@ -1,0 +1,258 @@
+"""``paddle.distributed.save_state_dict`` / ``load_state_dict`` with the fork installed: stock's signature, stock's
+results for every input stock accepts, the FSDP engine where it adds something.
+
+Who does what (the import hook points both functions here):
+
+save
+  * this engine (safetensors + metadata.json + COMMIT, atomic, checksummed) when the call needs it: JSON values
+    in the state dict, engine options (``commit_timeout``, ``chunk_bytes``, ...), flattened ``ShardedWeight``s
+    (FSDP state; stock cannot load those on CPU) unless ``safetensors=False`` is passed explicitly, and
+    ``safetensors=True`` calls with plain tensors / box ``ShardedWeight``s and no ``unique_id`` /
+    ``save_replicas``;
+  * stock's own ``save_state_dict`` otherwise: the default ``safetensors=False`` (stock's ``.distcp`` pickles, the
+    only files stock readers with default arguments and ``merge_sharded_state_dict`` read), semi-auto-parallel
+    ``DistTensor``s, ``unique_id`` versions, ``save_replicas``. Stock's save is correct on CPU.
+  A call that needs this engine but asks for ``safetensors=False`` (or a ``unique_id`` > 0) is refused with
+  :class:`StockFormatError` saying what to pass.
+
+load (stock's loader is never used: it unpickles, and its resharding calls ``.cuda()``)
+  * this engine for its own checkpoints (DistTensors become boxes of their local values);
+  * ``loader.py`` for stock checkpoints (``.distcp`` or safetensors, any ``unique_id``; restricted unpickler),
+    plain Hugging Face safetensors directories (``safetensors=True``) and any ``aoa_config``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ..coordination import Comm, gather_errors
+from ..format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE
+from .errors import StockFormatError
+from .index import index_fork, index_hf, index_stock, stock_versions
+from .loader import load_indexed
+from .targets import dist_tensor_box, is_dist_tensor
+
+logger = logging.getLogger(__name__)
+
+FORK_SAVE_OPTIONS = frozenset({"commit_timeout", "chunk_bytes", "write_stock_metadata", "options", "_publisher"})
+FORK_LOAD_OPTIONS = frozenset({"verify_checksums", "strict", "options"})
+COMM_METHODS = ("send_recv", "broadcast", "multi_group_broadcast", "grouped_send_recv", "parallel_broadcast")
+
+
+class _Default:
+    """Marks an argument the caller did not pass (``safetensors=False`` passed explicitly means "stock format")."""
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "False"
+
+
+DEFAULT = _Default()
+
+
+def _check_options(given: dict, allowed: frozenset, fn: str) -> None:
+    unknown = sorted(set(given) - allowed)
+    if unknown:
+        raise TypeError(f"{fn}() got an unexpected keyword argument {unknown[0]!r}")
+
+
+def _is_tensor_like(v: Any) -> bool:
+    import paddle
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+    return isinstance(v, (paddle.Tensor, ShardedWeight))
+
+
+def _holds_tensors(d: dict) -> bool:
+    return any(_is_tensor_like(v) or (isinstance(v, dict) and _holds_tensors(v)) for v in d.values())
+
+
+def flatten_for_engine(state_dict: dict) -> dict:
+    """Nested dicts that hold tensors become ``a.b`` keys (stock's naming); dicts of plain values stay values;
+    DistTensors become box ShardedWeights of their local value (whole-tensor ones plain tensors)."""
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+    out: dict = {}
+
+    def walk(prefix: str, d: dict) -> None:
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, dict) and _holds_tensors(v):
+                walk(key + ".", v)
+            elif is_dist_tensor(v):
+                box = dist_tensor_box(v)
+                if box is None:
+                    continue
+                local, offset, shape = box
+                gshape = tuple(int(s) for s in v.shape)
+                out[key] = local if shape == gshape else ShardedWeight(key, local, shape, gshape, offset)
+            else:
+                out[key] = v
+
+    walk("", state_dict)
+    return out
+
+
+def _save_route(state_dict: Any, unique_id, safetensors, save_replicas: bool, fork_options: dict) -> str:
+    if not isinstance(state_dict, dict):
+        return "stock"  # stock's own error for non-dicts
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+    values = list(flatten_for_engine_probe(state_dict))
+    has_json = any(not _is_tensor_like(v) for v in values)
+    has_flat = any(isinstance(v, ShardedWeight) and (v.is_flattened or v.flattened_range is not None) for v in values)
+    has_dist = any(is_dist_tensor(v) for v in values)
+    explicit = not isinstance(safetensors, _Default)
+    if has_json or fork_options:
+        why = "JSON values in the state dict" if has_json else f"engine options {sorted(fork_options)}"
+        if explicit and not safetensors:
+            raise StockFormatError(
+                f"save_state_dict: {why} need the FSDP checkpoint engine, which writes safetensors only; pass "
+                f"safetensors=True (stock paddle reads such checkpoints with load_state_dict(..., safetensors=True)) "
+                f"or save only tensors for stock's pickle format"
+            )
+        if unique_id not in (None, 0) or save_replicas:
+            raise StockFormatError(
+                f"save_state_dict: {why} need the FSDP checkpoint engine, which keeps one version per directory; drop "
+                f"unique_id={unique_id!r} / save_replicas={save_replicas!r} or save only tensors"
+            )
+        return "fork"
+    if has_flat and not explicit and unique_id is None and not save_replicas:
+        return "fork"
+    if safetensors and not has_dist and unique_id is None and not save_replicas:
+        return "fork"
+    return "stock"
+
+
+def flatten_for_engine_probe(d: dict):
+    for v in d.values():
+        if isinstance(v, dict) and _holds_tensors(v):
+            yield from flatten_for_engine_probe(v)
+        else:
+            yield v
+
+
+def stock_save():
+    from paddle.distributed.flex_checkpoint.dcp.save_state_dict import save_state_dict as stock
+
+    return stock
+
+
+def save_state_dict(
+    state_dict: dict,
+    path: str,
+    process_group=None,
+    coordinator_rank: int = 0,
+    unique_id: int | None = None,
+    async_save: bool = False,
+    safetensors: bool = DEFAULT,
+    save_replicas: bool = False,
+    **fork_options: Any,
+):
+    """Stock's ``save_state_dict`` signature; routed as the module docstring says. Returns the engine's
+    SaveHandle for an async save by the engine, else None (as stock)."""
+    _check_options(fork_options, FORK_SAVE_OPTIONS, "save_state_dict")
+    route = _save_route(state_dict, unique_id, safetensors, save_replicas, fork_options)
+    logger.debug("save_state_dict(%s): %s", path, route)
+    if route == "stock":
+        return stock_save()(
+            state_dict,
+            path,
+            process_group=process_group,
+            coordinator_rank=coordinator_rank,
+            unique_id=unique_id,
+            async_save=async_save,
+            safetensors=bool(safetensors),
+            save_replicas=save_replicas,
+        )
+    from ..save import save_state_dict as engine_save
+
+    return engine_save(
+        flatten_for_engine(state_dict), path, process_group, coordinator_rank, async_save=async_save, **fork_options
+    )
+
+
+def classify(path: str, unique_id: int | None, safetensors: bool) -> str:
+    """Which reader serves ``path``: "fork" (the engine), "stock", or "hf"."""
+    root = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(root):
+        return "fork"  # the engine names what is there (nothing, a staging directory, a file)
+    names = set(os.listdir(root))
+    fork = COMMIT_FILE in names or METADATA_FILE in names or LATEST_FILE in names
+    versions = stock_versions(root)
+    distcp = {v for v, d in versions.items() if d["metadata"] and d["distcp"]}
+    if unique_id is not None:
+        return "fork" if fork and unique_id == 0 and 0 not in distcp else "stock"
+    if distcp and not safetensors:
+        return "stock"
+    if fork:
+        return "fork"
+    if any(d["metadata"] for d in versions.values()):
+        return "stock"
+    if safetensors and any(n.endswith(".safetensors") for n in names):
+        return "hf"
+    return "fork"
+
+
+def load_state_dict(
+    state_dict: dict,
+    path: str,
+    process_group=None,
+    coordinator_rank: int = 0,
+    unique_id: int | None = None,
+    offload: bool = False,
+    mw_name_compatibility: bool = True,
+    aoa_config: dict | None = None,
+    safetensors: bool = False,
+    worker_groups: list | None = None,
+    comm_method: str = "broadcast",
+    **fork_options: Any,
+):
+    """Stock's ``load_state_dict`` signature; in place, all-or-nothing, on CPU as on GPU. ``offload``,
+    ``worker_groups`` and ``comm_method`` choose how stock moves data between devices and ranks; this loader
+    reads on the host and exchanges only what a rank cannot read itself, so they do not change the result."""
+    _check_options(fork_options, FORK_LOAD_OPTIONS, "load_state_dict")
+    if comm_method not in COMM_METHODS:
+        raise ValueError(f"Invalid communication method '{comm_method}'. Please choose from {list(COMM_METHODS)}.")
+    group = Comm(process_group)
+    kind = classify(path, unique_id, bool(safetensors))
+    kinds = group.all_gather_object(kind)
+    if len(set(kinds)) > 1:
+        from ..errors import NotACheckpointError
+
+        raise NotACheckpointError(
+            f"load of {path}: the ranks see different kinds of checkpoint there ({dict(enumerate(kinds))}); give "
+            f"every rank a directory holding the same checkpoint"
+        )
+    if kind == "fork" and aoa_config is None:
+        from ..load import load_state_dict as engine_load
+
+        flat = flatten_for_engine(state_dict) if isinstance(state_dict, dict) else state_dict
+        same = isinstance(state_dict, dict) and flat.keys() == state_dict.keys()
+        target = state_dict if same and all(flat[k] is state_dict[k] for k in flat) else flat
+        report = engine_load(target, path, process_group, coordinator_rank, **fork_options)
+        if target is not state_dict:  # JSON values loaded into the flattened view go back to the caller's dict
+            for k in report.loaded_keys if report is not None else []:
+                if k in state_dict and not _is_tensor_like(state_dict[k]) and not isinstance(state_dict[k], dict):
+                    state_dict[k] = target[k]
+        return report
+    if fork_options:
+        raise StockFormatError(
+            f"load_state_dict: options {sorted(fork_options)} apply to this engine's checkpoints; {path} is read by "
+            f"the stock-format loader"
+        )
+    err, index = None, None
+    try:
+        root = os.path.abspath(os.fspath(path))
+        index = (
+            index_fork(root) if kind == "fork" else index_stock(root, unique_id) if kind == "stock" else index_hf(root)
+        )
+    except Exception as e:
+        err = e
+    gather_errors(group, err)
+    load_indexed(state_dict, index, process_group, aoa_config, mw_name_compatibility)
+    return None
