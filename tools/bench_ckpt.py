@@ -16,23 +16,31 @@ Phases, each timed from a barrier to the slowest rank's end (GB = 1e9 bytes of s
 (a) ``raw write+fsync``: every rank writes its own state bytes from tensor memory to one file, 64 MiB
     writes, one fsync (the limit for saves);
 (b) ``save sync`` / ``save async``: ``fsdp.save_checkpoint``; async reports the time the caller is blocked
-    and the total until ``wait()``; blocked time is compared with a host memcpy of the rank's state (into
-    a preallocated buffer, measured right before each async save; a copy into fresh memory is reported as well); ``async overlap`` runs a matmul
-    loop while the save persists in the background and reports its speed relative to an idle run;
+    and the total until ``wait()``; blocked time is compared with a host memcpy of the rank's state (into a
+    preallocated buffer, measured right before each async save; a copy into fresh memory is reported as
+    well); ``async overlap`` runs a matmul loop while the save persists in the background and reports its
+    speed relative to an idle run;
 (c) ``all_gather + paddle.save``: parameters gathered with ``fsdp.full_parameters()``, AdamW moments with
     one padded ``all_gather`` per parameter, rank 0 writes one ``paddle.save`` file and fsyncs it;
-(d) ``load``: ``fsdp.load_checkpoint`` into zeroed targets, same world (each round right after an async save,
-    so the load borrows the engine's resident async-save buffer as its staging); ``load, fresh staging``: the
-    same after ``release_host_buffers()`` (staging in fresh memory, as for the first load of a job; run after
-    the rounds); ``load changed world``: the same
-    checkpoint loaded by ``--load-world`` ranks (a child ``paddle.distributed.launch`` of this script in
-    ``--mode load-only``); both verify an order-independent checksum of the loaded state;
-(e) ``raw read``: the checkpoint's data files read by the same ranks (equal contiguous shares, 16 MiB
-    preads), in each world, into resident memory of the share's size (what a load fills) and into one
-    reused 16 MiB buffer (the I/O alone); the faster of the two is the limit for loads;
+(d) ``load``: ``fsdp.load_checkpoint`` into zeroed targets, every time the FIRST load of a FRESH process (a child
+    ``paddle.distributed.launch`` of this script in ``--mode load-only``; no buffer left by an earlier save or
+    load), round robin over: same world with the page cache dropped (``same``), same world with the files in
+    the page cache (``warm``), ``--load-world`` ranks (``changed``), same world with ``atomic=True`` (the undo
+    copy); each verifies an order-independent checksum of the loaded state and reports the engine's own
+    host-memory account (``LoadReport.peak_host_bytes``) next to the peak RSS;
+(e) ``raw read``: in the same fresh process right before its load, the checkpoint's data files read by the same
+    ranks (equal contiguous shares, 16 MiB preads) into resident memory of the share's size (what a load fills)
+    and into one reused 16 MiB buffer (the I/O alone), page cache dropped before each; the faster of the two is
+    the limit of a cold load (ratios are also shown per process, load and raw read side by side); for ``warm``,
+    a plain read of the same shares with the files in the page cache;
 (f) ``torch DCP``: if torch is importable, FSDP2 (``fully_shard`` per Linear) with the same sizes on gloo,
-    ``torch.distributed.checkpoint.save`` (fsync on), ``load`` + ``set_state_dict``, same and changed
-    world, in separate process groups spawned by this script.
+    ``torch.distributed.checkpoint.save`` (fsync on); ``load`` + ``set_state_dict``, same and changed world,
+    each the first load of a fresh set of processes spawned by this script, page cache dropped;
+(g) ``training loop`` (``ckpt_bench/train_loop.py``, ``--no-train`` skips it): K steps of the same model with
+    an async checkpoint every M steps against the same loop without checkpoints, for paddle FSDP and for
+    torch FSDP2 + DCP ``async_save`` (``DefaultStager``, ``staging_completion`` before the step), with the
+    benchmark's world and with 1 rank (a core free): extra wall time per checkpoint, also as a ratio to a
+    memcpy of the rank's state.
 
 Page cache: ``/proc/sys/vm/drop_caches`` is used when writable, else ``posix_fadvise(DONTNEED)`` on every
 file before each read phase; the resident fraction is checked with ``mincore`` and reported. The virtual
@@ -92,6 +100,15 @@ def parse_args(argv=None):
     )
     p.add_argument("--no-trace", dest="trace", action="store_false", help="do not record engine phase timings")
     p.add_argument("--no-overlap", dest="overlap", action="store_false", help="skip the async overlap probe")
+    p.add_argument(
+        "--no-train", dest="train", action="store_false", help="skip the training-loop phase (ckpt_bench/train_loop.py)"
+    )
+    p.add_argument("--train-steps", type=int, default=30, help="training-loop phase: steps per loop (default 30)")
+    p.add_argument(
+        "--train-size-gib", type=float, default=None, help="training-loop phase: state size (default: --size-gib)"
+    )
+    p.add_argument("--train-every", type=int, default=10, help="training-loop phase: checkpoint every N steps")
+    p.add_argument("--train-repeats", type=int, default=2, help="training-loop phase: loops of each kind")
     p.add_argument("--seed", type=int, default=2024)
     # internal modes
     p.add_argument("--mode", default="full", choices=["full", "load-only", "torch-worker"], help=argparse.SUPPRESS)
@@ -101,7 +118,10 @@ def parse_args(argv=None):
     p.add_argument("--torch-rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--torch-world", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--torch-port", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--torch-task", default="save-load", choices=["save-load", "load"], help=argparse.SUPPRESS)
+    p.add_argument("--torch-task", default="save", choices=["save", "load"], help=argparse.SUPPRESS)
+    p.add_argument("--cache", default="cold", choices=["cold", "warm"], help=argparse.SUPPRESS)
+    p.add_argument("--atomic", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-verify", dest="verify", action="store_false", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

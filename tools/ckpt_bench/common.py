@@ -50,15 +50,15 @@ def launch_cmd(world: int, log_dir: str, script_args: list[str]) -> list[str]:
     ]
 
 
-def state_args(args) -> list[str]:
-    """The arguments that make a child job build the same state as this one."""
+def state_args(args, repeats: int | None = None) -> list[str]:
+    """The arguments that make a child job build the same state as this one (``repeats``: its own count)."""
     return [
         "--size-gib",
         str(args.size_gib),
         "--dim",
         str(args.dim),
         "--repeats",
-        str(args.repeats),
+        str(args.repeats if repeats is None else repeats),
         "--seed",
         str(args.seed),
     ]

@@ -422,24 +422,6 @@ def run_full(args) -> None:
         frac = cached_fraction(files)
         res["cache"].setdefault(name, []).append(comm.gather(frac))
 
-    def timed_load(name, path, files=None):
-        """Load ``path`` into zeroed targets from a dropped page cache; time it and verify the loaded state."""
-        ps.zero()
-        if comm.rank == 0:
-            drop_cache(files_under(path))
-        comm.barrier()
-        if files is not None:
-            note_cache(name, files)
-        with PeakRSS() as pk:
-            _, t, per = comm.timed(ps.fsdp.load_checkpoint, path, optimizer=ps.opt, options=tracer.options)
-        rss(name, pk)
-        trace(name)
-        got = sum(comm.gather(ps.checksum())) % (1 << 64)
-        if got != checksum:
-            raise SystemExit(f"load verification failed: checksum {got} != {checksum}")
-        add(name, t, state_bytes, per)
-        LOG.info("%s: %.3f s (%.2f GB/s), checksum verified", name, t, state_bytes / t / GB)
-
     # memcpy baseline of the async blocked time: measured in every round right before the async save, so both
     # see the same machine (this VM's memory bandwidth drifts by up to 1.4x between minutes)
     res["memcpy"] = {"prealloc_s": [], "fresh_s": []}
@@ -493,28 +475,12 @@ def run_full(args) -> None:
         if comm.rank == 0:
             shutil.rmtree(apath, ignore_errors=True)
 
-        # (e) raw read of the checkpoint's data files, same world
-        files = data_files(path)
-        for variant, (t, per, nbytes, cached) in raw_read_phase(comm, files).items():
-            add(f"raw read ({variant})", t, state_bytes, per, file_bytes=nbytes)
-            res["cache"].setdefault(f"raw read ({variant})", []).append(cached)
-            LOG.info("raw read into %s memory: %.3f s (%.2f GB/s of state)", variant, t, state_bytes / t / GB)
         res["drop_method"] = drop_method()
-
-        # (d) our load, same world
-        timed_load("load", path, files)
 
         if keep_ckpt is not None and comm.rank == 0:
             shutil.rmtree(keep_ckpt, ignore_errors=True)
         keep_ckpt = path
         comm.barrier()
-
-    # (d) our load with fresh staging memory: no async-save buffer to borrow (like the first load of a job)
-    from paddle.distributed.fsdp.checkpoint import release_host_buffers
-
-    for _rep in range(R):
-        release_host_buffers()
-        timed_load("load (fresh staging)", keep_ckpt)
 
     # ---- async overlap: compute speed while the save persists in the background
     if args.overlap:
@@ -584,74 +550,122 @@ def run_full(args) -> None:
         "work_dir": work,
         **info,
     }
+    # (d) + (e) loads, each the first load of a fresh process (no buffer left by an earlier save or load), next to
+    # the raw read of the same bytes in that process; configurations round robin so drift hits all alike
+    # (name, ranks, page cache, atomic, verify checksums)
+    configs = [("same", comm.world, "cold", False, True), ("warm", comm.world, "warm", False, True)]
     if load_world:
-        LOG.info("---- changed world: loading with %d ranks", load_world)
-        res["changed_world"] = run_child_load(args, keep_ckpt, load_world, checksum, work)
+        configs.append(("changed", load_world, "cold", False, True))
+    configs.append(("atomic", comm.world, "cold", True, True))
+    configs.append(("warm, unverified", comm.world, "warm", False, False))  # what checksums cost from the cache
+    res["fresh_loads"] = {name: [] for name, *_ in configs}
+    for rep in range(R):
+        for name, world, cache, atomic, verify in configs:
+            tag = f"{name.replace(', ', '_')}_{rep}"
+            got = run_child_load(args, keep_ckpt, world, checksum, work, cache, atomic, tag, verify)
+            res["fresh_loads"][name].append(got)
+            LOG.info(
+                "fresh-process load, %s (%d ranks, %s cache%s): load %.3f s, raw read %s",
+                name,
+                world,
+                cache,
+                ", atomic" if atomic else "",
+                got["load"],
+                ", ".join(f"{k} {v:.3f} s" for k, v in got["raw"].items()),
+            )
     if not args.no_torch:
         res["torch"] = run_torch(args, comm.world, load_world, work)
+    if args.train:
+        from .train_loop import run_training_loops
+
+        res["train_loop"] = run_training_loops(args, [comm.world, 1], work)
     finish(args, res, work)
 
 
-def run_child_load(args, ckpt: str, world: int, checksum: int, work: str) -> dict:
-    out = os.path.join(work, f"load_world{world}.json")
+def run_child_load(
+    args, ckpt: str, world: int, checksum: int, work: str, cache: str, atomic: bool, tag: str, verify: bool = True
+) -> dict:
+    """One fresh ``paddle.distributed.launch`` of ``world`` ranks: raw read + the first load of the process."""
+    out = os.path.join(work, f"load_{tag}.json")
     script_args = ["--mode", "load-only", "--ckpt", ckpt, "--result", out, "--expect-checksum", str(checksum)]
-    script_args += state_args(args) + ([] if args.trace else ["--no-trace"])
-    cmd = launch_cmd(world, os.path.join(work, f"log_load{world}"), script_args)
+    script_args += state_args(args) + ["--cache", cache] + ([] if args.trace else ["--no-trace"])
+    script_args += (["--atomic"] if atomic else []) + ([] if verify else ["--no-verify"])
+    cmd = launch_cmd(world, os.path.join(work, f"log_load_{tag}"), script_args)
     r = subprocess.run(cmd, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if r.returncode != 0 or not os.path.exists(out):
-        logs = os.path.join(work, f"log_load{world}")
-        raise SystemExit(f"changed-world load failed (exit {r.returncode}); see {logs}")
+        logs = os.path.join(work, f"log_load_{tag}")
+        raise SystemExit(f"fresh-process load {tag} failed (exit {r.returncode}); see {logs}")
     with open(out) as f:
         return json.load(f)
 
 
+def warm_page_cache(files: list[str]) -> None:
+    """Read every file once (into one reused buffer), so its pages are in the page cache."""
+    buf = np.empty(READ_SLAB, np.uint8)
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            off = 0
+            while True:
+                n = os.preadv(fd, [buf], off)
+                if n <= 0:
+                    break
+                off += n
+        finally:
+            os.close(fd)
+
+
 def run_load_only(args) -> None:
-    """Child job: the same model in another world, raw read + load of --ckpt, results to --result."""
+    """Child job: in a fresh process, the raw read of this world's shares of --ckpt's files, then the first load
+    of the process (cold: page cache dropped before each; warm: files read once before both), results to
+    --result."""
     import paddle.distributed as dist
 
     dist.init_parallel_env()
     comm = Comm()
     setup_logging(comm.rank, tag=f"-load{comm.world}")
     ps = PaddleState(args, seed_moments=False)
+    ps.zero()  # targets resident (touched), as a model's tensors are
     tracer = Tracer(args.trace)
     files = data_files(args.ckpt)
-    res: dict = {
-        "world": comm.world,
-        "raw read (resident)": [],
-        "raw read (ring)": [],
-        "load": [],
-        "load_per_rank": [],
-        "raw_per_rank": [],
-        "rss": [],
-        "cache": [],
-        "trace": [],
-    }
-    for _rep in range(max(1, args.repeats)):
+    res: dict = {"world": comm.world, "cache_mode": args.cache, "atomic": args.atomic}
+    if args.cache == "cold":
         rr = raw_read_phase(comm, files)
-        for variant, (t, _per, _n, _c) in rr.items():
-            res[f"raw read ({variant})"].append(t)
-        res["raw_per_rank"].append({v: x[1] for v, x in rr.items()})
-        ps.zero()
+        res["raw"] = {v: x[0] for v, x in rr.items()}
+        res["raw_per_rank"] = {v: x[1] for v, x in rr.items()}
         if comm.rank == 0:
             drop_cache(files_under(args.ckpt))
+    else:
+        if comm.rank == 0:
+            warm_page_cache(files_under(args.ckpt))
         comm.barrier()
-        res["cache"].append(comm.gather(cached_fraction(files)))
-        with PeakRSS() as pk:
-            _, t, per = comm.timed(ps.fsdp.load_checkpoint, args.ckpt, optimizer=ps.opt, options=tracer.options)
-        res["load_per_rank"].append(per)
-        res["rss"].append(comm.gather({"base": pk.base, "peak": pk.peak, "extra": pk.extra, "slice": ps.bytes}))
-        res["trace"].append(comm.gather(tracer.take()))
-        got = sum(comm.gather(ps.checksum())) % (1 << 64)
-        if args.expect_checksum is not None and got != args.expect_checksum:
-            raise SystemExit(f"changed-world load verification failed: {got} != {args.expect_checksum}")
-        res["load"].append(t)
-        LOG.info(
-            "world %d: raw read %.3f s (resident) / %.3f s (ring), load %.3f s (checksum verified)",
-            comm.world,
-            res["raw read (resident)"][-1],
-            res["raw read (ring)"][-1],
-            t,
+        segs = share_of(files, comm.rank, comm.world)
+        buf = read_buffer(segs)
+        _n, t_res, per_res = comm.timed(raw_read, segs, buf)
+        del buf
+        res["raw"] = {"resident": t_res}
+        res["raw_per_rank"] = {"resident": per_res}
+    comm.barrier()
+    res["cache"] = comm.gather(cached_fraction(files))
+    with PeakRSS() as pk:
+        result, t, per = comm.timed(
+            ps.fsdp.load_checkpoint,
+            args.ckpt,
+            optimizer=ps.opt,
+            atomic=args.atomic,
+            verify_checksums=args.verify,
+            options=tracer.options,
         )
+    res["load"] = t
+    res["load_per_rank"] = per
+    res["rss"] = comm.gather({"base": pk.base, "peak": pk.peak, "extra": pk.extra, "slice": ps.bytes})
+    res["engine_host"] = comm.gather(
+        {"peak": result.report.peak_host_bytes, "budget": result.report.host_budget, "slice": ps.bytes}
+    )
+    res["trace"] = comm.gather(tracer.take())
+    got = sum(comm.gather(ps.checksum())) % (1 << 64)
+    if args.expect_checksum is not None and got != args.expect_checksum:
+        raise SystemExit(f"fresh-process load verification failed: {got} != {args.expect_checksum}")
     res["rank_bytes"] = comm.gather(ps.bytes)
     if comm.rank == 0:
         with open(args.result, "w") as f:

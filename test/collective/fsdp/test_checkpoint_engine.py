@@ -274,24 +274,27 @@ def test_strided_tensors_save_and_load_in_place(tmp_path, async_save):
 
 @pytest.mark.host_memory_path
 def test_async_snapshot_holds_save_time_values_of_the_pieces_this_rank_writes():
-    """Shards are copied on the helper thread during the exchange, replicas only when this rank writes them;
-    either way the arrays hold the values at save time and the arena is given back by ``release``."""
+    """Volatile records are copied at construction, deferred ones by ``copy_deferred`` (the save's background
+    thread); either way the arrays hold the values at save time and the arena is given back by ``written``."""
     from paddle.distributed.fsdp.checkpoint.records import collect
     from paddle.distributed.fsdp.checkpoint.snapshot import Snapshot
 
     records, _ = collect(make_state())
-    assert {r.key for r in records if r.replicated} >= {"w", "i64"} and any(not r.replicated for r in records)
     want = {r.key: bits(r.tensor) for r in records}
-    snap = Snapshot(records)
-    keys = [r.key for r in records if r.key != "i64"]  # another rank would write the replica "i64"
-    arrays, _keep, release = snap.arrays_for(keys)
+    deferred = {"w", "box"}
+    snap = Snapshot(records, lambda r: r.key in deferred)
+    assert snap.pending and ck.snapshot_in_flight()
     for r in records:
-        paddle.assign(paddle.zeros_like(r.tensor), r.tensor)  # training goes on
-    assert not any(bits(r.tensor).any() for r in records)
-    for key, arr in zip(keys, arrays):
-        assert np.array_equal(np.asarray(arr).view(np.uint8).ravel(), want[key]), key
+        if r.key not in deferred:
+            paddle.assign(paddle.zeros_like(r.tensor), r.tensor)  # training goes on (volatile: copied already)
+    snap.copy_deferred()
+    assert not snap.pending and not ck.snapshot_in_flight()
+    for r in records:
+        paddle.assign(paddle.zeros_like(r.tensor), r.tensor)
+    for r, arr in zip(records, snap.arrays):
+        assert np.array_equal(np.asarray(arr).view(np.uint8).ravel(), want[r.key]), r.key
     assert host_memory.arena.acquire(1, grow=False) is None  # still held for the background write
-    release()
+    snap.written()
     assert host_memory.arena.acquire(1, grow=False) is not None
     host_memory.arena.release()
 
@@ -486,14 +489,19 @@ def _corrupt(kind, path: Path):
         ("symlink_escape", ck.UnsafePathError, "outside"),
     ],
 )
-def test_damaged_checkpoint_raises_named_error_and_leaves_targets_identical(saved, kind, err, match):
+@pytest.mark.parametrize("atomic", [False, True], ids=["bounded", "atomic"])
+def test_damaged_checkpoint_raises_named_error_and_leaves_targets_identical(saved, kind, err, match, atomic):
+    """Everything but damaged data is found before any byte is written (targets identical in both modes);
+    damaged data is found while reading: atomic=True restores, the default stops with PartiallyLoadedError."""
     _, path = saved
     _corrupt(kind, path)
     t = fresh_targets()
     before = snapshot(t)
-    with pytest.raises(err, match=match):
-        ck.load_state_dict(t, str(path))
-    assert_unchanged(t, before)
+    mid_load = kind == "flipped" and not atomic
+    with pytest.raises(ck.PartiallyLoadedError if mid_load else err, match=match):
+        ck.load_state_dict(t, str(path), atomic=atomic)
+    if not mid_load:
+        assert_unchanged(t, before)
     assert t["step"] is None and t["cfg"] is None
     assert ck.verify_checkpoint(str(path)), "verify_checkpoint found nothing wrong"
 
@@ -536,7 +544,7 @@ def test_checksum_algorithms_verify_and_detect_a_flipped_bit(tmp_path, monkeypat
     t = fresh_targets()
     before = snapshot(t)
     with pytest.raises(ck.CorruptCheckpointError, match="checksum mismatch .* key 'w'"):
-        ck.load_state_dict(t, str(path))
+        ck.load_state_dict(t, str(path), atomic=True)
     assert_unchanged(t, before)
     assert any("checksum mismatch" in p for p in ck.verify_checkpoint(str(path)))
 
@@ -549,9 +557,10 @@ def test_unknown_checksum_algorithm_is_refused_before_writing(tmp_path, monkeypa
 
 
 @pytest.mark.host_memory_path
-def test_whole_pieces_are_read_in_place_and_restored_when_the_load_fails(tmp_path, monkeypatch):
-    """Tensors whose bytes are whole saved pieces are read straight into their memory (no staging copy after
-    the status exchange); when a later piece is damaged, every one of them gets its previous bytes back."""
+def test_whole_pieces_are_read_in_place_and_restored_when_the_atomic_load_fails(tmp_path, monkeypatch):
+    """atomic=True: tensors whose bytes are whole saved pieces are read straight into their memory (no staging
+    copy after the status exchange); when a later piece is damaged, every one of them gets its previous bytes
+    back."""
     from paddle.distributed.fsdp.checkpoint import inplace
 
     paddle.seed(11)
@@ -568,7 +577,7 @@ def test_whole_pieces_are_read_in_place_and_restored_when_the_load_fails(tmp_pat
     monkeypatch.setattr(inplace.InPlaceReads, "__init__", spy_init)
     targets = {k: paddle.full([700, 1000], -1.0) for k in sd}
     ptrs = {k: t.data_ptr() for k, t in targets.items()}
-    ck.load_state_dict(targets, str(path))
+    ck.load_state_dict(targets, str(path), atomic=True)
     assert seen["regions"] == sorted(sd)
     for k in sd:
         assert targets[k].data_ptr() == ptrs[k] and np.array_equal(bits(targets[k]), bits(sd[k])), k
@@ -582,7 +591,7 @@ def test_whole_pieces_are_read_in_place_and_restored_when_the_load_fails(tmp_pat
     targets = {k: paddle.full([700, 1000], float(i)) for i, k in enumerate(sd)}
     before = {k: bits(t) for k, t in targets.items()}
     with pytest.raises(ck.CorruptCheckpointError, match=f"checksum mismatch .* key '{last}'"):
-        ck.load_state_dict(targets, str(path))
+        ck.load_state_dict(targets, str(path), atomic=True)
     assert seen["regions"] == sorted(sd)  # all were written in place before the mismatch was known
     for k, t in targets.items():
         assert np.array_equal(bits(t), before[k]), f"{k} not restored"
@@ -604,7 +613,7 @@ def test_aliasing_targets_are_not_read_in_place(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ck_load_mod, "_in_place_regions", spy)
     t = {"a": base, "b": base}  # one memory for both keys: no undo order could restore it safely
-    ck.load_state_dict(t, str(tmp_path / "c"))
+    ck.load_state_dict(t, str(tmp_path / "c"), atomic=True)
     assert got["in_place"] == []
     assert np.array_equal(bits(base), bits(sd["b"])) or np.array_equal(bits(base), bits(sd["a"]))
 

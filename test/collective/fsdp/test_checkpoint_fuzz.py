@@ -255,8 +255,21 @@ def _check_round(ckpt: Path, values, targets, want, what: str) -> str:
     with alarm(20, f"load_state_dict after {what}"):
         try:
             ck.load_state_dict(targets, str(ckpt))
+        except ck.PartiallyLoadedError:  # damaged data found while reading: said loudly, targets written in part
+            outcome = "partial"
         except ck.CheckpointError:
             outcome = "refused"
+    if outcome == "partial":  # the same input with atomic=True: refused, and nothing may change
+        for key in want:
+            _raw(targets[key])[:] = SENTINEL
+        with alarm(20, f"atomic load_state_dict after {what}"):
+            try:
+                ck.load_state_dict(targets, str(ckpt), atomic=True)
+            except ck.PartiallyLoadedError:
+                raise AssertionError(f"{what}: an atomic load reported partly written targets") from None
+            except ck.CheckpointError:
+                outcome = "refused"
+        assert outcome == "refused", f"{what}: the atomic load accepted what the bounded load refused"
     for key, w in want.items():
         got = _raw(targets[key])
         if outcome == "loaded":

@@ -73,18 +73,19 @@ def io_mode(request) -> ck.CheckpointOptions:
     return ck.CheckpointOptions(odirect=request.param == "odirect")
 
 
-def test_span_load_is_exact(tmp_path, io_mode):
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "bounded"])
+def test_span_load_is_exact(tmp_path, io_mode, atomic):
     sd = big_state()
     ck.save_state_dict(sd, str(tmp_path / "c"))
     t = zero_targets()
-    rep = ck.load_state_dict(t, str(tmp_path / "c"), options=io_mode)
+    rep = ck.load_state_dict(t, str(tmp_path / "c"), atomic=atomic, options=io_mode)
     for k in ("a", "b", "small", "flat"):
         assert np.array_equal(tensor_bits(t[k]), want_bits(sd, k)), k
     assert t["step"] == 3 and sorted(rep.loaded_keys) == sorted(t)
 
 
 @pytest.mark.parametrize("where", ["a", "b", "flat", "small"])
-def test_checksum_mismatch_anywhere_leaves_every_target_untouched(tmp_path, io_mode, where):
+def test_checksum_mismatch_anywhere_leaves_every_target_untouched_when_atomic(tmp_path, io_mode, where):
     sd = big_state()
     path = tmp_path / "c"
     ck.save_state_dict(sd, str(path))
@@ -100,9 +101,13 @@ def test_checksum_mismatch_anywhere_leaves_every_target_untouched(tmp_path, io_m
     t = zero_targets()
     before = {k: tensor_bits(v) for k, v in t.items() if k != "step"}
     with pytest.raises(ck.CorruptCheckpointError, match="checksum mismatch"):
-        ck.load_state_dict(t, str(path), options=io_mode)
+        ck.load_state_dict(t, str(path), atomic=True, options=io_mode)
     for k, v in before.items():
         assert np.array_equal(tensor_bits(t[k]), v), f"{k} changed by a failed load"
+    assert t["step"] is None
+    # the default (memory-bounded) load says the targets were written in part
+    with pytest.raises(ck.PartiallyLoadedError, match="checksum mismatch"):
+        ck.load_state_dict(t, str(path))
     assert t["step"] is None
     # without verification the damaged byte is loaded (the check is what caught it)
     ck.load_state_dict(t, str(path), verify_checksums=False, options=io_mode)
@@ -124,7 +129,7 @@ def test_failure_on_another_key_after_large_reads_changes_nothing(tmp_path, monk
     monkeypatch.setattr(reader, "read_spans", spans_then_fail)
     t = zero_targets()
     with pytest.raises(ck.CorruptCheckpointError, match="injected"):
-        ck.load_state_dict(t, str(path))
+        ck.load_state_dict(t, str(path), atomic=True)
     assert all(not tensor_bits(t[k]).any() for k in ("a", "b", "small", "flat"))
 
 
@@ -146,7 +151,7 @@ def test_load_full_state_dict_verifies_before_returning(tmp_path):
 
 
 @pytest.mark.host_memory_path
-def test_async_snapshots_reuse_one_arena_and_load_borrows_it(tmp_path, monkeypatch):
+def test_async_snapshots_reuse_one_arena_and_an_atomic_load_borrows_it(tmp_path, monkeypatch):
     ck.release_host_buffers()
     allocs = []
     real_alloc = host_memory.alloc_host
@@ -162,7 +167,7 @@ def test_async_snapshots_reuse_one_arena_and_load_borrows_it(tmp_path, monkeypat
     h.wait()
     assert len(allocs) == 1 and id(host_memory.arena._buf) == buf_id, "the second async save allocated again"
     t = zero_targets()
-    ck.load_state_dict(t, str(tmp_path / "s2"))
+    ck.load_state_dict(t, str(tmp_path / "s2"), atomic=True)
     assert len(allocs) == 1, "the load did not borrow the arena"
     assert np.array_equal(tensor_bits(t["a"]), want_a)
     assert np.array_equal(tensor_bits(t["b"]), bits(sd["b"]))
@@ -171,14 +176,17 @@ def test_async_snapshots_reuse_one_arena_and_load_borrows_it(tmp_path, monkeypat
     assert held is not None
     try:
         t2 = zero_targets()
-        ck.load_state_dict(t2, str(tmp_path / "s2"))
+        ck.load_state_dict(t2, str(tmp_path / "s2"), atomic=True)
         assert len(allocs) == 2 and np.array_equal(tensor_bits(t2["b"]), bits(sd["b"]))
         assert ck.release_host_buffers() is False
     finally:
         host_memory.arena.release()
     assert ck.release_host_buffers() is True and host_memory.arena.capacity == 0
-    # without an arena a load uses fresh memory and does not keep it
+    # a memory-bounded load (the default) needs no staging at all: it reads straight into the targets
     ck.load_state_dict(zero_targets(), str(tmp_path / "s2"))
+    assert host_memory.arena.capacity == 0 and len(allocs) == 2
+    # without an arena a load uses fresh memory and does not keep it
+    ck.load_state_dict(zero_targets(), str(tmp_path / "s2"), atomic=True)
     assert host_memory.arena.capacity == 0
 
 

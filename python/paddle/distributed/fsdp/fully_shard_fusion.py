@@ -220,7 +220,8 @@ class FullyShardFusion:
         """Restore what :meth:`save_checkpoint` wrote (a checkpoint, or a root: its ``latest``).
 
         Returns the saved ``extra_state`` as a dict that also carries ``.report`` (the LoadReport),
-        ``.path`` (the directory loaded) and ``.step`` (for ``step_<N>`` directories).
+        ``.path`` (the directory loaded), ``.step`` (for ``step_<N>`` directories) and ``.fallback_from``
+        (newer checkpoints of a root that failed mid-load, see state/resume.py).
         """
         from .state.resume import load_checkpoint
 

@@ -5,6 +5,8 @@ Every paddle optimizer (``Optimizer.step``, ``Adam.step``, ``AdamW.step``, group
 method, once per process, and act only when the optimizer holds parameters of a FullyShardFusion (found
 through the parameters themselves, so several instances can coexist and nothing global is kept):
 
+0. (every optimizer) Wait for an async checkpoint's background snapshot (checkpoint/snapshot_guard.py): a
+   save returns before it copied the shards, and the step must not modify them before they are copied.
 1. Flush gradients (a safety net: buffers whose parameters did not all receive a gradient, unused
    parameters, are normally reduced when backward ends; see FullyShardFusion.arm_backward_end).
 2. Clip with norms over all ranks: parameters are local pieces at rest, so ``ClipGradByGlobalNorm`` and
@@ -24,6 +26,8 @@ import paddle
 from paddle.nn.clip import ClipGradByGlobalNorm, ClipGradByNorm
 from paddle.optimizer import Lamb, Optimizer
 
+from .checkpoint.snapshot_guard import wait_for_snapshot
+
 logger = logging.getLogger(__name__)
 
 _WRAPPED_FLAG = "__fsdp_wrapped__"
@@ -36,6 +40,7 @@ def install_optimizer_integration() -> None:
         return
 
     def _apply_optimize(self, loss, startup_program, params_grads, param_group_idx=0):
+        wait_for_snapshot()  # an async save may still be copying the shards this step modifies
         owners = fsdp_owners(self)
         if not owners or not paddle.in_dynamic_mode():
             return original(self, loss, startup_program, params_grads, param_group_idx)

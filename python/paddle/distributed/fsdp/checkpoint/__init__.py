@@ -6,7 +6,11 @@ Saving and loading (collective over the process group; every rank gets the same 
 
 * ``save_state_dict(state_dict, path, ...)`` -> ``SaveHandle`` (async) or None; ``release_host_buffers()``
   (save.py: directory layout, save/commit protocol, crash safety, async saves).
-* ``load_state_dict(state_dict, path, ...)`` -> ``LoadReport``, all-or-nothing, any world size (load.py).
+* ``load_state_dict(state_dict, path, ...)`` -> ``LoadReport``, any world size, memory-bounded; all-or-nothing
+  for everything checkable before writing, ``PartiallyLoadedError`` on every rank for data found corrupt while
+  writing, or fully all-or-nothing with ``atomic=True`` (load.py).
+* ``wait_for_snapshot()`` / ``snapshot_in_flight()``: an async save copies parameters and optimizer state after
+  it returned; writers the engine cannot intercept wait with this first (snapshot_guard.py).
 * ``load_full_state_dict(path, keys=None)``: whole tensors in one process, no collectives (load.py).
 * ``read_metadata(path)`` -> ``CheckpointMetadata`` of a committed checkpoint (format/commit.py).
 * ``verify_checkpoint(path)`` -> list of problems (verify.py).
@@ -39,6 +43,7 @@ from .errors import (
     NotACheckpointError,
     NotARegularFileError,
     OptimizerMismatchError,
+    PartiallyLoadedError,
     RngStateMismatchError,
     SafetensorsHeaderError,
     SaveFailedError,
@@ -53,6 +58,7 @@ from .load import LoadReport, load_full_state_dict, load_state_dict
 from .manager import CheckpointManager, latest_checkpoint, resolve_checkpoint
 from .options import CheckpointOptions
 from .save import SaveHandle, release_host_buffers, save_state_dict
+from .snapshot_guard import snapshot_in_flight, wait_for_snapshot
 from .tracing import TraceRecord
 from .verify import verify_checkpoint
 
@@ -63,6 +69,8 @@ __all__ = [
     "read_metadata",
     "verify_checkpoint",
     "release_host_buffers",
+    "wait_for_snapshot",
+    "snapshot_in_flight",
     "SaveHandle",
     "LoadReport",
     "CheckpointManager",
@@ -84,6 +92,7 @@ __all__ = [
     "CheckpointRemovedError",
     "NotARegularFileError",
     "SaveFailedError",
+    "PartiallyLoadedError",
     "ShapeMismatchError",
     "StateDictMismatchError",
     "OptimizerMismatchError",

@@ -80,6 +80,13 @@ class SaveFailedError(CheckpointError):
     """A save did not commit (a rank failed, or the commit timed out)."""
 
 
+class PartiallyLoadedError(CheckpointError):
+    """A load failed after it had begun writing the targets (e.g. a corrupt chunk found mid-read by a
+    memory-bounded load): the tensors of the ranks that read data hold a mix of old and loaded bytes and must not
+    be used. Raised on every rank. ``load_checkpoint(root)`` then falls back to the newest older checkpoint;
+    ``atomic=True`` loads keep an undo copy instead (see load.py)."""
+
+
 ERROR_CLASSES = {
     cls.__name__: cls
     for cls in (
@@ -101,6 +108,7 @@ ERROR_CLASSES = {
         RngStateMismatchError,
         InvalidStateDictError,
         SaveFailedError,
+        PartiallyLoadedError,
     )
 }
 

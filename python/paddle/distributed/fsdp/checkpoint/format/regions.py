@@ -42,6 +42,21 @@ def region_segments(root: str, md: CheckpointMetadata, key: str, region: Region)
     return out
 
 
+def clip_segments(segments: list, w0: int, w1: int, chunk_bytes: int) -> list:
+    """The parts of ``segments`` whose destination lies in ``[w0, w1)``, destinations made relative to ``w0``
+    (a window of a region, for readers that fill a bounded staging buffer one window at a time)."""
+    out = []
+    for piece, src_b, dst_b, len_b, _big in segments:
+        lo = np.maximum(dst_b, w0)
+        hi = np.minimum(dst_b + len_b, w1)
+        keep = hi > lo
+        if not keep.any():
+            continue
+        length = (hi - lo)[keep]
+        out.append((piece, (src_b + (lo - dst_b))[keep], lo[keep] - w0, length, length >= 2 * chunk_bytes))
+    return out
+
+
 def read_region(
     files: reader.FileSet,
     md: CheckpointMetadata,
@@ -52,8 +67,12 @@ def read_region(
     verifier: reader.ChunkVerifier | None = None,
     deferred: list | None = None,
     window_bytes: int = reader.DEFAULT_WINDOW,
+    segments: list | None = None,
 ) -> None:
     """Read every element of ``region`` of ``key`` into ``out`` (uint8, region storage order).
+
+    ``segments``: the region's ``region_segments`` when the caller has them (or a part of them from
+    ``clip_segments``: then only those bytes are read, their destinations relative to ``out``).
 
     ``verify`` checks every chunk a byte comes from (when the checkpoint has checksums and ``files`` verifies).
     With ``verifier``, checks of large ranges are queued on it: ``out`` is verified only after its ``wait()``;
@@ -62,7 +81,9 @@ def read_region(
     small ones are read at once. Small scattered ranges go through windows of at most ``window_bytes``.
     """
     verify = verify and files.verifies
-    for piece, src_b, dst_b, len_b, big in region_segments(files.root, md, key, region):
+    if segments is None:
+        segments = region_segments(files.root, md, key, region)
+    for piece, src_b, dst_b, len_b, big in segments:
         # large segments: read straight into the destination (verified in place)
         for a, d, n in zip(src_b[big].tolist(), dst_b[big].tolist(), len_b[big].tolist()):
             if deferred is not None:

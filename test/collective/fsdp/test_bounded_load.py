@@ -1,0 +1,145 @@
+"""Memory-bounded loads: the engine's own host-memory account stays within the budget, for whole pieces (same
+world), partial ranges and boxes (changed world) and staged (device-like) targets; corrupt data found mid-load
+raises PartiallyLoadedError on every rank, and ``load_checkpoint(root)`` falls back to the older checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import paddle
+import paddle.distributed.fsdp.checkpoint as ck
+import pytest
+from _results import assert_case_ok
+from launch_util import run_launch
+from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+from paddle.distributed.fsdp.checkpoint import load as ck_load
+
+KIB = 1 << 10
+CHUNK = 64 * KIB
+BUDGET = 512 * KIB
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "bounded_load.py")
+
+
+def bits(t) -> np.ndarray:
+    return np.ascontiguousarray(t.numpy()).view(np.uint8).ravel().copy()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """~12 MiB in tensors of many checksum chunks (64 KiB), saved as whole pieces."""
+    paddle.seed(5)
+    sd = {f"t{i}": paddle.rand([300 + 37 * i, 1500]) for i in range(6)}
+    sd["vec"] = paddle.rand([1_000_003])
+    path = tmp_path_factory.mktemp("bounded") / "ckpt"
+    ck.save_state_dict(sd, str(path), chunk_bytes=CHUNK)
+    full = {k: v.numpy() for k, v in sd.items()}
+    return path, full
+
+
+def test_default_budget_is_64_mib_or_2_percent():
+    assert ck_load.default_load_budget(0) == 64 << 20
+    assert ck_load.default_load_budget(1 << 30) == 64 << 20
+    assert ck_load.default_load_budget(100 << 30) == int(0.02 * (100 << 30))
+
+
+@pytest.fixture(params=["cached", "uncached"])
+def page_cache(request, monkeypatch):
+    """Both read paths: chunks checked inline right after each copy (file in the page cache), or slabs checked
+    on the helper threads (file on disk)."""
+    from paddle.distributed.fsdp.checkpoint import reader
+
+    monkeypatch.setattr(reader.FileSet, "mostly_cached", lambda self, name: request.param == "cached")
+    return request.param
+
+
+def test_same_world_load_reads_into_the_targets_within_the_budget(saved, page_cache):
+    path, full = saved
+    targets = {k: paddle.full(list(v.shape), -1.0) for k, v in full.items()}
+    ptrs = {k: t.data_ptr() for k, t in targets.items()}
+    report = ck.load_state_dict(targets, str(path), max_host_bytes=BUDGET)
+    assert report.host_budget == BUDGET and report.peak_host_bytes <= BUDGET
+    for k, t in targets.items():
+        assert t.data_ptr() == ptrs[k] and np.array_equal(t.numpy(), full[k]), k
+    # the account is real: an atomic load of the same state holds a copy of it
+    atomic = ck.load_state_dict(targets, str(path), atomic=True)
+    state_bytes = sum(v.nbytes for v in full.values())
+    assert atomic.atomic and atomic.peak_host_bytes >= state_bytes > 10 * BUDGET
+
+
+def _changed_world_targets(full: dict, rank: int, world: int) -> tuple[dict, dict]:
+    """Rank ``rank`` of ``world``: flattened ranges not aligned to chunks, and boxes of column ranges (rows of
+    small scattered reads), as a load into another world size asks."""
+    targets, want = {}, {}
+    for k, v in full.items():
+        n = v.size
+        a, b = n * rank // world + 3, n * (rank + 1) // world - 5
+        if k.startswith("t") and int(k[1:]) % 2:
+            rows, cols = v.shape
+            c0, c1 = cols * rank // world + 1, cols * (rank + 1) // world
+            targets[k] = ShardedWeight(k, paddle.full([rows, c1 - c0], -1.0), [rows, c1 - c0], [rows, cols], [0, c0])
+            want[k] = v[:, c0:c1]
+        else:
+            local = paddle.full([b - a], -1.0)
+            targets[k] = ShardedWeight(
+                k, local, list(v.shape), list(v.shape), [0] * v.ndim, is_flattened=True, flattened_range=slice(a, b)
+            )
+            want[k] = v.reshape(-1)[a:b]
+    return targets, want
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_changed_world_load_stays_within_the_budget(saved, rank, page_cache):
+    path, full = saved
+    targets, want = _changed_world_targets(full, rank, 3)
+    report = ck.load_state_dict(targets, str(path), max_host_bytes=BUDGET)
+    assert report.peak_host_bytes <= BUDGET, report.peak_host_bytes
+    assert report.peak_host_bytes > 0  # bounce chunks and read windows were used, and counted
+    for k, sw in targets.items():
+        assert np.array_equal(sw.local_tensor.numpy(), want[k]), k
+
+
+def test_staged_targets_go_through_row_windows_within_the_budget(saved):
+    """Targets that cannot be read into directly (device tensors; here host tensors on the same path) are
+    filled through a staging window of rows and copied with ``Tensor.copy_`` into the same memory."""
+    path, full = saved
+    staged = ck.CheckpointOptions(host_fast_path=False)
+    targets = {k: paddle.full(list(v.shape), -1.0) for k, v in full.items()}
+    ptrs = {k: t.data_ptr() for k, t in targets.items()}
+    report = ck.load_state_dict(targets, str(path), max_host_bytes=BUDGET, options=staged)
+    assert 0 < report.peak_host_bytes <= BUDGET
+    for k, t in targets.items():
+        assert t.data_ptr() == ptrs[k] and np.array_equal(t.numpy(), full[k]), k
+    targets, want = _changed_world_targets(full, 1, 3)
+    report = ck.load_state_dict(targets, str(path), max_host_bytes=BUDGET, options=staged)
+    assert report.peak_host_bytes <= BUDGET
+    for k, sw in targets.items():
+        assert np.array_equal(sw.local_tensor.numpy(), want[k]), k
+
+
+def test_checks_before_writing_leave_targets_identical_and_corrupt_data_is_named(saved, tmp_path, page_cache):
+    """A missing key is refused before any byte is written; a flipped byte is found mid-load and reported as
+    PartiallyLoadedError (the targets were written in part)."""
+    path, full = saved
+    targets = {k: paddle.full(list(v.shape), -1.0) for k, v in full.items()}
+    targets["absent"] = paddle.zeros([3])
+    with pytest.raises(ck.MissingKeyError, match="absent"):
+        ck.load_state_dict(targets, str(path))
+    assert all(bool((t.numpy() == -1.0).all()) for k, t in targets.items() if k != "absent")
+    del targets["absent"]
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    data = next(p for p in bad.iterdir() if p.name.endswith(".safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) - 1000] ^= 0x01
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ck.PartiallyLoadedError, match="checksum mismatch.*mix of their previous"):
+        ck.load_state_dict(targets, str(bad))
+
+
+def test_corrupt_byte_on_one_rank_fails_every_rank_and_the_root_falls_back(tmp_path):
+    result = run_launch(WORKER, 2, [str(tmp_path)], log_dir=tmp_path / "logs")
+    for case in ("partial", "atomic", "fallback", "bounded"):
+        assert_case_ok(result, case, 2)
