@@ -62,7 +62,7 @@ import numpy as np
 
 from ..checkpoint.errors import SafetensorsHeaderError
 from ..checkpoint.format import safetensors
-from ..checkpoint.format.metadata import itemsize
+from ..checkpoint.format.metadata import itemsize, storage_dtype
 from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
 from ..checkpoint.format.safetensors import SafetensorsEntry, SafetensorsFile
 from ..checkpoint.format.strict_json import open_regular
@@ -745,7 +745,7 @@ def _merge_producer(fds: _FdCache, m, dst: str, block_bytes: int = 2 << 20):
     """Assemble checkpoint tensor ``m`` from its HF parts, reading each part's rows in bounded blocks."""
 
     def produce() -> np.ndarray:
-        out = np.empty(_numel(m.shape), ckpt_io.storage_dtype(dst)).reshape(m.shape)
+        out = np.empty(_numel(m.shape), storage_dtype(dst)).reshape(m.shape)
         # HF orientation: parts are row ranges along axis 0 (a 0-d tensor is one row of one element)
         view = out.T if m.transpose else out if m.shape else out.reshape(1)
         for part in m.parts:
@@ -758,7 +758,7 @@ def _merge_producer(fds: _FdCache, m, dst: str, block_bytes: int = 2 << 20):
                 n = min(step, part.row_stop - r)
                 raw = np.empty(n * row_bytes, np.uint8)
                 ckpt_io.pread_exact(fd, raw, st.data_start + e.begin + r * row_bytes, st.path)
-                rows = raw.view(ckpt_io.storage_dtype(e.dtype)).reshape((n,) + tuple(e.shape[1:]) if e.shape else (n,))
+                rows = raw.view(storage_dtype(e.dtype)).reshape((n,) + tuple(e.shape[1:]) if e.shape else (n,))
                 pos = part.fused_pos + (r - part.row_start)
                 view[pos : pos + n] = ckpt_io.cast_array(rows, e.dtype, dst)
         return out.reshape(-1).view(np.uint8)
@@ -773,7 +773,7 @@ def _producer(fd: int, st: SafetensorsFile, t: CkptTensor):
         ckpt_io.pread_exact(fd, raw, st.data_start + e.begin, st.path)
         if not t.transpose and t.dtype == e.dtype:
             return raw
-        arr = raw.view(ckpt_io.storage_dtype(e.dtype)).reshape(e.shape)
+        arr = raw.view(storage_dtype(e.dtype)).reshape(e.shape)
         out = np.empty(_numel(e.shape) * itemsize(t.dtype), np.uint8)
         pos = 0
         for block in converted_blocks(arr, e.dtype, t.dtype, t.transpose):

@@ -14,32 +14,11 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from ..format.metadata import numel
+from ..format.metadata import numel, storage_dtype
 from ..format.strict_json import open_regular
 from .errors import StockIncompleteCheckpointError
 from .index import Piece, PieceIndex
 from .unpickler import load_distcp
-
-#: dtype name -> numpy storage type
-STORAGE_TYPES = {
-    "float64": np.float64,
-    "float32": np.float32,
-    "float16": np.float16,
-    "bfloat16": np.uint16,
-    "int64": np.int64,
-    "int32": np.int32,
-    "int16": np.int16,
-    "int8": np.int8,
-    "uint8": np.uint8,
-    "bool": np.bool_,
-    "complex64": np.complex64,
-    "float8_e4m3fn": np.uint8,
-    "float8_e5m2": np.uint8,
-}
-
-
-def storage_type(dtype: str) -> np.dtype:
-    return np.dtype(STORAGE_TYPES[dtype])
 
 
 class PieceData:
@@ -57,7 +36,7 @@ class PieceData:
     def read(self, key: str, piece: Piece) -> np.ndarray:
         """The piece's elements, 1-D, in storage order, as the key's storage type."""
         dtype = self.index.tensors[key].dtype
-        st = storage_type(dtype)
+        st = storage_dtype(dtype)
         path = os.path.join(self.index.root, piece.file)
         if piece.byte_offset is not None:
             nbytes = piece.numel * st.itemsize
@@ -94,7 +73,7 @@ class PieceData:
         if piece.byte_offset is None:  # a .distcp piece: its file is unpickled whole (bounded by the file's size)
             arr = self.read(key, piece)
             return arr.nbytes
-        nbytes = piece.numel * storage_type(self.index.tensors[key].dtype).itemsize
+        nbytes = piece.numel * storage_dtype(self.index.tensors[key].dtype).itemsize
         path = os.path.join(self.index.root, piece.file)
         fd = open_regular(path)
         try:
@@ -156,7 +135,7 @@ def assemble_box(
 ) -> np.ndarray:
     """The box ``offset``/``shape`` of ``key`` from its saved pieces; raises if any element is not covered."""
     entry = index.tensors[key]
-    out = np.zeros(shape, dtype=storage_type(entry.dtype))
+    out = np.zeros(shape, dtype=storage_dtype(entry.dtype))
     covered = np.zeros(shape, dtype=bool)
     for piece in entry.pieces:
         if _overlap(offset, shape, piece.box_offset, piece.box_shape) is None and shape:
