@@ -11,12 +11,10 @@ The seed is printed with every failure (``FSDP_TOOLS_FUZZ_SEED``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -26,25 +24,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors.numpy as stnp
+from hangs import alarm
 from paddle.distributed.fsdp.tools.cli import main as cli_main
 
 SEED = int(os.environ.get("FSDP_TOOLS_FUZZ_SEED", "4242"))
 ROUNDS = int(os.environ.get("FSDP_TOOLS_FUZZ_ROUNDS", "120"))
 INDEX = "model.safetensors.index.json"
-
-
-@contextlib.contextmanager
-def alarm(seconds: int, what: str):
-    def hang(_sig, _frame):
-        raise AssertionError(f"hang: {what} did not return within {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, hang)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def tree(root: Path) -> set[str]:
