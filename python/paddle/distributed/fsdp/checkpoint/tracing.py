@@ -1,12 +1,15 @@
 """Phase tracing of saves and loads: where the time of one save or load goes, per rank.
 
-A ``Tracer`` collects ``(phase, seconds)`` marks; at ``done()`` it prints them to stderr
-(``CheckpointOptions.trace``, ``PADDLE_FSDP_CKPT_TRACE=1``) and/or hands a ``TraceRecord`` to
+A ``Tracer`` collects ``(phase, seconds)`` marks; at ``done()`` it logs them at INFO on the logger
+``paddle.distributed.fsdp.checkpoint.tracing`` (``CheckpointOptions.trace``, ``PADDLE_FSDP_CKPT_TRACE=1``; a
+stderr handler is attached when nothing else handles that logger, since asking for a trace means wanting to
+see it) and/or hands a ``TraceRecord`` to
 ``CheckpointOptions.trace_hook`` (the benchmark's public way in). Without either it records nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -15,6 +18,18 @@ from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from .options import CheckpointOptions
+
+logger = logging.getLogger(__name__)
+
+
+def _ensure_visible() -> None:
+    """Trace lines reach stderr even when the application configured no logging."""
+    if not logger.hasHandlers():
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
 
 
 @dataclass(frozen=True)
@@ -34,7 +49,7 @@ TraceHook = Callable[[TraceRecord], None]
 
 
 class Tracer:
-    """Phase timings of one save or load: printed to stderr with ``options.trace``, handed to
+    """Phase timings of one save or load: logged with ``options.trace``, handed to
     ``options.trace_hook``; free when neither is set."""
 
     def __init__(self, what: str, options: CheckpointOptions):
@@ -57,10 +72,7 @@ class Tracer:
         record = TraceRecord(self.what, os.getpid(), tuple(self.marks), time.perf_counter() - self.t0)
         if self.print:
             parts = " ".join(f"{n}={d * 1000:.1f}ms" for n, d in record.marks)
-            print(
-                f"[ckpt-trace pid {record.pid}] {self.what}: {parts} total={record.total * 1000:.1f}ms",
-                file=sys.stderr,
-                flush=True,
-            )
+            _ensure_visible()
+            logger.info("[ckpt-trace pid %d] %s: %s total=%.1fms", record.pid, self.what, parts, record.total * 1000)
         if self.hook is not None:
             self.hook(record)
