@@ -47,19 +47,36 @@ def copy_to_host(tensor):
 
 def stage_into(jobs: list, chunk_bytes: int = STAGING_CHUNK_BYTES) -> None:
     """Copy device or strided tensors into their host slots: ``jobs`` are ``(slot, tensor)`` with ``slot`` a
-    uint8 array of the tensor's size. Device tensors go through ``device.to_host`` in batches of about
-    ``chunk_bytes`` (one staging buffer, reused); host strided ones are made contiguous and copied."""
+    uint8 array of the tensor's size. Device tensors go through ``device.to_host`` in batches of at most
+    ``chunk_bytes`` (larger ones in flat pieces; one staging buffer, reused); host strided ones are made
+    contiguous and copied."""
     with _staging_lock:
         batch: list = []
         size = 0
-        for slot, t in jobs:
-            batch.append((slot, t))
-            size += len(slot)
-            if size >= chunk_bytes:
+        for slot, t in _split_large(jobs, chunk_bytes):
+            if batch and size + len(slot) > chunk_bytes:  # a batch never exceeds a chunk (pieces are <= one)
                 _stage_batch(batch, chunk_bytes)
                 batch, size = [], 0
+            batch.append((slot, t))
+            size += len(slot)
         if batch:
             _stage_batch(batch, chunk_bytes)
+
+
+def _split_large(jobs: list, chunk_bytes: int):
+    """Device tensors larger than a chunk (a fused buffer shard) as chunk-sized flat pieces, so the staging
+    buffer stays about ``chunk_bytes`` whatever the tensor sizes."""
+    for slot, t in jobs:
+        if len(slot) <= chunk_bytes or device.is_host(t):
+            yield slot, t
+            continue
+        flat = (t if t.is_contiguous() else t.contiguous()).reshape([-1])
+        size = t.element_size()
+        step = max(chunk_bytes // size, 1)
+        numel = len(slot) // size
+        for start in range(0, numel, step):
+            stop = min(start + step, numel)
+            yield slot[start * size : stop * size], flat._slice(start, stop)
 
 
 def _stage_batch(batch: list, chunk_bytes: int) -> None:
