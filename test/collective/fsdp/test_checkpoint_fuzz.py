@@ -15,7 +15,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import tempfile
 from pathlib import Path
 
@@ -24,26 +23,13 @@ import paddle
 import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 from crafted import craft, reseal, snapshot_files
+from hangs import alarm
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 from paddle.distributed.fsdp.checkpoint import host_memory
 
 ROUNDS = int(os.environ.get("FSDP_FUZZ_ROUNDS", "2000"))
 SEED = int(os.environ.get("FSDP_FUZZ_SEED", "1234"))
 SENTINEL = 0xA5
-
-
-@contextlib.contextmanager
-def alarm(seconds: int, what: str):
-    def hang(_sig, _frame):
-        raise AssertionError(f"hang: {what} did not return within {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, hang)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _global_values():

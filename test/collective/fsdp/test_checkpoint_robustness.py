@@ -14,11 +14,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -30,23 +28,10 @@ import paddle
 import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 from crafted import craft, edit_metadata, flat_boxes
+from hangs import alarm
 from paddle.distributed.fsdp.checkpoint import faults, reader
 
 HERE = Path(__file__).resolve().parent
-
-
-@contextlib.contextmanager
-def alarm(seconds: int, what: str):
-    def hang(_sig, _frame):
-        raise AssertionError(f"hang: {what} did not return within {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, hang)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def bits(t) -> np.ndarray:

@@ -46,6 +46,7 @@ from ..checkpoint.format.metadata import (
     DTYPES,
     FORMAT_NAME,
     METADATA_FILE,
+    NUMPY_STORAGE,
     CheckpointMetadata,
     FileMeta,
     PieceMeta,
@@ -53,6 +54,7 @@ from ..checkpoint.format.metadata import (
     itemsize,
     rank_file_name,
     resolve_member,
+    storage_dtype,
 )
 from ..checkpoint.format.regions import read_region
 from ..checkpoint.format.reserved import BUFFERS_KEY, OPTIMIZER_KEY
@@ -66,29 +68,7 @@ MODEL = "model"
 OPTIMIZER = "optimizer"
 BUFFER = "buffer"  # a persistable buffer (model state, not a parameter); classified MODEL by classify_keys
 
-#: engine dtype name -> numpy dtype holding its bits (numpy has no bfloat16 / float8: raw unsigned ints)
-NUMPY_STORAGE: dict[str, Any] = {
-    "float64": np.float64,
-    "float32": np.float32,
-    "float16": np.float16,
-    "bfloat16": np.uint16,
-    "int64": np.int64,
-    "int32": np.int32,
-    "int16": np.int16,
-    "int8": np.int8,
-    "uint8": np.uint8,
-    "bool": np.bool_,
-    "complex64": np.complex64,
-    "float8_e4m3fn": np.uint8,
-    "float8_e5m2": np.uint8,
-}
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
-
-
-def storage_dtype(name: str) -> np.dtype:
-    """numpy dtype holding the elements of engine dtype ``name`` (opaque fixed-size bytes for any other)."""
-    known = NUMPY_STORAGE.get(name)
-    return np.dtype(known) if known is not None else np.dtype(f"V{itemsize(name)}")
 
 
 # ------------------------------------------------------------------------------------------------ key roles
@@ -311,8 +291,10 @@ def converted_blocks(
 
 
 def check_output_path(out: str) -> None:
-    """Refuse an output path that exists as a file or a non-empty directory (never overwrite)."""
+    """Refuse an output path that exists as a file, a symbolic link or a non-empty directory (never overwrite)."""
     if os.path.lexists(out):
+        if os.path.islink(out):  # refused before any work (the final rename cannot replace a link by a directory)
+            raise ToolError(f"output {out} is a symbolic link; give the real directory path (nothing is written)")
         if not os.path.isdir(out):
             raise ToolError(f"output {out} exists and is not a directory")
         if os.listdir(out):

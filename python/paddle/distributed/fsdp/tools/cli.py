@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -206,8 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("a", metavar="A", help="checkpoint directory (or a root with numbered checkpoints: its latest)")
     p.add_argument("b", metavar="B", help="checkpoint directory to compare with A")
     p.add_argument("--json", action="store_true", help="print one JSON object: summary, every key, values")
-    p.add_argument("--atol", type=float, default=0.0, help="absolute difference accepted as equal (default 0)")
-    p.add_argument("--rtol", type=float, default=0.0, help="relative difference accepted as equal (default 0)")
+    p.add_argument("--atol", type=_tolerance, default=0.0, help="absolute difference accepted as equal (default 0)")
+    p.add_argument("--rtol", type=_tolerance, default=0.0, help="relative difference accepted as equal (default 0)")
     p.add_argument("--key", action="append", metavar="KEY", help="compare only this key (repeatable)")
     p.add_argument("--show-equal", action="store_true", help="list equal keys too (text output)")
     p.add_argument(
@@ -226,9 +227,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("src", metavar="STOCK_CKPT", help="stock checkpoint directory")
     p.add_argument("out", metavar="OUT", help="output checkpoint directory (must not exist, or be empty)")
-    p.add_argument("--unique-id", type=int, default=None, help="version to convert (default: the newest)")
+    p.add_argument("--unique-id", type=_version, default=None, help="version to convert (default: the newest)")
     p.set_defaults(func=cmd_import_stock)
     return parser
+
+
+def _tolerance(text: str) -> float:
+    """A finite, non-negative tolerance (NaN would make every comparison pass or fail silently)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _version(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
 
 
 def _preset_options(p: argparse.ArgumentParser, command: str) -> None:
@@ -461,6 +483,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     except OSError as e:
         print(f"{PROG} {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except MemoryError as e:  # a tensor larger than this machine's memory: named, not an internal error
+        print(f"{PROG} {args.command}: error: out of memory ({_one_line(e) or 'MemoryError'})", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted (no output was left behind)", file=sys.stderr)

@@ -62,7 +62,7 @@ import numpy as np
 
 from ..checkpoint.errors import SafetensorsHeaderError
 from ..checkpoint.format import safetensors
-from ..checkpoint.format.metadata import itemsize
+from ..checkpoint.format.metadata import itemsize, storage_dtype
 from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
 from ..checkpoint.format.safetensors import SafetensorsEntry, SafetensorsFile
 from ..checkpoint.format.strict_json import open_regular
@@ -343,16 +343,20 @@ def to_hf(
 
 def read_config(path: str | os.PathLike) -> tuple[bytes, dict]:
     """The bytes and the parsed object of a Hugging Face ``config.json``."""
+    from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.format.strict_json import read_capped
+
     path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
+    try:  # bounded, and only a regular file (a FIFO or device never blocks or streams forever)
+        raw = read_capped(path, MAX_CONFIG_BYTES, "config")
     except OSError as e:
         raise ToolError(f"cannot read config {path}: {e.strerror or e}") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ToolError(f"config {path} is larger than {MAX_CONFIG_BYTES} bytes")
+    except CheckpointError as e:
+        raise ToolError(f"cannot read config {path}: {e}") from None
     try:
-        cfg = json.loads(raw)
+        cfg = json.loads(raw)  # lenient like transformers (NaN allowed; every field used is type-checked)
+    except RecursionError:
+        raise ToolError(f"config {path} is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ToolError(f"config {path} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
@@ -507,7 +511,9 @@ def discover_hf(hf_path: str) -> tuple[list[SafetensorsFile], dict | None]:
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise ToolError(f"index {ipath} has no weight_map")
-    files = sorted(set(weight_map.values()), key=str)
+    for tensor, name in weight_map.items():  # every value a plain file name of the directory, before any use
+        _safe_member(hf_path, name, f"index {ipath}: weight_map[{tensor!r}]")
+    files = sorted(set(weight_map.values()))
     st_files = []
     for name in files:
         path = _safe_member(hf_path, name, f"index {ipath}")
@@ -712,16 +718,21 @@ def _from_hf_preset(
 
 
 class _FdCache:
-    """Open read-only descriptors by path (a merged tensor reads parts from several input files)."""
+    """Read-only descriptors by path (a merged tensor reads parts from several input files), at most
+    ``MAX_OPEN`` at once whatever the number of input files (least recently used closed first)."""
+
+    MAX_OPEN = 32
 
     def __init__(self) -> None:
-        self.fds: dict[str, int] = {}
+        self.fds: dict[str, int] = {}  # insertion order = use order
 
     def get(self, path: str) -> int:
-        fd = self.fds.get(path)
+        fd = self.fds.pop(path, None)
         if fd is None:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            self.fds[path] = fd
+            while len(self.fds) >= self.MAX_OPEN:
+                os.close(self.fds.pop(next(iter(self.fds))))
+            fd = open_regular(path)  # never blocks on a FIFO swapped in since the header was read
+        self.fds[path] = fd
         return fd
 
     def close(self) -> None:
@@ -734,7 +745,7 @@ def _merge_producer(fds: _FdCache, m, dst: str, block_bytes: int = 2 << 20):
     """Assemble checkpoint tensor ``m`` from its HF parts, reading each part's rows in bounded blocks."""
 
     def produce() -> np.ndarray:
-        out = np.empty(_numel(m.shape), ckpt_io.storage_dtype(dst)).reshape(m.shape)
+        out = np.empty(_numel(m.shape), storage_dtype(dst)).reshape(m.shape)
         # HF orientation: parts are row ranges along axis 0 (a 0-d tensor is one row of one element)
         view = out.T if m.transpose else out if m.shape else out.reshape(1)
         for part in m.parts:
@@ -747,7 +758,7 @@ def _merge_producer(fds: _FdCache, m, dst: str, block_bytes: int = 2 << 20):
                 n = min(step, part.row_stop - r)
                 raw = np.empty(n * row_bytes, np.uint8)
                 ckpt_io.pread_exact(fd, raw, st.data_start + e.begin + r * row_bytes, st.path)
-                rows = raw.view(ckpt_io.storage_dtype(e.dtype)).reshape((n,) + tuple(e.shape[1:]) if e.shape else (n,))
+                rows = raw.view(storage_dtype(e.dtype)).reshape((n,) + tuple(e.shape[1:]) if e.shape else (n,))
                 pos = part.fused_pos + (r - part.row_start)
                 view[pos : pos + n] = ckpt_io.cast_array(rows, e.dtype, dst)
         return out.reshape(-1).view(np.uint8)
@@ -762,7 +773,7 @@ def _producer(fd: int, st: SafetensorsFile, t: CkptTensor):
         ckpt_io.pread_exact(fd, raw, st.data_start + e.begin, st.path)
         if not t.transpose and t.dtype == e.dtype:
             return raw
-        arr = raw.view(ckpt_io.storage_dtype(e.dtype)).reshape(e.shape)
+        arr = raw.view(storage_dtype(e.dtype)).reshape(e.shape)
         out = np.empty(_numel(e.shape) * itemsize(t.dtype), np.uint8)
         pos = 0
         for block in converted_blocks(arr, e.dtype, t.dtype, t.transpose):

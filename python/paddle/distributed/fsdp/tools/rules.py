@@ -106,7 +106,7 @@ class Rules:
         for i, (pattern, replacement) in enumerate(self.rename):
             try:
                 out = pattern.sub(replacement, out)
-            except (re.error, IndexError) as e:
+            except (re.error, IndexError, OverflowError, RecursionError, ValueError) as e:
                 raise ToolError(
                     f"{self.where}: rename rule {i} ({pattern.pattern!r} -> {replacement!r}) fails on {name!r}: {e}"
                 ) from None
@@ -128,7 +128,7 @@ class Rules:
 def _compile(pattern: str, where: str) -> re.Pattern:
     try:
         return re.compile(pattern)
-    except re.error as e:
+    except (re.error, OverflowError, RecursionError, ValueError) as e:  # e.g. a{99999999999} overflows
         raise ToolError(f"{where}: invalid regex {pattern!r}: {e}") from None
 
 

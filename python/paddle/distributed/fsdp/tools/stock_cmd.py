@@ -104,7 +104,7 @@ def verify_foreign(path: str, unique_id: int | None = None, progress: bool | Non
                 continue
             for key, p in pieces:
                 try:
-                    data.read(key, p)
+                    data.check(key, p)  # bounded memory: blocks, never the declared piece at once
                 except CheckpointError as err:
                     problems.append(f"{type(err).__name__}: {err}")
                     break

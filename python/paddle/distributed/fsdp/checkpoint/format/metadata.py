@@ -44,6 +44,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .. import checksums
 from ..errors import MetadataError, UnsafePathError
 
@@ -71,6 +73,30 @@ DTYPES: dict[str, tuple[int, str]] = {
     "float8_e4m3fn": (1, "F8_E4M3"),
     "float8_e5m2": (1, "F8_E5M2"),
 }
+
+#: dtype name -> numpy dtype holding its bits (numpy has no bfloat16 / float8: raw unsigned ints of their size)
+NUMPY_STORAGE: dict[str, Any] = {
+    "float64": np.float64,
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+    "int64": np.int64,
+    "int32": np.int32,
+    "int16": np.int16,
+    "int8": np.int8,
+    "uint8": np.uint8,
+    "bool": np.bool_,
+    "complex64": np.complex64,
+    "float8_e4m3fn": np.uint8,
+    "float8_e5m2": np.uint8,
+}
+
+
+def storage_dtype(name: str) -> np.dtype:
+    """numpy dtype holding the elements of dtype ``name`` (opaque fixed-size bytes for a dtype numpy lacks)."""
+    known = NUMPY_STORAGE.get(name)
+    return np.dtype(known) if known is not None else np.dtype(f"V{itemsize(name)}")
+
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]*$")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidStateDictError
-from .boxes import STORAGE_TYPES
+from ..format.metadata import NUMPY_STORAGE
 from .index import PieceIndex
 from .targets import Target
 
@@ -111,7 +111,7 @@ def postprocess(arr: np.ndarray, dtype: str, steps: list[str] | None) -> tuple[n
             parsed = None
         if isinstance(parsed, list):
             arr = np.ascontiguousarray(np.transpose(arr, parsed))
-        elif isinstance(step, str) and step in STORAGE_TYPES:
+        elif isinstance(step, str) and step in NUMPY_STORAGE:
             if step != dtype:
                 from .loader import to_paddle
 

@@ -14,31 +14,11 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from ..format.metadata import numel
+from ..format.metadata import numel, storage_dtype
+from ..format.strict_json import open_regular
 from .errors import StockIncompleteCheckpointError
 from .index import Piece, PieceIndex
 from .unpickler import load_distcp
-
-#: dtype name -> numpy storage type
-STORAGE_TYPES = {
-    "float64": np.float64,
-    "float32": np.float32,
-    "float16": np.float16,
-    "bfloat16": np.uint16,
-    "int64": np.int64,
-    "int32": np.int32,
-    "int16": np.int16,
-    "int8": np.int8,
-    "uint8": np.uint8,
-    "bool": np.bool_,
-    "complex64": np.complex64,
-    "float8_e4m3fn": np.uint8,
-    "float8_e5m2": np.uint8,
-}
-
-
-def storage_type(dtype: str) -> np.dtype:
-    return np.dtype(STORAGE_TYPES[dtype])
 
 
 class PieceData:
@@ -56,12 +36,13 @@ class PieceData:
     def read(self, key: str, piece: Piece) -> np.ndarray:
         """The piece's elements, 1-D, in storage order, as the key's storage type."""
         dtype = self.index.tensors[key].dtype
-        st = storage_type(dtype)
+        st = storage_dtype(dtype)
         path = os.path.join(self.index.root, piece.file)
         if piece.byte_offset is not None:
             nbytes = piece.numel * st.itemsize
-            buf = bytearray(nbytes)
-            with open(path, "rb") as f:
+            with os.fdopen(open_regular(path), "rb") as f:  # a FIFO / device in place of a data file: named error
+                self._check_size(f.fileno(), path, key, piece.byte_offset, nbytes)  # before allocating
+                buf = bytearray(nbytes)
                 got = f.readinto(memoryview(buf)) if f.seek(piece.byte_offset) == piece.byte_offset else 0
             if got != nbytes:
                 raise CorruptCheckpointError(f"{path}: truncated (piece of {key!r} needs {nbytes} bytes)")
@@ -79,6 +60,33 @@ class PieceData:
                 f"{piece.numel} x {dtype}"
             )
         return np.ascontiguousarray(arr).reshape(-1).view(st)
+
+    @staticmethod
+    def _check_size(fd: int, path: str, key: str, offset: int, nbytes: int) -> None:
+        """Refuse a piece the file is too short for, so a declared size never decides an allocation."""
+        if os.fstat(fd).st_size < offset + nbytes:
+            raise CorruptCheckpointError(f"{path}: truncated (piece of {key!r} needs bytes up to {offset + nbytes})")
+
+    def check(self, key: str, piece: Piece, block_bytes: int = 16 << 20) -> int:
+        """Read the piece's bytes once, in bounded blocks (memory: one block, not the piece); returns its bytes.
+        Raises CorruptCheckpointError when they cannot all be read."""
+        if piece.byte_offset is None:  # a .distcp piece: its file is unpickled whole (bounded by the file's size)
+            arr = self.read(key, piece)
+            return arr.nbytes
+        nbytes = piece.numel * storage_dtype(self.index.tensors[key].dtype).itemsize
+        path = os.path.join(self.index.root, piece.file)
+        fd = open_regular(path)
+        try:
+            self._check_size(fd, path, key, piece.byte_offset, nbytes)
+            done = 0
+            while done < nbytes:
+                got = len(os.pread(fd, min(block_bytes, nbytes - done), piece.byte_offset + done))
+                if not got:
+                    raise CorruptCheckpointError(f"{path}: truncated (piece of {key!r} needs {nbytes} bytes)")
+                done += got
+        finally:
+            os.close(fd)
+        return nbytes
 
     def close(self) -> None:
         self._distcp_name, self._distcp = None, {}
@@ -127,7 +135,7 @@ def assemble_box(
 ) -> np.ndarray:
     """The box ``offset``/``shape`` of ``key`` from its saved pieces; raises if any element is not covered."""
     entry = index.tensors[key]
-    out = np.zeros(shape, dtype=storage_type(entry.dtype))
+    out = np.zeros(shape, dtype=storage_dtype(entry.dtype))
     covered = np.zeros(shape, dtype=bool)
     for piece in entry.pieces:
         if _overlap(offset, shape, piece.box_offset, piece.box_shape) is None and shape:

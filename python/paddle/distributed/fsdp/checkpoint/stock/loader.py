@@ -24,8 +24,9 @@ import numpy as np
 
 from ..coordination import Comm, gather_errors
 from ..errors import DtypeMismatchError, ShapeMismatchError
+from ..format.metadata import storage_dtype
 from .aoa import Assignment, plan_aoa, postprocess, target_shard_info
-from .boxes import PieceData, assemble_box, pieces_overlapping, storage_type
+from .boxes import PieceData, assemble_box, pieces_overlapping
 from .errors import StockIncompleteCheckpointError, StockMissingKeyError
 from .index import Piece, PieceIndex
 from .targets import Target, flatten_state_dict, make_target, mw_compatible_key
@@ -176,7 +177,7 @@ def load_indexed(
                 a = items[0]
                 staged.append((t, assemble_box(a.src_key, index, a.src_offset, a.src_shape, fetch), None))
                 continue
-            box = np.zeros(shape, dtype=storage_type(t.dtype))
+            box = np.zeros(shape, dtype=storage_dtype(t.dtype))
             covered = np.zeros(shape, dtype=bool)
             for a in items:
                 arr = assemble_box(a.src_key, index, a.src_offset, a.src_shape, fetch)
@@ -201,7 +202,7 @@ def load_indexed(
         flat = box.reshape(-1)
         fs = t.flat_slice()
         if covered is not None:  # aoa left parts of the target unmapped: keep their current values
-            current = np.ascontiguousarray(t.tensor.numpy()).reshape(-1).view(storage_type(t.dtype))
+            current = np.ascontiguousarray(t.tensor.numpy()).reshape(-1).view(storage_dtype(t.dtype))
             mask = covered.reshape(-1)
             if fs is not None:
                 flat, mask = flat[fs], mask[fs]

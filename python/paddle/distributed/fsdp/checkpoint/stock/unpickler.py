@@ -13,11 +13,13 @@ import importlib
 import io
 import os
 import pickle
+import pickletools
 from typing import Any
 
 import numpy as np
 
 from ..errors import CorruptCheckpointError, MetadataError
+from ..format.strict_json import open_regular
 from .errors import UnsafePickleError
 
 #: Modules under which stock paddle pickles its metadata dataclasses (3.x; the 2.x/3.0 module name).
@@ -69,7 +71,41 @@ class RestrictedUnpickler(pickle.Unpickler):
         raise UnsafePickleError(f"{self._where}: refusing a pickle persistent id ({type(pid).__name__})")
 
 
+class _ViewReader:
+    """A file over ``data`` whose large reads are zero-copy views, for :func:`check_declared_lengths`."""
+
+    def __init__(self, data: bytes):
+        self._view, self._pos = memoryview(data), 0
+
+    def read(self, n: int = -1):
+        end = len(self._view) if n < 0 else min(self._pos + n, len(self._view))
+        out = self._view[self._pos : end]
+        self._pos = end
+        return out if len(out) > 64 else bytes(out)
+
+    def readline(self) -> bytes:
+        rest = self._view[self._pos :]
+        i = bytes(rest[: 1 << 16]).find(b"\n")  # pickle text lines are short; a longer one is cut and fails to parse
+        line = bytes(rest[: i + 1]) if i >= 0 else bytes(rest[: 1 << 16])
+        self._pos += len(line)
+        return line
+
+    def tell(self) -> int:
+        return self._pos
+
+
+def check_declared_lengths(data: bytes, where: str) -> None:
+    """Walk the pickle's opcodes without building anything: every length an opcode declares (bytes, bytearray,
+    strings, frames) must fit in the data, so the unpickler never allocates by a declared size."""
+    try:
+        for _ in pickletools.genops(_ViewReader(data)):
+            pass
+    except Exception as e:  # noqa: BLE001 - truncated / garbage pickles raise many types
+        raise CorruptCheckpointError(f"{where}: not a readable stock paddle pickle ({type(e).__name__}: {e})") from None
+
+
 def _restricted_load(data: bytes, allowed: set[tuple[str, str]], where: str) -> Any:
+    check_declared_lengths(data, where)
     try:
         return RestrictedUnpickler(io.BytesIO(data), allowed, where).load()
     except UnsafePickleError:
@@ -79,7 +115,7 @@ def _restricted_load(data: bytes, allowed: set[tuple[str, str]], where: str) -> 
 
 
 def _read_bounded(path: str, limit: int | None) -> bytes:
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:  # never blocks on a FIFO, never reads a device
         size = os.fstat(f.fileno()).st_size
         if limit is not None and size > limit:
             raise MetadataError(f"{path}: {size} bytes is too large for a stock metadata file (limit {limit})")
