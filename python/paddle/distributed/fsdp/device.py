@@ -149,6 +149,12 @@ def data_ptr(tensor: paddle.Tensor) -> int:
     return _original_data_ptr(tensor)
 
 
+def address(tensor: paddle.Tensor) -> int:
+    """The address of a tensor's memory, host or device, for identity and overlap checks only (never read
+    through it: on a GPU it is a device address)."""
+    return _original_data_ptr(tensor)
+
+
 _pin_fallback_logged = False
 
 

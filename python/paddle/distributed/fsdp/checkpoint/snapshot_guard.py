@@ -104,7 +104,7 @@ def wait_for_snapshot(tensor=None) -> None:
     with _lock:
         pending = list(_inflight)
     if tensor is not None:
-        span = _span_of(tensor)
+        span = span_of(tensor)
         if span is None:
             return
         pending = [s for s in pending if s.overlaps(*span)]
@@ -114,16 +114,19 @@ def wait_for_snapshot(tensor=None) -> None:
         snap.done.wait()
 
 
-def _span_of(t) -> tuple[int, int] | None:
-    """Host address range of a tensor's bytes (None when it has none); device tensors are not copied by a
-    background host snapshot, so their address is compared all the same (it never overlaps host ranges)."""
+def span_of(t) -> tuple[int, int] | None:
+    """Address range of a tensor's bytes, host or device (None when it has none): a device tensor's copy is
+    staged by the background snapshot too, so its device range is guarded like a host one (compared, never
+    read: ``device.address``)."""
+    from .. import device
+
     try:
         n = 1
         for d in t.shape:
             n *= int(d)
         if n == 0:
             return None
-        ptr = int(t.data_ptr())
+        ptr = int(device.address(t))
     except Exception:  # noqa: BLE001 - an uninitialised tensor has no memory to overlap
         return None
     return ptr, ptr + n * t.element_size()
