@@ -549,6 +549,27 @@ def test_checksum_algorithms_verify_and_detect_a_flipped_bit(tmp_path, monkeypat
     assert any("checksum mismatch" in p for p in ck.verify_checkpoint(str(path)))
 
 
+def test_checksum_none_is_written_and_loads(tmp_path, monkeypatch):
+    """``checksum="none"`` (documented: nothing to verify) is accepted by the option and by the environment
+    variable, recorded, written without chunk checksums, and loads back bit-exact."""
+    sd = make_state()
+    for how in ("option", "env"):
+        path = tmp_path / how
+        if how == "env":
+            monkeypatch.setenv("PADDLE_FSDP_CKPT_CHECKSUM", "none")
+            ck.save_state_dict(sd, str(path))
+            monkeypatch.delenv("PADDLE_FSDP_CKPT_CHECKSUM")
+        else:
+            ck.save_state_dict(sd, str(path), options=ck.CheckpointOptions(checksum="none"))
+        md = json.loads((path / "metadata.json").read_bytes())
+        assert md["checksum"] == "none"
+        assert all(not p["checksums"] for tm in md["tensors"].values() for p in tm["pieces"])
+        t = fresh_targets()
+        ck.load_state_dict(t, str(path))
+        assert np.array_equal(bits(t["w"]), bits(sd["w"]))
+        assert ck.verify_checkpoint(str(path)) == []
+
+
 def test_unknown_checksum_algorithm_is_refused_before_writing(tmp_path, monkeypatch):
     monkeypatch.setenv("PADDLE_FSDP_CKPT_CHECKSUM", "md5")
     with pytest.raises(ck.CheckpointError, match="PADDLE_FSDP_CKPT_CHECKSUM='md5'"):

@@ -49,7 +49,8 @@ def default_algorithm(chosen: str | None = None) -> str:
     if chosen:
         if chosen not in KNOWN:
             raise CheckpointError(f"checksum {chosen!r}: expected one of {', '.join(KNOWN)}")
-        digest_function(chosen)  # refuse xxh3-64 without xxhash here, not after the data was written
+        if chosen != NONE:
+            digest_function(chosen)  # refuse xxh3-64 without xxhash here, not after the data was written
         return chosen
     if XXH3_64 in _FUNCS:
         return XXH3_64
