@@ -88,9 +88,23 @@ def page_cache_fraction(fd: int, size: int) -> float | None:
         return None
     try:
         pages = -(-size // mmap.PAGESIZE)
-        vec = np.zeros(pages, np.uint8)
-        if mc(addr, size, vec.ctypes.data) != 0:
-            return None
-        return float(np.count_nonzero(vec & 1)) / pages
+        if pages <= _SAMPLE_WINDOWS * _SAMPLE_PAGES * 4:
+            vec = np.zeros(pages, np.uint8)
+            if mc(addr, size, vec.ctypes.data) != 0:
+                return None
+            return float(np.count_nonzero(vec & 1)) / pages
+        # large files: evenly spaced windows (asking about every page of a 512 MiB file took ~9 ms)
+        vec = np.zeros(_SAMPLE_PAGES, np.uint8)
+        resident = 0
+        for w in range(_SAMPLE_WINDOWS):
+            first = (pages - _SAMPLE_PAGES) * w // (_SAMPLE_WINDOWS - 1)
+            if mc(addr + first * mmap.PAGESIZE, _SAMPLE_PAGES * mmap.PAGESIZE, vec.ctypes.data) != 0:
+                return None
+            resident += int(np.count_nonzero(vec & 1))
+        return resident / (_SAMPLE_WINDOWS * _SAMPLE_PAGES)
     finally:
         mu(addr, size)
+
+
+_SAMPLE_WINDOWS = 64  # page_cache_fraction of a large file: this many windows ...
+_SAMPLE_PAGES = 16  # ... of this many pages

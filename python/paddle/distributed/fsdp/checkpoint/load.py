@@ -264,6 +264,7 @@ def load_state_dict(
     max_host_bytes: int | None = None,
     precheck: Callable[[CheckpointMetadata], None] | None = None,
     options: CheckpointOptions | None = None,
+    _metadata: CheckpointMetadata | None = None,
     **unused_stock_kwargs,
 ) -> LoadReport:
     """Load ``path`` into the tensors of ``state_dict`` in place (see the module docstring).
@@ -281,6 +282,9 @@ def load_state_dict(
     ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now): O_DIRECT, huge pages,
     in-place reads, read slab, checksum threads, tracing.
 
+    ``_metadata``: the metadata of ``path`` as its caller read it a moment ago (load_checkpoint), so that it is
+    not read and parsed twice; everything is still checked against it, and the ranks still compare checkpoint ids.
+
     Steps (``_LoadJob``, atomic): validate -> plan -> read -> exchange -> commit; nothing a target holds changes
     before the exchange has shown that every rank validated and read everything (in-place reads keep an undo
     copy). ``_BoundedLoadJob`` (default): validate -> prepare -> exchange -> read into the targets -> exchange.
@@ -297,9 +301,11 @@ def load_state_dict(
     comm = Comm(process_group)
     if not atomic:
         job = _BoundedLoadJob(state_dict, os.path.abspath(os.fspath(path)), opts, verify_checksums, tr)
+        job.md = _metadata
         all_requested = job.run(comm, strict, max_host_bytes, opts_error, precheck)
         return job.finish(all_requested, time.perf_counter() - t0)
     job = _LoadJob(state_dict, os.path.abspath(os.fspath(path)), opts, verify_checksums, tr)
+    job.md = _metadata
     job.report.atomic = True
     base = host_memory.account.reset_peak()
     err: BaseException | None = None
@@ -364,7 +370,7 @@ class _LoadJob:
         mismatches go to the report. Then exact coverage of every target's tensor and the kinds and sizes of the
         data files its pieces are in: everything that can be refused before a byte of data is read."""
         path, report = self.path, self.report
-        md = self.md = read_metadata(path, self.opts)
+        md = self.md = self.md if self.md is not None else read_metadata(path, self.opts)
         self.tr.mark("metadata")
         if precheck is not None:  # the caller's checks first: "another optimizer" says more than its keys
             precheck(md)
@@ -584,6 +590,12 @@ class _LoadJob:
         return report
 
 
+def _file_position(item) -> tuple:
+    """Where the first byte a planned target reads lies: ``(file, offset)`` of its earliest segment."""
+    _tg, segs = item
+    return min(((p.file, p.offset + int(src[0])) for p, src, *_rest in segs if len(src)), default=("", 0))
+
+
 class _BoundedLoadJob(_LoadJob):
     """A memory-bounded load (the default; module docstring): validate -> prepare -> exchange -> read straight
     into the targets -> exchange of the outcome."""
@@ -643,15 +655,15 @@ class _BoundedLoadJob(_LoadJob):
         # live at once at most: a staging window, a read window (+2 chunks) and two bounce chunks
         window = max(C, (self.budget - 4 * C) // 2)
         try:
-            reads: list = []  # large ranges of host targets, read straight into them in file order
-            for tg, segs in plan:
+            reads: list = []  # the reads of host targets, done straight into them in file order
+            for tg, segs in sorted(plan, key=_file_position):  # windowed targets in file order too
                 if self.opts.host_fast_path and host_memory.is_host_contiguous(tg.tensor):
                     dst, _ = host_memory.raw_view(tg.tensor, allow_copy=False)
                     read_region(files, md, tg.key, tg.region, dst, self.verify_checksums, verifier, reads, window, segs)
                 else:
                     self._fill_through_window(tg, segs, window)
-                self.report.loaded_keys.append(tg.key)
             read_deferred(files, md, reads, self.verify_checksums, verifier)
+            self.report.loaded_keys.extend(tg.key for tg, _segs in plan)
             self.tr.mark("read")
             verifier.wait()
             self.report.bytes_read = files.bytes_read

@@ -113,7 +113,7 @@ from .options import CheckpointOptions, resolve
 from .planner import RecordDesc, build_save_plan
 from .records import collect
 from .snapshot import Snapshot, default_deferred
-from .stock.directories import adopt_foreign_entries, check_shared_directory, own_entry_names
+from .stock.directories import adopt_foreign_entries, check_shared_directory_once, own_entry_names
 from .tracing import Tracer
 
 logger = logging.getLogger(__name__)
@@ -745,6 +745,7 @@ class _Local:
     algorithm: str | None = None
     error: BaseException | None = None
     all_values: list = field(default_factory=list)  # every rank's values, by rank (filled by the exchange)
+    all_paths: list = field(default_factory=list)  # every rank's target path, by rank (filled by the exchange)
 
 
 def _save_locked(
@@ -774,10 +775,11 @@ def _save_locked(
     if not 0 <= coordinator_rank < comm.world:
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
     timeout = opts.commit_timeout if commit_timeout is None else float(commit_timeout)
-    check_shared_directory(path, comm, coordinator_rank)  # different/node-local dirs: fail now, not at the timeout
 
     local = _validate(state_dict, path, comm.rank, coordinator_rank, opts, opts_error)
-    checkpoint_id, algorithm, plan = _exchange_and_plan(comm, local, coordinator_rank, chunk_bytes, tr)
+    checkpoint_id, algorithm, plan = _exchange_and_plan(comm, local, coordinator_rank, chunk_bytes, tr, path)
+    # different or node-local directories: fail now on every rank, not at the commit timeout
+    check_shared_directory_once(path, local.all_paths, comm, coordinator_rank)
     for key in per_rank_values:
         plan.values[key] = [v.get(key) for v in local.all_values]
     staging = f"{path}.tmp-{checkpoint_id}"
@@ -846,13 +848,15 @@ def _validate(
     return local
 
 
-def _exchange_and_plan(comm: Comm, local: _Local, coordinator_rank: int, chunk_bytes: int, tr: Tracer):
-    """Step 2: one exchange of every rank's descriptions (and errors: all ranks fail together), then the same
-    plan on every rank. Returns ``(checkpoint_id, algorithm, plan)``, the coordinator's id and algorithm."""
+def _exchange_and_plan(comm: Comm, local: _Local, coordinator_rank: int, chunk_bytes: int, tr: Tracer, path: str):
+    """Step 2: one exchange of every rank's descriptions and target path (and errors: all ranks fail together),
+    then the same plan on every rank. Returns ``(checkpoint_id, algorithm, plan)``, the coordinator's id and
+    algorithm."""
     my_id = uuid.uuid4().hex
     gathered = gather_errors(
-        comm, local.error, (local.descs, local.values if local.error is None else {}, my_id, local.algorithm)
+        comm, local.error, (local.descs, local.values if local.error is None else {}, my_id, local.algorithm, path)
     )
+    local.all_paths = [g[4] for g in gathered]
     tr.mark("exchange")
     checkpoint_id, algorithm = gathered[coordinator_rank][2], gathered[coordinator_rank][3]
     plan = build_save_plan(

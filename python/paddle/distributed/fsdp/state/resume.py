@@ -304,12 +304,14 @@ def _load_once(
     fsdp, path: str, optimizer, strict: bool, verify_checksums: bool, atomic: bool, max_host_bytes, options
 ) -> LoadResult:
     err: BaseException | None = None
-    resolved = None
+    resolved = metadata = None
+    checked: dict = {}
     try:
         resolved = resolve_checkpoint(path)
-        # refused here, before the optimizer's state is even created: the same checks run again on the metadata
-        # the engine loads (below), in case the checkpoint was replaced in between
-        _precheck(fsdp, resolved, read_metadata(resolved), optimizer, strict)
+        # refused here, before the optimizer's state is even created; the engine loads with this same metadata
+        # (read once) and still compares the checkpoint id every rank read
+        metadata = read_metadata(resolved)
+        checked["foreign"], checked["apply"] = _precheck(fsdp, resolved, metadata, optimizer, strict)
     except Exception as e:  # noqa: BLE001 - whatever fails here must reach the exchange below
         err = e
     # every rank fails together: a rank raising alone would leave the others waiting in the load's collective
@@ -321,10 +323,10 @@ def _load_once(
     state = _state(fsdp, optimizer)
     for key in (RNG_KEY, EXTRA_KEY) + ((OPTIMIZER_KEY,) if optimizer is not None else ()):
         state[key] = None
-    checked: dict = {}
 
-    def precheck(metadata) -> None:
-        checked["foreign"], checked["apply"] = _precheck(fsdp, resolved, metadata, optimizer, strict)
+    def precheck(md) -> None:
+        if md is not metadata:  # (the engine read the metadata itself: check it again)
+            checked["foreign"], checked["apply"] = _precheck(fsdp, resolved, md, optimizer, strict)
 
     try:
         report = load_state_dict(
@@ -337,6 +339,7 @@ def _load_once(
             max_host_bytes=max_host_bytes,
             precheck=precheck,
             options=options,
+            _metadata=metadata,
         )
     except PartiallyLoadedError as e:
         e.checkpoint = resolved  # which checkpoint failed, for the fallback

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import stat
+import sys
 from typing import Any
 
 from ..errors import MetadataError, NotACheckpointError, NotARegularFileError
@@ -113,8 +114,17 @@ def loads_strict(data: bytes, where: str) -> Any:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise MetadataError(f"{where} is not UTF-8: {e}") from None
+    # integers: the interpreter's own digit limit (sys.get_int_max_str_digits, 4300 by default) refuses a huge
+    # literal before any quadratic conversion, and json_value_problem checks MAX_INT_DIGITS afterwards; the
+    # per-integer hook (5x the parse time of a checksum-heavy metadata.json) is only needed without that limit
+    limited = 0 < getattr(sys, "get_int_max_str_digits", lambda: 0)() <= 100_000
     try:
-        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_parse_float, parse_int=_parse_int)
+        value = json.loads(
+            text,
+            parse_constant=_refuse_constant,
+            parse_float=_parse_float,
+            parse_int=None if limited else _parse_int,
+        )
     except RecursionError:
         raise MetadataError(f"{where} is nested deeper than the limit of {MAX_DEPTH}") from None
     except (ValueError, OverflowError) as e:
@@ -152,7 +162,12 @@ def json_value_problem(value: Any, max_depth: int = MAX_DEPTH) -> str | None:
                         return f"non-string key {k!r} at {path or 'top level'}"
                     stack.append((x, depth + 1, f"{path}[{k!r}]" if len(path) < 200 else path))
             else:
-                if set(map(type, v)) <= _PLAIN:  # flat lists of scalars (RNG states): one pass, no stack
+                kinds = set(map(type, v))
+                if kinds <= _INT:  # flat lists of integers (checksums, RNG words): bounds at C speed
+                    if v and (max(v) >= _INT_LIMIT or min(v) <= -_INT_LIMIT):
+                        return f"integer in the list at {path or 'top level'} has more than {MAX_INT_DIGITS} digits"
+                    continue
+                if kinds <= _PLAIN:  # flat lists of scalars: one pass, no stack
                     bad = next((x for x in v if type(x) is float and not math.isfinite(x)), None)
                     if bad is not None:
                         return f"non-finite number {bad!r} in the list at {path or 'top level'}"
@@ -168,6 +183,7 @@ def json_value_problem(value: Any, max_depth: int = MAX_DEPTH) -> str | None:
 
 
 _PLAIN = {type(None), bool, int, float, str}
+_INT = {int}
 _INT_LIMIT = 10**MAX_INT_DIGITS
 
 

@@ -1,9 +1,9 @@
 """Directory checks and moves that let saves work in directories as users have them.
 
-* ``check_shared_directory``: collective check, at the start of a save, that every rank sees the coordinator's
-  directory (same path string AND same file system). Ranks given different directories, or node-local disks
-  behind one path, fail on every rank within the time of two all-gathers instead of waiting for the commit
-  timeout.
+* ``check_shared_directory``: collective check, right after a save's exchange, that every rank sees the
+  coordinator's directory (same path string AND same file system). Ranks given different directories, or
+  node-local disks behind one path, fail on every rank within the time of two all-gathers instead of waiting for
+  the commit timeout. ``check_shared_directory_once`` skips it for paths the group already checked.
 * ``adopt_foreign_entries``: a save into a directory that holds files of other tools (a trainer's output
   directory) keeps them: right before the atomic swap they are hard-linked (recreated for directories) into the
   staging directory, so the committed directory holds them as well and the old one can be dropped.
@@ -20,6 +20,24 @@ from ..coordination import Comm
 from .errors import DirectoryMismatchError
 
 PROBE_PREFIX = ".paddle-fsdp-probe-"
+
+
+_verified: set = set()  # (group, every rank's path, coordinator) that passed check_shared_directory
+
+
+def check_shared_directory_once(path: str, all_paths: list[str], group: Comm, coordinator: int) -> None:
+    """``check_shared_directory``, skipped when this group already passed it for these same paths.
+
+    ``all_paths`` is every rank's path as the save's exchange gathered it, so every rank takes the same decision
+    (the set grows only after a check that passed on every rank): a save to a directory already checked costs no
+    collective and no probe file (two collectives and a file created and removed cost an async save's caller
+    about 5-10 ms here)."""
+    g = group.group
+    key = (getattr(g, "id", None), tuple(getattr(g, "ranks", None) or ()), group.world, tuple(all_paths), coordinator)
+    if key in _verified:
+        return
+    check_shared_directory(path, group, coordinator)
+    _verified.add(key)
 
 
 def check_shared_directory(path: str, group: Comm, coordinator: int) -> None:
