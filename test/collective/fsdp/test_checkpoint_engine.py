@@ -786,3 +786,35 @@ def test_trace_hook_receives_the_phases_of_every_save_and_load(tmp_path):
     assert all(r.total >= sum(d for _, d in r.marks) - 1e-9 for r in records)
     ck.load_state_dict({"x": paddle.zeros([4])}, str(tmp_path / "c"))  # no hook: nothing recorded
     assert len(records) == 3
+
+
+def test_strict_json_refuses_long_integers_in_flat_lists_and_parses_the_rest():
+    """Integer lists (checksums, RNG words) are bounds-checked in one C-speed pass, both signs."""
+    from paddle.distributed.fsdp.checkpoint.format import strict_json
+
+    long = "1" + "0" * strict_json.MAX_INT_DIGITS
+    for text in (f"[1, 2, {long}]", f"[1, -{long}]", f'{{"a": [0, {long}]}}', f'{{"a": {long}}}'):
+        with pytest.raises(ck.MetadataError, match="digits"):
+            strict_json.loads_strict(text.encode(), "t")
+    assert strict_json.loads_strict(b'{"a": [1, -2, 18446744073709551615], "b": [1.5, "x", null]}', "t") == {
+        "a": [1, -2, 18446744073709551615],
+        "b": [1.5, "x", None],
+    }
+
+
+def test_page_cache_fraction_of_a_large_file_is_sampled_and_right(tmp_path):
+    """Large files are asked about in evenly spaced windows: half the file evicted reads as about half."""
+    data = np.random.default_rng(3).integers(0, 255, 64 << 20, dtype=np.uint8)
+    f = tmp_path / "big"
+    f.write_bytes(data.tobytes())
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.read(fd, len(data))
+        assert libc.page_cache_fraction(fd, len(data)) > 0.9
+        os.posix_fadvise(fd, len(data) // 2, 0, os.POSIX_FADV_DONTNEED)
+        assert 0.35 < libc.page_cache_fraction(fd, len(data)) < 0.65
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert libc.page_cache_fraction(fd, len(data)) < 0.1
+    finally:
+        os.close(fd)

@@ -104,11 +104,23 @@ def fsdp_from_stock(work):
 
 
 def different_dirs(work):
-    from paddle.distributed.fsdp.checkpoint.stock import DirectoryMismatchError
+    from paddle.distributed.fsdp.checkpoint.stock import DirectoryMismatchError, directories
 
+    # a directory checked once is not probed again (no collective) for the same paths on every rank
+    calls = []
+    real = directories.check_shared_directory
+    directories.check_shared_directory = lambda *a: (calls.append(a), real(*a))[1]
+    try:
+        for _ in range(2):
+            dist.save_state_dict({"w": paddle.ones([4])}, os.path.join(work, "shared"), safetensors=True)
+    finally:
+        directories.check_shared_directory = real
+    assert len(calls) == 1, calls
+    # ... but ranks given different directories are still refused, also in a directory checked before
     t0 = time.monotonic()
     try:
-        dist.save_state_dict({"w": paddle.ones([4])}, os.path.join(work, f"rank{dist.get_rank()}"), safetensors=True)
+        name = "shared" if dist.get_rank() == 0 else f"rank{dist.get_rank()}"  # rank 0: the checked directory
+        dist.save_state_dict({"w": paddle.ones([4])}, os.path.join(work, name), safetensors=True)
     except DirectoryMismatchError as e:
         assert "different directories" in str(e), e
     else:
