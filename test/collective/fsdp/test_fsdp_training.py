@@ -18,6 +18,7 @@ PARITY_CASES = [
     "adamw_groups-float64",
 ]
 EDGE_CASES = [
+    "object_exchange",
     "more_ranks_than_elements",
     "step_before_backward",
     "unused_parameters",

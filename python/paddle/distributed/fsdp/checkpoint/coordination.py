@@ -39,11 +39,9 @@ class Comm:
     def all_gather_object(self, obj) -> list:
         if self.world == 1:
             return [obj]
-        import paddle.distributed as dist
+        from ..communication import all_gather_object
 
-        out: list = []
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return all_gather_object(obj, self.group)
 
 
 def gather_errors(comm, error: BaseException | None, payload: Any = None) -> list:
