@@ -208,6 +208,33 @@ def test_save_plan_dedups_replicas_and_rejects_overlap_gap_and_disagreement():
         planner.build_save_plan(
             [([_desc("k", (8,), (0,), (8,), (0, 4))], {}), ([_desc("k", (9,), (0,), (9,), (4, 9))], {})], "id", 1 << 20
         )
+    # an error is never remembered: the same bad descriptions fail again
+    with pytest.raises(ck.InvalidStateDictError, match="cover 12 of 16"):
+        planner.build_save_plan([([_desc("k", full, (0, 0), (3, 4))], {})], "id", 1 << 20)
+
+
+def test_save_plan_of_the_same_records_is_remembered_but_every_plan_is_its_own():
+    """The write assignment is memoized (an async save's caller waits for it); headers carry each save's id and
+    pieces are fresh objects (the coordinator fills in their checksums)."""
+    per_rank = [
+        ([_desc("a", (8, 4), (0, 0), (4, 4)), _desc("s", (), (), (), rep=True)], {"v": 1}),
+        ([_desc("a", (8, 4), (4, 0), (4, 4)), _desc("s", (), (), (), rep=True)], {"v": 2}),
+    ]
+    planner._ASSIGN_CACHE.clear()
+    first = planner.build_save_plan(per_rank, "id-one", 1 << 20)
+    assert len(planner._ASSIGN_CACHE) == 1
+    second = planner.build_save_plan(per_rank, "id-two", 1 << 20)
+    assert len(planner._ASSIGN_CACHE) == 1
+    assert b"id-one" in first.files[0].header and b"id-two" in second.files[0].header
+    assert [(k, p.offset, p.nbytes) for k, p in first.files[1].pieces] == [
+        (k, p.offset, p.nbytes) for k, p in second.files[1].pieces
+    ]
+    first.tensors["a"].pieces[0].checksums.append(7)
+    assert second.tensors["a"].pieces[0].checksums == []
+    assert first.tensors["a"].pieces[0] is not second.tensors["a"].pieces[0]
+    # other records, other values' keys: planned anew
+    planner.build_save_plan([(d[:1], {}) for d, _v in per_rank], "id", 1 << 20)
+    assert len(planner._ASSIGN_CACHE) == 2
 
 
 # ------------------------------------------------------------------------------------------ round trips

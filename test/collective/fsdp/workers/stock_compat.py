@@ -106,17 +106,17 @@ def fsdp_from_stock(work):
 def different_dirs(work):
     from paddle.distributed.fsdp.checkpoint.stock import DirectoryMismatchError, directories
 
-    # a directory checked once is not probed again (no collective) for the same paths on every rank
+    # directories in a parent checked once are not probed again (no collective): root/step_1, root/step_2, ...
     calls = []
     real = directories.check_shared_directory
     directories.check_shared_directory = lambda *a: (calls.append(a), real(*a))[1]
     try:
-        for _ in range(2):
-            dist.save_state_dict({"w": paddle.ones([4])}, os.path.join(work, "shared"), safetensors=True)
+        for name in ("shared", "shared", "step_2"):
+            dist.save_state_dict({"w": paddle.ones([4])}, os.path.join(work, name), safetensors=True)
     finally:
         directories.check_shared_directory = real
     assert len(calls) == 1, calls
-    # ... but ranks given different directories are still refused, also in a directory checked before
+    # ... but ranks given different directories are still refused, also in a parent checked before
     t0 = time.monotonic()
     try:
         name = "shared" if dist.get_rank() == 0 else f"rank{dist.get_rank()}"  # rank 0: the checked directory
@@ -125,6 +125,13 @@ def different_dirs(work):
         assert "different directories" in str(e), e
     else:
         raise AssertionError("no DirectoryMismatchError")
+    # the same name in different parents: the probe check runs (a parent not checked before) and refuses it
+    try:
+        dist.save_state_dict({"w": paddle.ones([4])}, os.path.join(work, f"r{dist.get_rank()}", "c"), safetensors=True)
+    except DirectoryMismatchError as e:
+        assert "different directories" in str(e), e
+    else:
+        raise AssertionError("no DirectoryMismatchError for different parents")
     assert time.monotonic() - t0 < 120, time.monotonic() - t0
 
 

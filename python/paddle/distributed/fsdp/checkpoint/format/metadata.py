@@ -51,6 +51,8 @@ from ..errors import MetadataError, UnsafePathError
 
 FORMAT_NAME = "paddle-fsdp-checkpoint"
 FORMAT_VERSION = 1
+# metadata.json fields schema.py types and bounds value by value (strict_json.loads_strict skips its generic walk)
+_SCHEMA_TYPED = frozenset({"files", "tensors"})
 METADATA_FILE = "metadata.json"
 COMMIT_FILE = "COMMIT"
 LATEST_FILE = "latest"  # in a CheckpointManager root: the name of the newest committed checkpoint directory
@@ -248,7 +250,7 @@ class CheckpointMetadata:
         from .schema import parse_metadata
         from .strict_json import loads_strict
 
-        md = parse_metadata(loads_strict(data, where), where, FORMAT_NAME, FORMAT_VERSION)
+        md = parse_metadata(loads_strict(data, where, _SCHEMA_TYPED), where, FORMAT_NAME, FORMAT_VERSION)
         md.validate(where)
         return md
 

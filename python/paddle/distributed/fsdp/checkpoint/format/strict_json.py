@@ -108,8 +108,12 @@ def _parse_int(s: str) -> int:
     return int(s)
 
 
-def loads_strict(data: bytes, where: str) -> Any:
-    """Parse ``data`` as strict JSON within the caps above; MetadataError naming ``where`` otherwise."""
+def loads_strict(data: bytes, where: str, typed_fields: frozenset = frozenset()) -> Any:
+    """Parse ``data`` as strict JSON within the caps above; MetadataError naming ``where`` otherwise.
+
+    ``typed_fields``: top-level fields the caller checks field by field afterwards (schema.py types and bounds
+    every value of metadata.json's ``files`` and ``tensors``): the generic walk skips them (it was two thirds of
+    the parse time of a checksum-heavy metadata.json). Their nesting is still bounded by the parser."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -129,7 +133,10 @@ def loads_strict(data: bytes, where: str) -> Any:
         raise MetadataError(f"{where} is nested deeper than the limit of {MAX_DEPTH}") from None
     except (ValueError, OverflowError) as e:
         raise MetadataError(f"{where} is not valid JSON: {e}") from None
-    problem = json_value_problem(value, MAX_DEPTH)
+    walked = value
+    if typed_fields and type(value) is dict:
+        walked = {k: v for k, v in value.items() if k not in typed_fields}
+    problem = json_value_problem(walked, MAX_DEPTH)
     if problem is not None:
         raise MetadataError(f"{where}: {problem}")
     return value

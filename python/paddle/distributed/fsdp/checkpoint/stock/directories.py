@@ -22,18 +22,27 @@ from .errors import DirectoryMismatchError
 PROBE_PREFIX = ".paddle-fsdp-probe-"
 
 
-_verified: set = set()  # (group, every rank's path, coordinator) that passed check_shared_directory
+_verified: set = set()  # (group, every rank's parent directory, coordinator) that passed check_shared_directory
 
 
 def check_shared_directory_once(path: str, all_paths: list[str], group: Comm, coordinator: int) -> None:
-    """``check_shared_directory``, skipped when this group already passed it for these same paths.
+    """``check_shared_directory``, skipped for a directory whose parent the group already checked.
 
-    ``all_paths`` is every rank's path as the save's exchange gathered it, so every rank takes the same decision
-    (the set grows only after a check that passed on every rank): a save to a directory already checked costs no
-    collective and no probe file (two collectives and a file created and removed cost an async save's caller
-    about 5-10 ms here)."""
+    ``all_paths`` is every rank's path as the save's exchange gathered it, so every rank takes the same decision:
+    different names are refused at once (no collective needed), and the set of checked parents grows only after
+    a check that passed on every rank. A training job saving ``root/step_<N>`` again and again then pays the two
+    collectives and the probe file of the check once (they cost an async save's caller about 5 ms here)."""
+    names = {os.path.basename(p) for p in all_paths}
+    if len(names) > 1:
+        differ = {r: p for r, p in enumerate(all_paths) if p != all_paths[coordinator]}
+        raise DirectoryMismatchError(
+            f"save to {all_paths[coordinator]}: ranks were given different directories {differ} (coordinator rank "
+            f"{coordinator}: {all_paths[coordinator]}). This engine commits one checkpoint in one directory shared "
+            f"by all ranks; give every rank the same path on a shared file system"
+        )
     g = group.group
-    key = (getattr(g, "id", None), tuple(getattr(g, "ranks", None) or ()), group.world, tuple(all_paths), coordinator)
+    parents = tuple(os.path.dirname(p) for p in all_paths)
+    key = (getattr(g, "id", None), tuple(getattr(g, "ranks", None) or ()), group.world, parents, coordinator)
     if key in _verified:
         return
     check_shared_directory(path, group, coordinator)
