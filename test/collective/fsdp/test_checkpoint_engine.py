@@ -213,18 +213,15 @@ def test_save_plan_dedups_replicas_and_rejects_overlap_gap_and_disagreement():
         planner.build_save_plan([([_desc("k", full, (0, 0), (3, 4))], {})], "id", 1 << 20)
 
 
-def test_save_plan_of_the_same_records_is_remembered_but_every_plan_is_its_own():
-    """The write assignment is memoized (an async save's caller waits for it); headers carry each save's id and
-    pieces are fresh objects (the coordinator fills in their checksums)."""
+def test_every_save_plan_is_its_own_and_the_assignment_memo_is_bounded():
+    """Headers carry each save's id and pieces are fresh objects (the coordinator fills in their checksums); the
+    memo of write assignments is named by the descriptions' digests and the value keys, and keeps the newest."""
     per_rank = [
         ([_desc("a", (8, 4), (0, 0), (4, 4)), _desc("s", (), (), (), rep=True)], {"v": 1}),
         ([_desc("a", (8, 4), (4, 0), (4, 4)), _desc("s", (), (), (), rep=True)], {"v": 2}),
     ]
-    planner._ASSIGN_CACHE.clear()
     first = planner.build_save_plan(per_rank, "id-one", 1 << 20)
-    assert len(planner._ASSIGN_CACHE) == 1
     second = planner.build_save_plan(per_rank, "id-two", 1 << 20)
-    assert len(planner._ASSIGN_CACHE) == 1
     assert b"id-one" in first.files[0].header and b"id-two" in second.files[0].header
     assert [(k, p.offset, p.nbytes) for k, p in first.files[1].pieces] == [
         (k, p.offset, p.nbytes) for k, p in second.files[1].pieces
@@ -232,9 +229,20 @@ def test_save_plan_of_the_same_records_is_remembered_but_every_plan_is_its_own()
     first.tensors["a"].pieces[0].checksums.append(7)
     assert second.tensors["a"].pieces[0].checksums == []
     assert first.tensors["a"].pieces[0] is not second.tensors["a"].pieces[0]
-    # other records, other values' keys: planned anew
-    planner.build_save_plan([(d[:1], {}) for d, _v in per_rank], "id", 1 << 20)
-    assert len(planner._ASSIGN_CACHE) == 2
+
+    wires = [[d.to_wire() for d in descs] for descs, _v in per_rank]
+    digests = [planner.descs_digest(w) for w in wires]
+    assert digests[0] != digests[1] and digests[0] == planner.descs_digest([tuple(x) for x in wires[0]])
+    name = planner.assignment_name(digests, {"v": 1})
+    assert name == planner.assignment_name(digests, {"v": 99})  # values' contents do not matter, their keys do
+    assert name != planner.assignment_name(digests, {"w": 1})
+    assert name != planner.assignment_name(digests[::-1], {"v": 1})
+    memo = planner.AssignmentMemo(size=2)
+    a = planner.assign_writes(wires, {"v": 1})
+    assert a.keys_of(0) == ["a", "s"] and a.keys_of(1) == ["a"]  # the replica is written by the lowest rank
+    for i in range(3):
+        memo.put(bytes([i]) * 16, a)
+    assert memo.names() == (b"\x01" * 16, b"\x02" * 16) and memo.get(b"\x00" * 16) is None
 
 
 # ------------------------------------------------------------------------------------------ round trips
@@ -760,7 +768,7 @@ def test_multi_process_save_2_load_1_2_3(tmp_path, launch):
     r = launch(WORKER, 2, ["save", str(d)], timeout=300)
     for rank in (0, 1):
         res = r.result(rank)
-        assert all(v == "ok" for v in res.values()) and len(res) == 6, res
+        assert all(v == "ok" for v in res.values()) and len(res) == 7, res
     # 1 process: load in this process (no collectives)
     w = _worker_module()
     full = w.full_arrays()

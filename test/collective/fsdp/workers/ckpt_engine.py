@@ -249,6 +249,40 @@ def case_all_or_nothing(rank, world, d, full, ck):
     assert targets["step"] is None
 
 
+def case_description_memo(rank, world, d, full, ck):
+    """Saves exchange digests of the record descriptions: the same records again skip the full exchange and the
+    assignment on every rank; a rank that lost its memo, or records that changed on one rank only, send every
+    rank through the full exchange together (no hang, no mismatch) and the checkpoints stay whole."""
+    import paddle
+    from paddle.distributed.fsdp.checkpoint import save as save_mod
+
+    calls = []
+    real = save_mod.assign_writes
+    save_mod.assign_writes = lambda *a: calls.append(1) or real(*a)
+    try:
+        path = [os.path.join(d, f"memo{i}") for i in range(4)]
+        ck.save_state_dict(save_state(rank, full), path[0])
+        n = len(calls)
+        ck.save_state_dict(save_state(rank, full), path[1], async_save=True).wait()
+        assert len(calls) == n, "the same records again were assigned anew"
+        if rank == 1:
+            save_mod._assignments.clear()
+        ck.save_state_dict(save_state(rank, full), path[2])
+        assert len(calls) == n + 1, "a rank without the memo did not send every rank through the full exchange"
+        sd = save_state(rank, full)
+        if rank == 0:
+            sd["only_on_rank0"] = paddle.arange(5, dtype="float32")
+        ck.save_state_dict(sd, path[3])
+        assert len(calls) == n + 2, "records changed on rank 0 were not exchanged in full"
+    finally:
+        save_mod.assign_writes = real
+    for p in path:
+        assert ck.verify_checkpoint(p) == [], p
+    got = ck.load_full_state_dict(path[3])
+    assert np.array_equal(got["only_on_rank0"].numpy(), np.arange(5, dtype=np.float32))
+    assert "only_on_rank0" not in ck.load_full_state_dict(path[2])
+
+
 def main() -> None:
     import _paths  # noqa: F401
     import paddle  # noqa: F401
@@ -270,6 +304,7 @@ def main() -> None:
             ("load_same_world_sync", lambda: case_load(rank, world, d, full, ck, "sync")),
             ("load_same_world_async", lambda: case_load(rank, world, d, full, ck, "async")),
             ("all_or_nothing", lambda: case_all_or_nothing(rank, world, d, full, ck)),
+            ("description_memo", lambda: case_description_memo(rank, world, d, full, ck)),
         ]
     else:
         cases = [

@@ -19,6 +19,8 @@ import weakref
 
 import numpy as np
 
+from .. import device
+
 # Transparent huge pages (MADV_HUGEPAGE) for buffers filled by O_DIRECT reads: the kernel faults in every page it
 # pins, and a 2 -> 3 rank load took 0.61-0.68 s with huge pages against 0.86-1.16 s without. Not for buffers filled
 # by memcpy (snapshots, undo copies): with THP defrag "madvise" such faults compact memory synchronously, which
@@ -135,8 +137,15 @@ def numel_of(t) -> int:
     return math.prod(t.shape)
 
 
+_DTYPE_NAMES: dict = {}  # paddle dtype -> its short name ("float32"); str() of a dtype costs ~1 us
+
+
 def dtype_name(t) -> str:
-    return str(t.dtype).split(".")[-1]
+    dtype = t.dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).split(".")[-1]
+    return name
 
 
 def is_host_place(place) -> bool:
@@ -146,8 +155,6 @@ def is_host_place(place) -> bool:
 def is_host_contiguous(t) -> bool:
     """Whether the tensor's bytes can be used in place through its data pointer (see raw_view); device memory
     (and, in fake-device mode, every tensor not made as host memory) cannot: see ``fsdp/device.py``."""
-    from .. import device
-
     return device.is_host(t) and t.is_contiguous()
 
 
@@ -157,8 +164,6 @@ def raw_view(t, allow_copy: bool = True):
     Host, contiguous tensors are viewed in place through their data pointer; a device (or non-contiguous)
     tensor is first copied to host, one tensor at a time, with its own place's copy (never ``.cuda()``).
     """
-    from .. import device
-
     n = numel_of(t) * t.element_size()
     if n == 0:
         return np.zeros(0, np.uint8), t

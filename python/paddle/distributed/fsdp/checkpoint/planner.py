@@ -11,6 +11,8 @@ All run arithmetic is vectorised with numpy so boxes with many rows stay cheap.
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -213,11 +215,7 @@ def _assign_writes(wires: tuple, value_keys: frozenset) -> tuple[list, dict]:
     """Who writes which record: ``([(key, dtype, shape)], {rank: [(key, desc wire)]})``, from every rank's
     record descriptions (wire form). Replicas are written by the lowest rank; dtype and shape disagreements, a
     key that is a tensor on some ranks and a plain value on others, overlaps and gaps raise
-    InvalidStateDictError. Memoized on its arguments (the last few): a training job saves the same records
-    every time, and an async save's caller waits for this (~2-3 ms for a 21-layer model here)."""
-    hit = _ASSIGN_CACHE.get((wires, value_keys))
-    if hit is not None:
-        return hit
+    InvalidStateDictError. Saves remember the result (AssignmentMemo)."""
     world = len(wires)
     by_key: dict[str, list[tuple[int, RecordDesc, tuple]]] = {}
     for rank, descs in enumerate(wires):
@@ -252,14 +250,7 @@ def _assign_writes(wires: tuple, value_keys: frozenset) -> tuple[list, dict]:
         specs.append((key, d0.dtype, d0.region.shape))
         for r, _d, w in kept:
             writes[r].append((key, w))
-    if len(_ASSIGN_CACHE) >= _ASSIGN_CACHE_SIZE:
-        _ASSIGN_CACHE.pop(next(iter(_ASSIGN_CACHE)))
-    _ASSIGN_CACHE[(wires, value_keys)] = (specs, writes)
     return specs, writes
-
-
-_ASSIGN_CACHE: dict = {}  # (wires, value keys) -> the assignment; insertion order = age
-_ASSIGN_CACHE_SIZE = 4
 
 
 @dataclass
@@ -272,34 +263,85 @@ class SavePlan:
         return self.files[rank].pieces
 
 
-def build_save_plan(
-    per_rank: list[tuple[list[RecordDesc], dict[str, object]]],
-    checkpoint_id: str,
-    chunk_bytes: int,
-) -> SavePlan:
-    """Deterministic on every rank: dedup replicas (lowest rank wins), check coverage, lay out every file."""
-    values: dict[str, object] = {}
-    for _descs, vals in per_rank:
-        for k, v in vals.items():
-            values.setdefault(k, v)  # the lowest rank's value
-    tensor_specs, writes = _assign_writes(
-        tuple(tuple(d.to_wire() for d in descs) for descs, _vals in per_rank),
-        frozenset(values),
-    )
-    tensors = {key: TensorMeta(dtype=dtype, shape=shape, pieces=[]) for key, dtype, shape in tensor_specs}
-    writes = {rank: [(key, RecordDesc.from_wire(w)) for key, w in ws] for rank, ws in writes.items()}
-    world = len(per_rank)
+@dataclass(frozen=True)
+class WriteAssignment:
+    """Who writes which record (from :func:`assign_writes`): ``specs`` ``[(key, dtype, global shape)]`` and
+    ``writes`` ``{rank: [(key, desc wire)]}`` in each rank's write order. Shared by saves (memoized): read only."""
+
+    specs: list
+    writes: dict
+
+    def keys_of(self, rank: int) -> list[str]:
+        """The records ``rank`` writes, in file order (what an async save snapshots at the call)."""
+        return [key for key, _w in self.writes[rank]]
+
+
+def assign_writes(wires: list, values: dict) -> WriteAssignment:
+    """The checked assignment of every rank's records (``wires``: per rank, its descs in wire form), the part
+    of the plan that can refuse a state dict; raises InvalidStateDictError."""
+    specs, writes = _assign_writes(wires, frozenset(values))
+    return WriteAssignment(specs, writes)
+
+
+def descs_digest(wires: list) -> bytes:
+    """16-byte digest of one rank's record descriptions (wire form): equal digests, equal descriptions."""
+    return hashlib.blake2b(pickle.dumps(wires, protocol=pickle.HIGHEST_PROTOCOL), digest_size=16).digest()
+
+
+def assignment_name(digests: list[bytes], values: dict) -> bytes:
+    """What a write assignment depends on: every rank's descriptions (by digest, in rank order) and the keys of
+    the JSON values."""
+    h = hashlib.blake2b(digest_size=16)
+    for d in digests:
+        h.update(d)
+    for key in sorted(values):
+        h.update(b"\0" + key.encode("utf-8", "surrogatepass"))
+    return h.digest()
+
+
+class AssignmentMemo:
+    """The last few write assignments of this process, by :func:`assignment_name`.
+
+    A training job saves the same records every time. When every rank holds the assignment of the current
+    descriptions, a save exchanges their 16-byte digests instead of the descriptions and skips the assignment:
+    both grow with the number of records and an async save's caller waits for them. Holding the names only
+    (not the descriptions) keeps the memo's memory at the assignments themselves."""
+
+    def __init__(self, size: int = 4):
+        self.size = size
+        self._entries: dict[bytes, WriteAssignment] = {}  # insertion order = age
+
+    def names(self) -> tuple[bytes, ...]:
+        return tuple(self._entries)
+
+    def get(self, name: bytes) -> WriteAssignment | None:
+        return self._entries.get(name)
+
+    def put(self, name: bytes, assignment: WriteAssignment) -> None:
+        self._entries.pop(name, None)
+        while len(self._entries) >= self.size:
+            self._entries.pop(next(iter(self._entries)))
+        self._entries[name] = assignment
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def lay_out_files(assignment: WriteAssignment, values: dict, checkpoint_id: str) -> SavePlan:
+    """The plan from a checked assignment: every rank file's header and pieces. Never refuses anything, so an
+    async save runs it on its background thread (~3 ms per 1000 records, off the caller's clock)."""
+    tensors = {key: TensorMeta(dtype=dtype, shape=shape, pieces=[]) for key, dtype, shape in assignment.specs}
     files: dict[int, FileLayout] = {}
-    for rank in range(world):
+    for rank in range(len(assignment.writes)):
         name = rank_file_name(rank)
         entries = []
         pos = 0
         items = []
-        for key, d in writes[rank]:
-            reg = d.region
-            nbytes = reg.numel * DTYPES[d.dtype][0]
+        for key, w in assignment.writes[rank]:
+            reg = RecordDesc.from_wire(w).region
+            nbytes = reg.numel * DTYPES[w[1]][0]
             st_shape = (reg.numel,) if reg.flat_range is not None else reg.box_shape
-            entries.append((key, d.dtype, st_shape, pos, pos + nbytes))
+            entries.append((key, w[1], st_shape, pos, pos + nbytes))
             items.append((key, reg, pos, nbytes))
             pos += nbytes
         header = build_header(entries, {"format": FORMAT_NAME, "checkpoint_id": checkpoint_id, "rank": str(rank)})
@@ -318,7 +360,27 @@ def build_save_plan(
             layout.pieces.append((key, piece))
             tensors[key].pieces.append(piece)
         files[rank] = layout
-    return SavePlan(tensors=tensors, values=values, files=files)
+    return SavePlan(tensors=tensors, values=dict(values), files=files)
+
+
+def merged_values(per_rank_values: list[dict]) -> dict:
+    """JSON values of a save: each key's value from the lowest rank that has it."""
+    values: dict[str, object] = {}
+    for vals in per_rank_values:
+        for k, v in vals.items():
+            values.setdefault(k, v)
+    return values
+
+
+def build_save_plan(
+    per_rank: list[tuple[list[RecordDesc], dict[str, object]]],
+    checkpoint_id: str,
+    chunk_bytes: int,
+) -> SavePlan:
+    """Deterministic on every rank: dedup replicas (lowest rank wins), check coverage, lay out every file."""
+    values = merged_values([vals for _descs, vals in per_rank])
+    assignment = assign_writes([[d.to_wire() for d in descs] for descs, _vals in per_rank], values)
+    return lay_out_files(assignment, values, checkpoint_id)
 
 
 # ----------------------------------------------------------------------------------------------- load planning

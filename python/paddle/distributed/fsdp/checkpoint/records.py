@@ -13,6 +13,7 @@ Shapes given as lists are normalised to tuples.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from .host_memory import dtype_name, numel_of
 from .planner import RecordDesc, Region
 
 
+@functools.cache
 def _sharded_weight_cls():
     try:
         from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
@@ -30,6 +32,7 @@ def _sharded_weight_cls():
     return ShardedWeight
 
 
+@functools.cache
 def _tensor_cls():
     import paddle
 

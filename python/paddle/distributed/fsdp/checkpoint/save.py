@@ -11,10 +11,12 @@ Layout of a committed checkpoint directory ``path``::
 
 Save protocol (all ranks call ``save_state_dict`` collectively):
 
-1. every rank validates its records; one ``all_gather_object`` exchanges the small record descriptions (and any
-   validation error, so all ranks fail together); every rank then computes the same plan: replicas are written
-   by the lowest rank that holds them, coverage (each element exactly once) is checked, and the layout of every
-   rank's file (offsets included) is fixed before any byte is written.
+1. every rank validates its records; one ``all_gather_object`` exchanges a digest of each rank's record
+   descriptions, the values and any validation error (so all ranks fail together); the full descriptions follow
+   in a second exchange unless every rank already holds the write assignment of these digests (a training job
+   saves the same records every time; ``planner.AssignmentMemo``). Every rank then has the same assignment:
+   replicas are written by the lowest rank that holds them and coverage (each element exactly once) is checked;
+   the layout of every rank's file (offsets included) follows from it and is fixed before any byte is written.
 2. every rank writes its own file into the staging directory ``<path>.tmp-<checkpoint_id>`` straight from tensor
    memory, computing per-chunk checksums on the way, fsyncs it once, then drops a small ``done`` marker (sizes +
    checksums; made visible atomically by rename) into ``<staging>/.parts/``. A rank that fails drops a
@@ -53,9 +55,10 @@ whose save fails with an error tells the others at once (``failed`` / ``ABORT`` 
 
 Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (CheckpointManager).
 
-``async_save=True`` (zero-stall): the caller is blocked for the descriptor exchange, the plan and the copy of
-the *volatile* tensors only (everything but trainable parameters and optimizer state, see snapshot.py); the
-parameters and optimizer state are copied to host by the background thread (one per process; interpreter exit
+``async_save=True`` (zero-stall): the caller is blocked for the exchange, the write assignment (remembered between
+saves) and the copy of the *volatile* tensors only (everything but trainable parameters and optimizer state, see
+snapshot.py); the file layout is computed and the parameters and optimizer state are copied to host by the
+background thread (one per process; interpreter exit
 waits for a save in flight) during the next forward and backward, and every writer of that memory (optimizer
 step, in-place Tensor methods, ``set_value``, loads, ``wait_for_snapshot()``; snapshot_guard.py lists what is and
 is not intercepted) waits for the copy first, so the checkpoint holds the values at the call. Writing, fsync and
@@ -110,7 +113,15 @@ from .format.metadata import (
     FileMeta,
 )
 from .options import CheckpointOptions, resolve
-from .planner import RecordDesc, build_save_plan
+from .planner import (
+    AssignmentMemo,
+    WriteAssignment,
+    assign_writes,
+    assignment_name,
+    descs_digest,
+    lay_out_files,
+    merged_values,
+)
 from .records import collect
 from .snapshot import Snapshot, default_deferred
 from .stock.directories import adopt_foreign_entries, check_shared_directory_once, own_entry_names
@@ -236,7 +247,8 @@ class _SaveJob:
     world: int
     coordinator: int
     checkpoint_id: str
-    plan: Any
+    assignment: WriteAssignment
+    values: dict  # the checkpoint's JSON values
     arrays: list  # uint8 arrays, one per piece this rank writes (in layout order)
     keepalive: list
     chunk_bytes: int
@@ -248,6 +260,7 @@ class _SaveJob:
     created: float = field(default_factory=time.time)
     release: Any = None  # async save: gives the snapshot arena back (called once the data file is written)
     snapshot: Any = None  # async save: the Snapshot whose deferred copies run first in the background thread
+    plan: Any = None  # the SavePlan; laid out by run() (an async save's caller does not wait for it)
 
     def _written(self) -> None:
         self.arrays = self.keepalive = []  # release snapshot memory early
@@ -259,12 +272,14 @@ class _SaveJob:
         """Write, then commit (coordinator) or wait for the commit; every failure is a SaveFailedError naming
         the rank that failed and its cause, on every rank, as soon as it is known (failure markers, below)."""
         try:
-            if self.snapshot is not None:  # async: copy the deferred tensors first (snapshot.py), then write
-                try:
+            try:
+                if self.snapshot is not None:  # async: copy the deferred tensors first (snapshot.py), then write
                     self.snapshot.copy_deferred()
-                except BaseException as e:
-                    _mark_failed(self.staging, self.rank, e)
-                    raise
+                if self.plan is None:
+                    self.plan = lay_out_files(self.assignment, self.values, self.checkpoint_id)
+            except BaseException as e:
+                _mark_failed(self.staging, self.rank, e)
+                raise
             self._run()
         except SaveFailedError:
             raise
@@ -762,7 +777,8 @@ def _save_locked(
     options: CheckpointOptions | None,
     publisher: Publisher | None,
 ) -> SaveHandle | None:
-    """The save protocol, in steps: validate -> exchange + plan -> piece sources -> write + commit."""
+    """The save protocol, in steps: validate -> exchange + assignment -> piece sources -> file layout (an async
+    save: on the background thread) -> write + commit."""
     try:
         opts, opts_error = resolve(options), None
     except CheckpointError as e:  # a malformed PADDLE_FSDP_CKPT_* variable: reported by the exchange below
@@ -777,18 +793,20 @@ def _save_locked(
     timeout = opts.commit_timeout if commit_timeout is None else float(commit_timeout)
 
     local = _validate(state_dict, path, comm.rank, coordinator_rank, opts, opts_error)
-    checkpoint_id, algorithm, plan = _exchange_and_plan(comm, local, coordinator_rank, chunk_bytes, tr, path)
+    checkpoint_id, algorithm, assignment, values = _exchange_and_assign(comm, local, coordinator_rank, tr, path)
     # different or node-local directories: fail now on every rank, not at the commit timeout
     check_shared_directory_once(path, local.all_paths, comm, coordinator_rank)
     for key in per_rank_values:
-        plan.values[key] = [v.get(key) for v in local.all_values]
+        values[key] = [v.get(key) for v in local.all_values]
     staging = f"{path}.tmp-{checkpoint_id}"
-    snap = None
+    my_keys = assignment.keys_of(comm.rank)
+    snap = plan = None
     if async_save:
-        snap = _snapshot(plan, comm.rank, local, staging, deferred_keys, opts)
+        snap = _snapshot(my_keys, local, staging, comm.rank, deferred_keys, opts)
         arrays, keep, release = snap.arrays, snap.keep, snap.written
     else:
-        arrays, keep, release = _piece_sources(plan, comm.rank, local, staging)
+        plan = lay_out_files(assignment, values, checkpoint_id)
+        arrays, keep, release = _piece_sources(my_keys, local, staging, comm.rank)
     tr.mark("snapshot (volatile part)" if async_save else "views")
     job = _SaveJob(
         path=path,
@@ -797,6 +815,8 @@ def _save_locked(
         world=comm.world,
         coordinator=coordinator_rank,
         checkpoint_id=checkpoint_id,
+        assignment=assignment,
+        values=values,
         plan=plan,
         arrays=arrays,
         keepalive=keep,
@@ -848,31 +868,49 @@ def _validate(
     return local
 
 
-def _exchange_and_plan(comm: Comm, local: _Local, coordinator_rank: int, chunk_bytes: int, tr: Tracer, path: str):
-    """Step 2: one exchange of every rank's descriptions and target path (and errors: all ranks fail together),
-    then the same plan on every rank. Returns ``(checkpoint_id, algorithm, plan)``, the coordinator's id and
-    algorithm."""
+_assignments = AssignmentMemo()  # used under _save_lock only
+
+
+def _exchange_and_assign(comm: Comm, local: _Local, coordinator_rank: int, tr: Tracer, path: str):
+    """Step 2: one exchange of every rank's description digest, values and target path (and errors: all ranks
+    fail together), then the same checked write assignment on every rank: remembered when every rank holds it
+    for these digests, else from a second exchange of the full descriptions (decided alike on every rank, from
+    the first one). Returns ``(checkpoint_id, algorithm, assignment, values)``: the coordinator's id and algorithm,
+    the values of the lowest rank that has each key."""
     my_id = uuid.uuid4().hex
+    ok = local.error is None
     gathered = gather_errors(
-        comm, local.error, (local.descs, local.values if local.error is None else {}, my_id, local.algorithm, path)
+        comm,
+        local.error,
+        (
+            descs_digest(local.descs) if ok else b"",
+            _assignments.names() if ok else (),
+            local.values if ok else {},
+            my_id,
+            local.algorithm,
+            path,
+        ),
     )
-    local.all_paths = [g[4] for g in gathered]
+    local.all_paths = [g[5] for g in gathered]
+    checkpoint_id, algorithm = gathered[coordinator_rank][3], gathered[coordinator_rank][4]
+    local.all_values = [g[2] for g in gathered]
+    values = merged_values(local.all_values)
+    name = assignment_name([g[0] for g in gathered], values)
     tr.mark("exchange")
-    checkpoint_id, algorithm = gathered[coordinator_rank][2], gathered[coordinator_rank][3]
-    plan = build_save_plan(
-        [([RecordDesc.from_wire(w) for w in g[0]], g[1]) for g in gathered], checkpoint_id, chunk_bytes
-    )
-    local.all_values = [g[1] for g in gathered]
-    tr.mark("plan")
-    return checkpoint_id, algorithm, plan
+    if all(name in g[1] for g in gathered):
+        assignment = _assignments.get(name)
+    else:
+        assignment = assign_writes(comm.all_gather_object(local.descs), values)
+        _assignments.put(name, assignment)
+    tr.mark("assign")
+    return checkpoint_id, algorithm, assignment, values
 
 
-def _piece_sources(plan, rank: int, local: _Local, staging: str) -> tuple[list, list, Any]:
+def _piece_sources(keys: list[str], local: _Local, staging: str, rank: int) -> tuple[list, list, Any]:
     """Step 3 of a sync save: what this rank writes, in layout order: lazy views of the tensors' own memory (a
     device tensor is copied to host one piece at a time while writing). Returns ``(arrays, [], None)``."""
     by_key = {r.key: r for r in local.records}
     try:
-        keys = [key for key, _piece in plan.files[rank].pieces]
         return [_lazy_view(by_key[key].tensor) for key in keys], [], None
     except BaseException as e:
         _mark_failed(staging, rank, e)  # the coordinator must not wait for this rank until the timeout
@@ -881,7 +919,9 @@ def _piece_sources(plan, rank: int, local: _Local, staging: str) -> tuple[list, 
         raise
 
 
-def _snapshot(plan, rank: int, local: _Local, staging: str, deferred_keys, opts: CheckpointOptions) -> Snapshot:
+def _snapshot(
+    keys: list[str], local: _Local, staging: str, rank: int, deferred_keys, opts: CheckpointOptions
+) -> Snapshot:
     """Step 3 of an async save: the Snapshot of what this rank writes (layout order): volatile tensors copied
     now, deferred ones (``deferred_keys``, default: trainable Parameters) registered for the background copy."""
     by_key = {r.key: r for r in local.records}
@@ -894,7 +934,6 @@ def _snapshot(plan, rank: int, local: _Local, staging: str, deferred_keys, opts:
             return record.key in wanted
 
     try:
-        keys = [key for key, _piece in plan.files[rank].pieces]
         return Snapshot([by_key[key] for key in keys], is_deferred, hugepages=opts.hugepages)
     except BaseException as e:
         _mark_failed(staging, rank, e)  # the coordinator must not wait for this rank until the timeout

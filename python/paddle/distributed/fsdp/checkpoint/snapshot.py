@@ -111,13 +111,13 @@ class Snapshot:
         self.arrays: list[np.ndarray] = []
         self.keep: list = []
         self.chunk_bytes = chunk_bytes
-        self._jobs: list[tuple[np.ndarray, np.ndarray]] = []  # (slot, source view): deferred host copies
+        self._jobs: list = []  # (slot, tensor): deferred host copies (viewed on the background thread)
         self._staged: list = []  # (slot, tensor): deferred device/strided copies, batched through to_host
-        self._sources: list = []  # the deferred tensors, alive until copied
         self.deferred_bytes = 0
         self.volatile_bytes = 0
         self._guard: snapshot_guard.SnapshotInFlight | None = None
-        need = sum(aligned(_nbytes(r.tensor)) for r in records)
+        sizes = [_nbytes(r.tensor) for r in records]
+        need = sum(aligned(n) for n in sizes)
         buf = host_memory.arena.acquire(need, grow=True, hugepages=hugepages) if need else None
         self.release: Callable[[], None] | None = host_memory.arena.release if buf is not None else None
         try:
@@ -126,8 +126,7 @@ class Snapshot:
             pos = 0
             ranges = []
             staged_now: list = []  # volatile device/strided copies, batched below
-            for r in records:
-                n = _nbytes(r.tensor)
+            for r, n in zip(records, sizes):
                 if not n:
                     self.arrays.append(np.zeros(0, np.uint8))
                     continue
@@ -143,14 +142,13 @@ class Snapshot:
                         staged_now.append((slot, r.tensor))
                         self.volatile_bytes += n
                     continue
-                src, _ = host_memory.raw_view(r.tensor, allow_copy=False)
-                if deferred(r):
-                    self._jobs.append((slot, src))
-                    self._sources.append(r.tensor)
-                    ranges.append((src.ctypes.data, src.ctypes.data + n))
+                if deferred(r):  # the caller's clock: only the address range, no view (~4 us a record)
+                    self._jobs.append((slot, r.tensor))
+                    start = device.address(r.tensor)
+                    ranges.append((start, start + n))
                     self.deferred_bytes += n
                 else:
-                    np.copyto(slot, src)
+                    np.copyto(slot, host_memory.raw_view(r.tensor, allow_copy=False)[0])
                     self.volatile_bytes += n
             if staged_now:
                 stage_into(staged_now, chunk_bytes)
@@ -168,15 +166,15 @@ class Snapshot:
     def copy_deferred(self) -> None:
         """Copy the deferred tensors (background thread), then let the writers waiting for them go on."""
         try:
-            for slot, src in self._jobs:
-                np.copyto(slot, src)
+            for slot, tensor in self._jobs:
+                np.copyto(slot, host_memory.raw_view(tensor, allow_copy=False)[0])
             if self._staged:
                 stage_into(self._staged, self.chunk_bytes)
         finally:
             self._finish()
 
     def _finish(self) -> None:
-        self._jobs, self._sources, self._staged = [], [], []
+        self._jobs, self._staged = [], []
         guard, self._guard = self._guard, None
         if guard is not None:
             guard.done.set()

@@ -404,13 +404,19 @@ def optimizer_state_entries(opt: Any, param: paddle.Tensor) -> list[OptimizerSta
     """
     inner = unwrap_optimizer(opt)
     _validate_all_keys(inner)
+    return _entries_of(inner, param, {key: _resolve_accumulator(inner, key) for key in inner._accumulators})
+
+
+def _entries_of(inner: Optimizer, param: paddle.Tensor, resolved: dict[str, tuple[str, str]]) -> list:
+    """``param``'s entries of the unwrapped, validated ``inner``; ``resolved``: accumulator key -> (canonical
+    name, declared kind), resolved once per optimizer (a save lists every parameter's state)."""
     target = _state_target_name(inner, param)
     entries: list[OptimizerStateEntry] = []
     for key, per_param in inner._accumulators.items():
         tensor = per_param.get(target)
         if tensor is None:
             continue
-        canonical, declared_kind = _resolve_accumulator(inner, key)
+        canonical, declared_kind = resolved[key]
         kind = _checked_kind(inner, key, declared_kind, tensor, param)
         entries.append(OptimizerStateEntry(canonical, tensor, kind, key))
     master = inner._master_weights.get(param.name)
@@ -435,10 +441,12 @@ def all_optimizer_state_entries(opt: Any, params: Iterable[paddle.Tensor]) -> di
     so a caller that saves these entries cannot silently lose state.
     """
     inner = unwrap_optimizer(opt)
+    _validate_all_keys(inner)
+    resolved = {key: _resolve_accumulator(inner, key) for key in inner._accumulators}
     result: dict[str, list[OptimizerStateEntry]] = {}
     claimed: set[int] = set()
     for param in params:
-        entries = optimizer_state_entries(inner, param)
+        entries = _entries_of(inner, param, resolved)
         result[param.name] = entries
         claimed.update(id(e.tensor) for e in entries)
     for key, per_param in inner._accumulators.items():
