@@ -248,7 +248,9 @@ class _SaveJob:
     coordinator: int
     checkpoint_id: str
     assignment: WriteAssignment
-    values: dict  # the checkpoint's JSON values
+    values: dict  # the checkpoint's JSON values, but the per-rank ones
+    per_rank_keys: tuple  # values every rank gives its own of (saved as the list by rank)
+    rank_values: dict  # this rank's values of per_rank_keys (sent to the coordinator in the done marker)
     arrays: list  # uint8 arrays, one per piece this rank writes (in layout order)
     keepalive: list
     chunk_bytes: int
@@ -319,7 +321,9 @@ class _SaveJob:
             # markers need atomic visibility, not durability: the data file itself is already fsynced
             writer.write_file(
                 os.path.join(parts, f"{self.rank}.done.json"),
-                json.dumps({"size": size, "checksums": sums}).encode(),
+                json.dumps(
+                    {"size": size, "checksums": sums, "rank_values": self.rank_values}, allow_nan=False
+                ).encode(),
                 fsync=False,
                 atomic=True,
             )
@@ -447,13 +451,16 @@ class _SaveJob:
 
     def _metadata(self, status: dict) -> CheckpointMetadata:
         """The index of the checkpoint: the plan, with the sizes and checksums the ranks reported."""
+        values = dict(self.plan.values)
+        for key in self.per_rank_keys:
+            values[key] = [status[r]["rank_values"].get(key) for r in range(self.world)]
         md = CheckpointMetadata(
             checkpoint_id=self.checkpoint_id,
             world_size=self.world,
             chunk_bytes=self.chunk_bytes,
             checksum=self.checksum,
             created_unix=self.created,
-            values=self.plan.values,
+            values=values,
         )
         for r in range(self.world):
             layout = self.plan.files[r]
@@ -728,7 +735,8 @@ def save_state_dict(
     the engine intercepts (snapshot_guard.py); their host copy runs after the call returns (snapshot.py).
     Default: the keys whose tensor is a trainable paddle Parameter. Every other tensor is copied at the call.
     ``per_rank_values``: JSON-value keys every rank gives its own value for (e.g. its RNG state); saved as the
-    list of all ranks' values by rank, gathered by the save's one exchange (no collective of their own).
+    list of all ranks' values by rank (None for a rank without one), sent to the coordinator with the rank's
+    data (no collective of their own).
     ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now) sets the checksum
     algorithm, commit timeout and tracing; ``commit_timeout`` overrides ``options.commit_timeout``.
     ``_publisher`` is CheckpointManager's hook (moves ``latest`` after the commit); not for direct use.
@@ -793,11 +801,13 @@ def _save_locked(
     timeout = opts.commit_timeout if commit_timeout is None else float(commit_timeout)
 
     local = _validate(state_dict, path, comm.rank, coordinator_rank, opts, opts_error)
+    # per-rank values reach the coordinator in the ranks' done markers, not through the exchange: only it needs
+    # them (an RNG state is ~13 KB a rank, which would take every save's exchange to a second round)
+    rank_values = {key: local.values[key] for key in per_rank_values if key in local.values}
+    local.values.update(dict.fromkeys(rank_values))  # the key still goes with the exchange (its checks)
     checkpoint_id, algorithm, assignment, values = _exchange_and_assign(comm, local, coordinator_rank, tr, path)
     # different or node-local directories: fail now on every rank, not at the commit timeout
     check_shared_directory_once(path, local.all_paths, comm, coordinator_rank)
-    for key in per_rank_values:
-        values[key] = [v.get(key) for v in local.all_values]
     staging = f"{path}.tmp-{checkpoint_id}"
     my_keys = assignment.keys_of(comm.rank)
     snap = plan = None
@@ -817,6 +827,8 @@ def _save_locked(
         checkpoint_id=checkpoint_id,
         assignment=assignment,
         values=values,
+        per_rank_keys=tuple(per_rank_values),
+        rank_values=rank_values,
         plan=plan,
         arrays=arrays,
         keepalive=keep,
