@@ -27,6 +27,10 @@ WRITE_SLAB = 64 << 20
 
 
 READ_SLAB = 16 << 20
+DIRECT_SLAB = 4 << 20  # O_DIRECT raw read: reads of this size into one reused page-aligned buffer
+# raw-read variants of the load limit (the fastest one is the limit): buffered into memory of the share's size,
+# buffered into one reused buffer, O_DIRECT into one reused buffer (where the file system allows it)
+RAW_READ_VARIANTS = ("resident", "ring", "direct")
 
 
 FLOAT_BYTES = 4

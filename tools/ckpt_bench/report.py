@@ -8,7 +8,7 @@ import os
 import platform
 import shutil
 
-from .common import GB, LOG, median
+from .common import GB, LOG, RAW_READ_VARIANTS, median
 
 
 def finish(args, res: dict, work: str) -> None:
@@ -43,7 +43,7 @@ def finish(args, res: dict, work: str) -> None:
 
     def best_raw(name):
         """The faster raw-read variant of a fresh-load configuration: (variant, seconds list)."""
-        cands = [(v, raws(name, v)) for v in ("resident", "ring") if raws(name, v)]
+        cands = [(v, raws(name, v)) for v in RAW_READ_VARIANTS if raws(name, v)]
         return min(cands, key=lambda c: median(c[1]))
 
     def paired(name, variant):
@@ -63,7 +63,7 @@ def finish(args, res: dict, work: str) -> None:
         row(f"torch DCP save ({W} ranks)", tsame["save"], lim_w, ts)
     same_var, same_raw = best_raw("same") if fl.get("same") else (None, None)
     lim_r = median(same_raw) if same_raw else None
-    for v in ("resident", "ring"):
+    for v in RAW_READ_VARIANTS:
         if raws("same", v):
             row(f"raw read ({W} ranks, {v}, cold)", raws("same", v), lim_r, tl, "limit" if v == same_var else "")
     if fl.get("same"):
@@ -88,7 +88,7 @@ def finish(args, res: dict, work: str) -> None:
     if fl.get("changed"):
         chg_var, chg_raw = best_raw("changed")
         lim_r2 = median(chg_raw)
-        for v in ("resident", "ring"):
+        for v in RAW_READ_VARIANTS:
             if raws("changed", v):
                 row(
                     f"raw read ({M} ranks, {v}, cold)", raws("changed", v), lim_r2, tl2, "limit" if v == chg_var else ""

@@ -162,13 +162,13 @@ def test_reads_go_in_file_order_with_tiny_reads_last(tmp_path, monkeypatch):
     assert len(md.files) == 1
     offsets = {p.offset: (k, p.nbytes) for k, tm in md.tensors.items() for p in tm.pieces}
     seen = []
-    real = reader.FileSet.pread_into
+    real = os.preadv
 
-    def recording(self, name, buf, offset):
+    def recording(fd, buffers, offset, *flags):
         seen.append(offset)
-        return real(self, name, buf, offset)
+        return real(fd, buffers, offset, *flags)
 
-    monkeypatch.setattr(reader.FileSet, "pread_into", recording)
+    monkeypatch.setattr(reader.os, "preadv", recording)  # every read of the engine, buffered or O_DIRECT
     targets = {k: paddle.zeros(v.shape) for k, v in reversed(list(sd.items()))}  # the reverse of file order
     ck.load_state_dict(targets, str(path))
     for k, v in sd.items():

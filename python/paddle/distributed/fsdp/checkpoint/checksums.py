@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import zlib
-from typing import Callable
+from typing import Callable, Protocol
 
 from .errors import CheckpointError
 
@@ -31,11 +31,35 @@ KNOWN = (XXH3_64, CRC32, NONE)
 
 DigestFn = Callable[[memoryview], int]
 
+
+class RunningDigest(Protocol):
+    """The digest of bytes fed in pieces: equal to the one-shot digest of their concatenation."""
+
+    def update(self, data: memoryview) -> None: ...
+
+    def intdigest(self) -> int: ...
+
+
+class _RunningCrc32:
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data: memoryview) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def intdigest(self) -> int:
+        return self.value
+
+
 _FUNCS: dict[str, DigestFn] = {CRC32: zlib.crc32}
+_RUNNING: dict[str, Callable[[], RunningDigest]] = {CRC32: _RunningCrc32}
 try:
     import xxhash
 
     _FUNCS[XXH3_64] = xxhash.xxh3_64_intdigest
+    _RUNNING[XXH3_64] = xxhash.xxh3_64
 except ImportError:  # pragma: no cover - xxhash is a dependency of the package; see default_algorithm
     xxhash = None
 
@@ -73,6 +97,13 @@ def digest_function(algorithm: str) -> DigestFn:
             "or load with verify_checksums=False"
         )
     raise CheckpointError(f"unknown checksum algorithm {algorithm!r} (this build knows {', '.join(KNOWN)})")
+
+
+def running_digest(algorithm: str) -> Callable[[], RunningDigest]:
+    """A factory of running digests of ``algorithm`` (for a chunk hashed in cache-sized steps while it is read;
+    streamed.py); the same errors as ``digest_function``."""
+    digest_function(algorithm)
+    return _RUNNING[algorithm]
 
 
 def chunk_digests(buf, chunk_bytes: int, fn: DigestFn) -> list[int]:

@@ -662,7 +662,7 @@ class _BoundedLoadJob(_LoadJob):
                     read_region(files, md, tg.key, tg.region, dst, self.verify_checksums, verifier, reads, window, segs)
                 else:
                     self._fill_through_window(tg, segs, window)
-            read_deferred(files, md, reads, self.verify_checksums, verifier)
+            read_deferred(files, md, reads, self.verify_checksums, verifier, window)
             self.report.loaded_keys.extend(tg.key for tg, _segs in plan)
             self.tr.mark("read")
             verifier.wait()

@@ -38,6 +38,10 @@ DIRECT_ALIGN = 4096  # offset, length and memory alignment of O_DIRECT reads
 # Descriptors a reader keeps open at once (least recently used ones are closed): any number of data files can
 # be read under a low RLIMIT_NOFILE.
 MAX_OPEN_FILES = 64  # CheckpointOptions.max_open_files
+# Bytes read, then hashed, at a time where a chunk is checked right after it is read: they are still in the CPU's
+# L2 cache for the hash (a page-cache read of 1 MiB, then its hash, ran at 0.77x a plain read here; 256 KiB
+# steps with a running digest of the chunk at 0.91-0.94x).
+CACHE_STEP = 256 << 10
 
 
 _pools: dict[int, object] = {}
@@ -82,6 +86,7 @@ class FileSet:
         sizes: dict[str, int],
         resolve,
         digest: DigestFn | None = None,
+        algorithm: str | None = None,
         odirect: bool | str = "auto",
         read_slab: int = DEFAULT_READ_SLAB,
         checksum_threads: int = DEFAULT_CHECKSUM_THREADS,
@@ -97,6 +102,8 @@ class FileSet:
         self.sizes = sizes
         self.resolve = resolve
         self.digest = digest
+        # running digests of ``algorithm`` (chunks hashed in CACHE_STEP pieces); None: whole chunks only
+        self.running = checksums.running_digest(algorithm) if digest is not None and algorithm else None
         self.fds: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self.bytes_read = 0
         self._direct: dict[str, int | None] = {}
@@ -116,6 +123,7 @@ class FileSet:
             {n: f.size for n, f in md.files.items()},
             resolve,
             digest,
+            algorithm=md.checksum,
             odirect=options.odirect,
             read_slab=options.read_slab_bytes,
             checksum_threads=options.checksum_threads,
@@ -299,10 +307,15 @@ def _verify_chunks(files: FileSet, key: str, piece: PieceMeta, buf, pos: int, ch
     for c in range(0, len(mv), chunk_bytes):
         ci = (pos + c) // chunk_bytes
         if digest(mv[c : c + chunk_bytes]) != piece.checksums[ci]:
-            raise CorruptCheckpointError(
-                f"checkpoint {files.root}: checksum mismatch in file {piece.file} for key {key!r} "
-                f"(chunk {ci}, bytes {piece.offset + pos + c}..)"
-            )
+            raise checksum_mismatch(files, key, piece, ci, chunk_bytes)
+
+
+def checksum_mismatch(files: FileSet, key: str, piece: PieceMeta, ci: int, chunk_bytes: int) -> CorruptCheckpointError:
+    """The error for chunk ``ci`` of ``piece`` whose bytes do not match their checksum."""
+    return CorruptCheckpointError(
+        f"checkpoint {files.root}: checksum mismatch in file {piece.file} for key {key!r} "
+        f"(chunk {ci}, bytes {piece.offset + ci * chunk_bytes}..)"
+    )
 
 
 class ChunkVerifier:
@@ -381,13 +394,25 @@ def read_range_direct(
         _verify_chunks(files, key, piece, tmp, a0, C)
         out[: A - a] = tmp[a - a0 : A - a0]
     if files.mostly_cached(piece.file):
-        # page cache: copy a chunk, check it while it is in the CPU cache (fused; measured 2.6x faster than
-        # checking 16 MiB slabs from main memory afterwards)
+        # page cache: copy CACHE_STEP bytes, hash them while they are in the CPU cache (CACHE_STEP above; whole
+        # chunks when the algorithm has no running digest)
+        step = C if files.running is None else CACHE_STEP
+        fd, dst = files.fd(piece.file), memoryview(out)
         for pos in range(A, B, C):
             end = min(B, pos + C)
-            view = out[pos - a : end - a]
-            files.pread_into(piece.file, view, piece.offset + pos)
-            _verify_chunks(files, key, piece, view, pos, C)
+            running = files.running() if files.running is not None else None
+            for s in range(pos, end, step):
+                view = dst[s - a : min(end, s + step) - a]
+                got = os.preadv(fd, [view], piece.offset + s)  # (thousands of calls: no per-call helpers)
+                if got < len(view):  # a short read: the loop that names a file that ends early
+                    files.pread_into(piece.file, out[s - a + got : min(end, s + step) - a], piece.offset + s + got)
+                files.bytes_read += got
+                if running is not None:
+                    running.update(view)
+            if running is None:
+                _verify_chunks(files, key, piece, out[pos - a : end - a], pos, C)
+            elif running.intdigest() != piece.checksums[pos // C]:
+                raise checksum_mismatch(files, key, piece, pos // C, C)
         if B < b:
             _read_tail(files, key, piece, B, b, a, out, C)
         return
