@@ -17,7 +17,10 @@ nothing is written: everything that can be checked without the data is all-or-no
 byte ranges (plus chunk alignment) in file order straight into the targets' own memory (contiguous host tensors),
 or through a staging window of rows (device or strided tensors, copied with ``Tensor.copy_``); small scattered
 ranges (rows of boxes) go through bounded read windows, the partial chunks at both ends of a range through a
-one-chunk bounce buffer. Checksums of large ranges run on helper threads while later ranges are read. The extra
+one-chunk bounce buffer. Large ranges of files not in the page cache are streamed (streamed.py: O_DIRECT reads into
+a 16 MiB ring of bounce buffers on a reader thread, each 256 KiB hashed and then copied into the target while it
+is in the CPU cache); files in the page cache are read into the targets 256 KiB at a time, each step hashed right
+after it is read (reader.py). The extra
 host memory is at most ``max_host_bytes`` (default ``max(64 MiB, 2%)`` of the rank's requested state,
 ``default_load_budget``), counted by the engine's own account (``host_memory.account``; ``LoadReport.
 peak_host_bytes``): a load never needs a second copy of the rank's state. Data found corrupt (or unreadable) while

@@ -6,7 +6,9 @@
   (``read_piece_windows``); the chunks a window touches are read whole and verified before any byte of them is
   used. Large ranges read straight into the caller's buffer (``read_range_direct``, ``read_spans``) are verified
   on helper threads while later ranges are read (``ChunkVerifier``); the caller waits for all of them
-  (``ChunkVerifier.wait``) before using the bytes.
+  (``ChunkVerifier.wait``) before using the bytes. Ranges of a file in the page cache are read in CACHE_STEP
+  steps, each hashed (running digest of its chunk) while it is in the CPU cache. Memory-bounded loads stream the
+  large ranges of files not in the page cache through bounce buffers instead (streamed.py).
 """
 
 from __future__ import annotations
