@@ -43,7 +43,6 @@ def _files(tmp_path, size: int, algorithm: str, odirect) -> reader.FileSet:
         {"f": size},
         lambda root, name: f"{root}/{name}",
         ALGORITHMS[algorithm],
-        algorithm=algorithm,
         odirect=odirect,
     )
 

@@ -54,12 +54,12 @@ class _RunningCrc32:
 
 
 _FUNCS: dict[str, DigestFn] = {CRC32: zlib.crc32}
-_RUNNING: dict[str, Callable[[], RunningDigest]] = {CRC32: _RunningCrc32}
+_RUNNING: dict[DigestFn, Callable[[], RunningDigest]] = {zlib.crc32: _RunningCrc32}  # by one-shot function
 try:
     import xxhash
 
     _FUNCS[XXH3_64] = xxhash.xxh3_64_intdigest
-    _RUNNING[XXH3_64] = xxhash.xxh3_64
+    _RUNNING[xxhash.xxh3_64_intdigest] = xxhash.xxh3_64
 except ImportError:  # pragma: no cover - xxhash is a dependency of the package; see default_algorithm
     xxhash = None
 
@@ -99,11 +99,13 @@ def digest_function(algorithm: str) -> DigestFn:
     raise CheckpointError(f"unknown checksum algorithm {algorithm!r} (this build knows {', '.join(KNOWN)})")
 
 
-def running_digest(algorithm: str) -> Callable[[], RunningDigest]:
-    """A factory of running digests of ``algorithm`` (for a chunk hashed in cache-sized steps while it is read;
-    streamed.py); the same errors as ``digest_function``."""
-    digest_function(algorithm)
-    return _RUNNING[algorithm]
+def running_digest(fn: DigestFn) -> Callable[[], RunningDigest]:
+    """The factory of running digests that equal the one-shot ``fn`` (a function of ``digest_function``), for
+    chunks hashed in cache-sized steps while they are read (reader.ChunkStream)."""
+    running = _RUNNING.get(fn)
+    if running is None:
+        raise CheckpointError(f"no running form of the digest function {fn!r}")
+    return running
 
 
 def chunk_digests(buf, chunk_bytes: int, fn: DigestFn) -> list[int]:

@@ -88,7 +88,6 @@ class FileSet:
         sizes: dict[str, int],
         resolve,
         digest: DigestFn | None = None,
-        algorithm: str | None = None,
         odirect: bool | str = "auto",
         read_slab: int = DEFAULT_READ_SLAB,
         checksum_threads: int = DEFAULT_CHECKSUM_THREADS,
@@ -104,8 +103,8 @@ class FileSet:
         self.sizes = sizes
         self.resolve = resolve
         self.digest = digest
-        # running digests of ``algorithm`` (chunks hashed in CACHE_STEP pieces); None: whole chunks only
-        self.running = checksums.running_digest(algorithm) if digest is not None and algorithm else None
+        # the running form of ``digest`` (chunks hashed in CACHE_STEP pieces: ChunkStream)
+        self.running = checksums.running_digest(digest) if digest is not None else None
         self.fds: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self.bytes_read = 0
         self._direct: dict[str, int | None] = {}
@@ -125,7 +124,6 @@ class FileSet:
             {n: f.size for n, f in md.files.items()},
             resolve,
             digest,
-            algorithm=md.checksum,
             odirect=options.odirect,
             read_slab=options.read_slab_bytes,
             checksum_threads=options.checksum_threads,
@@ -320,6 +318,33 @@ def checksum_mismatch(files: FileSet, key: str, piece: PieceMeta, ci: int, chunk
     )
 
 
+class ChunkStream:
+    """Chunk checks of consecutive piece bytes fed in any steps (running digests): each chunk is compared with its
+    checksum once its last byte is in. Starts at ``pos``, a chunk boundary of ``piece``."""
+
+    def __init__(self, files: FileSet, key: str, piece: PieceMeta, pos: int, chunk_bytes: int):
+        self.files, self.key, self.piece, self.pos, self.chunk = files, key, piece, pos, chunk_bytes
+        self.state = None
+
+    def feed(self, mv: memoryview) -> None:
+        """Hash ``mv``, the piece bytes from ``self.pos`` on (CorruptCheckpointError on a mismatch)."""
+        C, piece = self.chunk, self.piece
+        i = 0
+        while i < len(mv):
+            ci = self.pos // C
+            chunk_end = min((ci + 1) * C, piece.nbytes)
+            take = min(len(mv) - i, chunk_end - self.pos)
+            if self.state is None:
+                self.state = self.files.running()
+            self.state.update(mv[i : i + take])
+            i += take
+            self.pos += take
+            if self.pos == chunk_end:
+                if self.state.intdigest() != piece.checksums[ci]:
+                    raise checksum_mismatch(self.files, self.key, piece, ci, C)
+                self.state = None
+
+
 class ChunkVerifier:
     """Chunk checksum checks queued on the helper pool, so that they overlap the reads that follow.
 
@@ -396,25 +421,16 @@ def read_range_direct(
         _verify_chunks(files, key, piece, tmp, a0, C)
         out[: A - a] = tmp[a - a0 : A - a0]
     if files.mostly_cached(piece.file):
-        # page cache: copy CACHE_STEP bytes, hash them while they are in the CPU cache (CACHE_STEP above; whole
-        # chunks when the algorithm has no running digest)
-        step = C if files.running is None else CACHE_STEP
+        # page cache: read CACHE_STEP bytes straight into ``out``, hash them while they are in the CPU cache
+        check = ChunkStream(files, key, piece, A, C)
         fd, dst = files.fd(piece.file), memoryview(out)
-        for pos in range(A, B, C):
-            end = min(B, pos + C)
-            running = files.running() if files.running is not None else None
-            for s in range(pos, end, step):
-                view = dst[s - a : min(end, s + step) - a]
-                got = os.preadv(fd, [view], piece.offset + s)  # (thousands of calls: no per-call helpers)
-                if got < len(view):  # a short read: the loop that names a file that ends early
-                    files.pread_into(piece.file, out[s - a + got : min(end, s + step) - a], piece.offset + s + got)
-                files.bytes_read += got
-                if running is not None:
-                    running.update(view)
-            if running is None:
-                _verify_chunks(files, key, piece, out[pos - a : end - a], pos, C)
-            elif running.intdigest() != piece.checksums[pos // C]:
-                raise checksum_mismatch(files, key, piece, pos // C, C)
+        for s in range(A, B, CACHE_STEP):
+            view = dst[s - a : min(B, s + CACHE_STEP) - a]
+            got = os.preadv(fd, [view], piece.offset + s)  # (thousands of calls: no per-call helpers)
+            if got < len(view):  # a short read: the loop that names a file that ends early
+                files.pread_into(piece.file, out[s - a + got : s - a + len(view)], piece.offset + s + got)
+            files.bytes_read += got
+            check.feed(view)
         if B < b:
             _read_tail(files, key, piece, B, b, a, out, C)
         return

@@ -53,39 +53,11 @@ class _Range:
         self.end = -(-(piece.offset + self.b0) // A) * A
 
 
-class _ChunkCheck:
-    """The running checksum of the chunk being hashed, over consecutive bytes of one range."""
-
-    def __init__(self, files: reader.FileSet, rng: _Range, chunk: int, new_state):
-        self.files, self.rng, self.chunk, self.new_state = files, rng, chunk, new_state
-        self.pos = rng.a0  # next piece byte to hash
-        self.state = None
-
-    def feed(self, mv: memoryview) -> None:
-        """Hash ``mv``, the piece bytes from ``self.pos`` on; each chunk is compared once its last byte is in."""
-        C, piece = self.chunk, self.rng.piece
-        i = 0
-        while i < len(mv):
-            ci = self.pos // C
-            chunk_end = min((ci + 1) * C, piece.nbytes)
-            take = min(len(mv) - i, chunk_end - self.pos)
-            if self.state is None:
-                self.state = self.new_state()
-            self.state.update(mv[i : i + take])
-            i += take
-            self.pos += take
-            if self.pos == chunk_end:
-                if self.state.intdigest() != piece.checksums[ci]:
-                    raise reader.checksum_mismatch(self.files, self.rng.key, piece, ci, C)
-                self.state = None
-
-
 def stream_ranges(files: reader.FileSet, ranges: list, chunk_bytes: int, verify: bool, ring_bytes: int) -> None:
     """Read every ``(key, piece, a, b, out)`` (piece bytes ``[a, b)`` into the uint8 buffer ``out``), in the order
     given, through a ring of at most ``ring_bytes`` of bounce buffers (module docstring). Every chunk a byte of
     ``out`` comes from is verified (``verify``, when ``files`` verifies) before this returns."""
     verify = verify and files.verifies
-    new_state = files.running
     todo = [_Range(*r, chunk_bytes, verify) for r in ranges]
     if not todo:
         return
@@ -103,7 +75,7 @@ def stream_ranges(files: reader.FileSet, ranges: list, chunk_bytes: int, verify:
     thread.start()
     try:
         for rng in todo:
-            check = _ChunkCheck(files, rng, chunk_bytes, new_state) if verify else None
+            check = reader.ChunkStream(files, rng.key, rng.piece, rng.a0, chunk_bytes) if verify else None
             lo, hi = rng.piece.offset + rng.a0, rng.piece.offset + rng.b0  # file bytes hashed
             dlo, dhi = rng.piece.offset + rng.a, rng.piece.offset + rng.b  # file bytes copied into out
             pos = rng.start

@@ -158,9 +158,8 @@ def read_deferred(
         streamed.stream_ranges(files, run, md.chunk_bytes, verify, window_bytes)
         run.clear()
 
-    can_stream = not verify or files.running is not None
     for key, piece, a, b, out in reads:
-        if b is not None and can_stream and b - a >= TINY_READ and not files.mostly_cached(piece.file):
+        if b is not None and b - a >= TINY_READ and not files.mostly_cached(piece.file):
             run.append((key, piece, a, b, out))
             continue
         flush()
