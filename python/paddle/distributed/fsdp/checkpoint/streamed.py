@@ -6,10 +6,11 @@ reused buffer, then a copy into the target, took 0.36-0.69 s, against 0.7-2.2 s 
 into the target (page cache copy; the first pass into fresh page cache pages is the slow one) and 0.84-0.92 s for
 O_DIRECT straight into the target; this module's load of 2 x 504 MiB took 0.75-0.88 s with O_DIRECT and
 1.87-2.33 s with buffered reads (``odirect=False``). 4 MiB slabs beat 8 and 16 MiB ones, and four of them beat
-two or eight (fresh memory is slow to fill on this VM, so the ring is kept small). A reader thread keeps the device busy (the next slabs are read while the
-calling thread works on the current one); the calling thread hashes each slab 256 KiB at a time, then copies those
-bytes into the target: both passes read the bytes from the CPU cache, so verifying costs the hash's compute only
-(~38 GB/s for xxh3 from L2 here), not another pass over main memory (~11 GB/s), and no helper pool is needed.
+two or eight (fresh memory is slow to fill on this VM, so the ring is kept small). A reader thread keeps the
+device busy (the next slabs are read while the calling thread works on the current one); the calling thread
+hashes each slab 256 KiB at a time, then copies those bytes into the target: both passes read the bytes from the
+CPU cache, so verifying costs the hash's compute only (~38 GB/s for xxh3 from L2 here), not another pass over
+main memory (~11 GB/s), and no helper pool is needed.
 
 What is verified: every chunk a copied byte comes from, whole (ranges are widened to whole chunks), before the
 function returns; a mismatch raises CorruptCheckpointError. Bytes of a chunk may be copied into the target before
