@@ -14,7 +14,8 @@ phase is repeated ``--repeats`` times (round robin, fresh directories); the tabl
 Phases, each timed from a barrier to the slowest rank's end (GB = 1e9 bytes of state):
 
 (a) ``raw write+fsync``: every rank writes its own state bytes from tensor memory to one file, 64 MiB
-    writes, one fsync (the limit for saves);
+    writes, one fsync; ``raw write+fsync, O_DIRECT``: the same bytes copied into one reused 4 MiB buffer and
+    written with O_DIRECT (the faster of the two is the limit for saves);
 (b) ``save sync`` / ``save async``: ``fsdp.save_checkpoint``; async reports the time the caller is blocked
     and the total until ``wait()``; blocked time is compared with a host memcpy of the rank's state (into a
     preallocated buffer, measured right before each async save; a copy into fresh memory is reported as

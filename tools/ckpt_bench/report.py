@@ -50,11 +50,15 @@ def finish(args, res: dict, work: str) -> None:
         """Per launch: raw read time / load time, both measured in the same fresh process."""
         return sorted(r["raw"][variant] / r["load"] for r in fl.get(name, []))
 
-    lim_w = med["raw write+fsync"]
+    # the limit for saves: the faster raw write (buffered into the page cache, or O_DIRECT from one reused buffer)
+    write_variants = [v for v in ("raw write+fsync", "raw write+fsync, O_DIRECT") if v in ph]
+    lim_w_name = min(write_variants, key=lambda v: med[v])
+    lim_w = med[lim_w_name]
     ts = median(tsame["save"]) if tsame else None
     tl = median(tsame["load"]) if tsame and tsame.get("load") else None
     tl2 = median(tchg["load"]) if tchg and tchg.get("load") else None
-    row(f"raw write+fsync ({W} ranks)", ph["raw write+fsync"]["seconds"], lim_w, ts, "limit for saves")
+    for v in write_variants:
+        row(f"{v} ({W} ranks)", ph[v]["seconds"], lim_w, ts, "limit for saves" if v == lim_w_name else "")
     row("save sync", ph["save sync"]["seconds"], lim_w, ts)
     row("save async, total", ph["save async (total)"]["seconds"], lim_w, ts)
     if "all_gather + paddle.save" in ph:
@@ -113,9 +117,9 @@ def finish(args, res: dict, work: str) -> None:
         return f"per run {median(xs):.2f}x, {xs[0]:.2f}-{xs[-1]:.2f}x"
 
     s = r_of("save sync")
-    per_round = sorted(a / b for a, b in zip(ph["raw write+fsync"]["seconds"], ph["save sync"]["seconds"]))
+    per_round = sorted(a / b for a, b in zip(ph[lim_w_name]["seconds"], ph["save sync"]["seconds"]))
     target(
-        "sync save >= 0.95x raw write+fsync",
+        f"sync save >= 0.95x {lim_w_name}",
         f"{s['vs_limit']:.2f}x (paired per round: {span(per_round)})",
         ">= 0.95x",
         s["vs_limit"] >= 0.95,

@@ -8,7 +8,7 @@
 * ``checksum``: ``PADDLE_FSDP_CKPT_CHECKSUM``; default None (xxh3-64, crc32 without xxhash)
 * ``checksum_threads``: ``PADDLE_FSDP_CKPT_CHECKSUM_THREADS``; default 2 (0: verify on the reading thread)
 * ``commit_timeout``: ``PADDLE_FSDP_CKPT_COMMIT_TIMEOUT``; default 1800 s
-* ``odirect``: ``PADDLE_FSDP_CKPT_ODIRECT`` (``1``/``0``); default "auto" (by page-cache residency)
+* ``odirect``: ``PADDLE_FSDP_CKPT_ODIRECT`` (``1``/``0``); default "auto" (reads: by page-cache residency; writes: on)
 * ``hugepages``: ``PADDLE_FSDP_CKPT_HUGEPAGES`` (``1``/``0``); default "auto" (O_DIRECT read buffers)
 * ``in_place``: ``PADDLE_FSDP_CKPT_IN_PLACE`` (``0``: off); default True
 * ``read_slab_bytes``: ``PADDLE_FSDP_CKPT_READ_SLAB``; default 16 MiB
@@ -48,7 +48,8 @@ class CheckpointOptions:
         commit_timeout: seconds a save waits for the other ranks' data (coordinator) or for the commit (other
             ranks) before SaveFailedError; ``save_state_dict(commit_timeout=)`` overrides it.
         odirect: span reads of a load with O_DIRECT: ``"auto"`` when the file is mostly not in the page cache,
-            True always, False never (where the OS or file system refuses it, buffered reads are used).
+            True always, False never (where the OS or file system refuses it, buffered reads are used). Saves
+            write their data files with O_DIRECT unless False (direct_write.py; buffered where refused).
         hugepages: transparent huge pages for host buffers: ``"auto"`` for buffers filled by O_DIRECT reads
             only, True for all, False never.
         in_place: a load reads whole saved pieces straight into contiguous host targets, with an undo copy

@@ -72,7 +72,7 @@ every rank) or raises the background error; an error not collected by ``wait()``
 ``save_state_dict``. gloo collectives are never issued from the background thread (they would race with the training
 loop's collectives), hence the file-based completion protocol.
 
-Checksums: xxh3-64 (checksums.py) per 1 MiB chunk of each piece (``chunk_bytes`` in metadata.json; ``CheckpointOptions.checksum``), computed on
+Checksums: xxh3-64 (checksums.py) per 256 KiB chunk of each piece (``chunk_bytes`` in metadata.json; ``CheckpointOptions.checksum``), computed on
 the tensor memory during the single write pass, piece by piece just before it is written. The coordinator's
 choice of algorithm is used by every rank. Loads verify them (load.py).
 
@@ -314,6 +314,7 @@ class _SaveJob:
                     digest,
                     kill_at=kill_at,
                     should_stop=lambda: self._peer_failure(parts),
+                    direct=self.options.odirect is not False,
                 )
             finally:
                 self._written()
@@ -801,6 +802,7 @@ def _save_locked(
     timeout = opts.commit_timeout if commit_timeout is None else float(commit_timeout)
 
     local = _validate(state_dict, path, comm.rank, coordinator_rank, opts, opts_error)
+    tr.mark("validate")
     # per-rank values reach the coordinator in the ranks' done markers, not through the exchange: only it needs
     # them (an RNG state is ~13 KB a rank, which would take every save's exchange to a second round)
     rank_values = {key: local.values[key] for key in per_rank_values if key in local.values}

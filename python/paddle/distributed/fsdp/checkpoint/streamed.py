@@ -89,7 +89,7 @@ def stream_ranges(files: reader.FileSet, ranges: list, chunk_bytes: int, verify:
                 s = max(pos, lo)
                 e = min(pos + got, hi)
                 while s < e:
-                    t = min(e, s + STEP)
+                    t = min(e, lo + ((s - lo) // STEP + 1) * STEP)  # steps aligned from lo: whole chunks, mostly
                     if check is not None:
                         check.feed(mv[s - pos : t - pos])
                     c0, c1 = max(s, dlo), min(t, dhi)

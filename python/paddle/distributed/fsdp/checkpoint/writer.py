@@ -5,7 +5,8 @@
   The checksum of every ``chunk_bytes`` chunk of every piece (checksums.py) is computed on the same memory just
   before it is written (no second pass over the state), and the memory of a piece (and its owner, e.g. the host
   copy of a device tensor) stays alive until its bytes are written. Each file is fsynced once; writeback starts
-  every KICK_BYTES (``sync_file_range``) so the final fsync is short.
+  every KICK_BYTES (``sync_file_range``) so the final fsync is short. Saves write with O_DIRECT instead
+  (``direct=True``: direct_write.py), through bounce buffers, where the file system allows it.
 * Durability helpers: ``fsync_dir``, ``write_file`` / ``write_file_durable`` (tmp + fsync + rename + dir fsync)
   and ``replace_dir`` (atomic directory swap with ``renameat2(RENAME_EXCHANGE)`` where the kernel and file
   system support it, otherwise two renames).
@@ -20,7 +21,7 @@ import threading
 
 import numpy as np
 
-from . import checksums, faults, libc
+from . import checksums, direct_write, faults, libc
 from .checksums import DigestFn
 
 WRITE_SLAB = 64 << 20  # bytes handed to the kernel per write call
@@ -84,6 +85,7 @@ def write_rank_file(
     kill_at: int | None = None,
     batch_bytes: int = WRITE_SLAB,
     should_stop=None,
+    direct: bool = False,
 ) -> tuple[int, list[list[int]]]:
     """Write header + pieces to ``path``, fsync once. Returns (size, per-piece chunk checksums).
 
@@ -96,8 +98,21 @@ def write_rank_file(
     tensor in memory). ``kill_at`` is the test-only ``mid_data`` fault (see faults.py).
     ``should_stop()`` is called before each write call (at most every ``WRITE_SLAB`` bytes) and raises to give
     up (another rank failed): a long write stops within one slab.
+    ``direct``: write with O_DIRECT through bounce buffers where the file system allows it (direct_write.py;
+    the pieces are then copied and dropped one at a time, whatever ``batch_bytes``).
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    if direct:
+        try:
+            dfd = direct_write.open_direct(path)
+        except BaseException:
+            os.close(fd)
+            raise
+        if dfd is not None:
+            try:
+                return direct_write.write_pieces(fd, dfd, header, pieces, chunk_bytes, digest, kill_at, should_stop)
+            finally:
+                os.close(fd)
     sums: list[list[int]] = []
     size = len(header)
     w = _Writer(fd, kill_at, should_stop)
