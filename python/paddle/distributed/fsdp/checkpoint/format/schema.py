@@ -71,6 +71,8 @@ class _Fields:
         v = self.list(v, field)
         if len(v) > max_len:
             raise self.fail(field, f"a list of at most {max_len} integers", v)
+        if set(map(type, v)) <= {int} and (not v or (lo <= min(v) and max(v) <= hi)):  # the common case, in C
+            return tuple(v)
         return tuple(self.int(x, f"{field}[{i}]", lo, hi) for i, x in enumerate(v))
 
 
@@ -117,7 +119,7 @@ def parse_metadata(d: Any, where: str, format_name: str, version: int):
                     raise f.fail(f"{ap}.flat_range", "null or [start, stop]", fr)
             sums_name = "checksums" if "checksums" in pd else "crc32"
             sums = f.list(pd.get(sums_name, []), f"{ap}.{sums_name}")
-            if set(map(type, sums)) - {int} or any(not 0 <= c < 1 << 64 for c in sums):
+            if set(map(type, sums)) - {int} or (sums and (min(sums) < 0 or max(sums) >= 1 << 64)):
                 bad = next(c for c in sums if type(c) is not int or not 0 <= c < 1 << 64)
                 raise f.fail(f"{ap}.{sums_name}", "a list of unsigned 64-bit integers", bad)
             pieces.append(
