@@ -5,8 +5,8 @@ Why (measured on this 2-core VM, 504 MiB, one process): buffered writes + fsync 
 0.18-2.45 s of CPU (the kernel copies every byte into page-cache pages, and pages the VM has given back to its host
 are slow to take again); O_DIRECT 4 MiB writes from a reused buffer took 0.41-0.50 s wall and 0.12 s of CPU, every
 time. The CPU is what an async save takes from the training loop. Checksums computed in the bounce buffer read L2
-(~38 GB/s for xxh3 here) instead of main memory (~11 GB/s). 4 MiB writes beat 1 MiB ones (0.86-1.07 GB/s against
-1.05-1.30 GB/s).
+(~38 GB/s for xxh3 here) instead of main memory (~11 GB/s). 4 MiB writes beat 1 MiB ones (1.05-1.30 GB/s against
+0.86-1.07 GB/s).
 
 A file written this way is not in the page cache afterwards (a load right after a save reads the device). Where
 the file system refuses O_DIRECT (tmpfs, some network file systems: the open or the first write fails with
@@ -75,7 +75,8 @@ class DirectFileWriter:
     """Sequential writer of one file (descriptors ``fd``, buffered, and ``dfd``, O_DIRECT) through the ring.
 
     ``append`` copies bytes into the current buffer and returns the views of the buffer(s) they landed in (what
-    will be written, for the checksums); full buffers go to the writer thread. ``finish`` writes the rest, sets
+    will be written, for the checksums; valid until the next ``append``: a buffer comes back for refilling only
+    after two more have been submitted); full buffers go to the writer thread. ``finish`` writes the rest, sets
     the exact size and fsyncs. ``close`` always stops the writer thread (joined), also after an error.
     ``should_stop()`` raises to give up (another rank failed); ``kill_at`` is the test-only ``mid_data`` fault:
     exactly that many bytes written and fsynced, then faults.kill."""
