@@ -101,11 +101,43 @@ def digest_function(algorithm: str) -> DigestFn:
 
 def running_digest(fn: DigestFn) -> Callable[[], RunningDigest]:
     """The factory of running digests that equal the one-shot ``fn`` (a function of ``digest_function``), for
-    chunks hashed in cache-sized steps while they are read (reader.ChunkStream)."""
+    chunks hashed in cache-sized steps (ChunkDigests)."""
     running = _RUNNING.get(fn)
     if running is None:
         raise CheckpointError(f"no running form of the digest function {fn!r}")
     return running
+
+
+class ChunkDigests:
+    """The digest of every ``chunk_bytes`` chunk of a piece of ``nbytes`` bytes whose bytes arrive in order in any
+    steps, from ``pos`` (a chunk boundary) on: a chunk inside one step is hashed in one shot, one split across
+    steps with a running digest. ``feed`` returns ``[(chunk index, digest)]`` of the chunks it completed. Used
+    while bytes are in the CPU cache: right after a read (reader.ChunkStream) or a copy (direct_write.py)."""
+
+    def __init__(self, fn: DigestFn, chunk_bytes: int, nbytes: int, pos: int = 0):
+        self.fn, self.chunk, self.nbytes, self.pos = fn, chunk_bytes, nbytes, pos
+        self.running = running_digest(fn)
+        self.state: RunningDigest | None = None
+
+    def feed(self, mv: memoryview) -> list[tuple[int, int]]:
+        done = []
+        i = 0
+        while i < len(mv):
+            ci = self.pos // self.chunk
+            chunk_end = min((ci + 1) * self.chunk, self.nbytes)
+            take = min(len(mv) - i, chunk_end - self.pos)
+            if self.state is None and self.pos + take == chunk_end:  # the whole chunk in this step: one shot
+                done.append((ci, self.fn(mv[i : i + take])))
+            else:
+                if self.state is None:
+                    self.state = self.running()
+                self.state.update(mv[i : i + take])
+                if self.pos + take == chunk_end:
+                    done.append((ci, self.state.intdigest()))
+                    self.state = None
+            i += take
+            self.pos += take
+        return done
 
 
 def chunk_digests(buf, chunk_bytes: int, fn: DigestFn) -> list[int]:

@@ -47,30 +47,6 @@ def open_direct(path: str) -> int | None:
         raise
 
 
-class _ChunkSums:
-    """The checksum of every ``chunk_bytes`` chunk of one piece, from its bytes fed in order in any views."""
-
-    def __init__(self, chunk_bytes: int, digest: DigestFn, nbytes: int):
-        self.chunk, self.digest, self.nbytes = chunk_bytes, digest, nbytes
-        self.running = checksums.running_digest(digest)
-        self.pos = 0
-        self.state = None
-        self.sums: list[int] = []
-
-    def feed(self, mv: memoryview) -> None:
-        chunk_end = min((self.pos // self.chunk + 1) * self.chunk, self.nbytes)
-        if self.state is None and self.pos + len(mv) == chunk_end:  # a whole chunk in one view: one shot
-            self.sums.append(self.digest(mv))
-        else:
-            if self.state is None:
-                self.state = self.running()
-            self.state.update(mv)
-            if self.pos + len(mv) == chunk_end:
-                self.sums.append(self.state.intdigest())
-                self.state = None
-        self.pos += len(mv)
-
-
 class DirectFileWriter:
     """Sequential writer of one file (descriptors ``fd``, buffered, and ``dfd``, O_DIRECT) through the ring.
 
@@ -229,13 +205,14 @@ def write_pieces(
                 w.append(mv)
                 sums.append([])
             else:
-                cs = _ChunkSums(chunk_bytes, digest, len(mv))
-                for c in range(0, len(mv), chunk_bytes):  # steps never cross a chunk's end
+                cs = checksums.ChunkDigests(digest, chunk_bytes, len(mv))
+                piece_sums = []
+                for c in range(0, len(mv), chunk_bytes):  # steps end at chunk ends: whole chunks in one shot
                     chunk_end = min(c + chunk_bytes, len(mv))
                     for i in range(c, chunk_end, STEP):
                         for view in w.append(mv[i : min(i + STEP, chunk_end)]):
-                            cs.feed(view)
-                sums.append(cs.sums)
+                            piece_sums.extend(d for _ci, d in cs.feed(view))
+                sums.append(piece_sums)
             del arr, owner, mv  # copied: the source (e.g. a device tensor's host copy) can go
         return w.finish(), sums
     finally:

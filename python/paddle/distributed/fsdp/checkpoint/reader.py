@@ -103,8 +103,6 @@ class FileSet:
         self.sizes = sizes
         self.resolve = resolve
         self.digest = digest
-        # the running form of ``digest`` (chunks hashed in CACHE_STEP pieces: ChunkStream)
-        self.running = checksums.running_digest(digest) if digest is not None else None
         self.fds: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self.bytes_read = 0
         self._direct: dict[str, int | None] = {}
@@ -319,35 +317,18 @@ def checksum_mismatch(files: FileSet, key: str, piece: PieceMeta, ci: int, chunk
 
 
 class ChunkStream:
-    """Chunk checks of consecutive piece bytes fed in any steps (running digests): each chunk is compared with its
-    checksum once its last byte is in. Starts at ``pos``, a chunk boundary of ``piece``."""
+    """Chunk checks of consecutive piece bytes fed in any steps (checksums.ChunkDigests): each chunk is compared
+    with its checksum once its last byte is in. Starts at ``pos``, a chunk boundary of ``piece``."""
 
     def __init__(self, files: FileSet, key: str, piece: PieceMeta, pos: int, chunk_bytes: int):
-        self.files, self.key, self.piece, self.pos, self.chunk = files, key, piece, pos, chunk_bytes
-        self.state = None
+        self.files, self.key, self.piece, self.chunk = files, key, piece, chunk_bytes
+        self.digests = checksums.ChunkDigests(files.digest, chunk_bytes, piece.nbytes, pos)
 
     def feed(self, mv: memoryview) -> None:
-        """Hash ``mv``, the piece bytes from ``self.pos`` on (CorruptCheckpointError on a mismatch)."""
-        C, piece = self.chunk, self.piece
-        i = 0
-        while i < len(mv):
-            ci = self.pos // C
-            chunk_end = min((ci + 1) * C, piece.nbytes)
-            take = min(len(mv) - i, chunk_end - self.pos)
-            whole = self.state is None and self.pos + take == chunk_end  # the whole chunk is in ``mv``: one shot
-            if whole:
-                got = self.files.digest(mv[i : i + take])
-            else:
-                if self.state is None:
-                    self.state = self.files.running()
-                self.state.update(mv[i : i + take])
-            i += take
-            self.pos += take
-            if self.pos == chunk_end:
-                if not whole:
-                    got, self.state = self.state.intdigest(), None
-                if got != piece.checksums[ci]:
-                    raise checksum_mismatch(self.files, self.key, piece, ci, C)
+        """Hash ``mv``, the piece bytes from the last fed one on (CorruptCheckpointError on a mismatch)."""
+        for ci, got in self.digests.feed(mv):
+            if got != self.piece.checksums[ci]:
+                raise checksum_mismatch(self.files, self.key, self.piece, ci, self.chunk)
 
 
 class ChunkVerifier:
