@@ -41,7 +41,9 @@ Phases, each timed from a barrier to the slowest rank's end (GB = 1e9 bytes of s
     an async checkpoint every M steps against the same loop without checkpoints, for paddle FSDP and for
     torch FSDP2 + DCP ``async_save`` (``DefaultStager``, ``staging_completion`` before the step), with the
     benchmark's world and with 1 rank (a core free): extra wall time per checkpoint, also as a ratio to a
-    memcpy of the rank's state.
+    memcpy of the rank's state;
+(h) ``many small keys`` (``ckpt_bench/many_keys.py``, ``--keys N``, 0 skips it): a save and a load of N small
+    flat records per rank (the bookkeeping of a mixture of experts' ~10^5 keys), in microseconds per key.
 
 Page cache: ``/proc/sys/vm/drop_caches`` is used when writable, else ``posix_fadvise(DONTNEED)`` on every
 file before each read phase; the resident fraction is checked with ``mincore`` and reported. The virtual
@@ -110,6 +112,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--train-every", type=int, default=10, help="training-loop phase: checkpoint every N steps")
     p.add_argument("--train-repeats", type=int, default=2, help="training-loop phase: loops of each kind")
+    p.add_argument(
+        "--keys",
+        type=int,
+        default=20000,
+        help="many-keys phase: small tensors saved and loaded to time the per-key bookkeeping (0 skips it)",
+    )
     p.add_argument("--seed", type=int, default=2024)
     # internal modes
     p.add_argument("--mode", default="full", choices=["full", "load-only", "torch-worker"], help=argparse.SUPPRESS)

@@ -589,6 +589,13 @@ def run_full(args) -> None:
             shutil.rmtree(opath, ignore_errors=True)
         comm.barrier()
 
+    # ---- many small keys: the engine's bookkeeping per key (many_keys.py)
+    if args.keys > 0:
+        from .many_keys import run_many_keys, summary
+
+        res["many_keys"] = run_many_keys(comm, args.keys, R, work, tracer.options.replace(trace_hook=None))
+        LOG.info("%s", summary(res["many_keys"]))
+
     # (c) all_gather + paddle.save on rank 0
     if not args.no_gather:
         for rep in range(GR):

@@ -245,6 +245,11 @@ def finish(args, res: dict, work: str) -> None:
         lines.append(f"| torch DCP load | {mib(tl_x)} | - | {rb} |")
     if "all_gather + paddle.save" in res["rss"]:
         lines.append(f"| all_gather + paddle.save | {mib(rss_extra('all_gather + paddle.save'))} | - | {rb} |")
+    if res.get("many_keys"):
+        from .many_keys import summary as many_keys_summary
+
+        lines.append("")
+        lines.append(many_keys_summary(res["many_keys"]))
     if res.get("train_loop"):
         from .train_loop import table as train_table
 

@@ -244,7 +244,7 @@ class _Recorder:
 
     def check(self, files, key, piece, buf, pos, chunk_bytes):
         assert pos % chunk_bytes == 0 and len(buf) % chunk_bytes in (0, (piece.nbytes - pos) % chunk_bytes)
-        reader._verify_chunks(files, key, piece, buf, pos, chunk_bytes)
+        reader.verify_chunks(files, key, piece, buf, pos, chunk_bytes)
         self.seen.setdefault(key, []).extend(range(pos // chunk_bytes, -(-(pos + len(buf)) // chunk_bytes)))
 
 

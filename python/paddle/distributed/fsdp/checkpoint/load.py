@@ -85,6 +85,7 @@ from .format.commit import read_metadata
 from .format.coverage import coverage_problems, flat_span
 from .format.metadata import DTYPES, CheckpointMetadata, resolve_member
 from .format.regions import clip_segments, read_deferred, read_region, region_segments
+from .gc_pause import gc_paused
 from .inplace import InPlaceReads
 from .options import CheckpointOptions, resolve
 from .planner import Region, region_of_piece
@@ -255,6 +256,7 @@ class _Target:
     copies: Any = None  # in-place host target: [(dst byte offset, verified source bytes in the span buffer)]
 
 
+@gc_paused()
 def load_state_dict(
     state_dict: dict,
     path: str,
@@ -720,6 +722,7 @@ class _BoundedLoadJob(_LoadJob):
         self.tr.mark("exchange-outcome")
 
 
+@gc_paused()
 def load_full_state_dict(
     path: str, keys: Iterable[str] | None = None, *, options: CheckpointOptions | None = None
 ) -> dict:

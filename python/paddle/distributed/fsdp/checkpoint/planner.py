@@ -21,6 +21,7 @@ from .errors import InvalidStateDictError
 from .format.coverage import coverage_problems, flat_span
 from .format.metadata import DTYPES, FORMAT_NAME, PieceMeta, TensorMeta, numel, rank_file_name
 from .format.safetensors import build_header
+from .gc_pause import gc_paused
 
 
 @dataclass(frozen=True)
@@ -276,6 +277,7 @@ class WriteAssignment:
         return [key for key, _w in self.writes[rank]]
 
 
+@gc_paused()
 def assign_writes(wires: list, values: dict) -> WriteAssignment:
     """The checked assignment of every rank's records (``wires``: per rank, its descs in wire form), the part
     of the plan that can refuse a state dict; raises InvalidStateDictError."""
@@ -327,6 +329,7 @@ class AssignmentMemo:
         self._entries.clear()
 
 
+@gc_paused()
 def lay_out_files(assignment: WriteAssignment, values: dict, checkpoint_id: str) -> SavePlan:
     """The plan from a checked assignment: every rank file's header and pieces. Never refuses anything, so an
     async save runs it on its background thread (~3 ms per 1000 records, off the caller's clock)."""

@@ -293,12 +293,12 @@ def read_piece_windows(
             view = buf[:n]
             files.pread_into(piece.file, view, piece.offset + pos)
             if verify:
-                _verify_chunks(files, key, piece, view, pos, chunk_bytes)
+                verify_chunks(files, key, piece, view, pos, chunk_bytes)
             yield pos, view
             pos = end
 
 
-def _verify_chunks(files: FileSet, key: str, piece: PieceMeta, buf, pos: int, chunk_bytes: int) -> None:
+def verify_chunks(files: FileSet, key: str, piece: PieceMeta, buf, pos: int, chunk_bytes: int) -> None:
     """Check the checksum of every chunk of ``buf``, which holds piece bytes [pos, pos+len) (pos chunk-aligned)."""
     mv = memoryview(buf).cast("B")
     digest = files.digest
@@ -345,9 +345,9 @@ class ChunkVerifier:
 
     def check(self, files: FileSet, key: str, piece: PieceMeta, buf, pos: int, chunk_bytes: int) -> None:
         if self.pool is None:
-            _verify_chunks(files, key, piece, buf, pos, chunk_bytes)
+            verify_chunks(files, key, piece, buf, pos, chunk_bytes)
         else:
-            self.futures.append(self.pool.submit(_verify_chunks, files, key, piece, buf, pos, chunk_bytes))
+            self.futures.append(self.pool.submit(verify_chunks, files, key, piece, buf, pos, chunk_bytes))
 
     def drain(self) -> BaseException | None:
         """Wait for every queued check; the first mismatch (in submission order) or None."""
@@ -397,14 +397,14 @@ def read_range_direct(
         b0 = min(-(-b // C) * C, piece.nbytes)
         tmp = host_empty(b0 - a0)
         files.pread_into(piece.file, tmp, piece.offset + a0)
-        _verify_chunks(files, key, piece, tmp, a0, C)
+        verify_chunks(files, key, piece, tmp, a0, C)
         out[:] = tmp[a - a0 : b - a0]
         return
     if a < A:  # head: partial chunk
         a0 = A - C
         tmp = host_empty(min(C, piece.nbytes - a0))
         files.pread_into(piece.file, tmp, piece.offset + a0)
-        _verify_chunks(files, key, piece, tmp, a0, C)
+        verify_chunks(files, key, piece, tmp, a0, C)
         out[: A - a] = tmp[a - a0 : A - a0]
     if files.mostly_cached(piece.file):
         # page cache: read CACHE_STEP bytes straight into ``out``, hash them while they are in the CPU cache
@@ -446,7 +446,7 @@ def _read_tail(files: FileSet, key: str, piece: PieceMeta, B: int, b: int, a: in
     b0 = min(B + C, piece.nbytes)
     tmp = host_empty(b0 - B)
     files.pread_into(piece.file, tmp, piece.offset + B)
-    _verify_chunks(files, key, piece, tmp, B, C)
+    verify_chunks(files, key, piece, tmp, B, C)
     out[B - a :] = tmp[: b - B]
 
 

@@ -112,6 +112,7 @@ from .format.metadata import (
     CheckpointMetadata,
     FileMeta,
 )
+from .gc_pause import gc_paused
 from .options import CheckpointOptions, resolve
 from .planner import (
     AssignmentMemo,
@@ -395,10 +396,11 @@ class _SaveJob:
         status = self._wait_for_ranks(parts)
         tr.mark("wait-ranks")
         faults.point("before_metadata", self.rank)
-        md = self._metadata(status)
-        # inside the (invisible) staging directory plain write+fsync is enough; order: data files (fsynced by
-        # their ranks), metadata, stock index, then the commit record, then the directory, then the rename
-        data = format_commit.write_metadata(self.staging, md, self.write_stock)
+        with gc_paused():  # the index of every piece: many small objects (gc_pause.py)
+            md = self._metadata(status)
+            # inside the (invisible) staging directory plain write+fsync is enough; order: data files (fsynced by
+            # their ranks), metadata, stock index, then the commit record, then the directory, then the rename
+            data = format_commit.write_metadata(self.staging, md, self.write_stock)
         tr.mark("metadata")
         faults.point("before_commit", self.rank)
         # the last point at which the save can still be aborted: a rank that failed after handing its data over
@@ -854,6 +856,7 @@ def _save_locked(
     return handle
 
 
+@gc_paused()
 def _validate(
     state_dict: dict,
     path: str,
@@ -885,6 +888,7 @@ def _validate(
 _assignments = AssignmentMemo()  # used under _save_lock only
 
 
+@gc_paused()
 def _exchange_and_assign(comm: Comm, local: _Local, coordinator_rank: int, tr: Tracer, path: str):
     """Step 2: one exchange of every rank's description digest, values and target path (and errors: all ranks
     fail together), then the same checked write assignment on every rank: remembered when every rank holds it
@@ -920,6 +924,7 @@ def _exchange_and_assign(comm: Comm, local: _Local, coordinator_rank: int, tr: T
     return checkpoint_id, algorithm, assignment, values
 
 
+@gc_paused()
 def _piece_sources(keys: list[str], local: _Local, staging: str, rank: int) -> tuple[list, list, Any]:
     """Step 3 of a sync save: what this rank writes, in layout order: lazy views of the tensors' own memory (a
     device tensor is copied to host one piece at a time while writing). Returns ``(arrays, [], None)``."""
@@ -933,6 +938,7 @@ def _piece_sources(keys: list[str], local: _Local, staging: str, rank: int) -> t
         raise
 
 
+@gc_paused()
 def _snapshot(
     keys: list[str], local: _Local, staging: str, rank: int, deferred_keys, opts: CheckpointOptions
 ) -> Snapshot:

@@ -73,6 +73,8 @@ def flat_span(shape, box_offset, box_shape, flat_range) -> tuple[int, int]:
     a, b = (0, n) if flat_range is None else (int(flat_range[0]), int(flat_range[1]))
     if a >= b or n == 0:
         return 0, 0
+    if box_shape == shape and not any(box_offset):  # a box of the whole tensor (FSDP's flat pieces): as is
+        return a, b
 
     def global_index(local: int) -> int:
         idx = []

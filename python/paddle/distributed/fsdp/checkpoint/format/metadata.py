@@ -48,6 +48,7 @@ import numpy as np
 
 from .. import checksums
 from ..errors import MetadataError, UnsafePathError
+from ..gc_pause import gc_paused
 
 FORMAT_NAME = "paddle-fsdp-checkpoint"
 FORMAT_VERSION = 1
@@ -248,6 +249,7 @@ class CheckpointMetadata:
         return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
+    @gc_paused()
     def loads(cls, data: bytes, where: str = "metadata.json") -> CheckpointMetadata:
         """Parse and check ``metadata.json``: strict bounded JSON (strict_json.py), every field typed
         (schema.py), then the structure (``validate``); MetadataError naming the field otherwise."""
@@ -277,8 +279,8 @@ class CheckpointMetadata:
                 raise MetadataError(f"{where}: key {key!r} declares {numel(tm.shape)} elements")
             isz = DTYPES[tm.dtype][0]
             for p in tm.pieces:
-                check_file_name(p.file)
-                if p.file not in self.files:
+                if p.file not in self.files:  # (the listed files' names were checked above)
+                    check_file_name(p.file)
                     raise MetadataError(f"{where}: key {key!r} refers to unlisted file {p.file!r}")
                 if len(p.box_offset) != len(tm.shape) or len(p.box_shape) != len(tm.shape):
                     raise MetadataError(f"{where}: key {key!r} has a piece of the wrong rank")
