@@ -127,7 +127,7 @@ def parse_args(argv=None):
     p.add_argument("--torch-rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--torch-world", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--torch-port", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--torch-task", default="save", choices=["save", "load"], help=argparse.SUPPRESS)
+    p.add_argument("--torch-task", default="save", choices=["save", "load", "many-keys"], help=argparse.SUPPRESS)
     p.add_argument("--cache", default="cold", choices=["cold", "warm"], help=argparse.SUPPRESS)
     p.add_argument("--atomic", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-verify", dest="verify", action="store_false", help=argparse.SUPPRESS)

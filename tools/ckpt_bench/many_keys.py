@@ -61,14 +61,18 @@ def run_many_keys(comm, keys: int, repeats: int, work: str, options) -> dict:
     return out
 
 
-def summary(res: dict) -> str:
-    """One line for the report: medians, and microseconds per key."""
+def summary(res: dict, torch_res: dict | None = None) -> str:
+    """One line for the report: medians, microseconds per key, and torch DCP's figures when measured."""
     from statistics import median
 
     n = res["keys"]
     s, ld = median(res["save_s"]), median(res["load_s"])
-    return (
+    line = (
         f"many small keys: {n} keys x {res['world']} ranks ({PIECE_FLOATS * 4} B per rank each), medians of "
         f"{len(res['save_s'])}: save {s:.3f} s ({s / n * 1e6:.0f} us per key), load {ld:.3f} s "
         f"({ld / n * 1e6:.0f} us per key)"
     )
+    if torch_res:
+        ts, tl = median(torch_res["save_s"]), median(torch_res["load_s"])
+        line += f"; torch DCP save {ts:.3f} s ({ts / s:.2f}x ours), load {tl:.3f} s ({tl / ld:.2f}x ours)"
+    return line

@@ -249,7 +249,7 @@ def finish(args, res: dict, work: str) -> None:
         from .many_keys import summary as many_keys_summary
 
         lines.append("")
-        lines.append(many_keys_summary(res["many_keys"]))
+        lines.append(many_keys_summary(res["many_keys"], tor.get("many_keys")))
     if res.get("train_loop"):
         from .train_loop import table as train_table
 

@@ -56,6 +56,9 @@ def run_torch(args, world: int, load_world: int, work: str) -> dict | None:
         if not ok:
             LOG.warning("torch DCP %s-world load: parameter sums %r != saved %r", k, sums, saved)
     shutil.rmtree(ckpt, ignore_errors=True)
+    if args.keys > 0:
+        LOG.info("---- PyTorch DCP, %d ranks: %d small keys", world, args.keys)
+        out["many_keys"] = spawn_torch(args, world, "many-keys", os.path.join(work, "torch_many_keys"), work)
     return out
 
 
@@ -85,6 +88,8 @@ def spawn_torch(args, world: int, task: str, ckpt: str, work: str, repeats: int 
             "--result",
             result,
             *state_args(args, repeats),
+            "--keys",
+            str(args.keys),
         ]
         procs.append(subprocess.Popen(cmd, env=clean_env(), stdout=log, stderr=subprocess.STDOUT))
     codes = [p.wait() for p in procs]
@@ -109,6 +114,8 @@ def run_torch_worker(args) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.torch_port}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
+    if args.torch_task == "many-keys":
+        _many_keys_worker(args, rank, world, mesh)
     dim, n = model_shape(args)
     torch.manual_seed(args.seed)
     model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(n)])
@@ -199,6 +206,53 @@ def run_torch_worker(args) -> None:
     tdist.barrier()
     # gloo's teardown at interpreter exit sometimes aborts ("terminate called without an active
     # exception") after all work is done: leave without it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _many_keys_worker(args, rank: int, world: int, mesh) -> None:
+    """DCP's side of the many-keys phase (many_keys.py): ``--keys`` DTensors sharded on dim 0, each rank's shard
+    ``PIECE_FLOATS`` floats, saved and loaded ``--repeats`` times; result to --result, then exit."""
+    import torch
+    import torch.distributed as tdist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor, Shard
+
+    from .many_keys import PIECE_FLOATS
+
+    def state(fill: bool) -> dict:
+        return {
+            f"experts.{i}.weight": DTensor.from_local(
+                torch.full((PIECE_FLOATS,), float(i) if fill else 0.0), mesh, [Shard(0)], run_check=False
+            )
+            for i in range(args.keys)
+        }
+
+    def timed(fn) -> float:
+        tdist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        per = [None] * world
+        tdist.all_gather_object(per, time.perf_counter() - t0)
+        return max(per)
+
+    src, dst = state(True), state(False)
+    res: dict = {"keys": args.keys, "world": world, "save_s": [], "load_s": []}
+    for _rep in range(max(1, args.repeats)):
+        if rank == 0 and os.path.exists(args.ckpt):
+            shutil.rmtree(args.ckpt)
+        tdist.barrier()
+        res["save_s"].append(timed(lambda: dcp.save(src, checkpoint_id=args.ckpt)))
+        res["load_s"].append(timed(lambda: dcp.load(dst, checkpoint_id=args.ckpt)))
+        step = max(1, args.keys // 7)
+        if any(float(dst[f"experts.{i}.weight"].to_local()[0]) != float(i) for i in range(0, args.keys, step)):
+            raise SystemExit("torch DCP many-keys: the loaded values differ from the saved ones")
+    if rank == 0:
+        shutil.rmtree(args.ckpt, ignore_errors=True)
+        with open(args.result, "w") as f:
+            json.dump(res, f)
+    tdist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
