@@ -200,12 +200,19 @@ def run_torch_worker(args) -> None:
     res["version"] = torch.__version__
     res["rank_bytes"] = gather(nbytes)
     res["file_bytes"] = sum(os.path.getsize(f) for f in files_under(args.ckpt)) if rank == 0 else None
+    _finish_worker(args, rank, res)
+
+
+def _finish_worker(args, rank: int, res: dict) -> None:
+    """Rank 0 writes the result to --result; every rank leaves after a barrier, without the interpreter's exit:
+    gloo's teardown at exit sometimes aborts ("terminate called without an active exception") after all work
+    is done."""
+    import torch.distributed as tdist
+
     if rank == 0:
         with open(args.result, "w") as f:
             json.dump(res, f)
     tdist.barrier()
-    # gloo's teardown at interpreter exit sometimes aborts ("terminate called without an active
-    # exception") after all work is done: leave without it
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -250,9 +257,4 @@ def _many_keys_worker(args, rank: int, world: int, mesh) -> None:
             raise SystemExit("torch DCP many-keys: the loaded values differ from the saved ones")
     if rank == 0:
         shutil.rmtree(args.ckpt, ignore_errors=True)
-        with open(args.result, "w") as f:
-            json.dump(res, f)
-    tdist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _finish_worker(args, rank, res)
