@@ -4,6 +4,9 @@
   every chunk they come from still verified: exact values, few reads, a flipped byte named by its key.
 * The fast path of the metadata parser accepts exactly what the field by field checks accept (seeded mutations
   of every field of a piece entry), so every refusal still names its field.
+* The fast path of state-dict records (FSDP's flattened whole-tensor ShardedWeights) gives the general path's
+  record or error for seeded mutations of every field; FSDP's cached piece views are reused only while they
+  still cover their piece of the shard.
 * The garbage collector pause nests, overlaps across threads and never turns on a collector the application
   turned off.
 """
@@ -20,7 +23,8 @@ import paddle
 import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
-from paddle.distributed.fsdp.checkpoint import reader
+from paddle.distributed.fsdp import FullyShardFusion
+from paddle.distributed.fsdp.checkpoint import reader, records
 from paddle.distributed.fsdp.checkpoint.errors import MetadataError
 from paddle.distributed.fsdp.checkpoint.format import metadata as md_format
 from paddle.distributed.fsdp.checkpoint.format import regions, schema
@@ -184,6 +188,69 @@ def test_the_parser_fast_path_accepts_exactly_what_the_field_checks_accept(small
         assert fast == careful, (pd, fast, careful)
         outcomes.add(fast[0])
     assert outcomes == {"ok", "error"}  # both verdicts were exercised
+
+
+# ------------------------------------------------------------------------------------------ record fast path
+
+_SHAPES = [(4, 6), [4, 6], (4.0, 6), (True, 6), (-1, 6), (4,), (), (24,), (4, 6, 1), (np.int64(4), 6), None, "46"]
+_OFFSETS = [(0, 0), (0.0, 0), [0, 0], (1, 0), (0,), (), (0, 0, 0), np.array([0, 0]), (False, 0), None]
+_RANGES = [slice(0, 24), slice(2, 10), slice(None, 8), slice(0, 25), slice(-1, 7), slice(3, 2), slice(0, 8, 1)]
+_RANGES += [slice(0, 8, 2), (2, 10), [0, 8], None, slice(0.0, 8), slice(np.int64(2), 10), slice(True, 9)]
+
+
+def _record_or_error(key: str, sw, fast: bool, monkeypatch):
+    with monkeypatch.context() as m:
+        if not fast:
+            m.setattr(records, "_whole_box_flattened", lambda *args: None)
+        try:
+            r = records.to_record(key, sw)
+        except ck.CheckpointError as e:
+            return "error", type(e).__name__, str(e)
+        return "ok", r.key, repr(r.region), r.dtype, r.replicated, id(r.tensor)
+
+
+def test_the_record_fast_path_gives_the_general_paths_record_or_error(monkeypatch):
+    tensors = [paddle.zeros([n], dtype=d) for n in (8, 24, 22, 0) for d in ("float32", "bfloat16", "complex64")]
+    rng = np.random.default_rng(23)
+    outcomes = set()
+    for i in range(600):
+        sw = ShardedWeight(f"w{i}", tensors[0], (4, 6), (4, 6), (0, 0), True, slice(2, 10))
+        for _k in range(int(rng.integers(0, 3))):
+            field = int(rng.integers(0, 5))
+            if field == 0:
+                sw.global_shape = copy.copy(_SHAPES[int(rng.integers(0, len(_SHAPES)))])
+            elif field == 1:
+                sw.local_shape = copy.copy(_SHAPES[int(rng.integers(0, len(_SHAPES)))])
+            elif field == 2:
+                sw.global_offset = copy.copy(_OFFSETS[int(rng.integers(0, len(_OFFSETS)))])
+            elif field == 3:
+                sw.flattened_range = _RANGES[int(rng.integers(0, len(_RANGES)))]
+            else:
+                sw.local_tensor = tensors[int(rng.integers(0, len(tensors)))]
+        fast, careful = _record_or_error(sw.key, sw, True, monkeypatch), _record_or_error(sw.key, sw, False, monkeypatch)
+        assert fast == careful, (vars(sw), fast, careful)
+        outcomes.add(fast[0])
+    assert outcomes == {"ok", "error"}  # both verdicts were exercised
+
+
+def test_piece_views_are_reused_only_while_they_cover_their_piece():
+    paddle.seed(3)
+    model = paddle.nn.Sequential(paddle.nn.Linear(4, 4), paddle.nn.Linear(4, 2))
+    fsdp = FullyShardFusion(model)
+    buffer = fsdp.buffers[0]
+    index = next(iter(buffer.pieces))
+    view = buffer.local_view(index)
+    assert buffer.local_view(index) is view  # no new _slice per save or load
+    key = next(k for k, _p, b, i in fsdp.managed_parameters() if b is buffer and i == index)
+    expected = fsdp.sharded_state_dict()[key].local_tensor.numpy().copy()
+    paddle.full(view.shape, 7.0)._share_buffer_to(view)  # someone re-points the handed-out view
+    fresh = buffer.local_view(index)
+    assert fresh is not view
+    np.testing.assert_array_equal(fresh.numpy(), expected)  # the shard's bytes, not the re-pointed memory
+    np.testing.assert_array_equal(fsdp.sharded_state_dict()[key].local_tensor.numpy(), expected)
+    with paddle.no_grad():
+        fresh.scale_(2.0)  # still the shard's memory: the parameter sees it
+    np.testing.assert_array_equal(fsdp.sharded_state_dict()[key].local_tensor.numpy(), expected * 2)
 
 
 # ------------------------------------------------------------------------------------------ gc pause

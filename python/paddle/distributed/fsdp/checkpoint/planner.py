@@ -35,7 +35,7 @@ class Region:
 
     @staticmethod
     def full(shape) -> Region:
-        shape = tuple(int(s) for s in shape)
+        shape = tuple(map(int, shape))
         return Region(shape, (0,) * len(shape), shape, None)
 
     def normalized(self) -> Region:
@@ -53,6 +53,18 @@ class Region:
         return numel(self.box_shape)
 
     def check(self, key: str) -> None:
+        shape = self.shape
+        whole = self.box_shape == shape and len(self.box_offset) == len(shape) and not any(self.box_offset)
+        if not (whole and min(shape, default=0) >= 0):  # the whole tensor as the box (FSDP's records) is fine
+            self._check_box(key)
+        if self.flat_range is not None:
+            a, b = self.flat_range
+            if not (0 <= a <= b <= numel(self.box_shape)):
+                raise InvalidStateDictError(
+                    f"key {key!r}: flattened_range [{a}, {b}) outside the {numel(self.box_shape)} elements of its box"
+                )
+
+    def _check_box(self, key: str) -> None:
         nd = len(self.shape)
         if len(self.box_offset) != nd or len(self.box_shape) != nd:
             raise InvalidStateDictError(
@@ -64,12 +76,6 @@ class Region:
                 raise InvalidStateDictError(
                     f"key {key!r}: local box offset {self.box_offset} shape {self.box_shape} lies outside "
                     f"global shape {self.shape}"
-                )
-        if self.flat_range is not None:
-            a, b = self.flat_range
-            if not (0 <= a <= b <= numel(self.box_shape)):
-                raise InvalidStateDictError(
-                    f"key {key!r}: flattened_range [{a}, {b}) outside the {numel(self.box_shape)} elements of its box"
                 )
 
     def single_run(self) -> tuple[int, int] | None:

@@ -53,10 +53,12 @@ def _fingerprint(tensor: paddle.Tensor) -> str:
     return f"{array.dtype}{list(array.shape)}:{xxhash.xxh3_64_hexdigest(array.tobytes())}"
 
 
-def buffers_differing_across_ranks(fsdp) -> dict[str, list[int]]:
+def buffers_differing_across_ranks(fsdp, buffers: dict | None = None) -> dict[str, list[int]]:
     """Buffer key -> ranks whose value differs from rank 0's. Collective (one small all_gather_object) when the
-    model has persistable buffers (none: no collective, so an async save of such a model blocks for one less)."""
-    buffers = persistable_buffers(fsdp.model)
+    model has persistable buffers (none: no collective, so an async save of such a model blocks for one less).
+    ``buffers``: ``persistable_buffers(fsdp.model)`` when the caller has it (a walk of every sublayer)."""
+    if buffers is None:
+        buffers = persistable_buffers(fsdp.model)
     if not buffers:  # the model's structure is the same on every rank: all skip the collective together
         return {}
     mine = {key: _fingerprint(value) for key, value in buffers.items()}
@@ -69,9 +71,9 @@ def buffers_differing_across_ranks(fsdp) -> dict[str, list[int]]:
     return differing
 
 
-def warn_if_buffers_differ(fsdp) -> dict[str, list[int]]:
+def warn_if_buffers_differ(fsdp, buffers: dict | None = None) -> dict[str, list[int]]:
     """Log (on every rank) which buffers will be saved from rank 0 although other ranks hold other values."""
-    differing = buffers_differing_across_ranks(fsdp)
+    differing = buffers_differing_across_ranks(fsdp, buffers)
     if differing:
         shown = ", ".join(f"{key} (ranks {ranks})" for key, ranks in list(differing.items())[:10])
         logger.warning(

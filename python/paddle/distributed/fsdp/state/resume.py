@@ -43,6 +43,7 @@ from ..checkpoint.errors import (
     UnexpectedKeyError,
 )
 from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
+from ..checkpoint.gc_pause import gc_paused
 from ..checkpoint.manager import (
     committed_steps,
     is_checkpoint_root,
@@ -106,6 +107,7 @@ def _deferred_keys(fsdp, model_state: dict, optimizer_state: dict) -> list[str]:
     return [key for key in model_state if key in trainable] + list(optimizer_state)
 
 
+@gc_paused()  # the state dict of every piece: many small objects, no cycles (checkpoint/gc_pause.py)
 def save_checkpoint(
     fsdp,
     path: str,
@@ -153,8 +155,9 @@ def save_checkpoint(
             "class": type(inner).__name__,
             "global_state": names.optimizer_global_state(inner),
         }
-    warn_if_buffers_differ(fsdp)
-    state[BUFFERS_KEY] = list(persistable_buffers(fsdp.model))
+    buffers = persistable_buffers(fsdp.model)
+    warn_if_buffers_differ(fsdp, buffers)
+    state[BUFFERS_KEY] = list(buffers)
     state[RNG_KEY] = rng.capture()  # every rank's, gathered by the save's own exchange (per_rank_values)
     state[EXTRA_KEY] = dict(extra_state or {})
     save_options = dict(async_save=async_save, deferred_keys=deferred, per_rank_values=(RNG_KEY,), options=options)
@@ -229,6 +232,7 @@ def _precheck(fsdp, resolved: str, metadata, optimizer, strict: bool) -> tuple[l
 _REMOVED_RETRIES = 3
 
 
+@gc_paused()
 def load_checkpoint(
     fsdp,
     path: str,
