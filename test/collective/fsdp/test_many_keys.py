@@ -227,7 +227,10 @@ def test_the_record_fast_path_gives_the_general_paths_record_or_error(monkeypatc
                 sw.flattened_range = _RANGES[int(rng.integers(0, len(_RANGES)))]
             else:
                 sw.local_tensor = tensors[int(rng.integers(0, len(tensors)))]
-        fast, careful = _record_or_error(sw.key, sw, True, monkeypatch), _record_or_error(sw.key, sw, False, monkeypatch)
+        fast, careful = (
+            _record_or_error(sw.key, sw, True, monkeypatch),
+            _record_or_error(sw.key, sw, False, monkeypatch),
+        )
         assert fast == careful, (vars(sw), fast, careful)
         outcomes.add(fast[0])
     assert outcomes == {"ok", "error"}  # both verdicts were exercised
