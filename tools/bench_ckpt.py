@@ -29,14 +29,16 @@ Phases, each timed from a barrier to the slowest rank's end (GB = 1e9 bytes of s
     the page cache (``warm``), ``--load-world`` ranks (``changed``), same world with ``atomic=True`` (the undo
     copy); each verifies an order-independent checksum of the loaded state and reports the engine's own
     host-memory account (``LoadReport.peak_host_bytes``) next to the peak RSS;
-(e) ``raw read``: in the same fresh process right before its load, the checkpoint's data files read by the same
-    ranks (equal contiguous shares, 16 MiB preads) into resident memory of the share's size (what a load fills)
-    and into one reused 16 MiB buffer (the I/O alone), page cache dropped before each; the faster of the two is
-    the limit of a cold load (ratios are also shown per process, load and raw read side by side); for ``warm``,
-    a plain read of the same shares with the files in the page cache;
+(e) ``raw read``: in the same fresh process right before its load and again right after it (the figure is the
+    mean of the two: a steady drift of the disk during the process cancels out), the checkpoint's data files
+    read by the same ranks (equal contiguous shares, 16 MiB preads) into resident memory of the share's size
+    (what a load fills) and into one reused 16 MiB buffer (the I/O alone), page cache dropped before each; the
+    faster of the two is the limit of a cold load (ratios are also shown per process, load and raw read side by
+    side); for ``warm``, a plain read of the same shares with the files in the page cache;
 (f) ``torch DCP``: if torch is importable, FSDP2 (``fully_shard`` per Linear) with the same sizes on gloo,
     ``torch.distributed.checkpoint.save`` (fsync on); ``load`` + ``set_state_dict``, same and changed world,
-    each the first load of a fresh set of processes spawned by this script, page cache dropped;
+    each the first load of a fresh set of processes spawned by this script, page cache dropped, one of each in
+    every round of (d) so that both sides see the same stretch of the disk's speed;
 (g) ``training loop`` (``ckpt_bench/train_loop.py``, ``--no-train`` skips it): K steps of the same model with
     an async checkpoint every M steps against the same loop without checkpoints, for paddle FSDP and for
     torch FSDP2 + DCP ``async_save`` (``DefaultStager``, ``staging_completion`` before the step), with the

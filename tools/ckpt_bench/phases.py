@@ -35,7 +35,7 @@ from .common import (
     state_args,
 )
 from .report import finish
-from .torch_dcp import run_torch
+from .torch_dcp import TorchDCP
 
 
 def raw_write(path: str, arrays: list[np.ndarray]) -> int:
@@ -636,7 +636,8 @@ def run_full(args) -> None:
         **info,
     }
     # (d) + (e) loads, each the first load of a fresh process (no buffer left by an earlier save or load), next to
-    # the raw read of the same bytes in that process; configurations round robin so drift hits all alike
+    # the raw reads of the same bytes in that process (before and after it); configurations, and torch DCP's
+    # loads, round robin so drift hits all alike
     # (name, ranks, page cache, atomic, verify checksums)
     configs = [("same", comm.world, "cold", False, True), ("warm", comm.world, "warm", False, True)]
     if load_world:
@@ -644,22 +645,25 @@ def run_full(args) -> None:
     configs.append(("atomic", comm.world, "cold", True, True))
     configs.append(("warm, unverified", comm.world, "warm", False, False))  # what checksums cost from the cache
     res["fresh_loads"] = {name: [] for name, *_ in configs}
+    torch_dcp = None if args.no_torch else TorchDCP.start(args, comm.world, load_world, work)
     for rep in range(R):
         for name, world, cache, atomic, verify in configs:
             tag = f"{name.replace(', ', '_')}_{rep}"
             got = run_child_load(args, keep_ckpt, world, checksum, work, cache, atomic, tag, verify)
             res["fresh_loads"][name].append(got)
             LOG.info(
-                "fresh-process load, %s (%d ranks, %s cache%s): load %.3f s, raw read %s",
+                "fresh-process load, %s (%d ranks, %s cache%s): load %.3f s, raw read before / after it %s",
                 name,
                 world,
                 cache,
                 ", atomic" if atomic else "",
                 got["load"],
-                ", ".join(f"{k} {v:.3f} s" for k, v in got["raw"].items()),
+                ", ".join(f"{k} {v:.3f} / {got['raw_after'][k]:.3f} s" for k, v in got["raw"].items()),
             )
-    if not args.no_torch:
-        res["torch"] = run_torch(args, comm.world, load_world, work)
+        if torch_dcp is not None:  # torch's loads in the same rounds: the disk's drift hits both alike
+            torch_dcp.load_round(rep)
+    if torch_dcp is not None:
+        res["torch"] = torch_dcp.finish()
     if args.train:
         from .train_loop import run_training_loops
 
@@ -700,10 +704,26 @@ def warm_page_cache(files: list[str]) -> None:
             os.close(fd)
 
 
+def raw_limits(comm, args, files: list[str]) -> tuple[dict, dict]:
+    """The raw reads a fresh load is compared with, as ({variant: wall s}, {variant: per-rank s}): cold, every
+    RAW_READ_VARIANTS with the page cache dropped before each; warm, a plain read into resident memory of the
+    files read once just before."""
+    if args.cache == "cold":
+        rr = raw_read_phase(comm, files)
+        return {v: x[0] for v, x in rr.items()}, {v: x[1] for v, x in rr.items()}
+    if comm.rank == 0:
+        warm_page_cache(files_under(args.ckpt))
+    comm.barrier()
+    segs = share_of(files, comm.rank, comm.world)
+    buf = read_buffer(segs)
+    _n, t_res, per_res = comm.timed(raw_read, segs, buf)
+    return {"resident": t_res}, {"resident": per_res}
+
+
 def run_load_only(args) -> None:
     """Child job: in a fresh process, the raw read of this world's shares of --ckpt's files, then the first load
-    of the process (cold: page cache dropped before each; warm: files read once before both), results to
-    --result."""
+    of the process, then the raw read again (cold: page cache dropped before each; warm: files read once before
+    each), results to --result."""
     import paddle.distributed as dist
 
     dist.init_parallel_env()
@@ -714,22 +734,9 @@ def run_load_only(args) -> None:
     tracer = Tracer(args.trace)
     files = data_files(args.ckpt)
     res: dict = {"world": comm.world, "cache_mode": args.cache, "atomic": args.atomic}
-    if args.cache == "cold":
-        rr = raw_read_phase(comm, files)
-        res["raw"] = {v: x[0] for v, x in rr.items()}
-        res["raw_per_rank"] = {v: x[1] for v, x in rr.items()}
-        if comm.rank == 0:
-            drop_cache(files_under(args.ckpt))
-    else:
-        if comm.rank == 0:
-            warm_page_cache(files_under(args.ckpt))
-        comm.barrier()
-        segs = share_of(files, comm.rank, comm.world)
-        buf = read_buffer(segs)
-        _n, t_res, per_res = comm.timed(raw_read, segs, buf)
-        del buf
-        res["raw"] = {"resident": t_res}
-        res["raw_per_rank"] = {"resident": per_res}
+    res["raw"], res["raw_per_rank"] = raw_limits(comm, args, files)
+    if args.cache == "cold" and comm.rank == 0:
+        drop_cache(files_under(args.ckpt))
     comm.barrier()
     res["cache"] = comm.gather(cached_fraction(files))
     with PeakRSS() as pk:
@@ -752,6 +759,9 @@ def run_load_only(args) -> None:
     if args.expect_checksum is not None and got != args.expect_checksum:
         raise SystemExit(f"fresh-process load verification failed: {got} != {args.expect_checksum}")
     res["rank_bytes"] = comm.gather(ps.bytes)
+    # the raw reads once more after the load (A-B-A): their mean with the ones before cancels a steady drift of
+    # the disk or memory speed over the ~10 s of this process, which a read before the load alone would not
+    res["raw_after"], res["raw_after_per_rank"] = raw_limits(comm, args, files)
     if comm.rank == 0:
         with open(args.result, "w") as f:
             json.dump(res, f)

@@ -38,8 +38,13 @@ def finish(args, res: dict, work: str) -> None:
     def loads(name):
         return [r["load"] for r in fl.get(name, [])]
 
+    def raw_of(r, variant):
+        """A launch's raw read: the mean of the reads before and after its load (A-B-A) when both were made."""
+        after = r.get("raw_after", {}).get(variant)
+        return r["raw"][variant] if after is None else (r["raw"][variant] + after) / 2
+
     def raws(name, variant):
-        return [r["raw"][variant] for r in fl.get(name, []) if variant in r["raw"]]
+        return [raw_of(r, variant) for r in fl.get(name, []) if variant in r["raw"]]
 
     def best_raw(name):
         """The faster raw-read variant of a fresh-load configuration: (variant, seconds list)."""
@@ -48,7 +53,7 @@ def finish(args, res: dict, work: str) -> None:
 
     def paired(name, variant):
         """Per launch: raw read time / load time, both measured in the same fresh process."""
-        return sorted(r["raw"][variant] / r["load"] for r in fl.get(name, []))
+        return sorted(raw_of(r, variant) / r["load"] for r in fl.get(name, []))
 
     # the limit for saves: the faster raw write (buffered into the page cache, or O_DIRECT from one reused buffer)
     write_variants = [v for v in ("raw write+fsync", "raw write+fsync, O_DIRECT") if v in ph]

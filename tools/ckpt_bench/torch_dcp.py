@@ -24,42 +24,55 @@ from .common import (
 )
 
 
-def run_torch(args, world: int, load_world: int, work: str) -> dict | None:
-    try:
+class TorchDCP:
+    """PyTorch DCP on the benchmark state: its saves up front, then its fresh-process loads one round at a time
+    (``load_round``), interleaved by the caller with ours so that the disk's drift during the run hits both
+    alike; ``finish`` checks what was loaded and runs the many-keys job."""
+
+    def __init__(self, args, world: int, load_world: int, work: str):
+        self.args, self.world, self.work = args, world, work
+        self.ckpt = os.path.join(work, "torch_dcp")
+        LOG.info("---- PyTorch DCP (FSDP2, gloo), %d ranks: saves", world)
+        self.out: dict = {"same": spawn_torch(args, world, "save", self.ckpt, work)}
+        self.out["version"] = self.out["same"].get("version")
+        self.worlds = {"same": world, **({"changed": load_world} if load_world else {})}
+        self.loads: dict = {k: [] for k in self.worlds}
+
+    @classmethod
+    def start(cls, args, world: int, load_world: int, work: str) -> TorchDCP | None:
+        """The torch side with its saves done, or None when torch is not importable."""
         import importlib.util
 
         if importlib.util.find_spec("torch") is None:
             LOG.info("torch is not importable: PyTorch DCP skipped")
             return None
-    except ImportError:
-        return None
-    ckpt = os.path.join(work, "torch_dcp")
-    LOG.info("---- PyTorch DCP (FSDP2, gloo), %d ranks: saves", world)
-    out: dict = {"same": spawn_torch(args, world, "save", ckpt, work)}
-    out["version"] = out["same"].get("version")
-    saved = out["same"]["saved_param_sum"]
-    # every load is the first load of a fresh process (as ours), page cache dropped
-    worlds = {"same": world, **({"changed": load_world} if load_world else {})}
-    loads: dict = {k: [] for k in worlds}
-    for rep in range(max(1, args.repeats)):
-        for k, w in worlds.items():
-            LOG.info("---- PyTorch DCP load, %d ranks, fresh processes (%d/%d)", w, rep + 1, args.repeats)
-            loads[k].append(spawn_torch(args, w, "load", ckpt, work, repeats=1))
-    for k, runs in loads.items():
-        d = out.setdefault(k, {})
-        d["load"] = [r["load"][0] for r in runs]
-        d["rss_load"] = [r["rss_load"][0] for r in runs]
-        d["load_split"] = [r["load_split"][0] for r in runs]
-        sums = [r["param_sum"] for r in runs]
-        ok = all(abs(x - saved) <= 1e-9 * max(1.0, abs(saved)) for x in sums)
-        d["verified"] = ok
-        if not ok:
-            LOG.warning("torch DCP %s-world load: parameter sums %r != saved %r", k, sums, saved)
-    shutil.rmtree(ckpt, ignore_errors=True)
-    if args.keys > 0:
-        LOG.info("---- PyTorch DCP, %d ranks: %d small keys", world, args.keys)
-        out["many_keys"] = spawn_torch(args, world, "many-keys", os.path.join(work, "torch_many_keys"), work)
-    return out
+        return cls(args, world, load_world, work)
+
+    def load_round(self, rep: int) -> None:
+        """One fresh-process load per world (the first load of the process, as ours; page cache dropped)."""
+        for k, w in self.worlds.items():
+            LOG.info("---- PyTorch DCP load, %d ranks, fresh processes (%d/%d)", w, rep + 1, self.args.repeats)
+            self.loads[k].append(spawn_torch(self.args, w, "load", self.ckpt, self.work, repeats=1))
+
+    def finish(self) -> dict:
+        saved = self.out["same"]["saved_param_sum"]
+        for k, runs in self.loads.items():
+            d = self.out.setdefault(k, {})
+            d["load"] = [r["load"][0] for r in runs]
+            d["rss_load"] = [r["rss_load"][0] for r in runs]
+            d["load_split"] = [r["load_split"][0] for r in runs]
+            sums = [r["param_sum"] for r in runs]
+            ok = all(abs(x - saved) <= 1e-9 * max(1.0, abs(saved)) for x in sums)
+            d["verified"] = ok
+            if not ok:
+                LOG.warning("torch DCP %s-world load: parameter sums %r != saved %r", k, sums, saved)
+        shutil.rmtree(self.ckpt, ignore_errors=True)
+        if self.args.keys > 0:
+            LOG.info("---- PyTorch DCP, %d ranks: %d small keys", self.world, self.args.keys)
+            self.out["many_keys"] = spawn_torch(
+                self.args, self.world, "many-keys", os.path.join(self.work, "torch_many_keys"), self.work
+            )
+        return self.out
 
 
 def spawn_torch(args, world: int, task: str, ckpt: str, work: str, repeats: int | None = None) -> dict:
