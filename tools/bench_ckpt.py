@@ -68,7 +68,7 @@ import subprocess
 import sys
 import tempfile
 
-from ckpt_bench.common import LOG, launch_cmd, setup_logging
+from ckpt_bench.common import LOG, clean_env, launch_cmd, setup_logging
 from ckpt_bench.phases import run_full, run_load_only
 from ckpt_bench.torch_dcp import run_torch_worker
 
@@ -148,7 +148,7 @@ def main(argv=None) -> None:
         log_dir = tempfile.mkdtemp(prefix="bench_ckpt_log_")
         cmd = launch_cmd(world, log_dir, list(argv if argv is not None else sys.argv[1:]))
         LOG.info("launching: %s (worker logs in %s)", " ".join(cmd), log_dir)
-        rc = subprocess.call(cmd)
+        rc = subprocess.call(cmd, env=clean_env())
         if rc == 0:
             shutil.rmtree(log_dir, ignore_errors=True)
         else:

@@ -361,6 +361,7 @@ def child_env(threads: int) -> dict:
         if k.startswith("PADDLE_FSDP_CKPT_") or not (k.startswith("PADDLE_") or k.startswith("POD_"))
     }
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore::UserWarning")
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # compiled bytecode, as an installed package has (common.clean_env)
     return env
 
 

@@ -99,6 +99,54 @@ def test_changed_world_load_stays_within_the_budget(saved, rank, page_cache):
         assert np.array_equal(sw.local_tensor.numpy(), want[k]), k
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_one_chunk_steps_of_cached_reads_agree_with_the_running_digest_path(tmp_path, monkeypatch, seed):
+    """A cached read whose steps are exactly one chunk (the default) hashes each step in one shot: it loads the
+    same bytes as the running-digest path (steps of half a chunk) and, for a flipped byte anywhere in a piece,
+    raises the same error naming the same chunk."""
+    from paddle.distributed.fsdp.checkpoint import reader
+
+    monkeypatch.setattr(reader.FileSet, "mostly_cached", lambda self, name: True)
+    C = reader.CACHE_STEP
+    rng = np.random.default_rng(seed)
+    sizes = [C // 4 * int(rng.integers(9, 17)) + int(rng.integers(0, 4)), 2 * C // 4, C // 4 * 5]  # float32s
+    sd = {f"p{i}": paddle.to_tensor(rng.random(n, dtype=np.float32)) for i, n in enumerate(sizes)}
+    full = {k: v.numpy() for k, v in sd.items()}
+    path = tmp_path / "ckpt"
+    ck.save_state_dict(sd, str(path), chunk_bytes=C)
+
+    def load_with(step: int, where):
+        monkeypatch.setattr(reader, "CACHE_STEP", step)
+        whole = {k: paddle.full(list(v.shape), -1.0) for k, v in full.items()}
+        parts, want = _changed_world_targets(full, int(rng.integers(0, 3)), 3)  # unaligned heads and tails
+        try:
+            ck.load_state_dict(whole, str(where))
+            ck.load_state_dict(parts, str(where))
+        except ck.PartiallyLoadedError as e:
+            return str(e)
+        for k, t in whole.items():
+            assert np.array_equal(t.numpy(), full[k]), k
+        for k, sw in parts.items():
+            assert np.array_equal(sw.local_tensor.numpy(), want[k]), k
+        return None
+
+    assert load_with(C, path) is None and load_with(C // 2, path) is None
+    data = next(p for p in path.iterdir() if p.name.endswith(".safetensors"))
+    raw = data.read_bytes()
+    md = ck.read_metadata(str(path))
+    for _ in range(3):
+        key = f"p{int(rng.integers(0, len(sizes)))}"
+        piece = md.tensors[key].pieces[0]
+        at = int(rng.integers(0, piece.nbytes))
+        bad = bytearray(raw)
+        bad[piece.offset + at] ^= 0x10
+        data.write_bytes(bytes(bad))
+        one_shot, running = load_with(C, path), load_with(C // 2, path)
+        assert one_shot is not None and one_shot == running, (one_shot, running)
+        assert f"for key {key!r} (chunk {at // C}," in one_shot
+    data.write_bytes(raw)
+
+
 def test_staged_targets_go_through_row_windows_within_the_budget(saved):
     """Targets that cannot be read into directly (device tensors; here host tensors on the same path) are
     filled through a staging window of rows and copied with ``Tensor.copy_`` into the same memory."""

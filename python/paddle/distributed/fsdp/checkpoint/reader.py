@@ -408,7 +408,10 @@ def read_range_direct(
         out[: A - a] = tmp[a - a0 : A - a0]
     if files.mostly_cached(piece.file):
         # page cache: read CACHE_STEP bytes straight into ``out``, hash them while they are in the CPU cache
-        check = ChunkStream(files, key, piece, A, C)
+        # (steps of exactly one chunk, the default, are hashed in one shot each: no running-digest bookkeeping,
+        # which cost ~40% of the checks' time on a warm 500 MiB load)
+        check = None if C == CACHE_STEP else ChunkStream(files, key, piece, A, C)
+        digest, sums = files.digest, piece.checksums
         fd, dst = files.fd(piece.file), memoryview(out)
         for s in range(A, B, CACHE_STEP):
             view = dst[s - a : min(B, s + CACHE_STEP) - a]
@@ -416,7 +419,10 @@ def read_range_direct(
             if got < len(view):  # a short read: the loop that names a file that ends early
                 files.pread_into(piece.file, out[s - a + got : s - a + len(view)], piece.offset + s + got)
             files.bytes_read += got
-            check.feed(view)
+            if check is not None:
+                check.feed(view)
+            elif digest(view) != sums[s // C]:
+                raise checksum_mismatch(files, key, piece, s // C, C)
         if B < b:
             _read_tail(files, key, piece, B, b, a, out, C)
         return
