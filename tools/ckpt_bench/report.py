@@ -190,7 +190,8 @@ def finish(args, res: dict, work: str) -> None:
     lines.append(
         f"state: {S / GB:.3f} GB ({cfg['blocks']} x Linear({cfg['dim']}, {cfg['dim']}) + AdamW, fp32), "
         f"{W} ranks, changed world {M}, medians of {cfg['repeats']} runs; every load is the first of a fresh "
-        f"process; page cache: {res.get('drop_method')}; cached before cold reads: {_cache_summary(fl)}; load "
+        f"process, each raw read the mean of one right before and one right after that load in its process; page "
+        f"cache: {res.get('drop_method')}; cached before cold reads: {_cache_summary(fl)}; load "
         f"average {res['loadavg']['start'][0]:.2f} at start, {res['loadavg']['end'][0]:.2f} before the child jobs"
     )
     lines.append("")
