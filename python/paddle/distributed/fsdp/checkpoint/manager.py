@@ -52,6 +52,7 @@ from .errors import (
 )
 from .format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, check_file_name
 from .load import LoadReport, load_state_dict
+from .paths import local_path
 from .save import SaveHandle, save_state_dict
 
 logger = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ def committed_steps(root: str) -> list[int]:
 
 def latest_checkpoint(root: str) -> str | None:
     """Path of the checkpoint to resume from: what ``latest`` names, else the highest committed step."""
-    root = os.path.abspath(os.fspath(root))
+    root = local_path(root)
     name = read_latest(root)
     if name is not None and _committed(os.path.join(root, name)):
         return os.path.join(root, name)
@@ -155,7 +156,7 @@ def resolve_checkpoint(path: str) -> str:
     A root without any committed checkpoint raises IncompleteCheckpointError when crashed saves left staging
     directories in it, else NotACheckpointError.
     """
-    path = os.path.abspath(os.fspath(path))
+    path = local_path(path)
     if not os.path.isdir(path) or not is_checkpoint_root(path):
         return path  # the engine's read_metadata reports what is wrong with it, if anything
     found = latest_checkpoint(path)
@@ -255,7 +256,7 @@ class CheckpointManager:
     ) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
-        self.root = os.path.abspath(os.fspath(root))
+        self.root = local_path(root)
         self.keep_last = keep_last
         self.process_group = process_group
         self.coordinator_rank = coordinator_rank

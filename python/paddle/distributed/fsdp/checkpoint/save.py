@@ -114,6 +114,7 @@ from .format.metadata import (
 )
 from .gc_pause import gc_paused
 from .options import CheckpointOptions, resolve
+from .paths import local_path
 from .planner import (
     AssignmentMemo,
     WriteAssignment,
@@ -797,7 +798,7 @@ def _save_locked(
     tr = Tracer("save (calling thread)", opts)
     wait_pending(raise_error=True)
     tr.mark("wait-previous")
-    path = os.path.abspath(os.fspath(path))
+    path = local_path(path)
     comm = Comm(process_group)
     if not 0 <= coordinator_rank < comm.world:
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")

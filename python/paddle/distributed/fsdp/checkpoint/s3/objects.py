@@ -101,19 +101,23 @@ class S3Objects:
         return str(self.client.meta.endpoint_url)
 
     # -- writes ------------------------------------------------------------------------------------------------
-    def put(self, name: str, data: object, *, if_absent: bool = False) -> UploadResult:
-        """One PUT of a small object (<= 5 GiB) with its SHA-256; ``if_absent``: only if no object has the name.
+    def put(self, name: str, data: object, *, if_absent: bool = False, if_match: str | None = None) -> UploadResult:
+        """One PUT of a small object (<= 5 GiB) with its SHA-256; ``if_absent``: only if no object has the name;
+        ``if_match``: only if the object's ETag is still this one (compare-and-swap).
 
         A conditional put whose earlier try may have succeeded unseen (a reply lost) and then meets 412 compares
         the stored bytes with ``data``: the same bytes are this writer's own success, not a conflict."""
         views = as_views(data)
         key, digest = self.url.key(name), sha256_b64(views)
-        what = self._what("PutObject" + (" If-None-Match:*" if if_absent else ""), name)
+        if if_absent and if_match is not None:
+            raise S3ConfigError("put: if_absent and if_match exclude each other")
+        cond = " If-None-Match:*" if if_absent else f" If-Match:{if_match}" if if_match else ""
+        what = self._what("PutObject" + cond, name)
         tries = [0]
 
         def once() -> dict:
             tries[0] += 1
-            kw = {"IfNoneMatch": "*"} if if_absent else {}
+            kw = {"IfNoneMatch": "*"} if if_absent else {"IfMatch": if_match} if if_match else {}
             body = ChainBody(views)
             return self.client.put_object(
                 Bucket=self.url.bucket, Key=key, Body=body, ChecksumSHA256=digest, ContentLength=len(body), **kw
@@ -122,12 +126,14 @@ class S3Objects:
         try:
             reply = retry.call(what, once, self.opts)
         except S3Error as exc:
-            if not (if_absent and _precondition_failed(exc)):
+            if not ((if_absent or if_match) and _precondition_failed(exc)):
                 raise
             if tries[0] > 1 and self._holds(name, views):
                 LOG.info("%s: 412 after a retry, and the object holds our bytes: our earlier try succeeded", what)
                 return UploadResult(key, sum(len(v) for v in views), (digest,), "")
-            raise S3CommitConflictError(f"{what}: another writer created the object first (412)") from exc
+            raise S3CommitConflictError(
+                f"{what}: another writer {'created' if if_absent else 'replaced'} the object first (412)"
+            ) from exc
         return UploadResult(key, sum(len(v) for v in views), (digest,), reply.get("ETag", ""))
 
     def _holds(self, name: str, views: list[memoryview]) -> bool:
@@ -308,6 +314,47 @@ class S3Objects:
             token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
             if not token:
                 return found
+
+    def list_level(self, sub: str) -> tuple[list[ObjectInfo], list[str]]:
+        """(objects directly under ``sub``, names of the "directories" directly under it): a "/"-delimited listing."""
+        base = self.url.key(sub) + "/" if sub else (self.url.prefix + "/" if self.url.prefix else "")
+        objs, dirs, token = [], [], None
+        while True:
+            kw = {"ContinuationToken": token} if token else {}
+            page = retry.call(
+                self._what("ListObjectsV2 /", sub),
+                lambda kw=kw: self.client.list_objects_v2(Bucket=self.url.bucket, Prefix=base, Delimiter="/", **kw),
+                self.opts,
+            )
+            objs += [ObjectInfo(o["Key"][len(base) :], int(o["Size"])) for o in page.get("Contents", [])]
+            dirs += [p["Prefix"][len(base) :].rstrip("/") for p in page.get("CommonPrefixes", [])]
+            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
+            if not token:
+                return objs, dirs
+
+    def get_small(self, name: str) -> tuple[bytes, str] | None:
+        """(bytes, ETag) of a small object in one GET, None if it does not exist."""
+
+        def once() -> tuple[bytes, str]:
+            reply = self.client.get_object(Bucket=self.url.bucket, Key=self.url.key(name))
+            with reply["Body"] as body:
+                return body.read(), str(reply["ETag"])
+
+        try:
+            return retry.call(self._what("GetObject", name), once, self.opts)
+        except retry.S3ObjectNotFoundError:
+            return None
+
+    def etag(self, name: str) -> str | None:
+        """ETag of an object (for a later If-Match), None if it does not exist."""
+        what = self._what("HeadObject", name)
+        try:
+            head = retry.call(
+                what, lambda: self.client.head_object(Bucket=self.url.bucket, Key=self.url.key(name)), self.opts
+            )
+        except retry.S3ObjectNotFoundError:
+            return None
+        return str(head["ETag"])
 
     def delete(self, names: Sequence[str]) -> None:
         """Delete objects (absent ones are fine); S3TransferError naming the keys the store refused."""

@@ -30,6 +30,7 @@ from typing import Any
 from ..coordination import Comm, gather_errors
 from ..errors import NotACheckpointError
 from ..format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE
+from ..paths import local_path
 from .errors import (
     CheckpointPathNotADirectoryError,
     CheckpointPathNotFoundError,
@@ -197,7 +198,7 @@ def save_state_dict(
 def classify(path: str, unique_id: int | None, safetensors: bool) -> str:
     """Which reader serves ``path``: "fork" (the engine), "stock", or "hf"; "missing", "file" or "none" (a
     directory without checkpoint metadata) for paths that hold no checkpoint (the engine says why)."""
-    root = os.path.abspath(os.fspath(path))
+    root = local_path(path)
     if not os.path.lexists(root):
         return "missing"
     if not os.path.isdir(root):
