@@ -123,3 +123,34 @@ def test_s3_urls_go_through_backend_for_and_a_missing_bucket_is_named(s3_server,
     assert isinstance(storage, S3Storage)
     with pytest.raises(S3BucketNotFoundError, match="no-such-bucket-x"):
         storage.list("s3://no-such-bucket-x/run")
+
+
+def test_write_holds_at_most_concurrency_plus_one_parts_of_lazy_pieces(backend):
+    """Host memory of a write: lazily produced pieces (as device copies are) stay alive only while their part is
+    in flight, so at most part_size x (concurrency + 1) bytes of them exist at once, whatever the object's size."""
+    import weakref
+
+    storage, root = backend
+    staging = storage.begin(storage.child(root, "mem"), "id")
+    alive, peak = set(), [0]
+
+    class Owner:
+        pass
+
+    def lazy(i: int):
+        def make():
+            owner = Owner()
+            alive.add(id(owner))
+            weakref.finalize(owner, alive.discard, id(owner))
+            peak[0] = max(peak[0], len(alive))
+            arr = np.full(5 * MIB, i, np.uint8)  # one part each (part_size = 5 MiB, concurrency 2)
+            return arr, owner
+
+        return make
+
+    size, _ = storage.write_object(staging, "d", b"", [lazy(i) for i in range(12)], MIB, None)
+    assert size == 12 * 5 * MIB
+    assert 2 <= peak[0] <= storage.opts.concurrency + 1, peak[0]
+    h = storage.open_read(staging, "d")
+    buf = bytearray(5 * MIB)
+    assert h.read_into(11 * 5 * MIB, buf) == 5 * MIB and set(buf) == {11}
