@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -80,6 +81,40 @@ class Boto3Client:
         self.c.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=up)
         left = [u for u in self.c.list_multipart_uploads(Bucket=self.bucket).get("Uploads", []) if u["Key"] == key]
         return "yes: explicit create/upload_part/abort/list" if not left else "abort left the upload listed"
+
+
+class LayerClient:
+    """The engine's own S3 object layer (checkpoint/s3/objects.py, over boto3): its ratio to the plain client."""
+
+    name = "checkpoint/s3 object layer (boto3)"
+
+    def __init__(self, endpoint: str, bucket: str, conc: int, part: int = 16 << 20) -> None:
+        from paddle.distributed.fsdp.checkpoint.s3 import S3Options, S3Url
+        from paddle.distributed.fsdp.checkpoint.s3.objects import S3Objects
+
+        opts = S3Options(
+            endpoint_url=endpoint, region=REGION, access_key_id=KEY_ID, secret_access_key=SECRET, part_size=part,
+            concurrency=conc,
+        )  # fmt: skip
+        self.o = S3Objects(S3Url(bucket), opts)
+
+    def put(self, key: str, data: memoryview, part: int) -> None:
+        self.o.upload(key, [data])  # sent from the memoryview, no copy into part buffers
+
+    def get_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        return self.o.read_ranges(key, ranges)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        from paddle.distributed.fsdp.checkpoint.s3 import S3CommitConflictError
+
+        try:
+            self.o.put(key, data, if_absent=True)
+            return True
+        except S3CommitConflictError:
+            return False
+
+    def abort_leaves_nothing(self, key: str) -> str:
+        return "yes: every failed upload aborted (test_s3_faults.py)"
 
 
 class ObstoreClient:
@@ -171,7 +206,13 @@ def _digest(chunks) -> str:
     return h.hexdigest()
 
 
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
 def bench(client, data: memoryview, part: int, reps: int) -> dict:
+    rss0 = rss_mib()
     key = f"bench/{client.__class__.__name__}"
     puts, gets = [], []
     ranges = _ranges(len(data), part)
@@ -186,11 +227,14 @@ def bench(client, data: memoryview, part: int, reps: int) -> dict:
         if _digest(got) != want:
             raise AssertionError(f"{client.name}: bytes read back differ")
         del got
-    ck = f"bench/{client.__class__.__name__}-commit"
+    ck = f"bench/{client.__class__.__name__}-commit-{time.time_ns()}"
     first, second = client.put_if_absent(ck, b"one"), client.put_if_absent(ck, b"two")
     mib = len(data) / (1 << 20)
     return {
         "client": client.name,
+        # peak RSS of the process minus its RSS once the data and the client existed (run one client per process
+        # for a per-client figure): what the transfers themselves held, including the bytes read back
+        "extra_peak_rss_MiB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss0, 1),
         "put_MiBps": [round(mib / t, 1) for t in puts],
         "get_MiBps": [round(mib / t, 1) for t in gets],
         "conditional_put": ("yes" if (first and not second) else f"NO (first={first}, second={second})")
@@ -205,7 +249,7 @@ def main() -> None:
     ap.add_argument("--part-mib", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--clients", default="boto3,obstore,s3fs")
+    ap.add_argument("--clients", default="boto3,obstore,s3fs", help="also: layer (the engine's S3 object layer)")
     args = ap.parse_args()
     data = memoryview(bytearray(os.urandom(1 << 20)) * args.mib)
     results = []
@@ -213,7 +257,7 @@ def main() -> None:
         srv = s3_server.start_weed(Path(tmp) / "weed")
         try:
             s3_server.new_bucket(srv.endpoint, "bench")
-            classes = {"boto3": Boto3Client, "obstore": ObstoreClient, "s3fs": S3fsClient}
+            classes = {"boto3": Boto3Client, "obstore": ObstoreClient, "s3fs": S3fsClient, "layer": LayerClient}
             for name in args.clients.split(","):
                 client = classes[name](srv.endpoint, "bench", args.concurrency)
                 with contextlib.suppress(KeyboardInterrupt):
