@@ -10,9 +10,11 @@ UI, WebDAV and the Iceberg/Lance endpoints are switched off, so nothing leaves t
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -88,6 +90,12 @@ def check_runs(binary: str) -> None:
         raise WeedUnavailable(f"`{binary} version` exited {out.returncode}: {out.stderr.strip()[:300]}")
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent exits (Linux prctl PR_SET_PDEATHSIG; elsewhere nothing)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def free_ports(n: int) -> list[int]:
     """n distinct free TCP ports on 127.0.0.1 (held open together so they differ)."""
     socks = []
@@ -146,8 +154,16 @@ def start_weed(
         args.append(f"-s3.config={data_dir / 's3.json'}")
     log_path = data_dir / "weed.log"
     with open(log_path, "wb") as log:
-        # own session: a test runner's Ctrl-C does not reach it before the fixture's stop()
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=data_dir)
+        # own session: a test runner's Ctrl-C does not reach it before the fixture's stop(); and it gets SIGTERM
+        # when this process dies, even by kill -9, so that no server outlives its test session
+        proc = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=data_dir,
+            preexec_fn=_die_with_parent,
+        )
     server = WeedServer(f"http://127.0.0.1:{ports['s3.port']}", data_dir, proc, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -16,6 +16,7 @@ Register it for ``s3://`` with ``register()`` (done on import): ``backend_for("s
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 
@@ -244,11 +245,13 @@ _default_lock = threading.Lock()
 
 
 def default_storage() -> S3Storage:
-    """The process's shared S3Storage with options from the AWS environment (the ``s3://`` factory)."""
+    """The process's shared S3Storage with options from the AWS environment (the ``s3://`` factory); its errors
+    name the rank (``PADDLE_TRAINER_ID``, set by paddle's launcher)."""
     global _default
     with _default_lock:
         if _default is None:
-            _default = S3Storage()
+            rank = os.environ.get("PADDLE_TRAINER_ID")
+            _default = S3Storage(who=f"rank {rank}" if rank else "")
         return _default
 
 
