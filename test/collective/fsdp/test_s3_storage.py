@@ -38,9 +38,14 @@ def backend(s3_server, s3_bucket):
     return S3Storage(s3_options_for(s3_server.endpoint)), f"s3://{s3_bucket}/runs/r1"
 
 
-def test_two_jobs_publishing_the_same_step_one_wins(backend):
+@pytest.mark.parametrize("existing", [False, True], ids=["new-step", "replacing-a-step"])
+def test_two_jobs_publishing_the_same_step_one_wins(backend, existing):
     storage, root = backend
     final = storage.child(root, "step_7")
+    if existing:  # both jobs replace the same published checkpoint (If-Match on its pointer): still one wins
+        old = storage.begin(final, "old")
+        storage.put(old, "COMMIT", b"old")
+        storage.publish(old, final)
     stagings = [storage.begin(final, f"job{i}") for i in range(2)]
     for i, s in enumerate(stagings):
         storage.put(s, "COMMIT", f"job{i}".encode())
@@ -103,10 +108,14 @@ def test_versions_are_hidden_and_replaced_versions_deleted(backend):
         storage.publish(s, final)
     assert storage.children(root) == ["step_1"] and storage.list(final) == ["COMMIT", "data"]
     h = storage.open_read(final, "data")
+    objs, prefix = storage._split(final)
+    before = objs.bytes_read
     buf = bytearray(6 * MIB)
     assert h.read_into(0, buf) == 6 * MIB and set(buf) == {1}
+    small = bytearray(1000)
+    assert h.read_into(5 * MIB - 500, small) == 1000 and set(small) == {1}
+    assert objs.bytes_read - before == 6 * MIB + 1000  # ranged reads fetch exactly what is asked
     h.close()
-    objs, prefix = storage._split(final)
     assert sorted(o.name for o in objs.list(prefix)) == [f"{prefix}/.s3-published", f"{prefix}/.v-v1/.s3-begun",
                                                          f"{prefix}/.v-v1/COMMIT", f"{prefix}/.v-v1/data"]  # fmt: skip
 

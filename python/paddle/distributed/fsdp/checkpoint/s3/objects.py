@@ -71,6 +71,8 @@ class S3Objects:
         self.who = f"{who}: " if who else ""
         self.client = make_client(self.opts)
         self._pool = cf.ThreadPoolExecutor(self.opts.concurrency, thread_name_prefix="s3")
+        self._count_lock = threading.Lock()
+        self.bytes_read = 0  # body bytes received by GETs (retried bytes counted again): what a load fetched
 
     def __enter__(self) -> S3Objects:
         return self
@@ -273,6 +275,8 @@ class S3Objects:
                     if not chunk:
                         raise S3ObjectTruncatedError(f"{what}: the object ends at byte {start + done[0]}")
                     dest[done[0] : done[0] + len(chunk)] = chunk
+                    with self._count_lock:
+                        self.bytes_read += len(chunk)
                     done[0] += len(chunk)
             finally:
                 body.close()
