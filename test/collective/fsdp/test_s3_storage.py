@@ -69,6 +69,9 @@ def test_two_jobs_publishing_the_same_step_one_wins(backend, existing):
     assert isinstance(outcome[1 - winners[0]], SaveFailedError) and "step_7" in str(outcome[1 - winners[0]])
     assert storage.get(final, "COMMIT") == f"job{winners[0]}".encode()
     storage.publish(stagings[winners[0]], final)  # publishing again (another rank): no-op, not a conflict
+    storage.remove(stagings[1 - winners[0]])  # the loser abandons its staging ...
+    storage.remove(stagings[winners[0]])  # ... and removing a published staging leaves final's content alone
+    assert storage.get(final, "COMMIT") == f"job{winners[0]}".encode() and storage.children(root) == ["step_7"]
 
 
 def test_writer_killed_mid_upload_leaves_nothing_visible_and_remove_aborts_its_upload(backend, s3_server, tmp_path):

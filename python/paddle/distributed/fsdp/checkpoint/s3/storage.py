@@ -205,6 +205,9 @@ class S3Storage(Storage):
 
     def remove(self, location: str) -> None:
         objs, prefix = self._split(location)
+        head, _, last = prefix.rpartition("/")
+        if last.startswith(VERSION) and (self._pointer(objs, head) or ("",))[0] == last:
+            return  # a published staging is gone (it is final's content): as for a renamed local staging
         objs.delete([self._join(prefix, POINTER)])  # first: the checkpoint stops being visible at once
         self._remove_prefix(objs, prefix)
 
