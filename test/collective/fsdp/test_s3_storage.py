@@ -166,3 +166,20 @@ def test_write_holds_at_most_concurrency_plus_one_parts_of_lazy_pieces(backend):
     h = storage.open_read(staging, "d")
     buf = bytearray(5 * MIB)
     assert h.read_into(11 * 5 * MIB, buf) == 5 * MIB and set(buf) == {11}
+
+
+def test_a_write_given_up_midway_aborts_its_upload(backend):
+    storage, root = backend
+    staging = storage.begin(storage.child(root, "gave-up"), "id")
+    calls = []
+
+    def stop():
+        calls.append(1)
+        if len(calls) > 2:
+            raise RuntimeError("rank 1 failed")
+
+    pieces = [np.full(12 * MIB, i, np.uint8) for i in range(3)]  # several parts sent before the third piece
+    with pytest.raises(RuntimeError, match="rank 1 failed"):
+        storage.write_object(staging, "d", b"", pieces, MIB, None, should_stop=stop)
+    objs, prefix = storage._split(staging)
+    assert objs.pending_uploads(prefix + "/") == [] and "d" not in storage.list(staging)
