@@ -20,6 +20,7 @@ the rank that hosts it (rank 0 runs the store server). Collective-free, so it is
 
 from __future__ import annotations
 
+import _thread
 import json
 import logging
 import os
@@ -160,23 +161,29 @@ class SaveChannel:
         self._stop = threading.Event()
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last counter, monotonic time it last moved)
         self._lost_since: float | None = None  # first failed store call of a run of failures
-        self._thread = threading.Thread(target=self._beat, name="ckpt-heartbeat", daemon=True)
-        self._thread.start()
+        self._ended = threading.Event()
+        # not threading.Thread: its start() waits until the new thread runs (tens of ms on a busy machine), which
+        # an async save's caller would pay (background.py does the same for the save thread)
+        _thread.start_new_thread(self._beat, ())
 
     # ------------------------------------------------------------------------------------------- heartbeat
     def _beat(self) -> None:
         key = f"{self.ns}hb/{self.rank}"
-        while True:
-            try:
-                self._beat_store.call("add", key, 1)
-            except Exception as e:  # noqa: BLE001 - the store's host died: the waiting side reports it
-                logger.debug("heartbeat: %s", e)
-            if self._stop.wait(self.lease / 5):
-                return
+        try:
+            while True:
+                try:
+                    self._beat_store.call("add", key, 1)
+                except Exception as e:  # noqa: BLE001 - the store's host died: the waiting side reports it
+                    logger.debug("heartbeat: %s", e)
+                if self._stop.wait(self.lease / 5):
+                    return
+        finally:
+            self._ended.set()
 
     def close(self) -> None:
+        """Stop the heartbeat (waits for the thread: the next save's heartbeat uses the same store client)."""
         self._stop.set()
-        self._thread.join()
+        self._ended.wait()
 
     # ------------------------------------------------------------------------------------------- writes
     def _flag(self, name: str) -> None:
