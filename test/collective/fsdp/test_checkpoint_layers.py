@@ -24,7 +24,7 @@ FORMAT_EXCEPTIONS = {
     ("format.regions", "host_memory"),
     ("format.commit", "writer"),
     ("format.commit", "options"),
-    ("format.commit", "removal"),
+    ("format.commit", "directory"),
     ("format.commit", "stock_compat"),
     ("format.metadata", "checksums"),
 }

@@ -19,7 +19,6 @@ the COMMIT record. Nothing here issues a collective: it runs on the background t
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import Any
 
 from . import checksums, faults
 from .channel import LocalChannel, SaveChannel
+from .directory import commit_id
 from .errors import SaveFailedError
 from .format.commit import commit_record
 from .format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, PARTS_DIR, CheckpointMetadata, FileMeta
@@ -387,10 +387,7 @@ class SaveJob:
         self._publish_own(name)
 
     def _committed_in_storage(self) -> bool:
-        try:
-            return _commit_id(self.storage.get(self.path, COMMIT_FILE, 1 << 16)) == self.checkpoint_id
-        except Exception:  # noqa: BLE001 - unreadable: not known to be committed
-            return False
+        return commit_id(self.path, self.storage) == self.checkpoint_id
 
     def _raise_lost(self, e: BaseException, seen_commit: bool, name: str) -> None:
         """The wait for the coordinator ended without its word: timeout, or the coordinator found dead."""
@@ -414,19 +411,12 @@ class SaveJob:
         commit record of this checkpoint, and this rank's staging, never holding one, still has the object):
         publish it at this rank's own ``path``. On shared storage the staging is gone (or, after an exchanging
         rename, holds the previous checkpoint, which has a commit record), so nothing happens."""
-        if _commit_id(self.storage.get(self.path, COMMIT_FILE, 1 << 16)) == self.checkpoint_id:
+        if commit_id(self.path, self.storage) == self.checkpoint_id:
             return
         own = self.storage.list(self.staging)
         if name in own and COMMIT_FILE not in own:
             self.storage.remove(self.storage.child(self.staging, PARTS_DIR))
             self.storage.publish(self.staging, self.path)
-
-
-def _commit_id(record: bytes | None) -> str | None:
-    try:
-        return json.loads(record).get("checkpoint_id") if record else None
-    except (ValueError, AttributeError):
-        return None
 
 
 class _Lazy:

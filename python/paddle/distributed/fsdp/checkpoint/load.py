@@ -72,6 +72,7 @@ import numpy as np
 from . import checksums, host_memory, reader
 from .background import wait_pending
 from .coordination import Comm, aligned, gather_errors
+from .directory import removed_or
 from .errors import (
     CheckpointError,
     CheckpointRemovedError,
@@ -91,7 +92,6 @@ from .inplace import InPlaceReads
 from .options import CheckpointOptions, resolve
 from .planner import Region, region_of_piece
 from .records import to_record
-from .removal import removed_or
 from .tracing import Tracer
 
 # ------------------------------------------------------------------------------------------------ reading

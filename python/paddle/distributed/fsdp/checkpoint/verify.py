@@ -6,6 +6,7 @@ import os
 from typing import Callable
 
 from . import checksums, reader
+from .directory import removed_or
 from .errors import CheckpointError, CheckpointRemovedError, CorruptCheckpointError, SafetensorsHeaderError
 from .format import safetensors
 from .format.commit import read_metadata
@@ -14,7 +15,6 @@ from .format.metadata import resolve_member
 from .format.regions import iter_piece
 from .format.strict_json import open_regular
 from .planner import region_of_piece
-from .removal import removed_or
 
 
 def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) -> list[str]:

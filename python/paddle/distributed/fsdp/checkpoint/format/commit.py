@@ -140,7 +140,7 @@ def _read_metadata(path: str, max_metadata_bytes: int) -> CheckpointMetadata:
 
 
 def _removed_or(path: str, error):
-    from ..removal import removed_or
+    from ..directory import removed_or
 
     return removed_or(path, error)
 
