@@ -22,10 +22,6 @@ FORMAT_EXCEPTIONS = {
     ("format.regions", "streamed"),
     ("format.regions", "planner"),
     ("format.regions", "host_memory"),
-    ("format.commit", "writer"),
-    ("format.commit", "options"),
-    ("format.commit", "directory"),
-    ("format.commit", "stock_compat"),
     ("format.metadata", "checksums"),
 }
 LARGE_MODULES = {"load", "reader"}

@@ -12,7 +12,7 @@ Saving and loading (collective over the process group; every rank gets the same 
 * ``wait_for_snapshot()`` / ``snapshot_in_flight()``: an async save copies parameters and optimizer state after
   it returned; writers the engine cannot intercept wait with this first (snapshot_guard.py).
 * ``load_full_state_dict(path, keys=None)``: whole tensors in one process, no collectives (load.py).
-* ``read_metadata(path)`` -> ``CheckpointMetadata`` of a committed checkpoint (format/commit.py).
+* ``read_metadata(path)`` -> ``CheckpointMetadata`` of a committed checkpoint (directory.py).
 * ``verify_checkpoint(path)`` -> list of problems (verify.py).
 * ``CheckpointManager``, ``latest_checkpoint``, ``resolve_checkpoint``: numbered checkpoints with a ``latest``
   pointer and keep-last-K (manager.py).
@@ -31,6 +31,7 @@ durable commit), ``reader.py`` (checked range reads), ``host_memory.py`` (buffer
 """
 
 from .coordination import gather_errors
+from .directory import read_metadata
 from .errors import (
     CheckpointError,
     CheckpointRemovedError,
@@ -52,7 +53,6 @@ from .errors import (
     UnexpectedKeyError,
     UnsafePathError,
 )
-from .format.commit import read_metadata
 from .format.metadata import CheckpointMetadata
 from .load import LoadReport, load_full_state_dict, load_state_dict
 from .manager import CheckpointManager, latest_checkpoint, resolve_checkpoint

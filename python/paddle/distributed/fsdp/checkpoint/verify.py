@@ -6,10 +6,9 @@ import os
 from typing import Callable
 
 from . import checksums, reader
-from .directory import removed_or
+from .directory import read_metadata, removed_or
 from .errors import CheckpointError, CheckpointRemovedError, CorruptCheckpointError, SafetensorsHeaderError
 from .format import safetensors
-from .format.commit import read_metadata
 from .format.coverage import coverage_problems
 from .format.metadata import resolve_member
 from .format.regions import iter_piece
