@@ -69,7 +69,7 @@ def test_staging_invisible_until_publish_then_replaces(backend):
     final = storage.child(root, "ckpt")
     first = storage.begin(final, "one")
     storage.put(first, "COMMIT", b"1")
-    storage.put(first, "a", b"old")
+    storage.put(first, "metadata.json", b"old")
     assert storage.list(final) == [] and not storage.exists(final)
     storage.publish(first, final)
     assert storage.get(final, "COMMIT") == b"1" and not storage.exists(first)
@@ -77,7 +77,8 @@ def test_staging_invisible_until_publish_then_replaces(backend):
     storage.put(second, "COMMIT", b"2")
     assert storage.get(final, "COMMIT") == b"1"  # still the old checkpoint
     storage.publish(second, final)
-    assert storage.list(final) == ["COMMIT"] and storage.get(final, "COMMIT") == b"2"  # "a" went with the old one
+    # the old checkpoint's objects went with it
+    assert storage.list(final) == ["COMMIT"] and storage.get(final, "COMMIT") == b"2"
 
 
 def test_small_objects_names_listing_and_removal(backend):
@@ -134,3 +135,34 @@ def test_backend_selection():
     with pytest.raises(StorageError):
         backend_for("/x", object())
     assert os.sep == "/"
+
+
+def test_a_save_needs_nothing_but_the_interface():
+    """The engine's save into MemoryStorage (no file system behind it): every object lands in the backend, the
+    metadata names each piece's bytes, and those bytes are the tensors' (a second save replaces the first)."""
+    import json
+
+    import paddle
+    from paddle.distributed.fsdp.checkpoint import CheckpointOptions, save_state_dict
+    from paddle.distributed.fsdp.checkpoint.format.metadata import CheckpointMetadata
+
+    mem = MemoryStorage()
+    opts = CheckpointOptions(storage=mem)
+    rng = np.random.default_rng(1)
+    for step in (1, 2):
+        state = {
+            "w": paddle.to_tensor(rng.standard_normal((33, 7)).astype("float32")),
+            "b": paddle.to_tensor(rng.integers(0, 9, (5,)).astype("int64")),
+        }
+        save_state_dict(state, "mem://run/ckpt", options=opts, write_stock_metadata=step == 1)
+        names = mem.list("mem://run/ckpt")
+        assert {"COMMIT", "metadata.json", "0_0.safetensors"} <= set(names), names
+        assert ("0.metadata" in names) == (step == 1)
+        assert mem.children("mem://run") == ["ckpt"]  # no staging left
+        md = CheckpointMetadata.loads(mem.get("mem://run/ckpt", "metadata.json"), where="mem")
+        assert json.loads(mem.get("mem://run/ckpt", "COMMIT"))["checkpoint_id"] == md.checkpoint_id
+        data = mem.get("mem://run/ckpt", "0_0.safetensors")
+        for key, tensor in state.items():
+            (piece,) = md.tensors[key].pieces
+            got = data[piece.offset : piece.offset + piece.nbytes]
+            assert got == tensor.numpy().tobytes(), key

@@ -31,8 +31,11 @@ Call order of a load / verify (load.py, verify.py, directory.py)::
     storage.list(loc); storage.children(root)          # names, for diagnosis, rotation and cleanup
 
 Guarantees a backend gives: ``write_object`` and ``put`` are durable when they return; ``put`` is atomic (a
-reader sees the old object, the new one, or none, never a part); ``publish`` is atomic per location; objects of
-a staging location are invisible at ``final`` before ``publish``. ``get`` of a missing object returns None;
+reader sees the old object, the new one, or none, never a part) and creates its location; ``publish`` and
+``remove`` are atomic per location; objects of a staging location are invisible at ``final`` before
+``publish``. Node-local storage: every rank calls ``begin`` and ``write_object`` on its own backend; a rank whose
+``final`` shows no commit record of this checkpoint after the coordinator's publish publishes its own staging
+(commit.py), so ``publish`` must work per rank too. ``get`` of a missing object returns None;
 ``open_read`` of a missing object raises FileNotFoundError.
 
 Fast paths: a ``ReadHandle`` may expose ``fileno()`` (an OS file descriptor) and ``path``; the engine's readers
@@ -120,7 +123,7 @@ class Storage(ABC):
 
     @abstractmethod
     def put(self, location: str, name: str, data: bytes, *, durable: bool = True) -> None:
-        """Write a small object atomically (and durably unless ``durable=False``)."""
+        """Write a small object atomically (and durably unless ``durable=False``); creates ``location``."""
 
     @abstractmethod
     def delete(self, location: str, name: str) -> None:
@@ -133,7 +136,9 @@ class Storage(ABC):
 
     @abstractmethod
     def remove(self, location: str) -> None:
-        """Remove a whole location (rotation, an abandoned staging); missing: no error."""
+        """Remove a whole location (rotation, an abandoned staging), atomically as readers see it: it stops
+        existing whole (never half deleted under its own name); the bytes may go in the background. Missing: no
+        error."""
 
     # ------------------------------------------------------------------------------------------ reads
     @abstractmethod
