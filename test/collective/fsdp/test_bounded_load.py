@@ -14,6 +14,7 @@ from _results import assert_case_ok
 from launch_util import run_launch
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 from paddle.distributed.fsdp.checkpoint import load as ck_load
+from paddle.distributed.fsdp.checkpoint import load_job
 
 KIB = 1 << 10
 CHUNK = 64 * KIB
@@ -104,7 +105,7 @@ def test_one_chunk_steps_of_cached_reads_agree_with_the_running_digest_path(tmp_
     """A cached read whose steps are exactly one chunk (the default) hashes each step in one shot: it loads the
     same bytes as the running-digest path (steps of half a chunk) and, for a flipped byte anywhere in a piece,
     raises the same error naming the same chunk."""
-    from paddle.distributed.fsdp.checkpoint import reader
+    from paddle.distributed.fsdp.checkpoint import ranges, reader
 
     monkeypatch.setattr(reader.FileSet, "mostly_cached", lambda self, name: True)
     C = reader.CACHE_STEP
@@ -116,7 +117,7 @@ def test_one_chunk_steps_of_cached_reads_agree_with_the_running_digest_path(tmp_
     ck.save_state_dict(sd, str(path), chunk_bytes=C)
 
     def load_with(step: int, where):
-        monkeypatch.setattr(reader, "CACHE_STEP", step)
+        monkeypatch.setattr(ranges, "CACHE_STEP", step)
         whole = {k: paddle.full(list(v.shape), -1.0) for k, v in full.items()}
         parts, want = _changed_world_targets(full, int(rng.integers(0, 3)), 3)  # unaligned heads and tails
         try:
@@ -197,8 +198,7 @@ def test_reads_go_in_file_order_with_tiny_reads_last(tmp_path, monkeypatch):
     """One sequential pass per file, whatever order the targets come in: tiny reads (scalars) interleaved with
     large pieces in the file are done after it (ahead of it they broke the kernel's readahead: 2x the I/O
     requests of a cold load here)."""
-    from paddle.distributed.fsdp.checkpoint import reader
-    from paddle.distributed.fsdp.checkpoint.format import regions
+    from paddle.distributed.fsdp.checkpoint import reader, regions
 
     sd = {}
     for i in range(5):
@@ -252,7 +252,7 @@ def test_load_checkpoint_parses_the_metadata_once_and_still_checks_it(tmp_path, 
     calls = []
     real = commit.read_metadata
     monkeypatch.setattr(resume, "read_metadata", lambda *a, **k: (calls.append(a), real(*a, **k))[1])
-    monkeypatch.setattr(ck_load, "read_metadata", lambda *a, **k: (calls.append(a), real(*a, **k))[1])
+    monkeypatch.setattr(load_job, "read_metadata", lambda *a, **k: (calls.append(a), real(*a, **k))[1])
     fsdp2.load_checkpoint(str(tmp_path / "c"), optimizer=opt2)
     assert len(calls) == 1, calls
     for k, v in fsdp2.full_parameters().items():

@@ -654,7 +654,7 @@ def test_whole_pieces_are_read_in_place_and_restored_when_the_atomic_load_fails(
 
 
 def test_aliasing_targets_are_not_read_in_place(tmp_path, monkeypatch):
-    from paddle.distributed.fsdp.checkpoint import load as ck_load_mod
+    from paddle.distributed.fsdp.checkpoint import load_atomic as ck_load_mod
 
     sd = {"a": paddle.rand([4, 300_000]), "b": paddle.rand([4, 300_000])}
     ck.save_state_dict(sd, str(tmp_path / "c"))

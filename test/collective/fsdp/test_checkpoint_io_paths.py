@@ -19,7 +19,7 @@ import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 import xxhash
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
-from paddle.distributed.fsdp.checkpoint import host_memory, libc, reader, writer
+from paddle.distributed.fsdp.checkpoint import chunks, host_memory, libc, load_atomic, ranges, reader, writer
 
 MIB = 1 << 20
 
@@ -120,13 +120,13 @@ def test_failure_on_another_key_after_large_reads_changes_nothing(tmp_path, monk
     sd = big_state()
     path = tmp_path / "c"
     ck.save_state_dict(sd, str(path))
-    real = reader.read_spans
+    real = ranges.read_spans
 
     def spans_then_fail(*a, **k):
         real(*a, **k)
         raise ck.CorruptCheckpointError("injected after the span reads")
 
-    monkeypatch.setattr(reader, "read_spans", spans_then_fail)
+    monkeypatch.setattr(load_atomic, "read_spans", spans_then_fail)
     t = zero_targets()
     with pytest.raises(ck.CorruptCheckpointError, match="injected"):
         ck.load_state_dict(t, str(path), atomic=True)
@@ -244,7 +244,7 @@ class _Recorder:
 
     def check(self, files, key, piece, buf, pos, chunk_bytes):
         assert pos % chunk_bytes == 0 and len(buf) % chunk_bytes in (0, (piece.nbytes - pos) % chunk_bytes)
-        reader.verify_chunks(files, key, piece, buf, pos, chunk_bytes)
+        chunks.verify_chunks(files, key, piece, buf, pos, chunk_bytes)
         self.seen.setdefault(key, []).extend(range(pos // chunk_bytes, -(-(pos + len(buf)) // chunk_bytes)))
 
 
@@ -261,7 +261,7 @@ def test_auto_odirect_reads_cached_files_buffered_and_uncached_files_direct(tmp_
         os.fsync(fd)
         os.read(fd, len(data))  # in the page cache now
         assert libc.page_cache_fraction(fd, len(data)) > 0.9
-        files = reader.FileSet(str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}")
+        files = reader.FileSet(str(tmp_path), {"f": len(data)}, None)
         assert files.direct_fd("f") is None
         files.close()
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -273,7 +273,7 @@ def test_auto_odirect_reads_cached_files_buffered_and_uncached_files_direct(tmp_
         supported = True
     except OSError:
         supported = False
-    files = reader.FileSet(str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}")
+    files = reader.FileSet(str(tmp_path), {"f": len(data)}, None)
     try:
         assert (files.direct_fd("f") is not None) == supported
         buf = host_memory.alloc_host(len(data))
@@ -296,16 +296,14 @@ def test_read_spans_checks_every_chunk_of_every_range_once_read(tmp_path, odirec
     for p in (p1, p2):
         raw = data[p.offset : p.offset + p.nbytes]
         p.checksums = [zlib.crc32(raw[i : i + MIB]) for i in range(0, p.nbytes, MIB)]
-    files = reader.FileSet(
-        str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}", zlib.crc32, odirect=odirect
-    )
+    files = reader.FileSet(str(tmp_path), {"f": len(data)}, None, zlib.crc32, odirect=odirect)
     start = 0
     need = p2.offset + p2.nbytes
     buf = host_memory.alloc_host(-(-need // reader.DIRECT_ALIGN) * reader.DIRECT_ALIGN)
     checks = [("p1", p1, 0, p1.nbytes), ("p1b", p1, 5 * MIB, 9 * MIB), ("p2", p2, MIB, 3 * MIB)]
     rec = _Recorder()
     try:
-        reader.read_spans(files, [reader.SpanRead("f", start, need, buf, checks)], MIB, rec)
+        ranges.read_spans(files, [ranges.SpanRead("f", start, need, buf, checks)], MIB, rec)
     finally:
         files.close()
     assert np.array_equal(buf[:need], data[:need])
@@ -316,12 +314,10 @@ def test_read_spans_checks_every_chunk_of_every_range_once_read(tmp_path, odirec
     bad = data.copy()
     bad[p1.offset + 20 * MIB + 3] ^= 1
     (tmp_path / "f").write_bytes(bad.tobytes())
-    files = reader.FileSet(
-        str(tmp_path), {"f": len(data)}, lambda root, name: f"{root}/{name}", zlib.crc32, odirect=odirect
-    )
-    verifier = reader.ChunkVerifier()
+    files = reader.FileSet(str(tmp_path), {"f": len(data)}, None, zlib.crc32, odirect=odirect)
+    verifier = chunks.ChunkVerifier()
     try:
-        reader.read_spans(files, [reader.SpanRead("f", start, need, buf, checks[:1])], MIB, verifier)
+        ranges.read_spans(files, [ranges.SpanRead("f", start, need, buf, checks[:1])], MIB, verifier)
         with pytest.raises(ck.CorruptCheckpointError, match="chunk 20"):
             verifier.wait()
     finally:

@@ -24,10 +24,10 @@ import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 from paddle.distributed.fsdp import FullyShardFusion
-from paddle.distributed.fsdp.checkpoint import reader, records
+from paddle.distributed.fsdp.checkpoint import reader, records, regions
 from paddle.distributed.fsdp.checkpoint.errors import MetadataError
 from paddle.distributed.fsdp.checkpoint.format import metadata as md_format
-from paddle.distributed.fsdp.checkpoint.format import regions, schema
+from paddle.distributed.fsdp.checkpoint.format import schema
 from paddle.distributed.fsdp.checkpoint.gc_pause import gc_paused
 
 CHUNK = 4096

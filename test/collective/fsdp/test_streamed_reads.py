@@ -1,4 +1,4 @@
-"""Streamed reads (checkpoint/streamed.py) and the page-cache path of reader.read_range_direct: seeded random
+"""Streamed reads (checkpoint/streamed.py) and the page-cache path of ranges.read_range_direct: seeded random
 ranges (chunk-aligned or not, whole pieces, ranges ending at a piece's end, pieces at unaligned file offsets) of
 random files read through rings of every size, with O_DIRECT and buffered, against the file's bytes; a flipped
 byte anywhere in a chunk a range touches is found; the reader thread stops on every error."""
@@ -13,7 +13,7 @@ import numpy as np
 import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 import xxhash
-from paddle.distributed.fsdp.checkpoint import checksums, reader, streamed
+from paddle.distributed.fsdp.checkpoint import checksums, ranges, reader, streamed
 from paddle.distributed.fsdp.checkpoint.format.metadata import PieceMeta
 
 KIB = 1 << 10
@@ -41,7 +41,7 @@ def _files(tmp_path, size: int, algorithm: str, odirect) -> reader.FileSet:
     return reader.FileSet(
         str(tmp_path),
         {"f": size},
-        lambda root, name: f"{root}/{name}",
+        None,
         ALGORITHMS[algorithm],
         odirect=odirect,
     )
@@ -161,7 +161,7 @@ def test_page_cache_reads_check_each_chunk_in_cache_sized_steps(tmp_path, seed, 
     try:
         for p, a, b in _random_ranges(rng, pieces, chunk):
             out = np.empty(b - a, np.uint8)
-            reader.read_range_direct(files, p.name, p, a, b, out, chunk, True)
+            ranges.read_range_direct(files, p.name, p, a, b, out, chunk, True)
             assert np.array_equal(out, data[p.offset + a : p.offset + b])
     finally:
         files.close()
@@ -173,7 +173,7 @@ def test_page_cache_reads_check_each_chunk_in_cache_sized_steps(tmp_path, seed, 
     files = _files(tmp_path, len(data), algorithm, "auto")
     try:
         with pytest.raises(ck.CorruptCheckpointError, match=f"chunk {where // chunk},"):
-            reader.read_range_direct(files, p.name, p, 0, p.nbytes, np.empty(p.nbytes, np.uint8), chunk, True)
+            ranges.read_range_direct(files, p.name, p, 0, p.nbytes, np.empty(p.nbytes, np.uint8), chunk, True)
     finally:
         files.close()
 

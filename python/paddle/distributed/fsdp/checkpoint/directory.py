@@ -35,7 +35,7 @@ from .format.metadata import (
     check_file_name,
 )
 from .format.schema import parse_commit
-from .format.strict_json import SMALL_FILE_BYTES, loads_strict, read_capped
+from .format.strict_json import SMALL_FILE_BYTES, loads_strict
 from .io.local import TRASH_PREFIX
 from .io.storage import Storage, backend_for
 
@@ -92,15 +92,23 @@ def committed_steps(root: str, storage: Storage | None = None) -> list[int]:
     return sorted(s for s, n in zip(steps, names) if s is not None and _committed(storage.child(root, n), storage))
 
 
-def latest_checkpoint(root: str) -> str | None:
-    """Path of the checkpoint to resume from: what ``latest`` names, else the highest committed step."""
-    root = os.path.abspath(os.fspath(root))
-    name = read_latest(root)
-    if name is not None and _committed(os.path.join(root, name)):
-        return os.path.join(root, name)
-    steps = committed_steps(root)
+def _location(path, storage: Storage | None = None) -> tuple[str, Storage]:
+    """``path`` as a location (an absolute local path, or a URL of a registered scheme) and its backend."""
+    from .paths import local_path
+
+    where = local_path(path)
+    return where, storage or backend_for(where)
+
+
+def latest_checkpoint(root: str, storage: Storage | None = None) -> str | None:
+    """Location of the checkpoint to resume from: what ``latest`` names, else the highest committed step."""
+    root, storage = _location(root, storage)
+    name = read_latest(root, storage)
+    if name is not None and _committed(storage.child(root, name), storage):
+        return storage.child(root, name)
+    steps = committed_steps(root, storage)
     if steps:
-        fallback = os.path.join(root, step_dir_name(steps[-1]))
+        fallback = storage.child(root, step_dir_name(steps[-1]))
         logger.warning(
             "%s/%s %s; using the committed checkpoint with the highest step: %s",
             root,
@@ -112,9 +120,10 @@ def latest_checkpoint(root: str) -> str | None:
     return None
 
 
-def is_checkpoint_root(path: str) -> bool:
+def is_checkpoint_root(path: str, storage: Storage | None = None) -> bool:
+    path, storage = _location(path, storage)
     try:
-        names = os.listdir(path)
+        names = storage.list(path) + storage.children(path)
     except OSError:
         return False
     if COMMIT_FILE in names or METADATA_FILE in names:
@@ -122,19 +131,19 @@ def is_checkpoint_root(path: str) -> bool:
     return LATEST_FILE in names or any(parse_step(n) is not None or _STAGING_RE.match(n) for n in names)
 
 
-def resolve_checkpoint(path: str) -> str:
-    """``path`` itself for a checkpoint directory; the latest committed checkpoint for a CheckpointManager root.
+def resolve_checkpoint(path: str, storage: Storage | None = None) -> str:
+    """``path`` itself for a checkpoint; the latest committed checkpoint for a CheckpointManager root.
 
     A root without any committed checkpoint raises IncompleteCheckpointError when crashed saves left staging
-    directories in it, else NotACheckpointError.
+    locations in it, else NotACheckpointError.
     """
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path) or not is_checkpoint_root(path):
+    path, storage = _location(path, storage)
+    if not storage.exists(path) or not is_checkpoint_root(path, storage):
         return path  # the engine's read_metadata reports what is wrong with it, if anything
-    found = latest_checkpoint(path)
+    found = latest_checkpoint(path, storage)
     if found is not None:
         return found
-    staging = sorted(n for n in os.listdir(path) if _STAGING_RE.match(n))
+    staging = sorted(n for n in storage.children(path) if _STAGING_RE.match(n))
     if staging:
         raise IncompleteCheckpointError(
             f"checkpoint root {path} holds no committed checkpoint: only interrupted saves ({staging[:3]})"
@@ -190,10 +199,12 @@ def commit_id(path: str, storage: Storage | None = None) -> str | None:
         return None
 
 
-def removed_or(path: str, error: CheckpointError, checkpoint_id: str | None = None) -> CheckpointError:
+def removed_or(
+    path: str, error: CheckpointError, checkpoint_id: str | None = None, storage: Storage | None = None
+) -> CheckpointError:
     """CheckpointRemovedError when the checkpoint at ``path`` is gone (no commit record) or, given the
     ``checkpoint_id`` being read, was replaced by another one; else ``error``."""
-    now = commit_id(path)
+    now = commit_id(path, storage)
     if now is None:
         return CheckpointRemovedError(
             f"checkpoint {path} was removed while it was being read (keep_last rotation or a replacing save?)"
@@ -206,78 +217,78 @@ def removed_or(path: str, error: CheckpointError, checkpoint_id: str | None = No
     return error
 
 
-def read_metadata(path: str, options=None) -> CheckpointMetadata:
-    """Metadata of a committed checkpoint; raises NotACheckpointError / IncompleteCheckpointError / MetadataError
+def read_metadata(path: str, options=None, storage: Storage | None = None) -> CheckpointMetadata:
+    """Metadata of a committed checkpoint (read through ``storage``; None: ``options.storage`` or the backend
+    of the location's scheme); raises NotACheckpointError / IncompleteCheckpointError / MetadataError
     (CorruptCheckpointError for an I/O error such as EACCES or EIO: never a bare OSError)."""
-    path = os.path.abspath(os.fspath(path))
     if options is None:
         from .options import resolve
 
         options = resolve(None)
+    path, storage = _location(path, storage or options.storage)
     try:
-        return _read_metadata(path, options.max_metadata_bytes)
-    except FileNotFoundError as e:  # the directory went away under the reader (keep_last rotation)
-        raise removed_or(path, CorruptCheckpointError(f"checkpoint {path}: {e}")) from e
+        return _read_metadata(path, options.max_metadata_bytes, storage)
+    except FileNotFoundError as e:  # the checkpoint went away under the reader (keep_last rotation)
+        raise removed_or(path, CorruptCheckpointError(f"checkpoint {path}: {e}"), None, storage) from e
     except OSError as e:
         raise CorruptCheckpointError(f"checkpoint {path}: cannot read it: {type(e).__name__}: {e}") from e
 
 
-def _read_metadata(path: str, max_metadata_bytes: int) -> CheckpointMetadata:
-    if not os.path.isdir(path):
-        parent = os.path.dirname(path)
-        base = os.path.basename(path)
-        try:
-            near = sorted(n for n in os.listdir(parent) if n.startswith((base + ".old-", base + ".tmp-")))
-        except OSError:
-            near = []
-        staging = [n for n in near if n.startswith(base + ".tmp-")]
-        old = [n for n in near if n.startswith(base + ".old-")]
-        old_hint = (
-            (f"; {old[0]} holds the checkpoint that was being replaced (rename it back to {base})") if old else ""
-        )
-        if staging:
-            raise IncompleteCheckpointError(
-                f"checkpoint {path} is incomplete: it was never committed; "
-                f"{_describe_staging(_newest(parent, staging))} left {staging[:3]} next to it{old_hint}"
-            )
-        raise NotACheckpointError(f"{path} is not a checkpoint: no such directory{old_hint}")
-    mpath = os.path.join(path, METADATA_FILE)
-    cpath = os.path.join(path, COMMIT_FILE)
-    has_m, has_c = os.path.isfile(mpath), os.path.isfile(cpath)
-    if not has_c:
-        names = os.listdir(path)
-        looks_partial = has_m or PARTS_DIR in names or any(n.endswith("_0.safetensors") for n in names)
-        if looks_partial:
-            missing = "the commit record COMMIT" + ("" if has_m else " and metadata.json")
-            raise IncompleteCheckpointError(
-                f"checkpoint {path} is incomplete: {missing} is missing (the save did not finish)"
-            )
-        if LATEST_FILE in names:
-            raise NotACheckpointError(
-                f"{path} is a checkpoint root ({LATEST_FILE} -> {_peek_latest(path)}), not a checkpoint: pass one "
-                f"of its checkpoint directories, or pass the root to load_checkpoint / CheckpointManager"
-            )
-        stock = any(n.endswith(".metadata") for n in names)
-        raise NotACheckpointError(
-            f"{path} is not a {FORMAT_NAME} checkpoint: no {METADATA_FILE} and no {COMMIT_FILE} "
-            f"({'looks like a stock paddle checkpoint; ' if stock else ''}contents: {_describe_dir(path)})"
-        )
+def _not_there(path: str, storage: Storage) -> CheckpointError:
+    """Why there is nothing at ``path``: a save that never committed (its staging next to it), or nothing."""
+    parent, base = storage.parent(path), path.rstrip("/").rpartition("/")[2]
     try:
-        cid, want_sha = parse_commit(
-            loads_strict(read_capped(cpath, SMALL_FILE_BYTES, COMMIT_FILE), f"{path}/{COMMIT_FILE}"),
-            f"{path}/{COMMIT_FILE}",
+        near = sorted(n for n in storage.children(parent) if n.startswith((base + ".old-", base + ".tmp-")))
+    except OSError:
+        near = []
+    staging = [n for n in near if n.startswith(base + ".tmp-")]
+    old = [n for n in near if n.startswith(base + ".old-")]
+    old_hint = (f"; {old[0]} holds the checkpoint that was being replaced (rename it back to {base})") if old else ""
+    if staging:
+        return IncompleteCheckpointError(
+            f"checkpoint {path} is incomplete: it was never committed; "
+            f"{_describe_staging(storage, _newest(parent, staging, storage))} left {staging[:3]} next to it{old_hint}"
         )
+    return NotACheckpointError(f"{path} is not a checkpoint: no such directory{old_hint}")
+
+
+def _not_committed(path: str, names: list[str], storage: Storage) -> CheckpointError:
+    """Why ``path``, which holds ``names`` but no commit record, is not a checkpoint."""
+    has_m = METADATA_FILE in names
+    looks_partial = has_m or PARTS_DIR in names or any(n.endswith("_0.safetensors") for n in names)
+    if looks_partial:
+        missing = "the commit record COMMIT" + ("" if has_m else " and metadata.json")
+        return IncompleteCheckpointError(
+            f"checkpoint {path} is incomplete: {missing} is missing (the save did not finish)"
+        )
+    if LATEST_FILE in names:
+        return NotACheckpointError(
+            f"{path} is a checkpoint root ({LATEST_FILE} -> {_peek_latest(path, storage)}), not a checkpoint: pass "
+            f"one of its checkpoint directories, or pass the root to load_checkpoint / CheckpointManager"
+        )
+    stock = any(n.endswith(".metadata") for n in names)
+    shown = ", ".join(sorted(names)[:8] + (["..."] if len(names) > 8 else [])) or "empty"
+    return NotACheckpointError(
+        f"{path} is not a {FORMAT_NAME} checkpoint: no {METADATA_FILE} and no {COMMIT_FILE} "
+        f"({'looks like a stock paddle checkpoint; ' if stock else ''}contents: {shown})"
+    )
+
+
+def _read_metadata(path: str, max_metadata_bytes: int, storage: Storage) -> CheckpointMetadata:
+    if not storage.exists(path):
+        raise _not_there(path, storage)
+    where = f"{path}/{COMMIT_FILE}"
+    try:
+        raw = storage.get(path, COMMIT_FILE, SMALL_FILE_BYTES)
+        if raw is None:
+            raise _not_committed(path, storage.list(path) + storage.children(path), storage)
+        cid, want_sha = parse_commit(loads_strict(raw, where), where)
     except MetadataError as e:
         raise MetadataError(f"checkpoint {path}: commit record {COMMIT_FILE} is damaged: {e}") from None
-    except FileNotFoundError:
-        raise removed_or(path, CorruptCheckpointError(f"checkpoint {path}: {COMMIT_FILE} vanished")) from None
-    missing = CorruptCheckpointError(f"checkpoint {path}: {METADATA_FILE} is missing although it was committed")
-    if not has_m:
-        raise removed_or(path, missing)
-    try:
-        data = read_capped(mpath, max_metadata_bytes, METADATA_FILE)
-    except FileNotFoundError:
-        raise removed_or(path, missing) from None
+    data = storage.get(path, METADATA_FILE, max_metadata_bytes)
+    if data is None:
+        missing = CorruptCheckpointError(f"checkpoint {path}: {METADATA_FILE} is missing although it was committed")
+        raise removed_or(path, missing, None, storage)
     if hashlib.sha256(data).hexdigest() != want_sha:
         raise MetadataError(
             f"checkpoint {path}: {METADATA_FILE} does not match the checksum in the commit record (damaged)"
@@ -288,31 +299,23 @@ def _read_metadata(path: str, max_metadata_bytes: int) -> CheckpointMetadata:
     return md
 
 
-def _describe_dir(path: str) -> str:
-    try:
-        names = sorted(os.listdir(path))
-    except OSError:
-        return "unreadable"
-    if len(names) > 8:
-        names = names[:8] + ["..."]
-    return ", ".join(names) or "empty"
+def _newest(parent: str, names: list[str], storage: Storage) -> str:
+    """The most recently changed of the locations ``names`` under ``parent`` (local: by mtime; else the last)."""
 
-
-def _newest(parent: str, names: list[str]) -> str:
     def mtime(n: str) -> float:
         try:
             return os.path.getmtime(os.path.join(parent, n))
         except OSError:
             return 0.0
 
-    return os.path.join(parent, max(names, key=mtime))
+    return storage.child(parent, max(names, key=mtime))
 
 
-def _describe_staging(staging: str) -> str:
-    """Why a staging directory is there: a save that failed with an error, or one that was killed (or runs)."""
-    parts = os.path.join(staging, PARTS_DIR)
+def _describe_staging(storage: Storage, staging: str) -> str:
+    """Why a staging location is there: a save that failed with an error, or one that was killed (or runs)."""
+    parts = storage.child(staging, PARTS_DIR)
     try:
-        names = sorted(os.listdir(parts))
+        names = storage.list(parts)
     except OSError:
         names = []
     errors = [n for n in names if _FAILURE_MARKER.match(n)]
@@ -320,7 +323,7 @@ def _describe_staging(staging: str) -> str:
         errors.sort(key=lambda n: (not n.endswith(".json") and n != "ABORT", n))  # details first, then tags
         n = errors[0]
         try:
-            raw = read_capped(os.path.join(parts, n), SMALL_FILE_BYTES, n)[:500]
+            raw = (storage.get(parts, n, SMALL_FILE_BYTES) or b"")[:500]
             if n.endswith(".json"):
                 why = loads_strict(raw, n).get("error")
             else:
@@ -331,13 +334,13 @@ def _describe_staging(staging: str) -> str:
     return "a save that was interrupted (or is still running)"
 
 
-# failure markers of a save (save.py): details in <rank>.failed.json / ABORT, the cause in the name otherwise
+# failure markers of a save (markers.py): details in <rank>.failed.json / ABORT, the cause in the name otherwise
 _FAILURE_MARKER = re.compile(r"^(\d+\.failed(\.json|\.[A-Za-z0-9_]+)?|ABORT(\.[A-Za-z0-9_]+)?)$")
 
 
-def _peek_latest(root: str) -> str:
+def _peek_latest(root: str, storage: Storage) -> str:
     try:
-        raw = read_capped(os.path.join(root, LATEST_FILE), SMALL_FILE_BYTES, LATEST_FILE)
-        return raw[:256].decode(errors="replace").strip() or "empty"
+        raw = storage.get(root, LATEST_FILE, SMALL_FILE_BYTES)
+        return "missing" if raw is None else raw[:256].decode(errors="replace").strip() or "empty"
     except (OSError, CheckpointError):
         return "unreadable"

@@ -19,8 +19,10 @@ import threading
 
 import numpy as np
 
-from . import reader
+from .chunks import ChunkVerifier
 from .coordination import aligned
+from .ranges import read_range_direct
+from .reader import FileSet
 
 
 class InPlaceReads:
@@ -55,7 +57,7 @@ class InPlaceReads:
                 self._error = e
                 self._cond.notify_all()
 
-    def read(self, files: reader.FileSet, chunk_bytes: int, verify: bool, verifier: reader.ChunkVerifier) -> None:
+    def read(self, files: FileSet, chunk_bytes: int, verify: bool, verifier: ChunkVerifier) -> None:
         """Read every region into its target (each once its previous bytes are saved); checks go to ``verifier``."""
         for i, (key, piece, dst) in enumerate(self._regions):
             with self._cond:
@@ -64,7 +66,7 @@ class InPlaceReads:
                 if self._error is not None:
                     raise self._error
             self._started = i + 1
-            reader.read_range_direct(files, key, piece, 0, piece.nbytes, dst, chunk_bytes, verify, verifier=verifier)
+            read_range_direct(files, key, piece, 0, piece.nbytes, dst, chunk_bytes, verify, verifier=verifier)
 
     def restore(self) -> None:
         """Put back the previous bytes of every region that may have been written (the load did not commit)."""

@@ -57,6 +57,7 @@ from .errors import (
 from .format.metadata import LATEST_FILE
 from .io.storage import Storage, backend_for
 from .load import LoadReport, load_state_dict
+from .paths import local_path, url_scheme
 from .save import SaveHandle, save_and_publish
 
 logger = logging.getLogger(__name__)
@@ -117,13 +118,13 @@ class CheckpointManager:
     ) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
-        self.root = os.path.abspath(os.fspath(root))
+        self.root = local_path(root)  # a local directory, or a URL of a served scheme (s3://bucket/prefix)
         self.keep_last = keep_last
         self.process_group = process_group
         self.coordinator_rank = coordinator_rank
 
     def path_for(self, step: int) -> str:
-        return os.path.join(self.root, step_dir_name(step))
+        return backend_for(self.root).child(self.root, step_dir_name(step))
 
     def save(self, step: int, state_dict: dict, **save_kwargs) -> SaveHandle | None:
         """Save ``state_dict`` as ``step``; ``latest`` moves after the commit, then old ones are pruned.
@@ -131,12 +132,13 @@ class CheckpointManager:
         ``save_kwargs`` go to the engine's ``save_state_dict`` (``async_save``, ``commit_timeout``, ...).
         """
         name = step_dir_name(step)
-        try:
-            os.makedirs(self.root, exist_ok=True)
-        except OSError as e:  # read-only file system, permissions: a named error, like any failed save
-            raise SaveFailedError(f"save to {self.root}: cannot create the checkpoint root: {e}") from e
         options = save_kwargs.get("options")
         storage = backend_for(self.root, getattr(options, "storage", None))
+        if url_scheme(self.root) is None:
+            try:
+                os.makedirs(self.root, exist_ok=True)
+            except OSError as e:  # read-only file system, permissions: a named error, like any failed save
+                raise SaveFailedError(f"save to {self.root}: cannot create the checkpoint root: {e}") from e
         return save_and_publish(
             state_dict,
             storage.child(self.root, name),
@@ -152,7 +154,7 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         path = self.latest()
-        return None if path is None else parse_step(os.path.basename(path))
+        return None if path is None else parse_step(path.rstrip("/").rpartition("/")[2])
 
     def steps(self) -> list[int]:
         """Steps of all committed checkpoints, ascending."""

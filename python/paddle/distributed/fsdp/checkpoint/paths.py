@@ -1,10 +1,11 @@
-"""Checkpoint paths at the engine's entry points: a local path, or a refusal of a URL the engine does not serve.
+"""Checkpoint locations at the engine's entry points: a local path made absolute, a URL of a served scheme kept,
+any other URL refused with a named error.
 
 Why: ``os.path.abspath("s3://bucket/run")`` is a valid relative path, so before this check a save to an S3 URL
 "succeeded" into a directory named ``s3:`` under the working directory and a load read from there. Every entry
-point that takes a path turns it into an absolute local path here; any ``scheme://`` URL is refused with
-UnsupportedURLError (the S3 backend, checkpoint/s3/, serves ``s3://`` through the storage interface once the engine
-speaks to storage only through it).
+point that takes a path turns it into a location here; a ``scheme://`` URL passes only when a storage backend
+serves that scheme (``io.storage.register_backend``; ``s3://`` is known and loads its backend on first use), else
+UnsupportedURLError.
 """
 
 from __future__ import annotations
@@ -34,11 +35,17 @@ def url_scheme(path: object) -> str | None:
 
 
 def local_path(path: str | os.PathLike) -> str:
-    """``path`` as an absolute local path; UnsupportedURLError for a URL, TypeError for a non-path."""
+    """``path`` as a location: an absolute local path, or the URL itself when a storage backend serves its scheme;
+    UnsupportedURLError for any other URL, TypeError for a non-path."""
+    from .io.storage import served_schemes
+
     scheme = url_scheme(path)
     if scheme is not None:
+        if scheme in served_schemes():
+            return path.rstrip("/") if path.rstrip("/") != f"{scheme}:/" else path
         raise UnsupportedURLError(
-            f"checkpoint path {path!r} is a {scheme}:// URL, which this entry point does not serve: it takes a local "
-            "(or mounted) directory. Nothing was written or read."
+            f"checkpoint path {path!r} is a {scheme}:// URL, which no storage backend serves (served: "
+            f"{', '.join(sorted(served_schemes())) or 'none'}; register one with io.storage.register_backend). "
+            "Nothing was written or read."
         )
     return os.path.abspath(os.fspath(path))

@@ -18,11 +18,12 @@ PROCESS_STATE = (
     ("host_memory", "arena", "the resident snapshot buffer of async saves", "release_host_buffers()"),
     ("snapshot", "_staging", "pinned host staging of device snapshots", "kept"),
     ("snapshot_guard", "_inflight / _installed", "snapshots being copied; the in-place write guard", "checked"),
-    ("reader", "_pools", "checksum thread pools, one per size", "kept"),
+    ("chunks", "_pools", "checksum thread pools, one per size", "kept"),
     ("gc_pause", "_depth", "pauses of Python's cyclic GC in progress", "must be 0"),
     ("faults", "_counts", "test-only fault hook arrivals", "cleared"),
     ("checksums", "_warned_fallback", "the crc32 fallback warning was logged", "cleared"),
     ("io.storage", "_schemes", "registered storage backends by URL scheme", "kept"),
+    ("s3.storage", "_default", "the shared S3Storage of s3:// locations (its clients; made at first use)", "kept"),
 )
 
 

@@ -28,9 +28,10 @@ import threading
 
 import numpy as np
 
-from . import reader
+from .chunks import ChunkStream
 from .format.metadata import PieceMeta
 from .host_memory import alloc_host
+from .reader import DIRECT_ALIGN, FileSet
 
 STEP = 256 << 10  # bytes hashed, then copied, at a time: they stay in L2 between the two passes
 RING_BYTES = 16 << 20  # bounce buffers in all (at most; the caller's window may make it smaller)
@@ -49,12 +50,12 @@ class _Range:
             self.a0, self.b0 = (a // chunk) * chunk, min(-(-b // chunk) * chunk, piece.nbytes)
         else:
             self.a0, self.b0 = a, b
-        A = reader.DIRECT_ALIGN
+        A = DIRECT_ALIGN
         self.start = ((piece.offset + self.a0) // A) * A
         self.end = -(-(piece.offset + self.b0) // A) * A
 
 
-def stream_ranges(files: reader.FileSet, ranges: list, chunk_bytes: int, verify: bool, ring_bytes: int) -> None:
+def stream_ranges(files: FileSet, ranges: list, chunk_bytes: int, verify: bool, ring_bytes: int) -> None:
     """Read every ``(key, piece, a, b, out)`` (piece bytes ``[a, b)`` into the uint8 buffer ``out``), in the order
     given, through a ring of at most ``ring_bytes`` of bounce buffers (module docstring). Every chunk a byte of
     ``out`` comes from is verified (``verify``, when ``files`` verifies) before this returns."""
@@ -62,7 +63,7 @@ def stream_ranges(files: reader.FileSet, ranges: list, chunk_bytes: int, verify:
     todo = [_Range(*r, chunk_bytes, verify) for r in ranges]
     if not todo:
         return
-    A = reader.DIRECT_ALIGN
+    A = DIRECT_ALIGN
     slab = max(A, (min(ring_bytes, RING_BYTES) // RING_SLABS // A) * A)
     ring = alloc_host(slab * RING_SLABS, for_direct_reads=True)
     free: queue.SimpleQueue = queue.SimpleQueue()
@@ -76,7 +77,7 @@ def stream_ranges(files: reader.FileSet, ranges: list, chunk_bytes: int, verify:
     thread.start()
     try:
         for rng in todo:
-            check = reader.ChunkStream(files, rng.key, rng.piece, rng.a0, chunk_bytes) if verify else None
+            check = ChunkStream(files, rng.key, rng.piece, rng.a0, chunk_bytes) if verify else None
             lo, hi = rng.piece.offset + rng.a0, rng.piece.offset + rng.b0  # file bytes hashed
             dlo, dhi = rng.piece.offset + rng.a, rng.piece.offset + rng.b  # file bytes copied into out
             pos = rng.start
@@ -105,7 +106,7 @@ def stream_ranges(files: reader.FileSet, ranges: list, chunk_bytes: int, verify:
         thread.join()
 
 
-def _read_slabs(files: reader.FileSet, todo: list, slab: int, free, filled, stop: threading.Event) -> None:
+def _read_slabs(files: FileSet, todo: list, slab: int, free, filled, stop: threading.Event) -> None:
     """Reader thread: every range's file bytes in slabs, O_DIRECT where the file allows it (else buffered), into
     free bounce buffers; ``(bytes that matter, buffer)`` per slab, or the exception that stopped it, into ``filled``."""
     try:

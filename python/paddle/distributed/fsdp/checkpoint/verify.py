@@ -1,33 +1,39 @@
-"""Offline soundness check of a committed checkpoint: ``verify_checkpoint``."""
+"""Offline soundness check of a committed checkpoint: ``verify_checkpoint``, every byte read through the storage
+interface (a local directory or any registered URL scheme, e.g. ``s3://``)."""
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
-from . import checksums, reader
+from . import checksums
 from .directory import read_metadata, removed_or
 from .errors import CheckpointError, CheckpointRemovedError, CorruptCheckpointError, SafetensorsHeaderError
 from .format import safetensors
 from .format.coverage import coverage_problems
-from .format.metadata import resolve_member
-from .format.regions import iter_piece
-from .format.strict_json import open_regular
+from .format.metadata import check_file_name
+from .io.storage import Storage
+from .options import CheckpointOptions
 from .paths import local_path
 from .planner import region_of_piece
+from .reader import FileSet
+from .regions import iter_piece
 
 
-def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) -> list[str]:
+def verify_checkpoint(
+    path: str, on_bytes: Callable[[int], None] | None = None, *, options: CheckpointOptions | None = None
+) -> list[str]:
     """Problems found in the checkpoint at ``path`` (empty list == sound).
 
     Checks the commit record, metadata, that every element of every tensor is covered exactly once, that every
     data file exists with the expected size and a safetensors header that matches the metadata, that pieces do
     not overlap inside a file, and every checksum (reads all data once). ``on_bytes(n)`` is called as data is
-    checked (a progress bar's ``update``).
+    checked (a progress bar's ``update``). ``options.storage`` picks the backend (None: by the path's scheme).
     """
     path = local_path(path)
+    opts = options if options is not None else CheckpointOptions()
+    storage = opts.storage_for(path)
     try:
-        md = read_metadata(path)
+        md = read_metadata(path, opts, storage)
     except CheckpointError as e:
         return [f"{type(e).__name__}: {e}"]
     problems: list[str] = []
@@ -42,8 +48,7 @@ def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) 
     usable = set()
     for name, fm in md.files.items():
         try:
-            fpath = resolve_member(path, name)
-            fd = open_regular(fpath)
+            handle = storage.open_read(path, check_file_name(name))
         except FileNotFoundError:
             problems.append(f"data file {name} is missing")
             continue
@@ -51,47 +56,61 @@ def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) 
             problems.append(f"data file {name}: {e}")
             continue
         try:
-            size = os.fstat(fd).st_size
-            if size != fm.size:
-                problems.append(f"data file {name} has {size} bytes, expected {fm.size}")
+            if handle.size != fm.size:
+                problems.append(f"data file {name} has {handle.size} bytes, expected {fm.size}")
                 continue
             usable.add(name)
+            problems += _check_header(handle, f"{path}/{name}", name, by_file[name])
         finally:
-            os.close(fd)
-        problems += _check_header(fpath, name, by_file[name])
+            handle.close()
     if md.checksum != checksums.NONE:
-        try:
-            files = reader.FileSet.of(path, md, resolve_member, verify=True)
-        except CheckpointError as e:  # e.g. xxh3-64 checksums without the xxhash package
-            return problems + [str(e)]
-        try:
-            for key, tm in md.tensors.items():
-                for p in tm.pieces:
-                    if p.file not in usable or p.nbytes == 0:
-                        continue
-                    try:
-                        for window in iter_piece(files, md, key, p, True):
-                            if on_bytes is not None:
-                                on_bytes(len(window))
-                    except (CheckpointError, OSError) as e:
-                        problems.append(str(e))
-        finally:
-            files.close()
+        problems += _check_chunks(path, md, storage, opts, usable, on_bytes)
     if problems:
         # a checkpoint removed (keep_last rotation) or replaced while being verified is not corrupt
-        gone = removed_or(path, CorruptCheckpointError(""), md.checkpoint_id)
+        gone = removed_or(path, CorruptCheckpointError(""), md.checkpoint_id, storage)
         if isinstance(gone, CheckpointRemovedError):
             return [f"{type(gone).__name__}: {gone}"]
     return problems
 
 
-def _check_header(fpath: str, name: str, pieces) -> list[str]:
-    """The safetensors header of the data file (format/safetensors.py: bounded, strict) must hold each piece's
-    byte range."""
+def _check_chunks(path: str, md, storage: Storage, opts, usable: set, on_bytes) -> list[str]:
+    """Every checksum of every piece in a usable data object (all data read once)."""
     try:
-        st = safetensors.read_header(fpath)
+        files = FileSet.of(path, md, verify=True, options=opts, storage=storage)
+    except CheckpointError as e:  # e.g. xxh3-64 checksums without the xxhash package
+        return [str(e)]
+    problems = []
+    try:
+        for key, tm in md.tensors.items():
+            for p in tm.pieces:
+                if p.file not in usable or p.nbytes == 0:
+                    continue
+                try:
+                    for window in iter_piece(files, md, key, p, True):
+                        if on_bytes is not None:
+                            on_bytes(len(window))
+                except (CheckpointError, OSError) as e:
+                    problems.append(str(e))
+    finally:
+        files.close()
+    return problems
+
+
+def _check_header(handle, where: str, name: str, pieces) -> list[str]:
+    """The safetensors header of the data object (format/safetensors.py: bounded, strict) must hold each piece's
+    byte range."""
+
+    def read_at(offset: int, n: int) -> bytes:
+        buf = bytearray(n)
+        got = handle.read_into(offset, buf)
+        return bytes(buf[:got])
+
+    try:
+        st = safetensors.parse_header(handle.size, read_at, where)
     except SafetensorsHeaderError as e:
         return [f"data file {name}: unreadable safetensors header: {e}"]
+    except OSError as e:
+        return [f"data file {name}: unreadable safetensors header: cannot read it: {e}"]
     entries = {e.name: e for e in st.entries}
     out = []
     for a, b, key, p in pieces:

@@ -298,7 +298,7 @@ def _load_retrying(fsdp, path, optimizer, strict, verify_checksums, atomic, max_
         try:
             return _load_once(fsdp, path, optimizer, strict, verify_checksums, atomic, max_host_bytes, options)
         except CheckpointRemovedError as e:  # raised on every rank alike (the engine exchanges errors)
-            if attempt == _REMOVED_RETRIES or not is_checkpoint_root(os.path.abspath(os.fspath(path))):
+            if attempt == _REMOVED_RETRIES or not is_checkpoint_root(path):
                 raise
             logger.warning("load_checkpoint(%s): %s; retrying with what %s names now", path, e, "latest")
     raise AssertionError("unreachable")  # pragma: no cover

@@ -1,7 +1,7 @@
 """Streaming access to checkpoints for the tools: key roles, one-tensor-at-a-time reads, a one-process writer.
 
 Built only on the engine's public pieces (``read_metadata``, the metadata dataclasses, the coverage check every
-load runs (``load.check_coverage``), ``format.regions.read_region`` with its checksummed reads, ``reader``'s read
+load runs (``load.check_coverage``), ``regions.read_region`` with its checksummed reads, ``reader``'s read
 loop, ``writer``'s rank-file writer and ``format.commit``), so the format has one implementation and the tools
 never hold more than one full tensor of a checkpoint in memory.
 
@@ -53,13 +53,13 @@ from ..checkpoint.format.metadata import (
     TensorMeta,
     itemsize,
     rank_file_name,
-    resolve_member,
     storage_dtype,
 )
-from ..checkpoint.format.regions import read_region
 from ..checkpoint.format.reserved import BUFFERS_KEY, OPTIMIZER_KEY
 from ..checkpoint.format.safetensors import build_header
+from ..checkpoint.paths import local_path
 from ..checkpoint.planner import Region
+from ..checkpoint.regions import read_region
 from .errors import ToolError
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> str:
 
     Uses the engine's ``resolve_checkpoint`` when this build has it (else returns ``path`` unchanged).
     """
-    path = os.path.abspath(os.fspath(path))
+    path = local_path(path)  # a local path, or a URL of a served scheme (s3://)
     try:
         from ..checkpoint import resolve_checkpoint
     except ImportError:  # an engine without numbered checkpoints
@@ -163,9 +163,10 @@ class CheckpointReader:
 
     def __init__(self, path: str | os.PathLike, verify: bool = True, options: CheckpointOptions | None = None) -> None:
         self.path = resolve_checkpoint_path(path)
-        self.md = read_metadata(self.path)
         opts = CheckpointOptions.from_env() if options is None else options
-        self._files = reader.FileSet.of(self.path, self.md, resolve_member, verify, opts)
+        storage = opts.storage_for(self.path)
+        self.md = read_metadata(self.path, opts, storage)
+        self._files = reader.FileSet.of(self.path, self.md, verify, opts, storage)
         self.verify = self._files.verifies
         self._covered: set[str] = set()
 
@@ -223,7 +224,7 @@ class CheckpointReader:
             return np.empty(0, np.uint8)
         self.check_coverage(key)
         for name in sorted({p.file for p in tm.pieces if p.nbytes}):
-            self._files.fd(name)  # real regular files of the declared sizes, before allocating by the shape
+            self._files.handle(name)  # real regular files of the declared sizes, before allocating by the shape
         out = np.empty(region.numel * itemsize(tm.dtype), np.uint8)
         read_region(self._files, self.md, key, region, out, self.verify, window_bytes=self.WINDOW_BYTES)
         return out

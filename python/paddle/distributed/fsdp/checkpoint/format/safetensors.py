@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import MetadataError, NotARegularFileError, SafetensorsHeaderError
@@ -57,12 +58,8 @@ class SafetensorsFile:
 
 
 def read_header(path: str) -> SafetensorsFile:
-    """Parse and validate the header of the safetensors file ``path`` (no tensor data is read).
-
-    Refused (SafetensorsHeaderError): a file too short for its header, an implausible header length, a header
-    that is not a JSON object, malformed entries, dtypes this engine cannot hold, entries whose byte size does
-    not match shape and dtype, entries outside the file, overlapping entries.
-    """
+    """Parse and validate the header of the local safetensors file ``path`` (no tensor data is read); see
+    ``parse_header``."""
     try:
         fd = open_regular(path)  # a FIFO or device in its place is refused, never blocks
     except NotARegularFileError as e:
@@ -70,18 +67,28 @@ def read_header(path: str) -> SafetensorsFile:
     except OSError as e:
         raise SafetensorsHeaderError(f"cannot read {path}: {e.strerror or e}") from None
     try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, 8, 0)
-        if len(head) < 8:
-            raise SafetensorsHeaderError(f"{path} is not a safetensors file (only {size} bytes)")
-        n = int.from_bytes(head, "little")
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise SafetensorsHeaderError(f"{path} is not a safetensors file (header length {n} for a {size}-byte file)")
-        raw = os.pread(fd, n, 8)
+        return parse_header(os.fstat(fd).st_size, lambda offset, n: os.pread(fd, n, offset), path)
     except OSError as e:
         raise SafetensorsHeaderError(f"cannot read {path}: {e.strerror or e}") from None
     finally:
         os.close(fd)
+
+
+def parse_header(size: int, read_at: Callable[[int, int], bytes], path: str) -> SafetensorsFile:
+    """Parse and validate the header of a safetensors object of ``size`` bytes, whose bytes ``read_at(offset, n)``
+    returns (from any storage), named ``path`` in errors.
+
+    Refused (SafetensorsHeaderError): a file too short for its header, an implausible header length, a header
+    that is not a JSON object, malformed entries, dtypes this engine cannot hold, entries whose byte size does
+    not match shape and dtype, entries outside the file, overlapping entries.
+    """
+    head = read_at(0, 8) if size >= 8 else b""
+    if len(head) < 8:
+        raise SafetensorsHeaderError(f"{path} is not a safetensors file (only {size} bytes)")
+    n = int.from_bytes(head, "little")
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise SafetensorsHeaderError(f"{path} is not a safetensors file (header length {n} for a {size}-byte file)")
+    raw = read_at(8, n)
     try:
         header = loads_strict(raw, f"{path} header")  # bounded depth, no NaN/Infinity
     except MetadataError as e:

@@ -21,8 +21,8 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from .. import writer
-from ..format.metadata import COMMIT_FILE, METADATA_FILE, STOCK_METADATA_FILE
-from ..format.strict_json import read_capped
+from ..format.metadata import COMMIT_FILE, METADATA_FILE, STOCK_METADATA_FILE, resolve_member
+from ..format.strict_json import open_regular, read_capped
 from .storage import DigestFn, Piece, Storage, StorageError
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -39,7 +39,7 @@ class LocalReadHandle:
 
     def __init__(self, path: str):
         self.path = path
-        self._fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+        self._fd = open_regular(path)  # regular files only: a FIFO or device in its place is refused
         self.size = os.fstat(self._fd).st_size
 
     def fileno(self) -> int:
@@ -175,8 +175,9 @@ class LocalStorage(Storage):
             return None
 
     def open_read(self, location: str, name: str) -> LocalReadHandle:
+        """A regular file inside ``location`` (a symlink out of it is refused; a FIFO never blocks the open)."""
         _check_name(name)
-        return LocalReadHandle(os.path.join(location, name))
+        return LocalReadHandle(resolve_member(location, name))
 
 
 LOCAL = LocalStorage()

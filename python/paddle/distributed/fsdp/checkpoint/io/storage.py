@@ -156,6 +156,23 @@ class Storage(ABC):
 _schemes: dict[str, Callable[[], Storage]] = {}
 
 
+def _s3_backend() -> Storage:
+    """``s3://``: the S3 backend, imported (with boto3) only when an s3:// location is first used."""
+    from ..s3.storage import default_storage
+
+    return default_storage()
+
+
+# schemes served by backends of this package, registered without importing them (their client libraries load on
+# first use); register_backend replaces them
+_schemes["s3"] = _s3_backend
+
+
+def served_schemes() -> set[str]:
+    """The URL schemes ``backend_for`` serves."""
+    return set(_schemes)
+
+
 def register_backend(scheme: str, factory: Callable[[], Storage]) -> None:
     """Make locations ``<scheme>://...`` use ``factory()``'s backend (a backend module calls this once)."""
     if not scheme.isidentifier():

@@ -15,11 +15,13 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .. import reader, streamed
-from ..errors import CorruptCheckpointError
-from ..host_memory import host_empty
-from ..planner import Region, plan_reads
-from .metadata import DTYPES, CheckpointMetadata, PieceMeta
+from . import ranges, streamed
+from .chunks import ChunkVerifier, verify_chunks
+from .errors import CorruptCheckpointError
+from .format.metadata import DTYPES, CheckpointMetadata, PieceMeta
+from .host_memory import host_empty
+from .planner import Region, plan_reads
+from .reader import DEFAULT_WINDOW, FileSet
 
 
 def region_segments(root: str, md: CheckpointMetadata, key: str, region: Region) -> list:
@@ -63,15 +65,15 @@ def clip_segments(segments: list, w0: int, w1: int, chunk_bytes: int) -> list:
 
 
 def read_region(
-    files: reader.FileSet,
+    files: FileSet,
     md: CheckpointMetadata,
     key: str,
     region: Region,
     out: np.ndarray,
     verify: bool,
-    verifier: reader.ChunkVerifier | None = None,
+    verifier: ChunkVerifier | None = None,
     deferred: list | None = None,
-    window_bytes: int = reader.DEFAULT_WINDOW,
+    window_bytes: int = DEFAULT_WINDOW,
     segments: list | None = None,
 ) -> None:
     """Read every element of ``region`` of ``key`` into ``out`` (uint8, region storage order).
@@ -99,7 +101,7 @@ def read_region(
             if deferred is not None:
                 deferred.append((key, piece, a, a + n, out[d : d + n]))
                 continue
-            reader.read_range_direct(
+            ranges.read_range_direct(
                 files, key, piece, a, a + n, out[d : d + n], md.chunk_bytes, verify, window_bytes, verifier
             )
         if big[0] if one else big.all():
@@ -123,7 +125,7 @@ def _scatter_small(files, md, key, piece, src_b, dst_b, len_b, out, verify: bool
             merged.append((a, b))
     si = 0
     n = len(src_b)
-    for wpos, buf in reader.read_piece_windows(files, key, piece, merged, md.chunk_bytes, verify, window_bytes):
+    for wpos, buf in ranges.read_piece_windows(files, key, piece, merged, md.chunk_bytes, verify, window_bytes):
         wend = wpos + len(buf)
         # segments are sorted by source offset and disjoint, so finished ones form a prefix
         j = si
@@ -150,20 +152,21 @@ def _read_bytes(entry: tuple) -> int:
 
 
 def read_deferred(
-    files: reader.FileSet,
+    files: FileSet,
     md: CheckpointMetadata,
     reads: list,
     verify: bool,
-    verifier: reader.ChunkVerifier | None,
-    window_bytes: int = reader.DEFAULT_WINDOW,
+    verifier: ChunkVerifier | None,
+    window_bytes: int = DEFAULT_WINDOW,
 ) -> None:
     """Do the reads collected by ``read_region(deferred=...)`` in file order, tiny ones (under ``TINY_READ``
     bytes, e.g. optimizer scalars) last: the kernel's readahead then sees one sequential pass per file. Tiny reads
     ahead of a sequential pass (this rank's or another rank's reading the same file) cache scattered pages in its
     way and break its readahead into small requests: here 2x the I/O requests and a cold load 1.4x slower.
     (Requesting readahead with POSIX_FADV_WILLNEED was measured slower.) Large ranges of files not in the page
-    cache are streamed through bounce buffers of at most ``window_bytes`` (streamed.py). Tiny reads of neighbouring
-    file bytes share one read (``_read_tiny``)."""
+    cache are streamed through bounce buffers of at most ``window_bytes`` (streamed.py); objects without a descriptor
+    (object stores) are read straight into their targets in large reads the backend parallelizes. Tiny reads of
+    neighbouring file bytes share one read (``_read_tiny``)."""
     verify = verify and files.verifies
     reads.sort(key=lambda r: (_read_bytes(r) < TINY_READ, r[1].file, r[1].offset + r[2]))
     first_tiny = next((i for i, r in enumerate(reads) if _read_bytes(r) < TINY_READ), len(reads))
@@ -175,11 +178,11 @@ def read_deferred(
         run.clear()
 
     for key, piece, a, b, out in reads:
-        if b is not None and not files.mostly_cached(piece.file):
+        if b is not None and files.local(piece.file) and not files.mostly_cached(piece.file):
             run.append((key, piece, a, b, out))
             continue
         flush()
-        _read_deferred_entry(files, md, (key, piece, a, b, out), verify, reader.DEFAULT_WINDOW, verifier)
+        _read_deferred_entry(files, md, (key, piece, a, b, out), verify, DEFAULT_WINDOW, verifier)
     flush()
     _read_tiny(files, md, tiny, verify, window_bytes)
 
@@ -195,7 +198,7 @@ def _tiny_span(entry: tuple, chunk_bytes: int, verify: bool) -> tuple[int, int]:
     return (a // chunk_bytes) * chunk_bytes, min(-(-b // chunk_bytes) * chunk_bytes, piece.nbytes)
 
 
-def _read_tiny(files: reader.FileSet, md: CheckpointMetadata, tiny: list, verify: bool, window_bytes: int) -> None:
+def _read_tiny(files: FileSet, md: CheckpointMetadata, tiny: list, verify: bool, window_bytes: int) -> None:
     """The tiny deferred reads (under TINY_READ bytes each: optimizer scalars, small tensors), in file order: reads
     whose file bytes lie within TINY_GAP of each other are read together into one buffer of at most
     ``window_bytes``; every chunk an entry's bytes come from is verified before they are copied into its target.
@@ -228,7 +231,7 @@ def _read_tiny(files: reader.FileSet, md: CheckpointMetadata, tiny: list, verify
         for _name, fstart, fend, a0, (key, piece, a, b, out) in entries[i:j]:
             got = view[fstart - start : fend - start]  # piece bytes [a0, a0 + len(got))
             if verify:
-                reader.verify_chunks(files, key, piece, got, a0, C)
+                verify_chunks(files, key, piece, got, a0, C)
             if b is not None:
                 out[:] = got[a - a0 : b - a0]
                 continue
@@ -239,7 +242,7 @@ def _read_tiny(files: reader.FileSet, md: CheckpointMetadata, tiny: list, verify
 
 
 def _read_deferred_entry(
-    files: reader.FileSet, md: CheckpointMetadata, entry: tuple, verify: bool, window_bytes: int, verifier
+    files: FileSet, md: CheckpointMetadata, entry: tuple, verify: bool, window_bytes: int, verifier
 ) -> None:
     """One deferred read on its own: small scattered segments of one piece ``(src, dst, length, out, window)``
     through windows, a range straight into its target (its checks queued on ``verifier`` when given)."""
@@ -248,12 +251,12 @@ def _read_deferred_entry(
         src_b, dst_b, len_b, dst, window = out
         _scatter_small(files, md, key, piece, src_b, dst_b, len_b, dst, verify, window)
     else:
-        reader.read_range_direct(files, key, piece, a, b, out, md.chunk_bytes, verify, window_bytes, verifier)
+        ranges.read_range_direct(files, key, piece, a, b, out, md.chunk_bytes, verify, window_bytes, verifier)
 
 
 def iter_piece(
-    files: reader.FileSet, md: CheckpointMetadata, key: str, piece: PieceMeta, verify: bool
+    files: FileSet, md: CheckpointMetadata, key: str, piece: PieceMeta, verify: bool
 ) -> Iterator[np.ndarray]:
     """The bytes of a whole saved piece as bounded windows, each verified before it is yielded (``verify``)."""
-    for _pos, window in reader.read_piece_windows(files, key, piece, [(0, piece.nbytes)], md.chunk_bytes, verify):
+    for _pos, window in ranges.read_piece_windows(files, key, piece, [(0, piece.nbytes)], md.chunk_bytes, verify):
         yield window

@@ -1,0 +1,76 @@
+"""The checks of a load that read no data (exact coverage, data objects of the declared sizes), the host staging
+of a target, and the named error of a failed read: shared by every kind of load (load_atomic.py,
+load_bounded.py, load.py) and the tools."""
+
+from __future__ import annotations
+
+from .errors import CorruptCheckpointError
+from .format.coverage import coverage_problems, flat_span
+from .format.metadata import CheckpointMetadata
+from .io.storage import Storage
+from .planner import region_of_piece
+from .reader import FileSet
+
+
+def staging_tensor(shape, dtype: str, pin: bool):
+    """Host memory to read into (pinned for device targets: ``CUDAPinnedPlace``, logged fallback)."""
+    from .. import device
+
+    return device.host_empty(list(shape), dtype, pinned=pin)
+
+
+def named_read_error(path: str, e: BaseException | None) -> BaseException | None:
+    """A read failure as a named error: an OSError (EIO, EACCES, ...) reading the checkpoint is
+    CorruptCheckpointError naming the path; errors of the engine pass through."""
+    if isinstance(e, OSError):
+        err = CorruptCheckpointError(f"checkpoint {path}: cannot read it: {type(e).__name__}: {e}")
+        err.__cause__ = e
+        return err
+    return e
+
+
+def check_coverage(root: str, md: CheckpointMetadata, keys) -> None:
+    """Every element of each of ``keys`` is saved exactly once (coverage.py; the check verify_checkpoint runs),
+    before a byte of data is read; CorruptCheckpointError naming the key otherwise."""
+    for key in sorted(keys):
+        tm = md.tensors[key]
+        problems = coverage_problems(
+            key, tm.shape, [(i, region_of_piece(tm.shape, p)) for i, p in enumerate(tm.pieces)]
+        )
+        if problems:
+            raise CorruptCheckpointError(f"checkpoint {root}: {problems[0]}")
+
+
+def check_data_files(
+    root: str,
+    md: CheckpointMetadata,
+    keys,
+    regions: dict | None = None,
+    options=None,
+    storage: Storage | None = None,
+) -> None:
+    """The data objects holding ``keys`` (only the pieces that touch ``regions[key]``, when given) exist in
+    ``storage`` with the sizes the metadata gives (local: regular files opened without blocking, one at a time),
+    so what is planned and allocated afterwards is bounded by bytes really there."""
+    names = set()
+    for key in keys:
+        tm = md.tensors[key]
+        span = None
+        if regions is not None and key in regions:
+            r = regions[key]
+            span = flat_span(r.shape, r.box_offset, r.box_shape, r.flat_range)
+        for p in tm.pieces:
+            if not p.nbytes:
+                continue
+            if span is not None:
+                first, end = flat_span(tm.shape, p.box_offset, p.box_shape, p.flat_range)
+                if first >= span[1] or end <= span[0]:
+                    continue
+            names.add(p.file)
+    files = FileSet.of(root, md, verify=False, options=options, storage=storage)
+    try:
+        for name in sorted(names):
+            files.handle(name)
+            files.close()
+    finally:
+        files.close()
