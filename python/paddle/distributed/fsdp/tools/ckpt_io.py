@@ -57,7 +57,7 @@ from ..checkpoint.format.metadata import (
 )
 from ..checkpoint.format.reserved import BUFFERS_KEY, OPTIMIZER_KEY
 from ..checkpoint.format.safetensors import build_header
-from ..checkpoint.paths import local_path
+from ..checkpoint.paths import local_path, url_scheme
 from ..checkpoint.planner import Region
 from ..checkpoint.regions import read_region
 from .errors import ToolError
@@ -292,7 +292,13 @@ def converted_blocks(
 
 
 def check_output_path(out: str) -> None:
-    """Refuse an output path that exists as a file, a symbolic link or a non-empty directory (never overwrite)."""
+    """Refuse an output path that exists as a file, a symbolic link or a non-empty directory (never overwrite);
+    for a URL of a storage backend, one where something is published."""
+    if url_scheme(out) is not None:
+        from .remote_output import check_remote_output
+
+        check_remote_output(local_path(out))
+        return
     if os.path.lexists(out):
         if os.path.islink(out):  # refused before any work (the final rename cannot replace a link by a directory)
             raise ToolError(f"output {out} is a symbolic link; give the real directory path (nothing is written)")
@@ -309,9 +315,20 @@ def staged_output(out: str | os.PathLike) -> Iterator[str]:
     """Yield a fresh staging directory next to ``out``; on success it is fsynced and renamed to ``out``.
 
     On any error (or Ctrl-C) the staging directory is removed, so ``out`` either appears complete or not at all;
-    a hard kill leaves only ``<out>.tmp-<id>``, never something at ``out``.
+    a hard kill leaves only ``<out>.tmp-<id>``, never something at ``out``. ``out`` may be a URL of a storage
+    backend (``s3://``): the staging directory is then a local temporary one, published there (remote_output.py).
     """
-    out = os.path.abspath(os.fspath(out))
+    out = local_path(out)
+    if url_scheme(out) is not None:
+        from .remote_output import RemoteStaging
+
+        remote = RemoteStaging(out)
+        try:
+            yield remote.local
+            remote.finish()
+        finally:
+            remote.cleanup()
+        return
     check_output_path(out)
     parent = os.path.dirname(out)
     try:

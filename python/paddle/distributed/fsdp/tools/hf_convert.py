@@ -66,6 +66,7 @@ from ..checkpoint.format.metadata import itemsize, storage_dtype
 from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
 from ..checkpoint.format.safetensors import SafetensorsEntry, SafetensorsFile
 from ..checkpoint.format.strict_json import open_regular
+from ..checkpoint.paths import local_path
 from ..checkpoint.planner import Region
 from ..checkpoint.writer import write_all
 from . import ckpt_io
@@ -286,7 +287,7 @@ def to_hf(
     rules = rules or Rules()
     max_bytes = parse_size(max_shard_size)
     dtype = parse_dtype(dtype)
-    out = os.path.abspath(os.fspath(out))
+    out = local_path(out)  # a local directory, or a URL of a storage backend (s3://)
     ckpt_io.check_output_path(out)
     config_bytes, config_dict = read_config(config) if config is not None else (None, None)
     if preset is not None and config_dict is None:
@@ -616,7 +617,7 @@ def from_hf(
     if preset is not None and rules is not None:
         raise ToolError("give either a preset or rules, not both")
     dtype = parse_dtype(dtype)
-    out = os.path.abspath(os.fspath(out))
+    out = local_path(out)  # a local directory, or a URL of a storage backend (s3://)
     ckpt_io.check_output_path(out)
     st_files, record = discover_hf(hf_path)
     if preset is None and rules is None and record is not None and isinstance(record.get("preset"), str):
