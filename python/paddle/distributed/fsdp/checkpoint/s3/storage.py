@@ -33,11 +33,13 @@ VERSION = ".v-"  # a save's objects live under final/.v-<checkpoint id>/
 POINTER = ".s3-published"  # in final: the name of the published version
 BEGUN = ".s3-begun"  # in a version: written by begin(), so that an empty staging exists
 HIDDEN = ".s3-"  # object names of this backend, never listed
-STOP_EVERY = 64 << 20  # should_stop() is called at least every this many bytes of a write
+STOP_EVERY = 64 << 20
+READ_MIN = 8 << 20  # a large read is split into parallel GETs of at least this many bytes  # should_stop() is called at least every this many bytes of a write
 
 
 class _Handle:
-    """Ranged reads of one object (``read_into`` in parallel GETs of at most part_size)."""
+    """Ranged reads of one object: ``read_into`` splits a read into up to ``concurrency`` parallel GETs (each at
+    least READ_MIN, at most part_size bytes) straight into the caller's buffer."""
 
     def __init__(self, objects: S3Objects, key: str, size: int) -> None:
         self.o, self.key, self.size = objects, key, size
@@ -46,7 +48,13 @@ class _Handle:
         mv = memoryview(buf).cast("B")
         n = max(0, min(len(mv), self.size - offset))
         if n:
-            self.o.read_ranges(self.key, [(offset, offset + n)], [mv[:n]])
+            step = min(self.o.opts.part_size, max(READ_MIN, -(-n // self.o.opts.concurrency)))
+            starts = range(0, n, step)
+            self.o.read_ranges(
+                self.key,
+                [(offset + a, offset + min(n, a + step)) for a in starts],
+                [mv[a : min(n, a + step)] for a in starts],
+            )
         return n
 
     def close(self) -> None:

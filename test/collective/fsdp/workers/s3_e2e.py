@@ -1,0 +1,149 @@
+"""Checkpoints on a real S3 server (SeaweedFS) from 2 ranks (test_s3_checkpoints.py).
+
+Usage (under paddle.distributed.launch, 2 ranks); the server is given by FSDP_TEST_S3_ENDPOINT and the AWS_*
+variables (the default ``s3://`` backend reads those):
+    s3_e2e.py roundtrip URL LOCALDIR
+        every rank's FSDP state (params + AdamW state) plus a 6 MiB row-sharded tensor (multipart uploads) is
+        saved to URL and to LOCALDIR; loads from both, memory-bounded and atomic, give the saved bytes back; a
+        CheckpointManager on URL/mgr with keep_last=2 saves steps 1..3: steps [2, 3], latest 3, step 1's objects
+        gone, load_latest gives the saved bytes back.
+    s3_e2e.py fault URL
+        step 1 saved through the server, then step 2 through FSDP_TEST_S3_PROXY (a proxy the test made fail every
+        data upload) with short S3 deadlines. Each rank reports how its save ended and how long it took.
+Each rank reports {case: "ok" | text, ...}.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+import _paths  # noqa: F401  (puts launch_util on sys.path)
+import numpy as np
+import paddle
+import paddle.distributed as dist
+import paddle.distributed.fsdp.checkpoint as ck
+from launch_util import report
+from models import global_batches, local_part, make_model
+from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+from paddle.distributed.fsdp import FullyShardFusion
+from paddle.distributed.fsdp.checkpoint.io import backend_for
+
+BIG_ROWS, BIG_COLS = 768, 2048  # rows per rank: 6 MiB of float32 per rank, above the 5 MiB part size
+
+
+def build(seed: int, steps: int):
+    paddle.seed(seed)
+    model = make_model(seed)
+    fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"])
+    opt = paddle.optimizer.AdamW(0.01, parameters=model.parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for ids, labels in global_batches(steps, 8, seed=seed):
+        loss = model(paddle.to_tensor(local_part(ids, rank, world)), paddle.to_tensor(local_part(labels, rank, world)))
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+    return fsdp, opt
+
+
+def state_of(fsdp, opt, seed: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = fsdp.sharded_state_dict()
+    state.update(fsdp.optimizer_sharded_state_dict(opt))
+    rows = np.random.default_rng(seed * 10 + rank).standard_normal((BIG_ROWS, BIG_COLS), dtype=np.float32)
+    state["big"] = ShardedWeight(
+        "big", paddle.to_tensor(rows), [BIG_ROWS, BIG_COLS], [world * BIG_ROWS, BIG_COLS], [rank * BIG_ROWS, 0]
+    )
+    return state
+
+
+def values(state: dict) -> dict[str, np.ndarray]:
+    return {k: np.array(getattr(v, "local_tensor", v).numpy()) for k, v in state.items()}
+
+
+def same(got: dict, want: dict, what: str) -> None:
+    assert sorted(got) == sorted(want), f"{what}: keys differ"
+    for k in want:
+        assert np.array_equal(got[k].view(np.uint8), want[k].view(np.uint8)), f"{what}: {k} differs"
+
+
+def fresh_target(seed: int) -> dict:
+    fsdp, opt = build(seed=seed, steps=1)
+    return state_of(fsdp, opt, seed)
+
+
+def roundtrip(url: str, local: str) -> None:
+    fsdp, opt = build(seed=3, steps=2)
+    state = state_of(fsdp, opt, 3)
+    saved = values(state)
+    ck.save_state_dict(state, url)
+    ck.save_state_dict(state, local)
+    for where in (url, local):  # S3 against local: both give the saved bytes back, bounded and atomic
+        for atomic in (False, True):
+            target = fresh_target(11)
+            assert not np.array_equal(values(target)["big"], saved["big"])
+            ck.load_state_dict(target, where, atomic=atomic)
+            same(values(target), saved, f"{where} atomic={atomic}")
+    root = f"{url}-mgr"
+    manager = ck.CheckpointManager(root, keep_last=2)
+    for step in (1, 2, 3):
+        manager.save(step, state_of(fsdp, opt, 3 + step))
+    dist.barrier()
+    assert manager.steps() == [2, 3], manager.steps()
+    assert manager.latest_step() == 3 and manager.latest() == f"{root}/step_00000003", manager.latest()
+    storage = backend_for(root)
+    assert storage.list(manager.path_for(1)) == [], "rotation left step 1's objects"
+    target = fresh_target(12)
+    manager.load_latest(target)
+    same(values(target), values(state_of(fsdp, opt, 6)), "load_latest")
+    dist.barrier()
+    report({"roundtrip": "ok"})
+
+
+def fault(url: str) -> None:
+    from paddle.distributed.fsdp.checkpoint.s3.storage import S3Storage
+    from s3_fixtures import s3_options_for
+
+    rank = dist.get_rank()
+    fsdp, opt = build(seed=5, steps=1)
+    root = url
+    manager = ck.CheckpointManager(root, keep_last=2)
+    manager.save(1, state_of(fsdp, opt, 5))
+    dist.barrier()
+    tight = s3_options_for(
+        os.environ["FSDP_TEST_S3_PROXY"],
+        max_attempts=2,
+        retry_deadline_s=8.0,
+        stall_timeout_s=2.0,
+        connect_timeout_s=2.0,
+    )
+    opts = ck.CheckpointOptions(storage=S3Storage(tight, who=f"rank {rank}"))
+    out = {}
+    t0 = time.monotonic()
+    try:
+        manager.save(2, state_of(fsdp, opt, 6), options=opts)
+        out["save2"] = "ok"
+    except ck.CheckpointError as e:
+        out["save2"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - t0
+    report(out)
+    sys.stdout.flush()
+    os._exit(0)  # the save failed on every rank: no collective clean-up needed
+
+
+if __name__ == "__main__":
+    case = sys.argv[1]
+    dist.init_parallel_env()
+    if case == "roundtrip":
+        try:
+            roundtrip(sys.argv[2], sys.argv[3])
+        except BaseException:  # noqa: BLE001 - the test shows the traceback
+            report({case: traceback.format_exc()})
+            sys.stdout.flush()
+            os._exit(1)
+    elif case == "fault":
+        fault(sys.argv[2])
+    else:
+        raise SystemExit(f"unknown case {case!r}")
