@@ -1,5 +1,6 @@
 """A URL the engine does not serve is refused at every path entry point with UnsupportedURLError, and nothing is
-created: before, ``save_state_dict(sd, "s3://bucket/run")`` "succeeded" into a directory named ``s3:``."""
+created: before, ``save_state_dict(sd, "s3://bucket/run")`` "succeeded" into a directory named ``s3:``. URLs of a
+served scheme (``s3://``, test_s3_checkpoints.py) pass as locations."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from paddle.distributed.fsdp.checkpoint.errors import CheckpointError
 from paddle.distributed.fsdp.checkpoint.paths import UnsupportedURLError, local_path
 
-URLS = ["s3://bkt/run", "gs://bkt/run", "S3://bkt/run", "file:///tmp/x", "hdfs://nn:8020/ckpt"]
+URLS = ["gs://bkt/run", "GS://bkt/run", "file:///tmp/x", "hdfs://nn:8020/ckpt", "s4://bkt/run"]
 
 
 @pytest.mark.parametrize("url", URLS)
@@ -39,3 +40,26 @@ def test_local_paths_still_pass(tmp_path):
     assert local_path("rel/s3:x") == os.path.abspath("rel/s3:x")  # a colon without "//" is a plain name
     with pytest.raises(TypeError):
         local_path(3)
+
+
+def test_served_schemes_pass_as_locations():
+    assert local_path("s3://bkt/run/") == "s3://bkt/run"
+    assert local_path("S3://bkt/run") == "s3://bkt/run"
+
+
+def test_boto3_is_imported_only_when_an_s3_url_is_used(tmp_path):
+    """``s3://`` is registered without importing its backend: local saves, loads and verify never load boto3."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, paddle, paddle.distributed.fsdp.checkpoint as ck\n"
+        f"p = {str(tmp_path / 'c')!r}\n"
+        "sd = {'w': paddle.ones([4])}\n"
+        "ck.save_state_dict(sd, p); ck.load_state_dict(sd, p); assert ck.verify_checkpoint(p) == []\n"
+        "assert 's3' in ck.io.storage.served_schemes()\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('boto3', 'botocore')) or m.endswith('.s3.storage')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

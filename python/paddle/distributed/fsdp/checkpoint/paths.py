@@ -41,8 +41,9 @@ def local_path(path: str | os.PathLike) -> str:
 
     scheme = url_scheme(path)
     if scheme is not None:
-        if scheme in served_schemes():
-            return path.rstrip("/") if path.rstrip("/") != f"{scheme}:/" else path
+        if scheme in served_schemes():  # the scheme in lower case, no trailing "/" (one name per location)
+            rest = path.partition("://")[2].rstrip("/")
+            return f"{scheme}://{rest}"
         raise UnsupportedURLError(
             f"checkpoint path {path!r} is a {scheme}:// URL, which no storage backend serves (served: "
             f"{', '.join(sorted(served_schemes())) or 'none'}; register one with io.storage.register_backend). "
