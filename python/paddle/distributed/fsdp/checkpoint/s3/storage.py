@@ -33,8 +33,8 @@ VERSION = ".v-"  # a save's objects live under final/.v-<checkpoint id>/
 POINTER = ".s3-published"  # in final: the name of the published version
 BEGUN = ".s3-begun"  # in a version: written by begin(), so that an empty staging exists
 HIDDEN = ".s3-"  # object names of this backend, never listed
-STOP_EVERY = 64 << 20
-READ_MIN = 8 << 20  # a large read is split into parallel GETs of at least this many bytes  # should_stop() is called at least every this many bytes of a write
+STOP_EVERY = 64 << 20  # should_stop() is called at least every this many bytes of a write
+READ_MIN = 8 << 20  # a large read is split into parallel GETs of at least this many bytes
 
 
 class _Handle:
