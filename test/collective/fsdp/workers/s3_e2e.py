@@ -6,7 +6,8 @@ variables (the default ``s3://`` backend reads those):
         every rank's FSDP state (params + AdamW state) plus a 6 MiB row-sharded tensor (multipart uploads) is
         saved to URL and to LOCALDIR; loads from both, memory-bounded and atomic, give the saved bytes back; a
         CheckpointManager on URL/mgr with keep_last=2 saves steps 1..3: steps [2, 3], latest 3, step 1's objects
-        gone, load_latest gives the saved bytes back.
+        gone, load_latest gives the saved bytes back; FullyShardFusion.save_checkpoint / load_checkpoint and
+        paddle.distributed.save_state_dict(safetensors=True) / load_state_dict on s3:// give the saved bytes back.
     s3_e2e.py fault URL
         step 1 saved through the server, then step 2 through FSDP_TEST_S3_PROXY (a proxy the test made fail every
         data upload) with short S3 deadlines. Each rank reports how its save ended and how long it took.
@@ -98,6 +99,18 @@ def roundtrip(url: str, local: str) -> None:
     target = fresh_target(12)
     manager.load_latest(target)
     same(values(target), values(state_of(fsdp, opt, 6)), "load_latest")
+    # the model-level entry points and the stock dispatch (paddle.distributed.*) on s3:// too
+    fsdp.save_checkpoint(f"{url}-fsdp", optimizer=opt, step=4, keep_last=1, extra_state={"step": 4})
+    fsdp2, opt2 = build(seed=13, steps=1)
+    result = fsdp2.load_checkpoint(f"{url}-fsdp", optimizer=opt2)
+    assert result.step == 4 and result["step"] == 4, (result.step, dict(result))
+    want = values(state_of(fsdp, opt, 3))
+    got = values(state_of(fsdp2, opt2, 3))
+    same(got, want, "FullyShardFusion.load_checkpoint")
+    paddle.distributed.save_state_dict(state, f"{url}-stock", safetensors=True)
+    target = fresh_target(14)
+    paddle.distributed.load_state_dict(target, f"{url}-stock")
+    same(values(target), saved, "paddle.distributed.load_state_dict")
     dist.barrier()
     report({"roundtrip": "ok"})
 

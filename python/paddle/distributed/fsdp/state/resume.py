@@ -51,6 +51,7 @@ from ..checkpoint.manager import (
     resolve_checkpoint,
     step_dir_name,
 )
+from ..checkpoint.paths import local_path
 from . import optimizer_states as names
 from . import rng
 from .buffers import persistable_buffers, warn_if_buffers_differ
@@ -262,7 +263,7 @@ def load_checkpoint(
     Returns a :class:`LoadResult`: the saved ``extra_state`` dict, with ``.report``, ``.path``, ``.step`` and
     ``.fallback_from``.
     """
-    root = os.path.abspath(os.fspath(path))
+    root = local_path(path)  # a local directory, or a URL of a storage backend (s3://)
     skipped: list[tuple[str, str]] = []
     target = path
     while True:

@@ -30,7 +30,7 @@ from typing import Any
 from ..coordination import Comm, gather_errors
 from ..errors import NotACheckpointError
 from ..format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE
-from ..paths import local_path
+from ..paths import local_path, url_scheme
 from .errors import (
     CheckpointPathNotADirectoryError,
     CheckpointPathNotFoundError,
@@ -172,6 +172,12 @@ def save_state_dict(
     _check_options(fork_options, FORK_SAVE_OPTIONS, "save_state_dict")
     route = _save_route(state_dict, unique_id, safetensors, save_replicas, fork_options)
     logger.debug("save_state_dict(%s): %s", path, route)
+    if route == "stock" and url_scheme(path) is not None:
+        local_path(path)  # a scheme no backend serves: UnsupportedURLError
+        raise StockFormatError(
+            f"save_state_dict: {path} is a URL; stock's format is written to local directories only. Pass "
+            "safetensors=True to save it with the FSDP checkpoint engine, which writes to object storage"
+        )
     if route == "stock":
         if async_save and not _has_device_sync():
             # stock's async save starts with paddle.device.synchronize(), which raises TypeError on CPU-only
@@ -199,6 +205,8 @@ def classify(path: str, unique_id: int | None, safetensors: bool) -> str:
     """Which reader serves ``path``: "fork" (the engine), "stock", or "hf"; "missing", "file" or "none" (a
     directory without checkpoint metadata) for paths that hold no checkpoint (the engine says why)."""
     root = local_path(path)
+    if url_scheme(root) is not None:  # a URL of a storage backend (s3://): only this engine reads those
+        return "fork"
     if not os.path.lexists(root):
         return "missing"
     if not os.path.isdir(root):

@@ -1,0 +1,248 @@
+"""The checkpoint engine on S3 against the same engine on a local disk and against plain boto3, in one run.
+
+Rerun: ``python tools/ckpt_bench/s3_engine.py [--mib-per-rank 128] [--repeats 3] [--json out.json]``.
+
+Starts a real SeaweedFS (``weed mini`` on 127.0.0.1, free ports, test/collective/fsdp/s3_server.py), then 2 ranks
+(``paddle.distributed.launch``) that each hold ``--mib-per-rank`` MiB of fp32 state as row shards of 4 tensors.
+Each round, timed from a barrier to the slowest rank (page cache dropped before every read phase):
+
+* ``raw put`` / ``raw get``: boto3's own managed transfer (``upload_fileobj`` / ``download_fileobj``, same part
+  size and concurrency as the engine) of each rank's state bytes as one object: the client's limit;
+* ``S3 save`` / ``S3 load``: ``save_state_dict`` / ``load_state_dict`` (memory-bounded, checksums verified) on
+  ``s3://``; every load is checked against the saved bytes;
+* ``local save`` / ``local load``: the same calls on a local directory (``--local-dir``, default under /tmp);
+* ``S3 load, columns``: a 2 -> 2 reshard into column shards (each rank needs half of every row of both ranks'
+  objects): bytes fetched by the rank against its share.
+
+Reported: medians, ratios (S3 save / raw put, S3 load / raw get as throughput ratios: >= 1 is faster than plain
+boto3), S3 vs local, bytes fetched / share, peak extra RSS and the engine's own host-memory account of a load.
+"""
+
+# ruff: noqa: B023 - every lambda of a round is called at once, inside its round
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TEST_DIR = REPO / "test" / "collective" / "fsdp"
+sys.path.insert(0, str(TEST_DIR))
+sys.path.insert(0, str(REPO / "tools"))
+
+KEY_ID, SECRET = "bench", "bench-secret"
+N_TENSORS = 4
+PART = 16 << 20
+CONCURRENCY = 8
+
+
+def _options(endpoint: str):
+    from paddle.distributed.fsdp.checkpoint.s3 import S3Options
+
+    return S3Options(
+        endpoint_url=endpoint,
+        region="us-east-1",
+        access_key_id=KEY_ID,
+        secret_access_key=SECRET,
+        part_size=PART,
+        concurrency=CONCURRENCY,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ worker side
+
+
+def _state(rank: int, world: int, mib: int, seed: int, columns: bool = False) -> dict:
+    import numpy as np
+    import paddle
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+    cols = 1024
+    rows = (mib << 20) // (N_TENSORS * cols * 4)
+    out = {}
+    for i in range(N_TENSORS):
+        g = [world * rows, cols]
+        if columns:  # the same global tensors, cut into column shards instead of row shards
+            c = cols // world
+            local = paddle.zeros([g[0], c])
+            out[f"t{i}"] = ShardedWeight(f"t{i}", local, [g[0], c], g, [0, rank * c])
+        else:
+            data = np.random.default_rng(seed * 100 + rank * 10 + i).standard_normal((rows, cols), dtype=np.float32)
+            out[f"t{i}"] = ShardedWeight(f"t{i}", paddle.to_tensor(data), [rows, cols], g, [rank * rows, 0])
+    return out
+
+
+def _bytes_of(state: dict) -> bytes:
+    import numpy as np
+
+    return b"".join(np.ascontiguousarray(state[k].local_tensor.numpy()).tobytes() for k in sorted(state))
+
+
+def _timed(comm_barrier, fn):
+    comm_barrier()
+    t0 = time.perf_counter()
+    out = fn()
+    comm_barrier()
+    return time.perf_counter() - t0, out
+
+
+def worker(args) -> None:
+    import boto3
+    import numpy as np
+    import paddle.distributed as dist
+    import paddle.distributed.fsdp.checkpoint as ck
+    from boto3.s3.transfer import TransferConfig
+    from launch_util import report
+    from paddle.distributed.fsdp.checkpoint.s3.storage import S3Storage
+
+    from ckpt_bench.common import PeakRSS, drop_cache
+
+    dist.init_parallel_env()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opts = _options(args.endpoint)
+    storage = S3Storage(opts, who=f"rank {rank}")
+    copts = ck.CheckpointOptions(storage=storage)
+    client = boto3.client(
+        "s3",
+        endpoint_url=args.endpoint,
+        aws_access_key_id=KEY_ID,
+        aws_secret_access_key=SECRET,
+        region_name="us-east-1",
+    )
+    transfer = TransferConfig(multipart_chunksize=PART, multipart_threshold=PART, max_concurrency=CONCURRENCY)
+    state = _state(rank, world, args.mib_per_rank, seed=1)
+    payload = _bytes_of(state)
+    rounds = []
+    for r in range(args.repeats):
+        res = {}
+        url, local = f"s3://{args.bucket}/round{r}/ckpt", os.path.join(args.local_dir, f"round{r}")
+        raw_key = f"raw{r}/rank{rank}"
+        res["raw_put"], _ = _timed(
+            dist.barrier, lambda: client.upload_fileobj(io.BytesIO(payload), args.bucket, raw_key, Config=transfer)
+        )
+        res["s3_save"], _ = _timed(dist.barrier, lambda: ck.save_state_dict(state, url, options=copts))
+        res["local_save"], _ = _timed(dist.barrier, lambda: ck.save_state_dict(state, local))
+        files = [os.path.join(local, n) for n in os.listdir(local)]
+
+        def raw_get():
+            sink = io.BytesIO()
+            client.download_fileobj(args.bucket, raw_key, sink, Config=transfer)
+            assert sink.getbuffer().nbytes == len(payload)
+
+        drop_cache(files)
+        res["raw_get"], _ = _timed(dist.barrier, raw_get)
+        for name, where, o in (("s3_load", url, copts), ("local_load", local, None)):
+            target = _state(rank, world, args.mib_per_rank, seed=2)
+            drop_cache(files)
+            objects = next(iter(storage._buckets.values()))
+            before = objects.bytes_read
+            with PeakRSS() as rss:
+                res[name], rep = _timed(dist.barrier, lambda: ck.load_state_dict(target, where, options=o))
+            assert _bytes_of(target) == payload, f"{name}: loaded bytes differ from the saved ones"
+            res[f"{name}_rss_mib"] = (rss.peak - rss.base) / 2**20
+            res[f"{name}_engine_mib"] = rep.peak_host_bytes / 2**20
+            if name == "s3_load":
+                res["s3_load_fetched"] = objects.bytes_read - before
+        cols = _state(rank, world, args.mib_per_rank, seed=0, columns=True)
+        drop_cache(files)
+        before = next(iter(storage._buckets.values())).bytes_read
+        res["s3_load_columns"], _ = _timed(dist.barrier, lambda: ck.load_state_dict(cols, url, options=copts))
+        res["columns_fetched"] = next(iter(storage._buckets.values())).bytes_read - before
+        res["columns_share"] = sum(v.local_tensor.numel().item() * 4 for v in cols.values())
+        full = {k: v.numpy() for k, v in ck.load_full_state_dict(local).items()} if rank == 0 else None
+        if full is not None:  # the column shard equals the same columns of the local checkpoint's full tensors
+            c = 1024 // world
+            for k, v in cols.items():
+                assert np.array_equal(v.local_tensor.numpy(), full[k][:, rank * c : (rank + 1) * c]), k
+        rounds.append(res)
+    report({"bytes": len(payload), "rounds": rounds})
+
+
+# ------------------------------------------------------------------------------------------------ driver side
+
+
+def _table(results: dict) -> tuple[str, dict]:
+    per_rank = results[0]["bytes"]
+    by_round = list(zip(*(results[r]["rounds"] for r in sorted(results))))  # [round][rank] -> figures
+    med = {}
+    for k in results[0]["rounds"][0]:  # the slowest (largest) rank per round, then the median over rounds
+        med[k] = statistics.median(max(ranks[i][k] for i in range(len(ranks))) for ranks in by_round)
+    total = per_rank * len(results) / 1e9
+    lines = [
+        "| phase | seconds (median) | GB/s | ratio | note |",
+        "|---|---|---|---|---|",
+        f"| raw put (boto3 upload_fileobj) | {med['raw_put']:.3f} | {total / med['raw_put']:.2f} | 1.00x | limit for saves |",
+        f"| S3 save (save_state_dict) | {med['s3_save']:.3f} | {total / med['s3_save']:.2f} | "
+        f"**{med['raw_put'] / med['s3_save']:.2f}x** raw put | vs local save {med['local_save'] / med['s3_save']:.2f}x |",
+        f"| local save | {med['local_save']:.3f} | {total / med['local_save']:.2f} | - | |",
+        f"| raw get (boto3 download_fileobj) | {med['raw_get']:.3f} | {total / med['raw_get']:.2f} | 1.00x | limit for loads |",
+        f"| S3 load (load_state_dict, checksums) | {med['s3_load']:.3f} | {total / med['s3_load']:.2f} | "
+        f"**{med['raw_get'] / med['s3_load']:.2f}x** raw get | vs local load {med['local_load'] / med['s3_load']:.2f}x; "
+        f"fetched {med['s3_load_fetched'] / per_rank:.3f}x its share |",
+        f"| local load (cold) | {med['local_load']:.3f} | {total / med['local_load']:.2f} | - | |",
+        f"| S3 load into column shards (2 -> 2 reshard) | {med['s3_load_columns']:.3f} | "
+        f"{total / med['s3_load_columns']:.2f} | {med['raw_get'] / med['s3_load_columns']:.2f}x raw get | "
+        f"fetched {med['columns_fetched'] / med['columns_share']:.3f}x its share |",
+        "",
+        f"Peak extra host memory per rank during a load (RSS over its base / the engine's account): S3 "
+        f"{med['s3_load_rss_mib']:.1f} / {med['s3_load_engine_mib']:.1f} MiB, local "
+        f"{med['local_load_rss_mib']:.1f} / {med['local_load_engine_mib']:.1f} MiB "
+        f"({per_rank / 2**20:.0f} MiB per rank).",
+    ]
+    return "\n".join(lines), med
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib-per-rank", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--local-dir", default=None)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--endpoint", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--bucket", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    import s3_server
+    from launch_util import run_launch
+
+    work = Path(tempfile.mkdtemp(prefix="s3-engine-bench-"))
+    server = s3_server.start_weed(work / "weed", credentials=(KEY_ID, SECRET))
+    try:
+        s3_server_bucket(server.endpoint, "bench")
+        local = args.local_dir or str(work / "local")
+        os.makedirs(local, exist_ok=True)
+        cmd = [
+            "--worker", "--endpoint", server.endpoint, "--bucket", "bench", "--local-dir", local,
+            "--mib-per-rank", str(args.mib_per_rank), "--repeats", str(args.repeats),
+        ]  # fmt: skip
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        res = run_launch(__file__, 2, cmd, timeout=3600, log_dir=work / "logs")
+        table, med = _table(res.results)
+        print(f"S3 engine benchmark, {started}, 2 ranks, {args.mib_per_rank} MiB per rank, {args.repeats} rounds")
+        print(table)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"started": started, "median": med, "raw": res.results}, indent=1))
+    finally:
+        server.stop()
+
+
+def s3_server_bucket(endpoint: str, name: str) -> None:
+    import boto3
+
+    boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id=KEY_ID, aws_secret_access_key=SECRET, region_name="us-east-1"
+    ).create_bucket(Bucket=name)
+
+
+if __name__ == "__main__":
+    main()
