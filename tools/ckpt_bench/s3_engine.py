@@ -11,8 +11,8 @@ Each round, timed from a barrier to the slowest rank (page cache dropped before 
 * ``S3 save`` / ``S3 load``: ``save_state_dict`` / ``load_state_dict`` (memory-bounded, checksums verified) on
   ``s3://``; every load is checked against the saved bytes;
 * ``local save`` / ``local load``: the same calls on a local directory (``--local-dir``, default under /tmp);
-* ``S3 load, columns``: a 2 -> 2 reshard into column shards (each rank needs half of every row of both ranks'
-  objects): bytes fetched by the rank against its share.
+* ``S3 load, rows``: a reshard into row shards cut at a third instead of the middle; ``S3 load, columns``: into
+  column shards (each rank needs half of every row of both ranks' objects): bytes fetched against the share.
 
 Reported: medians, ratios (S3 save / raw put, S3 load / raw get as throughput ratios: >= 1 is faster than plain
 boto3), S3 vs local, bytes fetched / share, peak extra RSS and the engine's own host-memory account of a load.
@@ -59,7 +59,7 @@ def _options(endpoint: str):
 # ------------------------------------------------------------------------------------------------ worker side
 
 
-def _state(rank: int, world: int, mib: int, seed: int, columns: bool = False) -> dict:
+def _state(rank: int, world: int, mib: int, seed: int, columns: bool = False, shifted: bool = False) -> dict:
     import numpy as np
     import paddle
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
@@ -73,6 +73,10 @@ def _state(rank: int, world: int, mib: int, seed: int, columns: bool = False) ->
             c = cols // world
             local = paddle.zeros([g[0], c])
             out[f"t{i}"] = ShardedWeight(f"t{i}", local, [g[0], c], g, [0, rank * c])
+        elif shifted:  # row shards cut at a third instead of the middle (as a 3 -> 2 or 2 -> 3 reshard cuts)
+            cut = g[0] // 3
+            lo, hi = (0, cut) if rank == 0 else (cut, g[0])
+            out[f"t{i}"] = ShardedWeight(f"t{i}", paddle.zeros([hi - lo, cols]), [hi - lo, cols], g, [lo, 0])
         else:
             data = np.random.default_rng(seed * 100 + rank * 10 + i).standard_normal((rows, cols), dtype=np.float32)
             out[f"t{i}"] = ShardedWeight(f"t{i}", paddle.to_tensor(data), [rows, cols], g, [rank * rows, 0])
@@ -150,17 +154,19 @@ def worker(args) -> None:
             res[f"{name}_engine_mib"] = rep.peak_host_bytes / 2**20
             if name == "s3_load":
                 res["s3_load_fetched"] = objects.bytes_read - before
-        cols = _state(rank, world, args.mib_per_rank, seed=0, columns=True)
-        drop_cache(files)
-        before = next(iter(storage._buckets.values())).bytes_read
-        res["s3_load_columns"], _ = _timed(dist.barrier, lambda: ck.load_state_dict(cols, url, options=copts))
-        res["columns_fetched"] = next(iter(storage._buckets.values())).bytes_read - before
-        res["columns_share"] = sum(v.local_tensor.numel().item() * 4 for v in cols.values())
-        full = {k: v.numpy() for k, v in ck.load_full_state_dict(local).items()} if rank == 0 else None
-        if full is not None:  # the column shard equals the same columns of the local checkpoint's full tensors
-            c = 1024 // world
-            for k, v in cols.items():
-                assert np.array_equal(v.local_tensor.numpy(), full[k][:, rank * c : (rank + 1) * c]), k
+        for name, kind in (("rows", {"shifted": True}), ("columns", {"columns": True})):
+            target = _state(rank, world, args.mib_per_rank, seed=0, **kind)
+            drop_cache(files)
+            before = next(iter(storage._buckets.values())).bytes_read
+            res[f"s3_load_{name}"], _ = _timed(dist.barrier, lambda: ck.load_state_dict(target, url, options=copts))
+            res[f"{name}_fetched"] = next(iter(storage._buckets.values())).bytes_read - before
+            res[f"{name}_share"] = sum(v.local_tensor.numel().item() * 4 for v in target.values())
+            res[f"{name}_ratio"] = res[f"{name}_fetched"] / res[f"{name}_share"]
+            full = {k: v.numpy() for k, v in ck.load_full_state_dict(local).items()}
+            for k, v in target.items():  # each shard equals the same part of the local checkpoint's full tensor
+                o, n = v.global_offset, v.local_shape
+                want = full[k][o[0] : o[0] + n[0], o[1] : o[1] + n[1]]
+                assert np.array_equal(v.local_tensor.numpy(), want), (name, k)
         rounds.append(res)
     report({"bytes": len(payload), "rounds": rounds})
 
@@ -187,9 +193,12 @@ def _table(results: dict) -> tuple[str, dict]:
         f"**{med['raw_get'] / med['s3_load']:.2f}x** raw get | vs local load {med['local_load'] / med['s3_load']:.2f}x; "
         f"fetched {med['s3_load_fetched'] / per_rank:.3f}x its share |",
         f"| local load (cold) | {med['local_load']:.3f} | {total / med['local_load']:.2f} | - | |",
-        f"| S3 load into column shards (2 -> 2 reshard) | {med['s3_load_columns']:.3f} | "
+        f"| S3 load into row shards cut at 1/3 (reshard) | {med['s3_load_rows']:.3f} | "
+        f"{total / med['s3_load_rows']:.2f} | {med['raw_get'] / med['s3_load_rows']:.2f}x raw get | "
+        f"fetched {med['rows_ratio']:.3f}x its share (the rank furthest above) |",
+        f"| S3 load into column shards (reshard) | {med['s3_load_columns']:.3f} | "
         f"{total / med['s3_load_columns']:.2f} | {med['raw_get'] / med['s3_load_columns']:.2f}x raw get | "
-        f"fetched {med['columns_fetched'] / med['columns_share']:.3f}x its share |",
+        f"fetched {med['columns_ratio']:.3f}x its share |",
         "",
         f"Peak extra host memory per rank during a load (RSS over its base / the engine's account): S3 "
         f"{med['s3_load_rss_mib']:.1f} / {med['s3_load_engine_mib']:.1f} MiB, local "
