@@ -139,11 +139,19 @@ def test_backend_selection():
 
 def test_a_save_needs_nothing_but_the_interface():
     """The engine's save into MemoryStorage (no file system behind it): every object lands in the backend, the
-    metadata names each piece's bytes, and those bytes are the tensors' (a second save replaces the first)."""
+    metadata names each piece's bytes, and those bytes are the tensors' (a second save replaces the first); loads
+    and verify read it back through the interface alone (its handles have no descriptor)."""
     import json
 
     import paddle
-    from paddle.distributed.fsdp.checkpoint import CheckpointOptions, save_state_dict
+    from paddle.distributed.fsdp.checkpoint import (
+        CheckpointOptions,
+        CorruptCheckpointError,
+        load_full_state_dict,
+        load_state_dict,
+        save_state_dict,
+        verify_checkpoint,
+    )
     from paddle.distributed.fsdp.checkpoint.format.metadata import CheckpointMetadata
 
     mem = MemoryStorage()
@@ -166,3 +174,19 @@ def test_a_save_needs_nothing_but_the_interface():
             (piece,) = md.tensors[key].pieces
             got = data[piece.offset : piece.offset + piece.nbytes]
             assert got == tensor.numpy().tobytes(), key
+        # and back through nothing but the interface: bounded, atomic, one-process and verify all read it
+        for atomic in (False, True):
+            target = {k: paddle.zeros(v.shape, v.dtype) for k, v in state.items()}
+            load_state_dict(target, "mem://run/ckpt", options=opts, atomic=atomic)
+            for k, v in state.items():
+                assert target[k].numpy().tobytes() == v.numpy().tobytes(), (k, atomic)
+        full = load_full_state_dict("mem://run/ckpt", options=opts)
+        assert all(full[k].numpy().tobytes() == v.numpy().tobytes() for k, v in state.items())
+        assert verify_checkpoint("mem://run/ckpt", options=opts) == []
+    # a flipped byte of a data object is found by verify and refused by a load, naming the checksum
+    blob = bytearray(mem.get("mem://run/ckpt", "0_0.safetensors"))
+    blob[-3] ^= 1
+    mem.put("mem://run/ckpt", "0_0.safetensors", bytes(blob))
+    assert any("checksum mismatch" in p for p in verify_checkpoint("mem://run/ckpt", options=opts))
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        load_full_state_dict("mem://run/ckpt", options=opts)

@@ -96,7 +96,7 @@ def _location(path, storage: Storage | None = None) -> tuple[str, Storage]:
     """``path`` as a location (an absolute local path, or a URL of a registered scheme) and its backend."""
     from .paths import local_path
 
-    where = local_path(path)
+    where = local_path(path, storage)
     return where, storage or backend_for(where)
 
 

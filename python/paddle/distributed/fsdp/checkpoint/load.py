@@ -135,11 +135,11 @@ def load_state_dict(
     t0 = time.perf_counter()
     comm = Comm(process_group)
     if atomic:
-        job = AtomicLoadJob(state_dict, local_path(path), opts, verify_checksums, tr)
+        job = AtomicLoadJob(state_dict, local_path(path, opts.storage), opts, verify_checksums, tr)
         job.md = _metadata
         all_requested = job.run(comm, strict, opts_error, precheck)
     else:
-        job = BoundedLoadJob(state_dict, local_path(path), opts, verify_checksums, tr)
+        job = BoundedLoadJob(state_dict, local_path(path, opts.storage), opts, verify_checksums, tr)
         job.md = _metadata
         all_requested = job.run(comm, strict, max_host_bytes, opts_error, precheck)
     return job.finish(all_requested, time.perf_counter() - t0)
@@ -157,7 +157,7 @@ def load_full_state_dict(
     opts = resolve(options)
     import paddle  # noqa: F401
 
-    path = local_path(path)
+    path = local_path(path, opts.storage)
     storage = opts.storage_for(path)
     md = read_metadata(path, opts, storage)
     wanted = list(md.tensors) if keys is None else list(keys)

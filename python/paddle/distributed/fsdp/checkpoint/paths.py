@@ -34,14 +34,16 @@ def url_scheme(path: object) -> str | None:
     return None
 
 
-def local_path(path: str | os.PathLike) -> str:
-    """``path`` as a location: an absolute local path, or the URL itself when a storage backend serves its scheme;
-    UnsupportedURLError for any other URL, TypeError for a non-path."""
+def local_path(path: str | os.PathLike, chosen: object = None) -> str:
+    """``path`` as a location: an absolute local path, or the URL itself when a storage backend serves its scheme
+    (any scheme when the caller ``chosen`` a backend: CheckpointOptions.storage); UnsupportedURLError for any other
+    URL, TypeError for a non-path."""
     from .io.storage import served_schemes
 
     scheme = url_scheme(path)
     if scheme is not None:
-        if scheme in served_schemes():  # the scheme in lower case, no trailing "/" (one name per location)
+        if chosen is not None or scheme in served_schemes():
+            # the scheme in lower case, no trailing "/": one name per location
             rest = path.partition("://")[2].rstrip("/")
             return f"{scheme}://{rest}"
         raise UnsupportedURLError(

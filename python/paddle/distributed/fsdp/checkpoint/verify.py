@@ -29,8 +29,8 @@ def verify_checkpoint(
     not overlap inside a file, and every checksum (reads all data once). ``on_bytes(n)`` is called as data is
     checked (a progress bar's ``update``). ``options.storage`` picks the backend (None: by the path's scheme).
     """
-    path = local_path(path)
     opts = options if options is not None else CheckpointOptions()
+    path = local_path(path, opts.storage)
     storage = opts.storage_for(path)
     try:
         md = read_metadata(path, opts, storage)
