@@ -52,6 +52,8 @@ coordinator waits for the other ranks' data, and the other ranks wait for the co
 ``commit_timeout`` (default ``CheckpointOptions.commit_timeout``, 1800 s), then raise SaveFailedError; a rank
 whose save fails with an error tells the others at once (``failed`` / ``ABORT`` markers); one that fails after its
 ``done`` marker (its file handed over) follows the coordinator's decision, taken once more right before ``COMMIT``.
+A save that failed with an error removes its staging directory before it raises (the last rank to leave it,
+abandon.py); only a killed save leaves one behind, for the next save to the path to remove.
 
 Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (CheckpointManager).
 
@@ -101,6 +103,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import checksums, faults, host_memory, writer
+from .abandon import leave_failed_save
 from .coordination import Comm, check_target_path, gather_errors, poll, read_json
 from .errors import CheckpointError, InvalidStateDictError, SaveFailedError
 from .format import commit as format_commit
@@ -273,7 +276,15 @@ class _SaveJob:
 
     def run(self) -> None:
         """Write, then commit (coordinator) or wait for the commit; every failure is a SaveFailedError naming
-        the rank that failed and its cause, on every rank, as soon as it is known (failure markers, below)."""
+        the rank that failed and its cause, on every rank, as soon as it is known (failure markers, below). A
+        failed save's staging directory is removed by the last rank to leave it (abandon.py)."""
+        try:
+            self._run_checked()
+        except Exception:
+            leave_failed_save(self.staging, self.rank, self.world)
+            raise
+
+    def _run_checked(self) -> None:
         try:
             try:
                 if self.snapshot is not None:  # async: copy the deferred tensors first (snapshot.py), then write
@@ -816,11 +827,11 @@ def _save_locked(
     my_keys = assignment.keys_of(comm.rank)
     snap = plan = None
     if async_save:
-        snap = _snapshot(my_keys, local, staging, comm.rank, deferred_keys, opts)
+        snap = _snapshot(my_keys, local, staging, comm.rank, comm.world, deferred_keys, opts)
         arrays, keep, release = snap.arrays, snap.keep, snap.written
     else:
         plan = lay_out_files(assignment, values, checkpoint_id)
-        arrays, keep, release = _piece_sources(my_keys, local, staging, comm.rank)
+        arrays, keep, release = _piece_sources(my_keys, local, staging, comm.rank, comm.world)
     tr.mark("snapshot (volatile part)" if async_save else "views")
     job = _SaveJob(
         path=path,
@@ -925,7 +936,7 @@ def _exchange_and_assign(comm: Comm, local: _Local, coordinator_rank: int, tr: T
 
 
 @gc_paused()
-def _piece_sources(keys: list[str], local: _Local, staging: str, rank: int) -> tuple[list, list, Any]:
+def _piece_sources(keys: list[str], local: _Local, staging: str, rank: int, world: int) -> tuple[list, list, Any]:
     """Step 3 of a sync save: what this rank writes, in layout order: lazy views of the tensors' own memory (a
     device tensor is copied to host one piece at a time while writing). Returns ``(arrays, [], None)``."""
     by_key = {r.key: r for r in local.records}
@@ -933,6 +944,8 @@ def _piece_sources(keys: list[str], local: _Local, staging: str, rank: int) -> t
         return [_lazy_view(by_key[key].tensor) for key in keys], [], None
     except BaseException as e:
         _mark_failed(staging, rank, e)  # the coordinator must not wait for this rank until the timeout
+        if isinstance(e, Exception):
+            leave_failed_save(staging, rank, world)
         if isinstance(e, Exception) and not isinstance(e, CheckpointError):
             raise SaveFailedError(f"save to {staging} failed: rank {rank} failed: {_cause(e)}") from e
         raise
@@ -940,7 +953,7 @@ def _piece_sources(keys: list[str], local: _Local, staging: str, rank: int) -> t
 
 @gc_paused()
 def _snapshot(
-    keys: list[str], local: _Local, staging: str, rank: int, deferred_keys, opts: CheckpointOptions
+    keys: list[str], local: _Local, staging: str, rank: int, world: int, deferred_keys, opts: CheckpointOptions
 ) -> Snapshot:
     """Step 3 of an async save: the Snapshot of what this rank writes (layout order): volatile tensors copied
     now, deferred ones (``deferred_keys``, default: trainable Parameters) registered for the background copy."""
@@ -957,6 +970,8 @@ def _snapshot(
         return Snapshot([by_key[key] for key in keys], is_deferred, hugepages=opts.hugepages)
     except BaseException as e:
         _mark_failed(staging, rank, e)  # the coordinator must not wait for this rank until the timeout
+        if isinstance(e, Exception):
+            leave_failed_save(staging, rank, world)
         raise
 
 
