@@ -50,6 +50,7 @@ from .errors import (
     ShapeMismatchError,
     StateDictMismatchError,
     UnexpectedKeyError,
+    UnrepresentableKeyError,
     UnsafePathError,
 )
 from .format.commit import read_metadata
@@ -98,5 +99,6 @@ __all__ = [
     "OptimizerMismatchError",
     "RngStateMismatchError",
     "UnexpectedKeyError",
+    "UnrepresentableKeyError",
     "UnsafePathError",
 ]

@@ -76,6 +76,11 @@ class InvalidStateDictError(CheckpointError, ValueError):
     """The state dict given to save/load is malformed (bad record, inconsistent ranks, ...)."""
 
 
+class UnrepresentableKeyError(InvalidStateDictError):
+    """A key the on-disk formats reserve (``__metadata__`` in a safetensors header) or cannot represent (not valid
+    Unicode, longer than a reader accepts, two nested keys with one flat name): refused before anything is written."""
+
+
 class SaveFailedError(CheckpointError):
     """A save did not commit (a rank failed, or the commit timed out)."""
 

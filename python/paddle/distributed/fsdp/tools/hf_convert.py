@@ -63,7 +63,7 @@ import numpy as np
 from ..checkpoint.errors import SafetensorsHeaderError
 from ..checkpoint.format import safetensors
 from ..checkpoint.format.metadata import itemsize, storage_dtype
-from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
+from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY, safetensors_name_problem
 from ..checkpoint.format.safetensors import SafetensorsEntry, SafetensorsFile
 from ..checkpoint.format.strict_json import open_regular
 from ..checkpoint.planner import Region
@@ -226,8 +226,11 @@ def plan_to_hf(md, rules: Rules, dtype: str | None, include_optimizer: bool) -> 
         )
     _check_collisions([(t.key, t.name) for t in out], "checkpoint key")
     for t in out:
-        if t.name == "__metadata__":
-            raise ToolError(f"{t.key!r} would be renamed to the reserved safetensors name '__metadata__'")
+        problem = safetensors_name_problem(t.name)
+        if problem is not None:
+            raise ToolError(
+                f"{t.key!r} would be renamed to {t.name!r:.200}, which a safetensors file cannot hold: {problem}"
+            )
     return out
 
 

@@ -28,8 +28,9 @@ import os
 from typing import Any
 
 from ..coordination import Comm, gather_errors
-from ..errors import NotACheckpointError
+from ..errors import NotACheckpointError, UnrepresentableKeyError
 from ..format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE
+from ..format.reserved import key_problem
 from .errors import (
     CheckpointPathNotADirectoryError,
     CheckpointPathNotFoundError,
@@ -88,6 +89,8 @@ def flatten_for_engine(state_dict: dict) -> dict:
     def walk(prefix: str, d: dict) -> None:
         for k, v in d.items():
             key = f"{prefix}{k}"
+            if key in out:
+                raise _collision(key)
             if isinstance(v, dict) and _holds_tensors(v):
                 walk(key + ".", v)
             elif is_dist_tensor(v):
@@ -102,6 +105,37 @@ def flatten_for_engine(state_dict: dict) -> dict:
 
     walk("", state_dict)
     return out
+
+
+def _collision(key: str) -> UnrepresentableKeyError:
+    return UnrepresentableKeyError(
+        f"key {key!r:.200}: two entries of the state dict have this flat name (nested dicts are stored as "
+        f"'outer.inner'): one would silently replace the other; rename one of them"
+    )
+
+
+def check_stock_names(state_dict: dict, safetensors: bool) -> None:
+    """Before stock's own save: refuse what its files cannot give back exactly: two entries with one flat name
+    (stock's ``flatten_state_dict`` keeps the last one); with ``safetensors`` also a tensor name the safetensors
+    header reserves or cannot hold (format/reserved.py)."""
+    seen: set[str] = set()
+
+    def walk(prefix: str, d: dict) -> None:
+        for k, v in d.items():
+            if not isinstance(k, str):
+                continue  # stock's own error
+            key = f"{prefix}{k}"
+            if isinstance(v, dict):
+                walk(key + ".", v)
+                continue
+            if key in seen:
+                raise _collision(key)
+            seen.add(key)
+            problem = key_problem(key, tensor=True) if safetensors and _is_tensor_like(v) else None
+            if problem is not None:
+                raise UnrepresentableKeyError(f"key {key!r:.200}: cannot be saved: {problem}")
+
+    walk("", state_dict)
 
 
 def _save_route(state_dict: Any, unique_id, safetensors, save_replicas: bool, fork_options: dict) -> str:
@@ -177,6 +211,7 @@ def save_state_dict(
             # builds: write the same files synchronously instead (the save is complete when this returns)
             logger.info("save_state_dict(%s): async_save on a CPU-only build is done synchronously", path)
             async_save = False
+        check_stock_names(state_dict, bool(safetensors))
         return stock_save()(
             state_dict,
             path,
