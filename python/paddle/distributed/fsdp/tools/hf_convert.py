@@ -69,6 +69,7 @@ from ..checkpoint.format.strict_json import open_regular
 from ..checkpoint.planner import Region
 from ..checkpoint.writer import write_all
 from . import ckpt_io
+from .arch_check import check_rules_export
 from .ckpt_io import (
     FLOAT_DTYPES,
     MODEL,
@@ -294,6 +295,7 @@ def to_hf(
     config_bytes, config_dict = read_config(config) if config is not None else (None, None)
     if preset is not None and config_dict is None:
         raise ToolError(f"--preset {preset} needs --config (the Hugging Face config.json: sizes for the splits)")
+    unchecked = None  # why the export was not checked against an architecture (logged once it is written)
     with CheckpointReader(ckpt) as reader:
         buffers = set() if include_buffers else ckpt_io.buffer_keys(reader.md)
         if buffers:
@@ -304,6 +306,7 @@ def to_hf(
             )
         else:
             tensors = plan_to_hf(ckpt_io.without_keys(reader.md, buffers), rules, dtype, include_optimizer)
+            unchecked = check_rules_export(tensors, config_dict, config, allow_unmapped)
         if not tensors:
             raise ToolError(f"checkpoint {reader.path} holds no tensors to export")
         shards = split_shards(tensors, max_bytes)
@@ -334,6 +337,8 @@ def to_hf(
             _write_small(
                 os.path.join(staging, INDEX_FILE), (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
             )
+    if unchecked:
+        logger.warning("%s", unchecked)
     return {
         "out": out,
         "files": files,
