@@ -68,7 +68,7 @@ from ..checkpoint.format.safetensors import SafetensorsEntry, SafetensorsFile
 from ..checkpoint.format.strict_json import open_regular
 from ..checkpoint.planner import Region
 from ..checkpoint.writer import write_all
-from . import ckpt_io
+from . import ckpt_io, json_schema
 from .arch_check import check_rules_export
 from .ckpt_io import (
     FLOAT_DTYPES,
@@ -369,6 +369,7 @@ def read_config(path: str | os.PathLike) -> tuple[bytes, dict]:
         raise ToolError(f"config {path} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise ToolError(f"config {path} is not a JSON object")
+    json_schema.check(cfg, json_schema.CONFIG, f"config {path}")  # the fields the presets read
     return raw, cfg
 
 
@@ -516,9 +517,10 @@ def discover_hf(hf_path: str) -> tuple[list[SafetensorsFile], dict | None]:
         index = loads_strict(read_capped(ipath, 64 * SMALL_FILE_BYTES, "index"), f"index {ipath}")
     except (OSError, CheckpointError) as e:
         raise ToolError(f"cannot read index {ipath}: {e}") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
+    if not isinstance(index, dict) or not index.get("weight_map"):
         raise ToolError(f"index {ipath} has no weight_map")
+    json_schema.check(index, json_schema.index_schema(RECORD_KEY), f"index {ipath}")  # every field read below
+    weight_map = index["weight_map"]
     for tensor, name in weight_map.items():  # every value a plain file name of the directory, before any use
         _safe_member(hf_path, name, f"index {ipath}: weight_map[{tensor!r}]")
     files = sorted(set(weight_map.values()))
@@ -535,17 +537,7 @@ def discover_hf(hf_path: str) -> tuple[list[SafetensorsFile], dict | None]:
             where = "is not in" if listed - have else "is in"
             raise ToolError(f"index {ipath} and {name} disagree: tensor {diff[0]!r} {where} the file")
         st_files.append(st)
-    meta = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
-    record = meta.get(RECORD_KEY)
-    if record is not None:
-        if (
-            not isinstance(record, dict)
-            or not isinstance(record.get("names"), dict)
-            or not all(isinstance(k, str) and isinstance(v, str) for k, v in record["names"].items())
-            or not isinstance(record.get("transposed", []), list)
-        ):
-            raise ToolError(f"index {ipath}: malformed metadata.{RECORD_KEY} record")
-    return st_files, record
+    return st_files, index.get("metadata", {}).get(RECORD_KEY)
 
 
 @dataclass
