@@ -212,8 +212,10 @@ class FullyShardFusion:
         ``step=N`` treats ``path`` as a root (``root/step_<N>`` and a ``latest`` pointer moved after the
         commit); ``keep_last=K`` then removes older steps; ``async_save=True`` returns a handle to wait on.
         """
+        from .checkpoint.keywords import check_keywords, keyword_names
         from .state.resume import save_checkpoint
 
+        check_keywords("save_checkpoint", kwargs, keyword_names(save_checkpoint, ("fsdp",)))
         return save_checkpoint(self, path, optimizer=optimizer, extra_state=extra_state, **kwargs)
 
     def load_checkpoint(self, path: str, optimizer=None, **kwargs) -> dict:
@@ -223,8 +225,10 @@ class FullyShardFusion:
         ``.path`` (the directory loaded), ``.step`` (for ``step_<N>`` directories) and ``.fallback_from``
         (newer checkpoints of a root that failed mid-load, see state/resume.py).
         """
+        from .checkpoint.keywords import check_keywords, keyword_names
         from .state.resume import load_checkpoint
 
+        check_keywords("load_checkpoint", kwargs, keyword_names(load_checkpoint, ("fsdp",)))
         return load_checkpoint(self, path, optimizer=optimizer, **kwargs)
 
 

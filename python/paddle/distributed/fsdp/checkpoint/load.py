@@ -87,6 +87,7 @@ from .format.metadata import DTYPES, CheckpointMetadata, resolve_member
 from .format.regions import clip_segments, read_deferred, read_region, region_segments
 from .gc_pause import gc_paused
 from .inplace import InPlaceReads
+from .keywords import STOCK_LOAD_KEYWORDS, check_keywords, keyword_names
 from .options import CheckpointOptions, resolve
 from .planner import Region, region_of_piece
 from .records import to_record
@@ -290,10 +291,14 @@ def load_state_dict(
     ``_metadata``: the metadata of ``path`` as its caller read it a moment ago (load_checkpoint), so that it is
     not read and parsed twice; everything is still checked against it, and the ranks still compare checkpoint ids.
 
+    Stock's keywords (``unique_id``, ``offload``, ``safetensors``, ...) are accepted and ignored (``aoa_config``
+    refused); any other keyword is a TypeError naming the nearest valid one (keywords.py).
+
     Steps (``_LoadJob``, atomic): validate -> plan -> read -> exchange -> commit; nothing a target holds changes
     before the exchange has shown that every rank validated and read everything (in-place reads keep an undo
     copy). ``_BoundedLoadJob`` (default): validate -> prepare -> exchange -> read into the targets -> exchange.
     """
+    check_keywords("load_state_dict", unused_stock_kwargs, keyword_names(load_state_dict) + STOCK_LOAD_KEYWORDS)
     if unused_stock_kwargs.get("aoa_config") is not None:
         raise InvalidStateDictError("aoa_config is not supported by the FSDP checkpoint engine")
     try:

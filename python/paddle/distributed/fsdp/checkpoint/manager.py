@@ -51,6 +51,7 @@ from .errors import (
     SaveFailedError,
 )
 from .format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, check_file_name
+from .keywords import check_keywords, keyword_names
 from .load import LoadReport, load_state_dict
 from .save import SaveHandle, save_state_dict
 
@@ -59,6 +60,7 @@ logger = logging.getLogger(__name__)
 STEP_PREFIX = "step_"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _STAGING_RE = re.compile(r"^step_\d+\.tmp-[0-9a-f]+$")
+_MANAGED = ("state_dict", "path", "process_group", "coordinator_rank")  # set by the manager, not by its caller
 TRASH_PREFIX = ".trash-"
 
 __all__ = [
@@ -266,8 +268,10 @@ class CheckpointManager:
     def save(self, step: int, state_dict: dict, **save_kwargs) -> SaveHandle | None:
         """Save ``state_dict`` as ``step``; ``latest`` moves after the commit, then old ones are pruned.
 
-        ``save_kwargs`` go to the engine's ``save_state_dict`` (``async_save``, ``commit_timeout``, ...).
+        ``save_kwargs`` go to the engine's ``save_state_dict`` (``async_save``, ``commit_timeout``, ...); an unknown
+        one is a TypeError naming the nearest valid one.
         """
+        check_keywords("CheckpointManager.save", save_kwargs, keyword_names(save_state_dict, _MANAGED))
         name = step_dir_name(step)
         try:
             os.makedirs(self.root, exist_ok=True)
@@ -296,7 +300,9 @@ class CheckpointManager:
 
     def load_latest(self, state_dict: dict, **load_kwargs) -> LoadReport:
         """Load the newest committed checkpoint into ``state_dict`` (engine's ``load_state_dict``); a load that
-        loses a race with keep_last rotation (CheckpointRemovedError on every rank) retries with the new latest."""
+        loses a race with keep_last rotation (CheckpointRemovedError on every rank) retries with the new latest.
+        ``load_kwargs`` go to ``load_state_dict``; an unknown one is a TypeError naming the nearest valid one."""
+        check_keywords("CheckpointManager.load_latest", load_kwargs, keyword_names(load_state_dict, _MANAGED))
         for attempt in range(4):
             try:
                 return load_state_dict(

@@ -116,6 +116,7 @@ from .format.metadata import (
     FileMeta,
 )
 from .gc_pause import gc_paused
+from .keywords import STOCK_SAVE_KEYWORDS, check_keywords, keyword_names
 from .options import CheckpointOptions, resolve
 from .planner import (
     AssignmentMemo,
@@ -754,7 +755,10 @@ def save_state_dict(
     ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now) sets the checksum
     algorithm, commit timeout and tracing; ``commit_timeout`` overrides ``options.commit_timeout``.
     ``_publisher`` is CheckpointManager's hook (moves ``latest`` after the commit); not for direct use.
+    Stock's keywords ``unique_id``, ``safetensors``, ``save_replicas`` are accepted and ignored (one version per
+    directory, safetensors); any other keyword is a TypeError naming the nearest valid one (keywords.py).
     """
+    check_keywords("save_state_dict", unused_stock_kwargs, keyword_names(save_state_dict) + STOCK_SAVE_KEYWORDS)
     with _save_lock:  # saves of one process never overlap, whatever thread they come from
         return _save_locked(
             state_dict,

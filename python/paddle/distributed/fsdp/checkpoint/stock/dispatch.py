@@ -31,6 +31,7 @@ from ..coordination import Comm, gather_errors
 from ..errors import NotACheckpointError, UnrepresentableKeyError
 from ..format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE
 from ..format.reserved import key_problem
+from ..keywords import keyword_names, unexpected_keyword
 from .errors import (
     CheckpointPathNotADirectoryError,
     CheckpointPathNotFoundError,
@@ -62,10 +63,12 @@ class _Default:
 DEFAULT = _Default()
 
 
-def _check_options(given: dict, allowed: frozenset, fn: str) -> None:
+def _check_options(given: dict, allowed: frozenset, fn: str, stock: Any) -> None:
+    """Stock's TypeError for a keyword neither stock's ``stock`` nor this engine takes, with the nearest one."""
     unknown = sorted(set(given) - allowed)
     if unknown:
-        raise TypeError(f"{fn}() got an unexpected keyword argument {unknown[0]!r}")
+        valid = set(keyword_names(stock)) | {k for k in allowed if not k.startswith("_")}
+        raise unexpected_keyword(fn, unknown[0], valid)
 
 
 def _is_tensor_like(v: Any) -> bool:
@@ -202,7 +205,7 @@ def save_state_dict(
 ):
     """Stock's ``save_state_dict`` signature; routed as the module docstring says. Returns the engine's
     SaveHandle for an async save by the engine, else None (as stock)."""
-    _check_options(fork_options, FORK_SAVE_OPTIONS, "save_state_dict")
+    _check_options(fork_options, FORK_SAVE_OPTIONS, "save_state_dict", save_state_dict)
     route = _save_route(state_dict, unique_id, safetensors, save_replicas, fork_options)
     logger.debug("save_state_dict(%s): %s", path, route)
     if route == "stock":
@@ -294,7 +297,7 @@ def load_state_dict(
     reads on the host and exchanges only what a rank cannot read itself, so they do not change the result.
     Returns None, as stock; the engine's ``LoadReport`` when an engine option (``strict``, ``verify_checksums``,
     ``options``) is passed."""
-    _check_options(fork_options, FORK_LOAD_OPTIONS, "load_state_dict")
+    _check_options(fork_options, FORK_LOAD_OPTIONS, "load_state_dict", load_state_dict)
     if comm_method not in COMM_METHODS:
         raise InvalidArgumentError(
             f"Invalid communication method '{comm_method}'. Please choose from {list(COMM_METHODS)}."
