@@ -89,6 +89,11 @@ CASES = {
         "asnyc_save",
         "async_save",
     ),
+    P + "topology:new_group": (
+        lambda d: __import__(P + "topology", fromlist=["x"]).new_group([0], backnd="gloo"),
+        "backnd",
+        "backend",
+    ),
     P + "fully_shard_fusion:FullyShardFusion.load_checkpoint": (
         lambda d: _fsdp().load_checkpoint(d, keep_lats=1),
         "keep_lats",

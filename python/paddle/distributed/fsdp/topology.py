@@ -34,6 +34,9 @@ def new_group(ranks: list[int], **kwargs: Any):
     ranks, as ``dist.new_group`` requires); see the module docstring for why."""
     if not isinstance(ranks, (list, tuple)) or not all(isinstance(r, int) for r in ranks):
         raise TypeError(f"new_group expects a list of int ranks, got {ranks!r}")
+    from .checkpoint.keywords import check_keywords, keyword_names
+
+    check_keywords("new_group", kwargs, keyword_names(dist.new_group, ("ranks",)))  # stock's, with a hint
     group = dist.new_group(list(ranks), **kwargs)
     dist.barrier()
     return group
