@@ -214,7 +214,8 @@ def save_state_dict(
             # builds: write the same files synchronously instead (the save is complete when this returns)
             logger.info("save_state_dict(%s): async_save on a CPU-only build is done synchronously", path)
             async_save = False
-        check_stock_names(state_dict, bool(safetensors))
+        if isinstance(state_dict, dict):  # anything else: stock's own error
+            check_stock_names(state_dict, bool(safetensors))
         return stock_save()(
             state_dict,
             path,
