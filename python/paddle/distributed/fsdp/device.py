@@ -99,8 +99,10 @@ def set_options(new: DeviceOptions) -> None:
         device_rules.uninstall()
 
 
-def _mark_host(tensor: paddle.Tensor) -> paddle.Tensor:
-    tensor._fsdp_host_memory = True  # host staging memory: only slices and copies (device_rules, fake mode)
+def _mark_host(tensor: paddle.Tensor, staging: bool = False) -> paddle.Tensor:
+    tensor._fsdp_host_memory = True
+    if staging:  # pinned staging memory: only slices and copies (device_rules, fake-device mode)
+        setattr(tensor, device_rules.STAGING_TAG, True)
     _host_bases.append(weakref.ref(tensor))
     return tensor
 
@@ -181,7 +183,7 @@ def host_empty(shape: Sequence[int], dtype, pinned: bool = True) -> paddle.Tenso
     _check_host(tensor, "paddle.empty(device='cpu')")
     if pinned:
         tensor = _pin(tensor)
-    return _mark_host(tensor)
+    return _mark_host(tensor, staging=pinned)
 
 
 def _check_host(tensor: paddle.Tensor, what: str) -> None:
@@ -316,6 +318,7 @@ def to_host(tensors: Iterable[paddle.Tensor], staging: HostStaging | None = None
 
 def _mark_view(view: paddle.Tensor) -> paddle.Tensor:
     view._fsdp_host_memory = True
+    setattr(view, device_rules.STAGING_TAG, True)
     return view
 
 

@@ -9,7 +9,8 @@ counted event while it is on:
   ops with ``device=CUDAPinnedPlace()``, Paddle issue #77537).
 * **No op on host staging memory.** Paddle moves a pinned op input to the device (``NeedTransformPlace``;
   Paddle issue #78835), so a ``reshape`` of a pinned view is a device temporary and the copy that follows lands
-  on the device. Any op on a tensor tagged as host staging (``_fsdp_host_memory``) other than slicing
+  on the device. Any op on a tensor tagged as host staging (``_fsdp_staging``: a pinned request of
+  ``device.host_empty`` and the views ``device.to_host`` returns) other than slicing
   (``_slice``), copies (``copy_``, ``_copy_to``, ``cpu``, ``numpy``, ``pin_memory``) and metadata raises
   :class:`HostStagingOpError`: every public ``paddle._C_ops`` function and every ``paddle.Tensor`` method is
   checked (functions imported by name elsewhere, and ops reached only from C++, are not).
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import paddle
 
 _Tensor = paddle.Tensor
-HOST_TAG = "_fsdp_host_memory"
+STAGING_TAG = "_fsdp_staging"  # pinned (or pinned-requested) host staging memory: slices and copies only
 PINNED_TAG = "_fsdp_fake_pinned"
 
 # Tensor methods allowed on host staging memory: views by slicing, copies, metadata, raw access.
@@ -102,7 +103,7 @@ def syncs(reset: bool = False) -> list[SyncRecord]:
 
 
 def is_staging(t) -> bool:
-    return type(t) is _Tensor and getattr(t, HOST_TAG, False)
+    return type(t) is _Tensor and getattr(t, STAGING_TAG, False)
 
 
 def is_fake_pinned(t) -> bool:
@@ -157,7 +158,7 @@ def _tagging_slice(fn):
     def _slice(self, *args, **kwargs):
         out = fn(self, *args, **kwargs)
         if is_staging(self):
-            setattr(out, HOST_TAG, True)  # a view of staging memory is staging memory
+            setattr(out, STAGING_TAG, True)  # a view of staging memory is staging memory
         return out
 
     return _slice
