@@ -87,13 +87,18 @@ def step(model, opt, dim: int, i: int) -> None:
     opt.clear_grad()
 
 
+def _local(fsdp) -> dict:
+    """This rank's pieces (and replicated buffers) as numpy arrays."""
+    return {k: getattr(v, "local_tensor", v).numpy().copy() for k, v in fsdp.sharded_state_dict().items()}
+
+
 def roundtrip(args) -> None:
     """Sync and async checkpoints of a trained model load back bit-exact into a fresh one, on every rank."""
     model, fsdp, opt = build(args.dim, args.blocks)
     for i in range(3):
         step(model, opt, args.dim, i)
     root = args.dir
-    want = {k: v.local_tensor.numpy().copy() for k, v in fsdp.sharded_state_dict().items()}
+    want = _local(fsdp)
     fsdp.save_checkpoint(os.path.join(root, "sync"), optimizer=opt)
     handle = fsdp.save_checkpoint(os.path.join(root, "async"), optimizer=opt, async_save=True)
     step(model, opt, args.dim, 3)  # training goes on while the async save runs: it must hold the values above
@@ -101,8 +106,8 @@ def roundtrip(args) -> None:
     for kind in ("sync", "async"):
         fresh, fresh_fsdp, fresh_opt = build(args.dim, args.blocks)
         fresh_fsdp.load_checkpoint(os.path.join(root, kind), optimizer=fresh_opt)
-        got = fresh_fsdp.sharded_state_dict()
-        same = set(got) == set(want) and all(np.array_equal(got[k].local_tensor.numpy(), v) for k, v in want.items())
+        got = _local(fresh_fsdp)
+        same = set(got) == set(want) and all(np.array_equal(got[k], v) for k, v in want.items())
         print(f"rank {dist.get_rank()}: {kind} round trip bit-exact: {same}")
 
 
@@ -119,10 +124,11 @@ def steps(args) -> None:
             t0 = time.perf_counter()
             handle = fsdp.save_checkpoint(os.path.join(root, f"s{i}"), optimizer=opt, async_save=True)
             call.append(time.perf_counter() - t0)
+        busy = handle is not None and not handle.done()  # the save's background copies/writes run now
         t0 = time.perf_counter()
         step(model, opt, args.dim, i)
         paddle.device.synchronize() if paddle.is_compiled_with_cuda() else None
-        (during if handle is not None and not handle.done() else plain).append(time.perf_counter() - t0)
+        (during if busy else plain).append(time.perf_counter() - t0)
     if handle is not None:
         handle.wait()
     order = os.environ.get("PADDLE_FSDP_CHECK_COLLECTIVE_ORDER", "default")
