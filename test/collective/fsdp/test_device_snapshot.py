@@ -283,3 +283,46 @@ def test_fingerprints_of_device_buffers_take_no_blocking_copy(fake_device, spy):
     flipped = t.numpy().copy()
     flipped.view(np.uint8)[0] ^= 1
     assert buffers.fingerprints({"x": paddle.to_tensor(flipped)})["x"] != buffers.fingerprints({"x": t})["x"]
+
+
+def test_fsdp_checkpoints_take_no_gil_held_sync_off_the_training_thread(tmp_path, fake_device, spy):
+    """A wrapped model with a persistable buffer and BatchNorm statistics, sync then async save_checkpoint:
+    no blocking ``.cpu()`` anywhere, no GIL-held device sync on the background thread (it polls), and both
+    checkpoints load back to the state at their call."""
+    from paddle.distributed.fsdp import FullyShardFusion
+
+    issued, waits, pointer_reads = spy
+    paddle.seed(5)
+    model = paddle.nn.Sequential(paddle.nn.Linear(8, 8), paddle.nn.BatchNorm1D(8), paddle.nn.Linear(8, 4))
+    model.register_buffer("ema", paddle.rand([2, 3]))
+    fsdp = FullyShardFusion(model)
+    opt = paddle.optimizer.AdamW(parameters=model.parameters(), learning_rate=0.1)
+
+    def step():
+        model(paddle.rand([6, 8])).sum().backward()
+        opt.step()
+        opt.clear_grad()
+
+    def local(f) -> dict:
+        return {k: bits(getattr(v, "local_tensor", v)) for k, v in f.sharded_state_dict().items()}
+
+    step()
+    at_call = local(fsdp)
+    device_rules.syncs(reset=True)
+    fsdp.save_checkpoint(str(tmp_path / "sync"), optimizer=opt)
+    h = fsdp.save_checkpoint(str(tmp_path / "async"), optimizer=opt, async_save=True)
+    step()
+    h.wait()
+    log = device_rules.syncs(reset=True)
+    assert not [r for r in log if r.kind == "Tensor.cpu"], log
+    assert not [r for r in log if not r.main_thread and r.gil_held], log
+    assert any(not r.main_thread and r.kind == "copy event poll" for r in log)
+    assert all(pointer_reads)
+    for kind in ("sync", "async"):
+        paddle.seed(6)
+        fresh = paddle.nn.Sequential(paddle.nn.Linear(8, 8), paddle.nn.BatchNorm1D(8), paddle.nn.Linear(8, 4))
+        fresh.register_buffer("ema", paddle.zeros([2, 3]))
+        fresh_fsdp = FullyShardFusion(fresh)
+        fresh_fsdp.load_checkpoint(str(tmp_path / kind))
+        got = local(fresh_fsdp)
+        assert set(got) == set(at_call) and all(np.array_equal(v, at_call[k]) for k, v in got.items()), kind
