@@ -280,3 +280,20 @@ def test_load_refuses_rng_mismatch_before_writing(tmp_path):
         device.set_options(saved_options)
     for key, value in model.named_parameters():
         np.testing.assert_array_equal(value.numpy(), before[key])
+
+
+def test_an_op_between_a_copy_batch_start_and_its_copies_is_refused(fake_device):
+    """On a GPU the copy stream waits only for work queued before the batch's start event: a source made after
+    it (a contiguous() of a strided tensor) could be read before it is written."""
+    from paddle.distributed.fsdp import device_streams
+
+    strided = paddle.arange(6, dtype="float32").reshape([2, 3]).transpose([1, 0])
+    dst = device.host_empty([6], "float32")
+    batch = device_streams.begin("fake")
+    with pytest.raises(device_rules.CopyOrderError):
+        batch.copy([(dst, device.flat_source(strided))])
+    src = device.flat_source(strided)
+    batch = device_streams.begin("fake")
+    batch.copy([(dst, src)])
+    batch.finish().wait()
+    np.testing.assert_array_equal(dst.numpy(), [0, 3, 1, 4, 2, 5])

@@ -284,19 +284,18 @@ def staging_views(tensors: Sequence[paddle.Tensor], staging: HostStaging) -> lis
     return views
 
 
-def stage(tensors: Iterable[paddle.Tensor], staging: HostStaging, batch=None):
+def stage(tensors: Iterable[paddle.Tensor], staging: HostStaging):
     """Issue the device-to-host copies of ``tensors`` into flat views of ``staging`` (host tensors are returned
     as they are, not copied). Returns ``(views, batch)``: the views are valid once ``batch`` completed
-    (``batch.wait()``; ``batch.finish()`` is the caller's when it passed its own ``batch``)."""
+    (``batch.wait()``). The flat sources are made before the batch's start event is recorded, so the copy
+    stream waits for any ``contiguous()`` kernel they need."""
     tensors = list(tensors)
     on_device = [i for i, t in enumerate(tensors) if not is_host(t)]
-    own = batch is None
-    if own:
-        batch = device_streams.begin(copy_mode())
+    sources = [flat_source(tensors[i]) for i in on_device]
     views = staging_views([tensors[i] for i in on_device], staging)
-    batch.copy((v, flat_source(tensors[i])) for i, v in zip(on_device, views) if v.shape[0])
-    if own:
-        batch.finish()
+    batch = device_streams.begin(copy_mode())
+    batch.copy((v, src) for v, src in zip(views, sources) if v.shape[0])
+    batch.finish()
     out = list(tensors)
     for i, v in zip(on_device, views):
         out[i] = v

@@ -64,6 +64,11 @@ _DUNDERS = (
 ).split()
 
 
+class CopyOrderError(RuntimeError):
+    """An op ran on the calling thread between a copy batch's start event and its copies (fake-device mode): on
+    a GPU the copy stream would not wait for that op, e.g. the ``contiguous()`` making a copy's source."""
+
+
 class HostStagingOpError(RuntimeError):
     """An op other than slicing or a copy ran on host staging (pinned) memory: on a GPU, paddle moves such an
     input to the device, so the result is a device temporary (fake-device mode)."""
@@ -84,6 +89,18 @@ _sync_lock = threading.Lock()
 _originals: dict[tuple[object, str], object] = {}
 _is_device = None  # device.py's predicate: is this tensor device memory (fake-device mode)
 _active = False  # the wrappers stay installed once patched (others may have patched on top); this switches them
+
+
+_tls = threading.local()
+
+
+def ops_issued() -> int:
+    """Ops (``paddle._C_ops`` functions and Tensor methods) this thread ran while the rules were on."""
+    return getattr(_tls, "ops", 0)
+
+
+def _count() -> None:
+    _tls.ops = getattr(_tls, "ops", 0) + 1
 
 
 def record_sync(kind: str, gil_held: bool) -> None:
@@ -125,8 +142,10 @@ def _refuse(name: str) -> None:
 def _guard_method(name: str, fn):
     @functools.wraps(fn)
     def guarded(self, *args, **kwargs):
-        if _active and (is_staging(self) or any(is_staging(a) for a in args)):
-            _refuse(f"Tensor.{name}")
+        if _active:
+            _count()
+            if is_staging(self) or any(is_staging(a) for a in args):
+                _refuse(f"Tensor.{name}")
         return fn(self, *args, **kwargs)
 
     return guarded
@@ -135,6 +154,8 @@ def _guard_method(name: str, fn):
 def _guard_op(name: str, fn):
     @functools.wraps(fn)
     def guarded(*args, **kwargs):
+        if _active:
+            _count()
         for a in args if _active else ():
             if is_staging(a) or (type(a) in (list, tuple) and any(is_staging(x) for x in a)):
                 _refuse(f"paddle._C_ops.{name}")

@@ -15,7 +15,8 @@ a launch per tensor (microseconds); the background thread only waits. Sources st
 until its wait returned (the allocator must not hand a temporary's memory to a compute kernel while the copy
 stream still reads it).
 
-Fake-device mode emulates the streams: issued copies are queued and run when the batch is fenced (on the
+Fake-device mode emulates the streams (and refuses an op run on the calling thread between ``begin`` and a
+``copy``: the copy stream would not wait for it, :class:`device_rules.CopyOrderError`): issued copies are queued and run when the batch is fenced (on the
 calling thread: the compute stream may not pass that point before them) or when its first ``query`` finds them
 pending (the copies are "in flight": query returns False once, then they have run on the querying thread), so
 tests count polls and synchronisations (``device_rules.syncs``) and compare bytes with sync saves. On a CPU
@@ -61,6 +62,7 @@ class CopyBatch:
         self._finished = False
         self._complete = False
         self.polls = 0
+        self._ops_at_start = device_rules.ops_issued()
         if mode == "cuda":
             self._compute = paddle.device.current_stream()
             self._stream = _copy_stream()
@@ -74,6 +76,11 @@ class CopyBatch:
         pairs = list(pairs)
         if not pairs:
             return
+        if self.mode == "fake" and device_rules.ops_issued() != self._ops_at_start:
+            raise device_rules.CopyOrderError(
+                "an op ran on the calling thread between the copy batch's start event and its copies: on a GPU "
+                "the copy stream would not wait for it (make the copies' sources before device_streams.begin)"
+            )
         self._keep.append(pairs)
         if self.mode == "cuda":
             with paddle.device.stream_guard(self._stream):
