@@ -260,6 +260,11 @@ def test_sync_save_stages_device_records_in_batches_of_a_chunk(fake_device, spy,
     assert len(waits) == len(issued) and all(w["main"] for w in waits)
     assert len(snapshot.sync_pool._free) <= 2
     assert all(pointer_reads)
+    pool = snapshot._StagingPool(keep=2, max_bytes=256)
+    small, big = device.HostStaging(), device.HostStaging()
+    small.buffer(paddle.float32, 16), big.buffer(paddle.float32, 100)
+    pool.give(big), pool.give(small)  # one record larger than a chunk grew `big`: not kept pinned for later
+    assert pool._free == [small] and pool.take() is small
 
 
 def test_fingerprints_of_device_buffers_take_no_blocking_copy(fake_device, spy):

@@ -74,10 +74,11 @@ snapshot_staging = _StagingSlot()
 class _StagingPool:
     """Pinned staging buffers for sync saves, handed back when the last view of a batch is dropped."""
 
-    def __init__(self, keep: int = 2):
+    def __init__(self, keep: int = 2, max_bytes: int = 2 * STAGING_CHUNK_BYTES):
         self._lock = threading.Lock()
         self._free: list[device.HostStaging] = []
         self._keep = keep
+        self._max_bytes = max_bytes  # one record larger than a chunk grows a staging: not kept for later saves
 
     def take(self) -> device.HostStaging:
         with self._lock:
@@ -85,7 +86,7 @@ class _StagingPool:
 
     def give(self, staging: device.HostStaging) -> None:
         with self._lock:
-            if len(self._free) < self._keep:
+            if len(self._free) < self._keep and staging.nbytes() <= self._max_bytes:
                 self._free.append(staging)
 
 
