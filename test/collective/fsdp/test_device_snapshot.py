@@ -8,6 +8,7 @@ through a data pointer, results are byte for byte those of a sync save.
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -89,8 +90,16 @@ def _mlp_and_adamw(layers=6, seed=4):
 
 
 def _files(root) -> dict:
-    """Data file bytes of a checkpoint (the metadata holds a timestamp and the checkpoint id)."""
-    return {p.name: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.suffix in (".bin", ".data")}
+    """Per data file: its tensor table and data bytes (the header's ``__metadata__`` holds the checkpoint id)."""
+    files = {}
+    for p in sorted(root.rglob("*.safetensors")):
+        raw = p.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        table = json.loads(raw[8 : 8 + n])
+        table.pop("__metadata__", None)
+        files[p.name] = (table, raw[8 + n :])
+    assert files, f"no data files under {root}"
+    return files
 
 
 def test_async_save_of_device_tensors_copies_at_the_call_and_waits_off_the_training_thread(
