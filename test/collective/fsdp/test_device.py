@@ -297,3 +297,5 @@ def test_an_op_between_a_copy_batch_start_and_its_copies_is_refused(fake_device)
     batch.copy([(dst, src)])
     batch.finish().wait()
     np.testing.assert_array_equal(dst.numpy(), [0, 3, 1, 4, 2, 5])
+    with pytest.raises(ValueError, match="mode"):
+        device_streams.begin("gpu")

@@ -55,7 +55,9 @@ class CopyBatch:
     """Device-to-host copies of one save (or one staging call), ordered after the work queued before it."""
 
     def __init__(self, mode: str):
-        self.mode = mode  # "cuda", "fake" or "host"
+        if mode not in ("cuda", "fake", "host"):
+            raise ValueError(f"CopyBatch mode must be 'cuda', 'fake' or 'host', not {mode!r}")
+        self.mode = mode
         self._keep: list = []  # sources (and destinations) alive until the copies are known to be done
         self._pending: list = []  # fake mode: queued copies
         self._done_event = None
