@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -229,7 +230,7 @@ def tensor_bytes_view(t) -> np.ndarray:
     a pointer the CPU cannot follow (that segfaults on a GPU)."""
     from paddle.distributed.fsdp import device
 
-    n = int(t.numel()) * t.element_size()
+    n = math.prod(t.shape) * t.element_size()  # from the shape: numel() is an op (none may run on staging)
     if n == 0:
         return np.zeros(0, np.uint8)
     if not device.is_host(t) or not t.is_contiguous():

@@ -102,7 +102,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import checksums, faults, host_memory, writer
+from . import checksums, faults, host_memory, snapshot, writer
 from .abandon import leave_failed_save
 from .coordination import Comm, check_target_path, gather_errors, poll, read_json
 from .errors import CheckpointError, InvalidStateDictError, SaveFailedError
@@ -682,12 +682,8 @@ def release_host_buffers() -> bool:
     Returns False (and frees nothing) while a save or load of this process is using it. The next async save
     allocates it again.
     """
-    return host_memory.arena.free()
-
-
-def _lazy_view(t):
-    """Piece provider for write_rank_file: the tensor's bytes (and their owner), produced when written."""
-    return lambda: host_memory.raw_view(t)
+    freed = host_memory.arena.free()
+    return snapshot.snapshot_staging.free() and freed
 
 
 def _mark_failed(staging: str, rank: int, e: BaseException) -> None:
@@ -941,11 +937,11 @@ def _exchange_and_assign(comm: Comm, local: _Local, coordinator_rank: int, tr: T
 
 @gc_paused()
 def _piece_sources(keys: list[str], local: _Local, staging: str, rank: int, world: int) -> tuple[list, list, Any]:
-    """Step 3 of a sync save: what this rank writes, in layout order: lazy views of the tensors' own memory (a
-    device tensor is copied to host one piece at a time while writing). Returns ``(arrays, [], None)``."""
+    """Step 3 of a sync save: what this rank writes, in layout order: lazy views of the tensors' own memory
+    (device tensors staged in batches while writing, snapshot.lazy_views). Returns ``(arrays, [], None)``."""
     by_key = {r.key: r for r in local.records}
     try:
-        return [_lazy_view(by_key[key].tensor) for key in keys], [], None
+        return snapshot.lazy_views([by_key[key].tensor for key in keys]), [], None
     except BaseException as e:
         _mark_failed(staging, rank, e)  # the coordinator must not wait for this rank until the timeout
         if isinstance(e, Exception):
