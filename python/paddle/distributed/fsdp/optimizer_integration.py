@@ -169,8 +169,8 @@ def clip_by_global_norm(owners, pairs, clip: ClipGradByGlobalNorm) -> list:
     """
     selected = _clippable(pairs)
     out = list(pairs)
-    if not selected:
-        return out
+    # no early return for a rank without pairs (it owns no piece of this optimizer's parameters, e.g. a second
+    # optimizer over a tiny head): it still joins every owner's all-reduce below, or the other ranks hang there
     by_buffer: dict[int, tuple[object, dict[int, object]]] = {}
     loose = []  # (k, param, grad) summed per parameter
     for k, param, grad in selected:
@@ -198,6 +198,8 @@ def clip_by_global_norm(owners, pairs, clip: ClipGradByGlobalNorm) -> list:
         total = total + owner.comm.all_reduce_sum(owner_sums[id(owner)])
     for _, _, grad in loose:  # replicated parameters: their sums are complete on every rank
         total = total + _sum_of_squares(grad).reshape([1])
+    if not selected:
+        return out
     max_norm = paddle.full([1], clip.clip_norm, dtype="float64")
     scale = max_norm / paddle.maximum(paddle.sqrt(total), max_norm)
     scaled_sources = {key: paddle.multiply(source, scale.astype(source.dtype)) for key, source in fused.items()}
