@@ -13,6 +13,7 @@ run-time buffers (fused_buffer) -> shard records (state/records.py) -> storage (
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Callable
 
 import paddle
@@ -64,6 +65,9 @@ class FullyShardFusion:
         self.backward_end_armed = False
         self.rearm_backward_end = False  # a nested backward ended while the enclosing one runs on
         self.summoned = False  # inside summon_full_params: every buffer stays gathered
+        # optimizers that stepped or initialised state for these parameters: summon_full_params(writeback=True)
+        # re-casts their fp32 master weights where a written-back value changed (full_params.py)
+        self.optimizers: weakref.WeakSet = weakref.WeakSet()
         self.comm = ShardingComm(group)
         groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn)
         self.buffers: list[FusedBuffer] = []

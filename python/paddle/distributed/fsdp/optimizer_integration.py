@@ -50,6 +50,8 @@ def install_optimizer_integration() -> None:
         if not owners or not paddle.in_dynamic_mode():
             return original(self, loss, startup_program, params_grads, param_group_idx)
         _warn_per_piece_norms(self, owners)
+        for owner in owners:  # whose master weights a writeback must follow (full_params.py)
+            owner.optimizers.add(self)
         _check_intact_once(self, owners)
         if isinstance(params_grads, list):
             params_grads = list(params_grads)
