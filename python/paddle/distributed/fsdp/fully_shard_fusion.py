@@ -24,6 +24,7 @@ from .fused_buffer import FusedBuffer
 from .fused_layout import BufferLayout
 from .hooks import LayerHooks
 from .layer_integration import install_layer_integration
+from .lazy_init import install_creation_stamps, is_lazy, materialise_into_shards
 from .optimizer_integration import install_optimizer_integration
 from .param_grouping import plan_param_groups
 
@@ -43,7 +44,9 @@ class FullyShardFusion:
         no_weight_decay_fn: optional ``fn(structured_name) -> bool`` marking extra parameters exempt
             from weight decay (as ``param.no_weight_decay = True`` does).
 
-    Parameters must be initialised identically on every rank (same seed); each rank keeps its slice.
+    Parameters must be initialised identically on every rank (same seed); each rank keeps its slice. A model
+    larger than one device can be built under ``paddle.LazyGuard()`` (materialised one parameter at a time into
+    the shards, values equal to an eager build) or on the CPU (pieces copied to the device): see lazy_init.py.
     """
 
     def __init__(
@@ -70,6 +73,8 @@ class FullyShardFusion:
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
         self.comm = ShardingComm(group)
         groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn)
+        # lazily built (paddle.LazyGuard) parameters are materialised one at a time after planning (lazy_init.py)
+        one_by_one = any(is_lazy(p) for p in model.parameters())
         self.buffers: list[FusedBuffer] = []
         self.param_keys: dict[int, str] = {}  # id(param) -> structured key
         self.param_index: dict[int, int] = {}  # id(param) -> position in model order, same on every rank
@@ -86,7 +91,7 @@ class FullyShardFusion:
                 world_size=self.comm.world_size,
                 attrs=group_plan.attrs,
             )
-            buffer = FusedBuffer(layout, group_plan.params, self.comm, owner=self)
+            buffer = FusedBuffer(layout, group_plan.params, self.comm, owner=self, fill=not one_by_one)
             self.buffers.append(buffer)
             for key, param in zip(group_plan.keys, group_plan.params):
                 self.param_keys[id(param)] = key
@@ -95,6 +100,8 @@ class FullyShardFusion:
                 layer_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
             for layer in group_plan.fallback_layers:
                 fallback_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
+        if one_by_one:
+            materialise_into_shards(model, self.buffers)
         prefixes = {id(layer): prefix for prefix, layer in model.named_sublayers(include_self=True)}
         ancestors = _ancestors(model)
         self._hooks = [
@@ -230,6 +237,9 @@ class FullyShardFusion:
         from .state.resume import load_checkpoint
 
         return load_checkpoint(self, path, optimizer=optimizer, **kwargs)
+
+
+install_creation_stamps()  # before any model is built under paddle.LazyGuard (lazy_init.py)
 
 
 def _ancestors(model: paddle.nn.Layer) -> dict[int, set[int]]:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import paddle
 
 from .communication import GATHER, REDUCE
-from .device import address, check_same_place
+from .device import address, check_same_place, host_to_device
 from .fused_layout import BufferLayout, LocalPiece
 
 if TYPE_CHECKING:
@@ -48,7 +48,9 @@ def _bind(param: paddle.Tensor, source: paddle.Tensor, shape: list[int]) -> None
 class FusedBuffer:
     """The run-time state of one :class:`BufferLayout` on this rank."""
 
-    def __init__(self, layout: BufferLayout, params: list, comm: ShardingComm, owner) -> None:
+    def __init__(self, layout: BufferLayout, params: list, comm: ShardingComm, owner, fill: bool = True) -> None:
+        """``fill=False``: leave the shard zero and the parameters as they are (lazy ones uninitialised); the caller
+        fills it with :meth:`fill_param` (lazy_init.py does, one parameter at a time in creation order)."""
         self.layout = layout
         self.params = params
         self.comm = comm
@@ -71,20 +73,39 @@ class FusedBuffer:
         self.shard = paddle.zeros([layout.shard_numel], dtype=params[0].dtype)
         # gradients are reduced and accumulated in at least fp32 (fp64 params keep fp64)
         self.grad_dtype = paddle.float64 if self.shard.dtype == paddle.float64 else paddle.float32
-        for param, slot in zip(params, layout.slots):  # a copy across places would leave the shard unfilled
-            check_same_place(slot.key, param, self.shard.place)
-        with paddle.no_grad():
-            for index, piece in self.pieces.items():
-                flat = params[index].reshape([-1])
-                paddle.assign(
-                    flat[piece.param_start : piece.param_stop],
-                    output=self._shard_view(piece),
-                )
         for index, param in enumerate(params):
             param._fsdp_buffer = self
             if layout.trainable:
                 param._register_backward_hook(self._make_grad_hook(index))
-        self.release()  # frees the full-size storage the model was built with
+        if fill:
+            for index in range(len(params)):
+                self.fill_param(index)
+            self.release()  # frees the full-size storage the model was built with
+
+    def fill_param(self, index: int) -> None:
+        """Copy this rank's piece of parameter ``index`` (as it holds now, full-size) into the shard. A parameter in
+        host memory (built on the CPU) is copied across to the shard's device (device.check_same_place)."""
+        param, slot = self.params[index], self.layout.slots[index]
+        across = check_same_place(slot.key, param, self.shard.place)
+        piece = self.pieces.get(index)
+        if piece is None:
+            return
+        with paddle.no_grad():
+            part = param.reshape([-1])[piece.param_start : piece.param_stop]
+            if across:
+                host_to_device(part.contiguous(), self._shard_view(piece))
+            else:
+                paddle.assign(part, output=self._shard_view(piece))
+
+    def bind_local(self, index: int) -> None:
+        """Bind parameter ``index`` to its local piece (an empty view when it owns none), dropping its own storage."""
+        piece = self.pieces.get(index)
+        if piece is None:
+            # an empty view must still own memory: sharing an uninitialised ``_slice(0, 0)`` is a no-op that left
+            # the parameter holding its old storage (the model's, or the whole gathered buffer after a release)
+            _bind(self.params[index], self.shard._slice(0, 1), [0])
+        else:
+            _bind(self.params[index], self._shard_view(piece), [piece.length])
 
     # ---- parameter bindings -------------------------------------------------------------------
     def _shard_view(self, piece: LocalPiece) -> paddle.Tensor:
@@ -110,12 +131,8 @@ class FusedBuffer:
 
     def release(self) -> None:
         """Bind every parameter back to its local piece and drop the gathered buffer."""
-        for index, param in enumerate(self.params):
-            piece = self.pieces.get(index)
-            if piece is None:
-                _bind(param, self.shard._slice(0, 0), [0])
-            else:
-                _bind(param, self._shard_view(piece), [piece.length])
+        for index in range(len(self.params)):
+            self.bind_local(index)
         self.full = None
         self.held_for_backward = False
         self._arrived.clear()
