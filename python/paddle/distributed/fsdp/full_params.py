@@ -50,7 +50,7 @@ def summon_full_params(fsdp: FullyShardFusion, writeback: bool = False, rank0_on
             # that an exit without writeback restores
             if fsdp.world_size == 1 and not writeback and keep:
                 backups.append((buffer, buffer.shard.clone()))
-            buffer.gather()
+            buffer.gather(full_precision=True)
             gathered.append(buffer)
             if not keep:
                 buffer.release()
@@ -132,7 +132,7 @@ def full_state_dict(fsdp: FullyShardFusion, rank0_only: bool = True, offload_to_
 
     for buffer in fsdp.buffers:
         was_gathered = buffer.is_gathered
-        buffer.gather()
+        buffer.gather(full_precision=True)
         try:
             if keep:
                 for param in buffer.params:

@@ -43,6 +43,11 @@ class FullyShardFusion:
             with ``sharding_degree > 1``, else the global group, else a single process.
         no_weight_decay_fn: optional ``fn(structured_name) -> bool`` marking extra parameters exempt
             from weight decay (as ``param.no_weight_decay = True`` does).
+        compute_dtype: gather parameters in this dtype for forward and backward (e.g. ``"bfloat16"`` under
+            AMP O1 with fp32 parameters): half the gather bytes, and autograd saves the unit's low-precision
+            parameters, freed with the unit, instead of a cast per op kept for the whole forward (the model's
+            weights resident again). Every op then sees low-precision parameters: ops AMP runs in fp32 get
+            fp32(bf16(w)), not w (as PyTorch FSDP2's ``param_dtype``). Gradients still accumulate in fp32.
 
     Parameters must be initialised identically on every rank (same seed); each rank keeps its slice. A model
     larger than one device can be built under ``paddle.LazyGuard()`` (materialised one parameter at a time into
@@ -55,6 +60,7 @@ class FullyShardFusion:
         fsdp_unit_layers: list[str] | None = None,
         group=None,
         no_weight_decay_fn: Callable[[str], bool] | None = None,
+        compute_dtype: str | None = None,
     ) -> None:
         if not isinstance(model, paddle.nn.Layer):
             raise TypeError(f"FullyShardFusion expects a paddle.nn.Layer, got {type(model).__name__}")
@@ -62,6 +68,7 @@ class FullyShardFusion:
             raise ValueError("this model is already wrapped by a FullyShardFusion")
         if not paddle.in_dynamic_mode():
             raise RuntimeError("FullyShardFusion works in dygraph mode only")
+        self.compute_dtype = _check_compute_dtype(compute_dtype)
         install_optimizer_integration()
         install_layer_integration()
         self.model = model
@@ -172,7 +179,7 @@ class FullyShardFusion:
         out = {}
         for buffer in self.buffers:
             was_gathered = buffer.is_gathered
-            buffer.gather()
+            buffer.gather(full_precision=True)
             for param, slot in zip(buffer.params, buffer.layout.slots):
                 out[slot.key] = param.detach().clone()
             if not was_gathered:
@@ -237,6 +244,17 @@ class FullyShardFusion:
         from .state.resume import load_checkpoint
 
         return load_checkpoint(self, path, optimizer=optimizer, **kwargs)
+
+
+def _check_compute_dtype(dtype):
+    """``compute_dtype`` as a paddle dtype (None stays None); ValueError for anything but a floating dtype."""
+    if dtype is None:
+        return None
+    allowed = {"float16": paddle.float16, "bfloat16": paddle.bfloat16, "float32": paddle.float32}
+    name = str(dtype).replace("paddle.", "")
+    if name not in allowed:
+        raise ValueError(f"compute_dtype must be one of {sorted(allowed)} (or None), got {dtype!r}")
+    return allowed[name]
 
 
 install_creation_stamps()  # before any model is built under paddle.LazyGuard (lazy_init.py)

@@ -115,17 +115,39 @@ class FusedBuffer:
     def is_gathered(self) -> bool:
         return self.full is not None
 
-    def gather(self) -> None:
-        """Bind every parameter to a full-shape view of the gathered buffer (no-op when gathered)."""
+    def compute_dtype(self):
+        """The dtype parameters are gathered in for forward and backward: the owner's ``compute_dtype`` for
+        floating buffers of another dtype, else the shard's own."""
+        wanted = getattr(self.owner, "compute_dtype", None)
+        if wanted is None or wanted == self.shard.dtype or not self.shard.is_floating_point():
+            return self.shard.dtype
+        return wanted
+
+    def gather(self, full_precision: bool = False) -> None:
+        """Bind every parameter to a full-shape view of the gathered buffer (no-op when gathered).
+
+        For forward and backward the buffer is gathered in :meth:`compute_dtype` (the owner's ``compute_dtype``):
+        each rank casts its shard, the low-precision buffer is gathered, and the parameters *are* low-precision
+        views while their unit runs. AMP then casts nothing, and what autograd saves for backward is the parameter
+        itself, whose memory a release re-points (a cast would be a new tensor kept until backward: under O1 the
+        whole model's weights). ``full_precision`` (summon_full_params, full_state_dict) gathers the shard's dtype.
+        """
+        dtype = self.shard.dtype if full_precision else self.compute_dtype()
         if self.full is not None:
+            if self.full.dtype != dtype:
+                raise RuntimeError(
+                    f"FullyShardFusion: buffer {self.layout.name} is gathered in {self.full.dtype} for compute; "
+                    f"full-precision access ({dtype}) needs it released first (outside forward and backward)"
+                )
             return
         with paddle.no_grad():
+            source = self.shard if dtype == self.shard.dtype else self.shard.astype(dtype)
             if self.comm.world_size == 1:
-                self.full = self.shard
+                self.full = source
             else:
                 self.comm.agree(GATHER, self.index, self.owner.describe_buffer)
-                self.full = paddle.empty([self.layout.padded_numel], dtype=self.shard.dtype)
-                self.comm.all_gather_into(self.full, self.shard)
+                self.full = paddle.empty([self.layout.padded_numel], dtype=dtype)
+                self.comm.all_gather_into(self.full, source)
         for param, slot in zip(self.params, self.layout.slots):
             _bind(param, self.full._slice(slot.offset, slot.end), list(slot.shape))
 
