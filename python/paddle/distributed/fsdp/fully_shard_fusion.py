@@ -228,7 +228,8 @@ class FullyShardFusion:
         """Model + optimizer + LR scheduler + RNG + ``extra_state``, in one collective call.
 
         ``step=N`` treats ``path`` as a root (``root/step_<N>`` and a ``latest`` pointer moved after the
-        commit); ``keep_last=K`` then removes older steps; ``async_save=True`` returns a handle to wait on.
+        commit); ``keep_last=K`` then removes older steps; ``async_save=True`` returns a handle to wait on;
+        ``grad_scaler=`` a ``paddle.amp.GradScaler`` saved too (pass it to :meth:`load_checkpoint` as well).
         """
         from .state.resume import save_checkpoint
 
