@@ -27,6 +27,7 @@ from .layer_integration import install_layer_integration
 from .lazy_init import install_creation_stamps, is_lazy, materialise_into_shards
 from .optimizer_integration import install_optimizer_integration
 from .param_grouping import plan_param_groups
+from .topology import resolve_layout
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,9 @@ class FullyShardFusion:
             blocks). Parameters outside units belong to the root: gathered for the root's whole forward and
             backward (list large loose layers, e.g. the embedding and lm head classes, to bound that).
         group: the process group to shard over; default: fleet's sharding group if fleet set one up
-            with ``sharding_degree > 1``, else the global group, else a single process.
+            with ``sharding_degree > 1``, else the global group, else a single process. Layouts where some
+            data-parallel ranks would not average gradients (a group smaller than the world; fleet with
+            ``mp/pp/sep_degree > 1``) raise ``UnsupportedGroupLayoutError`` (topology.py).
         no_weight_decay_fn: optional ``fn(structured_name) -> bool`` marking extra parameters exempt
             from weight decay (as ``param.no_weight_decay = True`` does).
         compute_dtype: gather parameters in this dtype for forward and backward (e.g. ``"bfloat16"`` under
@@ -69,6 +72,7 @@ class FullyShardFusion:
         if not paddle.in_dynamic_mode():
             raise RuntimeError("FullyShardFusion works in dygraph mode only")
         self.compute_dtype = _check_compute_dtype(compute_dtype)
+        self.group_layout = resolve_layout(group)  # refuses layouts FSDP would train wrong, before any change
         install_optimizer_integration()
         install_layer_integration()
         self.model = model
@@ -78,7 +82,7 @@ class FullyShardFusion:
         # optimizers that stepped or initialised state for these parameters: summon_full_params(writeback=True)
         # re-casts their fp32 master weights where a written-back value changed (full_params.py)
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
-        self.comm = ShardingComm(group)
+        self.comm = ShardingComm(self.group_layout.shard_group)
         groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn)
         # lazily built (paddle.LazyGuard) parameters are materialised one at a time after planning (lazy_init.py)
         one_by_one = any(is_lazy(p) for p in model.parameters())
