@@ -207,11 +207,21 @@ def test_device_synchronisations_are_logged_with_thread_and_gil(fake_device):
 
 
 def test_parameter_on_another_place_is_refused_by_name():
+    class Gpu0:  # a device place (none can be made on a CPU-only build)
+        def is_cpu_place(self) -> bool:
+            return False
+
+        def is_cuda_pinned_place(self) -> bool:
+            return False
+
+        def __str__(self) -> str:
+            return "Place(gpu:0)"
+
     class Placed:
-        place = "Place(gpu:0)"
+        place = Gpu0()
 
     with pytest.raises(ValueError, match=r"'blocks.0.w' is on Place\(gpu:0\).*shards onto Place\(cpu\)"):
-        device.check_same_place("blocks.0.w", Placed(), "Place(cpu)")
+        device.check_same_place("blocks.0.w", Placed(), paddle.CPUPlace())
 
 
 # ---- RNG state -------------------------------------------------------------------------------------------

@@ -328,13 +328,22 @@ def host_to_device(src: paddle.Tensor, dst: paddle.Tensor, blocking: bool = True
     dst.copy_(src, blocking)
 
 
-def check_same_place(name: str, tensor: paddle.Tensor, expected_place) -> None:
-    """Refuse a parameter on another place than the one FSDP shards onto, naming both."""
-    if str(tensor.place) != str(expected_place):
-        raise ValueError(
-            f"parameter {name!r} is on {tensor.place}, but FullyShardFusion shards onto {expected_place}: "
-            "move the model to one place (e.g. model.to(device)) before wrapping"
-        )
+def check_same_place(name: str, tensor: paddle.Tensor, expected_place) -> bool:
+    """Whether parameter ``tensor`` must be copied across places into a shard on ``expected_place``.
+
+    False on the same place. True for a parameter in host memory (a model built on the CPU, larger than one
+    device) when the shards live on a device: its pieces are copied over (:func:`host_to_device`). Any other
+    difference (another device, a device parameter for host shards) is refused, naming both places."""
+    # fake-device mode: shards count as device memory, a parameter as host memory when made by host_empty
+    host_target = is_host_place(expected_place) and not options().fake_device
+    if is_host(tensor) and not host_target:
+        return True
+    if str(tensor.place) == str(expected_place):
+        return False
+    raise ValueError(
+        f"parameter {name!r} is on {tensor.place}, but FullyShardFusion shards onto {expected_place}: "
+        "build the model on that device or on the CPU (or under paddle.LazyGuard) before wrapping"
+    )
 
 
 options()  # read the environment once, at import: the fake-device pointer guard must be in place before any save

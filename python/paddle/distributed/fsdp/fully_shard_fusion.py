@@ -13,6 +13,7 @@ run-time buffers (fused_buffer) -> shard records (state/records.py) -> storage (
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Callable
 
 import paddle
@@ -23,6 +24,7 @@ from .fused_buffer import FusedBuffer
 from .fused_layout import BufferLayout
 from .hooks import LayerHooks
 from .layer_integration import install_layer_integration
+from .lazy_init import install_creation_stamps, is_lazy, materialise_into_shards
 from .optimizer_integration import install_optimizer_integration
 from .param_grouping import plan_param_groups
 from .topology import resolve_layout
@@ -44,8 +46,15 @@ class FullyShardFusion:
             ``mp/pp/sep_degree > 1``) raise ``UnsupportedGroupLayoutError`` (topology.py).
         no_weight_decay_fn: optional ``fn(structured_name) -> bool`` marking extra parameters exempt
             from weight decay (as ``param.no_weight_decay = True`` does).
+        compute_dtype: gather parameters in this dtype for forward and backward (e.g. ``"bfloat16"`` under
+            AMP O1 with fp32 parameters): half the gather bytes, and autograd saves the unit's low-precision
+            parameters, freed with the unit, instead of a cast per op kept for the whole forward (the model's
+            weights resident again). Every op then sees low-precision parameters: ops AMP runs in fp32 get
+            fp32(bf16(w)), not w (as PyTorch FSDP2's ``param_dtype``). Gradients still accumulate in fp32.
 
-    Parameters must be initialised identically on every rank (same seed); each rank keeps its slice.
+    Parameters must be initialised identically on every rank (same seed); each rank keeps its slice. A model
+    larger than one device can be built under ``paddle.LazyGuard()`` (materialised one parameter at a time into
+    the shards, values equal to an eager build) or on the CPU (pieces copied to the device): see lazy_init.py.
     """
 
     def __init__(
@@ -54,6 +63,7 @@ class FullyShardFusion:
         fsdp_unit_layers: list[str] | None = None,
         group=None,
         no_weight_decay_fn: Callable[[str], bool] | None = None,
+        compute_dtype: str | None = None,
     ) -> None:
         if not isinstance(model, paddle.nn.Layer):
             raise TypeError(f"FullyShardFusion expects a paddle.nn.Layer, got {type(model).__name__}")
@@ -61,6 +71,7 @@ class FullyShardFusion:
             raise ValueError("this model is already wrapped by a FullyShardFusion")
         if not paddle.in_dynamic_mode():
             raise RuntimeError("FullyShardFusion works in dygraph mode only")
+        self.compute_dtype = _check_compute_dtype(compute_dtype)
         self.group_layout = resolve_layout(group)  # refuses layouts FSDP would train wrong, before any change
         install_optimizer_integration()
         install_layer_integration()
@@ -68,8 +79,13 @@ class FullyShardFusion:
         self.backward_end_armed = False
         self.rearm_backward_end = False  # a nested backward ended while the enclosing one runs on
         self.summoned = False  # inside summon_full_params: every buffer stays gathered
+        # optimizers that stepped or initialised state for these parameters: summon_full_params(writeback=True)
+        # re-casts their fp32 master weights where a written-back value changed (full_params.py)
+        self.optimizers: weakref.WeakSet = weakref.WeakSet()
         self.comm = ShardingComm(self.group_layout.shard_group)
         groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn)
+        # lazily built (paddle.LazyGuard) parameters are materialised one at a time after planning (lazy_init.py)
+        one_by_one = any(is_lazy(p) for p in model.parameters())
         self.buffers: list[FusedBuffer] = []
         self.param_keys: dict[int, str] = {}  # id(param) -> structured key
         self.param_index: dict[int, int] = {}  # id(param) -> position in model order, same on every rank
@@ -86,7 +102,7 @@ class FullyShardFusion:
                 world_size=self.comm.world_size,
                 attrs=group_plan.attrs,
             )
-            buffer = FusedBuffer(layout, group_plan.params, self.comm, owner=self)
+            buffer = FusedBuffer(layout, group_plan.params, self.comm, owner=self, fill=not one_by_one)
             self.buffers.append(buffer)
             for key, param in zip(group_plan.keys, group_plan.params):
                 self.param_keys[id(param)] = key
@@ -95,6 +111,8 @@ class FullyShardFusion:
                 layer_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
             for layer in group_plan.fallback_layers:
                 fallback_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
+        if one_by_one:
+            materialise_into_shards(model, self.buffers)
         prefixes = {id(layer): prefix for prefix, layer in model.named_sublayers(include_self=True)}
         ancestors = _ancestors(model)
         self._hooks = [
@@ -165,7 +183,7 @@ class FullyShardFusion:
         out = {}
         for buffer in self.buffers:
             was_gathered = buffer.is_gathered
-            buffer.gather()
+            buffer.gather(full_precision=True)
             for param, slot in zip(buffer.params, buffer.layout.slots):
                 out[slot.key] = param.detach().clone()
             if not was_gathered:
@@ -214,7 +232,8 @@ class FullyShardFusion:
         """Model + optimizer + LR scheduler + RNG + ``extra_state``, in one collective call.
 
         ``step=N`` treats ``path`` as a root (``root/step_<N>`` and a ``latest`` pointer moved after the
-        commit); ``keep_last=K`` then removes older steps; ``async_save=True`` returns a handle to wait on.
+        commit); ``keep_last=K`` then removes older steps; ``async_save=True`` returns a handle to wait on;
+        ``grad_scaler=`` a ``paddle.amp.GradScaler`` saved too (pass it to :meth:`load_checkpoint` as well).
         """
         from .checkpoint.keywords import check_keywords, keyword_names
         from .state.resume import save_checkpoint
@@ -234,6 +253,20 @@ class FullyShardFusion:
 
         check_keywords("load_checkpoint", kwargs, keyword_names(load_checkpoint, ("fsdp",)))
         return load_checkpoint(self, path, optimizer=optimizer, **kwargs)
+
+
+def _check_compute_dtype(dtype):
+    """``compute_dtype`` as a paddle dtype (None stays None); ValueError for anything but a floating dtype."""
+    if dtype is None:
+        return None
+    allowed = {"float16": paddle.float16, "bfloat16": paddle.bfloat16, "float32": paddle.float32}
+    name = str(dtype).replace("paddle.", "")
+    if name not in allowed:
+        raise ValueError(f"compute_dtype must be one of {sorted(allowed)} (or None), got {dtype!r}")
+    return allowed[name]
+
+
+install_creation_stamps()  # before any model is built under paddle.LazyGuard (lazy_init.py)
 
 
 def _ancestors(model: paddle.nn.Layer) -> dict[int, set[int]]:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import paddle
 
 from .communication import GATHER, REDUCE
-from .device import address, check_same_place
+from .device import address, check_same_place, host_to_device
 from .fused_layout import BufferLayout, LocalPiece
 
 if TYPE_CHECKING:
@@ -48,7 +48,9 @@ def _bind(param: paddle.Tensor, source: paddle.Tensor, shape: list[int]) -> None
 class FusedBuffer:
     """The run-time state of one :class:`BufferLayout` on this rank."""
 
-    def __init__(self, layout: BufferLayout, params: list, comm: ShardingComm, owner) -> None:
+    def __init__(self, layout: BufferLayout, params: list, comm: ShardingComm, owner, fill: bool = True) -> None:
+        """``fill=False``: leave the shard zero and the parameters as they are (lazy ones uninitialised); the caller
+        fills it with :meth:`fill_param` (lazy_init.py does, one parameter at a time in creation order)."""
         self.layout = layout
         self.params = params
         self.comm = comm
@@ -71,20 +73,39 @@ class FusedBuffer:
         self.shard = paddle.zeros([layout.shard_numel], dtype=params[0].dtype)
         # gradients are reduced and accumulated in at least fp32 (fp64 params keep fp64)
         self.grad_dtype = paddle.float64 if self.shard.dtype == paddle.float64 else paddle.float32
-        for param, slot in zip(params, layout.slots):  # a copy across places would leave the shard unfilled
-            check_same_place(slot.key, param, self.shard.place)
-        with paddle.no_grad():
-            for index, piece in self.pieces.items():
-                flat = params[index].reshape([-1])
-                paddle.assign(
-                    flat[piece.param_start : piece.param_stop],
-                    output=self._shard_view(piece),
-                )
         for index, param in enumerate(params):
             param._fsdp_buffer = self
             if layout.trainable:
                 param._register_backward_hook(self._make_grad_hook(index))
-        self.release()  # frees the full-size storage the model was built with
+        if fill:
+            for index in range(len(params)):
+                self.fill_param(index)
+            self.release()  # frees the full-size storage the model was built with
+
+    def fill_param(self, index: int) -> None:
+        """Copy this rank's piece of parameter ``index`` (as it holds now, full-size) into the shard. A parameter in
+        host memory (built on the CPU) is copied across to the shard's device (device.check_same_place)."""
+        param, slot = self.params[index], self.layout.slots[index]
+        across = check_same_place(slot.key, param, self.shard.place)
+        piece = self.pieces.get(index)
+        if piece is None:
+            return
+        with paddle.no_grad():
+            part = param.reshape([-1])[piece.param_start : piece.param_stop]
+            if across:
+                host_to_device(part.contiguous(), self._shard_view(piece))
+            else:
+                paddle.assign(part, output=self._shard_view(piece))
+
+    def bind_local(self, index: int) -> None:
+        """Bind parameter ``index`` to its local piece (an empty view when it owns none), dropping its own storage."""
+        piece = self.pieces.get(index)
+        if piece is None:
+            # an empty view must still own memory: sharing an uninitialised ``_slice(0, 0)`` is a no-op that left
+            # the parameter holding its old storage (the model's, or the whole gathered buffer after a release)
+            _bind(self.params[index], self.shard._slice(0, 1), [0])
+        else:
+            _bind(self.params[index], self._shard_view(piece), [piece.length])
 
     # ---- parameter bindings -------------------------------------------------------------------
     def _shard_view(self, piece: LocalPiece) -> paddle.Tensor:
@@ -94,28 +115,46 @@ class FusedBuffer:
     def is_gathered(self) -> bool:
         return self.full is not None
 
-    def gather(self) -> None:
-        """Bind every parameter to a full-shape view of the gathered buffer (no-op when gathered)."""
+    def compute_dtype(self):
+        """The dtype parameters are gathered in for forward and backward: the owner's ``compute_dtype`` for
+        floating buffers of another dtype, else the shard's own."""
+        wanted = getattr(self.owner, "compute_dtype", None)
+        if wanted is None or wanted == self.shard.dtype or not self.shard.is_floating_point():
+            return self.shard.dtype
+        return wanted
+
+    def gather(self, full_precision: bool = False) -> None:
+        """Bind every parameter to a full-shape view of the gathered buffer (no-op when gathered).
+
+        For forward and backward the buffer is gathered in :meth:`compute_dtype` (the owner's ``compute_dtype``):
+        each rank casts its shard, the low-precision buffer is gathered, and the parameters *are* low-precision
+        views while their unit runs. AMP then casts nothing, and what autograd saves for backward is the parameter
+        itself, whose memory a release re-points (a cast would be a new tensor kept until backward: under O1 the
+        whole model's weights). ``full_precision`` (summon_full_params, full_state_dict) gathers the shard's dtype.
+        """
+        dtype = self.shard.dtype if full_precision else self.compute_dtype()
         if self.full is not None:
+            if self.full.dtype != dtype:
+                raise RuntimeError(
+                    f"FullyShardFusion: buffer {self.layout.name} is gathered in {self.full.dtype} for compute; "
+                    f"full-precision access ({dtype}) needs it released first (outside forward and backward)"
+                )
             return
         with paddle.no_grad():
+            source = self.shard if dtype == self.shard.dtype else self.shard.astype(dtype)
             if self.comm.world_size == 1:
-                self.full = self.shard
+                self.full = source
             else:
                 self.comm.agree(GATHER, self.index, self.owner.describe_buffer)
-                self.full = paddle.empty([self.layout.padded_numel], dtype=self.shard.dtype)
-                self.comm.all_gather_into(self.full, self.shard)
+                self.full = paddle.empty([self.layout.padded_numel], dtype=dtype)
+                self.comm.all_gather_into(self.full, source)
         for param, slot in zip(self.params, self.layout.slots):
             _bind(param, self.full._slice(slot.offset, slot.end), list(slot.shape))
 
     def release(self) -> None:
         """Bind every parameter back to its local piece and drop the gathered buffer."""
-        for index, param in enumerate(self.params):
-            piece = self.pieces.get(index)
-            if piece is None:
-                _bind(param, self.shard._slice(0, 0), [0])
-            else:
-                _bind(param, self._shard_view(piece), [piece.length])
+        for index in range(len(self.params)):
+            self.bind_local(index)
         self.full = None
         self.held_for_backward = False
         self._arrived.clear()

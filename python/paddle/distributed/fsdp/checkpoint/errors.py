@@ -72,6 +72,10 @@ class OptimizerMismatchError(StateDictMismatchError, ValueError):
     """The optimizer given to a load is of another class than the saved one, or none was saved."""
 
 
+class GradScalerMismatchError(StateDictMismatchError, ValueError):
+    """The loss scaler given to a load is enabled, but the checkpoint holds a disabled one's (empty) state."""
+
+
 class InvalidStateDictError(CheckpointError, ValueError):
     """The state dict given to save/load is malformed (bad record, inconsistent ranks, ...)."""
 
@@ -110,6 +114,7 @@ ERROR_CLASSES = {
         DtypeMismatchError,
         UnexpectedKeyError,
         OptimizerMismatchError,
+        GradScalerMismatchError,
         RngStateMismatchError,
         InvalidStateDictError,
         SaveFailedError,

@@ -14,6 +14,7 @@ RESERVED_PREFIX = "__fsdp__."
 OPTIMIZER_KEY = "__fsdp__.optimizer"  # {"class": optimizer class name, "global_state": its non-tensor state}
 RNG_KEY = "__fsdp__.rng"  # one entry per saving rank: paddle's generator states (a list, JSON)
 EXTRA_KEY = "__fsdp__.extra_state"  # the caller's extra_state dict
+GRAD_SCALER_KEY = "__fsdp__.grad_scaler"  # a loss scaler's state (state/grad_scaler.py), when one was given
 BUFFERS_KEY = "__fsdp__.buffers"  # keys of the model's persistable buffers (to-hf leaves them out unless asked)
 
 SAFETENSORS_METADATA = "__metadata__"  # the header entry of a safetensors file that holds its str->str metadata
