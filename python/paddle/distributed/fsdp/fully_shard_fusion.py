@@ -18,11 +18,12 @@ from typing import Callable
 import paddle
 
 from . import gradient_sync
-from .communication import ShardingComm
+from .communication import ShardingComm, check_interval_from_env
 from .fused_buffer import FusedBuffer
 from .fused_layout import BufferLayout
 from .hooks import LayerHooks
 from .layer_integration import install_layer_integration
+from .overlap import OverlapSchedule
 from .optimizer_integration import install_optimizer_integration
 from .param_grouping import plan_param_groups
 
@@ -41,6 +42,15 @@ class FullyShardFusion:
             with ``sharding_degree > 1``, else the global group, else a single process.
         no_weight_decay_fn: optional ``fn(structured_name) -> bool`` marking extra parameters exempt
             from weight decay (as ``param.no_weight_decay = True`` does).
+        prefetch_depth: how many units ahead all-gathers are issued asynchronously, in forward and backward
+            order, while the current unit computes; also how many reduce-scatters may be in flight. 0 makes
+            every collective synchronous. Results are bit-identical for every depth. See overlap.py.
+        reduce_dtype: dtype fp32 gradients are reduce-scattered in: None or "float32" (default, exact), or
+            "bfloat16" (half the bytes; the sum over ranks is rounded to bf16, accumulation stays fp32).
+        check_collective_order: run the collective-order check (raises ``CollectiveOrderError`` on every rank
+            when ranks are about to issue different FSDP collectives; costs a host round trip before every
+            collective) during the first backward pass and every N-th after it; 0 never. None: the
+            ``PADDLE_FSDP_CHECK_COLLECTIVE_ORDER`` environment variable (unset: 0).
 
     Parameters must be initialised identically on every rank (same seed); each rank keeps its slice.
     """
@@ -51,6 +61,9 @@ class FullyShardFusion:
         fsdp_unit_layers: list[str] | None = None,
         group=None,
         no_weight_decay_fn: Callable[[str], bool] | None = None,
+        prefetch_depth: int = 1,
+        reduce_dtype: str | None = None,
+        check_collective_order: int | None = None,
     ) -> None:
         if not isinstance(model, paddle.nn.Layer):
             raise TypeError(f"FullyShardFusion expects a paddle.nn.Layer, got {type(model).__name__}")
@@ -65,6 +78,9 @@ class FullyShardFusion:
         self.rearm_backward_end = False  # a nested backward ended while the enclosing one runs on
         self.summoned = False  # inside summon_full_params: every buffer stays gathered
         self.comm = ShardingComm(group)
+        if check_collective_order is None:
+            check_collective_order = check_interval_from_env()
+        self.schedule = OverlapSchedule(self, prefetch_depth, reduce_dtype, check_collective_order)
         groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn)
         self.buffers: list[FusedBuffer] = []
         self.param_keys: dict[int, str] = {}  # id(param) -> structured key
@@ -93,6 +109,11 @@ class FullyShardFusion:
                 fallback_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
         prefixes = {id(layer): prefix for prefix, layer in model.named_sublayers(include_self=True)}
         ancestors = _ancestors(model)
+        # before the units' hooks: the root's forward brackets theirs (prefetch order, settling, overlap.py)
+        self._root_hooks = [
+            model.register_forward_pre_hook(self.schedule.root_pre_forward),
+            model.register_forward_post_hook(self.schedule.root_post_forward),
+        ]
         self._hooks = [
             LayerHooks(
                 layer,
