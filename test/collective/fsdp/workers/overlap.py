@@ -19,7 +19,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 from launch_util import report
-from models import global_batches, make_model
+from models import decay_fun_for, global_batches, make_model
 from paddle.autograd import PyLayer
 from paddle.distributed.fsdp import FullyShardFusion
 from paddle.distributed.fsdp.comm_emulation import DELAY_ENV
@@ -105,7 +105,8 @@ def measure(n: int, depth: int, fwd: float, bwd: float, delay_ms: float, rank: i
 def case_timing(rank: int, world: int) -> dict:
     """Compute-bound and communication-bound configurations, without and with prefetching."""
     figures = {}
-    configs = {"compute_bound": (8, 0.04, 0.08, 20.0), "comm_bound": (4, 0.01, 0.02, 40.0)}
+    # (units, forward s, backward s, delay ms): communication a third of computation, then 4x it
+    configs = {"compute_bound": (8, 0.08, 0.16, 25.0), "comm_bound": (4, 0.01, 0.02, 40.0)}
     for name, (n, fwd, bwd, delay) in configs.items():
         for depth in (0, 1):
             got = measure(n, depth, fwd, bwd, delay, rank)
@@ -175,8 +176,13 @@ def case_trace(rank: int, world: int) -> None:
 def _train_lm(depth: int, dtype: str, rank: int, world: int, reduce_dtype=None):
     model = make_model(5, dtype=dtype)
     fsdp = FullyShardFusion(model, ["Block"], prefetch_depth=depth, reduce_dtype=reduce_dtype) if world else None
+    # FSDP honours param.no_weight_decay; stock AdamW (the one-process reference) needs it as a function
     opt = paddle.optimizer.AdamW(
-        0.01, weight_decay=0.1, parameters=model.parameters(), grad_clip=paddle.nn.ClipGradByGlobalNorm(0.05)
+        0.01,
+        weight_decay=0.1,
+        parameters=model.parameters(),
+        grad_clip=paddle.nn.ClipGradByGlobalNorm(0.05),
+        apply_decay_param_fun=None if fsdp else decay_fun_for(model),
     )
     train(model, opt, global_batches(3, 12), rank, max(world, 1), micro_batches=2)
     if fsdp is None:
@@ -219,7 +225,9 @@ def case_reduce_bf16(rank: int, world: int) -> dict:
         fsdp = FullyShardFusion(model, ["SleepUnit"], reduce_dtype=reduce_dtype)
         x = paddle.to_tensor(np.random.default_rng(rank).standard_normal([4, DIM]).astype("float32"))
         model(x).backward()
-        seen[reduce_dtype] = {key: param.grad.numpy().copy() for key, param, _b, _i in fsdp.managed_parameters()}
+        seen[reduce_dtype] = {
+            key: param.grad.numpy().copy() for key, param, b, i in fsdp.managed_parameters() if i in b.pieces
+        }
     differs = 0
     for key, param, buffer, index in fsdp.managed_parameters():
         piece = buffer.pieces.get(index)
@@ -233,7 +241,8 @@ def case_reduce_bf16(rank: int, world: int) -> dict:
         if world == 2:
             want = (halves[0] + halves[1]).astype("bfloat16").astype("float32").numpy()
             np.testing.assert_array_equal(got, want, err_msg=key)
-        np.testing.assert_allclose(got, exact32, rtol=2**-6, atol=1e-6, err_msg=key)
+        # each rounding to bf16 errs by <= 2^-9 of the largest value involved
+        np.testing.assert_allclose(got, exact32, rtol=0, atol=world * 2**-8 * np.abs(exact32).max(), err_msg=key)
     assert differs > 0, "bf16 and fp32 reductions gave identical gradients: bf16 was not used"
     return {"elements_differing_from_fp32": differs}
 
