@@ -5,7 +5,9 @@ the output stays NaN until the task is waited for) and units compute for a known
 the GIL). With prefetching a training step takes <= 1.15x max(communication, computation); without it,
 about their sum. The recorded trace of gathers, reduce-scatters and unit computations equals the schedule
 documented in overlap.py, written out independently in the worker. Prefetching trains bit-identically to
-no prefetching and like one process, on emulated (2 ranks) and plain gloo (3 ranks) collectives.
+no prefetching and like one process, on emulated (2 ranks) and plain gloo (3 ranks) collectives; bf16
+reduce-scatters round as documented; the order check runs every N-th pass only; taking back a bf16 ``.grad``
+reads nothing on the host and keeps its semantics.
 
 What the CPU proof does not show: NCCL stream semantics (events, record_stream), bandwidth, or contention
 between communication and compute kernels; see README "GPU" for the first-GPU checklist.
@@ -37,7 +39,7 @@ def gloo3(tmp_path_factory):
     return run_launch(WORKER, 3, args, timeout=400, env=FAST_FAIL_ENV, log_dir=tmp_path_factory.mktemp("overlap3"))
 
 
-@pytest.mark.parametrize("case", ["trace", "equality", "reduce_bf16", "check_interval"])
+@pytest.mark.parametrize("case", ["trace", "equality", "reduce_bf16", "check_interval", "take_back"])
 def test_emulated_two_ranks(emulated, case):
     assert_case_ok(emulated, case, 2)
 

@@ -81,6 +81,8 @@ def check_interval_from_env() -> int:
     if not raw.isdigit():
         raise ValueError(f"{CHECK_ORDER_ENV}={raw!r}: expected 0 (off), 1 (every backward pass) or N (every N-th)")
     return int(raw)
+
+
 #: What an FSDP collective is for, as exchanged by the order check.
 GATHER, REDUCE, EXCHANGE = 1, 2, 3
 _KIND_NAMES = {GATHER: "gather parameters of buffer", REDUCE: "reduce gradients of buffer", EXCHANGE: "end of backward"}

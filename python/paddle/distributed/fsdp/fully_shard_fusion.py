@@ -23,8 +23,8 @@ from .fused_buffer import FusedBuffer
 from .fused_layout import BufferLayout
 from .hooks import LayerHooks
 from .layer_integration import install_layer_integration
-from .overlap import OverlapSchedule
 from .optimizer_integration import install_optimizer_integration
+from .overlap import OverlapSchedule
 from .param_grouping import plan_param_groups
 
 logger = logging.getLogger(__name__)

@@ -254,8 +254,9 @@ class FusedBuffer:
             return
         self.finish_reduce()
         copy = self._grad_in_param_dtype
-        copy_changed = None  # whether the copy changed anywhere: a 0-d device flag, never read by the host
         with paddle.no_grad():
+            # whether the copy changed anywhere (before main_grad changes below): a 0-d flag the host never reads
+            copy_changed = _differs_anywhere(copy, self.main_grad) if copy is not None else None
             for index in self._bound_grads:
                 param, piece = self.params[index], self.pieces[index]
                 main_piece = self.main_grad._slice(piece.shard_start, piece.shard_start + piece.length)
@@ -266,8 +267,6 @@ class FusedBuffer:
                 elif grad._is_shared_buffer_with(self.main_grad):
                     pass
                 elif copy is not None and grad._is_shared_buffer_with(copy):
-                    if copy_changed is None:
-                        copy_changed = _differs_anywhere(copy, self.main_grad)
                     taken = paddle.where(copy_changed, grad.reshape([-1]).astype(self.grad_dtype), main_piece)
                     paddle.assign(taken, output=main_piece)
                 else:

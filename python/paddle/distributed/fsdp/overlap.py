@@ -9,7 +9,7 @@ bit-identical to ``prefetch_depth=0``.
 Order. The units' order is recorded, not declared: the forward order is the sequence of unit forwards seen in
 the last root forward (``model(...)``), the backward order the sequence of unit backwards seen in the last
 backward pass (consecutive repeats of a unit counted once). The first forward and the first backward of a
-run therefore run without prefetching. A unit is found in the recorded order from where the previous one
+run therefore run without prefetching (reduce-scatters are still queued). A unit is found in the recorded order from where the previous one
 was found (wrapping once); a unit not found prefetches nothing. Every rank sees the same units in the same
 order (a condition of FSDP anyway, see the order check), so every rank prefetches the same buffers.
 
@@ -24,10 +24,16 @@ i's all-gather, ``RS(i)`` its reduce-scatter; ``issue``/``wait`` are what the tr
     end of backward:     issue the remaining RS (same queue rule); wait for every RS in flight, oldest first;
                          the small exchange of who got gradients; bind ``.grad``
 
-e.g. k=1, three units: ``AG0 AG1 wait0 F0 AG2 wait1 F1 wait2 F2 | AG2 AG1 wait2 B2 RS2 AG0 wait1 B1 RS1
-(waits RS2 first) wait0 B0 RS0 waitRS1 waitRS0``. A prefetch its unit did not use (the forward took another
-path) is waited for and dropped at the end of the root forward or of the backward, so outside a forward or
-backward nothing is in flight (optimizer steps and checkpoints see settled shards and gradients).
+e.g. k=1, three units (``wait`` names what is waited for; ``F``/``B`` are the units' computations)::
+
+    AG0 AG1 waitAG0 F0 AG2 waitAG1 F1 waitAG2 F2 | AG2 AG1 waitAG2 B2 RS2 AG0 waitAG1 B1 waitRS2 RS1 waitAG0 B0
+    waitRS1 RS0 waitRS0
+
+test_fully_shard_overlap.py checks recorded traces against this schedule (depths 0, 1, 2; the first step
+with no recorded order: nothing prefetched, reduce-scatters queued). A prefetch its unit did not use (the
+forward took another path) is waited for and dropped (``drop``) at the end of the root forward or of the
+backward, so outside a forward or backward nothing is in flight: optimizer steps and checkpoints see settled
+shards and gradients.
 
 What stays exposed: the first unit's gather in forward and in backward (nothing computes before them), and
 the last reduce-scatter of each backward, which is waited for there so that ``.grad`` is complete when

@@ -196,6 +196,7 @@ def case_equality(rank: int, world: int) -> None:
     """Prefetching (depths 1, 2) trains bit-identically to depth 0, which matches one process."""
     for dtype in ("float32", "float64"):
         base = _train_lm(0, dtype, rank, world)
+        assert all(np.isfinite(v).all() for v in base.values()), "NaN in parameters: an output read before its wait"
         for depth in (1, 2):
             got = _train_lm(depth, dtype, rank, world)
             for key, value in base.items():
@@ -229,7 +230,7 @@ def case_reduce_bf16(rank: int, world: int) -> dict:
             key: param.grad.numpy().copy() for key, param, b, i in fsdp.managed_parameters() if i in b.pieces
         }
     differs = 0
-    for key, param, buffer, index in fsdp.managed_parameters():
+    for key, _param, buffer, index in fsdp.managed_parameters():
         piece = buffer.pieces.get(index)
         if piece is None:
             continue
@@ -247,23 +248,93 @@ def case_reduce_bf16(rank: int, world: int) -> dict:
     return {"elements_differing_from_fp32": differs}
 
 
+# ---- take_back_grads: no host sync, same semantics -------------------------------------------------------
+class Bf16Unit(paddle.nn.Layer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = self.create_parameter([3, DIM], dtype="bfloat16")
+
+    def forward(self, x):  # CPU has no bf16 matmul: compute in fp32 from a cast
+        return (self.w.astype("float32") * x).sum()
+
+
+class _NoHostSync:
+    """Inside: any host read of a tensor (numpy, bool, item, tolist) raises."""
+
+    NAMES = ("numpy", "__bool__", "item", "tolist")
+
+    def __enter__(self):
+        self.saved = {name: getattr(paddle.Tensor, name) for name in self.NAMES}
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("host sync inside take_back_grads")
+
+        for name in self.NAMES:
+            setattr(paddle.Tensor, name, refuse)
+
+    def __exit__(self, *exc):
+        for name, method in self.saved.items():
+            setattr(paddle.Tensor, name, method)
+
+
+def case_take_back(rank: int, world: int) -> None:
+    """bf16 parameters without master grads: an untouched bf16 .grad keeps main_grad's exact fp32 sum, one
+    scaled in place is taken as the new value; take_back_grads reads nothing on the host (every rank has the
+    same data, so main_grad is exactly the fp32 sum of the bf16 gradients)."""
+    model = Bf16Unit()
+    fsdp = FullyShardFusion(model)  # the root gathers
+    [buffer] = fsdp.buffers
+    original = buffer.take_back_grads
+
+    def guarded():
+        with _NoHostSync():
+            original()
+
+    buffer.take_back_grads = guarded
+    rng = np.random.default_rng(3)
+    xs = [paddle.to_tensor(rng.standard_normal([3, DIM]) * 2.0 ** rng.integers(-8, 8, [3, DIM])) for _ in range(4)]
+    xs = [x.astype("bfloat16").astype("float32") for x in xs]  # the bf16 gradients are these values
+    want = np.zeros([3 * DIM], np.float32)
+    for step, x in enumerate(xs):
+        model(x).backward()
+        want = want + x.numpy().reshape(-1)  # fp32 accumulation, as main_grad's
+        if step == 2:  # the user scales the bf16 .grad: main_grad becomes that copy, doubled
+            with paddle.no_grad():
+                model.w.grad.scale_(2.0)
+            rounded = paddle.to_tensor(want).astype("bfloat16").astype("float32").numpy()
+            want = rounded * 2
+    model(xs[0]).backward()  # takes the scaled copy back, adds one more gradient
+    want = want + xs[0].numpy().reshape(-1)
+    piece = buffer.pieces.get(0)
+    if piece is not None:
+        got = buffer.main_grad.numpy()[piece.shard_start : piece.shard_start + piece.length]
+        np.testing.assert_array_equal(got, want[piece.param_start : piece.param_stop])
+        assert not np.array_equal(want, paddle.to_tensor(want).astype("bfloat16").astype("float32").numpy())
+
+
 # ---- the order check -----------------------------------------------------------------------------------
+def _count_checks(fsdp) -> list[int]:
+    """Wrap ``fsdp.comm.agree``: each call made while the check is on adds one to the list's last entry."""
+    checked: list[int] = []
+    original = fsdp.comm.agree
+
+    def counting(*args, **kwargs):
+        checked[-1] += int(fsdp.comm.check_order)
+        return original(*args, **kwargs)
+
+    fsdp.comm.agree = counting
+    return checked
+
+
 def case_check_interval(rank: int, world: int) -> dict:
     """check_collective_order=2 checks during backward passes 0, 2, 4; 0 never; the env default is off."""
     counts = {}
     for interval in (2, 0, None):
-        _model, fsdp, opt = _wrap(3, 1, check_collective_order=interval)
-        checked = []
-        original = fsdp.comm.agree
-
-        def counting(*args, **kwargs):
-            checked[-1] += int(fsdp.comm.check_order)
-            return original(*args, **kwargs)
-
-        fsdp.comm.agree = counting
+        model, fsdp, opt = _wrap(3, 1, check_collective_order=interval)
+        checked = _count_checks(fsdp)
         for step in range(5):
             checked.append(0)
-            _step(_model, opt, rank, step)
+            _step(model, opt, rank, step)
         counts[str(interval)] = checked
     per_pass = counts["2"][0]
     assert per_pass >= 3 * 3 + 1, counts  # a gather and reduce per unit, a gather per unit in forward, the exchange
@@ -277,6 +348,7 @@ CASES = {
     "equality": case_equality,
     "reduce_bf16": case_reduce_bf16,
     "check_interval": case_check_interval,
+    "take_back": case_take_back,
     "timing": case_timing,
 }
 
