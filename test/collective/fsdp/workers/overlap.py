@@ -84,7 +84,7 @@ def _step(model, opt, rank: int, step: int) -> None:
 
 
 # ---- timing ------------------------------------------------------------------------------------------
-def measure(n: int, depth: int, fwd: float, bwd: float, delay_ms: float, rank: int, steps: int = 3) -> dict:
+def measure(n: int, depth: int, fwd: float, bwd: float, delay_ms: float, rank: int, steps: int = 2) -> dict:
     """Step times (after one step that records the order) and the communication the trace shows per step."""
     model, fsdp, opt = _wrap(n, depth, fwd, bwd, delay_ms)
     _step(model, opt, rank, 0)
