@@ -26,6 +26,7 @@ from .layer_integration import install_layer_integration
 from .optimizer_integration import install_optimizer_integration
 from .overlap import OverlapSchedule
 from .param_grouping import plan_param_groups
+from .topology import resolve_layout
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,9 @@ class FullyShardFusion:
             blocks). Parameters outside units belong to the root: gathered for the root's whole forward and
             backward (list large loose layers, e.g. the embedding and lm head classes, to bound that).
         group: the process group to shard over; default: fleet's sharding group if fleet set one up
-            with ``sharding_degree > 1``, else the global group, else a single process.
+            with ``sharding_degree > 1``, else the global group, else a single process. Layouts where some
+            data-parallel ranks would not average gradients (a group smaller than the world; fleet with
+            ``mp/pp/sep_degree > 1``) raise ``UnsupportedGroupLayoutError`` (topology.py).
         no_weight_decay_fn: optional ``fn(structured_name) -> bool`` marking extra parameters exempt
             from weight decay (as ``param.no_weight_decay = True`` does).
         prefetch_depth: how many units ahead all-gathers are issued asynchronously, in forward and backward
@@ -71,13 +74,14 @@ class FullyShardFusion:
             raise ValueError("this model is already wrapped by a FullyShardFusion")
         if not paddle.in_dynamic_mode():
             raise RuntimeError("FullyShardFusion works in dygraph mode only")
+        self.group_layout = resolve_layout(group)  # refuses layouts FSDP would train wrong, before any change
         install_optimizer_integration()
         install_layer_integration()
         self.model = model
         self.backward_end_armed = False
         self.rearm_backward_end = False  # a nested backward ended while the enclosing one runs on
         self.summoned = False  # inside summon_full_params: every buffer stays gathered
-        self.comm = ShardingComm(group)
+        self.comm = ShardingComm(self.group_layout.shard_group)
         if check_collective_order is None:
             check_collective_order = check_interval_from_env()
         self.schedule = OverlapSchedule(self, prefetch_depth, reduce_dtype, check_collective_order)
@@ -107,9 +111,23 @@ class FullyShardFusion:
                 layer_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
             for layer in group_plan.fallback_layers:
                 fallback_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
+        self._install_hooks(model, layer_buffers, fallback_buffers)
+        model._fsdp = self
+        model.sharded_state_dict = self.sharded_state_dict
+        logger.debug(
+            "FullyShardFusion: %d params in %d buffers over %d ranks; this rank holds %d of %d bytes",
+            len(self.param_keys),
+            len(self.buffers),
+            self.comm.world_size,
+            self.resident_parameter_bytes(),
+            self.total_parameter_bytes(),
+        )
+
+    def _install_hooks(self, model: paddle.nn.Layer, layer_buffers: dict, fallback_buffers: dict) -> None:
+        """The root's forward hooks (the schedule's, registered first: they bracket the others), then each
+        gathering layer's (hooks.py)."""
         prefixes = {id(layer): prefix for prefix, layer in model.named_sublayers(include_self=True)}
         ancestors = _ancestors(model)
-        # before the units' hooks: the root's forward brackets theirs (prefetch order, settling, overlap.py)
         self._root_hooks = [
             model.register_forward_pre_hook(self.schedule.root_pre_forward),
             model.register_forward_post_hook(self.schedule.root_post_forward),
@@ -125,16 +143,6 @@ class FullyShardFusion:
             for table, fallback in ((layer_buffers, False), (fallback_buffers, True))
             for layer, bufs in table.values()
         ]
-        model._fsdp = self
-        model.sharded_state_dict = self.sharded_state_dict
-        logger.debug(
-            "FullyShardFusion: %d params in %d buffers over %d ranks; this rank holds %d of %d bytes",
-            len(self.param_keys),
-            len(self.buffers),
-            self.comm.world_size,
-            self.resident_parameter_bytes(),
-            self.total_parameter_bytes(),
-        )
 
     def describe_buffer(self, index: int) -> str:
         """A buffer's name and first parameter, for error messages."""
