@@ -60,3 +60,37 @@ def test_prefetch_overlaps_communication(emulated, config):
         assert on["ratio_to_max"] <= OVERLAP_BOUND, (rank, on)
         assert off["ratio_to_sum"] >= 0.95, (rank, off)
         assert on["collectives"] == off["collectives"], (on, off)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"prefetch_depth": -1}, "prefetch_depth"),
+        ({"prefetch_depth": True}, "prefetch_depth"),
+        ({"prefetch_depth": 1.0}, "prefetch_depth"),
+        ({"reduce_dtype": "float16"}, "reduce_dtype"),
+        ({"check_collective_order": -2}, "check_collective_order"),
+    ],
+)
+def test_bad_options_are_refused(options, match):
+    import paddle
+    from paddle.distributed.fsdp import FullyShardFusion
+
+    model = paddle.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=match):
+        FullyShardFusion(model, **options)
+    assert getattr(model, "_fsdp", None) is None and model.weight.shape == [2, 2]  # refused before any change
+
+
+def test_bad_environment_is_refused(monkeypatch):
+    import paddle
+    from paddle.distributed.fsdp import FullyShardFusion
+    from paddle.distributed.fsdp.comm_emulation import DELAY_ENV, delay_from_env
+    from paddle.distributed.fsdp.communication import CHECK_ORDER_ENV
+
+    monkeypatch.setenv(CHECK_ORDER_ENV, "yes")
+    with pytest.raises(ValueError, match=CHECK_ORDER_ENV):
+        FullyShardFusion(paddle.nn.Linear(2, 2))
+    monkeypatch.setenv(DELAY_ENV, "-3")
+    with pytest.raises(ValueError, match=DELAY_ENV):
+        delay_from_env()
