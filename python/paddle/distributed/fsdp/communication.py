@@ -5,6 +5,11 @@ all_reduce followed by a local slice. With ``PADDLE_FSDP_EMULATE_GPU_COLLECTIVES
 mode, see device.py) the reduce_scatter code path itself runs, its collective emulated on gloo, so the
 branch GPUs take is exercised on CPU too. A world of one rank issues no collective at all, because a
 single-process run (launched with one process, or not launched) has no global group.
+
+Gathers and reduce-scatters can be issued asynchronously (``async_op`` / ``reduce_scatter_mean_async``):
+they return a :class:`CommTask` to ``wait()`` on before the output is read (overlap.py decides when). In
+emulation mode they run on an emulated GPU communication stream (comm_emulation.py), whose outputs read NaN
+until waited for and whose delays the host can overlap; synchronous collectives wait for that stream first.
 """
 
 from __future__ import annotations
