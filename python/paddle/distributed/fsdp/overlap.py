@@ -9,9 +9,12 @@ bit-identical to ``prefetch_depth=0``.
 Order. The units' order is recorded, not declared: the forward order is the sequence of unit forwards seen in
 the last root forward (``model(...)``), the backward order the sequence of unit backwards seen in the last
 backward pass (consecutive repeats of a unit counted once). The first forward and the first backward of a
-run therefore run without prefetching (reduce-scatters are still queued). A unit is found in the recorded order from where the previous one
-was found (wrapping once); a unit not found prefetches nothing. Every rank sees the same units in the same
-order (a condition of FSDP anyway, see the order check), so every rank prefetches the same buffers.
+run therefore run without prefetching (reduce-scatters are still queued). A unit is found in the recorded
+order from where the previous one was found (wrapping once); a unit not found prefetches nothing. Every rank
+sees the same units in the same order (a condition of FSDP anyway, see the order check), and what to prefetch
+is decided from that order and the gathers in flight only, never from local state (a buffer released early
+on one rank because all its gradients arrived there still joins a prefetch), so every rank issues the same
+collectives. On NCCL ``wait()`` makes the compute stream wait for the communication stream; the host runs on.
 
 Schedule for units ``U0..Un-1`` (forward order; backward order ``Un-1..U0``), depth ``k``. ``AG(i)`` is unit
 i's all-gather, ``RS(i)`` its reduce-scatter; ``issue``/``wait`` are what the trace records (``schedule.trace``)::
