@@ -19,13 +19,14 @@ from typing import Callable
 import paddle
 
 from . import gradient_sync
-from .communication import ShardingComm
+from .communication import ShardingComm, check_interval_from_env
 from .fused_buffer import FusedBuffer
 from .fused_layout import BufferLayout
 from .hooks import LayerHooks
 from .layer_integration import install_layer_integration
 from .lazy_init import install_creation_stamps, is_lazy, materialise_into_shards
 from .optimizer_integration import install_optimizer_integration
+from .overlap import OverlapSchedule
 from .param_grouping import plan_param_groups
 from .topology import resolve_layout
 
@@ -51,6 +52,15 @@ class FullyShardFusion:
             parameters, freed with the unit, instead of a cast per op kept for the whole forward (the model's
             weights resident again). Every op then sees low-precision parameters: ops AMP runs in fp32 get
             fp32(bf16(w)), not w (as PyTorch FSDP2's ``param_dtype``). Gradients still accumulate in fp32.
+        prefetch_depth: how many units ahead all-gathers are issued asynchronously, in forward and backward
+            order, while the current unit computes; also how many reduce-scatters may be in flight. 0 makes
+            every collective synchronous. Results are bit-identical for every depth. See overlap.py.
+        reduce_dtype: dtype fp32 gradients are reduce-scattered in: None or "float32" (default, exact), or
+            "bfloat16" (half the bytes; the sum over ranks is rounded to bf16, accumulation stays fp32).
+        check_collective_order: run the collective-order check (raises ``CollectiveOrderError`` on every rank
+            when ranks are about to issue different FSDP collectives; costs a host round trip before every
+            collective) during the first backward pass and every N-th after it; 0 never. None: the
+            ``PADDLE_FSDP_CHECK_COLLECTIVE_ORDER`` environment variable (unset: 0).
 
     Parameters must be initialised identically on every rank (same seed); each rank keeps its slice. A model
     larger than one device can be built under ``paddle.LazyGuard()`` (materialised one parameter at a time into
@@ -64,6 +74,9 @@ class FullyShardFusion:
         group=None,
         no_weight_decay_fn: Callable[[str], bool] | None = None,
         compute_dtype: str | None = None,
+        prefetch_depth: int = 1,
+        reduce_dtype: str | None = None,
+        check_collective_order: int | None = None,
     ) -> None:
         if not isinstance(model, paddle.nn.Layer):
             raise TypeError(f"FullyShardFusion expects a paddle.nn.Layer, got {type(model).__name__}")
@@ -83,6 +96,9 @@ class FullyShardFusion:
         # re-casts their fp32 master weights where a written-back value changed (full_params.py)
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
         self.comm = ShardingComm(self.group_layout.shard_group)
+        if check_collective_order is None:
+            check_collective_order = check_interval_from_env()
+        self.schedule = OverlapSchedule(self, prefetch_depth, reduce_dtype, check_collective_order)
         groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn)
         # lazily built (paddle.LazyGuard) parameters are materialised one at a time after planning (lazy_init.py)
         one_by_one = any(is_lazy(p) for p in model.parameters())
@@ -113,8 +129,27 @@ class FullyShardFusion:
                 fallback_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
         if one_by_one:
             materialise_into_shards(model, self.buffers)
+        self._install_hooks(model, layer_buffers, fallback_buffers)
+        model._fsdp = self
+        model.sharded_state_dict = self.sharded_state_dict
+        logger.debug(
+            "FullyShardFusion: %d params in %d buffers over %d ranks; this rank holds %d of %d bytes",
+            len(self.param_keys),
+            len(self.buffers),
+            self.comm.world_size,
+            self.resident_parameter_bytes(),
+            self.total_parameter_bytes(),
+        )
+
+    def _install_hooks(self, model: paddle.nn.Layer, layer_buffers: dict, fallback_buffers: dict) -> None:
+        """The root's forward hooks (the schedule's, registered first: they bracket the others), then each
+        gathering layer's (hooks.py)."""
         prefixes = {id(layer): prefix for prefix, layer in model.named_sublayers(include_self=True)}
         ancestors = _ancestors(model)
+        self._root_hooks = [
+            model.register_forward_pre_hook(self.schedule.root_pre_forward),
+            model.register_forward_post_hook(self.schedule.root_post_forward),
+        ]
         self._hooks = [
             LayerHooks(
                 layer,
@@ -126,16 +161,6 @@ class FullyShardFusion:
             for table, fallback in ((layer_buffers, False), (fallback_buffers, True))
             for layer, bufs in table.values()
         ]
-        model._fsdp = self
-        model.sharded_state_dict = self.sharded_state_dict
-        logger.debug(
-            "FullyShardFusion: %d params in %d buffers over %d ranks; this rank holds %d of %d bytes",
-            len(self.param_keys),
-            len(self.buffers),
-            self.comm.world_size,
-            self.resident_parameter_bytes(),
-            self.total_parameter_bytes(),
-        )
 
     def describe_buffer(self, index: int) -> str:
         """A buffer's name and first parameter, for error messages."""
