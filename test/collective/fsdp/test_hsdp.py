@@ -1,4 +1,6 @@
-"""Hybrid sharding (HSDP) and the group layouts FullyShardFusion refuses, on 4 gloo ranks (one launch)."""
+"""Hybrid sharding (HSDP) and the group layouts FullyShardFusion refuses: 4 gloo ranks as fleet's dp_degree=2 x
+sharding_degree=2, and 3 ranks for the 1x3 reshards. Three launches share one directory: 1x3 saves, 2x2 runs
+everything (and loads the 1x3 checkpoint), 1x3 loads the 2x2 checkpoint."""
 
 from __future__ import annotations
 
@@ -8,24 +10,40 @@ import pytest
 from _results import assert_case_ok
 from launch_util import run_launch
 
-CASES = [
-    "refuse_fleet_dp_x_sharding",
-    "refuse_partial_group",
-    "accept_whole_world",
+FOUR = [
+    "refusals",
+    "training",
+    "save_once_balanced",
+    "load_reads_once",
+    "reshard_2x2_to_1x4",
+    "reshard_4_to_2x2",
+    "reshard_3_to_2x2",
 ]
 
 
 @pytest.fixture(scope="module")
-def hsdp_run(tmp_path_factory):
+def runs(tmp_path_factory):
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "hsdp.py")
-    return run_launch(worker, 4, log_dir=tmp_path_factory.mktemp("hsdp4"))
+    work = str(tmp_path_factory.mktemp("hsdp_ckpts"))
+    first3 = run_launch(worker, 3, [work, "--three"], log_dir=tmp_path_factory.mktemp("hsdp3a"))
+    four = run_launch(worker, 4, [work], log_dir=tmp_path_factory.mktemp("hsdp4"))
+    then3 = run_launch(worker, 3, [work, "--three"], log_dir=tmp_path_factory.mktemp("hsdp3b"))
+    return {"first3": first3, "four": four, "then3": then3}
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_group_layouts(hsdp_run, case):
-    """Layouts where data-parallel ranks would not average gradients raise UnsupportedGroupLayoutError (named,
-    before the model is touched); sharding over the whole world stays accepted."""
-    assert_case_ok(hsdp_run, case, 4)
+@pytest.mark.parametrize("case", FOUR)
+def test_hsdp_2x2(runs, case):
+    """refusals: layouts where data-parallel ranks would not average gradients raise UnsupportedGroupLayoutError.
+    training: HSDP == one process == plain FSDP over the world (fp64, 1e-10 relative), replicas identical.
+    save_once_balanced / load_reads_once: bytes written and read per rank (each byte once per replica group).
+    reshard_*: bit-exact state (re-saved and compared) and continuation equal to the uninterrupted run."""
+    assert_case_ok(runs["four"], case, 4)
+
+
+def test_hsdp_reshard_1x3(runs):
+    """1x3 saves for 3 -> 2x2 (checked in the 4-rank launch); 2x2 -> 1x3 is bit-exact and continues."""
+    assert_case_ok(runs["first3"], "save_3", 3)
+    assert_case_ok(runs["then3"], "reshard_2x2_to_1x3", 3)
 
 
 class _TopologyDegrees:

@@ -22,6 +22,7 @@ from .communication import ShardingComm
 from .fused_buffer import FusedBuffer
 from .fused_layout import BufferLayout
 from .hooks import LayerHooks
+from .hybrid_comm import HybridComm
 from .layer_integration import install_layer_integration
 from .optimizer_integration import install_optimizer_integration
 from .param_grouping import plan_param_groups
@@ -42,6 +43,10 @@ class FullyShardFusion:
             with ``sharding_degree > 1``, else the global group, else a single process. Layouts where some
             data-parallel ranks would not average gradients (a group smaller than the world; fleet with
             ``mp/pp/sep_degree > 1``) raise ``UnsupportedGroupLayoutError`` (topology.py).
+        replicate_group, shard_group: hybrid sharding (HSDP): shard over ``shard_group`` (alias ``group``),
+            replicate over ``replicate_group`` (e.g. from ``topology.hybrid_groups(R)``); fleet's ``dp_degree x
+            sharding_degree`` config gives the same. Gradients are averaged over both; checkpoints are written
+            once (replicas split the writing) in the same format as plain FSDP's (state/replicas.py).
         no_weight_decay_fn: optional ``fn(structured_name) -> bool`` marking extra parameters exempt
             from weight decay (as ``param.no_weight_decay = True`` does).
 
@@ -54,6 +59,9 @@ class FullyShardFusion:
         fsdp_unit_layers: list[str] | None = None,
         group=None,
         no_weight_decay_fn: Callable[[str], bool] | None = None,
+        *,
+        replicate_group=None,
+        shard_group=None,
     ) -> None:
         if not isinstance(model, paddle.nn.Layer):
             raise TypeError(f"FullyShardFusion expects a paddle.nn.Layer, got {type(model).__name__}")
@@ -61,14 +69,20 @@ class FullyShardFusion:
             raise ValueError("this model is already wrapped by a FullyShardFusion")
         if not paddle.in_dynamic_mode():
             raise RuntimeError("FullyShardFusion works in dygraph mode only")
-        self.group_layout = resolve_layout(group)  # refuses layouts FSDP would train wrong, before any change
+        self.group_layout = resolve_layout(
+            group, replicate_group, shard_group
+        )  # refuses layouts FSDP would train wrong, before any change
         install_optimizer_integration()
         install_layer_integration()
         self.model = model
         self.backward_end_armed = False
         self.rearm_backward_end = False  # a nested backward ended while the enclosing one runs on
         self.summoned = False  # inside summon_full_params: every buffer stays gathered
-        self.comm = ShardingComm(self.group_layout.shard_group)
+        layout = self.group_layout
+        if layout.replicate_degree > 1:
+            self.comm: ShardingComm = HybridComm(layout.shard_group, layout.replicate_group)
+        else:
+            self.comm = ShardingComm(layout.shard_group)
         groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn)
         self.buffers: list[FusedBuffer] = []
         self.param_keys: dict[int, str] = {}  # id(param) -> structured key
@@ -133,6 +147,21 @@ class FullyShardFusion:
 
     @property
     def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def checkpoint_group(self):
+        """The group checkpoints are saved and loaded over: every rank under HSDP (None: the global group), else
+        the sharding group."""
+        return None if self.group_layout.replicate_degree > 1 else self.comm.group
+
+    @property
+    def checkpoint_rank(self) -> int:
+        """This rank's position in :attr:`checkpoint_group` (indexes the saved RNG states)."""
+        if self.group_layout.replicate_degree > 1:
+            import paddle.distributed as dist
+
+            return dist.get_rank()
         return self.comm.rank
 
     def layouts(self) -> list[BufferLayout]:
