@@ -84,12 +84,16 @@ def assert_close(got: dict, want: dict, tol: float, what: str) -> float:
 
 def assert_same_checkpoint(a: str, b: str) -> None:
     """Every tensor and plain value of checkpoint ``a`` equals ``b``'s bit for bit (rank 0 reads both)."""
+    problem = None
     if dist.get_rank() == 0:
         fa, fb = load_full_state_dict(a), load_full_state_dict(b)
-        assert set(fa) == set(fb), sorted(set(fa) ^ set(fb))
-        for key in fa:
-            np.testing.assert_array_equal(np.asarray(fa[key]), np.asarray(fb[key]), err_msg=key)
-    dist.barrier()
+        if set(fa) != set(fb):
+            problem = f"keys differ: {sorted(set(fa) ^ set(fb))}"
+        else:
+            bad = [k for k in fa if np.asarray(fa[k]).tobytes() != np.asarray(fb[k]).tobytes()]
+            problem = f"{len(bad)} of {len(fa)} keys differ, e.g. {bad[:4]}" if bad else None
+    problem = gather(problem)[0]  # every rank fails alike (no rank left waiting in the next collective)
+    assert problem is None, f"{a} vs {b}: {problem}"
 
 
 def bytes_written_by_rank(path: str) -> dict[int, int]:
@@ -312,6 +316,7 @@ def main() -> None:
             results[name] = "ok"
         except Exception:
             results[name] = traceback.format_exc()
+            print(f"case {name} failed:\n{results[name]}", file=sys.stderr, flush=True)
     if not three and "uninterrupted" in ctx and dist.get_rank() == 0:
         np.savez(os.path.join(workdir, "hsdp_uninterrupted.npz"), **ctx["uninterrupted"])
     dist.barrier()

@@ -21,6 +21,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
+from .. import device
 from ..checkpoint.format.metadata import DTYPES
 from ..checkpoint.host_memory import is_host_contiguous, raw_view
 from ..checkpoint.records import to_record
@@ -80,7 +81,9 @@ def broadcast_parts(split: ReplicaSplit, loaded: set[str], replicate_group) -> l
         if total == 0:
             continue
         if replica == me:
-            buf = paddle.to_tensor(np.concatenate([raw_view(t)[0] for t, n in zip(tensors, sizes) if n]))
+            views = [raw_view(t) for t, n in zip(tensors, sizes) if n]  # (bytes, the host copy keeping them alive)
+            buf = paddle.to_tensor(np.concatenate([arr for arr, _keep in views]))
+            del views
         else:
             buf = paddle.empty([total], dtype="uint8")
         dist.broadcast(buf, src=replicate_group.ranks[replica], group=replicate_group)
@@ -102,5 +105,7 @@ def _unpack(buf: paddle.Tensor, tensors: list, sizes: list[int]) -> None:
         pos += n
         if is_host_contiguous(t):
             np.copyto(raw_view(t, allow_copy=False)[0], chunk)
-        else:
-            t.copy_(paddle.to_tensor(chunk).view(t.dtype).reshape(t.shape), True)
+        else:  # device (or strided) target: through host staging, as the load engine commits such targets
+            staging = device.host_empty(list(t.shape), str(t.dtype).replace("paddle.", ""), pinned=False)
+            np.copyto(raw_view(staging, allow_copy=False)[0], chunk)
+            t.copy_(staging, True)
