@@ -28,7 +28,7 @@ def runs(tmp_path_factory):
     first3 = run_launch(worker, 3, [work, "--three"], log_dir=tmp_path_factory.mktemp("hsdp3a"))
     four = run_launch(worker, 4, [work], log_dir=tmp_path_factory.mktemp("hsdp4"))
     then3 = run_launch(worker, 3, [work, "--three"], log_dir=tmp_path_factory.mktemp("hsdp3b"))
-    return {"first3": first3, "four": four, "then3": then3}
+    return {"first3": first3, "four": four, "then3": then3, "dir": work}
 
 
 @pytest.mark.parametrize("case", FOUR)
@@ -38,6 +38,20 @@ def test_hsdp_2x2(runs, case):
     save_once_balanced / load_reads_once: bytes written and read per rank (each byte once per replica group).
     reshard_*: bit-exact state (re-saved and compared) and continuation equal to the uninterrupted run."""
     assert_case_ok(runs["four"], case, 4)
+
+
+def test_hsdp_checkpoint_read_by_tools(runs):
+    """The 2x2 checkpoint is the plain FSDP format: the tools' inspect and verify read it as such."""
+    from paddle.distributed.fsdp.tools.inspect_cmd import inspect_checkpoint
+    from paddle.distributed.fsdp.tools.verify_cmd import verify
+
+    path = os.path.join(runs["dir"], "hsdp_2x2")
+    info = inspect_checkpoint(path)
+    assert info["world_size"] == 4 and info["optimizer_class"] == "AdamW", info["world_size"]
+    assert sorted(f["rank"] for f in info["files"].values()) == [0, 1, 2, 3]
+    assert info["model_tensors"] > 0 and info["optimizer_bytes"] > info["model_bytes"]
+    problems, _ = verify(path, progress=False)
+    assert problems == []
 
 
 def test_hsdp_reshard_1x3(runs):

@@ -33,7 +33,9 @@ class HybridComm(ShardingComm):
     def reduce_scatter_mean(self, full: paddle.Tensor) -> paddle.Tensor:
         """The mean over every rank of both groups of ``full``, restricted to this rank's shard."""
         full.scale_(1.0 / self.replicate_size)
-        local = super().reduce_scatter_mean(full).clone()  # the gloo path returns a view of ``full``
+        local = super().reduce_scatter_mean(full)
+        if self.reduce_scatter_mode == "all_reduce":  # gloo's path returns a view of ``full``: reduce a copy
+            local = local.clone()
         dist.all_reduce(local, group=self.replicate_group)
         return local
 

@@ -175,12 +175,16 @@ def case_training(ctx):
     shards = gather([b.shard.numpy().tobytes() for b in fsdp.buffers])
     me = dist.get_rank()
     assert shards[me] == shards[(me + 2) % 4], "the replicas' shards differ"
+    full = fsdp.full_state_dict()  # rank0_only: global rank 0 alone, not shard rank 0 of each replica
+    assert (len(full) > 0) == (me == 0), f"rank {me}: full_state_dict returned {len(full)} entries"
+    if me == 0:
+        assert_close({k: v.numpy() for k, v in full.items() if k in got}, got, 0.0, "full_state_dict")
     ctx["uninterrupted"] = got
     ctx["hsdp_ckpt"] = ckpt
 
 
 def case_save_once_balanced(ctx):
-    """The 2x2 save: each byte once (the same bytes as plain FSDP's save of the same state), the replicas write
+    """The 2x2 save (and an async save of the same state, in load_reads_once): each byte once (the same bytes as plain FSDP's save of the same state), the replicas write
     about half each, every rank writes, and verify finds nothing."""
     ckpt = ctx["hsdp_ckpt"]
     by_rank = bytes_written_by_rank(ckpt)
@@ -207,7 +211,10 @@ def case_load_reads_once(ctx):
     again = os.path.join(ctx["dir"], "hsdp_2x2_again")
     fsdp.save_checkpoint(again, optimizer=opt)
     assert_same_checkpoint(ctx["hsdp_ckpt"], again)
-    run("hsdp", slice(2, 3), (fsdp, model, opt))
+    handle = fsdp.save_checkpoint(os.path.join(ctx["dir"], "hsdp_2x2_async"), optimizer=opt, async_save=True)
+    run("hsdp", slice(2, 3), (fsdp, model, opt))  # the async copy overlaps the step (snapshot_guard waits)
+    handle.wait()
+    assert_same_checkpoint(ctx["hsdp_ckpt"], os.path.join(ctx["dir"], "hsdp_2x2_async"))
     assert_close(params(fsdp, model), ctx["uninterrupted"], 0.0, "resumed HSDP vs uninterrupted")
     ctx["figures"]["hsdp_read_by_rank"] = reads
 
