@@ -13,6 +13,7 @@ from launch_util import run_launch
 FOUR = [
     "refusals",
     "training",
+    "explicit_groups",
     "save_once_balanced",
     "load_reads_once",
     "reshard_2x2_to_1x4",

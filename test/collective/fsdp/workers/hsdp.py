@@ -27,7 +27,7 @@ from paddle.distributed import fleet
 from paddle.distributed.fsdp import FullyShardFusion, UnsupportedGroupLayoutError
 from paddle.distributed.fsdp.checkpoint import load_full_state_dict, read_metadata
 from paddle.distributed.fsdp.checkpoint.verify import verify_checkpoint
-from paddle.distributed.fsdp.topology import barrier_after_new_group
+from paddle.distributed.fsdp.topology import barrier_after_new_group, hybrid_groups
 from training import train
 
 BATCHES = global_batches(3, 24)  # 2 steps, a checkpoint, 1 more; 24 rows split over 1, 3 and 4 ranks
@@ -40,12 +40,13 @@ def world_group():
     return _get_global_group()
 
 
-def build(layout: str):
-    """(fsdp, model, optimizer) for ``layout``: "hsdp" (fleet's dp x sharding), "plain" (every rank), "one"."""
+def build(layout: str, groups: dict | None = None):
+    """(fsdp, model, optimizer) for ``layout``: "hsdp" (fleet's dp x sharding, or ``groups``), "plain" (every
+    rank), "one" (this process alone)."""
     model = make_model(SEED, dtype="float64")
     fsdp = None
     if layout == "hsdp":
-        fsdp = FullyShardFusion(model, ["Block"])
+        fsdp = FullyShardFusion(model, ["Block"], **(groups or {}))
     elif layout == "plain":
         fsdp = FullyShardFusion(model, ["Block"], group=world_group())
     fun = decay_fun_for(model) if fsdp is None else None  # FSDP honours param.no_weight_decay by itself
@@ -183,6 +184,19 @@ def case_training(ctx):
     ctx["hsdp_ckpt"] = ckpt
 
 
+def case_explicit_groups(ctx):
+    """FullyShardFusion(shard_group=, replicate_group=) with topology.hybrid_groups(2) (fleet's layout: consecutive
+    ranks shard, replicas at stride 2) trains bit for bit as fleet's dp x sharding HSDP does."""
+    replicate, shard = ctx["own_groups"]
+    hcg = fleet.get_hybrid_communicate_group()
+    assert shard.ranks == hcg.get_sharding_parallel_group().ranks, (shard.ranks, "vs fleet's sharding group")
+    assert replicate.ranks == hcg.get_data_parallel_group().ranks, (replicate.ranks, "vs fleet's dp group")
+    fsdp, model, opt = build("hsdp", {"shard_group": shard, "replicate_group": replicate})
+    assert fsdp.group_layout.replicate_group is replicate
+    run("hsdp", slice(0, 3), (fsdp, model, opt))
+    assert_close(params(fsdp, model), ctx["uninterrupted"], 0.0, "explicit groups vs fleet HSDP")
+
+
 def case_save_once_balanced(ctx):
     """The 2x2 save (and an async save of the same state, in load_reads_once): each byte once (the same bytes as plain FSDP's save of the same state), the replicas write
     about half each, every rank writes, and verify finds nothing."""
@@ -263,6 +277,7 @@ def case_reshard_3_to_2x2(ctx):
 CASES = {
     "refusals": case_refusals,
     "training": case_training,
+    "explicit_groups": case_explicit_groups,
     "save_once_balanced": case_save_once_balanced,
     "load_reads_once": case_load_reads_once,
     "reshard_2x2_to_1x4": case_reshard_2x2_to_1x4,
@@ -308,6 +323,8 @@ def main() -> None:
         else:
             cases = {"save_3": three_rank_cases}
     else:
+        dist.init_parallel_env()
+        own_groups = hybrid_groups(2)  # the project's group creation (before fleet's: gloo fails after it here)
         strategy = fleet.DistributedStrategy()
         strategy.hybrid_configs = {"dp_degree": 2, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 2}
         with barrier_after_new_group():
@@ -316,6 +333,8 @@ def main() -> None:
         if not os.path.isdir(os.path.join(workdir, "plain_3")):
             cases.pop("reshard_3_to_2x2")
     ctx = {"dir": workdir, "figures": {}}
+    if not three:
+        ctx["own_groups"] = own_groups
     results = {}
     for name, case in cases.items():
         try:
