@@ -136,28 +136,37 @@ def _nranks(group, what: str) -> int:
 
 
 def _check_hybrid(shard_group, replicate_group, world: int) -> GroupLayout:
-    """An explicit (shard, replicate) pair must tile the world: S x R = world, S > 1, and the ranks of my replicate
-    group all hold my shard position (checked collectively over the replicate group)."""
-    s, r = _nranks(shard_group, "shard_group"), _nranks(replicate_group, "replicate_group")
-    if s * r != world:
-        raise UnsupportedGroupLayoutError(
-            f"FullyShardFusion: shard_group ({s} ranks) x replicate_group ({r} ranks) = {s * r} ranks, but the world "
-            f"has {world}: every rank must hold one shard of one replica"
-        )
-    if s < 2:
-        raise UnsupportedGroupLayoutError(
-            "FullyShardFusion: a shard_group of one rank is plain data parallelism; shard over the whole world instead"
-        )
-    if r == 1:
-        return GroupLayout(shard_group=shard_group)
+    """An explicit (shard, replicate) pair must tile the world: S x R = world, S > 1, and the members of each
+    replicate group hold the same shard position. Collective over the world (one small exchange), so that every
+    rank refuses together."""
+    problem = None
+    try:
+        s, r = _nranks(shard_group, "shard_group"), _nranks(replicate_group, "replicate_group")
+        if s * r != world:
+            problem = (
+                f"shard_group ({s} ranks) x replicate_group ({r} ranks) = {s * r} ranks, but the world has {world}: "
+                "every rank must hold one shard of one replica"
+            )
+        elif s < 2:
+            problem = "a shard_group of one rank is plain data parallelism; shard over the whole world instead"
+        me = (shard_group.rank, list(replicate_group.ranks))
+    except UnsupportedGroupLayoutError as e:  # (a TypeError, a wrong argument, is raised at once)
+        problem, me = str(e).removeprefix("FullyShardFusion: "), None
     from .communication import all_gather_object
 
-    positions = all_gather_object(shard_group.rank, replicate_group)
-    if len(set(positions)) != 1:
-        raise UnsupportedGroupLayoutError(
-            f"FullyShardFusion: the members of a replicate group hold shard positions {positions}; each replicate "
-            "group must link the ranks holding the same shard (the same rank in their shard groups)"
-        )
+    every = all_gather_object((problem, me), None) if world > 1 else [(problem, me)]
+    for rank, (theirs, _mine) in enumerate(every):
+        if theirs is not None:
+            raise UnsupportedGroupLayoutError(f"FullyShardFusion: {theirs} (rank {rank})")
+    for _theirs, (_position, members) in every:
+        positions = [every[m][1][0] for m in members]
+        if len(set(positions)) != 1:
+            raise UnsupportedGroupLayoutError(
+                f"FullyShardFusion: replicate group {members} holds shard positions {positions}; each replicate "
+                "group must link the ranks holding the same shard (the same rank in their shard groups)"
+            )
+    if replicate_group.nranks == 1:
+        return GroupLayout(shard_group=shard_group)
     return GroupLayout(shard_group=shard_group, replicate_group=replicate_group)
 
 

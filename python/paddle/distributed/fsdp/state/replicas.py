@@ -2,8 +2,8 @@
 
 The R replicas of a shard position hold identical records (same keys, same regions), so the records are split
 between them by bytes (greedy over the sorted keys: every replica computes the same split), each replica loads
-its part from storage, and each part is broadcast over the replicate group, packed as raw bytes in one
-collective per replica. Storage reads total the state's size, not R times it (``LoadReport.bytes_read``).
+its part from storage, and each part is broadcast over the replicate group as raw bytes, in windows that keep
+the extra host memory bounded (``max_host_bytes``). Storage reads total the state's size, not R times it (``LoadReport.bytes_read``).
 
 Saves need nothing here: the save plan gives each replicated shard piece to the holder with the fewest bytes
 so far (checkpoint/planner.py ``_pick_writers``), so replicas split the writing and the files are the same format
@@ -64,48 +64,91 @@ def my_part(state: dict, split: ReplicaSplit, replica: int) -> dict:
     return {k: v for k, v in state.items() if split.owner.get(k, replica) == replica}
 
 
-def broadcast_parts(split: ReplicaSplit, loaded: set[str], replicate_group) -> list[str]:
+#: Bytes per broadcast: a load's extra host memory stays within a window (plus one device tensor's staging).
+BROADCAST_WINDOW = 64 << 20
+
+
+def window_for(max_host_bytes: int | None) -> int:
+    """Broadcast window of a load: BROADCAST_WINDOW, or half of a smaller ``max_host_bytes`` (at least 4 KiB)."""
+    if max_host_bytes is None:
+        return BROADCAST_WINDOW
+    return max(4096, min(BROADCAST_WINDOW, int(max_host_bytes) // 2))
+
+
+def broadcast_parts(
+    split: ReplicaSplit, loaded: set[str], replicate_group, window: int = BROADCAST_WINDOW
+) -> list[str]:
     """Send each replica's loaded part to the others over ``replicate_group``; returns the keys received here.
     Collective over the replicate group: one small exchange (which keys each part loaded: ``strict=False`` may
-    skip mismatched ones), then one raw-byte broadcast per replica."""
+    skip mismatched ones), then each part's bytes, in order, in broadcasts of at most ``window`` bytes."""
     from ..communication import all_gather_object
 
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int, got {window!r}")
     me = replicate_group.rank
     mine = [k for k in split.keys_of(me) if k in loaded]
     every = all_gather_object(mine, replicate_group)
     received: list[str] = []
     for replica, keys in enumerate(every):
-        tensors = [split.tensors[k] for k in keys]
-        sizes = [int(t.numel()) * t.element_size() for t in tensors]
-        total = sum(sizes)
-        if total == 0:
-            continue
-        if replica == me:
-            views = [raw_view(t) for t, n in zip(tensors, sizes) if n]  # (bytes, the host copy keeping them alive)
-            buf = paddle.to_tensor(np.concatenate([arr for arr, _keep in views]))
-            del views
-        else:
-            buf = paddle.empty([total], dtype="uint8")
-        dist.broadcast(buf, src=replicate_group.ranks[replica], group=replicate_group)
-        if replica == me:
-            continue
-        _unpack(buf, tensors, sizes)
-        received.extend(keys)
+        stream = _ByteStream([split.tensors[k] for k in keys])
+        for lo in range(0, stream.total, window):
+            n = min(window, stream.total - lo)
+            buf = paddle.to_tensor(stream.read(lo, n)) if replica == me else paddle.empty([n], dtype="uint8")
+            dist.broadcast(buf, src=replicate_group.ranks[replica], group=replicate_group)
+            if replica != me:
+                stream.write(lo, buf.numpy())
+        if replica != me:
+            received.extend(keys)
     return received
 
 
-def _unpack(buf: paddle.Tensor, tensors: list, sizes: list[int]) -> None:
-    """Copy the packed bytes into the target tensors (views into fused buffers keep aliasing)."""
-    data = buf.numpy()
-    pos = 0
-    for t, n in zip(tensors, sizes):
-        if n == 0:
-            continue
-        chunk = data[pos : pos + n]
-        pos += n
-        if is_host_contiguous(t):
-            np.copyto(raw_view(t, allow_copy=False)[0], chunk)
-        else:  # device (or strided) target: through host staging, as the load engine commits such targets
-            staging = device.host_empty(list(t.shape), str(t.dtype).replace("paddle.", ""), pinned=False)
-            np.copyto(raw_view(staging, allow_copy=False)[0], chunk)
-            t.copy_(staging, True)
+class _ByteStream:
+    """The bytes of a list of tensors, back to back, read or written by ranges in increasing order. Host
+    contiguous tensors are read and written in place; others through one host copy (read) or one host staging
+    tensor (written, then ``copy_`` into the target when complete, as the load engine commits such targets)."""
+
+    def __init__(self, tensors: list) -> None:
+        self.tensors = tensors
+        self.sizes = [int(t.numel()) * t.element_size() for t in tensors]
+        self.starts = np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)]).tolist()
+        self.total = self.starts[-1]
+        self._cached: tuple[int, np.ndarray, object] | None = None  # (index, bytes, what keeps them alive)
+
+    def _pieces(self, lo: int, n: int):
+        """(tensor index, start in the tensor, end in the tensor, start in the range) covering [lo, lo + n)."""
+        i = int(np.searchsorted(self.starts, lo, side="right")) - 1
+        while n > 0 and i < len(self.tensors):
+            a = lo - self.starts[i]
+            b = min(self.sizes[i], a + n)
+            if b > a:
+                yield i, a, b
+                lo, n = lo + (b - a), n - (b - a)
+            i += 1
+
+    def _bytes(self, i: int, staging: bool) -> np.ndarray:
+        if self._cached is None or self._cached[0] != i:
+            t = self.tensors[i]
+            if staging and not is_host_contiguous(t):
+                keep = device.host_empty(list(t.shape), str(t.dtype).replace("paddle.", ""), pinned=False)
+                arr = raw_view(keep, allow_copy=False)[0]
+            else:
+                arr, keep = raw_view(t)  # a host copy for device tensors (kept alive below)
+            self._cached = (i, arr, keep)
+        return self._cached[1]
+
+    def read(self, lo: int, n: int) -> np.ndarray:
+        out = np.empty(n, np.uint8)
+        pos = 0
+        for i, a, b in self._pieces(lo, n):  # copied at once: the next tensor's host copy replaces this one's
+            out[pos : pos + (b - a)] = self._bytes(i, staging=False)[a:b]
+            pos += b - a
+        return out
+
+    def write(self, lo: int, data: np.ndarray) -> None:
+        pos = 0
+        for i, a, b in self._pieces(lo, len(data)):
+            np.copyto(self._bytes(i, staging=True)[a:b], data[pos : pos + (b - a)])
+            pos += b - a
+            t = self.tensors[i]
+            if b == self.sizes[i] and not is_host_contiguous(t):  # complete: commit the staging
+                t.copy_(self._cached[2], True)

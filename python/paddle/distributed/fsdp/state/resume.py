@@ -354,7 +354,8 @@ def _load_once(
         e.checkpoint = resolved  # which checkpoint failed, for the fallback
         raise
     if split is not None:  # HSDP: each replica read its part; the parts are exchanged over the replicate group
-        report.loaded_keys.extend(replicas.broadcast_parts(split, set(report.loaded_keys), replicate_group))
+        window = replicas.window_for(max_host_bytes)
+        report.loaded_keys.extend(replicas.broadcast_parts(split, set(report.loaded_keys), replicate_group, window))
     checked["apply"]()  # validated above on every rank: restores optimizer global state and RNG, cannot fail
     # the list of buffer keys is for the tools (to-hf); the buffers themselves were loaded as model state
     report.unexpected_keys = [k for k in report.unexpected_keys if k != BUFFERS_KEY]
