@@ -173,7 +173,9 @@ def _check_hybrid(shard_group, replicate_group, world: int) -> GroupLayout:
 def hybrid_groups(replicate_degree: int) -> tuple[Any, Any]:
     """``(replicate_group, shard_group)`` of this rank for ``replicate_degree`` replicas of ``world /
     replicate_degree`` consecutive ranks each (a node's ranks shard, nodes replicate), as fleet's ``dp_degree x
-    sharding_degree`` lays them out. Collective: every rank creates every group (with :func:`new_group`)."""
+    sharding_degree`` lays them out. Collective: every rank creates every group (with :func:`new_group`). With
+    gloo, create them before ``fleet.init`` if both are used: after fleet's hybrid init, paddle 3.3.1's gloo
+    ``new_group`` failed here ("address.cc ... sizeof(impl_) == bytes.size()")."""
     world = _world_size()
     if not isinstance(replicate_degree, int) or replicate_degree < 1 or world % replicate_degree:
         raise ValueError(

@@ -60,10 +60,10 @@ def build(layout: str, groups: dict | None = None):
     return fsdp, model, opt
 
 
-def run(layout: str, steps: slice, state=None):
+def run(layout: str, steps: slice, state=None, micro_batches: int = 1):
     fsdp, model, opt = state or build(layout)
     world = dist.get_world_size() if layout != "one" else 1
-    train(model, opt, BATCHES[steps], dist.get_rank() if layout != "one" else 0, world)
+    train(model, opt, BATCHES[steps], dist.get_rank() if layout != "one" else 0, world, micro_batches)
     return fsdp, model, opt
 
 
@@ -186,7 +186,8 @@ def case_training(ctx):
 
 def case_explicit_groups(ctx):
     """FullyShardFusion(shard_group=, replicate_group=) with topology.hybrid_groups(2) (fleet's layout: consecutive
-    ranks shard, replicas at stride 2) trains bit for bit as fleet's dp x sharding HSDP does."""
+    ranks shard, replicas at stride 2) trains bit for bit as fleet's dp x sharding HSDP does; with gradient
+    accumulation (2 micro-batches per step) HSDP equals one process."""
     replicate, shard = ctx["own_groups"]
     hcg = fleet.get_hybrid_communicate_group()
     assert shard.ranks == hcg.get_sharding_parallel_group().ranks, (shard.ranks, "vs fleet's sharding group")
@@ -195,6 +196,10 @@ def case_explicit_groups(ctx):
     assert fsdp.group_layout.replicate_group is replicate
     run("hsdp", slice(0, 3), (fsdp, model, opt))
     assert_close(params(fsdp, model), ctx["uninterrupted"], 0.0, "explicit groups vs fleet HSDP")
+    # gradient accumulation: two backward passes per step, each averaged over both groups, == one process
+    ref = params(None, run("one", slice(0, 3), micro_batches=2)[1])
+    acc = run("hsdp", slice(0, 3), micro_batches=2)
+    ctx["figures"]["hsdp_accumulation_vs_one_process"] = assert_close(params(*acc[:2]), ref, 1e-10, "accumulation")
 
 
 def case_save_once_balanced(ctx):
