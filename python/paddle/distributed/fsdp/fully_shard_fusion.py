@@ -69,9 +69,8 @@ class FullyShardFusion:
             raise ValueError("this model is already wrapped by a FullyShardFusion")
         if not paddle.in_dynamic_mode():
             raise RuntimeError("FullyShardFusion works in dygraph mode only")
-        self.group_layout = resolve_layout(
-            group, replicate_group, shard_group
-        )  # refuses layouts FSDP would train wrong, before any change
+        # refuses layouts FSDP would train wrong, before anything changes
+        self.group_layout = resolve_layout(group, replicate_group, shard_group)
         install_optimizer_integration()
         install_layer_integration()
         self.model = model
