@@ -597,6 +597,15 @@ def run_full(args) -> None:
         res["many_keys"] = run_many_keys(comm, args.keys, R, work, tracer.options.replace(trace_hook=None))
         LOG.info("%s", summary(res["many_keys"]))
 
+    # ---- hybrid sharding: bytes written/read per rank, HSDP against plain FSDP (hsdp.py)
+    hsdp_r = getattr(args, "hsdp_replicas", 0)
+    if hsdp_r > 1 and comm.world % hsdp_r == 0 and comm.world // hsdp_r > 1:
+        from .hsdp import run_hsdp, summary
+
+        res["hsdp"] = run_hsdp(comm, hsdp_r, args.hsdp_dim, work)
+        for line in summary(res["hsdp"]):
+            LOG.info("%s", line)
+
     # (c) all_gather + paddle.save on rank 0
     if not args.no_gather:
         for rep in range(GR):

@@ -253,6 +253,10 @@ class ShardingComm:
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
+    def all_reduce_sum_data_parallel(self, tensor: paddle.Tensor) -> paddle.Tensor:
+        """Sum over every data-parallel rank: the sharding group here; both groups under HSDP (hybrid_comm.py)."""
+        return self.all_reduce_sum(tensor)
+
     def all_gather_object(self, obj) -> list:
         if self.world_size == 1:
             return [obj]

@@ -41,7 +41,7 @@ def summon_full_params(fsdp: FullyShardFusion, writeback: bool = False, rank0_on
         raise ValueError("summon_full_params: writeback=True needs rank0_only=False (every rank writes its shard)")
     if fsdp.summoned:
         raise RuntimeError("summon_full_params is already active for this model (contexts do not nest)")
-    keep = not rank0_only or fsdp.rank == 0
+    keep = not rank0_only or fsdp.checkpoint_rank == 0
     backups = []
     gathered = []
     try:
@@ -112,7 +112,7 @@ def full_state_dict(fsdp: FullyShardFusion, rank0_only: bool = True, offload_to_
     names, persistable buffers included), so ``unwrapped.set_state_dict(full)`` loads it. With ``rank0_only``
     the other ranks return an empty dict. Tensors are copies (on CPU with ``offload_to_cpu``).
     """
-    keep = not rank0_only or fsdp.rank == 0
+    keep = not rank0_only or fsdp.checkpoint_rank == 0
     names_of: dict[int, list[str]] = {}
     order: list[str] = []
     for prefix, layer in fsdp.model.named_sublayers(include_self=True):

@@ -23,6 +23,7 @@ from .communication import ShardingComm, check_interval_from_env
 from .fused_buffer import FusedBuffer
 from .fused_layout import BufferLayout
 from .hooks import LayerHooks
+from .hybrid_comm import HybridComm
 from .layer_integration import install_layer_integration
 from .lazy_init import install_creation_stamps, is_lazy, materialise_into_shards
 from .optimizer_integration import install_optimizer_integration
@@ -45,6 +46,10 @@ class FullyShardFusion:
             with ``sharding_degree > 1``, else the global group, else a single process. Layouts where some
             data-parallel ranks would not average gradients (a group smaller than the world; fleet with
             ``mp/pp/sep_degree > 1``) raise ``UnsupportedGroupLayoutError`` (topology.py).
+        replicate_group, shard_group: hybrid sharding (HSDP): shard over ``shard_group`` (alias ``group``),
+            replicate over ``replicate_group`` (e.g. from ``topology.hybrid_groups(R)``); fleet's ``dp_degree x
+            sharding_degree`` config gives the same. Gradients are averaged over both; checkpoints are written
+            once (replicas split the writing) in the same format as plain FSDP's (state/replicas.py).
         no_weight_decay_fn: optional ``fn(structured_name) -> bool`` marking extra parameters exempt
             from weight decay (as ``param.no_weight_decay = True`` does).
         compute_dtype: gather parameters in this dtype for forward and backward (e.g. ``"bfloat16"`` under
@@ -77,6 +82,9 @@ class FullyShardFusion:
         prefetch_depth: int = 1,
         reduce_dtype: str | None = None,
         check_collective_order: int | None = None,
+        *,
+        replicate_group=None,
+        shard_group=None,
     ) -> None:
         if not isinstance(model, paddle.nn.Layer):
             raise TypeError(f"FullyShardFusion expects a paddle.nn.Layer, got {type(model).__name__}")
@@ -85,7 +93,8 @@ class FullyShardFusion:
         if not paddle.in_dynamic_mode():
             raise RuntimeError("FullyShardFusion works in dygraph mode only")
         self.compute_dtype = _check_compute_dtype(compute_dtype)
-        self.group_layout = resolve_layout(group)  # refuses layouts FSDP would train wrong, before any change
+        # refuses layouts FSDP would train wrong, before anything changes
+        self.group_layout = resolve_layout(group, replicate_group, shard_group)
         install_optimizer_integration()
         install_layer_integration()
         self.model = model
@@ -95,7 +104,11 @@ class FullyShardFusion:
         # optimizers that stepped or initialised state for these parameters: summon_full_params(writeback=True)
         # re-casts their fp32 master weights where a written-back value changed (full_params.py)
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
-        self.comm = ShardingComm(self.group_layout.shard_group)
+        layout = self.group_layout
+        if layout.replicate_degree > 1:
+            self.comm: ShardingComm = HybridComm(layout.shard_group, layout.replicate_group)
+        else:
+            self.comm = ShardingComm(layout.shard_group)
         if check_collective_order is None:
             check_collective_order = check_interval_from_env()
         self.schedule = OverlapSchedule(self, prefetch_depth, reduce_dtype, check_collective_order)
@@ -176,6 +189,21 @@ class FullyShardFusion:
 
     @property
     def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def checkpoint_group(self):
+        """The group checkpoints are saved and loaded over: every rank under HSDP (None: the global group), else
+        the sharding group."""
+        return None if self.group_layout.replicate_degree > 1 else self.comm.group
+
+    @property
+    def checkpoint_rank(self) -> int:
+        """This rank's position in :attr:`checkpoint_group` (indexes the saved RNG states)."""
+        if self.group_layout.replicate_degree > 1:
+            import paddle.distributed as dist
+
+            return dist.get_rank()
         return self.comm.rank
 
     def layouts(self) -> list[BufferLayout]:

@@ -101,7 +101,7 @@ def _exchange_received(owner) -> tuple[list[set[int]], list[bool]]:
 
     owner.comm.agree(EXCHANGE, 0)
     vector = paddle.to_tensor(flags, dtype="float32")
-    owner.comm.all_reduce_sum(vector)
+    owner.comm.all_reduce_sum_data_parallel(vector)  # every replica binds and steps the same parameters
     values = vector.numpy().tolist()
     received, offset = [], 0
     for size in sizes:

@@ -38,6 +38,7 @@ from ..checkpoint import (
     read_metadata,
     save_state_dict,
 )
+from ..checkpoint.coordination import Comm
 from ..checkpoint.errors import (
     CheckpointRemovedError,
     MetadataError,
@@ -63,7 +64,7 @@ from ..checkpoint.manager import (
 )
 from . import grad_scaler as scaler_state
 from . import optimizer_states as names
-from . import rng
+from . import replicas, rng
 from .buffers import persistable_buffers, warn_if_buffers_differ
 from .records import refresh_master_weights
 
@@ -156,7 +157,7 @@ def save_checkpoint(
     manager = None
     if step is not None:
         step_dir_name(step)  # validates before any collective
-        manager = CheckpointManager(path, keep_last=keep_last, process_group=fsdp.comm.group)
+        manager = CheckpointManager(path, keep_last=keep_last, process_group=fsdp.checkpoint_group)
     elif keep_last is not None:
         raise ValueError("keep_last needs step=: numbered checkpoints live in a root as step_<N> directories")
     state = fsdp.sharded_state_dict()
@@ -179,7 +180,7 @@ def save_checkpoint(
     save_options = dict(async_save=async_save, deferred_keys=deferred, per_rank_values=(RNG_KEY,), options=options)
     if manager is not None:
         return manager.save(step, state, **save_options)
-    return save_state_dict(state, path, process_group=fsdp.comm.group, **save_options)
+    return save_state_dict(state, path, process_group=fsdp.checkpoint_group, **save_options)
 
 
 def _foreign_keys(metadata, fsdp) -> list[str]:
@@ -235,7 +236,7 @@ def _precheck(
             f"checkpoint {resolved} holds {len(foreign)} key(s) this model does not have (a checkpoint of another "
             f"model?): {foreign[:5]}{' ...' if len(foreign) > 5 else ''}; pass strict=False to load the rest"
         )
-    apply_rng = rng.decode(values.get(RNG_KEY), fsdp.rank, f"checkpoint {resolved}")
+    apply_rng = rng.decode(values.get(RNG_KEY), fsdp.checkpoint_rank, f"checkpoint {resolved}")
     decode_extra_state(values.get(EXTRA_KEY), f"checkpoint {resolved}: {EXTRA_KEY}")
     apply_scaler = scaler_state.decode(
         grad_scaler, values.get(GRAD_SCALER_KEY), GRAD_SCALER_KEY in values, strict, f"checkpoint {resolved}"
@@ -351,7 +352,7 @@ def _load_once(
     except Exception as e:  # noqa: BLE001 - whatever fails here must reach the exchange below
         err = e
     # every rank fails together: a rank raising alone would leave the others waiting in the load's collective
-    resolutions = gather_errors(fsdp.comm, err, resolved)
+    resolutions = gather_errors(Comm(fsdp.checkpoint_group), err, resolved)
     if len(set(resolutions)) > 1:  # `latest` moved between the ranks' reads
         raise CheckpointRemovedError(f"ranks resolved {path} to different checkpoints: {sorted(set(resolutions))}")
     if optimizer is not None:
@@ -366,11 +367,15 @@ def _load_once(
         if md is not metadata:  # (the engine read the metadata itself: check it again)
             checked["foreign"], checked["apply"] = _precheck(fsdp, resolved, md, optimizer, strict, grad_scaler)
 
+    replicate_group = fsdp.group_layout.replicate_group
+    split = (
+        replicas.split_for_replicas(state, metadata, fsdp.group_layout.replicate_degree) if replicate_group else None
+    )
     try:
         report = load_state_dict(
-            state,
+            replicas.my_part(state, split, replicate_group.rank) if split else state,
             resolved,
-            process_group=fsdp.comm.group,
+            process_group=fsdp.checkpoint_group,
             strict=strict,
             verify_checksums=verify_checksums,
             atomic=atomic,
@@ -382,6 +387,9 @@ def _load_once(
     except PartiallyLoadedError as e:
         e.checkpoint = resolved  # which checkpoint failed, for the fallback
         raise
+    if split is not None:  # HSDP: each replica read its part; the parts are exchanged over the replicate group
+        window = replicas.window_for(max_host_bytes)
+        report.loaded_keys.extend(replicas.broadcast_parts(split, set(report.loaded_keys), replicate_group, window))
     checked["apply"]()  # validated above on every rank: restores optimizer global state and RNG, cannot fail
     # the list of buffer keys is for the tools (to-hf); the buffers themselves were loaded as model state
     report.unexpected_keys = [k for k in report.unexpected_keys if k != BUFFERS_KEY]
