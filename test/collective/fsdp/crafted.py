@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import xxhash
-from paddle.distributed.fsdp.checkpoint.format import commit as format_commit
+from paddle.distributed.fsdp.checkpoint import commit as format_commit
 from paddle.distributed.fsdp.checkpoint.format.metadata import CheckpointMetadata, FileMeta, PieceMeta, TensorMeta
 from paddle.distributed.fsdp.checkpoint.format.safetensors import build_header
 

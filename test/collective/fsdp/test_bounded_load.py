@@ -234,7 +234,7 @@ def test_load_checkpoint_parses_the_metadata_once_and_still_checks_it(tmp_path, 
     """load_checkpoint reads metadata.json once (its checks and the engine share it); a changed optimizer class
     is still refused by name, and a load after it restores the saved values."""
     from paddle.distributed.fsdp import FullyShardFusion
-    from paddle.distributed.fsdp.checkpoint.format import commit
+    from paddle.distributed.fsdp.checkpoint import directory as commit
     from paddle.distributed.fsdp.state import resume
 
     def build(seed):

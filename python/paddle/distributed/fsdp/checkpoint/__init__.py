@@ -12,17 +12,32 @@ Saving and loading (collective over the process group; every rank gets the same 
 * ``wait_for_snapshot()`` / ``snapshot_in_flight()``: an async save copies parameters and optimizer state after
   it returned; writers the engine cannot intercept wait with this first (snapshot_guard.py).
 * ``load_full_state_dict(path, keys=None)``: whole tensors in one process, no collectives (load.py).
-* ``read_metadata(path)`` -> ``CheckpointMetadata`` of a committed checkpoint (format/commit.py).
+* ``read_metadata(path)`` -> ``CheckpointMetadata`` of a committed checkpoint (directory.py).
 * ``verify_checkpoint(path)`` -> list of problems (verify.py).
 * ``CheckpointManager``, ``latest_checkpoint``, ``resolve_checkpoint``: numbered checkpoints with a ``latest``
   pointer and keep-last-K (manager.py).
 * ``CheckpointOptions`` (options.py): how saves and loads run (checksum algorithm, threads, commit timeout,
-  O_DIRECT, huge pages, in-place reads, read slab, tracing and ``trace_hook`` receiving ``TraceRecord``s);
+  heartbeat lease, storage backend, O_DIRECT, huge pages, in-place reads, read slab, tracing and ``trace_hook``
+  receiving ``TraceRecord``s);
   passed as ``options=``; without it ``CheckpointOptions.from_env()`` reads the ``PADDLE_FSDP_CKPT_*``
   variables at call time.
 * ``gather_errors(comm, error, payload)``: the one "every rank fails together with the same named error"
   exchange, for callers that check something before a collective save or load (coordination.py).
 * the ``CheckpointError`` family (errors.py).
+
+Save path: ``save.py`` (calling thread) -> ``background.py`` (the one save in flight) -> ``commit.py`` (write,
+hand over, commit, publish) over ``channel.py`` (the TCP store: decisions and heartbeats, no polled files) and
+``io/storage.py`` (every byte and name; ``io/local.py`` POSIX, ``io/memory.py`` reference); ``markers.py``
+records why a save failed; ``directory.py`` answers "committed? latest? removable? removed under a reader?" and
+reads the metadata. ``process_state.py`` lists the process-wide state, with one reset for tests.
+
+What must never import what (test_checkpoint_layers.py checks it, naming the exceptions that remain):
+1. ``format/`` imports nothing of the package but ``errors`` and ``gc_pause``.
+2. ``io/`` never imports ``save``, ``load``, ``commit``, ``markers``, ``manager``, ``verify``, ``channel`` or
+   ``stock/``: it knows no protocol.
+3. the engine (everything outside ``stock/``) never imports ``stock/``.
+4. ``checkpoint/`` never imports ``state/`` or the training core, only the leaves ``device`` and ``communication``.
+5. no import cycle; modules under 500 lines, functions under 80 lines of code.
 
 Where things live: ``format/`` owns the on-disk format (schema, commit record, safetensors headers, reserved
 keys, the one region reader); ``planner.py`` plans writes and reads; the file I/O is ``writer.py`` (rank files,
@@ -31,6 +46,7 @@ durable commit), ``reader.py`` (checked range reads), ``host_memory.py`` (buffer
 """
 
 from .coordination import gather_errors
+from .directory import read_metadata
 from .errors import (
     CheckpointError,
     CheckpointRemovedError,
@@ -54,7 +70,6 @@ from .errors import (
     UnrepresentableKeyError,
     UnsafePathError,
 )
-from .format.commit import read_metadata
 from .format.metadata import CheckpointMetadata
 from .load import LoadReport, load_full_state_dict, load_state_dict
 from .manager import CheckpointManager, latest_checkpoint, resolve_checkpoint

@@ -1,47 +1,53 @@
-"""A failed save removes its staging directory ``<path>.tmp-<id>``: the last rank to give it up deletes it.
+"""A failed save removes its staging location ``<path>.tmp-<id>``: every rank leaves, then each removes it.
 
 Why: a save that failed with an error (a full disk, most often) must not leave what it wrote behind, or the next
-save starts with less space than the failed one had. No rank can delete the staging directory alone as soon as it
-fails: the other ranks learn of the failure from the markers inside it (save.py). So every rank that leaves a
-failed save first removes its own data file (save.py does), then drops an empty ``<rank>.left`` marker (an empty
-file takes no data block, so it can be created on a full disk); the rank that finds every rank's marker there
-removes the whole directory. A rank that was killed never leaves: its save's staging directory is then removed by
-the next save to the same path (``save.remove_failed_stagings``), as before.
+save starts with less space than the failed one had. No rank can remove the staging as soon as it fails: the
+other ranks may still be writing into it (they learn of the failure from the channel between slabs) or waiting
+for the coordinator's decision. So every rank that gives up a failed save first drops its own data object
+(commit.py does), then says so on the channel (``leave``) and waits, bounded, until every rank has; then each
+removes the staging it sees (``Storage.remove``: atomic, and a no-op for a location already gone, so on a shared
+file system the first rank removes it and on node-local disks each node removes its own). Removal renames
+before it deletes, which a full disk allows. A rank that was killed never leaves: the others stop waiting once
+its heartbeat is gone, and its staging is removed by the next save to the same path
+(``markers.remove_failed_stagings``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 
-from .format.metadata import PARTS_DIR
+from .errors import SaveFailedError
+from .io.storage import Storage
 
 logger = logging.getLogger(__name__)
 
-LEFT_SUFFIX = ".left"
+#: At most this long a rank waits for the others to leave a failed save (a live rank leaves within one slab of
+#: writing; a dead one is found by its heartbeat much sooner).
+LEAVE_TIMEOUT = 120.0
 
 
-def leave_failed_save(staging: str, rank: int, world: int) -> bool:
-    """This rank is done with the failed save in ``staging``; remove it when every rank is. True: removed."""
-    parts = os.path.join(staging, PARTS_DIR)
-    if not os.path.isdir(parts):  # nothing of the save is there (renamed into place, or never created): no marker
-        return False
+def leave_failed_save(storage: Storage, staging: str, channel, world: int, timeout: float) -> bool:
+    """This rank is done with the failed save in ``staging``; remove the staging once every rank is (at most
+    ``timeout`` seconds of waiting). Never raises; True: removed here (or already gone)."""
     try:
-        os.close(os.open(os.path.join(parts, f"{rank}{LEFT_SUFFIX}"), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
-    except OSError as e:  # the next save's remove_failed_stagings is the fallback
-        logger.warning(
-            "failed save: could not mark rank %d as gone from %s (%s); left for the next save", rank, staging, e
+        channel.leave()
+        channel.wait(
+            lambda: channel.left() >= world or channel.is_committed(),
+            timeout,
+            "every rank to leave the failed save",
+            range(world),
         )
+        if channel.is_committed():  # failed after its commit (e.g. publishing `latest`): the staging is final now
+            return False
+    except (SaveFailedError, TimeoutError, OSError) as e:
+        logger.warning("failed save: %s; its staging %s is left for the next save to remove", e, staging)
+        return False
+    except Exception as e:  # noqa: BLE001 - an unreachable store: the same fallback
+        logger.warning("failed save: the ranks could not agree on leaving %s (%s); left for the next save", staging, e)
         return False
     try:
-        names = set(os.listdir(parts))
-    except OSError:
-        return False
-    if any(f"{r}{LEFT_SUFFIX}" not in names for r in range(world)):
-        return False
-    shutil.rmtree(staging, ignore_errors=True)
-    if os.path.lexists(staging):
-        logger.warning("failed save: could not remove its staging directory %s", staging)
+        storage.remove(staging)
+    except Exception as e:  # noqa: BLE001 - best effort; the next save removes it
+        logger.warning("failed save: could not remove its staging %s: %s", staging, e)
         return False
     return True

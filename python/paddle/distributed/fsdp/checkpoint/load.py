@@ -1,5 +1,5 @@
 """Load path of the checkpoint engine: ``load_state_dict``, ``load_full_state_dict``, ``LoadReport``
-(``read_metadata`` is format/commit.py's).
+(``read_metadata`` is directory.py's).
 
 The layout of a checkpoint directory and the save protocol (staging directory, COMMIT written last, atomic
 rename, what a crashed save leaves behind) are described in save.py.
@@ -70,7 +70,9 @@ from typing import Any
 import numpy as np
 
 from . import checksums, host_memory, reader
+from .background import wait_pending
 from .coordination import Comm, aligned, gather_errors
+from .directory import read_metadata, removed_or
 from .errors import (
     CheckpointError,
     CheckpointRemovedError,
@@ -81,7 +83,6 @@ from .errors import (
     PartiallyLoadedError,
     ShapeMismatchError,
 )
-from .format.commit import read_metadata
 from .format.coverage import coverage_problems, flat_span
 from .format.metadata import DTYPES, CheckpointMetadata, resolve_member
 from .format.regions import clip_segments, read_deferred, read_region, region_segments
@@ -91,8 +92,6 @@ from .keywords import STOCK_LOAD_KEYWORDS, check_keywords, keyword_names
 from .options import CheckpointOptions, resolve
 from .planner import Region, region_of_piece
 from .records import to_record
-from .removal import removed_or
-from .save import wait_pending
 from .tracing import Tracer
 
 # ------------------------------------------------------------------------------------------------ reading

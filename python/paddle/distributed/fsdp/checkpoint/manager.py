@@ -36,32 +36,33 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import shutil
-import threading
-import uuid
 
-from . import writer
 from .coordination import Comm, gather_errors
+from .directory import (  # noqa: F401 - the manager's functions, answered in directory.py
+    STEP_PREFIX,
+    committed_steps,
+    is_checkpoint_root,
+    latest_checkpoint,
+    parse_step,
+    prune,
+    read_latest,
+    resolve_checkpoint,
+    step_dir_name,
+)
 from .errors import (
     CheckpointError,
     CheckpointRemovedError,
-    IncompleteCheckpointError,
-    NotACheckpointError,
     SaveFailedError,
 )
-from .format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, check_file_name
+from .format.metadata import LATEST_FILE
+from .io.storage import Storage, backend_for
 from .keywords import check_keywords, keyword_names
 from .load import LoadReport, load_state_dict
-from .save import SaveHandle, save_state_dict
+from .save import SaveHandle, save_and_publish, save_state_dict
 
 logger = logging.getLogger(__name__)
 
-STEP_PREFIX = "step_"
-_STEP_RE = re.compile(r"^step_(\d+)$")
-_STAGING_RE = re.compile(r"^step_\d+\.tmp-[0-9a-f]+$")
 _MANAGED = ("state_dict", "path", "process_group", "coordinator_rank")  # set by the manager, not by its caller
-TRASH_PREFIX = ".trash-"
 
 __all__ = [
     "CheckpointManager",
@@ -71,104 +72,6 @@ __all__ = [
     "committed_steps",
     "resolve_checkpoint",
 ]
-
-
-def step_dir_name(step: int) -> str:
-    """Directory name of ``step`` (zero-padded so names sort like steps)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    return f"{STEP_PREFIX}{step:08d}"
-
-
-def parse_step(name: str) -> int | None:
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
-def _committed(path: str) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, COMMIT_FILE))
-
-
-def read_latest(root: str) -> str | None:
-    """The name in ``root/latest`` when it is a plain directory name, else None (missing, empty, unsafe)."""
-    from .format.strict_json import open_regular
-
-    try:
-        fd = open_regular(os.path.join(root, LATEST_FILE))  # never blocks on a FIFO in its place
-        try:
-            name = os.read(fd, 4096).decode().strip()
-        finally:
-            os.close(fd)
-    except (OSError, UnicodeDecodeError):
-        return None
-    except CheckpointError as e:  # not a regular file
-        logger.warning("ignoring %s/%s: %s", root, LATEST_FILE, e)
-        return None
-    try:
-        return check_file_name(name)
-    except Exception:  # noqa: BLE001 - an unsafe or garbled pointer is treated as no pointer
-        logger.warning("ignoring %s/%s: %r is not a checkpoint directory name", root, LATEST_FILE, name[:100])
-        return None
-
-
-def committed_steps(root: str) -> list[int]:
-    """Steps of the committed ``step_*`` checkpoints in ``root``, ascending."""
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return []
-    steps = [parse_step(n) for n in names]
-    return sorted(s for s, n in zip(steps, names) if s is not None and _committed(os.path.join(root, n)))
-
-
-def latest_checkpoint(root: str) -> str | None:
-    """Path of the checkpoint to resume from: what ``latest`` names, else the highest committed step."""
-    root = os.path.abspath(os.fspath(root))
-    name = read_latest(root)
-    if name is not None and _committed(os.path.join(root, name)):
-        return os.path.join(root, name)
-    steps = committed_steps(root)
-    if steps:
-        fallback = os.path.join(root, step_dir_name(steps[-1]))
-        logger.warning(
-            "%s/%s %s; using the committed checkpoint with the highest step: %s",
-            root,
-            LATEST_FILE,
-            "is missing or unreadable" if name is None else f"names {name!r}, which is not committed",
-            fallback,
-        )
-        return fallback
-    return None
-
-
-def is_checkpoint_root(path: str) -> bool:
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return False
-    if COMMIT_FILE in names or METADATA_FILE in names:
-        return False
-    return LATEST_FILE in names or any(parse_step(n) is not None or _STAGING_RE.match(n) for n in names)
-
-
-def resolve_checkpoint(path: str) -> str:
-    """``path`` itself for a checkpoint directory; the latest committed checkpoint for a CheckpointManager root.
-
-    A root without any committed checkpoint raises IncompleteCheckpointError when crashed saves left staging
-    directories in it, else NotACheckpointError.
-    """
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path) or not is_checkpoint_root(path):
-        return path  # the engine's read_metadata reports what is wrong with it, if anything
-    found = latest_checkpoint(path)
-    if found is not None:
-        return found
-    staging = sorted(n for n in os.listdir(path) if _STAGING_RE.match(n))
-    if staging:
-        raise IncompleteCheckpointError(
-            f"checkpoint root {path} holds no committed checkpoint: only interrupted saves ({staging[:3]})"
-        )
-    raise NotACheckpointError(f"checkpoint root {path} holds no committed checkpoint")
 
 
 def resolve_checkpoint_collective(path: str, comm) -> str:
@@ -182,62 +85,22 @@ def resolve_checkpoint_collective(path: str, comm) -> str:
     return resolved
 
 
-def prune(root: str, keep_last: int, protect: tuple[str, ...] = ()) -> list[str]:
-    """Remove committed checkpoints outside the ``keep_last`` highest steps (never ``protect`` or ``latest``'s
-    target) and staging leftovers of crashed saves. Returns the removed names. Best effort: never raises."""
-    root = os.path.abspath(root)
-    keep = set(protect)
-    latest = read_latest(root)
-    if latest is not None:
-        keep.add(latest)
-    steps = committed_steps(root)
-    keep.update(step_dir_name(s) for s in steps[-keep_last:])
-    victims = [step_dir_name(s) for s in steps if step_dir_name(s) not in keep]
-    try:
-        victims += sorted(n for n in os.listdir(root) if _STAGING_RE.match(n))
-    except OSError:
-        pass
-    removed = []
-    for name in victims:
-        try:
-            # the rename is atomic: the checkpoint disappears whole, never half-deleted under its own name
-            os.rename(os.path.join(root, name), os.path.join(root, f"{TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}"))
-            removed.append(name)
-        except OSError as e:
-            logger.warning("keep_last: could not remove %s/%s: %s", root, name, e)
-    try:
-        trash = [os.path.join(root, n) for n in os.listdir(root) if n.startswith(TRASH_PREFIX)]
-        if trash:
-            writer.fsync_dir(root)
-            threading.Thread(target=_rmtree_all, args=(trash,), name="ckpt-prune", daemon=False).start()
-    except OSError as e:
-        logger.warning("keep_last: could not clean %s: %s", root, e)
-    if removed:
-        logger.info("keep_last=%d: removed %s from %s", keep_last, removed, root)
-    return removed
-
-
-def _rmtree_all(paths: list[str]) -> None:
-    for p in paths:
-        shutil.rmtree(p, ignore_errors=True)
-
-
 class _LatestPublisher:
     """The engine's post-commit hook for one CheckpointManager save (protocol: save.Publisher)."""
 
-    def __init__(self, root: str, name: str, keep_last: int | None) -> None:
-        self.root, self.name, self.keep_last = root, name, keep_last
+    def __init__(self, root: str, name: str, keep_last: int | None, storage: Storage) -> None:
+        self.root, self.name, self.keep_last, self.storage = root, name, keep_last, storage
 
     def publish(self) -> None:
-        writer.write_file_durable(os.path.join(self.root, LATEST_FILE), f"{self.name}\n".encode())
+        self.storage.put(self.root, LATEST_FILE, f"{self.name}\n".encode())
 
     def is_published(self) -> bool:
-        return read_latest(self.root) == self.name
+        return read_latest(self.root, self.storage) == self.name
 
     def cleanup(self) -> None:
         if self.keep_last is not None:
             try:
-                prune(self.root, self.keep_last, protect=(self.name,))
+                prune(self.root, self.keep_last, protect=(self.name,), storage=self.storage)
             except Exception as e:  # noqa: BLE001 - a failed cleanup must not fail a committed save
                 logger.warning("keep_last: cleaning %s failed: %s", self.root, e)
 
@@ -277,12 +140,14 @@ class CheckpointManager:
             os.makedirs(self.root, exist_ok=True)
         except OSError as e:  # read-only file system, permissions: a named error, like any failed save
             raise SaveFailedError(f"save to {self.root}: cannot create the checkpoint root: {e}") from e
-        return save_state_dict(
+        options = save_kwargs.get("options")
+        storage = backend_for(self.root, getattr(options, "storage", None))
+        return save_and_publish(
             state_dict,
-            os.path.join(self.root, name),
+            storage.child(self.root, name),
+            _LatestPublisher(self.root, name, self.keep_last, storage),
             process_group=self.process_group,
             coordinator_rank=self.coordinator_rank,
-            _publisher=_LatestPublisher(self.root, name, self.keep_last),
             **save_kwargs,
         )
 

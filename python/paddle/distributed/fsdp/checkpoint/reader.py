@@ -135,9 +135,9 @@ class FileSet:
 
     def _open(self, name: str, flags: int = 0) -> int:
         """A regular-file descriptor of ``name`` (never blocks on a FIFO or device); a missing file is a removed
-        checkpoint when its commit record went too (removal.py), else corruption."""
+        checkpoint when its commit record went too (directory.py), else corruption."""
+        from .directory import removed_or
         from .format.strict_json import open_regular
-        from .removal import removed_or
 
         path = self.resolve(self.root, name)
         try:

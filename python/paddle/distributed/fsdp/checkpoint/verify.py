@@ -6,15 +6,14 @@ import os
 from typing import Callable
 
 from . import checksums, reader
+from .directory import read_metadata, removed_or
 from .errors import CheckpointError, CheckpointRemovedError, CorruptCheckpointError, SafetensorsHeaderError
 from .format import safetensors
-from .format.commit import read_metadata
 from .format.coverage import coverage_problems
 from .format.metadata import resolve_member
 from .format.regions import iter_piece
 from .format.strict_json import open_regular
 from .planner import region_of_piece
-from .removal import removed_or
 
 
 def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) -> list[str]:

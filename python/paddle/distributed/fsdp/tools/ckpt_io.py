@@ -39,8 +39,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ..checkpoint import CheckpointOptions, checksums, read_metadata, reader, writer
+from ..checkpoint import commit as format_commit
 from ..checkpoint import load as engine_load
-from ..checkpoint.format import commit as format_commit
 from ..checkpoint.format.metadata import (
     DEFAULT_CHUNK_BYTES,
     DTYPES,

@@ -224,7 +224,7 @@ def index_hf(root: str) -> PieceIndex:
 
 def index_fork(root: str) -> PieceIndex:
     """Index this engine's own checkpoint (metadata.json, COMMIT-checked by ``read_metadata``)."""
-    from ..format.commit import read_metadata
+    from ..directory import read_metadata
 
     md = read_metadata(root)
     idx = PieceIndex(root=md_root(root), kind="fork")
