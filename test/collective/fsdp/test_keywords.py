@@ -43,6 +43,17 @@ def _catch_alls() -> set[str]:
 P = "paddle.distributed.fsdp."
 
 
+class _Publisher:
+    def publish(self):
+        raise AssertionError("a refused save must not publish")
+
+    def is_published(self):
+        return False
+
+    def cleanup(self):
+        pass
+
+
 def _fsdp():
     return FullyShardFusion(paddle.nn.Linear(2, 2))
 
@@ -68,6 +79,11 @@ CASES = {
         lambda d: ck.CheckpointManager(d).load_latest({"w": paddle.ones([2])}, strikt=False),
         "strikt",
         "strict",
+    ),
+    P + "checkpoint.save:save_and_publish": (
+        lambda d: ck.save.save_and_publish({"w": paddle.ones([2])}, d, _Publisher(), asnyc_save=True),
+        "asnyc_save",
+        "async_save",
     ),
     P + "checkpoint.options:CheckpointOptions.replace": (
         lambda d: ck.CheckpointOptions().replace(checksun="crc32"),

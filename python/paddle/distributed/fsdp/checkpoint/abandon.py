@@ -46,7 +46,7 @@ def leave_failed_save(storage: Storage, staging: str, channel, world: int, timeo
         logger.warning("failed save: the ranks could not agree on leaving %s (%s); left for the next save", staging, e)
         return False
     try:
-        storage.remove(staging)
+        storage.remove(staging, wait=True)
     except Exception as e:  # noqa: BLE001 - best effort; the next save removes it
         logger.warning("failed save: could not remove its staging %s: %s", staging, e)
         return False

@@ -131,7 +131,8 @@ def release_host_buffers() -> bool:
     Returns False (and frees nothing) while a save or load of this process is using it. The next async save
     allocates it again.
     """
-    return host_memory.arena.free()
+    freed = host_memory.arena.free()
+    return snapshot.snapshot_staging.free() and freed
 
 
 def save_state_dict(
