@@ -61,7 +61,6 @@ each node has the pieces its ranks read). Saving needs one file system visible t
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -90,6 +89,7 @@ from .gc_pause import gc_paused
 from .inplace import InPlaceReads
 from .keywords import STOCK_LOAD_KEYWORDS, check_keywords, keyword_names
 from .options import CheckpointOptions, resolve
+from .paths import local_path
 from .planner import Region, region_of_piece
 from .records import to_record
 from .tracing import Tracer
@@ -309,11 +309,11 @@ def load_state_dict(
     t0 = time.perf_counter()
     comm = Comm(process_group)
     if not atomic:
-        job = _BoundedLoadJob(state_dict, os.path.abspath(os.fspath(path)), opts, verify_checksums, tr)
+        job = _BoundedLoadJob(state_dict, local_path(path), opts, verify_checksums, tr)
         job.md = _metadata
         all_requested = job.run(comm, strict, max_host_bytes, opts_error, precheck)
         return job.finish(all_requested, time.perf_counter() - t0)
-    job = _LoadJob(state_dict, os.path.abspath(os.fspath(path)), opts, verify_checksums, tr)
+    job = _LoadJob(state_dict, local_path(path), opts, verify_checksums, tr)
     job.md = _metadata
     job.report.atomic = True
     base = host_memory.account.reset_peak()
@@ -738,7 +738,7 @@ def load_full_state_dict(
     opts = resolve(options)
     import paddle  # noqa: F401
 
-    path = os.path.abspath(os.fspath(path))
+    path = local_path(path)
     md = read_metadata(path, opts)
     wanted = list(md.tensors) if keys is None else list(keys)
     for key in wanted:

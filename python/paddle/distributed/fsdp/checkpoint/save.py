@@ -105,6 +105,7 @@ from .gc_pause import gc_paused
 from .keywords import STOCK_SAVE_KEYWORDS, check_keywords, keyword_names
 from .markers import cause, mark_failed, remove_failed_stagings
 from .options import CheckpointOptions, resolve
+from .paths import local_path
 from .planner import (
     AssignmentMemo,
     assign_writes,
@@ -262,7 +263,7 @@ def _save_locked(
     tr = Tracer("save (calling thread)", opts)
     wait_pending(raise_error=True)
     tr.mark("wait-previous")
-    path = os.fspath(path) if "://" in os.fspath(path) else os.path.abspath(os.fspath(path))
+    path = local_path(path)
     comm = Comm(process_group)
     if not 0 <= coordinator_rank < comm.world:
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")

@@ -32,6 +32,7 @@ from ..errors import NotACheckpointError, UnrepresentableKeyError
 from ..format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE
 from ..format.reserved import key_problem
 from ..keywords import keyword_names, unexpected_keyword
+from ..paths import local_path
 from .errors import (
     CheckpointPathNotADirectoryError,
     CheckpointPathNotFoundError,
@@ -236,7 +237,7 @@ def save_state_dict(
 def classify(path: str, unique_id: int | None, safetensors: bool) -> str:
     """Which reader serves ``path``: "fork" (the engine), "stock", or "hf"; "missing", "file" or "none" (a
     directory without checkpoint metadata) for paths that hold no checkpoint (the engine says why)."""
-    root = os.path.abspath(os.fspath(path))
+    root = local_path(path)
     if not os.path.lexists(root):
         return "missing"
     if not os.path.isdir(root):
