@@ -1,0 +1,18 @@
+"""The memory tier: checkpoints in host shared memory with a peer copy on another node (manager.py: MemoryTier).
+
+Modules: ``slot.py`` (one fully allocated, mapped copy file), ``copies.py`` (a rank's two copies, writing a save),
+``state.py`` (what a copy holds for a FullyShardFusion model), ``peers.py`` (partner map, transfers),
+``agreement.py`` (the restart rule), ``errors.py``; ``manager.py`` ties them together.
+"""
+
+from .errors import InvalidMemoryCopyError, MemoryTierError, MemoryTierFullError, NoCommonStepError
+from .manager import MemoryTier, RestoreResult
+
+__all__ = [
+    "MemoryTier",
+    "RestoreResult",
+    "MemoryTierError",
+    "MemoryTierFullError",
+    "InvalidMemoryCopyError",
+    "NoCommonStepError",
+]

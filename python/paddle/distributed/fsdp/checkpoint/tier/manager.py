@@ -1,0 +1,315 @@
+"""MemoryTier: checkpoints into host shared memory with a peer copy on another node, persisted every K-th save.
+
+A training script needs three lines (see README "Memory tier")::
+
+    tier = MemoryTier(fsdp, opt, durable_root="ckpt", persist_every=10)
+    start = tier.restore().step or 0           # newest step every rank has: own memory, peer copy or storage
+    tier.save(step, extra_state={...})          # in the loop; tier.close() at a clean end removes the copies
+
+``save`` blocks like an async save: tensors the optimizer step changes are copied into the rank's shared-memory
+slot after it returned (the next ``optimizer.step()`` waits for that copy: snapshot_guard.py); the checksums and
+the transfer to the peer run in the background. Every ``persist_every``-th save is also a committed checkpoint
+in ``durable_root`` (the engine's async save: loadable at any world size, by the tools, by verify).
+
+``restore`` agrees collectively on the step (agreement.py), brings peer copies back over the process group,
+verifies every copy before anything is written, and writes state only once every rank is ready; a step restored
+from memory that storage lacks is persisted there before training resumes (persist on failure).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+
+from ..coordination import gather_errors
+from ..format.reserved import EXTRA_KEY
+from ..manager import committed_steps, step_dir_name
+from . import agreement, peers
+from .copies import Background, Copies, SaveIntoSlot, header_capacity, offsets_of, read_copy
+from .errors import InvalidMemoryCopyError, MemoryTierError, MemoryTierFullError
+from .slot import HEADER_OFF, Slot
+from .state import capture_values, decode_values, tensor_state, write_back
+
+logger = logging.getLogger(__name__)
+
+ROOT_ENV = "PADDLE_FSDP_MEMTIER_ROOT"
+JOB_ENV = "PADDLE_FSDP_JOB_ID"
+DEFAULT_ROOT = "/dev/shm/paddle-fsdp-memtier"
+
+
+class RestoreResult(dict):
+    """The restored ``extra_state`` (this dict), with ``step`` and ``sources`` (per rank: memory, peer,
+    storage) and ``persisted`` (the step was written to storage after the restore)."""
+
+    def __init__(self, extra: dict, step: int, sources: list[str], persisted: bool = False):
+        super().__init__(extra)
+        self.step, self.sources, self.persisted = step, sources, persisted
+
+
+class MemoryTier:
+    def __init__(
+        self,
+        fsdp,
+        optimizer=None,
+        *,
+        durable_root: str,
+        memory_root: str | None = None,
+        persist_every: int = 10,
+        keep_last: int | None = 2,
+        job_id: str | None = None,
+        partners: dict[int, int] | None = None,
+        quota_bytes: int | None = None,
+        checksum: str = "xxh3-64",
+        persist_on_restore: bool = True,
+    ):
+        if not isinstance(durable_root, str) or not durable_root:
+            raise MemoryTierError(f"durable_root must be a non-empty path, got {durable_root!r}")
+        if type(persist_every) is not int or persist_every < 1:
+            raise MemoryTierError(f"persist_every must be an int >= 1, got {persist_every!r}")
+        if quota_bytes is not None and (type(quota_bytes) is not int or quota_bytes < 0):
+            raise MemoryTierError(f"quota_bytes must be a non-negative int or None, got {quota_bytes!r}")
+        self.fsdp, self.optimizer = fsdp, optimizer
+        self.durable_root = os.path.abspath(durable_root)
+        self.memory_root = memory_root or os.environ.get(ROOT_ENV) or DEFAULT_ROOT
+        self.persist_every, self.keep_last, self.quota = persist_every, keep_last, quota_bytes
+        self.checksum, self.persist_on_restore = checksum, persist_on_restore
+        self.rank, self.world = fsdp.rank, fsdp.world_size
+        digest = hashlib.sha256(self.durable_root.encode()).hexdigest()[:12]
+        self.job_id = job_id or os.environ.get(JOB_ENV) or f"job-{digest}"
+        if partners is None:
+            partners = peers.default_partners(self.world, peers.local_size(self.world))
+        self.partners = peers.check_partners(partners, self.world)
+        self.source = peers.source_of(self.partners, self.rank)
+        self.copies = Copies(self.memory_root, self.job_id, self.rank)
+        self._group = None
+        self._layout: list | None = None
+        self._bg = Background()
+        self._recv_slot: Slot | None = None
+        self.disabled_reason: MemoryTierError | None = None
+        self.durable_saves: list[int] = []
+
+    # ------------------------------------------------------------------ plumbing
+    def _tier_group(self):
+        """The tier's own process group: peer transfers run on a background thread, never on the training's."""
+        if self._group is None and self.world > 1 and self.partners:
+            import paddle.distributed as dist
+
+            self._group = dist.new_group(list(range(self.world)))
+            dist.barrier()  # gloo: a barrier after new_group (see HELPERS facts)
+        return self._group
+
+    def _expect(self) -> dict:
+        return {"job": self.job_id, "world": self.world}
+
+    def _setup(self, state, values_len: int) -> None:
+        """Allocate the two slots on every rank for this layout; disable the tier on every rank when any rank
+        lacks the space (collective)."""
+        self._bg.wait()
+        cap = header_capacity(values_len, len(state.layout))
+        _offsets, data_len = offsets_of(state.layout)
+        sizes = [tuple(s) for s in self.fsdp.comm.all_gather_object((cap, data_len))]
+        err = None
+        try:
+            self.copies.allocate(sizes, self.source, self.quota)
+        except MemoryTierFullError as e:
+            err = e
+        failed = [(r, msg) for r, msg in enumerate(self.fsdp.comm.all_gather_object(str(err) if err else None)) if msg]
+        if failed:
+            self.copies.remove()
+            r, msg = failed[0]
+            self.disabled_reason = MemoryTierFullError(f"memory tier disabled (rank {r}): {msg}")
+            logger.error("%s; saves go to durable storage %s instead", self.disabled_reason, self.durable_root)
+            return
+        self._tier_group()
+        self._layout = state.layout
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, extra_state: dict | None = None) -> None:
+        """Checkpoint ``step`` into memory (and to storage every ``persist_every``-th step). Collective."""
+        if type(step) is not int or step < 0:
+            raise MemoryTierError(f"step must be a non-negative int, got {step!r}")
+        err = self._bg.wait()
+        if err is not None:
+            logger.warning("memory tier: the previous memory save (background) failed: %s", err)
+        import json
+
+        state = tensor_state(self.fsdp, self.optimizer)
+        values = capture_values(self.fsdp, self.optimizer, extra_state)
+        if self.disabled_reason is None and state.layout != self._layout:
+            self._setup(state, len(json.dumps(values)))
+        if self.disabled_reason is not None:
+            self._persist(step, extra_state)
+            return
+        header = dict(self._expect(), rank=self.rank, step=step, values=values)
+        job = SaveIntoSlot(self.copies.own, state, header, self.checksum)
+        self._bg.start(lambda: self._finish_save(job))
+        if step % self.persist_every == 0:
+            self._persist(step, extra_state)
+
+    def _finish_save(self, job: SaveIntoSlot) -> None:
+        try:
+            job.finish()
+        finally:
+            job.release_guard()
+        self._exchange()
+
+    def _exchange(self) -> None:
+        """Send the own slot to its holder, receive the copy this rank holds (every rank, same order)."""
+        if not self.partners:
+            return
+        transfers = sorted(self.partners.items())
+        own = self.copies.own.buf
+        held = self.copies.peer.buf if self.copies.peer is not None else None
+        if held is not None:
+            self.copies.peer.mark_writing()
+        peers.transfer(self._tier_group(), self.rank, transfers, own, held)
+
+    def _persist(self, step: int, extra_state: dict | None, async_save: bool = True) -> None:
+        from ...state.resume import save_checkpoint
+
+        save_checkpoint(
+            self.fsdp,
+            self.durable_root,
+            optimizer=self.optimizer,
+            extra_state=extra_state,
+            step=step,
+            keep_last=self.keep_last,
+            async_save=async_save,
+        )
+        self.durable_saves.append(step)
+
+    def wait(self) -> None:
+        """Wait for the background part of the last memory save (copy, checksums, peer transfer)."""
+        err = self._bg.wait()
+        if err is not None:
+            raise MemoryTierError(f"the last memory save failed: {err}") from err
+
+    def close(self, remove: bool = True) -> None:
+        """End of the job: wait for the last save; remove this rank's memory copies (a clean end) when ``remove``."""
+        self._bg.wait()
+        from ..save import wait_pending
+
+        wait_pending(raise_error=False)
+        if remove:
+            self.copies.remove()
+        else:
+            self.copies.release()
+
+    # ------------------------------------------------------------------ restore
+    def _scan(self, layout) -> tuple[dict, dict]:
+        """This rank's report for the agreement and the open copies {"own"/"held": (slot, header, off, len)}."""
+        found: dict = {}
+        own_path = self.copies.own_path()
+        if os.path.exists(own_path):
+            try:
+                found["own"] = read_copy(own_path, dict(self._expect(), rank=self.rank), layout)
+            except (InvalidMemoryCopyError, OSError) as e:
+                logger.warning("memory tier: rank %d skips its own memory copy: %s", self.rank, e)
+        peer_path = self.copies.peer_path()
+        if self.source is not None and os.path.exists(peer_path):
+            try:
+                found["held"] = read_copy(peer_path, dict(self._expect(), rank=self.source), None, writable=True)
+            except (InvalidMemoryCopyError, OSError) as e:
+                logger.warning("memory tier: rank %d skips the peer copy it holds: %s", self.rank, e)
+        storage = committed_steps(self.durable_root) if os.path.isdir(self.durable_root) else []
+        held = found.get("held")
+        report = {
+            "own": found["own"][1]["step"] if "own" in found else None,
+            "held": [self.source, held[1]["step"]] if held else None,
+            "held_size": held[0].size if held else 0,
+            "storage": storage,
+        }
+        return report, found
+
+    def restore(self) -> RestoreResult | None:
+        """Restore the newest step every rank has (collective). None when nothing is stored anywhere (a fresh
+        start); NoCommonStepError on every rank when state exists but no step is common to all."""
+        self._bg.wait()
+        if self.optimizer is not None:
+            self.fsdp.init_optimizer_state(self.optimizer)
+        state = tensor_state(self.fsdp, self.optimizer)
+        self.copies.release()
+        self._layout = None
+        report, found = self._scan(state.layout)
+        reports = self.fsdp.comm.all_gather_object(report)
+        try:
+            decision = agreement.decide(reports)
+        except MemoryTierError:
+            self._close_found(found)
+            raise
+        if decision is None:
+            self._close_found(found)
+            return None
+        for name, (_slot, header, _o, _n) in found.items():
+            if header["step"] < decision.step:
+                logger.info("memory tier: rank %d skips its %s copy of step %d (stale: agreed step %d)",
+                            self.rank, name, header["step"], decision.step)  # fmt: skip
+        if decision.sources[0] == agreement.STORAGE:
+            self._close_found(found)
+            return self._restore_from_storage(decision)
+        return self._restore_from_memory(state, decision, found, reports)
+
+    @staticmethod
+    def _close_found(found: dict) -> None:
+        for slot, *_rest in found.values():
+            slot.close()
+
+    def _restore_from_storage(self, decision) -> RestoreResult:
+        from ...state.resume import load_checkpoint
+
+        path = os.path.join(self.durable_root, step_dir_name(decision.step))
+        result = load_checkpoint(self.fsdp, path, optimizer=self.optimizer)
+        logger.info("memory tier: every rank restored step %d from storage %s", decision.step, path)
+        return RestoreResult(dict(result), decision.step, decision.sources)
+
+    def _restore_from_memory(self, state, decision, found: dict, reports: list) -> RestoreResult:
+        """Bring peer copies over, verify and decode every copy (exchanging the verdict), then write."""
+        src_kind = decision.sources[self.rank]
+        transfers = sorted((holder, r) for r, holder in decision.holders.items())
+        err, copy, apply = None, None, None
+        try:
+            send = found["held"][0].buf if any(h == self.rank for _r, h in decision.holders.items()) else None
+            recv = None
+            if src_kind == agreement.PEER:
+                stale = found.pop("own", None)
+                if stale is not None:
+                    stale[0].close()
+                size = reports[decision.holders[self.rank]]["held_size"]
+                recv = self._receive_slot(size)
+            if transfers:
+                peers.transfer(self._tier_group(), self.rank, transfers, send, recv)
+            if src_kind == agreement.PEER:
+                self._recv_slot.close()
+                found["own"] = read_copy(self.copies.own_path(), dict(self._expect(), rank=self.rank), state.layout)
+            copy = found["own"]
+            if copy[1]["step"] != decision.step:
+                raise InvalidMemoryCopyError(f"rank {self.rank}: copy of step {copy[1]['step']}, not {decision.step}")
+            apply = decode_values(self.fsdp, self.optimizer, copy[1]["values"], f"memory copy {copy[0].path}")
+        except Exception as e:  # noqa: BLE001 - every rank must reach the exchange
+            err = e
+        try:
+            gather_errors(self.fsdp.comm, err)
+        finally:
+            if err is not None or copy is None:
+                self._close_found(found)
+        slot, header, doff, dlen = copy
+        offsets = [rec[3] for rec in header["records"]]
+        write_back(state.records, slot.data(doff, dlen), offsets)
+        apply()
+        extra = header["values"].get(EXTRA_KEY) or {}
+        self._close_found(found)
+        logger.info("memory tier: rank %d restored step %d from %s", self.rank, decision.step, src_kind)
+        persisted = False
+        if self.persist_on_restore and decision.step not in reports[0]["storage"]:
+            self._persist(decision.step, extra, async_save=False)
+            persisted = True
+        return RestoreResult(extra, decision.step, decision.sources, persisted)
+
+    def _receive_slot(self, size: int):
+        """A fresh own slot of ``size`` bytes to receive this rank's copy from its holder into."""
+        path = self.copies.own_path()
+        if os.path.exists(path):
+            os.unlink(path)
+        self._recv_slot = Slot.allocate(path, 0, size - HEADER_OFF)
+        return self._recv_slot.buf
