@@ -24,7 +24,13 @@ def _free_port() -> int:
 
 
 def launch_nodes(
-    log_dir: Path, script: str, args: list[str], roots: list[Path], per_node: int = 1, timeout: float = 180
+    log_dir: Path,
+    script: str,
+    args: list[str],
+    roots: list[Path],
+    per_node: int = 1,
+    timeout: float = 180,
+    extra_env: list[dict] | None = None,
 ) -> tuple[list[int], dict[int, dict]]:
     """Run ``script`` on len(roots) nodes of ``per_node`` ranks; returns (launcher exit codes, results by rank)."""
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -33,7 +39,8 @@ def launch_nodes(
     port, port_range = _free_port(), _pick_port_range(random.Random())
     procs = []
     for i, root in enumerate(roots):
-        env = _clean_env({"PADDLE_FSDP_MEMTIER_ROOT": str(root)}, results, port_range)
+        node_env = {"PADDLE_FSDP_MEMTIER_ROOT": str(root), **(extra_env[i] if extra_env else {})}
+        env = _clean_env(node_env, results, port_range)
         cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nnodes", str(len(roots)), "--rank", str(i)]
         cmd += ["--master", f"127.0.0.1:{port}", "--nproc_per_node", str(per_node), "--max_restart", "0"]
         cmd += ["--log_dir", str(log_dir / f"node{i}"), str(WORKERS / script), *args]

@@ -35,7 +35,15 @@ logger = logging.getLogger(__name__)
 
 ROOT_ENV = "PADDLE_FSDP_MEMTIER_ROOT"
 JOB_ENV = "PADDLE_FSDP_JOB_ID"
+QUOTA_ENV = "PADDLE_FSDP_MEMTIER_QUOTA"
 DEFAULT_ROOT = "/dev/shm/paddle-fsdp-memtier"
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ[name])
+    except ValueError:
+        raise MemoryTierError(f"{name}={os.environ[name]!r} is not an integer") from None
 
 
 class RestoreResult(dict):
@@ -67,6 +75,8 @@ class MemoryTier:
             raise MemoryTierError(f"durable_root must be a non-empty path, got {durable_root!r}")
         if type(persist_every) is not int or persist_every < 1:
             raise MemoryTierError(f"persist_every must be an int >= 1, got {persist_every!r}")
+        if quota_bytes is None and os.environ.get(QUOTA_ENV):
+            quota_bytes = _env_int(QUOTA_ENV)
         if quota_bytes is not None and (type(quota_bytes) is not int or quota_bytes < 0):
             raise MemoryTierError(f"quota_bytes must be a non-negative int or None, got {quota_bytes!r}")
         self.fsdp, self.optimizer = fsdp, optimizer
