@@ -10,5 +10,6 @@ ensure_fork_import(__name__)  # refuse the private install name; check the paddl
 
 from .fully_shard import fully_shard  # noqa: E402  # stock paddle's module, found through the overlay's search path
 from .fully_shard_fusion import FullyShardFusion  # noqa: E402
+from .topology import UnsupportedGroupLayoutError  # noqa: E402
 
-__all__ = ["fully_shard", "FullyShardFusion"]
+__all__ = ["fully_shard", "FullyShardFusion", "UnsupportedGroupLayoutError"]

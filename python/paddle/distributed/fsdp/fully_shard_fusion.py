@@ -25,6 +25,7 @@ from .hooks import LayerHooks
 from .layer_integration import install_layer_integration
 from .optimizer_integration import install_optimizer_integration
 from .param_grouping import plan_param_groups
+from .topology import resolve_layout
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,9 @@ class FullyShardFusion:
             blocks). Parameters outside units belong to the root: gathered for the root's whole forward and
             backward (list large loose layers, e.g. the embedding and lm head classes, to bound that).
         group: the process group to shard over; default: fleet's sharding group if fleet set one up
-            with ``sharding_degree > 1``, else the global group, else a single process.
+            with ``sharding_degree > 1``, else the global group, else a single process. Layouts where some
+            data-parallel ranks would not average gradients (a group smaller than the world; fleet with
+            ``mp/pp/sep_degree > 1``) raise ``UnsupportedGroupLayoutError`` (topology.py).
         no_weight_decay_fn: optional ``fn(structured_name) -> bool`` marking extra parameters exempt
             from weight decay (as ``param.no_weight_decay = True`` does).
 
@@ -58,13 +61,14 @@ class FullyShardFusion:
             raise ValueError("this model is already wrapped by a FullyShardFusion")
         if not paddle.in_dynamic_mode():
             raise RuntimeError("FullyShardFusion works in dygraph mode only")
+        self.group_layout = resolve_layout(group)  # refuses layouts FSDP would train wrong, before any change
         install_optimizer_integration()
         install_layer_integration()
         self.model = model
         self.backward_end_armed = False
         self.rearm_backward_end = False  # a nested backward ended while the enclosing one runs on
         self.summoned = False  # inside summon_full_params: every buffer stays gathered
-        self.comm = ShardingComm(group)
+        self.comm = ShardingComm(self.group_layout.shard_group)
         groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn)
         self.buffers: list[FusedBuffer] = []
         self.param_keys: dict[int, str] = {}  # id(param) -> structured key
