@@ -103,10 +103,9 @@ class MemoryTier:
     def _tier_group(self):
         """The tier's own process group: peer transfers run on a background thread, never on the training's."""
         if self._group is None and self.world > 1 and self.partners:
-            import paddle.distributed as dist
+            from ...topology import new_group  # with the barrier gloo needs after it
 
-            self._group = dist.new_group(list(range(self.world)))
-            dist.barrier()  # gloo: a barrier after new_group (see HELPERS facts)
+            self._group = new_group(list(range(self.world)))
         return self._group
 
     def _expect(self) -> dict:
