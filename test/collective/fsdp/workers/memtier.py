@@ -39,14 +39,18 @@ from training import records, train
 BATCH, PERSIST_EVERY = 8, 4
 
 
-def build(workdir: str, seed: int, rank: int):
+def build(workdir: str, seed: int, rank: int, restore_now: bool = False):
     model = make_model(seed + 100 * rank, dropout=0.1)
     paddle.seed(seed + rank)
     fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"])
     opt = paddle.optimizer.AdamW(
         paddle.optimizer.lr.StepDecay(0.02, step_size=2, gamma=0.5), weight_decay=0.1, parameters=model.parameters()
     )
-    tier = MemoryTier(fsdp, opt, durable_root=os.path.join(workdir, "durable"), persist_every=PERSIST_EVERY)
+    durable = os.path.join(workdir, "durable")
+    if restore_now:  # the README's form: built and restored in one call
+        tier = fsdp.memory_tier(opt, durable_root=durable, persist_every=PERSIST_EVERY)
+    else:
+        tier = MemoryTier(fsdp, opt, durable_root=durable, persist_every=PERSIST_EVERY)
     return model, fsdp, opt, tier
 
 
@@ -72,9 +76,8 @@ def train_to_end(model, fsdp, opt, tier, start, total, rank, world, crash_at=Non
 
 
 def run(args, rank, world) -> dict:
-    model, fsdp, opt, tier = build(args.workdir, 11, rank)
-    restored = tier.restore()
-    start = restored.step if restored is not None else 0
+    model, fsdp, opt, tier = build(args.workdir, 11, rank, restore_now=True)
+    start = tier.start_step
     final, rng_draw, lr = train_to_end(
         model, fsdp, opt, tier, start, args.total, rank, world, args.crash_at, args.keep_at, args.workdir
     )

@@ -2,11 +2,13 @@
 
 Modules: ``slot.py`` (one fully allocated, mapped copy file), ``copies.py`` (a rank's two copies, writing a save),
 ``state.py`` (what a copy holds for a FullyShardFusion model), ``peers.py`` (partner map, transfers),
-``agreement.py`` (the restart rule), ``errors.py``; ``manager.py`` ties them together.
+``agreement.py`` (the restart rule), ``restore.py`` (a restart, collective), ``errors.py``; ``manager.py``
+(MemoryTier) ties them together.
 """
 
 from .errors import InvalidMemoryCopyError, MemoryTierError, MemoryTierFullError, NoCommonStepError
-from .manager import MemoryTier, RestoreResult
+from .manager import MemoryTier
+from .restore import RestoreResult
 
 __all__ = [
     "MemoryTier",

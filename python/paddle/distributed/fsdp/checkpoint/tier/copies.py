@@ -150,10 +150,11 @@ class SaveIntoSlot:
 
 
 def read_copy(
-    path: str, expect: dict, layout: list[list] | None, writable: bool = False
+    path: str, expect: dict, layout: list[list] | None, writable: bool = False, verify: bool = True
 ) -> tuple[Slot, dict, int, int]:
-    """Open, validate and checksum the copy at ``path``: InvalidMemoryCopyError (with the reason) unless it is of
-    job/world/rank ``expect`` and (when given) matches ``layout``. Returns (slot, header, data_off, data_len)."""
+    """Open, validate and (``verify``) checksum the copy at ``path``: InvalidMemoryCopyError (with the reason)
+    unless it is of job/world/rank ``expect`` and (when given) matches ``layout``. Returns (slot, header,
+    data_off, data_len); the caller closes the slot."""
     slot = Slot.open(path, writable)
     try:
         header, doff, dlen = slot.header()
@@ -164,7 +165,8 @@ def read_copy(
             have = [[k, d, s, n] for k, d, s, _off, n, _sums in header["records"]]
             if have != layout:
                 raise InvalidMemoryCopyError(f"memory copy {path}: its records differ from this model's state")
-        slot.verify(header, doff, dlen)
+        if verify:
+            slot.verify(header, doff, dlen)
     except BaseException:
         slot.close()
         raise

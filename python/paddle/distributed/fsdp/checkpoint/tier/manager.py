@@ -2,9 +2,9 @@
 
 A training script needs three lines (see README "Memory tier")::
 
-    tier = MemoryTier(fsdp, opt, durable_root="ckpt", persist_every=10)
-    start = tier.restore().step or 0           # newest step every rank has: own memory, peer copy or storage
-    tier.save(step, extra_state={...})          # in the loop; tier.close() at a clean end removes the copies
+    tier = fsdp.memory_tier(opt, durable_root="ckpt", persist_every=10)   # restores: tier.start_step
+    for step in range(tier.start_step, total_steps):
+        tier.save(step + 1, extra_state={...})   # after optimizer.step(); tier.close() at a clean end
 
 ``save`` blocks like an async save: tensors the optimizer step changes are copied into the rank's shared-memory
 slot after it returned (the next ``optimizer.step()`` waits for that copy: snapshot_guard.py); the checksums and
@@ -22,14 +22,11 @@ import hashlib
 import logging
 import os
 
-from ..coordination import gather_errors
-from ..format.reserved import EXTRA_KEY
-from ..manager import committed_steps, step_dir_name
-from . import agreement, peers
-from .copies import Background, Copies, SaveIntoSlot, header_capacity, offsets_of, read_copy
-from .errors import InvalidMemoryCopyError, MemoryTierError, MemoryTierFullError
-from .slot import HEADER_OFF, Slot
-from .state import capture_values, decode_values, tensor_state, write_back
+from . import peers
+from .copies import Background, Copies, SaveIntoSlot, header_capacity, offsets_of
+from .errors import MemoryTierError, MemoryTierFullError
+from .restore import Restore, RestoreResult
+from .state import capture_values, tensor_state
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +41,6 @@ def _env_int(name: str) -> int:
         return int(os.environ[name])
     except ValueError:
         raise MemoryTierError(f"{name}={os.environ[name]!r} is not an integer") from None
-
-
-class RestoreResult(dict):
-    """The restored ``extra_state`` (this dict), with ``step`` and ``sources`` (per rank: memory, peer,
-    storage) and ``persisted`` (the step was written to storage after the restore)."""
-
-    def __init__(self, extra: dict, step: int, sources: list[str], persisted: bool = False):
-        super().__init__(extra)
-        self.step, self.sources, self.persisted = step, sources, persisted
 
 
 class MemoryTier:
@@ -95,12 +83,14 @@ class MemoryTier:
         self._group = None
         self._layout: list | None = None
         self._bg = Background()
-        self._recv_slot: Slot | None = None
+        self._unmap_later: list = []
         self.disabled_reason: MemoryTierError | None = None
         self.durable_saves: list[int] = []
+        self.restored: RestoreResult | None = None  # what the last restore() returned
+        self.start_step = 0  # its step (0: nothing was stored, a fresh start)
 
     # ------------------------------------------------------------------ plumbing
-    def _tier_group(self):
+    def tier_group(self):
         """The tier's own process group: peer transfers run on a background thread, never on the training's."""
         if self._group is None and self.world > 1 and self.partners:
             from ...topology import new_group  # with the barrier gloo needs after it
@@ -108,13 +98,14 @@ class MemoryTier:
             self._group = new_group(list(range(self.world)))
         return self._group
 
-    def _expect(self) -> dict:
+    def expect(self) -> dict:
         return {"job": self.job_id, "world": self.world}
 
     def _setup(self, state, values_len: int) -> None:
         """Allocate the two slots on every rank for this layout; disable the tier on every rank when any rank
         lacks the space (collective)."""
         self._bg.wait()
+        self._unmap()
         cap = header_capacity(values_len, len(state.layout))
         _offsets, data_len = offsets_of(state.layout)
         sizes = [tuple(s) for s in self.fsdp.comm.all_gather_object((cap, data_len))]
@@ -130,7 +121,7 @@ class MemoryTier:
             self.disabled_reason = MemoryTierFullError(f"memory tier disabled (rank {r}): {msg}")
             logger.error("%s; saves go to durable storage %s instead", self.disabled_reason, self.durable_root)
             return
-        self._tier_group()
+        self.tier_group()
         self._layout = state.layout
 
     # ------------------------------------------------------------------ save
@@ -148,13 +139,13 @@ class MemoryTier:
         if self.disabled_reason is None and state.layout != self._layout:
             self._setup(state, len(json.dumps(values)))
         if self.disabled_reason is not None:
-            self._persist(step, extra_state)
+            self.persist(step, extra_state)
             return
-        header = dict(self._expect(), rank=self.rank, step=step, values=values)
+        header = dict(self.expect(), rank=self.rank, step=step, values=values)
         job = SaveIntoSlot(self.copies.own, state, header, self.checksum)
         self._bg.start(lambda: self._finish_save(job))
         if step % self.persist_every == 0:
-            self._persist(step, extra_state)
+            self.persist(step, extra_state)
 
     def _finish_save(self, job: SaveIntoSlot) -> None:
         try:
@@ -172,9 +163,9 @@ class MemoryTier:
         held = self.copies.peer.buf if self.copies.peer is not None else None
         if held is not None:
             self.copies.peer.mark_writing()
-        peers.transfer(self._tier_group(), self.rank, transfers, own, held)
+        peers.transfer(self.tier_group(), self.rank, transfers, own, held)
 
-    def _persist(self, step: int, extra_state: dict | None, async_save: bool = True) -> None:
+    def persist(self, step: int, extra_state: dict | None, async_save: bool = True) -> None:
         from ...state.resume import save_checkpoint
 
         save_checkpoint(
@@ -197,6 +188,7 @@ class MemoryTier:
     def close(self, remove: bool = True) -> None:
         """End of the job: wait for the last save; remove this rank's memory copies (a clean end) when ``remove``."""
         self._bg.wait()
+        self._unmap()
         from ..save import wait_pending
 
         wait_pending(raise_error=False)
@@ -206,119 +198,23 @@ class MemoryTier:
             self.copies.release()
 
     # ------------------------------------------------------------------ restore
-    def _scan(self, layout) -> tuple[dict, dict]:
-        """This rank's report for the agreement and the open copies {"own"/"held": (slot, header, off, len)}."""
-        found: dict = {}
-        own_path = self.copies.own_path()
-        if os.path.exists(own_path):
-            try:
-                found["own"] = read_copy(own_path, dict(self._expect(), rank=self.rank), layout)
-            except (InvalidMemoryCopyError, OSError) as e:
-                logger.warning("memory tier: rank %d skips its own memory copy: %s", self.rank, e)
-        peer_path = self.copies.peer_path()
-        if self.source is not None and os.path.exists(peer_path):
-            try:
-                found["held"] = read_copy(peer_path, dict(self._expect(), rank=self.source), None, writable=True)
-            except (InvalidMemoryCopyError, OSError) as e:
-                logger.warning("memory tier: rank %d skips the peer copy it holds: %s", self.rank, e)
-        storage = committed_steps(self.durable_root) if os.path.isdir(self.durable_root) else []
-        held = found.get("held")
-        report = {
-            "own": found["own"][1]["step"] if "own" in found else None,
-            "held": [self.source, held[1]["step"]] if held else None,
-            "held_size": held[0].size if held else 0,
-            "storage": storage,
-        }
-        return report, found
-
     def restore(self) -> RestoreResult | None:
-        """Restore the newest step every rank has (collective). None when nothing is stored anywhere (a fresh
-        start); NoCommonStepError on every rank when state exists but no step is common to all."""
+        """Restore the newest step every rank has (collective; restore.py). None when nothing is stored anywhere
+        (a fresh start); NoCommonStepError on every rank when state exists but no step is common to all. Also sets
+        ``restored`` and ``start_step``."""
         self._bg.wait()
         if self.optimizer is not None:
             self.fsdp.init_optimizer_state(self.optimizer)
-        state = tensor_state(self.fsdp, self.optimizer)
         self.copies.release()
         self._layout = None
-        report, found = self._scan(state.layout)
-        reports = self.fsdp.comm.all_gather_object(report)
-        try:
-            decision = agreement.decide(reports)
-        except MemoryTierError:
-            self._close_found(found)
-            raise
-        if decision is None:
-            self._close_found(found)
-            return None
-        for name, (_slot, header, _o, _n) in found.items():
-            if header["step"] < decision.step:
-                logger.info("memory tier: rank %d skips its %s copy of step %d (stale: agreed step %d)",
-                            self.rank, name, header["step"], decision.step)  # fmt: skip
-        if decision.sources[0] == agreement.STORAGE:
-            self._close_found(found)
-            return self._restore_from_storage(decision)
-        return self._restore_from_memory(state, decision, found, reports)
+        self.restored = Restore(self).run()
+        self.start_step = self.restored.step if self.restored is not None else 0
+        return self.restored
 
-    @staticmethod
-    def _close_found(found: dict) -> None:
-        for slot, *_rest in found.values():
+    def unmap_later(self, found: list) -> None:
+        self._unmap_later.extend(found)
+
+    def _unmap(self) -> None:
+        for slot, *_rest in self._unmap_later:
             slot.close()
-
-    def _restore_from_storage(self, decision) -> RestoreResult:
-        from ...state.resume import load_checkpoint
-
-        path = os.path.join(self.durable_root, step_dir_name(decision.step))
-        result = load_checkpoint(self.fsdp, path, optimizer=self.optimizer)
-        logger.info("memory tier: every rank restored step %d from storage %s", decision.step, path)
-        return RestoreResult(dict(result), decision.step, decision.sources)
-
-    def _restore_from_memory(self, state, decision, found: dict, reports: list) -> RestoreResult:
-        """Bring peer copies over, verify and decode every copy (exchanging the verdict), then write."""
-        src_kind = decision.sources[self.rank]
-        transfers = sorted((holder, r) for r, holder in decision.holders.items())
-        err, copy, apply = None, None, None
-        try:
-            send = found["held"][0].buf if any(h == self.rank for _r, h in decision.holders.items()) else None
-            recv = None
-            if src_kind == agreement.PEER:
-                stale = found.pop("own", None)
-                if stale is not None:
-                    stale[0].close()
-                size = reports[decision.holders[self.rank]]["held_size"]
-                recv = self._receive_slot(size)
-            if transfers:
-                peers.transfer(self._tier_group(), self.rank, transfers, send, recv)
-            if src_kind == agreement.PEER:
-                self._recv_slot.close()
-                found["own"] = read_copy(self.copies.own_path(), dict(self._expect(), rank=self.rank), state.layout)
-            copy = found["own"]
-            if copy[1]["step"] != decision.step:
-                raise InvalidMemoryCopyError(f"rank {self.rank}: copy of step {copy[1]['step']}, not {decision.step}")
-            apply = decode_values(self.fsdp, self.optimizer, copy[1]["values"], f"memory copy {copy[0].path}")
-        except Exception as e:  # noqa: BLE001 - every rank must reach the exchange
-            err = e
-        try:
-            gather_errors(self.fsdp.comm, err)
-        finally:
-            if err is not None or copy is None:
-                self._close_found(found)
-        slot, header, doff, dlen = copy
-        offsets = [rec[3] for rec in header["records"]]
-        write_back(state.records, slot.data(doff, dlen), offsets)
-        apply()
-        extra = header["values"].get(EXTRA_KEY) or {}
-        self._close_found(found)
-        logger.info("memory tier: rank %d restored step %d from %s", self.rank, decision.step, src_kind)
-        persisted = False
-        if self.persist_on_restore and decision.step not in reports[0]["storage"]:
-            self._persist(decision.step, extra, async_save=False)
-            persisted = True
-        return RestoreResult(extra, decision.step, decision.sources, persisted)
-
-    def _receive_slot(self, size: int):
-        """A fresh own slot of ``size`` bytes to receive this rank's copy from its holder into."""
-        path = self.copies.own_path()
-        if os.path.exists(path):
-            os.unlink(path)
-        self._recv_slot = Slot.allocate(path, 0, size - HEADER_OFF)
-        return self._recv_slot.buf
+        self._unmap_later = []
