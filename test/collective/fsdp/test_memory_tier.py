@@ -192,6 +192,7 @@ def test_partner_maps():
 
 
 TOTAL, CRASH, KEEP = 8, 6, 5
+MODELS = ("tiny", "qwen3")
 
 
 def _check(launched, log_dir):
@@ -202,9 +203,10 @@ def _check(launched, log_dir):
 
 
 def test_two_nodes_kill9_peer_storage_agreement(tmp_path):
+    """TinyLM (dropout, AdamW + StepDecay) and PaddleFormers Qwen3 (AdamW, warmup + cosine, clipping) side by side."""
     roots = [Path(f"/dev/shm/fsdp-memtier-test-{os.getpid()}-node{i}") for i in range(2)]
     small = tmp_path / "small-shm"
-    mounted = _mount_tmpfs(small, "256k")
+    mounted = _mount_tmpfs(small, "128k")
     try:
         # 1. the uninterrupted run; node 1's memory root is too small: every rank falls back to storage
         extra = [{}, {} if mounted else {"PADDLE_FSDP_MEMTIER_QUOTA": "65536"}]
@@ -215,8 +217,10 @@ def test_two_nodes_kill9_peer_storage_agreement(tmp_path):
             tmp_path / "log-ref",
         )  # fmt: skip
         for r in (0, 1):
-            assert ref[r]["disabled"] == "MemoryTierFullError" and ref[r]["durable"] == list(range(1, TOTAL + 1))
-        # 2. the run killed with SIGKILL on every rank after the save of step CRASH (storage has step 4)
+            for m in MODELS:
+                assert ref[r][m]["disabled"] == "MemoryTierFullError", (m, ref[r][m])
+                assert ref[r][m]["durable"] == list(range(1, TOTAL + 1)), (m, ref[r][m])
+        # 2. the run killed with SIGKILL on every rank after the saves of step CRASH (storage has step 4)
         codes, _ = launch_nodes(
             tmp_path / "log-crash", "memtier.py", ["run", str(tmp_path), str(TOTAL), "--crash-at", str(CRASH),
                                                    "--keep-at", str(KEEP)], roots,
@@ -224,8 +228,9 @@ def test_two_nodes_kill9_peer_storage_agreement(tmp_path):
         assert all(c != 0 for c in codes), f"the crash run did not crash: {codes}\n{tails(tmp_path / 'log-crash')}"
         for i, root in enumerate(roots):
             shutil.copytree(root, tmp_path / "bak" / f"node{i}")
-        shutil.copytree(tmp_path / "durable", tmp_path / "bak" / "durable")
-        # 3. the restores, in one launch (each scenario builds the model from another seed)
+        for m in MODELS:
+            shutil.copytree(tmp_path / m / "durable", tmp_path / "bak" / m / "durable")
+        # 3. the restores, in one launch (each scenario builds the models from another seed)
         scenarios = "memory,node1,both,agree,corrupt"
         got = _check(
             launch_nodes(tmp_path / "log-restore", "memtier.py", ["restore", str(tmp_path), str(TOTAL), scenarios],
@@ -241,15 +246,18 @@ def test_two_nodes_kill9_peer_storage_agreement(tmp_path):
         }
         for r in (0, 1):
             for name, (step, sources, persisted) in expect.items():
-                res = got[r][name]
-                assert "error" not in res, f"rank {r} {name}:\n{res.get('error')}"
-                assert (res["step"], res["sources"], res["persisted"]) == (step, sources, persisted), (name, res)
-                assert res["extra"] == {"data_position": step * 8}, (name, res)
-                assert res["differ"] == [], f"rank {r} {name}: records differ from the uninterrupted run"
-                assert (res["rng"], res["lr"]) == (ref[r]["rng"], ref[r]["lr"]), (name, res, ref[r])
-                assert res["files_left"] == [], (name, res)  # a clean end removes the copies
+                assert "error" not in got[r].get(name, {}), f"rank {r} {name}:\n{got[r][name]['error']}"
+                for m in MODELS:
+                    res = got[r][f"{name}/{m}"]
+                    assert (res["step"], res["sources"], res["persisted"]) == (step, sources, persisted), (name, m, res)
+                    assert res["extra"] == {"data_position": step * 8}, (name, m, res)
+                    assert res["differ"] == [], f"rank {r} {name} {m}: records differ from the uninterrupted run"
+                    assert (res["rng"], res["lr"]) == (ref[r][m]["rng"], ref[r][m]["lr"]), (name, m, res, ref[r][m])
+                    assert res["files_left"] == [], (name, m, res)  # a clean end removes the copies
+                    assert res["same_slots"], (name, m, res)  # saves reuse their two slot files, no allocation
         # the step restored from memory was persisted as a committed checkpoint (last scenario: corrupt)
-        assert verify_checkpoint(str(tmp_path / "durable" / "step_00000006")) == []
+        for m in MODELS:
+            assert verify_checkpoint(str(tmp_path / m / "durable" / "step_00000006")) == []
     finally:
         for root in roots:
             shutil.rmtree(root, ignore_errors=True)

@@ -54,6 +54,8 @@ def free_bytes(root: str) -> int:
 class Slot:
     """A mapped slot file. ``data`` is the writable uint8 view of the data region."""
 
+    allocations = 0  # slot files allocated by this process (tests check that saves reuse their slots)
+
     def __init__(self, path: str, fd: int, size: int, writable: bool):
         self.path = path
         self.size = size
@@ -94,6 +96,7 @@ class Slot:
                 raise MemoryTierFullError(f"memory copy {path}: cannot reserve {size} bytes: {e}") from None
             raise
         slot = cls(path, fd, size, writable=True)
+        Slot.allocations += 1
         slot.data_off = size - data_len
         slot.mark_writing()
         return slot
