@@ -19,6 +19,7 @@ from memory that storage lacks is persisted there before training resumes (persi
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 
@@ -86,6 +87,7 @@ class MemoryTier:
         self._unmap_later: list = []
         self.disabled_reason: MemoryTierError | None = None
         self.durable_saves: list[int] = []
+        self._persist_handle = None
         self.restored: RestoreResult | None = None  # what the last restore() returned
         self.start_step = 0  # its step (0: nothing was stored, a fresh start)
 
@@ -132,12 +134,11 @@ class MemoryTier:
         err = self._bg.wait()
         if err is not None:
             logger.warning("memory tier: the previous memory save (background) failed: %s", err)
-        import json
-
+        self._release_persist_buffers()
         state = tensor_state(self.fsdp, self.optimizer)
         values = capture_values(self.fsdp, self.optimizer, extra_state)
         if self.disabled_reason is None and state.layout != self._layout:
-            self._setup(state, len(json.dumps(values)))
+            self._setup(state, len(json.dumps(values)))  # collective, on every rank alike
         if self.disabled_reason is not None:
             self.persist(step, extra_state)
             return
@@ -168,7 +169,7 @@ class MemoryTier:
     def persist(self, step: int, extra_state: dict | None, async_save: bool = True) -> None:
         from ...state.resume import save_checkpoint
 
-        save_checkpoint(
+        self._persist_handle = save_checkpoint(
             self.fsdp,
             self.durable_root,
             optimizer=self.optimizer,
@@ -178,6 +179,16 @@ class MemoryTier:
             async_save=async_save,
         )
         self.durable_saves.append(step)
+
+    def _release_persist_buffers(self) -> None:
+        """Once a persist has finished, free the engine's async-save snapshot buffer (1x the state, resident
+        otherwise): between persists the tier's host memory stays at its two copies."""
+        handle = self._persist_handle
+        if handle is not None and handle.done() and self.disabled_reason is None:
+            from ..save import release_host_buffers
+
+            release_host_buffers()
+            self._persist_handle = None
 
     def wait(self) -> None:
         """Wait for the background part of the last memory save (copy, checksums, peer transfer)."""
