@@ -399,13 +399,16 @@ def test_injected_io_error_at_each_stage_is_a_named_save_failure(tmp_path, monke
 
 @pytest.mark.parametrize("detail_written", [True, False])
 def test_failure_markers_name_rank_errno_and_strerror_with_or_without_their_detail(tmp_path, detail_written):
-    """What a waiting rank reads from another rank's failure markers. The detail file is written before the marker
+    """What a failed save's records say (markers.py; read by loads and verify of the staging, and by the cleanup
+    of failed stagings; the ranks themselves learn of failures through the channel). The detail file is written
+    before the marker
     named by the cause, so a rank that sees a marker sees the full cause; on a full disk only the named (empty)
     marker exists, and it still says the errno and its strerror (once the coordinator's ``ABORT.EIO`` alone read
     as a bare "EIO", which failed an assertion on one rank only and crashed a 2-rank job under load)."""
     import importlib
 
-    save_mod = importlib.import_module("paddle.distributed.fsdp.checkpoint.save")
+    markers = importlib.import_module("paddle.distributed.fsdp.checkpoint.markers")
+    local = importlib.import_module("paddle.distributed.fsdp.checkpoint.io.local").LOCAL
     parts = tmp_path / ".parts"
     parts.mkdir()
     (parts / "1.failed.ENOSPC").touch()
@@ -413,7 +416,7 @@ def test_failure_markers_name_rank_errno_and_strerror_with_or_without_their_deta
     if detail_written:
         (parts / "1.failed.json").write_text(json.dumps({"error": "OSError: [Errno 28] No space left on device [x]"}))
         (parts / "ABORT").write_text("OSError: [Errno 5] Input/output error [x]")
-    failed, aborted = save_mod.failures(str(tmp_path)), save_mod.aborted(str(tmp_path))
+    failed, aborted = markers.failures(local, str(tmp_path)), markers.aborted(local, str(tmp_path))
     assert list(failed) == [1]
     for text, code in ((failed[1], "ENOSPC"), (aborted, "EIO")):
         assert os.strerror(getattr(__import__("errno"), code)) in text, text

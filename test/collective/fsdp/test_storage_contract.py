@@ -69,7 +69,7 @@ def test_staging_invisible_until_publish_then_replaces(backend):
     final = storage.child(root, "ckpt")
     first = storage.begin(final, "one")
     storage.put(first, "COMMIT", b"1")
-    storage.put(first, "a", b"old")
+    storage.put(first, "metadata.json", b"old")
     assert storage.list(final) == [] and not storage.exists(final)
     storage.publish(first, final)
     assert storage.get(final, "COMMIT") == b"1" and not storage.exists(first)
@@ -77,7 +77,8 @@ def test_staging_invisible_until_publish_then_replaces(backend):
     storage.put(second, "COMMIT", b"2")
     assert storage.get(final, "COMMIT") == b"1"  # still the old checkpoint
     storage.publish(second, final)
-    assert storage.list(final) == ["COMMIT"] and storage.get(final, "COMMIT") == b"2"  # "a" went with the old one
+    # the old checkpoint's objects went with it
+    assert storage.list(final) == ["COMMIT"] and storage.get(final, "COMMIT") == b"2"
 
 
 def test_small_objects_names_listing_and_removal(backend):

@@ -80,6 +80,10 @@ class SaveFailedError(CheckpointError):
     """A save did not commit (a rank failed, or the commit timed out)."""
 
 
+class DirectoryMismatchError(SaveFailedError):
+    """The ranks of one save were given different checkpoint names (a node-local ``path`` is fine)."""
+
+
 class PartiallyLoadedError(CheckpointError):
     """A load failed after it had begun writing the targets (e.g. a corrupt chunk found mid-read by a
     memory-bounded load): the tensors of the ranks that read data hold a mix of old and loaded bytes and must not
@@ -108,6 +112,7 @@ ERROR_CLASSES = {
         RngStateMismatchError,
         InvalidStateDictError,
         SaveFailedError,
+        DirectoryMismatchError,
         PartiallyLoadedError,
     )
 }

@@ -70,6 +70,7 @@ from typing import Any
 import numpy as np
 
 from . import checksums, host_memory, reader
+from .background import wait_pending
 from .coordination import Comm, aligned, gather_errors
 from .errors import (
     CheckpointError,
@@ -91,7 +92,6 @@ from .options import CheckpointOptions, resolve
 from .planner import Region, region_of_piece
 from .records import to_record
 from .removal import removed_or
-from .save import wait_pending
 from .tracing import Tracer
 
 # ------------------------------------------------------------------------------------------------ reading

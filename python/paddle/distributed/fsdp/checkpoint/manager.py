@@ -37,11 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
-import threading
-import uuid
 
-from . import writer
 from .coordination import Comm, gather_errors
 from .errors import (
     CheckpointError,
@@ -51,15 +47,16 @@ from .errors import (
     SaveFailedError,
 )
 from .format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, check_file_name
+from .io.local import TRASH_PREFIX
+from .io.storage import Storage, backend_for
 from .load import LoadReport, load_state_dict
-from .save import SaveHandle, save_state_dict
+from .save import SaveHandle, save_and_publish
 
 logger = logging.getLogger(__name__)
 
 STEP_PREFIX = "step_"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _STAGING_RE = re.compile(r"^step_\d+\.tmp-[0-9a-f]+$")
-TRASH_PREFIX = ".trash-"
 
 __all__ = [
     "CheckpointManager",
@@ -83,20 +80,17 @@ def parse_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _committed(path: str) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, COMMIT_FILE))
+def _committed(path: str, storage: Storage | None = None) -> bool:
+    return COMMIT_FILE in (storage or backend_for(path)).list(path)
 
 
-def read_latest(root: str) -> str | None:
+def read_latest(root: str, storage: Storage | None = None) -> str | None:
     """The name in ``root/latest`` when it is a plain directory name, else None (missing, empty, unsafe)."""
-    from .format.strict_json import open_regular
-
     try:
-        fd = open_regular(os.path.join(root, LATEST_FILE))  # never blocks on a FIFO in its place
-        try:
-            name = os.read(fd, 4096).decode().strip()
-        finally:
-            os.close(fd)
+        raw = (storage or backend_for(root)).get(root, LATEST_FILE, 1 << 16)
+        if raw is None:
+            return None
+        name = raw[:4096].decode().strip()
     except (OSError, UnicodeDecodeError):
         return None
     except CheckpointError as e:  # not a regular file
@@ -109,14 +103,15 @@ def read_latest(root: str) -> str | None:
         return None
 
 
-def committed_steps(root: str) -> list[int]:
+def committed_steps(root: str, storage: Storage | None = None) -> list[int]:
     """Steps of the committed ``step_*`` checkpoints in ``root``, ascending."""
+    storage = storage or backend_for(root)
     try:
-        names = os.listdir(root)
+        names = storage.children(root)
     except OSError:
         return []
     steps = [parse_step(n) for n in names]
-    return sorted(s for s, n in zip(steps, names) if s is not None and _committed(os.path.join(root, n)))
+    return sorted(s for s, n in zip(steps, names) if s is not None and _committed(storage.child(root, n), storage))
 
 
 def latest_checkpoint(root: str) -> str | None:
@@ -180,62 +175,56 @@ def resolve_checkpoint_collective(path: str, comm) -> str:
     return resolved
 
 
-def prune(root: str, keep_last: int, protect: tuple[str, ...] = ()) -> list[str]:
+def prune(root: str, keep_last: int, protect: tuple[str, ...] = (), storage: Storage | None = None) -> list[str]:
     """Remove committed checkpoints outside the ``keep_last`` highest steps (never ``protect`` or ``latest``'s
     target) and staging leftovers of crashed saves. Returns the removed names. Best effort: never raises."""
-    root = os.path.abspath(root)
+    storage = storage or backend_for(root)
     keep = set(protect)
-    latest = read_latest(root)
+    latest = read_latest(root, storage)
     if latest is not None:
         keep.add(latest)
-    steps = committed_steps(root)
+    steps = committed_steps(root, storage)
     keep.update(step_dir_name(s) for s in steps[-keep_last:])
     victims = [step_dir_name(s) for s in steps if step_dir_name(s) not in keep]
     try:
-        victims += sorted(n for n in os.listdir(root) if _STAGING_RE.match(n))
+        children = storage.children(root)
     except OSError:
-        pass
+        children = []
+    victims += sorted(n for n in children if _STAGING_RE.match(n))
     removed = []
     for name in victims:
-        try:
-            # the rename is atomic: the checkpoint disappears whole, never half-deleted under its own name
-            os.rename(os.path.join(root, name), os.path.join(root, f"{TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}"))
+        try:  # Storage.remove is atomic: the checkpoint disappears whole, never half-deleted under its own name
+            storage.remove(storage.child(root, name))
             removed.append(name)
         except OSError as e:
             logger.warning("keep_last: could not remove %s/%s: %s", root, name, e)
-    try:
-        trash = [os.path.join(root, n) for n in os.listdir(root) if n.startswith(TRASH_PREFIX)]
-        if trash:
-            writer.fsync_dir(root)
-            threading.Thread(target=_rmtree_all, args=(trash,), name="ckpt-prune", daemon=False).start()
-    except OSError as e:
-        logger.warning("keep_last: could not clean %s: %s", root, e)
+    for name in children:  # left by a process that died while deleting
+        if name.startswith(TRASH_PREFIX):
+            try:
+                storage.remove(storage.child(root, name))
+            except OSError as e:
+                logger.warning("keep_last: could not clean %s/%s: %s", root, name, e)
     if removed:
         logger.info("keep_last=%d: removed %s from %s", keep_last, removed, root)
     return removed
 
 
-def _rmtree_all(paths: list[str]) -> None:
-    for p in paths:
-        shutil.rmtree(p, ignore_errors=True)
-
-
 class _LatestPublisher:
     """The engine's post-commit hook for one CheckpointManager save (protocol: save.Publisher)."""
 
-    def __init__(self, root: str, name: str, keep_last: int | None) -> None:
-        self.root, self.name, self.keep_last = root, name, keep_last
+    def __init__(self, root: str, name: str, keep_last: int | None, storage: Storage) -> None:
+        self.root, self.name, self.keep_last, self.storage = root, name, keep_last, storage
 
     def publish(self) -> None:
-        writer.write_file_durable(os.path.join(self.root, LATEST_FILE), f"{self.name}\n".encode())
+        self.storage.put(self.root, LATEST_FILE, f"{self.name}\n".encode())
 
     def is_published(self) -> bool:
-        return read_latest(self.root) == self.name
+        return read_latest(self.root, self.storage) == self.name
 
     def cleanup(self) -> None:
         if self.keep_last is not None:
             try:
-                prune(self.root, self.keep_last, protect=(self.name,))
+                prune(self.root, self.keep_last, protect=(self.name,), storage=self.storage)
             except Exception as e:  # noqa: BLE001 - a failed cleanup must not fail a committed save
                 logger.warning("keep_last: cleaning %s failed: %s", self.root, e)
 
@@ -273,12 +262,14 @@ class CheckpointManager:
             os.makedirs(self.root, exist_ok=True)
         except OSError as e:  # read-only file system, permissions: a named error, like any failed save
             raise SaveFailedError(f"save to {self.root}: cannot create the checkpoint root: {e}") from e
-        return save_state_dict(
+        options = save_kwargs.get("options")
+        storage = backend_for(self.root, getattr(options, "storage", None))
+        return save_and_publish(
             state_dict,
-            os.path.join(self.root, name),
+            storage.child(self.root, name),
+            _LatestPublisher(self.root, name, self.keep_last, storage),
             process_group=self.process_group,
             coordinator_rank=self.coordinator_rank,
-            _publisher=_LatestPublisher(self.root, name, self.keep_last),
             **save_kwargs,
         )
 

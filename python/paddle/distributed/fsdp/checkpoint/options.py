@@ -15,7 +15,8 @@
 * ``trace``: ``PADDLE_FSDP_CKPT_TRACE`` (``1``: on); default False
 * ``max_metadata_bytes``: ``PADDLE_FSDP_CKPT_MAX_METADATA_BYTES``; default 512 MiB
 * ``max_open_files``: ``PADDLE_FSDP_CKPT_MAX_OPEN_FILES``; default 64
-* ``trace_hook``, ``host_fast_path``: no variable; default None, True
+* ``heartbeat_lease``: ``PADDLE_FSDP_CKPT_HEARTBEAT_LEASE``; default 5 s
+* ``trace_hook``, ``host_fast_path``, ``storage``: no variable; default None, True, None
 
 Only the test-only crash hook ``PADDLE_FSDP_CKPT_FAULT`` (faults.py) stays an environment variable: it must
 reach child processes started by a launcher, and it is not an option anyone should set in production.
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from . import checksums, reader
 from .errors import CheckpointError
 from .format import strict_json
+from .io.storage import Storage
 from .tracing import TraceHook
 
 ENV_PREFIX = "PADDLE_FSDP_CKPT_"
@@ -64,6 +66,10 @@ class CheckpointOptions:
             parsing costs about ten times its size in memory. A real 30B-MoE index measured 246 MB.
         max_open_files: descriptors a reader keeps open at once (least recently used ones are closed), so any
             number of data files reads under a low RLIMIT_NOFILE.
+        heartbeat_lease: seconds without a heartbeat (channel.py, through the TCP store) after which the other
+            ranks of a save consider a rank dead and raise SaveFailedError naming it.
+        storage: the storage backend (io/storage.py) that holds the checkpoint; None picks it from the path
+            (a registered ``scheme://``, else the local POSIX backend with ``odirect`` writes).
     """
 
     checksum: str | None = None
@@ -78,6 +84,8 @@ class CheckpointOptions:
     host_fast_path: bool = True
     max_metadata_bytes: int = strict_json.DEFAULT_MAX_METADATA_BYTES
     max_open_files: int = reader.MAX_OPEN_FILES
+    heartbeat_lease: float = 5.0
+    storage: Storage | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.checksum is not None and self.checksum not in checksums.KNOWN:
@@ -91,6 +99,10 @@ class CheckpointOptions:
             raise CheckpointError(f"read_slab_bytes must be positive, got {self.read_slab_bytes}")
         if not self.commit_timeout > 0:
             raise CheckpointError(f"commit_timeout must be positive, got {self.commit_timeout}")
+        if not self.heartbeat_lease > 0:
+            raise CheckpointError(f"heartbeat_lease must be positive, got {self.heartbeat_lease}")
+        if self.storage is not None and not isinstance(self.storage, Storage):
+            raise CheckpointError(f"storage must be a Storage (io/storage.py), got {type(self.storage).__name__}")
         if self.max_metadata_bytes <= 0 or self.max_open_files < 2:
             raise CheckpointError("max_metadata_bytes must be positive and max_open_files at least 2")
 
@@ -123,6 +135,7 @@ class CheckpointOptions:
         for name, key, conv in (
             ("CHECKSUM_THREADS", "checksum_threads", int),
             ("COMMIT_TIMEOUT", "commit_timeout", float),
+            ("HEARTBEAT_LEASE", "heartbeat_lease", float),
             ("READ_SLAB", "read_slab_bytes", int),
             ("MAX_METADATA_BYTES", "max_metadata_bytes", int),
             ("MAX_OPEN_FILES", "max_open_files", int),
@@ -143,6 +156,16 @@ class CheckpointOptions:
     def replace(self, **changes) -> CheckpointOptions:
         """A copy with ``changes`` (the object itself is frozen)."""
         return replace(self, **changes)
+
+    def storage_for(self, location: str) -> Storage:
+        """The backend that holds ``location`` under these options (``storage``, a scheme, or local)."""
+        from .io.local import LOCAL, LocalStorage
+        from .io.storage import backend_for
+
+        chosen = backend_for(location, self.storage)
+        if chosen is LOCAL and self.odirect is False:
+            return LocalStorage(odirect=False)
+        return chosen
 
     def checksum_algorithm(self) -> str:
         """The algorithm a new checkpoint is written with (refuses xxh3-64 without xxhash before any write)."""

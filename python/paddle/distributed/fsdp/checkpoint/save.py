@@ -17,16 +17,16 @@ Save protocol (all ranks call ``save_state_dict`` collectively):
    saves the same records every time; ``planner.AssignmentMemo``). Every rank then has the same assignment:
    replicas are written by the lowest rank that holds them and coverage (each element exactly once) is checked;
    the layout of every rank's file (offsets included) follows from it and is fixed before any byte is written.
-2. every rank writes its own file into the staging directory ``<path>.tmp-<checkpoint_id>`` straight from tensor
-   memory, computing per-chunk checksums on the way, fsyncs it once, then drops a small ``done`` marker (sizes +
-   checksums; made visible atomically by rename) into ``<staging>/.parts/``. A rank that fails drops a
-   ``failed`` marker instead.
-3. the coordinator waits for all markers (file system polling, no collective), writes and fsyncs
-   ``metadata.json``, ``0.metadata`` and ``COMMIT`` (last), fsyncs the directory and swaps it into ``path``
-   atomically (``renameat2(RENAME_EXCHANGE)``; two renames where unsupported). The other ranks wait until they
-   see ``path/COMMIT`` with this checkpoint's id (or an ``ABORT`` marker); for a CheckpointManager save also
-   until ``latest`` names it. Every rank returns only after commit. Steps 2-3 use no collectives, which is what
-   makes them safe to run in a background thread.
+2. every rank writes its own data object into the staging location (``<path>.tmp-<checkpoint_id>`` for the
+   local backend) through the storage interface (io/storage.py) straight from tensor memory, computing per-chunk
+   checksums on the way, durably, then hands it over (sizes + checksums) through the save's channel (the TCP
+   store, channel.py). A rank that fails says so through the channel at once.
+3. the coordinator waits for every hand-over, writes ``metadata.json``, ``0.metadata`` and ``COMMIT`` (last) and
+   publishes the staging at ``path`` atomically (commit.py). The other ranks wait for the channel's "committed"
+   (for a CheckpointManager save also "published": ``latest`` moved). Every rank returns only after commit.
+   Steps 2-3 use no collectives, which is what makes them safe to run in a background thread; every rank beats
+   a heartbeat through the store, so a rank killed with -9 is named by the others within
+   ``CheckpointOptions.heartbeat_lease`` seconds.
 
 Saving twice to one path: saving to a path that holds a committed checkpoint replaces it atomically: readers see
 either the old or the new checkpoint, never a mix; the old one is deleted only after the new one is in place (by
@@ -38,8 +38,9 @@ async) first waits for this process's previous save to commit (a load waits too)
 and, to one path, the later one wins. Two jobs saving to one path concurrently each commit atomically and the
 last commit wins (a commit that finds the path just created by the other job replaces it); the non-coordinator
 ranks of the job whose checkpoint was replaced before they saw it may time out (SaveFailedError) although it
-committed. The staging directory is a sibling of ``path``, so all ranks must see the same file system (shared
-FS); with node-local disks the commit would only happen on the coordinator's node.
+committed. Node-local storage (every rank sees only its own ``path``): the coordinator's ``path`` holds the
+metadata and its data file, every other rank publishes its own data file at its own ``path``; gathered into one
+directory again (copied, re-mounted) the checkpoint loads at any world size.
 
 Crashes (kill -9 of any rank at any stage; stages in ``faults.py``, which also holds the test-only
 ``PADDLE_FSDP_CKPT_FAULT`` hook that proves this): before the rename, ``path`` keeps the previous checkpoint
@@ -47,11 +48,12 @@ untouched (or stays absent) and the partial save is only ``<path>.tmp-<id>`` (ne
 to delete; CheckpointManager removes it at its next save). Loading or verifying ``path`` when it is absent
 but such a staging directory exists raises / reports IncompleteCheckpointError ("never committed", saying
 whether the save failed with an error or was interrupted); the staging directory itself reports
-IncompleteCheckpointError too until its COMMIT is written. The survivors of a killed rank do not hang: the
-coordinator waits for the other ranks' data, and the other ranks wait for the commit, at most
-``commit_timeout`` (default ``CheckpointOptions.commit_timeout``, 1800 s), then raise SaveFailedError; a rank
-whose save fails with an error tells the others at once (``failed`` / ``ABORT`` markers); one that fails after its
-``done`` marker (its file handed over) follows the coordinator's decision, taken once more right before ``COMMIT``.
+IncompleteCheckpointError too until its COMMIT is written. The survivors of a killed rank do not hang: they see
+its heartbeat stop (``heartbeat_lease``) and raise SaveFailedError naming it; in any case the coordinator waits
+for the other ranks' data, and the other ranks wait for the commit, at most ``commit_timeout`` (default
+``CheckpointOptions.commit_timeout``, 1800 s); a rank whose save fails with an error tells the others at once
+(channel) and records why in the staging (markers.py); one that fails after its hand-over follows the
+coordinator's decision, taken once more right before ``COMMIT``.
 
 Numbered checkpoints with a ``latest`` pointer and keep-last-K: ``manager.py`` (CheckpointManager).
 
@@ -70,53 +72,39 @@ costs page faults, which made the snapshot several times slower than a copy into
 snapshotted with their own host copy at the call instead. The returned SaveHandle's ``wait()`` returns after the commit (on
 every rank) or raises the background error; an error not collected by ``wait()`` is raised by the next
 ``save_state_dict``. gloo collectives are never issued from the background thread (they would race with the training
-loop's collectives), hence the file-based completion protocol.
+loop's collectives), hence the store-based completion protocol.
 
 Checksums: xxh3-64 (checksums.py) per 256 KiB chunk of each piece (``chunk_bytes`` in metadata.json; ``CheckpointOptions.checksum``), computed on
 the tensor memory during the single write pass, piece by piece just before it is written. The coordinator's
 choice of algorithm is used by every rank. Loads verify them (load.py).
 
-Node-local disks: saving needs one file system visible to all ranks (see above); loading: see load.py.
+Node-local disks: see "Saving twice" above; loading: see load.py.
 ``process_group``: ranks, file names and ``coordinator_rank`` are group-local ranks.
 
-Cross-rank helpers shared with the load path (process group, error exchange, file polling): coordination.py.
+Cross-rank helpers shared with the load path (process group, error exchange): coordination.py. This module is
+the calling thread's part; background.py the one save in flight; commit.py steps 2-3; markers.py the records.
 """
 
 from __future__ import annotations
 
-import _thread
-import atexit
-import errno
-import json
 import logging
 import os
-import queue
-import re
-import shutil
-import threading
-import time
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import checksums, faults, host_memory, writer
-from .coordination import Comm, check_target_path, gather_errors, poll, read_json
-from .errors import CheckpointError, InvalidStateDictError, SaveFailedError
-from .format import commit as format_commit
-from .format.metadata import (
-    COMMIT_FILE,
-    DEFAULT_CHUNK_BYTES,
-    LATEST_FILE,
-    PARTS_DIR,
-    CheckpointMetadata,
-    FileMeta,
-)
+from . import host_memory
+from .background import SaveHandle, start_in_background, wait_pending
+from .commit import Publisher, SaveJob, open_channel
+from .coordination import Comm, check_target_path, gather_errors
+from .errors import CheckpointError, DirectoryMismatchError, InvalidStateDictError, SaveFailedError
+from .format.metadata import DEFAULT_CHUNK_BYTES
 from .gc_pause import gc_paused
+from .markers import cause, mark_failed, remove_failed_stagings
 from .options import CheckpointOptions, resolve
 from .planner import (
     AssignmentMemo,
-    WriteAssignment,
     assign_writes,
     assignment_name,
     descs_digest,
@@ -125,543 +113,13 @@ from .planner import (
 )
 from .records import collect
 from .snapshot import Snapshot, default_deferred
-from .stock.directories import adopt_foreign_entries, check_shared_directory_once, own_entry_names
 from .tracing import Tracer
 
 logger = logging.getLogger(__name__)
 
-# ------------------------------------------------------------------------------------------------ async state
+_save_lock = __import__("threading").Lock()
 
-
-class SaveHandle:
-    """Handle of an async save. ``wait()`` blocks until the checkpoint is committed or raises its error."""
-
-    def __init__(self, path: str, checkpoint_id: str):
-        self.path = path
-        self.checkpoint_id = checkpoint_id
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._reported = False
-        self._done = threading.Event()
-
-    def _run(self, fn) -> None:
-        try:
-            fn()
-        except BaseException as e:  # surfaced by wait() or the next save
-            self._error = e
-        finally:
-            self._done.set()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> None:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"async save to {self.path} still running after {timeout} s")
-        if self._thread is not None:
-            self._thread.join()
-        if self._error is not None and not self._reported:
-            self._reported = True
-            raise self._error
-
-
-_pending: SaveHandle | None = None
-_pending_lock = threading.Lock()
-_save_lock = threading.Lock()
-
-
-class _BackgroundWorker:
-    """The one long-lived thread that runs the background part of async saves (one at a time: saves of a
-    process never overlap). Handing a save to a thread that already runs costs the caller a queue put; starting
-    a ``threading.Thread`` per save made the caller wait until the new thread was scheduled (``start()`` waits for
-    it; tens of ms on a busy machine), so the worker is started with ``_thread.start_new_thread``, which does not
-    wait. It never keeps the interpreter alive; ``atexit`` waits for a save still in flight, so a checkpoint
-    started before exit is still committed. It runs at normal CPU priority: a lower one (nice 10 for the write
-    phase) was measured to slow training down, not to spare it: a writer descheduled while it holds the GIL
-    blocks the training thread of its process until the kernel runs it again (priority inversion)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._started = False
-
-    def submit(self, fn) -> None:
-        with self._lock:
-            if not self._started:
-                _thread.start_new_thread(self._loop, ())
-                atexit.register(wait_pending, False)
-                self._started = True
-        self._queue.put(fn)
-
-    def _loop(self) -> None:
-        threading.current_thread().name = "ckpt-save"
-        while True:
-            fn = self._queue.get()
-            fn()
-
-
-_worker = _BackgroundWorker()
-
-
-class Publisher:
-    """What CheckpointManager plugs into a save (duck-typed; this class documents the protocol)."""
-
-    def publish(self) -> None:
-        """Coordinator, right after the commit: make the new checkpoint the one ``latest`` names (durably)."""
-
-    def is_published(self) -> bool:
-        """Other ranks, after they saw the commit: True once ``publish`` has taken effect."""
-        return True
-
-    def cleanup(self) -> None:
-        """Coordinator, after ``publish``: remove what is no longer kept (best effort, never raises)."""
-
-
-def wait_pending(raise_error: bool) -> None:
-    """Wait for this process's previous async save. Its uncollected error is raised here when
-    ``raise_error`` (the next save), else kept for the next save (a load does not consume it)."""
-    global _pending
-    with _pending_lock:
-        h = _pending
-    if h is None:
-        return
-    h._done.wait()
-    if h._thread is not None:
-        h._thread.join()
-    failed = h._error is not None and not h._reported
-    with _pending_lock:
-        if _pending is h and (raise_error or not failed):
-            _pending = None
-    if raise_error and failed:
-        h._reported = True
-        raise SaveFailedError(f"previous async save to {h.path} failed: {h._error}") from h._error
-
-
-# ------------------------------------------------------------------------------------------------ save
-
-
-@dataclass
-class _SaveJob:
-    path: str
-    staging: str
-    rank: int
-    world: int
-    coordinator: int
-    checkpoint_id: str
-    assignment: WriteAssignment
-    values: dict  # the checkpoint's JSON values, but the per-rank ones
-    per_rank_keys: tuple  # values every rank gives its own of (saved as the list by rank)
-    rank_values: dict  # this rank's values of per_rank_keys (sent to the coordinator in the done marker)
-    arrays: list  # uint8 arrays, one per piece this rank writes (in layout order)
-    keepalive: list
-    chunk_bytes: int
-    checksum: str  # algorithm (checksums.py), the same on every rank
-    timeout: float
-    write_stock: bool
-    options: CheckpointOptions = field(default_factory=CheckpointOptions)
-    publisher: Any = None  # CheckpointManager hook: publish()/is_published()/cleanup(), see Publisher
-    created: float = field(default_factory=time.time)
-    release: Any = None  # async save: gives the snapshot arena back (called once the data file is written)
-    snapshot: Any = None  # async save: the Snapshot whose deferred copies run first in the background thread
-    plan: Any = None  # the SavePlan; laid out by run() (an async save's caller does not wait for it)
-
-    def _written(self) -> None:
-        self.arrays = self.keepalive = []  # release snapshot memory early
-        release, self.release = self.release, None
-        if release is not None:
-            release()
-
-    def run(self) -> None:
-        """Write, then commit (coordinator) or wait for the commit; every failure is a SaveFailedError naming
-        the rank that failed and its cause, on every rank, as soon as it is known (failure markers, below)."""
-        try:
-            try:
-                if self.snapshot is not None:  # async: copy the deferred tensors first (snapshot.py), then write
-                    self.snapshot.copy_deferred()
-                if self.plan is None:
-                    self.plan = lay_out_files(self.assignment, self.values, self.checkpoint_id)
-            except BaseException as e:
-                _mark_failed(self.staging, self.rank, e)
-                raise
-            self._run()
-        except SaveFailedError:
-            raise
-        except Exception as e:
-            raise SaveFailedError(
-                f"save to {self.path} failed: rank {self.rank} failed: {_cause(e)}; the previous checkpoint is "
-                f"untouched"
-            ) from e
-        finally:
-            self._written()
-
-    def _run(self) -> None:
-        tr = Tracer(f"save rank {self.rank}", self.options)
-        parts = os.path.join(self.staging, PARTS_DIR)
-        layout = self.plan.files[self.rank]
-        data_path = os.path.join(self.staging, layout.name)
-        handed_over = False  # this rank's done marker is visible: its data file belongs to the coordinator's commit
-        try:
-            os.makedirs(parts, exist_ok=True)
-            faults.delay("before_data", self.rank)
-            faults.point("before_data", self.rank)
-            kill_at = layout.size // 2 if faults.hit("mid_data", self.rank) else None
-            try:
-                digest = None if self.checksum == checksums.NONE else checksums.digest_function(self.checksum)
-                size, sums = writer.write_rank_file(
-                    data_path,
-                    layout.header,
-                    self.arrays,
-                    self.chunk_bytes,
-                    digest,
-                    kill_at=kill_at,
-                    should_stop=lambda: self._peer_failure(parts),
-                    direct=self.options.odirect is not False,
-                )
-            finally:
-                self._written()
-            tr.mark("write+fsync")
-            # markers need atomic visibility, not durability: the data file itself is already fsynced
-            writer.write_file(
-                os.path.join(parts, f"{self.rank}.done.json"),
-                json.dumps(
-                    {"size": size, "checksums": sums, "rank_values": self.rank_values}, allow_nan=False
-                ).encode(),
-                fsync=False,
-                atomic=True,
-            )
-            handed_over = True
-            faults.delay("handed_over", self.rank)
-            faults.point("after_data", self.rank)
-        except _PeerFailed as e:  # another rank failed first: stop writing, free the space, say who failed
-            _remove_quietly(data_path)
-            err = SaveFailedError(f"save to {self.path} aborted: {e}; the previous checkpoint is untouched")
-            if self.rank == self.coordinator:  # the decision: a rank that failed after its hand-over waits for it
-                _mark_aborted(self.staging, self.rank, err)
-            raise err from None
-        except BaseException as e:
-            _mark_failed(self.staging, self.rank, e)
-            if handed_over and self.rank != self.coordinator and isinstance(e, Exception):
-                # the coordinator may be committing with this rank's (complete, fsynced) file already: deleting it
-                # could leave a committed checkpoint without it, and raising alone would make the ranks disagree.
-                # The coordinator decides (it checks the failure markers once more right before the commit record);
-                # this rank follows its decision
-                self._follow_decision(parts, data_path, e, tr)
-                return
-            if isinstance(e, Exception):  # (an interrupt leaves the staging as a kill would)
-                _remove_quietly(data_path)
-            raise
-        if self.rank == self.coordinator:
-            try:
-                self._commit(parts, tr)
-            except BaseException as e:
-                _mark_aborted(self.staging, self.rank, e)  # tells the waiting ranks at once
-                if isinstance(e, Exception):  # (an interrupt leaves the staging as a kill would)
-                    _remove_quietly(data_path)
-                if isinstance(e, SaveFailedError) or not isinstance(e, Exception):
-                    raise
-                raise SaveFailedError(
-                    f"save to {self.path} failed: rank {self.rank} (the coordinator) failed to commit: {_cause(e)}; "
-                    f"the previous checkpoint is untouched"
-                ) from e
-            faults.point("after_rename", self.rank)
-            if self.publisher is not None:
-                try:
-                    self.publisher.publish()
-                except Exception as e:
-                    # committed, but `latest` could not be moved: the waiting ranks must not wait for it
-                    _mark_aborted(self.staging, self.rank, e)
-                    raise SaveFailedError(
-                        f"save to {self.path}: the checkpoint was committed, but rank {self.rank} could not move "
-                        f"the '{LATEST_FILE}' pointer: {_cause(e)}"
-                    ) from e
-                tr.mark("publish")
-                faults.point("before_prune", self.rank)
-                self.publisher.cleanup()
-        else:
-            self._wait_commit(parts)
-            tr.mark("wait-commit")
-        tr.done()
-
-    def _peer_failure(self, parts: str) -> None:
-        """Raise _PeerFailed when another rank reported a failure (checked between slabs of a long write)."""
-        failed = failures(self.staging)
-        failed.pop(self.rank, None)
-        if failed:
-            r, why = sorted(failed.items())[0]
-            raise _PeerFailed(f"rank {r} failed: {why}")
-
-    def _commit(self, parts: str, tr: Tracer) -> None:
-        """Coordinator: wait for every rank's data, write metadata.json, the stock index and COMMIT (last) into
-        the staging directory, then swap it into ``path`` atomically."""
-        status = self._wait_for_ranks(parts)
-        tr.mark("wait-ranks")
-        faults.point("before_metadata", self.rank)
-        with gc_paused():  # the index of every piece: many small objects (gc_pause.py)
-            md = self._metadata(status)
-            # inside the (invisible) staging directory plain write+fsync is enough; order: data files (fsynced by
-            # their ranks), metadata, stock index, then the commit record, then the directory, then the rename
-            data = format_commit.write_metadata(self.staging, md, self.write_stock)
-        tr.mark("metadata")
-        faults.point("before_commit", self.rank)
-        # the last point at which the save can still be aborted: a rank that failed after handing its data over
-        # (its done marker seen above) waits for this decision (_follow_decision)
-        late = failures(self.staging)
-        if late:
-            r, why = sorted(late.items())[0]
-            raise SaveFailedError(
-                f"save to {self.path} aborted: rank {r} failed: {why}; the previous checkpoint is untouched"
-            )
-        shutil.rmtree(parts, ignore_errors=True)
-        format_commit.write_commit(self.staging, self.checkpoint_id, data)
-        writer.fsync_dir(self.staging)
-        tr.mark("commit-record")
-        faults.point("before_rename", self.rank)
-        # entries of other tools in the target directory are kept (hard links), then the directory is swapped
-        adopt_foreign_entries(self.path, self.staging, own_entry_names(self.path))
-        writer.replace_dir(self.staging, self.path, f"{self.path}.old-{self.checkpoint_id}")
-        tr.mark("rename")
-
-    def _wait_for_ranks(self, parts: str) -> dict:
-        """Every rank's ``done`` marker (rank -> ("done", sizes + checksums)); SaveFailedError on the first
-        ``failed`` marker or when a rank is silent for ``timeout``."""
-
-        def all_parts():
-            failed = failures(self.staging)
-            if failed:
-                return {"failed": failed}
-            status = {}
-            for r in range(self.world):
-                d = read_json(os.path.join(parts, f"{r}.done.json"))
-                if d is not None:
-                    status[r] = d
-            return status if len(status) == self.world else None
-
-        try:
-            status = poll(all_parts, self.timeout, f"all {self.world} ranks to finish writing {self.staging}")
-        except SaveFailedError:
-            have = [r for r in range(self.world) if os.path.exists(os.path.join(parts, f"{r}.done.json"))]
-            missing = sorted(set(range(self.world)) - set(have))
-            raise SaveFailedError(
-                f"save to {self.path} aborted: ranks {missing} did not finish writing within {self.timeout:g} s "
-                f"(did they die?); the previous checkpoint is untouched"
-            ) from None
-        if "failed" in status:
-            r, why = sorted(status["failed"].items())[0]
-            raise SaveFailedError(
-                f"save to {self.path} aborted: rank {r} failed: {why}; the previous checkpoint is untouched"
-            )
-        return status
-
-    def _metadata(self, status: dict) -> CheckpointMetadata:
-        """The index of the checkpoint: the plan, with the sizes and checksums the ranks reported."""
-        values = dict(self.plan.values)
-        for key in self.per_rank_keys:
-            values[key] = [status[r]["rank_values"].get(key) for r in range(self.world)]
-        md = CheckpointMetadata(
-            checkpoint_id=self.checkpoint_id,
-            world_size=self.world,
-            chunk_bytes=self.chunk_bytes,
-            checksum=self.checksum,
-            created_unix=self.created,
-            values=values,
-        )
-        for r in range(self.world):
-            layout = self.plan.files[r]
-            done = status[r]
-            if int(done["size"]) != layout.size or len(done["checksums"]) != len(layout.pieces):
-                raise SaveFailedError(f"rank {r} reported a file that does not match the plan")
-            md.files[layout.name] = FileMeta(rank=r, size=layout.size)
-            for (_key, piece), sums in zip(layout.pieces, done["checksums"]):
-                piece.checksums = [int(c) for c in sums]
-        md.tensors = self.plan.tensors
-        return md
-
-    def _follow_decision(self, parts: str, data_path: str, error: Exception, tr: Tracer) -> None:
-        """This rank failed after handing its data over: the coordinator's decision is the outcome on every rank.
-        Aborted: raise this rank's own error (named by run()). Committed (the failure came after the decision;
-        the checkpoint is complete, this rank's file included): return like every other rank, with the error
-        logged."""
-        try:
-            self._wait_commit(parts, ignore_own_failure=True)
-        except SaveFailedError:
-            _remove_quietly(data_path)
-            raise error from None
-        stray = os.path.join(self.path, PARTS_DIR)  # our marker, if written after the coordinator removed .parts
-        for n in os.listdir(stray) if os.path.isdir(stray) else []:
-            if n.startswith(f"{self.rank}.failed"):
-                _remove_quietly(os.path.join(stray, n))
-        try:
-            os.rmdir(stray)
-        except OSError:
-            pass
-        logger.error(
-            "save to %s: rank %d failed after its data was complete (%s); the coordinator had committed already, "
-            "so the checkpoint is complete and this rank returns like the others",
-            self.path,
-            self.rank,
-            _cause(error),
-        )
-        tr.done()
-
-    def _wait_commit(self, parts: str, ignore_own_failure: bool = False) -> None:
-        """Wait until the coordinator committed (and, for a CheckpointManager save, moved ``latest``)."""
-        commit_path = os.path.join(self.path, COMMIT_FILE)
-        seen_commit = False
-
-        def mine() -> bool:
-            c = read_json(commit_path)
-            return isinstance(c, dict) and c.get("checkpoint_id") == self.checkpoint_id
-
-        def state():
-            nonlocal seen_commit
-            if mine():
-                seen_commit = True
-            abort = aborted(self.staging)
-            if abort is not None:
-                return ("aborted", abort)
-            if seen_commit:
-                if self.publisher is None or self.publisher.is_published():
-                    return ("committed", None)
-                return None
-            failed = failures(self.staging)
-            if ignore_own_failure:
-                failed.pop(self.rank, None)
-            if failed:
-                return ("failed", sorted(failed.items())[0])
-            if not os.path.isdir(self.staging) and not mine():
-                return ("aborted", "its staging directory was removed before the commit")
-            return None
-
-        try:
-            st, info = poll(state, self.timeout, f"rank {self.coordinator} to commit {self.path}")
-        except SaveFailedError:
-            if seen_commit:
-                raise SaveFailedError(
-                    f"save to {self.path}: rank {self.coordinator} committed the checkpoint but did not move the "
-                    f"'{LATEST_FILE}' pointer within {self.timeout:g} s (did it die?)"
-                ) from None
-            raise SaveFailedError(
-                f"save to {self.path} did not commit: rank {self.coordinator} (the coordinator) did not commit "
-                f"within {self.timeout:g} s (did it die?); the previous checkpoint is untouched"
-            ) from None
-        if st == "failed":
-            r, why = info
-            _remove_quietly(os.path.join(self.staging, self.plan.files[self.rank].name))
-            raise SaveFailedError(
-                f"save to {self.path} aborted: rank {r} failed: {why}; the previous checkpoint is untouched"
-            )
-        if st == "aborted":
-            _remove_quietly(os.path.join(self.staging, self.plan.files[self.rank].name))
-            if seen_commit:
-                raise SaveFailedError(f"save to {self.path}: committed, but the coordinator failed after: {info}")
-            raise SaveFailedError(
-                f"save to {self.path} aborted by rank {self.coordinator} (the coordinator): {info}; the previous "
-                f"checkpoint is untouched"
-            )
-
-
-# ------------------------------------------------------------------------------------------------ failure markers
-# A failing rank (and an aborting coordinator) leaves markers in <staging>/.parts that every other rank polls.
-# The details (the full cause) go first into a file made visible atomically, when the file system still takes it;
-# then an empty marker whose *name* carries the cause (errno name; an empty file needs no data block, so it can be
-# created on a full disk). That order is what gives every rank the same message: a rank that sees any marker sees
-# the details too, unless they could not be written, and then the name alone still says errno and strerror.
-
-_FAILED_RE = re.compile(r"^(\d+)\.failed(?:\.([A-Za-z0-9_]+))?$")
-_ABORT_RE = re.compile(r"^ABORT(?:\.([A-Za-z0-9_]+))?$")
-
-
-class _PeerFailed(Exception):
-    """Another rank reported a failure while this one was still writing."""
-
-
-def _cause(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
-def _tag(e: BaseException) -> str:
-    """The marker-name form of a cause: the errno name of an OSError, else the exception class name."""
-    if isinstance(e, OSError) and e.errno is not None:
-        return errno.errorcode.get(e.errno, type(e).__name__)
-    return re.sub(r"[^A-Za-z0-9_]", "_", type(e).__name__)[:64]
-
-
-def _touch(path: str) -> None:
-    try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644))
-    except OSError:
-        pass
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def failures(staging: str) -> dict[int, str]:
-    """Ranks that reported a failure into ``staging`` and their causes."""
-    parts = os.path.join(staging, PARTS_DIR)
-    try:
-        names = os.listdir(parts)
-    except OSError:
-        return {}
-    out: dict[int, str] = {}
-    for n in names:
-        m = _FAILED_RE.match(n)
-        if m is None:
-            continue
-        r = int(m.group(1))
-        if m.group(2) is None and r in out:
-            continue
-        detail = read_json(os.path.join(parts, f"{r}.failed.json"))
-        if isinstance(detail, dict) and isinstance(detail.get("error"), str):
-            out[r] = detail["error"]
-        elif m.group(2) is not None and m.group(2) != "json":
-            out[r] = _describe_tag(m.group(2))
-    return out
-
-
-def _describe_tag(tag: str) -> str:
-    """The cause a marker name carries, as a message: ``EIO`` -> ``OSError EIO (Input/output error)``."""
-    code = getattr(errno, tag, None)
-    return f"OSError {tag} ({os.strerror(code)})" if isinstance(code, int) else tag
-
-
-def aborted(staging: str) -> str | None:
-    """The coordinator's reason when it aborted the save in ``staging`` (None: not aborted)."""
-    parts = os.path.join(staging, PARTS_DIR)
-    try:
-        names = os.listdir(parts)
-    except OSError:
-        return None
-    tags = [m.group(1) for m in map(_ABORT_RE.match, names) if m is not None]
-    if not tags:
-        return None
-    try:
-        with open(os.path.join(parts, "ABORT"), "rb") as f:
-            reason = f.read(4096).decode(errors="replace")
-        if reason:
-            return reason
-    except OSError:
-        pass
-    tag = next((t for t in tags if t), None)
-    return _describe_tag(tag) if tag else "unknown reason"
-
-
-def _mark_aborted(staging: str, rank: int, e: BaseException) -> None:
-    parts = os.path.join(staging, PARTS_DIR)
-    try:
-        os.makedirs(parts, exist_ok=True)
-    except OSError:
-        return
-    try:  # details first: see the note on failure markers above
-        writer.write_file(os.path.join(parts, "ABORT"), _cause(e).encode(), fsync=False, atomic=True)
-    except OSError:
-        pass
-    faults.delay("markers", rank)
-    _touch(os.path.join(parts, f"ABORT.{_tag(e)}"))
+__all__ = ["SaveHandle", "Publisher", "release_host_buffers", "save_and_publish", "save_state_dict", "wait_pending"]
 
 
 def release_host_buffers() -> bool:
@@ -678,44 +136,6 @@ def _lazy_view(t):
     return lambda: host_memory.raw_view(t)
 
 
-def _mark_failed(staging: str, rank: int, e: BaseException) -> None:
-    try:
-        parts = os.path.join(staging, PARTS_DIR)
-        os.makedirs(parts, exist_ok=True)
-    except OSError:
-        return
-    try:  # details first: see the note on failure markers above
-        writer.write_file(
-            os.path.join(parts, f"{rank}.failed.json"),
-            json.dumps({"error": _cause(e)}).encode(),
-            fsync=False,
-            atomic=True,
-        )
-    except OSError:
-        pass
-    faults.delay("markers", rank)
-    _touch(os.path.join(parts, f"{rank}.failed.{_tag(e)}"))
-
-
-def remove_failed_stagings(path: str) -> list[str]:
-    """Remove the staging directories of earlier saves to ``path`` that failed with an error (they carry failure
-    or abort markers; a save still running, or killed, has none and is left alone). Best effort."""
-    parent, base = os.path.split(path)
-    try:
-        names = [n for n in os.listdir(parent) if n.startswith(f"{base}.tmp-")]
-    except OSError:
-        return []
-    import shutil
-
-    removed = []
-    for n in names:
-        staging = os.path.join(parent, n)
-        if failures(staging) or aborted(staging) is not None:
-            shutil.rmtree(staging, ignore_errors=True)
-            removed.append(n)
-    return removed
-
-
 def save_state_dict(
     state_dict: dict,
     path: str,
@@ -729,10 +149,9 @@ def save_state_dict(
     deferred_keys: Collection[str] | None = None,
     per_rank_values: Collection[str] = (),
     options: CheckpointOptions | None = None,
-    _publisher: Publisher | None = None,
     **unused_stock_kwargs,
 ) -> SaveHandle | None:
-    """Save ``state_dict`` collectively into the checkpoint directory ``path`` (see the module docstring).
+    """Save ``state_dict`` collectively into the checkpoint at ``path`` (see the module docstring).
 
     ``deferred_keys`` (async saves): keys whose tensors change only through an optimizer step or a direct write
     the engine intercepts (snapshot_guard.py); their host copy runs after the call returns (snapshot.py).
@@ -741,9 +160,52 @@ def save_state_dict(
     list of all ranks' values by rank (None for a rank without one), sent to the coordinator with the rank's
     data (no collective of their own).
     ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now) sets the checksum
-    algorithm, commit timeout and tracing; ``commit_timeout`` overrides ``options.commit_timeout``.
-    ``_publisher`` is CheckpointManager's hook (moves ``latest`` after the commit); not for direct use.
+    algorithm, commit timeout, storage backend and tracing; ``commit_timeout`` overrides ``options.commit_timeout``.
     """
+    return _save(
+        state_dict,
+        path,
+        process_group,
+        coordinator_rank,
+        None,
+        async_save=async_save,
+        commit_timeout=commit_timeout,
+        chunk_bytes=chunk_bytes,
+        write_stock_metadata=write_stock_metadata,
+        deferred_keys=deferred_keys,
+        per_rank_values=per_rank_values,
+        options=options,
+    )
+
+
+def save_and_publish(
+    state_dict: dict, path: str, publisher: Publisher, process_group=None, coordinator_rank: int = 0, **kwargs
+) -> SaveHandle | None:
+    """``save_state_dict`` whose coordinator calls ``publisher`` after the commit, and whose other ranks return
+    only once it has published (CheckpointManager: moves ``latest``, then prunes). ``kwargs``: those of
+    ``save_state_dict``."""
+    if not all(callable(getattr(publisher, m, None)) for m in ("publish", "is_published", "cleanup")):
+        raise InvalidStateDictError(
+            f"publisher must have publish(), is_published() and cleanup(), got {type(publisher).__name__}"
+        )
+    return _save(state_dict, path, process_group, coordinator_rank, publisher, **kwargs)
+
+
+def _save(
+    state_dict: dict,
+    path: str,
+    process_group,
+    coordinator_rank: int,
+    publisher: Publisher | None,
+    *,
+    async_save: bool = False,
+    commit_timeout: float | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    write_stock_metadata: bool = True,
+    deferred_keys: Collection[str] | None = None,
+    per_rank_values: Collection[str] = (),
+    options: CheckpointOptions | None = None,
+) -> SaveHandle | None:
     with _save_lock:  # saves of one process never overlap, whatever thread they come from
         return _save_locked(
             state_dict,
@@ -757,7 +219,7 @@ def save_state_dict(
             deferred_keys,
             per_rank_values,
             options,
-            _publisher,
+            publisher,
         )
 
 
@@ -797,7 +259,9 @@ def _save_locked(
     tr = Tracer("save (calling thread)", opts)
     wait_pending(raise_error=True)
     tr.mark("wait-previous")
-    path = os.path.abspath(os.fspath(path))
+    path = os.fspath(path)
+    if "://" not in path:
+        path = os.path.abspath(path)
     comm = Comm(process_group)
     if not 0 <= coordinator_rank < comm.world:
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
@@ -811,18 +275,33 @@ def _save_locked(
     local.values.update(dict.fromkeys(rank_values))  # the key still goes with the exchange (its checks)
     checkpoint_id, algorithm, assignment, values = _exchange_and_assign(comm, local, coordinator_rank, tr, path)
     # different or node-local directories: fail now on every rank, not at the commit timeout
-    check_shared_directory_once(path, local.all_paths, comm, coordinator_rank)
-    staging = f"{path}.tmp-{checkpoint_id}"
+    _check_names(local.all_paths, coordinator_rank)
+    storage = opts.storage_for(path)
+    channel = open_channel(checkpoint_id, comm.rank, comm.world, coordinator_rank, opts.heartbeat_lease)
+    try:
+        staging = storage.begin(path, checkpoint_id)
+    except BaseException as e:
+        channel.fail(cause(e))
+        channel.close()
+        raise SaveFailedError(f"save to {path} failed: rank {comm.rank} failed: {cause(e)}") from e
     my_keys = assignment.keys_of(comm.rank)
     snap = plan = None
-    if async_save:
-        snap = _snapshot(my_keys, local, staging, comm.rank, deferred_keys, opts)
-        arrays, keep, release = snap.arrays, snap.keep, snap.written
-    else:
-        plan = lay_out_files(assignment, values, checkpoint_id)
-        arrays, keep, release = _piece_sources(my_keys, local, staging, comm.rank)
+    try:
+        if async_save:
+            snap = _snapshot(my_keys, local, deferred_keys, opts)
+            arrays, keep, release = snap.arrays, snap.keep, snap.written
+        else:
+            plan = lay_out_files(assignment, values, checkpoint_id)
+            arrays, keep, release = _piece_sources(my_keys, local)
+    except BaseException as e:  # the coordinator must not wait for this rank until the timeout
+        channel.fail(cause(e))
+        mark_failed(storage, staging, comm.rank, e)
+        channel.close()
+        if isinstance(e, Exception) and not isinstance(e, CheckpointError):
+            raise SaveFailedError(f"save to {staging} failed: rank {comm.rank} failed: {cause(e)}") from e
+        raise
     tr.mark("snapshot (volatile part)" if async_save else "views")
-    job = _SaveJob(
+    job = SaveJob(
         path=path,
         staging=staging,
         rank=comm.rank,
@@ -842,6 +321,8 @@ def _save_locked(
         write_stock=write_stock_metadata,
         options=opts,
         publisher=publisher,
+        storage=storage,
+        channel=channel,
         release=release,
         snapshot=snap,
     )
@@ -850,7 +331,7 @@ def _save_locked(
         tr.mark("write+commit")
         tr.done()
         return None
-    handle = _start_in_background(job)
+    handle = _start_in_background(job, path, checkpoint_id)
     tr.mark("hand-over")
     tr.done()
     return handle
@@ -875,12 +356,14 @@ def _validate(
         local.records, local.values = collect(state_dict)
         local.descs = [r.desc().to_wire() for r in local.records]
         if rank == coordinator_rank:
-            remove_failed_stagings(path)  # what earlier failed saves left (their space is needed now)
-            check_target_path(path)
+            storage = opts.storage_for(path)
+            remove_failed_stagings(storage, path)  # what earlier failed saves left (their space is needed now)
+            if opts.storage is None and "://" not in path:
+                check_target_path(path)
     except CheckpointError as e:  # reported to every rank by the exchange
         local.error = e
     except Exception as e:  # an I/O error or a bug: named, with the rank and the cause
-        local.error = SaveFailedError(f"save to {path} failed: rank {rank} failed: {_cause(e)}")
+        local.error = SaveFailedError(f"save to {path} failed: rank {rank} failed: {cause(e)}")
         local.error.__cause__ = e
     return local
 
@@ -925,23 +408,15 @@ def _exchange_and_assign(comm: Comm, local: _Local, coordinator_rank: int, tr: T
 
 
 @gc_paused()
-def _piece_sources(keys: list[str], local: _Local, staging: str, rank: int) -> tuple[list, list, Any]:
+def _piece_sources(keys: list[str], local: _Local) -> tuple[list, list, Any]:
     """Step 3 of a sync save: what this rank writes, in layout order: lazy views of the tensors' own memory (a
     device tensor is copied to host one piece at a time while writing). Returns ``(arrays, [], None)``."""
     by_key = {r.key: r for r in local.records}
-    try:
-        return [_lazy_view(by_key[key].tensor) for key in keys], [], None
-    except BaseException as e:
-        _mark_failed(staging, rank, e)  # the coordinator must not wait for this rank until the timeout
-        if isinstance(e, Exception) and not isinstance(e, CheckpointError):
-            raise SaveFailedError(f"save to {staging} failed: rank {rank} failed: {_cause(e)}") from e
-        raise
+    return [_lazy_view(by_key[key].tensor) for key in keys], [], None
 
 
 @gc_paused()
-def _snapshot(
-    keys: list[str], local: _Local, staging: str, rank: int, deferred_keys, opts: CheckpointOptions
-) -> Snapshot:
+def _snapshot(keys: list[str], local: _Local, deferred_keys, opts: CheckpointOptions) -> Snapshot:
     """Step 3 of an async save: the Snapshot of what this rank writes (layout order): volatile tensors copied
     now, deferred ones (``deferred_keys``, default: trainable Parameters) registered for the background copy."""
     by_key = {r.key: r for r in local.records}
@@ -953,28 +428,30 @@ def _snapshot(
         def is_deferred(record) -> bool:
             return record.key in wanted
 
-    try:
-        return Snapshot([by_key[key] for key in keys], is_deferred, hugepages=opts.hugepages)
-    except BaseException as e:
-        _mark_failed(staging, rank, e)  # the coordinator must not wait for this rank until the timeout
-        raise
+    return Snapshot([by_key[key] for key in keys], is_deferred, hugepages=opts.hugepages)
 
 
-def _start_in_background(job: _SaveJob) -> SaveHandle:
+def _check_names(all_paths: list[str], coordinator: int) -> None:
+    """Every rank saves the same checkpoint name (its own ``path`` may differ: node-local disks), decided alike
+    on every rank from the exchange."""
+    names = {os.path.basename(p.rstrip("/")) for p in all_paths}
+    if len(names) > 1:
+        differ = {r: p for r, p in enumerate(all_paths) if p != all_paths[coordinator]}
+        raise DirectoryMismatchError(
+            f"save to {all_paths[coordinator]}: ranks were given different directories {differ} (coordinator rank "
+            f"{coordinator}: {all_paths[coordinator]}); every rank must save the same checkpoint name (the same path, "
+            f"or its own node-local directory of that name)"
+        )
+
+
+def _start_in_background(job: SaveJob, path: str, checkpoint_id: str) -> SaveHandle:
     """Step 4 of an async save: deferred copies, write + commit on the background worker; the handle is this
     process's pending save (the next save or load waits for it)."""
-    global _pending
-    handle = SaveHandle(job.path, job.checkpoint_id)
-    with _pending_lock:
-        _pending = handle
-    try:
-        _worker.submit(lambda: handle._run(job.run))
-    except BaseException:
-        with _pending_lock:
-            if _pending is handle:
-                _pending = None
+
+    def cancel() -> None:
         if job.snapshot is not None:
             job.snapshot.cancel()
         job._written()
-        raise
-    return handle
+        job.channel.close()
+
+    return start_in_background(SaveHandle(path, checkpoint_id), job.run, cancel)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import os
 
-from .format.metadata import CheckpointMetadata
+from .format.metadata import STOCK_METADATA_FILE, CheckpointMetadata
 from .writer import fsync_path
 
-STOCK_METADATA_FILE = "0.metadata"
+__all__ = ["STOCK_METADATA_FILE", "stock_metadata", "stock_metadata_bytes", "write_stock_metadata"]
 
 
 def stock_metadata(md: CheckpointMetadata):
@@ -60,6 +60,17 @@ def stock_metadata(md: CheckpointMetadata):
         storage_metadata=storage_metadata,
         flat_mapping=flat_mapping,
     )
+
+
+def stock_metadata_bytes(md: CheckpointMetadata) -> bytes:
+    """The bytes of ``0.metadata`` (paddle.save's pickle of stock's index), for the storage interface."""
+    import io
+
+    import paddle
+
+    buf = io.BytesIO()
+    paddle.save(stock_metadata(md), buf)
+    return buf.getvalue()
 
 
 def write_stock_metadata(directory: str, md: CheckpointMetadata) -> None:

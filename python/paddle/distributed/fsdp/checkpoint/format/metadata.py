@@ -57,6 +57,7 @@ _SCHEMA_TYPED = frozenset({"files", "tensors"})
 METADATA_FILE = "metadata.json"
 COMMIT_FILE = "COMMIT"
 LATEST_FILE = "latest"  # in a CheckpointManager root: the name of the newest committed checkpoint directory
+STOCK_METADATA_FILE = "0.metadata"  # stock paddle's pickled index, written for stock readers only (stock_compat.py)
 PARTS_DIR = ".parts"  # in a staging directory: per-rank done/failed markers and the coordinator's ABORT
 # Bytes per checksummed chunk of new saves (each checkpoint records its own). A load verifies whole chunks, so a
 # rank whose range of a piece starts or ends inside a chunk also reads the rest of that chunk: with 1 MiB chunks,

@@ -12,15 +12,21 @@ rename that publishes it stays on one file system.
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shutil
+import threading
+import uuid
 from collections.abc import Callable, Sequence
 
 from .. import writer
+from ..format.metadata import COMMIT_FILE, METADATA_FILE, STOCK_METADATA_FILE
 from ..format.strict_json import read_capped
 from .storage import DigestFn, Piece, Storage, StorageError
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+TRASH_PREFIX = ".trash-"  # a removed location on its way out (never a checkpoint, never listed as one)
 
 
 def _check_name(name: str) -> None:
@@ -117,7 +123,9 @@ class LocalStorage(Storage):
         )
 
     def put(self, location: str, name: str, data: bytes, *, durable: bool = True) -> None:
+        """A small file: tmp + rename (+ fsync of file and directory when ``durable``); creates ``location``."""
         _check_name(name)
+        os.makedirs(location, exist_ok=True)
         target = os.path.join(location, name)
         if durable:
             writer.write_file_durable(target, data)
@@ -134,10 +142,25 @@ class LocalStorage(Storage):
     def publish(self, staging: str, final: str) -> None:
         final = os.path.abspath(final)
         old = f"{final}.old-{os.path.basename(staging).rpartition('.tmp-')[2] or 'x'}"
+        # entries of other tools in the target directory are kept (hard links), then the directory is swapped
+        adopt_foreign_entries(final, staging, own_entry_names(final))
         writer.replace_dir(staging, final, old, background_delete=self.background_delete)
 
     def remove(self, location: str) -> None:
-        shutil.rmtree(location, ignore_errors=True)
+        """Rename to a hidden ``.trash-*`` sibling first (atomic: the location stops existing whole, never half
+        deleted under its own name), then delete it (in a non-daemon thread when ``background_delete``)."""
+        location = os.path.abspath(location)
+        parent, base = os.path.split(location)
+        trash = os.path.join(parent, f"{TRASH_PREFIX}{base}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(location, trash)
+        except FileNotFoundError:
+            return
+        writer.fsync_dir(parent)
+        if self.background_delete:
+            threading.Thread(target=shutil.rmtree, args=(trash, True), name="ckpt-prune", daemon=False).start()
+        else:
+            shutil.rmtree(trash, ignore_errors=True)
 
     def sync(self, location: str) -> None:
         writer.fsync_dir(location)
@@ -146,11 +169,8 @@ class LocalStorage(Storage):
     def get(self, location: str, name: str, limit: int | None = None) -> bytes | None:
         _check_name(name)
         target = os.path.join(location, name)
-        try:
-            if limit is None:
-                with open(target, "rb") as f:
-                    return f.read()
-            return read_capped(target, limit, name)
+        try:  # regular files only (a FIFO in its place is refused, never blocks)
+            return read_capped(target, (1 << 62) if limit is None else limit, name)
         except (FileNotFoundError, NotADirectoryError):
             return None
 
@@ -160,3 +180,56 @@ class LocalStorage(Storage):
 
 
 LOCAL = LocalStorage()
+
+
+# ------------------------------------------------------------------------------------------ foreign entries
+# A save into a directory that holds files of other tools (a trainer's output directory) keeps them: right
+# before the atomic swap they are hard-linked (recreated for directories) into the staging directory, so the
+# committed directory holds them as well and the old one can be dropped.
+
+
+def adopt_foreign_entries(final: str, staging: str, ours: set[str]) -> list[str]:
+    """Hard-link every entry of ``final`` whose name is not in ``ours`` (and not already in ``staging``) into
+    ``staging``; returns the names adopted. Falls back to copying across file systems."""
+    try:
+        names = os.listdir(final)
+    except FileNotFoundError:
+        return []
+    adopted = []
+    for name in names:
+        if name in ours or os.path.lexists(os.path.join(staging, name)):
+            continue
+        _link_tree(os.path.join(final, name), os.path.join(staging, name))
+        adopted.append(name)
+    return adopted
+
+
+def _link_tree(src: str, dst: str) -> None:
+    if os.path.isdir(src) and not os.path.islink(src):
+        os.mkdir(dst)
+        shutil.copystat(src, dst, follow_symlinks=False)
+        for name in os.listdir(src):
+            _link_tree(os.path.join(src, name), os.path.join(dst, name))
+        return
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+        if os.path.islink(src):
+            os.symlink(os.readlink(src), dst)
+        else:
+            shutil.copy2(src, dst)
+
+
+def own_entry_names(final: str) -> set[str]:
+    """Names in ``final`` that belong to a checkpoint of this engine (replaced by the new one, not kept)."""
+    ours = {COMMIT_FILE, METADATA_FILE, STOCK_METADATA_FILE}
+    try:
+        names = os.listdir(final)
+    except FileNotFoundError:
+        return ours
+    if COMMIT_FILE not in names and METADATA_FILE not in names:
+        return ours  # no checkpoint of ours there: everything else is foreign
+    data = re.compile(r"^\d+_0\.safetensors$")
+    return ours | {n for n in names if data.match(n)}

@@ -120,7 +120,7 @@ class Storage(ABC):
 
     @abstractmethod
     def put(self, location: str, name: str, data: bytes, *, durable: bool = True) -> None:
-        """Write a small object atomically (and durably unless ``durable=False``)."""
+        """Write a small object atomically (and durably unless ``durable=False``); creates ``location``."""
 
     @abstractmethod
     def delete(self, location: str, name: str) -> None:

@@ -4,16 +4,12 @@
   coordinator's directory (same path string AND same file system). Ranks given different directories, or
   node-local disks behind one path, fail on every rank within the time of two all-gathers instead of waiting for
   the commit timeout. ``check_shared_directory_once`` skips it for paths the group already checked.
-* ``adopt_foreign_entries``: a save into a directory that holds files of other tools (a trainer's output
-  directory) keeps them: right before the atomic swap they are hard-linked (recreated for directories) into the
-  staging directory, so the committed directory holds them as well and the old one can be dropped.
+* (the adoption of other tools' files by a save moved to the local storage backend, io/local.py)
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import shutil
 import uuid
 
 from ..coordination import Comm
@@ -95,55 +91,3 @@ def check_shared_directory(path: str, group: Comm, coordinator: int) -> None:
             f"file system (stock's format, safetensors=False, writes per-rank files and allows node-local "
             f"directories)"
         )
-
-
-def adopt_foreign_entries(final: str, staging: str, ours: set[str]) -> list[str]:
-    """Hard-link every entry of ``final`` whose name is not in ``ours`` (and not already in ``staging``) into
-    ``staging``; returns the names adopted. Falls back to copying across file systems."""
-    try:
-        names = os.listdir(final)
-    except FileNotFoundError:
-        return []
-    adopted = []
-    for name in names:
-        if name in ours or os.path.lexists(os.path.join(staging, name)):
-            continue
-        _link_tree(os.path.join(final, name), os.path.join(staging, name))
-        adopted.append(name)
-    return adopted
-
-
-def _link_tree(src: str, dst: str) -> None:
-    if os.path.isdir(src) and not os.path.islink(src):
-        os.mkdir(dst)
-        shutil.copystat(src, dst, follow_symlinks=False)
-        for name in os.listdir(src):
-            _link_tree(os.path.join(src, name), os.path.join(dst, name))
-        return
-    try:
-        os.link(src, dst, follow_symlinks=False)
-    except OSError as e:
-        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-            raise
-        if os.path.islink(src):
-            os.symlink(os.readlink(src), dst)
-        else:
-            shutil.copy2(src, dst)
-
-
-def own_entry_names(final: str) -> set[str]:
-    """Names in ``final`` that belong to a checkpoint of this engine (replaced by the new one, not kept)."""
-    from ..format.metadata import COMMIT_FILE, METADATA_FILE
-    from ..stock_compat import STOCK_METADATA_FILE
-
-    ours = {COMMIT_FILE, METADATA_FILE, STOCK_METADATA_FILE}
-    try:
-        names = os.listdir(final)
-    except FileNotFoundError:
-        return ours
-    if COMMIT_FILE not in names and METADATA_FILE not in names:
-        return ours  # no checkpoint of ours there: everything else is foreign
-    import re
-
-    data = re.compile(r"^\d+_0\.safetensors$")
-    return ours | {n for n in names if data.match(n)}

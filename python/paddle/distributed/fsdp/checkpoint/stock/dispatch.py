@@ -43,7 +43,7 @@ from .targets import dist_tensor_box, is_dist_tensor
 
 logger = logging.getLogger(__name__)
 
-FORK_SAVE_OPTIONS = frozenset({"commit_timeout", "chunk_bytes", "write_stock_metadata", "options", "_publisher"})
+FORK_SAVE_OPTIONS = frozenset({"commit_timeout", "chunk_bytes", "write_stock_metadata", "options"})
 FORK_LOAD_OPTIONS = frozenset({"verify_checksums", "strict", "options"})
 COMM_METHODS = ("send_recv", "broadcast", "multi_group_broadcast", "grouped_send_recv", "parallel_broadcast")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from ..errors import (
     ERROR_CLASSES,
     CorruptCheckpointError,
+    DirectoryMismatchError,  # noqa: F401 - re-exported (stock/__init__)
     InvalidStateDictError,
     MissingKeyError,
     NotACheckpointError,
-    SaveFailedError,
 )
 
 # Where stock paddle raises a builtin type for an input, ours also derives from that type, so code written
@@ -56,10 +56,6 @@ class StockFormatError(InvalidStateDictError):
     """The arguments ask for a file format that cannot hold this state dict (the message says what to pass)."""
 
 
-class DirectoryMismatchError(SaveFailedError):
-    """The ranks of one save do not see one shared directory (different paths or node-local disks)."""
-
-
 # errors raised on one rank are rebuilt by name on the others (coordination.gather_errors)
 ERROR_CLASSES.update(
     {
@@ -68,7 +64,6 @@ ERROR_CLASSES.update(
             UnsafePickleError,
             StockVersionNotFoundError,
             StockFormatError,
-            DirectoryMismatchError,
             StockMissingKeyError,
             StockIncompleteCheckpointError,
             CheckpointPathNotFoundError,
