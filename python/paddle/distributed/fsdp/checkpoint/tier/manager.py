@@ -69,7 +69,7 @@ class MemoryTier:
         if quota_bytes is not None and (type(quota_bytes) is not int or quota_bytes < 0):
             raise MemoryTierError(f"quota_bytes must be a non-negative int or None, got {quota_bytes!r}")
         self.fsdp, self.optimizer = fsdp, optimizer
-        self.durable_root = os.path.abspath(durable_root)
+        self.durable_root = durable_root if "://" in durable_root else os.path.abspath(durable_root)
         self.memory_root = memory_root or os.environ.get(ROOT_ENV) or DEFAULT_ROOT
         self.persist_every, self.keep_last, self.quota = persist_every, keep_last, quota_bytes
         self.checksum, self.persist_on_restore = checksum, persist_on_restore

@@ -21,6 +21,7 @@ import time
 
 from ..errors import rebuild_remote_error
 from ..format.reserved import EXTRA_KEY
+from ..io.storage import backend_for
 from ..manager import committed_steps, step_dir_name
 from . import agreement, peers
 from .copies import read_copy
@@ -89,7 +90,7 @@ class Restore:
             "own": own[1]["step"] if own else None,
             "held": [self.tier.source, held[1]["step"]] if held else None,
             "held_size": held[0].size if held else 0,
-            "storage": committed_steps(root) if os.path.isdir(root) else [],
+            "storage": committed_steps(root),
         }
 
     # ------------------------------------------------------------------ driver
@@ -124,7 +125,8 @@ class Restore:
     def from_storage(self, decision) -> RestoreResult:
         from ...state.resume import load_checkpoint
 
-        path = os.path.join(self.tier.durable_root, step_dir_name(decision.step))
+        root = self.tier.durable_root
+        path = backend_for(root).child(root, step_dir_name(decision.step))
         result = load_checkpoint(self.tier.fsdp, path, optimizer=self.tier.optimizer)
         logger.info("memory tier: every rank restored step %d from storage %s", decision.step, path)
         out = RestoreResult(dict(result), decision.step, decision.sources)
