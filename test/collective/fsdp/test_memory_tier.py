@@ -202,6 +202,12 @@ def _check(launched, log_dir):
     return results
 
 
+def _check1(launched, log_dir):
+    codes, results = launched
+    assert codes == [0] and sorted(results) == [0], f"launcher exited {codes}, results {results}\n{tails(log_dir)}"
+    return results
+
+
 def test_two_nodes_kill9_peer_storage_agreement(tmp_path):
     """TinyLM (dropout, AdamW + StepDecay) and PaddleFormers Qwen3 (AdamW, warmup + cosine, clipping) side by side."""
     roots = [Path(f"/dev/shm/fsdp-memtier-test-{os.getpid()}-node{i}") for i in range(2)]
@@ -258,6 +264,16 @@ def test_two_nodes_kill9_peer_storage_agreement(tmp_path):
         # the step restored from memory was persisted as a committed checkpoint (last scenario: corrupt)
         for m in MODELS:
             assert verify_checkpoint(str(tmp_path / m / "durable" / "step_00000006")) == []
+        # 4. another world size (one rank on node 0's root): its 2-rank copies are refused, storage is loaded
+        one = _check1(launch_nodes(tmp_path / "log-world1", "memtier.py",
+                                   ["restore", str(tmp_path), str(TOTAL), "world1"], roots[:1]),
+                      tmp_path / "log-world1")  # fmt: skip
+        for m in MODELS:
+            assert "error" not in one[0].get("world1", {}), one[0]["world1"]["error"]
+            res = one[0][f"world1/{m}"]
+            assert (res["step"], res["sources"], res["extra"]) == (4, ["storage"], {"data_position": 32}), res
+        log = (tmp_path / "log-world1" / "node0" / "workerlog.0").read_text(errors="replace")
+        assert "world 2, expected 1" in log, "the refused copies were not logged"
     finally:
         for root in roots:
             shutil.rmtree(root, ignore_errors=True)

@@ -16,7 +16,8 @@ Usage:
       by the test), damage them as the scenario says, build the models from ANOTHER seed, restore, train to TOTAL
       and compare every record, the RNG and the LR with the uninterrupted run's (WORKDIR/ref/<model>).
       Scenarios: memory (all copies intact), node1 (node 1's root wiped), both (every root wiped), agree (rank 1
-      has only older copies), corrupt (rank 1's own copy has a flipped bit).
+      has only older copies), corrupt (rank 1's own copy has a flipped bit), world1 (on ONE rank: the 2-rank
+      copies must be refused and storage loaded at the new world size; no comparison).
 Each rank reports its results as JSON.
 """
 
@@ -45,6 +46,11 @@ from training import records, train
 
 BATCH, PERSIST_EVERY = 8, 4
 MODELS = ("tiny", "qwen3")
+
+
+def _sync() -> None:
+    if dist.get_world_size() > 1:
+        dist.barrier()
 
 
 @dataclass
@@ -115,7 +121,7 @@ def train_to_end(cases: list[Case], start: int, total: int, crash_at=None, keep_
             for c in cases:
                 c.tier.wait()
             wait_pending(raise_error=True)
-            dist.barrier()
+            _sync()
             os.kill(os.getpid(), signal.SIGKILL)
     out = {}
     for c in cases:
@@ -175,7 +181,7 @@ def _prepare(workdir: str, scenario: str, rank: int, node: int, local_rank: int,
         shutil.rmtree(root, ignore_errors=True)
         if not (scenario == "both" or (scenario == "node1" and node == 1)):
             shutil.copytree(os.path.join(bak, f"node{node}"), root)
-    dist.barrier()
+    _sync()
     for c in cases:
         if scenario == "agree":  # rank 1 has only step-5 copies: its own, and the one rank 0 holds for it
             names = {0: ["rank00000.peer"], 1: ["rank00001.own", "rank00001.peer"]}.get(rank, [])
@@ -183,7 +189,7 @@ def _prepare(workdir: str, scenario: str, rank: int, node: int, local_rank: int,
                 shutil.copy(os.path.join(c.workdir, "kept", name), os.path.join(c.tier.copies.dir, name))
         if scenario == "corrupt" and rank == 1:
             _flip_bit(c.tier.copies.own_path())
-    dist.barrier()
+    _sync()
 
 
 def restore(args, rank, world) -> dict:
@@ -197,6 +203,12 @@ def restore(args, rank, world) -> dict:
             restored = {c.name: c.tier.restore() for c in cases}
             starts = {r.step for r in restored.values()}
             assert len(starts) == 1, starts
+            if scenario == "world1":  # copies of a 2-rank job: refused (world size), storage resharded to 1 rank
+                for c in cases:
+                    c.tier.close()
+                    got = restored[c.name]
+                    out[f"{scenario}/{c.name}"] = dict(step=got.step, sources=got.sources, extra=dict(got))
+                continue
             done = train_to_end(cases, starts.pop(), args.total)
             for c in cases:
                 c.tier.close()
@@ -215,7 +227,7 @@ def restore(args, rank, world) -> dict:
                 )
         except Exception:
             out[scenario] = {"error": traceback.format_exc()}
-        dist.barrier()
+        _sync()
     return out
 
 
