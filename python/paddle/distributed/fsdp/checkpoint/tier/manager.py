@@ -93,11 +93,13 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ plumbing
     def tier_group(self):
-        """The tier's own process group: peer transfers run on a background thread, never on the training's."""
+        """The tier's own two process groups (peers.transfer: one per direction): peer transfers run on a
+        background thread, never on the training's group. Collective when first called."""
         if self._group is None and self.world > 1 and self.partners:
             from ...topology import new_group  # with the barrier gloo needs after it
 
-            self._group = new_group(list(range(self.world)))
+            ranks = list(range(self.world))
+            self._group = (new_group(ranks), new_group(ranks))
         return self._group
 
     def expect(self) -> dict:
