@@ -191,6 +191,28 @@ def test_partner_maps():
             peers.check_partners(bad, 4)
 
 
+def test_bad_arguments_are_refused_by_name(tmp_path):
+    import paddle
+    from paddle.distributed.fsdp import FullyShardFusion
+    from paddle.distributed.fsdp.checkpoint import CheckpointError
+    from paddle.distributed.fsdp.checkpoint.tier import MemoryTier, MemoryTierError
+
+    model = paddle.nn.Sequential(paddle.nn.Linear(4, 4), paddle.nn.Linear(4, 2))
+    fsdp = FullyShardFusion(model)
+    opt = paddle.optimizer.AdamW(0.01, parameters=model.parameters())
+    ok = dict(durable_root=str(tmp_path / "d"), memory_root=str(tmp_path / "m"))
+    for bad in ({"durable_root": ""}, {"persist_every": 0}, {"quota_bytes": -1}, {"memory_root": 3},
+                {"job_id": "a/b"}, {"keep_last": 0}, {"partners": {0: 0}}):  # fmt: skip
+        with pytest.raises(CheckpointError):
+            MemoryTier(fsdp, opt, **dict(ok, **bad))
+    with pytest.raises(CheckpointError, match="checksum"):
+        MemoryTier(fsdp, opt, checksum="md5", **ok)
+    tier = MemoryTier(fsdp, opt, **ok)
+    with pytest.raises(MemoryTierError, match="step"):
+        tier.save(-1)
+    assert tier.restore() is None and tier.start_step == 0  # nothing stored anywhere: a fresh start
+
+
 TOTAL, CRASH, KEEP = 8, 6, 5
 MODELS = ("tiny", "qwen3")
 

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 
+from .. import checksums
 from . import peers
 from .copies import Background, Copies, SaveIntoSlot, header_capacity, offsets_of
 from .errors import MemoryTierError, MemoryTierFullError
@@ -64,6 +65,13 @@ class MemoryTier:
             raise MemoryTierError(f"durable_root must be a non-empty path, got {durable_root!r}")
         if type(persist_every) is not int or persist_every < 1:
             raise MemoryTierError(f"persist_every must be an int >= 1, got {persist_every!r}")
+        if memory_root is not None and (not isinstance(memory_root, str) or not memory_root):
+            raise MemoryTierError(f"memory_root must be a non-empty path, got {memory_root!r}")
+        if job_id is not None and (not isinstance(job_id, str) or not job_id or "/" in job_id or job_id[0] == "."):
+            raise MemoryTierError(f"job_id must be a non-empty name without '/', got {job_id!r}")
+        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+            raise MemoryTierError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+        checksums.default_algorithm(checksum)  # CheckpointError for an unknown algorithm
         if quota_bytes is None and os.environ.get(QUOTA_ENV):
             quota_bytes = _env_int(QUOTA_ENV)
         if quota_bytes is not None and (type(quota_bytes) is not int or quota_bytes < 0):
