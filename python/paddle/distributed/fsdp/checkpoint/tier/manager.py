@@ -46,6 +46,9 @@ def _env_int(name: str) -> int:
 
 
 class MemoryTier:
+    """Memory checkpoints of one FullyShardFusion model (+ optimizer) with peer copies and background persistence
+    (see the module docstring). Every method that takes part in collectives is called by every rank alike."""
+
     def __init__(
         self,
         fsdp,
@@ -124,13 +127,15 @@ class MemoryTier:
         err = None
         try:
             self.copies.allocate(sizes, self.source, self.quota)
-        except MemoryTierFullError as e:
+        except (MemoryTierFullError, OSError) as e:  # OSError: an unusable root (permissions, not a directory)
             err = e
-        failed = [(r, msg) for r, msg in enumerate(self.fsdp.comm.all_gather_object(str(err) if err else None)) if msg]
+        status = (type(err).__name__, str(err)) if err else None
+        failed = [(r, st) for r, st in enumerate(self.fsdp.comm.all_gather_object(status)) if st]
         if failed:
             self.copies.remove()
-            r, msg = failed[0]
-            self.disabled_reason = MemoryTierFullError(f"memory tier disabled (rank {r}): {msg}")
+            r, (kind, msg) = failed[0]
+            cls = MemoryTierFullError if kind == "MemoryTierFullError" else MemoryTierError
+            self.disabled_reason = cls(f"memory tier disabled (rank {r}): {msg}")
             logger.error("%s; saves go to durable storage %s instead", self.disabled_reason, self.durable_root)
             return
         self.tier_group()
@@ -159,11 +164,18 @@ class MemoryTier:
             self.persist(step, extra_state)
 
     def _finish_save(self, job: SaveIntoSlot) -> None:
+        """Background: finish the copy, then the peer exchange, which runs even when this rank's copy failed (it
+        then sends a copy still marked "writing", never used): the partner is waiting for it."""
+        error = None
         try:
             job.finish()
+        except BaseException as e:  # noqa: BLE001 - re-raised after the exchange
+            error = e
         finally:
             job.release_guard()
         self._exchange()
+        if error is not None:
+            raise error
 
     def _exchange(self) -> None:
         """Send the own slot to its holder, receive the copy this rank holds (every rank, same order)."""
