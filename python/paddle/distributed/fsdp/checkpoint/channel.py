@@ -77,8 +77,44 @@ def _client(role: str):
                 raise ConnectionRefusedError(f"the job's TCP store at {ep[0]}:{ep[1]} does not answer")
             import paddle.base.core as core
 
+            before = _socket_fds()
             c = _clients[role] = core.TCPStore(ep[0], ep[1], False, 0, 60)
+            _no_delay(_socket_fds() - before, ep[1])
         return c
+
+
+def _socket_fds() -> set[int]:
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # not Linux: the client keeps Nagle's algorithm (correct, ~40 ms a request)
+        return set()
+    out = set()
+    for n in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{n}").startswith("socket:"):
+                out.add(int(n))
+        except OSError:
+            pass
+    return out
+
+
+def _no_delay(fds: set[int], port: int) -> None:
+    """TCP_NODELAY on the new client sockets to the store. Why: paddle's client sends a request in several small
+    writes and waits for the reply, so Nagle's algorithm against the server's delayed ACK costs ~40 ms a request
+    (measured: 40-44 ms an ``add``; 0.05 ms with TCP_NODELAY). The option is set on a duplicate descriptor of the
+    same socket."""
+    for fd in fds:
+        try:
+            sk = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if sk.type == socket.SOCK_STREAM and sk.getpeername()[1] == port:
+                sk.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except (OSError, IndexError, TypeError):
+            pass
+        finally:
+            sk.close()
 
 
 def _drop_client(role: str, client) -> None:
