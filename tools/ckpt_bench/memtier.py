@@ -85,7 +85,7 @@ def _restore(ps: PaddleState, comm: Comm, fn, want: int) -> tuple[float, object]
 
 def run_memtier(args) -> dict:
     import paddle.distributed as dist
-    from paddle.distributed.fsdp.checkpoint.tier import MemoryTier
+    from paddle.distributed.fsdp.memtier import MemoryTier
 
     comm = Comm()
     rank, world = dist.get_rank(), dist.get_world_size()

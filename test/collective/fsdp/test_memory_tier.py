@@ -1,4 +1,4 @@
-"""The memory tier (checkpoint/tier/): copies in shared memory, peer copies on another node, the restart rule.
+"""The memory tier (memtier/): copies in shared memory, peer copies on another node, the restart rule.
 
 * unit: damaged copies (every single flipped byte of a seeded sample, truncation, interrupted writes, another
   job / world size / rank) are refused, never loaded; a memory root too small is MemoryTierFullError before
@@ -23,15 +23,15 @@ import numpy as np
 import pytest
 from nodes import launch_nodes, tails
 from paddle.distributed.fsdp.checkpoint import checksums, verify_checkpoint
-from paddle.distributed.fsdp.checkpoint.tier import (
+from paddle.distributed.fsdp.memtier import (
     InvalidMemoryCopyError,
     MemoryTierFullError,
     NoCommonStepError,
     agreement,
     peers,
 )
-from paddle.distributed.fsdp.checkpoint.tier.copies import Copies, offsets_of, read_copy
-from paddle.distributed.fsdp.checkpoint.tier.slot import Slot
+from paddle.distributed.fsdp.memtier.copies import Copies, offsets_of, read_copy
+from paddle.distributed.fsdp.memtier.slot import Slot
 
 EXPECT = {"job": "j1", "world": 2, "rank": 1}
 
@@ -115,7 +115,7 @@ def test_too_small_memory_root_is_a_named_error(tmp_path):
         assert not os.path.exists(copies.own_path()) and not os.path.exists(copies.peer_path())
         # the free-space check passed but posix_fallocate cannot reserve the blocks: named error, no file left
         (small / "filler").write_bytes(b"\0" * (700 << 10))
-        import paddle.distributed.fsdp.checkpoint.tier.slot as slot_mod
+        import paddle.distributed.fsdp.memtier.slot as slot_mod
 
         real = slot_mod.free_bytes
         slot_mod.free_bytes = lambda root: 1 << 40
@@ -195,7 +195,7 @@ def test_bad_arguments_are_refused_by_name(tmp_path):
     import paddle
     from paddle.distributed.fsdp import FullyShardFusion
     from paddle.distributed.fsdp.checkpoint import CheckpointError
-    from paddle.distributed.fsdp.checkpoint.tier import MemoryTier, MemoryTierError
+    from paddle.distributed.fsdp.memtier import MemoryTier, MemoryTierError
 
     model = paddle.nn.Sequential(paddle.nn.Linear(4, 4), paddle.nn.Linear(4, 2))
     fsdp = FullyShardFusion(model)

@@ -221,9 +221,9 @@ class FullyShardFusion:
         return save_checkpoint(self, path, optimizer=optimizer, extra_state=extra_state, **kwargs)
 
     def memory_tier(self, optimizer=None, *, durable_root: str, **kwargs):
-        """A MemoryTier (checkpoint/tier/manager.py) over this model and ``optimizer``, already restored (collective):
+        """A MemoryTier (memtier/manager.py) over this model and ``optimizer``, already restored (collective):
         ``tier.start_step`` is the step every rank resumed from (0: a fresh start), ``tier.restored`` the result."""
-        from .checkpoint.tier import MemoryTier
+        from .memtier import MemoryTier
 
         tier = MemoryTier(self, optimizer, durable_root=durable_root, **kwargs)
         tier.restore()

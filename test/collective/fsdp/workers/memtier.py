@@ -40,8 +40,8 @@ from launch_util import report
 from models import global_batches, make_model
 from paddle.distributed.fsdp import FullyShardFusion
 from paddle.distributed.fsdp.checkpoint.save import wait_pending
-from paddle.distributed.fsdp.checkpoint.tier import MemoryTier
-from paddle.distributed.fsdp.checkpoint.tier.slot import Slot
+from paddle.distributed.fsdp.memtier import MemoryTier
+from paddle.distributed.fsdp.memtier.slot import Slot
 from training import records, train
 
 BATCH, PERSIST_EVERY = 8, 4

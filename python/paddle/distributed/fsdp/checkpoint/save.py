@@ -259,9 +259,7 @@ def _save_locked(
     tr = Tracer("save (calling thread)", opts)
     wait_pending(raise_error=True)
     tr.mark("wait-previous")
-    path = os.fspath(path)
-    if "://" not in path:
-        path = os.path.abspath(path)
+    path = os.fspath(path) if "://" in os.fspath(path) else os.path.abspath(os.fspath(path))
     comm = Comm(process_group)
     if not 0 <= coordinator_rank < comm.world:
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
@@ -274,32 +272,18 @@ def _save_locked(
     rank_values = {key: local.values[key] for key in per_rank_values if key in local.values}
     local.values.update(dict.fromkeys(rank_values))  # the key still goes with the exchange (its checks)
     checkpoint_id, algorithm, assignment, values = _exchange_and_assign(comm, local, coordinator_rank, tr, path)
-    # different or node-local directories: fail now on every rank, not at the commit timeout
-    _check_names(local.all_paths, coordinator_rank)
-    storage = opts.storage_for(path)
-    channel = open_channel(checkpoint_id, comm.rank, comm.world, coordinator_rank, opts.heartbeat_lease)
-    try:
-        staging = storage.begin(path, checkpoint_id)
-    except BaseException as e:
-        channel.fail(cause(e))
-        channel.close()
-        raise SaveFailedError(f"save to {path} failed: rank {comm.rank} failed: {cause(e)}") from e
+    _check_names(local.all_paths, coordinator_rank)  # decided alike on every rank, from the exchange
+    storage, channel, staging = _open(path, checkpoint_id, comm, coordinator_rank, opts)
     my_keys = assignment.keys_of(comm.rank)
-    snap = plan = None
-    try:
-        if async_save:
-            snap = _snapshot(my_keys, local, deferred_keys, opts)
-            arrays, keep, release = snap.arrays, snap.keep, snap.written
-        else:
-            plan = lay_out_files(assignment, values, checkpoint_id)
-            arrays, keep, release = _piece_sources(my_keys, local)
-    except BaseException as e:  # the coordinator must not wait for this rank until the timeout
-        channel.fail(cause(e))
-        mark_failed(storage, staging, comm.rank, e)
-        channel.close()
-        if isinstance(e, Exception) and not isinstance(e, CheckpointError):
-            raise SaveFailedError(f"save to {staging} failed: rank {comm.rank} failed: {cause(e)}") from e
-        raise
+    snap, plan, arrays, keep, release = _sources(
+        my_keys,
+        local,
+        async_save,
+        deferred_keys,
+        opts,
+        (assignment, values, checkpoint_id),
+        (channel, storage, staging),
+    )
     tr.mark("snapshot (volatile part)" if async_save else "views")
     job = SaveJob(
         path=path,
@@ -407,6 +391,37 @@ def _exchange_and_assign(comm: Comm, local: _Local, coordinator_rank: int, tr: T
     return checkpoint_id, algorithm, assignment, values
 
 
+def _open(path: str, checkpoint_id: str, comm: Comm, coordinator_rank: int, opts: CheckpointOptions):
+    """The save's storage backend, its channel (heartbeat starts) and its staging location."""
+    storage = opts.storage_for(path)
+    channel = open_channel(checkpoint_id, comm.rank, comm.world, coordinator_rank, opts.heartbeat_lease)
+    try:
+        return storage, channel, storage.begin(path, checkpoint_id)
+    except BaseException as e:
+        channel.fail(cause(e))
+        channel.close()
+        raise SaveFailedError(f"save to {path} failed: rank {comm.rank} failed: {cause(e)}") from e
+
+
+def _sources(keys, local: _Local, async_save: bool, deferred_keys, opts: CheckpointOptions, layout_of, where):
+    """Step 3: ``(snapshot, plan, arrays, keepalive, release)``; a failure is told to every rank at once."""
+    channel, storage, staging = where
+    snap = plan = None
+    try:
+        if async_save:
+            snap = _snapshot(keys, local, deferred_keys, opts)
+            return snap, plan, snap.arrays, snap.keep, snap.written
+        plan = lay_out_files(*layout_of)
+        return (snap, plan, *_piece_sources(keys, local))
+    except BaseException as e:  # the coordinator must not wait for this rank until the timeout
+        channel.fail(cause(e))
+        mark_failed(storage, staging, channel.rank, e)
+        channel.close()
+        if isinstance(e, Exception) and not isinstance(e, CheckpointError):
+            raise SaveFailedError(f"save to {staging} failed: rank {channel.rank} failed: {cause(e)}") from e
+        raise
+
+
 @gc_paused()
 def _piece_sources(keys: list[str], local: _Local) -> tuple[list, list, Any]:
     """Step 3 of a sync save: what this rank writes, in layout order: lazy views of the tensors' own memory (a
@@ -455,3 +470,9 @@ def _start_in_background(job: SaveJob, path: str, checkpoint_id: str) -> SaveHan
         job.channel.close()
 
     return start_in_background(SaveHandle(path, checkpoint_id), job.run, cancel)
+
+
+def forget_assignments() -> None:
+    """Forget the write assignments remembered between saves (tests)."""
+    with _save_lock:
+        _assignments.clear()

@@ -194,3 +194,9 @@ def _install() -> None:
             wrapped = _guard_apply_optimize(Optimizer._apply_optimize)
             Optimizer._apply_optimize = wrapped
         _installed = True
+
+
+def copies_in_flight() -> int:
+    """Snapshots whose background copy is still running."""
+    with _lock:
+        return len(_inflight)

@@ -3,8 +3,8 @@
 ``dispatch.py`` decides who serves a call (this engine or stock's save; this engine or ``loader.py`` for loads);
 ``unpickler.py`` reads stock's pickled metadata and ``.distcp`` files without executing code; ``index.py`` turns
 stock checkpoints, Hugging Face safetensors directories and ours into one piece index; ``loader.py`` (with
-``boxes.py``, ``targets.py``, ``aoa.py``) loads from it; ``directories.py`` holds the shared-directory check and
-the adoption of foreign entries used by the engine's save.
+``boxes.py``, ``targets.py``, ``aoa.py``) loads from it. (The shared-directory check is gone: saves commit
+through the TCP store and work on node-local disks; the adoption of other tools' files is io/local.py's.)
 """
 
 from .dispatch import classify, load_state_dict, save_state_dict  # noqa: F401

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import CheckpointError
+from ..checkpoint.errors import CheckpointError
 
 
 class MemoryTierError(CheckpointError):

@@ -15,7 +15,7 @@ import threading
 
 import numpy as np
 
-from .. import checksums, host_memory, snapshot, snapshot_guard
+from ..checkpoint import checksums, host_memory, snapshot, snapshot_guard
 from .errors import InvalidMemoryCopyError, MemoryTierFullError
 from .slot import Slot, aligned
 

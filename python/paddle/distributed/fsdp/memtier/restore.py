@@ -19,10 +19,10 @@ import logging
 import os
 import time
 
-from ..errors import rebuild_remote_error
-from ..format.reserved import EXTRA_KEY
-from ..io.storage import backend_for
-from ..manager import committed_steps, step_dir_name
+from ..checkpoint.errors import rebuild_remote_error
+from ..checkpoint.format.reserved import EXTRA_KEY
+from ..checkpoint.io.storage import backend_for
+from ..checkpoint.manager import committed_steps, step_dir_name
 from . import agreement, peers
 from .copies import read_copy
 from .errors import InvalidMemoryCopyError, MemoryTierError
@@ -123,7 +123,7 @@ class Restore:
                             self.rank, name, header["step"], step)  # fmt: skip
 
     def from_storage(self, decision) -> RestoreResult:
-        from ...state.resume import load_checkpoint
+        from ..state.resume import load_checkpoint
 
         root = self.tier.durable_root
         path = backend_for(root).child(root, step_dir_name(decision.step))

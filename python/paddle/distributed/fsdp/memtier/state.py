@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import host_memory
-from ..errors import InvalidStateDictError
-from ..format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RNG_KEY
-from ..records import TensorRecord, collect
+from ..checkpoint import host_memory
+from ..checkpoint.errors import InvalidStateDictError
+from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RNG_KEY
+from ..checkpoint.records import TensorRecord, collect
 from .errors import InvalidMemoryCopyError
 
 
@@ -50,8 +50,8 @@ def tensor_state(fsdp, optimizer) -> TierState:
 
 def capture_values(fsdp, optimizer, extra_state: dict | None) -> dict:
     """The JSON values of a save, captured at the call (they change right after it)."""
-    from ...state import optimizer_states as names
-    from ...state import rng
+    from ..state import optimizer_states as names
+    from ..state import rng
 
     values = {EXTRA_KEY: dict(extra_state or {}), RNG_KEY: rng.capture()}
     if optimizer is not None:
@@ -62,8 +62,8 @@ def capture_values(fsdp, optimizer, extra_state: dict | None) -> dict:
 
 def decode_values(fsdp, optimizer, values: dict, where: str):
     """Check the JSON values of a copy before anything is written; returns the function applying them."""
-    from ...state import optimizer_states as names
-    from ...state import rng
+    from ..state import optimizer_states as names
+    from ..state import rng
 
     apply_opt = None
     if optimizer is not None:

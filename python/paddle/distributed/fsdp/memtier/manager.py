@@ -23,7 +23,7 @@ import json
 import logging
 import os
 
-from .. import checksums
+from ..checkpoint import checksums
 from . import peers
 from .copies import Background, Copies, SaveIntoSlot, header_capacity, offsets_of
 from .errors import MemoryTierError, MemoryTierFullError
@@ -107,7 +107,7 @@ class MemoryTier:
         """The tier's own two process groups (peers.transfer: one per direction): peer transfers run on a
         background thread, never on the training's group. Collective when first called."""
         if self._group is None and self.world > 1 and self.partners:
-            from ...topology import new_group  # with the barrier gloo needs after it
+            from ..topology import new_group  # with the barrier gloo needs after it
 
             ranks = list(range(self.world))
             self._group = (new_group(ranks), new_group(ranks))
@@ -189,7 +189,7 @@ class MemoryTier:
         peers.transfer(self.tier_group(), self.rank, transfers, own, held)
 
     def persist(self, step: int, extra_state: dict | None, async_save: bool = True) -> None:
-        from ...state.resume import save_checkpoint
+        from ..state.resume import save_checkpoint
 
         self._persist_handle = save_checkpoint(
             self.fsdp,
@@ -207,7 +207,7 @@ class MemoryTier:
         otherwise): between persists the tier's host memory stays at its two copies."""
         handle = self._persist_handle
         if handle is not None and handle.done() and self.disabled_reason is None:
-            from ..save import release_host_buffers
+            from ..checkpoint.save import release_host_buffers
 
             release_host_buffers()
             self._persist_handle = None
@@ -222,7 +222,7 @@ class MemoryTier:
         """End of the job: wait for the last save; remove this rank's memory copies (a clean end) when ``remove``."""
         self._bg.wait()
         self._unmap()
-        from ..save import wait_pending
+        from ..checkpoint.save import wait_pending
 
         wait_pending(raise_error=False)
         if remove:

@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ..checkpoint.errors import CheckpointError
 
 PIECE_BYTES = 256 << 20
 

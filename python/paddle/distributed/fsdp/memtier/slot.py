@@ -28,7 +28,7 @@ import struct
 
 import numpy as np
 
-from .. import checksums
+from ..checkpoint import checksums
 from .errors import InvalidMemoryCopyError, MemoryTierFullError
 
 MAGIC = b"FSDPMEM1"

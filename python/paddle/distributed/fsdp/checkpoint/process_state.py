@@ -1,0 +1,38 @@
+"""Every piece of process-wide state of the checkpoint engine, and one reset for tests.
+
+Why: module singletons make tests depend on their order; listing them in one place shows what a process carries
+from one save or load to the next, and ``reset_process_state()`` puts every resettable one back to its state at
+import. The README table "What the fork patches in paddle, and what a process keeps" lists the same entries.
+"""
+
+from __future__ import annotations
+
+from . import background, channel, checksums, faults, save, snapshot_guard
+
+# (module, attribute, what it holds, how it is reset)
+PROCESS_STATE = (
+    ("background", "_pending", "this process's save in flight (the next save or load waits for it)", "waited for"),
+    ("background", "_worker", "the one background save thread (started at the first async save)", "kept"),
+    ("save", "_assignments", "write assignments remembered between saves of the same records", "cleared"),
+    ("channel", "_clients", "TCP store clients (save thread, heartbeat thread)", "dropped"),
+    ("host_memory", "arena", "the resident snapshot buffer of async saves", "release_host_buffers()"),
+    ("snapshot", "_staging", "pinned host staging of device snapshots", "kept"),
+    ("snapshot_guard", "_inflight / _installed", "snapshots being copied; the in-place write guard", "checked"),
+    ("reader", "_pools", "checksum thread pools, one per size", "kept"),
+    ("gc_pause", "_depth", "pauses of Python's cyclic GC in progress", "must be 0"),
+    ("faults", "_counts", "test-only fault hook arrivals", "cleared"),
+    ("checksums", "_warned_fallback", "the crc32 fallback warning was logged", "cleared"),
+    ("io.storage", "_schemes", "registered storage backends by URL scheme", "kept"),
+)
+
+
+def reset_process_state() -> None:
+    """Wait for a save in flight, then reset every resettable process-wide state (see PROCESS_STATE). Tests
+    only: a training process has no reason to call it."""
+    background.forget_pending()
+    save.forget_assignments()
+    channel.reset_clients()
+    faults.reset()
+    checksums.reset_warning()
+    if snapshot_guard.copies_in_flight():
+        raise RuntimeError("reset_process_state: a snapshot copy is still running")
