@@ -294,6 +294,15 @@ class FullyShardFusion:
         check_keywords("save_checkpoint", kwargs, keyword_names(save_checkpoint, ("fsdp",)))
         return save_checkpoint(self, path, optimizer=optimizer, extra_state=extra_state, **kwargs)
 
+    def memory_tier(self, optimizer=None, *, durable_root: str, **kwargs):
+        """A MemoryTier (memtier/manager.py) over this model and ``optimizer``, already restored (collective):
+        ``tier.start_step`` is the step every rank resumed from (0: a fresh start), ``tier.restored`` the result."""
+        from .memtier import MemoryTier
+
+        tier = MemoryTier(self, optimizer, durable_root=durable_root, **kwargs)
+        tier.restore()
+        return tier
+
     def load_checkpoint(self, path: str, optimizer=None, **kwargs) -> dict:
         """Restore what :meth:`save_checkpoint` wrote (a checkpoint, or a root: its ``latest``).
 
