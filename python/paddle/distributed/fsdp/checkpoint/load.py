@@ -72,6 +72,7 @@ from .directory import read_metadata, removed_or
 from .errors import CheckpointError, CorruptCheckpointError, InvalidStateDictError, MissingKeyError
 from .format.metadata import CheckpointMetadata
 from .gc_pause import gc_paused
+from .keywords import STOCK_LOAD_KEYWORDS, check_keywords, keyword_names
 from .load_atomic import AtomicLoadJob
 from .load_bounded import BoundedLoadJob
 from .load_checks import check_coverage, check_data_files, named_read_error, staging_tensor
@@ -120,10 +121,14 @@ def load_state_dict(
     ``_metadata``: the metadata of ``path`` as its caller read it a moment ago (load_checkpoint), so that it is
     not read and parsed twice; everything is still checked against it, and the ranks still compare checkpoint ids.
 
+    Stock's keywords (``unique_id``, ``offload``, ``safetensors``, ...) are accepted and ignored (``aoa_config``
+    refused); any other keyword is a TypeError naming the nearest valid one (keywords.py).
+
     Steps (``_LoadJob``, atomic): validate -> plan -> read -> exchange -> commit; nothing a target holds changes
     before the exchange has shown that every rank validated and read everything (in-place reads keep an undo
     copy). ``_BoundedLoadJob`` (default): validate -> prepare -> exchange -> read into the targets -> exchange.
     """
+    check_keywords("load_state_dict", unused_stock_kwargs, keyword_names(load_state_dict) + STOCK_LOAD_KEYWORDS)
     if unused_stock_kwargs.get("aoa_config") is not None:
         raise InvalidStateDictError("aoa_config is not supported by the FSDP checkpoint engine")
     try:

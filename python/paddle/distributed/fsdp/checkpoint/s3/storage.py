@@ -211,7 +211,7 @@ class S3Storage(Storage):
         if current is not None:  # the replaced version goes only now that the new pointer exists
             self._remove_prefix(objs, self._join(fprefix, current[0]))
 
-    def remove(self, location: str) -> None:
+    def remove(self, location: str, wait: bool = False) -> None:
         objs, prefix = self._split(location)
         head, _, last = prefix.rpartition("/")
         if last.startswith(VERSION) and (self._pointer(objs, head) or ("",))[0] == last:
