@@ -121,8 +121,8 @@ class S3Storage(Storage):
 
     def list(self, location: str) -> list[str]:
         objs, prefix = self._resolve(location)
-        found, _ = objs.list_level(prefix)
-        return sorted(o.name for o in found if not o.name.startswith(HIDDEN))
+        found, _ = objs.list_level(prefix)  # ("" is a file-system-backed store's directory entry, no object)
+        return sorted(o.name for o in found if o.name and not o.name.startswith(HIDDEN))
 
     def exists(self, location: str) -> bool:
         objs, prefix = self._split(location)
@@ -218,6 +218,10 @@ class S3Storage(Storage):
             return  # a published staging is gone (it is final's content): as for a renamed local staging
         objs.delete([self._join(prefix, POINTER)])  # first: the checkpoint stops being visible at once
         self._remove_prefix(objs, prefix)
+        if last.startswith(VERSION):  # an abandoned staging: its never-published final goes too when left empty
+            found, dirs = objs.list_level(head)
+            if not any(o.name for o in found) and not dirs:
+                objs.delete([head + "/"])
 
     def _remove_prefix(self, objs: S3Objects, prefix: str) -> None:
         objs.abort_pending(prefix + "/")  # uploads of a writer killed mid-save: no orphan parts left billing
