@@ -15,6 +15,7 @@ import pytest
 import xxhash
 from paddle.distributed.fsdp.checkpoint import checksums, ranges, reader, streamed
 from paddle.distributed.fsdp.checkpoint.format.metadata import PieceMeta
+from paddle.distributed.fsdp.checkpoint.read_ops import RangeRead
 
 KIB = 1 << 10
 ALGORITHMS = {checksums.XXH3_64: xxhash.xxh3_64_intdigest, checksums.CRC32: zlib.crc32}
@@ -78,7 +79,9 @@ def test_stream_ranges_delivers_the_file_bytes_of_random_ranges(tmp_path, seed, 
     outs = [np.full(b - a, 0xEE, np.uint8) for _p, a, b in ranges]
     files = _files(tmp_path, len(data), algorithm, odirect)
     try:
-        streamed.stream_ranges(files, [(p.name, p, a, b, o) for (p, a, b), o in zip(ranges, outs)], chunk, True, ring)
+        streamed.stream_ranges(
+            files, [RangeRead(p.name, p, a, b, o) for (p, a, b), o in zip(ranges, outs)], chunk, True, ring
+        )
     finally:
         files.close()
     for (p, a, b), o in zip(ranges, outs):
@@ -103,10 +106,12 @@ def test_a_flipped_byte_in_any_chunk_a_range_touches_is_found(tmp_path, seed):
     files = _files(tmp_path, len(data), checksums.XXH3_64, seed % 2 == 0)
     try:
         with pytest.raises(ck.CorruptCheckpointError, match=f"chunk {where // chunk},"):
-            streamed.stream_ranges(files, [(p.name, p, a, b, np.empty(b - a, np.uint8))], chunk, True, 256 * KIB)
+            streamed.stream_ranges(
+                files, [RangeRead(p.name, p, a, b, np.empty(b - a, np.uint8))], chunk, True, 256 * KIB
+            )
         # unverified reads deliver the (damaged) bytes as they are
         out = np.empty(b - a, np.uint8)
-        streamed.stream_ranges(files, [(p.name, p, a, b, out)], chunk, False, 256 * KIB)
+        streamed.stream_ranges(files, [RangeRead(p.name, p, a, b, out)], chunk, False, 256 * KIB)
         assert np.array_equal(out, bad[p.offset + a : p.offset + b])
     finally:
         files.close()
@@ -125,7 +130,7 @@ def test_a_short_file_is_corrupt_and_the_reader_thread_stops(tmp_path):
     try:
         with pytest.raises(ck.CorruptCheckpointError, match="ends at byte"):
             streamed.stream_ranges(
-                files, [(p.name, p, 0, p.nbytes, np.empty(p.nbytes, np.uint8))], 64 * KIB, True, 128 * KIB
+                files, [RangeRead(p.name, p, 0, p.nbytes, np.empty(p.nbytes, np.uint8))], 64 * KIB, True, 128 * KIB
             )
     finally:
         files.close()
@@ -142,7 +147,9 @@ def test_an_error_while_copying_stops_the_reader_thread(tmp_path):
     files = _files(tmp_path, len(data), checksums.CRC32, False)
     try:
         with pytest.raises(ValueError):
-            streamed.stream_ranges(files, [(p.name, p, 0, p.nbytes, np.empty(3, np.uint8))], 4 * KIB, True, 16 * KIB)
+            streamed.stream_ranges(
+                files, [RangeRead(p.name, p, 0, p.nbytes, np.empty(3, np.uint8))], 4 * KIB, True, 16 * KIB
+            )
     finally:
         files.close()
     assert threading.active_count() == threads

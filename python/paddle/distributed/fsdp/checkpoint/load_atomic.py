@@ -15,23 +15,24 @@ from .inplace import InPlaceReads
 from .load_checks import named_read_error, staging_tensor
 from .load_job import LoadJob, Target
 from .ranges import SpanRead, read_spans
+from .read_ops import SpanPlan, TargetRead
 from .reader import DIRECT_ALIGN, FileSet
 from .regions import read_deferred, read_region, region_segments
 
 
-def _in_place_regions(reads: list, enabled: bool = True) -> tuple[list, list]:
-    """Split the fast-path reads ``(target, piece, a, b, dst)`` into regions read in place (inplace.py) and the
+def _in_place_regions(reads: list[TargetRead], enabled: bool = True) -> tuple[list, list[TargetRead]]:
+    """Split the fast-path reads into regions read in place (inplace.py: ``(key, piece, target bytes)``) and the
     rest. A target is read in place when each of its reads is a whole saved piece (no chunk widening: the piece's
     chunks are the target's bytes) and its memory overlaps no other such target. Regions come in file order.
     ``enabled=False`` (CheckpointOptions.in_place) reads nothing in place."""
     if not enabled:
         return [], reads
-    by_target: dict[int, list] = {}
+    by_target: dict[int, list[TargetRead]] = {}
     for r in reads:
-        by_target.setdefault(id(r[0]), []).append(r)
-    whole = [rs for rs in by_target.values() if all(a == 0 and b == piece.nbytes for _t, piece, a, b, _d in rs)]
+        by_target.setdefault(id(r.target), []).append(r)
+    whole = [rs for rs in by_target.values() if all(r.whole_piece for r in rs)]
     spans = sorted(
-        (rs[0][0].tensor.data_ptr(), host_memory.raw_view(rs[0][0].tensor, allow_copy=False)[0].nbytes, i)
+        (rs[0].target.tensor.data_ptr(), host_memory.raw_view(rs[0].target.tensor, allow_copy=False)[0].nbytes, i)
         for i, rs in enumerate(whole)
     )
     aliased, end, widest = set(), -1, -1  # widest: the interval reaching furthest so far
@@ -40,15 +41,14 @@ def _in_place_regions(reads: list, enabled: bool = True) -> tuple[list, list]:
             aliased.update((i, widest))
         if ptr + n > end:
             end, widest = ptr + n, i
-    chosen = {id(rs[0][0]) for i, rs in enumerate(whole) if i not in aliased}
+    chosen = {id(rs[0].target) for i, rs in enumerate(whole) if i not in aliased}
     regions, rest = [], []
     for r in reads:
-        tg, piece, a, b, d = r
-        if id(tg) not in chosen:
+        if id(r.target) not in chosen:
             rest.append(r)
             continue
-        dst, _ = host_memory.raw_view(tg.tensor, allow_copy=False)
-        regions.append((tg.key, piece, dst[d : d + (b - a)]))
+        dst, _ = host_memory.raw_view(r.target.tensor, allow_copy=False)
+        regions.append((r.target.key, r.piece, dst[r.dst : r.dst + (r.b - r.a)]))
     regions.sort(key=lambda reg: (reg[1].file, reg[1].offset))
     return regions, rest
 
@@ -56,31 +56,27 @@ def _in_place_regions(reads: list, enabled: bool = True) -> tuple[list, list]:
 _SPAN_GAP = 4096  # file ranges closer than this are read as one span (staging stays the slice + alignment)
 
 
-def _plan_spans(reads: list, chunk_bytes: int, verify: bool) -> list[list]:
-    """Group the in-place reads ``(target, piece, a, b, dst)`` into aligned file spans.
-
-    Returns ``[name, start, need, members]`` per span (``start`` aligned to DIRECT_ALIGN; ``need`` bytes from
-    there cover every member; with ``verify`` every member's range is widened to whole chunks of its piece)."""
+def _plan_spans(reads: list[TargetRead], chunk_bytes: int, verify: bool) -> list[SpanPlan]:
+    """Group the reads into file spans (``start`` aligned to DIRECT_ALIGN; with ``verify`` every member's range is
+    widened to whole chunks of its piece, and the span covers the widened ranges)."""
     C = chunk_bytes
-    ranges = []
-    for r in reads:
-        _tg, piece, a, b, _d = r
-        a0, b0 = ((a // C) * C, min(-(-b // C) * C, piece.nbytes)) if verify else (a, b)
-        ranges.append((piece.file, piece.offset + a0, piece.offset + b0, r, a0, b0))
-    ranges.sort(key=lambda x: (x[0], x[1]))
-    spans: list[list] = []
-    for name, fs, fe, r, a0, b0 in ranges:
-        if spans and spans[-1][0] == name and fs <= spans[-1][2] + _SPAN_GAP:
-            spans[-1][2] = max(spans[-1][2], fe)
-            spans[-1][3].append((r, a0, b0))
+
+    def widened(r: TargetRead) -> tuple[int, int]:
+        return ((r.a // C) * C, min(-(-r.b // C) * C, r.piece.nbytes)) if verify else (r.a, r.b)
+
+    spans: list[SpanPlan] = []
+    for r in sorted(reads, key=lambda r: (r.piece.file, r.piece.offset + widened(r)[0])):
+        a0, b0 = widened(r)
+        fs, fe = r.piece.offset + a0, r.piece.offset + b0
+        last = spans[-1] if spans else None
+        if last is not None and last.name == r.piece.file and fs <= last.end + _SPAN_GAP:
+            last.end = max(last.end, fe)
+            last.members.append((r, a0, b0))
         else:
-            spans.append([name, fs, fe, [(r, a0, b0)]])
-    A = DIRECT_ALIGN
-    out = []
-    for name, fs, fe, members in spans:
-        start = (fs // A) * A
-        out.append([name, start, fe - start, members])
-    return out
+            spans.append(SpanPlan(r.piece.file, fs, fe, [(r, a0, b0)]))
+    for sp in spans:
+        sp.start = (sp.start // DIRECT_ALIGN) * DIRECT_ALIGN
+    return spans
 
 
 class AtomicLoadJob(LoadJob):
@@ -139,23 +135,23 @@ class AtomicLoadJob(LoadJob):
         strided). The buffer is the async-save arena when there is one, else fresh memory.
         """
         md, opts, verify = self.md, self.opts, self.verify
-        direct: list = []  # (target, piece, a, b, dst offset)
+        direct: list[TargetRead] = []
         for tg in self.targets:
             if tg.region.numel == 0:
                 continue
             segs = region_segments(self.path, md, tg.key, tg.region)
             host = host_memory.is_host_contiguous(tg.tensor)
-            if opts.host_fast_path and host and all(bool(sg[4].all()) for sg in segs):
+            if opts.host_fast_path and host and all(sg.all_big for sg in segs):
                 tg.copies = []
-                for piece, src_b, dst_b, len_b, _big in segs:
-                    for a, d, n in zip(src_b.tolist(), dst_b.tolist(), len_b.tolist()):
-                        direct.append((tg, piece, a, a + n, d))
+                for sg in segs:
+                    for a, d, n in zip(sg.src.tolist(), sg.dst.tolist(), sg.length.tolist()):
+                        direct.append(TargetRead(tg, sg.piece, a, a + n, d))
             else:
                 self.staged.append(tg)
         regions, direct = _in_place_regions(direct, opts.in_place)
         spans = _plan_spans(direct, md.chunk_bytes, verify)
         A = DIRECT_ALIGN
-        span_bytes = [-(-sp[2] // A) * A for sp in spans]
+        span_bytes = [-(-(sp.end - sp.start) // A) * A for sp in spans]
         host_staged = [tg for tg in self.staged if opts.host_fast_path and host_memory.is_host_contiguous(tg.tensor)]
         undo_bytes = sum(aligned(len(dst)) for _key, _piece, dst in regions)
         need = sum(span_bytes) + undo_bytes + sum(aligned(tg.region.numel * DTYPES[tg.dtype][0]) for tg in host_staged)
@@ -169,17 +165,17 @@ class AtomicLoadJob(LoadJob):
         if stage is None and need:
             stage = host_memory.alloc_host(need, for_direct_reads=bool(span_bytes), hugepages=opts.hugepages)
         pos = 0
-        for (name, start, n_need, members), nb in zip(spans, span_bytes):
+        for sp, nb in zip(spans, span_bytes):
             buf = stage[pos : pos + nb]
             pos += nb
             checks, seen = [], set()
-            for (tg, piece, a, b, d), a0, b0 in members:
-                lo = piece.offset + a - start
-                tg.copies.append((d, buf[lo : lo + (b - a)]))
-                if verify and (id(piece), a0, b0) not in seen:
-                    seen.add((id(piece), a0, b0))
-                    checks.append((tg.key, piece, a0, b0))
-            self.span_reads.append(SpanRead(name, start, n_need, buf, checks))
+            for r, a0, b0 in sp.members:
+                lo = r.piece.offset + r.a - sp.start
+                r.target.copies.append((r.dst, buf[lo : lo + (r.b - r.a)]))
+                if verify and (id(r.piece), a0, b0) not in seen:
+                    seen.add((id(r.piece), a0, b0))
+                    checks.append((r.target.key, r.piece, a0, b0))
+            self.span_reads.append(SpanRead(sp.name, sp.start, sp.end - sp.start, buf, checks))
         for tg in host_staged:
             n = tg.region.numel * DTYPES[tg.dtype][0]
             tg.raw = stage[pos : pos + n]

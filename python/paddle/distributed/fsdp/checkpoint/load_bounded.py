@@ -17,7 +17,7 @@ from .regions import clip_segments, read_deferred, read_region, region_segments
 def _file_position(item) -> tuple:
     """Where the first byte a planned target reads lies: ``(file, offset)`` of its earliest segment."""
     _tg, segs = item
-    return min(((p.file, p.offset + int(src[0])) for p, src, *_rest in segs if len(src)), default=("", 0))
+    return min(((sg.piece.file, sg.first_byte) for sg in segs if len(sg.src)), default=("", 0))
 
 
 class BoundedLoadJob(LoadJob):
@@ -65,7 +65,7 @@ class BoundedLoadJob(LoadJob):
                 continue
             segs = region_segments(self.path, md, tg.key, tg.region)
             for seg in segs:
-                self.files.handle(seg[0].file)  # opened and size-checked before any byte is written
+                self.files.handle(seg.piece.file)  # opened and size-checked before any byte is written
             plan.append((tg, segs))
         self.tr.mark("prepare")
         return plan

@@ -21,14 +21,13 @@ from .errors import CorruptCheckpointError
 from .format.metadata import DTYPES, CheckpointMetadata, PieceMeta
 from .host_memory import host_empty
 from .planner import Region, plan_reads
+from .read_ops import RangeRead, ScatterRead, Segments
 from .reader import DEFAULT_WINDOW, FileSet
 
 
-def region_segments(root: str, md: CheckpointMetadata, key: str, region: Region) -> list:
-    """Where the bytes of ``region`` of ``key`` are: per saved piece ``(piece, src, dst, length, big)``, byte
-    offsets (piece-relative source, region-relative destination) sorted by source; ``big`` marks the segments of
-    at least two checksum chunks (read straight, without a window buffer). Raises CorruptCheckpointError when the
-    saved pieces do not cover the region."""
+def region_segments(root: str, md: CheckpointMetadata, key: str, region: Region) -> list[Segments]:
+    """Where the bytes of ``region`` of ``key`` are: one ``Segments`` per saved piece it touches (read_ops.py).
+    Raises CorruptCheckpointError when the saved pieces do not cover the region."""
     tm = md.tensors[key]
     items, covered = plan_reads(key, tm, region)
     if covered != region.numel:
@@ -45,22 +44,23 @@ def region_segments(root: str, md: CheckpointMetadata, key: str, region: Region)
         else:  # one run (FSDP's flat pieces, whole tensors): already sorted
             src, dst, length = seg.src, seg.dst, seg.length
         len_b = length * isz
-        out.append((it.piece, src * isz, dst * isz, len_b, len_b >= 2 * md.chunk_bytes))
+        out.append(Segments(it.piece, src * isz, dst * isz, len_b, len_b >= 2 * md.chunk_bytes))
     return out
 
 
-def clip_segments(segments: list, w0: int, w1: int, chunk_bytes: int) -> list:
+def clip_segments(segments: list[Segments], w0: int, w1: int, chunk_bytes: int) -> list[Segments]:
     """The parts of ``segments`` whose destination lies in ``[w0, w1)``, destinations made relative to ``w0``
     (a window of a region, for readers that fill a bounded staging buffer one window at a time)."""
     out = []
-    for piece, src_b, dst_b, len_b, _big in segments:
+    for sg in segments:
+        src_b, dst_b, len_b = sg.src, sg.dst, sg.length
         lo = np.maximum(dst_b, w0)
         hi = np.minimum(dst_b + len_b, w1)
         keep = hi > lo
         if not keep.any():
             continue
         length = (hi - lo)[keep]
-        out.append((piece, (src_b + (lo - dst_b))[keep], lo[keep] - w0, length, length >= 2 * chunk_bytes))
+        out.append(Segments(sg.piece, (src_b + (lo - dst_b))[keep], lo[keep] - w0, length, length >= 2 * chunk_bytes))
     return out
 
 
@@ -74,7 +74,7 @@ def read_region(
     verifier: ChunkVerifier | None = None,
     deferred: list | None = None,
     window_bytes: int = DEFAULT_WINDOW,
-    segments: list | None = None,
+    segments: list[Segments] | None = None,
 ) -> None:
     """Read every element of ``region`` of ``key`` into ``out`` (uint8, region storage order).
 
@@ -90,7 +90,8 @@ def read_region(
     verify = verify and files.verifies
     if segments is None:
         segments = region_segments(files.root, md, key, region)
-    for piece, src_b, dst_b, len_b, big in segments:
+    for sg in segments:
+        piece, src_b, dst_b, len_b, big = sg.piece, sg.src, sg.dst, sg.length, sg.big
         one = len(src_b) == 1  # one run (FSDP's flat pieces, whole tensors): no masks
         if one:
             large = [(int(src_b[0]), int(dst_b[0]), int(len_b[0]))] if big[0] else []
@@ -99,7 +100,7 @@ def read_region(
         # large segments: read straight into the destination (verified in place)
         for a, d, n in large:
             if deferred is not None:
-                deferred.append((key, piece, a, a + n, out[d : d + n]))
+                deferred.append(RangeRead(key, piece, a, a + n, out[d : d + n]))
                 continue
             ranges.read_range_direct(
                 files, key, piece, a, a + n, out[d : d + n], md.chunk_bytes, verify, window_bytes, verifier
@@ -108,15 +109,16 @@ def read_region(
             continue
         masked = not one and big.any()
         small = (src_b[~big], dst_b[~big], len_b[~big]) if masked else (src_b, dst_b, len_b)
-        small = (*small, out, window_bytes)
-        if deferred is not None:  # b=None marks small segments; a = their first byte, for the file order
-            deferred.append((key, piece, int(small[0][0]), None, small))
+        scatter = ScatterRead(key, piece, *small, out, window_bytes)
+        if deferred is not None:
+            deferred.append(scatter)
             continue
-        _scatter_small(files, md, key, piece, *small[:4], verify, window_bytes)
+        _scatter_small(files, md, scatter, verify)
 
 
-def _scatter_small(files, md, key, piece, src_b, dst_b, len_b, out, verify: bool, window_bytes: int) -> None:
+def _scatter_small(files: FileSet, md: CheckpointMetadata, op: ScatterRead, verify: bool) -> None:
     """Small segments (e.g. rows of a box): read the enclosing windows once, verify, scatter."""
+    key, piece, src_b, dst_b, len_b, out, window_bytes = op.key, op.piece, op.src, op.dst, op.length, op.out, op.window
     merged: list[tuple[int, int]] = []
     for a, b in zip(src_b.tolist(), (src_b + len_b).tolist()):
         if merged and a <= merged[-1][1]:
@@ -145,12 +147,6 @@ TINY_READ = 64 << 10  # deferred reads smaller than this go after the sequential
 TINY_GAP = 4096  # tiny reads whose file bytes lie closer than this are read together (_read_tiny)
 
 
-def _read_bytes(entry: tuple) -> int:
-    """Bytes a deferred read entry reads (before chunk widening)."""
-    _key, _piece, a, b, out = entry
-    return int(out[2].sum()) if b is None else b - a
-
-
 def read_deferred(
     files: FileSet,
     md: CheckpointMetadata,
@@ -168,8 +164,8 @@ def read_deferred(
     (object stores) are read straight into their targets in large reads the backend parallelizes. Tiny reads of
     neighbouring file bytes share one read (``_read_tiny``)."""
     verify = verify and files.verifies
-    reads.sort(key=lambda r: (_read_bytes(r) < TINY_READ, r[1].file, r[1].offset + r[2]))
-    first_tiny = next((i for i, r in enumerate(reads) if _read_bytes(r) < TINY_READ), len(reads))
+    reads.sort(key=lambda r: (r.nbytes < TINY_READ, r.piece.file, r.piece.offset + r.first))
+    first_tiny = next((i for i, r in enumerate(reads) if r.nbytes < TINY_READ), len(reads))
     reads, tiny = reads[:first_tiny], reads[first_tiny:]
     run: list = []  # consecutive large reads of files not in the page cache, streamed together
 
@@ -177,25 +173,26 @@ def read_deferred(
         streamed.stream_ranges(files, run, md.chunk_bytes, verify, window_bytes)
         run.clear()
 
-    for key, piece, a, b, out in reads:
-        if b is not None and files.local(piece.file) and not files.mostly_cached(piece.file):
-            run.append((key, piece, a, b, out))
+    for op in reads:
+        name = op.piece.file
+        if isinstance(op, RangeRead) and files.local(name) and not files.mostly_cached(name):
+            run.append(op)
             continue
         flush()
-        _read_deferred_entry(files, md, (key, piece, a, b, out), verify, DEFAULT_WINDOW, verifier)
+        _read_deferred_entry(files, md, op, verify, DEFAULT_WINDOW, verifier)
     flush()
     _read_tiny(files, md, tiny, verify, window_bytes)
 
 
-def _tiny_span(entry: tuple, chunk_bytes: int, verify: bool) -> tuple[int, int]:
+def _tiny_span(op: RangeRead | ScatterRead, chunk_bytes: int, verify: bool) -> tuple[int, int]:
     """The piece bytes ``[a0, b0)`` a tiny deferred read needs: its bytes, widened to whole chunks to verify."""
-    _key, piece, a, b, out = entry
-    if b is None:  # small segments: from the first to the end of the last (sorted by source offset)
-        src_b, _dst_b, len_b = out[0], out[1], out[2]
-        a, b = int(src_b[0]), int((src_b + len_b).max())
+    if isinstance(op, ScatterRead):  # from the first to the end of the last (sorted by source offset)
+        a, b = int(op.src[0]), int((op.src + op.length).max())
+    else:
+        a, b = op.a, op.b
     if not verify:
         return a, b
-    return (a // chunk_bytes) * chunk_bytes, min(-(-b // chunk_bytes) * chunk_bytes, piece.nbytes)
+    return (a // chunk_bytes) * chunk_bytes, min(-(-b // chunk_bytes) * chunk_bytes, op.piece.nbytes)
 
 
 def _read_tiny(files: FileSet, md: CheckpointMetadata, tiny: list, verify: bool, window_bytes: int) -> None:
@@ -213,7 +210,7 @@ def _read_tiny(files: FileSet, md: CheckpointMetadata, tiny: list, verify: bool,
         if b0 - a0 > span_limit:  # a few rows scattered over a large piece: only the chunks they touch, alone
             _read_deferred_entry(files, md, e, verify, window_bytes, None)
             continue
-        entries.append((e[1].file, e[1].offset + a0, e[1].offset + b0, a0, e))
+        entries.append((e.piece.file, e.piece.offset + a0, e.piece.offset + b0, a0, e))
     entries.sort(key=lambda x: (x[0], x[1]))
     i, buf = 0, None
     while i < len(entries):
@@ -228,30 +225,29 @@ def _read_tiny(files: FileSet, md: CheckpointMetadata, tiny: list, verify: bool,
             buf = host_empty(max(end - start, min(window_bytes, TINY_READ)))
         view = buf[: end - start]
         files.pread_into(name, view, start)
-        for _name, fstart, fend, a0, (key, piece, a, b, out) in entries[i:j]:
+        for _name, fstart, fend, a0, op in entries[i:j]:
             got = view[fstart - start : fend - start]  # piece bytes [a0, a0 + len(got))
             if verify:
-                verify_chunks(files, key, piece, got, a0, C)
-            if b is not None:
-                out[:] = got[a - a0 : b - a0]
+                verify_chunks(files, op.key, op.piece, got, a0, C)
+            if isinstance(op, RangeRead):
+                op.out[:] = got[op.a - a0 : op.b - a0]
                 continue
-            src_b, dst_b, len_b, dst = out[0], out[1], out[2], out[3]
-            for s, d, n in zip((src_b - a0).tolist(), dst_b.tolist(), len_b.tolist()):
-                dst[d : d + n] = got[s : s + n]
+            for s, d, n in zip((op.src - a0).tolist(), op.dst.tolist(), op.length.tolist()):
+                op.out[d : d + n] = got[s : s + n]
         i = j
 
 
 def _read_deferred_entry(
-    files: FileSet, md: CheckpointMetadata, entry: tuple, verify: bool, window_bytes: int, verifier
+    files: FileSet, md: CheckpointMetadata, op: RangeRead | ScatterRead, verify: bool, window_bytes: int, verifier
 ) -> None:
-    """One deferred read on its own: small scattered segments of one piece ``(src, dst, length, out, window)``
-    through windows, a range straight into its target (its checks queued on ``verifier`` when given)."""
-    key, piece, a, b, out = entry
-    if b is None:
-        src_b, dst_b, len_b, dst, window = out
-        _scatter_small(files, md, key, piece, src_b, dst_b, len_b, dst, verify, window)
+    """One deferred read on its own: small scattered segments through windows, a range straight into its target
+    (its checks queued on ``verifier`` when given)."""
+    if isinstance(op, ScatterRead):
+        _scatter_small(files, md, op, verify)
     else:
-        ranges.read_range_direct(files, key, piece, a, b, out, md.chunk_bytes, verify, window_bytes, verifier)
+        ranges.read_range_direct(
+            files, op.key, op.piece, op.a, op.b, op.out, md.chunk_bytes, verify, window_bytes, verifier
+        )
 
 
 def iter_piece(

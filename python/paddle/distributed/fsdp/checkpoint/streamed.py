@@ -56,11 +56,11 @@ class _Range:
 
 
 def stream_ranges(files: FileSet, ranges: list, chunk_bytes: int, verify: bool, ring_bytes: int) -> None:
-    """Read every ``(key, piece, a, b, out)`` (piece bytes ``[a, b)`` into the uint8 buffer ``out``), in the order
+    """Read every ``RangeRead`` (read_ops.py: piece bytes ``[a, b)`` into the uint8 buffer ``out``), in the order
     given, through a ring of at most ``ring_bytes`` of bounce buffers (module docstring). Every chunk a byte of
     ``out`` comes from is verified (``verify``, when ``files`` verifies) before this returns."""
     verify = verify and files.verifies
-    todo = [_Range(*r, chunk_bytes, verify) for r in ranges]
+    todo = [_Range(r.key, r.piece, r.a, r.b, r.out, chunk_bytes, verify) for r in ranges]
     if not todo:
         return
     A = DIRECT_ALIGN
