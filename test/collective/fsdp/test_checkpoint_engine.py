@@ -854,3 +854,14 @@ def test_page_cache_fraction_of_a_large_file_is_sampled_and_right(tmp_path):
         assert libc.page_cache_fraction(fd, len(data)) < 0.1
     finally:
         os.close(fd)
+
+
+def test_commit_timeout_is_an_option_not_a_keyword(tmp_path):
+    """Every "how" of a save is in CheckpointOptions (issue #31): ``commit_timeout=`` as a keyword is refused,
+    naming it, and nothing is written; the option works."""
+    sd = {"w": paddle.ones([2])}
+    with pytest.raises(TypeError, match="commit_timeout"):
+        ck.save_state_dict(sd, str(tmp_path / "c"), commit_timeout=5)
+    assert not (tmp_path / "c").exists()
+    ck.save_state_dict(sd, str(tmp_path / "c"), options=ck.CheckpointOptions(commit_timeout=5))
+    assert ck.verify_checkpoint(str(tmp_path / "c")) == []

@@ -132,7 +132,7 @@ class CheckpointManager:
     def save(self, step: int, state_dict: dict, **save_kwargs) -> SaveHandle | None:
         """Save ``state_dict`` as ``step``; ``latest`` moves after the commit, then old ones are pruned.
 
-        ``save_kwargs`` go to the engine's ``save_state_dict`` (``async_save``, ``commit_timeout``, ...); an unknown
+        ``save_kwargs`` go to the engine's ``save_state_dict`` (``async_save``, ``options``, ...); an unknown
         one is a TypeError naming the nearest valid one.
         """
         check_keywords("CheckpointManager.save", save_kwargs, keyword_names(save_state_dict, _MANAGED))

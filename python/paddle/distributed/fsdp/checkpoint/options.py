@@ -48,7 +48,7 @@ class CheckpointOptions:
         checksum_threads: helper threads that verify chunks while later ones are read (0: on the reading
             thread). One pool per thread count, shared by the process.
         commit_timeout: seconds a save waits for the other ranks' data (coordinator) or for the commit (other
-            ranks) before SaveFailedError; ``save_state_dict(commit_timeout=)`` overrides it.
+            ranks) before SaveFailedError.
         odirect: span reads of a load with O_DIRECT: ``"auto"`` when the file is mostly not in the page cache,
             True always, False never (where the OS or file system refuses it, buffered reads are used). Saves
             write their data files with O_DIRECT unless False (direct_write.py; buffered where refused).

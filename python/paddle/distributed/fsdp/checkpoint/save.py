@@ -50,8 +50,8 @@ but such a staging directory exists raises / reports IncompleteCheckpointError (
 whether the save failed with an error or was interrupted); the staging directory itself reports
 IncompleteCheckpointError too until its COMMIT is written. The survivors of a killed rank do not hang: they see
 its heartbeat stop (``heartbeat_lease``) and raise SaveFailedError naming it; in any case the coordinator waits
-for the other ranks' data, and the other ranks wait for the commit, at most ``commit_timeout`` (default
-``CheckpointOptions.commit_timeout``, 1800 s); a rank whose save fails with an error tells the others at once
+for the other ranks' data, and the other ranks wait for the commit, at most ``CheckpointOptions.commit_timeout``
+(default 1800 s); a rank whose save fails with an error tells the others at once
 (channel) and records why in the staging (markers.py); one that fails after its hand-over follows the
 coordinator's decision, taken once more right before ``COMMIT``.
 
@@ -143,7 +143,6 @@ def save_state_dict(
     coordinator_rank: int = 0,
     *,
     async_save: bool = False,
-    commit_timeout: float | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     write_stock_metadata: bool = True,
     deferred_keys: Collection[str] | None = None,
@@ -160,7 +159,7 @@ def save_state_dict(
     list of all ranks' values by rank (None for a rank without one), sent to the coordinator with the rank's
     data (no collective of their own).
     ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now) sets the checksum
-    algorithm, commit timeout, storage backend and tracing; ``commit_timeout`` overrides ``options.commit_timeout``.
+    algorithm, commit timeout, storage backend and tracing: every "how" of a save is there, not a keyword.
     Stock's keywords ``unique_id``, ``safetensors``, ``save_replicas`` are accepted and ignored (one version per
     directory, safetensors); any other keyword is a TypeError naming the nearest valid one (keywords.py).
     """
@@ -172,7 +171,6 @@ def save_state_dict(
         coordinator_rank,
         None,
         async_save=async_save,
-        commit_timeout=commit_timeout,
         chunk_bytes=chunk_bytes,
         write_stock_metadata=write_stock_metadata,
         deferred_keys=deferred_keys,
@@ -203,7 +201,6 @@ def _save(
     publisher: Publisher | None,
     *,
     async_save: bool = False,
-    commit_timeout: float | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     write_stock_metadata: bool = True,
     deferred_keys: Collection[str] | None = None,
@@ -217,7 +214,6 @@ def _save(
             process_group,
             coordinator_rank,
             async_save,
-            commit_timeout,
             chunk_bytes,
             write_stock_metadata,
             deferred_keys,
@@ -246,7 +242,6 @@ def _save_locked(
     process_group,
     coordinator_rank: int,
     async_save: bool,
-    commit_timeout: float | None,
     chunk_bytes: int,
     write_stock_metadata: bool,
     deferred_keys: Collection[str] | None,
@@ -267,7 +262,7 @@ def _save_locked(
     comm = Comm(process_group)
     if not 0 <= coordinator_rank < comm.world:
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
-    timeout = opts.commit_timeout if commit_timeout is None else float(commit_timeout)
+    timeout = opts.commit_timeout
 
     local = _validate(state_dict, path, comm.rank, coordinator_rank, opts, opts_error)
     tr.mark("validate")

@@ -5,7 +5,7 @@ Who does what (the import hook points both functions here):
 
 save
   * this engine (safetensors + metadata.json + COMMIT, atomic, checksummed) when the call needs it: JSON values
-    in the state dict, engine options (``commit_timeout``, ``chunk_bytes``, ...), flattened ``ShardedWeight``s
+    in the state dict, engine options (``chunk_bytes``, ``options``, ...), flattened ``ShardedWeight``s
     (FSDP state; stock cannot load those on CPU) unless ``safetensors=False`` is passed explicitly, and
     ``safetensors=True`` calls with plain tensors / box ``ShardedWeight``s and no ``unique_id`` /
     ``save_replicas``;
@@ -46,7 +46,7 @@ from .targets import dist_tensor_box, is_dist_tensor
 
 logger = logging.getLogger(__name__)
 
-FORK_SAVE_OPTIONS = frozenset({"commit_timeout", "chunk_bytes", "write_stock_metadata", "options"})
+FORK_SAVE_OPTIONS = frozenset({"chunk_bytes", "write_stock_metadata", "options"})
 FORK_LOAD_OPTIONS = frozenset({"verify_checksums", "strict", "options"})
 COMM_METHODS = ("send_recv", "broadcast", "multi_group_broadcast", "grouped_send_recv", "parallel_broadcast")
 
