@@ -31,6 +31,14 @@ hand over, commit, publish) over ``channel.py`` (the TCP store: decisions and he
 records why a save failed; ``directory.py`` answers "committed? latest? removable? removed under a reader?" and
 reads the metadata. ``process_state.py`` lists the process-wide state, with one reset for tests.
 
+Load path: ``load.py`` (entry points) -> ``load_job.py`` (validate, exchange, finish) with ``load_bounded.py``
+(default) or ``load_atomic.py`` (``atomic=True``), ``load_checks.py`` (checks that read no data) -> ``regions.py``
+(what to read for a region: ``read_ops.py``'s typed reads) -> ``ranges.py`` / ``streamed.py`` / ``inplace.py`` (how a
+range is read) -> ``chunks.py`` (checksum checks) -> ``reader.py`` (``FileSet``: the data objects' handles from
+``Storage.open_read``; POSIX fast paths where a handle has a descriptor). ``s3/`` serves ``s3://`` locations
+(registered in ``io/storage.py`` without importing it; boto3 loads on first use); ``paths.py`` turns a path into a
+location and refuses URLs no backend serves.
+
 What must never import what (test_checkpoint_layers.py checks it, naming the exceptions that remain):
 1. ``format/`` imports nothing of the package but ``errors`` and ``gc_pause``.
 2. ``io/`` never imports ``save``, ``load``, ``commit``, ``markers``, ``manager``, ``verify``, ``channel`` or
@@ -40,8 +48,8 @@ What must never import what (test_checkpoint_layers.py checks it, naming the exc
 5. no import cycle; modules under 500 lines, functions under 80 lines of code.
 
 Where things live: ``format/`` owns the on-disk format (schema, commit record, safetensors headers, reserved
-keys, the one region reader); ``planner.py`` plans writes and reads; the file I/O is ``writer.py`` (rank files,
-durable commit), ``reader.py`` (checked range reads), ``host_memory.py`` (buffers, tensor views) and ``libc.py``;
+keys; no I/O); ``planner.py`` plans writes and reads; the file I/O is ``writer.py`` (rank files, durable
+commit), ``reader.py`` (the read handles), ``host_memory.py`` (buffers, tensor views) and ``libc.py``;
 ``records.py`` normalises state-dict entries; ``faults.py`` holds the test-only crash hook.
 """
 
