@@ -113,3 +113,20 @@ def test_cli_verify_on_s3_passes_then_names_a_flipped_byte(tmp_path, s3_server, 
     objects.put(f"{prefix}/{name}", bytes(data))
     bad = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "checksum mismatch" in bad.stdout + bad.stderr, bad.stdout + bad.stderr
+
+
+def test_bad_s3_locations_are_named(s3_server, s3_bucket):
+    """Nothing at the prefix, a missing bucket, a checkpoint root: named errors, nothing written."""
+    import paddle
+    from paddle.distributed.fsdp.checkpoint.s3.errors import S3BucketNotFoundError
+
+    opts = ck.CheckpointOptions(storage=_storage(s3_server.endpoint))
+    with pytest.raises(ck.NotACheckpointError):
+        ck.load_full_state_dict(f"s3://{s3_bucket}/nothing/here", options=opts)
+    with pytest.raises(S3BucketNotFoundError):
+        ck.load_full_state_dict(f"s3://no-such-bucket-{s3_bucket}/x", options=opts)
+    root = f"s3://{s3_bucket}/root"
+    ck.CheckpointManager(root).save(1, {"w": paddle.arange(4, dtype="float32")}, options=opts)
+    with pytest.raises(ck.NotACheckpointError, match="checkpoint root"):
+        ck.load_full_state_dict(root, options=opts)
+    assert ck.verify_checkpoint(f"{root}/step_00000001", options=opts) == []
