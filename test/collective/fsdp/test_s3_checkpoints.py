@@ -130,3 +130,27 @@ def test_bad_s3_locations_are_named(s3_server, s3_bucket):
     with pytest.raises(ck.NotACheckpointError, match="checkpoint root"):
         ck.load_full_state_dict(root, options=opts)
     assert ck.verify_checkpoint(f"{root}/step_00000001", options=opts) == []
+
+
+def test_rank_killed_mid_upload_is_named_in_bounded_time_and_leaves_no_upload(tmp_path, s3_server, s3_bucket):
+    """kill -9 of rank 1 half way through its multipart upload: rank 0 names it within 10 s (heartbeat lease 2 s),
+    nothing of step 2 is visible, step 1 stays latest and sound, and the killed rank's pending upload is aborted
+    by the survivor's clean-up (no orphan parts)."""
+    url = f"s3://{s3_bucket}/kill/mgr"
+    env = _env(s3_server.endpoint) | {
+        "PADDLE_FSDP_CKPT_FAULT": "mid_data:1:2",  # rank 1 dies half way through its second save's object
+        "PADDLE_FSDP_CKPT_HEARTBEAT_LEASE": "2",
+        "PADDLE_FSDP_CKPT_COMMIT_TIMEOUT": "600",  # far above the bound: only the heartbeat can end the wait
+    }
+    res = run_launch(WORKER, 2, ["kill", url, str(tmp_path)], timeout=300, env=env, log_dir=tmp_path / "l", check=False)
+    assert "SIGKILL at stage mid_data" in res.worker_logs[1], res.worker_logs[1][-2000:]
+    out = res.result(0)
+    assert out["save2"].startswith("SaveFailedError") and "rank 1 stopped responding" in out["save2"], out
+    assert out["detect_seconds"] < 10.0, out
+    assert out["latest"] == f"{url}/step_00000001", out
+    storage = _storage(s3_server.endpoint)
+    opts = ck.CheckpointOptions(storage=storage)
+    assert storage.list(f"{url}/step_00000002") == []
+    assert ck.verify_checkpoint(f"{url}/step_00000001", options=opts) == []
+    objects = next(iter(storage._buckets.values()))
+    assert objects.pending_uploads("kill/") == [], "the killed rank's upload was left pending"

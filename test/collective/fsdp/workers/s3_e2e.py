@@ -11,6 +11,9 @@ variables (the default ``s3://`` backend reads those):
     s3_e2e.py fault URL
         step 1 saved through the server, then step 2 through FSDP_TEST_S3_PROXY (a proxy the test made fail every
         data upload) with short S3 deadlines. Each rank reports how its save ended and how long it took.
+    s3_e2e.py kill URL WORK
+        step 1 saved, then rank 1 is killed with SIGKILL half way through uploading its step-2 object; rank 0
+        reports how its save ended and the seconds from rank 1's start of that save to its error.
 Each rank reports {case: "ok" | text, ...}.
 """
 
@@ -146,6 +149,37 @@ def fault(url: str) -> None:
     os._exit(0)  # the save failed on every rank: no collective clean-up needed
 
 
+def kill(url: str, work: str) -> None:
+    """Rank 1 is killed with SIGKILL half way through uploading its step-2 object (PADDLE_FSDP_CKPT_FAULT set by the
+    test); rank 0 reports how its save ended and the seconds from rank 1's start of that save to its error."""
+    import signal
+
+    rank = dist.get_rank()
+    fsdp, opt = build(seed=5, steps=1)
+    manager = ck.CheckpointManager(url, keep_last=2)
+    manager.save(1, state_of(fsdp, opt, 5))
+    stamp = os.path.join(work, "rank1_started")
+    dist.barrier()
+    if rank == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the engine must end the wait, not the launcher
+    else:
+        with open(stamp, "w") as f:
+            f.write(repr(time.time()))
+    out = {}
+    try:
+        manager.save(2, state_of(fsdp, opt, 6))
+        out["save2"] = "ok"
+    except ck.SaveFailedError as e:
+        t_err = time.time()
+        out["save2"] = f"SaveFailedError: {e}"
+        with open(stamp) as f:
+            out["detect_seconds"] = t_err - float(f.read())
+    out["latest"] = manager.latest()
+    report(out)
+    sys.stdout.flush()
+    os._exit(0)  # the peer is dead: no collective clean-up
+
+
 if __name__ == "__main__":
     case = sys.argv[1]
     dist.init_parallel_env()
@@ -158,5 +192,7 @@ if __name__ == "__main__":
             os._exit(1)
     elif case == "fault":
         fault(sys.argv[2])
+    elif case == "kill":
+        kill(sys.argv[2], sys.argv[3])
     else:
         raise SystemExit(f"unknown case {case!r}")
