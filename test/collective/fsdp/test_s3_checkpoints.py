@@ -132,14 +132,16 @@ def test_bad_s3_locations_are_named(s3_server, s3_bucket):
     assert ck.verify_checkpoint(f"{root}/step_00000001", options=opts) == []
 
 
-def test_rank_killed_mid_upload_is_named_in_bounded_time_and_leaves_no_upload(tmp_path, s3_server, s3_bucket):
-    """kill -9 of rank 1 half way through its multipart upload: rank 0 names it within 10 s (heartbeat lease 2 s),
-    nothing of step 2 is visible, step 1 stays latest and sound, and the killed rank's pending upload is aborted
-    by the survivor's clean-up (no orphan parts)."""
+def test_rank_killed_mid_upload_is_named_in_bounded_time_and_its_upload_aborted(tmp_path, s3_server, s3_bucket):
+    """kill -9 of rank 1 half way through its multipart upload: rank 0 names it within 10 s (heartbeat lease 1 s),
+    nothing of step 2 is visible, step 1 stays latest and sound; the killed rank's pending upload (a dead rank
+    cannot abort it) is aborted by the next save to that step, which finds the failed version (no orphan parts)."""
+    import paddle
+
     url = f"s3://{s3_bucket}/kill/mgr"
     env = _env(s3_server.endpoint) | {
         "PADDLE_FSDP_CKPT_FAULT": "mid_data:1:2",  # rank 1 dies half way through its second save's object
-        "PADDLE_FSDP_CKPT_HEARTBEAT_LEASE": "2",
+        "PADDLE_FSDP_CKPT_HEARTBEAT_LEASE": "1",  # the launcher SIGKILLs the survivor a few seconds after a death
         "PADDLE_FSDP_CKPT_COMMIT_TIMEOUT": "600",  # far above the bound: only the heartbeat can end the wait
     }
     res = run_launch(WORKER, 2, ["kill", url, str(tmp_path)], timeout=300, env=env, log_dir=tmp_path / "l", check=False)
@@ -153,4 +155,9 @@ def test_rank_killed_mid_upload_is_named_in_bounded_time_and_leaves_no_upload(tm
     assert storage.list(f"{url}/step_00000002") == []
     assert ck.verify_checkpoint(f"{url}/step_00000001", options=opts) == []
     objects = next(iter(storage._buckets.values()))
+    orphans = objects.pending_uploads("kill/")
+    assert [k for k, _ in orphans if k.endswith("/1_0.safetensors")], orphans  # rank 1's, left by its death
+    ck.CheckpointManager(url).save(2, {"w": paddle.ones([3])}, options=opts)  # the next save of that step
     assert objects.pending_uploads("kill/") == [], "the killed rank's upload was left pending"
+    assert storage.stagings(f"{url}/step_00000002") == []
+    assert ck.latest_checkpoint(url, storage) == f"{url}/step_00000002"

@@ -154,20 +154,27 @@ def kill(url: str, work: str) -> None:
     test); rank 0 reports how its save ended and the seconds from rank 1's start of that save to its error."""
     import signal
 
+    from paddle.distributed.fsdp.checkpoint.s3.storage import S3Storage
+    from s3_fixtures import s3_options_for
+
     rank = dist.get_rank()
     fsdp, opt = build(seed=5, steps=1)
     manager = ck.CheckpointManager(url, keep_last=2)
-    manager.save(1, state_of(fsdp, opt, 5))
+    # 5 MiB parts: each rank's 6 MiB object is a multipart upload, pending when rank 1 is killed
+    storage = S3Storage(s3_options_for(os.environ["AWS_ENDPOINT_URL"]))
+    opts = ck.CheckpointOptions.from_env().replace(storage=storage)  # the test's heartbeat lease and timeout
+    manager.save(1, state_of(fsdp, opt, 5), options=opts)
     stamp = os.path.join(work, "rank1_started")
     dist.barrier()
     if rank == 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the engine must end the wait, not the launcher
+
     else:
         with open(stamp, "w") as f:
             f.write(repr(time.time()))
     out = {}
     try:
-        manager.save(2, state_of(fsdp, opt, 6))
+        manager.save(2, state_of(fsdp, opt, 6), options=opts)
         out["save2"] = "ok"
     except ck.SaveFailedError as e:
         t_err = time.time()

@@ -112,14 +112,9 @@ def aborted(storage: Storage, staging: str) -> str | None:
 def remove_failed_stagings(storage: Storage, path: str) -> list[str]:
     """Remove the staging locations of earlier saves to ``path`` that failed with an error (they carry failure
     or abort records; a save still running, or killed, has none and is left alone). Best effort."""
-    parent = storage.parent(path)
-    base = os.path.basename(path.rstrip("/"))
     removed = []
-    for n in storage.children(parent):
-        if not n.startswith(f"{base}.tmp-"):
-            continue
-        staging = storage.child(parent, n)
+    for staging in storage.stagings(path):
         if failures(storage, staging) or aborted(storage, staging) is not None:
             storage.remove(staging, wait=True)
-            removed.append(n)
+            removed.append(staging.rstrip("/").rpartition("/")[2])
     return removed

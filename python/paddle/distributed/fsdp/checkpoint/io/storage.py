@@ -149,6 +149,12 @@ class Storage(ABC):
     def open_read(self, location: str, name: str) -> ReadHandle:
         """A handle for ranged reads of one object (FileNotFoundError when missing)."""
 
+    def stagings(self, final: str) -> list[str]:
+        """The staging locations of unpublished saves to ``final`` (made by ``begin``), for the clean-up of failed
+        ones (markers.remove_failed_stagings). Default: the sibling locations ``<final>.tmp-*``."""
+        parent, base = self.parent(final), final.rstrip("/").rpartition("/")[2]
+        return [self.child(parent, n) for n in self.children(parent) if n.startswith(f"{base}.tmp-")]
+
     def sync(self, location: str) -> None:  # noqa: B027 (optional hook)
         """Make the names in ``location`` durable (local: fsync of the directory). Default: nothing to do."""
 

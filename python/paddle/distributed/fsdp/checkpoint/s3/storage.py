@@ -124,6 +124,13 @@ class S3Storage(Storage):
         found, _ = objs.list_level(prefix)  # ("" is a file-system-backed store's directory entry, no object)
         return sorted(o.name for o in found if o.name and not o.name.startswith(HIDDEN))
 
+    def stagings(self, final: str) -> list[str]:
+        """The versions under ``final`` that are not the published one (failed, killed or running saves)."""
+        objs, prefix = self._split(final)
+        _, dirs = objs.list_level(prefix)
+        ptr = self._pointer(objs, prefix)
+        return [self.child(final, d) for d in dirs if d.startswith(VERSION) and (ptr is None or d != ptr[0])]
+
     def exists(self, location: str) -> bool:
         objs, prefix = self._split(location)
         head, _, last = prefix.rpartition("/")
