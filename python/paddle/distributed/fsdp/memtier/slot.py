@@ -31,7 +31,7 @@ import numpy as np
 from ..checkpoint import checksums
 from .errors import InvalidMemoryCopyError, MemoryTierFullError
 
-MAGIC = b"FSDPMEM1"
+MAGIC = b"FSDPMEM2"  # 2: headers carry the record descriptions (persist.py)
 _PREFIX = struct.Struct("<8sIQQQQQ")  # magic, state, header_len, header_cap, data_off, data_len, header_digest
 HEADER_OFF = 4096
 WRITING, VALID = 0, 1
