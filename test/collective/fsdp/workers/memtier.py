@@ -86,9 +86,9 @@ def build(name: str, workdir: str, seed: int, rank: int, world: int, restore_now
 
     durable = os.path.join(workdir, "durable")
     if restore_now:  # the README's form: built and restored in one call
-        tier = fsdp.memory_tier(opt, durable_root=durable, persist_every=PERSIST_EVERY)
+        tier = fsdp.memory_tier(opt, durable_root=durable, persist_every=PERSIST_EVERY, keep_last=None)
     else:
-        tier = MemoryTier(fsdp, opt, durable_root=durable, persist_every=PERSIST_EVERY)
+        tier = MemoryTier(fsdp, opt, durable_root=durable, persist_every=PERSIST_EVERY, keep_last=None)
     return Case(name, workdir, fsdp, opt, tier, step)
 
 
@@ -104,6 +104,8 @@ def train_to_end(cases: list[Case], start: int, total: int, crash_at=None, keep_
     for i in range(start, total):
         for c in cases:
             c.step(i)
+            if i + 1 in (keep_at, crash_at):  # these saves must not be skipped for a persist still writing
+                c.tier.wait_persisted()
             c.tier.save(i + 1, extra_state={"data_position": (i + 1) * BATCH})
         if i == start:
             for c in cases:
@@ -192,6 +194,15 @@ def _prepare(workdir: str, scenario: str, rank: int, node: int, local_rank: int,
     _sync()
 
 
+def _differ_from_checkpoint(c: Case, root: str, step: int) -> list[str]:
+    """Keys whose state (one rank: every element) differs from the uninterrupted run's checkpoint of ``step``."""
+    from paddle.distributed.fsdp.tools import CheckpointReader
+
+    mine = {k: np.array(getattr(v, "local_tensor", v).numpy()) for k, v in records(c.fsdp, c.opt).items()}
+    with CheckpointReader(os.path.join(root, f"step_{step:08d}")) as ref:
+        return [k for k, v in mine.items() if v.tobytes() != ref.read(k).tobytes()]
+
+
 def restore(args, rank, world) -> dict:
     per_node = int(os.environ.get("PADDLE_LOCAL_SIZE", world))
     node, local_rank = rank // per_node, rank % per_node
@@ -207,7 +218,10 @@ def restore(args, rank, world) -> dict:
                 for c in cases:
                     c.tier.close()
                     got = restored[c.name]
-                    out[f"{scenario}/{c.name}"] = dict(step=got.step, sources=got.sources, extra=dict(got))
+                    differ = _differ_from_checkpoint(c, os.path.join(args.workdir, "ref", c.name, "durable"), got.step)
+                    out[f"{scenario}/{c.name}"] = dict(
+                        step=got.step, sources=got.sources, extra=dict(got), differ=differ
+                    )
                 continue
             done = train_to_end(cases, starts.pop(), args.total)
             for c in cases:
