@@ -212,6 +212,14 @@ def test_bad_arguments_are_refused_by_name(tmp_path):
     with pytest.raises(MemoryTierError, match="step"):
         tier.save(-1)
     assert tier.restore() is None and tier.start_step == 0  # nothing stored anywhere: a fresh start
+    from paddle.distributed.fsdp.memtier.flush import flush_memory
+
+    (tmp_path / "m" / "job-a").mkdir(parents=True)
+    for roots, kw, match in [(str(tmp_path), {}, "roots"), ([str(tmp_path / "nope")], {}, "not a directory"),
+                             ([str(tmp_path / "m")], {}, "no valid memory copy"),
+                             ([str(tmp_path / "m")], {"step": -1}, "step"), ([str(tmp_path / "m")], {"keep_last": 0}, "keep_last")]:  # fmt: skip
+        with pytest.raises(MemoryTierError, match=match):
+            flush_memory(roots, str(tmp_path / "d"), **kw)
 
 
 def _records(fsdp, opt) -> dict:

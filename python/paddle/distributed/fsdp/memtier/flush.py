@@ -20,15 +20,12 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..checkpoint import CheckpointOptions, checksums, writer
-from ..checkpoint import commit as format_commit
+from ..checkpoint import checksums, writer
 from ..checkpoint.directory import committed_steps, prune, step_dir_name
-from ..checkpoint.format.metadata import DEFAULT_CHUNK_BYTES, LATEST_FILE, CheckpointMetadata, FileMeta
+from ..checkpoint.format.metadata import LATEST_FILE, FileMeta
 from ..checkpoint.format.reserved import RNG_KEY
 from ..checkpoint.io.storage import backend_for
 from ..checkpoint.planner import RecordDesc, assign_writes, lay_out_files, merged_values
@@ -106,24 +103,23 @@ def _choose(job: str, found: list[tuple[str, dict]], step: int | None) -> tuple[
     )
 
 
-def _write(staging: str, copies: list, on_bytes, on_total) -> CheckpointMetadata:
-    """Write every rank's file from its copy, then metadata.json and COMMIT into ``staging``."""
-    opts = CheckpointOptions.from_env()
-    algo = opts.checksum_algorithm()
-    digest = checksums.digest_function(algo) if algo != checksums.NONE else None
+def _write(staging: str, copies: list, on_bytes, on_total) -> int:
+    """Write every rank's file from its copy into ``staging``, then metadata.json and COMMIT (the tools'
+    one-process writer, so its index is the one every tool writes). Returns the bytes of the data files."""
+    from ..tools.ckpt_io import CheckpointWriter
+
+    out = CheckpointWriter(staging)
+    digest = checksums.digest_function(out.checksum) if out.checksum != checksums.NONE else None
     wires, per_rank = [], []
     for slot, header, _off, _len in copies:
         pairs = records_of(header, f"memory copy {slot.path}")
         wires.append([RecordDesc.from_wire(desc.to_wire()).to_wire() for _rec, desc in pairs])
         per_rank.append(dict(header["values"], **{RNG_KEY: None}))
     values = merged_values(per_rank)
-    checkpoint_id = uuid.uuid4().hex
-    plan = lay_out_files(assign_writes(wires, values), values, checkpoint_id)
+    plan = lay_out_files(assign_writes(wires, values), values, out.checkpoint_id)
     values[RNG_KEY] = [h["values"].get(RNG_KEY) for _s, h, _o, _n in copies]
     if on_total is not None:
         on_total(sum(layout.size - len(layout.header) for layout in plan.files.values()))
-    md = CheckpointMetadata(checkpoint_id=checkpoint_id, world_size=len(copies), chunk_bytes=DEFAULT_CHUNK_BYTES,
-                            checksum=algo, created_unix=time.time(), values=values)  # fmt: skip
     for r, (slot, header, doff, dlen) in enumerate(copies):
         layout, data = plan.files[r], slot.data(doff, dlen)
         where = {rec[0]: (rec[3], rec[4]) for rec in header["records"]}
@@ -135,17 +131,15 @@ def _write(staging: str, copies: list, on_bytes, on_total) -> CheckpointMetadata
                                              f"the plan {piece.nbytes}")  # fmt: skip
             pieces.append(_producer(data[off : off + nbytes], on_bytes))
         size, sums = writer.write_rank_file(os.path.join(staging, layout.name), layout.header, pieces,
-                                            DEFAULT_CHUNK_BYTES, digest)  # fmt: skip
+                                            out.chunk_bytes, digest)  # fmt: skip
         if size != layout.size:
             raise MemoryTierError(f"{layout.name}: wrote {size} bytes, expected {layout.size}")
         for (_key, piece), piece_sums in zip(layout.pieces, sums):
             piece.checksums = [int(c) for c in piece_sums]
-        md.files[layout.name] = FileMeta(rank=r, size=size)
-    md.tensors = plan.tensors
-    md.validate(f"{staging}/metadata.json")
-    data = format_commit.write_metadata(staging, md, True)
-    format_commit.write_commit(staging, checkpoint_id, data)
-    return md
+        out.files[layout.name] = FileMeta(rank=r, size=size)
+    out.tensors = dict(plan.tensors)
+    out.commit(values)
+    return sum(f.size for f in out.files.values())
 
 
 def _producer(arr, on_bytes):
@@ -196,11 +190,11 @@ def flush_memory(
         name = step_dir_name(st)
         out = os.path.join(durable_root, name)
         with staged_output(out) as staging:
-            md = _write(staging, copies, on_bytes, on_total)
+            nbytes = _write(staging, copies, on_bytes, on_total)
         backend_for(durable_root).put(durable_root, LATEST_FILE, f"{name}\n".encode())
         if keep_last is not None:
             prune(durable_root, keep_last, protect=(name,))
-        result.path, result.nbytes = out, sum(f.size for f in md.files.values())
+        result.path, result.nbytes = out, nbytes
         logger.info("flushed job %s step %d (world %d) to %s", job, st, world, out)
         return result
     finally:
