@@ -219,6 +219,7 @@ def test_help_on_every_command(capsys):
         ("verify", "exactly once"),
         ("to-hf", "--max-shard-size"),
         ("from-hf", "--rules"),
+        ("flush-memory", "--memory-root"),
     ]:
         res = cli(capsys, command, "--help")
         assert res.rc == 0 and f"usage: paddle-fsdp-ckpt {command}" in res.out and needle in res.out, res.out
