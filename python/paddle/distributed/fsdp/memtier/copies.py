@@ -156,7 +156,7 @@ def read_copy(
     """Open, validate and (``verify``) checksum the copy at ``path``: InvalidMemoryCopyError (with the reason)
     unless it is of job/world/rank ``expect`` and (when given) matches ``layout``. Returns (slot, header,
     data_off, data_len); the caller closes the slot."""
-    slot = Slot.open(path, writable)
+    slot = Slot.open(path, writable, populate=verify)
     try:
         header, doff, dlen = slot.header()
         for field, want in expect.items():

@@ -303,6 +303,7 @@ class MemoryTier:
         self._bg.wait()
         self._persister.wait()
         self._persisting = False
+        self._unmap()  # a previous restore's mappings: an unlinked copy would keep its memory while mapped
         if self.optimizer is not None:
             self.fsdp.init_optimizer_state(self.optimizer)
         self.copies.release()
@@ -310,6 +311,15 @@ class MemoryTier:
         self.restored = Restore(self).run()
         self.start_step = self.restored.step if self.restored is not None else 0
         return self.restored
+
+    def unmap(self) -> None:
+        """Drop this process's mappings of the copies (the files stay): what a restarted process starts from.
+        Unmapping costs time (page tables of the whole copy), which is why a restore defers its own."""
+        self._bg.wait()
+        self._persister.wait()
+        self.copies.release()
+        self._layout = None
+        self._unmap()
 
     def unmap_later(self, found: list) -> None:
         self._unmap_later.extend(found)
