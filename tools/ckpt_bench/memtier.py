@@ -108,6 +108,20 @@ def _interference(tier, comm: Comm, repeats: int, step: int) -> dict:
     return {"alone": _med(alone), "during_save": _med(during)}
 
 
+def _back_to_back(tier, comm: Comm, repeats: int, step: int) -> float:
+    """Blocking time of a save called right after the previous one returned: it waits for the previous save's
+    background part (copy, checksums, peer transfer), the worst case of a short save interval."""
+    out = []
+    for i in range(repeats):
+        comm.barrier()
+        tier.save(step + 2 * i)
+        t0 = time.perf_counter()
+        tier.save(step + 2 * i + 1)
+        out.append(max(comm.gather(time.perf_counter() - t0)))
+        tier.wait()
+    return _med(out)
+
+
 def _persist(tier, comm: Comm, step: int) -> float:
     """A save that is persisted too: from the call until every rank's persist committed."""
 
@@ -147,10 +161,12 @@ def run_memtier(args) -> dict:
     out["memcpy"] = _memcpy(ps, comm, args.repeats)
     out["save"] = _saves(tier, comm, args.repeats)
     out["interference"] = _interference(tier, comm, args.repeats, 2 + args.repeats)
-    out["persist"] = _persist(tier, comm, 2 + 2 * args.repeats)
-    tier.save(3 + 2 * args.repeats)  # the first save after a persist exchanges its end (collective)
+    out["back_to_back"] = _back_to_back(tier, comm, args.repeats, 2 + 2 * args.repeats)
+    step = 2 + 4 * args.repeats
+    out["persist"] = _persist(tier, comm, step)
+    tier.save(step + 1)  # the first save after a persist exchanges its end (collective)
     tier.wait()
-    step = 3 + 2 * args.repeats
+    step += 1
     files = [tier.copies.own_path(), tier.copies.peer_path()]
     out["tier_bytes"] = max(comm.gather(sum(os.stat(f).st_blocks * 512 for f in files if os.path.exists(f))))
     want = ps.checksum()
@@ -201,6 +217,8 @@ def table(r: dict) -> str:
         ("workload alone", f"{r['interference']['alone'] * 1e3:.1f} ms", "1.00x"),
         ("workload right after a save returned", f"{r['interference']['during_save'] * 1e3:.1f} ms",
          f"{r['interference']['during_save'] / r['interference']['alone']:.2f}x"),
+        ("save right after a save returned: blocked", f"{r['back_to_back'] * 1e3:.1f} ms",
+         f"{r['back_to_back'] / r['memcpy']:.2f}x memcpy"),
         ("save + persist from the copy, until committed", f"{r['persist'] * 1e3:.1f} ms", ""),
         ("cold load from disk", f"{r['load_disk_cold'] * 1e3:.1f} ms", "1.00x"),
         ("restore from own memory", f"{r['restore_memory'] * 1e3:.1f} ms",

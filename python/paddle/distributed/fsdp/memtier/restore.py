@@ -173,6 +173,7 @@ class Restore:
                 os.unlink(path)
             size = reports[decision.holders[self.rank]]["held_size"]
             recv_slot = Slot.allocate(path, 0, size - HEADER_OFF)
+            self.mark("allocate")
         try:
             peers.transfer(self.tier.tier_group(), self.rank, transfers, send, recv_slot and recv_slot.buf)
         finally:
