@@ -8,7 +8,7 @@ Layout of a slot file (little endian)::
     [0, 64)           prefix: magic, state (0 writing / 1 valid), header length and capacity, data offset and
                       length, digest of the header
     [4096, 4096+cap)  header: JSON (job id, world size, owner rank, step, checksum algorithm, records with their
-                      chunk digests, the JSON values of the state)
+                      chunk digests, each record's description in the engine's wire form, the JSON values)
     [data_off, +len)  data: every record's bytes, 64-byte aligned
 
 Safety: the file is grown with ``posix_fallocate`` (every block reserved) before it is mapped, after a check of
