@@ -110,6 +110,11 @@ CASES = {
         "backnd",
         "backend",
     ),
+    P + "fully_shard_fusion:FullyShardFusion.memory_tier": (
+        lambda d: _fsdp().memory_tier(durable_root=str(d), persist_evry=5),
+        "persist_evry",
+        "persist_every",
+    ),
     P + "fully_shard_fusion:FullyShardFusion.load_checkpoint": (
         lambda d: _fsdp().load_checkpoint(d, keep_lats=1),
         "keep_lats",

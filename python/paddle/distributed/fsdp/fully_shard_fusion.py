@@ -297,8 +297,10 @@ class FullyShardFusion:
     def memory_tier(self, optimizer=None, *, durable_root: str, **kwargs):
         """A MemoryTier (memtier/manager.py) over this model and ``optimizer``, already restored (collective):
         ``tier.start_step`` is the step every rank resumed from (0: a fresh start), ``tier.restored`` the result."""
+        from .checkpoint.keywords import check_keywords, keyword_names
         from .memtier import MemoryTier
 
+        check_keywords("memory_tier", kwargs, keyword_names(MemoryTier.__init__, ("self", "fsdp", "optimizer")))
         tier = MemoryTier(self, optimizer, durable_root=durable_root, **kwargs)
         tier.restore()
         return tier
