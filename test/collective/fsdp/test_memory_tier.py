@@ -349,7 +349,7 @@ def test_two_nodes_kill9_peer_storage_agreement(tmp_path, capsys):
         for m in MODELS:
             shutil.copytree(tmp_path / m / "durable", tmp_path / "bak" / m / "durable")
         # 3. the restores, in one launch (each scenario builds the models from another seed)
-        scenarios = "memory,node1,both,agree,corrupt"
+        scenarios = "memory,node1,both,agree,corrupt,skip"
         got = _check(
             launch_nodes(tmp_path / "log-restore", "memtier.py", ["restore", str(tmp_path), str(TOTAL), scenarios],
                          roots),
@@ -373,7 +373,11 @@ def test_two_nodes_kill9_peer_storage_agreement(tmp_path, capsys):
                     assert (res["rng"], res["lr"]) == (ref[r][m]["rng"], ref[r][m]["lr"]), (name, m, res, ref[r][m])
                     assert res["files_left"] == [], (name, m, res)  # a clean end removes the copies
                     assert res["same_slots"], (name, m, res)  # saves reuse their two slot files, no allocation
-        # the step restored from memory was persisted as a committed checkpoint (last scenario: corrupt)
+        for r in (0, 1):  # rank 0's persist held back: rank 1 skips the save of step 3 too (one decision)
+            skip = got[r]["skip"]
+            assert "error" not in skip, f"rank {r} skip:\n{skip['error']}"
+            assert (skip["skipped"], skip["durable"], skip["errors"], skip["differ"]) == ([3], [2, 4], [], []), skip
+        # the step restored from memory was persisted as a committed checkpoint (scenario corrupt)
         for m in MODELS:
             assert verify_checkpoint(str(tmp_path / m / "durable" / "step_00000006")) == []
         # 4. the crashed run's step 4 was persisted from its memory copy in the background: the uninterrupted

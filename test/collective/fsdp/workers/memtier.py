@@ -17,7 +17,9 @@ Usage:
       and compare every record, the RNG and the LR with the uninterrupted run's (WORKDIR/ref/<model>).
       Scenarios: memory (all copies intact), node1 (node 1's root wiped), both (every root wiped), agree (rank 1
       has only older copies), corrupt (rank 1's own copy has a flipped bit), world1 (on ONE rank: the 2-rank
-      copies must be refused and storage loaded at the new world size; no comparison).
+      copies must be refused and storage loaded at the new world size; no comparison), skip (a fresh TinyLM:
+      rank 0's persist of step 2 is held until its save of step 3 was called: step 3 must be skipped on every
+      rank alike, step 4 taken, and the persisted step 2 be the memory step).
 Each rank reports its results as JSON.
 """
 
@@ -203,12 +205,50 @@ def _differ_from_checkpoint(c: Case, root: str, step: int) -> list[str]:
         return [k for k, v in mine.items() if v.tobytes() != ref.read(k).tobytes()]
 
 
+def _skip(workdir: str, rank: int, world: int) -> dict:
+    """The ``skip`` scenario (see the module docstring)."""
+    import threading
+
+    import paddle.distributed.fsdp.memtier.manager as manager_mod
+
+    gate, real = threading.Event(), manager_mod.persist_copy
+    if rank == 0:
+        manager_mod.persist_copy = lambda *a: (gate.wait(120), real(*a))[1]
+    try:
+        model = make_model(5 + 100 * rank, dropout=0.0)
+        fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"])
+        opt = paddle.optimizer.AdamW(0.01, parameters=model.parameters())
+        batches, durable = global_batches(8, BATCH), os.path.join(workdir, "skip", "durable")
+        tier = MemoryTier(fsdp, opt, durable_root=durable, persist_every=2, keep_last=None, job_id="skip")
+        for i in range(4):
+            train(model, opt, batches[i : i + 1], rank, world)
+            tier.save(i + 1)
+            if i + 1 == 2:
+                want = {k: np.array(getattr(v, "local_tensor", v).numpy()) for k, v in records(fsdp, opt).items()}
+            if i + 1 == 3:
+                gate.set()
+                tier.wait_persisted()
+        tier.wait_persisted()
+        out = dict(skipped=tier.skipped, durable=tier.durable_saves, errors=tier.persist_errors)
+        fsdp.load_checkpoint(os.path.join(durable, "step_00000002"), optimizer=opt)
+        got = {k: np.array(getattr(v, "local_tensor", v).numpy()) for k, v in records(fsdp, opt).items()}
+        out["differ"] = [k for k in want if want[k].tobytes() != got[k].tobytes()]
+        tier.close()
+        return out
+    finally:
+        manager_mod.persist_copy = real
+
+
 def restore(args, rank, world) -> dict:
     per_node = int(os.environ.get("PADDLE_LOCAL_SIZE", world))
     node, local_rank = rank // per_node, rank % per_node
     out = {}
     for scenario in args.scenarios.split(","):
         try:
+            if scenario == "skip":
+                out[scenario] = _skip(args.workdir, rank, world)
+                _sync()
+                continue
             cases = [build(m, args.workdir, 77, rank, world, restore_now=False) for m in MODELS]  # another seed
             _prepare(args.workdir, scenario, rank, node, local_rank, cases)
             restored = {c.name: c.tier.restore() for c in cases}
