@@ -19,9 +19,9 @@ import numpy as np
 import paddle
 import paddle.distributed.fsdp.checkpoint as ck
 import pytest
+from crafted import metadata_json, to_format1
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 from paddle.distributed.fsdp.checkpoint import host_memory, libc, planner, writer
-from crafted import metadata_json, to_format1
 from paddle.distributed.fsdp.checkpoint.format import coverage
 
 TEST_DIR = Path(__file__).resolve().parent
