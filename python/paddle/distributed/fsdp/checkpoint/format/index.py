@@ -40,7 +40,7 @@ KEYS_FILE = "index.keys"
 PIECES_FILE = "index.pieces"
 SUMS_SUFFIX = ".sums"
 SUMS_BLOCK = 8192  # checksums fetched at once from a sidecar (64 KiB): one read for a 2 GiB range at 256 KiB chunks
-_COALESCE_GAP = 64 << 10  # row ranges of index.pieces closer than this are fetched as one range
+_COALESCE_GAP = 4096  # row ranges of index.pieces closer than this are fetched as one range (one page)
 MAX_KEYS_BYTES = 1 << 30  # decompressed index.keys cap (a zip bomb is refused, not inflated)
 
 PIECE_ROW = np.dtype(
