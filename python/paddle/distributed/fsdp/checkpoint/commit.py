@@ -110,7 +110,8 @@ class SaveJob:
                     if self.snapshot is not None:  # async: copy the deferred tensors first (snapshot.py)
                         self.snapshot.copy_deferred()
                     if self.plan is None:
-                        self.plan = lay_out_files(self.assignment, self.values, self.checkpoint_id)
+                        only = None if self.rank == self.coordinator else self.rank  # (the coordinator: all)
+                        self.plan = lay_out_files(self.assignment, self.values, self.checkpoint_id, only)
                 except BaseException as e:
                     self.fail(e)
                     raise

@@ -336,12 +336,16 @@ class AssignmentMemo:
 
 
 @gc_paused()
-def lay_out_files(assignment: WriteAssignment, values: dict, checkpoint_id: str) -> SavePlan:
+def lay_out_files(
+    assignment: WriteAssignment, values: dict, checkpoint_id: str, only_rank: int | None = None
+) -> SavePlan:
     """The plan from a checked assignment: every rank file's header and pieces. Never refuses anything, so an
-    async save runs it on its background thread (~3 ms per 1000 records, off the caller's clock)."""
+    async save runs it on its background thread (~3 ms per 1000 records, off the caller's clock). With
+    ``only_rank`` just that rank's file (and ``tensors`` holds only its pieces): what a rank that does not
+    commit needs, at the cost of its own records instead of the world's."""
     tensors = {key: TensorMeta(dtype=dtype, shape=shape, pieces=[]) for key, dtype, shape in assignment.specs}
     files: dict[int, FileLayout] = {}
-    for rank in range(len(assignment.writes)):
+    for rank in range(len(assignment.writes)) if only_rank is None else (only_rank,):
         name = rank_file_name(rank)
         entries = []
         pos = 0

@@ -281,7 +281,7 @@ def _save_locked(
         async_save,
         deferred_keys,
         opts,
-        (assignment, values, checkpoint_id),
+        (assignment, values, checkpoint_id, None if comm.rank == coordinator_rank else comm.rank),
         (channel, storage, staging),
     )
     tr.mark("snapshot (volatile part)" if async_save else "views")
