@@ -98,48 +98,86 @@ def _sparse_sidecars(directory: str, counts: list[int], names: list[str]) -> Non
 
 
 def save_side(model: str, world: int, directory: str, chunk: int) -> dict:
-    """Every rank's first-save planning (the same on every rank), and the coordinator's index; writes the index
-    objects (and sparse sidecars) into ``directory``. Returns the timings and sizes."""
+    """Every rank's first-save planning (the same on every rank), each rank's own layout, and the coordinator's
+    commit (hand-overs read from a real TCP store, the index built and written into ``directory`` with sparse
+    sidecars). Returns the timings and sizes."""
     from paddle.distributed.fsdp.checkpoint import planner
-    from paddle.distributed.fsdp.checkpoint.save_index import index_objects, sums_counts
+    from paddle.distributed.fsdp.checkpoint.format.commit import commit_record
+    from paddle.distributed.fsdp.checkpoint.save_index import assignment_columns, index_objects
 
     gc.collect()
     wires = [rank_records(model, world, r) for r in range(world)]
     t0 = time.perf_counter()
     assignment = planner.assign_writes(wires, {})
     t1 = time.perf_counter()
-    planner.lay_out_files(assignment, {}, "0" * 32, world // 2)  # a rank that does not commit: its own file
-    t1b = time.perf_counter()
-    plan = planner.lay_out_files(assignment, {}, "0" * 32)  # the coordinator: every file
+    planner.lay_out_files(assignment, {}, "0" * 32, world // 2)  # every rank: its own file
     t2 = time.perf_counter()
-    counts = sums_counts(plan, chunk, True)
-    reported = {r: {"size": plan.files[r].size, "sums": counts[r]} for r in range(world)}
+    plan = planner.lay_out_files(assignment, {}, "0" * 32)  # (the sim's stand-in for every rank's hand-over)
+    handovers = {r: {"size": plan.files[r].size, "header": len(plan.files[r].header)} for r in range(world)}
+    names = [plan.files[r].name for r in range(world)]
+    del plan
     header = dict(checkpoint_id="0" * 32, created_unix=0.0, world_size=world, chunk_bytes=chunk)
     header.update(checksum="xxh3-64", values={})
+    gc.collect()
     t3 = time.perf_counter()
-    objects = index_objects(plan, header, reported, True)
+    cols = assignment_columns(assignment, chunk)  # first save of this assignment; remembered after
     t4 = time.perf_counter()
+    for r in range(world):
+        handovers[r]["sums"] = cols["files"][r][2]
+    wait_s = _store_handover(world, handovers)
+    t5 = time.perf_counter()
+    objects = index_objects(cols, header, handovers, True)
+    t6 = time.perf_counter()
     for name, blob in objects.items():
         with open(os.path.join(directory, name), "wb") as f:
             f.write(blob)
-    from paddle.distributed.fsdp.checkpoint.format.commit import commit_record
-
     with open(os.path.join(directory, "COMMIT"), "wb") as f:
         f.write(commit_record("0" * 32, objects["metadata.json"]))
-    _sparse_sidecars(directory, counts, [plan.files[r].name for r in range(world)])
-    pieces = sum(len(plan.files[r].pieces) for r in range(world))
+    _sparse_sidecars(directory, [c for _n, _d, c in cols["files"]], names)
     exchange = len(planner.descs_digest(wires[0])) + 16  # digest + assignment name per rank (repeated saves)
-    del wires, assignment, plan
+    del wires, assignment
     return {
-        "pieces": pieces,
+        "pieces": int(len(cols["rows"])),
         "assign_s": t1 - t0,
-        "layout_rank_s": t1b - t1,
-        "layout_all_s": t2 - t1b,
-        "commit_index_s": t4 - t3,
+        "layout_rank_s": t2 - t1,
+        "columns_s": t4 - t3,
+        "handover_s": wait_s,
+        "commit_index_s": t6 - t5,
+        "commit_s": wait_s + (t6 - t5),
         "commit_bytes": sum(len(b) for b in objects.values()),
         "index_bytes": {k: len(v) for k, v in objects.items()},
         "exchange_bytes_per_rank": exchange,
+        "handover_bytes_per_rank": max(len(json.dumps(h)) for h in handovers.values()),
     }
+
+
+def _store_handover(world: int, handovers: dict) -> float:
+    """Seconds the coordinator's channel takes to read ``world`` hand-overs from a real TCP store (this
+    process serves it; the ranks' ``done`` keys are set first, as the ranks would)."""
+    import socket
+
+    import paddle.base.core as core
+    from paddle.distributed.fsdp.checkpoint.channel import SaveChannel
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    master = core.TCPStore("127.0.0.1", port, True, 1, 60)
+    ns = "fsdp-ckpt/sim/"
+    for r, h in handovers.items():
+        master.set(f"{ns}done/{r}", json.dumps(h).encode())
+        master.add(f"{ns}fdone/{r}", 1)
+        master.add(f"{ns}ndone", 1)
+    ch = SaveChannel("sim", 0, world, 0, 60.0, store=master)
+    try:
+        t0 = time.perf_counter()
+        got = None
+        while got is None:
+            assert not ch.failures()
+            got = ch.all_done()
+        return time.perf_counter() - t0
+    finally:
+        ch.close()
 
 
 def load_rank(directory: str, model: str, world: int, rank: int, memory: bool = False) -> dict:
@@ -253,8 +291,10 @@ def _summary(row: dict) -> dict:
         "files_opened": max(x["files_opened"] for x in loads),
         "assign_s": row["assign_s"],
         "layout_rank_s": row["layout_rank_s"],
-        "layout_all_s": row["layout_all_s"],
+        "columns_s": row["columns_s"],
+        "handover_s": row["handover_s"],
         "commit_index_s": row["commit_index_s"],
+        "commit_s": row["commit_s"],
         "commit_MB": row["commit_bytes"] / 1e6,
         **({"reshard": row["reshard"]} if "reshard" in row else {}),
     }
@@ -283,7 +323,7 @@ def main(argv=None) -> int:
     res["growth_512_8192"] = {
         "index_read": growth(rows, lambda r: max(x["index_bytes"] for x in r["loads"])),
         "plan_s": growth(rows, lambda r: max(x["plan_s"] for x in r["loads"])),
-        "commit_index_s": growth(rows, lambda r: r["commit_index_s"]),
+        "commit_s": growth(rows, lambda r: r["commit_s"]),
         "commit_bytes": growth(rows, lambda r: r["commit_bytes"]),
     }
     print(json.dumps({"summary": [_summary(r) for r in rows], "growth": res["growth_512_8192"]}, indent=1))

@@ -5,7 +5,7 @@ save's channel (channel.py: the TCP store; a heartbeat per rank). Order, and who
 
     each rank:    write_object(staging, "<rank>_0.safetensors")     durable (fsynced) on return
                   put(staging, "<rank>_0.safetensors.sums")          its chunk checksums (format/index.py)
-                  channel.done(size, checksum count, per-rank values) the hand-over (O(1) bytes)
+                  channel.done(size, header length, checksum count, per-rank values): O(1)
     coordinator:  wait for every hand-over (a failure, a dead rank or ``timeout``: SaveFailedError, abort)
                   put index.keys, index.pieces, metadata.json, 0.metadata, then COMMIT last; sync; publish
                   channel.committed(); publisher.publish() (``latest``); channel.published(); cleanup (keep_last)
@@ -38,7 +38,7 @@ from .io.storage import Storage
 from .markers import cause, mark_aborted, mark_failed
 from .options import CheckpointOptions
 from .planner import WriteAssignment, lay_out_files
-from .save_index import index_objects
+from .save_index import assignment_columns, index_objects
 from .tracing import Tracer
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class SaveJob:
                     if self.snapshot is not None:  # async: copy the deferred tensors first (snapshot.py)
                         self.snapshot.copy_deferred()
                     if self.plan is None:
-                        only = None if self.rank == self.coordinator else self.rank  # (the coordinator: all)
+                        only = None if self.rank == self.coordinator and self.write_stock else self.rank
                         self.plan = lay_out_files(self.assignment, self.values, self.checkpoint_id, only)
                 except BaseException as e:
                     self.fail(e)
@@ -188,7 +188,8 @@ class SaveJob:
         if digest is not None:  # format 2: this rank's checksums beside its data object, never gathered
             self.storage.put(self.staging, sums_name(name), pack_sums(sums))
         n_sums = sum(len(s) for s in sums) if digest is not None else 0
-        self.channel.done({"size": size, "sums": n_sums, "rank_values": self.rank_values})
+        handover = {"size": size, "header": len(layout.header), "sums": n_sums, "rank_values": self.rank_values}
+        self.channel.done(handover)
 
     def _drop(self, name: str) -> None:
         try:
@@ -321,7 +322,8 @@ class SaveJob:
             "checksum": self.checksum,
             "values": values,
         }
-        return index_objects(self.plan, header, status, self.checksum != checksums.NONE)
+        cols = assignment_columns(self.assignment, self.chunk_bytes)
+        return index_objects(cols, header, status, self.checksum != checksums.NONE)
 
     def _stock_view(self) -> CheckpointMetadata:
         """The plan as format-1 metadata without checksums: what stock paddle's ``0.metadata`` is built from."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from dataclasses import dataclass, field
 
 from . import checksums, writer
 from .directory import read_metadata
@@ -20,23 +19,9 @@ from .errors import CheckpointError
 from .format.commit import commit_record
 from .format.index import VERSION, pack_sums, sums_name
 from .format.metadata import COMMIT_FILE, METADATA_FILE, STOCK_METADATA_FILE
-from .save_index import index_objects
+from .save_index import index_objects, piece_columns
 
 __all__ = ["convert_to_format2"]
-
-
-@dataclass
-class _Layout:
-    name: str
-    size: int
-    pieces: list = field(default_factory=list)  # (key, piece) in file order
-
-
-@dataclass
-class _Plan:
-    tensors: dict
-    files: dict
-    values: dict
 
 
 def convert_to_format2(path: str) -> bool:
@@ -48,17 +33,10 @@ def convert_to_format2(path: str) -> bool:
     if md.version == VERSION:
         return False
     order = sorted(md.files, key=lambda n: (md.files[n].rank, n))
-    files = {i: _Layout(name, md.files[name].size) for i, name in enumerate(order)}
-    by_name = {lay.name: lay for lay in files.values()}
-    for key, tm in md.tensors.items():
-        for p in tm.pieces:
-            by_name[p.file].pieces.append((key, p))
-    for lay in files.values():
-        lay.pieces.sort(key=lambda kp: kp[1].offset)
     with_sums = md.checksum != checksums.NONE
+    cols = piece_columns(md.tensors, [(n, md.files[n].size) for n in order], md.chunk_bytes)
     reported = {
-        i: {"size": lay.size, "sums": sum(len(p.checksums) for _k, p in lay.pieces) if with_sums else 0}
-        for i, lay in files.items()
+        i: {"size": md.files[n].size, "sums": cols["files"][i][2] if with_sums else 0} for i, n in enumerate(order)
     }
     header = {
         "checkpoint_id": md.checkpoint_id,
@@ -68,7 +46,7 @@ def convert_to_format2(path: str) -> bool:
         "checksum": md.checksum,
         "values": md.values,
     }
-    objects = index_objects(_Plan(md.tensors, files, md.values), header, reported, with_sums)
+    objects = index_objects(cols, header, reported, with_sums)
     staging = f"{path}.tmp-convert-{uuid.uuid4().hex[:12]}"
     os.mkdir(staging)
     try:
@@ -76,9 +54,13 @@ def convert_to_format2(path: str) -> bool:
             if name in md.files or name == STOCK_METADATA_FILE:
                 os.link(os.path.join(path, name), os.path.join(staging, name))
         if with_sums:
-            for lay in files.values():
-                blob = pack_sums(p.checksums for _k, p in lay.pieces)
-                writer.write_file(os.path.join(staging, sums_name(lay.name)), blob, fsync=True, atomic=False)
+            by_file: dict[str, list] = {n: [] for n in order}
+            for tm in md.tensors.values():
+                for p in tm.pieces:
+                    by_file[p.file].append((p.offset, p.checksums))
+            for name, pieces in by_file.items():
+                blob = pack_sums(sums for _off, sums in sorted(pieces, key=lambda x: x[0]))
+                writer.write_file(os.path.join(staging, sums_name(name)), blob, fsync=True, atomic=False)
         for name, blob in objects.items():
             writer.write_file(os.path.join(staging, name), blob, fsync=True, atomic=False)
         record = commit_record(md.checkpoint_id, objects[METADATA_FILE])

@@ -277,6 +277,7 @@ class WriteAssignment:
 
     specs: list
     writes: dict
+    cache: dict = field(default_factory=dict, compare=False, repr=False)  # what follows from it (save_index.py)
 
     def keys_of(self, rank: int) -> list[str]:
         """The records ``rank`` writes, in file order (what an async save snapshots at the call)."""

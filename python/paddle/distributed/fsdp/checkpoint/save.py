@@ -281,7 +281,13 @@ def _save_locked(
         async_save,
         deferred_keys,
         opts,
-        (assignment, values, checkpoint_id, None if comm.rank == coordinator_rank else comm.rank),
+        # the coordinator lays out every file only for stock paddle's index (0.metadata lists every piece)
+        (
+            assignment,
+            values,
+            checkpoint_id,
+            None if comm.rank == coordinator_rank and write_stock_metadata else comm.rank,
+        ),
         (channel, storage, staging),
     )
     tr.mark("snapshot (volatile part)" if async_save else "views")

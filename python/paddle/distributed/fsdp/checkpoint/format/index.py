@@ -77,24 +77,27 @@ def pack_sums(per_piece: Iterable[Iterable[int]]) -> bytes:
 # ------------------------------------------------------------------------------------------------------- writing
 
 
-def encode(
-    header: dict, tensors: dict, files: list[tuple[str, int, int]], rows: np.ndarray, extra: dict
-) -> dict[str, bytes]:
-    """The index objects of a format-2 checkpoint: ``{name: bytes}`` with ``metadata.json`` last.
-
-    ``header``: checkpoint_id, created_unix, world_size, chunk_bytes, checksum, values. ``tensors``: key ->
-    ``(dtype, shape, row start, row stop)`` in row order. ``files``: ``(name, size, checksum count)`` by file
-    index. ``rows``: PIECE_ROW array. ``extra``: ``{"boxes": [[offset, shape]], "names": {row: name}}``."""
-    keys = list(tensors)
-    keys_json = {
+def keys_blob(keys: list, dtypes: list, shapes: list, row_starts: list, n_rows: int, extra: dict) -> bytes:
+    """``index.keys``: per key (in row order) its dtype, shape (``ndims`` + the flat ``dims``) and first row;
+    ``extra``: ``{"boxes": [[offset, shape]], "names": {row: name}}`` (pieces that are not whole-tensor boxes,
+    safetensors names that are not the key)."""
+    d = {
         "keys": keys,
-        "dtypes": [tensors[k][0] for k in keys],
-        "shapes": [list(tensors[k][1]) for k in keys],
-        "rows": [tensors[k][2] for k in keys] + [int(len(rows))],
+        "dtypes": dtypes,
+        "ndims": [len(s) for s in shapes],
+        "dims": [int(x) for s in shapes for x in s],
+        "rows": [int(r) for r in row_starts] + [int(n_rows)],
         "boxes": extra.get("boxes", []),
         "names": {str(r): n for r, n in extra.get("names", {}).items()},
     }
-    keys_blob = zlib.compress(json.dumps(keys_json, separators=(",", ":")).encode(), 6)
+    return zlib.compress(json.dumps(d, separators=(",", ":")).encode(), 6)
+
+
+def encode(header: dict, keys: bytes, files: list[tuple[str, int, int]], rows: np.ndarray) -> dict[str, bytes]:
+    """The index objects of a format-2 checkpoint: ``{name: bytes}`` with ``metadata.json`` last.
+
+    ``header``: checkpoint_id, created_unix, world_size, chunk_bytes, checksum, values. ``keys``: the
+    ``keys_blob``. ``files``: ``(name, size, checksum count)`` by file index. ``rows``: PIECE_ROW array."""
     pieces_blob = rows.astype(PIECE_ROW, copy=False).tobytes()
     default_names = all(name == f"{i}_0.safetensors" for i, (name, _s, _n) in enumerate(files))
     md = {
@@ -107,13 +110,13 @@ def encode(
             "sums": [int(f[2]) for f in files],
         },
         "index": {
-            KEYS_FILE: {"bytes": len(keys_blob), "sha256": hashlib.sha256(keys_blob).hexdigest()},
+            KEYS_FILE: {"bytes": len(keys), "sha256": hashlib.sha256(keys).hexdigest()},
             PIECES_FILE: {"rows": int(len(rows)), "sha256": hashlib.sha256(pieces_blob).hexdigest()},
         },
         "values": header["values"],
     }
     meta = json.dumps(md, separators=(",", ":"), allow_nan=False).encode()
-    return {KEYS_FILE: keys_blob, PIECES_FILE: pieces_blob, "metadata.json": meta}
+    return {KEYS_FILE: keys, PIECES_FILE: pieces_blob, "metadata.json": meta}
 
 
 # ------------------------------------------------------------------------------------------------------- reading
@@ -194,13 +197,7 @@ def decode_keys(blob: bytes, index: dict, where: str) -> dict:
     dtypes = d.get("dtypes")
     if type(dtypes) is not list or len(dtypes) != n or not set(dtypes) <= set(DTYPES):
         raise _fail(where, f"{KEYS_FILE}: dtypes must name a supported dtype per key")
-    shapes = d.get("shapes")
-    if type(shapes) is not list or len(shapes) != n:
-        raise _fail(where, f"{KEYS_FILE}: shapes must hold one shape per key")
-    for i, s in enumerate(shapes):
-        _int_list(s, where, f"shapes[{i}]")
-        if len(s) > 64 or numel(s) >= 1 << 62:
-            raise _fail(where, f"{KEYS_FILE}: key {keys[i]!r} has a bad shape")
+    shapes = _shapes(d.get("ndims"), d.get("dims"), n, where)
     rows = _int_list(d.get("rows"), where, f"{KEYS_FILE} rows", n + 1)
     if rows[-1] != index["rows"] or any(b < a for a, b in zip(rows, rows[1:])) or (rows and rows[0] != 0):
         raise _fail(where, f"{KEYS_FILE}: row ranges must ascend from 0 to the {index['rows']} rows")
@@ -209,6 +206,19 @@ def decode_keys(blob: bytes, index: dict, where: str) -> dict:
     if type(boxes) is not list or type(names) is not dict:
         raise _fail(where, f"{KEYS_FILE}: boxes must be a list and names an object")
     return {"keys": keys, "dtypes": dtypes, "shapes": shapes, "rows": rows, "boxes": boxes, "names": names}
+
+
+def _shapes(ndims, dims, n: int, where: str) -> list[tuple[int, ...]]:
+    """The keys' shapes from ``ndims`` (one per key) and the flat ``dims``, checked in numpy (100k keys)."""
+    nd = np.asarray(_int_list(ndims, where, f"{KEYS_FILE} ndims", n, 64), dtype=np.int64)
+    flat = _int_list(dims, where, f"{KEYS_FILE} dims", int(nd.sum()) if n else 0)
+    ends = np.cumsum(nd)
+    if flat:
+        c = np.concatenate([[0.0], np.cumsum(np.log2(np.maximum(np.asarray(flat, dtype=np.float64), 1.0)))])
+        if (c[ends] - c[ends - nd] >= 61.9).any():  # log2 of each key's element count
+            raise _fail(where, f"{KEYS_FILE}: a key declares 2^62 elements or more")
+    starts = (ends - nd).tolist()
+    return [tuple(flat[a:b]) for a, b in zip(starts, ends.tolist())]
 
 
 class CountedFetch:
@@ -412,7 +422,7 @@ def open_v2(d: dict, where: str, fetch: Fetch | None):
     tensors: dict = {}
     source = IndexSource(fetch, where, table, fields, tensors)
     for i, (key, dtype, shape) in enumerate(zip(table["keys"], table["dtypes"], table["shapes"])):
-        tensors[key] = IndexedTensor(key, i, dtype, tuple(shape), source)
+        tensors[key] = IndexedTensor(key, i, dtype, shape, source)
     source.pieces_sha256 = index["pieces_sha256"]
     md.tensors = tensors
     md.index = source
