@@ -19,6 +19,8 @@ Usage: ``python tools/ckpt_bench/scale.py [--model NAME] [--worlds 8,64,...] [--
 from __future__ import annotations
 
 import argparse
+import bisect
+import functools
 import gc
 import json
 import math
@@ -70,22 +72,35 @@ def state_bytes(model: str) -> int:
     return sum(4 * math.prod(s) for u in units(model) for _n, s in u) * len(STATES)
 
 
+@functools.cache
+def _unit_bounds(model: str) -> list[tuple[list, list[int], int]]:
+    """Per unit: its (name, shape) list, the flat start of each parameter, and the unit's element count."""
+    out = []
+    for unit in units(model):
+        starts, pos = [], 0
+        for _n, s in unit:
+            starts.append(pos)
+            pos += math.prod(s)
+        out.append((unit, starts, pos))
+    return out
+
+
 def rank_records(model: str, world: int, rank: int) -> list[tuple]:
     """The record descriptions (planner wire form) rank ``rank`` of ``world`` holds: per unit and state, the
     parameters its even share of the unit's flat buffer touches, as flat ranges."""
     out = []
-    for unit in units(model):
-        sizes = [math.prod(s) for _n, s in unit]
-        total = sum(sizes)
+    for unit, starts, total in _unit_bounds(model):
         share = -(-total // world)
         a, b = rank * share, min(total, (rank + 1) * share)
-        pos = 0
-        for (name, shape), n in zip(unit, sizes):
-            lo, hi = max(a, pos), min(b, pos + n)
+        i = max(0, bisect.bisect_right(starts, a) - 1)
+        while i < len(unit) and starts[i] < b:
+            name, shape = unit[i]
+            lo, hi = max(a, starts[i]), min(b, starts[i] + math.prod(shape))
             if hi > lo:
                 for st in STATES:
-                    out.append((name + st, "float32", shape, (0,) * len(shape), shape, (lo - pos, hi - pos), False))
-            pos += n
+                    flat = (lo - starts[i], hi - starts[i])
+                    out.append((name + st, "float32", shape, (0,) * len(shape), shape, flat, False))
+            i += 1
     return out
 
 
@@ -151,13 +166,32 @@ def save_side(model: str, world: int, directory: str, chunk: int) -> dict:
     }
 
 
+class _Locked:
+    """One store client shared by the channel's calls and its heartbeat thread (a client is not thread-safe;
+    the engine gives each its own connection to the job's store, which a store served here cannot)."""
+
+    def __init__(self, store):
+        import threading
+
+        self.store, self.lock = store, threading.Lock()
+
+    def __getattr__(self, method: str):
+        fn = getattr(self.store, method)
+
+        def call(*args):
+            with self.lock:
+                return fn(*args)
+
+        return call
+
+
 def _store_handover(world: int, handovers: dict) -> float:
     """Seconds the coordinator's channel takes to read ``world`` hand-overs from a real TCP store (this
     process serves it; the ranks' ``done`` keys are set first, as the ranks would)."""
     import socket
 
     import paddle.base.core as core
-    from paddle.distributed.fsdp.checkpoint.channel import SaveChannel
+    from paddle.distributed.fsdp.checkpoint import channel
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -168,7 +202,10 @@ def _store_handover(world: int, handovers: dict) -> float:
         master.set(f"{ns}done/{r}", json.dumps(h).encode())
         master.add(f"{ns}fdone/{r}", 1)
         master.add(f"{ns}ndone", 1)
-    ch = SaveChannel("sim", 0, world, 0, 60.0, store=master)
+    before = channel._socket_fds()
+    client = core.TCPStore("127.0.0.1", port, False, 0, 60)
+    channel._no_delay(channel._socket_fds() - before, port)  # as the engine's own clients (channel._client)
+    ch = channel.SaveChannel("sim", 0, world, 0, 60.0, store=_Locked(client))
     try:
         t0 = time.perf_counter()
         got = None
