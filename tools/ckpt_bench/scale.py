@@ -125,6 +125,7 @@ def save_side(model: str, world: int, directory: str, chunk: int) -> dict:
     t0 = time.perf_counter()
     assignment = planner.assign_writes(wires, {})
     t1 = time.perf_counter()
+    chunk = chunk or planner.chunk_for(assignment)  # 0: what save_state_dict picks
     planner.lay_out_files(assignment, {}, "0" * 32, world // 2)  # every rank: its own file
     t2 = time.perf_counter()
     plan = planner.lay_out_files(assignment, {}, "0" * 32)  # (the sim's stand-in for every rank's hand-over)
@@ -162,6 +163,7 @@ def save_side(model: str, world: int, directory: str, chunk: int) -> dict:
         "commit_bytes": sum(len(b) for b in objects.values()),
         "index_bytes": {k: len(v) for k, v in objects.items()},
         "exchange_bytes_per_rank": exchange,
+        "chunk_bytes": chunk,
         "handover_bytes_per_rank": max(len(json.dumps(h)) for h in handovers.values()),
     }
 
@@ -260,7 +262,7 @@ def load_rank(directory: str, model: str, world: int, rank: int, memory: bool = 
     }
 
 
-def reshard_reads(directory: str, model: str, world: int, chunk: int) -> dict:
+def reshard_reads(directory: str, model: str, world: int) -> dict:
     """Every rank of ``world`` loading the checkpoint in ``directory`` (saved by another world): bytes each
     reads (its ranges widened to whole checksum chunks, as a verified load reads them) against its share, and
     whether any byte is read by two ranks beyond that widening (one shared reader: the plan of each rank is
@@ -271,6 +273,7 @@ def reshard_reads(directory: str, model: str, world: int, chunk: int) -> dict:
 
     md = ckdir.read_metadata(directory)
     md.prefetch(list(md.tensors))
+    chunk = md.chunk_bytes
     worst, total_read, total_share, exact_overlap = 0.0, 0, 0, 0
     seen: dict[tuple[str, int], int] = {}  # (file, offset) -> end of the exact range read there
     for rank in range(world):
@@ -308,7 +311,7 @@ def run(model: str, worlds: list[int], samples: int, chunk: int, reshard: tuple[
             mem = load_rank(d, model, world, ranks[0], memory=True)["peak_bytes"]
             row = {"world": world, **save, "loads": loads, "peak_bytes": mem}
             if reshard and reshard[0] == world:
-                row["reshard"] = reshard_reads(d, model, reshard[1], chunk)
+                row["reshard"] = reshard_reads(d, model, reshard[1])
             out["worlds"].append(row)
             print(json.dumps(_summary(row)), file=sys.stderr, flush=True)
         finally:
@@ -321,6 +324,7 @@ def _summary(row: dict) -> dict:
     return {
         "world": row["world"],
         "pieces": row["pieces"],
+        "chunk_KiB": row["chunk_bytes"] >> 10,
         "index_read_MB": max(x["index_bytes"] for x in loads) / 1e6,
         "own_sums_KB": max(x["sums_bytes"] for x in loads) / 1e3,
         "plan_s": max(x["plan_s"] for x in loads),
@@ -350,7 +354,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="Qwen3-235B-A22B", choices=sorted(MODELS))
     p.add_argument("--worlds", default="8,64,512,2048,8192")
     p.add_argument("--samples", type=int, default=3, help="loading ranks measured per world (default 3)")
-    p.add_argument("--chunk-bytes", type=int, default=256 << 10)
+    p.add_argument("--chunk-bytes", type=int, default=0, help="checksum chunk (default 0: what a save picks)")
     p.add_argument("--reshard", default="8192:6144", help="FROM:TO worlds of the reshard check ('' skips it)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)

@@ -58,3 +58,19 @@ def test_the_measure_sees_a_reader_that_reads_every_piece(saved):
 
     assert all_rows(64) - all_rows(4) > 10 * (64 - 4) * PER_FILE
     assert saved[64][1]["pieces"] > 2 * saved[4][1]["pieces"]
+
+
+def test_checksum_chunk_follows_the_pieces_of_large_worlds():
+    """Below 256 ranks saves keep 256 KiB chunks; from there the chunk is about 1/16 of the mean piece (within
+    64-256 KiB), so a resharded verified load reads at most two small chunks beyond each of its ranges."""
+    from paddle.distributed.fsdp.checkpoint.planner import WriteAssignment, chunk_for
+
+    def assignment(world: int, piece_bytes: int) -> WriteAssignment:
+        n = piece_bytes // 4 * world
+        return WriteAssignment([("w", "float32", (n,))], {r: [("w", None)] for r in range(world)})
+
+    assert chunk_for(assignment(8, 1 << 20)) == 256 << 10
+    assert chunk_for(assignment(256, 1 << 20)) == 64 << 10
+    assert chunk_for(assignment(512, 2 << 20)) == 128 << 10
+    assert chunk_for(assignment(8192, 64 << 20)) == 256 << 10
+    assert chunk_for(assignment(8192, 1 << 10)) == 64 << 10
