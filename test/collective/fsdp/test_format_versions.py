@@ -77,3 +77,63 @@ def test_v1_fixture_converts_to_format2(tmp_path):
     with pytest.raises(CorruptCheckpointError):
         load_full_state_dict(str(ck), ["b.fp64"])
     assert any("checksum mismatch" in m for m in verify_checkpoint(str(ck)))
+
+
+@pytest.fixture
+def saved_v2(tmp_path):
+    import paddle
+    from paddle.distributed.fsdp.checkpoint import save_state_dict
+
+    arrays = fixture_arrays()
+    save_state_dict({k: paddle.to_tensor(v) for k, v in arrays.items()}, str(tmp_path / "ck"), chunk_bytes=16)
+    return tmp_path / "ck", arrays
+
+
+def test_format2_damage_is_named(saved_v2):
+    """Each object of format 2 damaged: verify names it, a load refuses with a named error (never wrong bytes)."""
+    from paddle.distributed.fsdp.checkpoint import CheckpointError, MetadataError
+    from paddle.distributed.fsdp.checkpoint.format.index import PIECE_ROW
+
+    ck, arrays = saved_v2
+    assert read_metadata(str(ck)).version == 2 and verify_checkpoint(str(ck)) == []
+    keys = sorted(arrays)
+    clean = {n: (ck / n).read_bytes() for n in os.listdir(ck)}
+
+    def damaged(name, fn):
+        for n, b in clean.items():
+            (ck / n).write_bytes(b)
+        if fn is None:
+            (ck / name).unlink()
+        else:
+            (ck / name).write_bytes(fn(bytearray(clean[name])))
+
+    def flip(i):
+        def fn(b):
+            b[i] ^= 0x01
+            return bytes(b)
+
+        return fn
+
+    damaged("0_0.safetensors.sums", None)
+    assert any("sidecar 0_0.safetensors.sums is missing" in m for m in verify_checkpoint(str(ck)))
+    with pytest.raises(CheckpointError):
+        load_full_state_dict(str(ck), keys)
+    damaged("0_0.safetensors.sums", flip(9))  # the second checksum of the file's first piece
+    assert any("checksum mismatch" in m for m in verify_checkpoint(str(ck)))
+    with pytest.raises(CorruptCheckpointError):
+        load_full_state_dict(str(ck), keys)
+    damaged("index.pieces", flip(PIECE_ROW.fields["key"][1]))  # row 0 claims another key
+    assert any("index.pieces does not match its SHA-256" in m for m in verify_checkpoint(str(ck)))
+    with pytest.raises(MetadataError, match="does not belong to key"):
+        load_full_state_dict(str(ck), keys)
+    damaged("index.keys", flip(10))
+    assert any("index.keys does not match" in m for m in verify_checkpoint(str(ck)))
+    with pytest.raises(MetadataError):
+        read_metadata(str(ck))
+    damaged("index.pieces", lambda b: bytes(b[:-3]))
+    assert verify_checkpoint(str(ck))
+    with pytest.raises(CheckpointError):
+        load_full_state_dict(str(ck), keys)
+    damaged("index.pieces", lambda b: bytes(b))
+    got = load_full_state_dict(str(ck), keys)
+    assert all(got[k].numpy().tobytes() == arrays[k].tobytes() for k in keys)
