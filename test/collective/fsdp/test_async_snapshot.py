@@ -13,6 +13,7 @@ import numpy as np
 import paddle
 import paddle.distributed.fsdp.checkpoint as ck
 import pytest
+from paddle.distributed.fsdp import optimizer_integration
 from paddle.distributed.fsdp.checkpoint import snapshot, snapshot_guard
 
 
@@ -39,6 +40,9 @@ def gated(monkeypatch):
 
     monkeypatch.setattr(snapshot.Snapshot, "copy_deferred", held)
     monkeypatch.setattr(snapshot_guard, "wait_for_snapshot", spy)
+    # FSDP's optimizer integration (installed once any model was wrapped in this process) waits first, through
+    # the name it imported: spy on it too, or a step would wait unseen until the gate times out
+    monkeypatch.setattr(optimizer_integration, "wait_for_snapshot", spy)
     yield gate, reached
     gate.set()
 

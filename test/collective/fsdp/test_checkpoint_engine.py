@@ -414,9 +414,10 @@ def test_async_save_round_trip_and_failure_surfaces(tmp_path, monkeypatch):
     with pytest.raises(ck.SaveFailedError, match="No space left"):  # not waited: the next save raises it
         ck.save_state_dict({"x": src}, str(tmp_path / "d"))
     ck.save_state_dict({"x": src}, str(tmp_path / "d"))
-    for name in ("b", "c"):  # a failed save commits nothing; loading its path names the failure
+    for name in ("b", "c"):  # a failed save commits nothing and leaves nothing behind (issue 29: no staging)
         assert not (tmp_path / name).exists()
-        with pytest.raises(ck.IncompleteCheckpointError, match="failed .*No space left"):
+        assert not list(tmp_path.glob(f"{name}.tmp-*"))
+        with pytest.raises(ck.NotACheckpointError, match="no such directory"):
             ck.read_metadata(str(tmp_path / name))
 
 

@@ -338,3 +338,97 @@ def test_seeded_mutation_fuzz(fuzz_dir):
     assert sum(o.get("refused", 0) for o in outcomes.values()) > ROUNDS // 4, outcomes
     assert sum(o.get("loaded", 0) for o in outcomes.values()) > ROUNDS // 20, outcomes
     print(f"fuzz outcomes by mutation kind: {outcomes}")
+
+
+@pytest.mark.parametrize("name", ["metadata.json", "COMMIT"])
+def test_every_field_of_every_type(fuzz_dir, name):
+    """Issue 29: every field of metadata.json (re-sealed, so each edit reaches the parser) and of COMMIT given
+    every other JSON type (json_types.py): the load refuses with a named CheckpointError and changes nothing,
+    never another exception; a field the engine reads (all but the caller's ``values``) is never accepted."""
+    from crafted import reseal
+    from json_types import type_mutations
+
+    values = _global_values()
+    ckpt = fuzz_dir / "ckpt"
+    craft(ckpt, values, _pieces(), values={"step": 3})
+    pristine = snapshot_files(ckpt)
+    targets, want = _targets(values)
+    doc = json.loads(pristine[name])
+    n = 0
+    for what, path, value, mutated in type_mutations(doc):
+        label = f"{name} {what}"
+        text = json.dumps(mutated).encode()
+        if name == "metadata.json":
+            reseal(ckpt, text)
+        else:
+            (ckpt / name).write_bytes(text)
+        try:
+            outcome = _check_round(ckpt, values, targets, want, label)
+        except AssertionError:
+            raise
+        except Exception as e:  # another exception type is a failure of the contract
+            raise AssertionError(f"{label}: {type(e).__name__}: {e}") from e
+        if value is not None and (not path or path[0] != "values"):
+            assert outcome == "refused", f"{label}: a field of the wrong type was accepted ({outcome})"
+        _restore(ckpt, pristine)
+        n += 1
+    assert n > 10, n
+
+
+def test_every_field_of_the_one_call_values_of_every_type(tmp_path):
+    """The JSON values ``save_checkpoint`` stores (optimizer class and global state with an LR scheduler, RNG
+    states, buffers, extra_state) with every field given every other type: ``load_checkpoint`` loads or refuses
+    with a named CheckpointError, leaving the model and optimizer as they were; never another exception. A field
+    of the optimizer's or the RNG's state of another type is always refused."""
+    from crafted import reseal
+    from json_types import type_mutations
+    from paddle.distributed.fsdp import FullyShardFusion
+
+    def build(seed: int):
+        paddle.seed(seed)
+        model = paddle.nn.Linear(4, 4)
+        fsdp = FullyShardFusion(model)
+        sched = paddle.optimizer.lr.StepDecay(0.1, step_size=1, gamma=0.5)
+        opt = paddle.optimizer.AdamW(sched, parameters=model.parameters())
+        model(paddle.ones([2, 4])).sum().backward()
+        opt.step()
+        opt.clear_grad()
+        sched.step()
+        return model, fsdp, opt
+
+    model, fsdp, opt = build(1)
+    ckpt = tmp_path / "ckpt"
+    fsdp.save_checkpoint(str(ckpt), optimizer=opt, extra_state={"epoch": 1})
+    pristine = snapshot_files(ckpt)
+    md = json.loads(pristine["metadata.json"])
+    model, fsdp, opt = build(2)
+
+    def everything() -> dict:
+        state = dict(fsdp.sharded_state_dict(), **fsdp.optimizer_sharded_state_dict(opt))
+        return {k: np.array(getattr(v, "local_tensor", v).numpy()) for k, v in state.items()}
+
+    before = everything()
+    outcomes: dict[str, int] = {}
+    for what, path, value, mutated in type_mutations(md["values"]):
+        label = f"metadata.json values.{what}"
+        reseal(ckpt, json.dumps(dict(md, values=mutated)).encode())
+        try:
+            with alarm(20, label):
+                fsdp.load_checkpoint(str(ckpt), optimizer=opt)
+            outcome = "loaded"
+        except ck.CheckpointError:
+            outcome = "refused"
+        except Exception as e:  # another exception type is a failure of the contract
+            raise AssertionError(f"{label}: {type(e).__name__}: {e}") from e
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        if outcome == "refused":
+            after = everything()
+            assert all(np.array_equal(after[k], before[k]) for k in before), (
+                f"{label}: a refused load changed the model"
+            )
+        elif value is not None and path and path[0] in ("__fsdp__.optimizer", "__fsdp__.rng"):
+            raise AssertionError(f"{label}: a field of the wrong type was accepted")
+        else:
+            before = everything()
+        _restore(ckpt, pristine)
+    assert outcomes.get("refused", 0) > 20, outcomes

@@ -375,8 +375,13 @@ STAGE_FAULTS = [
 ]
 
 
+# a full disk at every stage of the save protocol that writes (the coordinator's stages included)
+STAGE_FAULTS += [(stage, "ENOSPC") for stage in faults.STAGES[:6] if (stage, "ENOSPC") not in STAGE_FAULTS]
+
+
 @pytest.mark.parametrize("stage, code", STAGE_FAULTS)
 def test_injected_io_error_at_each_stage_is_a_named_save_failure(tmp_path, monkeypatch, stage, code):
+    """... and the failed save removes everything it wrote (its ``ckpt.tmp-<id>`` staging) before it raises."""
     path = tmp_path / "ckpt"
     first = {"x": paddle.rand([1 << 16]), "step": 1}
     ck.save_state_dict(first, str(path))
@@ -389,8 +394,8 @@ def test_injected_io_error_at_each_stage_is_a_named_save_failure(tmp_path, monke
     t = {"x": paddle.zeros([1 << 16]), "step": None}
     ck.load_state_dict(t, str(path))  # the previous checkpoint is intact
     assert np.array_equal(bits(t["x"]), bits(first["x"])) and t["step"] == 1
-    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith("ckpt.tmp-")]
-    assert all(not any(q.suffix == ".safetensors" for q in p.iterdir()) for p in leftovers), "data left behind"
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "ckpt"]
+    assert not leftovers, f"the failed save left {leftovers} behind"
     ck.save_state_dict({"x": paddle.rand([1 << 16]), "step": 3}, str(path))
     _join_background_deletes()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("ckpt.tmp-")], "failed staging not removed"
@@ -452,6 +457,66 @@ def test_full_tmpfs_save_fails_named_and_a_fitting_save_succeeds(small_tmpfs):
     ck.save_state_dict(second, str(path), write_stock_metadata=False)
     _join_background_deletes()
     assert sorted(p.name for p in small_tmpfs.iterdir()) == ["ckpt", "other"]
+
+
+@pytest.fixture
+def tmpfs_20m(tmp_path):
+    mnt = tmp_path / "tmpfs20"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()} (the injected ENOSPC cases above still run)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def _fill(path: Path) -> None:
+    """Take every free byte of the file system at ``path``'s directory (a ballast file)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for block in (1 << 20, 4096):
+            try:
+                while True:
+                    os.write(fd, b"\0" * block)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("ballast", [False, True], ids=["fills_while_writing", "already_full"])
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_save_failing_on_a_full_tmpfs_removes_its_staging(tmpfs_20m, ballast, async_save):
+    """Issue 29: a 13 MB save onto a 20 MiB tmpfs holding an 8 MB checkpoint fails; it must leave nothing behind
+    (once: ``ckpt.tmp-<id>`` stayed), also when the disk is full to the last block while it cleans up (ballast);
+    once the space is back, the same save succeeds."""
+    path = tmpfs_20m / "ckpt"
+    first = {"x": paddle.rand([2_000_000])}
+    ck.save_state_dict(first, str(path))
+    if ballast:
+        _fill(tmpfs_20m / "ballast")
+    free_before = os.statvfs(tmpfs_20m).f_bfree
+    big = {"x": paddle.rand([3_300_000])}
+    with alarm(60, "a save into a full tmpfs"):
+        with pytest.raises(ck.SaveFailedError, match="No space left"):
+            h = ck.save_state_dict(big, str(path), async_save=async_save)
+            if h is not None:
+                h.wait()
+    assert sorted(p.name for p in tmpfs_20m.iterdir()) == ["ballast", "ckpt"][int(not ballast) :]
+    assert os.statvfs(tmpfs_20m).f_bfree == free_before, "the failed save did not give all its space back"
+    t = {"x": paddle.zeros([2_000_000])}
+    ck.load_state_dict(t, str(path))
+    assert np.array_equal(bits(t["x"]), bits(first["x"]))
+    if ballast:
+        (tmpfs_20m / "ballast").unlink()
+    shutil.rmtree(path)  # space for the bigger checkpoint (the replaced one is only deleted after the commit)
+    ck.save_state_dict(big, str(path))
+    t = {"x": paddle.zeros([3_300_000])}
+    ck.load_state_dict(t, str(path))
+    assert np.array_equal(bits(t["x"]), bits(big["x"]))
+    assert sorted(p.name for p in tmpfs_20m.iterdir()) == ["ckpt"]
 
 
 def test_read_only_directory_is_a_named_save_failure(tmp_path):

@@ -270,7 +270,8 @@ def test_latest_moves_only_after_commit_and_prune_only_after_latest(tmp_path, mo
     monkeypatch.undo()
     assert mgr.latest_step() == 1 and mgr.steps() == [1]
     assert _load_value(mgr.latest()) == 1.0
-    with pytest.raises(ck.IncompleteCheckpointError, match="step_00000002 is incomplete.*failed .*I/O error"):
+    assert not list((tmp_path / "run").glob("step_00000002*")), "the failed save left its staging behind"
+    with pytest.raises(ck.NotACheckpointError, match="no such directory"):
         ck.read_metadata(mgr.path_for(2))
     # publish fails: committed, but `latest` and step 1 untouched
     monkeypatch.setattr(manager._LatestPublisher, "publish", crash)
@@ -310,6 +311,11 @@ def test_root_without_committed_checkpoint(tmp_path, monkeypatch):
     mgr = ck.CheckpointManager(root)
     monkeypatch.setattr(writer, "write_rank_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "disk full")))
     with pytest.raises(ck.SaveFailedError, match="disk full"):
+        mgr.save(1, _state(1.0))
+    assert not list(root.iterdir()), "the failed save left something behind"
+    # an interrupted save (as a kill would) does leave its staging directory, and the root says so
+    monkeypatch.setattr(writer, "write_rank_file", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
         mgr.save(1, _state(1.0))
     monkeypatch.undo()
     with pytest.raises(ck.IncompleteCheckpointError, match="no committed checkpoint: only interrupted saves"):

@@ -9,11 +9,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 
 import numpy as np
 import paddle
 import pytest
-from paddle.distributed.fsdp import FullyShardFusion, device
+from paddle.distributed.fsdp import FullyShardFusion, device, device_rules
 from paddle.distributed.fsdp.checkpoint.errors import MetadataError
 from paddle.distributed.fsdp.state import rng
 
@@ -59,28 +60,28 @@ def test_without_fake_device_cpu_tensors_are_host():
     assert device.is_host(t) and t.data_ptr() == device.data_ptr(t)
 
 
-@pytest.mark.parametrize("chunk_bytes", [1, 64, device.DEFAULT_CHUNK_BYTES])
-def test_to_host_copies_every_dtype_into_one_reusable_staging_buffer(fake_device, chunk_bytes):
+def test_to_host_copies_every_dtype_into_flat_views_of_one_reusable_staging_buffer(fake_device):
+    """Multi-dim and strided device tensors land in flat (1-D) views: no op but the copy runs on the host side."""
     rs = np.random.default_rng(0)
     tensors = [
         paddle.to_tensor(rs.normal(size=[3, 5]).astype("float32")),
         paddle.to_tensor(rs.normal(size=[7]).astype("float32")).astype("bfloat16"),
-        paddle.to_tensor(rs.integers(0, 100, size=[4]).astype("int64")),
+        paddle.to_tensor(rs.integers(0, 100, size=[2, 2, 2]).astype("int64")),
         paddle.zeros([0], dtype="float32"),
-        paddle.to_tensor(rs.normal(size=[2, 2]).astype("float64")),
+        paddle.to_tensor(rs.normal(size=[4, 2]).astype("float64")).transpose([1, 0]),
     ]
     staging = device.HostStaging()
-    host = device.to_host(tensors, staging, chunk_bytes=chunk_bytes)
+    host = device.to_host(tensors, staging)
     for src, out in zip(tensors, host):
-        assert device.is_host(out) and out.shape == src.shape and out.dtype == src.dtype
-        np.testing.assert_array_equal(out.numpy(), src.numpy())
+        assert device.is_host(out) and out.shape == [src.size] and out.dtype == src.dtype
+        np.testing.assert_array_equal(out.numpy(), np.ascontiguousarray(src.numpy()).ravel())
         if out.shape[0]:
             out.data_ptr()  # host views are readable in place
     size = staging.nbytes()
     assert size == sum(t.numel().item() * t.element_size() for t in tensors)  # one region per dtype, no slack
-    again = device.to_host(tensors[:2], staging, chunk_bytes=chunk_bytes)  # reused: no new allocation
-    assert staging.nbytes() == size
-    np.testing.assert_array_equal(again[1].numpy(), tensors[1].numpy())
+    again = device.to_host(tensors[:2], staging)  # reused: no new allocation
+    assert staging.nbytes() == size and staging.allocations == 4
+    np.testing.assert_array_equal(again[1].numpy(), tensors[1].numpy().ravel())
 
 
 def test_to_host_returns_host_tensors_as_they_are(fake_device):
@@ -104,17 +105,123 @@ def test_pinned_request_falls_back_with_a_log_line(caplog, monkeypatch):
     monkeypatch.setattr(device, "_pin_fallback_logged", False)
     with caplog.at_level(logging.INFO, logger=device.__name__):
         t = device.host_empty([8], "float32", pinned=True)
-    assert t.place.is_cpu_place() or t.place.is_cuda_pinned_place()
-    if not paddle.is_compiled_with_cuda():
+    assert device.is_host_place(t.place)
+    if not paddle.is_compiled_with_cuda() and not device.options().fake_device:
         assert any("pageable" in r.getMessage() for r in caplog.records)
+    if paddle.is_compiled_with_cuda():  # the first GPU run: the pinned request must give pinned memory
+        assert t.place.is_cuda_pinned_place(), f"pinned staging allocated on {t.place}"
+
+
+def test_pinned_staging_is_pinned_explicitly_and_checked(fake_device, monkeypatch, caplog):
+    """Host memory allocated as host memory, then pinned (emulated in fake mode); a pin step that hands back
+    device memory (what paddle 3.3.1's creation op on CUDAPinnedPlace does on a GPU) is a named error; a pin
+    step that refuses is a logged fallback to pageable host memory."""
+    t = device.host_empty([2, 3], "float32")
+    assert device_rules.is_fake_pinned(t) and device.is_host(t) and t.shape == [2, 3]
+    monkeypatch.setattr(paddle.Tensor, "pin_memory", lambda self, blocking=True: paddle.zeros(self.shape, self.dtype))
+    with pytest.raises(device.HostAllocationError, match="device memory in fake-device mode"):
+        device.host_empty([4], "float32")
+    with pytest.raises(device.HostAllocationError):  # ... also through the staging buffers
+        device.to_host([paddle.ones([4])])
+
+    def refuse(self, blocking=True):
+        raise RuntimeError("cudaHostAlloc failed: out of memory")
+
+    monkeypatch.setattr(paddle.Tensor, "pin_memory", refuse)
+    monkeypatch.setattr(device, "_pin_fallback_logged", False)
+    with caplog.at_level(logging.WARNING, logger=device.__name__):
+        t = device.host_empty([4], "float32")
+    assert device.is_host(t) and not device_rules.is_fake_pinned(t)
+    assert any("pageable" in r.getMessage() and "cudaHostAlloc" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(paddle, "empty", lambda *a, **k: _on_device())  # a "gpu" result for a host request
+    with pytest.raises(device.HostAllocationError, match="paddle.empty"):
+        device.host_empty([4], "float32", pinned=False)
+
+
+class _DevicePlace:
+    def is_cpu_place(self):
+        return False
+
+    def is_cuda_pinned_place(self):
+        return False
+
+    def __str__(self):
+        return "Place(gpu:0)"
+
+
+class _OnDevice:
+    place = _DevicePlace()
+
+
+def _on_device():
+    return _OnDevice()
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda h: h.reshape([2, 2]),
+        lambda h: paddle.reshape(h, [2, 2]),
+        lambda h: h + 1,
+        lambda h: h[1:3],
+        lambda h: paddle.assign(h),
+        lambda h: paddle.concat([h, h]),
+        lambda h: h.astype("float64"),
+        lambda h: h._slice(0, 2).flatten(),
+    ],
+)
+def test_ops_on_host_staging_memory_are_refused(fake_device, op):
+    host = device.to_host([paddle.arange(4, dtype="float32")])[0]
+    with pytest.raises(device_rules.HostStagingOpError):
+        op(host)
+
+
+def test_slices_and_copies_of_host_staging_memory_are_allowed(fake_device):
+    host = device.host_empty([4], "float32")
+    host.copy_(paddle.arange(4, dtype="float32"), True)
+    part = host._slice(1, 3)
+    dst = paddle.zeros([2], dtype="float32")
+    dst.copy_(part, True)
+    np.testing.assert_array_equal(dst.numpy(), [1, 2])
+    np.testing.assert_array_equal(part.numpy(), [1, 2])
+
+
+def test_device_synchronisations_are_logged_with_thread_and_gil(fake_device):
+    device_rules.syncs(reset=True)
+    t = paddle.ones([3])
+    t.cpu()
+    paddle.device.synchronize()
+    device.to_host([t])
+    done = []
+    worker = threading.Thread(target=lambda: done.append(device.to_host([t])), name="bg")
+    worker.start()
+    worker.join()
+    log = device_rules.syncs(reset=True)
+    assert [(r.kind, r.main_thread, r.gil_held) for r in log[:2]] == [
+        ("Tensor.cpu", True, True),
+        ("paddle.device.synchronize", True, True),
+    ]
+    polls = [r for r in log[2:] if r.kind == "copy event poll"]
+    assert polls and all(not r.gil_held for r in polls) and {r.thread for r in polls} == {"MainThread", "bg"}
+    assert not [r for r in log if not r.main_thread and r.gil_held]
 
 
 def test_parameter_on_another_place_is_refused_by_name():
+    class Gpu0:  # a device place (none can be made on a CPU-only build)
+        def is_cpu_place(self) -> bool:
+            return False
+
+        def is_cuda_pinned_place(self) -> bool:
+            return False
+
+        def __str__(self) -> str:
+            return "Place(gpu:0)"
+
     class Placed:
-        place = "Place(gpu:0)"
+        place = Gpu0()
 
     with pytest.raises(ValueError, match=r"'blocks.0.w' is on Place\(gpu:0\).*shards onto Place\(cpu\)"):
-        device.check_same_place("blocks.0.w", Placed(), "Place(cpu)")
+        device.check_same_place("blocks.0.w", Placed(), paddle.CPUPlace())
 
 
 # ---- RNG state -------------------------------------------------------------------------------------------
@@ -183,3 +290,22 @@ def test_load_refuses_rng_mismatch_before_writing(tmp_path):
         device.set_options(saved_options)
     for key, value in model.named_parameters():
         np.testing.assert_array_equal(value.numpy(), before[key])
+
+
+def test_an_op_between_a_copy_batch_start_and_its_copies_is_refused(fake_device):
+    """On a GPU the copy stream waits only for work queued before the batch's start event: a source made after
+    it (a contiguous() of a strided tensor) could be read before it is written."""
+    from paddle.distributed.fsdp import device_streams
+
+    strided = paddle.arange(6, dtype="float32").reshape([2, 3]).transpose([1, 0])
+    dst = device.host_empty([6], "float32")
+    batch = device_streams.begin("fake")
+    with pytest.raises(device_rules.CopyOrderError):
+        batch.copy([(dst, device.flat_source(strided))])
+    src = device.flat_source(strided)
+    batch = device_streams.begin("fake")
+    batch.copy([(dst, src)])
+    batch.finish().wait()
+    np.testing.assert_array_equal(dst.numpy(), [0, 3, 1, 4, 2, 5])
+    with pytest.raises(ValueError, match="mode"):
+        device_streams.begin("gpu")

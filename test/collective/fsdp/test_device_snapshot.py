@@ -1,12 +1,14 @@
 """Async-save snapshot of device tensors (fake-device mode, switched on in-process as in test_device.py).
 
-Device records are staged like host ones: their bytes reach the snapshot through ``device.to_host`` in batches
-(fewer calls than tensors), deferred ones on the save's background thread (the optimizer step and direct writes
-wait for them), volatile ones at the call; device memory is never read through a data pointer.
+Device records are copied at the call in one copy batch (a copy stream and events, emulated here), volatile
+ones first (the compute stream waits for those), and waited for on the save's background thread by polling
+with the GIL released (the optimizer step and direct writes wait for that); device memory is never read
+through a data pointer, results are byte for byte those of a sync save.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -14,7 +16,7 @@ import paddle
 import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 import test_async_snapshot as base
-from paddle.distributed.fsdp import device
+from paddle.distributed.fsdp import device, device_rules, device_streams
 from paddle.distributed.fsdp.checkpoint import snapshot, snapshot_guard
 
 gated = base.gated  # the gate that holds background copies back (fixture shared with test_async_snapshot)
@@ -34,30 +36,39 @@ def fake_device():
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Records every device.to_host call (thread, tensor count, device bytes) and every raw pointer read."""
-    calls: list[dict] = []
+    """Records every copy batch: where its copies were issued (thread, tensor count, bytes) and where it was
+    waited for (thread, polls); and every raw pointer read (True: of host memory)."""
+    issued: list[dict] = []
+    waits: list[dict] = []
     pointer_reads: list[bool] = []
-    real_to_host, real_data_ptr = device.to_host, device.data_ptr
+    real_copy, real_wait, real_data_ptr = device_streams.CopyBatch.copy, device_streams.CopyBatch.wait, device.data_ptr
 
-    def to_host(tensors, staging=None, chunk_bytes=device.DEFAULT_CHUNK_BYTES):
-        tensors = list(tensors)
-        dev = [t for t in tensors if not device.is_host(t)]
-        calls.append(
-            {
-                "thread": threading.current_thread() is threading.main_thread(),
-                "n": len(dev),
-                "bytes": sum(int(np.prod(t.shape)) * t.element_size() for t in dev),
-            }
-        )
-        return real_to_host(tensors, staging, chunk_bytes)
+    def copy(self, pairs):
+        pairs = list(pairs)
+        if pairs:
+            issued.append(
+                {
+                    "main": threading.current_thread() is threading.main_thread(),
+                    "batch": id(self),
+                    "n": len(pairs),
+                    "bytes": sum(_nbytes(src) for _dst, src in pairs),
+                }
+            )
+        return real_copy(self, pairs)
+
+    def wait(self):
+        real_wait(self)
+        waits.append({"main": threading.current_thread() is threading.main_thread(), "polls": self.polls})
 
     def data_ptr(t):
         pointer_reads.append(device.is_host(t))
         return real_data_ptr(t)
 
-    monkeypatch.setattr(device, "to_host", to_host)
+    monkeypatch.setattr(device_streams.CopyBatch, "copy", copy)
+    monkeypatch.setattr(device_streams.CopyBatch, "wait", wait)
     monkeypatch.setattr(device, "data_ptr", data_ptr)
-    return calls, pointer_reads
+    device_rules.syncs(reset=True)
+    return issued, waits, pointer_reads
 
 
 def _nbytes(t) -> int:
@@ -78,14 +89,38 @@ def _mlp_and_adamw(layers=6, seed=4):
     return model, opt, state
 
 
-def test_async_save_of_device_tensors_is_batched_off_the_training_thread(tmp_path, fake_device, gated, spy):
+def _files(root) -> dict:
+    """Per data file: its tensor table and data bytes (the header's ``__metadata__`` holds the checkpoint id)."""
+    files = {}
+    for p in sorted(root.rglob("*.safetensors")):
+        raw = p.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        table = json.loads(raw[8 : 8 + n])
+        table.pop("__metadata__", None)
+        files[p.name] = (table, raw[8 + n :])
+    assert files, f"no data files under {root}"
+    return files
+
+
+def test_async_save_of_device_tensors_copies_at_the_call_and_waits_off_the_training_thread(
+    tmp_path, fake_device, gated, spy
+):
+    """One copy batch issued at the call (on the copy stream, fake-emulated); the wait for it runs on the
+    background thread, polling with the GIL released, never a GIL-held device synchronisation there; the
+    checkpoint holds the values at the call, byte for byte the same as a sync save at that moment."""
     gate, reached = gated
-    calls, pointer_reads = spy
+    issued, waits, pointer_reads = spy
     model, opt, state = _mlp_and_adamw()
     assert not any(device.is_host(t) for t in state.values())
     at_call = {k: bits(v) for k, v in state.items()}
-    h = ck.save_state_dict(state, str(tmp_path / "c"), async_save=True, deferred_keys=list(state))
-    assert not calls, "deferred device tensors were copied on the training thread at the call"
+    ck.save_state_dict(state, str(tmp_path / "sync"))
+    sync_batches = len({c["batch"] for c in issued})
+    issued.clear(), waits.clear()
+    device_rules.syncs(reset=True)
+    h = ck.save_state_dict(state, str(tmp_path / "async"), async_save=True, deferred_keys=list(state))
+    assert len(issued) == 1 and issued[0]["main"] and issued[0]["n"] == len(state), issued  # at the call, batched
+    assert issued[0]["bytes"] == sum(_nbytes(t) for t in state.values())
+    assert not waits, "the training thread waited for the copies"
 
     def step():
         model(paddle.rand([4, 8])).sum().backward()
@@ -93,16 +128,31 @@ def test_async_save_of_device_tensors_is_batched_off_the_training_thread(tmp_pat
 
     _write_while_gated(gate, reached, step)
     h.wait()
-    assert calls and not any(c["thread"] for c in calls), "device copies ran on the training thread"
-    assert sum(c["n"] for c in calls) == len(state)  # every tensor once ...
-    assert len(calls) < len(state)  # ... batched, not one call per tensor
-    assert sum(c["bytes"] for c in calls) == sum(_nbytes(t) for t in state.values())
+    assert len(waits) == 1 and not waits[0]["main"] and waits[0]["polls"] >= 1
+    background = [r for r in device_rules.syncs() if not r.main_thread]
+    assert background and not [r for r in background if r.gil_held], background
     assert all(pointer_reads), "a device tensor was read through its data pointer"
     assert any(not np.array_equal(bits(v), at_call[k]) for k, v in state.items())  # the step changed the state
+    assert sync_batches < len(state)  # the sync save staged several records per batch too
+    assert _files(tmp_path / "async") == _files(tmp_path / "sync")
     targets = {k: paddle.zeros_like(v) for k, v in state.items()}
-    ck.load_state_dict(targets, str(tmp_path / "c"))
+    ck.load_state_dict(targets, str(tmp_path / "async"))
     for k, v in targets.items():
         assert np.array_equal(bits(v), at_call[k]), f"{k} saved with a value after the call"
+
+
+def test_pinned_staging_is_reused_across_async_saves(tmp_path, fake_device, spy):
+    """The device bytes of an async save land in the process's pinned staging once (not in the arena), and the
+    next save reuses it: no allocation per save."""
+    _model, _opt, state = _mlp_and_adamw()
+    staging = snapshot.snapshot_staging._staging
+    ck.save_state_dict(state, str(tmp_path / "a"), async_save=True).wait()
+    allocations, size = staging.allocations, staging.nbytes()
+    assert size >= sum(_nbytes(t) for t in state.values()) and allocations >= 1
+    for i in range(2):
+        ck.save_state_dict(state, str(tmp_path / f"b{i}"), async_save=True).wait()
+    assert staging.allocations == allocations and staging.nbytes() == size
+    assert _files(tmp_path / "a") == _files(tmp_path / "b1")
 
 
 @pytest.mark.parametrize("writer", ["add_", "set_value", "setitem", "assign_output", "copy_"])
@@ -127,20 +177,23 @@ def test_direct_write_to_a_device_parameter_waits_for_its_staged_copy(tmp_path, 
         assert np.array_equal(bits(v), at_call[k]), k
 
 
-def test_volatile_device_tensors_are_staged_at_the_call(tmp_path, fake_device, gated, spy):
+def test_volatile_device_tensors_are_copied_before_the_next_forward(tmp_path, fake_device, gated, spy):
+    """Volatile device tensors (BatchNorm statistics) are copied first and the compute stream waits for them
+    (fence): a forward right after the call rewrites them, the checkpoint holds the values at the call."""
     gate, _reached = gated
-    calls, pointer_reads = spy
+    issued, waits, pointer_reads = spy
     bn = paddle.nn.BatchNorm1D(5)
     bn.train()
     bn(paddle.rand([16, 5]) * 3)
     state = {"mean": bn._mean, "var": bn._variance, "w": bn.weight, "b": bn.bias}
     at_call = {k: bits(v) for k, v in state.items()}
     h = ck.save_state_dict(state, str(tmp_path / "c"), async_save=True)
-    assert len(calls) == 1 and calls[0]["thread"] and calls[0]["n"] == 2  # mean + var, one batch, at the call
+    assert [(c["main"], c["n"]) for c in issued] == [(True, 2), (True, 2)]  # mean + var, then w + b: at the call
+    assert len({c["batch"] for c in issued}) == 1
     bn(paddle.rand([16, 5]) * 7)  # forward rewrites the statistics right after the call
     gate.set()
     h.wait()
-    assert len(calls) == 2 and not calls[1]["thread"] and calls[1]["n"] == 2  # w + b in the background
+    assert len(waits) == 1 and not waits[0]["main"]
     assert all(pointer_reads)
     targets = {k: paddle.zeros_like(v) for k, v in state.items()}
     ck.load_state_dict(targets, str(tmp_path / "c"))
@@ -153,25 +206,32 @@ class _Rec:
         self.key, self.tensor = key, tensor
 
 
+def _zoo(seed: int) -> list:
+    rs = np.random.default_rng(seed)
+    base = paddle.to_tensor(rs.normal(size=[6, 4]).astype("float32"))
+    tensors = [paddle.to_tensor(rs.normal(size=[16]).astype("float32")) for _ in range(6)]
+    tensors += [
+        paddle.to_tensor(rs.normal(size=[3, 4, 2]).astype("float32")),
+        paddle.to_tensor(rs.integers(0, 9, size=[5, 2]).astype("int64")),
+        paddle.to_tensor(rs.normal(size=[8]).astype("float32")).astype("bfloat16"),
+        paddle.zeros([0], dtype="float32"),
+        base.transpose([1, 0]),
+    ]
+    return tensors
+
+
 @pytest.mark.parametrize("fake", [True, False])
-def test_snapshot_stages_in_chunks_of_the_given_size(fake, spy):
-    """Snapshot directly, small chunk: device tensors go through to_host in batches of about chunk_bytes;
-    strided tensors (a transposed view) are staged too, with row-major bytes; mixed dtypes and empty ones."""
+def test_snapshot_holds_row_major_bytes_of_every_kind_of_tensor(fake, spy):
+    """Snapshot directly: multi-dim, strided (a transposed view), mixed dtypes and empty tensors, half of them
+    deferred: the arrays hold each tensor's row-major bytes at construction; device ones went through one copy
+    batch, host ones never did."""
     before = device.options()
     device.set_options(device.DeviceOptions(fake_device=fake, emulate_gpu_collectives=fake))
     try:
-        calls, pointer_reads = spy
-        rs = np.random.default_rng(1)
-        base = paddle.to_tensor(rs.normal(size=[6, 4]).astype("float32"))
-        tensors = [paddle.to_tensor(rs.normal(size=[16]).astype("float32")) for _ in range(10)]
-        tensors += [
-            paddle.to_tensor(rs.integers(0, 9, size=[5]).astype("int64")),
-            paddle.to_tensor(rs.normal(size=[8]).astype("float32")).astype("bfloat16"),
-            paddle.zeros([0], dtype="float32"),
-            base.transpose([1, 0]),
-        ]
+        issued, waits, pointer_reads = spy
+        tensors = _zoo(1)
         records = [_Rec(f"t{i}", t) for i, t in enumerate(tensors)]
-        snap = snapshot.Snapshot(records, lambda r: int(r.key[1:]) % 2 == 0, chunk_bytes=128)
+        snap = snapshot.Snapshot(records, lambda r: int(r.key[1:]) % 2 == 0)
         try:
             at_call = [np.ascontiguousarray(t.numpy()).view(np.uint8).ravel().copy() for t in tensors]
             assert snap.pending and snapshot_guard.snapshot_in_flight()
@@ -181,38 +241,102 @@ def test_snapshot_stages_in_chunks_of_the_given_size(fake, spy):
                 assert np.array_equal(arr, want)
         finally:
             snap.written()
-        staged = [t for t in tensors if _nbytes(t) and (fake or not t.is_contiguous())]
-        if fake:
-            assert sum(c["n"] for c in calls) == len(staged)
-            assert sum(c["bytes"] for c in calls) == sum(_nbytes(t) for t in staged)
-            assert len(calls) < len(staged)
-            assert all(c["bytes"] <= 128 for c in calls)  # no batch exceeds a chunk
-            assert all(pointer_reads)
-        else:
-            assert sum(c["n"] for c in calls) == 0  # host tensors are never copied through device.to_host
+        staged = [t for t in tensors if _nbytes(t)] if fake else []
+        assert sum(c["n"] for c in issued) == len(staged)
+        assert sum(c["bytes"] for c in issued) == sum(_nbytes(t) for t in staged)
+        assert len({c["batch"] for c in issued}) == (1 if fake else 0)
+        assert all(pointer_reads)
     finally:
         device.set_options(before)
 
 
-def test_a_device_tensor_larger_than_a_chunk_is_staged_in_pieces(fake_device, spy, monkeypatch):
-    """A large device tensor (a fused buffer shard) does not grow the staging buffer to its size."""
-    calls, pointer_reads = spy
-    staging = device.HostStaging()
-    monkeypatch.setattr(snapshot, "_staging", staging)
-    rs = np.random.default_rng(2)
-    big = paddle.to_tensor(rs.normal(size=[10, 25]).astype("float32"))  # 1000 bytes
-    strided = paddle.to_tensor(rs.normal(size=[30, 10]).astype("float32")).transpose([1, 0])  # 1200 bytes
-    small = paddle.to_tensor(rs.normal(size=[3]).astype("float32"))
-    tensors = [big, small, strided]
-    at_call = [np.ascontiguousarray(t.numpy()).view(np.uint8).ravel().copy() for t in tensors]
-    snap = snapshot.Snapshot([_Rec(f"t{i}", t) for i, t in enumerate(tensors)], lambda r: True, chunk_bytes=256)
-    try:
-        snap.copy_deferred()
-        for arr, want in zip(snap.arrays, at_call):
-            assert np.array_equal(arr, want)
-    finally:
-        snap.written()
-    assert sum(c["bytes"] for c in calls) == sum(_nbytes(t) for t in tensors)
-    assert all(c["bytes"] <= 256 for c in calls)
-    assert 0 < staging.nbytes() <= 256  # the staging buffer is bounded by the chunk, not by the largest tensor
+def test_sync_save_stages_device_records_in_batches_of_a_chunk(fake_device, spy, monkeypatch):
+    """A sync save's writer gets consecutive device records staged together (one copy batch, one wait, at most
+    a chunk unless one record is larger), their staging handed back to a small pool once written."""
+    issued, waits, pointer_reads = spy
+    tensors = _zoo(2) + [paddle.to_tensor(np.random.default_rng(3).normal(size=[100]).astype("float32"))]
+    providers = snapshot.lazy_views(tensors, chunk_bytes=128)
+    got = []
+    for p in providers:
+        arr, owner = p()
+        got.append(arr.copy())
+        del arr, owner
+    for arr, t in zip(got, tensors):
+        assert np.array_equal(arr, np.ascontiguousarray(t.numpy()).view(np.uint8).ravel())
+    device_bytes = [_nbytes(t) for t in tensors if _nbytes(t)]
+    assert sum(c["n"] for c in issued) == len(device_bytes) and len(issued) < len(device_bytes)
+    assert all(c["bytes"] <= 128 or c["n"] == 1 for c in issued)
+    assert len(waits) == len(issued) and all(w["main"] for w in waits)
+    assert len(snapshot.sync_pool._free) <= 2
     assert all(pointer_reads)
+    pool = snapshot._StagingPool(keep=2, max_bytes=256)
+    small, big = device.HostStaging(), device.HostStaging()
+    small.buffer(paddle.float32, 16), big.buffer(paddle.float32, 100)
+    pool.give(big), pool.give(small)  # one record larger than a chunk grew `big`: not kept pinned for later
+    assert pool._free == [small] and pool.take() is small
+
+
+def test_fingerprints_of_device_buffers_take_no_blocking_copy(fake_device, spy):
+    """The per-save fingerprint of persistable buffers: one copy batch for all of them, no ``.cpu()``."""
+    from paddle.distributed.fsdp.state import buffers
+
+    issued, waits, _pointer_reads = spy
+    layer = paddle.nn.Linear(4, 4)
+    layer.register_buffer("ema", paddle.rand([3, 4]))
+    layer.register_buffer("steps", paddle.to_tensor([7, 9], dtype="int64"))
+    layer.register_buffer("scratch", paddle.rand([2]), persistable=False)
+    found = buffers.persistable_buffers(layer)
+    assert list(found) == ["ema", "steps"]
+    prints = buffers.fingerprints(found)
+    assert set(prints) == set(found) and len(issued) == 1 and issued[0]["n"] == len(found)
+    assert not [r for r in device_rules.syncs() if r.kind == "Tensor.cpu"]
+    for key, t in found.items():
+        again = buffers.fingerprints({key: paddle.to_tensor(t.numpy())})
+        assert again[key] == prints[key]
+    t = next(iter(found.values()))
+    flipped = t.numpy().copy()
+    flipped.view(np.uint8)[0] ^= 1
+    assert buffers.fingerprints({"x": paddle.to_tensor(flipped)})["x"] != buffers.fingerprints({"x": t})["x"]
+
+
+def test_fsdp_checkpoints_take_no_gil_held_sync_off_the_training_thread(tmp_path, fake_device, spy):
+    """A wrapped model with a persistable buffer and BatchNorm statistics, sync then async save_checkpoint:
+    no blocking ``.cpu()`` anywhere, no GIL-held device sync on the background thread (it polls), and both
+    checkpoints load back to the state at their call."""
+    from paddle.distributed.fsdp import FullyShardFusion
+
+    issued, waits, pointer_reads = spy
+    paddle.seed(5)
+    model = paddle.nn.Sequential(paddle.nn.Linear(8, 8), paddle.nn.BatchNorm1D(8), paddle.nn.Linear(8, 4))
+    model.register_buffer("ema", paddle.rand([2, 3]))
+    fsdp = FullyShardFusion(model)
+    opt = paddle.optimizer.AdamW(parameters=model.parameters(), learning_rate=0.1)
+
+    def step():
+        model(paddle.rand([6, 8])).sum().backward()
+        opt.step()
+        opt.clear_grad()
+
+    def local(f) -> dict:
+        return {k: bits(getattr(v, "local_tensor", v)) for k, v in f.sharded_state_dict().items()}
+
+    step()
+    at_call = local(fsdp)
+    device_rules.syncs(reset=True)
+    fsdp.save_checkpoint(str(tmp_path / "sync"), optimizer=opt)
+    h = fsdp.save_checkpoint(str(tmp_path / "async"), optimizer=opt, async_save=True)
+    step()
+    h.wait()
+    log = device_rules.syncs(reset=True)
+    assert not [r for r in log if r.kind == "Tensor.cpu"], log
+    assert not [r for r in log if not r.main_thread and r.gil_held], log
+    assert any(not r.main_thread and r.kind == "copy event poll" for r in log)
+    assert all(pointer_reads)
+    for kind in ("sync", "async"):
+        paddle.seed(6)
+        fresh = paddle.nn.Sequential(paddle.nn.Linear(8, 8), paddle.nn.BatchNorm1D(8), paddle.nn.Linear(8, 4))
+        fresh.register_buffer("ema", paddle.zeros([2, 3]))
+        fresh_fsdp = FullyShardFusion(fresh)
+        fresh_fsdp.load_checkpoint(str(tmp_path / kind))
+        got = local(fresh_fsdp)
+        assert set(got) == set(at_call) and all(np.array_equal(v, at_call[k]) for k, v in got.items()), kind

@@ -251,6 +251,56 @@ def test_fused_checkpoint_with_unfused_preset_is_refused(models, tmp_path, capsy
     assert "model.embed_tokens.weight" in names and not any("q_proj" in n or "qkv" in n for n in names)
 
 
+# names kept, every Linear turned (the MoE router too)
+PLAIN_RULES = {
+    "transpose": ["\\.(q|k|v|o|gate|up|down|qkv|up_gate|gate_up_fused)_proj\\.weight$", "\\.mlp\\.gate\\.weight$"]
+}
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3-moe", "llama"])
+def test_rules_export_is_checked_against_the_config(models, exports, family, tmp_path, capsys):
+    """Issue 29: ``to-hf --rules plain.json --config`` on a fused checkpoint wrote an export without q/k/v_proj and
+    gate/up_proj and exited 0. With --config, a rules export is checked as a preset's is: a complete one (rules
+    equal to the preset's) is written and equals the preset's export; a fused one is refused, naming the missing
+    parameters and the names outside the architecture; an untransposed one is refused for its shapes."""
+    rules = tmp_path / "plain.json"
+    rules.write_text(json.dumps(PLAIN_RULES))
+    fused, plain = models[f"{family}-fused"], models[family]
+    if family != "llama":  # llama's checkpoint names (llama.*) are not its HF names: no plain rules for it
+        res = cli(capsys, "to-hf", plain.ckpt, tmp_path / "ok", "--rules", rules, "--config", plain.config)
+        assert res.rc == 0, res.err
+        want, got = read_hf(exports[family]), read_hf(tmp_path / "ok")
+        assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+        res = cli(capsys, "to-hf", plain.ckpt, tmp_path / "flat", "--config", plain.config)  # no transposes
+        _refused(res, "shape(s) do not match the config", "_proj.weight' has shape", "--allow-unmapped")
+        assert not (tmp_path / "flat").exists()
+    out = tmp_path / "out"
+    res = cli(capsys, "to-hf", fused.ckpt, out, "--rules", rules, "--config", fused.config)
+    _refused(res, "missing from the export", "'model.layers.0.self_attn.q_proj.weight'", "--allow-unmapped")
+    if family != "llama":
+        _refused(res, "'model.layers.0.self_attn.qkv_proj.weight'", "outside the architecture")
+    assert not out.exists() and not list(tmp_path.glob("out.tmp-*"))
+    res = cli(capsys, "to-hf", fused.ckpt, out, "--rules", rules, "--config", fused.config, "--allow-unmapped")
+    assert res.rc == 0 and "missing from the export" in res.err, res.err
+    assert out.exists()
+
+
+def test_rules_export_without_a_checkable_config_says_nothing_was_checked(models, tmp_path, capsys):
+    rules = tmp_path / "plain.json"
+    rules.write_text(json.dumps(PLAIN_RULES))
+    m = models["qwen3-fused"]
+    res = cli(capsys, "to-hf", m.ckpt, tmp_path / "a", "--rules", rules)
+    assert res.rc == 0 and "looks like a qwen3 model" in res.err and "nothing was checked" in res.err, res.err
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps({"rename": [["^model\\.", "backbone."]]}))
+    res = cli(capsys, "to-hf", m.ckpt, tmp_path / "b", "--rules", odd)
+    assert res.rc == 0 and "look like no known family" in res.err and "nothing was checked" in res.err, res.err
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(m.cfg, model_type="mamba")))
+    res = cli(capsys, "to-hf", m.ckpt, tmp_path / "c", "--rules", rules, "--config", cfg)
+    assert res.rc == 0 and "'mamba', which no preset knows" in res.err and "nothing was checked" in res.err, res.err
+
+
 def test_missing_parameters_and_bad_shapes_are_refused(models, tmp_path, capsys):
     m = models["qwen3-moe"]
     more_layers = dict(m.cfg, num_hidden_layers=3, mlp_only_layers=[1])

@@ -52,3 +52,12 @@ def test_resume_is_bit_exact_with_moving_master_weights(workdir, world):
 def test_reshard_is_bit_exact_with_master_weights(workdir, world):
     source = SOURCE_OF[world]
     _assert_bit_equal(_tensors(workdir / f"B_{source}_{world}"), _tensors(workdir / f"A_{source}"))
+
+
+@pytest.mark.parametrize("world", (1, 2, 3))
+def test_writeback_survives_the_next_multi_precision_step(tmp_path, world):
+    """summon_full_params(writeback=True) re-casts the fp32 master weights of the elements it changed (others keep
+    full precision, bit-equal), so the next MasterAdamW step starts from the written values; equals one process
+    that sets the values and their masters by hand."""
+    run = run_launch(WORKER, world, ["writeback", str(tmp_path)], log_dir=tmp_path / "logs")
+    assert_case_ok(run, "writeback", world)

@@ -719,3 +719,122 @@ def test_bad_unique_id_is_a_named_error(base, tmp_path, capsys, uid):
     err = capsys.readouterr().err
     assert rc == 2 and "internal error" not in err and "Traceback" not in err, err
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------------------------ field types
+
+
+@pytest.fixture(scope="module")
+def typed_inputs(qwen3, tmp_path_factory):
+    """Exports (index with its paddle_fsdp record, an optimizer record added) by a preset and by rules."""
+    root = tmp_path_factory.mktemp("typefuzz")
+    cfg = qwen3 / "hf" / "config.json"
+    rules = root / "rules.json"
+    rules.write_text(json.dumps({"transpose": ["_proj\\.weight$"]}))
+    out = {}
+    for kind, how in (("preset", ["--preset", "qwen3"]), ("rules", ["--rules", str(rules)])):
+        export = root / kind
+        assert cli_main(["to-hf", str(qwen3 / "ckpt"), str(export), *how, "--config", str(cfg)]) == 0
+        index = json.loads((export / INDEX).read_text())
+        index["metadata"]["paddle_fsdp"]["optimizer"] = {"class": "AdamW", "global_state": {"learning_rate": 0.1}}
+        (export / INDEX).write_text(json.dumps(index))
+        assert cli_main(["from-hf", str(export), str(root / f"{kind}-back")]) == 0  # the baseline converts
+        out[kind] = (export, index)
+    return out
+
+
+def _type_fuzz(capsys, tmp_path, doc, write, commands, label: str, read=lambda path: True) -> dict:
+    """Every field of ``doc`` given every other JSON type (json_types.py); each command's contract (run_cli), and
+    for a field the command reads (``read(path)``) a refusal by name: a wrong non-null type is never accepted."""
+    from json_types import type_mutations
+
+    codes: dict[int, int] = {}
+    for i, (what, path, value, mutated) in enumerate(type_mutations(doc)):
+        work = tmp_path / f"t{i}"
+        work.mkdir()
+        write(work, json.dumps(mutated))
+        for args, out, *reads in commands(work):
+            rc, cap = run_cli(capsys, work, args, out, f"{label}: {what}")
+            codes[rc] = codes.get(rc, 0) + 1
+            if value is not None and read(path) and reads != [False]:
+                refused = (1, 2) if args[0] == "verify" else (2,)
+                assert rc in refused, f"{label}: {what}: {args[0]} accepted a field of the wrong type (exit {rc})"
+        shutil.rmtree(work)
+    return codes
+
+
+@pytest.mark.parametrize("kind", ["preset", "rules"])
+def test_export_index_field_types(typed_inputs, tmp_path, capsys, kind):
+    """Issue 29: ``"transposed": [["x"]]`` in the record made from-hf exit 3 (TypeError: unhashable type)."""
+    export, index = typed_inputs[kind]
+
+    def write(work: Path, text: str) -> None:
+        shutil.copytree(export, work / "export")
+        (work / "export" / INDEX).write_text(text)
+
+    def commands(work: Path):
+        yield ["from-hf", work / "export", work / "out"], work / "out"
+        yield ["inspect", work / "export"], None, False  # inspect reads the safetensors files, not the index
+
+    def read(path: tuple) -> bool:  # the optimizer's global state is opaque here (checked by the load, resume.py)
+        return path[:4] != ("metadata", "paddle_fsdp", "optimizer", "global_state") or len(path) == 4
+
+    codes = _type_fuzz(capsys, tmp_path, index, write, commands, "export index", read)
+    assert codes.get(2, 0) > 0, codes
+
+
+def test_config_field_types(qwen3, tmp_path, capsys):
+    cfg = qwen3_config()
+    cfg.update(mlp_only_layers=[], rope_scaling={"type": "linear", "factor": 1.0}, attention_bias=False)
+
+    def write(work: Path, text: str) -> None:
+        (work / "config.json").write_text(text)
+
+    def commands(work: Path):
+        c = work / "config.json"
+        yield ["to-hf", qwen3 / "ckpt", work / "a", "--preset", "qwen3", "--config", c], work / "a"
+        yield ["to-hf", qwen3 / "ckpt", work / "b", "--config", c], work / "b"  # the rules path, checked (3)
+        yield ["from-hf", qwen3 / "hf", work / "c", "--preset", "qwen3-fused", "--config", c], work / "c"
+
+    read = set(qwen3_config()) - {"architectures"} | {"mlp_only_layers", "attention_bias"}
+    codes = _type_fuzz(capsys, tmp_path, cfg, write, commands, "config.json", lambda p: not p or p[0] in read)
+    assert codes.get(0, 0) > 0 and codes.get(2, 0) > 0, codes
+
+
+def test_rules_field_types(base, tmp_path, capsys):
+    def write(work: Path, text: str) -> None:
+        (work / "rules.json").write_text(text)
+
+    def commands(work: Path):
+        yield ["to-hf", base / "ckpt", work / "o1", "--rules", work / "rules.json"], work / "o1"
+        yield ["from-hf", base / "hf", work / "o2", "--rules", work / "rules.json"], work / "o2"
+
+    codes = _type_fuzz(capsys, tmp_path, RULES, write, commands, "rules")
+    assert codes.get(2, 0) > 0, codes
+
+
+def test_checkpoint_metadata_field_types(qwen3, tmp_path, capsys):
+    """metadata.json (re-sealed into COMMIT, so each edit reaches the parser) and COMMIT of a real checkpoint,
+    through every tool that reads a checkpoint."""
+    from crafted import reseal
+
+    md = json.loads((qwen3 / "ckpt" / "metadata.json").read_text())
+    commit = json.loads((qwen3 / "ckpt" / "COMMIT").read_text())
+
+    def write_md(work: Path, text: str) -> None:
+        shutil.copytree(qwen3 / "ckpt", work / "ck")
+        reseal(work / "ck", text.encode())
+
+    def write_commit(work: Path, text: str) -> None:
+        shutil.copytree(qwen3 / "ckpt", work / "ck")
+        (work / "ck" / "COMMIT").write_text(text)
+
+    def commands(work: Path):
+        yield ["inspect", work / "ck"], None
+        yield ["verify", work / "ck"], None
+        yield ["to-hf", work / "ck", work / "o"], work / "o"
+
+    read = lambda p: not p or p[0] != "values"  # noqa: E731 - the values are the caller's JSON, any type
+    codes = _type_fuzz(capsys, tmp_path, md, write_md, commands, "metadata.json", read)
+    codes2 = _type_fuzz(capsys, tmp_path, commit, write_commit, commands, "COMMIT")
+    assert codes.get(2, 0) > 0 and codes2.get(2, 0) > 0, (codes, codes2)

@@ -5,16 +5,23 @@ all_reduce followed by a local slice. With ``PADDLE_FSDP_EMULATE_GPU_COLLECTIVES
 mode, see device.py) the reduce_scatter code path itself runs, its collective emulated on gloo, so the
 branch GPUs take is exercised on CPU too. A world of one rank issues no collective at all, because a
 single-process run (launched with one process, or not launched) has no global group.
+
+Gathers and reduce-scatters can be issued asynchronously (``async_op`` / ``reduce_scatter_mean_async``):
+they return a :class:`CommTask` to ``wait()`` on before the output is read (overlap.py decides when). In
+emulation mode they run on an emulated GPU communication stream (comm_emulation.py), whose outputs read NaN
+until waited for and whose delays the host can overlap; synchronous collectives wait for that stream first.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import paddle
 import paddle.distributed as dist
 
 from . import device
+from .comm_emulation import EmulatedStream, delay_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +73,48 @@ def all_gather_object(obj, group=None) -> list:
     return [pickle.loads(g.numpy()[:n].tobytes()) for g, n in zip(gathered, lengths)]
 
 
-#: ``PADDLE_FSDP_CHECK_COLLECTIVE_ORDER=0`` turns off the per-collective order check (on by default).
+#: ``PADDLE_FSDP_CHECK_COLLECTIVE_ORDER=N``: the order check's default interval (0 off, 1 every backward pass,
+#: N every N-th); FullyShardFusion(check_collective_order=...) overrides it.
 CHECK_ORDER_ENV = "PADDLE_FSDP_CHECK_COLLECTIVE_ORDER"
+
+
+def check_interval_from_env() -> int:
+    """The order check's interval from ``PADDLE_FSDP_CHECK_COLLECTIVE_ORDER`` (unset: 0, off)."""
+    raw = os.environ.get(CHECK_ORDER_ENV, "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise ValueError(f"{CHECK_ORDER_ENV}={raw!r}: expected 0 (off), 1 (every backward pass) or N (every N-th)")
+    return int(raw)
+
+
 #: What an FSDP collective is for, as exchanged by the order check.
 GATHER, REDUCE, EXCHANGE = 1, 2, 3
 _KIND_NAMES = {GATHER: "gather parameters of buffer", REDUCE: "reduce gradients of buffer", EXCHANGE: "end of backward"}
+
+
+class CommTask:
+    """An issued collective. ``wait()`` before reading its output; until then the task keeps the tensors it
+    reads and writes alive (paddle records only the input on NCCL's stream, so an output freed early could be
+    reused by the compute stream while the collective still writes it)."""
+
+    def __init__(self, task=None, keep: tuple = ()) -> None:
+        self._task = task
+        self._keep = keep
+
+    def wait(self) -> None:
+        if self._task is not None:
+            self._task.wait()
+            self._task = None
+        self._keep = ()
+
+    @property
+    def done(self) -> bool:
+        return self._task is None
+
+
+#: A task with nothing in flight (one-rank worlds, synchronous fallbacks).
+DONE = CommTask()
 
 
 class CollectiveOrderError(RuntimeError):
@@ -96,9 +140,10 @@ class ShardingComm:
         self._emulate_reduce_scatter = (
             self.world_size > 1 and not self._has_reduce_scatter and device.options().emulate_gpu_collectives
         )
-        import os
-
-        self.check_order = self.world_size > 1 and os.environ.get(CHECK_ORDER_ENV, "1") != "0"
+        # emulation mode on gloo: gathers and reduce-scatters run on an emulated GPU comm stream (comm_emulation.py)
+        self.emulation = EmulatedStream(delay_from_env()) if self._emulate_reduce_scatter else None
+        # whether agree() checks; the schedule (overlap.py) switches it per backward pass
+        self.check_order = self.world_size > 1 and check_interval_from_env() > 0
 
     def agree(self, kind: int, index: int, describe=None) -> None:
         """Refuse, on every rank at once, a collective that not every rank is issuing.
@@ -107,10 +152,11 @@ class ShardingComm:
         in ``fsdp_unit_layers`` and skipped when idle) pairs with a different collective elsewhere: gloo aborts
         the process or hangs, NCCL hangs or mixes up data. Each FSDP collective is therefore preceded by a tiny
         fixed-size all-gather of (kind, buffer index); any difference raises :class:`CollectiveOrderError` on
-        every rank. ``describe(index)`` names a buffer. Off with ``PADDLE_FSDP_CHECK_COLLECTIVE_ORDER=0``.
+        every rank. ``describe(index)`` names a buffer. Off unless enabled (``check_collective_order``, overlap.py).
         """
         if not self.check_order:
             return
+        self._drain()
         mine = paddle.to_tensor([kind, index], dtype="int64")
         every = paddle.empty([2 * self.world_size], dtype="int64")
         dist.all_gather(every, mine, group=self.group)
@@ -136,27 +182,61 @@ class ShardingComm:
         except Exception:  # older builds: decide by device, CPU tensors mean gloo
             return "GLOO" if paddle.get_device() == "cpu" else "NCCL"
 
-    def all_gather_into(self, full: paddle.Tensor, shard: paddle.Tensor) -> None:
-        """Fill ``full`` with every rank's ``shard`` in rank order."""
+    def _drain(self) -> None:
+        """Emulation only: a synchronous collective waits for the emulated stream's queue (see comm_emulation)."""
+        if self.emulation is not None:
+            self.emulation.drain()
+
+    def all_gather_into(self, full: paddle.Tensor, shard: paddle.Tensor, async_op: bool = False) -> CommTask:
+        """Fill ``full`` with every rank's ``shard`` in rank order; with ``async_op`` read ``full`` only after
+        the returned task's ``wait()``."""
         if self.world_size == 1:
             paddle.assign(shard, output=full)
-            return
-        dist.all_gather(full, shard, group=self.group)
+            return DONE
+        if self.emulation is not None:
+            staging = paddle.empty_like(full)
+            dist.all_gather(staging, shard, group=self.group)
+            task = self._emulated(full, lambda: full.copy_(staging, True))
+        else:
+            task = CommTask(dist.all_gather(full, shard, group=self.group, sync_op=not async_op), (full, shard))
+        if not async_op:
+            task.wait()
+        return task
 
     def reduce_scatter_mean(self, full: paddle.Tensor) -> paddle.Tensor:
         """The mean over ranks of ``full``, restricted to this rank's shard (a new tensor)."""
+        local, task = self.reduce_scatter_mean_async(full)
+        task.wait()
+        return local
+
+    def reduce_scatter_mean_async(self, full: paddle.Tensor, dtype=None) -> tuple[paddle.Tensor, CommTask]:
+        """Start the mean over ranks of ``full`` restricted to this rank's shard; returns (result, task), the
+        result readable after ``task.wait()``. ``dtype``: reduce in that dtype (``full`` is scaled first, then
+        cast); the result has that dtype. ``full`` is consumed (scaled in place)."""
         shard_numel = full.shape[0] // self.world_size
         if self.world_size == 1:
-            return full
+            return full, DONE
         full.scale_(1.0 / self.world_size)
-        if self._has_reduce_scatter or self._emulate_reduce_scatter:
+        if dtype is not None and full.dtype != dtype:
+            full = full.astype(dtype)
+        if self.emulation is not None:
+            summed = full.clone()
+            dist.all_reduce(summed, group=self.group)
+            start = self.rank * shard_numel
             out = paddle.empty([shard_numel], dtype=full.dtype)
-            reduce_scatter = dist.reduce_scatter if self._has_reduce_scatter else self._emulated_reduce_scatter
-            reduce_scatter(out, full, group=self.group)
-            return out
-        dist.all_reduce(full, group=self.group)
+            return out, self._emulated(out, lambda: out.copy_(summed._slice(start, start + shard_numel), True))
+        if self._has_reduce_scatter:
+            out = paddle.empty([shard_numel], dtype=full.dtype)
+            task = dist.reduce_scatter(out, full, group=self.group, sync_op=False)
+            return out, CommTask(task, (out, full))
+        task = dist.all_reduce(full, group=self.group, sync_op=False)
         start = self.rank * shard_numel
-        return full._slice(start, start + shard_numel)
+        return full._slice(start, start + shard_numel), CommTask(task, (full,))
+
+    def _emulated(self, output: paddle.Tensor, complete) -> CommTask:
+        """Emulation: ``output`` reads NaN until the task, queued on the emulated stream, is waited for."""
+        paddle.assign(paddle.full(output.shape, float("nan"), dtype=output.dtype), output=output)
+        return CommTask(self.emulation.submit(complete), (output,))
 
     @property
     def reduce_scatter_mode(self) -> str:
@@ -167,23 +247,23 @@ class ShardingComm:
             return "native"
         return "emulated" if self._emulate_reduce_scatter else "all_reduce"
 
-    def _emulated_reduce_scatter(self, out: paddle.Tensor, full: paddle.Tensor, group=None) -> None:
-        """``dist.reduce_scatter(out, full)`` (sum, this rank's equal part) with gloo's all_reduce."""
-        summed = full.clone()
-        dist.all_reduce(summed, group=group)
-        start = self.rank * out.shape[0]
-        out.copy_(summed._slice(start, start + out.shape[0]), True)
-
     def all_reduce_sum(self, tensor: paddle.Tensor) -> paddle.Tensor:
         if self.world_size > 1:
+            self._drain()
             dist.all_reduce(tensor, group=self.group)
         return tensor
+
+    def all_reduce_sum_data_parallel(self, tensor: paddle.Tensor) -> paddle.Tensor:
+        """Sum over every data-parallel rank: the sharding group here; both groups under HSDP (hybrid_comm.py)."""
+        return self.all_reduce_sum(tensor)
 
     def all_gather_object(self, obj) -> list:
         if self.world_size == 1:
             return [obj]
+        self._drain()
         return all_gather_object(obj, self.group)
 
     def barrier(self) -> None:
         if self.world_size > 1:
+            self._drain()
             dist.barrier(group=self.group)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import paddle
 
 from .state.buffers import persistable_buffers
+from .state.optimizer_states import copy_into_state_
 
 if TYPE_CHECKING:
     from .fully_shard_fusion import FullyShardFusion
@@ -26,7 +27,11 @@ def summon_full_params(fsdp: FullyShardFusion, writeback: bool = False, rank0_on
 
     Args:
         writeback: copy what the parameters hold at exit back into each rank's shard (values changed in place
-            or by ``set_value``/``set_state_dict``); without it, changes made inside are discarded.
+            or by ``set_value``/``set_state_dict``); without it, changes made inside are discarded. The fp32
+            master weights of the optimizers that stepped (or ``init_optimizer_state``-ed) these parameters
+            follow: every element whose value changed is re-cast into its master weight (the next
+            multi-precision step computes the parameter from it and would otherwise undo the change); unchanged
+            elements keep their master weight's full precision.
         rank0_only: only rank 0 keeps the full parameters (the others see their pieces); cannot be combined
             with ``writeback`` (the other ranks would have nothing to write back).
 
@@ -36,7 +41,7 @@ def summon_full_params(fsdp: FullyShardFusion, writeback: bool = False, rank0_on
         raise ValueError("summon_full_params: writeback=True needs rank0_only=False (every rank writes its shard)")
     if fsdp.summoned:
         raise RuntimeError("summon_full_params is already active for this model (contexts do not nest)")
-    keep = not rank0_only or fsdp.rank == 0
+    keep = not rank0_only or fsdp.checkpoint_rank == 0
     backups = []
     gathered = []
     try:
@@ -45,7 +50,7 @@ def summon_full_params(fsdp: FullyShardFusion, writeback: bool = False, rank0_on
             # that an exit without writeback restores
             if fsdp.world_size == 1 and not writeback and keep:
                 backups.append((buffer, buffer.shard.clone()))
-            buffer.gather()
+            buffer.gather(full_precision=True)
             gathered.append(buffer)
             if not keep:
                 buffer.release()
@@ -55,8 +60,9 @@ def summon_full_params(fsdp: FullyShardFusion, writeback: bool = False, rank0_on
         fsdp.summoned = False
         try:
             if writeback:
+                optimizers = list(fsdp.optimizers)
                 for buffer in gathered:
-                    _write_back(buffer)
+                    _write_back(buffer, optimizers)
         finally:
             for buffer in gathered:
                 buffer.release()
@@ -65,8 +71,8 @@ def summon_full_params(fsdp: FullyShardFusion, writeback: bool = False, rank0_on
                     paddle.assign(saved, output=buffer.shard)
 
 
-def _write_back(buffer) -> None:
-    """Copy this rank's piece of every parameter, as it is now, into the shard."""
+def _write_back(buffer, optimizers: list) -> None:
+    """Copy this rank's piece of every parameter, as it is now, into the shard; master weights follow."""
     with paddle.no_grad():
         for index, param in enumerate(buffer.params):
             slot = buffer.layout.slots[index]
@@ -81,7 +87,22 @@ def _write_back(buffer) -> None:
             value = param.reshape([-1])[piece.param_start : piece.param_stop]
             if value.dtype != buffer.shard.dtype:
                 value = value.astype(buffer.shard.dtype)
-            paddle.assign(value, output=buffer.local_view(index))
+            piece_view = buffer.local_view(index)
+            paddle.assign(value, output=piece_view)
+            for optimizer in optimizers:
+                _follow_master_weight(optimizer, param, piece_view)
+
+
+def _follow_master_weight(optimizer, param, piece: paddle.Tensor) -> None:
+    """Re-cast into ``param``'s fp32 master weight the elements of ``piece`` (its new value) that differ from the
+    master's cast: those were written; the others keep the master's precision (a parameter is the cast of its
+    master after every multi-precision step)."""
+    master = getattr(optimizer, "_master_weights", {}).get(param.name)
+    if master is None or list(master.shape) != list(piece.shape):
+        return
+    changed = paddle.cast(master, piece.dtype) != piece
+    if bool(changed.any()):
+        copy_into_state_(master, paddle.where(changed, paddle.cast(piece, master.dtype), master))
 
 
 def full_state_dict(fsdp: FullyShardFusion, rank0_only: bool = True, offload_to_cpu: bool = True) -> OrderedDict:
@@ -91,7 +112,7 @@ def full_state_dict(fsdp: FullyShardFusion, rank0_only: bool = True, offload_to_
     names, persistable buffers included), so ``unwrapped.set_state_dict(full)`` loads it. With ``rank0_only``
     the other ranks return an empty dict. Tensors are copies (on CPU with ``offload_to_cpu``).
     """
-    keep = not rank0_only or fsdp.rank == 0
+    keep = not rank0_only or fsdp.checkpoint_rank == 0
     names_of: dict[int, list[str]] = {}
     order: list[str] = []
     for prefix, layer in fsdp.model.named_sublayers(include_self=True):
@@ -111,7 +132,7 @@ def full_state_dict(fsdp: FullyShardFusion, rank0_only: bool = True, offload_to_
 
     for buffer in fsdp.buffers:
         was_gathered = buffer.is_gathered
-        buffer.gather()
+        buffer.gather(full_precision=True)
         try:
             if keep:
                 for param in buffer.params:

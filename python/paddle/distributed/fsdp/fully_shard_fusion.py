@@ -13,17 +13,21 @@ run-time buffers (fused_buffer) -> shard records (state/records.py) -> storage (
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Callable
 
 import paddle
 
 from . import gradient_sync
-from .communication import ShardingComm
+from .communication import ShardingComm, check_interval_from_env
 from .fused_buffer import FusedBuffer
 from .fused_layout import BufferLayout
 from .hooks import LayerHooks
+from .hybrid_comm import HybridComm
 from .layer_integration import install_layer_integration
+from .lazy_init import install_creation_stamps, is_lazy, materialise_into_shards
 from .optimizer_integration import install_optimizer_integration
+from .overlap import OverlapSchedule
 from .param_grouping import plan_param_groups
 from .topology import resolve_layout
 
@@ -42,10 +46,30 @@ class FullyShardFusion:
             with ``sharding_degree > 1``, else the global group, else a single process. Layouts where some
             data-parallel ranks would not average gradients (a group smaller than the world; fleet with
             ``mp/pp/sep_degree > 1``) raise ``UnsupportedGroupLayoutError`` (topology.py).
+        replicate_group, shard_group: hybrid sharding (HSDP): shard over ``shard_group`` (alias ``group``),
+            replicate over ``replicate_group`` (e.g. from ``topology.hybrid_groups(R)``); fleet's ``dp_degree x
+            sharding_degree`` config gives the same. Gradients are averaged over both; checkpoints are written
+            once (replicas split the writing) in the same format as plain FSDP's (state/replicas.py).
         no_weight_decay_fn: optional ``fn(structured_name) -> bool`` marking extra parameters exempt
             from weight decay (as ``param.no_weight_decay = True`` does).
+        compute_dtype: gather parameters in this dtype for forward and backward (e.g. ``"bfloat16"`` under
+            AMP O1 with fp32 parameters): half the gather bytes, and autograd saves the unit's low-precision
+            parameters, freed with the unit, instead of a cast per op kept for the whole forward (the model's
+            weights resident again). Every op then sees low-precision parameters: ops AMP runs in fp32 get
+            fp32(bf16(w)), not w (as PyTorch FSDP2's ``param_dtype``). Gradients still accumulate in fp32.
+        prefetch_depth: how many units ahead all-gathers are issued asynchronously, in forward and backward
+            order, while the current unit computes; also how many reduce-scatters may be in flight. 0 makes
+            every collective synchronous. Results are bit-identical for every depth. See overlap.py.
+        reduce_dtype: dtype fp32 gradients are reduce-scattered in: None or "float32" (default, exact), or
+            "bfloat16" (half the bytes; the sum over ranks is rounded to bf16, accumulation stays fp32).
+        check_collective_order: run the collective-order check (raises ``CollectiveOrderError`` on every rank
+            when ranks are about to issue different FSDP collectives; costs a host round trip before every
+            collective) during the first backward pass and every N-th after it; 0 never. None: the
+            ``PADDLE_FSDP_CHECK_COLLECTIVE_ORDER`` environment variable (unset: 0).
 
-    Parameters must be initialised identically on every rank (same seed); each rank keeps its slice.
+    Parameters must be initialised identically on every rank (same seed); each rank keeps its slice. A model
+    larger than one device can be built under ``paddle.LazyGuard()`` (materialised one parameter at a time into
+    the shards, values equal to an eager build) or on the CPU (pieces copied to the device): see lazy_init.py.
     """
 
     def __init__(
@@ -54,6 +78,13 @@ class FullyShardFusion:
         fsdp_unit_layers: list[str] | None = None,
         group=None,
         no_weight_decay_fn: Callable[[str], bool] | None = None,
+        compute_dtype: str | None = None,
+        prefetch_depth: int = 1,
+        reduce_dtype: str | None = None,
+        check_collective_order: int | None = None,
+        *,
+        replicate_group=None,
+        shard_group=None,
     ) -> None:
         if not isinstance(model, paddle.nn.Layer):
             raise TypeError(f"FullyShardFusion expects a paddle.nn.Layer, got {type(model).__name__}")
@@ -61,15 +92,29 @@ class FullyShardFusion:
             raise ValueError("this model is already wrapped by a FullyShardFusion")
         if not paddle.in_dynamic_mode():
             raise RuntimeError("FullyShardFusion works in dygraph mode only")
-        self.group_layout = resolve_layout(group)  # refuses layouts FSDP would train wrong, before any change
+        self.compute_dtype = _check_compute_dtype(compute_dtype)
+        # refuses layouts FSDP would train wrong, before anything changes
+        self.group_layout = resolve_layout(group, replicate_group, shard_group)
         install_optimizer_integration()
         install_layer_integration()
         self.model = model
         self.backward_end_armed = False
         self.rearm_backward_end = False  # a nested backward ended while the enclosing one runs on
         self.summoned = False  # inside summon_full_params: every buffer stays gathered
-        self.comm = ShardingComm(self.group_layout.shard_group)
+        # optimizers that stepped or initialised state for these parameters: summon_full_params(writeback=True)
+        # re-casts their fp32 master weights where a written-back value changed (full_params.py)
+        self.optimizers: weakref.WeakSet = weakref.WeakSet()
+        layout = self.group_layout
+        if layout.replicate_degree > 1:
+            self.comm: ShardingComm = HybridComm(layout.shard_group, layout.replicate_group)
+        else:
+            self.comm = ShardingComm(layout.shard_group)
+        if check_collective_order is None:
+            check_collective_order = check_interval_from_env()
+        self.schedule = OverlapSchedule(self, prefetch_depth, reduce_dtype, check_collective_order)
         groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn)
+        # lazily built (paddle.LazyGuard) parameters are materialised one at a time after planning (lazy_init.py)
+        one_by_one = any(is_lazy(p) for p in model.parameters())
         self.buffers: list[FusedBuffer] = []
         self.param_keys: dict[int, str] = {}  # id(param) -> structured key
         self.param_index: dict[int, int] = {}  # id(param) -> position in model order, same on every rank
@@ -86,7 +131,7 @@ class FullyShardFusion:
                 world_size=self.comm.world_size,
                 attrs=group_plan.attrs,
             )
-            buffer = FusedBuffer(layout, group_plan.params, self.comm, owner=self)
+            buffer = FusedBuffer(layout, group_plan.params, self.comm, owner=self, fill=not one_by_one)
             self.buffers.append(buffer)
             for key, param in zip(group_plan.keys, group_plan.params):
                 self.param_keys[id(param)] = key
@@ -95,8 +140,29 @@ class FullyShardFusion:
                 layer_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
             for layer in group_plan.fallback_layers:
                 fallback_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
+        if one_by_one:
+            materialise_into_shards(model, self.buffers)
+        self._install_hooks(model, layer_buffers, fallback_buffers)
+        model._fsdp = self
+        model.sharded_state_dict = self.sharded_state_dict
+        logger.debug(
+            "FullyShardFusion: %d params in %d buffers over %d ranks; this rank holds %d of %d bytes",
+            len(self.param_keys),
+            len(self.buffers),
+            self.comm.world_size,
+            self.resident_parameter_bytes(),
+            self.total_parameter_bytes(),
+        )
+
+    def _install_hooks(self, model: paddle.nn.Layer, layer_buffers: dict, fallback_buffers: dict) -> None:
+        """The root's forward hooks (the schedule's, registered first: they bracket the others), then each
+        gathering layer's (hooks.py)."""
         prefixes = {id(layer): prefix for prefix, layer in model.named_sublayers(include_self=True)}
         ancestors = _ancestors(model)
+        self._root_hooks = [
+            model.register_forward_pre_hook(self.schedule.root_pre_forward),
+            model.register_forward_post_hook(self.schedule.root_post_forward),
+        ]
         self._hooks = [
             LayerHooks(
                 layer,
@@ -108,16 +174,6 @@ class FullyShardFusion:
             for table, fallback in ((layer_buffers, False), (fallback_buffers, True))
             for layer, bufs in table.values()
         ]
-        model._fsdp = self
-        model.sharded_state_dict = self.sharded_state_dict
-        logger.debug(
-            "FullyShardFusion: %d params in %d buffers over %d ranks; this rank holds %d of %d bytes",
-            len(self.param_keys),
-            len(self.buffers),
-            self.comm.world_size,
-            self.resident_parameter_bytes(),
-            self.total_parameter_bytes(),
-        )
 
     def describe_buffer(self, index: int) -> str:
         """A buffer's name and first parameter, for error messages."""
@@ -133,6 +189,21 @@ class FullyShardFusion:
 
     @property
     def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def checkpoint_group(self):
+        """The group checkpoints are saved and loaded over: every rank under HSDP (None: the global group), else
+        the sharding group."""
+        return None if self.group_layout.replicate_degree > 1 else self.comm.group
+
+    @property
+    def checkpoint_rank(self) -> int:
+        """This rank's position in :attr:`checkpoint_group` (indexes the saved RNG states)."""
+        if self.group_layout.replicate_degree > 1:
+            import paddle.distributed as dist
+
+            return dist.get_rank()
         return self.comm.rank
 
     def layouts(self) -> list[BufferLayout]:
@@ -165,7 +236,7 @@ class FullyShardFusion:
         out = {}
         for buffer in self.buffers:
             was_gathered = buffer.is_gathered
-            buffer.gather()
+            buffer.gather(full_precision=True)
             for param, slot in zip(buffer.params, buffer.layout.slots):
                 out[slot.key] = param.detach().clone()
             if not was_gathered:
@@ -214,11 +285,25 @@ class FullyShardFusion:
         """Model + optimizer + LR scheduler + RNG + ``extra_state``, in one collective call.
 
         ``step=N`` treats ``path`` as a root (``root/step_<N>`` and a ``latest`` pointer moved after the
-        commit); ``keep_last=K`` then removes older steps; ``async_save=True`` returns a handle to wait on.
+        commit); ``keep_last=K`` then removes older steps; ``async_save=True`` returns a handle to wait on;
+        ``grad_scaler=`` a ``paddle.amp.GradScaler`` saved too (pass it to :meth:`load_checkpoint` as well).
         """
+        from .checkpoint.keywords import check_keywords, keyword_names
         from .state.resume import save_checkpoint
 
+        check_keywords("save_checkpoint", kwargs, keyword_names(save_checkpoint, ("fsdp",)))
         return save_checkpoint(self, path, optimizer=optimizer, extra_state=extra_state, **kwargs)
+
+    def memory_tier(self, optimizer=None, *, durable_root: str, **kwargs):
+        """A MemoryTier (memtier/manager.py) over this model and ``optimizer``, already restored (collective):
+        ``tier.start_step`` is the step every rank resumed from (0: a fresh start), ``tier.restored`` the result."""
+        from .checkpoint.keywords import check_keywords, keyword_names
+        from .memtier import MemoryTier
+
+        check_keywords("memory_tier", kwargs, keyword_names(MemoryTier.__init__, ("self", "fsdp", "optimizer")))
+        tier = MemoryTier(self, optimizer, durable_root=durable_root, **kwargs)
+        tier.restore()
+        return tier
 
     def load_checkpoint(self, path: str, optimizer=None, **kwargs) -> dict:
         """Restore what :meth:`save_checkpoint` wrote (a checkpoint, or a root: its ``latest``).
@@ -227,9 +312,25 @@ class FullyShardFusion:
         ``.path`` (the directory loaded), ``.step`` (for ``step_<N>`` directories) and ``.fallback_from``
         (newer checkpoints of a root that failed mid-load, see state/resume.py).
         """
+        from .checkpoint.keywords import check_keywords, keyword_names
         from .state.resume import load_checkpoint
 
+        check_keywords("load_checkpoint", kwargs, keyword_names(load_checkpoint, ("fsdp",)))
         return load_checkpoint(self, path, optimizer=optimizer, **kwargs)
+
+
+def _check_compute_dtype(dtype):
+    """``compute_dtype`` as a paddle dtype (None stays None); ValueError for anything but a floating dtype."""
+    if dtype is None:
+        return None
+    allowed = {"float16": paddle.float16, "bfloat16": paddle.bfloat16, "float32": paddle.float32}
+    name = str(dtype).replace("paddle.", "")
+    if name not in allowed:
+        raise ValueError(f"compute_dtype must be one of {sorted(allowed)} (or None), got {dtype!r}")
+    return allowed[name]
+
+
+install_creation_stamps()  # before any model is built under paddle.LazyGuard (lazy_init.py)
 
 
 def _ancestors(model: paddle.nn.Layer) -> dict[int, set[int]]:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import paddle
 
 from .communication import GATHER, REDUCE
-from .device import address, check_same_place
+from .device import address, check_same_place, host_to_device
 from .fused_layout import BufferLayout, LocalPiece
 
 if TYPE_CHECKING:
@@ -45,10 +45,18 @@ def _bind(param: paddle.Tensor, source: paddle.Tensor, shape: list[int]) -> None
     param.get_tensor()._set_dims(shape)
 
 
+def _differs_anywhere(copy: paddle.Tensor, main_grad: paddle.Tensor) -> paddle.Tensor:
+    """A 0-d bool tensor on the device: whether the low-precision ``copy`` differs anywhere from ``main_grad``
+    cast like it (compared in fp32, which every backend has kernels for)."""
+    return paddle.any(copy.astype("float32") != main_grad.astype(copy.dtype).astype("float32"))
+
+
 class FusedBuffer:
     """The run-time state of one :class:`BufferLayout` on this rank."""
 
-    def __init__(self, layout: BufferLayout, params: list, comm: ShardingComm, owner) -> None:
+    def __init__(self, layout: BufferLayout, params: list, comm: ShardingComm, owner, fill: bool = True) -> None:
+        """``fill=False``: leave the shard zero and the parameters as they are (lazy ones uninitialised); the caller
+        fills it with :meth:`fill_param` (lazy_init.py does, one parameter at a time in creation order)."""
         self.layout = layout
         self.params = params
         self.comm = comm
@@ -68,23 +76,44 @@ class FusedBuffer:
         self.held_for_backward = False
         self.reduce_pending = False  # gathered for backward and not reduced yet (same on every rank)
         self._local_views: dict[int, paddle.Tensor] = {}  # local_view's views, kept while they still alias
+        self._gathering: tuple | None = None  # (full, task) of a gather in flight (a prefetch, see overlap.py)
+        self._reducing: tuple | None = None  # (local result, task) of a reduce-scatter in flight
         self.shard = paddle.zeros([layout.shard_numel], dtype=params[0].dtype)
         # gradients are reduced and accumulated in at least fp32 (fp64 params keep fp64)
         self.grad_dtype = paddle.float64 if self.shard.dtype == paddle.float64 else paddle.float32
-        for param, slot in zip(params, layout.slots):  # a copy across places would leave the shard unfilled
-            check_same_place(slot.key, param, self.shard.place)
-        with paddle.no_grad():
-            for index, piece in self.pieces.items():
-                flat = params[index].reshape([-1])
-                paddle.assign(
-                    flat[piece.param_start : piece.param_stop],
-                    output=self._shard_view(piece),
-                )
         for index, param in enumerate(params):
             param._fsdp_buffer = self
             if layout.trainable:
                 param._register_backward_hook(self._make_grad_hook(index))
-        self.release()  # frees the full-size storage the model was built with
+        if fill:
+            for index in range(len(params)):
+                self.fill_param(index)
+            self.release()  # frees the full-size storage the model was built with
+
+    def fill_param(self, index: int) -> None:
+        """Copy this rank's piece of parameter ``index`` (as it holds now, full-size) into the shard. A parameter in
+        host memory (built on the CPU) is copied across to the shard's device (device.check_same_place)."""
+        param, slot = self.params[index], self.layout.slots[index]
+        across = check_same_place(slot.key, param, self.shard.place)
+        piece = self.pieces.get(index)
+        if piece is None:
+            return
+        with paddle.no_grad():
+            part = param.reshape([-1])[piece.param_start : piece.param_stop]
+            if across:
+                host_to_device(part.contiguous(), self._shard_view(piece))
+            else:
+                paddle.assign(part, output=self._shard_view(piece))
+
+    def bind_local(self, index: int) -> None:
+        """Bind parameter ``index`` to its local piece (an empty view when it owns none), dropping its own storage."""
+        piece = self.pieces.get(index)
+        if piece is None:
+            # an empty view must still own memory: sharing an uninitialised ``_slice(0, 0)`` is a no-op that left
+            # the parameter holding its old storage (the model's, or the whole gathered buffer after a release)
+            _bind(self.params[index], self.shard._slice(0, 1), [0])
+        else:
+            _bind(self.params[index], self._shard_view(piece), [piece.length])
 
     # ---- parameter bindings -------------------------------------------------------------------
     def _shard_view(self, piece: LocalPiece) -> paddle.Tensor:
@@ -94,28 +123,94 @@ class FusedBuffer:
     def is_gathered(self) -> bool:
         return self.full is not None
 
-    def gather(self) -> None:
-        """Bind every parameter to a full-shape view of the gathered buffer (no-op when gathered)."""
+    def compute_dtype(self):
+        """The dtype parameters are gathered in for forward and backward: the owner's ``compute_dtype`` for
+        floating buffers of another dtype, else the shard's own."""
+        wanted = getattr(self.owner, "compute_dtype", None)
+        if wanted is None or wanted == self.shard.dtype or not self.shard.is_floating_point():
+            return self.shard.dtype
+        return wanted
+
+    def gather(self, full_precision: bool = False) -> None:
+        """Bind every parameter to a full-shape view of the gathered buffer (no-op when gathered); a gather
+        already in flight (a prefetch) is waited for instead of issuing another.
+
+        For forward and backward the buffer is gathered in :meth:`compute_dtype` (the owner's ``compute_dtype``):
+        each rank casts its shard, the low-precision buffer is gathered, and the parameters *are* low-precision
+        views while their unit runs. AMP then casts nothing, and what autograd saves for backward is the parameter
+        itself, whose memory a release re-points (a cast would be a new tensor kept until backward: under O1 the
+        whole model's weights). ``full_precision`` (summon_full_params, full_state_dict) gathers the shard's dtype.
+        """
+        dtype = self.shard.dtype if full_precision else self.compute_dtype()
         if self.full is not None:
+            if self.full.dtype != dtype:
+                raise RuntimeError(
+                    f"FullyShardFusion: buffer {self.layout.name} is gathered in {self.full.dtype} for compute; "
+                    f"full-precision access ({dtype}) needs it released first (outside forward and backward)"
+                )
             return
+        if self.comm.world_size == 1:
+            with paddle.no_grad():
+                self.full = self.shard if dtype == self.shard.dtype else self.shard.astype(dtype)
+            self._bind_full()
+            return
+        if self._gathering is not None and self._gathering[0].dtype != dtype:
+            self.drop_gather()  # a prefetch in the compute dtype; this caller wants full precision
+        self.start_gather(dtype=dtype)
+        self.finish_gather()
+
+    @property
+    def gather_in_flight(self) -> bool:
+        return self._gathering is not None
+
+    def start_gather(self, force: bool = False, dtype=None) -> bool:
+        """Issue the all-gather of this buffer without waiting (a prefetch); True if one was issued.
+
+        Skipped when one is in flight already, in a one-rank world, and (unless ``force``) when the buffer is
+        gathered. Prefetch decisions must be the same on every rank; a buffer gathered here alone (released
+        early elsewhere) must still join the collective, hence ``force``. ``dtype``: :meth:`compute_dtype`
+        unless given."""
+        if self._gathering is not None or self.comm.world_size == 1 or (self.full is not None and not force):
+            return False
+        dtype = self.compute_dtype() if dtype is None else dtype
         with paddle.no_grad():
-            if self.comm.world_size == 1:
-                self.full = self.shard
-            else:
-                self.comm.agree(GATHER, self.index, self.owner.describe_buffer)
-                self.full = paddle.empty([self.layout.padded_numel], dtype=self.shard.dtype)
-                self.comm.all_gather_into(self.full, self.shard)
+            source = self.shard if dtype == self.shard.dtype else self.shard.astype(dtype)
+            self.comm.agree(GATHER, self.index, self.owner.describe_buffer)
+            full = paddle.empty([self.layout.padded_numel], dtype=dtype)
+            # the cast source stays referenced until the task is waited for: the collective reads it
+            self._gathering = (full, self.comm.all_gather_into(full, source, async_op=True), source)
+        self.owner.schedule.record("AG", self.index, "issue")
+        return True
+
+    def finish_gather(self) -> None:
+        """Wait for the gather in flight and bind to it (dropped if the buffer got gathered meanwhile)."""
+        if self._gathering is None:
+            return
+        full, task, _source = self._gathering
+        self._gathering = None
+        task.wait()
+        self.owner.schedule.record("AG", self.index, "wait")
+        if self.full is None:
+            self.full = full
+            self._bind_full()
+
+    def drop_gather(self) -> None:
+        """Wait for a gather in flight and throw its result away (a prefetch its unit did not use)."""
+        if self._gathering is not None:
+            _full, task, _source = self._gathering
+            self._gathering = None
+            task.wait()
+            self.owner.schedule.record("AG", self.index, "drop")
+
+    def _bind_full(self) -> None:
         for param, slot in zip(self.params, self.layout.slots):
             _bind(param, self.full._slice(slot.offset, slot.end), list(slot.shape))
 
     def release(self) -> None:
-        """Bind every parameter back to its local piece and drop the gathered buffer."""
-        for index, param in enumerate(self.params):
-            piece = self.pieces.get(index)
-            if piece is None:
-                _bind(param, self.shard._slice(0, 0), [0])
-            else:
-                _bind(param, self._shard_view(piece), [piece.length])
+        """Bind every parameter back to its local piece and drop the gathered buffer. A gather in flight is
+        left alone: it was issued on every rank and is finished (or dropped) where every rank does so."""
+        for index in range(len(self.params)):
+            self.bind_local(index)
         self.full = None
         self.held_for_backward = False
         self._arrived.clear()
@@ -197,15 +292,16 @@ class FusedBuffer:
         in-place change (``clear_grad()`` zeroes it there). A dropped one (``clear_grad(set_to_zero=False)``)
         means zero and no gradient. A low-precision copy left untouched keeps the fp32 value (accumulation
         stays exact across micro-batches); a modified or replaced one (AMP's ``set_master_grads``, a
-        GradScaler unscale, a user assignment) is taken as the new value.
+        GradScaler unscale, a user assignment) is taken as the new value. Whether the copy changed is decided
+        on the device (no host sync), for the whole copy at once as before.
         """
         if not self._bound_grads:
             return
+        self.finish_reduce()
         copy = self._grad_in_param_dtype
-        copy_changed = copy is not None and not bool(
-            paddle.equal_all(copy.astype("float32"), self.main_grad.astype(copy.dtype).astype("float32"))
-        )
         with paddle.no_grad():
+            # whether the copy changed anywhere (before main_grad changes below): a 0-d flag the host never reads
+            copy_changed = _differs_anywhere(copy, self.main_grad) if copy is not None else None
             for index in self._bound_grads:
                 param, piece = self.params[index], self.pieces[index]
                 main_piece = self.main_grad._slice(piece.shard_start, piece.shard_start + piece.length)
@@ -215,8 +311,9 @@ class FusedBuffer:
                     self.has_grad.discard(index)
                 elif grad._is_shared_buffer_with(self.main_grad):
                     pass
-                elif copy is not None and grad._is_shared_buffer_with(copy) and not copy_changed:
-                    pass
+                elif copy is not None and grad._is_shared_buffer_with(copy):
+                    taken = paddle.where(copy_changed, grad.reshape([-1]).astype(self.grad_dtype), main_piece)
+                    paddle.assign(taken, output=main_piece)
                 else:
                     paddle.assign(grad.reshape([-1]).astype(self.grad_dtype), output=main_piece)
                 param.clear_gradient(False)
@@ -224,8 +321,15 @@ class FusedBuffer:
         self._grad_in_param_dtype = None
 
     def reduce_gradients(self) -> None:
-        """Reduce-scatter this backward's gradients into ``main_grad`` (collective: every rank calls it at
-        the same point, with zeros when no gradient arrived here)."""
+        """Reduce-scatter this backward's gradients into ``main_grad`` and wait (collective: every rank calls it
+        at the same point, with zeros when no gradient arrived here)."""
+        self.start_reduce()
+        self.finish_reduce()
+
+    def start_reduce(self, dtype=None) -> None:
+        """Issue this backward's reduce-scatter without waiting; :meth:`finish_reduce` adds it to ``main_grad``.
+        ``dtype``: reduce in that dtype (the ``reduce_dtype`` option), else in the gradient dtype."""
+        self.finish_reduce()  # one in flight per buffer: main_grad is touched below and when it lands
         self.reduce_pending = False
         self.take_back_grads()  # main_grad changes below: a bound low-precision copy would go stale
         if self.full_grad is None and self.comm.world_size == 1:
@@ -235,11 +339,28 @@ class FusedBuffer:
             full = self.full_grad
             if full is None:
                 full = paddle.zeros([self.layout.padded_numel], dtype=self.grad_dtype)
-            local = self.comm.reduce_scatter_mean(full)
+            self.full_grad = None
+            self._reducing = self.comm.reduce_scatter_mean_async(full, dtype=dtype)
+        self.owner.schedule.record("RS", self.index, "issue")
+
+    @property
+    def reduce_in_flight(self) -> bool:
+        return self._reducing is not None
+
+    def finish_reduce(self) -> None:
+        """Wait for this buffer's reduce-scatter in flight, if any, and add it to ``main_grad``."""
+        if self._reducing is None:
+            return
+        local, task = self._reducing
+        self._reducing = None
+        task.wait()
+        self.owner.schedule.record("RS", self.index, "wait")
+        with paddle.no_grad():
+            if local.dtype != self.grad_dtype:
+                local = local.astype(self.grad_dtype)
             if self.main_grad is None:
                 self.main_grad = paddle.zeros([self.layout.shard_numel], dtype=self.grad_dtype)
             self.main_grad.add_(local)
-            self.full_grad = None
 
     def optimizer_grad_dtype(self):
         """The dtype ``.grad`` gets: the parameter's own, except under AMP master grads (fp32, as paddle's

@@ -36,11 +36,8 @@ def before_backward_gather(buffers: list[FusedBuffer], still_running: set[int] =
         return
     owner = buffers[0].owner
     current = {id(b) for b in buffers} | set(still_running)
-    for buffer in owner.buffers:
-        if buffer.reduce_pending and id(buffer) not in current:
-            buffer.reduce_gradients()
-    for buffer in buffers:
-        buffer.prepare_for_backward()
+    finished = [b for b in owner.buffers if b.reduce_pending and id(b) not in current]
+    owner.schedule.before_backward(buffers, finished)  # reduces, gathers, prefetches (overlap.py)
     arm_backward_end(owner)
 
 
@@ -104,7 +101,7 @@ def _exchange_received(owner) -> tuple[list[set[int]], list[bool]]:
 
     owner.comm.agree(EXCHANGE, 0)
     vector = paddle.to_tensor(flags, dtype="float32")
-    owner.comm.all_reduce_sum(vector)
+    owner.comm.all_reduce_sum_data_parallel(vector)  # every replica binds and steps the same parameters
     values = vector.numpy().tolist()
     received, offset = [], 0
     for size in sizes:
@@ -117,26 +114,30 @@ def _exchange_received(owner) -> tuple[list[set[int]], list[bool]]:
 def end_of_backward(owner) -> list[tuple]:
     """Reduce what is left, agree on who got gradients, bind ``.grad``; release gathered buffers.
     Collective: every rank runs it at the end of each backward. Returns the (param, grad) pairs bound."""
+    schedule = owner.schedule
     for buffer in owner.buffers:
         if buffer.reduce_pending:
-            buffer.reduce_gradients()
+            schedule.reduce(buffer)
+    schedule.finish_reduces()  # queued reduce-scatters land in main_grad before .grad is bound
     received, late = _exchange_received(owner)
     bound = []
     for buffer, got, is_late in zip(owner.buffers, received, late):
         if is_late:  # gradients that arrived after their buffer's reduction (rare: autograd ran them late)
-            buffer.reduce_gradients()
+            schedule.reduce_now(buffer)
         buffer.received.clear()
         buffer.has_grad |= got
         if buffer.layout.trainable:
             bound.extend(buffer.bind_grads())
         if buffer.is_gathered:
             buffer.release()
+    schedule.end_backward()
     return bound
 
 
 def flush_before_step(owner) -> list[tuple]:
     """Safety net at ``opt.step()``: finish a backward whose end was not seen (every rank agrees, since the
     pending state is set by collective gathers); anything else pending here alone is refused."""
+    owner.schedule.settle()
     if any(b.reduce_pending for b in owner.buffers):
         return end_of_backward(owner)
     if any(b.full_grad is not None or b.received for b in owner.buffers):

@@ -113,8 +113,7 @@ class LayerHooks:
             for buffer in self._taken[-1]:
                 buffer.gather()
             return None
-        for buffer in self.buffers:
-            buffer.gather()
+        self.buffers[0].owner.schedule.before_forward(self.buffers)  # gathers, and prefetches (overlap.py)
         return None
 
     def _post_forward(self, layer, inputs, outputs):

@@ -12,6 +12,10 @@ through the parameters themselves, so several instances can coexist and nothing 
 2. Clip with norms over all ranks: parameters are local pieces at rest, so ``ClipGradByGlobalNorm`` and
    ``ClipGradByNorm`` need sums of squares all-reduced over the sharding group. ``ClipGradByValue`` is
    elementwise and runs as is.
+2b. Skip steps together: a loss scaler's ``found_inf`` (``paddle.amp.GradScaler`` hands it to the optimizer
+   as the auxiliary variable ``found_inf``) only covers this rank's shard, so it is all-reduced (MAX, a logical
+   or) over every sharding group involved before the step is decided: every rank skips the same steps, and the
+   scaler, which reads the variable back after the step, keeps the same loss scale everywhere.
 3. Honour ``param.no_weight_decay = True`` for decoupled (AdamW-style ``apply_decay_param_fun``) and
    coupled (``weight_decay=`` regulariser) decay alike. Decay is decided per parameter, never per buffer,
    so a bias exempt from decay is never decayed because of its neighbours.
@@ -23,6 +27,7 @@ import contextlib
 import logging
 
 import paddle
+import paddle.distributed as dist
 from paddle.nn.clip import ClipGradByGlobalNorm, ClipGradByNorm
 from paddle.optimizer import Lamb, Optimizer
 
@@ -45,10 +50,13 @@ def install_optimizer_integration() -> None:
         if not owners or not paddle.in_dynamic_mode():
             return original(self, loss, startup_program, params_grads, param_group_idx)
         _warn_per_piece_norms(self, owners)
+        for owner in owners:  # whose master weights a writeback must follow (full_params.py)
+            owner.optimizers.add(self)
         _check_intact_once(self, owners)
         if isinstance(params_grads, list):
             params_grads = list(params_grads)
         params_grads = _flush_and_extend(self, owners, params_grads)
+        _agree_found_inf(self, owners)
         with _fsdp_clip(self, owners, params_grads) as params_grads, _no_weight_decay(self):
             return original(self, loss, startup_program, params_grads, param_group_idx)
 
@@ -116,6 +124,23 @@ def _flush_and_extend(opt, owners, params_grads):
     return params_grads + [(p, g) for p, g in bound if id(p) in mine and id(p) not in present and not p.stop_gradient]
 
 
+def _agree_found_inf(opt, owners) -> None:
+    """Replace a rank-local ``found_inf`` tensor by its logical or over every owner's sharding group.
+
+    Collective when the variable is a tensor: a GradScaler sets it on every rank before each step (a program
+    property, so every rank reduces or none does). Stock ``_create_optimization_pass`` turns it into a Python
+    bool once consumed, so later parameter groups of the same step see a bool here and reduce nothing again."""
+    found = opt._get_auxiliary_var("found_inf")
+    if not isinstance(found, paddle.Tensor) or not any(o.world_size > 1 for o in owners):
+        return
+    with paddle.no_grad():
+        flag = found.astype("int32").reshape([-1]).max().reshape([1])
+        for owner in owners:
+            if owner.world_size > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=owner.comm.group)
+        opt._set_auxiliary_var("found_inf", flag.astype(found.dtype).reshape(found.shape))
+
+
 def _pairs(params_grads):
     return params_grads["params"] if isinstance(params_grads, dict) else params_grads
 
@@ -169,8 +194,8 @@ def clip_by_global_norm(owners, pairs, clip: ClipGradByGlobalNorm) -> list:
     """
     selected = _clippable(pairs)
     out = list(pairs)
-    if not selected:
-        return out
+    # no early return for a rank without pairs (it owns no piece of this optimizer's parameters, e.g. a second
+    # optimizer over a tiny head): it still joins every owner's all-reduce below, or the other ranks hang there
     by_buffer: dict[int, tuple[object, dict[int, object]]] = {}
     loose = []  # (k, param, grad) summed per parameter
     for k, param, grad in selected:
@@ -198,6 +223,8 @@ def clip_by_global_norm(owners, pairs, clip: ClipGradByGlobalNorm) -> list:
         total = total + owner.comm.all_reduce_sum(owner_sums[id(owner)])
     for _, _, grad in loose:  # replicated parameters: their sums are complete on every rank
         total = total + _sum_of_squares(grad).reshape([1])
+    if not selected:
+        return out
     max_norm = paddle.full([1], clip.clip_norm, dtype="float64")
     scale = max_norm / paddle.maximum(paddle.sqrt(total), max_norm)
     scaled_sources = {key: paddle.multiply(source, scale.astype(source.dtype)) for key, source in fused.items()}

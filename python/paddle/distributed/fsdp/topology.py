@@ -1,5 +1,8 @@
 """Which ranks FullyShardFusion shards over, which it replicates over, and the layouts it refuses.
 
+Hybrid sharding (HSDP): parameters and optimizer state are sharded over a shard group (a node's ranks) and
+replicated over a replicate group (the ranks at the same position in every shard group); see hybrid_comm.py.
+
 FSDP is only correct when, after a step, every rank that holds a copy of a parameter slice has applied the
 same gradient, averaged over every rank that saw data. A layout where some data-parallel ranks never exchange
 gradients with each other (fleet's ``dp_degree x sharding_degree`` without replica averaging, a sharding group
@@ -34,6 +37,9 @@ def new_group(ranks: list[int], **kwargs: Any):
     ranks, as ``dist.new_group`` requires); see the module docstring for why."""
     if not isinstance(ranks, (list, tuple)) or not all(isinstance(r, int) for r in ranks):
         raise TypeError(f"new_group expects a list of int ranks, got {ranks!r}")
+    from .checkpoint.keywords import check_keywords, keyword_names
+
+    check_keywords("new_group", kwargs, keyword_names(dist.new_group, ("ranks",)))  # stock's, with a hint
     group = dist.new_group(list(ranks), **kwargs)
     dist.barrier()
     return group
@@ -116,32 +122,105 @@ def _check_fleet(hcg) -> GroupLayout:
             "Use dp_degree and/or sharding_degree only"
         )
     dp, sharding = degrees["dp_degree"], degrees["sharding_degree"]
-    if dp > 1 and sharding > 1:
-        raise UnsupportedGroupLayoutError(
-            f"FullyShardFusion: fleet's hybrid config dp_degree={dp} x sharding_degree={sharding} (hybrid sharding) "
-            "is not supported: gradients would never be averaged across the replicas, which drift apart. Use "
-            "sharding_degree=<world size> (or dp_degree=<world size>) to shard over every rank"
-        )
+    if dp > 1 and sharding > 1:  # hybrid sharding: shard in the sharding group, replicate over dp
+        return GroupLayout(shard_group=hcg.get_sharding_parallel_group(), replicate_group=hcg.get_data_parallel_group())
     if sharding > 1:
         return GroupLayout(shard_group=hcg.get_sharding_parallel_group())
     return GroupLayout()
 
 
-def resolve_layout(group=None) -> GroupLayout:
-    """The groups to shard and replicate over, from an explicit ``group`` or fleet's hybrid config; refuses
+def _nranks(group, what: str) -> int:
+    nranks = getattr(group, "nranks", None)
+    if not isinstance(nranks, int) or not isinstance(getattr(group, "rank", None), int):
+        raise TypeError(f"FullyShardFusion: {what} must be a paddle.distributed process group, got {group!r}")
+    if group.rank < 0:
+        raise UnsupportedGroupLayoutError(f"FullyShardFusion: this process is not a member of the {what} it was given")
+    return nranks
+
+
+def _check_hybrid(shard_group, replicate_group, world: int) -> GroupLayout:
+    """An explicit (shard, replicate) pair must tile the world: S x R = world, S > 1, and the members of each
+    replicate group hold the same shard position. Collective over the world (one small exchange), so that every
+    rank refuses together."""
+    problem = None
+    try:
+        s, r = _nranks(shard_group, "shard_group"), _nranks(replicate_group, "replicate_group")
+        if s * r != world:
+            problem = (
+                f"shard_group ({s} ranks) x replicate_group ({r} ranks) = {s * r} ranks, but the world has {world}: "
+                "every rank must hold one shard of one replica"
+            )
+        elif s < 2:
+            problem = "a shard_group of one rank is plain data parallelism; shard over the whole world instead"
+        me = (shard_group.rank, list(replicate_group.ranks))
+    except UnsupportedGroupLayoutError as e:  # (a TypeError, a wrong argument, is raised at once)
+        problem, me = str(e).removeprefix("FullyShardFusion: "), None
+    from .communication import all_gather_object
+
+    every = all_gather_object((problem, me), None) if world > 1 else [(problem, me)]
+    for rank, (theirs, _mine) in enumerate(every):
+        if theirs is not None:
+            raise UnsupportedGroupLayoutError(f"FullyShardFusion: {theirs} (rank {rank})")
+    for _theirs, (_position, members) in every:
+        positions = [every[m][1][0] for m in members]
+        if len(set(positions)) != 1:
+            raise UnsupportedGroupLayoutError(
+                f"FullyShardFusion: replicate group {members} holds shard positions {positions}; each replicate "
+                "group must link the ranks holding the same shard (the same rank in their shard groups)"
+            )
+    if replicate_group.nranks == 1:
+        return GroupLayout(shard_group=shard_group)
+    return GroupLayout(shard_group=shard_group, replicate_group=replicate_group)
+
+
+def hybrid_groups(replicate_degree: int) -> tuple[Any, Any]:
+    """``(replicate_group, shard_group)`` of this rank for ``replicate_degree`` replicas of ``world /
+    replicate_degree`` consecutive ranks each (a node's ranks shard, nodes replicate), as fleet's ``dp_degree x
+    sharding_degree`` lays them out. Collective: every rank creates every group (with :func:`new_group`). With
+    gloo, create them before ``fleet.init`` if both are used: after fleet's hybrid init, paddle 3.3.1's gloo
+    ``new_group`` failed here ("address.cc ... sizeof(impl_) == bytes.size()")."""
+    world = _world_size()
+    if not isinstance(replicate_degree, int) or replicate_degree < 1 or world % replicate_degree:
+        raise ValueError(
+            f"replicate_degree must be a positive divisor of the world size {world}, got {replicate_degree!r}"
+        )
+    shard_degree = world // replicate_degree
+    me = dist.get_rank()
+    mine: dict[str, Any] = {}
+    for r in range(replicate_degree):
+        ranks = list(range(r * shard_degree, (r + 1) * shard_degree))
+        group = new_group(ranks)
+        if me in ranks:
+            mine["shard"] = group
+    for s in range(shard_degree):
+        ranks = list(range(s, world, shard_degree))
+        group = new_group(ranks)
+        if me in ranks:
+            mine["replicate"] = group
+    return mine["replicate"], mine["shard"]
+
+
+def resolve_layout(group=None, replicate_group=None, shard_group=None) -> GroupLayout:
+    """The groups to shard and replicate over: explicit ``shard_group`` (alias ``group``) and ``replicate_group``,
+    else fleet's hybrid config (``sharding_degree`` shards, ``dp_degree`` replicates), else the world. Refuses
     (:class:`UnsupportedGroupLayoutError`) a layout where data-parallel ranks would not average gradients."""
     world = _world_size()
-    if group is not None:
-        nranks = getattr(group, "nranks", None)
-        if not isinstance(nranks, int):
-            raise TypeError(f"FullyShardFusion: group must be a paddle.distributed process group, got {group!r}")
+    if group is not None and shard_group is not None and group is not shard_group:
+        raise ValueError("FullyShardFusion: pass the sharding group once (group= or shard_group=, not both)")
+    shard_group = shard_group if shard_group is not None else group
+    if replicate_group is not None:
+        if shard_group is None:
+            raise ValueError("FullyShardFusion: replicate_group needs shard_group (the ranks of one replica)")
+        return _check_hybrid(shard_group, replicate_group, world)
+    if shard_group is not None:
+        nranks = _nranks(shard_group, "group")
         if nranks != world:
             raise UnsupportedGroupLayoutError(
                 f"FullyShardFusion: the sharding group has {nranks} of the {world} ranks; the ranks outside it "
                 "would never average gradients with it (their copies drift apart). Shard over the whole world "
-                "(group=None)"
+                "(group=None), or pass replicate_group= too (hybrid sharding)"
             )
-        return GroupLayout(shard_group=group)
+        return GroupLayout(shard_group=shard_group)
     hcg = _fleet_hcg()
     if hcg is not None:
         return _check_fleet(hcg)

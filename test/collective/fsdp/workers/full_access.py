@@ -183,11 +183,11 @@ def case_full_state_dict(rank, world, workdir):
     for buffer in fsdp.buffers:
         original = buffer.gather
 
-        def gather(original=original, buffer=buffer):
+        def gather(original=original, buffer=buffer, **kwargs):
             if not buffer.is_gathered:
                 peak["now"] = sum(b.is_gathered for b in fsdp.buffers) + 1
                 peak["max"] = max(peak["max"], peak["now"])
-            original()
+            original(**kwargs)
 
         buffer.gather = gather
     full = fsdp.full_state_dict(rank0_only=True)

@@ -7,7 +7,7 @@ Usage (under paddle.distributed.launch, 2 ranks): ``robust.py WORKDIR [TMPFS_DIR
   raises the same named error and every tensor, the LR scheduler and the RNG are bit-identical to before;
 * prompt named save failure: an injected I/O error (errno) on each rank at several stages: every rank raises
   SaveFailedError naming the failing rank and the cause, long before the commit timeout; the previous checkpoint
-  loads bit-exactly; the next save succeeds and removes the failed staging directory;
+  loads bit-exactly; the failed save left no staging directory; the next save succeeds;
 * a real full tmpfs (TMPFS_DIR, mounted by the test with size=2m), when given.
 Each rank reports {case: "ok" | traceback} and {case + ":seconds": elapsed} for the save failures.
 """
@@ -263,6 +263,9 @@ def main() -> None:
                 outcomes: list = []
                 dist.all_gather_object(outcomes, outcome)
                 assert len(set(outcomes)) == 1, f"the ranks disagree on the save: {outcomes}"
+                if outcome == "fail":  # every rank has returned: the failed save left nothing behind (issue 29)
+                    left = [n for n in os.listdir(workdir) if n.startswith("base.tmp-")]
+                    assert not left, f"the failed save left its staging directory behind: {left}"
                 assert ck.verify_checkpoint(base) == [], "the checkpoint at the path does not verify"
             with step():
                 m, f, o = other()
@@ -309,6 +312,8 @@ def main() -> None:
                     assert "No space left" in str(e) and "failed" in str(e), str(e)
                 else:
                     raise AssertionError("a save that cannot fit succeeded")
+            with step():  # every rank has returned: nothing of the failed save is left on the full disk
+                assert sorted(os.listdir(tmpfs)) == ["ckpt"], os.listdir(tmpfs)
             t = {
                 "x": ShardedWeight(
                     "x", paddle.zeros([b - a]), [n], [n], [0], is_flattened=True, flattened_range=slice(a, b)

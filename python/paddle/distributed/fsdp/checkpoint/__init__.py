@@ -52,6 +52,7 @@ from .errors import (
     CheckpointRemovedError,
     CorruptCheckpointError,
     DtypeMismatchError,
+    GradScalerMismatchError,
     IncompleteCheckpointError,
     InvalidStateDictError,
     MetadataError,
@@ -66,6 +67,7 @@ from .errors import (
     ShapeMismatchError,
     StateDictMismatchError,
     UnexpectedKeyError,
+    UnrepresentableKeyError,
     UnsafePathError,
 )
 from .format.metadata import CheckpointMetadata
@@ -111,7 +113,9 @@ __all__ = [
     "ShapeMismatchError",
     "StateDictMismatchError",
     "OptimizerMismatchError",
+    "GradScalerMismatchError",
     "RngStateMismatchError",
     "UnexpectedKeyError",
+    "UnrepresentableKeyError",
     "UnsafePathError",
 ]

@@ -229,6 +229,17 @@ class SaveChannel:
     def committed(self) -> None:
         self._flag("committed")
 
+    def leave(self) -> None:
+        """This rank gave a failed save up (abandon.py)."""
+        self._flag(f"fleft/{self.rank}")
+        self._flag("nleft")
+
+    def left(self) -> int:
+        """How many ranks gave the failed save up (each counted once)."""
+        if self._count("nleft") < self.world:
+            return 0
+        return sum(1 for r in range(self.world) if self._count(f"fleft/{r}"))
+
     def published(self) -> None:
         self._flag("published")
 
@@ -323,6 +334,7 @@ class LocalChannel:
 
     def __init__(self, rank: int = 0):
         self.rank = rank
+        self.world = 1
 
     def close(self) -> None:
         pass
@@ -338,6 +350,15 @@ class LocalChannel:
 
     def committed(self) -> None:
         pass
+
+    def leave(self) -> None:
+        pass
+
+    def left(self) -> int:
+        return 1
+
+    def is_committed(self) -> bool:
+        return False
 
     def published(self) -> None:
         pass

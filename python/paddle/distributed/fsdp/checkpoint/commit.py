@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import checksums, faults, writer
+from .abandon import LEAVE_TIMEOUT, leave_failed_save
 from .channel import LocalChannel, SaveChannel
 from .directory import commit_id
 from .errors import SaveFailedError
@@ -103,7 +104,8 @@ class SaveJob:
 
     def run(self) -> None:
         """Write, then commit (coordinator) or wait for the commit; every failure is a SaveFailedError naming
-        the rank that failed and its cause, on every rank, as soon as it is known."""
+        the rank that failed and its cause, on every rank, as soon as it is known; a failed save's staging is
+        removed once every rank has left it (abandon.py)."""
         try:
             try:
                 try:
@@ -125,6 +127,9 @@ class SaveJob:
                 ) from e
             finally:
                 self._written()
+        except Exception:
+            leave_failed_save(self.storage, self.staging, self.channel, self.world, min(self.timeout, LEAVE_TIMEOUT))
+            raise
         finally:
             self.channel.close()
 

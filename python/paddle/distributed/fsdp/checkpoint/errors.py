@@ -72,8 +72,17 @@ class OptimizerMismatchError(StateDictMismatchError, ValueError):
     """The optimizer given to a load is of another class than the saved one, or none was saved."""
 
 
+class GradScalerMismatchError(StateDictMismatchError, ValueError):
+    """The loss scaler given to a load is enabled, but the checkpoint holds a disabled one's (empty) state."""
+
+
 class InvalidStateDictError(CheckpointError, ValueError):
     """The state dict given to save/load is malformed (bad record, inconsistent ranks, ...)."""
+
+
+class UnrepresentableKeyError(InvalidStateDictError):
+    """A key the on-disk formats reserve (``__metadata__`` in a safetensors header) or cannot represent (not valid
+    Unicode, longer than a reader accepts, two nested keys with one flat name): refused before anything is written."""
 
 
 class SaveFailedError(CheckpointError):
@@ -109,6 +118,7 @@ ERROR_CLASSES = {
         DtypeMismatchError,
         UnexpectedKeyError,
         OptimizerMismatchError,
+        GradScalerMismatchError,
         RngStateMismatchError,
         InvalidStateDictError,
         SaveFailedError,

@@ -61,7 +61,6 @@ each node has the pieces its ranks read). Saving needs one file system visible t
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -88,7 +87,9 @@ from .format.metadata import DTYPES, CheckpointMetadata, resolve_member
 from .format.regions import clip_segments, read_deferred, read_region, region_segments
 from .gc_pause import gc_paused
 from .inplace import InPlaceReads
+from .keywords import STOCK_LOAD_KEYWORDS, check_keywords, keyword_names
 from .options import CheckpointOptions, resolve
+from .paths import local_path
 from .planner import Region, region_of_piece
 from .records import to_record
 from .tracing import Tracer
@@ -290,10 +291,14 @@ def load_state_dict(
     ``_metadata``: the metadata of ``path`` as its caller read it a moment ago (load_checkpoint), so that it is
     not read and parsed twice; everything is still checked against it, and the ranks still compare checkpoint ids.
 
+    Stock's keywords (``unique_id``, ``offload``, ``safetensors``, ...) are accepted and ignored (``aoa_config``
+    refused); any other keyword is a TypeError naming the nearest valid one (keywords.py).
+
     Steps (``_LoadJob``, atomic): validate -> plan -> read -> exchange -> commit; nothing a target holds changes
     before the exchange has shown that every rank validated and read everything (in-place reads keep an undo
     copy). ``_BoundedLoadJob`` (default): validate -> prepare -> exchange -> read into the targets -> exchange.
     """
+    check_keywords("load_state_dict", unused_stock_kwargs, keyword_names(load_state_dict) + STOCK_LOAD_KEYWORDS)
     if unused_stock_kwargs.get("aoa_config") is not None:
         raise InvalidStateDictError("aoa_config is not supported by the FSDP checkpoint engine")
     try:
@@ -305,11 +310,11 @@ def load_state_dict(
     t0 = time.perf_counter()
     comm = Comm(process_group)
     if not atomic:
-        job = _BoundedLoadJob(state_dict, os.path.abspath(os.fspath(path)), opts, verify_checksums, tr)
+        job = _BoundedLoadJob(state_dict, local_path(path), opts, verify_checksums, tr)
         job.md = _metadata
         all_requested = job.run(comm, strict, max_host_bytes, opts_error, precheck)
         return job.finish(all_requested, time.perf_counter() - t0)
-    job = _LoadJob(state_dict, os.path.abspath(os.fspath(path)), opts, verify_checksums, tr)
+    job = _LoadJob(state_dict, local_path(path), opts, verify_checksums, tr)
     job.md = _metadata
     job.report.atomic = True
     base = host_memory.account.reset_peak()
@@ -734,7 +739,7 @@ def load_full_state_dict(
     opts = resolve(options)
     import paddle  # noqa: F401
 
-    path = os.path.abspath(os.fspath(path))
+    path = local_path(path)
     md = read_metadata(path, opts)
     wanted = list(md.tensors) if keys is None else list(keys)
     for key in wanted:

@@ -56,10 +56,13 @@ from .errors import (
 )
 from .format.metadata import LATEST_FILE
 from .io.storage import Storage, backend_for
+from .keywords import check_keywords, keyword_names
 from .load import LoadReport, load_state_dict
-from .save import SaveHandle, save_and_publish
+from .save import SaveHandle, save_and_publish, save_state_dict
 
 logger = logging.getLogger(__name__)
+
+_MANAGED = ("state_dict", "path", "process_group", "coordinator_rank")  # set by the manager, not by its caller
 
 __all__ = [
     "CheckpointManager",
@@ -128,8 +131,10 @@ class CheckpointManager:
     def save(self, step: int, state_dict: dict, **save_kwargs) -> SaveHandle | None:
         """Save ``state_dict`` as ``step``; ``latest`` moves after the commit, then old ones are pruned.
 
-        ``save_kwargs`` go to the engine's ``save_state_dict`` (``async_save``, ``commit_timeout``, ...).
+        ``save_kwargs`` go to the engine's ``save_state_dict`` (``async_save``, ``commit_timeout``, ...); an unknown
+        one is a TypeError naming the nearest valid one.
         """
+        check_keywords("CheckpointManager.save", save_kwargs, keyword_names(save_state_dict, _MANAGED))
         name = step_dir_name(step)
         try:
             os.makedirs(self.root, exist_ok=True)
@@ -160,7 +165,9 @@ class CheckpointManager:
 
     def load_latest(self, state_dict: dict, **load_kwargs) -> LoadReport:
         """Load the newest committed checkpoint into ``state_dict`` (engine's ``load_state_dict``); a load that
-        loses a race with keep_last rotation (CheckpointRemovedError on every rank) retries with the new latest."""
+        loses a race with keep_last rotation (CheckpointRemovedError on every rank) retries with the new latest.
+        ``load_kwargs`` go to ``load_state_dict``; an unknown one is a TypeError naming the nearest valid one."""
+        check_keywords("CheckpointManager.load_latest", load_kwargs, keyword_names(load_state_dict, _MANAGED))
         for attempt in range(4):
             try:
                 return load_state_dict(

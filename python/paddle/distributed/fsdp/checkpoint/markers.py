@@ -120,6 +120,6 @@ def remove_failed_stagings(storage: Storage, path: str) -> list[str]:
             continue
         staging = storage.child(parent, n)
         if failures(storage, staging) or aborted(storage, staging) is not None:
-            storage.remove(staging)
+            storage.remove(staging, wait=True)
             removed.append(n)
     return removed

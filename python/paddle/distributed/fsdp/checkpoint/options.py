@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from . import checksums, reader
 from .errors import CheckpointError
@@ -154,7 +154,11 @@ class CheckpointOptions:
         return cls(**kw)
 
     def replace(self, **changes) -> CheckpointOptions:
-        """A copy with ``changes`` (the object itself is frozen)."""
+        """A copy with ``changes`` (the object itself is frozen); an unknown field is a TypeError naming the
+        nearest one."""
+        from .keywords import check_keywords
+
+        check_keywords("CheckpointOptions.replace", changes, [f.name for f in fields(self)])
         return replace(self, **changes)
 
     def storage_for(self, location: str) -> Storage:

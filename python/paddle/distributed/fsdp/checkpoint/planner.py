@@ -218,9 +218,29 @@ class FileLayout:
     size: int = 0
 
 
+def _pick_writers(entries: list, load: list[int]) -> list:
+    """One writer per distinct region of a key. Plain tensors (every rank holds them whole) are written by the
+    lowest rank. A sharded piece held by several ranks (HSDP replicas hold the same shard) is written by the
+    holder with the fewest bytes assigned so far (ties: the lowest rank), so replicas split the writing evenly;
+    ``load`` is updated. Deterministic: every rank plans from the same descriptions in the same order."""
+    holders: dict[Region, list[tuple[int, RecordDesc, tuple]]] = {}
+    for r, d, w in entries:
+        reg = d.region.normalized()
+        if reg.numel:
+            holders.setdefault(reg, []).append((r, d, w))
+    kept = []
+    for reg, options in holders.items():
+        choice = options[0]
+        if len(options) > 1 and not choice[1].replicated:
+            choice = min(options, key=lambda o: (load[o[0]], o[0]))
+        load[choice[0]] += reg.numel * DTYPES[choice[1].dtype][0] if choice[1].dtype in DTYPES else reg.numel
+        kept.append(choice)
+    return kept
+
+
 def _assign_writes(wires: tuple, value_keys: frozenset) -> tuple[list, dict]:
     """Who writes which record: ``([(key, dtype, shape)], {rank: [(key, desc wire)]})``, from every rank's
-    record descriptions (wire form). Replicas are written by the lowest rank; dtype and shape disagreements, a
+    record descriptions (wire form). Replicas are written once (see _pick_writers); dtype and shape disagreements, a
     key that is a tensor on some ranks and a plain value on others, overlaps and gaps raise
     InvalidStateDictError. Saves remember the result (AssignmentMemo)."""
     world = len(wires)
@@ -232,6 +252,7 @@ def _assign_writes(wires: tuple, value_keys: frozenset) -> tuple[list, dict]:
     if both:
         raise InvalidStateDictError(f"key {both[0]!r} is a tensor on some ranks and a plain value on others")
     writes: dict[int, list[tuple[str, tuple]]] = {r: [] for r in range(world)}
+    load = [0] * world  # bytes assigned so far, per rank (balances the writing of replicated shards)
     specs = []
     for key, entries in by_key.items():
         r0, d0, _w0 = entries[0]
@@ -243,14 +264,7 @@ def _assign_writes(wires: tuple, value_keys: frozenset) -> tuple[list, dict]:
                     f"key {key!r}: global shape {list(d0.region.shape)} on rank {r0} but "
                     f"{list(d.region.shape)} on rank {r}"
                 )
-        seen: set[Region] = set()
-        kept: list[tuple[int, RecordDesc, tuple]] = []
-        for r, d, w in entries:
-            reg = d.region.normalized()
-            if reg.numel == 0 or reg in seen:  # empty, or an exact replica: the lowest rank writes it
-                continue
-            seen.add(reg)
-            kept.append((r, d, w))
+        kept = _pick_writers(entries, load)
         problems = coverage_problems(key, d0.region.shape, [(r, d.region) for r, d, _w in kept])
         if problems:
             raise InvalidStateDictError("cannot save: " + "; ".join(problems))

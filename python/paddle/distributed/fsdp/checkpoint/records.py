@@ -17,8 +17,9 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InvalidStateDictError
+from .errors import InvalidStateDictError, UnrepresentableKeyError
 from .format.metadata import DTYPES, is_json_value, numel
+from .format.reserved import key_problem
 from .host_memory import dtype_name, numel_of
 from .planner import RecordDesc, Region
 
@@ -154,11 +155,15 @@ def to_record(key: str, val: Any) -> TensorRecord | None:
 
 
 def collect(state_dict: dict) -> tuple[list[TensorRecord], dict[str, Any]]:
+    """Save: the tensor records and the JSON values of ``state_dict``; a key the files cannot hold is refused."""
     if not isinstance(state_dict, dict):
         raise InvalidStateDictError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     records, values = [], {}
     for key, val in state_dict.items():
         rec = to_record(key, val)
+        problem = key_problem(key, tensor=rec is not None)  # what the files being written cannot hold
+        if problem is not None:
+            raise UnrepresentableKeyError(f"key {key!r:.200}: cannot be saved: {problem}")
         if rec is None:
             values[key] = val
         else:

@@ -94,14 +94,17 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import host_memory
+from . import host_memory, snapshot
+from .abandon import LEAVE_TIMEOUT, leave_failed_save
 from .background import SaveHandle, start_in_background, wait_pending
 from .commit import Publisher, SaveJob, open_channel
 from .coordination import Comm, check_target_path, gather_errors
 from .errors import CheckpointError, DirectoryMismatchError, InvalidStateDictError, SaveFailedError
 from .gc_pause import gc_paused
+from .keywords import STOCK_SAVE_KEYWORDS, check_keywords, keyword_names
 from .markers import cause, mark_failed, remove_failed_stagings
 from .options import CheckpointOptions, resolve
+from .paths import local_path
 from .planner import (
     AssignmentMemo,
     assign_writes,
@@ -118,6 +121,7 @@ from .tracing import Tracer
 logger = logging.getLogger(__name__)
 
 _save_lock = __import__("threading").Lock()
+_PUBLISH_MANAGED = ("state_dict", "path", "process_group", "coordinator_rank")  # save_and_publish's own arguments
 
 __all__ = ["SaveHandle", "Publisher", "release_host_buffers", "save_and_publish", "save_state_dict", "wait_pending"]
 
@@ -128,12 +132,8 @@ def release_host_buffers() -> bool:
     Returns False (and frees nothing) while a save or load of this process is using it. The next async save
     allocates it again.
     """
-    return host_memory.arena.free()
-
-
-def _lazy_view(t):
-    """Piece provider for write_rank_file: the tensor's bytes (and their owner), produced when written."""
-    return lambda: host_memory.raw_view(t)
+    freed = host_memory.arena.free()
+    return snapshot.snapshot_staging.free() and freed
 
 
 def save_state_dict(
@@ -163,7 +163,10 @@ def save_state_dict(
     pieces of saves by hundreds of ranks, so that a resharded load reads little beyond its share).
     ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now) sets the checksum
     algorithm, commit timeout, storage backend and tracing; ``commit_timeout`` overrides ``options.commit_timeout``.
+    Stock's keywords ``unique_id``, ``safetensors``, ``save_replicas`` are accepted and ignored (one version per
+    directory, safetensors); any other keyword is a TypeError naming the nearest valid one (keywords.py).
     """
+    check_keywords("save_state_dict", unused_stock_kwargs, keyword_names(save_state_dict) + STOCK_SAVE_KEYWORDS)
     return _save(
         state_dict,
         path,
@@ -186,6 +189,7 @@ def save_and_publish(
     """``save_state_dict`` whose coordinator calls ``publisher`` after the commit, and whose other ranks return
     only once it has published (CheckpointManager: moves ``latest``, then prunes). ``kwargs``: those of
     ``save_state_dict``."""
+    check_keywords("save_and_publish", kwargs, keyword_names(save_state_dict, _PUBLISH_MANAGED))
     if not all(callable(getattr(publisher, m, None)) for m in ("publish", "is_published", "cleanup")):
         raise InvalidStateDictError(
             f"publisher must have publish(), is_published() and cleanup(), got {type(publisher).__name__}"
@@ -261,7 +265,7 @@ def _save_locked(
     tr = Tracer("save (calling thread)", opts)
     wait_pending(raise_error=True)
     tr.mark("wait-previous")
-    path = os.fspath(path) if "://" in os.fspath(path) else os.path.abspath(os.fspath(path))
+    path = local_path(path)
     comm = Comm(process_group)
     if not 0 <= coordinator_rank < comm.world:
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
@@ -407,6 +411,8 @@ def _open(path: str, checkpoint_id: str, comm: Comm, coordinator_rank: int, opts
         return storage, channel, storage.begin(path, checkpoint_id)
     except BaseException as e:
         channel.fail(cause(e))
+        if isinstance(e, Exception):
+            channel.leave()  # nothing of this rank's in storage; the others need not wait for it
         channel.close()
         raise SaveFailedError(f"save to {path} failed: rank {comm.rank} failed: {cause(e)}") from e
 
@@ -424,6 +430,8 @@ def _sources(keys, local: _Local, async_save: bool, deferred_keys, opts: Checkpo
     except BaseException as e:  # the coordinator must not wait for this rank until the timeout
         channel.fail(cause(e))
         mark_failed(storage, staging, channel.rank, e)
+        if isinstance(e, Exception):
+            leave_failed_save(storage, staging, channel, channel.world, min(opts.commit_timeout, LEAVE_TIMEOUT))
         channel.close()
         if isinstance(e, Exception) and not isinstance(e, CheckpointError):
             raise SaveFailedError(f"save to {staging} failed: rank {channel.rank} failed: {cause(e)}") from e
@@ -432,10 +440,10 @@ def _sources(keys, local: _Local, async_save: bool, deferred_keys, opts: Checkpo
 
 @gc_paused()
 def _piece_sources(keys: list[str], local: _Local) -> tuple[list, list, Any]:
-    """Step 3 of a sync save: what this rank writes, in layout order: lazy views of the tensors' own memory (a
-    device tensor is copied to host one piece at a time while writing). Returns ``(arrays, [], None)``."""
+    """Step 3 of a sync save: what this rank writes, in layout order: lazy views of the tensors' own memory
+    (device tensors staged in batches while writing, snapshot.lazy_views). Returns ``(arrays, [], None)``."""
     by_key = {r.key: r for r in local.records}
-    return [_lazy_view(by_key[key].tensor) for key in keys], [], None
+    return snapshot.lazy_views([by_key[key].tensor for key in keys]), [], None
 
 
 @gc_paused()

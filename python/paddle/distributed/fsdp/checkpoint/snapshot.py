@@ -3,87 +3,159 @@
 Zero-stall schedule. The state a rank saves falls into two kinds:
 
 * *deferred*: tensors that change only through an optimizer step or a direct write (trainable parameters,
-  optimizer accumulators). Their copy runs on the save's background thread after ``save_state_dict`` returned,
-  during the next forward and backward. Every writer of such memory waits for the copy first
+  optimizer accumulators). Their copy completes on the save's background thread after ``save_state_dict``
+  returned, during the next forward and backward. Every writer of such memory waits for the copy first
   (snapshot_guard.py: the optimizer step, in-place Tensor methods, ``set_value``, ``paddle.assign``, loads and
   later saves), so the checkpoint holds each tensor's value at the call.
 * *volatile*: everything else (buffers that forward updates, e.g. BatchNorm statistics; tensors the caller did
-  not mark), copied on the calling thread before the call returns. Small in practice.
+  not mark), copied before the next forward may touch them. Small in practice.
 
 The caller says which keys are deferred (``save_state_dict(deferred_keys=...)``; FSDP passes its parameter and
 optimizer records); by default a key is deferred when its tensor is a trainable paddle Parameter.
 
-Every record gets a slot in the per-process arena (``host_memory.arena``: grown when too small and kept resident
-for the next async save; fresh memory when another user holds it). Host-contiguous tensors are copied into their
-slot with one memcpy each. Device (and strided) tensors are *staged*: ``device.to_host`` copies them in batches of
-up to ``STAGING_CHUNK_BYTES`` into one reusable (pinned where available) staging buffer, and from there into their
-slots; never one ``.cpu()`` per tensor and never through a raw pointer to device memory. Staged records follow
-the same schedule as host ones: deferred ones on the background thread (the guard covers their device address
-range), volatile ones at the call.
+Host tensors get a slot in the per-process arena (``host_memory.arena``: kept resident for the next async save):
+contiguous ones are copied with one memcpy (deferred ones on the background thread, volatile ones at the call),
+strided ones through a contiguous copy. Device tensors are copied once, straight into the process's pinned
+staging (``device.HostStaging``, reused by every async save: no allocation per save once grown), whose flat
+views are the arrays written; their device-to-host copies are *issued at the call* on a copy stream that first
+waits for an event recorded on the compute stream (``device_streams.CopyBatch``): volatile ones first, then the
+compute stream waits for those on the device (no host wait), then the deferred ones. The background thread
+waits for the copy event by polling it with sleeps (GIL released), never with a device-wide synchronize. What
+stays on the compute stream: a ``contiguous()`` copy of strided device tensors and the event waits (it pauses for
+the volatile copies only).
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Callable
 
 import numpy as np
 
-from .. import device
+from .. import device, device_streams
 from . import host_memory, snapshot_guard
 from .coordination import aligned
 
-STAGING_CHUNK_BYTES = 64 << 20  # device bytes per to_host batch: bounds the staging buffer, amortises syncs
+STAGING_CHUNK_BYTES = 64 << 20  # sync saves: device bytes staged together (one copy batch, one wait)
 
-_staging = device.HostStaging()  # reused by every snapshot of the process: pinned once
-_staging_lock = threading.Lock()  # a volatile copy at a call and a background copy may overlap
+
+class _StagingSlot:
+    """The process's pinned staging for async snapshots: one user at a time (a second one gets fresh memory)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._staging = device.HostStaging()
+        self._busy = False
+
+    def acquire(self) -> device.HostStaging:
+        with self._lock:
+            if self._busy:
+                return device.HostStaging()
+            self._busy = True
+            return self._staging
+
+    def release(self, staging: device.HostStaging) -> None:
+        with self._lock:
+            if staging is self._staging:
+                self._busy = False
+
+    def free(self) -> bool:
+        with self._lock:
+            if self._busy:
+                return False
+            self._staging.release()
+            return True
+
+
+snapshot_staging = _StagingSlot()
+
+
+class _StagingPool:
+    """Pinned staging buffers for sync saves, handed back when the last view of a batch is dropped."""
+
+    def __init__(self, keep: int = 2, max_bytes: int = 2 * STAGING_CHUNK_BYTES):
+        self._lock = threading.Lock()
+        self._free: list[device.HostStaging] = []
+        self._keep = keep
+        self._max_bytes = max_bytes  # one record larger than a chunk grows a staging: not kept for later saves
+
+    def take(self) -> device.HostStaging:
+        with self._lock:
+            return self._free.pop() if self._free else device.HostStaging()
+
+    def give(self, staging: device.HostStaging) -> None:
+        with self._lock:
+            if len(self._free) < self._keep and staging.nbytes() <= self._max_bytes:
+                self._free.append(staging)
+
+
+sync_pool = _StagingPool()
+
+
+class _Owner:
+    """Owns a staging buffer while views of it are alive (the writer drops owners once their bytes are written)."""
+
+    def __init__(self, staging: device.HostStaging):
+        self.staging = staging
+        weakref.finalize(self, sync_pool.give, staging)
+
+
+class _LazyGroup:
+    """Consecutive device tensors of a sync save, staged together when the first of them is written."""
+
+    def __init__(self, tensors: list):
+        self.tensors = tensors
+        self.arrays: list | None = None
+        self.owner: _Owner | None = None
+        self.handed = 0
+
+    def get(self, k: int):
+        if self.arrays is None:
+            owner = _Owner(sync_pool.take())
+            views = device.to_host(self.tensors, owner.staging)
+            self.arrays = [host_memory.raw_view(v, allow_copy=False)[0] for v in views]
+            self.owner = owner
+        out = (self.arrays[k], self.owner)
+        self.handed += 1
+        if self.handed == len(self.tensors):  # the writer holds the last references from now on
+            self.arrays = self.owner = None
+            self.tensors = []
+        return out
+
+
+def lazy_views(tensors: list, chunk_bytes: int = STAGING_CHUNK_BYTES) -> list:
+    """Piece providers for a sync save's writer, in write order: a host tensor's bytes in place (strided: a
+    copy); consecutive device tensors staged together, up to ``chunk_bytes`` (one copy batch, one wait, pinned
+    staging from a small pool), when the first of them is written."""
+    providers: list = []
+    group: list = []
+    size = 0
+
+    def flush():
+        nonlocal group, size
+        if group:
+            lazy = _LazyGroup(group)
+            providers.extend((lambda k=k, lazy=lazy: lazy.get(k)) for k in range(len(group)))
+        group, size = [], 0
+
+    for t in tensors:
+        n = _nbytes(t)
+        if not n or device.is_host(t):
+            flush()
+            providers.append(lambda t=t: host_memory.raw_view(t))
+            continue
+        if group and size + n > chunk_bytes:
+            flush()
+        group.append(t)
+        size += n
+    flush()
+    return providers
 
 
 def copy_to_host(tensor):
-    """Host bytes of a device or strided tensor and the object that owns them (one tensor; prefer
-    :func:`stage_into`, which batches)."""
+    """Host bytes of a device or strided tensor and the object that owns them (one tensor)."""
     return host_memory.raw_view(tensor)
-
-
-def stage_into(jobs: list, chunk_bytes: int = STAGING_CHUNK_BYTES) -> None:
-    """Copy device or strided tensors into their host slots: ``jobs`` are ``(slot, tensor)`` with ``slot`` a
-    uint8 array of the tensor's size. Device tensors go through ``device.to_host`` in batches of at most
-    ``chunk_bytes`` (larger ones in flat pieces; one staging buffer, reused); host strided ones are made
-    contiguous and copied."""
-    with _staging_lock:
-        batch: list = []
-        size = 0
-        for slot, t in _split_large(jobs, chunk_bytes):
-            if batch and size + len(slot) > chunk_bytes:  # a batch never exceeds a chunk (pieces are <= one)
-                _stage_batch(batch, chunk_bytes)
-                batch, size = [], 0
-            batch.append((slot, t))
-            size += len(slot)
-        if batch:
-            _stage_batch(batch, chunk_bytes)
-
-
-def _split_large(jobs: list, chunk_bytes: int):
-    """Device tensors larger than a chunk (a fused buffer shard) as chunk-sized flat pieces, so the staging
-    buffer stays about ``chunk_bytes`` whatever the tensor sizes."""
-    for slot, t in jobs:
-        if len(slot) <= chunk_bytes or device.is_host(t):
-            yield slot, t
-            continue
-        flat = (t if t.is_contiguous() else t.contiguous()).reshape([-1])
-        size = t.element_size()
-        step = max(chunk_bytes // size, 1)
-        numel = len(slot) // size
-        for start in range(0, numel, step):
-            stop = min(start + step, numel)
-            yield slot[start * size : stop * size], flat._slice(start, stop)
-
-
-def _stage_batch(batch: list, chunk_bytes: int) -> None:
-    hosts = device.to_host([t for _slot, t in batch], _staging, chunk_bytes=chunk_bytes)
-    for (slot, _t), h in zip(batch, hosts):
-        arr, _keep = host_memory.raw_view(h)  # a staging view in place (strided host tensors: one copy)
-        np.copyto(slot, arr)
 
 
 def default_deferred(record) -> bool:
@@ -95,86 +167,104 @@ def default_deferred(record) -> bool:
 class Snapshot:
     """Host copies of the ``records`` this rank writes (TensorRecords, in write order).
 
-    Construction copies the volatile records and registers the deferred ones with the snapshot guard;
-    ``arrays`` are the host arrays to write (deferred ones filled by ``copy_deferred``, which the save's
-    background thread runs first), ``keep`` the owners of device copies, ``release`` gives the arena back once
-    the arrays are written. ``copy_deferred`` always ends the guard's wait, also on error; ``cancel`` too.
+    Construction copies the volatile host records, issues every device copy and registers the deferred records
+    with the snapshot guard; ``arrays`` are the host arrays to write (complete once ``copy_deferred``, which the
+    save's background thread runs first, returned), ``release`` gives the arena and the staging back once the
+    arrays are written. ``copy_deferred`` always ends the guard's wait, also on error; ``cancel`` too.
     """
 
-    def __init__(
-        self,
-        records: list,
-        deferred: Callable[[object], bool],
-        hugepages: bool | str = "auto",
-        chunk_bytes: int = STAGING_CHUNK_BYTES,
-    ):
+    def __init__(self, records: list, deferred: Callable[[object], bool], hugepages: bool | str = "auto"):
         self.arrays: list[np.ndarray] = []
         self.keep: list = []
-        self.chunk_bytes = chunk_bytes
-        self._jobs: list = []  # (slot, tensor): deferred host copies (viewed on the background thread)
-        self._staged: list = []  # (slot, tensor): deferred device/strided copies, batched through to_host
+        self._jobs: list = []  # (slot, tensor): deferred contiguous host copies (viewed on the background thread)
+        self._strided: list = []  # (slot, tensor): deferred strided host copies
+        self._batch: device_streams.CopyBatch | None = None
+        self._staging: device.HostStaging | None = None
         self.deferred_bytes = 0
         self.volatile_bytes = 0
         self._guard: snapshot_guard.SnapshotInFlight | None = None
         sizes = [_nbytes(r.tensor) for r in records]
-        need = sum(aligned(n) for n in sizes)
+        on_device = [bool(n) and not device.is_host(r.tensor) for r, n in zip(records, sizes)]
+        need = sum(aligned(n) for n, d in zip(sizes, on_device) if not d)
         buf = host_memory.arena.acquire(need, grow=True, hugepages=hugepages) if need else None
         self.release: Callable[[], None] | None = host_memory.arena.release if buf is not None else None
         try:
             if buf is None and need:
                 buf = host_memory.alloc_host(need, hugepages=hugepages)
-            pos = 0
-            ranges = []
-            staged_now: list = []  # volatile device/strided copies, batched below
-            for r, n in zip(records, sizes):
-                if not n:
-                    self.arrays.append(np.zeros(0, np.uint8))
-                    continue
-                slot = buf[pos : pos + n]
-                pos += aligned(n)
-                self.arrays.append(slot)
-                if not host_memory.is_host_contiguous(r.tensor):
-                    if deferred(r):
-                        self._staged.append((slot, r.tensor))
-                        ranges.append(_address_range(r.tensor))
-                        self.deferred_bytes += n
-                    else:
-                        staged_now.append((slot, r.tensor))
-                        self.volatile_bytes += n
-                    continue
-                if deferred(r):  # the caller's clock: only the address range, no view (~4 us a record)
-                    self._jobs.append((slot, r.tensor))
-                    start = device.address(r.tensor)
-                    ranges.append((start, start + n))
-                    self.deferred_bytes += n
-                else:
-                    np.copyto(slot, host_memory.raw_view(r.tensor, allow_copy=False)[0])
-                    self.volatile_bytes += n
-            if staged_now:
-                stage_into(staged_now, chunk_bytes)
-            if self._jobs or self._staged:
+            self.arrays = [np.zeros(0, np.uint8)] * len(records)
+            ranges = self._host_records(records, sizes, on_device, deferred, buf)
+            ranges += self._device_records(records, sizes, on_device, deferred)
+            if ranges:
                 self._guard = snapshot_guard.SnapshotInFlight(ranges)
                 snapshot_guard.register(self._guard)
         except BaseException:
             self._give_back()
             raise
 
+    def _host_records(self, records, sizes, on_device, deferred, buf) -> list:
+        ranges, pos = [], 0
+        for i, (r, n) in enumerate(zip(records, sizes)):
+            if not n or on_device[i]:
+                continue
+            slot = buf[pos : pos + n]
+            pos += aligned(n)
+            self.arrays[i] = slot
+            if deferred(r):  # the caller's clock: only the address range, no view (~4 us a record)
+                (self._jobs if r.tensor.is_contiguous() else self._strided).append((slot, r.tensor))
+                ranges.append(_address_range(r.tensor))
+                self.deferred_bytes += n
+            elif r.tensor.is_contiguous():
+                np.copyto(slot, host_memory.raw_view(r.tensor, allow_copy=False)[0])
+                self.volatile_bytes += n
+            else:
+                np.copyto(slot, host_memory.raw_view(r.tensor)[0])
+                self.volatile_bytes += n
+        return ranges
+
+    def _device_records(self, records, sizes, on_device, deferred) -> list:
+        """Issue the device copies now, volatile ones first (the compute stream waits for those on the device)."""
+        idx = [i for i, d in enumerate(on_device) if d]
+        if not idx:
+            return []
+        self._staging = snapshot_staging.acquire()
+        views = device.staging_views([records[i].tensor for i in idx], self._staging)
+        pairs = [(i, v, device.flat_source(records[i].tensor)) for i, v in zip(idx, views)]
+        late = [deferred(records[i]) for i in idx]
+        self._batch = batch = device_streams.begin(device.copy_mode())
+        batch.copy((v, src) for (_i, v, src), d in zip(pairs, late) if not d)
+        if not all(late):
+            batch.fence()
+        batch.copy((v, src) for (_i, v, src), d in zip(pairs, late) if d)
+        batch.finish()
+        ranges = []
+        for (i, v, _src), d in zip(pairs, late):
+            self.arrays[i] = host_memory.raw_view(v, allow_copy=False)[0]  # pinned staging, in place
+            if d:
+                ranges.append(_address_range(records[i].tensor))
+                self.deferred_bytes += sizes[i]
+            else:
+                self.volatile_bytes += sizes[i]
+        return ranges
+
     @property
     def pending(self) -> bool:
         return self._guard is not None and not self._guard.done.is_set()
 
     def copy_deferred(self) -> None:
-        """Copy the deferred tensors (background thread), then let the writers waiting for them go on."""
+        """Copy the deferred host tensors and wait for the device copies (background thread), then let the
+        writers waiting for them go on."""
         try:
             for slot, tensor in self._jobs:
                 np.copyto(slot, host_memory.raw_view(tensor, allow_copy=False)[0])
-            if self._staged:
-                stage_into(self._staged, self.chunk_bytes)
+            for slot, tensor in self._strided:
+                np.copyto(slot, host_memory.raw_view(tensor)[0])
+            if self._batch is not None:
+                self._batch.wait()
         finally:
             self._finish()
 
     def _finish(self) -> None:
-        self._jobs, self._staged = [], []
+        self._jobs, self._strided = [], []
         guard, self._guard = self._guard, None
         if guard is not None:
             guard.done.set()
@@ -182,12 +272,18 @@ class Snapshot:
 
     def _give_back(self) -> None:
         self._finish()
+        batch, self._batch = self._batch, None
+        if batch is not None and not batch.query():
+            batch.wait()  # the staging must not be reused while copies into it are in flight
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            snapshot_staging.release(staging)
         release, self.release = self.release, None
         if release is not None:
             release()
 
     def written(self) -> None:
-        """The arrays are on disk: give the arena back (idempotent)."""
+        """The arrays are on disk: give the arena and the staging back (idempotent)."""
         self.arrays, self.keep = [], []
         self._give_back()
 

@@ -13,6 +13,7 @@ from .format.coverage import coverage_problems
 from .format.metadata import resolve_member
 from .format.regions import iter_piece
 from .format.strict_json import open_regular
+from .paths import local_path
 from .planner import region_of_piece
 
 
@@ -24,7 +25,7 @@ def verify_checkpoint(path: str, on_bytes: Callable[[int], None] | None = None) 
     not overlap inside a file, and every checksum (reads all data once). ``on_bytes(n)`` is called as data is
     checked (a progress bar's ``update``).
     """
-    path = os.path.abspath(os.fspath(path))
+    path = local_path(path)
     try:
         md = read_metadata(path)
     except CheckpointError as e:

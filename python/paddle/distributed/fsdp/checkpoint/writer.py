@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -173,13 +174,19 @@ def write_file(path: str, data: bytes, fsync: bool, atomic: bool) -> None:
     target = f"{path}.part-{os.getpid()}-{threading.get_ident()}" if atomic else path
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        write_all(fd, [data])
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    if atomic:
-        os.replace(target, path)
+        try:
+            write_all(fd, [data])
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        if atomic:
+            os.replace(target, path)
+    except BaseException:
+        if atomic:  # a half-written temporary file (a full disk) must not stay behind
+            with contextlib.suppress(OSError):
+                os.unlink(target)
+        raise
 
 
 def replace_dir(staging: str, final: str, old_name: str, background_delete: bool = True):

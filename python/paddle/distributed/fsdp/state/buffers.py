@@ -46,11 +46,28 @@ def persistable_buffers(model: paddle.nn.Layer) -> OrderedDict:
     return out
 
 
-def _fingerprint(tensor: paddle.Tensor) -> str:
+_fingerprint_staging = None  # pinned host staging reused by every save's fingerprints (device buffers)
+
+
+def fingerprints(buffers: dict) -> dict[str, str]:
+    """Key -> dtype, shape and xxh3-64 of the bytes of each buffer. Device buffers are copied to host together
+    (one copy batch on the copy stream, one GIL-releasing wait; device.to_host), never one blocking ``.cpu()``
+    each; host ones are hashed in place."""
     import xxhash
 
-    array = tensor.detach().cpu().numpy()
-    return f"{array.dtype}{list(array.shape)}:{xxhash.xxh3_64_hexdigest(array.tobytes())}"
+    from .. import device
+    from ..checkpoint import host_memory
+
+    global _fingerprint_staging
+    if _fingerprint_staging is None:
+        _fingerprint_staging = device.HostStaging()
+    tensors = list(buffers.values())
+    hosts = device.to_host(tensors, _fingerprint_staging)
+    out = {}
+    for key, t, h in zip(buffers, tensors, hosts):
+        arr, _keep = host_memory.raw_view(h)
+        out[key] = f"{host_memory.dtype_name(t)}{list(t.shape)}:{xxhash.xxh3_64_hexdigest(arr)}"
+    return out
 
 
 def buffers_differing_across_ranks(fsdp, buffers: dict | None = None) -> dict[str, list[int]]:
@@ -61,7 +78,7 @@ def buffers_differing_across_ranks(fsdp, buffers: dict | None = None) -> dict[st
         buffers = persistable_buffers(fsdp.model)
     if not buffers:  # the model's structure is the same on every rank: all skip the collective together
         return {}
-    mine = {key: _fingerprint(value) for key, value in buffers.items()}
+    mine = fingerprints(buffers)
     every = fsdp.comm.all_gather_object(mine)
     differing: dict[str, list[int]] = {}
     for rank, prints in enumerate(every[1:], start=1):

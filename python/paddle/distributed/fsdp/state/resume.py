@@ -10,6 +10,9 @@ Numbered checkpoints (``checkpoint/manager.py``)::
     result = fsdp.load_checkpoint(root, optimizer=opt)                  # loads what root/latest names
     result.step, result.path, result.report                             # result is the extra_state dict
 
+A loss scaler (``paddle.amp.GradScaler``) is saved and restored with ``grad_scaler=scaler`` on both calls
+(state/grad_scaler.py: scale bit-exact, counters, settings); its numpy state does not fit ``extra_state``.
+
 ``latest`` moves only after the new checkpoint is committed, and older checkpoints are removed only after that.
 
 Loads are all-or-nothing and refuse, on every rank together and before any tensor is written: a path that is
@@ -35,6 +38,7 @@ from ..checkpoint import (
     read_metadata,
     save_state_dict,
 )
+from ..checkpoint.coordination import Comm
 from ..checkpoint.errors import (
     CheckpointRemovedError,
     MetadataError,
@@ -42,7 +46,14 @@ from ..checkpoint.errors import (
     PartiallyLoadedError,
     UnexpectedKeyError,
 )
-from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
+from ..checkpoint.format.reserved import (
+    BUFFERS_KEY,
+    EXTRA_KEY,
+    GRAD_SCALER_KEY,
+    OPTIMIZER_KEY,
+    RESERVED_PREFIX,
+    RNG_KEY,
+)
 from ..checkpoint.gc_pause import gc_paused
 from ..checkpoint.manager import (
     committed_steps,
@@ -51,8 +62,9 @@ from ..checkpoint.manager import (
     resolve_checkpoint,
     step_dir_name,
 )
+from . import grad_scaler as scaler_state
 from . import optimizer_states as names
-from . import rng
+from . import replicas, rng
 from .buffers import persistable_buffers, warn_if_buffers_differ
 from .records import refresh_master_weights
 
@@ -119,6 +131,7 @@ def save_checkpoint(
     format: str = "fsdp",
     async_save: bool = False,
     options: CheckpointOptions | None = None,
+    grad_scaler=None,
 ):
     """Save everything needed to resume bit-exactly. Collective: every rank of the group calls it.
 
@@ -129,7 +142,8 @@ def save_checkpoint(
     the background too). An async save does not stall training: it returns after capturing RNG, LR scheduler,
     ``extra_state`` and non-trainable tensors; parameters and optimizer state are copied during the next
     forward/backward, and the next ``optimizer.step()`` waits for that copy by itself (see
-    checkpoint/snapshot_guard.py for what else waits).
+    checkpoint/snapshot_guard.py for what else waits). ``grad_scaler``: a ``paddle.amp.GradScaler`` whose state
+    (loss scale, counters, settings) is saved too (state/grad_scaler.py).
     """
     if str(format).lower() in HF_FORMAT_NAMES:
         raise ValueError(
@@ -139,10 +153,11 @@ def save_checkpoint(
         )
     if str(format).lower() != "fsdp":
         raise ValueError(f"unknown checkpoint format {format!r} (supported: 'fsdp')")
+    scaler_value = scaler_state.capture(grad_scaler) if grad_scaler is not None else None
     manager = None
     if step is not None:
         step_dir_name(step)  # validates before any collective
-        manager = CheckpointManager(path, keep_last=keep_last, process_group=fsdp.comm.group)
+        manager = CheckpointManager(path, keep_last=keep_last, process_group=fsdp.checkpoint_group)
     elif keep_last is not None:
         raise ValueError("keep_last needs step=: numbered checkpoints live in a root as step_<N> directories")
     state = fsdp.sharded_state_dict()
@@ -160,10 +175,12 @@ def save_checkpoint(
     state[BUFFERS_KEY] = list(buffers)
     state[RNG_KEY] = rng.capture()  # every rank's, gathered by the save's own exchange (per_rank_values)
     state[EXTRA_KEY] = dict(extra_state or {})
+    if scaler_value is not None:
+        state[GRAD_SCALER_KEY] = scaler_value
     save_options = dict(async_save=async_save, deferred_keys=deferred, per_rank_values=(RNG_KEY,), options=options)
     if manager is not None:
         return manager.save(step, state, **save_options)
-    return save_state_dict(state, path, process_group=fsdp.comm.group, **save_options)
+    return save_state_dict(state, path, process_group=fsdp.checkpoint_group, **save_options)
 
 
 def _foreign_keys(metadata, fsdp) -> list[str]:
@@ -185,7 +202,9 @@ def _foreign_keys(metadata, fsdp) -> list[str]:
     return sorted(out)
 
 
-def _precheck(fsdp, resolved: str, metadata, optimizer, strict: bool) -> tuple[list[str], Callable[[], None]]:
+def _precheck(
+    fsdp, resolved: str, metadata, optimizer, strict: bool, grad_scaler=None
+) -> tuple[list[str], Callable[[], None]]:
     """Everything a load must refuse before any tensor is written (this rank; the engine exchanges the verdict):
     the optimizer class, keys of another model, and every piece of non-tensor state decoded and validated
     (optimizer global state and LR scheduler with field types, this rank's RNG state and the structure of every
@@ -217,13 +236,17 @@ def _precheck(fsdp, resolved: str, metadata, optimizer, strict: bool) -> tuple[l
             f"checkpoint {resolved} holds {len(foreign)} key(s) this model does not have (a checkpoint of another "
             f"model?): {foreign[:5]}{' ...' if len(foreign) > 5 else ''}; pass strict=False to load the rest"
         )
-    apply_rng = rng.decode(values.get(RNG_KEY), fsdp.rank, f"checkpoint {resolved}")
+    apply_rng = rng.decode(values.get(RNG_KEY), fsdp.checkpoint_rank, f"checkpoint {resolved}")
     decode_extra_state(values.get(EXTRA_KEY), f"checkpoint {resolved}: {EXTRA_KEY}")
+    apply_scaler = scaler_state.decode(
+        grad_scaler, values.get(GRAD_SCALER_KEY), GRAD_SCALER_KEY in values, strict, f"checkpoint {resolved}"
+    )
 
     def apply() -> None:
         if apply_optimizer is not None:
             apply_optimizer()
         apply_rng()
+        apply_scaler()
 
     return foreign, apply
 
@@ -243,6 +266,7 @@ def load_checkpoint(
     atomic: bool = False,
     max_host_bytes: int | None = None,
     options: CheckpointOptions | None = None,
+    grad_scaler=None,
 ) -> LoadResult:
     """Restore what :func:`save_checkpoint` wrote into ``fsdp``'s model and ``optimizer``, in place.
 
@@ -260,14 +284,19 @@ def load_checkpoint(
     committed checkpoint (logged, listed in ``result.fallback_from``), which overwrites every tensor again;
     ``atomic=True`` instead keeps an undo copy of the rank's state and restores it on any failure.
     Returns a :class:`LoadResult`: the saved ``extra_state`` dict, with ``.report``, ``.path``, ``.step`` and
-    ``.fallback_from``.
+    ``.fallback_from``. ``grad_scaler``: a ``paddle.amp.GradScaler`` to restore (saved with ``grad_scaler=``;
+    with ``strict``, a checkpoint without its state is refused, state/grad_scaler.py).
     """
+    if grad_scaler is not None:
+        scaler_state.check_scaler(grad_scaler)
     root = os.path.abspath(os.fspath(path))
     skipped: list[tuple[str, str]] = []
     target = path
     while True:
         try:
-            result = _load_retrying(fsdp, target, optimizer, strict, verify_checksums, atomic, max_host_bytes, options)
+            result = _load_retrying(
+                fsdp, target, optimizer, strict, verify_checksums, atomic, max_host_bytes, options, grad_scaler
+            )
         except PartiallyLoadedError as e:
             failed = getattr(e, "checkpoint", None)
             older = _older_checkpoint(root, failed) if failed is not None and failed != root else None
@@ -292,11 +321,15 @@ def _older_checkpoint(root: str, failed: str) -> str | None:
     return os.path.join(root, step_dir_name(older[-1])) if older else None
 
 
-def _load_retrying(fsdp, path, optimizer, strict, verify_checksums, atomic, max_host_bytes, options) -> LoadResult:
+def _load_retrying(
+    fsdp, path, optimizer, strict, verify_checksums, atomic, max_host_bytes, options, grad_scaler
+) -> LoadResult:
     """One load of ``path``, retried when ``keep_last`` rotation removed the checkpoint being read."""
     for attempt in range(_REMOVED_RETRIES + 1):
         try:
-            return _load_once(fsdp, path, optimizer, strict, verify_checksums, atomic, max_host_bytes, options)
+            return _load_once(
+                fsdp, path, optimizer, strict, verify_checksums, atomic, max_host_bytes, options, grad_scaler
+            )
         except CheckpointRemovedError as e:  # raised on every rank alike (the engine exchanges errors)
             if attempt == _REMOVED_RETRIES or not is_checkpoint_root(os.path.abspath(os.fspath(path))):
                 raise
@@ -305,7 +338,7 @@ def _load_retrying(fsdp, path, optimizer, strict, verify_checksums, atomic, max_
 
 
 def _load_once(
-    fsdp, path: str, optimizer, strict: bool, verify_checksums: bool, atomic: bool, max_host_bytes, options
+    fsdp, path: str, optimizer, strict: bool, verify_checksums: bool, atomic: bool, max_host_bytes, options, grad_scaler
 ) -> LoadResult:
     err: BaseException | None = None
     resolved = metadata = None
@@ -315,11 +348,11 @@ def _load_once(
         # refused here, before the optimizer's state is even created; the engine loads with this same metadata
         # (read once) and still compares the checkpoint id every rank read
         metadata = read_metadata(resolved)
-        checked["foreign"], checked["apply"] = _precheck(fsdp, resolved, metadata, optimizer, strict)
+        checked["foreign"], checked["apply"] = _precheck(fsdp, resolved, metadata, optimizer, strict, grad_scaler)
     except Exception as e:  # noqa: BLE001 - whatever fails here must reach the exchange below
         err = e
     # every rank fails together: a rank raising alone would leave the others waiting in the load's collective
-    resolutions = gather_errors(fsdp.comm, err, resolved)
+    resolutions = gather_errors(Comm(fsdp.checkpoint_group), err, resolved)
     if len(set(resolutions)) > 1:  # `latest` moved between the ranks' reads
         raise CheckpointRemovedError(f"ranks resolved {path} to different checkpoints: {sorted(set(resolutions))}")
     if optimizer is not None:
@@ -327,16 +360,22 @@ def _load_once(
     state = _state(fsdp, optimizer)
     for key in (RNG_KEY, EXTRA_KEY) + ((OPTIMIZER_KEY,) if optimizer is not None else ()):
         state[key] = None
+    if grad_scaler is not None and metadata is not None and GRAD_SCALER_KEY in metadata.values:
+        state[GRAD_SCALER_KEY] = None
 
     def precheck(md) -> None:
         if md is not metadata:  # (the engine read the metadata itself: check it again)
-            checked["foreign"], checked["apply"] = _precheck(fsdp, resolved, md, optimizer, strict)
+            checked["foreign"], checked["apply"] = _precheck(fsdp, resolved, md, optimizer, strict, grad_scaler)
 
+    replicate_group = fsdp.group_layout.replicate_group
+    split = (
+        replicas.split_for_replicas(state, metadata, fsdp.group_layout.replicate_degree) if replicate_group else None
+    )
     try:
         report = load_state_dict(
-            state,
+            replicas.my_part(state, split, replicate_group.rank) if split else state,
             resolved,
-            process_group=fsdp.comm.group,
+            process_group=fsdp.checkpoint_group,
             strict=strict,
             verify_checksums=verify_checksums,
             atomic=atomic,
@@ -348,6 +387,9 @@ def _load_once(
     except PartiallyLoadedError as e:
         e.checkpoint = resolved  # which checkpoint failed, for the fallback
         raise
+    if split is not None:  # HSDP: each replica read its part; the parts are exchanged over the replicate group
+        window = replicas.window_for(max_host_bytes)
+        report.loaded_keys.extend(replicas.broadcast_parts(split, set(report.loaded_keys), replicate_group, window))
     checked["apply"]()  # validated above on every rank: restores optimizer global state and RNG, cannot fail
     # the list of buffer keys is for the tools (to-hf); the buffers themselves were loaded as model state
     report.unexpected_keys = [k for k in report.unexpected_keys if k != BUFFERS_KEY]

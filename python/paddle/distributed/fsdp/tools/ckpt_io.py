@@ -57,7 +57,7 @@ from ..checkpoint.format.metadata import (
     storage_dtype,
 )
 from ..checkpoint.format.regions import read_region
-from ..checkpoint.format.reserved import BUFFERS_KEY, OPTIMIZER_KEY
+from ..checkpoint.format.reserved import BUFFERS_KEY, OPTIMIZER_KEY, key_problem
 from ..checkpoint.format.safetensors import build_header
 from ..checkpoint.planner import Region
 from .errors import ToolError
@@ -399,6 +399,9 @@ class CheckpointWriter:
             if e.key in self.tensors or e.key in seen:
                 raise ToolError(f"key {e.key!r} is written twice")
             seen.add(e.key)
+            problem = key_problem(e.key, tensor=True)
+            if problem is not None:
+                raise ToolError(f"key {e.key!r:.200} cannot be stored in a checkpoint: {problem}")
             if e.dtype not in DTYPES:
                 raise ToolError(f"key {e.key!r}: dtype {e.dtype} is not supported by the checkpoint format")
             if e.nbytes == 0:

@@ -47,6 +47,10 @@ checked. The export is refused (exit 2, naming the keys) if a checkpoint key is 
 of the architecture is missing (--allow-unmapped skips them); config.json is copied into OUT.
   PRESETS
 
+--rules (or neither) with --config: the export's names and shapes are checked against the architecture of
+the config's model_type as a preset's are, refused (exit 2) unless --allow-unmapped; without --config (or
+for a model_type no preset knows) a warning says that nothing was checked.
+
 The exact mapping is recorded in model.safetensors.index.json (metadata.paddle_fsdp), so from-hf can
 invert it without rules. Output is written to OUT.tmp-<id> and renamed to OUT when complete; OUT must
 not exist (or be empty).
@@ -273,8 +277,8 @@ def _preset_options(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument(
         "--allow-unmapped",
         action="store_true",
-        help="with --preset: convert even if keys are unmapped or parameters of the architecture are missing "
-        "(they are skipped and logged); otherwise such a conversion is refused (exit 2)",
+        help="convert even if keys are unmapped or parameters of the architecture (--config) are missing (they are "
+        "skipped, or with --rules written as they are, and logged); otherwise such a conversion is refused (exit 2)",
     )
 
 

@@ -63,12 +63,13 @@ import numpy as np
 from ..checkpoint.errors import SafetensorsHeaderError
 from ..checkpoint.format import safetensors
 from ..checkpoint.format.metadata import itemsize, storage_dtype
-from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY
+from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY, safetensors_name_problem
 from ..checkpoint.format.safetensors import SafetensorsEntry, SafetensorsFile
 from ..checkpoint.format.strict_json import open_regular
 from ..checkpoint.planner import Region
 from ..checkpoint.writer import write_all
-from . import ckpt_io
+from . import ckpt_io, json_schema
+from .arch_check import check_rules_export
 from .ckpt_io import (
     FLOAT_DTYPES,
     MODEL,
@@ -226,8 +227,11 @@ def plan_to_hf(md, rules: Rules, dtype: str | None, include_optimizer: bool) -> 
         )
     _check_collisions([(t.key, t.name) for t in out], "checkpoint key")
     for t in out:
-        if t.name == "__metadata__":
-            raise ToolError(f"{t.key!r} would be renamed to the reserved safetensors name '__metadata__'")
+        problem = safetensors_name_problem(t.name)
+        if problem is not None:
+            raise ToolError(
+                f"{t.key!r} would be renamed to {t.name!r:.200}, which a safetensors file cannot hold: {problem}"
+            )
     return out
 
 
@@ -291,6 +295,7 @@ def to_hf(
     config_bytes, config_dict = read_config(config) if config is not None else (None, None)
     if preset is not None and config_dict is None:
         raise ToolError(f"--preset {preset} needs --config (the Hugging Face config.json: sizes for the splits)")
+    unchecked = None  # why the export was not checked against an architecture (logged once it is written)
     with CheckpointReader(ckpt) as reader:
         buffers = set() if include_buffers else ckpt_io.buffer_keys(reader.md)
         if buffers:
@@ -301,6 +306,7 @@ def to_hf(
             )
         else:
             tensors = plan_to_hf(ckpt_io.without_keys(reader.md, buffers), rules, dtype, include_optimizer)
+            unchecked = check_rules_export(tensors, config_dict, config, allow_unmapped)
         if not tensors:
             raise ToolError(f"checkpoint {reader.path} holds no tensors to export")
         shards = split_shards(tensors, max_bytes)
@@ -331,6 +337,8 @@ def to_hf(
             _write_small(
                 os.path.join(staging, INDEX_FILE), (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
             )
+    if unchecked:
+        logger.warning("%s", unchecked)
     return {
         "out": out,
         "files": files,
@@ -361,6 +369,7 @@ def read_config(path: str | os.PathLike) -> tuple[bytes, dict]:
         raise ToolError(f"config {path} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise ToolError(f"config {path} is not a JSON object")
+    json_schema.check(cfg, json_schema.CONFIG, f"config {path}")  # the fields the presets read
     return raw, cfg
 
 
@@ -508,9 +517,10 @@ def discover_hf(hf_path: str) -> tuple[list[SafetensorsFile], dict | None]:
         index = loads_strict(read_capped(ipath, 64 * SMALL_FILE_BYTES, "index"), f"index {ipath}")
     except (OSError, CheckpointError) as e:
         raise ToolError(f"cannot read index {ipath}: {e}") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
+    if not isinstance(index, dict) or not index.get("weight_map"):
         raise ToolError(f"index {ipath} has no weight_map")
+    json_schema.check(index, json_schema.index_schema(RECORD_KEY), f"index {ipath}")  # every field read below
+    weight_map = index["weight_map"]
     for tensor, name in weight_map.items():  # every value a plain file name of the directory, before any use
         _safe_member(hf_path, name, f"index {ipath}: weight_map[{tensor!r}]")
     files = sorted(set(weight_map.values()))
@@ -527,17 +537,7 @@ def discover_hf(hf_path: str) -> tuple[list[SafetensorsFile], dict | None]:
             where = "is not in" if listed - have else "is in"
             raise ToolError(f"index {ipath} and {name} disagree: tensor {diff[0]!r} {where} the file")
         st_files.append(st)
-    meta = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
-    record = meta.get(RECORD_KEY)
-    if record is not None:
-        if (
-            not isinstance(record, dict)
-            or not isinstance(record.get("names"), dict)
-            or not all(isinstance(k, str) and isinstance(v, str) for k, v in record["names"].items())
-            or not isinstance(record.get("transposed", []), list)
-        ):
-            raise ToolError(f"index {ipath}: malformed metadata.{RECORD_KEY} record")
-    return st_files, record
+    return st_files, index.get("metadata", {}).get(RECORD_KEY)
 
 
 @dataclass

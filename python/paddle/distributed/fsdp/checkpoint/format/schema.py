@@ -81,6 +81,8 @@ def parse_commit(d: Any, where: str) -> tuple[str, str]:
     f = _Fields(where)
     d = f.obj(d, "(top level)")
     cid = f.str(f.get(d, "checkpoint_id", "checkpoint_id"), "checkpoint_id", 128)
+    if "format" in d:  # written by every save; not needed to read one, but never of another type
+        f.str(d["format"], "format", 128)
     sha = f.str(f.get(d, "metadata_sha256", "metadata_sha256"), "metadata_sha256", 64)
     if not re.fullmatch(r"[0-9a-f]{64}", sha):
         raise f.fail("metadata_sha256", "64 lowercase hex digits", sha)

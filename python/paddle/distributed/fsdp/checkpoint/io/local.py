@@ -146,7 +146,7 @@ class LocalStorage(Storage):
         adopt_foreign_entries(final, staging, own_entry_names(final))
         writer.replace_dir(staging, final, old, background_delete=self.background_delete)
 
-    def remove(self, location: str) -> None:
+    def remove(self, location: str, wait: bool = False) -> None:
         """Rename to a hidden ``.trash-*`` sibling first (atomic: the location stops existing whole, never half
         deleted under its own name), then delete it (in a non-daemon thread when ``background_delete``)."""
         location = os.path.abspath(location)
@@ -157,7 +157,7 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             return
         writer.fsync_dir(parent)
-        if self.background_delete:
+        if self.background_delete and not wait:
             threading.Thread(target=shutil.rmtree, args=(trash, True), name="ckpt-prune", daemon=False).start()
         else:
             shutil.rmtree(trash, ignore_errors=True)

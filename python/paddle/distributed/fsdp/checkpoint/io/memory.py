@@ -119,7 +119,7 @@ class MemoryStorage(Storage):
                 raise FileNotFoundError(f"staging {staging} does not exist")
             self._locs[final] = objs
 
-    def remove(self, location: str) -> None:
+    def remove(self, location: str, wait: bool = False) -> None:
         loc = self._norm(location)
         with self._lock:
             for k in [k for k in self._locs if k == loc or k.startswith(loc + "/")]:

@@ -135,10 +135,10 @@ class Storage(ABC):
         staging location is gone afterwards. The replaced content is removed, possibly in the background."""
 
     @abstractmethod
-    def remove(self, location: str) -> None:
+    def remove(self, location: str, wait: bool = False) -> None:
         """Remove a whole location (rotation, an abandoned staging), atomically as readers see it: it stops
-        existing whole (never half deleted under its own name); the bytes may go in the background. Missing: no
-        error."""
+        existing whole (never half deleted under its own name); the bytes may go in the background unless
+        ``wait`` (a failed save frees its space before it reports). Missing: no error."""
 
     # ------------------------------------------------------------------------------------------ reads
     @abstractmethod

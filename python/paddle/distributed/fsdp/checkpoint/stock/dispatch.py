@@ -28,8 +28,11 @@ import os
 from typing import Any
 
 from ..coordination import Comm, gather_errors
-from ..errors import NotACheckpointError
+from ..errors import NotACheckpointError, UnrepresentableKeyError
 from ..format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE
+from ..format.reserved import key_problem
+from ..keywords import keyword_names, unexpected_keyword
+from ..paths import local_path
 from .errors import (
     CheckpointPathNotADirectoryError,
     CheckpointPathNotFoundError,
@@ -61,10 +64,12 @@ class _Default:
 DEFAULT = _Default()
 
 
-def _check_options(given: dict, allowed: frozenset, fn: str) -> None:
+def _check_options(given: dict, allowed: frozenset, fn: str, stock: Any) -> None:
+    """Stock's TypeError for a keyword neither stock's ``stock`` nor this engine takes, with the nearest one."""
     unknown = sorted(set(given) - allowed)
     if unknown:
-        raise TypeError(f"{fn}() got an unexpected keyword argument {unknown[0]!r}")
+        valid = set(keyword_names(stock)) | {k for k in allowed if not k.startswith("_")}
+        raise unexpected_keyword(fn, unknown[0], valid)
 
 
 def _is_tensor_like(v: Any) -> bool:
@@ -88,6 +93,8 @@ def flatten_for_engine(state_dict: dict) -> dict:
     def walk(prefix: str, d: dict) -> None:
         for k, v in d.items():
             key = f"{prefix}{k}"
+            if key in out:
+                raise _collision(key)
             if isinstance(v, dict) and _holds_tensors(v):
                 walk(key + ".", v)
             elif is_dist_tensor(v):
@@ -102,6 +109,37 @@ def flatten_for_engine(state_dict: dict) -> dict:
 
     walk("", state_dict)
     return out
+
+
+def _collision(key: str) -> UnrepresentableKeyError:
+    return UnrepresentableKeyError(
+        f"key {key!r:.200}: two entries of the state dict have this flat name (nested dicts are stored as "
+        f"'outer.inner'): one would silently replace the other; rename one of them"
+    )
+
+
+def check_stock_names(state_dict: dict, safetensors: bool) -> None:
+    """Before stock's own save: refuse what its files cannot give back exactly: two entries with one flat name
+    (stock's ``flatten_state_dict`` keeps the last one); with ``safetensors`` also a tensor name the safetensors
+    header reserves or cannot hold (format/reserved.py)."""
+    seen: set[str] = set()
+
+    def walk(prefix: str, d: dict) -> None:
+        for k, v in d.items():
+            if not isinstance(k, str):
+                continue  # stock's own error
+            key = f"{prefix}{k}"
+            if isinstance(v, dict):
+                walk(key + ".", v)
+                continue
+            if key in seen:
+                raise _collision(key)
+            seen.add(key)
+            problem = key_problem(key, tensor=True) if safetensors and _is_tensor_like(v) else None
+            if problem is not None:
+                raise UnrepresentableKeyError(f"key {key!r:.200}: cannot be saved: {problem}")
+
+    walk("", state_dict)
 
 
 def _save_route(state_dict: Any, unique_id, safetensors, save_replicas: bool, fork_options: dict) -> str:
@@ -168,7 +206,7 @@ def save_state_dict(
 ):
     """Stock's ``save_state_dict`` signature; routed as the module docstring says. Returns the engine's
     SaveHandle for an async save by the engine, else None (as stock)."""
-    _check_options(fork_options, FORK_SAVE_OPTIONS, "save_state_dict")
+    _check_options(fork_options, FORK_SAVE_OPTIONS, "save_state_dict", save_state_dict)
     route = _save_route(state_dict, unique_id, safetensors, save_replicas, fork_options)
     logger.debug("save_state_dict(%s): %s", path, route)
     if route == "stock":
@@ -177,6 +215,8 @@ def save_state_dict(
             # builds: write the same files synchronously instead (the save is complete when this returns)
             logger.info("save_state_dict(%s): async_save on a CPU-only build is done synchronously", path)
             async_save = False
+        if isinstance(state_dict, dict):  # anything else: stock's own error
+            check_stock_names(state_dict, bool(safetensors))
         return stock_save()(
             state_dict,
             path,
@@ -197,7 +237,7 @@ def save_state_dict(
 def classify(path: str, unique_id: int | None, safetensors: bool) -> str:
     """Which reader serves ``path``: "fork" (the engine), "stock", or "hf"; "missing", "file" or "none" (a
     directory without checkpoint metadata) for paths that hold no checkpoint (the engine says why)."""
-    root = os.path.abspath(os.fspath(path))
+    root = local_path(path)
     if not os.path.lexists(root):
         return "missing"
     if not os.path.isdir(root):
@@ -259,7 +299,7 @@ def load_state_dict(
     reads on the host and exchanges only what a rank cannot read itself, so they do not change the result.
     Returns None, as stock; the engine's ``LoadReport`` when an engine option (``strict``, ``verify_checksums``,
     ``options``) is passed."""
-    _check_options(fork_options, FORK_LOAD_OPTIONS, "load_state_dict")
+    _check_options(fork_options, FORK_LOAD_OPTIONS, "load_state_dict", load_state_dict)
     if comm_method not in COMM_METHODS:
         raise InvalidArgumentError(
             f"Invalid communication method '{comm_method}'. Please choose from {list(COMM_METHODS)}."

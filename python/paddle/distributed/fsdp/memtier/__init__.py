@@ -1,0 +1,20 @@
+"""The memory tier: checkpoints in host shared memory with a peer copy on another node (manager.py: MemoryTier).
+
+Modules: ``slot.py`` (one fully allocated, mapped copy file), ``copies.py`` (a rank's two copies, writing a save),
+``state.py`` (what a copy holds for a FullyShardFusion model), ``peers.py`` (partner map, transfers),
+``agreement.py`` (the restart rule), ``restore.py`` (a restart, collective), ``errors.py``; ``manager.py``
+(MemoryTier) ties them together.
+"""
+
+from .errors import InvalidMemoryCopyError, MemoryTierError, MemoryTierFullError, NoCommonStepError
+from .manager import MemoryTier
+from .restore import RestoreResult
+
+__all__ = [
+    "MemoryTier",
+    "RestoreResult",
+    "MemoryTierError",
+    "MemoryTierFullError",
+    "InvalidMemoryCopyError",
+    "NoCommonStepError",
+]

@@ -1,0 +1,24 @@
+"""Errors of the memory tier (all CheckpointErrors, so callers catching the engine's family catch these too)."""
+
+from __future__ import annotations
+
+from ..checkpoint.errors import CheckpointError
+
+
+class MemoryTierError(CheckpointError):
+    """Base class of the memory tier's errors."""
+
+
+class MemoryTierFullError(MemoryTierError):
+    """The memory root has not enough free space (or the configured quota is too small) for this rank's copies.
+
+    The tier then saves to durable storage instead (logged); the error is kept as ``MemoryTier.disabled_reason``.
+    """
+
+
+class InvalidMemoryCopyError(MemoryTierError):
+    """A memory copy cannot be used: truncated, corrupt (checksum), of another job, world size, rank or layout."""
+
+
+class NoCommonStepError(MemoryTierError):
+    """On restart no step is restorable by every rank (from its memory, its peer's copy or storage)."""

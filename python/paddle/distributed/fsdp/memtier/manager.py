@@ -1,0 +1,253 @@
+"""MemoryTier: checkpoints into host shared memory with a peer copy on another node, persisted every K-th save.
+
+A training script needs three lines (see README "Memory tier")::
+
+    tier = fsdp.memory_tier(opt, durable_root="ckpt", persist_every=10)   # restores: tier.start_step
+    for step in range(tier.start_step, total_steps):
+        tier.save(step + 1, extra_state={...})   # after optimizer.step(); tier.close() at a clean end
+
+``save`` blocks like an async save: tensors the optimizer step changes are copied into the rank's shared-memory
+slot after it returned (the next ``optimizer.step()`` waits for that copy: snapshot_guard.py); the checksums and
+the transfer to the peer run in the background. Every ``persist_every``-th save is also a committed checkpoint
+in ``durable_root`` (the engine's async save: loadable at any world size, by the tools, by verify).
+
+``restore`` agrees collectively on the step (agreement.py), brings peer copies back over the process group,
+verifies every copy before anything is written, and writes state only once every rank is ready; a step restored
+from memory that storage lacks is persisted there before training resumes (persist on failure).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+
+from ..checkpoint import checksums
+from . import peers
+from .copies import Background, Copies, SaveIntoSlot, header_capacity, offsets_of
+from .errors import MemoryTierError, MemoryTierFullError
+from .restore import Restore, RestoreResult
+from .state import capture_values, tensor_state
+
+logger = logging.getLogger(__name__)
+
+ROOT_ENV = "PADDLE_FSDP_MEMTIER_ROOT"
+JOB_ENV = "PADDLE_FSDP_JOB_ID"
+QUOTA_ENV = "PADDLE_FSDP_MEMTIER_QUOTA"
+DEFAULT_ROOT = "/dev/shm/paddle-fsdp-memtier"
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ[name])
+    except ValueError:
+        raise MemoryTierError(f"{name}={os.environ[name]!r} is not an integer") from None
+
+
+class MemoryTier:
+    """Memory checkpoints of one FullyShardFusion model (+ optimizer) with peer copies and background persistence
+    (see the module docstring). Every method that takes part in collectives is called by every rank alike."""
+
+    def __init__(
+        self,
+        fsdp,
+        optimizer=None,
+        *,
+        durable_root: str,
+        memory_root: str | None = None,
+        persist_every: int = 10,
+        keep_last: int | None = 2,
+        job_id: str | None = None,
+        partners: dict[int, int] | None = None,
+        quota_bytes: int | None = None,
+        checksum: str = "xxh3-64",
+        persist_on_restore: bool = True,
+    ):
+        if not isinstance(durable_root, str) or not durable_root:
+            raise MemoryTierError(f"durable_root must be a non-empty path, got {durable_root!r}")
+        if type(persist_every) is not int or persist_every < 1:
+            raise MemoryTierError(f"persist_every must be an int >= 1, got {persist_every!r}")
+        if memory_root is not None and (not isinstance(memory_root, str) or not memory_root):
+            raise MemoryTierError(f"memory_root must be a non-empty path, got {memory_root!r}")
+        if job_id is not None and (not isinstance(job_id, str) or not job_id or "/" in job_id or job_id[0] == "."):
+            raise MemoryTierError(f"job_id must be a non-empty name without '/', got {job_id!r}")
+        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+            raise MemoryTierError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+        checksums.default_algorithm(checksum)  # CheckpointError for an unknown algorithm
+        if quota_bytes is None and os.environ.get(QUOTA_ENV):
+            quota_bytes = _env_int(QUOTA_ENV)
+        if quota_bytes is not None and (type(quota_bytes) is not int or quota_bytes < 0):
+            raise MemoryTierError(f"quota_bytes must be a non-negative int or None, got {quota_bytes!r}")
+        self.fsdp, self.optimizer = fsdp, optimizer
+        self.durable_root = durable_root if "://" in durable_root else os.path.abspath(durable_root)
+        self.memory_root = memory_root or os.environ.get(ROOT_ENV) or DEFAULT_ROOT
+        self.persist_every, self.keep_last, self.quota = persist_every, keep_last, quota_bytes
+        self.checksum, self.persist_on_restore = checksum, persist_on_restore
+        self.rank, self.world = fsdp.rank, fsdp.world_size
+        digest = hashlib.sha256(self.durable_root.encode()).hexdigest()[:12]
+        self.job_id = job_id or os.environ.get(JOB_ENV) or f"job-{digest}"
+        if partners is None:
+            partners = peers.default_partners(self.world, peers.local_size(self.world))
+        self.partners = peers.check_partners(partners, self.world)
+        self.source = peers.source_of(self.partners, self.rank)
+        self.copies = Copies(self.memory_root, self.job_id, self.rank)
+        self._group = None
+        self._layout: list | None = None
+        self._bg = Background()
+        self._unmap_later: list = []
+        self.disabled_reason: MemoryTierError | None = None
+        self.durable_saves: list[int] = []
+        self._persist_handle = None
+        self.restored: RestoreResult | None = None  # what the last restore() returned
+        self.start_step = 0  # its step (0: nothing was stored, a fresh start)
+
+    # ------------------------------------------------------------------ plumbing
+    def tier_group(self):
+        """The tier's own two process groups (peers.transfer: one per direction): peer transfers run on a
+        background thread, never on the training's group. Collective when first called."""
+        if self._group is None and self.world > 1 and self.partners:
+            from ..topology import new_group  # with the barrier gloo needs after it
+
+            ranks = list(range(self.world))
+            self._group = (new_group(ranks), new_group(ranks))
+        return self._group
+
+    def expect(self) -> dict:
+        return {"job": self.job_id, "world": self.world}
+
+    def _setup(self, state, values_len: int) -> None:
+        """Allocate the two slots on every rank for this layout; disable the tier on every rank when any rank
+        lacks the space (collective)."""
+        self._bg.wait()
+        self._unmap()
+        cap = header_capacity(values_len, len(state.layout))
+        _offsets, data_len = offsets_of(state.layout)
+        sizes = [tuple(s) for s in self.fsdp.comm.all_gather_object((cap, data_len))]
+        err = None
+        try:
+            self.copies.allocate(sizes, self.source, self.quota)
+        except (MemoryTierFullError, OSError) as e:  # OSError: an unusable root (permissions, not a directory)
+            err = e
+        status = (type(err).__name__, str(err)) if err else None
+        failed = [(r, st) for r, st in enumerate(self.fsdp.comm.all_gather_object(status)) if st]
+        if failed:
+            self.copies.remove()
+            r, (kind, msg) = failed[0]
+            cls = MemoryTierFullError if kind == "MemoryTierFullError" else MemoryTierError
+            self.disabled_reason = cls(f"memory tier disabled (rank {r}): {msg}")
+            logger.error("%s; saves go to durable storage %s instead", self.disabled_reason, self.durable_root)
+            return
+        self.tier_group()
+        self._layout = state.layout
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, extra_state: dict | None = None) -> None:
+        """Checkpoint ``step`` into memory (and to storage every ``persist_every``-th step). Collective."""
+        if type(step) is not int or step < 0:
+            raise MemoryTierError(f"step must be a non-negative int, got {step!r}")
+        err = self._bg.wait()
+        if err is not None:
+            logger.warning("memory tier: the previous memory save (background) failed: %s", err)
+        self._release_persist_buffers()
+        state = tensor_state(self.fsdp, self.optimizer)
+        values = capture_values(self.fsdp, self.optimizer, extra_state)
+        if self.disabled_reason is None and state.layout != self._layout:
+            self._setup(state, len(json.dumps(values)))  # collective, on every rank alike
+        if self.disabled_reason is not None:
+            self.persist(step, extra_state)
+            return
+        header = dict(self.expect(), rank=self.rank, step=step, values=values)
+        job = SaveIntoSlot(self.copies.own, state, header, self.checksum)
+        self._bg.start(lambda: self._finish_save(job))
+        if step % self.persist_every == 0:
+            self.persist(step, extra_state)
+
+    def _finish_save(self, job: SaveIntoSlot) -> None:
+        """Background: finish the copy, then the peer exchange, which runs even when this rank's copy failed (it
+        then sends a copy still marked "writing", never used): the partner is waiting for it."""
+        error = None
+        try:
+            job.finish()
+        except BaseException as e:  # noqa: BLE001 - re-raised after the exchange
+            error = e
+        finally:
+            job.release_guard()
+        self._exchange()
+        if error is not None:
+            raise error
+
+    def _exchange(self) -> None:
+        """Send the own slot to its holder, receive the copy this rank holds (every rank, same order)."""
+        if not self.partners:
+            return
+        transfers = sorted(self.partners.items())
+        own = self.copies.own.buf
+        held = self.copies.peer.buf if self.copies.peer is not None else None
+        if held is not None:
+            self.copies.peer.mark_writing()
+        peers.transfer(self.tier_group(), self.rank, transfers, own, held)
+
+    def persist(self, step: int, extra_state: dict | None, async_save: bool = True) -> None:
+        from ..state.resume import save_checkpoint
+
+        self._persist_handle = save_checkpoint(
+            self.fsdp,
+            self.durable_root,
+            optimizer=self.optimizer,
+            extra_state=extra_state,
+            step=step,
+            keep_last=self.keep_last,
+            async_save=async_save,
+        )
+        self.durable_saves.append(step)
+
+    def _release_persist_buffers(self) -> None:
+        """Once a persist has finished, free the engine's async-save snapshot buffer (1x the state, resident
+        otherwise): between persists the tier's host memory stays at its two copies."""
+        handle = self._persist_handle
+        if handle is not None and handle.done() and self.disabled_reason is None:
+            from ..checkpoint.save import release_host_buffers
+
+            release_host_buffers()
+            self._persist_handle = None
+
+    def wait(self) -> None:
+        """Wait for the background part of the last memory save (copy, checksums, peer transfer)."""
+        err = self._bg.wait()
+        if err is not None:
+            raise MemoryTierError(f"the last memory save failed: {err}") from err
+
+    def close(self, remove: bool = True) -> None:
+        """End of the job: wait for the last save; remove this rank's memory copies (a clean end) when ``remove``."""
+        self._bg.wait()
+        self._unmap()
+        from ..checkpoint.save import wait_pending
+
+        wait_pending(raise_error=False)
+        if remove:
+            self.copies.remove()
+        else:
+            self.copies.release()
+
+    # ------------------------------------------------------------------ restore
+    def restore(self) -> RestoreResult | None:
+        """Restore the newest step every rank has (collective; restore.py). None when nothing is stored anywhere
+        (a fresh start); NoCommonStepError on every rank when state exists but no step is common to all. Also sets
+        ``restored`` and ``start_step``."""
+        self._bg.wait()
+        if self.optimizer is not None:
+            self.fsdp.init_optimizer_state(self.optimizer)
+        self.copies.release()
+        self._layout = None
+        self.restored = Restore(self).run()
+        self.start_step = self.restored.step if self.restored is not None else 0
+        return self.restored
+
+    def unmap_later(self, found: list) -> None:
+        self._unmap_later.extend(found)
+
+    def _unmap(self) -> None:
+        for slot, *_rest in self._unmap_later:
+            slot.close()
+        self._unmap_later = []

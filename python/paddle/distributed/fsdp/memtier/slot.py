@@ -1,0 +1,189 @@
+"""One memory copy of a rank's state: a fully allocated, memory-mapped file under the memory root.
+
+Why a file in a tmpfs (``/dev/shm``): its pages belong to the file system, not to the process, so the copy
+survives a crash, ``kill -9`` or a launcher restart of the process (not a reboot or the loss of the node).
+
+Layout of a slot file (little endian)::
+
+    [0, 64)           prefix: magic, state (0 writing / 1 valid), header length and capacity, data offset and
+                      length, digest of the header
+    [4096, 4096+cap)  header: JSON (job id, world size, owner rank, step, checksum algorithm, records with their
+                      chunk digests, the JSON values of the state)
+    [data_off, +len)  data: every record's bytes, 64-byte aligned
+
+Safety: the file is grown with ``posix_fallocate`` (every block reserved) before it is mapped, after a check of
+the free space, so a full tmpfs is a named error (MemoryTierFullError) here, never a SIGBUS on a later write.
+A file opened for reading is mapped only up to its size and every offset in the prefix is checked against it,
+so a truncated copy is a named error too. A save marks the slot "writing" first and "valid" last: a copy
+interrupted mid-write is never taken as valid.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import struct
+
+import numpy as np
+
+from ..checkpoint import checksums
+from .errors import InvalidMemoryCopyError, MemoryTierFullError
+
+MAGIC = b"FSDPMEM1"
+_PREFIX = struct.Struct("<8sIQQQQQ")  # magic, state, header_len, header_cap, data_off, data_len, header_digest
+HEADER_OFF = 4096
+WRITING, VALID = 0, 1
+ALIGN = 64
+
+
+def aligned(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def slot_size(header_cap: int, data_len: int) -> int:
+    return aligned(HEADER_OFF + header_cap, 4096) + data_len
+
+
+def free_bytes(root: str) -> int:
+    st = os.statvfs(root)
+    return st.f_bavail * st.f_frsize
+
+
+class Slot:
+    """A mapped slot file. ``data`` is the writable uint8 view of the data region."""
+
+    allocations = 0  # slot files allocated by this process (tests check that saves reuse their slots)
+
+    def __init__(self, path: str, fd: int, size: int, writable: bool):
+        self.path = path
+        self.size = size
+        self._fd = fd
+        self.data_off = 0
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot) if size else None
+        self.buf = np.frombuffer(self._mm, np.uint8) if size else np.zeros(0, np.uint8)
+
+    # ------------------------------------------------------------------ creation
+    @classmethod
+    def allocate(cls, path: str, header_cap: int, data_len: int, quota: int | None = None) -> Slot:
+        """Create (or reuse) ``path`` with room for the header and ``data_len`` bytes, every block reserved.
+        MemoryTierFullError when the root lacks the space (or ``quota`` is exceeded)."""
+        size = slot_size(header_cap, data_len)
+        root = os.path.dirname(path)
+        os.makedirs(root, exist_ok=True)
+        have = os.stat(path).st_blocks * 512 if os.path.exists(path) else 0
+        if quota is not None and size > quota:
+            raise MemoryTierFullError(f"memory copy {path} needs {size} bytes, more than the quota of {quota} bytes")
+        avail = free_bytes(root)
+        if size - have > avail:
+            raise MemoryTierFullError(
+                f"memory root {root} has {avail} bytes free, memory copy {path} needs {size - have} more"
+            )
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size > size:
+                os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+                raise MemoryTierFullError(f"memory copy {path}: cannot reserve {size} bytes: {e}") from None
+            raise
+        slot = cls(path, fd, size, writable=True)
+        Slot.allocations += 1
+        slot.data_off = size - data_len
+        slot.mark_writing()
+        return slot
+
+    @classmethod
+    def open(cls, path: str, writable: bool = False) -> Slot:
+        """Map an existing slot file for reading (its size as it is: checked by ``header``)."""
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        return cls(path, fd, os.fstat(fd).st_size, writable)
+
+    # ------------------------------------------------------------------ prefix and header
+    def _prefix(self) -> tuple:
+        if self.size < HEADER_OFF:
+            raise InvalidMemoryCopyError(f"memory copy {self.path} is truncated ({self.size} bytes)")
+        return _PREFIX.unpack_from(self._mm, 0)
+
+    def mark_writing(self) -> None:
+        magic, _state, hlen, hcap, doff, dlen, hd = (MAGIC, 0, 0, 0, 0, 0, 0)
+        if self.size >= HEADER_OFF:
+            _m, _s, hlen, hcap, doff, dlen, hd = _PREFIX.unpack_from(self._mm, 0)
+        _PREFIX.pack_into(self._mm, 0, magic, WRITING, hlen, hcap, doff, dlen, hd)
+
+    def data(self, data_off: int, data_len: int) -> np.ndarray:
+        return self.buf[data_off : data_off + data_len]
+
+    def write_header(self, header: dict, data_off: int, data_len: int) -> None:
+        """Write the header, then mark the slot valid (the data must be in place)."""
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        cap = data_off - HEADER_OFF
+        if len(raw) > cap:
+            raise InvalidMemoryCopyError(f"memory copy {self.path}: header of {len(raw)} bytes exceeds {cap}")
+        self.buf[HEADER_OFF : HEADER_OFF + len(raw)] = np.frombuffer(raw, np.uint8)
+        digest = checksums.digest_function(header["algo"])(raw) if header["algo"] != checksums.NONE else 0
+        _PREFIX.pack_into(self._mm, 0, MAGIC, WRITING, len(raw), cap, data_off, data_len, digest)
+        _PREFIX.pack_into(self._mm, 0, MAGIC, VALID, len(raw), cap, data_off, data_len, digest)
+
+    def header(self) -> tuple[dict, int, int]:
+        """(header, data offset, data length) of a valid slot; InvalidMemoryCopyError otherwise."""
+        magic, state, hlen, hcap, doff, dlen, digest = self._prefix()
+        if magic != MAGIC:
+            raise InvalidMemoryCopyError(f"memory copy {self.path} is not a memory-tier file")
+        if state != VALID:
+            raise InvalidMemoryCopyError(f"memory copy {self.path} was being written (interrupted save)")
+        if hlen > hcap or HEADER_OFF + hcap > doff or doff + dlen > self.size:
+            raise InvalidMemoryCopyError(
+                f"memory copy {self.path} is truncated or malformed ({self.size} bytes, needs {doff + dlen})"
+            )
+        raw = bytes(self.buf[HEADER_OFF : HEADER_OFF + hlen])
+        try:
+            header = json.loads(raw)
+            algo = header["algo"]
+        except (ValueError, KeyError, TypeError):
+            raise InvalidMemoryCopyError(f"memory copy {self.path} has an unreadable header") from None
+        if algo != checksums.NONE and checksums.digest_function(algo)(raw) != digest:
+            raise InvalidMemoryCopyError(f"memory copy {self.path}: header checksum mismatch")
+        return header, doff, dlen
+
+    def verify(self, header: dict, data_off: int, data_len: int) -> None:
+        """Check every record's chunk digests against the data (InvalidMemoryCopyError on a mismatch)."""
+        algo = header["algo"]
+        if algo == checksums.NONE:
+            return
+        fn = checksums.digest_function(algo)
+        chunk = int(header["chunk"])
+        data = self.data(data_off, data_len)
+        for key, _dtype, _shape, off, nbytes, digests in header["records"]:
+            if off + nbytes > data_len:
+                raise InvalidMemoryCopyError(f"memory copy {self.path}: record {key!r} lies outside the data")
+            if checksums.chunk_digests(data[off : off + nbytes], chunk, fn) != digests:
+                raise InvalidMemoryCopyError(f"memory copy {self.path}: checksum mismatch in record {key!r}")
+
+    # ------------------------------------------------------------------ end
+    def close(self) -> None:
+        self.buf = np.zeros(0, np.uint8)
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a view is still alive: the mapping goes with it
+                pass
+            self._mm = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def unlink(self) -> None:
+        self.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,99 @@
+"""What a memory copy holds for a FullyShardFusion model and its optimizer: the same state as ``save_checkpoint``
+(parameters, optimizer state, persistable buffers, optimizer global state with the LR scheduler, this rank's RNG,
+the caller's ``extra_state``), as tensor records plus JSON values, and how it is written back.
+
+Why the same state: a resume from memory must be bit-exact like one from storage, and a memory copy persisted
+after a crash must become the same committed checkpoint a direct save would have written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..checkpoint import host_memory
+from ..checkpoint.errors import InvalidStateDictError
+from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RNG_KEY
+from ..checkpoint.records import TensorRecord, collect
+from .errors import InvalidMemoryCopyError
+
+
+@dataclass
+class TierState:
+    records: list[TensorRecord]  # tensors, in a fixed order
+    deferred: set[str]  # keys whose tensors change only through an optimizer step (copied in the background)
+    layout: list[list]  # [key, dtype, shape, nbytes] per record: what a memory copy must match to be used
+
+    @property
+    def nbytes(self) -> int:
+        return sum(item[3] for item in self.layout)
+
+
+def _nbytes(t) -> int:
+    return host_memory.numel_of(t) * t.element_size()
+
+
+def tensor_state(fsdp, optimizer) -> TierState:
+    model = fsdp.sharded_state_dict()
+    opt_state = fsdp.optimizer_sharded_state_dict(optimizer) if optimizer is not None else {}
+    trainable = {key for key, _p, buffer, _i in fsdp.managed_parameters() if buffer.layout.trainable}
+    deferred = {k for k in model if k in trainable} | set(opt_state)
+    state = dict(model)
+    state.update(opt_state)
+    records, values = collect(state)
+    if values:
+        raise InvalidStateDictError(f"unexpected non-tensor entries in the model state: {sorted(values)[:5]}")
+    layout = [[r.key, r.dtype, list(map(int, r.tensor.shape)), _nbytes(r.tensor)] for r in records]
+    return TierState(records, deferred, layout)
+
+
+def capture_values(fsdp, optimizer, extra_state: dict | None) -> dict:
+    """The JSON values of a save, captured at the call (they change right after it)."""
+    from ..state import optimizer_states as names
+    from ..state import rng
+
+    values = {EXTRA_KEY: dict(extra_state or {}), RNG_KEY: rng.capture()}
+    if optimizer is not None:
+        inner = names.unwrap_optimizer(optimizer)
+        values[OPTIMIZER_KEY] = {"class": type(inner).__name__, "global_state": names.optimizer_global_state(inner)}
+    return values
+
+
+def decode_values(fsdp, optimizer, values: dict, where: str):
+    """Check the JSON values of a copy before anything is written; returns the function applying them."""
+    from ..state import optimizer_states as names
+    from ..state import rng
+
+    apply_opt = None
+    if optimizer is not None:
+        saved = values.get(OPTIMIZER_KEY)
+        inner = names.unwrap_optimizer(optimizer)
+        if type(saved) is not dict or saved.get("class") != type(inner).__name__:
+            raise InvalidMemoryCopyError(f"{where}: optimizer state of another class ({saved and saved.get('class')})")
+        apply_opt = names.decode_optimizer_global_state(inner, saved.get("global_state"))
+    mine = values.get(RNG_KEY)
+    apply_rng = rng.decode([[]] * fsdp.rank + [mine], fsdp.rank, where) if mine is not None else (lambda: None)
+
+    def apply() -> None:
+        if apply_opt is not None:
+            apply_opt()
+        apply_rng()
+
+    return apply
+
+
+def write_back(records: list[TensorRecord], data: np.ndarray, offsets: list[int]) -> None:
+    """Copy each record's bytes from ``data`` into its tensor, in place (host) or through a device copy."""
+    import paddle
+
+    for rec, off in zip(records, offsets):
+        n = _nbytes(rec.tensor)
+        if not n:
+            continue
+        src = data[off : off + n]
+        if host_memory.is_host_contiguous(rec.tensor):
+            np.copyto(host_memory.raw_view(rec.tensor, allow_copy=False)[0], src)
+        else:  # a device tensor: one host->device copy of a zero-copy view of the slot
+            view = paddle.utils.dlpack.from_dlpack(src).view(rec.tensor.dtype).reshape(rec.tensor.shape)
+            rec.tensor.copy_(view.to(rec.tensor.place), False)

@@ -1,0 +1,166 @@
+"""The memory tier phase (issue 34): MemoryTier saves and restores against a memcpy and a cold disk load.
+
+On the benchmark's state (PaddleState: Linear blocks + AdamW, sharded by FullyShardFusion), every rank:
+
+* ``memcpy``: its state copied into a preallocated, touched buffer (the reference of a blocking save);
+* ``memtier save``: ``tier.save`` blocking time (the call), the time until the tensors are copied (what the next
+  optimizer step would wait for at worst) and until the background part ends (checksums + peer transfer); the
+  first save (slot allocation) separately;
+* ``host memory``: bytes the tier's files occupy (own copy + the peer copy it holds) against the state bytes;
+* ``restore``: the state zeroed, then ``tier.restore()`` from the own memory copy, from the peer copy (own
+  files deleted), and ``fsdp.load_checkpoint`` of the same step from disk with the page cache dropped (cold);
+  each checked against the saved state's checksum.
+
+Partners: rank r's copy is held by rank r^1 (pairs), so the peer path crosses the process group.
+Times are the slowest rank's, medians over ``--repeats``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from .common import LOG, drop_cache
+from .phases import Comm, PaddleState, data_files
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def _timed_max(comm: Comm, fn) -> tuple[float, object]:
+    comm.barrier()
+    t0 = time.perf_counter()
+    out = fn()
+    dt = time.perf_counter() - t0
+    return max(comm.gather(dt)), out
+
+
+def _memcpy(ps: PaddleState, comm: Comm, repeats: int) -> float:
+    arrays = ps.arrays()
+    buf = np.empty(sum(len(a) for a in arrays), np.uint8)
+    buf[:] = 1
+
+    def copy():
+        pos = 0
+        for a in arrays:
+            np.copyto(buf[pos : pos + len(a)], a)
+            pos += len(a)
+
+    return _med([_timed_max(comm, copy)[0] for _ in range(repeats)])
+
+
+def _saves(tier, comm: Comm, repeats: int) -> dict:
+    from paddle.distributed.fsdp.checkpoint import wait_for_snapshot
+
+    first, _ = _timed_max(comm, lambda: (tier.save(1), tier.wait()))
+    blocked, copied, total = [], [], []
+    for i in range(repeats):
+        comm.barrier()
+        t0 = time.perf_counter()
+        tier.save(2 + i)
+        t1 = time.perf_counter()
+        wait_for_snapshot()
+        t2 = time.perf_counter()
+        tier.wait()
+        t3 = time.perf_counter()
+        for lst, dt in ((blocked, t1 - t0), (copied, t2 - t0), (total, t3 - t0)):
+            lst.append(max(comm.gather(dt)))
+    return {"first": first, "blocked": _med(blocked), "copied": _med(copied), "total": _med(total)}
+
+
+def _restore(ps: PaddleState, comm: Comm, fn, want: int) -> tuple[float, object]:
+    ps.zero()
+    dt, out = _timed_max(comm, fn)
+    if ps.checksum() != want:
+        raise AssertionError("restored state differs from the saved one")
+    return dt, out
+
+
+def run_memtier(args) -> dict:
+    import paddle.distributed as dist
+    from paddle.distributed.fsdp.memtier import MemoryTier
+
+    comm = Comm()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ps = PaddleState(args)
+    work = comm.gather(tempfile.mkdtemp(prefix="memtier-bench-", dir=args.dir))[0]
+    shm = os.path.join(args.shm_root, f"bench-{os.getpid() if rank == 0 else 0}")
+    shm = comm.gather(shm)[0]
+    partners = {r: r ^ 1 for r in range(world)} if world % 2 == 0 else {}
+    tier = MemoryTier(ps.fsdp, ps.opt, durable_root=work, memory_root=shm, persist_every=10**9, partners=partners)
+    out = {"world": world, "state_bytes": max(comm.gather(ps.bytes))}
+    out["memcpy"] = _memcpy(ps, comm, args.repeats)
+    out["save"] = _saves(tier, comm, args.repeats)
+    step = 1 + args.repeats
+    files = [tier.copies.own_path(), tier.copies.peer_path()]
+    out["tier_bytes"] = max(comm.gather(sum(os.stat(f).st_blocks * 512 for f in files if os.path.exists(f))))
+    want = ps.checksum()
+    ps.fsdp.save_checkpoint(work, optimizer=ps.opt, step=step)  # the same step on disk
+    path = os.path.join(work, f"step_{step:08d}")
+    disk, mem, peer = [], [], []
+    for _ in range(args.repeats):
+        drop_cache(data_files(path))
+        disk.append(_restore(ps, comm, lambda: ps.fsdp.load_checkpoint(path, optimizer=ps.opt), want)[0])
+        dt, res = _restore(ps, comm, tier.restore, want)
+        assert res.sources == ["memory"] * world, res.sources
+        mem.append(dt)
+        if partners:
+            os.unlink(tier.copies.own_path())
+            dt, res = _restore(ps, comm, tier.restore, want)
+            assert res.sources == ["peer"] * world, res.sources
+            peer.append(dt)
+    out["load_disk_cold"], out["restore_memory"] = _med(disk), _med(mem)
+    out["restore_peer"] = _med(peer) if peer else None
+    tier.close()
+    comm.barrier()
+    if rank == 0:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    return out
+
+
+def table(r: dict) -> str:
+    gb = r["state_bytes"] / 1e9
+    s = r["save"]
+    rows = [
+        ("state per rank", f"{gb:.3f} GB", ""),
+        ("memcpy of the state", f"{r['memcpy'] * 1e3:.1f} ms", "1.00x"),
+        ("memtier save: blocked (call)", f"{s['blocked'] * 1e3:.2f} ms", f"{s['blocked'] / r['memcpy']:.3f}x memcpy"),
+        ("memtier save: tensors copied", f"{s['copied'] * 1e3:.1f} ms", f"{s['copied'] / r['memcpy']:.2f}x memcpy"),
+        ("memtier save: + checksums + peer", f"{s['total'] * 1e3:.1f} ms", f"{s['total'] / r['memcpy']:.2f}x memcpy"),
+        ("memtier first save (allocation)", f"{s['first'] * 1e3:.1f} ms", ""),
+        ("host memory of the tier", f"{r['tier_bytes'] / 1e9:.3f} GB", f"{r['tier_bytes'] / r['state_bytes']:.2f}x state"),
+        ("cold load from disk", f"{r['load_disk_cold'] * 1e3:.1f} ms", "1.00x"),
+        ("restore from own memory", f"{r['restore_memory'] * 1e3:.1f} ms",
+         f"{r['load_disk_cold'] / r['restore_memory']:.1f}x faster"),
+    ]  # fmt: skip
+    if r["restore_peer"] is not None:
+        rows.append(
+            (
+                "restore from the peer copy",
+                f"{r['restore_peer'] * 1e3:.1f} ms",
+                f"{r['load_disk_cold'] / r['restore_peer']:.1f}x faster",
+            )
+        )
+    lines = ["| phase | time / size | ratio |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines)
+
+
+def main(args) -> None:
+    import paddle.distributed as dist
+
+    dist.init_parallel_env()
+    result = run_memtier(args)
+    if dist.get_rank() == 0:
+        print(table(result))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        LOG.info("memtier phase done")
