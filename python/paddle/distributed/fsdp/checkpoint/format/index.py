@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -192,23 +192,24 @@ def decode_keys(blob: bytes, index: dict, where: str) -> dict:
         raise _fail(where, f"{KEYS_FILE} must be an object with a keys list")
     keys = d["keys"]
     n = len(keys)
-    if set(map(type, keys)) - {str} or len(set(keys)) != n:
+    ids = dict(zip(keys, range(n)))  # key -> its index (IndexedTensors), and the duplicate check
+    if set(map(type, keys)) - {str} or len(ids) != n:
         raise _fail(where, f"{KEYS_FILE}: keys must be distinct strings")
     dtypes = d.get("dtypes")
     if type(dtypes) is not list or len(dtypes) != n or not set(dtypes) <= set(DTYPES):
         raise _fail(where, f"{KEYS_FILE}: dtypes must name a supported dtype per key")
     shapes = _shapes(d.get("ndims"), d.get("dims"), n, where)
     rows = _int_list(d.get("rows"), where, f"{KEYS_FILE} rows", n + 1)
-    if rows[-1] != index["rows"] or any(b < a for a, b in zip(rows, rows[1:])) or (rows and rows[0] != 0):
+    if rows[-1] != index["rows"] or rows[0] != 0 or (np.diff(np.asarray(rows, dtype=np.int64)) < 0).any():
         raise _fail(where, f"{KEYS_FILE}: row ranges must ascend from 0 to the {index['rows']} rows")
     boxes = d.get("boxes", [])
     names = d.get("names", {})
     if type(boxes) is not list or type(names) is not dict:
         raise _fail(where, f"{KEYS_FILE}: boxes must be a list and names an object")
-    return {"keys": keys, "dtypes": dtypes, "shapes": shapes, "rows": rows, "boxes": boxes, "names": names}
+    return {"keys": keys, "ids": ids, "dtypes": dtypes, "shapes": shapes, "rows": rows, "boxes": boxes, "names": names}
 
 
-def _shapes(ndims, dims, n: int, where: str) -> list[tuple[int, ...]]:
+def _shapes(ndims, dims, n: int, where: str) -> _Shapes:
     """The keys' shapes from ``ndims`` (one per key) and the flat ``dims``, checked in numpy (100k keys)."""
     nd = np.asarray(_int_list(ndims, where, f"{KEYS_FILE} ndims", n, 64), dtype=np.int64)
     flat = _int_list(dims, where, f"{KEYS_FILE} dims", int(nd.sum()) if n else 0)
@@ -217,8 +218,20 @@ def _shapes(ndims, dims, n: int, where: str) -> list[tuple[int, ...]]:
         c = np.concatenate([[0.0], np.cumsum(np.log2(np.maximum(np.asarray(flat, dtype=np.float64), 1.0)))])
         if (c[ends] - c[ends - nd] >= 61.9).any():  # log2 of each key's element count
             raise _fail(where, f"{KEYS_FILE}: a key declares 2^62 elements or more")
-    starts = (ends - nd).tolist()
-    return [tuple(flat[a:b]) for a, b in zip(starts, ends.tolist())]
+    return _Shapes(flat, (ends - nd).tolist(), ends.tolist())
+
+
+class _Shapes:
+    """Shape ``i`` as a tuple, cut from the flat dims when asked for (a load asks for its own keys only)."""
+
+    def __init__(self, flat: list, starts: list, ends: list):
+        self.flat, self.starts, self.ends = flat, starts, ends
+
+    def __getitem__(self, i: int) -> tuple[int, ...]:
+        return tuple(self.flat[self.starts[i] : self.ends[i]])
+
+    def __len__(self) -> int:
+        return len(self.starts)
 
 
 class CountedFetch:
@@ -257,9 +270,8 @@ class IndexSource:
 
     def load(self, keys: Iterable[str]) -> None:
         rows = self.table["rows"]
-        want = sorted(
-            (rows[t.key_id], rows[t.key_id + 1], t) for t in (self.tensors[k] for k in keys) if t._pieces is None
-        )
+        todo = {t.key_id: t for t in (self.tensors[k] for k in keys) if t._pieces is None}
+        want = [(rows[i], rows[i + 1], todo[i]) for i in sorted(todo)]  # key ids ascend with their rows
         ranges: list[list] = []
         for a, b, t in want:
             if ranges and a * PIECE_ROW.itemsize <= ranges[-1][1] * PIECE_ROW.itemsize + _COALESCE_GAP:
@@ -396,6 +408,33 @@ class IndexedTensor:
         return {"dtype": self.dtype, "shape": list(self.shape), "pieces": [p.to_json() for p in self.pieces]}
 
 
+class IndexedTensors(Mapping):
+    """key -> IndexedTensor of every key of index.keys, each made when first asked for (100k keys: a load
+    that asks for a few hundred does not pay for the others)."""
+
+    def __init__(self, table: dict):
+        self.table = table
+        self.ids = table["ids"]
+        self.made: dict[str, IndexedTensor] = {}
+        self.source: IndexSource | None = None
+
+    def __getitem__(self, key: str) -> IndexedTensor:
+        t = self.made.get(key)
+        if t is None:
+            i = self.ids[key]
+            t = self.made[key] = IndexedTensor(key, i, self.table["dtypes"][i], self.table["shapes"][i], self.source)
+        return t
+
+    def __contains__(self, key) -> bool:
+        return key in self.ids
+
+    def __iter__(self):
+        return iter(self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
 def open_v2(d: dict, where: str, fetch: Fetch | None):
     """The CheckpointMetadata of a parsed format-2 ``metadata.json``: header fields typed, ``index.keys`` read
     whole (size and SHA-256 checked), pieces and checksums read through ``fetch`` when first needed."""
@@ -419,10 +458,8 @@ def open_v2(d: dict, where: str, fetch: Fetch | None):
     overlap = set(table["keys"]) & set(md.values)
     if overlap:
         raise _fail(where, f"keys stored both as tensor and value: {sorted(overlap)[:5]}")
-    tensors: dict = {}
-    source = IndexSource(fetch, where, table, fields, tensors)
-    for i, (key, dtype, shape) in enumerate(zip(table["keys"], table["dtypes"], table["shapes"])):
-        tensors[key] = IndexedTensor(key, i, dtype, shape, source)
+    tensors = IndexedTensors(table)
+    source = tensors.source = IndexSource(fetch, where, table, fields, tensors)
     source.pieces_sha256 = index["pieces_sha256"]
     md.tensors = tensors
     md.index = source
