@@ -13,7 +13,8 @@ The models: the published configs of Qwen3-30B-A3B and Qwen3-235B-A22B (layers, 
 moments, one FSDP unit per decoder layer plus one for embeddings, final norm and head; each unit's flat buffer
 (per state) split evenly over the ranks, as FullyShardFusion does.
 
-Usage: ``python tools/ckpt_bench/scale.py [--model NAME] [--worlds 8,64,...] [--reshard 8192:6144] [--json F]``
+Usage: ``python tools/ckpt_bench/scale.py [--model NAME] [--worlds 8,64,...] [--reshard 8192:6144] [--json F]``;
+``--table F.json`` prints the markdown table of an earlier run.
 """
 
 from __future__ import annotations
@@ -349,6 +350,44 @@ def growth(rows: list[dict], field, lo: int = 512, hi: int = 8192) -> float | No
     return math.log(by[hi] / by[lo]) / math.log(hi / lo)
 
 
+def markdown(res: dict) -> str:
+    """The table of a run (README, docs/scale-*.md): per world the worst sampled loading rank and the
+    coordinator."""
+    out = [
+        f"{res['model']}, {res['state_bytes'] / 1e12:.2f} TB of state (fp32 master + AdamW moments):",
+        "",
+        "| world | pieces | chunk | index read / rank | own checksums read | plan / rank | peak mem / rank | files "
+        "opened / rank | first-save assign (every rank) | columns (coordinator, first save) | hand-over reads "
+        "(coordinator) | index (coordinator) | commit bytes written |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["worlds"]:
+        x = _summary(r)
+        out.append(
+            f"| {x['world']} | {x['pieces']:,} | {x['chunk_KiB']} KiB | {x['index_read_MB']:.2f} MB | "
+            f"{x['own_sums_KB']:.0f} KB | {x['plan_s']:.2f} s | {x['peak_MB']:.0f} MB | {x['files_opened']} | "
+            f"{x['assign_s']:.1f} s | {x['columns_s']:.1f} s | {x['handover_s']:.2f} s | {x['commit_index_s']:.2f} s"
+            f" | {x['commit_MB']:.0f} MB |"
+        )
+    g = res.get("growth_512_8192", {})
+    if any(v is not None for v in g.values()):
+        out += [
+            "",
+            "Growth exponent 512 -> 8192 ranks (k in cost ~ world^k): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in g.items() if v is not None),
+        ]
+    for r in res["worlds"]:
+        if "reshard" in r:
+            x = r["reshard"]
+            out += [
+                "",
+                f"Reshard {r['world']} -> {x['world']} ranks: worst rank reads {x['max_read_over_share']:.3f}x "
+                f"its share, all ranks together {x['read_over_state']:.4f}x the state, "
+                f"{x['bytes_read_twice_exact']} bytes of the exact ranges read by two ranks",
+            ]
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="Qwen3-235B-A22B", choices=sorted(MODELS))
@@ -357,7 +396,12 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-bytes", type=int, default=0, help="checksum chunk (default 0: what a save picks)")
     p.add_argument("--reshard", default="8192:6144", help="FROM:TO worlds of the reshard check ('' skips it)")
     p.add_argument("--json", default=None)
+    p.add_argument("--table", default=None, help="print the markdown table of this JSON result and exit")
     a = p.parse_args(argv)
+    if a.table:
+        with open(a.table) as f:
+            print(markdown(json.load(f)))
+        return 0
     reshard = tuple(int(x) for x in a.reshard.split(":")) if a.reshard else None
     res = run(a.model, [int(w) for w in a.worlds.split(",")], a.samples, a.chunk_bytes, reshard)
     rows = res["worlds"]
@@ -368,6 +412,7 @@ def main(argv=None) -> int:
         "commit_bytes": growth(rows, lambda r: r["commit_bytes"]),
     }
     print(json.dumps({"summary": [_summary(r) for r in rows], "growth": res["growth_512_8192"]}, indent=1))
+    print(markdown(res))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
