@@ -222,6 +222,13 @@ def _store_handover(world: int, handovers: dict) -> float:
         ch.close()
 
 
+def _seg(sg) -> tuple:
+    """``(piece, src, length)`` of one of region_segments' results (a 5-tuple, or a typed Segments)."""
+    if hasattr(sg, "piece"):
+        return sg.piece, sg.src, sg.length
+    return sg[0], sg[1], sg[3]
+
+
 def load_rank(directory: str, model: str, world: int, rank: int, memory: bool = False) -> dict:
     """One loading rank of ``world``: read the metadata cold, plan its FSDP targets, fetch the checksum blocks
     of the ranges it reads. Figures: metadata bytes (index; own checksum ranges apart), time, files opened."""
@@ -243,7 +250,7 @@ def load_rank(directory: str, model: str, world: int, rank: int, memory: bool = 
     index_bytes, index_objects = md.index.fetch.bytes, set(md.index.fetch.objects)
     chunk, data_files, own_bytes = md.chunk_bytes, set(), 0
     for _key, ss in segs:
-        for piece, src, _dst, length, _big in ss:
+        for piece, src, length in map(_seg, ss):
             data_files.add(piece.file)
             for a, n in zip(src.tolist(), length.tolist()):
                 piece.checksums[a // chunk]  # the blocks of checksums this range needs (fetched on first use)
@@ -282,7 +289,8 @@ def reshard_reads(directory: str, model: str, world: int) -> dict:
     for rank in range(world):
         share = read = 0
         for w in rank_records(model, world, rank):
-            for piece, src, _dst, length, _big in region_segments(directory, md, w[0], Region(w[2], w[3], w[4], w[5])):
+            segs = region_segments(directory, md, w[0], Region(w[2], w[3], w[4], w[5]))
+            for piece, src, length in map(_seg, segs):
                 for a, n in zip(src.tolist(), length.tolist()):
                     share += n
                     a0, b0 = (a // chunk) * chunk, min(-(-(a + n) // chunk) * chunk, piece.nbytes)
