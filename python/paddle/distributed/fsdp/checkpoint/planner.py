@@ -350,7 +350,7 @@ class AssignmentMemo:
         self._entries.clear()
 
 
-MIN_AUTO_CHUNK = 64 << 10
+MIN_AUTO_CHUNK = 16 << 10
 AUTO_CHUNK_WORLD = 256
 
 
@@ -359,7 +359,7 @@ def chunk_for(assignment: WriteAssignment) -> int:
     so each contiguous range it reads from a piece costs up to two chunks more than its share: with the pieces of
     hundreds of ranks (~1 MiB each for Qwen3-235B at 8192 ranks) 256 KiB chunks would read up to ~30% more in a
     resharded load. From AUTO_CHUNK_WORLD ranks on, the chunk is the power of two at most 1/16 of the mean piece
-    (within [64 KiB, 256 KiB]); below, DEFAULT_CHUNK_BYTES (what the 2-rank speed figures were measured with)."""
+    (within [16 KiB, 256 KiB]); below, DEFAULT_CHUNK_BYTES (what the 2-rank speed figures were measured with)."""
     world = len(assignment.writes)
     if world < AUTO_CHUNK_WORLD:
         return DEFAULT_CHUNK_BYTES
