@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,19 @@ def report(obj: Any, rank: int | None = None) -> Path | None:
     tmp.write_text(json.dumps(obj), encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+def run_cases(cases: dict, *args, results: dict | None = None) -> dict:
+    """Worker side: run every ``case(*args)`` of ``cases`` in order; ``results[name]`` is "ok" or the traceback (a
+    failing case does not stop the others: each is reported by name)."""
+    results = {} if results is None else results
+    for name, case in cases.items():
+        try:
+            case(*args)
+            results[name] = "ok"
+        except Exception:  # noqa: BLE001 - reported per case
+            results[name] = traceback.format_exc()
+    return results
 
 
 def _port_is_free(port: int) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from contextlib import contextmanager
 
 import _paths  # noqa: F401  (puts launch_util on sys.path)
@@ -20,7 +19,7 @@ import numpy as np
 import paddle
 import paddle.amp.grad_scaler as grad_scaler_module
 import paddle.distributed as dist
-from launch_util import report
+from launch_util import report, run_cases
 from models import decay_fun_for, global_batches, local_part, make_model
 from paddle.distributed.fsdp import FullyShardFusion
 from paddle.distributed.fsdp.checkpoint import GradScalerMismatchError, MissingKeyError
@@ -246,12 +245,7 @@ def main() -> None:
         dist.init_parallel_env()
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
-    for name, case in CASES.items():
-        try:
-            case(rank, world, workdir)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
+    run_cases(CASES, rank, world, workdir, results=results)
     report(results)
 
 

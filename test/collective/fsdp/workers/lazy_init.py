@@ -6,13 +6,11 @@ Usage: lazy_init.py. Each rank reports {case: "ok" | traceback, "figures": {...}
 
 from __future__ import annotations
 
-import traceback
-
 import _paths  # noqa: F401  (puts launch_util on sys.path)
 import numpy as np
 import paddle
 import paddle.distributed as dist
-from launch_util import report
+from launch_util import report, run_cases
 from models import TinyLM
 from paddle.base import core
 from paddle.distributed.fsdp import FullyShardFusion
@@ -137,12 +135,7 @@ def main() -> None:
         dist.init_parallel_env()
     rank, world = dist.get_rank(), dist.get_world_size()
     results: dict = {"figures": {}}
-    for name, case in CASES.items():
-        try:
-            case(rank, world, results["figures"])
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
+    run_cases(CASES, rank, world, results["figures"], results=results)
     report(results)
 
 

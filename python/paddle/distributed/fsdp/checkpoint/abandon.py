@@ -21,9 +21,11 @@ from .io.storage import Storage
 
 logger = logging.getLogger(__name__)
 
-#: At most this long a rank waits for the others to leave a failed save (a live rank leaves within one slab of
-#: writing; a dead one is found by its heartbeat much sooner).
-LEAVE_TIMEOUT = 120.0
+
+def leave_timeout(commit_timeout: float, lease: float) -> float:
+    """How long a rank waits for the others to leave a failed save: a live rank leaves within one slab of writing
+    (it checks for failures between slabs), a dead one is found by its heartbeat within ``lease``."""
+    return min(commit_timeout, 2 * lease)
 
 
 def leave_failed_save(storage: Storage, staging: str, channel, world: int, timeout: float) -> bool:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import checksums, faults, writer
-from .abandon import LEAVE_TIMEOUT, leave_failed_save
+from .abandon import leave_failed_save, leave_timeout
 from .channel import LocalChannel, SaveChannel
 from .directory import commit_id
 from .errors import SaveFailedError
@@ -128,7 +128,13 @@ class SaveJob:
             finally:
                 self._written()
         except Exception:
-            leave_failed_save(self.storage, self.staging, self.channel, self.world, min(self.timeout, LEAVE_TIMEOUT))
+            leave_failed_save(
+                self.storage,
+                self.staging,
+                self.channel,
+                self.world,
+                leave_timeout(self.timeout, self.options.heartbeat_lease),
+            )
             raise
         finally:
             self.channel.close()

@@ -95,7 +95,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import host_memory, snapshot
-from .abandon import LEAVE_TIMEOUT, leave_failed_save
+from .abandon import leave_failed_save, leave_timeout
 from .background import SaveHandle, start_in_background, wait_pending
 from .commit import Publisher, SaveJob, open_channel
 from .coordination import Comm, check_target_path, gather_errors
@@ -431,7 +431,9 @@ def _sources(keys, local: _Local, async_save: bool, deferred_keys, opts: Checkpo
         channel.fail(cause(e))
         mark_failed(storage, staging, channel.rank, e)
         if isinstance(e, Exception):
-            leave_failed_save(storage, staging, channel, channel.world, min(opts.commit_timeout, LEAVE_TIMEOUT))
+            leave_failed_save(
+                storage, staging, channel, channel.world, leave_timeout(opts.commit_timeout, opts.heartbeat_lease)
+            )
         channel.close()
         if isinstance(e, Exception) and not isinstance(e, CheckpointError):
             raise SaveFailedError(f"save to {staging} failed: rank {channel.rank} failed: {cause(e)}") from e
