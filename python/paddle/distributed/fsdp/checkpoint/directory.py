@@ -33,6 +33,7 @@ from .format.metadata import (
     PARTS_DIR,
     CheckpointMetadata,
     check_file_name,
+    resolve_member,
 )
 from .format.schema import parse_commit
 from .format.strict_json import SMALL_FILE_BYTES, loads_strict, read_capped
@@ -282,10 +283,33 @@ def _read_metadata(path: str, max_metadata_bytes: int) -> CheckpointMetadata:
         raise MetadataError(
             f"checkpoint {path}: {METADATA_FILE} does not match the checksum in the commit record (damaged)"
         )
-    md = CheckpointMetadata.loads(data, where=f"{path}/{METADATA_FILE}")
+    md = CheckpointMetadata.loads(data, where=f"{path}/{METADATA_FILE}", fetch=index_fetch(path))
+    if md.index is not None:
+        md.index.fetch.bytes += len(data)  # (metadata.json itself: the figures count every metadata byte read)
+        md.index.fetch.objects.add(METADATA_FILE)
     if md.checkpoint_id != cid:
         raise MetadataError(f"checkpoint {path}: commit record and metadata name different checkpoints")
     return md
+
+
+def index_fetch(path: str):
+    """``fetch(name, offset, length)`` of the index objects and checksum sidecars of the checkpoint at ``path``
+    (format 2, format/index.py): exactly ``length`` bytes, fewer only at the end of the object."""
+
+    def fetch(name: str, offset: int, length: int) -> bytes:
+        fd = os.open(resolve_member(path, name), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            out = bytearray()
+            while len(out) < length:
+                got = os.pread(fd, length - len(out), offset + len(out))
+                if not got:
+                    break
+                out += got
+            return bytes(out)
+        finally:
+            os.close(fd)
+
+    return fetch
 
 
 def _describe_dir(path: str) -> str:

@@ -100,7 +100,6 @@ from .background import SaveHandle, start_in_background, wait_pending
 from .commit import Publisher, SaveJob, open_channel
 from .coordination import Comm, check_target_path, gather_errors
 from .errors import CheckpointError, DirectoryMismatchError, InvalidStateDictError, SaveFailedError
-from .format.metadata import DEFAULT_CHUNK_BYTES
 from .gc_pause import gc_paused
 from .keywords import STOCK_SAVE_KEYWORDS, check_keywords, keyword_names
 from .markers import cause, mark_failed, remove_failed_stagings
@@ -110,6 +109,7 @@ from .planner import (
     AssignmentMemo,
     assign_writes,
     assignment_name,
+    chunk_for,
     descs_digest,
     lay_out_files,
     merged_values,
@@ -144,7 +144,7 @@ def save_state_dict(
     *,
     async_save: bool = False,
     commit_timeout: float | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     write_stock_metadata: bool = True,
     deferred_keys: Collection[str] | None = None,
     per_rank_values: Collection[str] = (),
@@ -159,6 +159,8 @@ def save_state_dict(
     ``per_rank_values``: JSON-value keys every rank gives its own value for (e.g. its RNG state); saved as the
     list of all ranks' values by rank (None for a rank without one), sent to the coordinator with the rank's
     data (no collective of their own).
+    ``chunk_bytes``: bytes per checksummed chunk; None: ``planner.chunk_for`` (256 KiB, smaller for the small
+    pieces of saves by hundreds of ranks, so that a resharded load reads little beyond its share).
     ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now) sets the checksum
     algorithm, commit timeout, storage backend and tracing; ``commit_timeout`` overrides ``options.commit_timeout``.
     Stock's keywords ``unique_id``, ``safetensors``, ``save_replicas`` are accepted and ignored (one version per
@@ -204,7 +206,7 @@ def _save(
     *,
     async_save: bool = False,
     commit_timeout: float | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     write_stock_metadata: bool = True,
     deferred_keys: Collection[str] | None = None,
     per_rank_values: Collection[str] = (),
@@ -247,7 +249,7 @@ def _save_locked(
     coordinator_rank: int,
     async_save: bool,
     commit_timeout: float | None,
-    chunk_bytes: int,
+    chunk_bytes: int | None,
     write_stock_metadata: bool,
     deferred_keys: Collection[str] | None,
     per_rank_values: Collection[str],
@@ -285,7 +287,13 @@ def _save_locked(
         async_save,
         deferred_keys,
         opts,
-        (assignment, values, checkpoint_id),
+        # the coordinator lays out every file only for stock paddle's index (0.metadata lists every piece)
+        (
+            assignment,
+            values,
+            checkpoint_id,
+            None if comm.rank == coordinator_rank and write_stock_metadata else comm.rank,
+        ),
         (channel, storage, staging),
     )
     tr.mark("snapshot (volatile part)" if async_save else "views")
@@ -303,7 +311,7 @@ def _save_locked(
         plan=plan,
         arrays=arrays,
         keepalive=keep,
-        chunk_bytes=chunk_bytes,
+        chunk_bytes=chunk_for(assignment) if chunk_bytes is None else chunk_bytes,
         checksum=algorithm,
         timeout=timeout,
         write_stock=write_stock_metadata,
