@@ -7,6 +7,10 @@ On the benchmark's state (PaddleState: Linear blocks + AdamW, sharded by FullySh
   optimizer step would wait for at worst) and until the background part ends (checksums + peer transfer); the
   first save (slot allocation) separately;
 * ``host memory``: bytes the tier's files occupy (own copy + the peer copy it holds) against the state bytes;
+* ``interference``: a fixed matmul workload on the training thread right after ``tier.save`` returned (the
+  copy, checksums and peer transfer running in the background) against the same workload with nothing in flight;
+* ``persist``: a save that is also persisted (from the memory copy, persist thread) until the checkpoint is
+  committed;
 * ``restore``: the state zeroed, then ``tier.restore()`` from the own memory copy, from the peer copy (own
   files deleted), and ``fsdp.load_checkpoint`` of the same step from disk with the page cache dropped (cold);
   each checked against the saved state's checksum.
@@ -75,8 +79,66 @@ def _saves(tier, comm: Comm, repeats: int) -> dict:
     return {"first": first, "blocked": _med(blocked), "copied": _med(copied), "total": _med(total)}
 
 
-def _restore(ps: PaddleState, comm: Comm, fn, want: int) -> tuple[float, object]:
+def _workload():
+    import paddle
+
+    a = paddle.randn([768, 768])
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        for _ in range(12):
+            (a @ a).sum().numpy()
+        return time.perf_counter() - t0
+
+    return run
+
+
+def _interference(tier, comm: Comm, repeats: int, step: int) -> dict:
+    """The workload alone and right after a save returned (background part in flight), slowest rank."""
+    run = _workload()
+    run()
+    alone, during = [], []
+    for i in range(repeats):
+        comm.barrier()
+        alone.append(max(comm.gather(run())))
+        comm.barrier()
+        tier.save(step + i)
+        during.append(max(comm.gather(run())))
+        tier.wait()
+    return {"alone": _med(alone), "during_save": _med(during)}
+
+
+def _back_to_back(tier, comm: Comm, repeats: int, step: int) -> float:
+    """Blocking time of a save called right after the previous one returned: it waits for the previous save's
+    background part (copy, checksums, peer transfer), the worst case of a short save interval."""
+    out = []
+    for i in range(repeats):
+        comm.barrier()
+        tier.save(step + 2 * i)
+        t0 = time.perf_counter()
+        tier.save(step + 2 * i + 1)
+        out.append(max(comm.gather(time.perf_counter() - t0)))
+        tier.wait()
+    return _med(out)
+
+
+def _persist(tier, comm: Comm, step: int) -> float:
+    """A save that is persisted too: from the call until every rank's persist committed."""
+
+    def go():
+        tier.persist_every = step
+        tier.save(step)
+        tier.wait_persisted()
+
+    dt, _ = _timed_max(comm, go)
+    tier.persist_every = 10**9
+    return dt
+
+
+def _restore(ps: PaddleState, comm: Comm, fn, want: int, tier=None) -> tuple[float, object]:
     ps.zero()
+    if tier is not None:  # as after a restart: nothing of the copies mapped in this process (not timed)
+        tier.unmap()
     dt, out = _timed_max(comm, fn)
     if ps.checksum() != want:
         raise AssertionError("restored state differs from the saved one")
@@ -98,32 +160,47 @@ def run_memtier(args) -> dict:
     out = {"world": world, "state_bytes": max(comm.gather(ps.bytes))}
     out["memcpy"] = _memcpy(ps, comm, args.repeats)
     out["save"] = _saves(tier, comm, args.repeats)
-    step = 1 + args.repeats
+    out["interference"] = _interference(tier, comm, args.repeats, 2 + args.repeats)
+    out["back_to_back"] = _back_to_back(tier, comm, args.repeats, 2 + 2 * args.repeats)
+    step = 2 + 4 * args.repeats
+    out["persist"] = _persist(tier, comm, step)
+    tier.save(step + 1)  # the first save after a persist exchanges its end (collective)
+    tier.wait()
+    step += 1
     files = [tier.copies.own_path(), tier.copies.peer_path()]
     out["tier_bytes"] = max(comm.gather(sum(os.stat(f).st_blocks * 512 for f in files if os.path.exists(f))))
     want = ps.checksum()
     ps.fsdp.save_checkpoint(work, optimizer=ps.opt, step=step)  # the same step on disk
     path = os.path.join(work, f"step_{step:08d}")
-    disk, mem, peer = [], [], []
+    disk, mem, peer, phases = [], [], [], {"memory": [], "peer": []}
     for _ in range(args.repeats):
         drop_cache(data_files(path))
         disk.append(_restore(ps, comm, lambda: ps.fsdp.load_checkpoint(path, optimizer=ps.opt), want)[0])
-        dt, res = _restore(ps, comm, tier.restore, want)
+        dt, res = _restore(ps, comm, tier.restore, want, tier)
         assert res.sources == ["memory"] * world, res.sources
         mem.append(dt)
+        phases["memory"].append(comm.gather(res.timings))
         if partners:
             os.unlink(tier.copies.own_path())
-            dt, res = _restore(ps, comm, tier.restore, want)
+            dt, res = _restore(ps, comm, tier.restore, want, tier)
             assert res.sources == ["peer"] * world, res.sources
             peer.append(dt)
+            phases["peer"].append(comm.gather(res.timings))
     out["load_disk_cold"], out["restore_memory"] = _med(disk), _med(mem)
     out["restore_peer"] = _med(peer) if peer else None
+    out["restore_phases"] = {k: _phase_medians(v) for k, v in phases.items() if v}
     tier.close()
     comm.barrier()
     if rank == 0:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
     return out
+
+
+def _phase_medians(runs: list[list[dict]]) -> dict:
+    """Per phase: the median over runs of the slowest rank's seconds."""
+    names = sorted({name for per_rank in runs for t in per_rank for name in t})
+    return {n: _med([max(t.get(n, 0.0) for t in per_rank) for per_rank in runs]) for n in names}
 
 
 def table(r: dict) -> str:
@@ -137,6 +214,12 @@ def table(r: dict) -> str:
         ("memtier save: + checksums + peer", f"{s['total'] * 1e3:.1f} ms", f"{s['total'] / r['memcpy']:.2f}x memcpy"),
         ("memtier first save (allocation)", f"{s['first'] * 1e3:.1f} ms", ""),
         ("host memory of the tier", f"{r['tier_bytes'] / 1e9:.3f} GB", f"{r['tier_bytes'] / r['state_bytes']:.2f}x state"),
+        ("workload alone", f"{r['interference']['alone'] * 1e3:.1f} ms", "1.00x"),
+        ("workload right after a save returned", f"{r['interference']['during_save'] * 1e3:.1f} ms",
+         f"{r['interference']['during_save'] / r['interference']['alone']:.2f}x"),
+        ("save right after a save returned: blocked", f"{r['back_to_back'] * 1e3:.1f} ms",
+         f"{r['back_to_back'] / r['memcpy']:.2f}x memcpy"),
+        ("save + persist from the copy, until committed", f"{r['persist'] * 1e3:.1f} ms", ""),
         ("cold load from disk", f"{r['load_disk_cold'] * 1e3:.1f} ms", "1.00x"),
         ("restore from own memory", f"{r['restore_memory'] * 1e3:.1f} ms",
          f"{r['load_disk_cold'] / r['restore_memory']:.1f}x faster"),
@@ -149,6 +232,8 @@ def table(r: dict) -> str:
                 f"{r['load_disk_cold'] / r['restore_peer']:.1f}x faster",
             )
         )
+    for kind, ph in r.get("restore_phases", {}).items():
+        rows.append((f"restore from {kind}: phases", ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in ph.items()), ""))
     lines = ["| phase | time / size | ratio |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(lines)
 

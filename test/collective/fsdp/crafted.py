@@ -85,7 +85,8 @@ def reseal(path: Path, metadata_bytes: bytes) -> None:
 
 
 def edit_metadata(path: Path, fn) -> None:
-    """Edit metadata.json as a dict with ``fn`` and re-seal it."""
+    """Edit metadata.json as a dict with ``fn`` and re-seal it (a format-2 checkpoint becomes format 1 first)."""
+    to_format1(path)
     md = json.loads((path / "metadata.json").read_bytes())
     fn(md)
     reseal(path, json.dumps(md).encode())
@@ -93,3 +94,27 @@ def edit_metadata(path: Path, fn) -> None:
 
 def snapshot_files(path: Path) -> dict[str, bytes]:
     return {n: (path / n).read_bytes() for n in os.listdir(path) if (path / n).is_file()}
+
+
+def metadata_json(path: Path) -> dict:
+    """The checkpoint's index as format-1 JSON (every piece with its checksums), whatever format it is in."""
+    from paddle.distributed.fsdp.checkpoint import read_metadata
+
+    md = read_metadata(str(path))
+    if md.version == 1:
+        return json.loads((Path(path) / "metadata.json").read_bytes())
+    md.prefetch(list(md.tensors))
+    d = md.to_json()
+    d["version"] = 1
+    return d
+
+
+def to_format1(path: Path) -> None:
+    """Rewrite a format-2 checkpoint as format 1 in place (tests that edit metadata.json field by field; the
+    format-1 reader is what they exercise). Nothing happens to a format-1 checkpoint."""
+    d = metadata_json(path)
+    if (Path(path) / "index.keys").exists():
+        for name in os.listdir(path):
+            if name.startswith("index.") or name.endswith(".sums"):
+                os.unlink(Path(path) / name)
+        reseal(Path(path), json.dumps(d, separators=(",", ":")).encode())

@@ -19,6 +19,7 @@ import numpy as np
 import paddle
 import paddle.distributed.fsdp.checkpoint as ck
 import pytest
+from crafted import metadata_json, to_format1
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 from paddle.distributed.fsdp.checkpoint import host_memory, libc, planner, writer
 from paddle.distributed.fsdp.checkpoint.format import coverage
@@ -100,7 +101,9 @@ def assert_unchanged(t, before):
 
 
 def rewrite_metadata(path: Path, fn):
-    """Edit metadata.json with fn(dict) and re-seal the commit record (so only the edit is 'wrong')."""
+    """Edit metadata.json with fn(dict) and re-seal the commit record (so only the edit is 'wrong'); a format-2
+    checkpoint is rewritten as format 1 first (crafted.to_format1: these edits exercise the format-1 reader)."""
+    to_format1(path)
     md = json.loads((path / "metadata.json").read_bytes())
     fn(md)
     data = json.dumps(md).encode()
@@ -250,7 +253,15 @@ def test_every_save_plan_is_its_own_and_the_assignment_memo_is_bounded():
 
 def test_round_trip_all_record_kinds(saved):
     sd, path = saved
-    assert sorted(os.listdir(path)) == ["0.metadata", "0_0.safetensors", "COMMIT", "metadata.json"]
+    assert sorted(os.listdir(path)) == [
+        "0.metadata",
+        "0_0.safetensors",
+        "0_0.safetensors.sums",
+        "COMMIT",
+        "index.keys",
+        "index.pieces",
+        "metadata.json",
+    ]
     t = fresh_targets()
     rep = ck.load_state_dict(t, str(path))
     assert np.array_equal(bits(t["w"]), bits(sd["w"]))
@@ -472,7 +483,7 @@ def _corrupt(kind, path: Path):
         with open(f, "r+b") as fh:
             fh.truncate(f.stat().st_size - 3)
     elif kind == "flipped":
-        md = json.loads((path / "metadata.json").read_bytes())
+        md = metadata_json(path)
         off = md["tensors"]["w"]["pieces"][0]["offset"] + 5
         raw = bytearray(f.read_bytes())
         raw[off] ^= 0x10
@@ -555,7 +566,7 @@ def test_checksum_algorithms_verify_and_detect_a_flipped_bit(tmp_path, monkeypat
     sd = make_state()
     path = tmp_path / "ckpt"
     ck.save_state_dict(sd, str(path))
-    md = json.loads((path / "metadata.json").read_bytes())
+    md = metadata_json(path)
     assert md["checksum"] == algorithm
     raw = data_file(path).read_bytes()
     C = md["chunk_bytes"]
@@ -597,7 +608,7 @@ def test_checksum_none_is_written_and_loads(tmp_path, monkeypatch):
             monkeypatch.delenv("PADDLE_FSDP_CKPT_CHECKSUM")
         else:
             ck.save_state_dict(sd, str(path), options=ck.CheckpointOptions(checksum="none"))
-        md = json.loads((path / "metadata.json").read_bytes())
+        md = metadata_json(path)
         assert md["checksum"] == "none"
         assert all(not p["checksums"] for tm in md["tensors"].values() for p in tm["pieces"])
         t = fresh_targets()
@@ -639,7 +650,7 @@ def test_whole_pieces_are_read_in_place_and_restored_when_the_atomic_load_fails(
     for k in sd:
         assert targets[k].data_ptr() == ptrs[k] and np.array_equal(bits(targets[k]), bits(sd[k])), k
 
-    md = json.loads((path / "metadata.json").read_bytes())
+    md = metadata_json(path)
     last = max((tm["pieces"][0]["offset"], k) for k, tm in md["tensors"].items())[1]
     raw = bytearray(data_file(path).read_bytes())
     raw[md["tensors"][last]["pieces"][0]["offset"] + 2_500_000] ^= 0x01  # in the last chunk of the last piece

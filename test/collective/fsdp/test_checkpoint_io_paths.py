@@ -10,7 +10,6 @@ All value comparisons are on raw bytes.
 from __future__ import annotations
 
 import ctypes
-import json
 import zlib
 
 import numpy as np
@@ -18,6 +17,7 @@ import paddle
 import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 import xxhash
+from crafted import metadata_json
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 from paddle.distributed.fsdp.checkpoint import chunks, host_memory, libc, load_atomic, ranges, reader, writer
 
@@ -89,7 +89,7 @@ def test_checksum_mismatch_anywhere_leaves_every_target_untouched_when_atomic(tm
     sd = big_state()
     path = tmp_path / "c"
     ck.save_state_dict(sd, str(path))
-    md = json.loads((path / "metadata.json").read_text())
+    md = metadata_json(path)
     piece = md["tensors"][where]["pieces"][0]
     # a byte inside the last chunk of the piece (for "flat": a chunk the target's range touches)
     off = piece["offset"] + ((MIB // 8 + 3) * 4 + 100 if where == "flat" else piece["nbytes"] - 5)
@@ -139,7 +139,7 @@ def test_load_full_state_dict_verifies_before_returning(tmp_path):
     ck.save_state_dict(sd, str(path))
     full = ck.load_full_state_dict(str(path), keys=["a", "b"])
     assert np.array_equal(bits(full["a"]), bits(sd["a"])) and np.array_equal(bits(full["b"]), bits(sd["b"]))
-    md = json.loads((path / "metadata.json").read_text())
+    md = metadata_json(path)
     piece = md["tensors"]["b"]["pieces"][0]
     with open(path / piece["file"], "r+b") as f:
         f.seek(piece["offset"] + 2 * MIB + 1)

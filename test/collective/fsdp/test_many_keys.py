@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 import threading
 
 import numpy as np
 import paddle
 import paddle.distributed.fsdp.checkpoint as ck
 import pytest
+from crafted import metadata_json
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 from paddle.distributed.fsdp import FullyShardFusion
 from paddle.distributed.fsdp.checkpoint import reader, records, regions
@@ -168,7 +168,7 @@ def _parse(d: dict, fast: bool, monkeypatch):
 
 def test_the_parser_fast_path_accepts_exactly_what_the_field_checks_accept(small_tensors, monkeypatch):
     path, _full = small_tensors
-    base = json.loads((path / md_format.METADATA_FILE).read_bytes())
+    base = metadata_json(path)
     assert _parse(base, True, monkeypatch) == _parse(base, False, monkeypatch)
     rng = np.random.default_rng(17)
     keys = sorted(base["tensors"])

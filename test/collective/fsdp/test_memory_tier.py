@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import shutil
@@ -211,6 +212,73 @@ def test_bad_arguments_are_refused_by_name(tmp_path):
     with pytest.raises(MemoryTierError, match="step"):
         tier.save(-1)
     assert tier.restore() is None and tier.start_step == 0  # nothing stored anywhere: a fresh start
+    from paddle.distributed.fsdp.memtier.flush import flush_memory
+
+    (tmp_path / "m" / "job-a").mkdir(parents=True)
+    for roots, kw, match in [(str(tmp_path), {}, "roots"), ([str(tmp_path / "nope")], {}, "not a directory"),
+                             ([str(tmp_path / "m")], {}, "no valid memory copy"),
+                             ([str(tmp_path / "m")], {"step": -1}, "step"), ([str(tmp_path / "m")], {"keep_last": 0}, "keep_last")]:  # fmt: skip
+        with pytest.raises(MemoryTierError, match=match):
+            flush_memory(roots, str(tmp_path / "d"), **kw)
+
+
+def _records(fsdp, opt) -> dict:
+    state = fsdp.sharded_state_dict()
+    state.update(fsdp.optimizer_sharded_state_dict(opt))
+    return {k: np.array(getattr(v, "local_tensor", v).numpy()) for k, v in state.items()}
+
+
+def test_persist_writes_the_memory_copy_while_training_moves_on(tmp_path, monkeypatch):
+    """The persist of step 2 is held back until training ran three more steps: the checkpoint is still step 2
+    bit for bit (written from the memory copy, which the skipped saves left alone), the engine's snapshot buffer
+    is never allocated (no third copy), and the first save after the persist is taken and persisted again."""
+    import threading
+
+    import paddle
+    import paddle.distributed.fsdp.memtier.manager as manager_mod
+    from paddle.distributed.fsdp import FullyShardFusion
+    from paddle.distributed.fsdp.checkpoint import host_memory
+    from paddle.distributed.fsdp.memtier import MemoryTier
+
+    def build(seed):
+        paddle.seed(seed)
+        model = paddle.nn.Sequential(paddle.nn.Linear(16, 16), paddle.nn.ReLU(), paddle.nn.Linear(16, 4))
+        fsdp = FullyShardFusion(model)
+        lr = paddle.optimizer.lr.StepDecay(0.02, step_size=2, gamma=0.5)
+        return model, fsdp, paddle.optimizer.AdamW(lr, parameters=model.parameters())
+
+    def train(model, opt):
+        model(paddle.randn([4, 16])).square().mean().backward()
+        opt.step()
+        opt.clear_grad()
+        opt._learning_rate.step()
+
+    gate, real = threading.Event(), manager_mod.persist_copy
+    monkeypatch.setattr(manager_mod, "persist_copy", lambda *a: (gate.wait(60), real(*a))[1])
+    model, fsdp, opt = build(1)
+    root = str(tmp_path / "durable")
+    tier = MemoryTier(fsdp, opt, durable_root=root, memory_root=str(tmp_path / "mem"), persist_every=2, keep_last=None)
+    host_memory.arena.free()
+    wants = {}
+    for step in range(1, 7):
+        train(model, opt)
+        tier.save(step, extra_state={"step": step})
+        wants[step] = (_records(fsdp, opt), opt.get_lr())
+        if step == 5:
+            assert tier.skipped == [3, 4, 5] and not os.path.exists(root)  # the persist of step 2 is held back
+            gate.set()
+            tier.wait_persisted()
+    tier.wait_persisted()
+    assert tier.skipped == [3, 4, 5] and tier.durable_saves == [2, 6] and tier.persist_errors == []
+    assert host_memory.arena.capacity == 0
+    for step in (2, 6):
+        _m, fsdp2, opt2 = build(9)
+        got = fsdp2.load_checkpoint(os.path.join(root, f"step_{step:08d}"), optimizer=opt2)
+        want, lr = wants[step]
+        assert dict(got) == {"step": step} and opt2.get_lr() == lr
+        assert [k for k, v in _records(fsdp2, opt2).items() if v.tobytes() != want[k].tobytes()] == [], step
+    assert any(v.tobytes() != wants[2][0][k].tobytes() for k, v in wants[6][0].items())  # training moved on
+    tier.close()
 
 
 TOTAL, CRASH, KEEP = 8, 6, 5
@@ -230,7 +298,29 @@ def _check1(launched, log_dir):
     return results
 
 
-def test_two_nodes_kill9_peer_storage_agreement(tmp_path):
+def _flush_and_compare(tmp_path: Path, capsys) -> None:
+    from paddle.distributed.fsdp.tools.cli import main as cli
+
+    bak = tmp_path / "bak"
+    for m in MODELS:
+        durable = str(bak / m / "durable")
+        job = "job-" + hashlib.sha256(str(tmp_path / m / "durable").encode()).hexdigest()[:12]
+        ref = str(tmp_path / "ref" / m / "durable")
+        assert cli(["diff", f"{ref}/step_00000004", f"{durable}/step_00000004"]) == 0, capsys.readouterr().out
+        nodes = ["--memory-root", str(bak / "node1")] + ([] if m == "tiny" else ["--memory-root", str(bak / "node0")])
+        capsys.readouterr()
+        assert cli(["flush-memory", durable, "--job", job, "--step", "5"] + nodes) == 2  # no step 5 in memory
+        assert "no step 5 has a valid memory copy of every rank" in capsys.readouterr().err
+        assert cli(["flush-memory", durable, "--job", job] + nodes) == 0
+        assert f"step {CRASH} (world 2" in capsys.readouterr().out
+        assert (bak / m / "durable" / "latest").read_text().strip() == "step_00000006"
+        assert cli(["flush-memory", durable, "--job", job] + nodes) == 0  # again: storage has it, nothing written
+        assert "nothing written" in capsys.readouterr().out
+        assert verify_checkpoint(f"{durable}/step_00000006") == []
+        assert cli(["diff", f"{ref}/step_00000006", f"{durable}/step_00000006"]) == 0, capsys.readouterr().out
+
+
+def test_two_nodes_kill9_peer_storage_agreement(tmp_path, capsys):
     """TinyLM (dropout, AdamW + StepDecay) and PaddleFormers Qwen3 (AdamW, warmup + cosine, clipping) side by side."""
     roots = [Path(f"/dev/shm/fsdp-memtier-test-{os.getpid()}-node{i}") for i in range(2)]
     small = tmp_path / "small-shm"
@@ -259,7 +349,7 @@ def test_two_nodes_kill9_peer_storage_agreement(tmp_path):
         for m in MODELS:
             shutil.copytree(tmp_path / m / "durable", tmp_path / "bak" / m / "durable")
         # 3. the restores, in one launch (each scenario builds the models from another seed)
-        scenarios = "memory,node1,both,agree,corrupt"
+        scenarios = "memory,node1,both,agree,corrupt,skip"
         got = _check(
             launch_nodes(tmp_path / "log-restore", "memtier.py", ["restore", str(tmp_path), str(TOTAL), scenarios],
                          roots),
@@ -283,17 +373,27 @@ def test_two_nodes_kill9_peer_storage_agreement(tmp_path):
                     assert (res["rng"], res["lr"]) == (ref[r][m]["rng"], ref[r][m]["lr"]), (name, m, res, ref[r][m])
                     assert res["files_left"] == [], (name, m, res)  # a clean end removes the copies
                     assert res["same_slots"], (name, m, res)  # saves reuse their two slot files, no allocation
-        # the step restored from memory was persisted as a committed checkpoint (last scenario: corrupt)
+        for r in (0, 1):  # rank 0's persist held back: rank 1 skips the save of step 3 too (one decision)
+            skip = got[r]["skip"]
+            assert "error" not in skip, f"rank {r} skip:\n{skip['error']}"
+            assert (skip["skipped"], skip["durable"], skip["errors"], skip["differ"]) == ([3], [2, 4], [], []), skip
+        # the step restored from memory was persisted as a committed checkpoint (scenario corrupt)
         for m in MODELS:
             assert verify_checkpoint(str(tmp_path / m / "durable" / "step_00000006")) == []
-        # 4. another world size (one rank on node 0's root): its 2-rank copies are refused, storage is loaded
+        # 4. the crashed run's step 4 was persisted from its memory copy in the background: the uninterrupted
+        # run's step 4, bit for bit; then flush-memory writes step 6 from the crashed run's memory roots (tiny:
+        # node 1's root alone, which holds rank 1's copy and rank 0's peer copy)
+        _flush_and_compare(tmp_path, capsys)
+        # 5. another world size (one rank on node 0's root): its 2-rank copies are refused, storage is loaded:
+        # the flushed step 6, every element equal to the uninterrupted run's step 6
         one = _check1(launch_nodes(tmp_path / "log-world1", "memtier.py",
                                    ["restore", str(tmp_path), str(TOTAL), "world1"], roots[:1]),
                       tmp_path / "log-world1")  # fmt: skip
         for m in MODELS:
             assert "error" not in one[0].get("world1", {}), one[0]["world1"]["error"]
             res = one[0][f"world1/{m}"]
-            assert (res["step"], res["sources"], res["extra"]) == (4, ["storage"], {"data_position": 32}), res
+            assert (res["step"], res["sources"], res["extra"]) == (CRASH, ["storage"], {"data_position": 48}), res
+            assert res["differ"] == [], res
         log = (tmp_path / "log-world1" / "node0" / "workerlog.0").read_text(errors="replace")
         assert "world 2, expected 1" in log, "the refused copies were not logged"
     finally:

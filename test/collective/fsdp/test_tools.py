@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import safetensors.numpy as stnp
 from _results import assert_case_ok
+from crafted import metadata_json, to_format1
 from launch_util import run_launch
 from paddle.distributed.fsdp.checkpoint import load_full_state_dict, read_metadata
 from paddle.distributed.fsdp.tools.cli import main as cli_main
@@ -219,6 +220,7 @@ def test_help_on_every_command(capsys):
         ("verify", "exactly once"),
         ("to-hf", "--max-shard-size"),
         ("from-hf", "--rules"),
+        ("flush-memory", "--memory-root"),
     ]:
         res = cli(capsys, command, "--help")
         assert res.rc == 0 and f"usage: paddle-fsdp-ckpt {command}" in res.out and needle in res.out, res.out
@@ -469,7 +471,9 @@ def _copy(run, tmp_path, name) -> Path:
 
 
 def _rewrite_metadata(path: Path, edit) -> None:
-    """Edit metadata.json and re-sign it in COMMIT, so verify gets past the metadata hash to the edited content."""
+    """Edit metadata.json and re-sign it in COMMIT, so verify gets past the metadata hash to the edited content
+    (a format-2 checkpoint is rewritten as format 1 first: crafted.to_format1)."""
+    to_format1(path)
     meta = json.loads((path / "metadata.json").read_text())
     edit(meta)
     data = json.dumps(meta, separators=(",", ":")).encode()
@@ -527,7 +531,7 @@ def test_verify_names_each_problem(run, capsys, tmp_path):
     cases[flipped] = r"checksum mismatch in file .* for key 'blocks\.1\.up\.weight'"
 
     overlap = _copy(run, tmp_path, "overlap")
-    meta = json.loads((overlap / "metadata.json").read_text())
+    meta = metadata_json(overlap)
     key = _split_key(meta)
 
     def shift_second_piece(m):  # same length, one element earlier: overlaps the first piece

@@ -31,6 +31,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 import paddle.distributed.fsdp.checkpoint as ck
+from crafted import metadata_json
 from launch_util import report
 from models import DIM, global_batches, local_part, make_model
 from paddle.distributed.fsdp import FullyShardFusion
@@ -202,7 +203,7 @@ def case_cell(cell: dict, rank: int, world: int) -> None:
 
 
 def _damage(kind: str, path: str) -> None:
-    md = json.load(open(os.path.join(path, "metadata.json")))
+    md = metadata_json(path)
     if kind in ("flipped_byte", "checksums_off"):
         # the largest param piece in rank 1's file: only rank 1 reads it, so rank 0's own reads all succeed
         pieces = [

@@ -17,7 +17,9 @@ Usage:
       and compare every record, the RNG and the LR with the uninterrupted run's (WORKDIR/ref/<model>).
       Scenarios: memory (all copies intact), node1 (node 1's root wiped), both (every root wiped), agree (rank 1
       has only older copies), corrupt (rank 1's own copy has a flipped bit), world1 (on ONE rank: the 2-rank
-      copies must be refused and storage loaded at the new world size; no comparison).
+      copies must be refused and storage loaded at the new world size; no comparison), skip (a fresh TinyLM:
+      rank 0's persist of step 2 is held until its save of step 3 was called: step 3 must be skipped on every
+      rank alike, step 4 taken, and the persisted step 2 be the memory step).
 Each rank reports its results as JSON.
 """
 
@@ -86,9 +88,9 @@ def build(name: str, workdir: str, seed: int, rank: int, world: int, restore_now
 
     durable = os.path.join(workdir, "durable")
     if restore_now:  # the README's form: built and restored in one call
-        tier = fsdp.memory_tier(opt, durable_root=durable, persist_every=PERSIST_EVERY)
+        tier = fsdp.memory_tier(opt, durable_root=durable, persist_every=PERSIST_EVERY, keep_last=None)
     else:
-        tier = MemoryTier(fsdp, opt, durable_root=durable, persist_every=PERSIST_EVERY)
+        tier = MemoryTier(fsdp, opt, durable_root=durable, persist_every=PERSIST_EVERY, keep_last=None)
     return Case(name, workdir, fsdp, opt, tier, step)
 
 
@@ -104,6 +106,8 @@ def train_to_end(cases: list[Case], start: int, total: int, crash_at=None, keep_
     for i in range(start, total):
         for c in cases:
             c.step(i)
+            if i + 1 in (keep_at, crash_at):  # these saves must not be skipped for a persist still writing
+                c.tier.wait_persisted()
             c.tier.save(i + 1, extra_state={"data_position": (i + 1) * BATCH})
         if i == start:
             for c in cases:
@@ -192,12 +196,59 @@ def _prepare(workdir: str, scenario: str, rank: int, node: int, local_rank: int,
     _sync()
 
 
+def _differ_from_checkpoint(c: Case, root: str, step: int) -> list[str]:
+    """Keys whose state (one rank: every element) differs from the uninterrupted run's checkpoint of ``step``."""
+    from paddle.distributed.fsdp.tools import CheckpointReader
+
+    mine = {k: np.array(getattr(v, "local_tensor", v).numpy()) for k, v in records(c.fsdp, c.opt).items()}
+    with CheckpointReader(os.path.join(root, f"step_{step:08d}")) as ref:
+        return [k for k, v in mine.items() if v.tobytes() != ref.read(k).tobytes()]
+
+
+def _skip(workdir: str, rank: int, world: int) -> dict:
+    """The ``skip`` scenario (see the module docstring)."""
+    import threading
+
+    import paddle.distributed.fsdp.memtier.manager as manager_mod
+
+    gate, real = threading.Event(), manager_mod.persist_copy
+    if rank == 0:
+        manager_mod.persist_copy = lambda *a: (gate.wait(120), real(*a))[1]
+    try:
+        model = make_model(5 + 100 * rank, dropout=0.0)
+        fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"])
+        opt = paddle.optimizer.AdamW(0.01, parameters=model.parameters())
+        batches, durable = global_batches(8, BATCH), os.path.join(workdir, "skip", "durable")
+        tier = MemoryTier(fsdp, opt, durable_root=durable, persist_every=2, keep_last=None, job_id="skip")
+        for i in range(4):
+            train(model, opt, batches[i : i + 1], rank, world)
+            tier.save(i + 1)
+            if i + 1 == 2:
+                want = {k: np.array(getattr(v, "local_tensor", v).numpy()) for k, v in records(fsdp, opt).items()}
+            if i + 1 == 3:
+                gate.set()
+                tier.wait_persisted()
+        tier.wait_persisted()
+        out = dict(skipped=tier.skipped, durable=tier.durable_saves, errors=tier.persist_errors)
+        fsdp.load_checkpoint(os.path.join(durable, "step_00000002"), optimizer=opt)
+        got = {k: np.array(getattr(v, "local_tensor", v).numpy()) for k, v in records(fsdp, opt).items()}
+        out["differ"] = [k for k in want if want[k].tobytes() != got[k].tobytes()]
+        tier.close()
+        return out
+    finally:
+        manager_mod.persist_copy = real
+
+
 def restore(args, rank, world) -> dict:
     per_node = int(os.environ.get("PADDLE_LOCAL_SIZE", world))
     node, local_rank = rank // per_node, rank % per_node
     out = {}
     for scenario in args.scenarios.split(","):
         try:
+            if scenario == "skip":
+                out[scenario] = _skip(args.workdir, rank, world)
+                _sync()
+                continue
             cases = [build(m, args.workdir, 77, rank, world, restore_now=False) for m in MODELS]  # another seed
             _prepare(args.workdir, scenario, rank, node, local_rank, cases)
             restored = {c.name: c.tier.restore() for c in cases}
@@ -207,7 +258,10 @@ def restore(args, rank, world) -> dict:
                 for c in cases:
                     c.tier.close()
                     got = restored[c.name]
-                    out[f"{scenario}/{c.name}"] = dict(step=got.step, sources=got.sources, extra=dict(got))
+                    differ = _differ_from_checkpoint(c, os.path.join(args.workdir, "ref", c.name, "durable"), got.step)
+                    out[f"{scenario}/{c.name}"] = dict(
+                        step=got.step, sources=got.sources, extra=dict(got), differ=differ
+                    )
                 continue
             done = train_to_end(cases, starts.pop(), args.total)
             for c in cases:

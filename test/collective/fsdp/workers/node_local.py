@@ -73,9 +73,9 @@ def perrank(work: str) -> None:
     names = sorted(os.listdir(mine))
     if rank == 0:
         assert {"COMMIT", "metadata.json", "0_0.safetensors"} <= set(names), names
-        assert "1_0.safetensors" not in names, names
-    else:
-        assert names == ["1_0.safetensors"], names  # this rank's file, published at its own path
+        assert "1_0.safetensors" not in names and "1_0.safetensors.sums" not in names, names
+    else:  # this rank's file and its checksums (format 2: written by this rank), published at its own path
+        assert names == ["1_0.safetensors", "1_0.safetensors.sums"], names
     assert not [n for n in os.listdir(os.path.dirname(mine)) if ".tmp-" in n], "staging left behind"
     # each rank's own directory alone: the metadata is only on rank 0's, so the load is refused everywhere
     other, _ = build(seed=9, steps=1)
@@ -90,7 +90,8 @@ def perrank(work: str) -> None:
     gathered = os.path.join(work, "gathered")
     if rank == 0:  # the files made visible again (copied onto one file system)
         shutil.copytree(os.path.join(work, "node0", "ckpt"), gathered)
-        shutil.copy2(os.path.join(work, "node1", "ckpt", "1_0.safetensors"), gathered)
+        for name in ("1_0.safetensors", "1_0.safetensors.sums"):
+            shutil.copy2(os.path.join(work, "node1", "ckpt", name), gathered)
     dist.barrier()
     fsdp2, opt2 = build(seed=11, steps=1)
     target = state_of(fsdp2, opt2)

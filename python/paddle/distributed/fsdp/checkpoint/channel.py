@@ -7,7 +7,7 @@ own, so the background save thread never shares a socket with the training loop)
 checkpoint id:
 
     hb/<r>       counter, +1 every ``lease/5`` s while rank r's save runs (its heartbeat thread)
-    done/<r>     rank r's hand-over: JSON {"size", "checksums", "rank_values"}   (flag: ndone, fdone/<r>)
+    done/<r>     rank r's hand-over: JSON {"size", "header", "sums", "rank_values"}  (flag: ndone, fdone/<r>)
     fail/<r>     rank r's failure, its cause as text                              (flag: nfail, ffail/<r>)
     abort        the coordinator gave the save up, its reason                     (flag: fabort)
     committed    the coordinator published the checkpoint; published: it moved ``latest`` too

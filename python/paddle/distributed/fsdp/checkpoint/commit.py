@@ -4,9 +4,10 @@ Every byte goes through the storage interface (io/storage.py) and every message 
 save's channel (channel.py: the TCP store; a heartbeat per rank). Order, and who does what::
 
     each rank:    write_object(staging, "<rank>_0.safetensors")     durable (fsynced) on return
-                  channel.done(size, checksums, per-rank values)     the hand-over
+                  put(staging, "<rank>_0.safetensors.sums")          its chunk checksums (format/index.py)
+                  channel.done(size, header length, checksum count, per-rank values): O(1)
     coordinator:  wait for every hand-over (a failure, a dead rank or ``timeout``: SaveFailedError, abort)
-                  put metadata.json, 0.metadata, then COMMIT last; sync; publish(staging -> path)
+                  put index.keys, index.pieces, metadata.json, 0.metadata, then COMMIT last; sync; publish
                   channel.committed(); publisher.publish() (``latest``); channel.published(); cleanup (keep_last)
     other ranks:  wait for committed (and published); a failure, an abort, a dead coordinator: SaveFailedError.
                   Where the coordinator's publish did not take this rank's object (node-local disks: each rank
@@ -31,12 +32,14 @@ from .channel import LocalChannel, SaveChannel
 from .directory import commit_id
 from .errors import SaveFailedError
 from .format.commit import commit_record
+from .format.index import pack_sums, sums_name
 from .format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, PARTS_DIR, CheckpointMetadata, FileMeta
 from .gc_pause import gc_paused
 from .io.storage import Storage
 from .markers import cause, mark_aborted, mark_failed
 from .options import CheckpointOptions
 from .planner import WriteAssignment, lay_out_files
+from .save_index import assignment_columns, index_objects
 from .tracing import Tracer
 
 logger = logging.getLogger(__name__)
@@ -109,7 +112,8 @@ class SaveJob:
                     if self.snapshot is not None:  # async: copy the deferred tensors first (snapshot.py)
                         self.snapshot.copy_deferred()
                     if self.plan is None:
-                        self.plan = lay_out_files(self.assignment, self.values, self.checkpoint_id)
+                        only = None if self.rank == self.coordinator and self.write_stock else self.rank
+                        self.plan = lay_out_files(self.assignment, self.values, self.checkpoint_id, only)
                 except BaseException as e:
                     self.fail(e)
                     raise
@@ -192,7 +196,11 @@ class SaveJob:
         finally:
             self._written()
         tr.mark("write+fsync")
-        self.channel.done({"size": size, "checksums": sums, "rank_values": self.rank_values})
+        if digest is not None:  # format 2: this rank's checksums beside its data object, never gathered
+            self.storage.put(self.staging, sums_name(name), pack_sums(sums))
+        n_sums = sum(len(s) for s in sums) if digest is not None else 0
+        handover = {"size": size, "header": len(layout.header), "sums": n_sums, "rank_values": self.rank_values}
+        self.channel.done(handover)
 
     def _drop(self, name: str) -> None:
         try:
@@ -251,15 +259,17 @@ class SaveJob:
         tr.mark("wait-ranks")
         faults.point("before_metadata", self.rank)
         with gc_paused():  # the index of every piece: many small objects (gc_pause.py)
-            md = self._metadata(status)
-            data = md.dumps()
-            # inside the (invisible) staging each object is durable on its own; order: data objects (durable
-            # from their ranks), metadata, stock index, then the commit record, then the publish
-            self.storage.put(self.staging, METADATA_FILE, data)
+            objects = self._index(status)
+            data = objects[METADATA_FILE]
+            # inside the (invisible) staging each object is durable on its own; order: data objects and their
+            # checksums (durable from their ranks), index objects, metadata, stock index, the commit record,
+            # then the publish
+            for name, blob in objects.items():
+                self.storage.put(self.staging, name, blob)
             if self.write_stock:
                 from .stock_compat import STOCK_METADATA_FILE, stock_metadata_bytes
 
-                self.storage.put(self.staging, STOCK_METADATA_FILE, stock_metadata_bytes(md))
+                self.storage.put(self.staging, STOCK_METADATA_FILE, stock_metadata_bytes(self._stock_view()))
         tr.mark("metadata")
         faults.point("before_commit", self.rank)
         # the last point at which the save can still be aborted: a rank that failed after its hand-over waits
@@ -309,27 +319,27 @@ class SaveJob:
             )
         return status
 
-    def _metadata(self, status: dict) -> CheckpointMetadata:
-        """The index of the checkpoint: the plan, with the sizes and checksums the ranks reported."""
+    def _index(self, status: dict) -> dict[str, bytes]:
+        """The format-2 index objects (save_index.py): the plan, checked against the sizes and checksum counts
+        the ranks reported; per-rank values gathered into the values by rank."""
         values = dict(self.plan.values)
         for key in self.per_rank_keys:
             values[key] = [status[r]["rank_values"].get(key) for r in range(self.world)]
-        md = CheckpointMetadata(
-            checkpoint_id=self.checkpoint_id,
-            world_size=self.world,
-            chunk_bytes=self.chunk_bytes,
-            checksum=self.checksum,
-            created_unix=self.created,
-            values=values,
-        )
-        for r in range(self.world):
-            layout = self.plan.files[r]
-            done = status[r]
-            if int(done["size"]) != layout.size or len(done["checksums"]) != len(layout.pieces):
-                raise SaveFailedError(f"rank {r} reported a file that does not match the plan")
-            md.files[layout.name] = FileMeta(rank=r, size=layout.size)
-            for (_key, piece), sums in zip(layout.pieces, done["checksums"]):
-                piece.checksums = [int(c) for c in sums]
+        header = {
+            "checkpoint_id": self.checkpoint_id,
+            "created_unix": self.created,
+            "world_size": self.world,
+            "chunk_bytes": self.chunk_bytes,
+            "checksum": self.checksum,
+            "values": values,
+        }
+        cols = assignment_columns(self.assignment, self.chunk_bytes)
+        return index_objects(cols, header, status, self.checksum != checksums.NONE)
+
+    def _stock_view(self) -> CheckpointMetadata:
+        """The plan as format-1 metadata without checksums: what stock paddle's ``0.metadata`` is built from."""
+        md = CheckpointMetadata(checkpoint_id=self.checkpoint_id, world_size=self.world)
+        md.files = {self.plan.files[r].name: FileMeta(r, self.plan.files[r].size) for r in range(self.world)}
         md.tensors = self.plan.tensors
         return md
 

@@ -293,10 +293,31 @@ def _read_metadata(path: str, max_metadata_bytes: int, storage: Storage) -> Chec
         raise MetadataError(
             f"checkpoint {path}: {METADATA_FILE} does not match the checksum in the commit record (damaged)"
         )
-    md = CheckpointMetadata.loads(data, where=f"{path}/{METADATA_FILE}")
+    md = CheckpointMetadata.loads(data, where=f"{path}/{METADATA_FILE}", fetch=index_fetch(path, storage))
+    if md.index is not None:
+        md.index.fetch.bytes += len(data)  # (metadata.json itself: the figures count every metadata byte read)
+        md.index.fetch.objects.add(METADATA_FILE)
     if md.checkpoint_id != cid:
         raise MetadataError(f"checkpoint {path}: commit record and metadata name different checkpoints")
     return md
+
+
+def index_fetch(path: str, storage: Storage | None = None):
+    """``fetch(name, offset, length)`` of the index objects and checksum sidecars of the checkpoint at ``path``
+    (format 2, format/index.py), read through ``storage`` (None: the location's backend): exactly ``length``
+    bytes, fewer only at the end of the object."""
+    storage = storage or backend_for(path)
+
+    def fetch(name: str, offset: int, length: int) -> bytes:
+        handle = storage.open_read(path, check_file_name(name))
+        try:
+            buf = bytearray(max(0, min(length, handle.size - offset)))
+            got = handle.read_into(offset, buf) if buf else 0
+            return bytes(buf[:got])
+        finally:
+            handle.close()
+
+    return fetch
 
 
 def _newest(parent: str, names: list[str], storage: Storage) -> str:

@@ -32,6 +32,7 @@ def named_read_error(path: str, e: BaseException | None) -> BaseException | None
 def check_coverage(root: str, md: CheckpointMetadata, keys) -> None:
     """Every element of each of ``keys`` is saved exactly once (coverage.py; the check verify_checkpoint runs),
     before a byte of data is read; CorruptCheckpointError naming the key otherwise."""
+    md.prefetch(keys)  # format 2: the pieces of these keys only, in few reads
     for key in sorted(keys):
         tm = md.tensors[key]
         problems = coverage_problems(

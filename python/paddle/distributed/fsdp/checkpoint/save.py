@@ -100,7 +100,6 @@ from .background import SaveHandle, start_in_background, wait_pending
 from .commit import Publisher, SaveJob, open_channel
 from .coordination import Comm, check_target_path, gather_errors
 from .errors import CheckpointError, DirectoryMismatchError, InvalidStateDictError, SaveFailedError
-from .format.metadata import DEFAULT_CHUNK_BYTES
 from .gc_pause import gc_paused
 from .keywords import STOCK_SAVE_KEYWORDS, check_keywords, keyword_names
 from .markers import cause, mark_failed, remove_failed_stagings
@@ -110,6 +109,7 @@ from .planner import (
     AssignmentMemo,
     assign_writes,
     assignment_name,
+    chunk_for,
     descs_digest,
     lay_out_files,
     merged_values,
@@ -143,7 +143,7 @@ def save_state_dict(
     coordinator_rank: int = 0,
     *,
     async_save: bool = False,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     write_stock_metadata: bool = True,
     deferred_keys: Collection[str] | None = None,
     per_rank_values: Collection[str] = (),
@@ -158,6 +158,8 @@ def save_state_dict(
     ``per_rank_values``: JSON-value keys every rank gives its own value for (e.g. its RNG state); saved as the
     list of all ranks' values by rank (None for a rank without one), sent to the coordinator with the rank's
     data (no collective of their own).
+    ``chunk_bytes``: bytes per checksummed chunk; None: ``planner.chunk_for`` (256 KiB, smaller for the small
+    pieces of saves by hundreds of ranks, so that a resharded load reads little beyond its share).
     ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now) sets the checksum
     algorithm, commit timeout, storage backend and tracing: every "how" of a save is there, not a keyword.
     Stock's keywords ``unique_id``, ``safetensors``, ``save_replicas`` are accepted and ignored (one version per
@@ -201,7 +203,7 @@ def _save(
     publisher: Publisher | None,
     *,
     async_save: bool = False,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     write_stock_metadata: bool = True,
     deferred_keys: Collection[str] | None = None,
     per_rank_values: Collection[str] = (),
@@ -242,7 +244,7 @@ def _save_locked(
     process_group,
     coordinator_rank: int,
     async_save: bool,
-    chunk_bytes: int,
+    chunk_bytes: int | None,
     write_stock_metadata: bool,
     deferred_keys: Collection[str] | None,
     per_rank_values: Collection[str],
@@ -280,7 +282,13 @@ def _save_locked(
         async_save,
         deferred_keys,
         opts,
-        (assignment, values, checkpoint_id),
+        # the coordinator lays out every file only for stock paddle's index (0.metadata lists every piece)
+        (
+            assignment,
+            values,
+            checkpoint_id,
+            None if comm.rank == coordinator_rank and write_stock_metadata else comm.rank,
+        ),
         (channel, storage, staging),
     )
     tr.mark("snapshot (volatile part)" if async_save else "views")
@@ -298,7 +306,7 @@ def _save_locked(
         plan=plan,
         arrays=arrays,
         keepalive=keep,
-        chunk_bytes=chunk_bytes,
+        chunk_bytes=chunk_for(assignment) if chunk_bytes is None else chunk_bytes,
         checksum=algorithm,
         timeout=timeout,
         write_stock=write_stock_metadata,

@@ -37,6 +37,10 @@ def verify_checkpoint(
     except CheckpointError as e:
         return [f"{type(e).__name__}: {e}"]
     problems: list[str] = []
+    if md.index is not None:  # format 2: every row, its hash, every sidecar's size, pieces owning their bytes
+        problems += index_problems(md)
+        if problems:
+            return problems
     for key, tm in md.tensors.items():
         problems += coverage_problems(
             key, tm.shape, [(md.files[p.file].rank, region_of_piece(tm.shape, p)) for p in tm.pieces]
@@ -118,3 +122,38 @@ def _check_header(handle, where: str, name: str, pieces) -> list[str]:
         if ent is None or (ent.begin, ent.end) != (a - st.data_start, b - st.data_start):
             out.append(f"data file {name}: safetensors header entry for {key!r} does not match the metadata")
     return out
+
+
+def index_problems(md) -> list[str]:
+    """Format 2 (format/index.py): index.pieces whole and matching its SHA-256, every piece row sound, every
+    checksum sidecar of the size its rows need, no two pieces sharing bytes of a file."""
+    import hashlib
+
+    from .format.index import PIECES_FILE, sums_name
+    from .format.schema import file_overlap_problems
+
+    src = md.index
+    try:
+        rows = src.all_rows()
+        if hashlib.sha256(rows.tobytes()).hexdigest() != src.pieces_sha256:
+            return [f"{PIECES_FILE} does not match its SHA-256 in metadata.json (damaged)"]
+        md.prefetch(list(md.tensors))
+    except (CheckpointError, OSError) as e:
+        return [f"{type(e).__name__}: {e}"]
+    problems = []
+    for fi, name in enumerate(src.names):
+        want = src.sums_counts[fi] * 8
+        try:
+            got = len(src.fetch(sums_name(name), 0, want + 1)) if want else want
+        except FileNotFoundError:
+            got = None
+        except OSError as e:
+            problems.append(f"checksum sidecar {sums_name(name)}: {e}")
+            continue
+        if got != want:
+            problems.append(
+                f"checksum sidecar {sums_name(name)} is missing"
+                if got is None
+                else f"checksum sidecar {sums_name(name)} has {got} bytes, expected {want}"
+            )
+    return problems + file_overlap_problems(md)

@@ -2,8 +2,9 @@
 
 Modules: ``slot.py`` (one fully allocated, mapped copy file), ``copies.py`` (a rank's two copies, writing a save),
 ``state.py`` (what a copy holds for a FullyShardFusion model), ``peers.py`` (partner map, transfers),
-``agreement.py`` (the restart rule), ``restore.py`` (a restart, collective), ``errors.py``; ``manager.py``
-(MemoryTier) ties them together.
+``agreement.py`` (the restart rule), ``restore.py`` (a restart, collective), ``persist.py`` (a copy written to
+storage as a committed checkpoint), ``flush.py`` (the same from one process after a crash: ``paddle-fsdp-ckpt
+flush-memory``), ``errors.py``; ``manager.py`` (MemoryTier) ties them together.
 """
 
 from .errors import InvalidMemoryCopyError, MemoryTierError, MemoryTierFullError, NoCommonStepError

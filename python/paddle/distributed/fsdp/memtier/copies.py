@@ -156,7 +156,7 @@ def read_copy(
     """Open, validate and (``verify``) checksum the copy at ``path``: InvalidMemoryCopyError (with the reason)
     unless it is of job/world/rank ``expect`` and (when given) matches ``layout``. Returns (slot, header,
     data_off, data_len); the caller closes the slot."""
-    slot = Slot.open(path, writable)
+    slot = Slot.open(path, writable, populate=verify)
     try:
         header, doff, dlen = slot.header()
         for field, want in expect.items():
@@ -179,7 +179,8 @@ class Background:
     ``wait`` returns the last job's error. Why a long-lived thread: starting a thread per save costs the caller
     a GIL hand-over (~5-10 ms measured here), more than the rest of a save's call."""
 
-    def __init__(self):
+    def __init__(self, name: str = "memtier-save"):
+        self.name = name
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._idle = threading.Event()
@@ -189,7 +190,7 @@ class Background:
     def start(self, fn) -> None:
         self.wait()
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="memtier-save", daemon=True)
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
             self._thread.start()
         self._idle.clear()
         self._jobs.put(fn)
@@ -200,10 +201,13 @@ class Background:
             try:
                 fn()
             except BaseException as e:  # noqa: BLE001 - reported by wait()
-                logger.error("memory tier: background save failed: %s", e)
+                logger.error("memory tier: background job of %s failed: %s", self.name, e)
                 self._error = e
             finally:
                 self._idle.set()
+
+    def idle(self) -> bool:
+        return self._idle.is_set()
 
     def wait(self) -> BaseException | None:
         self._idle.wait()

@@ -8,8 +8,11 @@ A training script needs three lines (see README "Memory tier")::
 
 ``save`` blocks like an async save: tensors the optimizer step changes are copied into the rank's shared-memory
 slot after it returned (the next ``optimizer.step()`` waits for that copy: snapshot_guard.py); the checksums and
-the transfer to the peer run in the background. Every ``persist_every``-th save is also a committed checkpoint
-in ``durable_root`` (the engine's async save: loadable at any world size, by the tools, by verify).
+the transfer to the peer run in the background. Every ``persist_every``-th memory checkpoint is also written to
+``durable_root`` from the memory copy itself (persist.py: the same step's bytes, today's committed format) by a
+second background thread, on the tier's own process group. The copy must not change while it is written, so the
+saves called during a persist are skipped, on every rank alike (one small exchange decides): they are logged and
+listed in ``skipped``; the newest memory checkpoint is then the one being persisted.
 
 ``restore`` agrees collectively on the step (agreement.py), brings peer copies back over the process group,
 verifies every copy before anything is written, and writes state only once every rank is ready; a step restored
@@ -27,8 +30,9 @@ from ..checkpoint import checksums
 from . import peers
 from .copies import Background, Copies, SaveIntoSlot, header_capacity, offsets_of
 from .errors import MemoryTierError, MemoryTierFullError
+from .persist import persist_copy
 from .restore import Restore, RestoreResult
-from .state import capture_values, tensor_state
+from .state import buffer_keys, capture_values, tensor_state
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +99,11 @@ class MemoryTier:
         self._group = None
         self._layout: list | None = None
         self._bg = Background()
+        self._persister = Background("memtier-persist")
+        self._persisting = False  # a persist was started and every rank has not yet seen it finish
+        self._buffers: list[str] | None = None
+        self.skipped: list[int] = []  # memory saves skipped because a persist was still writing the copy
+        self.persist_errors: list[str] = []
         self._unmap_later: list = []
         self.disabled_reason: MemoryTierError | None = None
         self.durable_saves: list[int] = []
@@ -104,13 +113,14 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ plumbing
     def tier_group(self):
-        """The tier's own two process groups (peers.transfer: one per direction): peer transfers run on a
-        background thread, never on the training's group. Collective when first called."""
-        if self._group is None and self.world > 1 and self.partners:
+        """The tier's own three process groups: two for peer transfers (peers.transfer: one per direction), one
+        for persists (persist.py). Both run on background threads, never on the training's group. Collective when
+        first called; None in a single process."""
+        if self._group is None and self.world > 1:
             from ..topology import new_group  # with the barrier gloo needs after it
 
             ranks = list(range(self.world))
-            self._group = (new_group(ranks), new_group(ranks))
+            self._group = (new_group(ranks), new_group(ranks), new_group(ranks))
         return self._group
 
     def expect(self) -> dict:
@@ -149,23 +159,33 @@ class MemoryTier:
         err = self._bg.wait()
         if err is not None:
             logger.warning("memory tier: the previous memory save (background) failed: %s", err)
+        if self._persist_busy():
+            self.skipped.append(step)
+            logger.info("memory tier: memory save of step %d skipped: the persist of the copy is still writing", step)
+            return
         self._release_persist_buffers()
         state = tensor_state(self.fsdp, self.optimizer)
-        values = capture_values(self.fsdp, self.optimizer, extra_state)
+        if self._buffers is None:
+            self._buffers = buffer_keys(self.fsdp)
+        values = capture_values(self.fsdp, self.optimizer, extra_state, self._buffers)
         if self.disabled_reason is None and state.layout != self._layout:
             self._setup(state, len(json.dumps(values)))  # collective, on every rank alike
         if self.disabled_reason is not None:
             self.persist(step, extra_state)
             return
-        header = dict(self.expect(), rank=self.rank, step=step, values=values)
+        header = dict(self.expect(), rank=self.rank, step=step, values=values, descs=state.descs)
         job = SaveIntoSlot(self.copies.own, state, header, self.checksum)
-        self._bg.start(lambda: self._finish_save(job))
-        if step % self.persist_every == 0:
-            self.persist(step, extra_state)
+        persist = step % self.persist_every == 0
+        self._bg.start(lambda: self._finish_save(job, persist))
+        if persist:
+            self._persisting = True
+            self.durable_saves.append(step)
 
-    def _finish_save(self, job: SaveIntoSlot) -> None:
+    def _finish_save(self, job: SaveIntoSlot, persist: bool) -> None:
         """Background: finish the copy, then the peer exchange, which runs even when this rank's copy failed (it
-        then sends a copy still marked "writing", never used): the partner is waiting for it."""
+        then sends a copy still marked "writing", never used): the partner is waiting for it. Then hand the persist
+        of the copy to the persist thread; it too is started on every rank (a rank without a valid copy fails the
+        collective save on every rank, by the engine's error exchange)."""
         error = None
         try:
             job.finish()
@@ -173,9 +193,52 @@ class MemoryTier:
             error = e
         finally:
             job.release_guard()
-        self._exchange()
+        try:
+            self._exchange()
+        finally:
+            if persist:
+                ok = error is None
+                self._persister.start(lambda: self._persist_own(job, ok))
         if error is not None:
             raise error
+
+    def _persist_own(self, job: SaveIntoSlot, ok: bool) -> None:
+        """Persist thread: the own copy of ``job``'s step to durable storage (collective on the persist group)."""
+        group = self.tier_group()
+        slot = self.copies.own
+        if not ok:  # this rank's copy is incomplete: a state the engine refuses, on every rank together
+            from ..checkpoint import save_state_dict
+
+            save_state_dict(None, self.durable_root, process_group=group and group[2])
+            return
+        persist_copy(slot, job.header, job.data_off, job.data_len, self.durable_root, self.keep_last,
+                     group and group[2])  # fmt: skip
+
+    def _persist_busy(self) -> bool:
+        """Whether a started persist is still writing on any rank (collective, only while one was started: the
+        same saves on every rank); collects a finished persist's error (logged, kept in ``persist_errors``)."""
+        if not self._persisting:
+            return False
+        busy = not self._persister.idle()
+        if self.world > 1:
+            busy = any(self.fsdp.comm.all_gather_object(busy))
+        if busy:
+            return True
+        self._persisting = False
+        err = self._persister.wait()
+        if err is not None:
+            self.persist_errors.append(f"{type(err).__name__}: {err}")
+            logger.error("memory tier: persisting the memory copy failed: %s", err)
+        return False
+
+    def wait_persisted(self) -> None:
+        """Wait until the last started persist has written its step (MemoryTierError when it failed). Not
+        collective; the next ``save`` still exchanges whether every rank's persist finished."""
+        self._bg.wait()
+        err = self._persister.wait()
+        if err is not None:
+            self.persist_errors.append(f"{type(err).__name__}: {err}")
+            raise MemoryTierError(f"persisting the memory copy failed: {err}") from err
 
     def _exchange(self) -> None:
         """Send the own slot to its holder, receive the copy this rank holds (every rank, same order)."""
@@ -189,6 +252,7 @@ class MemoryTier:
         peers.transfer(self.tier_group(), self.rank, transfers, own, held)
 
     def persist(self, step: int, extra_state: dict | None, async_save: bool = True) -> None:
+        """A direct save of the live state (the tier disabled; a restored step storage lacks)."""
         from ..state.resume import save_checkpoint
 
         self._persist_handle = save_checkpoint(
@@ -221,6 +285,7 @@ class MemoryTier:
     def close(self, remove: bool = True) -> None:
         """End of the job: wait for the last save; remove this rank's memory copies (a clean end) when ``remove``."""
         self._bg.wait()
+        self._persister.wait()
         self._unmap()
         from ..checkpoint.save import wait_pending
 
@@ -236,6 +301,9 @@ class MemoryTier:
         (a fresh start); NoCommonStepError on every rank when state exists but no step is common to all. Also sets
         ``restored`` and ``start_step``."""
         self._bg.wait()
+        self._persister.wait()
+        self._persisting = False
+        self._unmap()  # a previous restore's mappings: an unlinked copy would keep its memory while mapped
         if self.optimizer is not None:
             self.fsdp.init_optimizer_state(self.optimizer)
         self.copies.release()
@@ -243,6 +311,15 @@ class MemoryTier:
         self.restored = Restore(self).run()
         self.start_step = self.restored.step if self.restored is not None else 0
         return self.restored
+
+    def unmap(self) -> None:
+        """Drop this process's mappings of the copies (the files stay): what a restarted process starts from.
+        Unmapping costs time (page tables of the whole copy), which is why a restore defers its own."""
+        self._bg.wait()
+        self._persister.wait()
+        self.copies.release()
+        self._layout = None
+        self._unmap()
 
     def unmap_later(self, found: list) -> None:
         self._unmap_later.extend(found)

@@ -3,14 +3,17 @@
 Order, on every rank:
 
 1. *scan* the rank's own copy and the copy it holds for its partner: prefix, "valid" flag, header checksum, job
-   id, world size, rank and the model's records (cheap: no data is read);
-2. *agree* (agreement.py) on the step and every rank's source from everyone's scan;
-3. *transfer* the peer copies that are needed (holder -> owner, into the owner's own slot);
-4. *check* the copy each rank will use: every chunk checksum, then decode its non-tensor state; the verdicts are
-   exchanged before any tensor is written. A copy found corrupt here is excluded and the round starts again
-   (another source: the peer copy, an older common step, storage), so only the copies actually used are read
-   twice; any other failure is raised on every rank (the same named error);
-5. *write* every tensor in place and apply the non-tensor state.
+   id, world size, rank and the model's records; the own copy also every chunk checksum and its non-tensor state
+   (decoded): a corrupt own copy is reported as absent, so the agreement already routes around it;
+2. *agree* (agreement.py) on the step and every rank's source from everyone's scan (any other failure of a scan
+   is raised on every rank, the same named error);
+3. only when some rank restores from a peer copy: *transfer* it (holder -> owner, into the owner's own slot),
+   *check* it (checksums, non-tensor state) and exchange the verdicts before any tensor is written. A copy found
+   corrupt here is excluded and the round starts again (another source: an older common step, storage);
+4. *write* every tensor in place and apply the non-tensor state.
+
+Why the own copy is checked in the scan: a restore from the rank's own memory then needs one exchange (the
+agreement), not two; the copies are read once (checksums) and once more to write them.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class Restore:
         self.marks = [("start", time.perf_counter())]
         self.excluded: set[str] = set()  # this rank's copies found corrupt in an earlier round
         self.found: dict = {}
+        self.apply_own = None  # the own copy's checked non-tensor state (decode_values), set by the scan
 
     def mark(self, name: str) -> None:
         self.marks.append((name, time.perf_counter()))
@@ -66,6 +70,7 @@ class Restore:
         for slot, *_rest in self.found.values():
             slot.close()
         self.found = {}
+        self.apply_own = None
 
     # ------------------------------------------------------------------ 1. scan
     def _open(self, name: str, path: str, owner: int, layout) -> None:
@@ -73,16 +78,27 @@ class Restore:
             return
         try:
             expect = dict(self.tier.expect(), rank=owner)  # a held copy may be sent: DLPack needs it writable
-            self.found[name] = read_copy(path, expect, layout, writable=name == "held", verify=False)
+            own = name == "own"
+            self.found[name] = read_copy(path, expect, layout, writable=not own, verify=own)
+            if own:
+                tier, header = self.tier, self.found[name][1]
+                self.apply_own = decode_values(tier.fsdp, tier.optimizer, header["values"], f"memory copy {path}")
         except (InvalidMemoryCopyError, OSError) as e:
+            copy = self.found.pop(name, None)
+            if copy is not None:
+                copy[0].close()
             logger.warning("memory tier: rank %d skips %s: %s", self.rank, "its own copy" if name == "own" else
                            "the peer copy it holds", e)  # fmt: skip
 
     def scan(self, layout) -> dict:
         copies = self.tier.copies
-        self._open("own", copies.own_path(), self.rank, layout)
-        if self.tier.source is not None:
-            self._open("held", copies.peer_path(), self.tier.source, None)
+        error = None
+        try:
+            self._open("own", copies.own_path(), self.rank, layout)
+            if self.tier.source is not None:
+                self._open("held", copies.peer_path(), self.tier.source, None)
+        except Exception as e:  # noqa: BLE001 - raised on every rank after the agreement's exchange
+            error = (type(e).__name__, str(e))
         root = self.tier.durable_root
         held = self.found.get("held")
         own = self.found.get("own")
@@ -91,6 +107,7 @@ class Restore:
             "held": [self.tier.source, held[1]["step"]] if held else None,
             "held_size": held[0].size if held else 0,
             "storage": committed_steps(root),
+            "error": error,
         }
 
     # ------------------------------------------------------------------ driver
@@ -102,6 +119,10 @@ class Restore:
             self.mark("scan")
             reports = tier.fsdp.comm.all_gather_object(report)
             self.mark("agree")
+            for r, rep in enumerate(reports):
+                if rep["error"] is not None:
+                    self.close_found()
+                    raise rebuild_remote_error(*rep["error"], r)
             try:
                 decision = agreement.decide(reports)
             except MemoryTierError:
@@ -144,6 +165,7 @@ class Restore:
         recv_slot = None
         if kind == agreement.PEER:
             stale = self.found.pop("own", None)
+            self.apply_own = None
             if stale is not None:
                 stale[0].close()
             path = self.tier.copies.own_path()
@@ -151,6 +173,7 @@ class Restore:
                 os.unlink(path)
             size = reports[decision.holders[self.rank]]["held_size"]
             recv_slot = Slot.allocate(path, 0, size - HEADER_OFF)
+            self.mark("allocate")
         try:
             peers.transfer(self.tier.tier_group(), self.rank, transfers, send, recv_slot and recv_slot.buf)
         finally:
@@ -170,6 +193,8 @@ class Restore:
         if copy is None or copy[1]["step"] != decision.step:
             raise InvalidMemoryCopyError(f"rank {self.rank}: no copy of step {decision.step} after the transfers")
         slot, header, doff, dlen = copy
+        if self.apply_own is not None:  # checked by the scan
+            return copy, self.apply_own
         slot.verify(header, doff, dlen)
         tier = self.tier
         apply = decode_values(tier.fsdp, tier.optimizer, header["values"], f"memory copy {slot.path}")
@@ -187,8 +212,13 @@ class Restore:
         except Exception as e:  # noqa: BLE001 - every rank must reach the exchange
             status = (type(e).__name__, str(e))
         self.mark("check")
-        verdicts = self.tier.fsdp.comm.all_gather_object(status)
-        self.mark("verdict")
+        if agreement.PEER not in decision.sources:  # every rank's own copy, checked by the scan: nothing can fail
+            if status is not None:  # pragma: no cover - a bug, not a copy's fault
+                raise MemoryTierError(f"rank {self.rank}: restore from its checked copy failed: {status[1]}")
+            verdicts = [None]
+        else:
+            verdicts = self.tier.fsdp.comm.all_gather_object(status)
+            self.mark("verdict")
         failed = [(r, v) for r, v in enumerate(verdicts) if v is not None]
         if failed:
             self.close_found()

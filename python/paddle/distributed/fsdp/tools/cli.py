@@ -233,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT", help="output checkpoint directory (must not exist, or be empty)")
     p.add_argument("--unique-id", type=_version, default=None, help="version to convert (default: the newest)")
     p.set_defaults(func=cmd_import_stock)
+
+    from .flush_cmd import add_flush_memory  # the memory tier's command (memtier/flush.py)
+
+    add_flush_memory(sub, common)
     return parser
 
 

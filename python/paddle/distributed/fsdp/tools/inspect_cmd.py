@@ -24,6 +24,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """A JSON-serialisable description of the checkpoint at ``path`` (raises the engine's CheckpointError)."""
     path = resolve_checkpoint_path(path)
     md = read_metadata(path)
+    md.prefetch(list(md.tensors))  # every key's pieces are listed: read the rows at once (format 2)
     roles = classify_keys(md)
     buffers = buffer_keys(md)
     tensors: dict[str, Any] = {}

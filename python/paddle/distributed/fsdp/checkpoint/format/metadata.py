@@ -1,7 +1,9 @@
 """Checkpoint metadata: the schema of ``metadata.json`` (dataclasses, JSON (de)serialization, validation) and
 the names of the files of a checkpoint directory.
 
-``metadata.json`` (schema version 1) is the only index of a checkpoint; loading never unpickles anything::
+``metadata.json`` (schema version 1) is the only index of a format-1 checkpoint (the one-process writers of the
+tools still write it; collective saves write format 2, format/index.py: the same fields without the checksums,
+the pieces in index objects read by key); loading never unpickles anything::
 
     {
       "format": "paddle-fsdp-checkpoint", "version": 1,
@@ -230,6 +232,13 @@ class CheckpointMetadata:
     tensors: dict[str, TensorMeta] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     version: int = FORMAT_VERSION
+    # format 2 (format/index.py): reads piece rows and checksums on demand; None for a format-1 checkpoint
+    index: Any = field(default=None, repr=False, compare=False)
+
+    def prefetch(self, keys) -> None:
+        """Read the pieces of ``keys`` now, in as few reads as possible (format 2; nothing to do in format 1)."""
+        if self.index is not None:
+            self.index.load(keys)
 
     def to_json(self) -> dict:
         return {
@@ -251,13 +260,19 @@ class CheckpointMetadata:
 
     @classmethod
     @gc_paused()
-    def loads(cls, data: bytes, where: str = "metadata.json") -> CheckpointMetadata:
+    def loads(cls, data: bytes, where: str = "metadata.json", fetch=None) -> CheckpointMetadata:
         """Parse and check ``metadata.json``: strict bounded JSON (strict_json.py), every field typed
-        (schema.py), then the structure (``validate``); MetadataError naming the field otherwise."""
+        (schema.py), then the structure (``validate``); MetadataError naming the field otherwise. A format-2
+        ``metadata.json`` (format/index.py) reads its index objects through ``fetch(name, offset, length)``."""
         from .schema import parse_metadata
         from .strict_json import loads_strict
 
-        md = parse_metadata(loads_strict(data, where, _SCHEMA_TYPED), where, FORMAT_NAME, FORMAT_VERSION)
+        d = loads_strict(data, where, _SCHEMA_TYPED)
+        if type(d) is dict and d.get("format") == FORMAT_NAME and type(d.get("version")) is int and d["version"] == 2:
+            from .index import open_v2
+
+            return open_v2(d, where, fetch)
+        md = parse_metadata(d, where, FORMAT_NAME, FORMAT_VERSION)
         md.validate(where)
         return md
 

@@ -97,7 +97,9 @@ def parse_metadata(d: Any, where: str, format_name: str, version: int):
     if type(d) is not dict or d.get("format") != format_name:
         raise NotACheckpointError(f"{where} is not a {format_name} metadata file")
     if d.get("version") != version or type(d.get("version")) is not int:
-        raise MetadataError(f"{where}: unsupported format version {d.get('version')!r} (this build reads {version})")
+        raise MetadataError(
+            f"{where}: unsupported format version {d.get('version')!r} (this build reads {version} and 2)"
+        )
     files = {}
     for name, fm in f.obj(f.get(d, "files", "files"), "files").items():
         fd = f.obj(fm, f"files[{name!r}]")

@@ -1,0 +1,202 @@
+"""Flush: the newest memory checkpoint in a node's memory root(s) written to durable storage from ONE process,
+after a crash (``paddle-fsdp-ckpt flush-memory``; also before a restart, by the launcher or a job script).
+
+Why a command: after a crash no training process is left to persist a step that reached memory but not
+storage; the copies survive in ``/dev/shm`` (a tmpfs), and with the peer copies one node's root usually holds
+every rank's state (its ranks' own copies and its partner node's). Give every root that is reachable.
+
+Which step: the newest step for which EVERY rank of the job has a copy (its own, or the one its partner holds)
+whose header, job, world size and every chunk checksum check out; a copy that does not is skipped with a
+warning (the rank's other copy, or an older step, is used). A step storage already has is not written again.
+
+What is written: the checkpoint the job's collective save would have written at that step (persist.py): the
+engine's planner assigns and lays out every rank's file from the copies' record descriptions, each rank file
+is written from its copy's mapped bytes (one piece at a time, checksummed on the way), then ``metadata.json``
+and ``COMMIT`` last, in a staging directory renamed to ``<durable_root>/step_<N>``; then ``latest`` names it.
+Local storage only (the tools' one-process writer).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..checkpoint import checksums, writer
+from ..checkpoint.directory import committed_steps, prune, step_dir_name
+from ..checkpoint.format.metadata import LATEST_FILE, FileMeta
+from ..checkpoint.format.reserved import RNG_KEY
+from ..checkpoint.io.storage import backend_for
+from ..checkpoint.planner import RecordDesc, assign_writes, lay_out_files, merged_values
+from .copies import read_copy
+from .errors import InvalidMemoryCopyError, MemoryTierError, NoCommonStepError
+from .persist import records_of
+from .slot import Slot
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FlushResult:
+    """What ``flush_memory`` did: ``path`` is the checkpoint written (None: nothing newer than storage)."""
+
+    job: str
+    world: int
+    step: int
+    path: str | None
+    sources: dict[int, str] = field(default_factory=dict)  # rank -> the copy file used
+    nbytes: int = 0
+
+
+def _scan(roots: list[str], job: str | None) -> tuple[str, list[tuple[str, dict]]]:
+    """(job, [(path, header)]) of every copy of one job under ``roots`` with a valid header (no data read)."""
+    by_job: dict[str, list] = {}
+    for root in roots:
+        if not os.path.isdir(root):
+            raise MemoryTierError(f"memory root {root} is not a directory")
+        for name in sorted(os.listdir(root)):
+            if job is not None and name != job or not os.path.isdir(os.path.join(root, name)):
+                continue
+            for fname in sorted(os.listdir(os.path.join(root, name))):
+                path = os.path.join(root, name, fname)
+                if not fname.endswith((".own", ".peer")):
+                    continue
+                slot = Slot.open(path)
+                try:
+                    header, _off, _len = slot.header()
+                    by_job.setdefault(name, []).append((path, header))
+                except InvalidMemoryCopyError as e:
+                    logger.warning("skipping %s: %s", path, e)
+                finally:
+                    slot.close()
+    if not by_job:
+        raise MemoryTierError(f"no valid memory copy{f' of job {job!r}' if job else ''} under {', '.join(roots)}")
+    if len(by_job) > 1:
+        raise MemoryTierError(f"memory copies of several jobs under the roots: {sorted(by_job)}; choose one with --job")
+    return next(iter(by_job.items()))
+
+
+def _choose(job: str, found: list[tuple[str, dict]], step: int | None) -> tuple[int, int, list]:
+    """(world, step, per rank its verified copy (slot, header, data_off, data_len)): the newest step (or
+    ``step``) every rank has a verified copy of; NoCommonStepError otherwise."""
+    candidates = sorted({(h["step"], h["world"]) for _p, h in found if step is None or h["step"] == step}, reverse=True)
+    for st, world in candidates:
+        chosen: dict[int, tuple] = {}
+        for path, h in found:
+            r = h.get("rank")
+            if h["step"] != st or h["world"] != world or r in chosen or type(r) is not int or not 0 <= r < world:
+                continue
+            try:
+                chosen[r] = read_copy(path, {"job": job, "world": world, "rank": r, "step": st}, None)
+            except InvalidMemoryCopyError as e:
+                logger.warning("skipping %s: %s", path, e)
+        if len(chosen) == world:
+            return world, st, [chosen[r] for r in range(world)]
+        for copy in chosen.values():
+            copy[0].close()
+        logger.info("step %d: copies of ranks %s only (world %d)", st, sorted(chosen), world)
+    have = sorted({(h["step"], h["rank"]) for _p, h in found})
+    raise NoCommonStepError(
+        f"job {job}: no step{'' if step is None else f' {step}'} has a valid memory copy of every rank in these "
+        f"roots (copies found, (step, rank): {have}); give the memory roots of the other nodes too"
+    )
+
+
+def _write(staging: str, copies: list, on_bytes, on_total) -> int:
+    """Write every rank's file from its copy into ``staging``, then metadata.json and COMMIT (the tools'
+    one-process writer, so its index is the one every tool writes). Returns the bytes of the data files."""
+    from ..tools.ckpt_io import CheckpointWriter
+
+    out = CheckpointWriter(staging)
+    digest = checksums.digest_function(out.checksum) if out.checksum != checksums.NONE else None
+    wires, per_rank = [], []
+    for slot, header, _off, _len in copies:
+        pairs = records_of(header, f"memory copy {slot.path}")
+        wires.append([RecordDesc.from_wire(desc.to_wire()).to_wire() for _rec, desc in pairs])
+        per_rank.append(dict(header["values"], **{RNG_KEY: None}))
+    values = merged_values(per_rank)
+    plan = lay_out_files(assign_writes(wires, values), values, out.checkpoint_id)
+    values[RNG_KEY] = [h["values"].get(RNG_KEY) for _s, h, _o, _n in copies]
+    if on_total is not None:
+        on_total(sum(layout.size - len(layout.header) for layout in plan.files.values()))
+    for r, (slot, header, doff, dlen) in enumerate(copies):
+        layout, data = plan.files[r], slot.data(doff, dlen)
+        where = {rec[0]: (rec[3], rec[4]) for rec in header["records"]}
+        pieces = []
+        for key, piece in layout.pieces:
+            off, nbytes = where[key]
+            if nbytes != piece.nbytes:
+                raise InvalidMemoryCopyError(f"memory copy {slot.path}: record {key!r} has {nbytes} bytes, "
+                                             f"the plan {piece.nbytes}")  # fmt: skip
+            pieces.append(_producer(data[off : off + nbytes], on_bytes))
+        size, sums = writer.write_rank_file(os.path.join(staging, layout.name), layout.header, pieces,
+                                            out.chunk_bytes, digest)  # fmt: skip
+        if size != layout.size:
+            raise MemoryTierError(f"{layout.name}: wrote {size} bytes, expected {layout.size}")
+        for (_key, piece), piece_sums in zip(layout.pieces, sums):
+            piece.checksums = [int(c) for c in piece_sums]
+        out.files[layout.name] = FileMeta(rank=r, size=size)
+    out.tensors = dict(plan.tensors)
+    out.commit(values)
+    return sum(f.size for f in out.files.values())
+
+
+def _producer(arr, on_bytes):
+    def produce():
+        if on_bytes is not None:
+            on_bytes(arr.nbytes)
+        return arr, None
+
+    return produce
+
+
+def flush_memory(
+    roots: list[str],
+    durable_root: str,
+    *,
+    job: str | None = None,
+    step: int | None = None,
+    keep_last: int | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> FlushResult:
+    """Write the newest memory checkpoint every rank has in ``roots`` (memory roots, e.g. /dev/shm/paddle-fsdp-
+    memtier) to ``durable_root/step_<N>`` and point ``latest`` at it (see the module docstring). ``step``: that
+    step instead of the newest; ``keep_last``: then prune like CheckpointManager. Named errors: MemoryTierError
+    (no copies, several jobs, a bad root), NoCommonStepError (no step every rank has). Progress: ``on_total(n)``
+    once the plan is made (tensor bytes to write), then ``on_bytes(k)`` per piece written."""
+    from ..tools.ckpt_io import staged_output
+
+    if isinstance(roots, str) or not roots or not all(isinstance(r, str) and r for r in roots):
+        raise MemoryTierError(f"roots must be a non-empty list of memory root paths, got {roots!r}")
+    if not isinstance(durable_root, str) or not durable_root or "://" in durable_root:
+        raise MemoryTierError(f"durable_root must be a local directory path, got {durable_root!r}")
+    if step is not None and (type(step) is not int or step < 0):
+        raise MemoryTierError(f"step must be a non-negative int, got {step!r}")
+    if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+        raise MemoryTierError(f"keep_last must be an int >= 1, got {keep_last!r}")
+    durable_root = os.path.abspath(durable_root)
+    job, found = _scan(list(roots), job)
+    world, st, copies = _choose(job, found, step)
+    logger.info("job %s: step %d, every rank's copy verified: %s", job, st, ", ".join(c[0].path for c in copies))
+    result = FlushResult(job, world, st, None, {r: c[0].path for r, c in enumerate(copies)})
+    try:
+        stored = committed_steps(durable_root) if os.path.isdir(durable_root) else []
+        if stored and max(stored) >= st:
+            logger.info("storage %s already has step %d (memory: step %d): nothing to flush", durable_root,
+                        max(stored), st)  # fmt: skip
+            return result
+        name = step_dir_name(st)
+        out = os.path.join(durable_root, name)
+        with staged_output(out) as staging:
+            nbytes = _write(staging, copies, on_bytes, on_total)
+        backend_for(durable_root).put(durable_root, LATEST_FILE, f"{name}\n".encode())
+        if keep_last is not None:
+            prune(durable_root, keep_last, protect=(name,))
+        result.path, result.nbytes = out, nbytes
+        logger.info("flushed job %s step %d (world %d) to %s", job, st, world, out)
+        return result
+    finally:
+        for copy in copies:
+            copy[0].close()

@@ -1,0 +1,77 @@
+"""What one loading rank reads of a checkpoint's index does not grow with the world that saved it (format 2).
+
+The scale simulation of the benchmark (tools/ckpt_bench/scale.py) runs the engine's own save planner, the
+coordinator's index writer, ``read_metadata`` and the load planner for one rank of a virtual world in this
+process (no data bytes). Here: a small mixture-of-experts model of the benchmark's structure (FSDP unit per
+decoder layer, fp32 master + AdamW moments), saved by 4 and by 64 ranks and loaded by the same worlds.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
+from ckpt_bench import scale  # noqa: E402
+
+MODEL = "tiny-moe"
+PER_FILE = 40  # bytes of metadata.json per data file: its size and checksum count as JSON numbers
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    out = {}
+    for world in (4, 64):
+        d = tmp_path_factory.mktemp(f"w{world}")
+        out[world] = (d, scale.save_side(MODEL, world, str(d), 256))
+    return out
+
+
+def _reads(saved, world: int) -> list[dict]:
+    d, _save = saved[world]
+    return [scale.load_rank(str(d), MODEL, world, r) for r in sorted({0, 1, world // 2, world - 1})]
+
+
+def test_index_bytes_a_rank_reads_do_not_grow_with_the_world(saved):
+    small, large = _reads(saved, 4), _reads(saved, 64)
+    grown = max(x["index_bytes"] for x in large) - max(x["index_bytes"] for x in small)
+    assert grown <= (64 - 4) * PER_FILE, (small, large)  # the files table only
+    # the index files themselves (metadata.json, index.keys, index.pieces) are the only index objects read,
+    # plus the checksum sidecars of the files the rank reads (its own ranges): a handful, not the world
+    assert max(x["index_objects"] for x in large) == 3
+    assert max(x["objects"] for x in large) <= 3 + 4
+    # its own checksums shrink with its share
+    assert max(x["sums_bytes"] for x in large) < max(x["sums_bytes"] for x in small)
+
+
+def test_the_measure_sees_a_reader_that_reads_every_piece(saved):
+    """Control: the rows of every key (what a format-1 reader parses whole) grow with the world, and the measure
+    shows it: reading them all costs more at 64 ranks than at 4 by far more than the files table."""
+    from paddle.distributed.fsdp.checkpoint import read_metadata
+
+    def all_rows(world):
+        md = read_metadata(str(saved[world][0]))
+        md.prefetch(list(md.tensors))
+        return md.index.fetch.bytes
+
+    assert all_rows(64) - all_rows(4) > 10 * (64 - 4) * PER_FILE
+    assert saved[64][1]["pieces"] > 2 * saved[4][1]["pieces"]
+
+
+def test_checksum_chunk_follows_the_pieces_of_large_worlds():
+    """Below 256 ranks saves keep 256 KiB chunks; from there the chunk is about 1/16 of the mean piece (within
+    16-256 KiB), so a resharded verified load reads at most two small chunks beyond each of its ranges."""
+    from paddle.distributed.fsdp.checkpoint.planner import WriteAssignment, chunk_for
+
+    def assignment(world: int, piece_bytes: int) -> WriteAssignment:
+        n = piece_bytes // 4 * world
+        return WriteAssignment([("w", "float32", (n,))], {r: [("w", None)] for r in range(world)})
+
+    assert chunk_for(assignment(8, 1 << 20)) == 256 << 10
+    assert chunk_for(assignment(256, 1 << 20)) == 64 << 10
+    assert chunk_for(assignment(512, 2 << 20)) == 128 << 10
+    assert chunk_for(assignment(8192, 64 << 20)) == 256 << 10
+    assert chunk_for(assignment(8192, 1 << 10)) == 16 << 10
+    assert chunk_for(assignment(8192, 300 << 10)) == 16 << 10  # Qwen3-30B-A3B's pieces at 8192 ranks
