@@ -21,13 +21,10 @@ import zlib
 from typing import Callable, Protocol
 
 from .errors import CheckpointError
+from .format.algorithms import CRC32, KNOWN, NONE, XXH3_64  # noqa: F401 - the names, re-exported
 
 logger = logging.getLogger(__name__)
 
-XXH3_64 = "xxh3-64"
-CRC32 = "crc32"
-NONE = "none"
-KNOWN = (XXH3_64, CRC32, NONE)
 
 DigestFn = Callable[[memoryview], int]
 

@@ -48,9 +48,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import checksums
 from ..errors import MetadataError, UnsafePathError
 from ..gc_pause import gc_paused
+from . import algorithms
 
 FORMAT_NAME = "paddle-fsdp-checkpoint"
 FORMAT_VERSION = 1
@@ -226,7 +226,7 @@ class CheckpointMetadata:
     checkpoint_id: str
     world_size: int
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    checksum: str = checksums.CRC32
+    checksum: str = algorithms.CRC32
     created_unix: float = 0.0
     files: dict[str, FileMeta] = field(default_factory=dict)
     tensors: dict[str, TensorMeta] = field(default_factory=dict)
@@ -280,7 +280,7 @@ class CheckpointMetadata:
         """Structural checks that need no data files (coverage is checked by the planner)."""
         if self.chunk_bytes <= 0:
             raise MetadataError(f"{where}: chunk_bytes must be positive")
-        if self.checksum not in checksums.KNOWN:
+        if self.checksum not in algorithms.KNOWN:
             raise MetadataError(f"{where}: unknown checksum algorithm {self.checksum!r}")
         for name, fm in self.files.items():
             check_file_name(name)
@@ -311,7 +311,7 @@ class CheckpointMetadata:
                     raise MetadataError(f"{where}: key {key!r} piece byte size does not match its elements")
                 if p.offset < 0 or p.offset + p.nbytes > self.files[p.file].size:
                     raise MetadataError(f"{where}: key {key!r} piece lies outside file {p.file}")
-                if self.checksum != checksums.NONE:
+                if self.checksum != algorithms.NONE:
                     want = -(-p.nbytes // self.chunk_bytes)
                     if len(p.checksums) != want:
                         raise MetadataError(
