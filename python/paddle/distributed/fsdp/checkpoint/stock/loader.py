@@ -125,6 +125,37 @@ def load_indexed(
 ) -> list[str]:
     """Load ``index`` into ``state_dict`` in place (collective); returns the target keys the checkpoint lacked."""
     group = Comm(process_group)
+    targets, plan, missing = _plan_load(group, state_dict, index, aoa_config, mw_name_compatibility)
+    if missing:
+        logger.warning("keys %s are not in the checkpoint %s and were left unchanged", sorted(missing), index.root)
+
+    data = PieceData(index)
+    wanted: dict[tuple, Piece] = {}
+    for items in plan.values():
+        for a in items:
+            for p in pieces_overlapping(index, a.src_key, a.src_offset, a.src_shape):
+                wanted[_piece_id(a.src_key, p)] = p
+    remote = _fetch_remote(group, index, data, wanted)
+
+    def fetch(key: str, piece: Piece) -> np.ndarray:
+        pid = _piece_id(key, piece)
+        return remote[pid] if pid in remote else data.read(key, piece)
+
+    err: BaseException | None = None
+    staged: list[tuple[Target, np.ndarray, np.ndarray | None]] = []
+    try:
+        staged = _stage(targets, plan, index, fetch)
+        data.close()
+    except Exception as e:
+        err = e
+    gather_errors(group, err)
+    for t, box, covered in staged:
+        _write_back(t, box, covered)
+    return missing
+
+
+def _plan_load(group: Comm, state_dict: dict, index: PieceIndex, aoa_config, mw_name_compatibility: bool):
+    """``(targets, plan, missing)`` of a load, decided on every rank; an error on any rank is raised on all."""
     err: BaseException | None = None
     targets: list[Target] = []
     plan: dict[str, list[Assignment]] = {}
@@ -152,65 +183,53 @@ def load_indexed(
         except Exception as e:
             err = e
     gather_errors(group, err)
-    if missing:
-        logger.warning("keys %s are not in the checkpoint %s and were left unchanged", sorted(missing), index.root)
+    return targets, plan, missing
 
-    data = PieceData(index)
-    wanted: dict[tuple, Piece] = {}
-    for items in plan.values():
+
+def _stage(targets: list, plan: dict, index: PieceIndex, fetch) -> list:
+    """Every planned target's values as a host array (read box), with a coverage mask where aoa left parts
+    unmapped (None: all covered)."""
+    staged = []
+    by_key = {t.key: t for t in targets}
+    for key, items in plan.items():
+        t = by_key[key]
+        off, shape = t.read_box()
+        if len(items) == 1 and items[0].postprocess is None and tuple(items[0].src_shape) == tuple(shape):
+            a = items[0]
+            staged.append((t, assemble_box(a.src_key, index, a.src_offset, a.src_shape, fetch), None))
+            continue
+        box = np.zeros(shape, dtype=storage_dtype(t.dtype))
+        covered = np.zeros(shape, dtype=bool)
         for a in items:
-            for p in pieces_overlapping(index, a.src_key, a.src_offset, a.src_shape):
-                wanted[_piece_id(a.src_key, p)] = p
-    remote = _fetch_remote(group, index, data, wanted)
+            arr = assemble_box(a.src_key, index, a.src_offset, a.src_shape, fetch)
+            arr, dtype = postprocess(arr, index.tensors[a.src_key].dtype, a.postprocess)
+            if dtype != t.dtype:
+                raise DtypeMismatchError(f"key {key!r}: aoa_config yields {dtype}, the target is {t.dtype}")
+            sl = tuple(slice(o, o + s) for o, s in zip(a.dst_offset, arr.shape))
+            if box[sl].shape != arr.shape:
+                raise ShapeMismatchError(
+                    f"key {key!r}: aoa_config places a {list(arr.shape)} block at {list(a.dst_offset)} of a "
+                    f"{list(shape)} target"
+                )
+            box[sl] = arr
+            covered[sl] = True
+        staged.append((t, box, None if covered.all() else covered))
+    return staged
 
-    def fetch(key: str, piece: Piece) -> np.ndarray:
-        pid = _piece_id(key, piece)
-        return remote[pid] if pid in remote else data.read(key, piece)
 
-    staged: list[tuple[Target, np.ndarray, np.ndarray | None]] = []
-    try:
-        by_key = {t.key: t for t in targets}
-        for key, items in plan.items():
-            t = by_key[key]
-            off, shape = t.read_box()
-            if len(items) == 1 and items[0].postprocess is None and tuple(items[0].src_shape) == tuple(shape):
-                a = items[0]
-                staged.append((t, assemble_box(a.src_key, index, a.src_offset, a.src_shape, fetch), None))
-                continue
-            box = np.zeros(shape, dtype=storage_dtype(t.dtype))
-            covered = np.zeros(shape, dtype=bool)
-            for a in items:
-                arr = assemble_box(a.src_key, index, a.src_offset, a.src_shape, fetch)
-                arr, dtype = postprocess(arr, index.tensors[a.src_key].dtype, a.postprocess)
-                if dtype != t.dtype:
-                    raise DtypeMismatchError(f"key {key!r}: aoa_config yields {dtype}, the target is {t.dtype}")
-                sl = tuple(slice(o, o + s) for o, s in zip(a.dst_offset, arr.shape))
-                if box[sl].shape != arr.shape:
-                    raise ShapeMismatchError(
-                        f"key {key!r}: aoa_config places a {list(arr.shape)} block at {list(a.dst_offset)} of a "
-                        f"{list(shape)} target"
-                    )
-                box[sl] = arr
-                covered[sl] = True
-            staged.append((t, box, None if covered.all() else covered))
-        data.close()
-    except Exception as e:
-        err = e
-    gather_errors(group, err)
-
-    for t, box, covered in staged:
-        flat = box.reshape(-1)
-        fs = t.flat_slice()
-        if covered is not None:  # aoa left parts of the target unmapped: keep their current values
-            current = np.ascontiguousarray(t.tensor.numpy()).reshape(-1).view(storage_dtype(t.dtype))
-            mask = covered.reshape(-1)
-            if fs is not None:
-                flat, mask = flat[fs], mask[fs]
-            flat = np.where(mask, flat, current)
-        elif fs is not None:
-            flat = flat[fs]
-        _assign(t.tensor, to_paddle(flat, t.dtype))
-    return missing
+def _write_back(t, box: np.ndarray, covered: np.ndarray | None) -> None:
+    """Copy a staged box into its target (its own slice of it); unmapped parts keep their current values."""
+    flat = box.reshape(-1)
+    fs = t.flat_slice()
+    if covered is not None:
+        current = np.ascontiguousarray(t.tensor.numpy()).reshape(-1).view(storage_dtype(t.dtype))
+        mask = covered.reshape(-1)
+        if fs is not None:
+            flat, mask = flat[fs], mask[fs]
+        flat = np.where(mask, flat, current)
+    elif fs is not None:
+        flat = flat[fs]
+    _assign(t.tensor, to_paddle(flat, t.dtype))
 
 
 def _assign(dst, src) -> None:
