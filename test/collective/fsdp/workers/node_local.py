@@ -31,6 +31,7 @@ import paddle.distributed.fsdp.checkpoint as ck
 from launch_util import report
 from models import global_batches, local_part, make_model
 from paddle.distributed.fsdp import FullyShardFusion
+from state_compare import assert_bit_equal, host_values
 
 
 def build(seed: int, steps: int):
@@ -53,20 +54,10 @@ def state_of(fsdp, opt) -> dict:
     return state
 
 
-def values(state: dict) -> dict[str, np.ndarray]:
-    return {k: np.array(getattr(v, "local_tensor", v).numpy()) for k, v in state.items()}
-
-
-def same(got: dict, want: dict, what: str) -> None:
-    assert sorted(got) == sorted(want), f"{what}: keys differ"
-    for k in want:
-        assert np.array_equal(got[k].view(np.uint8), want[k].view(np.uint8)), f"{what}: {k} differs"
-
-
 def perrank(work: str) -> None:
     rank = dist.get_rank()
     fsdp, opt = build(seed=3, steps=2)
-    saved = values(state_of(fsdp, opt))
+    saved = host_values(state_of(fsdp, opt))
     full = {k: np.array(v.numpy()) for k, v in fsdp.full_parameters().items()}
     mine = os.path.join(work, f"node{rank}", "ckpt")
     ck.save_state_dict(state_of(fsdp, opt), mine)
@@ -96,10 +87,10 @@ def perrank(work: str) -> None:
     fsdp2, opt2 = build(seed=11, steps=1)
     target = state_of(fsdp2, opt2)
     ck.load_state_dict(target, gathered)
-    same(values(target), saved, "world size 2")
+    assert_bit_equal(host_values(target), saved, "world size 2")
     if rank == 0:  # world size 1: one process reads the whole checkpoint
         got = ck.load_full_state_dict(gathered, list(full))
-        same({k: np.array(v.numpy()).reshape(full[k].shape) for k, v in got.items()}, full, "world size 1")
+        assert_bit_equal({k: np.array(v.numpy()).reshape(full[k].shape) for k, v in got.items()}, full, "world size 1")
     assert ck.verify_checkpoint(gathered) == []
     dist.barrier()
 
@@ -130,7 +121,9 @@ def kill(root: str) -> None:
     out["latest"] = os.path.basename(manager.latest() or "")
     out["step2_exists"] = os.path.exists(manager.path_for(2))
     got = ck.load_full_state_dict(manager.path_for(1), list(full))
-    same({k: np.array(v.numpy()).reshape(full[k].shape) for k, v in got.items()}, full, "step 1 after the kill")
+    assert_bit_equal(
+        {k: np.array(v.numpy()).reshape(full[k].shape) for k, v in got.items()}, full, "step 1 after the kill"
+    )
     out["step1_verify"] = ck.verify_checkpoint(manager.path_for(1))
     report(out)
     sys.stdout.flush()

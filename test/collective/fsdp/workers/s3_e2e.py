@@ -34,6 +34,7 @@ from models import global_batches, local_part, make_model
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 from paddle.distributed.fsdp import FullyShardFusion
 from paddle.distributed.fsdp.checkpoint.io import backend_for
+from state_compare import assert_bit_equal, host_values
 
 BIG_ROWS, BIG_COLS = 768, 2048  # rows per rank: 6 MiB of float32 per rank, above the 5 MiB part size
 
@@ -63,16 +64,6 @@ def state_of(fsdp, opt, seed: int) -> dict:
     return state
 
 
-def values(state: dict) -> dict[str, np.ndarray]:
-    return {k: np.array(getattr(v, "local_tensor", v).numpy()) for k, v in state.items()}
-
-
-def same(got: dict, want: dict, what: str) -> None:
-    assert sorted(got) == sorted(want), f"{what}: keys differ"
-    for k in want:
-        assert np.array_equal(got[k].view(np.uint8), want[k].view(np.uint8)), f"{what}: {k} differs"
-
-
 def fresh_target(seed: int) -> dict:
     fsdp, opt = build(seed=seed, steps=1)
     return state_of(fsdp, opt, seed)
@@ -81,15 +72,15 @@ def fresh_target(seed: int) -> dict:
 def roundtrip(url: str, local: str) -> None:
     fsdp, opt = build(seed=3, steps=2)
     state = state_of(fsdp, opt, 3)
-    saved = values(state)
+    saved = host_values(state)
     ck.save_state_dict(state, url)
     ck.save_state_dict(state, local)
     for where in (url, local):  # S3 against local: both give the saved bytes back, bounded and atomic
         for atomic in (False, True):
             target = fresh_target(11)
-            assert not np.array_equal(values(target)["big"], saved["big"])
+            assert not np.array_equal(host_values(target)["big"], saved["big"])
             ck.load_state_dict(target, where, atomic=atomic)
-            same(values(target), saved, f"{where} atomic={atomic}")
+            assert_bit_equal(host_values(target), saved, f"{where} atomic={atomic}")
     root = f"{url}-mgr"
     manager = ck.CheckpointManager(root, keep_last=2)
     for step in (1, 2, 3):
@@ -101,19 +92,19 @@ def roundtrip(url: str, local: str) -> None:
     assert storage.list(manager.path_for(1)) == [], "rotation left step 1's objects"
     target = fresh_target(12)
     manager.load_latest(target)
-    same(values(target), values(state_of(fsdp, opt, 6)), "load_latest")
+    assert_bit_equal(host_values(target), host_values(state_of(fsdp, opt, 6)), "load_latest")
     # the model-level entry points and the stock dispatch (paddle.distributed.*) on s3:// too
     fsdp.save_checkpoint(f"{url}-fsdp", optimizer=opt, step=4, keep_last=1, extra_state={"step": 4})
     fsdp2, opt2 = build(seed=13, steps=1)
     result = fsdp2.load_checkpoint(f"{url}-fsdp", optimizer=opt2)
     assert result.step == 4 and result["step"] == 4, (result.step, dict(result))
-    want = values(state_of(fsdp, opt, 3))
-    got = values(state_of(fsdp2, opt2, 3))
-    same(got, want, "FullyShardFusion.load_checkpoint")
+    want = host_values(state_of(fsdp, opt, 3))
+    got = host_values(state_of(fsdp2, opt2, 3))
+    assert_bit_equal(got, want, "FullyShardFusion.load_checkpoint")
     paddle.distributed.save_state_dict(state, f"{url}-stock", safetensors=True)
     target = fresh_target(14)
     paddle.distributed.load_state_dict(target, f"{url}-stock")
-    same(values(target), saved, "paddle.distributed.load_state_dict")
+    assert_bit_equal(host_values(target), saved, "paddle.distributed.load_state_dict")
     dist.barrier()
     report({"roundtrip": "ok"})
 
