@@ -181,6 +181,7 @@ def _clean_env(extra: Mapping[str, str] | None, result_dir: Path, port_range: st
     env[RESULT_DIR_ENV] = str(result_dir)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a worker that crashes in native code logs its Python stack
     if extra:
         env.update({k: str(v) for k, v in extra.items()})
     return env
