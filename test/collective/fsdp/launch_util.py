@@ -89,6 +89,18 @@ def run_cases(cases: dict, *args, results: dict | None = None) -> dict:
     return results
 
 
+def worker_main(cases: dict) -> None:
+    """Worker side: join the launch's process group, run every ``case(rank, world, figures)`` and report the
+    outcomes with the figures the cases filled in."""
+    import paddle.distributed as dist
+
+    if dist.get_world_size() > 1:
+        dist.init_parallel_env()
+    results: dict = {"figures": {}}
+    run_cases(cases, dist.get_rank(), dist.get_world_size(), results["figures"], results=results)
+    report(results)
+
+
 def _port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:

@@ -9,8 +9,7 @@ from __future__ import annotations
 import _paths  # noqa: F401  (puts launch_util on sys.path)
 import numpy as np
 import paddle
-import paddle.distributed as dist
-from launch_util import report, run_cases
+from launch_util import worker_main
 from models import TinyLM
 from paddle.base import core
 from paddle.distributed.fsdp import FullyShardFusion
@@ -130,14 +129,5 @@ CASES = {
 }
 
 
-def main() -> None:
-    if dist.get_world_size() > 1:
-        dist.init_parallel_env()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    results: dict = {"figures": {}}
-    run_cases(CASES, rank, world, results["figures"], results=results)
-    report(results)
-
-
 if __name__ == "__main__":
-    main()
+    worker_main(CASES)

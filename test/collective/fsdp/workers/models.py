@@ -105,3 +105,22 @@ class Bf16MLP(paddle.nn.Layer):
         h = F.gelu(paddle.matmul(h, self.w1.astype("float32")) + self.b1.astype("float32"))
         logits = paddle.matmul(h, self.w2.astype("float32"))
         return F.cross_entropy(logits.reshape([-1, VOCAB]), labels.reshape([-1, 1])).mean()
+
+
+def trained_fsdp(seed: int, steps: int):
+    """A FullyShardFusion TinyLM (one unit per Block) and its AdamW after ``steps`` steps on this rank's part of
+    the seeded global batches: the same state on every run with the same seed and world."""
+    import paddle.distributed as dist
+    from paddle.distributed.fsdp import FullyShardFusion
+
+    paddle.seed(seed)
+    model = make_model(seed)
+    fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"])
+    opt = paddle.optimizer.AdamW(0.01, parameters=model.parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for ids, labels in global_batches(steps, 8, seed=seed):
+        loss = model(paddle.to_tensor(local_part(ids, rank, world)), paddle.to_tensor(local_part(labels, rank, world)))
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+    return fsdp, opt

@@ -25,27 +25,11 @@ import traceback
 
 import _paths  # noqa: F401  (puts launch_util on sys.path)
 import numpy as np
-import paddle
 import paddle.distributed as dist
 import paddle.distributed.fsdp.checkpoint as ck
 from launch_util import report
-from models import global_batches, local_part, make_model
-from paddle.distributed.fsdp import FullyShardFusion
+from models import trained_fsdp
 from state_compare import assert_bit_equal, host_values
-
-
-def build(seed: int, steps: int):
-    paddle.seed(seed)
-    model = make_model(seed)
-    fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"])
-    opt = paddle.optimizer.AdamW(0.01, parameters=model.parameters())
-    rank, world = dist.get_rank(), dist.get_world_size()
-    for ids, labels in global_batches(steps, 8, seed=seed):
-        loss = model(paddle.to_tensor(local_part(ids, rank, world)), paddle.to_tensor(local_part(labels, rank, world)))
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-    return fsdp, opt
 
 
 def state_of(fsdp, opt) -> dict:
@@ -56,7 +40,7 @@ def state_of(fsdp, opt) -> dict:
 
 def perrank(work: str) -> None:
     rank = dist.get_rank()
-    fsdp, opt = build(seed=3, steps=2)
+    fsdp, opt = trained_fsdp(seed=3, steps=2)
     saved = host_values(state_of(fsdp, opt))
     full = {k: np.array(v.numpy()) for k, v in fsdp.full_parameters().items()}
     mine = os.path.join(work, f"node{rank}", "ckpt")
@@ -69,7 +53,7 @@ def perrank(work: str) -> None:
         assert names == ["1_0.safetensors", "1_0.safetensors.sums"], names
     assert not [n for n in os.listdir(os.path.dirname(mine)) if ".tmp-" in n], "staging left behind"
     # each rank's own directory alone: the metadata is only on rank 0's, so the load is refused everywhere
-    other, _ = build(seed=9, steps=1)
+    other, _ = trained_fsdp(seed=9, steps=1)
     try:
         ck.load_state_dict(other.sharded_state_dict(), mine)
     except ck.CheckpointError as e:
@@ -84,7 +68,7 @@ def perrank(work: str) -> None:
         for name in ("1_0.safetensors", "1_0.safetensors.sums"):
             shutil.copy2(os.path.join(work, "node1", "ckpt", name), gathered)
     dist.barrier()
-    fsdp2, opt2 = build(seed=11, steps=1)
+    fsdp2, opt2 = trained_fsdp(seed=11, steps=1)
     target = state_of(fsdp2, opt2)
     ck.load_state_dict(target, gathered)
     assert_bit_equal(host_values(target), saved, "world size 2")
@@ -97,7 +81,7 @@ def perrank(work: str) -> None:
 
 def kill(root: str) -> None:
     rank = dist.get_rank()
-    fsdp, opt = build(seed=5, steps=1)
+    fsdp, opt = trained_fsdp(seed=5, steps=1)
     manager = ck.CheckpointManager(root, keep_last=2)
     manager.save(1, state_of(fsdp, opt))
     full = {k: np.array(v.numpy()) for k, v in fsdp.full_parameters().items()}  # collective: before the kill

@@ -30,27 +30,12 @@ import paddle
 import paddle.distributed as dist
 import paddle.distributed.fsdp.checkpoint as ck
 from launch_util import report
-from models import global_batches, local_part, make_model
+from models import trained_fsdp
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
-from paddle.distributed.fsdp import FullyShardFusion
 from paddle.distributed.fsdp.checkpoint.io import backend_for
 from state_compare import assert_bit_equal, host_values
 
 BIG_ROWS, BIG_COLS = 768, 2048  # rows per rank: 6 MiB of float32 per rank, above the 5 MiB part size
-
-
-def build(seed: int, steps: int):
-    paddle.seed(seed)
-    model = make_model(seed)
-    fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"])
-    opt = paddle.optimizer.AdamW(0.01, parameters=model.parameters())
-    rank, world = dist.get_rank(), dist.get_world_size()
-    for ids, labels in global_batches(steps, 8, seed=seed):
-        loss = model(paddle.to_tensor(local_part(ids, rank, world)), paddle.to_tensor(local_part(labels, rank, world)))
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-    return fsdp, opt
 
 
 def state_of(fsdp, opt, seed: int) -> dict:
@@ -65,12 +50,12 @@ def state_of(fsdp, opt, seed: int) -> dict:
 
 
 def fresh_target(seed: int) -> dict:
-    fsdp, opt = build(seed=seed, steps=1)
+    fsdp, opt = trained_fsdp(seed=seed, steps=1)
     return state_of(fsdp, opt, seed)
 
 
 def roundtrip(url: str, local: str) -> None:
-    fsdp, opt = build(seed=3, steps=2)
+    fsdp, opt = trained_fsdp(seed=3, steps=2)
     state = state_of(fsdp, opt, 3)
     saved = host_values(state)
     ck.save_state_dict(state, url)
@@ -95,7 +80,7 @@ def roundtrip(url: str, local: str) -> None:
     assert_bit_equal(host_values(target), host_values(state_of(fsdp, opt, 6)), "load_latest")
     # the model-level entry points and the stock dispatch (paddle.distributed.*) on s3:// too
     fsdp.save_checkpoint(f"{url}-fsdp", optimizer=opt, step=4, keep_last=1, extra_state={"step": 4})
-    fsdp2, opt2 = build(seed=13, steps=1)
+    fsdp2, opt2 = trained_fsdp(seed=13, steps=1)
     result = fsdp2.load_checkpoint(f"{url}-fsdp", optimizer=opt2)
     assert result.step == 4 and result["step"] == 4, (result.step, dict(result))
     want = host_values(state_of(fsdp, opt, 3))
@@ -114,7 +99,7 @@ def fault(url: str) -> None:
     from s3_fixtures import s3_options_for
 
     rank = dist.get_rank()
-    fsdp, opt = build(seed=5, steps=1)
+    fsdp, opt = trained_fsdp(seed=5, steps=1)
     root = url
     manager = ck.CheckpointManager(root, keep_last=2)
     manager.save(1, state_of(fsdp, opt, 5))
@@ -149,7 +134,7 @@ def kill(url: str, work: str) -> None:
     from s3_fixtures import s3_options_for
 
     rank = dist.get_rank()
-    fsdp, opt = build(seed=5, steps=1)
+    fsdp, opt = trained_fsdp(seed=5, steps=1)
     manager = ck.CheckpointManager(url, keep_last=2)
     # 5 MiB parts: each rank's 6 MiB object is a multipart upload, pending when rank 1 is killed
     storage = S3Storage(s3_options_for(os.environ["AWS_ENDPOINT_URL"]))
