@@ -7,7 +7,8 @@
 * two simulated nodes (two launchers, ``--nnodes 2``, each with its own memory root): an uninterrupted run
   (with node 1's root too small: every rank falls back to storage together), a run killed with SIGKILL on every
   rank, then restores from: intact memory, node 1's root wiped (peer copies), every root wiped (storage), rank 1
-  holding only older copies (the common step), a corrupt copy (its peer copy); each compared bit for bit (every
+  holding only older copies (the common step), a corrupt copy (its peer copy), rank 1's two copies corrupt
+  (found while reading, after rank 0 wrote its tensors from step 6: storage's step 4 for both); each compared bit for bit (every
   record, the RNG, the LR) with the uninterrupted run.
 """
 
@@ -349,7 +350,7 @@ def test_two_nodes_kill9_peer_storage_agreement(tmp_path, capsys):
         for m in MODELS:
             shutil.copytree(tmp_path / m / "durable", tmp_path / "bak" / m / "durable")
         # 3. the restores, in one launch (each scenario builds the models from another seed)
-        scenarios = "memory,node1,both,agree,corrupt,skip"
+        scenarios = "memory,node1,both,agree,corrupt2,corrupt,skip"  # corrupt last: its step 6 persist is checked
         got = _check(
             launch_nodes(tmp_path / "log-restore", "memtier.py", ["restore", str(tmp_path), str(TOTAL), scenarios],
                          roots),
@@ -361,6 +362,7 @@ def test_two_nodes_kill9_peer_storage_agreement(tmp_path, capsys):
             "both": (4, ["storage", "storage"], False),
             "agree": (KEEP, ["peer", "memory"], True),
             "corrupt": (CRASH, ["memory", "peer"], True),
+            "corrupt2": (4, ["storage", "storage"], False),  # rank 0's tensors, read from step 6, overwritten
         }
         for r in (0, 1):
             for name, (step, sources, persisted) in expect.items():

@@ -16,7 +16,8 @@ Usage:
       by the test), damage them as the scenario says, build the models from ANOTHER seed, restore, train to TOTAL
       and compare every record, the RNG and the LR with the uninterrupted run's (WORKDIR/ref/<model>).
       Scenarios: memory (all copies intact), node1 (node 1's root wiped), both (every root wiped), agree (rank 1
-      has only older copies), corrupt (rank 1's own copy has a flipped bit), world1 (on ONE rank: the 2-rank
+      has only older copies), corrupt (rank 1's own copy has a flipped bit), corrupt2 (rank 1's own copy and its
+      peer copy have one: found while reading, after rank 0 read step 6 into its tensors), world1 (on ONE rank: the 2-rank
       copies must be refused and storage loaded at the new world size; no comparison), skip (a fresh TinyLM:
       rank 0's persist of step 2 is held until its save of step 3 was called: step 3 must be skipped on every
       rank alike, step 4 taken, and the persisted step 2 be the memory step).
@@ -193,6 +194,8 @@ def _prepare(workdir: str, scenario: str, rank: int, node: int, local_rank: int,
                 shutil.copy(os.path.join(c.workdir, "kept", name), os.path.join(c.tier.copies.dir, name))
         if scenario == "corrupt" and rank == 1:
             _flip_bit(c.tier.copies.own_path())
+        if scenario == "corrupt2":  # rank 1's own copy AND the one rank 0 holds for it: storage (step 4) for all
+            _flip_bit(c.tier.copies.own_path() if rank == 1 else c.tier.copies.peer_path())
     _sync()
 
 

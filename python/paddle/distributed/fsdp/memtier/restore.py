@@ -1,19 +1,22 @@
-"""Restart from the memory tier: scan, agree, bring peer copies over, verify, then write (collective).
+"""Restart from the memory tier: scan, agree, bring peer copies over, read and verify in one pass, verdict.
 
 Order, on every rank:
 
-1. *scan* the rank's own copy and the copy it holds for its partner: prefix, "valid" flag, header checksum, job
-   id, world size, rank and the model's records; the own copy also every chunk checksum and its non-tensor state
-   (decoded): a corrupt own copy is reported as absent, so the agreement already routes around it;
+1. *scan* the rank's own copy and the copy it holds for its partner, headers only: prefix, "valid" flag, header
+   checksum, job id, world size, rank and the model's records; the own copy's non-tensor state is decoded;
 2. *agree* (agreement.py) on the step and every rank's source from everyone's scan (any other failure of a scan
    is raised on every rank, the same named error);
-3. only when some rank restores from a peer copy: *transfer* it (holder -> owner, into the owner's own slot),
-   *check* it (checksums, non-tensor state) and exchange the verdicts before any tensor is written. A copy found
-   corrupt here is excluded and the round starts again (another source: an older common step, storage);
-4. *write* every tensor in place and apply the non-tensor state.
+3. only when some rank restores from a peer copy: *transfer* it (holder -> owner, into the owner's own slot);
+4. *read* the copy into the tensors in one pass, every chunk checksum verified on the bytes that landed
+   (readback.py), then exchange the verdicts. When any rank's copy failed its check, that copy is excluded and
+   every rank starts a new round (another source: the peer copy, an older common step, storage), whose read or
+   load overwrites every tensor the failed attempt wrote; when no source is left, every rank raises the same
+   named error (the model's tensors are then not a checkpoint's: the error says so). Non-tensor state (optimizer
+   and LR scheduler, RNG) is applied only after every rank's verdict was "intact".
 
-Why the own copy is checked in the scan: a restore from the rank's own memory then needs one exchange (the
-agreement), not two; the copies are read once (checksums) and once more to write them.
+Why this order: a restore from memory is bound by memory bandwidth; checking every chunk before the agreement
+and copying after it read every byte from DRAM twice (and faulted the mapping in for the check); now each byte
+is read once, hashed in the CPU cache, and the price of a corrupt copy (rare) is a second round.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from ..checkpoint.io.storage import backend_for
 from ..checkpoint.manager import committed_steps, step_dir_name
 from . import agreement, peers
 from .copies import read_copy
-from .errors import InvalidMemoryCopyError, MemoryTierError
+from .errors import InvalidMemoryCopyError, MemoryTierError, NoCommonStepError
+from .readback import read_into
 from .slot import HEADER_OFF, Slot
-from .state import decode_values, tensor_state, write_back
+from .state import decode_values, tensor_state
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,7 @@ class Restore:
         self.excluded: set[str] = set()  # this rank's copies found corrupt in an earlier round
         self.found: dict = {}
         self.apply_own = None  # the own copy's checked non-tensor state (decode_values), set by the scan
+        self.written = False  # a read into the tensors was attempted (a later failure leaves them undefined)
 
     def mark(self, name: str) -> None:
         self.marks.append((name, time.perf_counter()))
@@ -79,7 +84,7 @@ class Restore:
         try:
             expect = dict(self.tier.expect(), rank=owner)  # a held copy may be sent: DLPack needs it writable
             own = name == "own"
-            self.found[name] = read_copy(path, expect, layout, writable=not own, verify=own)
+            self.found[name] = read_copy(path, expect, layout, writable=not own, verify=False)
             if own:
                 tier, header = self.tier, self.found[name][1]
                 self.apply_own = decode_values(tier.fsdp, tier.optimizer, header["values"], f"memory copy {path}")
@@ -112,6 +117,18 @@ class Restore:
 
     # ------------------------------------------------------------------ driver
     def run(self) -> RestoreResult | None:
+        try:
+            return self._rounds()
+        except Exception as e:
+            self.close_found()
+            if self.written:
+                note = ("memory tier: a failed restore attempt had already written part of the model's tensors: "
+                        "they hold no checkpoint's state; load one before training")  # fmt: skip
+                logger.error("rank %d: %s (%s)", self.rank, note, e)
+                e.add_note(note)
+            raise
+
+    def _rounds(self) -> RestoreResult | None:
         tier = self.tier
         state = tensor_state(tier.fsdp, tier.optimizer)
         for _round in range(2 * tier.world + 2):  # every repeated round excludes at least one copy
@@ -121,13 +138,10 @@ class Restore:
             self.mark("agree")
             for r, rep in enumerate(reports):
                 if rep["error"] is not None:
-                    self.close_found()
                     raise rebuild_remote_error(*rep["error"], r)
-            try:
-                decision = agreement.decide(reports)
-            except MemoryTierError:
-                self.close_found()
-                raise
+            decision = agreement.decide(reports)
+            if decision is None and self.written:  # every copy excluded after a failed read, storage empty
+                raise NoCommonStepError("no intact memory copy is left after a failed restore, storage is empty")
             if decision is None or decision.sources[0] == agreement.STORAGE:
                 self.close_found()
                 return None if decision is None else self.from_storage(decision)
@@ -186,18 +200,20 @@ class Restore:
             self.found["own"] = read_copy(tier.copies.own_path(), dict(tier.expect(), rank=self.rank), layout,
                                           verify=False)  # fmt: skip
 
-    def _check(self, decision, reports):
-        """(copy, apply) of this rank, checksums verified; raises InvalidMemoryCopyError for a corrupt copy."""
+    def _read(self, state, decision, reports):
+        """(copy, apply) of this rank: the copy read into the tensors, every chunk verified on the way (raises
+        InvalidMemoryCopyError for a corrupt copy, after writing part of the tensors)."""
         self._fetch(decision, reports)
         copy = self.found.get("own")
         if copy is None or copy[1]["step"] != decision.step:
             raise InvalidMemoryCopyError(f"rank {self.rank}: no copy of step {decision.step} after the transfers")
         slot, header, doff, dlen = copy
-        if self.apply_own is not None:  # checked by the scan
-            return copy, self.apply_own
-        slot.verify(header, doff, dlen)
-        tier = self.tier
-        apply = decode_values(tier.fsdp, tier.optimizer, header["values"], f"memory copy {slot.path}")
+        apply = self.apply_own
+        if apply is None:
+            tier = self.tier
+            apply = decode_values(tier.fsdp, tier.optimizer, header["values"], f"memory copy {slot.path}")
+        self.written = True
+        read_into(slot, header, doff, dlen, [rec.tensor for rec in state.records])
         return copy, apply
 
     def from_memory(self, state, decision, reports) -> RestoreResult | None:
@@ -205,20 +221,15 @@ class Restore:
         kind = decision.sources[self.rank]
         status, copy, apply = None, None, None
         try:
-            copy, apply = self._check(decision, reports)
+            copy, apply = self._read(state, decision, reports)
         except InvalidMemoryCopyError as e:
             logger.warning("memory tier: rank %d: %s", self.rank, e)
             status = ("corrupt", str(e))
         except Exception as e:  # noqa: BLE001 - every rank must reach the exchange
             status = (type(e).__name__, str(e))
-        self.mark("check")
-        if agreement.PEER not in decision.sources:  # every rank's own copy, checked by the scan: nothing can fail
-            if status is not None:  # pragma: no cover - a bug, not a copy's fault
-                raise MemoryTierError(f"rank {self.rank}: restore from its checked copy failed: {status[1]}")
-            verdicts = [None]
-        else:
-            verdicts = self.tier.fsdp.comm.all_gather_object(status)
-            self.mark("verdict")
+        self.mark("read")
+        verdicts = self.tier.fsdp.comm.all_gather_object(status)
+        self.mark("verdict")
         failed = [(r, v) for r, v in enumerate(verdicts) if v is not None]
         if failed:
             self.close_found()
@@ -230,11 +241,12 @@ class Restore:
                     self.excluded.add("own")
                 if decision.sources[r] == agreement.PEER and decision.holders[r] == self.rank:
                     self.excluded.add("held")
+            logger.warning("memory tier: rank %d: the copies of ranks %s failed their check; every rank tries "
+                           "another source", self.rank, [r for r, _v in failed])  # fmt: skip
             return None
-        slot, header, doff, dlen = copy
-        write_back(state.records, slot.data(doff, dlen), [rec[3] for rec in header["records"]])
+        header = copy[1]
         apply()
-        self.mark("write")
+        self.mark("apply")
         self.tier.unmap_later(list(self.found.values()))  # unmapping is slow: at the next save, off this path
         self.found = {}
         extra = header["values"].get(EXTRA_KEY) or {}

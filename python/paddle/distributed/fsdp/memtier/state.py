@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from ..checkpoint import host_memory
 from ..checkpoint.errors import InvalidStateDictError
 from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, OPTIMIZER_KEY, RNG_KEY
@@ -91,19 +89,3 @@ def decode_values(fsdp, optimizer, values: dict, where: str):
         apply_rng()
 
     return apply
-
-
-def write_back(records: list[TensorRecord], data: np.ndarray, offsets: list[int]) -> None:
-    """Copy each record's bytes from ``data`` into its tensor, in place (host) or through a device copy."""
-    import paddle
-
-    for rec, off in zip(records, offsets):
-        n = _nbytes(rec.tensor)
-        if not n:
-            continue
-        src = data[off : off + n]
-        if host_memory.is_host_contiguous(rec.tensor):
-            np.copyto(host_memory.raw_view(rec.tensor, allow_copy=False)[0], src)
-        else:  # a device tensor: one host->device copy of a zero-copy view of the slot
-            view = paddle.utils.dlpack.from_dlpack(src).view(rec.tensor.dtype).reshape(rec.tensor.shape)
-            rec.tensor.copy_(view.to(rec.tensor.place), False)
