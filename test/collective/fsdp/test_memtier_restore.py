@@ -17,8 +17,7 @@ import paddle
 import pytest
 from paddle.distributed.fsdp import FullyShardFusion
 from paddle.distributed.fsdp.checkpoint import checksums
-from paddle.distributed.fsdp.memtier import InvalidMemoryCopyError, MemoryTier, NoCommonStepError
-from paddle.distributed.fsdp.memtier import readback
+from paddle.distributed.fsdp.memtier import InvalidMemoryCopyError, MemoryTier, NoCommonStepError, readback
 from paddle.distributed.fsdp.memtier.copies import offsets_of, read_copy
 from paddle.distributed.fsdp.memtier.slot import Slot
 

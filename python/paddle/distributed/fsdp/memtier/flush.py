@@ -12,8 +12,9 @@ warning (the rank's other copy, or an older step, is used). A step storage alrea
 What is written: the checkpoint the job's collective save would have written at that step (persist.py): the
 engine's planner assigns and lays out every rank's file from the copies' record descriptions, each rank file
 is written from its copy's mapped bytes (one piece at a time, checksummed on the way), then ``metadata.json``
-and ``COMMIT`` last, in a staging directory renamed to ``<durable_root>/step_<N>``; then ``latest`` names it.
-Local storage only (the tools' one-process writer).
+and ``COMMIT`` last, in a staging directory published as ``<durable_root>/step_<N>``; then ``latest`` names it.
+Any storage backend: a local directory, or a URL (``s3://``) whose staging directory is local and is uploaded
+when complete (the tools' ``staged_output``); ``latest`` and pruning go through the root's Storage.
 """
 
 from __future__ import annotations
@@ -170,30 +171,31 @@ def flush_memory(
 
     if isinstance(roots, str) or not roots or not all(isinstance(r, str) and r for r in roots):
         raise MemoryTierError(f"roots must be a non-empty list of memory root paths, got {roots!r}")
-    if not isinstance(durable_root, str) or not durable_root or "://" in durable_root:
-        raise MemoryTierError(f"durable_root must be a local directory path, got {durable_root!r}")
+    if not isinstance(durable_root, str) or not durable_root:
+        raise MemoryTierError(f"durable_root must be a directory path or a storage URL, got {durable_root!r}")
     if step is not None and (type(step) is not int or step < 0):
         raise MemoryTierError(f"step must be a non-negative int, got {step!r}")
     if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
         raise MemoryTierError(f"keep_last must be an int >= 1, got {keep_last!r}")
-    durable_root = os.path.abspath(durable_root)
+    durable_root = durable_root if "://" in durable_root else os.path.abspath(durable_root)
+    storage = backend_for(durable_root)  # StorageError for a URL scheme no backend serves, before reading memory
     job, found = _scan(list(roots), job)
     world, st, copies = _choose(job, found, step)
     logger.info("job %s: step %d, every rank's copy verified: %s", job, st, ", ".join(c[0].path for c in copies))
     result = FlushResult(job, world, st, None, {r: c[0].path for r, c in enumerate(copies)})
     try:
-        stored = committed_steps(durable_root) if os.path.isdir(durable_root) else []
+        stored = committed_steps(durable_root, storage)
         if stored and max(stored) >= st:
             logger.info("storage %s already has step %d (memory: step %d): nothing to flush", durable_root,
                         max(stored), st)  # fmt: skip
             return result
         name = step_dir_name(st)
-        out = os.path.join(durable_root, name)
+        out = storage.child(durable_root, name)
         with staged_output(out) as staging:
             nbytes = _write(staging, copies, on_bytes, on_total)
-        backend_for(durable_root).put(durable_root, LATEST_FILE, f"{name}\n".encode())
+        storage.put(durable_root, LATEST_FILE, f"{name}\n".encode())
         if keep_last is not None:
-            prune(durable_root, keep_last, protect=(name,))
+            prune(durable_root, keep_last, protect=(name,), storage=storage)
         result.path, result.nbytes = out, nbytes
         logger.info("flushed job %s step %d (world %d) to %s", job, st, world, out)
         return result

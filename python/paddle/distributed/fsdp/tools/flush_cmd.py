@@ -25,7 +25,9 @@ def add_flush_memory(sub, common: argparse.ArgumentParser) -> None:
         "  paddle-fsdp-ckpt flush-memory ckpt/ --memory-root /mnt/node0-shm --memory-root /mnt/node1-shm --job run7",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("durable_root", metavar="DURABLE_ROOT", help="the job's checkpoint root (durable_root)")
+    p.add_argument(
+        "durable_root", metavar="DURABLE_ROOT", help="the job's checkpoint root (durable_root): a path or s3://..."
+    )
     p.add_argument(
         "--memory-root",
         action="append",
