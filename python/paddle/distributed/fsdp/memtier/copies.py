@@ -150,6 +150,20 @@ class SaveIntoSlot:
             snapshot_guard.unregister(guard)
 
 
+def check_header(header: dict, expect: dict, layout: list[list] | None, where: str) -> None:
+    """InvalidMemoryCopyError unless the header is of ``expect`` (job, world, rank, ...) and ``layout``."""
+    for field, want in expect.items():
+        if header.get(field) != want:
+            raise InvalidMemoryCopyError(f"{where}: {field} {header.get(field)!r}, expected {want!r}")
+    if layout is not None:
+        try:
+            have = [[k, d, s, n] for k, d, s, _off, n, _sums in header["records"]]
+        except (KeyError, TypeError, ValueError):
+            raise InvalidMemoryCopyError(f"{where}: unreadable records") from None
+        if have != layout:
+            raise InvalidMemoryCopyError(f"{where}: its records differ from this model's state")
+
+
 def read_copy(
     path: str, expect: dict, layout: list[list] | None, writable: bool = False, verify: bool = True
 ) -> tuple[Slot, dict, int, int]:
@@ -159,13 +173,7 @@ def read_copy(
     slot = Slot.open(path, writable, populate=verify)
     try:
         header, doff, dlen = slot.header()
-        for field, want in expect.items():
-            if header.get(field) != want:
-                raise InvalidMemoryCopyError(f"memory copy {path}: {field} {header.get(field)!r}, expected {want!r}")
-        if layout is not None:
-            have = [[k, d, s, n] for k, d, s, _off, n, _sums in header["records"]]
-            if have != layout:
-                raise InvalidMemoryCopyError(f"memory copy {path}: its records differ from this model's state")
+        check_header(header, expect, layout, f"memory copy {path}")
         if verify:
             slot.verify(header, doff, dlen)
     except BaseException:

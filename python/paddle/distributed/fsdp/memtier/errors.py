@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..checkpoint.errors import CheckpointError
+from ..checkpoint.errors import ERROR_CLASSES, CheckpointError
 
 
 class MemoryTierError(CheckpointError):
@@ -22,3 +22,17 @@ class InvalidMemoryCopyError(MemoryTierError):
 
 class NoCommonStepError(MemoryTierError):
     """On restart no step is restorable by every rank (from its memory, its peer's copy or storage)."""
+
+
+class PeerTransferError(MemoryTierError):
+    """A peer copy could not be sent or received: the partner died (its socket closed mid-transfer), did not
+    connect or stalled past the deadline (``peer_timeout_s``), or sent something else than expected."""
+
+
+# another rank's failure is raised on every rank as the same class (rebuild_remote_error)
+ERROR_CLASSES.update(
+    {
+        c.__name__: c
+        for c in (MemoryTierError, MemoryTierFullError, InvalidMemoryCopyError, NoCommonStepError, PeerTransferError)
+    }  # fmt: skip
+)

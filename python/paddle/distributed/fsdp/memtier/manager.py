@@ -25,9 +25,10 @@ import hashlib
 import json
 import logging
 import os
+import threading
 
 from ..checkpoint import checksums
-from . import peers
+from . import peers, wire
 from .copies import Background, Copies, SaveIntoSlot, header_capacity, offsets_of
 from .errors import MemoryTierError, MemoryTierFullError
 from .persist import persist_copy
@@ -67,6 +68,7 @@ class MemoryTier:
         quota_bytes: int | None = None,
         checksum: str = "xxh3-64",
         persist_on_restore: bool = True,
+        peer_timeout_s: float = 60.0,
     ):
         if not isinstance(durable_root, str) or not durable_root:
             raise MemoryTierError(f"durable_root must be a non-empty path, got {durable_root!r}")
@@ -78,6 +80,8 @@ class MemoryTier:
             raise MemoryTierError(f"job_id must be a non-empty name without '/', got {job_id!r}")
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise MemoryTierError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+        if type(peer_timeout_s) not in (int, float) or not peer_timeout_s > 0:
+            raise MemoryTierError(f"peer_timeout_s must be a positive number of seconds, got {peer_timeout_s!r}")
         checksums.default_algorithm(checksum)  # CheckpointError for an unknown algorithm
         if quota_bytes is None and os.environ.get(QUOTA_ENV):
             quota_bytes = _env_int(QUOTA_ENV)
@@ -87,7 +91,7 @@ class MemoryTier:
         self.durable_root = durable_root if "://" in durable_root else os.path.abspath(durable_root)
         self.memory_root = memory_root or os.environ.get(ROOT_ENV) or DEFAULT_ROOT
         self.persist_every, self.keep_last, self.quota = persist_every, keep_last, quota_bytes
-        self.checksum, self.persist_on_restore = checksum, persist_on_restore
+        self.checksum, self.persist_on_restore, self.peer_timeout_s = checksum, persist_on_restore, peer_timeout_s
         self.rank, self.world = fsdp.rank, fsdp.world_size
         digest = hashlib.sha256(self.durable_root.encode()).hexdigest()[:12]
         self.job_id = job_id or os.environ.get(JOB_ENV) or f"job-{digest}"
@@ -97,6 +101,7 @@ class MemoryTier:
         self.source = peers.source_of(self.partners, self.rank)
         self.copies = Copies(self.memory_root, self.job_id, self.rank)
         self._group = None
+        self._link: wire.PeerLink | None = None
         self._layout: list | None = None
         self._bg = Background()
         self._persister = Background("memtier-persist")
@@ -113,15 +118,22 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ plumbing
     def tier_group(self):
-        """The tier's own three process groups: two for peer transfers (peers.transfer: one per direction), one
-        for persists (persist.py). Both run on background threads, never on the training's group. Collective when
-        first called; None in a single process."""
+        """The tier's own process group for persists (persist.py: they run on a background thread, never on the
+        training's group). Collective when first called; None in a single process."""
         if self._group is None and self.world > 1:
             from ..topology import new_group  # with the barrier gloo needs after it
 
-            ranks = list(range(self.world))
-            self._group = (new_group(ranks), new_group(ranks), new_group(ranks))
+            self._group = new_group(list(range(self.world)))
         return self._group
+
+    def peer_link(self) -> wire.PeerLink | None:
+        """This rank's end of the direct connections to its partners (wire.py); None without peer copies.
+        Collective when first called (every rank's address is exchanged over the training group)."""
+        if self._link is None and self.partners:
+            link = wire.PeerLink(self.rank, self.peer_timeout_s)
+            link.addrs = [tuple(a) for a in self.fsdp.comm.all_gather_object(link.address)]
+            self._link = link
+        return self._link
 
     def expect(self) -> dict:
         return {"job": self.job_id, "world": self.world}
@@ -149,6 +161,7 @@ class MemoryTier:
             logger.error("%s; saves go to durable storage %s instead", self.disabled_reason, self.durable_root)
             return
         self.tier_group()
+        self.peer_link()
         self._layout = state.layout
 
     # ------------------------------------------------------------------ save
@@ -194,7 +207,7 @@ class MemoryTier:
         finally:
             job.release_guard()
         try:
-            self._exchange()
+            self._exchange(int(job.header["step"]))
         finally:
             if persist:
                 ok = error is None
@@ -209,10 +222,9 @@ class MemoryTier:
         if not ok:  # this rank's copy is incomplete: a state the engine refuses, on every rank together
             from ..checkpoint import save_state_dict
 
-            save_state_dict(None, self.durable_root, process_group=group and group[2])
+            save_state_dict(None, self.durable_root, process_group=group)
             return
-        persist_copy(slot, job.header, job.data_off, job.data_len, self.durable_root, self.keep_last,
-                     group and group[2])  # fmt: skip
+        persist_copy(slot, job.header, job.data_off, job.data_len, self.durable_root, self.keep_last, group)
 
     def _persist_busy(self) -> bool:
         """Whether a started persist is still writing on any rank (collective, only while one was started: the
@@ -240,16 +252,32 @@ class MemoryTier:
             self.persist_errors.append(f"{type(err).__name__}: {err}")
             raise MemoryTierError(f"persisting the memory copy failed: {err}") from err
 
-    def _exchange(self) -> None:
-        """Send the own slot to its holder, receive the copy this rank holds (every rank, same order)."""
-        if not self.partners:
+    def _exchange(self, step: int) -> None:
+        """Send the own slot to its holder while receiving the copy this rank holds (wire.py; both directions at
+        once). PeerTransferError when the partner died or stalled past ``peer_timeout_s``."""
+        link = self.peer_link()
+        if link is None:
             return
-        transfers = sorted(self.partners.items())
-        own = self.copies.own.buf
-        held = self.copies.peer.buf if self.copies.peer is not None else None
-        if held is not None:
-            self.copies.peer.mark_writing()
-        peers.transfer(self.tier_group(), self.rank, transfers, own, held)
+        holder = self.partners.get(self.rank)
+        errors: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                link.send_file(holder, self.copies.own_path(), step)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+
+        sender = threading.Thread(target=send, name="memtier-peer-send", daemon=True) if holder is not None else None
+        if sender is not None:
+            sender.start()
+        try:
+            if self.source is not None and self.copies.peer is not None:
+                wire.receive_into_slot(link, self.copies.peer, self.source, step)
+        finally:
+            if sender is not None:
+                sender.join()
+        if errors:
+            raise errors[0]
 
     def persist(self, step: int, extra_state: dict | None, async_save: bool = True) -> None:
         """A direct save of the live state (the tier disabled; a restored step storage lacks)."""
@@ -294,6 +322,9 @@ class MemoryTier:
             self.copies.remove()
         else:
             self.copies.release()
+        if self._link is not None:
+            self._link.close()
+            self._link = None
 
     # ------------------------------------------------------------------ restore
     def restore(self) -> RestoreResult | None:

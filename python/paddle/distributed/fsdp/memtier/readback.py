@@ -54,35 +54,45 @@ def _to_device(tensor, buf: np.ndarray) -> None:
 
 
 def read_into(slot: Slot, header: dict, data_off: int, data_len: int, tensors: list) -> None:
-    """Copy every record of the copy into ``tensors`` (the state's tensors, in the header's record order; the
-    caller checked the layout) and verify every chunk digest of the bytes that landed. InvalidMemoryCopyError
+    """Copy every record of the mapped copy into ``tensors`` (the state's tensors, in the header's record order;
+    the caller checked the layout) and verify every chunk digest of the bytes that landed. InvalidMemoryCopyError
     names the first record whose bytes do not match (the tensors read so far are then written)."""
+    data = slot.data(data_off, data_len)
+    populate(slot, data_off, data_len)
+
+    def fill(dst: np.ndarray, off: int) -> None:
+        np.copyto(dst, data[off : off + len(dst)])
+
+    fill_tensors(header, data_len, tensors, fill, f"memory copy {slot.path}")
+
+
+def fill_tensors(header: dict, data_len: int, tensors: list, fill, where: str) -> None:
+    """The one pass of ``read_into`` over any source: ``fill(dst, off)`` puts the data bytes at ``off`` into the
+    uint8 array ``dst``; it is called with increasing offsets (a stream can serve it: wire.py)."""
     records = header["records"]
     if len(records) != len(tensors):
-        raise InvalidMemoryCopyError(f"memory copy {slot.path}: {len(records)} records, the state has {len(tensors)}")
+        raise InvalidMemoryCopyError(f"{where}: {len(records)} records, the state has {len(tensors)}")
     algo = header["algo"]
     fn = checksums.digest_function(algo) if algo != checksums.NONE else None
     chunk = int(header["chunk"])
-    data = slot.data(data_off, data_len)
-    populate(slot, data_off, data_len)
+    end = 0
     for (key, _dtype, _shape, off, nbytes, digests), tensor in zip(records, tensors):
         if not nbytes:
             continue
-        if off + nbytes > data_len:
-            raise InvalidMemoryCopyError(f"memory copy {slot.path}: record {key!r} lies outside the data")
+        if off < end or off + nbytes > data_len:
+            raise InvalidMemoryCopyError(f"{where}: record {key!r} lies outside the data or overlaps another")
+        end = off + nbytes
         dst, in_place = _destination(tensor, nbytes)
         if len(dst) != nbytes:
-            raise InvalidMemoryCopyError(f"memory copy {slot.path}: record {key!r} has {nbytes} bytes, the tensor "
-                                         f"{len(dst)}")  # fmt: skip
-        src = data[off : off + nbytes]
+            raise InvalidMemoryCopyError(f"{where}: record {key!r} has {nbytes} bytes, the tensor {len(dst)}")
         sums = checksums.ChunkDigests(fn, chunk, nbytes) if fn is not None else None
         got: list[int] = []
         for a in range(0, nbytes, PIECE_BYTES):
             b = min(a + PIECE_BYTES, nbytes)
-            np.copyto(dst[a:b], src[a:b])
+            fill(dst[a:b], off + a)
             if sums is not None:
                 got.extend(d for _i, d in sums.feed(memoryview(dst[a:b])))
         if sums is not None and got != list(digests):
-            raise InvalidMemoryCopyError(f"memory copy {slot.path}: checksum mismatch in record {key!r}")
+            raise InvalidMemoryCopyError(f"{where}: checksum mismatch in record {key!r}")
         if not in_place:
             _to_device(tensor, dst)

@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 from ..checkpoint.errors import rebuild_remote_error
 from ..checkpoint.format.reserved import EXTRA_KEY
 from ..checkpoint.io.storage import backend_for
 from ..checkpoint.manager import committed_steps, step_dir_name
-from . import agreement, peers
-from .copies import read_copy
-from .errors import InvalidMemoryCopyError, MemoryTierError, NoCommonStepError
-from .readback import read_into
-from .slot import HEADER_OFF, Slot
+from . import agreement, wire
+from .copies import check_header, read_copy
+from .errors import InvalidMemoryCopyError, MemoryTierError, NoCommonStepError, PeerTransferError
+from .readback import fill_tensors, read_into
 from .state import decode_values, tensor_state
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,8 @@ class Restore:
         self.excluded: set[str] = set()  # this rank's copies found corrupt in an earlier round
         self.found: dict = {}
         self.apply_own = None  # the own copy's checked non-tensor state (decode_values), set by the scan
+        self._sender = None  # the thread sending held copies to their owners
+        self.storage_steps: list[int] = []
         self.written = False  # a read into the tensors was attempted (a later failure leaves them undefined)
 
     def mark(self, name: str) -> None:
@@ -110,7 +112,6 @@ class Restore:
         return {
             "own": own[1]["step"] if own else None,
             "held": [self.tier.source, held[1]["step"]] if held else None,
-            "held_size": held[0].size if held else 0,
             "storage": committed_steps(root),
             "error": error,
         }
@@ -131,11 +132,13 @@ class Restore:
     def _rounds(self) -> RestoreResult | None:
         tier = self.tier
         state = tensor_state(tier.fsdp, tier.optimizer)
+        tier.peer_link()  # collective when first called: before any rank may need it
         for _round in range(2 * tier.world + 2):  # every repeated round excludes at least one copy
             report = self.scan(state.layout)
             self.mark("scan")
             reports = tier.fsdp.comm.all_gather_object(report)
             self.mark("agree")
+            self.storage_steps = reports[0]["storage"]
             for r, rep in enumerate(reports):
                 if rep["error"] is not None:
                     raise rebuild_remote_error(*rep["error"], r)
@@ -146,7 +149,7 @@ class Restore:
                 self.close_found()
                 return None if decision is None else self.from_storage(decision)
             self._log_stale(decision.step)
-            result = self.from_memory(state, decision, reports)
+            result = self.from_memory(state, decision, _round)
             if result is not None:
                 return result
         raise MemoryTierError("memory tier: restore did not converge")  # pragma: no cover - bounded above
@@ -169,64 +172,84 @@ class Restore:
         return out
 
     # ------------------------------------------------------------------ 3.-5. memory
-    def _fetch(self, decision, reports) -> None:
-        """Peer transfers of this decision (holder -> owner's own slot), then the owner reads the copy."""
-        kind = decision.sources[self.rank]
-        transfers = sorted((holder, r) for r, holder in decision.holders.items())
-        if not transfers:
-            return
-        send = self.found["held"][0].buf if self.rank in decision.holders.values() else None
-        recv_slot = None
-        if kind == agreement.PEER:
-            stale = self.found.pop("own", None)
-            self.apply_own = None
-            if stale is not None:
-                stale[0].close()
-            path = self.tier.copies.own_path()
-            if os.path.exists(path):
-                os.unlink(path)
-            size = reports[decision.holders[self.rank]]["held_size"]
-            recv_slot = Slot.allocate(path, 0, size - HEADER_OFF)
-            self.mark("allocate")
-        try:
-            peers.transfer(self.tier.tier_group(), self.rank, transfers, send, recv_slot and recv_slot.buf)
-        finally:
-            if recv_slot is not None:
-                recv_slot.close()
-        self.mark("transfer")
-        if kind == agreement.PEER:
-            tier = self.tier
-            layout = tensor_state(tier.fsdp, tier.optimizer).layout
-            self.found["own"] = read_copy(tier.copies.own_path(), dict(tier.expect(), rank=self.rank), layout,
-                                          verify=False)  # fmt: skip
+    def _send_held(self, decision, tag: int) -> list[BaseException]:
+        """Holders: send the held copy to each owner restoring from it (a helper thread: this rank may be
+        reading its own copy, or receiving, at the same time). Returns the list its error lands in."""
+        errors: list[BaseException] = []
+        owners = [r for r, holder in decision.holders.items() if holder == self.rank]
+        if not owners:
+            return errors
+        link, path = self.tier.peer_link(), self.tier.copies.peer_path()
 
-    def _read(self, state, decision, reports):
-        """(copy, apply) of this rank: the copy read into the tensors, every chunk verified on the way (raises
+        def send() -> None:
+            try:
+                for owner in owners:
+                    link.send_file(owner, path, tag)
+            except BaseException as e:  # noqa: BLE001 - reported in the verdict
+                errors.append(e)
+
+        self._sender = threading.Thread(target=send, name="memtier-peer-restore", daemon=True)
+        self._sender.start()
+        return errors
+
+    def _receive(self, state, decision, tag: int):
+        """(header, apply) of the copy arriving from this rank's holder, read straight into the tensors (one pass,
+        every chunk verified); the stream is drained and acknowledged unless the connection itself failed."""
+        tier = self.tier
+        holder = decision.holders[self.rank]
+        incoming = tier.peer_link().accept(holder, tag)
+        where = f"peer copy of rank {self.rank} from rank {holder}"
+        try:
+            header, doff, dlen = wire.receive_header(incoming, where)
+            check_header(header, dict(tier.expect(), rank=self.rank, step=decision.step), state.layout, where)
+            apply = decode_values(tier.fsdp, tier.optimizer, header["values"], where)
+            self.mark("transfer")
+
+            def fill(dst, off: int) -> None:
+                incoming.skip(doff + off - incoming.pos)
+                incoming.read_into(dst)
+
+            self.written = True
+            fill_tensors(header, dlen, [rec.tensor for rec in state.records], fill, where)
+        except PeerTransferError:
+            raise
+        except BaseException:
+            incoming.finish()  # the holder's send completes; the verdict reports this copy
+            raise
+        incoming.finish()
+        return header, apply
+
+    def _read(self, state, decision, tag: int):
+        """(header, apply) of this rank's copy of the agreed step, read into the tensors in one pass (raises
         InvalidMemoryCopyError for a corrupt copy, after writing part of the tensors)."""
-        self._fetch(decision, reports)
+        if decision.sources[self.rank] == agreement.PEER:
+            return self._receive(state, decision, tag)
         copy = self.found.get("own")
         if copy is None or copy[1]["step"] != decision.step:
-            raise InvalidMemoryCopyError(f"rank {self.rank}: no copy of step {decision.step} after the transfers")
+            raise InvalidMemoryCopyError(f"rank {self.rank}: no copy of step {decision.step}")
         slot, header, doff, dlen = copy
-        apply = self.apply_own
-        if apply is None:
-            tier = self.tier
-            apply = decode_values(tier.fsdp, tier.optimizer, header["values"], f"memory copy {slot.path}")
         self.written = True
         read_into(slot, header, doff, dlen, [rec.tensor for rec in state.records])
-        return copy, apply
+        return header, self.apply_own
 
-    def from_memory(self, state, decision, reports) -> RestoreResult | None:
+    def from_memory(self, state, decision, round_: int) -> RestoreResult | None:
         """Restore from memory; None when a copy turned out corrupt (excluded: the caller starts a new round)."""
         kind = decision.sources[self.rank]
-        status, copy, apply = None, None, None
+        tag = -1 - round_  # a restore's transfers (a save's carry its step)
+        status, header, apply = None, None, None
+        send_errors = self._send_held(decision, tag)
         try:
-            copy, apply = self._read(state, decision, reports)
+            header, apply = self._read(state, decision, tag)
         except InvalidMemoryCopyError as e:
             logger.warning("memory tier: rank %d: %s", self.rank, e)
             status = ("corrupt", str(e))
         except Exception as e:  # noqa: BLE001 - every rank must reach the exchange
             status = (type(e).__name__, str(e))
+        if self._sender is not None:
+            self._sender.join()
+            self._sender = None
+        if status is None and send_errors:
+            status = (type(send_errors[0]).__name__, str(send_errors[0]))
         self.mark("read")
         verdicts = self.tier.fsdp.comm.all_gather_object(status)
         self.mark("verdict")
@@ -237,14 +260,13 @@ class Restore:
                 if what != "corrupt":
                     raise rebuild_remote_error(what, msg, r)
             for r, _v in failed:  # a corrupt copy: its owner's own, or the holder's copy it came from
-                if r == self.rank:
+                if r == self.rank and decision.sources[r] == agreement.MEMORY:
                     self.excluded.add("own")
                 if decision.sources[r] == agreement.PEER and decision.holders[r] == self.rank:
                     self.excluded.add("held")
             logger.warning("memory tier: rank %d: the copies of ranks %s failed their check; every rank tries "
                            "another source", self.rank, [r for r, _v in failed])  # fmt: skip
             return None
-        header = copy[1]
         apply()
         self.mark("apply")
         self.tier.unmap_later(list(self.found.values()))  # unmapping is slow: at the next save, off this path
@@ -254,7 +276,7 @@ class Restore:
         logger.info("memory tier: rank %d restored step %d from %s (%s)", self.rank, decision.step, kind,
                     ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timings.items()))  # fmt: skip
         persisted = False
-        if self.tier.persist_on_restore and decision.step not in reports[0]["storage"]:
+        if self.tier.persist_on_restore and decision.step not in self.storage_steps:
             self.tier.persist(decision.step, extra, async_save=False)
             persisted = True
         result = RestoreResult(extra, decision.step, decision.sources, persisted)

@@ -51,6 +51,31 @@ def free_bytes(root: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def parse_header(buf, size: int, where: str) -> tuple[dict, int, int]:
+    """(header, data offset, data length) from the first bytes ``buf`` (at least prefix and header) of a slot
+    file of ``size`` bytes (mapped, or arriving over a socket: wire.py); InvalidMemoryCopyError unless valid."""
+    if size < HEADER_OFF or len(buf) < HEADER_OFF:
+        raise InvalidMemoryCopyError(f"memory copy {where} is truncated ({size} bytes)")
+    magic, state, hlen, hcap, doff, dlen, digest = _PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise InvalidMemoryCopyError(f"memory copy {where} is not a memory-tier file")
+    if state != VALID:
+        raise InvalidMemoryCopyError(f"memory copy {where} was being written (interrupted save)")
+    if hlen > hcap or HEADER_OFF + hcap > doff or doff + dlen > size or HEADER_OFF + hlen > len(buf):
+        raise InvalidMemoryCopyError(
+            f"memory copy {where} is truncated or malformed ({size} bytes, needs {doff + dlen})"
+        )
+    raw = bytes(buf[HEADER_OFF : HEADER_OFF + hlen])
+    try:
+        header = json.loads(raw)
+        algo = header["algo"]
+    except (ValueError, KeyError, TypeError):
+        raise InvalidMemoryCopyError(f"memory copy {where} has an unreadable header") from None
+    if algo != checksums.NONE and checksums.digest_function(algo)(raw) != digest:
+        raise InvalidMemoryCopyError(f"memory copy {where}: header checksum mismatch")
+    return header, doff, dlen
+
+
 class Slot:
     """A mapped slot file. ``data`` is the writable uint8 view of the data region."""
 
@@ -111,11 +136,6 @@ class Slot:
         return cls(path, fd, os.fstat(fd).st_size, writable, populate)
 
     # ------------------------------------------------------------------ prefix and header
-    def _prefix(self) -> tuple:
-        if self.size < HEADER_OFF:
-            raise InvalidMemoryCopyError(f"memory copy {self.path} is truncated ({self.size} bytes)")
-        return _PREFIX.unpack_from(self._mm, 0)
-
     def mark_writing(self) -> None:
         magic, _state, hlen, hcap, doff, dlen, hd = (MAGIC, 0, 0, 0, 0, 0, 0)
         if self.size >= HEADER_OFF:
@@ -138,24 +158,7 @@ class Slot:
 
     def header(self) -> tuple[dict, int, int]:
         """(header, data offset, data length) of a valid slot; InvalidMemoryCopyError otherwise."""
-        magic, state, hlen, hcap, doff, dlen, digest = self._prefix()
-        if magic != MAGIC:
-            raise InvalidMemoryCopyError(f"memory copy {self.path} is not a memory-tier file")
-        if state != VALID:
-            raise InvalidMemoryCopyError(f"memory copy {self.path} was being written (interrupted save)")
-        if hlen > hcap or HEADER_OFF + hcap > doff or doff + dlen > self.size:
-            raise InvalidMemoryCopyError(
-                f"memory copy {self.path} is truncated or malformed ({self.size} bytes, needs {doff + dlen})"
-            )
-        raw = bytes(self.buf[HEADER_OFF : HEADER_OFF + hlen])
-        try:
-            header = json.loads(raw)
-            algo = header["algo"]
-        except (ValueError, KeyError, TypeError):
-            raise InvalidMemoryCopyError(f"memory copy {self.path} has an unreadable header") from None
-        if algo != checksums.NONE and checksums.digest_function(algo)(raw) != digest:
-            raise InvalidMemoryCopyError(f"memory copy {self.path}: header checksum mismatch")
-        return header, doff, dlen
+        return parse_header(self.buf, self.size, self.path)
 
     def verify(self, header: dict, data_off: int, data_len: int) -> None:
         """Check every record's chunk digests against the data (InvalidMemoryCopyError on a mismatch)."""
