@@ -186,6 +186,8 @@ def run_memtier(args) -> dict:
             assert res.sources == ["peer"] * world, res.sources
             peer.append(dt)
             phases["peer"].append(comm.gather(res.timings))
+            tier.save(step)  # a peer restore reads into the tensors only: the own copy comes with the next save
+            tier.wait()
     out["load_disk_cold"], out["restore_memory"] = _med(disk), _med(mem)
     out["restore_peer"] = _med(peer) if peer else None
     out["restore_phases"] = {k: _phase_medians(v) for k, v in phases.items() if v}
