@@ -10,7 +10,9 @@ Usage:
       after every step (persisted every PERSIST_EVERY), dump the final records to WORKDIR/<model>/final.rank<R>.npz,
       close the tier (a clean end removes the copies). --crash-at N: once the saves of step N are complete on
       every rank, every rank kills itself with SIGKILL. --keep-at N: after the saves of step N, copy this rank's
-      slot files to WORKDIR/<model>/kept/ (older copies for the agreement scenario).
+      slot files to WORKDIR/<model>/kept/ (older copies for the agreement scenario). --kill-mid-copy N: rank 1
+      is SIGKILLed while copying its state into its slot at the save of step N; the others complete their own
+      copy, see their exchange with rank 1 fail, then SIGKILL themselves.
   memtier.py restore WORKDIR TOTAL SCENARIO[,SCENARIO...]
       per scenario, in this process: put back the crashed run's memory roots and storage from WORKDIR/bak (saved
       by the test), damage them as the scenario says, build the models from ANOTHER seed, restore, train to TOTAL
@@ -42,13 +44,15 @@ import paddleformers_models as pf
 from launch_util import report
 from models import global_batches, make_model
 from paddle.distributed.fsdp import FullyShardFusion
+from paddle.distributed.fsdp.checkpoint import host_memory
 from paddle.distributed.fsdp.checkpoint.save import wait_pending
 from paddle.distributed.fsdp.memtier import MemoryTier
 from paddle.distributed.fsdp.memtier.slot import Slot
 from training import records, train
 
 BATCH, PERSIST_EVERY = 8, 4
-MODELS = ("tiny", "qwen3")
+MODELS = tuple(os.environ.get("FSDP_TEST_MEMTIER_MODELS", "tiny,qwen3").split(","))
+PEER_TIMEOUT_S = float(os.environ.get("FSDP_TEST_MEMTIER_PEER_TIMEOUT", "60"))
 
 
 def _sync() -> None:
@@ -89,9 +93,11 @@ def build(name: str, workdir: str, seed: int, rank: int, world: int, restore_now
 
     durable = os.path.join(workdir, "durable")
     if restore_now:  # the README's form: built and restored in one call
-        tier = fsdp.memory_tier(opt, durable_root=durable, persist_every=PERSIST_EVERY, keep_last=None)
+        tier = fsdp.memory_tier(opt, durable_root=durable, persist_every=PERSIST_EVERY, keep_last=None,
+                                peer_timeout_s=PEER_TIMEOUT_S)  # fmt: skip
     else:
-        tier = MemoryTier(fsdp, opt, durable_root=durable, persist_every=PERSIST_EVERY, keep_last=None)
+        tier = MemoryTier(fsdp, opt, durable_root=durable, persist_every=PERSIST_EVERY, keep_last=None,
+                          peer_timeout_s=PEER_TIMEOUT_S)  # fmt: skip
     return Case(name, workdir, fsdp, opt, tier, step)
 
 
@@ -99,7 +105,30 @@ def _slot_files(tier: MemoryTier) -> list:
     return [list(os.stat(p)[1:2]) + [os.stat(p).st_size] for p in (tier.copies.own_path(), tier.copies.peer_path())]
 
 
-def train_to_end(cases: list[Case], start: int, total: int, crash_at=None, keep_at=None) -> dict:
+def _copy_half_then_die(real_finish):
+    """SaveIntoSlot.finish that copies half of the deferred records into the slot, then SIGKILLs the process."""
+
+    def finish(job) -> None:
+        half = job._jobs[: len(job._jobs) // 2]
+        for dst, t in half:
+            np.copyto(dst, host_memory.raw_view(t, allow_copy=False)[0])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return finish
+
+
+def _die_mid_copy(cases: list[Case]) -> None:
+    """After the save calls of this step: rank 1 was killed while copying (patched before the calls); every
+    other rank's copy completes, its exchange with rank 1 fails (named), then it is killed too."""
+    for c in cases:
+        try:
+            c.tier.wait()
+        except Exception as e:  # noqa: BLE001 - the partner died: expected
+            print(f"save failed as expected: {type(e).__name__}: {e}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train_to_end(cases: list[Case], start: int, total: int, crash_at=None, keep_at=None, kill_mid_copy=None) -> dict:
     """Train every case from ``start`` to ``total`` with a save per step; returns per case its final records, RNG
     draw, LR and whether the slots stayed the same files without a new allocation after the first save."""
     growth: dict[str, list] = {c.name: [] for c in cases}
@@ -107,8 +136,12 @@ def train_to_end(cases: list[Case], start: int, total: int, crash_at=None, keep_
     for i in range(start, total):
         for c in cases:
             c.step(i)
-            if i + 1 in (keep_at, crash_at):  # these saves must not be skipped for a persist still writing
+            if i + 1 in (keep_at, crash_at, kill_mid_copy):  # not to be skipped for a persist still writing
                 c.tier.wait_persisted()
+            if kill_mid_copy == i + 1 and dist.get_rank() == 1:
+                import paddle.distributed.fsdp.memtier.copies as copies_mod
+
+                copies_mod.SaveIntoSlot.finish = _copy_half_then_die(copies_mod.SaveIntoSlot.finish)
             c.tier.save(i + 1, extra_state={"data_position": (i + 1) * BATCH})
         if i == start:
             for c in cases:
@@ -122,6 +155,8 @@ def train_to_end(cases: list[Case], start: int, total: int, crash_at=None, keep_
                 os.makedirs(kept, exist_ok=True)
                 for path in (c.tier.copies.own_path(), c.tier.copies.peer_path()):
                     shutil.copy(path, os.path.join(kept, os.path.basename(path)))
+        if kill_mid_copy == i + 1:
+            _die_mid_copy(cases)
         if crash_at == i + 1:
             for c in cases:
                 c.tier.wait()
@@ -150,7 +185,7 @@ def run(args, rank, world) -> dict:
     cases = [build(m, args.workdir, 11, rank, world, restore_now=True) for m in MODELS]
     starts = {c.tier.start_step for c in cases}
     assert len(starts) == 1, starts
-    done = train_to_end(cases, starts.pop(), args.total, args.crash_at, args.keep_at)
+    done = train_to_end(cases, starts.pop(), args.total, args.crash_at, args.keep_at, args.kill_mid_copy)
     out = {}
     for c in cases:
         res = done[c.name]
@@ -296,6 +331,7 @@ def main() -> None:
     ap.add_argument("scenarios", nargs="?", default="")
     ap.add_argument("--crash-at", type=int)
     ap.add_argument("--keep-at", type=int)
+    ap.add_argument("--kill-mid-copy", type=int)
     args = ap.parse_args()
     dist.init_parallel_env()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -172,15 +172,17 @@ class Incoming:
 
 
 def receive_into_slot(link: PeerLink, slot, src: int, tag: int) -> None:
-    """A save's exchange, receiving side: the copy of rank ``src`` into ``slot`` (the peer slot, same size). Its
-    prefix (with the "valid" flag) is written last, so a transfer cut short leaves the slot marked "writing"."""
+    """A save's exchange, receiving side: the copy of rank ``src`` into ``slot`` (the peer slot, same size). The
+    slot is marked "writing" once the partner's copy starts to arrive, and its prefix (with the "valid" flag) is
+    written last, so a transfer cut short leaves the slot marked "writing", and a partner that died before sending
+    (e.g. killed while copying its own state) leaves the previous copy it sent valid."""
     from .slot import HEADER_OFF
 
-    slot.mark_writing()
     incoming = link.accept(src, tag)
     if incoming.size != slot.size:
         incoming.close()
         raise PeerTransferError(f"rank {link.rank}: rank {src} sends {incoming.size} bytes, its slot has {slot.size}")
+    slot.mark_writing()  # only now: a partner that died before sending leaves the previous copy valid
     prefix = np.empty(HEADER_OFF, np.uint8)
     incoming.read_into(prefix)
     incoming.read_into(slot.buf[HEADER_OFF:])
