@@ -133,6 +133,7 @@ class Restore:
         tier = self.tier
         state = tensor_state(tier.fsdp, tier.optimizer)
         tier.peer_link()  # collective when first called: before any rank may need it
+        self.mark("prepare")
         for _round in range(2 * tier.world + 2):  # every repeated round excludes at least one copy
             report = self.scan(state.layout)
             self.mark("scan")
