@@ -64,7 +64,7 @@ def _saves(tier, comm: Comm, repeats: int) -> dict:
     from paddle.distributed.fsdp.checkpoint import wait_for_snapshot
 
     first, _ = _timed_max(comm, lambda: (tier.save(1), tier.wait()))
-    blocked, copied, total = [], [], []
+    blocked, copied, total, exchange = [], [], [], []
     for i in range(repeats):
         comm.barrier()
         t0 = time.perf_counter()
@@ -76,7 +76,9 @@ def _saves(tier, comm: Comm, repeats: int) -> dict:
         t3 = time.perf_counter()
         for lst, dt in ((blocked, t1 - t0), (copied, t2 - t0), (total, t3 - t0)):
             lst.append(max(comm.gather(dt)))
-    return {"first": first, "blocked": _med(blocked), "copied": _med(copied), "total": _med(total)}
+        exchange.append(max(comm.gather(getattr(tier, "save_timings", {}).get("exchange", 0.0))))
+    out = {"first": first, "blocked": _med(blocked), "copied": _med(copied), "total": _med(total)}
+    return dict(out, exchange=_med(exchange))
 
 
 def _workload():
@@ -254,6 +256,8 @@ def table(r: dict) -> str:
         ("memtier save: blocked (call)", f"{s['blocked'] * 1e3:.2f} ms", f"{s['blocked'] / r['memcpy']:.3f}x memcpy"),
         ("memtier save: tensors copied", f"{s['copied'] * 1e3:.1f} ms", f"{s['copied'] / r['memcpy']:.2f}x memcpy"),
         ("memtier save: + checksums + peer", f"{s['total'] * 1e3:.1f} ms", f"{s['total'] / r['memcpy']:.2f}x memcpy"),
+        ("memtier save: of which the peer exchange", f"{s.get('exchange', 0) * 1e3:.1f} ms",
+         f"{s.get('exchange', 0) / r['memcpy']:.2f}x memcpy"),
         ("memtier first save (allocation)", f"{s['first'] * 1e3:.1f} ms", ""),
         ("host memory of the tier", f"{r['tier_bytes'] / 1e9:.3f} GB", f"{r['tier_bytes'] / r['state_bytes']:.2f}x state"),
         ("workload alone", f"{r['interference']['alone'] * 1e3:.1f} ms", "1.00x"),

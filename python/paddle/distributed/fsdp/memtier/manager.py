@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import threading
+import time
 
 from ..checkpoint import checksums
 from . import peers, wire
@@ -107,6 +108,7 @@ class MemoryTier:
         self._persister = Background("memtier-persist")
         self._persisting = False  # a persist was started and every rank has not yet seen it finish
         self._buffers: list[str] | None = None
+        self.save_timings: dict[str, float] = {}  # seconds of the last save's background phases (benchmark)
         self.skipped: list[int] = []  # memory saves skipped because a persist was still writing the copy
         self.persist_errors: list[str] = []
         self._unmap_later: list = []
@@ -200,14 +202,17 @@ class MemoryTier:
         of the copy to the persist thread; it too is started on every rank (a rank without a valid copy fails the
         collective save on every rank, by the engine's error exchange)."""
         error = None
+        t0 = time.perf_counter()
         try:
             job.finish()
         except BaseException as e:  # noqa: BLE001 - re-raised after the exchange
             error = e
         finally:
             job.release_guard()
+        t1 = time.perf_counter()
         try:
             self._exchange(int(job.header["step"]))
+            self.save_timings = {"copy_checksums": t1 - t0, "exchange": time.perf_counter() - t1}
         finally:
             if persist:
                 ok = error is None
