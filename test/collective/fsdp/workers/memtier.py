@@ -136,7 +136,7 @@ def train_to_end(cases: list[Case], start: int, total: int, crash_at=None, keep_
     for i in range(start, total):
         for c in cases:
             c.step(i)
-            if i + 1 in (keep_at, crash_at, kill_mid_copy):  # not to be skipped for a persist still writing
+            if i + 1 in (keep_at, crash_at) or kill_mid_copy:  # not to be skipped for a persist still writing
                 c.tier.wait_persisted()
             if kill_mid_copy == i + 1 and dist.get_rank() == 1:
                 import paddle.distributed.fsdp.memtier.copies as copies_mod
