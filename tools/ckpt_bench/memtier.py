@@ -11,9 +11,10 @@ On the benchmark's state (PaddleState: Linear blocks + AdamW, sharded by FullySh
   copy, checksums and peer transfer running in the background) against the same workload with nothing in flight;
 * ``persist``: a save that is also persisted (from the memory copy, persist thread) until the checkpoint is
   committed;
-* ``restore``: the state zeroed, then ``tier.restore()`` from the own memory copy, from the peer copy (own
-  files deleted), and ``fsdp.load_checkpoint`` of the same step from disk with the page cache dropped (cold);
-  each checked against the saved state's checksum.
+* ``restore``: the state zeroed, then ``tier.restore()`` from the own memory copy, from the peer copy (every own
+  file deleted; each rank receives while it sends), from the peer copy on the odd ranks only (a lost node),
+  and ``fsdp.load_checkpoint`` of the same step from disk with the page cache dropped (cold); each checked
+  against the saved state's checksum.
 
 Partners: rank r's copy is held by rank r^1 (pairs), so the peer path crosses the process group.
 Times are the slowest rank's, medians over ``--repeats``.
@@ -214,7 +215,7 @@ def run_memtier(args) -> dict:
     ps.fsdp.save_checkpoint(work, optimizer=ps.opt, step=step)  # the same step on disk
     path = os.path.join(work, f"step_{step:08d}")
     out["limits"] = _limits(ps, comm, tier, path, args.repeats)
-    disk, mem, peer, phases = [], [], [], {"memory": [], "peer": []}
+    disk, mem, peer, node_loss, phases = [], [], [], [], {"memory": [], "peer": []}
     for _ in range(args.repeats):
         drop_cache(data_files(path))
         disk.append(_restore(ps, comm, lambda: ps.fsdp.load_checkpoint(path, optimizer=ps.opt), want)[0])
@@ -230,8 +231,16 @@ def run_memtier(args) -> dict:
             phases["peer"].append(comm.gather(res.timings))
             tier.save(step)  # a peer restore reads into the tensors only: the own copy comes with the next save
             tier.wait()
+            if rank % 2 == 1:  # a lost node: only the odd ranks lose their own copies
+                os.unlink(tier.copies.own_path())
+            dt, res = _restore(ps, comm, tier.restore, want, tier)
+            assert res.sources == ["memory", "peer"] * (world // 2), res.sources
+            node_loss.append(dt)
+            tier.save(step)
+            tier.wait()
     out["load_disk_cold"], out["restore_memory"] = _med(disk), _med(mem)
     out["restore_peer"] = _med(peer) if peer else None
+    out["restore_node_loss"] = _med(node_loss) if node_loss else None
     out["restore_phases"] = {k: _phase_medians(v) for k, v in phases.items() if v}
     tier.close()
     comm.barrier()
@@ -287,6 +296,9 @@ def table(r: dict) -> str:
             ("cold load from disk, in memcpys", "", f"{r['load_disk_cold'] / r['memcpy']:.2f}x memcpy"),
             ("best ratio possible: cold load / (populate + memcpy)", "", f"{r['load_disk_cold'] / (lim['populate'] + r['memcpy']):.1f}x"),
         ]  # fmt: skip
+    if r.get("restore_node_loss") is not None:
+        rows.append(("restore, odd ranks from the peer copy (a lost node)", f"{r['restore_node_loss'] * 1e3:.1f} ms",
+                     f"{r['load_disk_cold'] / r['restore_node_loss']:.1f}x faster"))  # fmt: skip
     for kind, ph in r.get("restore_phases", {}).items():
         rows.append((f"restore from {kind}: phases", ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in ph.items()), ""))
     lines = ["| phase | time / size | ratio |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
