@@ -84,10 +84,9 @@ class Restore:
         if name in self.excluded or not os.path.exists(path):
             return
         try:
-            expect = dict(self.tier.expect(), rank=owner)  # a held copy may be sent: DLPack needs it writable
-            own = name == "own"
-            self.found[name] = read_copy(path, expect, layout, writable=not own, verify=False)
-            if own:
+            expect = dict(self.tier.expect(), rank=owner)
+            self.found[name] = read_copy(path, expect, layout, verify=False)  # the header only
+            if name == "own":
                 tier, header = self.tier, self.found[name][1]
                 self.apply_own = decode_values(tier.fsdp, tier.optimizer, header["values"], f"memory copy {path}")
         except (InvalidMemoryCopyError, OSError) as e:
