@@ -375,6 +375,8 @@ def test_two_nodes_kill9_peer_storage_agreement(tmp_path, capsys):
                     assert (res["rng"], res["lr"]) == (ref[r][m]["rng"], ref[r][m]["lr"]), (name, m, res, ref[r][m])
                     assert res["files_left"] == [], (name, m, res)  # a clean end removes the copies
                     assert res["same_slots"], (name, m, res)  # saves reuse their two slot files, no allocation
+                    if name == "node1" and r == 1:  # restored from the peer copy, its root wiped: reserved again
+                        assert res["reserved"], (name, m, res)
         for r in (0, 1):  # rank 0's persist held back: rank 1 skips the save of step 3 too (one decision)
             skip = got[r]["skip"]
             assert "error" not in skip, f"rank {r} skip:\n{skip['error']}"

@@ -290,6 +290,11 @@ def restore(args, rank, world) -> dict:
             cases = [build(m, args.workdir, 77, rank, world, restore_now=False) for m in MODELS]  # another seed
             _prepare(args.workdir, scenario, rank, node, local_rank, cases)
             restored = {c.name: c.tier.restore() for c in cases}
+            reserved = {}  # after a restore from the peer copy: the own slot reserved in the background
+            for c in cases:
+                c.tier.wait()
+                own = c.tier.copies.own_path()
+                reserved[c.name] = os.path.exists(own) and os.stat(own).st_blocks * 512 >= os.stat(own).st_size > 0
             starts = {r.step for r in restored.values()}
             assert len(starts) == 1, starts
             if scenario == "world1":  # copies of a 2-rank job: refused (world size), storage resharded to 1 rank
@@ -315,6 +320,7 @@ def restore(args, rank, world) -> dict:
                     persisted=got.persisted,
                     extra=dict(got),
                     differ=[k for k in ref.files if not np.array_equal(ref[k], final[k])],
+                    reserved=reserved[c.name],
                     files_left=_left(c.tier),
                 )
         except Exception:

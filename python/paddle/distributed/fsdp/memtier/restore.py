@@ -34,6 +34,7 @@ from . import agreement, wire
 from .copies import check_header, read_copy
 from .errors import InvalidMemoryCopyError, MemoryTierError, NoCommonStepError, PeerTransferError
 from .readback import fill_tensors, read_into
+from .slot import HEADER_OFF
 from .state import decode_values, tensor_state
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class Restore:
         self.apply_own = None  # the own copy's checked non-tensor state (decode_values), set by the scan
         self._sender = None  # the thread sending held copies to their owners
         self.storage_steps: list[int] = []
+        self.slot_sizes: tuple[int, int] | None = None  # (header capacity, data length) of a copy received
         self.written = False  # a read into the tensors was attempted (a later failure leaves them undefined)
 
     def mark(self, name: str) -> None:
@@ -217,6 +219,7 @@ class Restore:
             incoming.finish()  # the holder's send completes; the verdict reports this copy
             raise
         incoming.finish()
+        self.slot_sizes = (doff - HEADER_OFF, dlen)  # the own slot to reserve again (manager.restore)
         return header, apply
 
     def _read(self, state, decision, tag: int):
