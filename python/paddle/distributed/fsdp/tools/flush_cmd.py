@@ -22,7 +22,8 @@ def add_flush_memory(sub, common: argparse.ArgumentParser) -> None:
         "its partner node's).",
         epilog="examples:\n"
         "  paddle-fsdp-ckpt flush-memory ckpt/ --memory-root /dev/shm/paddle-fsdp-memtier\n"
-        "  paddle-fsdp-ckpt flush-memory ckpt/ --memory-root /mnt/node0-shm --memory-root /mnt/node1-shm --job run7",
+        "  paddle-fsdp-ckpt flush-memory ckpt/ --memory-root /mnt/node0-shm --memory-root /mnt/node1-shm --job run7\n"
+        "  paddle-fsdp-ckpt flush-memory s3://bucket/run7/ckpt --memory-root /dev/shm/paddle-fsdp-memtier",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
