@@ -14,8 +14,9 @@ second background thread, on the tier's own process group. The copy must not cha
 saves called during a persist are skipped, on every rank alike (one small exchange decides): they are logged and
 listed in ``skipped``; the newest memory checkpoint is then the one being persisted.
 
-``restore`` agrees collectively on the step (agreement.py), brings peer copies back over the process group,
-verifies every copy before anything is written, and writes state only once every rank is ready; a step restored
+``restore`` agrees collectively on the step (agreement.py), reads every rank's copy into its tensors in one
+pass, verified on the way (readback.py; a peer copy straight from the holder's socket: wire.py), and applies the
+non-tensor state only once every rank's copy checked out (else every rank falls back together); a step restored
 from memory that storage lacks is persisted there before training resumes (persist on failure).
 """
 
