@@ -4,8 +4,8 @@
   partner and the bytes received (at once: the kernel closes the dead process's socket), never a hang;
 * the receiver killed mid-transfer: the sender raises PeerTransferError;
 * a partner that never connects: PeerTransferError when the deadline passes; a connection with another tag (an
-  abandoned exchange) is dropped and the expected one taken; a whole copy arrives byte for byte into a slot, its
-  "valid" prefix written last.
+  abandoned exchange) is dropped and the expected one taken; a whole copy sent from memory (a save's
+  ``send_buffer``) arrives byte for byte into a slot.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def test_deadline_stale_tags_and_a_whole_copy(tmp_path):
         stale.start()
         time.sleep(0.3)  # its connection is queued first
         errors: list[BaseException] = []
-        sender = threading.Thread(target=lambda: _catch(errors, a.send_file, 1, src, 5))
+        sender = threading.Thread(target=lambda: _catch(errors, a.send_buffer, 1, pristine, 5))  # a save's send
         sender.start()
         wire.receive_into_slot(b, slot, 0, 5)
         sender.join(30)

@@ -270,7 +270,7 @@ class MemoryTier:
 
         def send() -> None:
             try:
-                link.send_file(holder, self.copies.own_path(), step)
+                link.send_buffer(holder, self.copies.own.buf, step)
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 errors.append(e)
 

@@ -1,9 +1,9 @@
 """Peer copies over a direct TCP connection between partner ranks (a save's exchange, a restore's transfers).
 
-Why not the process group: gloo's send/recv in paddle 3.3.1 is blocking (its isend/irecv time out), moved about
-0.5 GB/s each way here, and needs both sides' memory as tensors. A copy is a file in a tmpfs, so the sender
-hands it to the kernel (``socket.sendfile``: no pass through user space, nothing mapped) and the receiver reads
-straight into the destination: the peer slot's mapping on a save, the model's tensors on a restore (one pass,
+Why not the process group: gloo's send/recv in paddle 3.3.1 is blocking (its isend/irecv time out), has no
+deadline (a dead partner leaves it waiting), and needs both sides' memory as tensors. A save sends its own slot
+from its mapping (``send_buffer``), a restore the held copy's file (``socket.sendfile``: nothing mapped), and
+the receiver reads straight into the destination: the peer slot's mapping on a save, the model's tensors on a restore (one pass,
 hashed on the way: readback.fill_tensors), so a restore from a peer copy allocates no slot.
 
 Addresses: every rank listens on its node's address (the host of ``PADDLE_CURRENT_ENDPOINT``, else 127.0.0.1)
@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 HELLO = struct.Struct("<8sqqq")  # magic, sender rank, tag, byte count
 MAGIC = b"FSDPMTX1"
 ACK = b"\x01"
+SEND_PIECE = 64 << 20  # a sender's deadline applies per piece (sendall's timeout covers the whole call)
 
 
 def node_host() -> str:
@@ -58,15 +59,36 @@ class PeerLink:
         self._server.close()
 
     def send_file(self, dst: int, path: str, tag: int) -> int:
-        """Send the file at ``path`` whole to rank ``dst`` (which calls ``accept(self.rank, tag)``); returns its
-        size once ``dst`` acknowledged every byte. PeerTransferError on any failure or past the deadline."""
-        what = f"rank {self.rank}: sending {path} to rank {dst}"
+        """Send the file at ``path`` whole to rank ``dst`` (which calls ``accept(self.rank, tag)``) with
+        ``socket.sendfile`` (nothing mapped: a restore's held copy); returns its size once ``dst`` acknowledged
+        every byte. PeerTransferError on any failure or past the deadline."""
         try:
-            with open(path, "rb") as f, socket.create_connection(self.addrs[dst], timeout=self.timeout_s) as s:
+            f = open(path, "rb")  # noqa: SIM115 - closed below
+        except OSError as e:
+            raise PeerTransferError(f"rank {self.rank}: cannot open {path} to send it: {e}") from None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            return self._send(dst, tag, size, lambda s: s.sendfile(f, 0, size) if size else 0, f"sending {path}")
+
+    def send_buffer(self, dst: int, buf, tag: int) -> int:
+        """As ``send_file``, from memory already mapped (a save's own slot: 20-30% faster than ``sendfile`` from
+        the tmpfs here), in pieces so that the deadline applies to each piece, not to the whole copy."""
+        mv = memoryview(buf).cast("B")
+
+        def write(s: socket.socket) -> int:
+            for i in range(0, len(mv), SEND_PIECE):
+                s.sendall(mv[i : i + SEND_PIECE])
+            return len(mv)
+
+        return self._send(dst, tag, len(mv), write, "sending its copy")
+
+    def _send(self, dst: int, tag: int, size: int, write, what: str) -> int:
+        what = f"rank {self.rank}: {what} to rank {dst}"
+        try:
+            with socket.create_connection(self.addrs[dst], timeout=self.timeout_s) as s:
                 s.settimeout(self.timeout_s)
-                size = os.fstat(f.fileno()).st_size
                 s.sendall(HELLO.pack(MAGIC, self.rank, tag, size))
-                sent = s.sendfile(f, 0, size) if size else 0
+                sent = write(s)
                 if sent != size:
                     raise PeerTransferError(f"{what}: {sent} of {size} bytes sent")
                 if s.recv(1) != ACK:
