@@ -60,7 +60,8 @@ def test_receiver_killed_mid_transfer_is_a_named_error(tmp_path):
     try:
         port = int(proc.stdout.readline().split()[1])
         link.addrs = [link.address, ("127.0.0.1", port)]
-        sender = threading.Thread(target=lambda: _catch(errors, link.send_file, 1, _file(tmp_path), 7))
+        data = np.fromfile(_file(tmp_path), np.uint8)
+        sender = threading.Thread(target=lambda: _catch(errors, link.send_buffer, 1, data, 7))
         sender.start()
         assert proc.stdout.readline().strip() == "GOT"
         proc.send_signal(signal.SIGKILL)
@@ -90,10 +91,8 @@ def test_deadline_stale_tags_and_a_whole_copy(tmp_path):
     try:
         slot = Slot.allocate(str(tmp_path / "rank00001.peer"), 4096, 1 << 20)
         pristine = np.random.default_rng(1).integers(0, 256, slot.size, dtype=np.uint8)
-        src = str(tmp_path / "rank00000.own")
-        pristine.tofile(src)
         stale_errors: list[BaseException] = []
-        stale = threading.Thread(target=lambda: _catch(stale_errors, a.send_file, 1, src, 4))  # an abandoned tag
+        stale = threading.Thread(target=lambda: _catch(stale_errors, a.send_buffer, 1, pristine, 4))  # old tag
         stale.start()
         time.sleep(0.3)  # its connection is queued first
         errors: list[BaseException] = []

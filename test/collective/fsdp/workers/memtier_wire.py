@@ -1,7 +1,7 @@
 """One end of a memory-tier peer transfer (memtier/wire.py) in its own process, to be killed with SIGKILL.
 
 Usage:
-  memtier_wire.py send HOST PORT FILE   connect as rank 0 to rank 1 at HOST:PORT and send FILE (tag 7)
+  memtier_wire.py send HOST PORT FILE   connect as rank 0 to rank 1 at HOST:PORT and send FILE's bytes (tag 7)
   memtier_wire.py recv                  listen as rank 1, print "PORT <port>", accept rank 0's copy (tag 7),
                                         read 1 MiB of it, print "GOT", then wait (never acknowledges)
 """
@@ -20,7 +20,7 @@ def main() -> None:
     if mode == "send":
         link = wire.PeerLink(0, 60.0)
         link.addrs = [link.address, (sys.argv[2], int(sys.argv[3]))]
-        link.send_file(1, sys.argv[4], 7)
+        link.send_buffer(1, np.fromfile(sys.argv[4], np.uint8), 7)
         print("SENT", flush=True)
     else:
         link = wire.PeerLink(1, 60.0)

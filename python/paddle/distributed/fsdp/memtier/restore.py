@@ -33,7 +33,7 @@ from ..checkpoint.manager import committed_steps, step_dir_name
 from . import agreement, wire
 from .copies import check_header, read_copy
 from .errors import InvalidMemoryCopyError, MemoryTierError, NoCommonStepError, PeerTransferError
-from .readback import fill_tensors, read_into
+from .readback import fill_tensors, populate, read_into
 from .slot import HEADER_OFF
 from .state import decode_values, tensor_state
 
@@ -181,12 +181,15 @@ class Restore:
         owners = [r for r, holder in decision.holders.items() if holder == self.rank]
         if not owners:
             return errors
-        link, path = self.tier.peer_link(), self.tier.copies.peer_path()
+        link, held = self.tier.peer_link(), self.found.get("held")
 
         def send() -> None:
             try:
+                if held is None:  # pragma: no cover - the agreement names only holders of a valid copy
+                    raise InvalidMemoryCopyError(f"rank {self.rank} holds no copy to send")
+                populate(held[0], 0, held[0].size)  # the mapping of the scan: sending from it beats sendfile
                 for owner in owners:
-                    link.send_file(owner, path, tag)
+                    link.send_buffer(owner, held[0].buf, tag)
             except BaseException as e:  # noqa: BLE001 - reported in the verdict
                 errors.append(e)
 

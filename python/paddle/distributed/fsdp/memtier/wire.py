@@ -1,9 +1,9 @@
 """Peer copies over a direct TCP connection between partner ranks (a save's exchange, a restore's transfers).
 
 Why not the process group: gloo's send/recv in paddle 3.3.1 is blocking (its isend/irecv time out), has no
-deadline (a dead partner leaves it waiting), and needs both sides' memory as tensors. A save sends its own slot
-from its mapping (``send_buffer``), a restore the held copy's file (``socket.sendfile``: nothing mapped), and
-the receiver reads straight into the destination: the peer slot's mapping on a save, the model's tensors on a restore (one pass,
+deadline (a dead partner leaves it waiting), and needs both sides' memory as tensors. The sender sends the slot
+from its mapping (a save: its own slot; a restore: the copy it holds), and the receiver reads straight into the
+destination: the peer slot's mapping on a save, the model's tensors on a restore (one pass,
 hashed on the way: readback.fill_tensors), so a restore from a peer copy allocates no slot.
 
 Addresses: every rank listens on its node's address (the host of ``PADDLE_CURRENT_ENDPOINT``, else 127.0.0.1)
@@ -58,21 +58,11 @@ class PeerLink:
     def close(self) -> None:
         self._server.close()
 
-    def send_file(self, dst: int, path: str, tag: int) -> int:
-        """Send the file at ``path`` whole to rank ``dst`` (which calls ``accept(self.rank, tag)``) with
-        ``socket.sendfile`` (nothing mapped: a restore's held copy); returns its size once ``dst`` acknowledged
-        every byte. PeerTransferError on any failure or past the deadline."""
-        try:
-            f = open(path, "rb")  # noqa: SIM115 - closed below
-        except OSError as e:
-            raise PeerTransferError(f"rank {self.rank}: cannot open {path} to send it: {e}") from None
-        with f:
-            size = os.fstat(f.fileno()).st_size
-            return self._send(dst, tag, size, lambda s: s.sendfile(f, 0, size) if size else 0, f"sending {path}")
-
     def send_buffer(self, dst: int, buf, tag: int) -> int:
-        """As ``send_file``, from memory already mapped (a save's own slot: 20-30% faster than ``sendfile`` from
-        the tmpfs here), in pieces so that the deadline applies to each piece, not to the whole copy."""
+        """Send ``buf`` (a slot's mapping) whole to rank ``dst`` (which calls ``accept(self.rank, tag)``); returns
+        its size once ``dst`` acknowledged every byte. PeerTransferError on any failure or past the deadline (it
+        applies to each piece of ``SEND_PIECE`` bytes). From the mapping rather than ``socket.sendfile`` of the
+        file: 20-30% faster here for a tmpfs file (docs/memtier-bench-2026-12-03-session3.md)."""
         mv = memoryview(buf).cast("B")
 
         def write(s: socket.socket) -> int:
