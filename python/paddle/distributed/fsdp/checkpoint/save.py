@@ -101,12 +101,12 @@ from .background import SaveHandle, start_in_background, wait_pending
 from .commit import Publisher, SaveJob, open_channel
 from .coordination import Comm, check_target_path, gather_errors
 from .errors import CheckpointError, DirectoryMismatchError, InvalidStateDictError, SaveFailedError
+from .first_save import exchange_assignment
 from .gc_pause import gc_paused
 from .keywords import STOCK_SAVE_KEYWORDS, check_keywords, keyword_names
 from .markers import cause, mark_failed, remove_failed_stagings
 from .options import CheckpointOptions, resolve
 from .paths import local_path
-from .first_save import exchange_assignment
 from .planner import (
     AssignmentMemo,
     assignment_name,
