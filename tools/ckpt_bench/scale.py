@@ -3,7 +3,8 @@ virtual world of thousands of ranks in one process (no data bytes).
 
 Why: the engine has only ever run on a few ranks here; what grows with the world (the index every rank reads, the
 commit's work, the load planner) is measured by running the engine's own code for one rank at a time of a
-virtual world: ``planner.assign_writes`` + ``lay_out_files`` (every rank of a first save runs them),
+virtual world: a first save's exchange (scale_first_save.py: each rank's columns and own part, the
+coordinator's assignment of the world) + ``lay_out_files`` (each rank's own file),
 ``save_index.index_objects`` (the coordinator's commit), then per sampled loading rank ``read_metadata`` of the
 written index (cold: a fresh reader), ``check_coverage`` + ``region_segments`` of its FSDP targets (the load
 planner) and the checksum blocks its ranges need (sparse sidecars: the reads are real, the bytes zeros).
@@ -31,6 +32,11 @@ import sys
 import tempfile
 import time
 import tracemalloc
+
+try:
+    from .scale_first_save import first_save
+except ImportError:  # run as a script
+    from scale_first_save import first_save
 
 MODELS = {
     # config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B on the Hugging Face hub
@@ -123,8 +129,7 @@ def save_side(model: str, world: int, directory: str, chunk: int) -> dict:
 
     gc.collect()
     wires = [rank_records(model, world, r) for r in range(world)]
-    t0 = time.perf_counter()
-    assignment = planner.assign_writes(wires, {})
+    assignment, first = first_save(wires, sorted({1, world // 2, world - 1} - {0}) or [0])
     t1 = time.perf_counter()
     chunk = chunk or planner.chunk_for(assignment)  # 0: what save_state_dict picks
     planner.lay_out_files(assignment, {}, "0" * 32, world // 2)  # every rank: its own file
@@ -155,7 +160,7 @@ def save_side(model: str, world: int, directory: str, chunk: int) -> dict:
     del wires, assignment
     return {
         "pieces": int(len(cols["rows"])),
-        "assign_s": t1 - t0,
+        **first,
         "layout_rank_s": t2 - t1,
         "columns_s": t4 - t3,
         "handover_s": wait_s,
@@ -341,7 +346,11 @@ def _summary(row: dict) -> dict:
         "plan_s": max(x["plan_s"] for x in loads),
         "peak_MB": row["peak_bytes"] / 1e6,
         "files_opened": max(x["files_opened"] for x in loads),
-        "assign_s": row["assign_s"],
+        "first_rank_s": row["first_rank_s"],
+        "first_coordinator_s": row["first_coordinator_s"],
+        "first_rank_recv_KB": row["first_rank_recv_bytes"] / 1e3,
+        "first_coordinator_recv_MB": row["first_coordinator_recv_bytes"] / 1e6,
+        "first_old_recv_MB": row["first_old_recv_bytes"] / 1e6,
         "layout_rank_s": row["layout_rank_s"],
         "columns_s": row["columns_s"],
         "handover_s": row["handover_s"],
@@ -367,16 +376,19 @@ def markdown(res: dict) -> str:
         f"{res['model']}, {res['state_bytes'] / 1e12:.2f} TB of state (fp32 master + AdamW moments):",
         "",
         "| world | pieces | chunk | index read / rank | own checksums read | plan / rank | peak mem / rank | files "
-        "opened / rank | first-save assign (every rank) | columns (coordinator, first save) | hand-over reads "
-        "(coordinator) | index (coordinator) | commit bytes written |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "opened / rank | first save / rank | first save: coordinator assign | first-save bytes received / rank | "
+        "(before: every rank) | first-save bytes received (coordinator) | columns (coordinator, first save) | "
+        "hand-over reads (coordinator) | index (coordinator) | commit bytes written |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["worlds"]:
         x = _summary(r)
         out.append(
             f"| {x['world']} | {x['pieces']:,} | {x['chunk_KiB']} KiB | {x['index_read_MB']:.2f} MB | "
             f"{x['own_sums_KB']:.0f} KB | {x['plan_s']:.2f} s | {x['peak_MB']:.0f} MB | {x['files_opened']} | "
-            f"{x['assign_s']:.1f} s | {x['columns_s']:.1f} s | {x['handover_s']:.2f} s | {x['commit_index_s']:.2f} s"
+            f"{x['first_rank_s'] * 1e3:.1f} ms | {x['first_coordinator_s']:.1f} s | {x['first_rank_recv_KB']:.1f} KB | "
+            f"{x['first_old_recv_MB']:.0f} MB | {x['first_coordinator_recv_MB']:.0f} MB | "
+            f"{x['columns_s']:.1f} s | {x['handover_s']:.2f} s | {x['commit_index_s']:.2f} s"
             f" | {x['commit_MB']:.0f} MB |"
         )
     g = res.get("growth_512_8192", {})
@@ -420,6 +432,9 @@ def main(argv=None) -> int:
         "plan_s": growth(rows, lambda r: max(x["plan_s"] for x in r["loads"])),
         "commit_s": growth(rows, lambda r: r["commit_s"]),
         "commit_bytes": growth(rows, lambda r: r["commit_bytes"]),
+        "first_save_rank_s": growth(rows, lambda r: r["first_rank_s"]),
+        "first_save_rank_recv": growth(rows, lambda r: r["first_rank_recv_bytes"]),
+        "first_save_coordinator_s": growth(rows, lambda r: r["first_coordinator_s"]),
     }
     print(json.dumps({"summary": [_summary(r) for r in rows], "growth": res["growth_512_8192"]}, indent=1))
     print(markdown(res))

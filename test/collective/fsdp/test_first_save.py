@@ -116,9 +116,9 @@ def random_world(rng: random.Random) -> tuple[list, dict]:
     return wires, values
 
 
-def _outcome(fn):
+def _outcome(fn, *args):
     try:
-        return fn()
+        return fn(*args)
     except InvalidStateDictError as e:
         return ("refused", str(e))
 
@@ -127,13 +127,13 @@ def test_numpy_assignment_equals_the_per_piece_reference_and_each_part_its_share
     refused = shared = 0
     for seed in range(400):
         wires, values = random_world(random.Random(seed))
-        want = _outcome(lambda: reference(wires, values))
-        got = _outcome(lambda: planner.assign_writes(wires, values))
+        want = _outcome(reference, wires, values)
+        got = _outcome(planner.assign_writes, wires, values)
         got = got if isinstance(got, tuple) else (got.specs, got.writes)
         assert got == want, (seed, wires)
         full, answers = first_save.coordinate([first_save.rank_columns(w) for w in wires], values)
         for r, answer in enumerate(answers):  # each rank's part: its writes, or the same error everywhere
-            part = _outcome(lambda: first_save.own_assignment(r, wires[r], answer))
+            part = _outcome(first_save.own_assignment, r, wires[r], answer)
             if want[0] == "refused":
                 assert part == want and full is None
             else:

@@ -56,21 +56,24 @@ def pack(wires: list) -> Columns:
     """The columns of one rank's descriptions (wire tuples ``(key, dtype, shape, off, box, flat_range, rep)``)."""
     n = len(wires)
     keys, dt_ids, sh_ids, general = [], {}, {}, {}
-    dt, sh = np.empty(n, np.uint8), np.empty(n, np.int32)
-    span, flags = np.full((n, 2), -1, np.int64), np.zeros(n, np.uint8)
+    dt, sh, span, flags = [], [], [], []
     for i, (key, dtype, shape, off, box, fr, rep) in enumerate(wires):
         keys.append(key)
         shape = tuple(shape)
-        dt[i] = dt_ids.setdefault(dtype, len(dt_ids))
-        sh[i] = sh_ids.setdefault(shape, len(sh_ids))
+        dt.append(dt_ids.setdefault(dtype, len(dt_ids)))
+        sh.append(sh_ids.setdefault(shape, len(sh_ids)))
         f = (REPLICATED if rep else 0) | (FLAT if fr is not None else 0)
-        one = Region(shape, tuple(off), tuple(box), None if fr is None else tuple(fr)).single_run()
-        if one is None:
+        if tuple(box) != shape or any(off):  # not one run of the whole box (Region.single_run)
             general[i] = (tuple(off), tuple(box), None if fr is None else tuple(fr))
             f |= GENERAL
+            span.append((-1, -1))
+        elif fr is not None:
+            span.append((fr[0], max(fr[0], fr[1])))
         else:
-            span[i] = one[0], one[0] + one[1]
-        flags[i] = f
+            span.append((0, 0 if 0 in shape else numel(shape)))
+        flags.append(f)
+    span = np.array(span, np.int64).reshape(n, 2)
+    dt, sh, flags = np.array(dt, np.uint8), np.array(sh, np.int32), np.array(flags, np.uint8)
     joined = "\0".join(keys)
     if len(joined) + 1 - n == sum(map(len, keys)):  # no key holds a NUL
         keys = joined
