@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import InvalidStateDictError
-from .format.coverage import flat_span
+from .format.coverage import coverage_problems, flat_span  # noqa: F401 (coverage_problems: tools import it from here)
 from .format.metadata import DEFAULT_CHUNK_BYTES, DTYPES, FORMAT_NAME, PieceMeta, TensorMeta, numel, rank_file_name
 from .format.safetensors import build_header
 from .gc_pause import gc_paused
