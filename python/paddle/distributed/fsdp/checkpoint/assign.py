@@ -177,7 +177,7 @@ class _Groups:
 def _simple_groups(w: _World, sel: np.ndarray) -> _Groups:
     """Groups of the entries ``sel`` (single runs over the whole box, not empty): one numpy sort."""
     kid, a, b = w.kid[sel], w.span[sel, 0], w.span[sel, 1]
-    order = np.lexsort((b, a, kid))  # stable: within a region, holders in rank order
+    order = _by_key_start_stop(kid, a, b)
     kid, a, b, ent = kid[order], a[order], b[order], sel[order]
     new = np.ones(len(ent), bool)
     new[1:] = (kid[1:] != kid[:-1]) | (a[1:] != a[:-1]) | (b[1:] != b[:-1])
@@ -191,6 +191,18 @@ def _simple_groups(w: _World, sel: np.ndarray) -> _Groups:
         shared[g] = ent[starts[g] : ends[g]]
     span = np.stack([a[starts], b[starts]], axis=1) if len(starts) else np.zeros((0, 2), np.int64)
     return _Groups(kid[starts], first, nbytes, shared, span)
+
+
+def _by_key_start_stop(kid: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Stable order by (key, start, stop): within a region, its holders in rank order. One sort of a packed
+    int64 (key, start) where it fits and no two runs of a key start alike with different stops (the usual case;
+    ~3x faster than the three-key lexsort it falls back to)."""
+    if len(kid) and int(kid.max()) < (1 << 22) and int(a.max()) < (1 << 40):
+        order = np.argsort((kid << 40) | a, kind="stable")
+        k, s, e = kid[order], a[order], b[order]
+        if not np.any((k[1:] == k[:-1]) & (s[1:] == s[:-1]) & (e[1:] != e[:-1])):
+            return order
+    return np.lexsort((b, a, kid))
 
 
 def _box_groups(w: _World, keys: np.ndarray) -> _Groups:
