@@ -41,12 +41,13 @@ def first_save(wires: list, samples: list[int]) -> tuple[object, dict]:
         planner.lay_out_files(part, {}, "0" * 32, r)
         own_s.append(pack_s[r] + time.perf_counter() - t0)
         assert part.writes[r] == full.writes[r]
-    old_bytes = sum(len(pickle.dumps(w, protocol=pickle.HIGHEST_PROTOCOL)) for w in wires)
+    # before: one all_gather of every rank's pickled descriptions, padded to the longest (communication.py)
+    old_bytes = world * (8 + max(len(pickle.dumps(w, protocol=pickle.HIGHEST_PROTOCOL)) for w in wires))
     return full, {
         "first_rank_s": max(own_s),  # pack + own part + own layout, worst sampled rank
         "first_coordinator_s": coord_s,  # unpickle + assign + check + answers
         "first_rank_sent_bytes": 8 + top_in + 8,  # size, then its padded columns (with their length)
         "first_rank_recv_bytes": 8 + 8 + top_out + 8,  # two broadcast sizes, its padded answer
         "first_coordinator_recv_bytes": world * (8 + top_in + 8),
-        "first_old_recv_bytes": old_bytes,  # before: every rank received every rank's descriptions
+        "first_old_recv_bytes": old_bytes,  # before: what every rank received
     }
