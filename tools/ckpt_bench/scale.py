@@ -387,7 +387,7 @@ def markdown(res: dict) -> str:
             f"| {x['world']} | {x['pieces']:,} | {x['chunk_KiB']} KiB | {x['index_read_MB']:.2f} MB | "
             f"{x['own_sums_KB']:.0f} KB | {x['plan_s']:.2f} s | {x['peak_MB']:.0f} MB | {x['files_opened']} | "
             f"{x['first_rank_s'] * 1e3:.1f} ms | {x['first_coordinator_s']:.1f} s | {x['first_rank_recv_KB']:.1f} KB | "
-            f"{x['first_old_recv_MB']:.0f} MB | {x['first_coordinator_recv_MB']:.0f} MB | "
+            f"{x['first_old_recv_MB']:.0f} MB | {x['first_coordinator_recv_MB']:.1f} MB | "
             f"{x['columns_s']:.1f} s | {x['handover_s']:.2f} s | {x['commit_index_s']:.2f} s"
             f" | {x['commit_MB']:.0f} MB |"
         )
