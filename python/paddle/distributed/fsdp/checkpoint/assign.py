@@ -109,7 +109,8 @@ def wire_at(cols: Columns, i: int, keys: list | None = None) -> tuple:
 @dataclass
 class Assigned:
     """The checked assignment: ``specs`` ``[(key, dtype, shape)]`` in key order, ``picks[r]`` the positions (in
-    rank r's own descriptions) of the records it writes, in write order, and the save's automatic chunk."""
+    rank r's own descriptions) of the records it writes, in write order; the bytes of every tensor and the
+    number of pieces written (planner.auto_chunk's inputs)."""
 
     specs: list
     picks: list
@@ -316,7 +317,7 @@ def _result(w: _World, groups: list[_Groups], writers: list[np.ndarray]) -> Assi
     kid = np.concatenate([g.kid for g in groups])
     first = np.concatenate([g.first for g in groups])
     ent = np.concatenate(writers)
-    ent = ent[np.lexsort((first, kid))]  # write order: key order, then the region's first holder
+    ent = ent[_by_key_start_stop(kid, first, first)]  # write order: key order, then the region's first holder
     ranks = w.rank[ent]
     by_rank = np.argsort(ranks, kind="stable")
     local = ent[by_rank] - w.offset[ranks[by_rank]]
