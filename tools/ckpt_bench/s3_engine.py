@@ -154,7 +154,6 @@ def worker(args) -> None:
                 res["s3_save"], _ = _timed(dist.barrier, lambda: ck.save_state_dict(state, url, options=traced), True)
                 ranks = [t.phases_ms() for t in traces if t.what.startswith("save rank")]
                 res["s3_save_data"] = ranks[0].get("write+fsync", 0.0) / 1000 if ranks else 0.0
-                res["s3_save_rest"] = res["s3_save"] - res["s3_save_data"]
                 for t in traces:  # every phase of the coordinator (rank 0): calling thread and save thread
                     if rank == 0:
                         res.update({f"trace {t.what}: {k}": v / 1000 for k, v in t.phases_ms().items()})
@@ -208,6 +207,10 @@ def _table(results: dict) -> tuple[str, dict]:
         k for k in results[0]["rounds"][0] if not k.startswith("trace ")
     ):  # the slowest (largest) rank per round, then the median over rounds
         med[k] = statistics.median(max(ranks[i][k] for i in range(len(ranks))) for ranks in by_round)
+    # the save beyond the slowest rank's data upload (a rank's own "rest" includes waiting for the others' data)
+    med["s3_save_rest"] = statistics.median(
+        max(x["s3_save"] for x in ranks) - max(x["s3_save_data"] for x in ranks) for ranks in by_round
+    )
     total = per_rank * len(results) / 1e9
     lines = [
         "| phase | seconds (median) | GB/s | ratio | note |",
