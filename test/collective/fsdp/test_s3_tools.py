@@ -14,7 +14,6 @@ import pytest
 import safetensors.numpy as stnp
 from paddle.distributed.fsdp.checkpoint import load_full_state_dict, verify_checkpoint
 from paddle.distributed.fsdp.tools.cli import main as cli_main
-from s3_fixtures import S3_CREDENTIALS
 
 MIB = 1 << 20
 RULES = {"rename": [[r"^model\.", "m."]], "transpose": [r"\.proj\.weight$"]}
@@ -40,25 +39,6 @@ def _hf_dir(directory: Path) -> dict[str, np.ndarray]:
         weight_map.update(dict.fromkeys(keys, fname))
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return tensors
-
-
-@pytest.fixture
-def s3_env(s3_server, monkeypatch):
-    """The default ``s3://`` backend (the CLI's) configured by the AWS environment for the test server."""
-    import paddle.distributed.fsdp.checkpoint.s3.storage as s3storage
-
-    for name, value in {
-        "AWS_ENDPOINT_URL": s3_server.endpoint,
-        "AWS_ACCESS_KEY_ID": S3_CREDENTIALS[0],
-        "AWS_SECRET_ACCESS_KEY": S3_CREDENTIALS[1],
-        "AWS_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(s3storage, "_default", None)
-    yield s3storage
-    if s3storage._default is not None:
-        for objs in s3storage._default._buckets.values():
-            objs.close()
 
 
 def _upload(s3storage, directory: Path, url: str) -> int:
