@@ -122,6 +122,7 @@ def worker(args) -> None:
 
     dist.init_parallel_env()
     rank, world = dist.get_rank(), dist.get_world_size()
+    barrier = dist.barrier if world > 1 else (lambda: None)  # one rank: no global group to wait on
     opts = _options(args.endpoint)
     storage = S3Storage(opts, who=f"rank {rank}")
     traces: list = []
@@ -145,19 +146,19 @@ def worker(args) -> None:
         for phase in ("raw_put", "s3_save") if r % 2 == 0 else ("s3_save", "raw_put"):
             if phase == "raw_put":
                 res["raw_put"], _ = _timed(
-                    dist.barrier,
+                    barrier,
                     lambda: client.upload_fileobj(io.BytesIO(payload), args.bucket, raw_key, Config=transfer),
                     settle=True,
                 )
             else:
                 traces.clear()
-                res["s3_save"], _ = _timed(dist.barrier, lambda: ck.save_state_dict(state, url, options=traced), True)
+                res["s3_save"], _ = _timed(barrier, lambda: ck.save_state_dict(state, url, options=traced), True)
                 ranks = [t.phases_ms() for t in traces if t.what.startswith("save rank")]
                 res["s3_save_data"] = ranks[0].get("write+fsync", 0.0) / 1000 if ranks else 0.0
                 for t in traces:  # every phase of the coordinator (rank 0): calling thread and save thread
                     if rank == 0:
                         res.update({f"trace {t.what}: {k}": v / 1000 for k, v in t.phases_ms().items()})
-        res["local_save"], _ = _timed(dist.barrier, lambda: ck.save_state_dict(state, local), settle=True)
+        res["local_save"], _ = _timed(barrier, lambda: ck.save_state_dict(state, local), settle=True)
         files = [os.path.join(local, n) for n in os.listdir(local)]
 
         def raw_get():
@@ -166,14 +167,14 @@ def worker(args) -> None:
             assert sink.getbuffer().nbytes == len(payload)
 
         drop_cache(files)
-        res["raw_get"], _ = _timed(dist.barrier, raw_get)
+        res["raw_get"], _ = _timed(barrier, raw_get)
         for name, where, o in (("s3_load", url, copts), ("local_load", local, None)):
             target = _state(rank, world, args.mib_per_rank, seed=2)
             drop_cache(files)
             objects = next(iter(storage._buckets.values()))
             before = objects.bytes_read
             with PeakRSS() as rss:
-                res[name], rep = _timed(dist.barrier, lambda: ck.load_state_dict(target, where, options=o))
+                res[name], rep = _timed(barrier, lambda: ck.load_state_dict(target, where, options=o))
             assert _bytes_of(target) == payload, f"{name}: loaded bytes differ from the saved ones"
             res[f"{name}_rss_mib"] = (rss.peak - rss.base) / 2**20
             res[f"{name}_engine_mib"] = rep.peak_host_bytes / 2**20
@@ -183,7 +184,7 @@ def worker(args) -> None:
             target = _state(rank, world, args.mib_per_rank, seed=0, **kind)
             drop_cache(files)
             before = next(iter(storage._buckets.values())).bytes_read
-            res[f"s3_load_{name}"], _ = _timed(dist.barrier, lambda: ck.load_state_dict(target, url, options=copts))
+            res[f"s3_load_{name}"], _ = _timed(barrier, lambda: ck.load_state_dict(target, url, options=copts))
             res[f"{name}_fetched"] = next(iter(storage._buckets.values())).bytes_read - before
             res[f"{name}_share"] = sum(v.local_tensor.numel().item() * 4 for v in target.values())
             res[f"{name}_ratio"] = res[f"{name}_fetched"] / res[f"{name}_share"]
@@ -207,6 +208,9 @@ def _table(results: dict) -> tuple[str, dict]:
         k for k in results[0]["rounds"][0] if not k.startswith("trace ")
     ):  # the slowest (largest) rank per round, then the median over rounds
         med[k] = statistics.median(max(ranks[i][k] for i in range(len(ranks))) for ranks in by_round)
+    med["save_ratio_rounds"] = statistics.median(
+        max(x["raw_put"] for x in ranks) / max(x["s3_save"] for x in ranks) for ranks in by_round
+    )
     # the save beyond the slowest rank's data upload (a rank's own "rest" includes waiting for the others' data)
     med["s3_save_rest"] = statistics.median(
         max(x["s3_save"] for x in ranks) - max(x["s3_save_data"] for x in ranks) for ranks in by_round
@@ -233,6 +237,9 @@ def _table(results: dict) -> tuple[str, dict]:
         "",
         f"S3 save split (slowest rank, medians): data upload {med['s3_save_data']:.3f} s, the rest (sidecar, "
         f"hand-over, metadata, commit record, publish) {med['s3_save_rest']:.3f} s.",
+        "",
+        "Median of the per-round ratios raw put / S3 save (each round's two phases ran back to back): "
+        f"{med['save_ratio_rounds']:.2f}x.",
         "",
         "Per round (slowest rank; the raw put went first in even rounds): raw put s / S3 save s / ratio: "
         + "; ".join(
