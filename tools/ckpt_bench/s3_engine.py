@@ -19,7 +19,8 @@ one before; the raw put and the S3 save alternate which goes first, round by rou
 Reported: per round and as medians, ratios (S3 save / raw put, S3 load / raw get as throughput ratios: >= 1 is faster than plain
 boto3), S3 vs local, bytes fetched / share, peak extra RSS and the engine's own host-memory account of a load, and the
 S3 save split (trace) into its data upload (``write+fsync``: the rank's object, until the store completed it) and
-the rest (sidecar, hand-over, metadata, commit record, publish).
+the rest (sidecar, hand-over, metadata, commit record, publish), and the S3 server's CPU time during the raw put
+and the save (the store is CPU-bound on a small machine: what a request costs it is throughput).
 """
 
 # ruff: noqa: B023 - every lambda of a round is called at once, inside its round
@@ -93,6 +94,16 @@ def _bytes_of(state: dict) -> bytes:
     return b"".join(np.ascontiguousarray(state[k].local_tensor.numpy()).tobytes() for k in sorted(state))
 
 
+def _server_cpu(pid: int) -> float:
+    """CPU seconds (user + system) the S3 server process has used so far (Linux /proc), 0 when unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _settle() -> None:
     """Before a write phase: the previous phases' dirty pages (the server's volume files) written back."""
     os.sync()
@@ -144,6 +155,7 @@ def worker(args) -> None:
         url, local = f"s3://{args.bucket}/round{r}/ckpt", os.path.join(args.local_dir, f"round{r}")
         raw_key = f"raw{r}/rank{rank}"
         for phase in ("raw_put", "s3_save") if r % 2 == 0 else ("s3_save", "raw_put"):
+            cpu0 = _server_cpu(args.weed_pid)
             if phase == "raw_put":
                 res["raw_put"], _ = _timed(
                     barrier,
@@ -158,6 +170,7 @@ def worker(args) -> None:
                 for t in traces:  # every phase of the coordinator (rank 0): calling thread and save thread
                     if rank == 0:
                         res.update({f"trace {t.what}: {k}": v / 1000 for k, v in t.phases_ms().items()})
+            res[f"{phase}_server_cpu"] = _server_cpu(args.weed_pid) - cpu0  # the store's work for this phase
         res["local_save"], _ = _timed(barrier, lambda: ck.save_state_dict(state, local), settle=True)
         files = [os.path.join(local, n) for n in os.listdir(local)]
 
@@ -238,6 +251,9 @@ def _table(results: dict) -> tuple[str, dict]:
         f"S3 save split (slowest rank, medians): data upload {med['s3_save_data']:.3f} s, the rest (sidecar, "
         f"hand-over, metadata, commit record, publish) {med['s3_save_rest']:.3f} s.",
         "",
+        f"The S3 server's CPU time during the phase (user + system, medians): raw put "
+        f"{med['raw_put_server_cpu']:.2f} s, S3 save {med['s3_save_server_cpu']:.2f} s.",
+        "",
         "Median of the per-round ratios raw put / S3 save (each round's two phases ran back to back): "
         f"{med['save_ratio_rounds']:.2f}x.",
         "",
@@ -273,6 +289,7 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--endpoint", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--bucket", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--weed-pid", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -289,6 +306,7 @@ def main() -> None:
         cmd = [
             "--worker", "--endpoint", server.endpoint, "--bucket", "bench", "--local-dir", local,
             "--mib-per-rank", str(args.mib_per_rank), "--repeats", str(args.repeats),
+            "--weed-pid", str(server.process.pid),
         ]  # fmt: skip
         started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         res = run_launch(__file__, args.world, cmd, timeout=3600, log_dir=work / "logs")
