@@ -228,3 +228,22 @@ def test_a_save_costs_few_round_trips_after_its_data(backend):
     target = {"w": paddle.zeros([30, 100]), "b": paddle.zeros([7], dtype="int64")}
     load_state_dict(target, storage.child(root, "ckpt2"), options=opts)
     assert np.array_equal(target["w"].numpy(), state["w"].numpy()) and int(target["b"].sum()) == 7
+
+
+def test_put_all_waits_for_every_put_and_names_the_failed_one(s3_server, s3_bucket, fault_proxy):
+    """A PUT of put_all that keeps failing (HTTP 500 through the fault proxy) is raised naming its object, after
+    the others ended; the others were written."""
+    from s3_fault_proxy import Rule
+
+    storage = S3Storage(s3_options_for(fault_proxy.endpoint, max_attempts=2))
+    staging = storage.begin(f"s3://{s3_bucket}/pa/ckpt", "id")
+    fault_proxy.add(Rule(lambda method, target: method == "PUT" and "obj2" in target, "500"))
+    objects = {f"obj{i}": b"x" * (1000 + i) for i in range(5)}
+    with pytest.raises(Exception, match="obj2") as info:
+        storage.put_all(staging, objects)
+    assert "500" in str(info.value) or "InternalError" in str(info.value), info.value
+    fault_proxy.clear()
+    assert {n: storage.get(staging, n) for n in objects if n != "obj2"} == {
+        n: d for n, d in objects.items() if n != "obj2"
+    }
+    assert storage.get(staging, "obj2") is None

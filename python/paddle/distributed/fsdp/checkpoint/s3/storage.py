@@ -15,6 +15,7 @@ Register it for ``s3://`` with ``register()`` (done on import): ``backend_for("s
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import os
 import threading
@@ -194,8 +195,9 @@ class S3Storage(Storage):
             self._check_name(name)
         objs, prefix = self._resolve(location)
         futures = [objs._pool.submit(objs.put, self._join(prefix, n), d) for n, d in objects.items()]
+        cf.wait(futures)  # every PUT ended (none left running behind a failure), then the first failure is raised
         for fut in futures:
-            fut.result()  # the first failure is raised (after the others ended: they are small)
+            fut.result()
 
     def delete(self, location: str, name: str) -> None:
         self._check_name(name)
