@@ -12,6 +12,7 @@ Why: docs/s3-2026-12-03-session3.md section 4 (why smaller chunks are no fix for
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
@@ -38,7 +39,8 @@ def main() -> None:
     from paddle.distributed.fsdp.checkpoint.s3.client import make_client
     from paddle.distributed.fsdp.checkpoint.s3.storage import S3Storage
 
-    server = s3_server.start_weed(Path(tempfile.mkdtemp(prefix="s3-columns-")) / "weed", credentials=(KEY_ID, SECRET))
+    work = Path(tempfile.mkdtemp(prefix="s3-columns-"))
+    server = s3_server.start_weed(work / "weed", credentials=(KEY_ID, SECRET))
     try:
         opts = S3Options(endpoint_url=server.endpoint, region="us-east-1", access_key_id=KEY_ID,
                          secret_access_key=SECRET, part_size=16 << 20, concurrency=8)  # fmt: skip
@@ -71,6 +73,7 @@ def main() -> None:
             print(f"| {chunk:,} | {fetched:.3f}x | {len(gets):,} | {seconds:.3f} | {sidecar:,} |", flush=True)
     finally:
         server.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -319,6 +320,9 @@ def main() -> None:
             Path(args.json).write_text(json.dumps({"started": started, "median": med, "raw": res.results}, indent=1))
     finally:
         server.stop()
+        # the server's volumes and the local checkpoints take GBs per run; the launch logs stay
+        shutil.rmtree(work / "weed", ignore_errors=True)
+        shutil.rmtree(work / "local", ignore_errors=True)
 
 
 def s3_server_bucket(endpoint: str, name: str) -> None:
