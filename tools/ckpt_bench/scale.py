@@ -113,10 +113,35 @@ def _sparse_sidecars(directory: str, counts: list[int], names: list[str]) -> Non
             f.truncate(8 * n)
 
 
-def save_side(model: str, world: int, directory: str, chunk: int) -> dict:
+RNG_KEY = "__fsdp__.rng"
+
+
+@functools.cache
+def rank_values_entry() -> dict:
+    """The per-rank values of the one-call API: this process's random state (state/rng.py's capture)."""
+    from paddle.distributed.fsdp.state import rng
+
+    return {RNG_KEY: rng.capture()}
+
+
+def _rank_values_objects(directory: str, world: int, handovers: dict) -> int:
+    """Each rank's own values object (written by the ranks in parallel: not timed); their receipts go with the
+    hand-overs. Returns the bytes of one object."""
+    from paddle.distributed.fsdp.checkpoint.format import rank_values
+
+    for r in range(world):
+        blob = rank_values.encode_entry("0" * 32, r, rank_values_entry())
+        with open(os.path.join(directory, rank_values.object_name(r)), "wb") as f:
+            f.write(blob)
+        handovers[r]["values"] = rank_values.entry_receipt(blob)
+    return len(blob)
+
+
+def save_side(model: str, world: int, directory: str, chunk: int, rank_values: bool = True) -> dict:
     """Every rank's first-save planning (the same on every rank), each rank's own layout, and the coordinator's
     commit (hand-overs read from a real TCP store, the index built and written into ``directory`` with sparse
-    sidecars). Returns the timings and sizes."""
+    sidecars). ``rank_values``: every rank saves its RNG state as a per-rank value (as save_checkpoint does).
+    Returns the timings and sizes."""
     from paddle.distributed.fsdp.checkpoint import planner
     from paddle.distributed.fsdp.checkpoint.format.commit import commit_record
     from paddle.distributed.fsdp.checkpoint.save_index import assignment_columns, index_objects
@@ -141,8 +166,13 @@ def save_side(model: str, world: int, directory: str, chunk: int) -> dict:
     t4 = time.perf_counter()
     for r in range(world):
         handovers[r]["sums"] = cols["files"][r][2]
+    entry_bytes = _rank_values_objects(directory, world, handovers) if rank_values else 0
     wait_s = _store_handover(world, handovers)
     t5 = time.perf_counter()
+    if rank_values:  # the coordinator's table of the ranks' values objects (commit.py's _index)
+        from paddle.distributed.fsdp.checkpoint.format.rank_values import encode_table
+
+        header["rank_values"] = ([RNG_KEY], encode_table([handovers[r]["values"] for r in range(world)]))
     objects = index_objects(cols, header, handovers, True)
     t6 = time.perf_counter()
     for name, blob in objects.items():
@@ -166,6 +196,7 @@ def save_side(model: str, world: int, directory: str, chunk: int) -> dict:
         "exchange_bytes_per_rank": exchange,
         "chunk_bytes": chunk,
         "handover_bytes_per_rank": max(len(json.dumps(h)) for h in handovers.values()),
+        "rank_values_bytes_per_rank": entry_bytes,
     }
 
 
@@ -248,6 +279,11 @@ def load_rank(directory: str, model: str, world: int, rank: int, memory: bool = 
     segs = [(key, region_segments(directory, md, key, reg)) for key, reg in targets]
     t1 = time.perf_counter()
     index_bytes, index_objects = md.index.fetch.bytes, set(md.index.fetch.objects)
+    if md.rank_values is not None:  # the one-call API's resume: this rank's RNG state (rng.decode)
+        md.values[RNG_KEY][rank]
+    values_bytes = md.index.fetch.bytes - index_bytes
+    values_objects = set(md.index.fetch.objects) - index_objects
+    t2 = time.perf_counter()
     chunk, data_files, own_bytes = md.chunk_bytes, set(), 0
     for _key, ss in segs:
         for piece, src, length in map(_seg, ss):
@@ -262,8 +298,11 @@ def load_rank(directory: str, model: str, world: int, rank: int, memory: bool = 
     return {
         "rank": rank,
         "plan_s": t1 - t0,
+        "rank_values_s": t2 - t1,
         "index_bytes": index_bytes,
-        "sums_bytes": md.index.fetch.bytes - index_bytes,
+        "rank_values_bytes": values_bytes,
+        "rank_values_objects": len(values_objects),
+        "sums_bytes": md.index.fetch.bytes - index_bytes - values_bytes,
         "objects": len(md.index.fetch.objects),
         "index_objects": len(index_objects),
         "files_opened": len(md.index.fetch.objects) + len(data_files),
@@ -338,6 +377,7 @@ def _summary(row: dict) -> dict:
         "chunk_KiB": row["chunk_bytes"] >> 10,
         "index_read_MB": max(x["index_bytes"] for x in loads) / 1e6,
         "own_sums_KB": max(x["sums_bytes"] for x in loads) / 1e3,
+        "rank_values_KB": max(x.get("rank_values_bytes", 0) for x in loads) / 1e3,
         "plan_s": max(x["plan_s"] for x in loads),
         "peak_MB": row["peak_bytes"] / 1e6,
         "files_opened": max(x["files_opened"] for x in loads),
@@ -366,16 +406,16 @@ def markdown(res: dict) -> str:
     out = [
         f"{res['model']}, {res['state_bytes'] / 1e12:.2f} TB of state (fp32 master + AdamW moments):",
         "",
-        "| world | pieces | chunk | index read / rank | own checksums read | plan / rank | peak mem / rank | files "
-        "opened / rank | first-save assign (every rank) | columns (coordinator, first save) | hand-over reads "
-        "(coordinator) | index (coordinator) | commit bytes written |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| world | pieces | chunk | index read / rank | own per-rank values read | own checksums read | plan / rank "
+        "| peak mem / rank | files opened / rank | first-save assign (every rank) | columns (coordinator, first "
+        "save) | hand-over reads (coordinator) | index (coordinator) | commit bytes written |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["worlds"]:
         x = _summary(r)
         out.append(
             f"| {x['world']} | {x['pieces']:,} | {x['chunk_KiB']} KiB | {x['index_read_MB']:.2f} MB | "
-            f"{x['own_sums_KB']:.0f} KB | {x['plan_s']:.2f} s | {x['peak_MB']:.0f} MB | {x['files_opened']} | "
+            f"{x['rank_values_KB']:.1f} KB | {x['own_sums_KB']:.0f} KB | {x['plan_s']:.2f} s | {x['peak_MB']:.0f} MB | {x['files_opened']} | "
             f"{x['assign_s']:.1f} s | {x['columns_s']:.1f} s | {x['handover_s']:.2f} s | {x['commit_index_s']:.2f} s"
             f" | {x['commit_MB']:.0f} MB |"
         )

@@ -41,7 +41,7 @@ def test_index_bytes_a_rank_reads_do_not_grow_with_the_world(saved):
     # the index files themselves (metadata.json, index.keys, index.pieces) are the only index objects read,
     # plus the checksum sidecars of the files the rank reads (its own ranges): a handful, not the world
     assert max(x["index_objects"] for x in large) == 3
-    assert max(x["objects"] for x in large) <= 3 + 4
+    assert max(x["objects"] for x in large) <= 3 + 2 + 4  # + index.ranks and its own values object
     # its own checksums shrink with its share
     assert max(x["sums_bytes"] for x in large) < max(x["sums_bytes"] for x in small)
 
@@ -75,3 +75,30 @@ def test_checksum_chunk_follows_the_pieces_of_large_worlds():
     assert chunk_for(assignment(8192, 64 << 20)) == 256 << 10
     assert chunk_for(assignment(8192, 1 << 10)) == 16 << 10
     assert chunk_for(assignment(8192, 300 << 10)) == 16 << 10  # Qwen3-30B-A3B's pieces at 8192 ranks
+
+
+def test_per_rank_values_a_rank_reads_do_not_grow_with_the_world(saved):
+    """Each saving rank's RNG state (~19 KB, the one-call API's per-rank value) is an object of its own: a
+    loading rank reads its row of index.ranks and its own object, at 4 ranks as at 64 (the rank's number in the
+    object is the only difference: a digit)."""
+    small, large = _reads(saved, 4), _reads(saved, 64)
+    entry = saved[4][1]["rank_values_bytes_per_rank"]
+    assert entry > 10_000  # a real RNG state (state/rng.py capture)
+    for x in small + large:
+        assert entry - 2 <= x["rank_values_bytes"] - 40 <= entry + 2, x  # its row (40 bytes) and its object
+        assert x["rank_values_objects"] == 2, x
+    assert max(x["rank_values_bytes"] for x in large) - min(x["rank_values_bytes"] for x in small) <= 2
+
+
+def test_the_measure_sees_every_ranks_values_read(saved):
+    """Control: reading every rank's entry (what a format-2 metadata.json made every rank parse) grows with the
+    world, and the count shows it."""
+    from paddle.distributed.fsdp.checkpoint import read_metadata
+
+    def all_entries(world):
+        md = read_metadata(str(saved[world][0]))
+        before = md.index.fetch.bytes
+        assert len(list(md.values[scale.RNG_KEY])) == world
+        return md.index.fetch.bytes - before
+
+    assert all_entries(64) > 15 * all_entries(4) > 15 * 4 * 10_000

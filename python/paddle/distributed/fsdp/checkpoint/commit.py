@@ -5,9 +5,11 @@ save's channel (channel.py: the TCP store; a heartbeat per rank). Order, and who
 
     each rank:    write_object(staging, "<rank>_0.safetensors")     durable (fsynced) on return
                   put(staging, "<rank>_0.safetensors.sums")          its chunk checksums (format/index.py)
-                  channel.done(size, header length, checksum count, per-rank values): O(1)
+                  put(staging, "<rank>.values")                      its per-rank values (format/rank_values.py)
+                  channel.done(size, header length, checksum count, values object size + SHA-256): O(1)
     coordinator:  wait for every hand-over (a failure, a dead rank or ``timeout``: SaveFailedError, abort)
-                  put index.keys, index.pieces, metadata.json, 0.metadata, then COMMIT last; sync; publish
+                  put index.keys, index.pieces, index.ranks, metadata.json, 0.metadata, then COMMIT last; sync;
+                  publish
                   channel.committed(); publisher.publish() (``latest``); channel.published(); cleanup (keep_last)
     other ranks:  wait for committed (and published); a failure, an abort, a dead coordinator: SaveFailedError.
                   Where the coordinator's publish did not take this rank's object (node-local disks: each rank
@@ -32,6 +34,7 @@ from .channel import LocalChannel, SaveChannel
 from .directory import commit_id
 from .errors import SaveFailedError
 from .format.commit import commit_record
+from .format import rank_values as per_rank
 from .format.index import pack_sums, sums_name
 from .format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, PARTS_DIR, CheckpointMetadata, FileMeta
 from .gc_pause import gc_paused
@@ -74,8 +77,8 @@ class SaveJob:
     checkpoint_id: str
     assignment: WriteAssignment
     values: dict  # the checkpoint's JSON values, but the per-rank ones
-    per_rank_keys: tuple  # values every rank gives its own of (saved as the list by rank)
-    rank_values: dict  # this rank's values of per_rank_keys (sent to the coordinator with the hand-over)
+    per_rank_keys: tuple  # values every rank gives its own of (each rank's in its own object: rank_values.py)
+    rank_values: dict  # this rank's values of per_rank_keys (written by this rank, never gathered)
     arrays: list  # uint8 arrays (or producers), one per piece this rank writes (in layout order)
     keepalive: list
     chunk_bytes: int
@@ -199,7 +202,12 @@ class SaveJob:
         if digest is not None:  # format 2: this rank's checksums beside its data object, never gathered
             self.storage.put(self.staging, sums_name(name), pack_sums(sums))
         n_sums = sum(len(s) for s in sums) if digest is not None else 0
-        handover = {"size": size, "header": len(layout.header), "sums": n_sums, "rank_values": self.rank_values}
+        handover = {"size": size, "header": len(layout.header), "sums": n_sums}
+        if self.per_rank_keys:  # format 3: this rank's values in its own object; the coordinator gets a receipt
+            mine = {k: self.rank_values[k] for k in self.per_rank_keys if k in self.rank_values}
+            blob = per_rank.encode_entry(self.checkpoint_id, self.rank, mine)
+            self.storage.put(self.staging, per_rank.object_name(self.rank), blob)
+            handover["values"] = per_rank.entry_receipt(blob)
         self.channel.done(handover)
 
     def _drop(self, name: str) -> None:
@@ -320,11 +328,9 @@ class SaveJob:
         return status
 
     def _index(self, status: dict) -> dict[str, bytes]:
-        """The format-2 index objects (save_index.py): the plan, checked against the sizes and checksum counts
-        the ranks reported; per-rank values gathered into the values by rank."""
-        values = dict(self.plan.values)
-        for key in self.per_rank_keys:
-            values[key] = [status[r]["rank_values"].get(key) for r in range(self.world)]
+        """The format-3 index objects (save_index.py): the plan, checked against the sizes and checksum counts
+        the ranks reported; the table of the ranks' per-rank values objects from their receipts."""
+        values = {k: v for k, v in self.plan.values.items() if k not in self.per_rank_keys}
         header = {
             "checkpoint_id": self.checkpoint_id,
             "created_unix": self.created,
@@ -333,6 +339,14 @@ class SaveJob:
             "checksum": self.checksum,
             "values": values,
         }
+        if self.per_rank_keys:
+            try:
+                table = per_rank.encode_table([status[r].get("values") for r in range(self.world)])
+            except ValueError as e:
+                raise SaveFailedError(
+                    f"save to {self.path} aborted: {e} (per_rank_values must name the same keys on every rank)"
+                ) from None
+            header["rank_values"] = (list(self.per_rank_keys), table)
         cols = assignment_columns(self.assignment, self.chunk_bytes)
         return index_objects(cols, header, status, self.checksum != checksums.NONE)
 

@@ -17,7 +17,7 @@ from . import checksums, writer
 from .directory import read_metadata
 from .errors import CheckpointError
 from .format.commit import commit_record
-from .format.index import VERSION, pack_sums, sums_name
+from .format.index import pack_sums, sums_name
 from .format.metadata import COMMIT_FILE, METADATA_FILE, STOCK_METADATA_FILE
 from .save_index import index_objects, piece_columns
 
@@ -25,12 +25,12 @@ __all__ = ["convert_to_format2"]
 
 
 def convert_to_format2(path: str) -> bool:
-    """Convert the committed checkpoint at ``path`` to format 2 in place (atomically); False when it is one
-    already. Every checksum is carried over as saved (nothing is re-read); ``verify_checkpoint`` afterwards
+    """Convert the committed checkpoint at ``path`` to format 2 (written as version 3: per-rank values stay the
+    lists they are in format 1) in place (atomically); False when it has an index already. Every checksum is carried over as saved (nothing is re-read); ``verify_checkpoint`` afterwards
     checks them against the data."""
     path = os.path.abspath(os.fspath(path))
     md = read_metadata(path)
-    if md.version == VERSION:
+    if md.index is not None:  # format 2 or 3 already
         return False
     order = sorted(md.files, key=lambda n: (md.files[n].rank, n))
     with_sums = md.checksum != checksums.NONE

@@ -39,6 +39,8 @@ def verify_checkpoint(
     problems: list[str] = []
     if md.index is not None:  # format 2: every row, its hash, every sidecar's size, pieces owning their bytes
         problems += index_problems(md)
+        if md.rank_values is not None:  # format 3: the table of per-rank values objects, and each object
+            problems += md.rank_values.problems()
         if problems:
             return problems
     for key, tm in md.tensors.items():

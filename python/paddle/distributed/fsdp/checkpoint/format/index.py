@@ -5,8 +5,9 @@ gathered on the coordinator and parsed whole by every loading rank. At thousands
 hundreds of MB per rank per load. In format 2 what a rank reads grows with the keys of the model and what it
 loads, not with the world or the bytes of state::
 
-    metadata.json        JSON (version 2): ids, chunk_bytes, checksum, the data files (names, sizes, checksum
-                         counts), the JSON values, and the size + SHA-256 of the two index objects below
+    metadata.json        JSON (version 3; 2 before per-rank values had objects of their own): ids, chunk_bytes,
+                         checksum, the data files (names, sizes, checksum counts), the JSON values, and the size +
+                         SHA-256 of the two index objects below
     index.keys           zlib-compressed JSON, read whole: every key's dtype, shape and its rows [start, stop)
                          in index.pieces; the boxes of pieces that are not flat ranges of the whole tensor; the
                          safetensors names that are not the key
@@ -15,6 +16,8 @@ loads, not with the world or the bytes of state::
     <data file>.sums     written by the rank that wrote the data file (nothing gathered): its chunk checksums,
                          u64 little-endian, piece after piece in file order; a row's ``sums`` is its first one.
                          A load reads the checksums of the chunks it reads (blocks of SUMS_BLOCK).
+    index.ranks,         version 3, a save with per-rank values (format/rank_values.py): each rank's own values
+    <rank>.values        object, and the coordinator's table of their sizes and SHA-256; a rank reads its own
 
 A row that is damaged fails the structural checks (``rows_to_pieces``: file, bounds, sizes), the exact coverage
 check of its key, or the data checksums it points to; ``verify_checkpoint`` also checks the SHA-256 of the rows.
@@ -33,9 +36,11 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 
 from ..errors import CorruptCheckpointError, MetadataError
+from . import rank_values
 from .metadata import DTYPES, FileMeta, PieceMeta, check_file_name, numel
 
-VERSION = 2
+VERSION = 3
+READ_VERSIONS = (2, 3)  # 2: per-rank values as lists in metadata.json's values (read as they are)
 KEYS_FILE = "index.keys"
 PIECES_FILE = "index.pieces"
 SUMS_SUFFIX = ".sums"
@@ -96,9 +101,11 @@ def keys_blob(keys: list, dtypes: list, shapes: list, row_starts: list, n_rows: 
 def encode(header: dict, keys: bytes, files: list[tuple[str, int, int]], rows: np.ndarray) -> dict[str, bytes]:
     """The index objects of a format-2 checkpoint: ``{name: bytes}`` with ``metadata.json`` last.
 
-    ``header``: checkpoint_id, created_unix, world_size, chunk_bytes, checksum, values. ``keys``: the
-    ``keys_blob``. ``files``: ``(name, size, checksum count)`` by file index. ``rows``: PIECE_ROW array."""
+    ``header``: checkpoint_id, created_unix, world_size, chunk_bytes, checksum, values, and optionally
+    rank_values: ``(keys, index.ranks bytes)`` (rank_values.py). ``keys``: the ``keys_blob``. ``files``:
+    ``(name, size, checksum count)`` by file index. ``rows``: PIECE_ROW array."""
     pieces_blob = rows.astype(PIECE_ROW, copy=False).tobytes()
+    out = {KEYS_FILE: keys, PIECES_FILE: pieces_blob}
     default_names = all(name == f"{i}_0.safetensors" for i, (name, _s, _n) in enumerate(files))
     md = {
         "format": "paddle-fsdp-checkpoint",
@@ -115,8 +122,12 @@ def encode(header: dict, keys: bytes, files: list[tuple[str, int, int]], rows: n
         },
         "values": header["values"],
     }
-    meta = json.dumps(md, separators=(",", ":"), allow_nan=False).encode()
-    return {KEYS_FILE: keys, PIECES_FILE: pieces_blob, "metadata.json": meta}
+    if header.get("rank_values"):
+        rank_keys, table = header["rank_values"]
+        md["rank_values"] = rank_values.header_field(rank_keys, table)
+        out[rank_values.TABLE_FILE] = table
+    out["metadata.json"] = json.dumps(md, separators=(",", ":"), allow_nan=False).encode()
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------- reading
@@ -172,7 +183,10 @@ def decode_header(d: dict, where: str) -> tuple[dict, dict]:
         "files": files,
         "values": f.obj(d.get("values", {}), "values"),
         "sums_counts": counts,
+        "version": d["version"],
     }
+    if "rank_values" in d:
+        fields["rank_values"] = rank_values.decode_field(d["rank_values"], fields["world_size"], where)
     return fields, index
 
 
@@ -468,8 +482,14 @@ def open_v2(d: dict, where: str, fetch: Fetch | None):
         created_unix=fields["created_unix"],
         files=fields["files"],
         values=fields["values"],
-        version=VERSION,
+        version=fields["version"],
     )
+    if "rank_values" in fields:
+        md.rank_values = rank_values.RankValues(fetch, where, md.checkpoint_id, fields["rank_values"])
+        both = set(md.rank_values.keys) & set(md.values)
+        if both:
+            raise _fail(where, f"keys stored both as per-rank and plain value: {sorted(both)[:5]}")
+        md.values.update(md.rank_values.lists())
     overlap = set(table["keys"]) & set(md.values)
     if overlap:
         raise _fail(where, f"keys stored both as tensor and value: {sorted(overlap)[:5]}")
