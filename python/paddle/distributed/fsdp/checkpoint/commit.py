@@ -23,18 +23,17 @@ the COMMIT record. Nothing here issues a collective: it runs on the background t
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import checksums, faults, writer
+from . import checksums, faults
 from .abandon import leave_failed_save, leave_timeout
 from .channel import LocalChannel, SaveChannel
 from .directory import commit_id
 from .errors import SaveFailedError
-from .format.commit import commit_record
 from .format import rank_values as per_rank
+from .format.commit import commit_record
 from .format.index import pack_sums, sums_name
 from .format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, PARTS_DIR, CheckpointMetadata, FileMeta
 from .gc_pause import gc_paused
@@ -470,27 +469,3 @@ def open_channel(checkpoint_id: str, rank: int, world: int, coordinator: int, le
     if world == 1:
         return LocalChannel(rank)
     return SaveChannel(checkpoint_id, rank, world, coordinator, lease)
-
-
-# ------------------------------------------------------------------------------------------------ one-process writers
-# The tools' one-process writer (tools/ckpt_io.py) and test fixtures write a checkpoint directory in place with
-# these (the collective save goes through the storage interface above).
-
-
-def write_metadata(directory: str, md: CheckpointMetadata, write_stock: bool) -> bytes:
-    """Write and fsync ``metadata.json`` (and stock paddle's ``0.metadata`` when ``write_stock``) into the
-    (not yet visible) ``directory``; returns the bytes written, which ``write_commit`` seals."""
-    data = md.dumps()
-    writer.write_file(os.path.join(directory, METADATA_FILE), data, fsync=True, atomic=False)
-    if write_stock:
-        from .stock_compat import write_stock_metadata
-
-        write_stock_metadata(directory, md)
-    return data
-
-
-def write_commit(directory: str, checkpoint_id: str, metadata_bytes: bytes) -> None:
-    """Write and fsync the ``COMMIT`` record (after every data file and ``metadata.json`` are durable)."""
-    writer.write_file(
-        os.path.join(directory, COMMIT_FILE), commit_record(checkpoint_id, metadata_bytes), fsync=True, atomic=False
-    )
