@@ -131,6 +131,7 @@ def index_problems(md) -> list[str]:
     checksum sidecar of the size its rows need, no two pieces sharing bytes of a file."""
     import hashlib
 
+    from .format import row_directory
     from .format.index import PIECES_FILE, sums_name
     from .format.schema import file_overlap_problems
 
@@ -139,6 +140,10 @@ def index_problems(md) -> list[str]:
         rows = src.all_rows()
         if hashlib.sha256(rows.tobytes()).hexdigest() != src.pieces_sha256:
             return [f"{PIECES_FILE} does not match its SHA-256 in metadata.json (damaged)"]
+        if src.starts_sha256 is not None:  # format 3: the row directory, whole, and as the rows imply it
+            problem = row_directory.problem(src.fetch, rows, src.table["rows"], src.starts_sha256)
+            if problem:
+                return [problem]
         md.prefetch(list(md.tensors))
     except (CheckpointError, OSError) as e:
         return [f"{type(e).__name__}: {e}"]

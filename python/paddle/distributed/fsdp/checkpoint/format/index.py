@@ -11,8 +11,11 @@ loads, not with the world or the bytes of state::
     index.keys           zlib-compressed JSON, read whole: every key's dtype, shape and its rows [start, stop)
                          in index.pieces; the boxes of pieces that are not flat ranges of the whole tensor; the
                          safetensors names that are not the key
-    index.pieces         PIECE_ROW rows (56 bytes, little-endian), sorted by key: a load reads the rows of the
-                         keys it loads (coalesced ranges), verify reads them all (SHA-256 in metadata.json)
+    index.pieces         PIECE_ROW rows (56 bytes, little-endian), sorted by key (format 3: a key's rows by their
+                         first element): a load reads the rows of the keys it loads (coalesced ranges), verify
+                         reads them all (SHA-256 in metadata.json)
+    index.starts         format 3: the row directory (row_directory.py): a rank loading part of a key split over
+                         many ranks reads that key's starts and only the rows overlapping its part
     <data file>.sums     written by the rank that wrote the data file (nothing gathered): its chunk checksums,
                          u64 little-endian, piece after piece in file order; a row's ``sums`` is its first one.
                          A load reads the checksums of the chunks it reads (blocks of SUMS_BLOCK).
@@ -36,8 +39,9 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 
 from ..errors import CorruptCheckpointError, MetadataError
-from . import rank_values
+from . import rank_values, row_directory
 from .metadata import DTYPES, FileMeta, PieceMeta, check_file_name, numel
+from .row_directory import SMALL_KEY_ROWS, STARTS_FILE
 from .sidecar import CountedFetch, SidecarSums
 
 VERSION = 3
@@ -45,7 +49,6 @@ READ_VERSIONS = (2, 3)  # 2: per-rank values as lists in metadata.json's values 
 KEYS_FILE = "index.keys"
 PIECES_FILE = "index.pieces"
 SUMS_SUFFIX = ".sums"
-_COALESCE_GAP = 4096  # row ranges of index.pieces closer than this are fetched as one range (one page)
 MAX_KEYS_BYTES = 1 << 30  # decompressed index.keys cap (a zip bomb is refused, not inflated)
 
 PIECE_ROW = np.dtype(
@@ -98,14 +101,18 @@ def keys_blob(keys: list, dtypes: list, shapes: list, row_starts: list, n_rows: 
     return zlib.compress(json.dumps(d, separators=(",", ":")).encode(), 6)
 
 
-def encode(header: dict, keys: bytes, files: list[tuple[str, int, int]], rows: np.ndarray) -> dict[str, bytes]:
+def encode(
+    header: dict, keys: bytes, files: list[tuple[str, int, int]], rows: np.ndarray, starts: np.ndarray
+) -> dict[str, bytes]:
     """The index objects of a format-2 checkpoint: ``{name: bytes}`` with ``metadata.json`` last.
 
     ``header``: checkpoint_id, created_unix, world_size, chunk_bytes, checksum, values, and optionally
     rank_values: ``(keys, index.ranks bytes)`` (rank_values.py). ``keys``: the ``keys_blob``. ``files``:
-    ``(name, size, checksum count)`` by file index. ``rows``: PIECE_ROW array."""
+    ``(name, size, checksum count)`` by file index. ``rows``: PIECE_ROW array. ``starts``: the row directory
+    (row_directory.py), one u64 per row."""
     pieces_blob = rows.astype(PIECE_ROW, copy=False).tobytes()
-    out = {KEYS_FILE: keys, PIECES_FILE: pieces_blob}
+    starts_blob = np.asarray(starts, dtype="<u8").tobytes()
+    out = {KEYS_FILE: keys, PIECES_FILE: pieces_blob, STARTS_FILE: starts_blob}
     default_names = all(name == f"{i}_0.safetensors" for i, (name, _s, _n) in enumerate(files))
     md = {
         "format": "paddle-fsdp-checkpoint",
@@ -119,6 +126,7 @@ def encode(header: dict, keys: bytes, files: list[tuple[str, int, int]], rows: n
         "index": {
             KEYS_FILE: {"bytes": len(keys), "sha256": hashlib.sha256(keys).hexdigest()},
             PIECES_FILE: {"rows": int(len(rows)), "sha256": hashlib.sha256(pieces_blob).hexdigest()},
+            STARTS_FILE: {"sha256": hashlib.sha256(starts_blob).hexdigest()},
         },
         "values": header["values"],
     }
@@ -173,7 +181,11 @@ def decode_header(d: dict, where: str) -> tuple[dict, dict]:
         "keys_sha256": f.str(f.get(keys_d, "sha256", "index.keys.sha256"), "index.keys.sha256", 64),
         "rows": f.int(f.get(pieces_d, "rows", "index.pieces.rows"), "index.pieces.rows", 0, 1 << 40),
         "pieces_sha256": f.str(f.get(pieces_d, "sha256", "index.pieces.sha256"), "index.pieces.sha256", 64),
+        "starts_sha256": None,  # format 2: no row directory (every row of a key is read)
     }
+    if STARTS_FILE in idx:
+        starts_d = f.obj(idx[STARTS_FILE], f"index[{STARTS_FILE!r}]")
+        index["starts_sha256"] = f.str(f.get(starts_d, "sha256", "index.starts.sha256"), "index.starts.sha256", 64)
     fields = {
         "checkpoint_id": f.str(f.get(d, "checkpoint_id", "checkpoint_id"), "checkpoint_id", 128),
         "world_size": f.int(f.get(d, "world_size", "world_size"), "world_size", 1, 1 << 31),
@@ -265,25 +277,29 @@ class IndexSource:
         self.tensors = tensors
         self.sidecars: dict[int, SidecarSums] = {}
 
-    def load(self, keys: Iterable[str]) -> None:
-        rows = self.table["rows"]
-        todo = {t.key_id: t for t in (self.tensors[k] for k in keys) if t._pieces is None}
-        want = [(rows[i], rows[i + 1], todo[i]) for i in sorted(todo)]  # key ids ascend with their rows
-        ranges: list[list] = []
-        for a, b, t in want:
-            if ranges and a * PIECE_ROW.itemsize <= ranges[-1][1] * PIECE_ROW.itemsize + _COALESCE_GAP:
-                ranges[-1][1] = max(ranges[-1][1], b)
-                ranges[-1][2].append(t)
-            else:
-                ranges.append([a, b, [t]])
-        for a, b, ts in ranges:
-            raw = self.fetch(PIECES_FILE, a * PIECE_ROW.itemsize, (b - a) * PIECE_ROW.itemsize) if b > a else b""
-            if len(raw) != (b - a) * PIECE_ROW.itemsize:
-                raise CorruptCheckpointError(f"{self.where}: {PIECES_FILE} ends early (truncated)")
-            arr = np.frombuffer(raw, PIECE_ROW)
-            for t in ts:
-                t0, t1 = rows[t.key_id] - a, rows[t.key_id + 1] - a
-                t._pieces = self._pieces(t, arr[t0:t1], rows[t.key_id])
+    def load(self, keys: Iterable[str], spans: Mapping[str, tuple[int, int]] | None = None) -> None:
+        """Fill the pieces of ``keys``: all rows of a key, or with ``spans[key] = (lo, hi)`` (global flat
+        elements) only the rows the directory says may overlap them (row_directory.py), in coalesced reads."""
+        rows, spans = self.table["rows"], spans or {}
+        todo, want = {}, {}
+        for t in (self.tensors[k] for k in keys):
+            span = spans.get(t.key)
+            if t._pieces is not None and (t._span is None or (span is not None and _inside(span, t._span))):
+                continue  # (loaded already, whole or a window holding this span)
+            todo[t.key_id] = t
+            if span is not None and self.starts_sha256 and rows[t.key_id + 1] - rows[t.key_id] > SMALL_KEY_ROWS:
+                want[t.key_id] = span
+        win = row_directory.windows(self.fetch, self.where, rows, want) if want else {}
+        todo_rows = [(*win.get(i, (rows[i], rows[i + 1], None)), todo[i]) for i in sorted(todo)]
+        for a, b, items in row_directory.coalesce(
+            [(a, b, (a, b, st, t)) for a, b, st, t in todo_rows], PIECE_ROW.itemsize
+        ):
+            arr = row_directory.fetch_items(self.fetch, PIECES_FILE, a, b, PIECE_ROW, self.where)
+            for r0, r1, st, t in items:
+                span = spans.get(t.key)
+                row_directory.check_window(arr[r0 - a : r1 - a], st, span, numel(t.shape), self.where, t.key)
+                t._pieces = self._pieces(t, arr[r0 - a : r1 - a], r0)
+                t._span = None if st is None else spans[t.key]
 
     def all_rows(self) -> np.ndarray:
         """Every row (verify_checkpoint), checked against the SHA-256 of metadata.json."""
@@ -343,21 +359,34 @@ def _box(boxes: list, i: int, ndim: int, where: str) -> tuple[tuple[int, ...], t
     return off, shp
 
 
+def _inside(span: tuple[int, int], outer: tuple[int, int]) -> bool:
+    return outer[0] <= span[0] and span[1] <= outer[1]
+
+
 class IndexedTensor:
     """A tensor of a format-2 checkpoint: dtype and shape from index.keys, pieces read when first asked for."""
 
-    __slots__ = ("key", "key_id", "dtype", "shape", "_pieces", "_source")
+    __slots__ = ("key", "key_id", "dtype", "shape", "_pieces", "_span", "_source")
 
     def __init__(self, key: str, key_id: int, dtype: str, shape: tuple[int, ...], source: IndexSource):
         self.key, self.key_id, self.dtype, self.shape = key, key_id, dtype, shape
         self._pieces: list[PieceMeta] | None = None
+        self._span: tuple[int, int] | None = None  # the pieces are a window of the key's rows (for this span)
         self._source = source
 
     @property
     def pieces(self) -> list[PieceMeta]:
-        if self._pieces is None:
+        """Every piece of the key (all its rows read)."""
+        if self._pieces is None or self._span is not None:
             self._source.load([self.key])
         return self._pieces
+
+    def window(self, lo: int, hi: int) -> tuple[list[PieceMeta], bool]:
+        """``(pieces, whole)``: pieces among which are all those overlapping global flat elements ``[lo, hi)``
+        (the rows the directory selects, or every piece: ``whole``)."""
+        if self._pieces is None or (self._span is not None and not _inside((lo, hi), self._span)):
+            self._source.load([self.key], {self.key: (lo, hi)})
+        return self._pieces, self._span is None
 
     def to_json(self) -> dict:
         return {"dtype": self.dtype, "shape": list(self.shape), "pieces": [p.to_json() for p in self.pieces]}
@@ -421,7 +450,7 @@ def open_v2(d: dict, where: str, fetch: Fetch | None):
         raise _fail(where, f"keys stored both as tensor and value: {sorted(overlap)[:5]}")
     tensors = IndexedTensors(table)
     source = tensors.source = IndexSource(fetch, where, table, fields, tensors)
-    source.pieces_sha256 = index["pieces_sha256"]
+    source.pieces_sha256, source.starts_sha256 = index["pieces_sha256"], index["starts_sha256"]
     md.tensors = tensors
     md.index = source
     return md

@@ -197,6 +197,11 @@ class TensorMeta:
     shape: tuple[int, ...]
     pieces: list[PieceMeta] = field(default_factory=list)
 
+    def window(self, lo: int, hi: int) -> tuple[list[PieceMeta], bool]:
+        """``(pieces, whole)`` among which are those overlapping flat elements ``[lo, hi)``: all of them here (a
+        format-2/3 IndexedTensor may read only the rows its directory selects)."""
+        return self.pieces, True
+
     def to_json(self) -> dict:
         return {
             "dtype": self.dtype,
@@ -238,10 +243,12 @@ class CheckpointMetadata:
     # format 3: the per-rank values read by saving rank (format/rank_values.py); None otherwise
     rank_values: Any = field(default=None, repr=False, compare=False)
 
-    def prefetch(self, keys) -> None:
-        """Read the pieces of ``keys`` now, in as few reads as possible (format 2; nothing to do in format 1)."""
+    def prefetch(self, keys, spans: dict[str, tuple[int, int]] | None = None) -> None:
+        """Read the pieces of ``keys`` now, in as few reads as possible (format 2; nothing to do in format 1);
+        with ``spans[key] = (lo, hi)`` only those of its rows that may overlap the global flat elements
+        ``[lo, hi)`` (format 3's row directory: ``md.tensors[key].window(lo, hi)`` gives them)."""
         if self.index is not None:
-            self.index.load(keys)
+            self.index.load(keys, spans)
 
     def to_json(self) -> dict:
         return {

@@ -1,0 +1,110 @@
+"""The row directory of format 3 (``index.starts``): a loading rank fetches only the rows of a key that overlap
+the elements it loads, however many ranks the key was split over.
+
+Why: in format 2 a rank read every row of each key it loads, and a key split over more ranks has more rows: the
+per-rank index read grew as world^0.53 (Qwen3-235B-A22B, 512 -> 8192 ranks; an embedding of 2.5 GB has ~4000
+rows at 8192 ranks, one or two of which a rank needs). Format 3 sorts a key's rows by their first flat element
+and writes those starts, u64 little-endian, one per row of index.pieces (the same order)::
+
+    index.starts    start[i] = first global row-major element of row i; NO_START for every row of a key that
+                    has a piece which is a box of the tensor (not a flat range of it: their spans interleave)
+
+A rank loading ``[lo, hi)`` of a key with more than SMALL_KEY_ROWS rows fetches the key's starts (8 bytes a
+row), bisects them and fetches rows ``[i0, i1)``: the last starting at or before ``lo`` to the last starting
+before ``hi``. The fetched rows are checked against their starts and must cover ``[lo, hi)`` exactly once
+(``check_window``: the coverage check of a window), so a damaged directory fails the load with a named error,
+never wrong bytes. ``verify_checkpoint`` checks the whole object against its SHA-256 and the rows.
+
+Pure: reads go through ``fetch(name, offset, length) -> bytes``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CorruptCheckpointError
+
+STARTS_FILE = "index.starts"
+NO_START = np.uint64(2**64 - 1)
+SMALL_KEY_ROWS = 8  # keys with at most this many rows are read whole (448 bytes): no directory round trip
+COALESCE_GAP = 4096  # ranges of an index object closer than this are fetched as one range (one page)
+
+
+def coalesce(spans: list[tuple[int, int, object]], itemsize: int) -> list[tuple[int, int, list]]:
+    """``(a, b, [payloads])`` item ranges to fetch for the ascending ``spans`` ``(a, b, payload)``: neighbours
+    closer than COALESCE_GAP bytes are merged into one fetch."""
+    out: list[list] = []
+    for a, b, x in spans:
+        if out and a * itemsize <= out[-1][1] * itemsize + COALESCE_GAP:
+            out[-1][1] = max(out[-1][1], b)
+            out[-1][2].append(x)
+        else:
+            out.append([a, b, [x]])
+    return [(a, b, xs) for a, b, xs in out]
+
+
+def fetch_items(fetch, name: str, a: int, b: int, dtype: np.dtype, where: str) -> np.ndarray:
+    """Items ``[a, b)`` of the array object ``name`` (CorruptCheckpointError when it ends early)."""
+    n = (b - a) * dtype.itemsize
+    raw = fetch(name, a * dtype.itemsize, n) if b > a else b""
+    if len(raw) != n:
+        raise CorruptCheckpointError(f"{where}: {name} ends early (truncated)")
+    return np.frombuffer(raw, dtype)
+
+
+def windows(fetch, where: str, rows: list[int], want: dict[int, tuple[int, int]]) -> dict[int, tuple]:
+    """key id -> ``(first row, stop row, starts of those rows)`` to fetch for the element span ``want[kid]``
+    (``starts`` None: the key has box pieces, its rows are all fetched). One coalesced pass over index.starts."""
+    out: dict[int, tuple] = {}
+    spans = [(rows[k], rows[k + 1], k) for k in sorted(want)]
+    for a, b, kids in coalesce(spans, 8):
+        arr = fetch_items(fetch, STARTS_FILE, a, b, np.dtype("<u8"), where)
+        for k in kids:
+            st = arr[rows[k] - a : rows[k + 1] - a]
+            if st[0] == NO_START:
+                out[k] = (rows[k], rows[k + 1], None)
+                continue
+            if (np.diff(st.astype(np.int64)) < 0).any() or int(st[-1]) >= 1 << 62:
+                raise CorruptCheckpointError(f"{where}: {STARTS_FILE} is not ascending for a key (damaged)")
+            lo, hi = want[k]
+            i0 = max(0, int(np.searchsorted(st, lo, side="right")) - 1)
+            i1 = max(i0 + 1, int(np.searchsorted(st, hi, side="left")))
+            out[k] = (rows[k] + i0, rows[k] + i1, st[i0:i1])
+    return out
+
+
+def check_window(arr: np.ndarray, starts, span, numel: int, where: str, key: str) -> None:
+    """The fetched rows ``arr`` (PIECE_ROW) of a window begin where the directory says, are flat ranges of the
+    whole tensor, and cover the element span ``[lo, hi)`` exactly once (the coverage check of a window: a
+    damaged directory or row is named here, before a byte of data is read)."""
+    if starts is None:
+        return
+    a = np.where(arr["flat_a"] >= 0, arr["flat_a"], 0).astype(np.int64)
+    b = np.where(arr["flat_a"] >= 0, arr["flat_b"], numel).astype(np.int64)
+    if len(a) != len(starts) or (a.astype(np.uint64) != starts).any() or (arr["box"] >= 0).any():
+        raise CorruptCheckpointError(f"{where}: {STARTS_FILE} does not match the rows of key {key!r} (damaged)")
+    lo, hi = span
+    if hi > lo and (a[0] > lo or (b[:-1] != a[1:]).any() or b[-1] < hi):
+        raise CorruptCheckpointError(
+            f"{where}: key {key!r}: the saved pieces do not cover elements [{lo}, {hi}) exactly once"
+        )
+
+
+def problem(fetch, rows_arr: np.ndarray, key_rows: list[int], sha256: str) -> str | None:
+    """What is wrong with index.starts (verify_checkpoint): its SHA-256, or a start the rows do not imply."""
+    import hashlib
+
+    n = len(rows_arr) * 8
+    raw = fetch(STARTS_FILE, 0, n + 1)
+    if len(raw) != n or hashlib.sha256(raw).hexdigest() != sha256:
+        return f"{STARTS_FILE} does not match its SHA-256 in metadata.json (damaged)"
+    first = np.where(rows_arr["flat_a"] >= 0, rows_arr["flat_a"], 0).astype(np.uint64)
+    boxed = rows_arr["box"] >= 0
+    if boxed.any():  # every row of a key with a box piece: NO_START
+        kid = rows_arr["key"].astype(np.int64)
+        has_box = np.zeros(len(key_rows), bool)
+        has_box[kid[boxed]] = True
+        first[has_box[kid]] = NO_START
+    if (np.frombuffer(raw, "<u8") != first).any():
+        return f"{STARTS_FILE} does not match the rows of index.pieces"
+    return None
