@@ -350,11 +350,7 @@ class SaveJob:
         return index_objects(cols, header, status, self.checksum != checksums.NONE)
 
     def _stock_view(self) -> CheckpointMetadata:
-        """The plan as format-1 metadata without checksums: what stock paddle's ``0.metadata`` is built from."""
-        md = CheckpointMetadata(checkpoint_id=self.checkpoint_id, world_size=self.world)
-        md.files = {self.plan.files[r].name: FileMeta(r, self.plan.files[r].size) for r in range(self.world)}
-        md.tensors = self.plan.tensors
-        return md
+        return stock_view(self.plan, self.checkpoint_id, self.world)
 
     # --------------------------------------------------------------------------------------------- other ranks
     def _follow_decision(self, name: str, error: Exception, tr: Tracer) -> None:
@@ -452,6 +448,15 @@ class SaveJob:
         if name in own and COMMIT_FILE not in own:
             self.storage.remove(self.storage.child(self.staging, PARTS_DIR))
             self.storage.publish(self.staging, self.path)
+
+
+def stock_view(plan, checkpoint_id: str, world: int) -> CheckpointMetadata:
+    """A save plan laid out for every rank (planner.SavePlan) as format-1 metadata without checksums: what stock
+    paddle's ``0.metadata`` is built from (the coordinator's extra work of ``write_stock_metadata``)."""
+    md = CheckpointMetadata(checkpoint_id=checkpoint_id, world_size=world)
+    md.files = {plan.files[r].name: FileMeta(r, plan.files[r].size) for r in range(world)}
+    md.tensors = plan.tensors
+    return md
 
 
 class _Lazy:
