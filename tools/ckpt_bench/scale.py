@@ -279,6 +279,7 @@ def load_rank(directory: str, model: str, world: int, rank: int, memory: bool = 
     segs = [(key, region_segments(directory, md, key, reg)) for key, reg in targets]
     t1 = time.perf_counter()
     index_bytes, index_objects = md.index.fetch.bytes, set(md.index.fetch.objects)
+    by_object = {k: md.index.fetch.by_object.get(k, 0) for k in ("index.keys", "index.starts", "index.pieces")}
     if md.rank_values is not None:  # the one-call API's resume: this rank's RNG state (rng.decode)
         md.values[RNG_KEY][rank]
     values_bytes = md.index.fetch.bytes - index_bytes
@@ -300,6 +301,7 @@ def load_rank(directory: str, model: str, world: int, rank: int, memory: bool = 
         "plan_s": t1 - t0,
         "rank_values_s": t2 - t1,
         "index_bytes": index_bytes,
+        "index_by_object": by_object,  # (metadata.json: the rest of index_bytes)
         "rank_values_bytes": values_bytes,
         "rank_values_objects": len(values_objects),
         "sums_bytes": md.index.fetch.bytes - index_bytes - values_bytes,

@@ -86,7 +86,7 @@ def pack_sums(per_piece: Iterable[Iterable[int]]) -> bytes:
 
 
 def keys_blob(keys: list, dtypes: list, shapes: list, row_starts: list, n_rows: int, extra: dict) -> bytes:
-    """``index.keys``: per key (in row order) its dtype, shape (``ndims`` + the flat ``dims``) and first row;
+    """``index.keys``: per key (in row order) its dtype, shape (``ndims`` + the flat ``dims``) and row count;
     ``extra``: ``{"boxes": [[offset, shape]], "names": {row: name}}`` (pieces that are not whole-tensor boxes,
     safetensors names that are not the key)."""
     d = {
@@ -94,7 +94,8 @@ def keys_blob(keys: list, dtypes: list, shapes: list, row_starts: list, n_rows: 
         "dtypes": dtypes,
         "ndims": [len(s) for s in shapes],
         "dims": [int(x) for s in shapes for x in s],
-        "rows": [int(r) for r in row_starts] + [int(n_rows)],
+        # format 3: rows per key (small repeated numbers: compresses ~3x better than the starts of format 2)
+        "counts": np.diff(np.asarray(list(row_starts) + [n_rows], dtype=np.int64)).tolist(),
         "boxes": extra.get("boxes", []),
         "names": {str(r): n for r, n in extra.get("names", {}).items()},
     }
@@ -225,7 +226,11 @@ def decode_keys(blob: bytes, index: dict, where: str) -> dict:
     if type(dtypes) is not list or len(dtypes) != n or not set(dtypes) <= set(DTYPES):
         raise _fail(where, f"{KEYS_FILE}: dtypes must name a supported dtype per key")
     shapes = _shapes(d.get("ndims"), d.get("dims"), n, where)
-    rows = _int_list(d.get("rows"), where, f"{KEYS_FILE} rows", n + 1)
+    if "counts" in d:  # format 3: rows per key
+        counts = _int_list(d.get("counts"), where, f"{KEYS_FILE} counts", n)
+        rows = [0] + np.cumsum(np.asarray(counts, dtype=np.int64)).tolist()
+    else:
+        rows = _int_list(d.get("rows"), where, f"{KEYS_FILE} rows", n + 1)
     if rows[-1] != index["rows"] or rows[0] != 0 or (np.diff(np.asarray(rows, dtype=np.int64)) < 0).any():
         raise _fail(where, f"{KEYS_FILE}: row ranges must ascend from 0 to the {index['rows']} rows")
     boxes = d.get("boxes", [])

@@ -27,20 +27,25 @@ from ..errors import CorruptCheckpointError
 STARTS_FILE = "index.starts"
 NO_START = np.uint64(2**64 - 1)
 SMALL_KEY_ROWS = 8  # keys with at most this many rows are read whole (448 bytes): no directory round trip
-COALESCE_GAP = 4096  # ranges of an index object closer than this are fetched as one range (one page)
+COALESCE_GAP = 4096  # ranges of an index object closer than this may be fetched as one range (one page)
+MIN_GAP = 256  # ... and always when closer than this
 
 
 def coalesce(spans: list[tuple[int, int, object]], itemsize: int) -> list[tuple[int, int, list]]:
-    """``(a, b, [payloads])`` item ranges to fetch for the ascending ``spans`` ``(a, b, payload)``: neighbours
-    closer than COALESCE_GAP bytes are merged into one fetch."""
+    """``(a, b, [payloads])`` item ranges to fetch for the ascending ``spans`` ``(a, b, payload)``: a neighbour
+    is merged into the previous fetch when the gap between them is at most COALESCE_GAP bytes and at most the
+    bytes wanted so far in that fetch (what is read beyond the wanted items stays below what is wanted, plus
+    one gap)."""
     out: list[list] = []
     for a, b, x in spans:
-        if out and a * itemsize <= out[-1][1] * itemsize + COALESCE_GAP:
+        gap = (a - out[-1][1]) * itemsize if out else 0
+        if out and gap <= COALESCE_GAP and gap <= max(out[-1][3], MIN_GAP):
             out[-1][1] = max(out[-1][1], b)
             out[-1][2].append(x)
+            out[-1][3] += (b - a) * itemsize
         else:
-            out.append([a, b, [x]])
-    return [(a, b, xs) for a, b, xs in out]
+            out.append([a, b, [x], (b - a) * itemsize])
+    return [(a, b, xs) for a, b, xs, _wanted in out]
 
 
 def fetch_items(fetch, name: str, a: int, b: int, dtype: np.dtype, where: str) -> np.ndarray:

@@ -25,12 +25,14 @@ class CountedFetch:
         self.bytes = 0
         self.calls = 0
         self.objects: set[str] = set()
+        self.by_object: dict[str, int] = {}  # bytes read of each object
 
     def __call__(self, name: str, offset: int, length: int) -> bytes:
         data = self.inner(name, offset, length)
         self.bytes += len(data)
         self.calls += 1
         self.objects.add(name)
+        self.by_object[name] = self.by_object.get(name, 0) + len(data)
         return data
 
 
