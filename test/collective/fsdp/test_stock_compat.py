@@ -285,8 +285,8 @@ def test_stock_index_written_on_demand_is_the_one_a_save_writes(tmp_path, capsys
     save_state_dict(sws, str(with_it))
     save_state_dict(sws, str(without), write_stock_metadata=False)
     assert "0.metadata" in os.listdir(with_it) and "0.metadata" not in os.listdir(without)
-    with pytest.raises(Exception):
-        stock_load(zeros_like(state()), str(without), safetensors=True)
+    with pytest.raises(ValueError):  # stock's index built from the headers cannot place flattened pieces
+        stock_load({"s": paddle.zeros([6, 5])}, str(without), safetensors=True)
     assert cli(["stock-index", str(without)]) == 0
     assert "wrote" in capsys.readouterr().out
     a, b = (paddle.load(str(d / "0.metadata")) for d in (with_it, without))
