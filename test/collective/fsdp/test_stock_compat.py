@@ -285,8 +285,13 @@ def test_stock_index_written_on_demand_is_the_one_a_save_writes(tmp_path, capsys
     save_state_dict(sws, str(with_it))
     save_state_dict(sws, str(without), write_stock_metadata=False)
     assert "0.metadata" in os.listdir(with_it) and "0.metadata" not in os.listdir(without)
-    with pytest.raises(ValueError):  # stock's index built from the headers cannot place flattened pieces
+    # without it stock builds an index from the safetensors headers (writing flex-ckpt.auto_generated.metadata
+    # into the checkpoint), which fails here: int64 is "not supported yet", flattened pieces cannot be placed
+    with pytest.raises((ValueError, AssertionError)):
         stock_load({"s": paddle.zeros([6, 5])}, str(without), safetensors=True)
+    for name in os.listdir(without):
+        if name.endswith(".auto_generated.metadata"):
+            os.unlink(without / name)
     assert cli(["stock-index", str(without)]) == 0
     assert "wrote" in capsys.readouterr().out
     a, b = (paddle.load(str(d / "0.metadata")) for d in (with_it, without))
