@@ -276,6 +276,7 @@ class SaveJob:
             if self.write_stock:
                 from .stock_compat import STOCK_METADATA_FILE, stock_metadata_bytes
 
+                _warn_stock_at_scale(self.world)
                 self.storage.put(self.staging, STOCK_METADATA_FILE, stock_metadata_bytes(self._stock_view()))
         tr.mark("metadata")
         faults.point("before_commit", self.rank)
@@ -448,6 +449,23 @@ class SaveJob:
         if name in own and COMMIT_FILE not in own:
             self.storage.remove(self.storage.child(self.staging, PARTS_DIR))
             self.storage.publish(self.staging, self.path)
+
+
+STOCK_WARN_WORLD = 256  # from this world the coordinator's work for 0.metadata dominates a commit (README)
+_stock_warned: list = []
+
+
+def _warn_stock_at_scale(world: int) -> None:
+    """Once per process: write_stock_metadata at a large world (every rank's file laid out and every piece
+    pickled on the coordinator, at every save); `paddle-fsdp-ckpt stock-index` writes it later when needed."""
+    if world >= STOCK_WARN_WORLD and not _stock_warned:
+        _stock_warned.append(world)
+        logger.warning(
+            "save at %d ranks with write_stock_metadata=True: the coordinator lays out every rank's file and "
+            "pickles every piece for stock paddle's 0.metadata at each save; pass write_stock_metadata=False and "
+            "run `paddle-fsdp-ckpt stock-index CKPT` for a checkpoint a stock reader needs",
+            world,
+        )
 
 
 def stock_view(plan, checkpoint_id: str, world: int) -> CheckpointMetadata:
