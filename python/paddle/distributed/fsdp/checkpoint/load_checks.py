@@ -34,7 +34,7 @@ def check_coverage(root: str, md: CheckpointMetadata, keys, regions: dict | None
     before a byte of data is read; CorruptCheckpointError naming the key otherwise. With ``regions[key]`` (the
     Region this rank loads), format 3 reads only the rows of a key split over many ranks that its row directory
     selects for the region's flat span, and checks that they cover the span exactly once (format/row_directory)."""
-    spans = {}
+    spans, keys = {}, set(keys)
     for key, r in (regions or {}).items():
         if key in keys:
             spans[key] = flat_span(r.shape, r.box_offset, r.box_shape, r.flat_range)
