@@ -260,6 +260,7 @@ def test_round_trip_all_record_kinds(saved):
         "COMMIT",
         "index.keys",
         "index.pieces",
+        "index.starts",
         "metadata.json",
     ]
     t = fresh_targets()

@@ -116,3 +116,30 @@ def test_the_measure_sees_every_ranks_values_read(saved):
         return md.index.fetch.bytes - before
 
     assert all_entries(64) > 15 * all_entries(4) > 15 * 4 * 10_000
+
+
+def test_a_damaged_row_directory_is_named_by_the_ranks_it_misleads(saved, tmp_path):
+    """One start of the embedding's row directory moved by one element (still ascending): the ranks whose
+    window holds that row refuse the load naming index.starts (never a wrong piece list); the other ranks load."""
+    import shutil
+
+    import numpy as np
+    from paddle.distributed.fsdp.checkpoint import CorruptCheckpointError, read_metadata
+
+    d = tmp_path / "w64"
+    shutil.copytree(saved[64][0], d)
+    md = read_metadata(str(d))
+    rows = md.index.table["rows"]
+    k = md.tensors["model.embed_tokens.weight"].key_id
+    assert rows[k + 1] - rows[k] > 16  # split over many ranks: the directory is used for it
+    starts = np.fromfile(d / "index.starts", "<u8")
+    starts[rows[k] + 5] += 1
+    starts.tofile(d / "index.starts")
+    failed = []
+    for r in range(64):
+        try:
+            scale.load_rank(str(d), MODEL, 64, r)
+        except CorruptCheckpointError as e:
+            assert "index.starts does not match the rows of key 'model.embed_tokens.weight'" in str(e), e
+            failed.append(r)
+    assert 1 <= len(failed) <= 3, failed
