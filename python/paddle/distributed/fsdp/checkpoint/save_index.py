@@ -16,7 +16,7 @@ import numpy as np
 from .errors import SaveFailedError
 from .format.index import PIECE_ROW, chunk_count, encode, keys_blob
 from .format.metadata import DTYPES, numel, rank_file_name
-from .format.row_directory import NO_START
+from .format.row_directory import NO_START, fences_of
 
 
 def _columns(keys, dtypes, shapes, pieces, files, boxes, names) -> dict:
@@ -25,7 +25,7 @@ def _columns(keys, dtypes, shapes, pieces, files, boxes, names) -> dict:
     array ``[kid, file, box, rel, nbytes, fa, fb, sums]`` per piece."""
     a = np.asarray(pieces, dtype=np.int64).reshape(-1, 8)
     first = np.where(a[:, 5] >= 0, a[:, 5], 0)  # a flat range of the whole tensor starts there; a whole one at 0
-    order = np.lexsort((first, a[:, 0]))
+    order = np.lexsort((a[:, 6], first, a[:, 0]))  # (ties: an empty flat range before the range it starts)
     a, first = a[order], first[order]
     starts = np.searchsorted(a[:, 0], np.arange(len(keys)), side="left")
     boxed = np.zeros(len(keys), bool)
@@ -36,6 +36,7 @@ def _columns(keys, dtypes, shapes, pieces, files, boxes, names) -> dict:
     cols = {
         "rows": a,
         "starts": directory,
+        "fences": fences_of(directory, np.append(starts, len(a)).astype(np.int64)),
         "files": files,
         "keys_blob": keys_blob(
             keys,
@@ -130,4 +131,4 @@ def index_objects(cols: dict, header: dict, reported: dict[int, dict], with_sums
         rows["key"], rows["file"], rows["box"] = a[:, 0], a[:, 1], a[:, 2]
         rows["offset"] = a[:, 3] + head[a[:, 1]]
         rows["nbytes"], rows["flat_a"], rows["flat_b"], rows["sums"] = a[:, 4], a[:, 5], a[:, 6], a[:, 7]
-    return encode(header, cols["keys_blob"], files, rows, cols["starts"])
+    return encode(header, cols["keys_blob"], files, rows, cols["starts"], cols["fences"])

@@ -141,7 +141,7 @@ def index_problems(md) -> list[str]:
         if hashlib.sha256(rows.tobytes()).hexdigest() != src.pieces_sha256:
             return [f"{PIECES_FILE} does not match its SHA-256 in metadata.json (damaged)"]
         if src.starts_sha256 is not None:  # format 3: the row directory, whole, and as the rows imply it
-            problem = row_directory.problem(src.fetch, rows, src.table["rows"], src.starts_sha256)
+            problem = row_directory.problem(src.fetch, rows, src.table["rows"], src.starts_sha256, src.fences_sha256)
             if problem:
                 return [problem]
         md.prefetch(list(md.tensors))

@@ -14,8 +14,8 @@ loads, not with the world or the bytes of state::
     index.pieces         PIECE_ROW rows (56 bytes, little-endian), sorted by key (format 3: a key's rows by their
                          first element): a load reads the rows of the keys it loads (coalesced ranges), verify
                          reads them all (SHA-256 in metadata.json)
-    index.starts         format 3: the row directory (row_directory.py): a rank loading part of a key split over
-                         many ranks reads that key's starts and only the rows overlapping its part
+    index.starts,        format 3: the row directory (row_directory.py): a rank loading part of a key split over
+    index.fences         many ranks reads that key's fences, the block of starts and the rows overlapping its part
     <data file>.sums     written by the rank that wrote the data file (nothing gathered): its chunk checksums,
                          u64 little-endian, piece after piece in file order; a row's ``sums`` is its first one.
                          A load reads the checksums of the chunks it reads (blocks of SUMS_BLOCK).
@@ -41,7 +41,7 @@ import numpy as np
 from ..errors import CorruptCheckpointError, MetadataError
 from . import rank_values, row_directory
 from .metadata import DTYPES, FileMeta, PieceMeta, check_file_name, numel
-from .row_directory import SMALL_KEY_ROWS, STARTS_FILE
+from .row_directory import FENCES_FILE, SMALL_KEY_ROWS, STARTS_FILE
 from .sidecar import CountedFetch, SidecarSums
 
 VERSION = 3
@@ -103,17 +103,23 @@ def keys_blob(keys: list, dtypes: list, shapes: list, row_starts: list, n_rows: 
 
 
 def encode(
-    header: dict, keys: bytes, files: list[tuple[str, int, int]], rows: np.ndarray, starts: np.ndarray
+    header: dict,
+    keys: bytes,
+    files: list[tuple[str, int, int]],
+    rows: np.ndarray,
+    starts: np.ndarray,
+    fences: np.ndarray,
 ) -> dict[str, bytes]:
     """The index objects of a format-2 checkpoint: ``{name: bytes}`` with ``metadata.json`` last.
 
     ``header``: checkpoint_id, created_unix, world_size, chunk_bytes, checksum, values, and optionally
     rank_values: ``(keys, index.ranks bytes)`` (rank_values.py). ``keys``: the ``keys_blob``. ``files``:
-    ``(name, size, checksum count)`` by file index. ``rows``: PIECE_ROW array. ``starts``: the row directory
-    (row_directory.py), one u64 per row."""
+    ``(name, size, checksum count)`` by file index. ``rows``: PIECE_ROW array. ``starts``, ``fences``: the row
+    directory (row_directory.py): one u64 per row, and every FENCE-th of a key with more rows."""
     pieces_blob = rows.astype(PIECE_ROW, copy=False).tobytes()
     starts_blob = np.asarray(starts, dtype="<u8").tobytes()
-    out = {KEYS_FILE: keys, PIECES_FILE: pieces_blob, STARTS_FILE: starts_blob}
+    fences_blob = np.asarray(fences, dtype="<u8").tobytes()
+    out = {KEYS_FILE: keys, PIECES_FILE: pieces_blob, STARTS_FILE: starts_blob, FENCES_FILE: fences_blob}
     default_names = all(name == f"{i}_0.safetensors" for i, (name, _s, _n) in enumerate(files))
     md = {
         "format": "paddle-fsdp-checkpoint",
@@ -128,6 +134,7 @@ def encode(
             KEYS_FILE: {"bytes": len(keys), "sha256": hashlib.sha256(keys).hexdigest()},
             PIECES_FILE: {"rows": int(len(rows)), "sha256": hashlib.sha256(pieces_blob).hexdigest()},
             STARTS_FILE: {"sha256": hashlib.sha256(starts_blob).hexdigest()},
+            FENCES_FILE: {"sha256": hashlib.sha256(fences_blob).hexdigest()},
         },
         "values": header["values"],
     }
@@ -183,10 +190,12 @@ def decode_header(d: dict, where: str) -> tuple[dict, dict]:
         "rows": f.int(f.get(pieces_d, "rows", "index.pieces.rows"), "index.pieces.rows", 0, 1 << 40),
         "pieces_sha256": f.str(f.get(pieces_d, "sha256", "index.pieces.sha256"), "index.pieces.sha256", 64),
         "starts_sha256": None,  # format 2: no row directory (every row of a key is read)
+        "fences_sha256": None,
     }
-    if STARTS_FILE in idx:
-        starts_d = f.obj(idx[STARTS_FILE], f"index[{STARTS_FILE!r}]")
-        index["starts_sha256"] = f.str(f.get(starts_d, "sha256", "index.starts.sha256"), "index.starts.sha256", 64)
+    for name, field in ((STARTS_FILE, "starts_sha256"), (FENCES_FILE, "fences_sha256")):
+        if name in idx:
+            d_ = f.obj(idx[name], f"index[{name!r}]")
+            index[field] = f.str(f.get(d_, "sha256", f"{name}.sha256"), f"{name}.sha256", 64)
     fields = {
         "checkpoint_id": f.str(f.get(d, "checkpoint_id", "checkpoint_id"), "checkpoint_id", 128),
         "world_size": f.int(f.get(d, "world_size", "world_size"), "world_size", 1, 1 << 31),
@@ -294,7 +303,9 @@ class IndexSource:
             todo[t.key_id] = t
             if span is not None and self.starts_sha256 and rows[t.key_id + 1] - rows[t.key_id] > SMALL_KEY_ROWS:
                 want[t.key_id] = span
-        win = row_directory.windows(self.fetch, self.where, rows, want) if want else {}
+        if want and self.fences_sha256 and self.fences is None:
+            self.fences = row_directory.fence_offsets(rows)
+        win = row_directory.windows(self.fetch, self.where, rows, want, self.fences) if want else {}
         todo_rows = [(*win.get(i, (rows[i], rows[i + 1], None)), todo[i]) for i in sorted(todo)]
         for a, b, items in row_directory.coalesce(
             [(a, b, (a, b, st, t)) for a, b, st, t in todo_rows], PIECE_ROW.itemsize
@@ -456,6 +467,7 @@ def open_v2(d: dict, where: str, fetch: Fetch | None):
     tensors = IndexedTensors(table)
     source = tensors.source = IndexSource(fetch, where, table, fields, tensors)
     source.pieces_sha256, source.starts_sha256 = index["pieces_sha256"], index["starts_sha256"]
+    source.fences_sha256, source.fences = index["fences_sha256"], None
     md.tensors = tensors
     md.index = source
     return md

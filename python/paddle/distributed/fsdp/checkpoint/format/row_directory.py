@@ -25,6 +25,8 @@ import numpy as np
 from ..errors import CorruptCheckpointError
 
 STARTS_FILE = "index.starts"
+FENCES_FILE = "index.fences"
+FENCE = 64  # index.fences holds every FENCE-th start of a key with more rows: its starts are read by blocks
 NO_START = np.uint64(2**64 - 1)
 SMALL_KEY_ROWS = 8  # keys with at most this many rows are read whole (448 bytes): no directory round trip
 COALESCE_GAP = 4096  # ranges of an index object closer than this may be fetched as one range (one page)
@@ -57,24 +59,66 @@ def fetch_items(fetch, name: str, a: int, b: int, dtype: np.dtype, where: str) -
     return np.frombuffer(raw, dtype)
 
 
-def windows(fetch, where: str, rows: list[int], want: dict[int, tuple[int, int]]) -> dict[int, tuple]:
+def fences_of(starts: np.ndarray, key_rows: np.ndarray) -> np.ndarray:
+    """index.fences: for each key of more than FENCE rows (in key order), the start of every FENCE-th row."""
+    counts = np.diff(key_rows)
+    kid = np.repeat(np.arange(len(counts)), counts)
+    within = np.arange(len(starts)) - key_rows[:-1][kid]
+    return starts[(within % FENCE == 0) & (counts[kid] > FENCE)]
+
+
+def fence_offsets(key_rows: list[int]) -> np.ndarray:
+    """Where each key's fences begin in index.fences (keys of FENCE rows or fewer have none)."""
+    n = np.diff(np.asarray(key_rows, dtype=np.int64))
+    per_key = np.where(n > FENCE, -(-n // FENCE), 0)
+    return np.concatenate([[0], np.cumsum(per_key)])
+
+
+def _bracket(fetch, where: str, rows: list[int], want: dict, fences: np.ndarray | None) -> dict[int, tuple[int, int]]:
+    """key id -> the rows ``[a, b)`` (relative to the key) whose starts to read: all of them, or, for a key with
+    fences, the blocks of FENCE rows that may hold its span (one coalesced pass over index.fences)."""
+    out = {k: (0, rows[k + 1] - rows[k]) for k in want}
+    if fences is None:
+        return out
+    big = [(int(fences[k]), int(fences[k + 1]), k) for k in sorted(want) if fences[k + 1] > fences[k]]
+    for a, b, kids in coalesce(big, 8):
+        arr = fetch_items(fetch, FENCES_FILE, a, b, np.dtype("<u8"), where)
+        for k in kids:
+            f = arr[int(fences[k]) - a : int(fences[k + 1]) - a]
+            if f[0] == NO_START:
+                continue  # box pieces: every start (and row) of the key
+            lo, hi = want[k]
+            j0 = max(0, int(np.searchsorted(f, lo, side="right")) - 1)
+            j1 = max(j0 + 1, int(np.searchsorted(f, hi, side="left")))
+            out[k] = (j0 * FENCE, min(rows[k + 1] - rows[k], j1 * FENCE), int(f[j0]))
+    return out
+
+
+def windows(
+    fetch, where: str, rows: list[int], want: dict[int, tuple[int, int]], fences: np.ndarray | None = None
+) -> dict[int, tuple]:
     """key id -> ``(first row, stop row, starts of those rows)`` to fetch for the element span ``want[kid]``
-    (``starts`` None: the key has box pieces, its rows are all fetched). One coalesced pass over index.starts."""
+    (``starts`` None: the key has box pieces, its rows are all fetched). ``fences``: ``fence_offsets`` when the
+    checkpoint has index.fences (then only the starts of the blocks that may hold the span are read)."""
     out: dict[int, tuple] = {}
-    spans = [(rows[k], rows[k + 1], k) for k in sorted(want)]
+    bracket = _bracket(fetch, where, rows, want, fences)
+    spans = [(rows[k] + bracket[k][0], rows[k] + bracket[k][1], k) for k in sorted(want)]
     for a, b, kids in coalesce(spans, 8):
         arr = fetch_items(fetch, STARTS_FILE, a, b, np.dtype("<u8"), where)
         for k in kids:
-            st = arr[rows[k] - a : rows[k + 1] - a]
+            first = rows[k] + bracket[k][0]
+            st = arr[first - a : rows[k] + bracket[k][1] - a]
             if st[0] == NO_START:
                 out[k] = (rows[k], rows[k + 1], None)
                 continue
+            if len(bracket[k]) == 3 and int(st[0]) != bracket[k][2]:
+                raise CorruptCheckpointError(f"{where}: {FENCES_FILE} does not match {STARTS_FILE} (damaged)")
             if (np.diff(st.astype(np.int64)) < 0).any() or int(st[-1]) >= 1 << 62:
                 raise CorruptCheckpointError(f"{where}: {STARTS_FILE} is not ascending for a key (damaged)")
             lo, hi = want[k]
             i0 = max(0, int(np.searchsorted(st, lo, side="right")) - 1)
             i1 = max(i0 + 1, int(np.searchsorted(st, hi, side="left")))
-            out[k] = (rows[k] + i0, rows[k] + i1, st[i0:i1])
+            out[k] = (first + i0, first + i1, st[i0:i1])
     return out
 
 
@@ -95,8 +139,11 @@ def check_window(arr: np.ndarray, starts, span, numel: int, where: str, key: str
         )
 
 
-def problem(fetch, rows_arr: np.ndarray, key_rows: list[int], sha256: str) -> str | None:
-    """What is wrong with index.starts (verify_checkpoint): its SHA-256, or a start the rows do not imply."""
+def problem(
+    fetch, rows_arr: np.ndarray, key_rows: list[int], sha256: str, fences_sha256: str | None = None
+) -> str | None:
+    """What is wrong with index.starts or index.fences (verify_checkpoint): a SHA-256, or an entry the rows do
+    not imply."""
     import hashlib
 
     n = len(rows_arr) * 8
@@ -112,4 +159,9 @@ def problem(fetch, rows_arr: np.ndarray, key_rows: list[int], sha256: str) -> st
         first[has_box[kid]] = NO_START
     if (np.frombuffer(raw, "<u8") != first).any():
         return f"{STARTS_FILE} does not match the rows of index.pieces"
+    if fences_sha256 is not None:
+        want = fences_of(first, np.asarray(key_rows, dtype=np.int64)).astype("<u8").tobytes()
+        got = fetch(FENCES_FILE, 0, len(want) + 1)
+        if got != want or hashlib.sha256(got).hexdigest() != fences_sha256:
+            return f"{FENCES_FILE} does not match its SHA-256 in metadata.json or the row directory (damaged)"
     return None
