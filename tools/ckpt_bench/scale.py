@@ -247,7 +247,9 @@ def load_rank(directory: str, model: str, world: int, rank: int, memory: bool = 
     segs = [(key, region_segments(directory, md, key, reg)) for key, reg in targets]
     t1 = time.perf_counter()
     index_bytes, index_objects = md.index.fetch.bytes, set(md.index.fetch.objects)
-    by_object = {k: md.index.fetch.by_object.get(k, 0) for k in ("index.keys", "index.starts", "index.pieces")}
+    by_object = {
+        k: md.index.fetch.by_object.get(k, 0) for k in ("index.keys", "index.fences", "index.starts", "index.pieces")
+    }
     if md.rank_values is not None:  # the one-call API's resume: this rank's RNG state (rng.decode)
         md.values[RNG_KEY][rank]
     values_bytes = md.index.fetch.bytes - index_bytes

@@ -54,7 +54,8 @@ def test_rows_a_rank_reads_do_not_grow_with_the_ranks_a_key_is_split_over(saved)
 
     def rows(world: int) -> int:
         return max(
-            x["index_by_object"]["index.pieces"] + x["index_by_object"]["index.starts"] for x in _reads(saved, world)
+            sum(x["index_by_object"][n] for n in ("index.fences", "index.starts", "index.pieces"))
+            for x in _reads(saved, world)
         )
 
     assert 0 < rows(64) <= rows(4), (rows(4), rows(64))
