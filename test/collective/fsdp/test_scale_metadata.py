@@ -38,10 +38,10 @@ def test_index_bytes_a_rank_reads_do_not_grow_with_the_world(saved):
     small, large = _reads(saved, 4), _reads(saved, 64)
     grown = max(x["index_bytes"] for x in large) - max(x["index_bytes"] for x in small)
     assert grown <= (64 - 4) * PER_FILE, (small, large)  # the files table only
-    # the index files themselves (metadata.json, index.keys, index.starts, index.pieces) are the only index
-    # objects read, plus the checksum sidecars of the files the rank reads (its own ranges): a handful
-    assert max(x["index_objects"] for x in large) == 4
-    assert max(x["objects"] for x in large) <= 4 + 2 + 4  # + index.ranks and its own values object
+    # the index files themselves (metadata.json, index.keys, index.fences, index.starts, index.pieces) are the
+    # only index objects read, plus the checksum sidecars of the files the rank reads (its own ranges)
+    assert max(x["index_objects"] for x in large) == 5
+    assert max(x["objects"] for x in large) <= 5 + 2 + 4  # + index.ranks and its own values object
     # its own checksums shrink with its share
     assert max(x["sums_bytes"] for x in large) < max(x["sums_bytes"] for x in small)
 

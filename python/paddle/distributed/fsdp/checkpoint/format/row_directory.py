@@ -26,7 +26,7 @@ from ..errors import CorruptCheckpointError
 
 STARTS_FILE = "index.starts"
 FENCES_FILE = "index.fences"
-FENCE = 64  # index.fences holds every FENCE-th start of a key with more rows: its starts are read by blocks
+FENCE = 16  # index.fences holds every FENCE-th start of a key with more rows: its starts are read by blocks
 NO_START = np.uint64(2**64 - 1)
 SMALL_KEY_ROWS = 8  # keys with at most this many rows are read whole (448 bytes): no directory round trip
 COALESCE_GAP = 4096  # ranges of an index object closer than this may be fetched as one range (one page)
