@@ -1,19 +1,22 @@
-"""The row directory of format 3 (``index.starts``): a loading rank fetches only the rows of a key that overlap
-the elements it loads, however many ranks the key was split over.
+"""The row directory of format 3 (``index.starts``, ``index.fences``): a loading rank fetches only the rows of a
+key that overlap the elements it loads, however many ranks the key was split over.
 
 Why: in format 2 a rank read every row of each key it loads, and a key split over more ranks has more rows: the
 per-rank index read grew as world^0.53 (Qwen3-235B-A22B, 512 -> 8192 ranks; an embedding of 2.5 GB has ~4000
 rows at 8192 ranks, one or two of which a rank needs). Format 3 sorts a key's rows by their first flat element
-and writes those starts, u64 little-endian, one per row of index.pieces (the same order)::
+and writes, u64 little-endian::
 
-    index.starts    start[i] = first global row-major element of row i; NO_START for every row of a key that
-                    has a piece which is a box of the tensor (not a flat range of it: their spans interleave)
+    index.starts    start[i] = first global row-major element of row i of index.pieces (the same order);
+                    NO_START for every row of a key that has a piece which is a box of the tensor (not a flat
+                    range of it: their spans interleave)
+    index.fences    for each key of more than FENCE rows, in key order: the start of its rows 0, FENCE, 2*FENCE..
 
-A rank loading ``[lo, hi)`` of a key with more than SMALL_KEY_ROWS rows fetches the key's starts (8 bytes a
-row), bisects them and fetches rows ``[i0, i1)``: the last starting at or before ``lo`` to the last starting
-before ``hi``. The fetched rows are checked against their starts and must cover ``[lo, hi)`` exactly once
-(``check_window``: the coverage check of a window), so a damaged directory fails the load with a named error,
-never wrong bytes. ``verify_checkpoint`` checks the whole object against its SHA-256 and the rows.
+A rank loading ``[lo, hi)`` of a key with more than SMALL_KEY_ROWS rows reads the key's fences (if it has any)
+and the blocks of FENCE starts they bracket, bisects those starts and fetches rows ``[i0, i1)``: the last
+starting at or before ``lo`` to the last starting before ``hi``. A block must begin at its fence, and the
+fetched rows must match their starts and cover ``[lo, hi)`` exactly once (``check_window``: the coverage check
+of a window), so a damaged directory fails the load with a named error, never wrong bytes.
+``verify_checkpoint`` checks both objects against their SHA-256 and the rows.
 
 Pure: reads go through ``fetch(name, offset, length) -> bytes``.
 """
