@@ -271,13 +271,13 @@ class SaveJob:
             # inside the (invisible) staging each object is durable on its own; order: data objects and their
             # checksums (durable from their ranks), index objects, metadata, stock index, the commit record,
             # then the publish
-            for name, blob in objects.items():
-                self.storage.put(self.staging, name, blob)
+            objects = dict(objects)
             if self.write_stock:
                 from .stock_compat import STOCK_METADATA_FILE, stock_metadata_bytes
 
                 _warn_stock_at_scale(self.world)
-                self.storage.put(self.staging, STOCK_METADATA_FILE, stock_metadata_bytes(self._stock_view()))
+                objects[STOCK_METADATA_FILE] = stock_metadata_bytes(self._stock_view())
+            self.storage.put_all(self.staging, objects)  # on S3: one round trip for all of them
         tr.mark("metadata")
         faults.point("before_commit", self.rank)
         # the last point at which the save can still be aborted: a rank that failed after its hand-over waits
