@@ -422,7 +422,7 @@ def plan_reads(key: str, tm: TensorMeta, target: Region) -> tuple[list[ReadItem]
         if len(dst_runs[0]) == 0:
             return items, 0
         lo, hi = int(dst_runs[0][0]), int(dst_runs[0][-1] + dst_runs[1][-1])
-    for p in tm.pieces:
+    for p in tm.window(lo, hi)[0]:  # (format 3: only the rows the row directory says may overlap)
         first, end = flat_span(tm.shape, p.box_offset, p.box_shape, p.flat_range)
         if first >= hi or end <= lo:  # from the bounds: no runs listed for pieces this region does not touch
             continue
