@@ -2,9 +2,11 @@
 
 Rerun: ``python tools/ckpt_bench/s3_engine.py [--mib-per-rank 128] [--repeats 3] [--json out.json]``.
 
-Starts a real SeaweedFS (``weed mini`` on 127.0.0.1, free ports, test/collective/fsdp/s3_server.py), then 2 ranks
-(``paddle.distributed.launch``) that each hold ``--mib-per-rank`` MiB of fp32 state as row shards of 4 tensors.
-Each round, timed from a barrier to the slowest rank (page cache dropped before every read phase):
+Starts a real SeaweedFS (``weed mini`` on 127.0.0.1, free ports, test/collective/fsdp/s3_server.py), then
+``--world`` ranks (``paddle.distributed.launch``, default 2) that each hold ``--mib-per-rank`` MiB of fp32 state as
+row shards of 4 tensors. Each round, timed from a barrier to the slowest rank (page cache dropped before every
+read phase; before every write phase ``sync`` and a short pause, so that no phase pays for the write-back of the
+one before; the raw put and the S3 save alternate which goes first, round by round):
 
 * ``raw put`` / ``raw get``: boto3's own managed transfer (``upload_fileobj`` / ``download_fileobj``, same part
   size and concurrency as the engine) of each rank's state bytes as one object: the client's limit;
@@ -14,8 +16,11 @@ Each round, timed from a barrier to the slowest rank (page cache dropped before 
 * ``S3 load, rows``: a reshard into row shards cut at a third instead of the middle; ``S3 load, columns``: into
   column shards (each rank needs half of every row of both ranks' objects): bytes fetched against the share.
 
-Reported: medians, ratios (S3 save / raw put, S3 load / raw get as throughput ratios: >= 1 is faster than plain
-boto3), S3 vs local, bytes fetched / share, peak extra RSS and the engine's own host-memory account of a load.
+Reported: per round and as medians, ratios (S3 save / raw put, S3 load / raw get as throughput ratios: >= 1 is faster than plain
+boto3), S3 vs local, bytes fetched / share, peak extra RSS and the engine's own host-memory account of a load, and the
+S3 save split (trace) into its data upload (``write+fsync``: the rank's object, until the store completed it) and
+the rest (sidecar, hand-over, metadata, commit record, publish), and the S3 server's CPU time during the raw put
+and the save (the store is CPU-bound on a small machine: what a request costs it is throughput).
 """
 
 # ruff: noqa: B023 - every lambda of a round is called at once, inside its round
@@ -26,6 +31,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -89,7 +95,25 @@ def _bytes_of(state: dict) -> bytes:
     return b"".join(np.ascontiguousarray(state[k].local_tensor.numpy()).tobytes() for k in sorted(state))
 
 
-def _timed(comm_barrier, fn):
+def _server_cpu(pid: int) -> float:
+    """CPU seconds (user + system) the S3 server process has used so far (Linux /proc), 0 when unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _settle() -> None:
+    """Before a write phase: the previous phases' dirty pages (the server's volume files) written back."""
+    os.sync()
+    time.sleep(0.2)
+
+
+def _timed(comm_barrier, fn, settle: bool = False):
+    if settle:
+        _settle()
     comm_barrier()
     t0 = time.perf_counter()
     out = fn()
@@ -110,9 +134,12 @@ def worker(args) -> None:
 
     dist.init_parallel_env()
     rank, world = dist.get_rank(), dist.get_world_size()
+    barrier = dist.barrier if world > 1 else (lambda: None)  # one rank: no global group to wait on
     opts = _options(args.endpoint)
     storage = S3Storage(opts, who=f"rank {rank}")
+    traces: list = []
     copts = ck.CheckpointOptions(storage=storage)
+    traced = ck.CheckpointOptions(storage=storage, trace_hook=traces.append)
     client = boto3.client(
         "s3",
         endpoint_url=args.endpoint,
@@ -128,11 +155,24 @@ def worker(args) -> None:
         res = {}
         url, local = f"s3://{args.bucket}/round{r}/ckpt", os.path.join(args.local_dir, f"round{r}")
         raw_key = f"raw{r}/rank{rank}"
-        res["raw_put"], _ = _timed(
-            dist.barrier, lambda: client.upload_fileobj(io.BytesIO(payload), args.bucket, raw_key, Config=transfer)
-        )
-        res["s3_save"], _ = _timed(dist.barrier, lambda: ck.save_state_dict(state, url, options=copts))
-        res["local_save"], _ = _timed(dist.barrier, lambda: ck.save_state_dict(state, local))
+        for phase in ("raw_put", "s3_save") if r % 2 == 0 else ("s3_save", "raw_put"):
+            cpu0 = _server_cpu(args.weed_pid)
+            if phase == "raw_put":
+                res["raw_put"], _ = _timed(
+                    barrier,
+                    lambda: client.upload_fileobj(io.BytesIO(payload), args.bucket, raw_key, Config=transfer),
+                    settle=True,
+                )
+            else:
+                traces.clear()
+                res["s3_save"], _ = _timed(barrier, lambda: ck.save_state_dict(state, url, options=traced), True)
+                ranks = [t.phases_ms() for t in traces if t.what.startswith("save rank")]
+                res["s3_save_data"] = ranks[0].get("write+fsync", 0.0) / 1000 if ranks else 0.0
+                for t in traces:  # every phase of the coordinator (rank 0): calling thread and save thread
+                    if rank == 0:
+                        res.update({f"trace {t.what}: {k}": v / 1000 for k, v in t.phases_ms().items()})
+            res[f"{phase}_server_cpu"] = _server_cpu(args.weed_pid) - cpu0  # the store's work for this phase
+        res["local_save"], _ = _timed(barrier, lambda: ck.save_state_dict(state, local), settle=True)
         files = [os.path.join(local, n) for n in os.listdir(local)]
 
         def raw_get():
@@ -141,14 +181,14 @@ def worker(args) -> None:
             assert sink.getbuffer().nbytes == len(payload)
 
         drop_cache(files)
-        res["raw_get"], _ = _timed(dist.barrier, raw_get)
+        res["raw_get"], _ = _timed(barrier, raw_get)
         for name, where, o in (("s3_load", url, copts), ("local_load", local, None)):
             target = _state(rank, world, args.mib_per_rank, seed=2)
             drop_cache(files)
             objects = next(iter(storage._buckets.values()))
             before = objects.bytes_read
             with PeakRSS() as rss:
-                res[name], rep = _timed(dist.barrier, lambda: ck.load_state_dict(target, where, options=o))
+                res[name], rep = _timed(barrier, lambda: ck.load_state_dict(target, where, options=o))
             assert _bytes_of(target) == payload, f"{name}: loaded bytes differ from the saved ones"
             res[f"{name}_rss_mib"] = (rss.peak - rss.base) / 2**20
             res[f"{name}_engine_mib"] = rep.peak_host_bytes / 2**20
@@ -158,7 +198,7 @@ def worker(args) -> None:
             target = _state(rank, world, args.mib_per_rank, seed=0, **kind)
             drop_cache(files)
             before = next(iter(storage._buckets.values())).bytes_read
-            res[f"s3_load_{name}"], _ = _timed(dist.barrier, lambda: ck.load_state_dict(target, url, options=copts))
+            res[f"s3_load_{name}"], _ = _timed(barrier, lambda: ck.load_state_dict(target, url, options=copts))
             res[f"{name}_fetched"] = next(iter(storage._buckets.values())).bytes_read - before
             res[f"{name}_share"] = sum(v.local_tensor.numel().item() * 4 for v in target.values())
             res[f"{name}_ratio"] = res[f"{name}_fetched"] / res[f"{name}_share"]
@@ -178,8 +218,17 @@ def _table(results: dict) -> tuple[str, dict]:
     per_rank = results[0]["bytes"]
     by_round = list(zip(*(results[r]["rounds"] for r in sorted(results))))  # [round][rank] -> figures
     med = {}
-    for k in results[0]["rounds"][0]:  # the slowest (largest) rank per round, then the median over rounds
+    for k in (
+        k for k in results[0]["rounds"][0] if not k.startswith("trace ")
+    ):  # the slowest (largest) rank per round, then the median over rounds
         med[k] = statistics.median(max(ranks[i][k] for i in range(len(ranks))) for ranks in by_round)
+    med["save_ratio_rounds"] = statistics.median(
+        max(x["raw_put"] for x in ranks) / max(x["s3_save"] for x in ranks) for ranks in by_round
+    )
+    # the save beyond the slowest rank's data upload (a rank's own "rest" includes waiting for the others' data)
+    med["s3_save_rest"] = statistics.median(
+        max(x["s3_save"] for x in ranks) - max(x["s3_save_data"] for x in ranks) for ranks in by_round
+    )
     total = per_rank * len(results) / 1e9
     lines = [
         "| phase | seconds (median) | GB/s | ratio | note |",
@@ -200,6 +249,29 @@ def _table(results: dict) -> tuple[str, dict]:
         f"{total / med['s3_load_columns']:.2f} | {med['raw_get'] / med['s3_load_columns']:.2f}x raw get | "
         f"fetched {med['columns_ratio']:.3f}x its share |",
         "",
+        f"S3 save split (slowest rank, medians): data upload {med['s3_save_data']:.3f} s, the rest (sidecar, "
+        f"hand-over, metadata, commit record, publish) {med['s3_save_rest']:.3f} s.",
+        "",
+        f"The S3 server's CPU time during the phase (user + system, medians): raw put "
+        f"{med['raw_put_server_cpu']:.2f} s, S3 save {med['s3_save_server_cpu']:.2f} s.",
+        "",
+        "Median of the per-round ratios raw put / S3 save (each round's two phases ran back to back): "
+        f"{med['save_ratio_rounds']:.2f}x.",
+        "",
+        "Per round (slowest rank; the raw put went first in even rounds): raw put s / S3 save s / ratio: "
+        + "; ".join(
+            f"{max(x['raw_put'] for x in ranks):.3f} / {max(x['s3_save'] for x in ranks):.3f} / "
+            f"{max(x['raw_put'] for x in ranks) / max(x['s3_save'] for x in ranks):.2f}x"
+            for ranks in by_round
+        ),
+        "",
+        "Coordinator's save phases (trace, round medians, ms): "
+        + ", ".join(
+            f"{k[6:]}={1000 * statistics.median(rd[k] for rd in results[0]['rounds']):.1f}"
+            for k in results[0]["rounds"][0]
+            if k.startswith("trace ")
+        ),
+        "",
         f"Peak extra host memory per rank during a load (RSS over its base / the engine's account): S3 "
         f"{med['s3_load_rss_mib']:.1f} / {med['s3_load_engine_mib']:.1f} MiB, local "
         f"{med['local_load_rss_mib']:.1f} / {med['local_load_engine_mib']:.1f} MiB "
@@ -212,11 +284,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib-per-rank", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--world", type=int, default=2, choices=(1, 2))
     ap.add_argument("--local-dir", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--endpoint", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--bucket", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--weed-pid", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -233,16 +307,22 @@ def main() -> None:
         cmd = [
             "--worker", "--endpoint", server.endpoint, "--bucket", "bench", "--local-dir", local,
             "--mib-per-rank", str(args.mib_per_rank), "--repeats", str(args.repeats),
+            "--weed-pid", str(server.process.pid),
         ]  # fmt: skip
         started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-        res = run_launch(__file__, 2, cmd, timeout=3600, log_dir=work / "logs")
+        res = run_launch(__file__, args.world, cmd, timeout=3600, log_dir=work / "logs")
         table, med = _table(res.results)
-        print(f"S3 engine benchmark, {started}, 2 ranks, {args.mib_per_rank} MiB per rank, {args.repeats} rounds")
+        print(
+            f"S3 engine benchmark, {started}, {args.world} rank(s), {args.mib_per_rank} MiB per rank, {args.repeats} rounds"
+        )
         print(table)
         if args.json:
             Path(args.json).write_text(json.dumps({"started": started, "median": med, "raw": res.results}, indent=1))
     finally:
         server.stop()
+        # the server's volumes and the local checkpoints take GBs per run; the launch logs stay
+        shutil.rmtree(work / "weed", ignore_errors=True)
+        shutil.rmtree(work / "local", ignore_errors=True)
 
 
 def s3_server_bucket(endpoint: str, name: str) -> None:

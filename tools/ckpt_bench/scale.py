@@ -3,7 +3,8 @@ virtual world of thousands of ranks in one process (no data bytes).
 
 Why: the engine has only ever run on a few ranks here; what grows with the world (the index every rank reads, the
 commit's work, the load planner) is measured by running the engine's own code for one rank at a time of a
-virtual world: ``planner.assign_writes`` + ``lay_out_files`` (every rank of a first save runs them),
+virtual world: a first save's exchange (scale_first_save.py: each rank's columns and own part, the
+coordinator's assignment of the world) + ``lay_out_files`` (each rank's own file),
 ``save_index.index_objects`` (the coordinator's commit), then per sampled loading rank ``read_metadata`` of the
 written index (cold: a fresh reader), ``check_coverage`` + ``region_segments`` of its FSDP targets (the load
 planner) and the checksum blocks its ranges need (sparse sidecars: the reads are real, the bytes zeros).
@@ -31,6 +32,13 @@ import sys
 import tempfile
 import time
 import tracemalloc
+
+try:
+    from .scale_first_save import first_save
+    from .scale_store import store_handover
+except ImportError:  # run as a script: python tools/ckpt_bench/scale.py
+    from scale_first_save import first_save
+    from scale_store import store_handover
 
 MODELS = {
     # config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B on the Hugging Face hub
@@ -113,24 +121,62 @@ def _sparse_sidecars(directory: str, counts: list[int], names: list[str]) -> Non
             f.truncate(8 * n)
 
 
-def save_side(model: str, world: int, directory: str, chunk: int) -> dict:
+RNG_KEY = "__fsdp__.rng"
+
+
+@functools.cache
+def rank_values_entry() -> dict:
+    """The per-rank values of the one-call API: this process's random state (state/rng.py's capture)."""
+    from paddle.distributed.fsdp.state import rng
+
+    return {RNG_KEY: rng.capture()}
+
+
+def _rank_values_objects(directory: str, world: int, handovers: dict) -> int:
+    """Each rank's own values object (written by the ranks in parallel: not timed); their receipts go with the
+    hand-overs. Returns the bytes of one object."""
+    from paddle.distributed.fsdp.checkpoint.format import rank_values
+
+    for r in range(world):
+        blob = rank_values.encode_entry("0" * 32, r, rank_values_entry())
+        with open(os.path.join(directory, rank_values.object_name(r)), "wb") as f:
+            f.write(blob)
+        handovers[r]["values"] = rank_values.entry_receipt(blob)
+    return len(blob)
+
+
+def _stock_index(plan, world: int) -> int:
+    """Bytes of stock paddle's ``0.metadata`` for ``plan`` (the coordinator's work of write_stock_metadata)."""
+    from paddle.distributed.fsdp.checkpoint.commit import stock_view
+    from paddle.distributed.fsdp.checkpoint.stock_compat import stock_metadata_bytes
+
+    return len(stock_metadata_bytes(stock_view(plan, "0" * 32, world)))
+
+
+def save_side(
+    model: str, world: int, directory: str, chunk: int, rank_values: bool = True, stock_index: bool = True
+) -> dict:
     """Every rank's first-save planning (the same on every rank), each rank's own layout, and the coordinator's
     commit (hand-overs read from a real TCP store, the index built and written into ``directory`` with sparse
-    sidecars). Returns the timings and sizes."""
+    sidecars). ``rank_values``: every rank saves its RNG state as a per-rank value (as save_checkpoint does).
+    ``stock_index``: measure what ``write_stock_metadata=True`` (the default) adds to the coordinator's commit.
+    Returns the timings and sizes."""
     from paddle.distributed.fsdp.checkpoint import planner
     from paddle.distributed.fsdp.checkpoint.format.commit import commit_record
     from paddle.distributed.fsdp.checkpoint.save_index import assignment_columns, index_objects
 
     gc.collect()
     wires = [rank_records(model, world, r) for r in range(world)]
-    t0 = time.perf_counter()
-    assignment = planner.assign_writes(wires, {})
+    assignment, first = first_save(wires, sorted({1, world // 2, world - 1} - {0}) or [0])
     t1 = time.perf_counter()
     chunk = chunk or planner.chunk_for(assignment)  # 0: what save_state_dict picks
     planner.lay_out_files(assignment, {}, "0" * 32, world // 2)  # every rank: its own file
     t2 = time.perf_counter()
-    plan = planner.lay_out_files(assignment, {}, "0" * 32)  # (the sim's stand-in for every rank's hand-over)
+    t_stock = time.perf_counter()
+    plan = planner.lay_out_files(assignment, {}, "0" * 32)  # every file: what write_stock_metadata costs ...
     handovers = {r: {"size": plan.files[r].size, "header": len(plan.files[r].header)} for r in range(world)}
+    stock = _stock_index(plan, world) if stock_index else None  # ... with the pickle of 0.metadata
+    stock_s = time.perf_counter() - t_stock
     names = [plan.files[r].name for r in range(world)]
     del plan
     header = dict(checkpoint_id="0" * 32, created_unix=0.0, world_size=world, chunk_bytes=chunk)
@@ -141,8 +187,13 @@ def save_side(model: str, world: int, directory: str, chunk: int) -> dict:
     t4 = time.perf_counter()
     for r in range(world):
         handovers[r]["sums"] = cols["files"][r][2]
-    wait_s = _store_handover(world, handovers)
+    entry_bytes = _rank_values_objects(directory, world, handovers) if rank_values else 0
+    wait_s = store_handover(world, handovers)
     t5 = time.perf_counter()
+    if rank_values:  # the coordinator's table of the ranks' values objects (commit.py's _index)
+        from paddle.distributed.fsdp.checkpoint.format.rank_values import encode_table
+
+        header["rank_values"] = ([RNG_KEY], encode_table([handovers[r]["values"] for r in range(world)]))
     objects = index_objects(cols, header, handovers, True)
     t6 = time.perf_counter()
     for name, blob in objects.items():
@@ -155,7 +206,7 @@ def save_side(model: str, world: int, directory: str, chunk: int) -> dict:
     del wires, assignment
     return {
         "pieces": int(len(cols["rows"])),
-        "assign_s": t1 - t0,
+        **first,
         "layout_rank_s": t2 - t1,
         "columns_s": t4 - t3,
         "handover_s": wait_s,
@@ -166,60 +217,10 @@ def save_side(model: str, world: int, directory: str, chunk: int) -> dict:
         "exchange_bytes_per_rank": exchange,
         "chunk_bytes": chunk,
         "handover_bytes_per_rank": max(len(json.dumps(h)) for h in handovers.values()),
+        "rank_values_bytes_per_rank": entry_bytes,
+        "stock_s": stock_s if stock_index else None,  # coordinator: every file laid out + 0.metadata pickled
+        "stock_bytes": stock,
     }
-
-
-class _Locked:
-    """One store client shared by the channel's calls and its heartbeat thread (a client is not thread-safe;
-    the engine gives each its own connection to the job's store, which a store served here cannot)."""
-
-    def __init__(self, store):
-        import threading
-
-        self.store, self.lock = store, threading.Lock()
-
-    def __getattr__(self, method: str):
-        fn = getattr(self.store, method)
-
-        def call(*args):
-            with self.lock:
-                return fn(*args)
-
-        return call
-
-
-def _store_handover(world: int, handovers: dict) -> float:
-    """Seconds the coordinator's channel takes to read ``world`` hand-overs from a real TCP store (this
-    process serves it; the ranks' ``done`` keys are set first, as the ranks would)."""
-    import socket
-
-    import paddle.base.core as core
-    from paddle.distributed.fsdp.checkpoint import channel
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    before = channel._socket_fds()
-    master = core.TCPStore("127.0.0.1", port, True, 1, 60)
-    channel._no_delay(channel._socket_fds() - before, port)  # (its own client: ~40 ms a request without)
-    ns = "fsdp-ckpt/sim/"
-    for r, h in handovers.items():
-        master.set(f"{ns}done/{r}", json.dumps(h).encode())
-        master.add(f"{ns}fdone/{r}", 1)
-        master.add(f"{ns}ndone", 1)
-    before = channel._socket_fds()
-    client = core.TCPStore("127.0.0.1", port, False, 0, 60)
-    channel._no_delay(channel._socket_fds() - before, port)  # as the engine's own clients (channel._client)
-    ch = channel.SaveChannel("sim", 0, world, 0, 60.0, store=_Locked(client))
-    try:
-        t0 = time.perf_counter()
-        got = None
-        while got is None:
-            assert not ch.failures()
-            got = ch.all_done()
-        return time.perf_counter() - t0
-    finally:
-        ch.close()
 
 
 def _seg(sg) -> tuple:
@@ -244,10 +245,18 @@ def load_rank(directory: str, model: str, world: int, rank: int, memory: bool = 
     t0 = time.perf_counter()
     md = ckdir.read_metadata(directory)
     keys = [k for k, _r in targets]
-    check_coverage(directory, md, keys)
+    check_coverage(directory, md, keys, dict(targets))  # (as load_job: the regions this rank loads)
     segs = [(key, region_segments(directory, md, key, reg)) for key, reg in targets]
     t1 = time.perf_counter()
     index_bytes, index_objects = md.index.fetch.bytes, set(md.index.fetch.objects)
+    by_object = {
+        k: md.index.fetch.by_object.get(k, 0) for k in ("index.keys", "index.fences", "index.starts", "index.pieces")
+    }
+    if md.rank_values is not None:  # the one-call API's resume: this rank's RNG state (rng.decode)
+        md.values[RNG_KEY][rank]
+    values_bytes = md.index.fetch.bytes - index_bytes
+    values_objects = set(md.index.fetch.objects) - index_objects
+    t2 = time.perf_counter()
     chunk, data_files, own_bytes = md.chunk_bytes, set(), 0
     for _key, ss in segs:
         for piece, src, length in map(_seg, ss):
@@ -262,8 +271,12 @@ def load_rank(directory: str, model: str, world: int, rank: int, memory: bool = 
     return {
         "rank": rank,
         "plan_s": t1 - t0,
+        "rank_values_s": t2 - t1,
         "index_bytes": index_bytes,
-        "sums_bytes": md.index.fetch.bytes - index_bytes,
+        "index_by_object": by_object,  # (metadata.json: the rest of index_bytes)
+        "rank_values_bytes": values_bytes,
+        "rank_values_objects": len(values_objects),
+        "sums_bytes": md.index.fetch.bytes - index_bytes - values_bytes,
         "objects": len(md.index.fetch.objects),
         "index_objects": len(index_objects),
         "files_opened": len(md.index.fetch.objects) + len(data_files),
@@ -311,12 +324,14 @@ def reshard_reads(directory: str, model: str, world: int) -> dict:
     }
 
 
-def run(model: str, worlds: list[int], samples: int, chunk: int, reshard: tuple[int, int] | None) -> dict:
+def run(
+    model: str, worlds: list[int], samples: int, chunk: int, reshard: tuple[int, int] | None, stock_max: int
+) -> dict:
     out = {"model": model, "state_bytes": state_bytes(model), "chunk_bytes": chunk, "worlds": []}
     for world in worlds:
         d = tempfile.mkdtemp(prefix=f"scale-{world}-")
         try:
-            save = save_side(model, world, d, chunk)
+            save = save_side(model, world, d, chunk, stock_index=world <= stock_max)
             ranks = sorted({0, world // 2, world - 1} | set(range(0, world, max(1, world // samples))))[:samples]
             loads = [load_rank(d, model, world, r) for r in ranks]
             mem = load_rank(d, model, world, ranks[0], memory=True)["peak_bytes"]
@@ -338,16 +353,23 @@ def _summary(row: dict) -> dict:
         "chunk_KiB": row["chunk_bytes"] >> 10,
         "index_read_MB": max(x["index_bytes"] for x in loads) / 1e6,
         "own_sums_KB": max(x["sums_bytes"] for x in loads) / 1e3,
+        "rank_values_KB": max(x.get("rank_values_bytes", 0) for x in loads) / 1e3,
         "plan_s": max(x["plan_s"] for x in loads),
         "peak_MB": row["peak_bytes"] / 1e6,
         "files_opened": max(x["files_opened"] for x in loads),
-        "assign_s": row["assign_s"],
+        "first_rank_s": row["first_rank_s"],
+        "first_coordinator_s": row["first_coordinator_s"],
+        "first_rank_recv_KB": row["first_rank_recv_bytes"] / 1e3,
+        "first_coordinator_recv_MB": row["first_coordinator_recv_bytes"] / 1e6,
+        "first_old_recv_MB": row["first_old_recv_bytes"] / 1e6,
         "layout_rank_s": row["layout_rank_s"],
         "columns_s": row["columns_s"],
         "handover_s": row["handover_s"],
         "commit_index_s": row["commit_index_s"],
         "commit_s": row["commit_s"],
         "commit_MB": row["commit_bytes"] / 1e6,
+        "stock_s": row.get("stock_s"),
+        "stock_MB": None if row.get("stock_bytes") is None else row["stock_bytes"] / 1e6,
         **({"reshard": row["reshard"]} if "reshard" in row else {}),
     }
 
@@ -360,24 +382,34 @@ def growth(rows: list[dict], field, lo: int = 512, hi: int = 8192) -> float | No
     return math.log(by[hi] / by[lo]) / math.log(hi / lo)
 
 
+def _stock_cell(x: dict) -> str:
+    if x.get("stock_s") is None:
+        return "not measured"
+    return f"{x['stock_s']:.1f} s, {x['stock_MB']:.0f} MB"
+
+
 def markdown(res: dict) -> str:
     """The table of a run (README, docs/scale-*.md): per world the worst sampled loading rank and the
     coordinator."""
     out = [
         f"{res['model']}, {res['state_bytes'] / 1e12:.2f} TB of state (fp32 master + AdamW moments):",
         "",
-        "| world | pieces | chunk | index read / rank | own checksums read | plan / rank | peak mem / rank | files "
-        "opened / rank | first-save assign (every rank) | columns (coordinator, first save) | hand-over reads "
-        "(coordinator) | index (coordinator) | commit bytes written |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| world | pieces | chunk | index read / rank | own per-rank values read | own checksums read | plan / rank "
+        "| peak mem / rank | files opened / rank | first save / rank | first save: coordinator assign | first-save "
+        "bytes received / rank | (before: every rank) | first-save bytes received (coordinator) | columns "
+        "(coordinator, first save) | hand-over reads (coordinator) | index (coordinator) | commit bytes written | "
+        "+ stock 0.metadata (coordinator) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["worlds"]:
         x = _summary(r)
         out.append(
             f"| {x['world']} | {x['pieces']:,} | {x['chunk_KiB']} KiB | {x['index_read_MB']:.2f} MB | "
-            f"{x['own_sums_KB']:.0f} KB | {x['plan_s']:.2f} s | {x['peak_MB']:.0f} MB | {x['files_opened']} | "
-            f"{x['assign_s']:.1f} s | {x['columns_s']:.1f} s | {x['handover_s']:.2f} s | {x['commit_index_s']:.2f} s"
-            f" | {x['commit_MB']:.0f} MB |"
+            f"{x['rank_values_KB']:.1f} KB | {x['own_sums_KB']:.0f} KB | {x['plan_s']:.2f} s | {x['peak_MB']:.0f} MB | "
+            f"{x['files_opened']} | {x['first_rank_s'] * 1e3:.1f} ms | {x['first_coordinator_s']:.1f} s | "
+            f"{x['first_rank_recv_KB']:.1f} KB | {x['first_old_recv_MB']:.0f} MB | {x['first_coordinator_recv_MB']:.1f} MB | "
+            f"{x['columns_s']:.1f} s | {x['handover_s']:.2f} s | {x['commit_index_s']:.2f} s"
+            f" | {x['commit_MB']:.0f} MB | {_stock_cell(x)} |"
         )
     g = res.get("growth_512_8192", {})
     if any(v is not None for v in g.values()):
@@ -405,6 +437,9 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=3, help="loading ranks measured per world (default 3)")
     p.add_argument("--chunk-bytes", type=int, default=0, help="checksum chunk (default 0: what a save picks)")
     p.add_argument("--reshard", default="8192:6144", help="FROM:TO worlds of the reshard check ('' skips it)")
+    p.add_argument(
+        "--stock-max-world", type=int, default=2048, help="measure 0.metadata up to this world (memory: ~GBs)"
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--table", default=None, help="print the markdown table of this JSON result and exit")
     a = p.parse_args(argv)
@@ -413,13 +448,16 @@ def main(argv=None) -> int:
             print(markdown(json.load(f)))
         return 0
     reshard = tuple(int(x) for x in a.reshard.split(":")) if a.reshard else None
-    res = run(a.model, [int(w) for w in a.worlds.split(",")], a.samples, a.chunk_bytes, reshard)
+    res = run(a.model, [int(w) for w in a.worlds.split(",")], a.samples, a.chunk_bytes, reshard, a.stock_max_world)
     rows = res["worlds"]
     res["growth_512_8192"] = {
         "index_read": growth(rows, lambda r: max(x["index_bytes"] for x in r["loads"])),
         "plan_s": growth(rows, lambda r: max(x["plan_s"] for x in r["loads"])),
         "commit_s": growth(rows, lambda r: r["commit_s"]),
         "commit_bytes": growth(rows, lambda r: r["commit_bytes"]),
+        "first_save_rank_s": growth(rows, lambda r: r["first_rank_s"]),
+        "first_save_rank_recv": growth(rows, lambda r: r["first_rank_recv_bytes"]),
+        "first_save_coordinator_s": growth(rows, lambda r: r["first_coordinator_s"]),
     }
     print(json.dumps({"summary": [_summary(r) for r in rows], "growth": res["growth_512_8192"]}, indent=1))
     print(markdown(res))

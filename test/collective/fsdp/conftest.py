@@ -26,7 +26,7 @@ if str(TEST_DIR) not in sys.path:  # `import launch_util` from tests, whatever p
     sys.path.insert(0, str(TEST_DIR))
 
 from launch_util import LaunchResult, run_launch  # noqa: E402
-from s3_fixtures import fault_proxy, s3_bucket, s3_server  # noqa: E402, F401 - S3 fixtures (real SeaweedFS)
+from s3_fixtures import fault_proxy, s3_bucket, s3_env, s3_server  # noqa: E402, F401 - S3 fixtures (real SeaweedFS)
 
 INSTALL_HINT = 'pip install ".[cpu,test]"  (or, while developing, pip install -e ".[cpu,test]")'
 

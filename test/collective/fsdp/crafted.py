@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import xxhash
-from paddle.distributed.fsdp.checkpoint import commit as format_commit
+from paddle.distributed.fsdp.checkpoint import one_process as format_commit
 from paddle.distributed.fsdp.checkpoint.format.metadata import CheckpointMetadata, FileMeta, PieceMeta, TensorMeta
 from paddle.distributed.fsdp.checkpoint.format.safetensors import build_header
 
@@ -115,6 +115,6 @@ def to_format1(path: Path) -> None:
     d = metadata_json(path)
     if (Path(path) / "index.keys").exists():
         for name in os.listdir(path):
-            if name.startswith("index.") or name.endswith(".sums"):
+            if name.startswith("index.") or name.endswith((".sums", ".values")):
                 os.unlink(Path(path) / name)
         reseal(Path(path), json.dumps(d, separators=(",", ":")).encode())

@@ -68,3 +68,22 @@ def fault_proxy(s3_server):
     proxy = FaultProxy(upstream=(up.hostname, up.port))
     yield proxy
     proxy.close()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """The default ``s3://`` backend (the CLI's) configured by the AWS environment for the test server."""
+    import paddle.distributed.fsdp.checkpoint.s3.storage as s3storage
+
+    for name, value in {
+        "AWS_ENDPOINT_URL": s3_server.endpoint,
+        "AWS_ACCESS_KEY_ID": S3_CREDENTIALS[0],
+        "AWS_SECRET_ACCESS_KEY": S3_CREDENTIALS[1],
+        "AWS_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(s3storage, "_default", None)
+    yield s3storage
+    if s3storage._default is not None:
+        for objs in s3storage._default._buckets.values():
+            objs.close()

@@ -258,8 +258,10 @@ def test_round_trip_all_record_kinds(saved):
         "0_0.safetensors",
         "0_0.safetensors.sums",
         "COMMIT",
+        "index.fences",
         "index.keys",
         "index.pieces",
+        "index.starts",
         "metadata.json",
     ]
     t = fresh_targets()

@@ -1,5 +1,6 @@
 """Checkpoints of every format version this build reads: the format-1 fixture (written by the engine before
-format 2, fixtures/make_v1_checkpoint.py) loads bit-exactly and verifies; a damaged byte in it is still caught."""
+format 2, fixtures/make_v1_checkpoint.py) and the format-2 fixture (written before per-rank values had objects
+of their own, format 3) load bit-exactly and verify; a damaged byte in them is still caught."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 from paddle.distributed.fsdp.checkpoint import (
     CorruptCheckpointError,
+    RngStateMismatchError,
     load_full_state_dict,
     read_metadata,
     verify_checkpoint,
@@ -18,6 +20,7 @@ from paddle.distributed.fsdp.checkpoint import (
 
 FIXTURES = Path(__file__).parent / "fixtures"
 V1 = FIXTURES / "v1_two_ranks"
+V2 = FIXTURES / "v2_two_ranks"
 sys.path.insert(0, str(FIXTURES))
 from make_v1_checkpoint import VALUES, fixture_arrays  # noqa: E402
 
@@ -39,6 +42,30 @@ def test_v1_fixture_loads_bit_exactly_and_verifies():
     keys = list(fixture_arrays()) + list(VALUES) + ["rng"]
     _expect_fixture(load_full_state_dict(str(V1), keys))
     assert verify_checkpoint(str(V1)) == []
+
+
+def test_v2_fixture_loads_bit_exactly_and_verifies(tmp_path):
+    """Format 2 as first written: the per-rank values are a list in metadata.json; loads, verifies, resumes the
+    RNG entry of each rank (rng.decode reads the list as before), and a damaged data byte is caught."""
+    from paddle.distributed.fsdp.state import rng
+
+    md = read_metadata(str(V2))
+    assert md.version == 2 and md.world_size == 2 and md.rank_values is None
+    assert md.values["rng"] == [[0, 0], [1, 3]] and type(md.values["rng"]) is list
+    keys = list(fixture_arrays()) + list(VALUES) + ["rng"]
+    _expect_fixture(load_full_state_dict(str(V2), keys))
+    assert verify_checkpoint(str(V2)) == []
+    with pytest.raises(RngStateMismatchError, match=r"rng\[1\] holds 2 generator state"):
+        rng.decode(md.values["rng"], 1, "v2")  # the entry of rank 1 is read (a legacy list of two "states")
+    ck = tmp_path / "ck"
+    shutil.copytree(V2, ck)
+    p = read_metadata(str(ck)).tensors["m.fp32"].pieces[-1]
+    data = bytearray((ck / p.file).read_bytes())
+    data[p.offset] ^= 0x04
+    (ck / p.file).write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError):
+        load_full_state_dict(str(ck), ["m.fp32"])
+    assert any("checksum mismatch" in m for m in verify_checkpoint(str(ck)))
 
 
 def test_v1_fixture_damage_is_caught(tmp_path):
@@ -66,7 +93,7 @@ def test_v1_fixture_converts_to_format2(tmp_path):
     names = set(os.listdir(ck))
     assert {"index.keys", "index.pieces", "0_0.safetensors.sums", "1_0.safetensors.sums"} <= names
     md = read_metadata(str(ck))
-    assert md.version == 2 and md.checkpoint_id == read_metadata(str(V1)).checkpoint_id
+    assert md.version == 3 and md.checkpoint_id == read_metadata(str(V1)).checkpoint_id
     keys = list(fixture_arrays()) + list(VALUES) + ["rng"]
     _expect_fixture(load_full_state_dict(str(ck), keys))
     assert verify_checkpoint(str(ck)) == []
@@ -95,7 +122,7 @@ def test_format2_damage_is_named(saved_v2):
     from paddle.distributed.fsdp.checkpoint.format.index import PIECE_ROW
 
     ck, arrays = saved_v2
-    assert read_metadata(str(ck)).version == 2 and verify_checkpoint(str(ck)) == []
+    assert read_metadata(str(ck)).version == 3 and verify_checkpoint(str(ck)) == []
     keys = sorted(arrays)
     clean = {n: (ck / n).read_bytes() for n in os.listdir(ck)}
 
@@ -126,6 +153,10 @@ def test_format2_damage_is_named(saved_v2):
     assert any("index.pieces does not match its SHA-256" in m for m in verify_checkpoint(str(ck)))
     with pytest.raises(MetadataError, match="does not belong to key"):
         load_full_state_dict(str(ck), keys)
+    damaged("index.starts", flip(0))  # the row directory: whole-key loads do not need it, verify names it
+    assert any("index.starts does not match its SHA-256" in m for m in verify_checkpoint(str(ck)))
+    got = load_full_state_dict(str(ck), keys)
+    assert all(got[k].numpy().tobytes() == arrays[k].tobytes() for k in keys)
     damaged("index.keys", flip(10))
     assert any("index.keys does not match" in m for m in verify_checkpoint(str(ck)))
     with pytest.raises(MetadataError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import threading
+import zlib
 
 import numpy as np
 import pytest
@@ -35,7 +36,8 @@ def _store(server, bucket, prefix="ckpt/run1", **opts) -> S3Objects:
     return S3Objects(S3Url(bucket, prefix), s3_options_for(server.endpoint, **opts), who="rank 0")
 
 
-def test_multipart_round_trip_from_unaligned_pieces(s3_server, s3_bucket):
+@pytest.mark.parametrize("algorithm", ["crc32", "sha256"])
+def test_multipart_round_trip_from_unaligned_pieces(s3_server, s3_bucket, algorithm):
     rng = np.random.default_rng(7)
     # pieces whose boundaries fall inside parts, of several dtypes (views of the caller's memory, not copies)
     pieces = [
@@ -43,12 +45,14 @@ def test_multipart_round_trip_from_unaligned_pieces(s3_server, s3_bucket):
     ]
     pieces.append(bytearray(rng.bytes(2 * MIB + 17)))
     blob = b"".join(bytes(memoryview(p).cast("B")) for p in pieces)
-    with _store(s3_server, s3_bucket) as store:
+    with _store(s3_server, s3_bucket, part_checksum=algorithm) as store:
         res = store.upload("data/rank0.bin", pieces)
-        assert res.size == len(blob) and len(res.part_sha256) == -(-len(blob) // (5 * MIB)) > 1
-        for i, digest in enumerate(res.part_sha256):  # our per-part checksums are those of the stored parts
+        assert res.size == len(blob) and len(res.part_checksums) == -(-len(blob) // (5 * MIB)) > 1
+        assert res.algorithm == algorithm
+        for i, digest in enumerate(res.part_checksums):  # our per-part checksums (the store checked them)
             part = blob[i * 5 * MIB : (i + 1) * 5 * MIB]
-            assert digest == base64.b64encode(hashlib.sha256(part).digest()).decode()
+            raw = hashlib.sha256(part).digest() if algorithm == "sha256" else zlib.crc32(part).to_bytes(4, "big")
+            assert digest == base64.b64encode(raw).decode()
         assert store.size("data/rank0.bin") == len(blob)
         assert store.read("data/rank0.bin") == blob
         # random ranges, some across part boundaries and longer than a part (split into parallel GETs)
@@ -163,7 +167,7 @@ def test_url_parse_and_options_validation():
     assert S3Url.parse("s3://my-bkt") == S3Url("my-bkt", "")
     assert str(S3Url.parse("s3://my-bkt/a").child("step-3")) == "s3://my-bkt/a/step-3"
     for bad in (dict(part_size=4 << 20), dict(concurrency=0), dict(stall_timeout_s=0), dict(endpoint_url="ftp://h"),
-                dict(access_key_id="k"), dict(max_attempts=True)):  # fmt: skip
+                dict(access_key_id="k"), dict(max_attempts=True), dict(part_checksum="md5")):  # fmt: skip
         with pytest.raises(S3ConfigError):
             S3Options(**bad)
     with pytest.raises(S3ConfigError, match="10000"):

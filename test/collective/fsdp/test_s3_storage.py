@@ -24,6 +24,7 @@ from paddle.distributed.fsdp.checkpoint.s3.url import S3Url
 from s3_fixtures import s3_options_for
 from test_storage_contract import (  # noqa: F401 - the contract suite, collected here with the S3 backend
     test_data_object_round_trip_with_checksums,
+    test_put_all_writes_every_object_and_refuses_bad_names,
     test_should_stop_gives_up_a_long_write,
     test_small_objects_names_listing_and_removal,
     test_staging_invisible_until_publish_then_replaces,
@@ -183,3 +184,71 @@ def test_a_write_given_up_midway_aborts_its_upload(backend):
         storage.write_object(staging, "d", b"", pieces, MIB, None, should_stop=stop)
     objs, prefix = storage._split(staging)
     assert objs.pending_uploads(prefix + "/") == [] and "d" not in storage.list(staging)
+
+
+def test_a_save_costs_few_round_trips_after_its_data(backend):
+    """What a save adds to its data upload is latency-bound on a real store (tens of ms a request). After its data
+    object a one-rank save sends: its checksum sidecar; the metadata objects at once (``put_all``); two listings
+    that find no failure records (no deletes of what does not exist); COMMIT; the publish's two checks at once,
+    then the pointer. Counted on the real server's requests (before: 13 requests, 13 round trips)."""
+    import time
+
+    import paddle
+    from paddle.distributed.fsdp.checkpoint import CheckpointOptions, load_state_dict, save_state_dict
+
+    storage, root = backend
+    state = {"w": paddle.arange(3000, dtype="float32").reshape([30, 100]), "b": paddle.ones([7], dtype="int64")}
+    opts = CheckpointOptions(storage=storage)
+    save_state_dict(state, storage.child(root, "ckpt"), options=opts)  # client made, bucket checked
+    objs, _ = storage._split(root)
+    calls: list[str] = []
+    lock, in_flight, peak = threading.Lock(), [0], [0]
+
+    def sending(model, **_):  # each request held 50 ms before it goes: PUTs sent at once overlap here
+        put = model.name == "PutObject"
+        with lock:
+            calls.append(model.name)
+            in_flight[0] += put
+            peak[0] = max(peak[0], in_flight[0]) if len(calls) > 4 else 0  # counted after the data object
+        time.sleep(0.05)
+        with lock:
+            in_flight[0] -= put
+
+    objs.client.meta.events.register("before-call.s3", sending)
+    try:
+        save_state_dict(state, storage.child(root, "ckpt2"), options=opts)
+    finally:
+        objs.client.meta.events.unregister("before-call.s3", sending)
+    # validate (list stagings, read pointer), begin's marker, the data object (one PUT: it is small), then:
+    assert calls[:4] == ["ListObjectsV2", "GetObject", "PutObject", "PutObject"], calls
+    after = calls[4:]
+    # the metadata objects (index.keys, index.pieces, metadata.json, 0.metadata: whatever the format writes)
+    meta = [n for n in storage.list(storage.child(root, "ckpt2")) if n not in ("COMMIT", "0_0.safetensors")]
+    meta = [n for n in meta if not n.endswith(".sums")]
+    assert len(meta) >= 3 and after.count("PutObject") == 1 + len(meta) + 1 + 1, (meta, after)  # +sums, COMMIT, ptr
+    assert "DeleteObjects" not in after and len(after) == after.count("PutObject") + 2 + 2, (
+        after
+    )  # 2 listings, 2 checks
+    assert peak[0] >= min(2, storage.opts.concurrency), "the metadata PUTs were sent one after the other"
+    target = {"w": paddle.zeros([30, 100]), "b": paddle.zeros([7], dtype="int64")}
+    load_state_dict(target, storage.child(root, "ckpt2"), options=opts)
+    assert np.array_equal(target["w"].numpy(), state["w"].numpy()) and int(target["b"].sum()) == 7
+
+
+def test_put_all_waits_for_every_put_and_names_the_failed_one(s3_server, s3_bucket, fault_proxy):
+    """A PUT of put_all that keeps failing (HTTP 500 through the fault proxy) is raised naming its object, after
+    the others ended; the others were written."""
+    from s3_fault_proxy import Rule
+
+    storage = S3Storage(s3_options_for(fault_proxy.endpoint, max_attempts=2))
+    staging = storage.begin(f"s3://{s3_bucket}/pa/ckpt", "id")
+    fault_proxy.add(Rule(lambda method, target: method == "PUT" and "obj2" in target, "500"))
+    objects = {f"obj{i}": b"x" * (1000 + i) for i in range(5)}
+    with pytest.raises(Exception, match="obj2") as info:
+        storage.put_all(staging, objects)
+    assert "500" in str(info.value) or "InternalError" in str(info.value), info.value
+    fault_proxy.clear()
+    assert {n: storage.get(staging, n) for n in objects if n != "obj2"} == {
+        n: d for n, d in objects.items() if n != "obj2"
+    }
+    assert storage.get(staging, "obj2") is None

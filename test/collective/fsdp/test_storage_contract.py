@@ -109,6 +109,18 @@ def test_small_objects_names_listing_and_removal(backend):
             storage.put(root, bad, b"")
 
 
+def test_put_all_writes_every_object_and_refuses_bad_names(backend):
+    storage, root = backend
+    staging = storage.begin(storage.child(root, "m"), "id")
+    objects = {f"obj{i}": bytes([i]) * (i * 1000) for i in range(6)}
+    storage.put_all(staging, objects)
+    assert {n: storage.get(staging, n) for n in objects} == objects
+    storage.put_all(staging, {"obj1": b"new"})  # replaces, as put does
+    assert storage.get(staging, "obj1") == b"new"
+    with pytest.raises(StorageError):
+        storage.put_all(staging, {"fine": b"", "a/b": b""})
+
+
 def test_should_stop_gives_up_a_long_write(backend):
     storage, root = backend
     staging = storage.begin(storage.child(root, "c"), "id")

@@ -413,6 +413,9 @@ def test_from_hf_then_load_full_state_dict_equals_the_hf_tensors(loaded, capsys)
         assert np.array_equal(value.numpy(), src.T if is_transposed(key) else src), key
     md = read_metadata(str(ckpt))
     assert md.values == {"__fsdp__.rng": [], "__fsdp__.extra_state": {}}
+    # written as a collective save writes (format 3: index objects, one checksum sidecar per data file)
+    assert md.version == 3 and md.index is not None
+    assert {f + ".sums" for f in md.files} | {"index.keys", "index.pieces"} <= set(os.listdir(ckpt))
 
 
 def test_to_hf_of_from_hf_is_byte_identical(run, capsys, tmp_path):

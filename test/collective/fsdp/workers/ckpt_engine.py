@@ -257,8 +257,8 @@ def case_description_memo(rank, world, d, full, ck):
     from paddle.distributed.fsdp.checkpoint import save as save_mod
 
     calls = []
-    real = save_mod.assign_writes
-    save_mod.assign_writes = lambda *a: calls.append(1) or real(*a)
+    real = save_mod.exchange_assignment
+    save_mod.exchange_assignment = lambda *a: calls.append(1) or real(*a)
     try:
         path = [os.path.join(d, f"memo{i}") for i in range(4)]
         ck.save_state_dict(save_state(rank, full), path[0])
@@ -275,7 +275,7 @@ def case_description_memo(rank, world, d, full, ck):
         ck.save_state_dict(sd, path[3])
         assert len(calls) == n + 2, "records changed on rank 0 were not exchanged in full"
     finally:
-        save_mod.assign_writes = real
+        save_mod.exchange_assignment = real
     for p in path:
         assert ck.verify_checkpoint(p) == [], p
     got = ck.load_full_state_dict(path[3])

@@ -79,10 +79,17 @@ def roundtrip(url: str, local: str) -> None:
     manager.load_latest(target)
     assert_bit_equal(host_values(target), host_values(state_of(fsdp, opt, 6)), "load_latest")
     # the model-level entry points and the stock dispatch (paddle.distributed.*) on s3:// too
+    from paddle.distributed.fsdp.state import rng
+
+    saved_rng = rng.capture()  # what save_checkpoint saves as this rank's per-rank value (its own object)
     fsdp.save_checkpoint(f"{url}-fsdp", optimizer=opt, step=4, keep_last=1, extra_state={"step": 4})
     fsdp2, opt2 = trained_fsdp(seed=13, steps=1)
+    assert rng.capture() != saved_rng
     result = fsdp2.load_checkpoint(f"{url}-fsdp", optimizer=opt2)
     assert result.step == 4 and result["step"] == 4, (result.step, dict(result))
+    assert rng.capture() == saved_rng, "the RNG state of this rank was not restored from its values object"
+    assert f"{dist.get_rank()}.values" in storage.list(result.path), storage.list(result.path)
+    assert ck.verify_checkpoint(result.path) == []
     want = host_values(state_of(fsdp, opt, 3))
     got = host_values(state_of(fsdp2, opt2, 3))
     assert_bit_equal(got, want, "FullyShardFusion.load_checkpoint")

@@ -5,9 +5,11 @@ save's channel (channel.py: the TCP store; a heartbeat per rank). Order, and who
 
     each rank:    write_object(staging, "<rank>_0.safetensors")     durable (fsynced) on return
                   put(staging, "<rank>_0.safetensors.sums")          its chunk checksums (format/index.py)
-                  channel.done(size, header length, checksum count, per-rank values): O(1)
+                  put(staging, "<rank>.values")                      its per-rank values (format/rank_values.py)
+                  channel.done(size, header length, checksum count, values object size + SHA-256): O(1)
     coordinator:  wait for every hand-over (a failure, a dead rank or ``timeout``: SaveFailedError, abort)
-                  put index.keys, index.pieces, metadata.json, 0.metadata, then COMMIT last; sync; publish
+                  put index.keys, index.pieces, index.ranks, metadata.json, 0.metadata, then COMMIT last; sync;
+                  publish
                   channel.committed(); publisher.publish() (``latest``); channel.published(); cleanup (keep_last)
     other ranks:  wait for committed (and published); a failure, an abort, a dead coordinator: SaveFailedError.
                   Where the coordinator's publish did not take this rank's object (node-local disks: each rank
@@ -21,16 +23,16 @@ the COMMIT record. Nothing here issues a collective: it runs on the background t
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import checksums, faults, writer
+from . import checksums, faults
 from .abandon import leave_failed_save, leave_timeout
 from .channel import LocalChannel, SaveChannel
 from .directory import commit_id
 from .errors import SaveFailedError
+from .format import rank_values as per_rank
 from .format.commit import commit_record
 from .format.index import pack_sums, sums_name
 from .format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, PARTS_DIR, CheckpointMetadata, FileMeta
@@ -74,8 +76,8 @@ class SaveJob:
     checkpoint_id: str
     assignment: WriteAssignment
     values: dict  # the checkpoint's JSON values, but the per-rank ones
-    per_rank_keys: tuple  # values every rank gives its own of (saved as the list by rank)
-    rank_values: dict  # this rank's values of per_rank_keys (sent to the coordinator with the hand-over)
+    per_rank_keys: tuple  # values every rank gives its own of (each rank's in its own object: rank_values.py)
+    rank_values: dict  # this rank's values of per_rank_keys (written by this rank, never gathered)
     arrays: list  # uint8 arrays (or producers), one per piece this rank writes (in layout order)
     keepalive: list
     chunk_bytes: int
@@ -199,7 +201,12 @@ class SaveJob:
         if digest is not None:  # format 2: this rank's checksums beside its data object, never gathered
             self.storage.put(self.staging, sums_name(name), pack_sums(sums))
         n_sums = sum(len(s) for s in sums) if digest is not None else 0
-        handover = {"size": size, "header": len(layout.header), "sums": n_sums, "rank_values": self.rank_values}
+        handover = {"size": size, "header": len(layout.header), "sums": n_sums}
+        if self.per_rank_keys:  # format 3: this rank's values in its own object; the coordinator gets a receipt
+            mine = {k: self.rank_values[k] for k in self.per_rank_keys if k in self.rank_values}
+            blob = per_rank.encode_entry(self.checkpoint_id, self.rank, mine)
+            self.storage.put(self.staging, per_rank.object_name(self.rank), blob)
+            handover["values"] = per_rank.entry_receipt(blob)
         self.channel.done(handover)
 
     def _drop(self, name: str) -> None:
@@ -264,12 +271,13 @@ class SaveJob:
             # inside the (invisible) staging each object is durable on its own; order: data objects and their
             # checksums (durable from their ranks), index objects, metadata, stock index, the commit record,
             # then the publish
-            for name, blob in objects.items():
-                self.storage.put(self.staging, name, blob)
+            objects = dict(objects)
             if self.write_stock:
                 from .stock_compat import STOCK_METADATA_FILE, stock_metadata_bytes
 
-                self.storage.put(self.staging, STOCK_METADATA_FILE, stock_metadata_bytes(self._stock_view()))
+                _warn_stock_at_scale(self.world)
+                objects[STOCK_METADATA_FILE] = stock_metadata_bytes(self._stock_view())
+            self.storage.put_all(self.staging, objects)  # on S3: one round trip for all of them
         tr.mark("metadata")
         faults.point("before_commit", self.rank)
         # the last point at which the save can still be aborted: a rank that failed after its hand-over waits
@@ -320,11 +328,9 @@ class SaveJob:
         return status
 
     def _index(self, status: dict) -> dict[str, bytes]:
-        """The format-2 index objects (save_index.py): the plan, checked against the sizes and checksum counts
-        the ranks reported; per-rank values gathered into the values by rank."""
-        values = dict(self.plan.values)
-        for key in self.per_rank_keys:
-            values[key] = [status[r]["rank_values"].get(key) for r in range(self.world)]
+        """The format-3 index objects (save_index.py): the plan, checked against the sizes and checksum counts
+        the ranks reported; the table of the ranks' per-rank values objects from their receipts."""
+        values = {k: v for k, v in self.plan.values.items() if k not in self.per_rank_keys}
         header = {
             "checkpoint_id": self.checkpoint_id,
             "created_unix": self.created,
@@ -333,15 +339,19 @@ class SaveJob:
             "checksum": self.checksum,
             "values": values,
         }
+        if self.per_rank_keys:
+            try:
+                table = per_rank.encode_table([status[r].get("values") for r in range(self.world)])
+            except ValueError as e:
+                raise SaveFailedError(
+                    f"save to {self.path} aborted: {e} (per_rank_values must name the same keys on every rank)"
+                ) from None
+            header["rank_values"] = (list(self.per_rank_keys), table)
         cols = assignment_columns(self.assignment, self.chunk_bytes)
         return index_objects(cols, header, status, self.checksum != checksums.NONE)
 
     def _stock_view(self) -> CheckpointMetadata:
-        """The plan as format-1 metadata without checksums: what stock paddle's ``0.metadata`` is built from."""
-        md = CheckpointMetadata(checkpoint_id=self.checkpoint_id, world_size=self.world)
-        md.files = {self.plan.files[r].name: FileMeta(r, self.plan.files[r].size) for r in range(self.world)}
-        md.tensors = self.plan.tensors
-        return md
+        return stock_view(self.plan, self.checkpoint_id, self.world)
 
     # --------------------------------------------------------------------------------------------- other ranks
     def _follow_decision(self, name: str, error: Exception, tr: Tracer) -> None:
@@ -441,6 +451,32 @@ class SaveJob:
             self.storage.publish(self.staging, self.path)
 
 
+STOCK_WARN_WORLD = 256  # from this world the coordinator's work for 0.metadata dominates a commit (README)
+_stock_warned: list = []
+
+
+def _warn_stock_at_scale(world: int) -> None:
+    """Once per process: write_stock_metadata at a large world (every rank's file laid out and every piece
+    pickled on the coordinator, at every save); `paddle-fsdp-ckpt stock-index` writes it later when needed."""
+    if world >= STOCK_WARN_WORLD and not _stock_warned:
+        _stock_warned.append(world)
+        logger.warning(
+            "save at %d ranks with write_stock_metadata=True: the coordinator lays out every rank's file and "
+            "pickles every piece for stock paddle's 0.metadata at each save; pass write_stock_metadata=False and "
+            "run `paddle-fsdp-ckpt stock-index CKPT` for a checkpoint a stock reader needs",
+            world,
+        )
+
+
+def stock_view(plan, checkpoint_id: str, world: int) -> CheckpointMetadata:
+    """A save plan laid out for every rank (planner.SavePlan) as format-1 metadata without checksums: what stock
+    paddle's ``0.metadata`` is built from (the coordinator's extra work of ``write_stock_metadata``)."""
+    md = CheckpointMetadata(checkpoint_id=checkpoint_id, world_size=world)
+    md.files = {plan.files[r].name: FileMeta(r, plan.files[r].size) for r in range(world)}
+    md.tensors = plan.tensors
+    return md
+
+
 class _Lazy:
     """An iterable recomputed at each iteration (the ranks still to hand over, for the dead-rank check)."""
 
@@ -456,27 +492,3 @@ def open_channel(checkpoint_id: str, rank: int, world: int, coordinator: int, le
     if world == 1:
         return LocalChannel(rank)
     return SaveChannel(checkpoint_id, rank, world, coordinator, lease)
-
-
-# ------------------------------------------------------------------------------------------------ one-process writers
-# The tools' one-process writer (tools/ckpt_io.py) and test fixtures write a checkpoint directory in place with
-# these (the collective save goes through the storage interface above).
-
-
-def write_metadata(directory: str, md: CheckpointMetadata, write_stock: bool) -> bytes:
-    """Write and fsync ``metadata.json`` (and stock paddle's ``0.metadata`` when ``write_stock``) into the
-    (not yet visible) ``directory``; returns the bytes written, which ``write_commit`` seals."""
-    data = md.dumps()
-    writer.write_file(os.path.join(directory, METADATA_FILE), data, fsync=True, atomic=False)
-    if write_stock:
-        from .stock_compat import write_stock_metadata
-
-        write_stock_metadata(directory, md)
-    return data
-
-
-def write_commit(directory: str, checkpoint_id: str, metadata_bytes: bytes) -> None:
-    """Write and fsync the ``COMMIT`` record (after every data file and ``metadata.json`` are durable)."""
-    writer.write_file(
-        os.path.join(directory, COMMIT_FILE), commit_record(checkpoint_id, metadata_bytes), fsync=True, atomic=False
-    )

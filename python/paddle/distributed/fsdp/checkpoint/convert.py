@@ -13,54 +13,31 @@ import os
 import shutil
 import uuid
 
-from . import checksums, writer
+from . import writer
 from .directory import read_metadata
 from .errors import CheckpointError
 from .format.commit import commit_record
-from .format.index import VERSION, pack_sums, sums_name
 from .format.metadata import COMMIT_FILE, METADATA_FILE, STOCK_METADATA_FILE
-from .save_index import index_objects, piece_columns
+from .one_process import format3_objects
 
 __all__ = ["convert_to_format2"]
 
 
 def convert_to_format2(path: str) -> bool:
-    """Convert the committed checkpoint at ``path`` to format 2 in place (atomically); False when it is one
-    already. Every checksum is carried over as saved (nothing is re-read); ``verify_checkpoint`` afterwards
-    checks them against the data."""
+    """Convert the committed checkpoint at ``path`` to format 2 (written as version 3: per-rank values stay the
+    lists they are in format 1) in place (atomically); False when it has an index already. Every checksum is
+    carried over as saved (nothing is re-read); ``verify_checkpoint`` afterwards checks them against the data."""
     path = os.path.abspath(os.fspath(path))
     md = read_metadata(path)
-    if md.version == VERSION:
+    if md.index is not None:  # format 2 or 3 already
         return False
-    order = sorted(md.files, key=lambda n: (md.files[n].rank, n))
-    with_sums = md.checksum != checksums.NONE
-    cols = piece_columns(md.tensors, [(n, md.files[n].size) for n in order], md.chunk_bytes)
-    reported = {
-        i: {"size": md.files[n].size, "sums": cols["files"][i][2] if with_sums else 0} for i, n in enumerate(order)
-    }
-    header = {
-        "checkpoint_id": md.checkpoint_id,
-        "created_unix": md.created_unix,
-        "world_size": md.world_size,
-        "chunk_bytes": md.chunk_bytes,
-        "checksum": md.checksum,
-        "values": md.values,
-    }
-    objects = index_objects(cols, header, reported, with_sums)
+    objects = format3_objects(md)  # the per-rank values of format 1 stay the lists they are
     staging = f"{path}.tmp-convert-{uuid.uuid4().hex[:12]}"
     os.mkdir(staging)
     try:
         for name in os.listdir(path):
             if name in md.files or name == STOCK_METADATA_FILE:
                 os.link(os.path.join(path, name), os.path.join(staging, name))
-        if with_sums:
-            by_file: dict[str, list] = {n: [] for n in order}
-            for tm in md.tensors.values():
-                for p in tm.pieces:
-                    by_file[p.file].append((p.offset, p.checksums))
-            for name, pieces in by_file.items():
-                blob = pack_sums(sums for _off, sums in sorted(pieces, key=lambda x: x[0]))
-                writer.write_file(os.path.join(staging, sums_name(name)), blob, fsync=True, atomic=False)
         for name, blob in objects.items():
             writer.write_file(os.path.join(staging, name), blob, fsync=True, atomic=False)
         record = commit_record(md.checkpoint_id, objects[METADATA_FILE])

@@ -13,6 +13,8 @@ import os
 import time
 from typing import Any
 
+import numpy as np
+
 from .errors import InvalidStateDictError, SaveFailedError, rebuild_remote_error
 
 # ------------------------------------------------------------------------------------------------ groups
@@ -42,6 +44,50 @@ class Comm:
         from ..communication import all_gather_object
 
         return all_gather_object(obj, self.group)
+
+    def _global(self, rank: int) -> int:
+        """The global rank of group rank ``rank`` (what paddle's rooted collectives take)."""
+        return rank if self.group is None else int(self.group.ranks[rank])
+
+    def gather_bytes(self, data: bytes, root: int) -> list[bytes] | None:
+        """Every rank's ``data`` on ``root`` (by rank; None elsewhere): sizes, the largest, padded data."""
+        import paddle
+        import paddle.distributed as dist
+
+        from .first_save import padded, unpadded
+
+        sizes: list = []
+        dist.gather(
+            paddle.to_tensor(np.array([len(data)], np.int64)),
+            sizes if self.rank == root else None,
+            self._global(root),
+            self.group,
+        )
+        top = paddle.to_tensor(np.array([max(int(s.numpy()[0]) for s in sizes) if sizes else 0], np.int64))
+        dist.broadcast(top, self._global(root), self.group)
+        blocks: list = []
+        dist.gather(
+            paddle.to_tensor(padded(data, int(top.numpy()[0]))),
+            blocks if self.rank == root else None,
+            self._global(root),
+            self.group,
+        )
+        return [unpadded(b.numpy()) for b in blocks] if self.rank == root else None
+
+    def scatter_bytes(self, parts: list[bytes] | None, root: int) -> bytes:
+        """``parts[r]`` (given on ``root``) on each rank r: the largest size, then the padded parts."""
+        import paddle
+        import paddle.distributed as dist
+
+        from .first_save import padded, unpadded
+
+        top = paddle.to_tensor(np.array([max(map(len, parts)) if self.rank == root else 0], np.int64))
+        dist.broadcast(top, self._global(root), self.group)
+        size = int(top.numpy()[0])
+        out = paddle.to_tensor(np.zeros(size + 8, np.uint8))
+        blocks = [paddle.to_tensor(padded(p, size)) for p in parts] if self.rank == root else None
+        dist.scatter(out, blocks, self._global(root), self.group)
+        return unpadded(out.numpy())
 
 
 def gather_errors(comm, error: BaseException | None, payload: Any = None) -> list:

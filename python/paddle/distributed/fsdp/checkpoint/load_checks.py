@@ -29,15 +29,22 @@ def named_read_error(path: str, e: BaseException | None) -> BaseException | None
     return e
 
 
-def check_coverage(root: str, md: CheckpointMetadata, keys) -> None:
+def check_coverage(root: str, md: CheckpointMetadata, keys, regions: dict | None = None) -> None:
     """Every element of each of ``keys`` is saved exactly once (coverage.py; the check verify_checkpoint runs),
-    before a byte of data is read; CorruptCheckpointError naming the key otherwise."""
-    md.prefetch(keys)  # format 2: the pieces of these keys only, in few reads
+    before a byte of data is read; CorruptCheckpointError naming the key otherwise. With ``regions[key]`` (the
+    Region this rank loads), format 3 reads only the rows of a key split over many ranks that its row directory
+    selects for the region's flat span, and checks that they cover the span exactly once (format/row_directory)."""
+    spans, keys = {}, set(keys)
+    for key, r in (regions or {}).items():
+        if key in keys:
+            spans[key] = flat_span(r.shape, r.box_offset, r.box_shape, r.flat_range)
+    md.prefetch(keys, spans)  # format 2: the pieces of these keys only, in few reads (format 3: their windows)
     for key in sorted(keys):
         tm = md.tensors[key]
-        problems = coverage_problems(
-            key, tm.shape, [(i, region_of_piece(tm.shape, p)) for i, p in enumerate(tm.pieces)]
-        )
+        pieces, whole = tm.window(*spans[key]) if key in spans else (tm.pieces, True)
+        if not whole:
+            continue  # a window: checked over its span as it was read
+        problems = coverage_problems(key, tm.shape, [(i, region_of_piece(tm.shape, p)) for i, p in enumerate(pieces)])
         if problems:
             raise CorruptCheckpointError(f"checkpoint {root}: {problems[0]}")
 
@@ -60,7 +67,7 @@ def check_data_files(
         if regions is not None and key in regions:
             r = regions[key]
             span = flat_span(r.shape, r.box_offset, r.box_shape, r.flat_range)
-        for p in tm.pieces:
+        for p in tm.window(*span)[0] if span is not None else tm.pieces:
             if not p.nbytes:
                 continue
             if span is not None:

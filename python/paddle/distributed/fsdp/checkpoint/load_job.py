@@ -147,7 +147,7 @@ class LoadJob:
                 else ""
             )
             raise cls(problems[0][1] + more)
-        check_coverage(path, md, {tg.key for tg in self.targets})
+        check_coverage(path, md, {tg.key for tg in self.targets}, {tg.key: tg.region for tg in self.targets})
         check_data_files(
             path,
             md,

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .errors import InvalidStateDictError
-from .format.coverage import coverage_problems, flat_span
+from .format.coverage import coverage_problems, flat_span  # noqa: F401 (coverage_problems: tools import it from here)
 from .format.metadata import DEFAULT_CHUNK_BYTES, DTYPES, FORMAT_NAME, PieceMeta, TensorMeta, numel, rank_file_name
 from .format.safetensors import build_header
 from .gc_pause import gc_paused
@@ -218,62 +219,6 @@ class FileLayout:
     size: int = 0
 
 
-def _pick_writers(entries: list, load: list[int]) -> list:
-    """One writer per distinct region of a key. Plain tensors (every rank holds them whole) are written by the
-    lowest rank. A sharded piece held by several ranks (HSDP replicas hold the same shard) is written by the
-    holder with the fewest bytes assigned so far (ties: the lowest rank), so replicas split the writing evenly;
-    ``load`` is updated. Deterministic: every rank plans from the same descriptions in the same order."""
-    holders: dict[Region, list[tuple[int, RecordDesc, tuple]]] = {}
-    for r, d, w in entries:
-        reg = d.region.normalized()
-        if reg.numel:
-            holders.setdefault(reg, []).append((r, d, w))
-    kept = []
-    for reg, options in holders.items():
-        choice = options[0]
-        if len(options) > 1 and not choice[1].replicated:
-            choice = min(options, key=lambda o: (load[o[0]], o[0]))
-        load[choice[0]] += reg.numel * DTYPES[choice[1].dtype][0] if choice[1].dtype in DTYPES else reg.numel
-        kept.append(choice)
-    return kept
-
-
-def _assign_writes(wires: tuple, value_keys: frozenset) -> tuple[list, dict]:
-    """Who writes which record: ``([(key, dtype, shape)], {rank: [(key, desc wire)]})``, from every rank's
-    record descriptions (wire form). Replicas are written once (see _pick_writers); dtype and shape disagreements, a
-    key that is a tensor on some ranks and a plain value on others, overlaps and gaps raise
-    InvalidStateDictError. Saves remember the result (AssignmentMemo)."""
-    world = len(wires)
-    by_key: dict[str, list[tuple[int, RecordDesc, tuple]]] = {}
-    for rank, descs in enumerate(wires):
-        for w in descs:
-            by_key.setdefault(w[0], []).append((rank, RecordDesc.from_wire(w), w))
-    both = sorted(set(by_key) & value_keys)
-    if both:
-        raise InvalidStateDictError(f"key {both[0]!r} is a tensor on some ranks and a plain value on others")
-    writes: dict[int, list[tuple[str, tuple]]] = {r: [] for r in range(world)}
-    load = [0] * world  # bytes assigned so far, per rank (balances the writing of replicated shards)
-    specs = []
-    for key, entries in by_key.items():
-        r0, d0, _w0 = entries[0]
-        for r, d, _w in entries[1:]:
-            if d.dtype != d0.dtype:
-                raise InvalidStateDictError(f"key {key!r}: dtype {d0.dtype} on rank {r0} but {d.dtype} on rank {r}")
-            if d.region.shape != d0.region.shape:
-                raise InvalidStateDictError(
-                    f"key {key!r}: global shape {list(d0.region.shape)} on rank {r0} but "
-                    f"{list(d.region.shape)} on rank {r}"
-                )
-        kept = _pick_writers(entries, load)
-        problems = coverage_problems(key, d0.region.shape, [(r, d.region) for r, d, _w in kept])
-        if problems:
-            raise InvalidStateDictError("cannot save: " + "; ".join(problems))
-        specs.append((key, d0.dtype, d0.region.shape))
-        for r, _d, w in kept:
-            writes[r].append((key, w))
-    return specs, writes
-
-
 @dataclass
 class SavePlan:
     tensors: dict[str, TensorMeta]
@@ -286,12 +231,22 @@ class SavePlan:
 
 @dataclass(frozen=True)
 class WriteAssignment:
-    """Who writes which record (from :func:`assign_writes`): ``specs`` ``[(key, dtype, global shape)]`` and
-    ``writes`` ``{rank: [(key, desc wire)]}`` in each rank's write order. Shared by saves (memoized): read only."""
+    """Who writes which record (assign.py): ``specs`` ``[(key, dtype, global shape)]`` and ``writes``
+    ``{rank: [(key, desc wire)]}`` in each rank's write order. Shared by saves (memoized): read only.
+
+    The coordinator of a save holds every rank's writes; another rank of a first save only its own (and the
+    specs of its own keys): ``world`` and ``chunk`` (the automatic checksum chunk, see chunk_for) then come from
+    the coordinator."""
 
     specs: list
-    writes: dict
+    writes: Mapping
     cache: dict = field(default_factory=dict, compare=False, repr=False)  # what follows from it (save_index.py)
+    world: int | None = None  # None: len(writes)
+    chunk: int | None = None  # None: chunk_for computes it from specs and writes
+
+    @property
+    def world_size(self) -> int:
+        return len(self.writes) if self.world is None else self.world
 
     def keys_of(self, rank: int) -> list[str]:
         """The records ``rank`` writes, in file order (what an async save snapshots at the call)."""
@@ -301,9 +256,12 @@ class WriteAssignment:
 @gc_paused()
 def assign_writes(wires: list, values: dict) -> WriteAssignment:
     """The checked assignment of every rank's records (``wires``: per rank, its descs in wire form), the part
-    of the plan that can refuse a state dict; raises InvalidStateDictError."""
-    specs, writes = _assign_writes(wires, frozenset(values))
-    return WriteAssignment(specs, writes)
+    of the plan that can refuse a state dict; raises InvalidStateDictError. Rules and checks: assign.py."""
+    from .assign import assign_columns, pack
+
+    got = assign_columns([pack(w) for w in wires], values)
+    writes = {r: [(wires[r][i][0], wires[r][i]) for i in got.picks[r].tolist()] for r in range(len(wires))}
+    return WriteAssignment(got.specs, writes, chunk=auto_chunk(len(wires), got.total_bytes, got.pieces))
 
 
 def descs_digest(wires: list) -> bytes:
@@ -311,14 +269,16 @@ def descs_digest(wires: list) -> bytes:
     return hashlib.blake2b(pickle.dumps(wires, protocol=pickle.HIGHEST_PROTOCOL), digest_size=16).digest()
 
 
-def assignment_name(digests: list[bytes], values: dict) -> bytes:
-    """What a write assignment depends on: every rank's descriptions (by digest, in rank order) and the keys of
-    the JSON values."""
+def assignment_name(digests: list[bytes], values: dict, coordinator: int | None = None) -> bytes:
+    """What a write assignment depends on: every rank's descriptions (by digest, in rank order), the keys of
+    the JSON values and (saves) the coordinator, the one rank that holds every rank's writes."""
     h = hashlib.blake2b(digest_size=16)
     for d in digests:
         h.update(d)
     for key in sorted(values):
         h.update(b"\0" + key.encode("utf-8", "surrogatepass"))
+    if coordinator is not None:
+        h.update(b"\1" + str(int(coordinator)).encode())
     return h.digest()
 
 
@@ -360,12 +320,17 @@ def chunk_for(assignment: WriteAssignment) -> int:
     hundreds of ranks (~1 MiB each for Qwen3-235B at 8192 ranks) 256 KiB chunks would read up to ~30% more in a
     resharded load. From AUTO_CHUNK_WORLD ranks on, the chunk is the power of two at most 1/16 of the mean piece
     (within [16 KiB, 256 KiB]); below, DEFAULT_CHUNK_BYTES (what the 2-rank speed figures were measured with)."""
-    world = len(assignment.writes)
+    if assignment.chunk is not None:
+        return assignment.chunk
+    total = sum(numel(shape) * DTYPES[dtype][0] for _key, dtype, shape in assignment.specs)
+    return auto_chunk(len(assignment.writes), total, sum(len(w) for w in assignment.writes.values()))
+
+
+def auto_chunk(world: int, total_bytes: int, pieces: int) -> int:
+    """chunk_for from the world size, the bytes of every tensor and the number of pieces written."""
     if world < AUTO_CHUNK_WORLD:
         return DEFAULT_CHUNK_BYTES
-    total = sum(numel(shape) * DTYPES[dtype][0] for _key, dtype, shape in assignment.specs)
-    pieces = max(1, sum(len(w) for w in assignment.writes.values()))
-    want = max(1, total // pieces // 16)
+    want = max(1, total_bytes // max(1, pieces) // 16)
     return max(MIN_AUTO_CHUNK, min(DEFAULT_CHUNK_BYTES, 1 << (want.bit_length() - 1)))
 
 
@@ -379,7 +344,7 @@ def lay_out_files(
     commit needs, at the cost of its own records instead of the world's."""
     tensors = {key: TensorMeta(dtype=dtype, shape=shape, pieces=[]) for key, dtype, shape in assignment.specs}
     files: dict[int, FileLayout] = {}
-    for rank in range(len(assignment.writes)) if only_rank is None else (only_rank,):
+    for rank in range(assignment.world_size) if only_rank is None else (only_rank,):
         name = rank_file_name(rank)
         entries = []
         pos = 0
@@ -424,7 +389,7 @@ def build_save_plan(
     checkpoint_id: str,
     chunk_bytes: int,
 ) -> SavePlan:
-    """Deterministic on every rank: dedup replicas (lowest rank wins), check coverage, lay out every file."""
+    """Deterministic: dedup replicas (assign.py), check coverage, lay out every file."""
     values = merged_values([vals for _descs, vals in per_rank])
     assignment = assign_writes([[d.to_wire() for d in descs] for descs, _vals in per_rank], values)
     return lay_out_files(assignment, values, checkpoint_id)
@@ -457,7 +422,7 @@ def plan_reads(key: str, tm: TensorMeta, target: Region) -> tuple[list[ReadItem]
         if len(dst_runs[0]) == 0:
             return items, 0
         lo, hi = int(dst_runs[0][0]), int(dst_runs[0][-1] + dst_runs[1][-1])
-    for p in tm.pieces:
+    for p in tm.window(lo, hi)[0]:  # (format 3: only the rows the row directory says may overlap)
         first, end = flat_span(tm.shape, p.box_offset, p.box_shape, p.flat_range)
         if first >= hi or end <= lo:  # from the bounds: no runs listed for pieces this region does not touch
             continue

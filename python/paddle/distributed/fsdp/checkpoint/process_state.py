@@ -7,7 +7,7 @@ import. The README table "What the fork patches in paddle, and what a process ke
 
 from __future__ import annotations
 
-from . import background, channel, checksums, faults, save, snapshot_guard
+from . import background, channel, checksums, commit, faults, save, snapshot_guard
 
 # (module, attribute, what it holds, how it is reset)
 PROCESS_STATE = (
@@ -28,6 +28,7 @@ PROCESS_STATE = (
     ("gc_pause", "_depth", "pauses of Python's cyclic GC in progress", "must be 0"),
     ("faults", "_counts", "test-only fault hook arrivals", "cleared"),
     ("checksums", "_warned_fallback", "the crc32 fallback warning was logged", "cleared"),
+    ("commit", "_stock_warned", "the 0.metadata-at-scale warning was logged", "cleared"),
     ("io.storage", "_schemes", "registered storage backends by URL scheme", "kept"),
     ("s3.storage", "_default", "the shared S3Storage of s3:// locations (its clients; made at first use)", "kept"),
 )
@@ -41,5 +42,6 @@ def reset_process_state() -> None:
     channel.reset_clients()
     faults.reset()
     checksums.reset_warning()
+    commit._stock_warned.clear()
     if snapshot_guard.copies_in_flight():
         raise RuntimeError("reset_process_state: a snapshot copy is still running")

@@ -19,6 +19,7 @@ from typing import Any
 
 from .errors import InvalidStateDictError, UnrepresentableKeyError
 from .format.metadata import DTYPES, is_json_value, numel
+from .format.rank_values import plain
 from .format.reserved import key_problem
 from .host_memory import dtype_name, numel_of
 from .planner import RecordDesc, Region
@@ -142,7 +143,7 @@ def to_record(key: str, val: Any) -> TensorRecord | None:
                 f"a ShardedWeight"
             )
         return TensorRecord(key, val, Region.full(val.shape), _check_dtype(val, key), replicated=True)
-    if is_json_value(val):
+    if is_json_value(plain(val)):
         return None
     if isinstance(val, (list, tuple, dict, float, int)):
         from .format.strict_json import json_value_problem
@@ -165,7 +166,7 @@ def collect(state_dict: dict) -> tuple[list[TensorRecord], dict[str, Any]]:
         if problem is not None:
             raise UnrepresentableKeyError(f"key {key!r:.200}: cannot be saved: {problem}")
         if rec is None:
-            values[key] = val
+            values[key] = plain(val)  # (a per-rank value of a loaded checkpoint is saved as the list it stands for)
         else:
             records.append(rec)
     return records, values

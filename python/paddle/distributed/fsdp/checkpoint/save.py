@@ -12,11 +12,12 @@ Layout of a committed checkpoint directory ``path``::
 Save protocol (all ranks call ``save_state_dict`` collectively):
 
 1. every rank validates its records; one ``all_gather_object`` exchanges a digest of each rank's record
-   descriptions, the values and any validation error (so all ranks fail together); the full descriptions follow
-   in a second exchange unless every rank already holds the write assignment of these digests (a training job
-   saves the same records every time; ``planner.AssignmentMemo``). Every rank then has the same assignment:
-   replicas are written by the lowest rank that holds them and coverage (each element exactly once) is checked;
-   the layout of every rank's file (offsets included) follows from it and is fixed before any byte is written.
+   descriptions, the values and any validation error (so all ranks fail together). Unless every rank already
+   holds the write assignment of these digests (a training job saves the same records every time;
+   ``planner.AssignmentMemo``), the descriptions go to the coordinator only, which assigns the writes (replicas
+   written once, coverage of each element exactly once checked: assign.py) and sends each rank its own part or
+   the error that refuses the save, on every rank alike (first_save.py). The layout of each rank's file
+   (offsets included) follows from its part and is fixed before any byte is written.
 2. every rank writes its own data object into the staging location (``<path>.tmp-<checkpoint_id>`` for the
    local backend) through the storage interface (io/storage.py) straight from tensor memory, computing per-chunk
    checksums on the way, durably, then hands it over (sizes + checksums) through the save's channel (the TCP
@@ -100,6 +101,7 @@ from .background import SaveHandle, start_in_background, wait_pending
 from .commit import Publisher, SaveJob, open_channel
 from .coordination import Comm, check_target_path, gather_errors
 from .errors import CheckpointError, DirectoryMismatchError, InvalidStateDictError, SaveFailedError
+from .first_save import exchange_assignment
 from .gc_pause import gc_paused
 from .keywords import STOCK_SAVE_KEYWORDS, check_keywords, keyword_names
 from .markers import cause, mark_failed, remove_failed_stagings
@@ -107,7 +109,6 @@ from .options import CheckpointOptions, resolve
 from .paths import local_path
 from .planner import (
     AssignmentMemo,
-    assign_writes,
     assignment_name,
     chunk_for,
     descs_digest,
@@ -365,10 +366,11 @@ _assignments = AssignmentMemo()  # used under _save_lock only
 @gc_paused()
 def _exchange_and_assign(comm: Comm, local: _Local, coordinator_rank: int, tr: Tracer, path: str):
     """Step 2: one exchange of every rank's description digest, values and target path (and errors: all ranks
-    fail together), then the same checked write assignment on every rank: remembered when every rank holds it
-    for these digests, else from a second exchange of the full descriptions (decided alike on every rank, from
-    the first one). Returns ``(checkpoint_id, algorithm, assignment, values)``: the coordinator's id and algorithm,
-    the values of the lowest rank that has each key."""
+    fail together), then the checked write assignment: remembered when every rank holds it for these digests and
+    this coordinator, else from the coordinator (first_save.py; decided alike on every rank, from the first
+    exchange). The coordinator holds every rank's writes, another rank its own. Returns ``(checkpoint_id,
+    algorithm, assignment, values)``: the coordinator's id and algorithm, the values of the lowest rank that has
+    each key."""
     my_id = uuid.uuid4().hex
     ok = local.error is None
     gathered = gather_errors(
@@ -387,12 +389,12 @@ def _exchange_and_assign(comm: Comm, local: _Local, coordinator_rank: int, tr: T
     checkpoint_id, algorithm = gathered[coordinator_rank][3], gathered[coordinator_rank][4]
     local.all_values = [g[2] for g in gathered]
     values = merged_values(local.all_values)
-    name = assignment_name([g[0] for g in gathered], values)
+    name = assignment_name([g[0] for g in gathered], values, coordinator_rank)
     tr.mark("exchange")
     if all(name in g[1] for g in gathered):
         assignment = _assignments.get(name)
     else:
-        assignment = assign_writes(comm.all_gather_object(local.descs), values)
+        assignment = exchange_assignment(comm, coordinator_rank, local.descs, values)
         _assignments.put(name, assignment)
     tr.mark("assign")
     return checkpoint_id, algorithm, assignment, values

@@ -16,18 +16,27 @@ import numpy as np
 from .errors import SaveFailedError
 from .format.index import PIECE_ROW, chunk_count, encode, keys_blob
 from .format.metadata import DTYPES, numel, rank_file_name
+from .format.row_directory import NO_START, fences_of
 
 
 def _columns(keys, dtypes, shapes, pieces, files, boxes, names) -> dict:
-    """Columns sorted by key (stable: a key's pieces keep their order), the row starts and the key table.
-    ``pieces``: int64 array ``[kid, file, box, rel, nbytes, fa, fb, sums]`` per piece."""
+    """Columns sorted by key, a key's rows by their first flat element (the row directory, index.starts: keys
+    with box pieces keep their order and get NO_START), the row starts and the key table. ``pieces``: int64
+    array ``[kid, file, box, rel, nbytes, fa, fb, sums]`` per piece."""
     a = np.asarray(pieces, dtype=np.int64).reshape(-1, 8)
-    order = np.argsort(a[:, 0], kind="stable")
-    a = a[order]
+    first = np.where(a[:, 5] >= 0, a[:, 5], 0)  # a flat range of the whole tensor starts there; a whole one at 0
+    order = np.lexsort((a[:, 6], first, a[:, 0]))  # (ties: an empty flat range before the range it starts)
+    a, first = a[order], first[order]
     starts = np.searchsorted(a[:, 0], np.arange(len(keys)), side="left")
+    boxed = np.zeros(len(keys), bool)
+    boxed[a[a[:, 2] >= 0, 0]] = True  # keys with a piece that is a box of the tensor: no directory
+    directory = first.astype(np.uint64)
+    directory[boxed[a[:, 0]]] = NO_START
     remap = {int(old): new for new, old in enumerate(order.tolist())} if names else {}
     cols = {
         "rows": a,
+        "starts": directory,
+        "fences": fences_of(directory, np.append(starts, len(a)).astype(np.int64)),
         "files": files,
         "keys_blob": keys_blob(
             keys,
@@ -122,4 +131,4 @@ def index_objects(cols: dict, header: dict, reported: dict[int, dict], with_sums
         rows["key"], rows["file"], rows["box"] = a[:, 0], a[:, 1], a[:, 2]
         rows["offset"] = a[:, 3] + head[a[:, 1]]
         rows["nbytes"], rows["flat_a"], rows["flat_b"], rows["sums"] = a[:, 4], a[:, 5], a[:, 6], a[:, 7]
-    return encode(header, cols["keys_blob"], files, rows)
+    return encode(header, cols["keys_blob"], files, rows, cols["starts"], cols["fences"])

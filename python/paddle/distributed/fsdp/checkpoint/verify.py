@@ -39,6 +39,8 @@ def verify_checkpoint(
     problems: list[str] = []
     if md.index is not None:  # format 2: every row, its hash, every sidecar's size, pieces owning their bytes
         problems += index_problems(md)
+        if md.rank_values is not None:  # format 3: the table of per-rank values objects, and each object
+            problems += md.rank_values.problems()
         if problems:
             return problems
     for key, tm in md.tensors.items():
@@ -129,6 +131,7 @@ def index_problems(md) -> list[str]:
     checksum sidecar of the size its rows need, no two pieces sharing bytes of a file."""
     import hashlib
 
+    from .format import row_directory
     from .format.index import PIECES_FILE, sums_name
     from .format.schema import file_overlap_problems
 
@@ -137,6 +140,10 @@ def index_problems(md) -> list[str]:
         rows = src.all_rows()
         if hashlib.sha256(rows.tobytes()).hexdigest() != src.pieces_sha256:
             return [f"{PIECES_FILE} does not match its SHA-256 in metadata.json (damaged)"]
+        if src.starts_sha256 is not None:  # format 3: the row directory, whole, and as the rows imply it
+            problem = row_directory.problem(src.fetch, rows, src.table["rows"], src.starts_sha256, src.fences_sha256)
+            if problem:
+                return [problem]
         md.prefetch(list(md.tensors))
     except (CheckpointError, OSError) as e:
         return [f"{type(e).__name__}: {e}"]

@@ -139,7 +139,7 @@ def _write(staging: str, copies: list, on_bytes, on_total) -> int:
             piece.checksums = [int(c) for c in piece_sums]
         out.files[layout.name] = FileMeta(rank=r, size=size)
     out.tensors = dict(plan.tensors)
-    out.commit(values)
+    out.commit(values, per_rank_values=(RNG_KEY,))  # each rank's RNG state in its own object, as a save
     return sum(f.size for f in out.files.values())
 
 

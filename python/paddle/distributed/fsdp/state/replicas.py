@@ -6,7 +6,7 @@ its part from storage, and each part is broadcast over the replicate group as ra
 the extra host memory bounded (``max_host_bytes``). Storage reads total the state's size, not R times it (``LoadReport.bytes_read``).
 
 Saves need nothing here: the save plan gives each replicated shard piece to the holder with the fewest bytes
-so far (checkpoint/planner.py ``_pick_writers``), so replicas split the writing and the files are the same format
+so far (checkpoint/assign.py), so replicas split the writing and the files are the same format
 as plain FSDP's. RNG: every process's generator state is saved, indexed by its global rank (the checkpoint group
 is the whole world under HSDP) and restored at the same global rank (state/rng.py; a load by more ranks than
 saved keeps the current state of the extra ranks).

@@ -25,6 +25,7 @@ from paddle.base import core
 
 from .. import device as device_mode
 from ..checkpoint.errors import MetadataError, RngStateMismatchError
+from ..checkpoint.format.rank_values import RankValueList
 from ..checkpoint.format.reserved import RNG_KEY
 
 logger = logging.getLogger(__name__)
@@ -147,9 +148,12 @@ def decode(saved: Any, rank: int, where: str = "checkpoint") -> Callable[[], Non
     key = f"{where}: {RNG_KEY}"
     if saved is None:
         return lambda: None
-    if type(saved) is not list or any(type(entry) not in (list, dict) for entry in saved):
+    if isinstance(saved, RankValueList):  # format 3: only this rank's entry is read (and checked) here
+        if rank < len(saved):
+            return _decode_entry(saved[rank], f"{key}[{rank}]")
+    elif type(saved) is not list or any(type(entry) not in (list, dict) for entry in saved):
         raise MetadataError(f"{key} must be a list (one entry per saving rank)")
-    if rank < len(saved):
+    elif rank < len(saved):
         return _decode_entry(saved[rank], f"{key}[{rank}]")
 
     def keep_current() -> None:

@@ -38,8 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..checkpoint import CheckpointOptions, checksums, read_metadata, reader, writer
-from ..checkpoint import commit as format_commit
+from ..checkpoint import CheckpointOptions, checksums, one_process, read_metadata, reader, writer
 from ..checkpoint import load as engine_load
 from ..checkpoint.format.metadata import (
     DEFAULT_CHUNK_BYTES,
@@ -385,8 +384,8 @@ class CheckpointWriter:
 
     Every tensor is stored whole (one box piece covering it), so any world size can load any slice of it. Each
     data file is ``<i>_0.safetensors`` with file rank ``i`` (as if rank ``i`` had saved it); ``commit`` writes
-    ``metadata.json``, the stock-paddle index ``0.metadata`` and the ``COMMIT`` record last, exactly like a
-    collective save. Write into a staging directory (see :func:`staged_output`).
+    the index (format 3: checksum sidecars, ``index.keys``, ``index.pieces``, ``metadata.json``), the stock-paddle
+    index ``0.metadata`` and the ``COMMIT`` record last, exactly like a collective save. Write into a staging directory (see :func:`staged_output`).
     """
 
     def __init__(
@@ -470,7 +469,12 @@ class CheckpointWriter:
 
         return produce
 
-    def commit(self, values: dict[str, Any], write_stock_metadata: bool = True) -> CheckpointMetadata:
+    def commit(
+        self, values: dict[str, Any], write_stock_metadata: bool = True, per_rank_values: tuple[str, ...] = ()
+    ) -> CheckpointMetadata:
+        """Write the index (format 3, the one collective saves write) and the commit record. ``per_rank_values``:
+        keys of ``values`` holding a list with one entry per data file (as if each file's rank had saved its
+        own, e.g. its RNG state): each entry goes into that rank's values object."""
         md = CheckpointMetadata(
             checkpoint_id=self.checkpoint_id,
             world_size=max(len(self.files), 1),
@@ -482,6 +486,9 @@ class CheckpointWriter:
             values=dict(values),
         )
         md.validate(f"{self.directory}/{METADATA_FILE}")
-        data = format_commit.write_metadata(self.directory, md, write_stock_metadata)
-        format_commit.write_commit(self.directory, self.checkpoint_id, data)
+        try:
+            data = one_process.write_format3(self.directory, md, write_stock_metadata, tuple(per_rank_values))
+        except ValueError as e:
+            raise ToolError(str(e)) from None
+        one_process.write_commit(self.directory, self.checkpoint_id, data)
         return md

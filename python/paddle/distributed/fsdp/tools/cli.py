@@ -235,8 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_import_stock)
 
     from .flush_cmd import add_flush_memory  # the memory tier's command (memtier/flush.py)
+    from .stock_index_cmd import add_stock_index
 
     add_flush_memory(sub, common)
+    add_stock_index(sub, common)
     return parser
 
 

@@ -60,12 +60,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..checkpoint.errors import SafetensorsHeaderError
+from ..checkpoint.errors import CheckpointError, SafetensorsHeaderError
 from ..checkpoint.format import safetensors
 from ..checkpoint.format.metadata import itemsize, storage_dtype
 from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY, safetensors_name_problem
 from ..checkpoint.format.safetensors import SafetensorsEntry, SafetensorsFile
-from ..checkpoint.format.strict_json import open_regular
 from ..checkpoint.paths import local_path
 from ..checkpoint.planner import Region
 from ..checkpoint.writer import write_all
@@ -83,6 +82,7 @@ from .ckpt_io import (
     staged_output,
 )
 from .errors import ToolError
+from .hf_source import open_reader, read_small_file, split_input
 from .progress import Progress
 from .rules import Rules
 
@@ -352,16 +352,8 @@ def to_hf(
 
 def read_config(path: str | os.PathLike) -> tuple[bytes, dict]:
     """The bytes and the parsed object of a Hugging Face ``config.json``."""
-    from ..checkpoint.errors import CheckpointError
-    from ..checkpoint.format.strict_json import read_capped
-
     path = os.fspath(path)
-    try:  # bounded, and only a regular file (a FIFO or device never blocks or streams forever)
-        raw = read_capped(path, MAX_CONFIG_BYTES, "config")
-    except OSError as e:
-        raise ToolError(f"cannot read config {path}: {e.strerror or e}") from None
-    except CheckpointError as e:
-        raise ToolError(f"cannot read config {path}: {e}") from None
+    raw = read_small_file(path, MAX_CONFIG_BYTES, "config")  # bounded; a local one only if a regular file
     try:
         cfg = json.loads(raw)  # lenient like transformers (NaN allowed; every field used is type-checked)
     except RecursionError:
@@ -491,46 +483,45 @@ def _safe_member(directory: str, name: Any, where: str) -> str:
 
 
 def discover_hf(hf_path: str) -> tuple[list[SafetensorsFile], dict | None]:
-    """The safetensors files of a Hugging Face checkpoint (in order) and the index's ``paddle_fsdp`` record."""
-    hf_path = os.path.abspath(os.fspath(hf_path))
-    if os.path.isfile(hf_path):
-        if not hf_path.endswith(".safetensors"):
-            raise ToolError(f"{hf_path} is not a .safetensors file or a Hugging Face model directory")
-        return [read_safetensors_header(hf_path)], None
-    if not os.path.isdir(hf_path):
-        raise ToolError(f"{hf_path}: no such file or directory")
-    names = sorted(os.listdir(hf_path))
+    """The safetensors files of a Hugging Face checkpoint (in order) and the index's ``paddle_fsdp`` record;
+    ``hf_path`` is a local directory or file, or a URL of a storage backend (hf_source.py: ranged reads)."""
+    src, single = split_input(hf_path)
+    if single is not None:
+        if not single.endswith(".safetensors"):
+            raise ToolError(f"{src.where(single)} is not a .safetensors file or a Hugging Face model directory")
+        return [src.header(single)], None
+    if not src.exists():
+        raise ToolError(f"{src.root}: no such file or directory")
+    names = src.names()
     indexes = [n for n in names if n.endswith(".safetensors.index.json")]
     if len(indexes) > 1:
         indexes = [n for n in indexes if n == INDEX_FILE] or indexes
         if len(indexes) > 1:
-            raise ToolError(f"{hf_path} holds several safetensors indexes ({', '.join(indexes)}); pass one file")
+            raise ToolError(f"{src.root} holds several safetensors indexes ({', '.join(indexes)}); pass one file")
     if not indexes:
         files = [n for n in names if n.endswith(".safetensors")]
         if not files:
-            raise ToolError(f"{hf_path} holds no .safetensors files and no {INDEX_FILE}")
-        return [read_safetensors_header(os.path.join(hf_path, n)) for n in files], None
-    ipath = os.path.join(hf_path, indexes[0])
-    from ..checkpoint.errors import CheckpointError
-    from ..checkpoint.format.strict_json import SMALL_FILE_BYTES, loads_strict, read_capped
+            raise ToolError(f"{src.root} holds no .safetensors files and no {INDEX_FILE}")
+        return [src.header(n) for n in files], None
+    ipath = src.where(indexes[0])
+    from ..checkpoint.format.strict_json import SMALL_FILE_BYTES, loads_strict
 
-    try:  # bounded, strict, never blocking on a FIFO
-        index = loads_strict(read_capped(ipath, 64 * SMALL_FILE_BYTES, "index"), f"index {ipath}")
-    except (OSError, CheckpointError) as e:
+    raw = src.read_small(indexes[0], 64 * SMALL_FILE_BYTES, "index")  # bounded, strict, never blocking on a FIFO
+    try:
+        index = loads_strict(raw, f"index {ipath}")
+    except CheckpointError as e:
         raise ToolError(f"cannot read index {ipath}: {e}") from None
     if not isinstance(index, dict) or not index.get("weight_map"):
         raise ToolError(f"index {ipath} has no weight_map")
     json_schema.check(index, json_schema.index_schema(RECORD_KEY), f"index {ipath}")  # every field read below
     weight_map = index["weight_map"]
     for tensor, name in weight_map.items():  # every value a plain file name of the directory, before any use
-        _safe_member(hf_path, name, f"index {ipath}: weight_map[{tensor!r}]")
-    files = sorted(set(weight_map.values()))
+        _safe_member(src.root, name, f"index {ipath}: weight_map[{tensor!r}]")
     st_files = []
-    for name in files:
-        path = _safe_member(hf_path, name, f"index {ipath}")
-        if not os.path.isfile(path):
+    for name in sorted(set(weight_map.values())):
+        if not src.has(name):
             raise ToolError(f"index {ipath} names {name}, which is missing")
-        st = read_safetensors_header(path)
+        st = src.header(name)
         listed = {k for k, v in weight_map.items() if v == name}
         have = {e.name for e in st.entries}
         if listed != have:
@@ -635,11 +626,11 @@ def from_hf(
     with staged_output(out) as staging, Progress(total, "from-hf", enabled=progress) as bar:
         writer = CheckpointWriter(staging, on_bytes=bar.update)
         for st, ts in plan:
-            fd = open_regular(st.path)  # never blocks on a FIFO swapped in since the header was read
+            rd = open_reader(st.path)  # local: never blocks on a FIFO swapped in since the header was read
             try:
-                writer.write_file([WriteEntry(t.key, t.dtype, t.shape, _producer(fd, st, t)) for t in ts])
+                writer.write_file([WriteEntry(t.key, t.dtype, t.shape, _producer(rd, st, t)) for t in ts])
             finally:
-                os.close(fd)
+                rd.close()
         keys = {t.key for t in tensors}
         values: dict[str, Any] = {RNG_KEY: [], EXTRA_KEY: {}}
         if record is not None and rules is None and record.get("optimizer") is not None:
@@ -666,10 +657,10 @@ def _from_hf_preset(
 
     preset = get_preset(preset_name)
     if config is None:
-        base = hf_path if os.path.isdir(hf_path) else os.path.dirname(os.path.abspath(hf_path))
-        config = os.path.join(base, CONFIG_FILE)
-        if not os.path.isfile(config):
-            raise ToolError(f"--preset {preset.name} needs the model's config.json: none in {base}, pass --config")
+        src = split_input(hf_path)[0]
+        config = src.where(CONFIG_FILE)
+        if not src.has(CONFIG_FILE):
+            raise ToolError(f"--preset {preset.name} needs the model's config.json: none in {src.root}, pass --config")
     _raw, cfg = read_config(config)
     dims = model_dims(cfg, f"config {config}")
     check_model_type(preset, dims, f"config {config}")
@@ -719,26 +710,26 @@ def _from_hf_preset(
 
 
 class _FdCache:
-    """Read-only descriptors by path (a merged tensor reads parts from several input files), at most
-    ``MAX_OPEN`` at once whatever the number of input files (least recently used closed first)."""
+    """Open input files by path (a merged tensor reads parts from several input files), at most ``MAX_OPEN`` at
+    once whatever the number of input files (least recently used closed first)."""
 
     MAX_OPEN = 32
 
     def __init__(self) -> None:
-        self.fds: dict[str, int] = {}  # insertion order = use order
+        self.fds: dict[str, Any] = {}  # insertion order = use order
 
-    def get(self, path: str) -> int:
-        fd = self.fds.pop(path, None)
-        if fd is None:
+    def get(self, path: str):
+        rd = self.fds.pop(path, None)
+        if rd is None:
             while len(self.fds) >= self.MAX_OPEN:
-                os.close(self.fds.pop(next(iter(self.fds))))
-            fd = open_regular(path)  # never blocks on a FIFO swapped in since the header was read
-        self.fds[path] = fd
-        return fd
+                self.fds.pop(next(iter(self.fds))).close()
+            rd = open_reader(path)  # local: never blocks on a FIFO swapped in since the header was read
+        self.fds[path] = rd
+        return rd
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
+        for rd in self.fds.values():
+            rd.close()
         self.fds.clear()
 
 
@@ -751,14 +742,14 @@ def _merge_producer(fds: _FdCache, m, dst: str, block_bytes: int = 2 << 20):
         view = out.T if m.transpose else out if m.shape else out.reshape(1)
         for part in m.parts:
             st, e = part.source
-            fd = fds.get(st.path)
+            rd = fds.get(st.path)
             row_elems = _numel(e.shape[1:])
             row_bytes = row_elems * itemsize(e.dtype)
             step = max(1, block_bytes // max(row_bytes, 1))
             for r in range(part.row_start, part.row_stop, step):
                 n = min(step, part.row_stop - r)
                 raw = np.empty(n * row_bytes, np.uint8)
-                ckpt_io.pread_exact(fd, raw, st.data_start + e.begin + r * row_bytes, st.path)
+                rd.read_exact(raw, st.data_start + e.begin + r * row_bytes)
                 rows = raw.view(storage_dtype(e.dtype)).reshape((n,) + tuple(e.shape[1:]) if e.shape else (n,))
                 pos = part.fused_pos + (r - part.row_start)
                 view[pos : pos + n] = ckpt_io.cast_array(rows, e.dtype, dst)
@@ -767,11 +758,11 @@ def _merge_producer(fds: _FdCache, m, dst: str, block_bytes: int = 2 << 20):
     return produce
 
 
-def _producer(fd: int, st: SafetensorsFile, t: CkptTensor):
+def _producer(rd, st: SafetensorsFile, t: CkptTensor):
     def produce() -> np.ndarray:
         e = t.entry
         raw = np.empty(e.nbytes, np.uint8)
-        ckpt_io.pread_exact(fd, raw, st.data_start + e.begin, st.path)
+        rd.read_exact(raw, st.data_start + e.begin)
         if not t.transpose and t.dtype == e.dtype:
             return raw
         arr = raw.view(storage_dtype(e.dtype)).reshape(e.shape)

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..checkpoint import read_metadata
 from ..checkpoint.format.metadata import itemsize
+from ..checkpoint.format.rank_values import plain
 from ..checkpoint.format.reserved import OPTIMIZER_KEY, RNG_KEY
 from ..checkpoint.planner import Region
 from .ckpt_io import BUFFER, MODEL, OPTIMIZER, buffer_keys, classify_keys, resolve_checkpoint_path
@@ -67,7 +68,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         "optimizer_bytes": totals[OPTIMIZER][1],
         "optimizer_class": opt.get("class") if isinstance(opt, dict) else None,
         "tensors": tensors,
-        "values": md.values,
+        "values": {k: plain(v) for k, v in md.values.items()},  # (per-rank values: every rank's read)
     }
 
 

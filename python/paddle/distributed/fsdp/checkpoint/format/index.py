@@ -5,16 +5,22 @@ gathered on the coordinator and parsed whole by every loading rank. At thousands
 hundreds of MB per rank per load. In format 2 what a rank reads grows with the keys of the model and what it
 loads, not with the world or the bytes of state::
 
-    metadata.json        JSON (version 2): ids, chunk_bytes, checksum, the data files (names, sizes, checksum
-                         counts), the JSON values, and the size + SHA-256 of the two index objects below
+    metadata.json        JSON (version 3; 2 before per-rank values had objects of their own): ids, chunk_bytes,
+                         checksum, the data files (names, sizes, checksum counts), the JSON values, and the size +
+                         SHA-256 of the two index objects below
     index.keys           zlib-compressed JSON, read whole: every key's dtype, shape and its rows [start, stop)
                          in index.pieces; the boxes of pieces that are not flat ranges of the whole tensor; the
                          safetensors names that are not the key
-    index.pieces         PIECE_ROW rows (56 bytes, little-endian), sorted by key: a load reads the rows of the
-                         keys it loads (coalesced ranges), verify reads them all (SHA-256 in metadata.json)
+    index.pieces         PIECE_ROW rows (56 bytes, little-endian), sorted by key (format 3: a key's rows by their
+                         first element): a load reads the rows of the keys it loads (coalesced ranges), verify
+                         reads them all (SHA-256 in metadata.json)
+    index.starts,        format 3: the row directory (row_directory.py): a rank loading part of a key split over
+    index.fences         many ranks reads that key's fences, the block of starts and the rows overlapping its part
     <data file>.sums     written by the rank that wrote the data file (nothing gathered): its chunk checksums,
                          u64 little-endian, piece after piece in file order; a row's ``sums`` is its first one.
                          A load reads the checksums of the chunks it reads (blocks of SUMS_BLOCK).
+    index.ranks,         version 3, a save with per-rank values (format/rank_values.py): each rank's own values
+    <rank>.values        object, and the coordinator's table of their sizes and SHA-256; a rank reads its own
 
 A row that is damaged fails the structural checks (``rows_to_pieces``: file, bounds, sizes), the exact coverage
 check of its key, or the data checksums it points to; ``verify_checkpoint`` also checks the SHA-256 of the rows.
@@ -33,14 +39,16 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 
 from ..errors import CorruptCheckpointError, MetadataError
+from . import rank_values, row_directory
 from .metadata import DTYPES, FileMeta, PieceMeta, check_file_name, numel
+from .row_directory import FENCES_FILE, SMALL_KEY_ROWS, STARTS_FILE
+from .sidecar import CountedFetch, SidecarSums
 
-VERSION = 2
+VERSION = 3
+READ_VERSIONS = (2, 3)  # 2: per-rank values as lists in metadata.json's values (read as they are)
 KEYS_FILE = "index.keys"
 PIECES_FILE = "index.pieces"
 SUMS_SUFFIX = ".sums"
-SUMS_BLOCK = 8192  # checksums fetched at once from a sidecar (64 KiB): one read for a 2 GiB range at 256 KiB chunks
-_COALESCE_GAP = 4096  # row ranges of index.pieces closer than this are fetched as one range (one page)
 MAX_KEYS_BYTES = 1 << 30  # decompressed index.keys cap (a zip bomb is refused, not inflated)
 
 PIECE_ROW = np.dtype(
@@ -78,7 +86,7 @@ def pack_sums(per_piece: Iterable[Iterable[int]]) -> bytes:
 
 
 def keys_blob(keys: list, dtypes: list, shapes: list, row_starts: list, n_rows: int, extra: dict) -> bytes:
-    """``index.keys``: per key (in row order) its dtype, shape (``ndims`` + the flat ``dims``) and first row;
+    """``index.keys``: per key (in row order) its dtype, shape (``ndims`` + the flat ``dims``) and row count;
     ``extra``: ``{"boxes": [[offset, shape]], "names": {row: name}}`` (pieces that are not whole-tensor boxes,
     safetensors names that are not the key)."""
     d = {
@@ -86,19 +94,32 @@ def keys_blob(keys: list, dtypes: list, shapes: list, row_starts: list, n_rows: 
         "dtypes": dtypes,
         "ndims": [len(s) for s in shapes],
         "dims": [int(x) for s in shapes for x in s],
-        "rows": [int(r) for r in row_starts] + [int(n_rows)],
+        # format 3: rows per key (small repeated numbers: compresses ~3x better than the starts of format 2)
+        "counts": np.diff(np.asarray(list(row_starts) + [n_rows], dtype=np.int64)).tolist(),
         "boxes": extra.get("boxes", []),
         "names": {str(r): n for r, n in extra.get("names", {}).items()},
     }
     return zlib.compress(json.dumps(d, separators=(",", ":")).encode(), 6)
 
 
-def encode(header: dict, keys: bytes, files: list[tuple[str, int, int]], rows: np.ndarray) -> dict[str, bytes]:
+def encode(
+    header: dict,
+    keys: bytes,
+    files: list[tuple[str, int, int]],
+    rows: np.ndarray,
+    starts: np.ndarray,
+    fences: np.ndarray,
+) -> dict[str, bytes]:
     """The index objects of a format-2 checkpoint: ``{name: bytes}`` with ``metadata.json`` last.
 
-    ``header``: checkpoint_id, created_unix, world_size, chunk_bytes, checksum, values. ``keys``: the
-    ``keys_blob``. ``files``: ``(name, size, checksum count)`` by file index. ``rows``: PIECE_ROW array."""
+    ``header``: checkpoint_id, created_unix, world_size, chunk_bytes, checksum, values, and optionally
+    rank_values: ``(keys, index.ranks bytes)`` (rank_values.py). ``keys``: the ``keys_blob``. ``files``:
+    ``(name, size, checksum count)`` by file index. ``rows``: PIECE_ROW array. ``starts``, ``fences``: the row
+    directory (row_directory.py): one u64 per row, and every FENCE-th of a key with more rows."""
     pieces_blob = rows.astype(PIECE_ROW, copy=False).tobytes()
+    starts_blob = np.asarray(starts, dtype="<u8").tobytes()
+    fences_blob = np.asarray(fences, dtype="<u8").tobytes()
+    out = {KEYS_FILE: keys, PIECES_FILE: pieces_blob, STARTS_FILE: starts_blob, FENCES_FILE: fences_blob}
     default_names = all(name == f"{i}_0.safetensors" for i, (name, _s, _n) in enumerate(files))
     md = {
         "format": "paddle-fsdp-checkpoint",
@@ -112,11 +133,17 @@ def encode(header: dict, keys: bytes, files: list[tuple[str, int, int]], rows: n
         "index": {
             KEYS_FILE: {"bytes": len(keys), "sha256": hashlib.sha256(keys).hexdigest()},
             PIECES_FILE: {"rows": int(len(rows)), "sha256": hashlib.sha256(pieces_blob).hexdigest()},
+            STARTS_FILE: {"sha256": hashlib.sha256(starts_blob).hexdigest()},
+            FENCES_FILE: {"sha256": hashlib.sha256(fences_blob).hexdigest()},
         },
         "values": header["values"],
     }
-    meta = json.dumps(md, separators=(",", ":"), allow_nan=False).encode()
-    return {KEYS_FILE: keys, PIECES_FILE: pieces_blob, "metadata.json": meta}
+    if header.get("rank_values"):
+        rank_keys, table = header["rank_values"]
+        md["rank_values"] = rank_values.header_field(rank_keys, table)
+        out[rank_values.TABLE_FILE] = table
+    out["metadata.json"] = json.dumps(md, separators=(",", ":"), allow_nan=False).encode()
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------- reading
@@ -162,7 +189,13 @@ def decode_header(d: dict, where: str) -> tuple[dict, dict]:
         "keys_sha256": f.str(f.get(keys_d, "sha256", "index.keys.sha256"), "index.keys.sha256", 64),
         "rows": f.int(f.get(pieces_d, "rows", "index.pieces.rows"), "index.pieces.rows", 0, 1 << 40),
         "pieces_sha256": f.str(f.get(pieces_d, "sha256", "index.pieces.sha256"), "index.pieces.sha256", 64),
+        "starts_sha256": None,  # format 2: no row directory (every row of a key is read)
+        "fences_sha256": None,
     }
+    for name, field in ((STARTS_FILE, "starts_sha256"), (FENCES_FILE, "fences_sha256")):
+        if name in idx:
+            d_ = f.obj(idx[name], f"index[{name!r}]")
+            index[field] = f.str(f.get(d_, "sha256", f"{name}.sha256"), f"{name}.sha256", 64)
     fields = {
         "checkpoint_id": f.str(f.get(d, "checkpoint_id", "checkpoint_id"), "checkpoint_id", 128),
         "world_size": f.int(f.get(d, "world_size", "world_size"), "world_size", 1, 1 << 31),
@@ -172,7 +205,10 @@ def decode_header(d: dict, where: str) -> tuple[dict, dict]:
         "files": files,
         "values": f.obj(d.get("values", {}), "values"),
         "sums_counts": counts,
+        "version": d["version"],
     }
+    if "rank_values" in d:
+        fields["rank_values"] = rank_values.decode_field(d["rank_values"], fields["world_size"], where)
     return fields, index
 
 
@@ -199,7 +235,11 @@ def decode_keys(blob: bytes, index: dict, where: str) -> dict:
     if type(dtypes) is not list or len(dtypes) != n or not set(dtypes) <= set(DTYPES):
         raise _fail(where, f"{KEYS_FILE}: dtypes must name a supported dtype per key")
     shapes = _shapes(d.get("ndims"), d.get("dims"), n, where)
-    rows = _int_list(d.get("rows"), where, f"{KEYS_FILE} rows", n + 1)
+    if "counts" in d:  # format 3: rows per key
+        counts = _int_list(d.get("counts"), where, f"{KEYS_FILE} counts", n)
+        rows = [0] + np.cumsum(np.asarray(counts, dtype=np.int64)).tolist()
+    else:
+        rows = _int_list(d.get("rows"), where, f"{KEYS_FILE} rows", n + 1)
     if rows[-1] != index["rows"] or rows[0] != 0 or (np.diff(np.asarray(rows, dtype=np.int64)) < 0).any():
         raise _fail(where, f"{KEYS_FILE}: row ranges must ascend from 0 to the {index['rows']} rows")
     boxes = d.get("boxes", [])
@@ -234,23 +274,6 @@ class _Shapes:
         return len(self.starts)
 
 
-class CountedFetch:
-    """``fetch`` that counts what it read: bytes, calls and the objects it opened (the scale figures)."""
-
-    def __init__(self, fetch: Fetch):
-        self.inner = fetch
-        self.bytes = 0
-        self.calls = 0
-        self.objects: set[str] = set()
-
-    def __call__(self, name: str, offset: int, length: int) -> bytes:
-        data = self.inner(name, offset, length)
-        self.bytes += len(data)
-        self.calls += 1
-        self.objects.add(name)
-        return data
-
-
 class IndexSource:
     """Lazy reads of a format-2 checkpoint's piece rows and checksum sidecars through ``fetch``.
 
@@ -268,25 +291,31 @@ class IndexSource:
         self.tensors = tensors
         self.sidecars: dict[int, SidecarSums] = {}
 
-    def load(self, keys: Iterable[str]) -> None:
-        rows = self.table["rows"]
-        todo = {t.key_id: t for t in (self.tensors[k] for k in keys) if t._pieces is None}
-        want = [(rows[i], rows[i + 1], todo[i]) for i in sorted(todo)]  # key ids ascend with their rows
-        ranges: list[list] = []
-        for a, b, t in want:
-            if ranges and a * PIECE_ROW.itemsize <= ranges[-1][1] * PIECE_ROW.itemsize + _COALESCE_GAP:
-                ranges[-1][1] = max(ranges[-1][1], b)
-                ranges[-1][2].append(t)
-            else:
-                ranges.append([a, b, [t]])
-        for a, b, ts in ranges:
-            raw = self.fetch(PIECES_FILE, a * PIECE_ROW.itemsize, (b - a) * PIECE_ROW.itemsize) if b > a else b""
-            if len(raw) != (b - a) * PIECE_ROW.itemsize:
-                raise CorruptCheckpointError(f"{self.where}: {PIECES_FILE} ends early (truncated)")
-            arr = np.frombuffer(raw, PIECE_ROW)
-            for t in ts:
-                t0, t1 = rows[t.key_id] - a, rows[t.key_id + 1] - a
-                t._pieces = self._pieces(t, arr[t0:t1], rows[t.key_id])
+    def load(self, keys: Iterable[str], spans: Mapping[str, tuple[int, int]] | None = None) -> None:
+        """Fill the pieces of ``keys``: all rows of a key, or with ``spans[key] = (lo, hi)`` (global flat
+        elements) only the rows the directory says may overlap them (row_directory.py), in coalesced reads."""
+        rows, spans = self.table["rows"], spans or {}
+        todo, want = {}, {}
+        for t in (self.tensors[k] for k in keys):
+            span = spans.get(t.key)
+            if t._pieces is not None and (t._span is None or (span is not None and _inside(span, t._span))):
+                continue  # (loaded already, whole or a window holding this span)
+            todo[t.key_id] = t
+            if span is not None and self.starts_sha256 and rows[t.key_id + 1] - rows[t.key_id] > SMALL_KEY_ROWS:
+                want[t.key_id] = span
+        if want and self.fences_sha256 and self.fences is None:
+            self.fences = row_directory.fence_offsets(rows)
+        win = row_directory.windows(self.fetch, self.where, rows, want, self.fences) if want else {}
+        todo_rows = [(*win.get(i, (rows[i], rows[i + 1], None)), todo[i]) for i in sorted(todo)]
+        for a, b, items in row_directory.coalesce(
+            [(a, b, (a, b, st, t)) for a, b, st, t in todo_rows], PIECE_ROW.itemsize
+        ):
+            arr = row_directory.fetch_items(self.fetch, PIECES_FILE, a, b, PIECE_ROW, self.where)
+            for r0, r1, st, t in items:
+                span = spans.get(t.key)
+                row_directory.check_window(arr[r0 - a : r1 - a], st, span, numel(t.shape), self.where, t.key)
+                t._pieces = self._pieces(t, arr[r0 - a : r1 - a], r0)
+                t._span = None if st is None else spans[t.key]
 
     def all_rows(self) -> np.ndarray:
         """Every row (verify_checkpoint), checked against the SHA-256 of metadata.json."""
@@ -346,78 +375,34 @@ def _box(boxes: list, i: int, ndim: int, where: str) -> tuple[tuple[int, ...], t
     return off, shp
 
 
-class SidecarSums:
-    """The chunk checksums of one data file, fetched by blocks of SUMS_BLOCK when first needed."""
-
-    def __init__(self, fetch: Fetch, name: str, count: int):
-        self.fetch, self.name, self.count = fetch, name, count
-        self.blocks: dict[int, np.ndarray] = {}
-
-    def block(self, b: int) -> np.ndarray:
-        block = self.blocks.get(b)
-        if block is None:
-            n = min(SUMS_BLOCK, self.count - b * SUMS_BLOCK)
-            raw = self.fetch(self.name, b * SUMS_BLOCK * 8, n * 8)
-            if len(raw) != n * 8:
-                raise CorruptCheckpointError(f"checksum sidecar {self.name} ends early (truncated)")
-            block = self.blocks[b] = np.frombuffer(raw, "<u8")
-        return block
-
-    def get(self, i: int) -> int:
-        return int(self.block(i // SUMS_BLOCK)[i % SUMS_BLOCK])
-
-    def slice(self, first: int, n: int) -> list[int]:
-        """Checksums ``[first, first + n)`` as ints (the blocks they are in fetched once)."""
-        if n <= 0:
-            return []
-        b0, b1 = first // SUMS_BLOCK, (first + n - 1) // SUMS_BLOCK
-        parts = np.concatenate([self.block(b) for b in range(b0, b1 + 1)])
-        a = first - b0 * SUMS_BLOCK
-        return parts[a : a + n].tolist()
-
-    def view(self, first: int, n: int) -> PieceSums:
-        return PieceSums(self, first, n)
-
-
-class PieceSums:
-    """One piece's checksums (a sequence of ints) inside its file's sidecar."""
-
-    __slots__ = ("sidecar", "first", "n", "_list")
-
-    def __init__(self, sidecar: SidecarSums, first: int, n: int):
-        self.sidecar, self.first, self.n = sidecar, first, n
-        self._list: list[int] | None = None
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, ci: int) -> int:
-        lst = self._list
-        if lst is None:  # the piece's checksums at once (8 bytes per chunk: 0.003% of its bytes at 256 KiB)
-            lst = self._list = self.sidecar.slice(self.first, self.n)
-        if ci < 0:
-            raise IndexError(ci)
-        return lst[ci]
-
-    def __iter__(self):
-        return (self[i] for i in range(self.n))
+def _inside(span: tuple[int, int], outer: tuple[int, int]) -> bool:
+    return outer[0] <= span[0] and span[1] <= outer[1]
 
 
 class IndexedTensor:
     """A tensor of a format-2 checkpoint: dtype and shape from index.keys, pieces read when first asked for."""
 
-    __slots__ = ("key", "key_id", "dtype", "shape", "_pieces", "_source")
+    __slots__ = ("key", "key_id", "dtype", "shape", "_pieces", "_span", "_source")
 
     def __init__(self, key: str, key_id: int, dtype: str, shape: tuple[int, ...], source: IndexSource):
         self.key, self.key_id, self.dtype, self.shape = key, key_id, dtype, shape
         self._pieces: list[PieceMeta] | None = None
+        self._span: tuple[int, int] | None = None  # the pieces are a window of the key's rows (for this span)
         self._source = source
 
     @property
     def pieces(self) -> list[PieceMeta]:
-        if self._pieces is None:
+        """Every piece of the key (all its rows read)."""
+        if self._pieces is None or self._span is not None:
             self._source.load([self.key])
         return self._pieces
+
+    def window(self, lo: int, hi: int) -> tuple[list[PieceMeta], bool]:
+        """``(pieces, whole)``: pieces among which are all those overlapping global flat elements ``[lo, hi)``
+        (the rows the directory selects, or every piece: ``whole``)."""
+        if self._pieces is None or (self._span is not None and not _inside((lo, hi), self._span)):
+            self._source.load([self.key], {self.key: (lo, hi)})
+        return self._pieces, self._span is None
 
     def to_json(self) -> dict:
         return {"dtype": self.dtype, "shape": list(self.shape), "pieces": [p.to_json() for p in self.pieces]}
@@ -468,14 +453,21 @@ def open_v2(d: dict, where: str, fetch: Fetch | None):
         created_unix=fields["created_unix"],
         files=fields["files"],
         values=fields["values"],
-        version=VERSION,
+        version=fields["version"],
     )
+    if "rank_values" in fields:
+        md.rank_values = rank_values.RankValues(fetch, where, md.checkpoint_id, fields["rank_values"])
+        both = set(md.rank_values.keys) & set(md.values)
+        if both:
+            raise _fail(where, f"keys stored both as per-rank and plain value: {sorted(both)[:5]}")
+        md.values.update(md.rank_values.lists())
     overlap = set(table["keys"]) & set(md.values)
     if overlap:
         raise _fail(where, f"keys stored both as tensor and value: {sorted(overlap)[:5]}")
     tensors = IndexedTensors(table)
     source = tensors.source = IndexSource(fetch, where, table, fields, tensors)
-    source.pieces_sha256 = index["pieces_sha256"]
+    source.pieces_sha256, source.starts_sha256 = index["pieces_sha256"], index["starts_sha256"]
+    source.fences_sha256, source.fences = index["fences_sha256"], None
     md.tensors = tensors
     md.index = source
     return md

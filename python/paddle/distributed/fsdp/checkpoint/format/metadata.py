@@ -51,6 +51,7 @@ import numpy as np
 from ..errors import MetadataError, UnsafePathError
 from ..gc_pause import gc_paused
 from . import algorithms
+from .rank_values import plain
 
 FORMAT_NAME = "paddle-fsdp-checkpoint"
 FORMAT_VERSION = 1
@@ -196,6 +197,11 @@ class TensorMeta:
     shape: tuple[int, ...]
     pieces: list[PieceMeta] = field(default_factory=list)
 
+    def window(self, lo: int, hi: int) -> tuple[list[PieceMeta], bool]:
+        """``(pieces, whole)`` among which are those overlapping flat elements ``[lo, hi)``: all of them here (a
+        format-2/3 IndexedTensor may read only the rows its directory selects)."""
+        return self.pieces, True
+
     def to_json(self) -> dict:
         return {
             "dtype": self.dtype,
@@ -234,11 +240,15 @@ class CheckpointMetadata:
     version: int = FORMAT_VERSION
     # format 2 (format/index.py): reads piece rows and checksums on demand; None for a format-1 checkpoint
     index: Any = field(default=None, repr=False, compare=False)
+    # format 3: the per-rank values read by saving rank (format/rank_values.py); None otherwise
+    rank_values: Any = field(default=None, repr=False, compare=False)
 
-    def prefetch(self, keys) -> None:
-        """Read the pieces of ``keys`` now, in as few reads as possible (format 2; nothing to do in format 1)."""
+    def prefetch(self, keys, spans: dict[str, tuple[int, int]] | None = None) -> None:
+        """Read the pieces of ``keys`` now, in as few reads as possible (format 2; nothing to do in format 1);
+        with ``spans[key] = (lo, hi)`` only those of its rows that may overlap the global flat elements
+        ``[lo, hi)`` (format 3's row directory: ``md.tensors[key].window(lo, hi)`` gives them)."""
         if self.index is not None:
-            self.index.load(keys)
+            self.index.load(keys, spans)
 
     def to_json(self) -> dict:
         return {
@@ -251,7 +261,7 @@ class CheckpointMetadata:
             "checksum": self.checksum,
             "files": {k: v.to_json() for k, v in self.files.items()},
             "tensors": {k: v.to_json() for k, v in self.tensors.items()},
-            "values": self.values,
+            "values": {k: plain(v) for k, v in self.values.items()},  # per-rank values read whole
         }
 
     def dumps(self) -> bytes:
@@ -268,8 +278,14 @@ class CheckpointMetadata:
         from .strict_json import loads_strict
 
         d = loads_strict(data, where, _SCHEMA_TYPED)
-        if type(d) is dict and d.get("format") == FORMAT_NAME and type(d.get("version")) is int and d["version"] == 2:
-            from .index import open_v2
+        if type(d) is dict and d.get("format") == FORMAT_NAME and type(d.get("version")) is int and d["version"] > 1:
+            from .index import READ_VERSIONS, open_v2
+
+            if d["version"] not in READ_VERSIONS:
+                raise MetadataError(
+                    f"{where}: unsupported format version {d['version']} (this build reads 1, "
+                    f"{', '.join(map(str, READ_VERSIONS))}): written by a newer build?"
+                )
 
             return open_v2(d, where, fetch)
         md = parse_metadata(d, where, FORMAT_NAME, FORMAT_VERSION)

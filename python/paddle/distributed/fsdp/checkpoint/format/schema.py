@@ -98,7 +98,7 @@ def parse_metadata(d: Any, where: str, format_name: str, version: int):
         raise NotACheckpointError(f"{where} is not a {format_name} metadata file")
     if d.get("version") != version or type(d.get("version")) is not int:
         raise MetadataError(
-            f"{where}: unsupported format version {d.get('version')!r} (this build reads {version} and 2)"
+            f"{where}: unsupported format version {d.get('version')!r} (this build reads {version}, 2 and 3)"
         )
     files = {}
     for name, fm in f.obj(f.get(d, "files", "files"), "files").items():

@@ -16,7 +16,7 @@ Call order of a save of a checkpoint to ``final`` (save.py, commit.py)::
     staging = storage.begin(final, checkpoint_id)      # every rank, same string; the staging is invisible at final
     size, sums = storage.write_object(staging, name, header, pieces, ...)   # each rank: its data object, durable
     # -- the commit decision travels through the process group / TCP store, never through storage --
-    storage.put(staging, "metadata.json", data)         # coordinator, then the stock index "0.metadata"
+    storage.put_all(staging, {"metadata.json": data, ...})   # coordinator: index, metadata, stock "0.metadata"
     storage.put(staging, "COMMIT", record)              # coordinator, LAST: the commit record
     storage.publish(staging, final)                     # coordinator: atomic; readers see old or new, never a mix
     storage.publish(staging, final)                     # other ranks, only where they did not see the
@@ -46,7 +46,7 @@ then use preadv / O_DIRECT / page-cache residency on it (io/local.py). Backends 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from ..errors import CheckpointError
@@ -124,6 +124,12 @@ class Storage(ABC):
     @abstractmethod
     def put(self, location: str, name: str, data: bytes, *, durable: bool = True) -> None:
         """Write a small object atomically (and durably unless ``durable=False``); creates ``location``."""
+
+    def put_all(self, location: str, objects: Mapping[str, bytes]) -> None:
+        """``put`` every ``name: data`` of ``objects`` (durable, each atomic; no order among them). Default: one
+        after the other; a backend where each put is a round trip (S3) sends them at once."""
+        for name, data in objects.items():
+            self.put(location, name, data)
 
     @abstractmethod
     def delete(self, location: str, name: str) -> None:

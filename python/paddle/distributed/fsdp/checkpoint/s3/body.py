@@ -2,8 +2,9 @@
 
 Why: a multipart upload of a rank's pieces must not copy them into part-sized staging buffers (memory bounded by
 part size x concurrency at worst, nothing at best). A part is a list of slices of the pieces; ``ChainBody`` is the
-file-like object botocore sends from (it reads, seeks back for a retry, and asks the length), and ``sha256_b64``
-hashes the slices in place for the part's checksum.
+file-like object botocore sends from (it reads, seeks back for a retry, and asks the length), and ``part_checksum``
+computes the part's checksum over the slices in place (``S3Options.part_checksum``: CRC32 or SHA-256, as the store
+names them, base64 of the big-endian digest).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import zlib
 from collections.abc import Sequence
 
 from .errors import S3ConfigError
@@ -54,6 +56,23 @@ def sha256_b64(slices: Sequence[memoryview]) -> str:
     for s in slices:
         h.update(s)
     return base64.b64encode(h.digest()).decode()
+
+
+def crc32_b64(slices: Sequence[memoryview]) -> str:
+    value = 0
+    for s in slices:
+        value = zlib.crc32(s, value)
+    return base64.b64encode(value.to_bytes(4, "big")).decode()
+
+
+# S3Options.part_checksum -> (the store's algorithm name, the request/response field, the function)
+PART_CHECKSUMS = {"crc32": ("CRC32", "ChecksumCRC32", crc32_b64), "sha256": ("SHA256", "ChecksumSHA256", sha256_b64)}
+
+
+def part_checksum(algorithm: str, slices: Sequence[memoryview]) -> tuple[str, str]:
+    """(field name, base64 value) of the checksum of ``slices`` that a request carries and the store verifies."""
+    _, field, fn = PART_CHECKSUMS[algorithm]
+    return field, fn(slices)
 
 
 class ChainBody(io.RawIOBase):

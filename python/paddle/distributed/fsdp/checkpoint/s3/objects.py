@@ -4,7 +4,7 @@ Why one class: the storage backend (and tests, tools) speak objects under one ``
 deadlines, checksums and the abort of failed multipart uploads live here once. Names are relative to the prefix.
 
 * ``upload(name, pieces)``: one object from a sequence of bytes-like pieces, sent from them without copies;
-  multipart (parallel parts, SHA-256 per part checked by the store) above one part size. Any failure, or an
+  multipart (parallel parts, a CRC32 or SHA-256 per part checked by the store) above one part size. Any failure, or an
   interrupt, aborts the multipart upload before the error is raised: no orphan parts left billing.
 * ``put(name, data, if_absent=True)``: the commit: If-None-Match: * so that of two writers one wins and the other
   gets S3CommitConflictError.
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import retry
-from .body import ChainBody, as_views, sha256_b64, split_parts
+from .body import PART_CHECKSUMS, ChainBody, as_views, part_checksum, split_parts
 from .client import make_client
 from .errors import (
     S3BucketNotFoundError,
@@ -42,12 +42,14 @@ DELETE_BATCH = 1000  # S3's DeleteObjects limit
 
 @dataclass(frozen=True)
 class UploadResult:
-    """What was stored: key, size, and SHA-256 per part (base64, as the store checked them) for the metadata."""
+    """What was stored: key, size, and the checksum per part (base64, as the store checked them: ``algorithm``,
+    S3Options.part_checksum)."""
 
     key: str
     size: int
-    part_sha256: tuple[str, ...]
+    part_checksums: tuple[str, ...]
     etag: str
+    algorithm: str = "crc32"
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ class S3Objects:
         A conditional put whose earlier try may have succeeded unseen (a reply lost) and then meets 412 compares
         the stored bytes with ``data``: the same bytes are this writer's own success, not a conflict."""
         views = as_views(data)
-        key, digest = self.url.key(name), sha256_b64(views)
+        key, (field, digest) = self.url.key(name), part_checksum(self.opts.part_checksum, views)
         if if_absent and if_match is not None:
             raise S3ConfigError("put: if_absent and if_match exclude each other")
         cond = " If-None-Match:*" if if_absent else f" If-Match:{if_match}" if if_match else ""
@@ -122,7 +124,7 @@ class S3Objects:
             kw = {"IfNoneMatch": "*"} if if_absent else {"IfMatch": if_match} if if_match else {}
             body = ChainBody(views)
             return self.client.put_object(
-                Bucket=self.url.bucket, Key=key, Body=body, ChecksumSHA256=digest, ContentLength=len(body), **kw
+                Bucket=self.url.bucket, Key=key, Body=body, ContentLength=len(body), **{field: digest}, **kw
             )
 
         try:
@@ -132,11 +134,11 @@ class S3Objects:
                 raise
             if tries[0] > 1 and self._holds(name, views):
                 LOG.info("%s: 412 after a retry, and the object holds our bytes: our earlier try succeeded", what)
-                return UploadResult(key, sum(len(v) for v in views), (digest,), "")
+                return UploadResult(key, sum(len(v) for v in views), (digest,), "", self.opts.part_checksum)
             raise S3CommitConflictError(
                 f"{what}: another writer {'created' if if_absent else 'replaced'} the object first (412)"
             ) from exc
-        return UploadResult(key, sum(len(v) for v in views), (digest,), reply.get("ETag", ""))
+        return UploadResult(key, sum(len(v) for v in views), (digest,), reply.get("ETag", ""), self.opts.part_checksum)
 
     def _holds(self, name: str, views: list[memoryview]) -> bool:
         size = sum(len(v) for v in views)
@@ -159,7 +161,9 @@ class S3Objects:
         what = self._what("multipart upload", name)
         created = retry.call(
             what + " (create)",
-            lambda: self.client.create_multipart_upload(Bucket=self.url.bucket, Key=key, ChecksumAlgorithm="SHA256"),
+            lambda: self.client.create_multipart_upload(
+                Bucket=self.url.bucket, Key=key, ChecksumAlgorithm=PART_CHECKSUMS[self.opts.part_checksum][0]
+            ),
             self.opts,
         )
         upload_id = created["UploadId"]
@@ -175,25 +179,26 @@ class S3Objects:
         except BaseException as exc:
             self._abort(key, upload_id, what, exc)
             raise
-        return UploadResult(key, size, tuple(p["ChecksumSHA256"] for p in parts), done.get("ETag", ""))
+        field = PART_CHECKSUMS[self.opts.part_checksum][1]
+        return UploadResult(key, size, tuple(p[field] for p in parts), done.get("ETag", ""), self.opts.part_checksum)
 
     def _send_parts(self, name: str, key: str, upload_id: str, parts: list[list[memoryview]]) -> list[dict]:
         """Send the parts, at most ``concurrency`` in flight; the first fatal error cancels the others."""
         cancel = threading.Event()
 
         def send(number: int, slices: list[memoryview]) -> dict:
-            digest = sha256_b64(slices)
+            field, digest = part_checksum(self.opts.part_checksum, slices)
             what = self._what(f"UploadPart {number}/{len(parts)} of upload {upload_id[:16]}", name)
 
             def once() -> dict:
                 body = ChainBody(slices)
                 return self.client.upload_part(
                     Bucket=self.url.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body,
-                    ContentLength=len(body), ChecksumSHA256=digest,
+                    ContentLength=len(body), **{field: digest},
                 )  # fmt: skip
 
             reply = retry.call(what, once, self.opts, cancel=cancel)
-            return {"PartNumber": number, "ETag": reply["ETag"], "ChecksumSHA256": digest}
+            return {"PartNumber": number, "ETag": reply["ETag"], field: digest}
 
         futures = [self._pool.submit(send, i + 1, s) for i, s in enumerate(parts)]
         first_error: BaseException | None = None

@@ -15,10 +15,11 @@ Register it for ``s3://`` with ``register()`` (done on import): ``backend_for("s
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from .. import checksums, faults
 from ..errors import MetadataError
@@ -188,6 +189,16 @@ class S3Storage(Storage):
         objs, prefix = self._resolve(location)
         objs.put(self._join(prefix, name), data)  # a PUT is atomic and durable when it returns
 
+    def put_all(self, location: str, objects: Mapping[str, bytes]) -> None:
+        """The PUTs at once (up to ``concurrency`` in flight): the commit's metadata objects cost one round trip."""
+        for name in objects:
+            self._check_name(name)
+        objs, prefix = self._resolve(location)
+        futures = [objs._pool.submit(objs.put, self._join(prefix, n), d) for n, d in objects.items()]
+        cf.wait(futures)  # every PUT ended (none left running behind a failure), then the first failure is raised
+        for fut in futures:
+            fut.result()
+
     def delete(self, location: str, name: str) -> None:
         self._check_name(name)
         objs, prefix = self._resolve(location)
@@ -199,11 +210,12 @@ class S3Storage(Storage):
         head, _, version = sprefix.rpartition("/")
         if sobjs is not objs or head != fprefix or not version.startswith(VERSION):
             raise StorageError(f"{staging} is not a staging of {final} (made by begin({final!r}, ...))")
+        begun = objs._pool.submit(objs.size, self._join(sprefix, BEGUN))  # both requests at once
         current = self._pointer(objs, fprefix)
+        if begun.result() is None and (current is None or current[0] != version):
+            raise FileNotFoundError(f"staging {staging} does not exist")
         if current is not None and current[0] == version:
             return  # already published (another rank, or a retry)
-        if objs.size(self._join(sprefix, BEGUN)) is None:
-            raise FileNotFoundError(f"staging {staging} does not exist")
         key = self._join(fprefix, POINTER)
         try:
             if current is None:
@@ -223,6 +235,8 @@ class S3Storage(Storage):
         head, _, last = prefix.rpartition("/")
         if last.startswith(VERSION) and (self._pointer(objs, head) or ("",))[0] == last:
             return  # a published staging is gone (it is final's content): as for a renamed local staging
+        if not last.startswith(VERSION) and not objs.list(prefix) and not objs.pending_uploads(prefix + "/"):
+            return  # nothing stored there (e.g. a save's failure records, usually absent): two requests, not five
         objs.delete([self._join(prefix, POINTER)])  # first: the checkpoint stops being visible at once
         self._remove_prefix(objs, prefix)
         if last.startswith(VERSION):  # an abandoned staging: its never-published final goes too when left empty

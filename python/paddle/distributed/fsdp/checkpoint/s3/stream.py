@@ -14,7 +14,7 @@ import concurrent.futures as cf
 import threading
 
 from . import retry
-from .body import ChainBody, sha256_b64
+from .body import PART_CHECKSUMS, ChainBody, part_checksum
 from .objects import S3Objects, UploadResult
 
 
@@ -63,7 +63,9 @@ class StreamUpload:
             created = retry.call(
                 self.what + " (create)",
                 lambda: self.o.client.create_multipart_upload(
-                    Bucket=self.o.url.bucket, Key=self.key, ChecksumAlgorithm="SHA256"
+                    Bucket=self.o.url.bucket,
+                    Key=self.key,
+                    ChecksumAlgorithm=PART_CHECKSUMS[self.o.opts.part_checksum][0],
                 ),
                 self.o.opts,
             )
@@ -81,18 +83,18 @@ class StreamUpload:
         self._futures.append(fut)
 
     def _send(self, number: int, slices: list[memoryview], _keep: list[object]) -> dict:
-        digest = sha256_b64(slices)
+        field, digest = part_checksum(self.o.opts.part_checksum, slices)
         what = self.o._what(f"UploadPart {number} of upload {self._upload_id[:16]}", self.name)
 
         def once() -> dict:
             body = ChainBody(slices)
             return self.o.client.upload_part(
                 Bucket=self.o.url.bucket, Key=self.key, UploadId=self._upload_id, PartNumber=number, Body=body,
-                ContentLength=len(body), ChecksumSHA256=digest,
+                ContentLength=len(body), **{field: digest},
             )  # fmt: skip
 
         reply = retry.call(what, once, self.o.opts, cancel=self._cancel)
-        return {"PartNumber": number, "ETag": reply["ETag"], "ChecksumSHA256": digest}
+        return {"PartNumber": number, "ETag": reply["ETag"], field: digest}
 
     def _raise_failed(self) -> None:
         for fut in self._futures:
@@ -122,7 +124,9 @@ class StreamUpload:
                 ),
                 self.o.opts,
             )
-            return UploadResult(self.key, self.size, tuple(p["ChecksumSHA256"] for p in parts), done.get("ETag", ""))
+            field = PART_CHECKSUMS[self.o.opts.part_checksum][1]
+            sums = tuple(p[field] for p in parts)
+            return UploadResult(self.key, self.size, sums, done.get("ETag", ""), self.o.opts.part_checksum)
         except BaseException as exc:
             self.abort(exc)
             raise

@@ -14,9 +14,13 @@ save
     ``DistTensor``s, ``unique_id`` versions, ``save_replicas``. Stock's save is correct on CPU.
   A call that needs this engine but asks for ``safetensors=False`` (or a ``unique_id`` > 0) is refused with
   :class:`StockFormatError` saying what to pass.
+  A URL of a storage backend (``s3://bucket/prefix``) always goes to this engine: stock cannot write URLs (it
+  would write a local directory named ``s3:``); an explicit ``safetensors=False``, a ``unique_id`` > 0 or
+  ``save_replicas`` on a URL are refused with :class:`StockFormatError`.
 
 load (stock's loader is never used: it unpickles, and its resharding calls ``.cuda()``)
-  * this engine for its own checkpoints (DistTensors become boxes of their local values);
+  * this engine for its own checkpoints (DistTensors become boxes of their local values), and for every URL
+    (``aoa_config`` or ``unique_id`` > 0 on a URL: StockFormatError);
   * ``loader.py`` for stock checkpoints (``.distcp`` or safetensors, any ``unique_id``; restricted unpickler),
     plain Hugging Face safetensors directories (``safetensors=True``) and any ``aoa_config``.
 """
@@ -173,6 +177,26 @@ def _save_route(state_dict: Any, unique_id, safetensors, save_replicas: bool, fo
     return "stock"
 
 
+def _url_route(state_dict: Any, path: str, unique_id, safetensors, save_replicas: bool) -> str:
+    """A URL of a storage backend (``s3://``) that stock would serve: stock cannot write URLs at all (it takes
+    ``s3://b/run`` for a relative path and writes a local directory named ``s3:``), and only this engine reads
+    them back, so the engine's format serves it. Refused by name: what asks for stock's own files or versions."""
+    if not isinstance(state_dict, dict):
+        return "stock"  # stock's own error, raised before it writes anything
+    if not isinstance(safetensors, _Default) and not safetensors:
+        raise StockFormatError(
+            f"save_state_dict: {path} is a URL; stock's pickle format (safetensors=False) is written to local "
+            "directories only (stock itself would write a local directory named 's3:'). Leave safetensors unset "
+            "or pass True: the FSDP checkpoint engine then writes the URL, and load_state_dict reads it back"
+        )
+    if unique_id not in (None, 0) or save_replicas:
+        raise StockFormatError(
+            f"save_state_dict: {path} is a URL, written by the FSDP checkpoint engine, which keeps one version per "
+            f"location; drop unique_id={unique_id!r} / save_replicas={save_replicas!r}"
+        )
+    return "fork"
+
+
 def flatten_for_engine_probe(d: dict):
     for v in d.values():
         if isinstance(v, dict) and _holds_tensors(v):
@@ -211,10 +235,7 @@ def save_state_dict(
     logger.debug("save_state_dict(%s): %s", path, route)
     if route == "stock" and url_scheme(path) is not None:
         local_path(path)  # a scheme no backend serves: UnsupportedURLError
-        raise StockFormatError(
-            f"save_state_dict: {path} is a URL; stock's format is written to local directories only. Pass "
-            "safetensors=True to save it with the FSDP checkpoint engine, which writes to object storage"
-        )
+        route = _url_route(state_dict, path, unique_id, safetensors, save_replicas)
     if route == "stock":
         if async_save and not _has_device_sync():
             # stock's async save starts with paddle.device.synchronize(), which raises TypeError on CPU-only
@@ -325,6 +346,11 @@ def load_state_dict(
             return _engine_load(state_dict, path, process_group, coordinator_rank, fork_options)
         except NotACheckpointError as e:  # raised as stock would: FileNotFoundError, NotADirectoryError, assert
             raise NO_CHECKPOINT[kind](str(e)) from None
+    if url_scheme(path) is not None and (aoa_config is not None or unique_id not in (None, 0)):
+        raise StockFormatError(
+            f"load_state_dict: {path} is a URL, a checkpoint of the FSDP checkpoint engine (one version per "
+            f"location); aoa_config and unique_id > 0 apply to stock's local checkpoints only"
+        )
     if kind == "fork" and aoa_config is None:
         return _engine_load(state_dict, path, process_group, coordinator_rank, fork_options)
     if fork_options:
