@@ -23,8 +23,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from memtier_util import state_bytes, write_copy
 from nodes import launch_nodes, tails
-from paddle.distributed.fsdp.checkpoint import checksums, verify_checkpoint
+from paddle.distributed.fsdp.checkpoint import verify_checkpoint
 from paddle.distributed.fsdp.memtier import (
     InvalidMemoryCopyError,
     MemoryTierFullError,
@@ -32,26 +33,10 @@ from paddle.distributed.fsdp.memtier import (
     agreement,
     peers,
 )
-from paddle.distributed.fsdp.memtier.copies import Copies, offsets_of, read_copy
+from paddle.distributed.fsdp.memtier.copies import Copies, read_copy
 from paddle.distributed.fsdp.memtier.slot import Slot
 
 EXPECT = {"job": "j1", "world": 2, "rank": 1}
-
-
-def _write_copy(path: str, rng: np.random.Generator, layout: list[list]) -> dict:
-    offsets, data_len = offsets_of(layout)
-    slot = Slot.allocate(path, 8192, data_len)
-    data = slot.data(slot.data_off, data_len)
-    fn = checksums.digest_function(checksums.XXH3_64)
-    recs = []
-    for (key, dtype, shape, n), off in zip(layout, offsets):
-        data[off : off + n] = rng.integers(0, 256, n, dtype=np.uint8)
-        recs.append([key, dtype, shape, off, n, checksums.chunk_digests(data[off : off + n], 1024, fn)])
-    header = dict(EXPECT, step=7, algo=checksums.XXH3_64, chunk=1024, records=recs, values={"x": [1, 2]})
-    slot.write_header(header, slot.data_off, data_len)
-    records = {key: bytes(data[off : off + n]) for (key, _d, _s, n), off in zip(layout, offsets)}
-    slot.close()
-    return records
 
 
 LAYOUT = [["a", "float32", [300], 1200], ["b", "uint8", [5], 5], ["c", "float32", [17, 3], 204]]
@@ -60,7 +45,7 @@ LAYOUT = [["a", "float32", [300], 1200], ["b", "uint8", [5], 5], ["c", "float32"
 def test_damaged_copies_are_refused(tmp_path):
     rng = np.random.default_rng(0)
     path = str(tmp_path / "rank00001.own")
-    good = _write_copy(path, rng, LAYOUT)
+    good = write_copy(path, rng, LAYOUT, dict(EXPECT, step=7, values={"x": [1, 2]}), 1024)
     pristine = open(path, "rb").read()
     slot, header, doff, _n = read_copy(path, EXPECT, LAYOUT)
     assert header["step"] == 7 and header["values"] == {"x": [1, 2]}
@@ -223,12 +208,6 @@ def test_bad_arguments_are_refused_by_name(tmp_path):
             flush_memory(roots, str(tmp_path / "d"), **kw)
 
 
-def _records(fsdp, opt) -> dict:
-    state = fsdp.sharded_state_dict()
-    state.update(fsdp.optimizer_sharded_state_dict(opt))
-    return {k: np.array(getattr(v, "local_tensor", v).numpy()) for k, v in state.items()}
-
-
 def test_persist_writes_the_memory_copy_while_training_moves_on(tmp_path, monkeypatch):
     """The persist of step 2 is held back until training ran three more steps: the checkpoint is still step 2
     bit for bit (written from the memory copy, which the skipped saves left alone), the engine's snapshot buffer
@@ -264,7 +243,7 @@ def test_persist_writes_the_memory_copy_while_training_moves_on(tmp_path, monkey
     for step in range(1, 7):
         train(model, opt)
         tier.save(step, extra_state={"step": step})
-        wants[step] = (_records(fsdp, opt), opt.get_lr())
+        wants[step] = (state_bytes(fsdp, opt), opt.get_lr())
         if step == 5:
             assert tier.skipped == [3, 4, 5] and not os.path.exists(root)  # the persist of step 2 is held back
             gate.set()
@@ -277,8 +256,8 @@ def test_persist_writes_the_memory_copy_while_training_moves_on(tmp_path, monkey
         got = fsdp2.load_checkpoint(os.path.join(root, f"step_{step:08d}"), optimizer=opt2)
         want, lr = wants[step]
         assert dict(got) == {"step": step} and opt2.get_lr() == lr
-        assert [k for k, v in _records(fsdp2, opt2).items() if v.tobytes() != want[k].tobytes()] == [], step
-    assert any(v.tobytes() != wants[2][0][k].tobytes() for k, v in wants[6][0].items())  # training moved on
+        assert [k for k, v in state_bytes(fsdp2, opt2).items() if v != want[k]] == [], step
+    assert any(v != wants[2][0][k] for k, v in wants[6][0].items())  # training moved on
     tier.close()
 
 

@@ -15,30 +15,13 @@ import random
 import numpy as np
 import paddle
 import pytest
-from paddle.distributed.fsdp import FullyShardFusion
-from paddle.distributed.fsdp.checkpoint import checksums
+from memtier_util import small_fsdp, state_bytes, write_copy
 from paddle.distributed.fsdp.memtier import InvalidMemoryCopyError, MemoryTier, NoCommonStepError, readback
-from paddle.distributed.fsdp.memtier.copies import offsets_of, read_copy
+from paddle.distributed.fsdp.memtier.copies import read_copy
 from paddle.distributed.fsdp.memtier.slot import Slot
 
 LAYOUT = [["a", "float32", [3000], 12000], ["b", "uint8", [5], 5], ["c", "float32", [170, 3], 2040]]
 EXPECT = {"job": "j", "world": 1, "rank": 0}
-
-
-def _write_copy(path: str, rng: np.random.Generator) -> dict:
-    offsets, data_len = offsets_of(LAYOUT)
-    slot = Slot.allocate(path, 8192, data_len)
-    data = slot.data(slot.data_off, data_len)
-    fn = checksums.digest_function(checksums.XXH3_64)
-    recs = []
-    for (key, dtype, shape, n), off in zip(LAYOUT, offsets):
-        data[off : off + n] = rng.integers(0, 256, n, dtype=np.uint8)
-        recs.append([key, dtype, shape, off, n, checksums.chunk_digests(data[off : off + n], 1000, fn)])
-    header = dict(EXPECT, step=3, algo=checksums.XXH3_64, chunk=1000, records=recs, values={})
-    slot.write_header(header, slot.data_off, data_len)
-    good = {key: bytes(data[off : off + n]) for (key, _d, _s, n), off in zip(LAYOUT, offsets)}
-    slot.close()
-    return good
 
 
 def _read(path: str) -> dict:
@@ -54,7 +37,7 @@ def _read(path: str) -> dict:
 def test_read_into_lands_intact_copies_and_refuses_damaged_ones(tmp_path, monkeypatch):
     monkeypatch.setattr(readback, "PIECE_BYTES", 768)  # chunks (1000 bytes) split across pieces
     path = str(tmp_path / "rank00000.own")
-    good = _write_copy(path, np.random.default_rng(0))
+    good = write_copy(path, np.random.default_rng(0), LAYOUT, dict(EXPECT, step=3, values={}), 1000)
     assert _read(path) == good
     pristine = open(path, "rb").read()
     slot = Slot.open(path)
@@ -72,20 +55,6 @@ def test_read_into_lands_intact_copies_and_refuses_damaged_ones(tmp_path, monkey
         assert got == good, f"a flipped byte at {pos} was read into a tensor unnoticed"
 
 
-def _build(seed: int):
-    paddle.seed(seed)
-    model = paddle.nn.Sequential(paddle.nn.Linear(64, 64), paddle.nn.ReLU(), paddle.nn.Linear(64, 8))
-    fsdp = FullyShardFusion(model)
-    lr = paddle.optimizer.lr.StepDecay(0.02, step_size=1, gamma=0.5)
-    return model, fsdp, paddle.optimizer.AdamW(lr, parameters=model.parameters())
-
-
-def _records(fsdp, opt) -> dict:
-    state = fsdp.sharded_state_dict()
-    state.update(fsdp.optimizer_sharded_state_dict(opt))
-    return {k: np.array(getattr(v, "local_tensor", v).numpy()).tobytes() for k, v in state.items()}
-
-
 def _flip_last_record(path: str) -> None:
     """One flipped bit in the last record: every record before it is read into its tensor before the mismatch."""
     slot = Slot.open(path)
@@ -100,7 +69,7 @@ def _flip_last_record(path: str) -> None:
 
 
 def test_corrupt_copy_found_while_reading_falls_back_and_overwrites(tmp_path):
-    model, fsdp, opt = _build(1)
+    model, fsdp, opt = small_fsdp(1)
     root, mem = str(tmp_path / "durable"), str(tmp_path / "mem")
     tier = MemoryTier(fsdp, opt, durable_root=root, memory_root=mem, persist_every=2, job_id="j")
     wants = {}
@@ -111,11 +80,11 @@ def test_corrupt_copy_found_while_reading_falls_back_and_overwrites(tmp_path):
         opt._learning_rate.step()
         tier.save(step, extra_state={"step": step})
         tier.wait_persisted()
-        wants[step] = (_records(fsdp, opt), opt.get_lr())
+        wants[step] = (state_bytes(fsdp, opt), opt.get_lr())
     tier.close(remove=False)
     own = tier.copies.own_path()
     _flip_last_record(own)
-    _m, fsdp2, opt2 = _build(9)
+    _m, fsdp2, opt2 = small_fsdp(9)
     tier2 = MemoryTier(fsdp2, opt2, durable_root=root, memory_root=mem, persist_every=2, job_id="j")
     wrote = []
     real = readback.read_into
@@ -127,12 +96,12 @@ def test_corrupt_copy_found_while_reading_falls_back_and_overwrites(tmp_path):
         got = tier2.restore()
         assert wrote, "the corrupt copy was not read"
         assert (got.step, got.sources, dict(got)) == (2, ["storage"], {"step": 2})
-        mine, (want, lr) = _records(fsdp2, opt2), wants[2]
+        mine, (want, lr) = state_bytes(fsdp2, opt2), wants[2]
         assert [k for k in want if mine[k] != want[k]] == [] and opt2.get_lr() == lr
         # the same corrupt copy, nothing in storage: a named error that says the tensors are no checkpoint's
         tier2.close(remove=False)
         os.rename(root, root + ".gone")
-        _m, fsdp3, opt3 = _build(9)
+        _m, fsdp3, opt3 = small_fsdp(9)
         tier3 = MemoryTier(fsdp3, opt3, durable_root=root, memory_root=mem, persist_every=2, job_id="j")
         with pytest.raises(NoCommonStepError) as err:
             tier3.restore()

@@ -11,27 +11,12 @@ from __future__ import annotations
 
 import shutil
 
-import numpy as np
 import paddle
-from paddle.distributed.fsdp import FullyShardFusion
+from memtier_util import small_fsdp, state_bytes
 from paddle.distributed.fsdp.checkpoint import verify_checkpoint
 from paddle.distributed.fsdp.checkpoint.io import storage as storage_mod
 from paddle.distributed.fsdp.memtier import MemoryTier
 from s3_fixtures import s3_options_for
-
-
-def _build(seed: int):
-    paddle.seed(seed)
-    model = paddle.nn.Sequential(paddle.nn.Linear(64, 64), paddle.nn.ReLU(), paddle.nn.Linear(64, 8))
-    fsdp = FullyShardFusion(model)
-    lr = paddle.optimizer.lr.StepDecay(0.02, step_size=1, gamma=0.5)
-    return model, fsdp, paddle.optimizer.AdamW(lr, parameters=model.parameters())
-
-
-def _records(fsdp, opt) -> dict:
-    state = fsdp.sharded_state_dict()
-    state.update(fsdp.optimizer_sharded_state_dict(opt))
-    return {k: np.array(getattr(v, "local_tensor", v).numpy()).tobytes() for k, v in state.items()}
 
 
 def test_persist_and_flush_memory_to_s3_load_bit_exact(tmp_path, s3_server, s3_bucket, monkeypatch, capsys):
@@ -41,7 +26,7 @@ def test_persist_and_flush_memory_to_s3_load_bit_exact(tmp_path, s3_server, s3_b
     store = S3Storage(s3_options_for(s3_server.endpoint))
     monkeypatch.setitem(storage_mod._schemes, "s3", lambda: store)
     url, mem = f"s3://{s3_bucket}/run/durable", str(tmp_path / "mem")
-    model, fsdp, opt = _build(1)
+    model, fsdp, opt = small_fsdp(1)
     tier = MemoryTier(fsdp, opt, durable_root=url, memory_root=mem, persist_every=2, job_id="s3job")
     wants = {}
     for step in (1, 2, 3):
@@ -51,7 +36,7 @@ def test_persist_and_flush_memory_to_s3_load_bit_exact(tmp_path, s3_server, s3_b
         opt._learning_rate.step()
         tier.save(step, extra_state={"pos": step})
         tier.wait_persisted()
-        wants[step] = (_records(fsdp, opt), opt.get_lr())
+        wants[step] = (state_bytes(fsdp, opt), opt.get_lr())
     assert tier.persist_errors == [] and tier.durable_saves == [2]
     tier.close(remove=False)  # the "crash": the copies stay in memory
     assert store.get(url, "latest").decode().strip() == "step_00000002"
@@ -63,7 +48,7 @@ def test_persist_and_flush_memory_to_s3_load_bit_exact(tmp_path, s3_server, s3_b
     assert verify_checkpoint(f"{url}/step_00000003") == []
     shutil.rmtree(mem)  # memory lost: the restore comes from S3
     for step in (2, 3):
-        _m, fsdp2, opt2 = _build(9)
+        _m, fsdp2, opt2 = small_fsdp(9)
         if step == 3:
             tier2 = MemoryTier(fsdp2, opt2, durable_root=url, memory_root=mem, job_id="s3job")
             got = tier2.restore()
@@ -72,5 +57,5 @@ def test_persist_and_flush_memory_to_s3_load_bit_exact(tmp_path, s3_server, s3_b
         else:
             assert dict(fsdp2.load_checkpoint(f"{url}/step_00000002", optimizer=opt2)) == {"pos": 2}
         want, lr = wants[step]
-        mine = _records(fsdp2, opt2)
+        mine = state_bytes(fsdp2, opt2)
         assert [k for k in want if mine[k] != want[k]] == [] and opt2.get_lr() == lr, step

@@ -1,0 +1,44 @@
+"""Shared pieces of the memory-tier tests: a hand-written memory copy and a small FSDP model to save."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+from paddle.distributed.fsdp import FullyShardFusion
+from paddle.distributed.fsdp.checkpoint import checksums
+from paddle.distributed.fsdp.memtier.copies import offsets_of
+from paddle.distributed.fsdp.memtier.slot import Slot
+
+
+def write_copy(path: str, rng: np.random.Generator, layout: list[list], header: dict, chunk: int) -> dict:
+    """A memory copy of random records laid out as ``layout`` (``[key, dtype, shape, nbytes]``), with the
+    header fields ``header`` (job, world, rank, step, values) and checksums of ``chunk`` bytes; returns each
+    record's bytes."""
+    offsets, data_len = offsets_of(layout)
+    slot = Slot.allocate(path, 8192, data_len)
+    data = slot.data(slot.data_off, data_len)
+    fn = checksums.digest_function(checksums.XXH3_64)
+    recs = []
+    for (key, dtype, shape, n), off in zip(layout, offsets):
+        data[off : off + n] = rng.integers(0, 256, n, dtype=np.uint8)
+        recs.append([key, dtype, shape, off, n, checksums.chunk_digests(data[off : off + n], chunk, fn)])
+    slot.write_header(dict(header, algo=checksums.XXH3_64, chunk=chunk, records=recs), slot.data_off, data_len)
+    records = {key: bytes(data[off : off + n]) for (key, _d, _s, n), off in zip(layout, offsets)}
+    slot.close()
+    return records
+
+
+def small_fsdp(seed: int):
+    """A two-layer model under FSDP with AdamW and a step-decay schedule: ``(model, fsdp, optimizer)``."""
+    paddle.seed(seed)
+    model = paddle.nn.Sequential(paddle.nn.Linear(64, 64), paddle.nn.ReLU(), paddle.nn.Linear(64, 8))
+    fsdp = FullyShardFusion(model)
+    lr = paddle.optimizer.lr.StepDecay(0.02, step_size=1, gamma=0.5)
+    return model, fsdp, paddle.optimizer.AdamW(lr, parameters=model.parameters())
+
+
+def state_bytes(fsdp, opt) -> dict:
+    """Every saved record of the model and its optimizer as bytes (what a bit-exact comparison needs)."""
+    state = fsdp.sharded_state_dict()
+    state.update(fsdp.optimizer_sharded_state_dict(opt))
+    return {k: np.array(getattr(v, "local_tensor", v).numpy()).tobytes() for k, v in state.items()}
