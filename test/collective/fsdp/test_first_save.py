@@ -152,6 +152,10 @@ def test_columns_give_back_every_wire():
         for descs in random_world(random.Random(seed))[0]:
             cols = assign.pack(descs)
             assert [assign.wire_at(cols, i) for i in range(len(descs))] == descs
+    for keys in (["\0"], ["", ""], ["a\0b", "c"], [""], ["x", "\0\0", ""]):  # NULs and empty keys survive
+        descs = [_wire(k, (3,)) for k in keys]
+        cols = assign.pack(descs)
+        assert assign.keys_of(cols) == keys and [assign.wire_at(cols, i) for i in range(len(descs))] == descs
 
 
 def _fsdp_world(world: int, keys: int = 12, share: int = 300) -> list:

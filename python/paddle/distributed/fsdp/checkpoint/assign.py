@@ -75,7 +75,7 @@ def pack(wires: list) -> Columns:
     span = np.array(span, np.int64).reshape(n, 2)
     dt, sh, flags = np.array(dt, np.uint8), np.array(sh, np.int32), np.array(flags, np.uint8)
     joined = "\0".join(keys)
-    if len(joined) + 1 - n == sum(map(len, keys)):  # no key holds a NUL
+    if joined.count("\0") == n - 1:  # no key holds a NUL (else the list goes as it is)
         keys = joined
     return Columns(keys, tuple(dt_ids), dt, tuple(sh_ids), sh, span, flags, general)
 
