@@ -42,3 +42,17 @@ def state_bytes(fsdp, opt) -> dict:
     state = fsdp.sharded_state_dict()
     state.update(fsdp.optimizer_sharded_state_dict(opt))
     return {k: np.array(getattr(v, "local_tensor", v).numpy()).tobytes() for k, v in state.items()}
+
+
+def train_and_save(model, fsdp, opt, tier, steps, extra_key: str = "step") -> dict:
+    """One AdamW step and one tier save (waiting for its persist) per step: ``{step: (state_bytes, lr)}``."""
+    wants = {}
+    for step in steps:
+        model(paddle.randn([4, 64])).square().mean().backward()
+        opt.step()
+        opt.clear_grad()
+        opt._learning_rate.step()
+        tier.save(step, extra_state={extra_key: step})
+        tier.wait_persisted()
+        wants[step] = (state_bytes(fsdp, opt), opt.get_lr())
+    return wants

@@ -15,7 +15,7 @@ import random
 import numpy as np
 import paddle
 import pytest
-from memtier_util import small_fsdp, state_bytes, write_copy
+from memtier_util import small_fsdp, state_bytes, train_and_save, write_copy
 from paddle.distributed.fsdp.memtier import InvalidMemoryCopyError, MemoryTier, NoCommonStepError, readback
 from paddle.distributed.fsdp.memtier.copies import read_copy
 from paddle.distributed.fsdp.memtier.slot import Slot
@@ -72,15 +72,7 @@ def test_corrupt_copy_found_while_reading_falls_back_and_overwrites(tmp_path):
     model, fsdp, opt = small_fsdp(1)
     root, mem = str(tmp_path / "durable"), str(tmp_path / "mem")
     tier = MemoryTier(fsdp, opt, durable_root=root, memory_root=mem, persist_every=2, job_id="j")
-    wants = {}
-    for step in (1, 2, 3):
-        model(paddle.randn([4, 64])).square().mean().backward()
-        opt.step()
-        opt.clear_grad()
-        opt._learning_rate.step()
-        tier.save(step, extra_state={"step": step})
-        tier.wait_persisted()
-        wants[step] = (state_bytes(fsdp, opt), opt.get_lr())
+    wants = train_and_save(model, fsdp, opt, tier, (1, 2, 3))
     tier.close(remove=False)
     own = tier.copies.own_path()
     _flip_last_record(own)

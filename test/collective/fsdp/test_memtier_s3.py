@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import shutil
 
-import paddle
-from memtier_util import small_fsdp, state_bytes
+from memtier_util import small_fsdp, state_bytes, train_and_save
 from paddle.distributed.fsdp.checkpoint import verify_checkpoint
 from paddle.distributed.fsdp.checkpoint.io import storage as storage_mod
 from paddle.distributed.fsdp.memtier import MemoryTier
@@ -28,15 +27,7 @@ def test_persist_and_flush_memory_to_s3_load_bit_exact(tmp_path, s3_server, s3_b
     url, mem = f"s3://{s3_bucket}/run/durable", str(tmp_path / "mem")
     model, fsdp, opt = small_fsdp(1)
     tier = MemoryTier(fsdp, opt, durable_root=url, memory_root=mem, persist_every=2, job_id="s3job")
-    wants = {}
-    for step in (1, 2, 3):
-        model(paddle.randn([4, 64])).square().mean().backward()
-        opt.step()
-        opt.clear_grad()
-        opt._learning_rate.step()
-        tier.save(step, extra_state={"pos": step})
-        tier.wait_persisted()
-        wants[step] = (state_bytes(fsdp, opt), opt.get_lr())
+    wants = train_and_save(model, fsdp, opt, tier, (1, 2, 3), extra_key="pos")
     assert tier.persist_errors == [] and tier.durable_saves == [2]
     tier.close(remove=False)  # the "crash": the copies stay in memory
     assert store.get(url, "latest").decode().strip() == "step_00000002"
