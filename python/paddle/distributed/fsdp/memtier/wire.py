@@ -62,7 +62,7 @@ class PeerLink:
         """Send ``buf`` (a slot's mapping) whole to rank ``dst`` (which calls ``accept(self.rank, tag)``); returns
         its size once ``dst`` acknowledged every byte. PeerTransferError on any failure or past the deadline (it
         applies to each piece of ``SEND_PIECE`` bytes). From the mapping rather than ``socket.sendfile`` of the
-        file: 20-30% faster here for a tmpfs file (docs/memtier-bench-2026-12-03-session3.md)."""
+        file: 20-30% faster here for a tmpfs file (docs/reports/memtier-bench-2026-12-03-session3.md)."""
         mv = memoryview(buf).cast("B")
 
         def write(s: socket.socket) -> int:
