@@ -100,7 +100,9 @@ def _dotted(node: ast.AST) -> str | None:
 
 def test_readme_is_a_front_door():
     lines = README.read_text().splitlines()
-    assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines (at most {MAX_README_LINES}): move to docs/"
+    assert len(lines) <= MAX_README_LINES, (
+        f"README.md has {len(lines)} lines (at most {MAX_README_LINES}): move to docs/"
+    )
     assert CI_TEST_LINE in lines, "README.md lost the CI test command line (.ci/run checks it)"
     first_screen = "\n".join(lines[:40])
     for must in ("pip install", "python -m paddle.distributed.launch", "It is for"):
@@ -172,9 +174,7 @@ def _cli_commands() -> dict[str, set[str]]:
 
     parser = build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return {
-        name: {opt for action in p._actions for opt in action.option_strings} for name, p in sub.choices.items()
-    }
+    return {name: {opt for action in p._actions for opt in action.option_strings} for name, p in sub.choices.items()}
 
 
 def _cli_uses(text: str) -> list[tuple[str, list[str]]]:
