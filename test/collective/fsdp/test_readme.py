@@ -227,7 +227,8 @@ def test_links_resolve():
 
 def test_docs_paths_mentioned_exist():
     """``docs/...`` written in the README, the guides, the code's comments and the tools resolve (globs too)."""
-    sources = [*_documents(), REPO / "setup.py", *REPO.glob("python/**/*.py"), *REPO.glob("tools/**/*.py")]
+    sources = [*_documents(), REPO / "setup.py", REPO / ".ci" / "run", *REPO.glob("python/**/*.py")]
+    sources += [*REPO.glob("tools/**/*.py"), *REPO.glob("test/**/*.py")]
     problems = []
     for src in sources:
         for mention in set(DOCS_MENTION.findall(src.read_text())):

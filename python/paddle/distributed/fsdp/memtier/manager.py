@@ -1,6 +1,6 @@
 """MemoryTier: checkpoints into host shared memory with a peer copy on another node, persisted every K-th save.
 
-A training script needs three lines (see README "Memory tier")::
+A training script needs three lines (see docs/memory-tier.md)::
 
     tier = fsdp.memory_tier(opt, durable_root="ckpt", persist_every=10)   # restores: tier.start_step
     for step in range(tier.start_step, total_steps):
