@@ -169,6 +169,31 @@ def test_fully_shard_fusion_keywords_in_code_blocks_exist():
     assert calls >= 3 and not problems, problems
 
 
+# FullyShardFusion's checkpoint methods take **kwargs and hand them on: the keywords they accept are these.
+DELEGATES = {
+    "save_checkpoint": "paddle.distributed.fsdp.state.resume.save_checkpoint",
+    "load_checkpoint": "paddle.distributed.fsdp.state.resume.load_checkpoint",
+    "memory_tier": "paddle.distributed.fsdp.memtier.MemoryTier.__init__",
+}
+
+
+def test_checkpoint_method_keywords_in_code_blocks_exist():
+    accepted = {method: set(inspect.signature(_resolve(target)).parameters) for method, target in DELEGATES.items()}
+    problems, calls = [], 0
+    for doc, tree in _python_blocks():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            dotted = _dotted(node.func) or ""
+            method = dotted.split(".")[-1]
+            if dotted.startswith("fsdp.") and method in accepted:
+                calls += 1
+                problems += [
+                    f"{doc.name}: {dotted}({k.arg}=...)" for k in node.keywords if k.arg not in accepted[method]
+                ]
+    assert calls >= 8 and not problems, problems
+
+
 def _cli_commands() -> dict[str, set[str]]:
     from paddle.distributed.fsdp.tools.cli import build_parser
 
