@@ -10,6 +10,9 @@ from paddle.distributed.fsdp.memtier.copies import offsets_of
 from paddle.distributed.fsdp.memtier.slot import Slot
 
 
+DURABLE_ID = "0" * 32  # the durable root identity a hand-written copy names (memtier/identity.py)
+
+
 def write_copy(path: str, rng: np.random.Generator, layout: list[list], header: dict, chunk: int) -> dict:
     """A memory copy of random records laid out as ``layout`` (``[key, dtype, shape, nbytes]``), with the
     header fields ``header`` (job, world, rank, step, values) and checksums of ``chunk`` bytes; returns each
@@ -22,6 +25,7 @@ def write_copy(path: str, rng: np.random.Generator, layout: list[list], header: 
     for (key, dtype, shape, n), off in zip(layout, offsets):
         data[off : off + n] = rng.integers(0, 256, n, dtype=np.uint8)
         recs.append([key, dtype, shape, off, n, checksums.chunk_digests(data[off : off + n], chunk, fn)])
+    header = dict({"durable_id": DURABLE_ID, "descs": [None] * len(layout)}, **header)
     slot.write_header(dict(header, algo=checksums.XXH3_64, chunk=chunk, records=recs), slot.data_off, data_len)
     records = {key: bytes(data[off : off + n]) for (key, _d, _s, n), off in zip(layout, offsets)}
     slot.close()

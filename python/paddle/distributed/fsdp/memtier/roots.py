@@ -1,0 +1,133 @@
+"""Memory roots are shared directories (``/dev/shm``): every path the tier opens there is checked, none followed.
+
+Why: a memory root is writable by whoever shares the machine. A symlink planted as a copy file made the tier
+truncate whatever it pointed at; a FIFO hung a restore; a job id with ``/`` or ``..`` escaped the root; two
+jobs with one job id mapped the same files (SIGBUS). The rules:
+
+* a job id is a plain name (``JOB_ID_RE``);
+* the memory root and a job's directory are real directories (opened with O_NOFOLLOW | O_DIRECTORY), owned by
+  this user; the tier creates them 0700 and tightens one of its own that is open to others (``private=True``);
+  ``flush-memory`` (read only) refuses one that others may write to;
+* a copy file is opened relative to its directory's descriptor with O_NOFOLLOW | O_NONBLOCK and used only when
+  it is a regular file of this user with one link (a symlink, FIFO, device or hard link is refused by name);
+* one live process per job and rank: ``RankLock`` holds ``rank<N>.lock`` (flock) for the tier's life, so a
+  second job with the same job id is refused by name (MemoryRootInUseError) before it maps anything.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import re
+import stat
+
+from .errors import InvalidMemoryCopyError, MemoryRootError, MemoryRootInUseError
+
+logger = logging.getLogger(__name__)
+
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def check_job_id(job) -> str:
+    """``job`` when it is a plain name (letters, digits, ``._-``, not starting with a dot); MemoryRootError else."""
+    if not isinstance(job, str) or not JOB_ID_RE.match(job):
+        raise MemoryRootError(f"job id {job!r} is not a plain name (letters, digits, '.', '_', '-'; at most 128, "
+                              "not starting with '.' or '-')")  # fmt: skip
+    return job
+
+
+def open_dir(path: str, *, create: bool, private: bool = True) -> int:
+    """A descriptor of the directory ``path`` (its last component never a symlink), owned by this user; created
+    0700 when ``create``. ``private``: group/other access is removed (the tier's own directories); else a
+    directory others may write to is refused (flush-memory reads roots it does not own the policy of)."""
+    if create:
+        parent = os.path.dirname(os.path.abspath(path))
+        os.makedirs(parent, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except FileNotFoundError:
+        raise MemoryRootError(f"memory root {path} does not exist") from None
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise MemoryRootError(f"memory root {path} is not a directory (a symlink or a file): refused") from None
+        raise MemoryRootError(f"memory root {path} cannot be opened: {e}") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise MemoryRootError(f"memory root {path} is owned by uid {st.st_uid}, not by this user "
+                                  f"(uid {os.geteuid()}): refused; choose another memory_root")  # fmt: skip
+        if private and st.st_mode & 0o077:
+            os.fchmod(fd, 0o700)
+            logger.info("memory tier: %s was mode %o, now 0700", path, stat.S_IMODE(st.st_mode))
+        elif not private and st.st_mode & 0o022:
+            raise MemoryRootError(f"memory root {path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}): "
+                                  "its copies cannot be trusted")  # fmt: skip
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_file(dir_fd: int | None, name: str, flags: int, where: str, mode: int = 0o600) -> int:
+    """A descriptor of the regular file ``name`` in ``dir_fd`` (or the path ``name`` when None), never through a
+    symlink, never blocking on a FIFO; InvalidMemoryCopyError unless it is a regular file of this user with one
+    link. Other OSErrors (a missing file) pass."""
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise InvalidMemoryCopyError(f"{where} is a symlink: refused") from None
+        if e.errno == errno.ENXIO:  # a FIFO without a reader, opened for writing
+            raise InvalidMemoryCopyError(f"{where} is not a regular file: refused") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidMemoryCopyError(f"{where} is not a regular file: refused")
+        if st.st_uid != os.geteuid():
+            raise InvalidMemoryCopyError(f"{where} is owned by uid {st.st_uid}, not by this user: refused")
+        if st.st_nlink != 1:
+            raise InvalidMemoryCopyError(f"{where} has {st.st_nlink} links (another name points at it): refused")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class RankLock:
+    """``<job dir>/rank<N>.lock`` held with an exclusive flock while the tier lives (released by ``close``, or by
+    the kernel when the process dies): a second live process of the same job id and rank is refused by name."""
+
+    def __init__(self, dir_path: str, rank: int):
+        self.path = os.path.join(dir_path, f"rank{rank:05d}.lock")
+        self._fd = -1
+        dfd = open_dir(dir_path, create=True)
+        try:
+            name = os.path.basename(self.path)
+            fd = open_file(dfd, name, os.O_RDWR | os.O_CREAT, f"lock file {self.path}")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise MemoryRootInUseError(f"memory root {dir_path} is in use by another live process (pid {holder})"
+                                           f" of the same job id and rank {rank}: refused (give each job its own "
+                                           "job_id / PADDLE_FSDP_JOB_ID)") from None  # fmt: skip
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            self._fd = fd
+        finally:
+            os.close(dfd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
