@@ -100,6 +100,7 @@ def test_too_small_memory_root_is_a_named_error(tmp_path):
         with pytest.raises(MemoryTierFullError, match="free"):  # both copies: 1.5 MiB on a 1 MiB tmpfs
             copies.allocate([(4096, 768 << 10), (4096, 768 << 10)], 1, quota=None)
         assert not os.path.exists(copies.own_path()) and not os.path.exists(copies.peer_path())
+        copies.unclaim(remove=True)  # its lock file: the tmpfs must unmount
         # the free-space check passed but posix_fallocate cannot reserve the blocks: named error, no file left
         (small / "filler").write_bytes(b"\0" * (700 << 10))
         import paddle.distributed.fsdp.memtier.slot as slot_mod

@@ -131,3 +131,5 @@ class RankLock:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    __del__ = close  # a tier dropped without close(): the lock goes with it
