@@ -133,3 +133,30 @@ class RankLock:
             self._fd = -1
 
     __del__ = close  # a tier dropped without close(): the lock goes with it
+
+
+def hold_locks(dir_path: str, names: list[str]) -> list[int]:
+    """Take every rank lock ``names`` in ``dir_path`` (flush-memory, while it reads the job's copies): the
+    descriptors to close when done; MemoryRootInUseError when a live process holds one."""
+    held: list[int] = []
+    dfd = open_dir(dir_path, create=False, private=False)
+    try:
+        for name in names:
+            try:
+                fd = open_file(dfd, name, os.O_RDONLY, f"lock file {dir_path}/{name}")
+            except (InvalidMemoryCopyError, OSError) as e:
+                logger.warning("ignoring %s/%s: %s", dir_path, name, e)
+                continue
+            held.append(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise MemoryRootInUseError(f"{dir_path}/{name} is held by a live process: the job is running; "
+                                           "flush its memory copies after it ended") from None  # fmt: skip
+    except BaseException:
+        for fd in held:
+            os.close(fd)
+        raise
+    finally:
+        os.close(dfd)
+    return held

@@ -218,14 +218,17 @@ def digest_fn(header: dict):
         raise InvalidMemoryCopyError(str(e)) from None
 
 
-def verify_records(header: dict, data, where: str, keys=None) -> None:
-    """Check the chunk digests of the records of a checked header against ``data`` (the copy's data region, or a
-    private copy of some records laid out at their offsets); ``keys``: only those records."""
+def verify_records(header: dict, data, where: str) -> None:
+    """Check the chunk digests of every record of a checked header against ``data`` (the copy's data region)."""
     fn = digest_fn(header)
     if fn is None:
         return
-    for key, _dtype, _shape, off, nbytes, digests in header["records"]:
-        if keys is not None and key not in keys:
-            continue
-        if checksums.chunk_digests(data[off : off + nbytes], header["chunk"], fn) != digests:
-            raise InvalidMemoryCopyError(f"{where}: checksum mismatch in record {key!r}")
+    for rec in header["records"]:
+        check_record_bytes(header, rec, data[rec[3] : rec[3] + rec[4]], where, fn)
+
+
+def check_record_bytes(header: dict, rec: list, buf, where: str, fn=None) -> None:
+    """InvalidMemoryCopyError unless ``buf`` (one record's bytes, wherever they are) matches its chunk digests."""
+    fn = fn or digest_fn(header)
+    if fn is not None and checksums.chunk_digests(buf, header["chunk"], fn) != rec[5]:
+        raise InvalidMemoryCopyError(f"{where}: checksum mismatch in record {rec[0]!r}")
