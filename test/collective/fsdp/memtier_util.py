@@ -9,7 +9,6 @@ from paddle.distributed.fsdp.checkpoint import checksums
 from paddle.distributed.fsdp.memtier.copies import offsets_of
 from paddle.distributed.fsdp.memtier.slot import Slot
 
-
 DURABLE_ID = "0" * 32  # the durable root identity a hand-written copy names (memtier/identity.py)
 
 

@@ -10,8 +10,8 @@
 from __future__ import annotations
 
 import os
-import shutil
 import random
+import shutil
 
 import numpy as np
 import paddle

@@ -295,10 +295,13 @@ def test_copy_header_fuzz_restore_and_flush_name_the_damage_or_return_exact_stat
     cases = cases[:36]
     for pos in rng.sample(range(HEADER_OFF, HEADER_OFF + hlen), 12):  # flipped header bytes, digest as it was
         cases.append((f"byte {pos}", pos))
+    cases.append(("pristine (the control: memory and flush-memory take it)", None))
     outcomes = {"memory": 0, "storage": 0, "flushed": 0, "refused": 0}
     for n, (name, mutation) in enumerate(cases):
         own.write_bytes(pristine)
-        if isinstance(mutation, int):
+        if mutation is None:
+            pass
+        elif isinstance(mutation, int):
             raw = bytearray(pristine)
             raw[mutation] ^= 1 << rng.randrange(8)
             own.write_bytes(bytes(raw))
@@ -332,6 +335,7 @@ def test_copy_header_fuzz_restore_and_flush_name_the_damage_or_return_exact_stat
         shutil.rmtree(root)
         shutil.rmtree(root2)
     assert outcomes["storage"] > 0, outcomes  # damaged copies were skipped, the older stored step restored
+    assert outcomes["memory"] > 0 and outcomes["flushed"] > 0, outcomes
 
 
 # ---------------------------------------------------------------------------------------------------- flush
@@ -378,3 +382,21 @@ def test_flush_takes_any_verified_copy_and_commits_what_it_verified(tmp_path, mo
     shutil.copytree(root, changed)
     assert cli(["flush-memory", str(changed), "--memory-root", str(good), "--job", "j"]) == 2
     assert not (changed / "step_00000003").exists()
+
+
+# ---------------------------------------------------------------------------------------------------- two nodes
+def test_two_nodes_strangers_at_save_and_a_rank_that_cannot_list_storage(tmp_path):
+    """Two launchers (one rank each, own memory roots): real strangers on rank 1's port during every save, then
+    node 0's memory lost (restored from rank 1's peer copy, bit for bit); then rank 1 cannot list storage after the
+    memory roots were wiped: both ranks raise StorageUnreadableError, neither starts over."""
+    from nodes import launch_nodes, tails
+
+    codes, results = launch_nodes(tmp_path / "log", "memtier_trust.py", [str(tmp_path)],
+                                  [tmp_path / "node0", tmp_path / "node1"])  # fmt: skip
+    assert codes == [0, 0] and sorted(results) == [0, 1], f"{codes} {results}\n{tails(tmp_path / 'log')}"
+    for r in (0, 1):
+        got = results[r]["strangers"]
+        assert got == {"step": 3, "sources": ["peer", "memory"], "differ": []}, (r, got)
+        bad = results[r]["unreadable"]
+        assert bad.get("error") == "StorageUnreadableError", (r, bad)
+        assert "rank 1 failed: cannot list checkpoint root" in bad["message"], (r, bad)
