@@ -60,8 +60,10 @@ def decide(reports: list[dict]) -> Decision | None:
     if best_storage is not None:
         return Decision(best_storage, [STORAGE] * world, {})
     have = "; ".join(f"rank {r}: {sorted(m) or 'nothing'}" for r, m in enumerate(in_memory))
-    stored = "nothing" if not any(seen_storage) else "; ".join(
-        f"rank {r}: {s[-5:] or 'nothing'}" for r, s in enumerate(seen_storage)
+    stored = (
+        "nothing"
+        if not any(seen_storage)
+        else "; ".join(f"rank {r}: {s[-5:] or 'nothing'}" for r, s in enumerate(seen_storage))
     )
     raise NoCommonStepError(
         f"no step is restorable by every rank: in memory (own or peer copy) {have}; in storage (as each rank "

@@ -46,7 +46,15 @@ class PeerAuthError(PeerTransferError):
 ERROR_CLASSES.update(
     {
         c.__name__: c
-        for c in (MemoryTierError, MemoryTierFullError, InvalidMemoryCopyError, NoCommonStepError, PeerTransferError,
-                  MemoryRootError, MemoryRootInUseError, PeerAuthError)
+        for c in (
+            MemoryTierError,
+            MemoryTierFullError,
+            InvalidMemoryCopyError,
+            NoCommonStepError,
+            PeerTransferError,
+            MemoryRootError,
+            MemoryRootInUseError,
+            PeerAuthError,
+        )
     }  # fmt: skip
 )

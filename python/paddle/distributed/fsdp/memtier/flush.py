@@ -102,9 +102,7 @@ def _scan(roots: list[str], job: str | None, durable_id: str | None, locks: list
                     slot.close()
     if not by_job:
         why = f"; {len(other_root)} copies name another durable root (id {durable_id} here)" if other_root else ""
-        raise MemoryTierError(
-            f"no valid memory copy{f' of job {job!r}' if job else ''} under {', '.join(roots)}{why}"
-        )
+        raise MemoryTierError(f"no valid memory copy{f' of job {job!r}' if job else ''} under {', '.join(roots)}{why}")
     if len(by_job) > 1:
         raise MemoryTierError(f"memory copies of several jobs under the roots: {sorted(by_job)}; choose one with --job")
     return next(iter(by_job.items()))
@@ -152,7 +150,9 @@ def _write(staging: str, copies: list, on_bytes, on_total) -> int:
         values = merged_values(per_rank)
         plan = lay_out_files(assign_writes(wires, values), values, out.checkpoint_id)
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-        raise InvalidMemoryCopyError(f"the copies' record descriptions and values do not make a checkpoint: {e}") from None
+        raise InvalidMemoryCopyError(
+            f"the copies' record descriptions and values do not make a checkpoint: {e}"
+        ) from None
     values[RNG_KEY] = [h["values"].get(RNG_KEY) for _s, h, _o, _n in copies]
     if on_total is not None:
         on_total(sum(layout.size - len(layout.header) for layout in plan.files.values()))

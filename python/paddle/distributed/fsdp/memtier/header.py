@@ -79,5 +79,9 @@ def _check_record(rec, i: int, chunk: int, algo: str, data_len: int, end: int, w
     if nbytes and (off < end or off + nbytes > data_len):
         raise InvalidMemoryCopyError(f"{where}: record {key[:80]!r} lies outside the data or overlaps another")
     want = 0 if algo == NONE else math.ceil(nbytes / chunk)
-    if type(digests) is not list or len(digests) != want or not all(type(d) is int and 0 <= d < 1 << 64 for d in digests):
+    if (
+        type(digests) is not list
+        or len(digests) != want
+        or not all(type(d) is int and 0 <= d < 1 << 64 for d in digests)
+    ):
         raise InvalidMemoryCopyError(f"{where}: record {key[:80]!r} has not {want} chunk digests")

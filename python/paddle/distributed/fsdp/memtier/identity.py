@@ -65,6 +65,8 @@ def agree(root: str, rank: int, all_gather_object) -> str:
     else:
         value = all_gather_object(secrets.token_hex(16) if rank == 0 else None)[0]
     mine = seen[rank][0]
-    written = all_gather_object(_status(lambda: None if mine == value else storage.put(root, ID_OBJECT, value.encode())))
+    written = all_gather_object(
+        _status(lambda: None if mine == value else storage.put(root, ID_OBJECT, value.encode()))
+    )
     _raise_first(written)
     return value
