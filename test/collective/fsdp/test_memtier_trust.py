@@ -184,6 +184,17 @@ def test_durable_root_identity_decides_which_copies_are_used(tmp_path, caplog):
     assert (root / "memtier-id").read_text() != (other / "memtier-id").read_text()
 
 
+def test_a_fresh_start_needs_every_rank_to_see_nothing():
+    from paddle.distributed.fsdp.memtier import NoCommonStepError, agreement
+
+    nothing = {"own": None, "held": None, "storage": []}
+    assert agreement.decide([nothing, nothing]) is None
+    with pytest.raises(NoCommonStepError, match=r"rank 0: \[4\]; rank 1: nothing"):
+        agreement.decide([dict(nothing, storage=[4]), nothing])  # one rank sees storage: never "nothing"
+    got = agreement.decide([dict(nothing, storage=[2, 4]), dict(nothing, storage=[2])])
+    assert (got.step, got.sources) == (2, ["storage", "storage"])
+
+
 def test_unreadable_storage_is_a_named_error_never_a_fresh_start(tmp_path, monkeypatch):
     root, mem, _wants = _trained(tmp_path)
     shutil.rmtree(mem)  # /dev/shm wiped: storage is all there is
