@@ -158,7 +158,7 @@ class PeerLink:
                                        "rank %d, tag %d)", self.rank, who, got_tag, src, tag)  # fmt: skip
                         conn.close()
                         continue
-                    conn.setblocking(True)
+                    conn.settimeout(self.timeout_s)
                     ack = _mac(self.key, b"ack", p.nonce, nonce)
                     return Incoming(conn, src, self.rank, size, self.deadline_for(size), ack)
         finally:
@@ -244,6 +244,8 @@ class Incoming:
         self.conn, self.src, self.rank = conn, src, rank
         self.size, self.pos = size, 0  # the payload's size, bytes of the payload consumed
         self.deadline, self._ack = deadline, ack
+        self._timeout = max(min(conn.gettimeout() or 1e9, _left(deadline)), 1e-3)
+        conn.settimeout(self._timeout)  # a recv never outlasts the deadline (lowered as it nears)
 
     def _fail(self, msg: str) -> PeerTransferError:
         self.close()
@@ -260,7 +262,9 @@ class Incoming:
             try:
                 if left <= 0:
                     raise TimeoutError
-                self.conn.settimeout(left)
+                if left < self._timeout:  # only near the deadline: settimeout costs two fcntl calls
+                    self._timeout = left
+                    self.conn.settimeout(left)
                 k = self.conn.recv_into(mv[got:], n - got)
             except TimeoutError:
                 raise self._fail(f"not complete within the deadline ({self.pos + got} of {self.size} bytes)") from None
