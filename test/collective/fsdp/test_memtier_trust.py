@@ -254,6 +254,28 @@ def test_memory_root_symlinks_fifos_and_job_ids(tmp_path, monkeypatch):
         MemoryTier(fsdp, opt, durable_root=str(tmp_path / "d"), memory_root=str(mem))
 
 
+def test_memory_root_owner_and_mode(tmp_path):
+    model, fsdp, opt = small_fsdp(1)
+    open_root = tmp_path / "open"
+    open_root.mkdir()
+    os.chmod(open_root, 0o777)  # anyone may write, no sticky bit: refused, and left as it is
+    with pytest.raises(MemoryRootError, match="writable by others"):
+        _tier(fsdp, opt, tmp_path / "d", open_root).restore()
+    assert os.stat(open_root).st_mode & 0o777 == 0o777
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)  # like /dev/shm: accepted, never changed; the job directory is made 0700
+    (sticky / "j").mkdir(mode=0o755)
+    tier = _tier(fsdp, opt, tmp_path / "d", sticky)
+    assert tier.restore() is None
+    assert os.stat(sticky).st_mode & 0o7777 == 0o1777 and os.stat(sticky / "j").st_mode & 0o777 == 0o700
+    tier.close()
+    link = tmp_path / "link"
+    os.symlink(sticky, link)  # a symlinked memory root
+    with pytest.raises(MemoryRootError, match="not a directory"):
+        _tier(fsdp, opt, tmp_path / "d", link).restore()
+
+
 def test_two_live_tiers_on_one_job_id_are_refused_by_name(tmp_path):
     model, fsdp, opt = small_fsdp(1)
     first = _tier(fsdp, opt, tmp_path / "d1", tmp_path / "mem")

@@ -61,7 +61,7 @@ class Copies:
         """Check the memory root and the job's directory (roots.open_dir) and take this rank's lock (once):
         MemoryRootError / MemoryRootInUseError by name."""
         if self.lock is None:
-            os.close(roots.open_dir(self.root, create=True))
+            os.close(roots.open_dir(self.root, create=True, private=False))
             self.lock = roots.RankLock(self.dir, self.rank)
 
     def unclaim(self, remove: bool) -> None:

@@ -40,9 +40,10 @@ def check_job_id(job) -> str:
 
 
 def open_dir(path: str, *, create: bool, private: bool = True) -> int:
-    """A descriptor of the directory ``path`` (its last component never a symlink), owned by this user; created
-    0700 when ``create``. ``private``: group/other access is removed (the tier's own directories); else a
-    directory others may write to is refused (flush-memory reads roots it does not own the policy of)."""
+    """A descriptor of the directory ``path`` (its last component never a symlink); created 0700 when
+    ``create``. ``private`` (a job's directory, the tier's own): owned by this user, group/other access removed.
+    Else (a memory root, or any directory flush-memory reads): owned by this user, or by root with the sticky
+    bit (``/dev/shm`` itself), and writable by others only with the sticky bit; never changed."""
     if create:
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
@@ -59,20 +60,25 @@ def open_dir(path: str, *, create: bool, private: bool = True) -> int:
             raise MemoryRootError(f"memory root {path} is not a directory (a symlink or a file): refused") from None
         raise MemoryRootError(f"memory root {path} cannot be opened: {e}") from None
     try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            raise MemoryRootError(f"memory root {path} is owned by uid {st.st_uid}, not by this user "
-                                  f"(uid {os.geteuid()}): refused; choose another memory_root")  # fmt: skip
-        if private and st.st_mode & 0o077:
-            os.fchmod(fd, 0o700)
-            logger.info("memory tier: %s was mode %o, now 0700", path, stat.S_IMODE(st.st_mode))
-        elif not private and st.st_mode & 0o022:
-            raise MemoryRootError(f"memory root {path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}): "
-                                  "its copies cannot be trusted")  # fmt: skip
+        _check_dir(fd, path, private)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _check_dir(fd: int, path: str, private: bool) -> None:
+    st = os.fstat(fd)
+    mode, sticky = stat.S_IMODE(st.st_mode), bool(st.st_mode & stat.S_ISVTX)
+    owned = st.st_uid == os.geteuid()
+    if not owned and (private or not (st.st_uid == 0 and sticky)):
+        raise MemoryRootError(f"memory root {path} is owned by uid {st.st_uid}, not by this user (uid "
+                              f"{os.geteuid()}): refused; choose another memory_root")  # fmt: skip
+    if private and mode & 0o077:
+        os.fchmod(fd, 0o700)
+        logger.info("memory tier: %s was mode %o, now 0700", path, mode)
+    elif not private and mode & 0o022 and not sticky:
+        raise MemoryRootError(f"memory root {path} is writable by others (mode {mode:o}, no sticky bit): refused")
 
 
 def open_file(dir_fd: int | None, name: str, flags: int, where: str, mode: int = 0o600) -> int:

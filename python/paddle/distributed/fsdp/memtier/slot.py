@@ -111,7 +111,7 @@ class Slot:
         root = os.path.dirname(path)
         if quota is not None and size > quota:
             raise MemoryTierFullError(f"memory copy {path} needs {size} bytes, more than the quota of {quota} bytes")
-        dfd = roots.open_dir(root, create=True)
+        dfd = roots.open_dir(root, create=True, private=False)  # the job directory: tightened by RankLock
         try:
             fd = roots.open_file(dfd, os.path.basename(path), os.O_RDWR | os.O_CREAT, f"memory copy {path}")
         except InvalidMemoryCopyError as e:  # a symlink, FIFO or foreign file where the copy goes: never written
