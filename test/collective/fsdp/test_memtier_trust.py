@@ -122,6 +122,29 @@ def test_strangers_on_the_peer_port_do_not_affect_a_transfer(tmp_path):
         b.close()
 
 
+def test_a_flood_of_silent_connections_does_not_keep_the_partner_out(tmp_path):
+    a, b = wire.PeerLink(0, 20.0, KEY), wire.PeerLink(1, 20.0, KEY)
+    a.addrs = b.addrs = [a.address, b.address]
+    flood = _stranger("flood", *b.address)
+    try:
+        assert flood.stdout.readline().strip() == "CONNECTED"
+        data = np.random.default_rng(2).integers(0, 256, 1 << 20, dtype=np.uint8)
+        errors: list = []
+        sender = threading.Thread(target=_catch, args=(errors, a.send_buffer, 1, data, 8))
+        sender.start()
+        incoming = b.accept(0, 8)
+        got = np.empty(data.size, np.uint8)
+        incoming.read_into(got)
+        incoming.finish()
+        sender.join(30)
+        assert errors == [] and (got == data).all()
+    finally:
+        flood.kill()
+        flood.wait()
+        a.close()
+        b.close()
+
+
 def test_a_stranger_at_the_partners_address_cannot_take_a_copy():
     fake = _stranger("listen")
     link = wire.PeerLink(0, 5.0, KEY)

@@ -7,6 +7,7 @@ Usage:
     garbage   connect and send 64 KiB of random bytes, then stay
     forged    answer the challenge with a well-formed hello as rank 0, tag 5, claiming FILE's size, under a wrong
               key, then send FILE (a crafted copy)
+    flood     open 100 connections at once (non-blocking connects) and stay silent on each
     old       speak the previous, unauthenticated protocol (FSDPMTX1 hello) and send FILE
   memtier_stranger.py listen
     listen on a free port (print "PORT <port>"), challenge whoever connects, read everything it sends and
@@ -42,6 +43,16 @@ def main() -> None:
         time.sleep(600)
         return
     host, port = sys.argv[2], int(sys.argv[3])
+    if mode == "flood":
+        held = []
+        for _ in range(100):
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex((host, port))
+            held.append(c)
+        print("CONNECTED", flush=True)
+        time.sleep(600)
+        return
     s = socket.create_connection((host, port))
     print("CONNECTED", flush=True)
     if mode == "trickle":

@@ -84,6 +84,7 @@ class PeerLink:
         self.rank, self.timeout_s, self.key = rank, timeout_s, key
         host = node_host()
         self._server = socket.create_server((host, 0), backlog=MAX_PENDING)
+        self._server.setblocking(False)  # accepted only when the selector says so (a reset connection: no wait)
         self.address = (host, self._server.getsockname()[1])
         self.addrs: list[tuple[str, int]] = []
 
@@ -143,6 +144,8 @@ class PeerLink:
                         self._admit(sel, pending)
                         continue
                     conn = key.fileobj
+                    if conn not in pending:  # dropped by a flood earlier in this round of events
+                        continue
                     done = pending[conn].feed(conn)
                     if done is None:
                         continue
@@ -169,7 +172,7 @@ class PeerLink:
     def _admit(self, sel, pending: dict) -> None:
         try:
             conn, addr = self._server.accept()
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, ConnectionError):
             return
         conn.setblocking(False)
         p = _Pending(self, addr)
