@@ -101,7 +101,7 @@ def test_strangers_on_the_peer_port_do_not_affect_a_transfer(tmp_path):
     try:
         for mode in ("idle", "trickle", "garbage", "forged", "old"):
             strangers.append(_stranger(mode, *b.address, crafted))
-            assert strangers[-1].stdout.readline().strip() == "CONNECTED"
+        assert [p.stdout.readline().strip() for p in strangers] == ["CONNECTED"] * 5
         time.sleep(0.5)  # every stranger is queued before the partner
         slot = Slot.allocate(str(tmp_path / "rank00001.peer"), 8192, data.size - 12288)
         assert slot.size == data.size
