@@ -6,6 +6,7 @@ import numpy as np
 import paddle
 from paddle.distributed.fsdp import FullyShardFusion
 from paddle.distributed.fsdp.checkpoint import checksums
+from paddle.distributed.fsdp.checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, RNG_KEY
 from paddle.distributed.fsdp.memtier.copies import offsets_of
 from paddle.distributed.fsdp.memtier.slot import Slot
 
@@ -25,6 +26,7 @@ def write_copy(path: str, rng: np.random.Generator, layout: list[list], header: 
         data[off : off + n] = rng.integers(0, 256, n, dtype=np.uint8)
         recs.append([key, dtype, shape, off, n, checksums.chunk_digests(data[off : off + n], chunk, fn)])
     header = dict({"durable_id": DURABLE_ID, "descs": [None] * len(layout)}, **header)
+    header["values"] = {EXTRA_KEY: {}, BUFFERS_KEY: [], RNG_KEY: None, **header.get("values", {})}
     slot.write_header(dict(header, algo=checksums.XXH3_64, chunk=chunk, records=recs), slot.data_off, data_len)
     records = {key: bytes(data[off : off + n]) for (key, _d, _s, n), off in zip(layout, offsets)}
     slot.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from ..checkpoint.format.algorithms import KNOWN, NONE
-from ..checkpoint.format.reserved import EXTRA_KEY
+from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, OPTIMIZER_KEY, RNG_KEY
 from .errors import InvalidMemoryCopyError
 from .roots import JOB_ID_RE
 
@@ -49,9 +49,7 @@ def check_fields(header, data_len: int, where: str) -> dict:
     if algo not in KNOWN or not isinstance(algo, str):
         raise InvalidMemoryCopyError(f"{where}: header field 'algo' is {str(algo)[:80]!r}, not one of {KNOWN}")
     chunk = _int(header, "chunk", 1, MAX_CHUNK, where)
-    values = header.get("values")
-    if type(values) is not dict or type(values.get(EXTRA_KEY, {})) is not dict:
-        raise InvalidMemoryCopyError(f"{where}: header field 'values' is not an object with an object {EXTRA_KEY!r}")
+    _check_values(header.get("values"), where)
     records = header.get("records")
     if type(records) is not list:
         raise InvalidMemoryCopyError(f"{where}: header field 'records' is not a list")
@@ -64,6 +62,24 @@ def check_fields(header, data_len: int, where: str) -> dict:
         if rec[4]:
             end = rec[3] + rec[4]
     return header
+
+
+def _check_values(values, where: str) -> None:
+    """The values every copy carries (state.capture_values): the caller's extra state, the buffer keys, this
+    rank's RNG state, and the optimizer's class and global state when there is an optimizer."""
+    if type(values) is not dict:
+        raise InvalidMemoryCopyError(f"{where}: header field 'values' is not an object")
+    missing = [k for k in (EXTRA_KEY, BUFFERS_KEY, RNG_KEY) if k not in values]
+    if missing:
+        raise InvalidMemoryCopyError(f"{where}: header field 'values' lacks {missing}")
+    if type(values[EXTRA_KEY]) is not dict:
+        raise InvalidMemoryCopyError(f"{where}: values[{EXTRA_KEY!r}] is not an object")
+    buffers = values[BUFFERS_KEY]
+    if type(buffers) is not list or not all(isinstance(b, str) for b in buffers):
+        raise InvalidMemoryCopyError(f"{where}: values[{BUFFERS_KEY!r}] is not a list of names")
+    opt = values.get(OPTIMIZER_KEY)
+    if opt is not None and (type(opt) is not dict or not isinstance(opt.get("class"), str)):
+        raise InvalidMemoryCopyError(f"{where}: values[{OPTIMIZER_KEY!r}] has no optimizer class")
 
 
 def _check_record(rec, i: int, chunk: int, algo: str, data_len: int, end: int, where: str) -> None:
