@@ -5,11 +5,14 @@ truncate whatever it pointed at; a FIFO hung a restore; a job id with ``/`` or `
 jobs with one job id mapped the same files (SIGBUS). The rules:
 
 * a job id is a plain name (``JOB_ID_RE``);
-* the memory root and a job's directory are real directories (opened with O_NOFOLLOW | O_DIRECTORY), owned by
-  this user; the tier creates them 0700 and tightens one of its own that is open to others (``private=True``);
-  ``flush-memory`` (read only) refuses one that others may write to;
-* a copy file is opened relative to its directory's descriptor with O_NOFOLLOW | O_NONBLOCK and used only when
-  it is a regular file of this user with one link (a symlink, FIFO, device or hard link is refused by name);
+* the memory root and a job's directory are real directories (opened with O_NOFOLLOW | O_DIRECTORY); a job's
+  directory is this user's and kept 0700 (``private=True``: created so, tightened when open to others); a
+  memory root is created 0700 when absent and never changed: this user's, or root's with the sticky bit
+  (``/dev/shm`` itself), writable by others only with the sticky bit (``flush-memory`` applies this rule to
+  every directory it reads);
+* a copy file is opened with O_NOFOLLOW | O_NONBLOCK (created relative to its directory's descriptor) and
+  used only when it is a regular file of this user with one link (a symlink, FIFO, device or hard link is
+  refused by name);
 * one live process per job and rank: ``RankLock`` holds ``rank<N>.lock`` (flock) for the tier's life, so a
   second job with the same job id is refused by name (MemoryRootInUseError) before it maps anything.
 """
