@@ -299,6 +299,20 @@ def test_memory_root_owner_and_mode(tmp_path):
         _tier(fsdp, opt, tmp_path / "d", link).restore()
 
 
+_SECOND_JOB = """
+import sys
+sys.path.insert(0, sys.argv[3])
+from memtier_util import small_fsdp
+from paddle.distributed.fsdp.memtier import MemoryTier
+_m, fsdp, opt = small_fsdp(3)
+try:
+    MemoryTier(fsdp, opt, durable_root=sys.argv[1], memory_root=sys.argv[2], job_id="j").restore()
+    print("restored")
+except Exception as e:
+    print(type(e).__name__)
+"""
+
+
 def test_two_live_tiers_on_one_job_id_are_refused_by_name(tmp_path):
     model, fsdp, opt = small_fsdp(1)
     first = _tier(fsdp, opt, tmp_path / "d1", tmp_path / "mem")
@@ -308,6 +322,11 @@ def test_two_live_tiers_on_one_job_id_are_refused_by_name(tmp_path):
     second = _tier(fsdp2, opt2, tmp_path / "d2", tmp_path / "mem")
     with pytest.raises(MemoryRootInUseError, match="in use by another live process"):
         second.restore()
+    other = subprocess.run(  # another process, as a second job with the same job id would be
+        [sys.executable, "-c", _SECOND_JOB, str(tmp_path / "d3"), str(tmp_path / "mem"), os.path.dirname(__file__)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert other.stdout.strip().endswith("MemoryRootInUseError"), other.stdout + other.stderr
     assert cli(["flush-memory", str(tmp_path / "d1"), "--memory-root", str(tmp_path / "mem")]) == 2  # live
     first.close()
     assert second.restore() is None  # the first job ended: the root is free (its copies were of another root)
@@ -442,8 +461,9 @@ def test_flush_takes_any_verified_copy_and_commits_what_it_verified(tmp_path, mo
 # ---------------------------------------------------------------------------------------------------- two nodes
 def test_two_nodes_strangers_at_save_and_a_rank_that_cannot_list_storage(tmp_path):
     """Two launchers (one rank each, own memory roots): real strangers on rank 1's port during every save, then
-    node 0's memory lost (restored from rank 1's peer copy, bit for bit); then rank 1 cannot list storage after the
-    memory roots were wiped: both ranks raise StorageUnreadableError, neither starts over."""
+    node 0's memory lost (restored from rank 1's peer copy, bit for bit); rank 1's job directory a symlink: both
+    ranks raise MemoryRootError; then rank 1 cannot list storage after the memory roots were wiped: both ranks
+    raise StorageUnreadableError, neither starts over."""
     from nodes import launch_nodes, tails
 
     codes, results = launch_nodes(tmp_path / "log", "memtier_trust.py", [str(tmp_path)],
@@ -452,6 +472,8 @@ def test_two_nodes_strangers_at_save_and_a_rank_that_cannot_list_storage(tmp_pat
     for r in (0, 1):
         got = results[r]["strangers"]
         assert got == {"step": 3, "sources": ["peer", "memory"], "differ": []}, (r, got)
+        unsafe = results[r]["unsafe_root"]
+        assert unsafe.get("error") == "MemoryRootError" and "rank 1 failed" in unsafe["message"], (r, unsafe)
         bad = results[r]["unreadable"]
         assert bad.get("error") == "StorageUnreadableError", (r, bad)
         assert "rank 1 failed: cannot list checkpoint root" in bad["message"], (r, bad)

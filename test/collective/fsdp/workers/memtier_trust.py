@@ -5,7 +5,8 @@ Usage: memtier_trust.py WORKDIR
      forged) on its own peer-link port; both ranks save steps 1-3 (peer_timeout_s 5): every save's exchange
      must succeed. Then a node loss: rank 0's own copy is removed, both restart: rank 0 restores step 3 from
      the peer copy rank 1 holds, bit for bit.
-  2. unreadable: the memory roots are wiped, and rank 1's storage cannot list the durable root (PermissionError
+  2. unsafe root: rank 1's job directory is a symlink: both ranks raise MemoryRootError ("rank 1 failed").
+  3. unreadable: the memory roots are wiped, and rank 1's storage cannot list the durable root (PermissionError
      from the storage's listing): both ranks must raise the same named error.
 Each rank reports {scenario: result} as JSON.
 """
@@ -68,6 +69,26 @@ def strangers(workdir: str, rank: int) -> dict:
     return {"step": got.step, "sources": got.sources, "differ": [k for k in want if mine[k] != want[k]]}
 
 
+def unsafe_root(workdir: str, rank: int) -> dict:
+    mem = os.environ["PADDLE_FSDP_MEMTIER_ROOT"]
+    if rank == 1:
+        os.makedirs(os.path.join(workdir, "elsewhere"), exist_ok=True)
+        os.makedirs(mem, exist_ok=True)
+        os.symlink(os.path.join(workdir, "elsewhere"), os.path.join(mem, "trust"))
+    dist.barrier()
+    _m, fsdp, opt = small_fsdp(1 + rank)
+    tier = _tier(fsdp, opt, os.path.join(workdir, "durable-s"))
+    try:
+        tier.restore()
+        return {"restored": True}
+    except Exception as e:  # noqa: BLE001 - reported
+        return {"error": type(e).__name__, "message": str(e)}
+    finally:
+        tier.close()
+        if rank == 1:
+            os.unlink(os.path.join(mem, "trust"))
+
+
 def unreadable(workdir: str, rank: int) -> dict:
     root = os.path.join(workdir, "durable-u")
     model, fsdp, opt = small_fsdp(1 + rank)
@@ -101,7 +122,7 @@ def main() -> None:
     dist.init_parallel_env()
     rank = dist.get_rank()
     out = {}
-    for name, fn in (("strangers", strangers), ("unreadable", unreadable)):
+    for name, fn in (("strangers", strangers), ("unsafe_root", unsafe_root), ("unreadable", unreadable)):
         try:
             out[name] = fn(workdir, rank)
         except Exception:  # noqa: BLE001 - reported
