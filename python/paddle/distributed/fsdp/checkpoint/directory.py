@@ -17,6 +17,7 @@ import logging
 import os
 import re
 
+from . import errors as _errors
 from .errors import (
     CheckpointError,
     CheckpointRemovedError,
@@ -44,6 +45,15 @@ logger = logging.getLogger(__name__)
 STEP_PREFIX = "step_"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _STAGING_RE = re.compile(r"^step_\d+\.tmp-[0-9a-f]+$")
+
+
+class StorageUnreadableError(CheckpointError):
+    """A checkpoint root exists but cannot be listed (permissions, I/O error, a file where the root should be).
+
+    Never taken for "no checkpoint": a resume that could not look must not start over."""
+
+
+_errors.ERROR_CLASSES[StorageUnreadableError.__name__] = StorageUnreadableError
 
 
 def step_dir_name(step: int) -> str:
@@ -82,14 +92,18 @@ def read_latest(root: str, storage: Storage | None = None) -> str | None:
 
 
 def committed_steps(root: str, storage: Storage | None = None) -> list[int]:
-    """Steps of the committed ``step_*`` checkpoints in ``root``, ascending."""
+    """Steps of the committed ``step_*`` checkpoints in ``root``, ascending ([] only for a root that does not
+    exist or holds none). StorageUnreadableError when the root cannot be listed: an unreadable root is never
+    "no steps" (a restart would silently start over)."""
     storage = storage or backend_for(root)
     try:
         names = storage.children(root)
-    except OSError:
-        return []
-    steps = [parse_step(n) for n in names]
-    return sorted(s for s, n in zip(steps, names) if s is not None and _committed(storage.child(root, n), storage))
+        if not names and "://" not in root and os.path.lexists(root) and not os.path.isdir(root):
+            raise NotADirectoryError(f"{root} is not a directory")
+        steps = [parse_step(n) for n in names]
+        return sorted(s for s, n in zip(steps, names) if s is not None and _committed(storage.child(root, n), storage))
+    except OSError as e:
+        raise StorageUnreadableError(f"cannot list checkpoint root {root}: {e}") from None
 
 
 def _location(path, storage: Storage | None = None) -> tuple[str, Storage]:

@@ -26,13 +26,15 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 
 from ..checkpoint import checksums
-from . import peers, wire
+from ..checkpoint.errors import CheckpointError, rebuild_remote_error
+from . import identity, peers, roots, wire
 from .copies import Background, Copies, SaveIntoSlot, header_capacity, offsets_of
-from .errors import MemoryTierError, MemoryTierFullError
+from .errors import MemoryRootError, MemoryTierError, MemoryTierFullError
 from .persist import persist_copy
 from .restore import Restore, RestoreResult
 from .slot import Slot
@@ -79,8 +81,8 @@ class MemoryTier:
             raise MemoryTierError(f"persist_every must be an int >= 1, got {persist_every!r}")
         if memory_root is not None and (not isinstance(memory_root, str) or not memory_root):
             raise MemoryTierError(f"memory_root must be a non-empty path, got {memory_root!r}")
-        if job_id is not None and (not isinstance(job_id, str) or not job_id or "/" in job_id or job_id[0] == "."):
-            raise MemoryTierError(f"job_id must be a non-empty name without '/', got {job_id!r}")
+        if job_id is not None:
+            roots.check_job_id(job_id)
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise MemoryTierError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
         if type(peer_timeout_s) not in (int, float) or not peer_timeout_s > 0:
@@ -97,7 +99,8 @@ class MemoryTier:
         self.checksum, self.persist_on_restore, self.peer_timeout_s = checksum, persist_on_restore, peer_timeout_s
         self.rank, self.world = fsdp.rank, fsdp.world_size
         digest = hashlib.sha256(self.durable_root.encode()).hexdigest()[:12]
-        self.job_id = job_id or os.environ.get(JOB_ENV) or f"job-{digest}"
+        self.job_id = roots.check_job_id(job_id or os.environ.get(JOB_ENV) or f"job-{digest}")
+        self.durable_id: str | None = None  # the durable root's identity (identity.py), set by _prepare
         if partners is None:
             partners = peers.default_partners(self.world, peers.local_size(self.world))
         self.partners = peers.check_partners(partners, self.world)
@@ -132,31 +135,58 @@ class MemoryTier:
 
     def peer_link(self) -> wire.PeerLink | None:
         """This rank's end of the direct connections to its partners (wire.py); None without peer copies.
-        Collective when first called (every rank's address is exchanged over the training group)."""
+        Collective when first called: every rank's address, and rank 0's fresh key for the link (the per-job
+        secret that admits the job's ranks only), travel over the training group, never through the
+        environment, a file or the launcher's store."""
         if self._link is None and self.partners:
-            link = wire.PeerLink(self.rank, self.peer_timeout_s)
-            link.addrs = [tuple(a) for a in self.fsdp.comm.all_gather_object(link.address)]
+            key = secrets.token_bytes(32) if self.rank == 0 else None
+            link = wire.PeerLink(self.rank, self.peer_timeout_s, b"\0" * 32)
+            gathered = self.fsdp.comm.all_gather_object((link.address, key))
+            link.key = gathered[0][1]
+            link.addrs = [tuple(a) for a, _k in gathered]
             self._link = link
         return self._link
 
+    def _prepare(self) -> None:
+        """Once, before the tier touches its memory root (collective): check the root and take this rank's lock
+        (roots.py), and agree on the durable root's identity (identity.py). Any rank's failure is raised on
+        every rank as the same named error."""
+        if self.durable_id is not None:
+            return
+        status = None
+        try:
+            self.copies.claim()
+        except (CheckpointError, OSError) as e:
+            status = (type(e).__name__ if isinstance(e, CheckpointError) else "MemoryRootError", f"{e}")
+        for r, st in enumerate(self.fsdp.comm.all_gather_object(status)):
+            if st is not None:
+                self.copies.unclaim(remove=False)
+                raise rebuild_remote_error(*st, r)
+        self.durable_id = identity.agree(self.durable_root, self.rank, self.fsdp.comm.all_gather_object)
+
     def expect(self) -> dict:
-        return {"job": self.job_id, "world": self.world}
+        return {"job": self.job_id, "world": self.world, "durable_id": self.durable_id}
 
     def _setup(self, state, values_len: int) -> None:
         """Allocate the two slots on every rank for this layout; disable the tier on every rank when any rank
         lacks the space (collective)."""
         self._bg.wait()
         self._unmap()
+        self._prepare()
         cap = header_capacity(values_len, len(state.layout))
         _offsets, data_len = offsets_of(state.layout)
         sizes = [tuple(s) for s in self.fsdp.comm.all_gather_object((cap, data_len))]
         err = None
         try:
             self.copies.allocate(sizes, self.source, self.quota)
-        except (MemoryTierFullError, OSError) as e:  # OSError: an unusable root (permissions, not a directory)
+        except (MemoryTierFullError, MemoryRootError, OSError) as e:  # OSError: an unusable root (permissions)
             err = e
         status = (type(err).__name__, str(err)) if err else None
         failed = [(r, st) for r, st in enumerate(self.fsdp.comm.all_gather_object(status)) if st]
+        for r, (kind, msg) in failed:
+            if kind in ("MemoryRootError", "MemoryRootInUseError"):  # an unsafe root: refused, never worked around
+                self.copies.release()
+                raise rebuild_remote_error(kind, msg, r)
         if failed:
             self.copies.remove()
             r, (kind, msg) = failed[0]
@@ -279,7 +309,7 @@ class MemoryTier:
             sender.start()
         try:
             if self.source is not None and self.copies.peer is not None:
-                wire.receive_into_slot(link, self.copies.peer, self.source, step)
+                wire.receive_into_slot(link, self.copies.peer, self.source, step, self.expect())
         finally:
             if sender is not None:
                 sender.join()
@@ -329,6 +359,8 @@ class MemoryTier:
             self.copies.remove()
         else:
             self.copies.release()
+        self.copies.unclaim(remove)
+        self.durable_id = None
         if self._link is not None:
             self._link.close()
             self._link = None
@@ -346,6 +378,7 @@ class MemoryTier:
             self.fsdp.init_optimizer_state(self.optimizer)
         self.copies.release()
         self._layout = None
+        self._prepare()
         restore = Restore(self)
         self.restored = restore.run()
         self.start_step = self.restored.step if self.restored is not None else 0

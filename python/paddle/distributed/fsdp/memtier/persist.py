@@ -44,7 +44,7 @@ def records_of(header: dict, where: str) -> list[tuple[list, RecordDesc]]:
     for rec, wire in zip(records, descs):
         try:
             desc = RecordDesc.from_wire(wire)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError):
             raise InvalidMemoryCopyError(f"{where}: unreadable description of record {rec[0]!r}") from None
         if desc.key != rec[0] or desc.dtype != rec[1]:
             raise InvalidMemoryCopyError(f"{where}: description {desc.key!r} does not match record {rec[0]!r}")

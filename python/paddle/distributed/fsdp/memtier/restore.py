@@ -26,7 +26,7 @@ import os
 import threading
 import time
 
-from ..checkpoint.errors import rebuild_remote_error
+from ..checkpoint.errors import CheckpointError, rebuild_remote_error
 from ..checkpoint.format.reserved import EXTRA_KEY
 from ..checkpoint.io.storage import backend_for
 from ..checkpoint.manager import committed_steps, step_dir_name
@@ -83,7 +83,7 @@ class Restore:
 
     # ------------------------------------------------------------------ 1. scan
     def _open(self, name: str, path: str, owner: int, layout) -> None:
-        if name in self.excluded or not os.path.exists(path):
+        if name in self.excluded or not os.path.lexists(path):
             return
         try:
             expect = dict(self.tier.expect(), rank=owner)
@@ -91,7 +91,7 @@ class Restore:
             if name == "own":
                 tier, header = self.tier, self.found[name][1]
                 self.apply_own = decode_values(tier.fsdp, tier.optimizer, header["values"], f"memory copy {path}")
-        except (InvalidMemoryCopyError, OSError) as e:
+        except (CheckpointError, OSError, TypeError, ValueError, KeyError) as e:  # a copy this rank cannot use
             copy = self.found.pop(name, None)
             if copy is not None:
                 copy[0].close()
@@ -107,13 +107,17 @@ class Restore:
                 self._open("held", copies.peer_path(), self.tier.source, None)
         except Exception as e:  # noqa: BLE001 - raised on every rank after the agreement's exchange
             error = (type(e).__name__, str(e))
-        root = self.tier.durable_root
+        storage: list[int] = []
+        try:  # a rank that cannot list storage reports it (every rank raises it): never "no checkpoint"
+            storage = committed_steps(self.tier.durable_root)
+        except Exception as e:  # noqa: BLE001 - raised on every rank after the agreement's exchange
+            error = error or (type(e).__name__, str(e))
         held = self.found.get("held")
         own = self.found.get("own")
         return {
             "own": own[1]["step"] if own else None,
             "held": [self.tier.source, held[1]["step"]] if held else None,
-            "storage": committed_steps(root),
+            "storage": storage,
             "error": error,
         }
 
