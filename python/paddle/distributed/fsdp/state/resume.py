@@ -131,7 +131,7 @@ def save_checkpoint(
     state = built.state_dict()
     deferred = [key for key in built.tensors if key in built.deferred] if async_save else None
     save_options = dict(
-        async_save=async_save, deferred_keys=deferred, per_rank_values=resume_state.PER_RANK_KEYS, options=options
+        async_save=async_save, deferred_keys=deferred, per_rank_values=built.per_rank_keys, options=options
     )
     if manager is not None:
         return manager.save(step, state, **save_options)

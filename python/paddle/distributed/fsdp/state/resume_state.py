@@ -280,6 +280,11 @@ class Built:
         """Tensors and values in one dict, as ``save_state_dict`` takes it."""
         return {**self.tensors, **self.values}
 
+    @property
+    def per_rank_keys(self) -> tuple[str, ...]:
+        """The per-rank value keys this state holds (``save_state_dict``'s ``per_rank_values``)."""
+        return tuple(key for key in PER_RANK_KEYS if key in self.values)
+
 
 def build(objs: ResumeObjects, *, collective: bool = False) -> Built:
     """Capture everything a resume needs from ``objs`` (values at the call; tensors as live records).

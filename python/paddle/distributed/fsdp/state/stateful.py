@@ -103,7 +103,7 @@ def decode(
             if name not in entry:
                 problem = MissingKeyError(f"{where} holds no state of stateful[{name!r}]")
             else:
-                actions.append(_applier(obj, entry[name]))
+                actions.append(_applier(obj, entry[name], f"{key}[{name!r}]"))
                 continue
         if strict:
             raise type(problem)(f"{problem}; pass strict=False to keep its current state")
@@ -117,9 +117,12 @@ def decode(
     return apply
 
 
-def _applier(obj: Any, state: Any) -> Callable[[], None]:
+def _applier(obj: Any, state: Any, where: str) -> Callable[[], None]:
     check = getattr(obj, "check_state_dict", None)
     if callable(check):  # an object that can refuse before anything is written (the sampler) does it now
-        check(state)
+        try:
+            check(state)
+        except (TypeError, ValueError) as e:
+            raise StatefulMismatchError(f"{where}: {e}") from None
     setter = _setter(obj)
     return lambda: setter(json.loads(json.dumps(state)))
