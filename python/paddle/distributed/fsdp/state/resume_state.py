@@ -88,7 +88,7 @@ class Saved:
         value = self.values.get(key)
         if value is None or not self.own_only:
             return value
-        return [None] * self.rank + [value] + [None] * (self.world - self.rank - 1)
+        return [[]] * self.rank + [value] + [[]] * (self.world - self.rank - 1)  # others: an empty entry
 
 
 @dataclass(frozen=True)
