@@ -161,6 +161,8 @@ def doors(rank: int, world: int, workdir: str, names: list[str]) -> dict:
     ref = Run(7, rank, world)
     for k in range(SAVE_AT):
         ref.step(k)
+    scaler = ref.scaler.state_dict()  # 512 after steps 0-1, halved by the inf step 2, one good step since
+    assert float(np.asarray(scaler["scale"]).reshape(-1)[0]) == 256.0 and scaler["incr_count"] == 1, scaler
     saved = snapshot(ref)
     extra = dict(ref.extra)
     disk, url = os.path.join(workdir, "disk"), os.environ.get("FSDP_TEST_S3_URL")
