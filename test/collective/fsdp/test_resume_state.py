@@ -1,7 +1,7 @@
 """One owner of the resume state (state/resume_state.py): every door restores every item, bit for bit, and a
 resume continues the uninterrupted run (workers/resume_state.py, real gloo processes).
 
-* every door (disk, memory own copy, peer copy, the tier's persist, flush-memory, the tier falling back to storage)
+* every door (disk, an async disk save, memory own copy, peer copy, the tier's persist, flush-memory, the tier falling back to storage)
   and S3 (a real SeaweedFS): each item of ``resume_state.ITEMS`` differs before the restore, equals the saved
   state after it, and equals the uninterrupted run after more steps (an item a door drops fails by name);
 * at another world size (saved at 2, loaded at 3 and 1): the sampler continues the epoch with no sample seen
@@ -22,7 +22,7 @@ from launch_util import run_launch
 from s3_fixtures import S3_CREDENTIALS
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "resume_state.py")
-DOORS = "disk,memory,peer,persist,flush,tier_storage"
+DOORS = "disk,async,memory,peer,persist,flush,tier_storage"
 
 
 def _check(res, case: str, world: int, doors: str) -> None:

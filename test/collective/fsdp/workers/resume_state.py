@@ -11,7 +11,7 @@ state), restored through the door, must equal the saved state item by item, and 
 uninterrupted run's state item by item (RNG, scaler counters, sampler position, EMA included). The items come
 from the owner module itself: an item added there is walked here too, and one this test does not exercise fails.
 
-Doors: disk (save/load_checkpoint), s3 (the same on a real S3 server), memory (the tier's own copy), peer (the own
+Doors: disk (save/load_checkpoint), async (an async save, the run training on while it copies), s3 (the same on a real S3 server), memory (the tier's own copy), peer (the own
 copies deleted: the partner's copy), persist (the tier's background persist of its copy, loaded from storage),
 flush (``flush_memory`` from one process after the job, loaded from storage), tier_storage (memory wiped: the
 tier restores from its durable root).
@@ -169,6 +169,9 @@ def doors(rank: int, world: int, workdir: str, names: list[str]) -> dict:
     tier_root, flush_root = os.path.join(workdir, "tier_durable"), os.path.join(workdir, "flushed")
     if "disk" in names:
         ref.fsdp.save_checkpoint(disk, extra_state=extra, **ref.kwargs())
+    pending = None
+    if "async" in names:  # the run goes on while the save copies and writes: what it holds is the call's state
+        pending = ref.fsdp.save_checkpoint(f"{disk}_async", extra_state=extra, async_save=True, **ref.kwargs())
     if "s3" in names:
         ref.fsdp.save_checkpoint(url, extra_state=extra, step=SAVE_AT, **ref.kwargs())
     if set(names) & {"memory", "peer", "persist", "flush", "tier_storage"}:
@@ -183,14 +186,16 @@ def doors(rank: int, world: int, workdir: str, names: list[str]) -> dict:
     assert snapshot(ref) == saved, "a save changed the state it saved"
     for k in range(SAVE_AT, SAVE_AT + MORE):
         ref.step(k)
+    if pending is not None:
+        pending.wait()
     final = snapshot(ref)
     out = {}
     for door in names:
         run = Run(99, rank, world)
         same = [name for name in saved if snapshot(run)[name] == saved[name]]
         assert same == [], f"{door}: items {same} equal the saved state before the restore: the test proves nothing"
-        if door == "disk":
-            run.extra = dict(run.fsdp.load_checkpoint(disk, **run.kwargs()))
+        if door in ("disk", "async"):
+            run.extra = dict(run.fsdp.load_checkpoint(disk if door == "disk" else f"{disk}_async", **run.kwargs()))
         elif door == "s3":
             run.extra = dict(run.fsdp.load_checkpoint(url, **run.kwargs()))
         elif door in ("persist", "flush"):

@@ -37,14 +37,18 @@ logger = logging.getLogger(__name__)
 class ShardedEMA:
     """The fp32 EMA of this rank's shard of every trainable fused buffer of ``fsdp`` (see the module docstring).
 
-    ``coef``: the weight of the old average at each update, in [0, 1) (0.999 typical)."""
+    ``coef``: the weight of the old average at each update, in [0, 1) (0.999 typical). ``every``: average only
+    every N-th call of :meth:`update`, with the weight ``coef ** N`` (the EMA of every N-th weight, as
+    ema-pytorch's ``update_every``): 1/N of the cost, for steps too short to hide it (docs/resume-state.md)."""
 
-    def __init__(self, fsdp, coef: float) -> None:
+    def __init__(self, fsdp, coef: float, every: int = 1) -> None:
         if type(coef) not in (int, float) or not 0.0 <= coef < 1.0:
             raise ValueError(f"ema coef must be a number in [0, 1), got {coef!r}")
+        if type(every) is not int or every < 1:
+            raise ValueError(f"ema every must be an int >= 1, got {every!r}")
         self.fsdp = fsdp
-        self.coef = float(coef)
-        self.updates = 0
+        self.coef, self.every = float(coef), every
+        self.updates = 0  # calls of update() since the start (saved: which call averages next is resumed too)
         self.shards: list[tuple] = []  # (buffer, fp32 EMA of buffer.shard)
         for buffer in fsdp.buffers:
             if buffer.layout.trainable and buffer.layout.shard_numel > 0:
@@ -60,14 +64,16 @@ class ShardedEMA:
 
     def update(self) -> None:
         """One EMA step from the parameters as they are now: call it after each optimizer step that counts."""
+        self.updates += 1
+        if self.updates % self.every:
+            return
         if snapshot_guard.snapshot_in_flight():  # an async save may still copy the EMA's memory
             snapshot_guard.wait_for_snapshot()
-        weight = 1.0 - self.coef
+        weight = 1.0 - self.coef**self.every
         with paddle.no_grad():
             for buffer, ema in self.shards:
                 shard = buffer.shard if buffer.shard.dtype == paddle.float32 else buffer.shard.astype(paddle.float32)
                 ema.lerp_(shard, weight)
-        self.updates += 1
 
     def nbytes(self) -> int:
         return sum(int(ema.shape[0]) * 4 for _b, ema in self.shards)
@@ -91,7 +97,7 @@ class ShardedEMA:
 
     def value(self) -> dict:
         """The JSON value saved under ``__fsdp__.ema``."""
-        return {"coef": self.coef, "updates": self.updates}
+        return {"coef": self.coef, "updates": self.updates, "every": self.every}
 
     def decode(self, saved, where: str):
         """Check the saved ``__fsdp__.ema`` value; returns the function applying it (the tensors are loaded as
@@ -103,7 +109,8 @@ class ShardedEMA:
 
         def apply() -> None:
             self.updates = saved["updates"]
-            if float(coef) != self.coef:
-                logger.info("%s: EMA saved with coef %s, continuing with %s", where, coef, self.coef)
+            if float(coef) != self.coef or saved.get("every", 1) != self.every:
+                logger.info("%s: EMA saved with coef %s every %s, continuing with %s every %s", where, coef,
+                            saved.get("every", 1), self.coef, self.every)  # fmt: skip
 
         return apply
