@@ -31,8 +31,12 @@ def _check(res, case: str, world: int, doors: str) -> None:
         assert res.result(rank)[case + "_data"] == dict.fromkeys(doors.split(","), "ok"), res.result(rank)
 
 
-def test_every_door_restores_every_item(tmp_path):
-    res = run_launch(WORKER, 2, ["doors", str(tmp_path), DOORS], timeout=600, log_dir=tmp_path / "logs")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_door_restores_every_item(tmp_path, dtype):
+    """float32: every item, the GradScaler after a skipped step; bfloat16: fp32 master weights (the optimizer
+    item) through every door, with a disabled scaler (CPU paddle cannot unscale bf16 gradients)."""
+    env = {"FSDP_TEST_RESUME_DTYPE": dtype}
+    res = run_launch(WORKER, 2, ["doors", str(tmp_path), DOORS], timeout=600, env=env, log_dir=tmp_path / "logs")
     _check(res, "doors", 2, DOORS)
 
 
