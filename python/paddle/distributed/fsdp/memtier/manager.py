@@ -6,6 +6,9 @@ A training script needs three lines (see README "Memory tier")::
     for step in range(tier.start_step, total_steps):
         tier.save(step + 1, extra_state={...})   # after optimizer.step(); tier.close() at a clean end
 
+A copy holds what ``save_checkpoint`` saves (state/resume_state.py): give ``grad_scaler=``, ``stateful=`` and
+``ema=`` to the tier (or to ``save``) as to ``save_checkpoint``; ``restore`` applies them to the objects given.
+
 ``save`` blocks like an async save: tensors the optimizer step changes are copied into the rank's shared-memory
 slot after it returned (the next ``optimizer.step()`` waits for that copy: snapshot_guard.py); the checksums and
 the transfer to the peer run in the background. Every ``persist_every``-th memory checkpoint is also written to

@@ -1,8 +1,10 @@
 """One-call checkpointing of a FullyShardFusion model: tensors, optimizer, LR scheduler, RNG, user state.
 
-Built on the records of records.py and the storage engine in ``checkpoint/``. Besides tensors,
-a checkpoint carries small JSON values under the reserved keys of ``checkpoint/format/reserved.py``: the optimizer's class and
-non-tensor state, every rank's random generator state, and the caller's ``extra_state``.
+Built on the storage engine in ``checkpoint/``. WHAT is saved and how it is applied is decided by the owner of
+the resume state, resume_state.py (tensors, and small JSON values under the reserved keys of
+``checkpoint/format/reserved.py``: optimizer class and non-tensor state, every rank's random generator state, a
+GradScaler, stateful objects such as the data sampler, an EMA, the caller's ``extra_state``); this module is the
+disk and object-store door: saving, loading with its checks, retries and fallback.
 
 Numbered checkpoints (``checkpoint/manager.py``)::
 
