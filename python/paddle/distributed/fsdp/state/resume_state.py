@@ -41,8 +41,6 @@ from .records import optimizer_sharded_state_dict, parameter_records
 
 logger = logging.getLogger(__name__)
 
-_ABSENT = object()  # an item that saves no value for these objects (no optimizer, no scaler given, ...)
-
 
 @dataclass
 class ResumeObjects:
@@ -94,7 +92,8 @@ class Saved:
 @dataclass(frozen=True)
 class Item:
     """One kind of state a resume holds. ``tensors(objs)`` -> (records, keys only a step changes);
-    ``value(objs, collective)`` -> its JSON value or ``_ABSENT``; ``decode(objs, saved, strict, where)`` -> apply."""
+    ``value(objs, collective)`` -> its JSON value; ``decode(objs, saved, strict, where)`` -> apply. None of them
+    is called when the object the item ``needs`` was not given."""
 
     name: str
     key: str | None = None  # its JSON value's reserved key
@@ -102,7 +101,10 @@ class Item:
     tensors: Callable[[ResumeObjects], tuple[dict, set]] | None = None
     value: Callable[[ResumeObjects, bool], Any] | None = None
     decode: Callable[[ResumeObjects, Saved, bool, str], Callable[[], None]] | None = None
-    given: Callable[[ResumeObjects], bool] = lambda objs: True  # whether these objects take part in it
+    needs: str | None = None  # the ResumeObjects field it is about: without that object, the item holds nothing
+
+    def given(self, objs: ResumeObjects) -> bool:
+        return self.needs is None or bool(getattr(objs, self.needs))
 
 
 def _nothing() -> None:
@@ -126,24 +128,18 @@ def _buffer_value(objs: ResumeObjects, collective: bool) -> list:
     return list(objs.buffers)  # the tools' list (to-hf); the buffers are tensors
 
 
-def _optimizer_tensors(objs: ResumeObjects) -> tuple[dict, set]:
-    if objs.optimizer is None:
-        return {}, set()
+def _opt_tensors(objs: ResumeObjects) -> tuple[dict, set]:
     records = optimizer_sharded_state_dict(objs.fsdp, objs.optimizer)
     return records, set(records)
 
 
-def _optimizer_value(objs: ResumeObjects, collective: bool) -> Any:
-    if objs.optimizer is None:
-        return _ABSENT
+def _opt_value(objs: ResumeObjects, collective: bool) -> Any:
     inner = names.unwrap_optimizer(objs.optimizer)
     return {"class": type(inner).__name__, "global_state": names.optimizer_global_state(inner)}
 
 
-def _optimizer_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> Callable[[], None]:
+def _opt_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> Callable[[], None]:
     """The optimizer's class must match; its global state (LR scheduler included) is decoded with field types."""
-    if objs.optimizer is None:
-        return _nothing
     inner = names.unwrap_optimizer(objs.optimizer)
     given, value = type(inner).__name__, saved.get(OPTIMIZER_KEY)
     if value is None:
@@ -165,7 +161,7 @@ def _rng_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> 
 
 
 def _scaler_value(objs: ResumeObjects, collective: bool) -> Any:
-    return _ABSENT if objs.grad_scaler is None else scaler_state.capture(objs.grad_scaler)
+    return scaler_state.capture(objs.grad_scaler)
 
 
 def _scaler_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> Callable[[], None]:
@@ -187,7 +183,7 @@ def _extra_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -
 
 
 def _stateful_value(objs: ResumeObjects, collective: bool) -> Any:
-    return stateful_state.capture(objs.stateful) if objs.stateful else _ABSENT
+    return stateful_state.capture(objs.stateful)
 
 
 def _stateful_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> Callable[[], None]:
@@ -196,20 +192,16 @@ def _stateful_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str
 
 
 def _ema_tensors(objs: ResumeObjects) -> tuple[dict, set]:
-    if objs.ema is None:
-        return {}, set()
     records = objs.ema.records()
     return records, set(records)  # changed only by ema.update(), which waits for an async save's copy
 
 
 def _ema_value(objs: ResumeObjects, collective: bool) -> Any:
-    return _ABSENT if objs.ema is None else objs.ema.value()
+    return objs.ema.value()
 
 
 def _ema_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> Callable[[], None]:
     ema = objs.ema
-    if ema is None:
-        return _nothing
     if EMA_KEY not in saved:
         message = f"{where} holds no EMA (saved without ema=)"
         if strict:
@@ -225,41 +217,14 @@ def _ema_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> 
 
 ITEMS: tuple[Item, ...] = (
     Item("parameters", tensors=_parameter_tensors),
-    Item("buffers", key=BUFFERS_KEY, tensors=_buffer_tensors, value=_buffer_value),
+    Item("buffers", BUFFERS_KEY, tensors=_buffer_tensors, value=_buffer_value),
     # accumulators and master weights (tensors); class and global state with the LR scheduler (value)
-    Item(
-        "optimizer",
-        key=OPTIMIZER_KEY,
-        tensors=_optimizer_tensors,
-        value=_optimizer_value,
-        decode=_optimizer_decode,
-        given=lambda objs: objs.optimizer is not None,
-    ),
-    Item("rng", key=RNG_KEY, per_rank=True, value=lambda objs, _c: rng.capture(), decode=_rng_decode),
-    Item(
-        "grad_scaler",
-        key=GRAD_SCALER_KEY,
-        value=_scaler_value,
-        decode=_scaler_decode,
-        given=lambda objs: objs.grad_scaler is not None,
-    ),
-    Item("extra_state", key=EXTRA_KEY, value=lambda objs, _c: dict(objs.extra_state or {}), decode=_extra_decode),
-    Item(
-        "stateful",
-        key=STATEFUL_KEY,
-        per_rank=True,
-        value=_stateful_value,
-        decode=_stateful_decode,
-        given=lambda objs: bool(objs.stateful),
-    ),
-    Item(
-        "ema",
-        key=EMA_KEY,
-        tensors=_ema_tensors,
-        value=_ema_value,
-        decode=_ema_decode,
-        given=lambda objs: objs.ema is not None,
-    ),
+    Item("optimizer", OPTIMIZER_KEY, tensors=_opt_tensors, value=_opt_value, decode=_opt_decode, needs="optimizer"),
+    Item("rng", RNG_KEY, per_rank=True, value=lambda objs, _c: rng.capture(), decode=_rng_decode),
+    Item("grad_scaler", GRAD_SCALER_KEY, value=_scaler_value, decode=_scaler_decode, needs="grad_scaler"),
+    Item("extra_state", EXTRA_KEY, value=lambda objs, _c: dict(objs.extra_state or {}), decode=_extra_decode),
+    Item("stateful", STATEFUL_KEY, per_rank=True, value=_stateful_value, decode=_stateful_decode, needs="stateful"),
+    Item("ema", EMA_KEY, tensors=_ema_tensors, value=_ema_value, decode=_ema_decode, needs="ema"),
 )
 PER_RANK_KEYS: tuple[str, ...] = tuple(item.key for item in ITEMS if item.per_rank and item.key)
 VALUE_KEYS: tuple[str, ...] = tuple(item.key for item in ITEMS if item.key)
@@ -292,17 +257,17 @@ def build(objs: ResumeObjects, *, collective: bool = False) -> Built:
     out = Built()
     for item in ITEMS:
         keys: list[str] = []
+        out.by_item[item.name] = keys
+        if not item.given(objs):
+            continue
         if item.tensors is not None:
             records, deferred = item.tensors(objs)
             out.tensors.update(records)
             out.deferred |= deferred
             keys.extend(records)
         if item.value is not None:
-            value = item.value(objs, collective)
-            if value is not _ABSENT:
-                out.values[item.key] = value
-                keys.append(item.key)
-        out.by_item[item.name] = keys
+            out.values[item.key] = item.value(objs, collective)
+            keys.append(item.key)
     return out
 
 
@@ -310,7 +275,7 @@ def load_targets(objs: ResumeObjects) -> dict:
     """The tensors a load writes into, keyed as saved (the same records :func:`build` captures)."""
     targets: dict = {}
     for item in ITEMS:
-        if item.tensors is not None:
+        if item.tensors is not None and item.given(objs):
             targets.update(item.tensors(objs)[0])
     return targets
 
@@ -333,7 +298,7 @@ def requested_values(objs: ResumeObjects, present) -> list[str]:
 def decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> Callable[[], None]:
     """Check every item's saved value for ``objs`` before anything is written (the first problem raises its
     named error); returns the function applying them all, in ITEMS order, after the tensors landed."""
-    actions = [item.decode(objs, saved, strict, where) for item in ITEMS if item.decode is not None]
+    actions = [item.decode(objs, saved, strict, where) for item in ITEMS if item.decode and item.given(objs)]
 
     def apply() -> None:
         for action in actions:
