@@ -36,6 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--pairs", type=int, default=8, help="step pairs (with / without the update), default 8")
     p.add_argument("--every", default="4,16", help="also time update() averaging every N-th call (default 4,16)")
     p.add_argument("--step-vs-memcpy", type=float, default=1.5, help="step time at least this x memcpy")
+    p.add_argument("--batch", type=int, default=0, help="this batch instead (rows per step; 0: the rule above)")
     p.add_argument("--seed", type=int, default=2024)
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -66,11 +67,11 @@ def run(args) -> dict:
         opt.clear_grad()
         return time.perf_counter() - t0
 
-    batch = 4
+    batch = args.batch or 4
     while True:
         x["batch"] = paddle.rand([batch, dim]) * 0.01
         step()
-        if step() >= args.step_vs_memcpy * memcpy or batch >= 4096:
+        if args.batch or step() >= args.step_vs_memcpy * memcpy or batch >= 4096:
             break
         batch *= 2
     ema = fsdp.ema(0.999)
@@ -113,7 +114,7 @@ def table(r: dict) -> str:
         "| EMA update (per step) | rank params | EMA MiB | step (s) | AdamW update (s) | EMA update (s) | "
         "EMA / step | EMA / AdamW update |",
         "|---|---|---|---|---|---|---|---|",
-        f"| every step | {r['rank_params']:,} | {r['ema_bytes'] / 2**20:.0f} | {r['step_s']:.3f} | "
+        f"| every step, batch {r['batch']} | {r['rank_params']:,} | {r['ema_bytes'] / 2**20:.0f} | {r['step_s']:.3f} | "
         f"{r['optimizer_step_s']:.4f} | {r['update_s']:.4f} | {100 * r['update_vs_step']:.1f}% | "
         f"{r['update_vs_optimizer_step']:.2f}x |",
     ]
