@@ -215,14 +215,15 @@ def _ema_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> 
     return ema.decode(saved.get(EMA_KEY), f"{where}: {EMA_KEY}")
 
 
+# in the order a save has always written them (values: optimizer, buffers, RNG, extra_state, GradScaler)
 ITEMS: tuple[Item, ...] = (
     Item("parameters", tensors=_parameter_tensors),
-    Item("buffers", BUFFERS_KEY, tensors=_buffer_tensors, value=_buffer_value),
     # accumulators and master weights (tensors); class and global state with the LR scheduler (value)
     Item("optimizer", OPTIMIZER_KEY, tensors=_opt_tensors, value=_opt_value, decode=_opt_decode, needs="optimizer"),
+    Item("buffers", BUFFERS_KEY, tensors=_buffer_tensors, value=_buffer_value),
     Item("rng", RNG_KEY, per_rank=True, value=lambda objs, _c: rng.capture(), decode=_rng_decode),
-    Item("grad_scaler", GRAD_SCALER_KEY, value=_scaler_value, decode=_scaler_decode, needs="grad_scaler"),
     Item("extra_state", EXTRA_KEY, value=lambda objs, _c: dict(objs.extra_state or {}), decode=_extra_decode),
+    Item("grad_scaler", GRAD_SCALER_KEY, value=_scaler_value, decode=_scaler_decode, needs="grad_scaler"),
     Item("stateful", STATEFUL_KEY, per_rank=True, value=_stateful_value, decode=_stateful_decode, needs="stateful"),
     Item("ema", EMA_KEY, tensors=_ema_tensors, value=_ema_value, decode=_ema_decode, needs="ema"),
 )
