@@ -131,3 +131,40 @@ def test_paddle_dataloader_takes_it_as_batch_sampler():
     loader = paddle.io.DataLoader(Data(), batch_sampler=s)
     got = [(b[0] if isinstance(b, (list, tuple)) else b).numpy().reshape(-1).astype(int).tolist() for b in loader]
     assert got == want
+
+
+def test_resumable_dataloader_counts_delivered_batches_not_prefetched_ones():
+    """paddle's DataLoader pulls batches from its sampler ahead of the loop: ResumableDataLoader's state is the
+    position of what the loop got, so a resume after every batch of 2 epochs continues the uninterrupted stream."""
+    from paddle.distributed.fsdp.sampler import ResumableDataLoader
+
+    class Data(paddle.io.Dataset):
+        def __getitem__(self, i):
+            return paddle.to_tensor([float(i)])
+
+        def __len__(self):
+            return 14
+
+    def loader(seed: int = 3) -> ResumableDataLoader:
+        return ResumableDataLoader(Data(), Sampler(Data(), 2, 2, 1, shuffle=True, seed=seed))
+
+    def ids(batch) -> list[int]:
+        return (batch[0] if isinstance(batch, (list, tuple)) else batch).numpy().reshape(-1).astype(int).tolist()
+
+    ref = loader()
+    want = [ids(b) for _epoch in range(2) for b in ref]
+    assert len(want) == 8
+    ahead = 0
+    for cut in range(len(want)):
+        first, got = loader(), []
+        stream = (b for _epoch in range(2) for b in first)
+        for _ in range(cut):
+            got.append(ids(next(stream)))
+        state = json.loads(json.dumps(first.state_dict()))
+        ahead += first.sampler.state_dict() != state  # the prefetch thread took more than the loop got
+        second = loader(seed=9)
+        second.set_state_dict(state)
+        epochs = 2 - state["epoch"]
+        got += [ids(b) for _epoch in range(epochs) for b in second]
+        assert got == want, f"resumed after batch {cut}"
+    assert ahead, "the DataLoader never ran ahead of the loop: the test shows nothing"
