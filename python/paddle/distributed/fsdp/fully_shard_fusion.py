@@ -305,6 +305,14 @@ class FullyShardFusion:
         tier.restore()
         return tier
 
+    def ema(self, coef: float, every: int = 1):
+        """A ShardedEMA of this model's weights (state/ema.py): fp32, over this rank's shard, initialised from the
+        current weights; call ``ema.update()`` after each optimizer step and pass ``ema=`` to the checkpoint calls
+        (``every=N``: average every N-th call, at 1/N of the cost)."""
+        from .state.ema import ShardedEMA
+
+        return ShardedEMA(self, coef, every)
+
     def load_checkpoint(self, path: str, optimizer=None, **kwargs) -> dict:
         """Restore what :meth:`save_checkpoint` wrote (a checkpoint, or a root: its ``latest``).
 

@@ -36,9 +36,9 @@ import numpy as np
 from ..checkpoint import checksums, writer
 from ..checkpoint.directory import committed_steps, prune, step_dir_name
 from ..checkpoint.format.metadata import LATEST_FILE, FileMeta
-from ..checkpoint.format.reserved import RNG_KEY
 from ..checkpoint.io.storage import backend_for
 from ..checkpoint.planner import RecordDesc, assign_writes, lay_out_files, merged_values
+from ..state.resume_state import PER_RANK_KEYS
 from . import identity
 from .copies import read_copy
 from .errors import InvalidMemoryCopyError, MemoryTierError, NoCommonStepError
@@ -145,7 +145,7 @@ def _write(staging: str, copies: list, on_bytes, on_total) -> int:
     for slot, header, _off, _len in copies:
         pairs = records_of(header, f"memory copy {slot.path}")
         wires.append([RecordDesc.from_wire(desc.to_wire()).to_wire() for _rec, desc in pairs])
-        per_rank.append(dict(header["values"], **{RNG_KEY: None}))
+        per_rank.append({k: (None if k in PER_RANK_KEYS else v) for k, v in header["values"].items()})
     try:
         values = merged_values(per_rank)
         plan = lay_out_files(assign_writes(wires, values), values, out.checkpoint_id)
@@ -153,7 +153,9 @@ def _write(staging: str, copies: list, on_bytes, on_total) -> int:
         raise InvalidMemoryCopyError(
             f"the copies' record descriptions and values do not make a checkpoint: {e}"
         ) from None
-    values[RNG_KEY] = [h["values"].get(RNG_KEY) for _s, h, _o, _n in copies]
+    present = [k for k in PER_RANK_KEYS if k in values]  # each rank's entry of a per-rank value, by rank
+    for key in present:
+        values[key] = [h["values"].get(key) for _s, h, _o, _n in copies]
     if on_total is not None:
         on_total(sum(layout.size - len(layout.header) for layout in plan.files.values()))
     for r, (slot, header, doff, dlen) in enumerate(copies):
@@ -174,7 +176,7 @@ def _write(staging: str, copies: list, on_bytes, on_total) -> int:
             piece.checksums = [int(c) for c in piece_sums]
         out.files[layout.name] = FileMeta(rank=r, size=size)
     out.tensors = dict(plan.tensors)
-    out.commit(values, per_rank_values=(RNG_KEY,))  # each rank's RNG state in its own object, as a save
+    out.commit(values, per_rank_values=tuple(present))  # each rank's entries in its own object, as a save
     return sum(f.size for f in out.files.values())
 
 

@@ -6,6 +6,9 @@ A training script needs three lines (see docs/memory-tier.md)::
     for step in range(tier.start_step, total_steps):
         tier.save(step + 1, extra_state={...})   # after optimizer.step(); tier.close() at a clean end
 
+A copy holds what ``save_checkpoint`` saves (state/resume_state.py): give ``grad_scaler=``, ``stateful=`` and
+``ema=`` to the tier (or to ``save``) as to ``save_checkpoint``; ``restore`` applies them to the objects given.
+
 ``save`` blocks like an async save: tensors the optimizer step changes are copied into the rank's shared-memory
 slot after it returned (the next ``optimizer.step()`` waits for that copy: snapshot_guard.py); the checksums and
 the transfer to the peer run in the background. Every ``persist_every``-th memory checkpoint is also written to
@@ -32,13 +35,14 @@ import time
 
 from ..checkpoint import checksums
 from ..checkpoint.errors import CheckpointError, rebuild_remote_error
+from ..state.resume_state import ResumeObjects
 from . import identity, peers, roots, wire
 from .copies import Background, Copies, SaveIntoSlot, header_capacity, offsets_of
 from .errors import MemoryRootError, MemoryTierError, MemoryTierFullError
 from .persist import persist_copy
 from .restore import Restore, RestoreResult
 from .slot import Slot
-from .state import buffer_keys, capture_values, tensor_state
+from .state import capture
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +78,9 @@ class MemoryTier:
         checksum: str = "xxh3-64",
         persist_on_restore: bool = True,
         peer_timeout_s: float = 60.0,
+        grad_scaler=None,
+        stateful: dict | None = None,
+        ema=None,
     ):
         if not isinstance(durable_root, str) or not durable_root:
             raise MemoryTierError(f"durable_root must be a non-empty path, got {durable_root!r}")
@@ -93,6 +100,9 @@ class MemoryTier:
         if quota_bytes is not None and (type(quota_bytes) is not int or quota_bytes < 0):
             raise MemoryTierError(f"quota_bytes must be a non-negative int or None, got {quota_bytes!r}")
         self.fsdp, self.optimizer = fsdp, optimizer
+        # what else a save holds and a restore applies (state/resume_state.py), as save_checkpoint takes them
+        self.grad_scaler, self.stateful, self.ema = grad_scaler, stateful, ema
+        self.resume_objects()  # TypeError for a wrong object, before anything is set up
         self.durable_root = durable_root if "://" in durable_root else os.path.abspath(durable_root)
         self.memory_root = memory_root or os.environ.get(ROOT_ENV) or DEFAULT_ROOT
         self.persist_every, self.keep_last, self.quota = persist_every, keep_last, quota_bytes
@@ -112,7 +122,6 @@ class MemoryTier:
         self._bg = Background()
         self._persister = Background("memtier-persist")
         self._persisting = False  # a persist was started and every rank has not yet seen it finish
-        self._buffers: list[str] | None = None
         self.save_timings: dict[str, float] = {}  # seconds of the last save's background phases (benchmark)
         self.skipped: list[int] = []  # memory saves skipped because a persist was still writing the copy
         self.persist_errors: list[str] = []
@@ -198,11 +207,29 @@ class MemoryTier:
         self.peer_link()
         self._layout = state.layout
 
+    def resume_objects(self, extra_state: dict | None = None) -> ResumeObjects:
+        """What this tier saves and restores, for the owner of the resume state (state/resume_state.py)."""
+        return ResumeObjects(self.fsdp, self.optimizer, self.grad_scaler, self.stateful, self.ema, extra_state)
+
+    def resume_kwargs(self) -> dict:
+        """The same objects as keywords of ``save_checkpoint`` / ``load_checkpoint`` (storage, through the tier)."""
+        return dict(optimizer=self.optimizer, grad_scaler=self.grad_scaler, stateful=self.stateful, ema=self.ema)
+
     # ------------------------------------------------------------------ save
-    def save(self, step: int, extra_state: dict | None = None) -> None:
-        """Checkpoint ``step`` into memory (and to storage every ``persist_every``-th step). Collective."""
+    def save(
+        self, step: int, extra_state: dict | None = None, *, grad_scaler=None, stateful: dict | None = None, ema=None
+    ) -> None:
+        """Checkpoint ``step`` into memory (and to storage every ``persist_every``-th step). Collective.
+
+        ``grad_scaler`` / ``stateful`` / ``ema``: as ``save_checkpoint`` takes them; given here they replace the
+        tier's (given at construction, which a restore applies) for this and later saves."""
         if type(step) is not int or step < 0:
             raise MemoryTierError(f"step must be a non-negative int, got {step!r}")
+        if grad_scaler is not None or stateful is not None or ema is not None:
+            ResumeObjects(self.fsdp, self.optimizer, grad_scaler, stateful, ema)  # TypeError, before anything
+            self.grad_scaler = grad_scaler if grad_scaler is not None else self.grad_scaler
+            self.stateful = stateful if stateful is not None else self.stateful
+            self.ema = ema if ema is not None else self.ema
         err = self._bg.wait()
         if err is not None:
             logger.warning("memory tier: the previous memory save (background) failed: %s", err)
@@ -211,10 +238,7 @@ class MemoryTier:
             logger.info("memory tier: memory save of step %d skipped: the persist of the copy is still writing", step)
             return
         self._release_persist_buffers()
-        state = tensor_state(self.fsdp, self.optimizer)
-        if self._buffers is None:
-            self._buffers = buffer_keys(self.fsdp)
-        values = capture_values(self.fsdp, self.optimizer, extra_state, self._buffers)
+        state, values = capture(self.resume_objects(extra_state))
         if self.disabled_reason is None and state.layout != self._layout:
             self._setup(state, len(json.dumps(values)))  # collective, on every rank alike
         if self.disabled_reason is not None:
@@ -323,8 +347,8 @@ class MemoryTier:
         self._persist_handle = save_checkpoint(
             self.fsdp,
             self.durable_root,
-            optimizer=self.optimizer,
             extra_state=extra_state,
+            **self.resume_kwargs(),
             step=step,
             keep_last=self.keep_last,
             async_save=async_save,

@@ -90,7 +90,7 @@ class Restore:
             self.found[name] = read_copy(path, expect, layout, verify=False)  # the header only
             if name == "own":
                 tier, header = self.tier, self.found[name][1]
-                self.apply_own = decode_values(tier.fsdp, tier.optimizer, header["values"], f"memory copy {path}")
+                self.apply_own = decode_values(tier.resume_objects(), header["values"], f"memory copy {path}")
         except (CheckpointError, OSError, TypeError, ValueError, KeyError) as e:  # a copy this rank cannot use
             copy = self.found.pop(name, None)
             if copy is not None:
@@ -136,7 +136,7 @@ class Restore:
 
     def _rounds(self) -> RestoreResult | None:
         tier = self.tier
-        state = tensor_state(tier.fsdp, tier.optimizer)
+        state = tensor_state(tier.resume_objects())
         tier.peer_link()  # collective when first called: before any rank may need it
         self.mark("prepare")
         for _round in range(2 * tier.world + 2):  # every repeated round excludes at least one copy
@@ -171,7 +171,7 @@ class Restore:
 
         root = self.tier.durable_root
         path = backend_for(root).child(root, step_dir_name(decision.step))
-        result = load_checkpoint(self.tier.fsdp, path, optimizer=self.tier.optimizer)
+        result = load_checkpoint(self.tier.fsdp, path, **self.tier.resume_kwargs())
         logger.info("memory tier: every rank restored step %d from storage %s", decision.step, path)
         out = RestoreResult(dict(result), decision.step, decision.sources)
         out.timings = self.timings()
@@ -211,7 +211,7 @@ class Restore:
         try:
             header, doff, dlen = wire.receive_header(incoming, where)
             check_header(header, dict(tier.expect(), rank=self.rank, step=decision.step), state.layout, where)
-            apply = decode_values(tier.fsdp, tier.optimizer, header["values"], where)
+            apply = decode_values(tier.resume_objects(), header["values"], where)
             self.mark("transfer")
 
             def fill(dst, off: int) -> None:
