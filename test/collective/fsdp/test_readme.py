@@ -189,7 +189,9 @@ def test_checkpoint_method_keywords_in_code_blocks_exist():
             if dotted.startswith("fsdp.") and method in accepted:
                 calls += 1
                 problems += [
-                    f"{doc.name}: {dotted}({k.arg}=...)" for k in node.keywords if k.arg not in accepted[method]
+                    f"{doc.name}: {dotted}({k.arg}=...)"
+                    for k in node.keywords
+                    if k.arg is not None and k.arg not in accepted[method]
                 ]
     assert calls >= 8 and not problems, problems
 
