@@ -1,0 +1,333 @@
+"""Expert parallelism (EP) on gloo ranks; each rank reports {case: "ok" | traceback, "figures": ...}.
+
+``expert_parallel.py WORKDIR`` on 2 ranks: fleet ``ep_degree=2`` (``sharding_degree=2``, ``moe_sharding_degree=1``).
+On 4 ranks: fleet ``ep_degree=2 x moe_sharding_degree=2`` (``sharding_degree=4``), plus EP=4 through explicit
+groups. The 2-rank launch saves the checkpoints the 4-rank launch reshards (EP 2 -> 2x2, 1 -> 2x2, 2 -> 4, 2 -> 1
+with FSDP 2 -> 4), each bit-exact (re-saved and compared: same keys and full shapes at every EP degree) and
+continuing within 1e-5 of the uninterrupted run.
+
+The model (moe_models.py): 8 experts, top-2 routing, a shared expert, a tied embedding; fp64, AdamW with weight
+decay and global-norm clipping. One process trains the same global batches for reference.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import _paths  # noqa: F401  (puts launch_util on sys.path)
+import numpy as np
+import paddle
+import paddle.distributed as dist
+from launch_util import report
+from models import decay_fun_for, local_part
+from moe_models import EXPERTS, make_moe, moe_batches
+from paddle.distributed import fleet
+from paddle.distributed.fsdp import FullyShardFusion, UnsupportedGroupLayoutError
+from paddle.distributed.fsdp.checkpoint import load_full_state_dict, read_metadata
+from paddle.distributed.fsdp.topology import barrier_after_new_group
+
+BATCHES = moe_batches(3, 8)  # 2 steps, a checkpoint, 1 more
+SEED = 5
+UNITS = ["MoeDecoderBlock"]
+EXPERT_CLASSES = ["MoeExpert"]
+#: fleet ignores ep_degree / moe_sharding_degree unless "order" names them
+ORDER = ["pp", "moe_sharding", "ep", "dp", "sharding", "sep", "cp", "mp"]
+
+
+def world_group():
+    from paddle.distributed.collective import _get_global_group
+
+    return _get_global_group()
+
+
+def gather(value):
+    from paddle.distributed.fsdp.communication import all_gather_object
+
+    return all_gather_object(value, world_group())
+
+
+def optimizer(model, fsdp):
+    fun = decay_fun_for(model) if fsdp is None else None  # FSDP honours param.no_weight_decay by itself
+    return paddle.optimizer.AdamW(
+        0.01,
+        weight_decay=0.1,
+        grad_clip=paddle.nn.ClipGradByGlobalNorm(0.05),
+        apply_decay_param_fun=fun,
+        parameters=model.parameters(),
+    )
+
+
+def build(layout: str):
+    """(fsdp, model, optimizer): "fleet" (EP from fleet's hybrid config), "ep_world" (EP over every rank, explicit
+    groups), "dense" (no EP: every rank holds every expert, FSDP over the world), "one" (this process alone)."""
+    if layout == "fleet":
+        model = make_moe(SEED, fleet.get_hybrid_communicate_group().get_expert_parallel_group())
+        fsdp = FullyShardFusion(model, UNITS, moe_layers_name=EXPERT_CLASSES)
+    elif layout == "ep_world":
+        model = make_moe(SEED, world_group())
+        fsdp = FullyShardFusion(
+            model, UNITS, group=world_group(), moe_layers_name=EXPERT_CLASSES, expert_parallel_group=world_group()
+        )
+    elif layout == "dense":
+        model = make_moe(SEED)
+        fsdp = FullyShardFusion(model, UNITS, group=world_group(), expert_parallel_group=None)
+    else:
+        model, fsdp = make_moe(SEED), None
+    return fsdp, model, optimizer(model, fsdp)
+
+
+def run(layout: str, steps: slice, state=None):
+    fsdp, model, opt = state or build(layout)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if layout != "one" else (0, 1)
+    for ids, labels in BATCHES[steps]:
+        model(
+            paddle.to_tensor(local_part(ids, rank, world)), paddle.to_tensor(local_part(labels, rank, world))
+        ).backward()
+        opt.step()
+        opt.clear_grad()
+    return fsdp, model, opt
+
+
+def params(fsdp, model) -> dict:
+    full = fsdp.full_parameters() if fsdp is not None else dict(model.named_parameters())
+    return {k: v.numpy() for k, v in full.items()}
+
+
+def assert_close(got: dict, want: dict, tol: float, what: str) -> float:
+    """Max error relative to each tensor's largest value; returns the largest seen."""
+    assert set(got) == set(want), f"{what}: keys differ: {sorted(set(got) ^ set(want))[:6]}"
+    worst = 0.0
+    for key, value in want.items():
+        err = float(np.abs(got[key] - value).max() / max(np.abs(value).max(), 1e-30))
+        assert err <= tol, f"{what}: {key} differs by {err:.3g} (relative), tolerance {tol}"
+        worst = max(worst, err)
+    return worst
+
+
+def assert_same_checkpoint(a: str, b: str) -> None:
+    """Checkpoint ``a`` and ``b`` hold the same keys with the same values, bit for bit (rank 0 reads both)."""
+    problem = None
+    if dist.get_rank() == 0:
+        fa, fb = load_full_state_dict(a), load_full_state_dict(b)
+        if set(fa) != set(fb):
+            problem = f"keys differ: {sorted(set(fa) ^ set(fb))[:6]}"
+        else:
+            bad = [k for k in fa if np.asarray(fa[k]).tobytes() != np.asarray(fb[k]).tobytes()]
+            problem = f"{len(bad)} of {len(fa)} keys differ, e.g. {bad[:4]}" if bad else None
+    problem = gather(problem)[0]
+    assert problem is None, f"{a} vs {b}: {problem}"
+
+
+def state_bytes(path: str) -> int:
+    md = read_metadata(path)
+    return sum(int(np.prod(tm.shape)) * np.dtype(tm.dtype).itemsize for tm in md.tensors.values())
+
+
+def share_bytes(fsdp, opt) -> int:
+    """The bytes of this rank's records (its pieces of the model and optimizer state, the replicated values it
+    holds): what a load must read for it."""
+    records = fsdp.sharded_state_dict()
+    records.update(fsdp.optimizer_sharded_state_dict(opt))
+    total = 0
+    for record in records.values():
+        tensor = getattr(record, "local_tensor", record)
+        total += int(np.prod(tensor.shape)) * tensor.element_size()
+    return total
+
+
+def bytes_written(path: str) -> int:
+    return sum(p.nbytes for tm in read_metadata(path).tensors.values() for p in tm.pieces)
+
+
+# ------------------------------------------------------------------------------------------------ 2 ranks
+
+
+def case_groups(ctx):
+    """What fleet's hybrid config gives: EP group = the world, no expert sharding; experts in buffers of their own."""
+    fsdp, model, _ = build("fleet")
+    assert fsdp.expert_layout.ep_degree == 2 and fsdp.expert_layout.shard_degree == 1
+    assert fsdp.world_size == 2 and fsdp.expert_comm.world_size == 1
+    expert_buffers = [b for b in fsdp.buffers if b.layout.attrs.get("expert")]
+    # per decoder block: the experts' weights and their biases (exempt from decay: a buffer of their own)
+    assert len(expert_buffers) == 4, [b.layout.name for b in fsdp.buffers]
+    mine = {s.key.split(".experts.")[1].split(".")[0] for b in expert_buffers for s in b.layout.slots}
+    want = {str(e) for e in range(dist.get_rank() * EXPERTS // 2, (dist.get_rank() + 1) * EXPERTS // 2)}
+    assert mine == want, (mine, want)
+    dense_keys = {s.key for b in fsdp.buffers if not b.layout.attrs.get("expert") for s in b.layout.slots}
+    assert any("shared_expert" in k for k in dense_keys) and not any(".experts." in k for k in dense_keys)
+
+
+def expect_refused(match: str, make, **kwargs) -> None:
+    model = make()
+    try:
+        FullyShardFusion(model, UNITS, **kwargs)
+    except UnsupportedGroupLayoutError as e:
+        assert match in str(e), f"{match!r} not in: {e}"
+    else:
+        raise AssertionError(f"accepted; expected a refusal mentioning {match!r}")
+    assert getattr(model, "_fsdp", None) is None, "a refused model was wrapped"
+
+
+def case_refusals(ctx):
+    """Refused by name, on every rank, before the model changes."""
+    ep = fleet.get_hybrid_communicate_group().get_expert_parallel_group()
+    # EP on, but no expert found (the expert class not named)
+    expect_refused("no parameter is an expert", lambda: make_moe(SEED, ep), moe_layers_name=["Nothing"])
+    # experts held by one EP rank each, but FSDP told nothing about EP: dense keys differ between ranks
+    expect_refused(
+        "different non-expert parameters", lambda: make_moe(SEED, ep), group=world_group(), expert_parallel_group=None
+    )
+
+    # experts named by local index (experts.0 on both EP ranks): keys would collide across EP degrees
+    def local_names():
+        model = make_moe(SEED, ep)
+        for block in model.blocks:
+            kept = [e for e in block.mlp.experts if e is not None]
+            block.mlp.experts = paddle.nn.LayerList(kept)
+        return model
+
+    expect_refused("exists on EP ranks 0 and 1", local_names, moe_layers_name=EXPERT_CLASSES)
+
+    # experts marked expert=True without any EP group
+    def marked():
+        model = make_moe(SEED)
+        for p in model.blocks[0].mlp.experts[0].parameters():
+            p.expert = True
+        return model
+
+    expect_refused("no expert-parallel group", marked, group=world_group(), expert_parallel_group=None)
+
+
+def case_training_ep2(ctx):
+    """3 AdamW steps with clipping at ep2 == one process (fp64, 1e-5 relative; ~1e-15 in practice)."""
+    ref = params(None, run("one", slice(0, 3))[1])
+    state = run("fleet", slice(0, 2))
+    state[0].save_checkpoint(os.path.join(ctx["dir"], "ep2"), optimizer=state[2])
+    run("fleet", slice(2, 3), state)
+    got = params(*state[:2])
+    ctx["figures"]["ep2_vs_one_process"] = assert_close(got, ref, 1e-5, "ep2 vs one process")
+    full = state[0].full_state_dict()  # rank 0 gets every expert, in the unwrapped model's order
+    if dist.get_rank() == 0:
+        one = make_moe(SEED).state_dict()
+        assert list(full) == list(one), f"full_state_dict keys/order: {list(full)[:12]} vs {list(one)[:12]}"
+        assert_close({k: v.numpy() for k, v in full.items() if k in got}, got, 0.0, "full_state_dict")
+        np.savez(os.path.join(ctx["dir"], "ep2_uninterrupted.npz"), **got)
+    dense = run("dense", slice(0, 2))  # EP=1 over the same 2 ranks: the checkpoint EP=1 -> EP=2 starts from
+    dense[0].save_checkpoint(os.path.join(ctx["dir"], "ep1"), optimizer=dense[2])
+    run("dense", slice(2, 3), dense)
+    got_dense = params(*dense[:2])  # collective: every rank
+    ctx["figures"]["ep1_vs_one_process"] = assert_close(got_dense, ref, 1e-5, "ep1 vs one process")
+    if dist.get_rank() == 0:
+        np.savez(os.path.join(ctx["dir"], "ep1_uninterrupted.npz"), **got_dense)
+
+
+def case_save_once(ctx):
+    """An EP save writes the state once: the same keys and full shapes as EP=1's, every byte written once."""
+    ep2, ep1 = os.path.join(ctx["dir"], "ep2"), os.path.join(ctx["dir"], "ep1")
+    a, b = read_metadata(ep2), read_metadata(ep1)
+    shapes = {k: tuple(t.shape) for k, t in a.tensors.items()}
+    assert shapes == {k: tuple(t.shape) for k, t in b.tensors.items()}, "EP=2 and EP=1 checkpoints differ in keys"
+    assert bytes_written(ep2) == state_bytes(ep2), (bytes_written(ep2), state_bytes(ep2))
+    ctx["figures"]["ep2_state_bytes"] = state_bytes(ep2)
+
+
+def case_summon(ctx):
+    """summon_full_params: local experts whole inside, a writeback lands in the shards."""
+    fsdp, model, _ = build("fleet")
+    mine = model.blocks[0].mlp.experts[dist.get_rank() * EXPERTS // 2]
+    with fsdp.summon_full_params(writeback=True):
+        assert list(mine.up.weight.shape) == [32, 64], mine.up.weight.shape
+        mine.up.weight.set_value(paddle.full_like(mine.up.weight, float(dist.get_rank() + 1)))
+    key = f"blocks.0.mlp.experts.{dist.get_rank() * EXPERTS // 2}.up.weight"
+    full = fsdp.full_parameters()
+    assert float(full[key].numpy().min()) == float(full[key].numpy().max()) == dist.get_rank() + 1
+
+
+def two_rank_cases():
+    return {
+        "groups": case_groups,
+        "refusals": case_refusals,
+        "training_ep2": case_training_ep2,
+        "save_once": case_save_once,
+        "summon": case_summon,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ 4 ranks
+
+
+def case_training_ep2x2(ctx):
+    """ep2 x moe_sharding2 on 4 ranks == one process; experts sharded over 2 ranks, the dense part over 4."""
+    ref = params(None, run("one", slice(0, 3))[1])
+    fsdp, model, opt = run("fleet", slice(0, 3))
+    assert fsdp.expert_layout.ep_degree == 2 and fsdp.expert_layout.shard_degree == 2 and fsdp.world_size == 4
+    ctx["figures"]["ep2x2_vs_one_process"] = assert_close(params(fsdp, model), ref, 1e-5, "ep2x2 vs one process")
+    run_ep4 = run("ep_world", slice(0, 3))
+    ctx["figures"]["ep4_vs_one_process"] = assert_close(params(*run_ep4[:2]), ref, 1e-5, "ep4 vs one process")
+
+
+def reshard(ctx, source: str, layout: str, name: str) -> None:
+    """Load ``source`` into ``layout``: re-saved it is the same checkpoint bit for bit; each rank reads <= 1.1x its
+    share; one more step equals the source run's uninterrupted third step within 1e-5."""
+    ckpt = os.path.join(ctx["dir"], source)
+    fsdp, model, opt = build(layout)
+    # checksums widen every read to whole 256 KiB checksum chunks (each piece of this tiny model is smaller): the
+    # bytes a load needs are measured without them (docs/reports/expert-parallel-2026-12-05.md has both)
+    result = fsdp.load_checkpoint(ckpt, optimizer=opt, verify_checksums=False)
+    again = os.path.join(ctx["dir"], f"{name}_again")
+    fsdp.save_checkpoint(again, optimizer=opt)
+    assert_same_checkpoint(ckpt, again)
+    # its share: its records, and its values (the RNG state, ~15 KB per rank here, read by every load)
+    mine, read = share_bytes(fsdp, opt), result.report.bytes_read
+    assert read <= 1.1 * mine, f"{name}: rank {dist.get_rank()} read {read} bytes for its share of {mine}"
+    ctx["figures"][f"{name}_read_vs_share"] = [read, mine]
+    run(layout, slice(2, 3), (fsdp, model, opt))
+    want = dict(np.load(os.path.join(ctx["dir"], f"{source}_uninterrupted.npz")))
+    ctx["figures"][f"{name}_continuation"] = assert_close(params(fsdp, model), want, 1e-5, name)
+
+
+def four_rank_cases():
+    return {
+        "training_ep2x2": case_training_ep2x2,
+        "reshard_ep2_to_ep2x2": lambda ctx: reshard(ctx, "ep2", "fleet", "ep2_to_ep2x2"),
+        "reshard_ep1_to_ep2x2": lambda ctx: reshard(ctx, "ep1", "fleet", "ep1_to_ep2x2"),
+        "reshard_ep2_to_ep4": lambda ctx: reshard(ctx, "ep2", "ep_world", "ep2_to_ep4"),
+        "reshard_ep2_to_ep1": lambda ctx: reshard(ctx, "ep2", "dense", "ep2_to_ep1"),
+    }
+
+
+def main() -> None:
+    workdir = sys.argv[1]
+    dist.init_parallel_env()
+    world = dist.get_world_size()
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {
+        "dp_degree": 1,
+        "mp_degree": 1,
+        "pp_degree": 1,
+        "sharding_degree": world,
+        "ep_degree": 2,
+        "moe_sharding_degree": world // 2,
+        "order": ORDER,
+    }
+    with barrier_after_new_group(reuse_identical=True):  # gloo: see topology.barrier_after_new_group
+        fleet.init(is_collective=True, strategy=strategy)
+    cases = two_rank_cases() if world == 2 else four_rank_cases()
+    ctx = {"dir": workdir, "figures": {}}
+    results = {}
+    for name, case in cases.items():
+        try:
+            case(ctx)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+            print(f"case {name} failed:\n{results[name]}", file=sys.stderr, flush=True)
+    dist.barrier()
+    results["figures"] = ctx["figures"]
+    report(results)
+
+
+if __name__ == "__main__":
+    main()
