@@ -5,8 +5,10 @@ groups) train and reshard them (workers/expert_parallel.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 
+import numpy as np
 import pytest
 from _results import assert_case_ok
 from launch_util import run_launch
@@ -54,3 +56,88 @@ def test_ep_checkpoint_tools(runs):
     for name in ("ep2", "ep1"):
         problems, _ = verify(os.path.join(runs["dir"], name), progress=False)
         assert problems == [], (name, problems)
+
+
+# ------------------------------------------------------------------------------------------------ HF export
+
+
+def _cli(capsys, *args):
+    from paddle.distributed.fsdp.tools.cli import main as cli_main
+
+    capsys.readouterr()
+    rc = cli_main([str(a) for a in args])
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+def _read_hf(directory) -> dict:
+    import safetensors.numpy as stnp
+
+    out = {}
+    for f in sorted(os.listdir(directory)):
+        if f.endswith(".safetensors"):
+            out.update(stnp.load_file(os.path.join(directory, f)))
+    return out
+
+
+def test_hf_round_trip_through_ep2_is_bit_exact(tmp_path, capsys):
+    """HF (PaddleFormers Qwen3-MoE's own weights, exported) -> from-hf -> loaded at EP=2 (fleet ep_degree=2) and saved
+    -> to-hf: every HF tensor bit-exact, every expert of every sparse layer present (per-expert HF keys)."""
+    import pf_models
+
+    config = pf_models.write_hf_config("qwen3-moe", tmp_path / "config.json")
+    cfg = json.loads(config.read_text())
+    model = pf_models.paddle_model("qwen3-moe", False, cfg, seed=1)
+    pf_models.save_single_process(model, tmp_path / "ckpt1")
+    rc, out = _cli(capsys, "to-hf", tmp_path / "ckpt1", tmp_path / "hf", "--preset", "qwen3-moe", "--config", config)
+    assert rc == 0, out
+    rc, out = _cli(capsys, "from-hf", tmp_path / "hf", tmp_path / "in", "--preset", "qwen3-moe")
+    assert rc == 0, out
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "ep_hf.py")
+    res = run_launch(worker, 2, [config, tmp_path / "in", tmp_path / "ep2"], log_dir=tmp_path / "logs")
+    assert_case_ok(res, "round_trip", 2)
+    rc, out = _cli(capsys, "to-hf", tmp_path / "ep2", tmp_path / "hf2", "--preset", "qwen3-moe", "--config", config)
+    assert rc == 0, out
+    a, b = _read_hf(tmp_path / "hf"), _read_hf(tmp_path / "hf2")
+    assert sorted(a) == sorted(b)
+    bad = [k for k in a if a[k].dtype != b[k].dtype or a[k].tobytes() != b[k].tobytes()]
+    assert not bad, bad[:5]
+    experts = {k for k in b if ".mlp.experts." in k}
+    assert len(experts) == cfg["num_experts"] * 3, sorted(experts)  # layer 0 sparse (layer 1 dense): 3 per expert
+
+
+def test_export_missing_experts_is_refused_by_layer_and_index(tmp_path, capsys):
+    """A checkpoint holding one EP rank's experts only (what a per-rank export of an EP model would write) is
+    refused with exit 2, naming the layer and the missing expert indices; an HF input with an expert beyond the
+    config's is refused the same way."""
+    import pf_models
+
+    config = pf_models.write_hf_config("qwen3-moe", tmp_path / "config.json")
+    cfg = json.loads(config.read_text())
+    model = pf_models.paddle_model("qwen3-moe", False, cfg, seed=1)
+    state = {k: v for k, v in model.state_dict().items() if not any(f".experts.{e}." in k for e in (2, 3))}
+    from paddle.distributed.fsdp.checkpoint import save_state_dict
+
+    save_state_dict(state, str(tmp_path / "half"))
+    rc, out = _cli(capsys, "to-hf", tmp_path / "half", tmp_path / "hf", "--preset", "qwen3-moe", "--config", config)
+    assert rc == 2 and "experts by layer: layer 0: [2-3]" in out, out
+    assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
+    # import: an HF directory with one expert too many (expert 4 of 4)
+    pf_models.save_single_process(model, tmp_path / "ckpt1")
+    rc, out = _cli(capsys, "to-hf", tmp_path / "ckpt1", tmp_path / "hf1", "--preset", "qwen3-moe", "--config", config)
+    assert rc == 0, out
+    import safetensors.numpy as stnp
+
+    extra = {"model.layers.0.mlp.experts.4.up_proj.weight": np.zeros((16, 32), np.float32)}
+    stnp.save_file(extra, str(tmp_path / "hf1" / "extra.safetensors"))
+    rc, out = _cli(
+        capsys,
+        "from-hf",
+        tmp_path / "hf1" / "extra.safetensors",
+        tmp_path / "in",
+        "--preset",
+        "qwen3-moe",
+        "--config",
+        config,
+    )
+    assert rc == 2 and "experts by layer: layer 0: [4]" in out, out

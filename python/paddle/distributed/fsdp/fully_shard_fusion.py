@@ -70,9 +70,9 @@ class FullyShardFusion:
             ``StandardMLPExpert``; and any parameter with ``param.expert = True``) go to buffers of their own,
             sharded over ``expert_shard_group`` (fleet's moe_sharding group; None: one rank per expert) with
             gradients reduced there only; ``expert_parallel_group`` (fleet's EP group) links the ranks holding
-            different experts. Default: fleet's groups when its ``ep_degree > 1`` (and no group is passed). An expert's key must name its
-            global index (checkpoints then do not depend on the EP degree). Layouts EP cannot train right raise
-            ``UnsupportedGroupLayoutError``.
+            different experts. Default: fleet's groups when its ``ep_degree > 1`` and no group is passed. An
+            expert's key must name its global index (checkpoints then do not depend on the EP degree). Layouts EP
+            cannot train right raise ``UnsupportedGroupLayoutError``. See docs/expert-parallel.md.
         check_collective_order: run the collective-order check (raises ``CollectiveOrderError`` on every rank
             when ranks are about to issue different FSDP collectives; costs a host round trip before every
             collective) during the first backward pass and every N-th after it; 0 never. None: the
