@@ -13,7 +13,15 @@ import pytest
 from _results import assert_case_ok
 from launch_util import run_launch
 
-TWO = ["groups", "refusals", "training_ep2", "save_once", "summon"]
+TWO = [
+    "groups",
+    "refusals",
+    "training_ep2",
+    "save_once",
+    "summon",
+    "scaler_inf_in_one_experts_gradient",
+    "clip_by_norm",
+]
 FOUR = [
     "training_ep2x2",
     "reshard_ep2_to_ep2x2",
@@ -37,7 +45,9 @@ def test_ep_two_ranks(runs, case):
     """groups: fleet's ep_degree=2 gives an EP group of both ranks and no expert sharding; experts of this EP rank
     only, in buffers of their own. refusals: EP layouts trained wrong are refused by name, the model untouched.
     training_ep2: equals one process (AdamW, weight decay, global-norm clipping), full_state_dict has every expert.
-    save_once: the EP=2 checkpoint has EP=1's keys and shapes, every byte written once. summon: writeback."""
+    save_once: the EP=2 checkpoint has EP=1's keys and shapes, every byte written once. summon: writeback.
+    scaler_inf_in_one_experts_gradient: an inf in an expert's gradient on one EP rank skips the step everywhere.
+    clip_by_norm: per-parameter clipping equals one process."""
     assert_case_ok(runs["two"], case, 2)
 
 

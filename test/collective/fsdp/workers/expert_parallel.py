@@ -59,11 +59,11 @@ def optimizer(model, fsdp):
     )
 
 
-def build(layout: str):
+def build(layout: str, dtype: str = "float64"):
     """(fsdp, model, optimizer): "fleet" (EP from fleet's hybrid config), "ep_world" (EP over every rank, explicit
     groups), "dense" (no EP: every rank holds every expert, FSDP over the world), "one" (this process alone)."""
     if layout == "fleet":
-        model = make_moe(SEED, fleet.get_hybrid_communicate_group().get_expert_parallel_group())
+        model = make_moe(SEED, fleet.get_hybrid_communicate_group().get_expert_parallel_group(), dtype=dtype)
         fsdp = FullyShardFusion(model, UNITS, moe_layers_name=EXPERT_CLASSES)
     elif layout == "ep_world":
         model = make_moe(SEED, world_group())
@@ -74,7 +74,7 @@ def build(layout: str):
         model = make_moe(SEED)
         fsdp = FullyShardFusion(model, UNITS, group=world_group(), expert_parallel_group=None)
     else:
-        model, fsdp = make_moe(SEED), None
+        model, fsdp = make_moe(SEED, dtype=dtype), None
     return fsdp, model, optimizer(model, fsdp)
 
 
@@ -245,6 +245,46 @@ def case_summon(ctx):
     assert float(full[key].numpy().min()) == float(full[key].numpy().max()) == dist.get_rank() + 1
 
 
+def case_scaler_inf_in_one_experts_gradient(ctx):
+    """A real (CPU-enabled) GradScaler; one element of one expert's gradient is inf on EP rank 1 only (rank 0 never
+    holds that expert): both ranks skip the step, and the loss scale halves on both."""
+    from grad_scaler import cpu_grad_scaler
+
+    fsdp, model, opt = build("fleet", dtype="float32")  # GradScaler checks fp16/bf16/fp32 gradients only
+    scaler = cpu_grad_scaler(init_loss_scaling=2.0**8, incr_every_n_steps=2, decr_every_n_nan_or_inf=1)
+    before = params(fsdp, model)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ids, labels = BATCHES[0]
+    with paddle.amp.auto_cast(enable=False, dtype="float16"):  # the scaler's AMP state; compute stays fp32 on CPU
+        loss = scaler.scale(
+            model(paddle.to_tensor(local_part(ids, rank, world)), paddle.to_tensor(local_part(labels, rank, world)))
+        )
+    loss.backward()
+    if rank == 1:
+        grad = model.blocks[0].mlp.experts[EXPERTS - 1].up.weight.grad
+        with paddle.no_grad():  # in place: the bound gradient is a view of the expert buffer's gradient shard
+            paddle.assign(grad + paddle.full_like(grad, float("inf")), output=grad)
+    scaler.step(opt)
+    scaler.update()
+    opt.clear_grad()
+    assert_close(params(fsdp, model), before, 0.0, "a step with an inf expert gradient on one rank")
+    scales = gather(float(scaler._scale))
+    assert scales == [2.0**7] * world, scales
+
+
+def case_clip_by_norm(ctx):
+    """ClipGradByNorm (per-parameter norms: expert pieces summed over their own shard group) == one process."""
+
+    def clipped(layout):
+        fsdp, model, _ = build(layout, dtype="float32")  # CPU's clip_by_norm kernel is fp32 only
+        clip = paddle.nn.ClipGradByNorm(0.01)
+        opt = paddle.optimizer.SGD(0.5, grad_clip=clip, parameters=model.parameters())
+        return run(layout, slice(0, 2), (fsdp, model, opt))
+
+    ref = params(None, clipped("one")[1])
+    ctx["figures"]["clip_by_norm_vs_one_process"] = assert_close(params(*clipped("fleet")[:2]), ref, 1e-5, "clip")
+
+
 def two_rank_cases():
     return {
         "groups": case_groups,
@@ -252,6 +292,8 @@ def two_rank_cases():
         "training_ep2": case_training_ep2,
         "save_once": case_save_once,
         "summon": case_summon,
+        "scaler_inf_in_one_experts_gradient": case_scaler_inf_in_one_experts_gradient,
+        "clip_by_norm": case_clip_by_norm,
     }
 
 
