@@ -21,6 +21,8 @@ TWO = [
     "summon",
     "scaler_inf_in_one_experts_gradient",
     "clip_by_norm",
+    "master_weights",
+    "memory_tier",
 ]
 FOUR = [
     "training_ep2x2",
@@ -47,7 +49,9 @@ def test_ep_two_ranks(runs, case):
     training_ep2: equals one process (AdamW, weight decay, global-norm clipping), full_state_dict has every expert.
     save_once: the EP=2 checkpoint has EP=1's keys and shapes, every byte written once. summon: writeback.
     scaler_inf_in_one_experts_gradient: an inf in an expert's gradient on one EP rank skips the step everywhere.
-    clip_by_norm: per-parameter clipping equals one process."""
+    clip_by_norm: per-parameter clipping equals one process. master_weights: bf16 + fp32 master weights EP=2 -> EP=1
+    -> EP=2 bit-exact. memory_tier: a tier save at EP=2 restores from memory bit-exactly; its persisted step loads at
+    EP=1."""
     assert_case_ok(runs["two"], case, 2)
 
 
@@ -151,3 +155,19 @@ def test_export_missing_experts_is_refused_by_layer_and_index(tmp_path, capsys):
         config,
     )
     assert rc == 2 and "experts by layer: layer 0: [4]" in out, out
+
+
+def test_ep_checkpoint_on_s3(tmp_path, s3_server, s3_bucket):
+    """An EP=2 save to a real S3 server (SeaweedFS on 127.0.0.1) equals the local save; it loads at EP=1."""
+    from s3_fixtures import S3_CREDENTIALS
+
+    env = {
+        "AWS_ENDPOINT_URL": s3_server.endpoint,
+        "AWS_ACCESS_KEY_ID": S3_CREDENTIALS[0],
+        "AWS_SECRET_ACCESS_KEY": S3_CREDENTIALS[1],
+        "AWS_REGION": "us-east-1",
+    }
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "expert_parallel.py")
+    url = f"s3://{s3_bucket}/ep/ckpt"
+    res = run_launch(worker, 2, [tmp_path, "--s3", url], env=env, log_dir=tmp_path / "logs", timeout=300)
+    assert_case_ok(res, "s3", 2)

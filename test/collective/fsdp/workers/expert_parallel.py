@@ -285,6 +285,84 @@ def case_clip_by_norm(ctx):
     ctx["figures"]["clip_by_norm_vs_one_process"] = assert_close(params(*clipped("fleet")[:2]), ref, 1e-5, "clip")
 
 
+def build_bf16(layout: str):
+    """bf16 parameters computed in fp32 (``compute_dtype``: CPU has no bf16 matmul) with fp32 master weights (a test
+    optimizer doing the GPU kernel's arithmetic: CPU paddle's own never updates them), at EP=2 or EP=1."""
+    from master_adamw import MasterAdamW
+
+    if layout == "fleet":
+        model = make_moe(SEED, fleet.get_hybrid_communicate_group().get_expert_parallel_group(), dtype="bfloat16")
+        fsdp = FullyShardFusion(model, UNITS, compute_dtype="float32", moe_layers_name=EXPERT_CLASSES)
+    else:
+        model = make_moe(SEED, dtype="bfloat16")
+        fsdp = FullyShardFusion(model, UNITS, compute_dtype="float32", group=world_group())
+    clip = paddle.nn.ClipGradByGlobalNorm(0.05)
+    opt = MasterAdamW(0.01, weight_decay=0.1, multi_precision=True, grad_clip=clip, parameters=model.parameters())
+    return fsdp, model, opt
+
+
+def case_master_weights(ctx):
+    """bf16 + fp32 master weights at EP=2 -> EP=1 (every expert on both ranks) and back -> EP=2: model, moments and
+    master weights bit-exact (re-saved and compared); the experts' master weights are in the checkpoint."""
+    source = os.path.join(ctx["dir"], "ep2_bf16")
+    state = run("fleet", slice(0, 2), build_bf16("fleet"))
+    state[0].save_checkpoint(source, optimizer=state[2])
+    keys = read_metadata(source).tensors
+    masters = [k for k in keys if ".experts." in k and k.endswith(".master_weight")]
+    assert len(masters) == 2 * EXPERTS * 3, f"{len(masters)} expert master weights in the checkpoint"
+    dense = build_bf16("dense")
+    dense[0].load_checkpoint(source, optimizer=dense[2])
+    ep1 = os.path.join(ctx["dir"], "ep1_bf16")
+    dense[0].save_checkpoint(ep1, optimizer=dense[2])
+    assert_same_checkpoint(source, ep1)
+    back = build_bf16("fleet")
+    back[0].load_checkpoint(ep1, optimizer=back[2])
+    again = os.path.join(ctx["dir"], "ep2_bf16_again")
+    back[0].save_checkpoint(again, optimizer=back[2])
+    assert_same_checkpoint(source, again)
+
+
+def case_memory_tier(ctx):
+    """The memory tier at EP=2: a tier save (memory, peer copy, durable persist) restores into a fresh EP=2 model
+    bit-exactly from memory, and the persisted checkpoint loads at EP=1 with the same state."""
+    from memtier_util import state_bytes as record_bytes
+
+    fsdp, model, opt = run("fleet", slice(0, 2))
+    durable = os.path.join(ctx["dir"], "tier_durable")
+    memory = os.path.join(ctx["dir"], "tier_memory")  # a directory of this run, not /dev/shm: nothing left behind
+    tier = fsdp.memory_tier(opt, durable_root=durable, memory_root=memory, persist_every=1, keep_last=None)
+    tier.save(2)
+    tier.wait_persisted()
+    want = record_bytes(fsdp, opt)
+    tier.close()
+    again = build("fleet")
+    tier = again[0].memory_tier(again[2], durable_root=durable, memory_root=memory, persist_every=1, keep_last=None)
+    assert tier.start_step == 2, tier.start_step
+    got = record_bytes(again[0], again[2])
+    assert got == want, sorted(k for k in want if got.get(k) != want[k])[:5]
+    tier.close()
+    dense = build("dense")
+    persisted = dense[0].load_checkpoint(durable, optimizer=dense[2]).path  # the root's latest: the persisted step 2
+    resaved = os.path.join(ctx["dir"], "tier_as_ep1")
+    dense[0].save_checkpoint(resaved, optimizer=dense[2])
+    assert_same_checkpoint(persisted, resaved)
+
+
+def case_s3(ctx):
+    """``expert_parallel.py WORKDIR --s3 URL`` (2 ranks, S3 credentials in the environment): an EP=2 save to S3
+    equals the same save to a local directory, and loads from S3 at EP=1 into the same state."""
+    url = ctx["s3"]
+    fsdp, model, opt = run("fleet", slice(0, 2))
+    local = os.path.join(ctx["dir"], "ep2_local_for_s3")
+    fsdp.save_checkpoint(url, optimizer=opt)
+    fsdp.save_checkpoint(local, optimizer=opt)
+    dense = build("dense")
+    dense[0].load_checkpoint(url, optimizer=dense[2])
+    resaved = os.path.join(ctx["dir"], "ep1_from_s3")
+    dense[0].save_checkpoint(resaved, optimizer=dense[2])
+    assert_same_checkpoint(local, resaved)
+
+
 def two_rank_cases():
     return {
         "groups": case_groups,
@@ -294,6 +372,8 @@ def two_rank_cases():
         "summon": case_summon,
         "scaler_inf_in_one_experts_gradient": case_scaler_inf_in_one_experts_gradient,
         "clip_by_norm": case_clip_by_norm,
+        "master_weights": case_master_weights,
+        "memory_tier": case_memory_tier,
     }
 
 
@@ -358,6 +438,8 @@ def main() -> None:
         fleet.init(is_collective=True, strategy=strategy)
     cases = two_rank_cases() if world == 2 else four_rank_cases()
     ctx = {"dir": workdir, "figures": {}}
+    if "--s3" in sys.argv:
+        ctx["s3"], cases = sys.argv[sys.argv.index("--s3") + 1], {"s3": case_s3}
     results = {}
     for name, case in cases.items():
         try:
