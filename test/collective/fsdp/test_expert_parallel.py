@@ -64,12 +64,21 @@ def test_ep_four_ranks(runs, case):
 
 
 def test_ep_checkpoint_tools(runs):
-    """verify and diff read EP checkpoints like any other: the EP=2 and EP=1 checkpoints have the same keys."""
+    """verify and diff read EP checkpoints like any other: both verify clean; the EP=2 checkpoint (2 ranks) and its
+    re-save after a load at EP=4 (4 ranks) are identical key by key; EP=2 and EP=1 runs hold the same keys, and
+    their values agree to 1e-12 (the same training, reduced in another order)."""
+    from paddle.distributed.fsdp.tools.diff_cmd import diff
     from paddle.distributed.fsdp.tools.verify_cmd import verify
 
-    for name in ("ep2", "ep1"):
+    for name in ("ep2", "ep1", "ep2_to_ep4_again"):
         problems, _ = verify(os.path.join(runs["dir"], name), progress=False)
         assert problems == [], (name, problems)
+    same = diff(os.path.join(runs["dir"], "ep2"), os.path.join(runs["dir"], "ep2_to_ep4_again"), progress=False)
+    assert same.identical and all(k.status == "equal" for k in same.keys), same.summary()
+    close = diff(os.path.join(runs["dir"], "ep2"), os.path.join(runs["dir"], "ep1"), rtol=1e-12, progress=False)
+    assert {k.status for k in close.keys} <= {"equal", "differs"}, close.summary()
+    assert all(close.within(k) for k in close.keys), close.summary()
+    assert any(".experts.7." in k.key for k in close.keys)
 
 
 # ------------------------------------------------------------------------------------------------ HF export
