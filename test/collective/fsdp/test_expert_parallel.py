@@ -27,6 +27,7 @@ TWO = [
 ]
 FOUR = [
     "training_ep2x2",
+    "explicit_groups",
     "reshard_ep2_to_ep2x2",
     "reshard_ep1_to_ep2x2",
     "reshard_ep2_to_ep4",
@@ -58,7 +59,8 @@ def test_ep_two_ranks(runs, case):
 
 @pytest.mark.parametrize("case", FOUR)
 def test_ep_four_ranks(runs, case):
-    """training_ep2x2: ep2 x moe_sharding2 (and EP=4) equal one process. reshard_*: the 2-rank checkpoints load at
+    """training_ep2x2: ep2 x moe_sharding2 (and EP=4) equal one process. explicit_groups: the same groups made with
+    topology.new_group train bit for bit as fleet's; swapped ones are refused. reshard_*: the 2-rank checkpoints load at
     another EP and FSDP degree bit-exactly (re-saved and compared), each rank reading <= 1.1x its share, and
     continue within 1e-5 of the uninterrupted run."""
     assert_case_ok(runs["four"], case, 4)

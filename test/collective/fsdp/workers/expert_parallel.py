@@ -80,7 +80,7 @@ def build(layout: str, dtype: str = "float64"):
 
 def run(layout: str, steps: slice, state=None):
     fsdp, model, opt = state or build(layout)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if layout != "one" else (0, 1)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if layout != "one" else (0, 1)  # "own": every rank
     for ids, labels in BATCHES[steps]:
         model(
             paddle.to_tensor(local_part(ids, rank, world)), paddle.to_tensor(local_part(labels, rank, world))
@@ -410,14 +410,55 @@ def reshard(ctx, source: str, layout: str, name: str) -> None:
     ctx["figures"][f"{name}_continuation"] = assert_close(params(fsdp, model), want, 1e-5, name)
 
 
+def case_explicit_groups(ctx):
+    """ep2 x expert-shard 2 from groups made with topology.new_group (before fleet.init) trains bit for bit as
+    fleet's; the same groups swapped (EP over strided ranks, against the model's dispatch over consecutive ones)
+    are refused by name: two ranks of one EP position would hold different experts."""
+    ep, shard = ctx["own_groups"]
+    hcg = fleet.get_hybrid_communicate_group()
+    assert (
+        ep.ranks == hcg.get_expert_parallel_group().ranks and shard.ranks == hcg.get_moe_sharding_parallel_group().ranks
+    )
+
+    def own(expert_parallel_group, expert_shard_group):
+        model = make_moe(SEED, ep)  # the model's dispatch runs over the consecutive EP group
+        groups = dict(expert_parallel_group=expert_parallel_group, expert_shard_group=expert_shard_group)
+        fsdp = FullyShardFusion(model, UNITS, group=world_group(), moe_layers_name=EXPERT_CLASSES, **groups)
+        return fsdp, model, optimizer(model, fsdp)
+
+    mine = run("own", slice(0, 3), own(ep, shard))
+    theirs = run("fleet", slice(0, 3))
+    assert_close(params(*mine[:2]), params(*theirs[:2]), 0.0, "explicit groups vs fleet's")
+    try:
+        own(shard, ep)
+    except UnsupportedGroupLayoutError as e:
+        assert "hold EP position 0 but different experts" in str(e), str(e)
+    else:
+        raise AssertionError("swapped expert groups accepted")
+
+
 def four_rank_cases():
     return {
         "training_ep2x2": case_training_ep2x2,
+        "explicit_groups": case_explicit_groups,
         "reshard_ep2_to_ep2x2": lambda ctx: reshard(ctx, "ep2", "fleet", "ep2_to_ep2x2"),
         "reshard_ep1_to_ep2x2": lambda ctx: reshard(ctx, "ep1", "fleet", "ep1_to_ep2x2"),
         "reshard_ep2_to_ep4": lambda ctx: reshard(ctx, "ep2", "ep_world", "ep2_to_ep4"),
         "reshard_ep2_to_ep1": lambda ctx: reshard(ctx, "ep2", "dense", "ep2_to_ep1"),
     }
+
+
+def _own_groups():
+    """(EP group, expert shard group) of this rank in fleet's layout for ep2 x 2: EP over consecutive ranks."""
+    from paddle.distributed.fsdp.topology import new_group
+
+    me, mine = dist.get_rank(), {}
+    for name, lists in (("ep", ([0, 1], [2, 3])), ("shard", ([0, 2], [1, 3]))):
+        for ranks in lists:
+            group = new_group(ranks)
+            if me in ranks:
+                mine[name] = group
+    return mine["ep"], mine["shard"]
 
 
 def main() -> None:
@@ -434,10 +475,11 @@ def main() -> None:
         "moe_sharding_degree": world // 2,
         "order": ORDER,
     }
+    own_groups = _own_groups() if world == 4 else None  # before fleet.init: gloo's new_group failed after it
     with barrier_after_new_group(reuse_identical=True):  # gloo: see topology.barrier_after_new_group
         fleet.init(is_collective=True, strategy=strategy)
     cases = two_rank_cases() if world == 2 else four_rank_cases()
-    ctx = {"dir": workdir, "figures": {}}
+    ctx = {"dir": workdir, "figures": {}, "own_groups": own_groups}
     if "--s3" in sys.argv:
         ctx["s3"], cases = sys.argv[sys.argv.index("--s3") + 1], {"s3": case_s3}
     results = {}
