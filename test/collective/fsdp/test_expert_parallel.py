@@ -59,7 +59,8 @@ def test_ep_two_ranks(runs, case):
 
 @pytest.mark.parametrize("case", FOUR)
 def test_ep_four_ranks(runs, case):
-    """training_ep2x2: ep2 x moe_sharding2 (and EP=4) equal one process. explicit_groups: the same groups made with
+    """training_ep2x2: ep2 x moe_sharding2 (and EP=4) equal one process, bit for bit the same at prefetch depths 0,
+    1, 2 with the collective-order check on. explicit_groups: the same groups made with
     topology.new_group train bit for bit as fleet's; swapped ones are refused. reshard_*: the 2-rank checkpoints load at
     another EP and FSDP degree bit-exactly (re-saved and compared), each rank reading <= 1.1x its share, and
     continue within 1e-5 of the uninterrupted run."""

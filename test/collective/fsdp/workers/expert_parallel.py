@@ -59,12 +59,12 @@ def optimizer(model, fsdp):
     )
 
 
-def build(layout: str, dtype: str = "float64"):
+def build(layout: str, dtype: str = "float64", **options):
     """(fsdp, model, optimizer): "fleet" (EP from fleet's hybrid config), "ep_world" (EP over every rank, explicit
     groups), "dense" (no EP: every rank holds every expert, FSDP over the world), "one" (this process alone)."""
     if layout == "fleet":
         model = make_moe(SEED, fleet.get_hybrid_communicate_group().get_expert_parallel_group(), dtype=dtype)
-        fsdp = FullyShardFusion(model, UNITS, moe_layers_name=EXPERT_CLASSES)
+        fsdp = FullyShardFusion(model, UNITS, moe_layers_name=EXPERT_CLASSES, **options)
     elif layout == "ep_world":
         model = make_moe(SEED, world_group())
         fsdp = FullyShardFusion(
@@ -385,7 +385,12 @@ def case_training_ep2x2(ctx):
     ref = params(None, run("one", slice(0, 3))[1])
     fsdp, model, opt = run("fleet", slice(0, 3))
     assert fsdp.expert_layout.ep_degree == 2 and fsdp.expert_layout.shard_degree == 2 and fsdp.world_size == 4
-    ctx["figures"]["ep2x2_vs_one_process"] = assert_close(params(fsdp, model), ref, 1e-5, "ep2x2 vs one process")
+    got = params(fsdp, model)
+    ctx["figures"]["ep2x2_vs_one_process"] = assert_close(got, ref, 1e-5, "ep2x2 vs one process")
+    # every collective synchronous, and 2 units ahead with the collective-order check on: bit for bit the same
+    for options in ({"prefetch_depth": 0}, {"prefetch_depth": 2, "check_collective_order": 1}):
+        other = run("fleet", slice(0, 3), build("fleet", **options))
+        assert_close(params(*other[:2]), got, 0.0, f"ep2x2 with {options}")
     run_ep4 = run("ep_world", slice(0, 3))
     ctx["figures"]["ep4_vs_one_process"] = assert_close(params(*run_ep4[:2]), ref, 1e-5, "ep4 vs one process")
 
