@@ -172,7 +172,7 @@ def test_ep_round_trip_export_loads_in_transformers_with_the_paddle_logits(ep_ro
 def test_export_missing_experts_is_refused_by_layer_and_index(tmp_path, capsys):
     """A checkpoint holding one EP rank's experts only (what a per-rank export of an EP model would write) is
     refused with exit 2, naming the layer and the missing expert indices; an HF input with an expert beyond the
-    config's is refused the same way."""
+    config's is refused the same way; an expert given twice is refused naming it."""
     import pf_models
 
     config = pf_models.write_hf_config("qwen3-moe", tmp_path / "config.json")
@@ -204,6 +204,15 @@ def test_export_missing_experts_is_refused_by_layer_and_index(tmp_path, capsys):
         config,
     )
     assert rc == 2 and "experts by layer: layer 0: [4]" in out, out
+    # import: expert 2 of layer 0 twice (in two files of one directory)
+    whole = _read_hf(tmp_path / "hf1")
+    dup = tmp_path / "hf_dup"
+    dup.mkdir()
+    name = "model.layers.0.mlp.experts.2.up_proj.weight"
+    stnp.save_file(whole, str(dup / "a.safetensors"))
+    stnp.save_file({name: whole[name]}, str(dup / "b.safetensors"))
+    rc, out = _cli(capsys, "from-hf", dup, tmp_path / "in2", "--preset", "qwen3-moe", "--config", config)
+    assert rc == 2 and f"tensor '{name}' is in both" in out, out
 
 
 def test_ep_checkpoint_on_s3(tmp_path, s3_server, s3_bucket):
