@@ -115,10 +115,9 @@ class FullyShardFusion:
         expert_ids = expert_parameter_ids(model, moe_layers_name if self.expert_layout is not None else ())
         #: every EP rank's expert keys (this rank's included): all belong to this model's checkpoints
         self.expert_keys: frozenset[str] = frozenset()
-        if _world_size() > 1:
-            self.expert_keys = check_expert_layout(
-                self.expert_layout, self.group_layout, model, expert_ids, _world_size()
-            )
+        world = _world_size()
+        if world > 1:  # one small exchange: every rank refuses alike (expert_parallel.py)
+            self.expert_keys = check_expert_layout(self.expert_layout, self.group_layout, model, expert_ids, world)
         if self.expert_layout is None:
             expert_ids = set()
         install_optimizer_integration()
@@ -138,7 +137,7 @@ class FullyShardFusion:
         self.expert_comm: ExpertComm | None = None
         if self.expert_layout is not None:
             ep = self.expert_layout
-            self.expert_comm = ExpertComm(ep.shard_group, ep.parallel_group, _world_size())
+            self.expert_comm = ExpertComm(ep.shard_group, ep.parallel_group, world)
         if check_collective_order is None:
             check_collective_order = check_interval_from_env()
         self.schedule = OverlapSchedule(self, prefetch_depth, reduce_dtype, check_collective_order)

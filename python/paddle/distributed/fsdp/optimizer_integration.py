@@ -219,7 +219,7 @@ def clip_by_global_norm(owners, pairs, clip: ClipGradByGlobalNorm) -> list:
                 partial = partial + _sum_of_squares(grad).reshape([1])
         owner_sums[id(buffer.owner)] = owner_sums[id(buffer.owner)] + partial
     total = paddle.zeros([1], dtype="float64")
-    for owner in owners:
+    for owner in owners:  # under EP too: the dense group is the world, each expert piece has one holder in it
         total = total + owner.comm.all_reduce_sum(owner_sums[id(owner)])
     for _, _, grad in loose:  # replicated parameters: their sums are complete on every rank
         total = total + _sum_of_squares(grad).reshape([1])
