@@ -428,7 +428,7 @@ def case_explicit_groups(ctx):
     def own(expert_parallel_group, expert_shard_group):
         model = make_moe(SEED, ep)  # the model's dispatch runs over the consecutive EP group
         groups = dict(expert_parallel_group=expert_parallel_group, expert_shard_group=expert_shard_group)
-        fsdp = FullyShardFusion(model, UNITS, group=world_group(), moe_layers_name=EXPERT_CLASSES, **groups)
+        fsdp = FullyShardFusion(model, UNITS, moe_layers_name=EXPERT_CLASSES, **groups)  # dense: the default group
         return fsdp, model, optimizer(model, fsdp)
 
     mine = run("own", slice(0, 3), own(ep, shard))
