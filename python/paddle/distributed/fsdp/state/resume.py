@@ -145,6 +145,7 @@ def _foreign_keys(metadata, fsdp) -> list[str]:
     reserved ``__fsdp__.*`` values belong)."""
     model_keys = {key for key, _param, _buffer, _index in fsdp.managed_parameters()}
     model_keys.update(persistable_buffers(fsdp.model))
+    model_keys.update(getattr(fsdp, "expert_keys", ()))  # under EP: the experts other EP ranks hold
     out = []
     for key in list(metadata.tensors) + list(metadata.values):
         if key in model_keys or key.startswith(RESERVED_PREFIX):
