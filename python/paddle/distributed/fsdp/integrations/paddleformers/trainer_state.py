@@ -1,7 +1,9 @@
 """What the Trainer itself resumes from, carried in the checkpoint's ``extra_state`` (committed with the tensors).
 
 * ``trainer_state``: the ``TrainerState`` as JSON (global step, epoch, consumed samples, log history, best metric).
-  The Trainer turns the global step back into its data position (skipped batches / ``consumed_samples``).
+  The Trainer turns the global step back into its data position (skipped batches / ``consumed_samples``). Timings
+  and memory readings in the log history are left out: they are of the machine, not of the run, and would make a
+  resumed checkpoint differ from an uninterrupted one (``paddle-fsdp-ckpt diff``).
 * ``rng``: every rank's Python and NumPy generator states and paddle generators (``state/rng.py`` format), by rank.
   The engine restores the paddle generators at load; the Trainer restores all of them once more after it skipped
   the consumed batches (as stock's ``rng_state_<rank>.pth``), and, like stock, only at the same world size.
@@ -40,6 +42,17 @@ def _rank_rng() -> dict:
     }
 
 
+_MEASURED = ("runtime", "per_second", "memory", "mem_", "data_load_time")
+
+
+def _state_json(state) -> str:
+    fields = dataclasses.asdict(state)
+    fields["log_history"] = [
+        {k: v for k, v in entry.items() if not any(m in k for m in _MEASURED)} for entry in fields.get("log_history", [])
+    ]
+    return json.dumps(fields, sort_keys=True)
+
+
 def capture(state, group=None) -> dict:
     """``extra_state`` for a checkpoint of the Trainer at ``state`` (collective over ``group``: the RNG gather)."""
     gathered: list = []
@@ -49,7 +62,7 @@ def capture(state, group=None) -> dict:
         gathered = [_rank_rng()]
     return {
         "format": FORMAT,
-        "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True),
+        "trainer_state": _state_json(state),
         "world_size": len(gathered),
         "rng": gathered,
     }
