@@ -4,7 +4,7 @@ Run by the tests under ``paddle.distributed.launch``. Options (all optional): ``
 ``global_batch`` (split over the ranks, so runs at different world sizes see the same samples per step),
 ``save_steps``, ``save_total_limit``, ``save_hf_steps``, ``resume`` (True or a path), ``kill_after_save`` (kill -9
 every rank right after the checkpoint of that step), ``async_save``, ``accumulation``, ``max_grad_norm``,
-``stock`` ("dp": the stock Trainer, for comparisons), ``bf16``.
+``stock`` ("dp": the stock Trainer, for comparisons), ``bf16``, ``eval`` (evaluate every ``save_steps``).
 """
 
 from __future__ import annotations
@@ -30,11 +30,14 @@ from paddle.distributed.fsdp.integrations.paddleformers import FSDPTrainer  # no
 class Record(TrainerCallback):
     def __init__(self, kill_after_save: int | None):
         self.losses: dict[int, float] = {}
+        self.eval_losses: dict[int, float] = {}
         self.kill_after_save = kill_after_save
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses[state.global_step] = logs["loss"]
+        if logs and "eval_loss" in logs:
+            self.eval_losses[state.global_step] = logs["eval_loss"]
 
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == self.kill_after_save:
@@ -60,6 +63,8 @@ def main() -> None:
         save_hf_steps=cfg.get("save_hf_steps", -1),
         use_async_save=cfg.get("async_save", False),
         bf16=cfg.get("bf16", False),
+        evaluation_strategy="steps" if cfg.get("eval") else "no",
+        eval_steps=cfg.get("save_steps", 3),
         sharding="",
         amp_master_grad=False,
         device="cpu",
@@ -72,6 +77,7 @@ def main() -> None:
         model=tiny_llama(),
         args=args,
         train_dataset=CountingDataset(cfg.get("samples", 96)),
+        eval_dataset=CountingDataset(12, seed=1) if cfg.get("eval") else None,
         tokenizer=make_tokenizer(),
         callbacks=[record],
     )
@@ -79,7 +85,13 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=cfg.get("resume"))
     if cfg.get("save_model"):
         trainer.save_model(cfg["save_model"])
-    report({"losses": {str(k): v for k, v in sorted(record.losses.items())}, "global_step": trainer.state.global_step})
+    report(
+        {
+            "losses": {str(k): v for k, v in sorted(record.losses.items())},
+            "eval_losses": {str(k): v for k, v in sorted(record.eval_losses.items())},
+            "global_step": trainer.state.global_step,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -102,16 +102,31 @@ def test_save_model_loads_with_paddleformers_from_pretrained(straight):
 
 
 def test_save_model_loads_with_transformers_when_torch_is_installed(straight):
+    """Same logits from transformers (torch) and PaddleFormers (paddle) on the exported directory."""
     pytest.importorskip("torch", reason="transformers' from_pretrained needs torch (CI has none; run locally)")
+    from paddleformers.transformers.llama.modeling import LlamaForCausalLM
+
     code = (
-        "import sys, numpy as np, transformers\n"
-        "m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
-        "print(type(m).__name__, float(m.lm_head.weight.detach().numpy().sum()))\n"
+        "import sys, json, torch\n"
+        "sys.modules['torchcodec'] = None  # paddlecodec installs a torchcodec module without metadata\n"
+        "import transformers\n"
+        "m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+        "ids = torch.arange(4, 20).reshape(2, 8)\n"
+        "print(json.dumps(m(ids).logits.detach().numpy().tolist()))\n"
     )
     ref_dir, _ = straight
-    out = subprocess.run([sys.executable, "-c", code, str(ref_dir / "final")], capture_output=True, text=True)
+    final = str(ref_dir / "final")
+    out = subprocess.run([sys.executable, "-c", code, final], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[0] == "LlamaForCausalLM"
+    torch_logits = np.array(json.loads(out.stdout.strip().splitlines()[-1]))
+    import paddle
+
+    model = LlamaForCausalLM.from_pretrained(final)
+    model.eval()
+    with paddle.no_grad():
+        output = model(paddle.arange(4, 20).reshape([2, 8]))
+    paddle_logits = (output.logits if hasattr(output, "logits") else output[0]).numpy()
+    np.testing.assert_allclose(torch_logits, paddle_logits, rtol=0, atol=1e-4)
 
 
 def test_rotation_keeps_the_newest_committed_and_removes_crashed_stagings(tmp_path):
