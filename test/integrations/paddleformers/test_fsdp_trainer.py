@@ -25,7 +25,7 @@ STEPS, SAVE_AT = 6, 3
 
 def train(out: Path, nproc: int = 2, check: bool = True, env: dict | None = None, **cfg) -> dict:
     """One run of pf_worker.py; the per-rank reports (rank 0's first)."""
-    cfg = {"output_dir": str(out), "max_steps": STEPS, "save_steps": SAVE_AT, **cfg}
+    cfg = {"output_dir": str(out), "max_steps": STEPS, "save_steps": SAVE_AT, "eval": True, **cfg}
     res = run_launch(WORKER, nproc, [json.dumps(cfg)], log_dir=out.parent / f"logs-{out.name}", check=check, env=env)
     return res
 
@@ -77,10 +77,20 @@ def test_resume_at_another_world_size_continues_within_1e5(straight, tmp_path, n
     assert not off and "value __fsdp__.extra_state: differs" in d.stdout, off
 
 
-def test_fsdp_matches_stock_data_parallel(straight, tmp_path):
+def test_fsdp_matches_stock_data_parallel_in_training_and_evaluation(straight, tmp_path):
+    ref_dir, ref = straight
+    stock = train(tmp_path / "stock", stock="dp")
+    got = losses(stock)
+    np.testing.assert_allclose([ref[s] for s in sorted(ref)], [got[s] for s in sorted(ref)], rtol=0, atol=1e-5)
+    ours = json.loads((ref_dir.parent / "logs-run" / "results" / "rank0.json").read_text())["eval_losses"]
+    assert sorted(ours) == ["3", "6"]
+    np.testing.assert_allclose([ours[k] for k in ours], [stock.result(0)["eval_losses"][k] for k in ours], atol=1e-5)
+
+
+def test_gradient_accumulation_matches_one_big_batch(straight, tmp_path):
     _ref_dir, ref = straight
-    stock = losses(train(tmp_path / "stock", stock="dp", save_steps=100))
-    np.testing.assert_allclose([ref[s] for s in sorted(ref)], [stock[s] for s in sorted(ref)], rtol=0, atol=1e-5)
+    got = losses(train(tmp_path / "accum", accumulation=3, save_steps=100))  # 1 sample x 3 micro-steps per rank
+    np.testing.assert_allclose([got[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)], rtol=0, atol=1e-5)
 
 
 def test_save_model_loads_with_paddleformers_from_pretrained(straight):

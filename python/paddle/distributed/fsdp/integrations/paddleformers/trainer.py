@@ -24,6 +24,7 @@ The class is composed at first use (``fsdp_trainer_class``) from :class:`FSDPTra
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -61,6 +62,28 @@ def default_unit_layers(model: paddle.nn.Layer) -> list[str]:
                 if type(block).__name__ not in names:
                     names.append(type(block).__name__)
     return names
+
+
+@contextlib.contextmanager
+def _synchronize_on_cpu():
+    """PaddleFormers 1.2.0 calls ``paddle.device.synchronize()`` before each step with gradient accumulation, which
+    raises TypeError on a CPU-only paddle (the stock Trainer cannot accumulate on CPU). There is nothing to wait for
+    on a CPU: while this Trainer trains on one, that call returns. Restored afterwards; other devices untouched."""
+    if paddle.device.get_device() != "cpu":
+        yield
+        return
+    original = paddle.device.synchronize
+
+    def synchronize(device=None):
+        if device is None or str(device).startswith("cpu"):
+            return None
+        return original(device)
+
+    paddle.device.synchronize = synchronize
+    try:
+        yield
+    finally:
+        paddle.device.synchronize = original
 
 
 def _refusals(args, model, optimizer) -> list[str]:
@@ -219,7 +242,7 @@ class FSDPTrainerMixin:
 
     def _inner_training_loop(self, args, model, train_dataloader, len_dataloader, max_steps, num_train_epochs, num_update_steps_per_epoch, num_train_samples, resume_from_checkpoint, ignore_keys_for_eval):  # fmt: skip
         # the Trainer reads TRAINER_STATE_NAME from the resume path: give it a local file with the saved state
-        with tempfile.TemporaryDirectory(prefix="fsdp-trainer-resume-") as view:
+        with tempfile.TemporaryDirectory(prefix="fsdp-trainer-resume-") as view, _synchronize_on_cpu():
             if resume_from_checkpoint is not None:
                 self._restore(resume_from_checkpoint)
                 with open(os.path.join(view, "trainer_state.json"), "w", encoding="utf-8") as f:
