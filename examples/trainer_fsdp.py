@@ -15,13 +15,12 @@ import logging
 
 import numpy as np
 import paddle
+from paddle.distributed.fsdp.integrations.paddleformers import FSDPTrainer  # FSDP (1 of 3)
 from paddleformers.trainer import Trainer, TrainerCallback, TrainingArguments  # noqa: F401 (Trainer: the stock one)
 from paddleformers.transformers import PreTrainedTokenizerFast
 from paddleformers.transformers.llama.configuration import LlamaConfig
 from paddleformers.transformers.llama.modeling import LlamaForCausalLM
 from tokenizers import Tokenizer, models, pre_tokenizers
-
-from paddle.distributed.fsdp.integrations.paddleformers import FSDPTrainer  # FSDP (1 of 3)
 
 VOCAB = 128
 SEQ = 32

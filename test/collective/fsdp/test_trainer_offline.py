@@ -6,7 +6,6 @@ real PaddleFormers 1.2.0 in test/integrations/paddleformers (its own venv, run b
 from __future__ import annotations
 
 import pytest
-
 from paddle.distributed.fsdp.integrations import paddleformers as pf_integration
 from paddle.distributed.fsdp.integrations.paddleformers import checkpoints
 from paddle.distributed.fsdp.integrations.paddleformers.hf_export import NoHfPresetError, choose_preset

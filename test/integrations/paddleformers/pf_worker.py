@@ -21,10 +21,9 @@ sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "test" / "collective" / "fsdp
 
 import paddle.distributed as dist  # noqa: E402
 from launch_util import report  # noqa: E402
+from paddle.distributed.fsdp.integrations.paddleformers import FSDPTrainer  # noqa: E402
 from paddleformers.trainer import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from trainer_fsdp import CountingDataset, make_tokenizer, tiny_llama  # noqa: E402
-
-from paddle.distributed.fsdp.integrations.paddleformers import FSDPTrainer  # noqa: E402
 
 
 class Record(TrainerCallback):

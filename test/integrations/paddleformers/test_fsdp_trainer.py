@@ -94,10 +94,9 @@ def test_gradient_accumulation_matches_one_big_batch(straight, tmp_path):
 
 
 def test_save_model_loads_with_paddleformers_from_pretrained(straight):
+    from paddle.distributed.fsdp.checkpoint import load_full_state_dict
     from paddleformers.transformers import AutoTokenizer
     from paddleformers.transformers.llama.modeling import LlamaForCausalLM
-
-    from paddle.distributed.fsdp.checkpoint import load_full_state_dict
 
     ref_dir, _ = straight
     final = ref_dir / "final"

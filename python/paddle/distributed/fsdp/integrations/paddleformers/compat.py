@@ -24,7 +24,9 @@ def require_paddleformers():
     try:
         import paddleformers
     except ImportError as e:
-        raise PaddleFormersVersionError(f"FSDPTrainer needs PaddleFormers {SUPPORTED_VERSION}: {e}. {INSTALL_HINT}") from e
+        raise PaddleFormersVersionError(
+            f"FSDPTrainer needs PaddleFormers {SUPPORTED_VERSION}: {e}. {INSTALL_HINT}"
+        ) from e
     version = getattr(paddleformers, "__version__", "unknown")
     if version != SUPPORTED_VERSION:
         raise PaddleFormersVersionError(

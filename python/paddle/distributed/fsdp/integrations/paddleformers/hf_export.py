@@ -17,6 +17,8 @@ import tempfile
 
 import paddle.distributed as dist
 
+from ...checkpoint import gather_errors
+from ...checkpoint.coordination import Comm
 from ...tools.errors import ToolError
 from ...tools.presets import PRESETS
 
@@ -45,11 +47,6 @@ def choose_preset(model_type: str | None, keys: list[str]) -> str:
     )
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 def export(fsdp, model, out_dir: str, *, preset: str | None, tokenizer=None, source: str | None = None) -> None:
     """Write HF weights + config (+ tokenizer) of ``model`` into ``out_dir`` (collective; local paths only).
 
@@ -68,7 +65,7 @@ def export(fsdp, model, out_dir: str, *, preset: str | None, tokenizer=None, sou
         fsdp.save_checkpoint(scratch)  # model only (optimizer=None): every rank writes its shard
         source = scratch
     error = None
-    if dist.get_rank() == 0 if dist.is_initialized() else True:
+    if _is_rank0():
         try:
             if preset is None:
                 keys = [key for key, _p, _b, _i in fsdp.managed_parameters()]
@@ -86,13 +83,15 @@ def export(fsdp, model, out_dir: str, *, preset: str | None, tokenizer=None, sou
                     tokenizer.save_pretrained(staged)
                 _move_into(staged, out_dir)
             logger.info("FSDPTrainer: HF weights (preset %s) written to %s", preset, out_dir)
-        except Exception as e:  # noqa: BLE001 - re-raised after the barrier, so no rank waits forever
+        except Exception as e:  # noqa: BLE001 - every rank raises it below (rank 0 wrote alone)
             error = e
-    _barrier()
-    if scratch is not None and (dist.get_rank() == 0 if dist.is_initialized() else True):
+    if scratch is not None and _is_rank0():
         shutil.rmtree(scratch, ignore_errors=True)
-    if error is not None:
-        raise error
+    gather_errors(Comm(fsdp.checkpoint_group), error)  # also the barrier: every rank returns after the export
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _move_into(staged: str, out_dir: str) -> None:

@@ -92,17 +92,28 @@ def _refusals(args, model, optimizer) -> list[str]:
     if model is None:
         problems.append("model=None: FSDPTrainer shards the model it is given")
     if optimizer is not None:
-        problems.append("optimizers=(...): the optimizer must be built over the sharded parameters; let the Trainer build it (optim=, learning_rate=, ...)")
+        problems.append(
+            "optimizers=(...): the optimizer must be built over the sharded parameters; let the Trainer build it (optim=, learning_rate=, ...)"
+        )
     if args.sharding:
-        problems.append(f'sharding={" ".join(map(str, args.sharding))!r}: FSDPTrainer shards the model itself; set sharding=""')
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sep_parallel_size", "context_parallel_size"):
+        problems.append(
+            f'sharding={" ".join(map(str, args.sharding))!r}: FSDPTrainer shards the model itself; set sharding=""'
+        )
+    for name in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "sep_parallel_size",
+        "context_parallel_size",
+    ):
         if (getattr(args, name, 1) or 1) > 1:
             problems.append(f"{name}={getattr(args, name)}: FSDPTrainer is data parallel only (FSDP/HSDP)")
     for name in ("enable_auto_parallel", "enable_zero_cost_checkpoint", "to_static", "load_best_model_at_end"):
         if getattr(args, name, False):
             problems.append(f"{name}=True is not supported by FSDPTrainer")
     if (args.fp16 or args.bf16) and args.fp16_opt_level == "O2":
-        problems.append('fp16_opt_level="O2" casts the parameters; use O1 (and compute_dtype="bfloat16" for low-precision gathers)')
+        problems.append(
+            'fp16_opt_level="O2" casts the parameters; use O1 (and compute_dtype="bfloat16" for low-precision gathers)'
+        )
     if "unified_checkpoint" in (args.save_checkpoint_format, args.load_checkpoint_format):
         problems.append("unified_checkpoint: FSDPTrainer writes its own sharded checkpoints")
     return problems
@@ -136,7 +147,11 @@ class FSDPTrainerMixin:
         problems = _refusals(self.args, self.model, self.optimizer)
         if problems:
             raise UnsupportedTrainingArgumentError("FSDPTrainer: " + "; ".join(problems))
-        if dist.is_initialized() and dist.get_world_size() > 1 and not any(p._is_initialized() is False for p in self.model.parameters()):
+        if (
+            dist.is_initialized()
+            and dist.get_world_size() > 1
+            and not any(p._is_initialized() is False for p in self.model.parameters())
+        ):
             from paddle.distributed.parallel import sync_params_buffers
 
             sync_params_buffers(self.model, src_rank=0, is_model_parallel=False)  # as DataParallel: rank 0's weights
@@ -212,12 +227,16 @@ class FSDPTrainerMixin:
         if resume_from_checkpoint is True:
             resume_from_checkpoint = checkpoints.newest_committed(self.args.output_dir)
             if resume_from_checkpoint is None:
-                raise ValueError(f"No committed checkpoint-N in output directory ({self.args.output_dir}) to resume from")
+                raise ValueError(
+                    f"No committed checkpoint-N in output directory ({self.args.output_dir}) to resume from"
+                )
         elif resume_from_checkpoint is False or resume_from_checkpoint == "":
             resume_from_checkpoint = None
         self._fsdp_loaded = None
         try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, ignore_keys_for_eval=ignore_keys_for_eval)
+            return super().train(
+                resume_from_checkpoint=resume_from_checkpoint, ignore_keys_for_eval=ignore_keys_for_eval
+            )
         finally:
             self._finish_pending_save()
 
@@ -256,7 +275,9 @@ class FSDPTrainerMixin:
     def _load_rng_state(self, checkpoint):
         if checkpoint is None or self._fsdp_loaded is None:
             return
-        saved_state.restore_rng(self._fsdp_loaded[1], dist.get_rank() if dist.is_initialized() else 0, self.args.world_size)
+        saved_state.restore_rng(
+            self._fsdp_loaded[1], dist.get_rank() if dist.is_initialized() else 0, self.args.world_size
+        )
 
     # ---- Hugging Face exports -----------------------------------------------------------------------------
     def _maybe_log_save_evaluate(self, tr_loss, model, epoch, ignore_keys_for_eval, **kwargs):

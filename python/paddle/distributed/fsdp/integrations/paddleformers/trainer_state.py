@@ -48,7 +48,8 @@ _MEASURED = ("runtime", "per_second", "memory", "mem_", "data_load_time")
 def _state_json(state) -> str:
     fields = dataclasses.asdict(state)
     fields["log_history"] = [
-        {k: v for k, v in entry.items() if not any(m in k for m in _MEASURED)} for entry in fields.get("log_history", [])
+        {k: v for k, v in entry.items() if not any(m in k for m in _MEASURED)}
+        for entry in fields.get("log_history", [])
     ]
     return json.dumps(fields, sort_keys=True)
 
