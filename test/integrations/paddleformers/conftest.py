@@ -11,3 +11,5 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1] / "collective" / "fsdp")]
+
+from s3_fixtures import s3_bucket, s3_env, s3_server  # noqa: E402, F401 - a real SeaweedFS (s3:// output dir)

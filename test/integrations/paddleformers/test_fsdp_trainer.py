@@ -160,3 +160,21 @@ def test_crash_mid_save_leaves_no_checkpoint_a_resume_would_pick(straight, tmp_p
     resumed = losses(train(out, resume=True))
     assert resumed == {s: ref[s] for s in range(SAVE_AT + 1, STEPS + 1)}
     assert not [n for n in os.listdir(out) if ".tmp-" in n]  # the crashed staging was rotated away
+
+
+def test_s3_output_dir_saves_rotates_and_resumes(straight, tmp_path, s3_env, s3_bucket):
+    """output_dir=s3://...: checkpoints on a real S3 server (SeaweedFS), kill -9, resume, rotation there."""
+    _ref_dir, ref = straight
+    env = {k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")}
+    url = f"s3://{s3_bucket}/run"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    cfg = {"output_dir": url, "max_steps": STEPS, "save_steps": SAVE_AT, "eval": True, "save_total_limit": 1}
+    killed = run_launch(WORKER, 2, [json.dumps({**cfg, "kill_after_save": SAVE_AT})], env=env, cwd=cwd, check=False)
+    assert killed.returncode != 0
+    resumed = run_launch(WORKER, 2, [json.dumps({**cfg, "resume": True})], env=env, cwd=cwd)
+    assert losses(resumed) == {s: ref[s] for s in range(SAVE_AT + 1, STEPS + 1)}
+    from paddle.distributed.fsdp.integrations.paddleformers import checkpoints
+
+    assert [s for s, _ in checkpoints.committed_checkpoints(url)] == [STEPS]  # rotated on the object store
+    assert not [n for n in os.listdir(cwd) if n.startswith("s3")]  # no local "s3:" tree left behind

@@ -86,6 +86,22 @@ def _synchronize_on_cpu():
         paddle.device.synchronize = original
 
 
+@contextlib.contextmanager
+def _no_local_copy_of_url(training_args):
+    """The Trainer's ``__init__`` runs ``os.makedirs(args.output_dir)``, which for ``s3://bucket/run`` would make a
+    local ``s3:/bucket/run`` tree: checkpoints go to the object store, so ``__init__`` sees an existing local
+    directory instead (every rank of a node at once: creating then removing the tree would race)."""
+    url = getattr(training_args, "output_dir", None)
+    if not (isinstance(url, str) and "://" in url):
+        yield
+        return
+    training_args.output_dir = tempfile.gettempdir()
+    try:
+        yield
+    finally:
+        training_args.output_dir = url
+
+
 def _refusals(args, model, optimizer) -> list[str]:
     """What FSDPTrainer cannot do with these arguments, each with what to use instead."""
     problems = []
@@ -143,7 +159,9 @@ class FSDPTrainerMixin:
         hf_preset: str | None = None,
         **kwargs,
     ) -> None:
-        super().__init__(*args, **kwargs)
+        training_args = kwargs.get("args", args[2] if len(args) > 2 else None)
+        with _no_local_copy_of_url(training_args):
+            super().__init__(*args, **kwargs)
         problems = _refusals(self.args, self.model, self.optimizer)
         if problems:
             raise UnsupportedTrainingArgumentError("FSDPTrainer: " + "; ".join(problems))
