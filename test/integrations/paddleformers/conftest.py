@@ -10,6 +10,6 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parents[1] / "collective" / "fsdp")]
+sys.path[:0] = [str(HERE), str(HERE.parents[1] / "collective" / "fsdp"), str(HERE.parents[2] / "examples")]
 
 from s3_fixtures import s3_bucket, s3_env, s3_server  # noqa: E402, F401 - a real SeaweedFS (s3:// output dir)

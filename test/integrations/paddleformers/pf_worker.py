@@ -2,7 +2,7 @@
 
 Run by the tests under ``paddle.distributed.launch``. Options (all optional): ``output_dir``, ``max_steps``,
 ``global_batch`` (split over the ranks, so runs at different world sizes see the same samples per step),
-``save_steps``, ``save_total_limit``, ``save_hf_steps``, ``resume`` (True or a path), ``kill_after_save`` (kill -9
+``save_steps``, ``save_total_limit``, ``save_hf_steps``, ``save_hf_total_limit``, ``resume`` (True or a path), ``kill_after_save`` (kill -9
 every rank right after the checkpoint of that step), ``async_save``, ``accumulation``, ``max_grad_norm``,
 ``stock`` ("dp": the stock Trainer, for comparisons), ``bf16``, ``eval`` (evaluate every ``save_steps``).
 """
@@ -60,6 +60,7 @@ def main() -> None:
         save_steps=cfg.get("save_steps", 3),
         save_total_limit=cfg.get("save_total_limit"),
         save_hf_steps=cfg.get("save_hf_steps", -1),
+        save_hf_total_limit=cfg.get("save_hf_total_limit"),
         use_async_save=cfg.get("async_save", False),
         bf16=cfg.get("bf16", False),
         evaluation_strategy="steps" if cfg.get("eval") else "no",

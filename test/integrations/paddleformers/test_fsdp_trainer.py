@@ -139,11 +139,33 @@ def test_save_model_loads_with_transformers_when_torch_is_installed(straight):
 
 
 def test_rotation_keeps_the_newest_committed_and_removes_crashed_stagings(tmp_path):
+    """Async saves every step with save_total_limit=2, HF exports every 2 steps with save_hf_total_limit=1."""
     out = tmp_path / "run"
     (out / "checkpoint-1.tmp-0123abcd").mkdir(parents=True)  # a crashed save's staging
-    train(out, max_steps=4, save_steps=1, save_total_limit=2, async_save=True)
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-3", "checkpoint-4"]
+    train(out, max_steps=4, save_steps=1, save_total_limit=2, async_save=True, save_hf_steps=2, save_hf_total_limit=1)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-3", "checkpoint-4", "hf_checkpoint-4"]
     assert all((out / n / "COMMIT").is_file() for n in ("checkpoint-3", "checkpoint-4"))
+    index = json.loads((out / "hf_checkpoint-4" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["paddle_fsdp"]["preset"] == "llama-pf1" and len(index["weight_map"]) == 21
+    assert (out / "hf_checkpoint-4" / "tokenizer.json").is_file() and (
+        out / "hf_checkpoint-4" / "config.json"
+    ).is_file()
+
+
+def test_what_fsdp_trainer_cannot_do_is_refused_by_name(tmp_path):
+    import paddle
+    from paddle.distributed.fsdp.integrations.paddleformers import FSDPTrainer, UnsupportedTrainingArgumentError
+    from paddleformers.trainer import TrainingArguments
+    from trainer_fsdp import tiny_llama
+
+    model = tiny_llama()
+    opt = paddle.optimizer.AdamW(parameters=model.parameters())
+    args = TrainingArguments(
+        output_dir=str(tmp_path), sharding="", amp_master_grad=False, device="cpu", report_to="none"
+    )
+    with pytest.raises(UnsupportedTrainingArgumentError, match="optimizers=.*let the Trainer build it"):
+        FSDPTrainer(model=model, args=args, optimizers=(opt, None))
+    assert not hasattr(model, "_fsdp") or model._fsdp is None  # refused before anything was sharded
 
 
 @pytest.mark.parametrize("fault", ["mid_data:1:2", "before_rename:0:2"])

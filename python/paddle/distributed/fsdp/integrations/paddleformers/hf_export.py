@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 
@@ -101,3 +102,17 @@ def _move_into(staged: str, out_dir: str) -> None:
     names = sorted(os.listdir(staged), key=lambda n: n == INDEX_FILE)
     for name in names:
         os.replace(os.path.join(staged, name), os.path.join(out_dir, name))
+
+
+def rotate_exports(output_dir: str, prefix: str, keep: int | None) -> list[str]:
+    """Remove all but the ``keep`` newest ``<prefix>-N`` export directories (None or <= 0: keep all)."""
+    if not keep or keep <= 0 or not os.path.isdir(output_dir):
+        return []
+    pattern = re.compile(rf"^{re.escape(prefix)}-(\d+)$")
+    found = sorted((int(m.group(1)), n) for n in os.listdir(output_dir) if (m := pattern.match(n)))
+    removed = [os.path.join(output_dir, n) for _step, n in found[:-keep]]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    if removed:
+        logger.info("save_hf_total_limit=%d: removed %s", keep, removed)
+    return removed

@@ -35,11 +35,10 @@ import paddle.distributed as dist
 from ...fully_shard_fusion import FullyShardFusion
 from . import checkpoints, hf_export
 from . import trainer_state as saved_state
-from .compat import UnsupportedTrainingArgumentError, require_paddleformers
+from .compat import PaddleFormersVersionError, UnsupportedTrainingArgumentError, require_paddleformers
 
 logger = logging.getLogger(__name__)
 
-HF_PREFIX = "checkpoint-hf"  # PaddleFormers' PREFIX_HF_CHECKPOINT_DIR (assumed; checked in fsdp_trainer_class)
 _CLASS = None
 
 
@@ -49,6 +48,12 @@ def fsdp_trainer_class():
     global _CLASS
     if _CLASS is None:
         trainer_mod = require_paddleformers()
+        from paddleformers.utils.env import PREFIX_CHECKPOINT_DIR
+
+        if PREFIX_CHECKPOINT_DIR != checkpoints.PREFIX:
+            raise PaddleFormersVersionError(
+                f"checkpoint directories are named {PREFIX_CHECKPOINT_DIR}-N, not {checkpoints.PREFIX}-N"
+            )
         _CLASS = type("FSDPTrainer", (FSDPTrainerMixin, trainer_mod.Trainer), {"__module__": __name__})
     return _CLASS
 
@@ -303,11 +308,13 @@ class FSDPTrainerMixin:
         self.control.should_save_hf = False  # stock's save_pretrained gathers through .cuda()
         super()._maybe_log_save_evaluate(tr_loss, model, epoch, ignore_keys_for_eval, **kwargs)
         if export:
-            out = os.path.join(self.args.output_dir, f"{HF_PREFIX}-{self.state.global_step}")
+            from paddleformers.utils.env import PREFIX_HF_CHECKPOINT_DIR
+
+            out = os.path.join(self.args.output_dir, f"{PREFIX_HF_CHECKPOINT_DIR}-{self.state.global_step}")
             self._export_hf(out)
             self.control = self.callback_handler.on_save_hf(self.args, self.state, self.control)
             if self.args.should_save:
-                self._rotate_hf_checkpoints(use_mtime=False, output_dir=self.args.output_dir)
+                hf_export.rotate_exports(self.args.output_dir, PREFIX_HF_CHECKPOINT_DIR, self.args.save_hf_total_limit)
 
     def _export_hf(self, out_dir: str) -> None:
         self._finish_pending_save()  # a checkpoint of this step is then committed and can be reused
