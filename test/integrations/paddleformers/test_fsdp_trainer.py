@@ -200,3 +200,16 @@ def test_s3_output_dir_saves_rotates_and_resumes(straight, tmp_path, s3_env, s3_
 
     assert [s for s, _ in checkpoints.committed_checkpoints(url)] == [STEPS]  # rotated on the object store
     assert not [n for n in os.listdir(cwd) if n.startswith("s3")]  # no local "s3:" tree left behind
+
+
+def test_example_script_trains_resumes_and_exports(tmp_path):
+    """examples/trainer_fsdp.py, as the README runs it (plus --output_dir), then once more with --resume."""
+    example = HERE.parents[2] / "examples" / "trainer_fsdp.py"
+    out = tmp_path / "run"
+    first = run_launch(example, 2, ["--output_dir", out, "--max_steps", "4"], log_dir=tmp_path / "log1")
+    assert "step 4: loss" in first.worker_logs[0]
+    second = run_launch(example, 2, ["--output_dir", out, "--max_steps", "8", "--resume"], log_dir=tmp_path / "log2")
+    log = second.worker_logs[0]
+    assert "step 1: loss" not in log and "step 5: loss" in log and "step 8: loss" in log
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-4", "checkpoint-8", "final"]
+    assert (out / "final" / "model.safetensors.index.json").is_file()
