@@ -61,6 +61,15 @@ def test_resume_after_kill_minus_9_is_bit_exact(straight, tmp_path):
     assert d.returncode == 0 and "IDENTICAL" in d.stdout, d.stdout + d.stderr
 
 
+def test_async_saves_hold_what_sync_saves_hold(straight, tmp_path):
+    ref_dir, ref = straight
+    out = tmp_path / "run"
+    assert losses(train(out, async_save=True)) == ref
+    for step in (SAVE_AT, STEPS):
+        d = ckpt_diff(ref_dir / f"checkpoint-{step}", out / f"checkpoint-{step}")
+        assert d.returncode == 0 and "IDENTICAL" in d.stdout, d.stdout + d.stderr
+
+
 @pytest.mark.parametrize("nproc", [1, 3])
 def test_resume_at_another_world_size_continues_within_1e5(straight, tmp_path, nproc):
     ref_dir, ref = straight
