@@ -4,7 +4,8 @@ Run by the tests under ``paddle.distributed.launch``. Options (all optional): ``
 ``global_batch`` (split over the ranks, so runs at different world sizes see the same samples per step),
 ``save_steps``, ``save_total_limit``, ``save_hf_steps``, ``save_hf_total_limit``, ``resume`` (True or a path), ``kill_after_save`` (kill -9
 every rank right after the checkpoint of that step), ``async_save``, ``accumulation``, ``max_grad_norm``,
-``stock`` ("dp": the stock Trainer, for comparisons), ``bf16``, ``eval`` (evaluate every ``save_steps``).
+``stock`` ("dp": the stock Trainer, for comparisons), ``bf16``, ``eval`` (evaluate every ``save_steps``),
+``hsdp`` (replicas: HSDP over ``topology.hybrid_groups``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ class Record(TrainerCallback):
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     world = dist.get_world_size() if "PADDLE_TRAINER_ID" in os.environ else 1
+    groups = {}
+    if cfg.get("hsdp"):  # before TrainingArguments: its fleet.init breaks gloo's new_group afterwards
+        from paddle.distributed.fsdp.topology import hybrid_groups
+
+        dist.init_parallel_env()
+        groups["replicate_group"], groups["shard_group"] = hybrid_groups(cfg["hsdp"])
     batch = cfg.get("global_batch", 6)
     assert batch % world == 0, (batch, world)
     args = TrainingArguments(
@@ -81,7 +88,7 @@ def main() -> None:
         tokenizer=make_tokenizer(),
         callbacks=[record],
     )
-    trainer = Trainer(**kwargs) if cfg.get("stock") else FSDPTrainer(**kwargs)
+    trainer = Trainer(**kwargs) if cfg.get("stock") else FSDPTrainer(**kwargs, **groups)
     trainer.train(resume_from_checkpoint=cfg.get("resume"))
     if cfg.get("save_model"):
         trainer.save_model(cfg["save_model"])

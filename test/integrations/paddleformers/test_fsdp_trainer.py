@@ -222,3 +222,18 @@ def test_example_script_trains_resumes_and_exports(tmp_path):
     assert "step 1: loss" not in log and "step 5: loss" in log and "step 8: loss" in log
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-4", "checkpoint-8", "final"]
     assert (out / "final" / "model.safetensors.index.json").is_file()
+
+
+def test_hsdp_groups_resume_a_fsdp_checkpoint_and_train_like_it(tmp_path):
+    """4 ranks as 2 replicas x 2 shards (replicate_group / shard_group) continue a 2-rank FSDP run."""
+    ref_dir = tmp_path / "fsdp"
+    ref = losses(train(ref_dir, global_batch=12, eval=False))
+    out = tmp_path / "hsdp"
+    out.mkdir()
+    shutil.copytree(ref_dir / f"checkpoint-{SAVE_AT}", out / f"checkpoint-{SAVE_AT}")
+    got = losses(train(out, nproc=4, global_batch=12, eval=False, hsdp=2, resume=True))
+    assert sorted(got) == list(range(SAVE_AT + 1, STEPS + 1))
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [ref[s] for s in sorted(got)], rtol=0, atol=1e-5)
+    d = ckpt_diff(ref_dir / f"checkpoint-{STEPS}", out / f"checkpoint-{STEPS}", "--atol", "1e-5")
+    assert "0 missing, 0 extra, 0 dtype, 0 shape" in d.stdout, d.stdout + d.stderr
+    assert not [line for line in d.stdout.splitlines() if "DIFFERS" in line and "(within tolerance)" not in line]
