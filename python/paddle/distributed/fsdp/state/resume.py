@@ -293,9 +293,11 @@ def _load_once(
     split = (
         replicas.split_for_replicas(state, metadata, fsdp.group_layout.replicate_degree) if replicate_group else None
     )
+    # the dict the engine fills: under HSDP a replica's part, which holds the JSON values (extra_state) too
+    requested = replicas.my_part(state, split, replicate_group.rank) if split else state
     try:
         report = load_state_dict(
-            replicas.my_part(state, split, replicate_group.rank) if split else state,
+            requested,
             resolved,
             process_group=fsdp.checkpoint_group,
             strict=strict,
@@ -334,5 +336,5 @@ def _load_once(
                 resolved,
                 "; ".join(f"{what}: {keys}" for what, keys in problems.items() if keys),
             )
-    extra = state[EXTRA_KEY]
+    extra = requested[EXTRA_KEY]
     return LoadResult(extra if isinstance(extra, dict) else {}, report, resolved)
