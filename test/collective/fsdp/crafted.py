@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -118,3 +119,43 @@ def to_format1(path: Path) -> None:
             if name.startswith("index.") or name.endswith((".sums", ".values")):
                 os.unlink(Path(path) / name)
         reseal(Path(path), json.dumps(d, separators=(",", ":")).encode())
+
+
+def convert_to_format3(path: Path) -> None:
+    """A crafted (format-1) checkpoint rewritten as format 3 in place: index objects, sidecars, row checks."""
+    from paddle.distributed.fsdp.checkpoint.convert import convert_to_format2
+
+    assert convert_to_format2(str(path))
+
+
+def rewrite_rows(path: Path, fn, checks: bool = True) -> None:
+    """Edit a format-3 checkpoint's ``index.pieces`` rows with ``fn(rows)`` (a PIECE_ROW array, edited in place)
+    and make everything around them consistent again, as a crafter would: each row's check (``checks=False``:
+    the rows as a build without row checks wrote them), the row directory, the SHA-256s of metadata.json,
+    COMMIT. Only what ``fn`` did is wrong."""
+    from paddle.distributed.fsdp.checkpoint.format import index, row_directory
+
+    rows = np.frombuffer((path / "index.pieces").read_bytes(), index.PIECE_ROW).copy()
+    fn(rows)
+    md = json.loads((path / "metadata.json").read_bytes())
+    info = md["index"]["index.pieces"]
+    rows["pad"] = index.row_checks(rows, 0) if checks else 0
+    if not checks:
+        info.pop("check", None)
+    n_keys = len(json.loads(zlib.decompress((path / "index.keys").read_bytes()))["keys"])
+    key_rows = np.concatenate([[0], np.cumsum(np.bincount(rows["key"].astype(np.int64), minlength=n_keys))])
+    starts = np.where(rows["flat_a"] >= 0, rows["flat_a"], 0).astype(np.uint64)
+    boxed = np.zeros(len(key_rows), bool)
+    boxed[rows["key"][rows["box"] >= 0].astype(np.int64)] = True
+    starts[boxed[rows["key"].astype(np.int64)]] = row_directory.NO_START
+    fences = row_directory.fences_of(starts, key_rows)
+    blobs = {
+        "index.pieces": rows.tobytes(),
+        "index.starts": starts.astype("<u8").tobytes(),
+        "index.fences": fences.astype("<u8").tobytes(),
+    }
+    for name, blob in blobs.items():
+        (path / name).write_bytes(blob)
+        md["index"][name]["sha256"] = hashlib.sha256(blob).hexdigest()
+    info["rows"] = len(rows)
+    reseal(path, json.dumps(md).encode())
