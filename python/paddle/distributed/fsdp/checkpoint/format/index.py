@@ -364,8 +364,11 @@ class IndexSource:
         ):
             arr = self._rows(a, b)
             for r0, r1, st, t in items:
-                row_directory.check_window(arr[r0 - a : r1 - a], st, spans.get(t.key), numel(t.shape), self.where, t.key)
-                fetched.append((r0, arr[r0 - a : r1 - a], st, t))
+                rows_of = arr[r0 - a : r1 - a]
+                if st is None and self.starts_sha256:  # a whole key of format 3: rows in directory order
+                    row_directory.check_order(rows_of, numel(t.shape), self.where, t.key)
+                row_directory.check_window(rows_of, st, spans.get(t.key), numel(t.shape), self.where, t.key)
+                fetched.append((r0, rows_of, st, t))
         if fetched:  # before any piece is made of them (and any target allocated by their shapes)
             self._check_no_shared_bytes(fetched)
         for r0, arr, st, t in fetched:

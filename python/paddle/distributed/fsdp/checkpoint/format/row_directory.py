@@ -142,6 +142,21 @@ def check_window(arr: np.ndarray, starts, span, numel: int, where: str, key: str
         )
 
 
+def check_order(arr: np.ndarray, numel: int, where: str, key: str) -> None:
+    """A whole key's rows (PIECE_ROW) in the order of the directory: flat ranges of the whole tensor, one after
+    the other from 0 to ``numel`` (what ``check_window`` asks of a window, and what a save writes); keys with a
+    box piece have no directory and any order. Whole-key loads and verify ask it too, so that every load and
+    verify agree on a checkpoint whose rows of a key are out of order."""
+    if len(arr) == 0 or (arr["box"] >= 0).any():
+        return
+    a = np.where(arr["flat_a"] >= 0, arr["flat_a"], 0).astype(np.int64)
+    b = np.where(arr["flat_a"] >= 0, arr["flat_b"], numel).astype(np.int64)
+    if a[0] != 0 or (b[:-1] != a[1:]).any() or b[-1] != numel:
+        raise CorruptCheckpointError(
+            f"{where}: the rows of key {key!r} are not its flat ranges in order (damaged index.pieces)"
+        )
+
+
 def problem(
     fetch, rows_arr: np.ndarray, key_rows: list[int], sha256: str, fences_sha256: str | None = None
 ) -> str | None:
