@@ -305,17 +305,24 @@ def _read_metadata(path: str, max_metadata_bytes: int, storage: Storage) -> Chec
 def index_fetch(path: str, storage: Storage | None = None):
     """``fetch(name, offset, length)`` of the index objects and checksum sidecars of the checkpoint at ``path``
     (format 2, format/index.py), read through ``storage`` (None: the location's backend): exactly ``length``
-    bytes, fewer only at the end of the object."""
+    bytes, fewer only at the end of the object. A missing object is CorruptCheckpointError (CheckpointRemovedError
+    when the checkpoint went away), any other I/O error CorruptCheckpointError naming it."""
     storage = storage or backend_for(path)
 
     def fetch(name: str, offset: int, length: int) -> bytes:
-        handle = storage.open_read(path, check_file_name(name))
         try:
-            buf = bytearray(max(0, min(length, handle.size - offset)))
-            got = handle.read_into(offset, buf) if buf else 0
-            return bytes(buf[:got])
-        finally:
-            handle.close()
+            handle = storage.open_read(path, check_file_name(name))
+            try:
+                buf = bytearray(max(0, min(length, handle.size - offset)))
+                got = handle.read_into(offset, buf) if buf else 0
+                return bytes(buf[:got])
+            finally:
+                handle.close()
+        except FileNotFoundError as e:  # missing, or the checkpoint went away under the reader (keep_last)
+            missing = CorruptCheckpointError(f"checkpoint {path}: {name} is missing")
+            raise removed_or(path, missing, None, storage) from e
+        except OSError as e:  # EACCES, EIO, a denied request: named, never a bare OSError
+            raise CorruptCheckpointError(f"checkpoint {path}: cannot read {name}: {type(e).__name__}: {e}") from e
 
     return fetch
 

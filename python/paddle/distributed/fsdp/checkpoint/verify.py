@@ -36,6 +36,16 @@ def verify_checkpoint(
         md = read_metadata(path, opts, storage)
     except CheckpointError as e:
         return [f"{type(e).__name__}: {e}"]
+    problems = _problems(path, md, storage, opts, on_bytes)
+    if problems:
+        # a checkpoint removed (keep_last rotation) or replaced while being verified is not corrupt
+        gone = removed_or(path, CorruptCheckpointError(""), md.checkpoint_id, storage)
+        if isinstance(gone, CheckpointRemovedError):
+            return [f"{type(gone).__name__}: {gone}"]
+    return problems
+
+
+def _problems(path: str, md, storage: Storage, opts: CheckpointOptions, on_bytes) -> list[str]:
     problems: list[str] = []
     if md.index is not None:  # format 2: every row, its hash, every sidecar's size, pieces owning their bytes
         problems += index_problems(md)
@@ -71,11 +81,6 @@ def verify_checkpoint(
             handle.close()
     if md.checksum != checksums.NONE:
         problems += _check_chunks(path, md, storage, opts, usable, on_bytes)
-    if problems:
-        # a checkpoint removed (keep_last rotation) or replaced while being verified is not corrupt
-        gone = removed_or(path, CorruptCheckpointError(""), md.checkpoint_id, storage)
-        if isinstance(gone, CheckpointRemovedError):
-            return [f"{type(gone).__name__}: {gone}"]
     return problems
 
 
@@ -152,11 +157,11 @@ def index_problems(md) -> list[str]:
         want = src.sums_counts[fi] * 8
         try:
             got = len(src.fetch(sums_name(name), 0, want + 1)) if want else want
-        except FileNotFoundError:
+        except (CheckpointError, OSError) as e:
+            if not isinstance(e.__cause__, FileNotFoundError):
+                problems.append(f"checksum sidecar {sums_name(name)}: {e}")
+                continue
             got = None
-        except OSError as e:
-            problems.append(f"checksum sidecar {sums_name(name)}: {e}")
-            continue
         if got != want:
             problems.append(
                 f"checksum sidecar {sums_name(name)} is missing"
