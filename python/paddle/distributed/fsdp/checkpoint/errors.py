@@ -43,6 +43,11 @@ class UnsafePathError(MetadataError):
     """A file name in the metadata would escape the checkpoint directory."""
 
 
+class MissingDependencyError(CheckpointError, ImportError):
+    """A feature needs an optional dependency that is not installed (``s3://`` URLs: the ``s3`` extra); the
+    message says what to install."""
+
+
 class StateDictMismatchError(CheckpointError):
     """The requested state dict does not match the checkpoint (base of the three below)."""
 
@@ -111,6 +116,7 @@ ERROR_CLASSES = {
         SafetensorsHeaderError,
         UnsafePathError,
         NotARegularFileError,
+        MissingDependencyError,
         CheckpointRemovedError,
         StateDictMismatchError,
         MissingKeyError,
