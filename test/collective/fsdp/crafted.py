@@ -29,8 +29,11 @@ def flat_boxes(shape, n_files: int):
     return [(int(a), int(b)) for a, b in zip(cuts, cuts[1:])]
 
 
-def craft(path: Path, tensors: dict, pieces: dict, values: dict | None = None, chunk: int = CHUNK) -> None:
-    """Write a committed checkpoint at ``path``.
+def craft(
+    path: Path, tensors: dict, pieces: dict, values: dict | None = None, chunk: int = CHUNK, per_rank: tuple = ()
+) -> None:
+    """Write a committed checkpoint at ``path`` (format 1; format 3 with ``per_rank``: the keys of ``values``
+    holding one entry per file, each in its rank's values object).
 
     ``tensors``: key -> numpy array (its global value). ``pieces``: key -> list of ``(file index, box_offset,
     box_shape, flat_range or None)``; each piece stores those elements of the global array, row-major.
@@ -73,7 +76,10 @@ def craft(path: Path, tensors: dict, pieces: dict, values: dict | None = None, c
                     checksums=[xxhash.xxh3_64_intdigest(raw[j : j + chunk]) for j in range(0, len(raw), chunk)],
                 )
             )
-    data = format_commit.write_metadata(str(path), md, write_stock=False)
+    if per_rank:
+        data = format_commit.write_format3(str(path), md, False, tuple(per_rank))
+    else:
+        data = format_commit.write_metadata(str(path), md, write_stock=False)
     format_commit.write_commit(str(path), md.checkpoint_id, data)
 
 
@@ -142,12 +148,13 @@ def rewrite_rows(path: Path, fn, checks: bool = True) -> None:
     rows["pad"] = index.row_checks(rows, 0) if checks else 0
     if not checks:
         info.pop("check", None)
-    n_keys = len(json.loads(zlib.decompress((path / "index.keys").read_bytes()))["keys"])
-    key_rows = np.concatenate([[0], np.cumsum(np.bincount(rows["key"].astype(np.int64), minlength=n_keys))])
+    counts = json.loads(zlib.decompress((path / "index.keys").read_bytes()))["counts"]
+    key_rows = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # (fn keeps every key's row count)
     starts = np.where(rows["flat_a"] >= 0, rows["flat_a"], 0).astype(np.uint64)
-    boxed = np.zeros(len(key_rows), bool)
-    boxed[rows["key"][rows["box"] >= 0].astype(np.int64)] = True
-    starts[boxed[rows["key"].astype(np.int64)]] = row_directory.NO_START
+    owner = np.repeat(np.arange(len(counts)), counts)  # the key each row is a row of (whatever its key field)
+    boxed = np.zeros(len(counts), bool)
+    boxed[owner[rows["box"] >= 0]] = True
+    starts[boxed[owner]] = row_directory.NO_START
     fences = row_directory.fences_of(starts, key_rows)
     blobs = {
         "index.pieces": rows.tobytes(),

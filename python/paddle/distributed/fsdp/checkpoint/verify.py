@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
+
 from . import checksums
 from .directory import read_metadata, removed_or
 from .errors import CheckpointError, CheckpointRemovedError, CorruptCheckpointError, SafetensorsHeaderError
@@ -145,6 +147,11 @@ def index_problems(md) -> list[str]:
         rows = src.all_rows()
         if hashlib.sha256(rows.tobytes()).hexdigest() != src.pieces_sha256:
             return [f"{PIECES_FILE} does not match its SHA-256 in metadata.json (damaged)"]
+        key_rows = np.asarray(src.table["rows"], dtype=np.int64)
+        owner = np.repeat(np.arange(len(key_rows) - 1), np.diff(key_rows))
+        stray = np.nonzero(rows["key"].astype(np.int64) != owner)[0]
+        if len(stray):
+            return [f"{PIECES_FILE} row {int(stray[0])} does not belong to the key index.keys gives it"]
         if src.starts_sha256 is not None:  # format 3: the row directory, whole, and as the rows imply it
             problem = row_directory.problem(src.fetch, rows, src.table["rows"], src.starts_sha256, src.fences_sha256)
             if problem:

@@ -273,11 +273,13 @@ def decode_keys(blob: bytes, index: dict, where: str) -> dict:
         raise _fail(where, f"{KEYS_FILE} must be an object with a keys list")
     keys = d["keys"]
     n = len(keys)
+    if set(map(type, keys)) - {str}:
+        raise _fail(where, f"{KEYS_FILE}: keys must be distinct strings")
     ids = dict(zip(keys, range(n)))  # key -> its index (IndexedTensors), and the duplicate check
-    if set(map(type, keys)) - {str} or len(ids) != n:
+    if len(ids) != n:
         raise _fail(where, f"{KEYS_FILE}: keys must be distinct strings")
     dtypes = d.get("dtypes")
-    if type(dtypes) is not list or len(dtypes) != n or not set(dtypes) <= set(DTYPES):
+    if type(dtypes) is not list or len(dtypes) != n or set(map(type, dtypes)) - {str} or not set(dtypes) <= set(DTYPES):
         raise _fail(where, f"{KEYS_FILE}: dtypes must name a supported dtype per key")
     shapes = _shapes(d.get("ndims"), d.get("dims"), n, where)
     if "counts" in d:  # format 3: rows per key
