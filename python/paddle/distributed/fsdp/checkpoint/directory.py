@@ -188,14 +188,20 @@ def prune(root: str, keep_last: int, protect: tuple[str, ...] = (), storage: Sto
 def commit_id(path: str, storage: Storage | None = None) -> str | None:
     """The checkpoint id the commit record at ``path`` names now (None: absent or unreadable): the truth about
     whether (and which) checkpoint is committed there."""
-    from .format.schema import parse_commit
-    from .format.strict_json import SMALL_FILE_BYTES, loads_strict
-
-    where = f"{path}/{COMMIT_FILE}"
     try:
-        raw = (storage or backend_for(path)).get(path, COMMIT_FILE, SMALL_FILE_BYTES)
-        return None if raw is None else parse_commit(loads_strict(raw, where), where)[0]
+        return _read_commit_id(path, storage)
     except (OSError, CheckpointError):
+        return None
+
+
+def _read_commit_id(path: str, storage: Storage | None) -> str | None:
+    """``commit_id``, but an unreadable commit record (EACCES, EIO: the storage cannot be read, which says
+    nothing about whether the checkpoint is there) raises the OSError."""
+    where = f"{path}/{COMMIT_FILE}"
+    raw = (storage or backend_for(path)).get(path, COMMIT_FILE, SMALL_FILE_BYTES)
+    try:
+        return None if raw is None else parse_commit(loads_strict(raw, where), where)[0]
+    except CheckpointError:
         return None
 
 
@@ -203,8 +209,12 @@ def removed_or(
     path: str, error: CheckpointError, checkpoint_id: str | None = None, storage: Storage | None = None
 ) -> CheckpointError:
     """CheckpointRemovedError when the checkpoint at ``path`` is gone (no commit record) or, given the
-    ``checkpoint_id`` being read, was replaced by another one; else ``error``."""
-    now = commit_id(path, storage)
+    ``checkpoint_id`` being read, was replaced by another one; else ``error`` (also when the commit record cannot
+    be read: a rank denied by its storage is not told the checkpoint went away)."""
+    try:
+        now = _read_commit_id(path, storage)
+    except (OSError, CheckpointError):  # (CheckpointError: a commit record that is not a regular file)
+        return error
     if now is None:
         return CheckpointRemovedError(
             f"checkpoint {path} was removed while it was being read (keep_last rotation or a replacing save?)"

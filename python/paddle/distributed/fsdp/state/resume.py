@@ -300,7 +300,9 @@ def load_checkpoint(
             )
         except PartiallyLoadedError as e:
             failed = getattr(e, "checkpoint", None)
-            older = _older_checkpoint(root, failed) if failed is not None and failed != root else None
+            # decided alike on every rank (a rank that cannot list the root must not give up alone while its
+            # peers fall back: their next collective would meet nobody)
+            older = _agreed(fsdp, e, lambda f=failed: _older_checkpoint(root, f) if f not in (None, root) else None)
             if older is None:
                 raise
             skipped.append((failed, str(e)))
@@ -309,6 +311,23 @@ def load_checkpoint(
             continue
         result.fallback_from = skipped
         return result
+
+
+def _agreed(fsdp, failure: BaseException, decide: Callable[[], Any]) -> Any:
+    """What ``decide()`` answers on every rank of the checkpoint group, if they all answer alike; else (or
+    when it raised on some rank) ``failure``, the error being handled, is raised on every rank with why."""
+    answer, err = None, None
+    try:
+        answer = decide()
+    except Exception as e:  # noqa: BLE001 - whatever fails must reach the exchange below
+        err = e
+    try:
+        answers = gather_errors(Comm(fsdp.checkpoint_group), err, answer)
+    except Exception as e:  # noqa: BLE001 - the same class on every rank: the error being handled
+        raise type(failure)(f"{type(e).__name__}: {e}; while deciding what to do after: {failure}") from e
+    if len(set(map(repr, answers))) > 1:
+        raise type(failure)(f"the ranks see the checkpoint root differently ({answers}) after: {failure}")
+    return answer
 
 
 def _older_checkpoint(root: str, failed: str) -> str | None:
@@ -332,7 +351,7 @@ def _load_retrying(
                 fsdp, path, optimizer, strict, verify_checksums, atomic, max_host_bytes, options, grad_scaler
             )
         except CheckpointRemovedError as e:  # raised on every rank alike (the engine exchanges errors)
-            if attempt == _REMOVED_RETRIES or not is_checkpoint_root(path):
+            if attempt == _REMOVED_RETRIES or not _agreed(fsdp, e, lambda: is_checkpoint_root(path)):
                 raise
             logger.warning("load_checkpoint(%s): %s; retrying with what %s names now", path, e, "latest")
     raise AssertionError("unreachable")  # pragma: no cover
