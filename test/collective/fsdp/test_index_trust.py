@@ -137,3 +137,138 @@ def test_a_small_crafted_checkpoint_cannot_make_a_load_allocate_a_large_tensor(t
     with pytest.raises(ck.CorruptCheckpointError, match="share bytes"):
         ck.load_full_state_dict(str(ckpt))
     assert any("share bytes" in p for p in ck.verify_checkpoint(str(ckpt)))
+
+
+# ------------------------------------------------------------------------------------------- named errors
+
+
+def _with_keys(ckpt: Path, text: bytes, inflated: int | None) -> None:
+    """index.keys replaced by ``zlib(text)`` (or, ``text`` None: kept), its size and SHA-256 made to match, and
+    ``inflated`` declared (None: not declared, as before row checks)."""
+    import hashlib
+    import zlib
+
+    from crafted import reseal
+
+    blob = zlib.compress(text)
+    (ckpt / "index.keys").write_bytes(blob)
+    md = json.loads((ckpt / "metadata.json").read_bytes())
+    entry = md["index"]["index.keys"]
+    entry.update(bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+    entry.pop("inflated", None)
+    if inflated is not None:
+        entry["inflated"] = inflated
+    reseal(ckpt, json.dumps(md).encode())
+
+
+@pytest.fixture
+def small(tmp_path):
+    ckpt = tmp_path / "ck"
+    values = {"w": np.arange(12, dtype=np.float32).reshape(3, 4)}
+    craft(ckpt, values, {"w": [(0, (0, 0), (3, 4), None)]}, values={"rng": [[1, 2]]}, per_rank=("rng",))
+    return ckpt
+
+
+def _named_everywhere(ckpt: Path, match: str, capsys) -> None:
+    """read_metadata, load_full_state_dict and load_state_dict raise a named error matching ``match``; verify
+    names it; the CLI answers exit 1 or 2, never 3."""
+    from paddle.distributed.fsdp.tools.cli import main
+
+    for call in (
+        lambda: ck.read_metadata(str(ckpt)),
+        lambda: ck.load_full_state_dict(str(ckpt)),
+        lambda: ck.load_state_dict({"w": paddle.zeros([3, 4])}, str(ckpt)),
+    ):
+        with pytest.raises(ck.CheckpointError, match=match):
+            call()
+    assert any(re_search(match, p) for p in ck.verify_checkpoint(str(ckpt)))
+    for cmd in ("inspect", "verify"):
+        capsys.readouterr()
+        rc = main([cmd, str(ckpt)])
+        err = capsys.readouterr().err
+        assert rc in (1, 2) and "internal error" not in err, (cmd, rc, err)
+
+
+def re_search(pattern: str, text: str) -> bool:
+    import re
+
+    return re.search(pattern, text) is not None
+
+
+def test_deeply_nested_index_keys_is_a_named_error(small, capsys):
+    _with_keys(small, b'{"keys":' + b"[" * 200_000 + b"]" * 200_000 + b"}", None)
+    _named_everywhere(small, "nested deeper", capsys)
+
+
+def test_non_string_names_are_a_named_error(small, capsys):
+    import zlib
+
+    doc = json.loads(zlib.decompress((small / "index.keys").read_bytes()))
+    doc["names"] = {"0": ["w"]}
+    text = json.dumps(doc).encode()
+    _with_keys(small, text, len(text))
+    _named_everywhere(small, "names must map row numbers to strings", capsys)
+
+
+def test_index_keys_inflating_beyond_what_is_declared_is_refused(small, capsys):
+    text = b" " * (8 << 20) + b"{}"
+    _with_keys(small, text, 100)
+    _named_everywhere(small, "inflates beyond 100 bytes", capsys)
+
+
+BOMB = r"""
+import resource, sys, zlib, json, hashlib
+from pathlib import Path
+import paddle.distributed.fsdp.checkpoint as ck
+sys.path.insert(0, sys.argv[3])
+from crafted import reseal
+ckpt, declared = Path(sys.argv[1]), sys.argv[2] == "declared"
+co = zlib.compressobj(9)
+parts = [co.compress(b'{"keys":[' + b" " * (1 << 20))]
+parts += [co.compress(b" " * (1 << 20)) for _ in range(1023)]  # 1 GiB of blanks inflated
+blob = b"".join(parts) + co.flush()
+(ckpt / "index.keys").write_bytes(blob)
+md = json.loads((ckpt / "metadata.json").read_bytes())
+entry = md["index"]["index.keys"]
+entry.update(bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+if not declared:
+    entry.pop("inflated")
+reseal(ckpt, json.dumps(md).encode())
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    ck.load_full_state_dict(str(ckpt))
+    print("LOADED")
+except ck.MetadataError as e:
+    print("NAMED", e)
+print("GROWN_MB", (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) // 1024)
+"""
+
+
+@pytest.mark.parametrize("declared", ["declared", "legacy"])
+def test_a_zip_bomb_in_index_keys_is_refused_before_it_inflates(small, declared):
+    """1 GiB inflated from ~1 MB: refused after the declared size (saves since row checks declare it), or, for
+    a checkpoint that declares none, at MAX_INFLATED_KEYS_BYTES (256 MiB); the peak memory shows it (it was 2.35
+    GiB: the whole GiB inflated, then parsed)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", BOMB, str(small), declared, str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "NAMED" in r.stdout and "inflates beyond" in r.stdout, r.stdout + r.stderr[-3000:]
+    grown = int(r.stdout.split("GROWN_MB")[1])
+    assert grown < (100 if declared == "declared" else 600), r.stdout
+
+
+def test_a_missing_values_object_is_a_named_error(small):
+    (small / "0.values").unlink()
+    with pytest.raises(ck.CorruptCheckpointError, match=r"values object of rank 0 \(0.values\) is missing"):
+        list(ck.load_full_state_dict(str(small), ["rng"])["rng"])
+    state = {"rng": None}
+    ck.load_state_dict(state, str(small))  # (a per-rank value is read by rank when first asked for)
+    with pytest.raises(ck.CorruptCheckpointError, match="is missing"):
+        list(state["rng"])
+    assert any("(0.values) is missing" in p for p in ck.verify_checkpoint(str(small)))
