@@ -272,3 +272,32 @@ def test_a_missing_values_object_is_a_named_error(small):
     with pytest.raises(ck.CorruptCheckpointError, match="is missing"):
         list(state["rng"])
     assert any("(0.values) is missing" in p for p in ck.verify_checkpoint(str(small)))
+
+
+def test_rows_of_a_key_out_of_order_are_refused_by_every_load_and_verify(tmp_path):
+    """Two rows of a key split into 20 swapped (checks, directory and hashes made to match): the windowed load
+    refused this before, while verify called it sound and a whole-key load loaded it; now all three agree."""
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+    ckpt = tmp_path / "ck"
+    values = {"long": np.arange(200, dtype=np.float32)}
+    cuts = np.linspace(0, 200, 21).astype(int)
+    craft(
+        ckpt,
+        values,
+        {"long": [(i % 2, (0,), (200,), (int(a), int(b))) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]},
+    )
+    convert_to_format3(ckpt)
+
+    def swap(rows):
+        rows[[4, 5]] = rows[[5, 4]]
+
+    rewrite_rows(ckpt, swap)
+    with pytest.raises(ck.CorruptCheckpointError, match="not its flat ranges in order"):
+        ck.load_full_state_dict(str(ckpt))
+    window = ShardedWeight(
+        "long", paddle.zeros([30]), [200], [200], [0], is_flattened=True, flattened_range=slice(100, 130)
+    )
+    with pytest.raises(ck.CorruptCheckpointError):
+        ck.load_state_dict({"long": window}, str(ckpt))
+    assert any("not its flat ranges in order" in p for p in ck.verify_checkpoint(str(ckpt)))
