@@ -97,13 +97,19 @@ def row_checks(rows: np.ndarray, first_row: int) -> np.ndarray:
     damaged field (e.g. one flipped bit of ``file``, which would point the row at another rank's bytes of the
     same layout) or a row moved to another position always changes the 64-bit value; the 32 bits of it kept
     miss a damaged row with odds 2^-32. Vectorised: a few ns a row, no extra read (the check is in the row)."""
-    words = np.frombuffer(np.ascontiguousarray(rows).tobytes(), "<u8").reshape(len(rows), PIECE_ROW.itemsize // 8)
-    h = (np.arange(first_row, first_row + len(rows), dtype=np.uint64) + np.uint64(1)) * _MIX
-    for j in range(words.shape[1]):
-        w = words[:, j] & _MASK32 if j == 1 else words[:, j]  # word 1: box (low half) and pad (high half)
-        h = (h ^ w) * _MIX
-        h ^= h >> np.uint64(29)
-    return ((h ^ (h >> np.uint64(32))) & _MASK32).astype("<u4")
+    words = np.ascontiguousarray(rows).view("<u8").reshape(len(rows), PIECE_ROW.itemsize // 8).T.copy()
+    words[1] &= _MASK32  # word 1: box (low half) and pad (high half, the check itself)
+    h = np.arange(first_row + 1, first_row + 1 + len(rows), dtype=np.uint64)
+    h *= _MIX
+    t = np.empty_like(h)
+    for w in words:
+        h ^= w
+        h *= _MIX
+        np.right_shift(h, np.uint64(29), out=t)
+        h ^= t
+    np.right_shift(h, np.uint64(32), out=t)
+    h ^= t
+    return (h & _MASK32).astype("<u4")
 
 
 def keys_blob(keys: list, dtypes: list, shapes: list, row_starts: list, n_rows: int, extra: dict) -> bytes:
@@ -360,17 +366,20 @@ class IndexSource:
             self.fences = row_directory.fence_offsets(rows)
         win = row_directory.windows(self.fetch, self.where, rows, want, self.fences) if want else {}
         todo_rows = [(*win.get(i, (rows[i], rows[i + 1], None)), todo[i]) for i in sorted(todo)]
-        fetched = []  # (first row, its rows, starts, tensor)
+        fetched, whole = [], []  # (first row, its rows, starts, tensor); whole keys of format 3
         for a, b, items in row_directory.coalesce(
             [(a, b, (a, b, st, t)) for a, b, st, t in todo_rows], PIECE_ROW.itemsize
         ):
             arr = self._rows(a, b)
             for r0, r1, st, t in items:
                 rows_of = arr[r0 - a : r1 - a]
-                if st is None and self.starts_sha256:  # a whole key of format 3: rows in directory order
-                    row_directory.check_order(rows_of, numel(t.shape), self.where, t.key)
-                row_directory.check_window(rows_of, st, spans.get(t.key), numel(t.shape), self.where, t.key)
+                if st is None:
+                    whole.append((rows_of, numel(t.shape), t.key))
+                else:
+                    row_directory.check_window(rows_of, st, spans[t.key], numel(t.shape), self.where, t.key)
                 fetched.append((r0, rows_of, st, t))
+        if self.starts_sha256:  # format 3: a whole key's rows in directory order
+            row_directory.check_order(whole, self.where)
         if fetched:  # before any piece is made of them (and any target allocated by their shapes)
             self._check_no_shared_bytes(fetched)
         for r0, arr, st, t in fetched:
