@@ -12,7 +12,8 @@ Then, for each round: ``load_state_dict`` (sharded targets: a window of the long
 return exactly the saved state or raise a named CheckpointError (test_checkpoint_fuzz's contract, sentinels
 included; a crafted mutation may declare other values consistently, so what it loads is not compared), and
 they agree with ``verify_checkpoint``: when verify finds the checkpoint sound, both loads return
-the saved state; when a load of everything refuses, verify names a problem. The seed is printed with a failure.
+the saved state; when a load of everything refuses, verify names a problem. Every tenth round the CLI's
+``inspect`` and ``verify`` run on it too (exit 0, 1 or 2, one line; never 3). The seed is printed with a failure.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from crafted import craft, reseal, rewrite_rows, snapshot_files
 from hangs import alarm
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 from paddle.distributed.fsdp.checkpoint.format.index import PIECE_ROW
-from test_checkpoint_fuzz import SENTINEL, _mutate_bytes, _mutate_json, _raw, _restore
+from test_checkpoint_fuzz import SENTINEL, _check_cli, _mutate_bytes, _mutate_json, _raw, _restore
 
 ROUNDS = int(os.environ.get("FSDP_FUZZ3_ROUNDS", "250"))
 SEEDS = [int(s) for s in os.environ.get("FSDP_FUZZ3_SEEDS", "11,12,13").split(",")]
@@ -304,6 +305,8 @@ def test_seeded_mutation_of_every_format3_object(fuzz_dir, seed):
         label = f"seed={seed} round={i} mutation={what}"
         try:
             sharded, whole, sound = _round(ckpt, values, targets, want, label)
+            if i % 10 == 0:  # the CLI on the same input: exit 0/1/2 with one line, never an internal error
+                _check_cli(ckpt, label)
         except AssertionError:
             raise
         except Exception as e:  # another exception type is a failure of the contract
