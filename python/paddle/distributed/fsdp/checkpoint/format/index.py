@@ -22,8 +22,14 @@ loads, not with the world or the bytes of state::
     index.ranks,         version 3, a save with per-rank values (format/rank_values.py): each rank's own values
     <rank>.values        object, and the coordinator's table of their sizes and SHA-256; a rank reads its own
 
-A row that is damaged fails the structural checks (``rows_to_pieces``: file, bounds, sizes), the exact coverage
-check of its key, or the data checksums it points to; ``verify_checkpoint`` also checks the SHA-256 of the rows.
+Every row carries a 32-bit check of its fields and its row number in ``pad`` (``row_checks``; ``"check":
+"mix64"`` in metadata.json, saves since 2026-12-05), checked on each row a load reads: one flipped bit of a
+row's ``file`` could otherwise point it at another rank's piece of the same layout, whose checksums match. Then
+the structural checks (``_pieces``: key, file, bounds, sizes), no two rows read sharing bytes of a file, a whole
+key's rows in directory order, the exact coverage of the key, and the data checksums the row points to;
+``verify_checkpoint`` also checks the SHA-256 of every index object (a load of every row of a checkpoint
+written before row checks checks that of index.pieces). ``index.keys`` inflates to the size metadata.json
+declares (``inflated``; MAX_INFLATED_KEYS_BYTES for checkpoints without it).
 
 Pure: the bytes of the objects (``encode``) and the lazy views over them (``decode_header``, ``IndexSource``);
 the caller passes ``fetch(name, offset, length) -> bytes`` (directory.py), which does the I/O.
