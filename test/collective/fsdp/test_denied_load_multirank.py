@@ -38,3 +38,9 @@ def test_a_fallback_is_decided_alike_on_every_rank(denied_run):
     denied = {r: denied_run.result(r)["fallback:denied"] for r in (0, 1)}
     assert all(v[0] == "PartiallyLoadedError" and v[2] for v in denied.values()), denied
     assert all("Permission denied" in v[1] for v in denied.values()), denied
+
+
+def test_a_flipped_bit_of_a_rows_file_is_named_on_both_ranks(denied_run):
+    """One flipped bit in index.pieces (row 0's file): a 2-rank resume used to load another rank's bytes."""
+    got = {r: denied_run.result(r)["flipped_row"] for r in (0, 1)}
+    assert all(v[0] == "CorruptCheckpointError" and "index.pieces row 0 is damaged" in v[1] for v in got.values()), got

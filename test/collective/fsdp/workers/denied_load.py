@@ -80,8 +80,31 @@ def main() -> None:
                 undo()
             out[f"{case}:{call}"] = got + [round(time.monotonic() - t0, 1)]
             dist.barrier()
+    out.update(flipped_row(fsdp, opt, path, f"{work}/flipped", rank))
     out.update(fallback(fsdp, opt, root, rank))
     report(out)
+
+
+def flipped_row(fsdp, opt, path: str, copy: str, rank: int) -> dict:
+    """A copy of the checkpoint with one flipped bit in the ``file`` of index.pieces row 0 (a resume used to
+    load another rank's bytes for it): ``load_checkpoint`` names the row on both ranks."""
+    import shutil
+
+    from paddle.distributed.fsdp.checkpoint.format.index import PIECE_ROW
+
+    if rank == 0:
+        shutil.copytree(path, copy)
+        raw = bytearray(open(f"{copy}/index.pieces", "rb").read())
+        raw[PIECE_ROW.fields["file"][1]] ^= 0x01
+        open(f"{copy}/index.pieces", "wb").write(bytes(raw))
+    dist.barrier()
+    try:
+        fsdp.load_checkpoint(copy, optimizer=opt)
+        got = ["none", "", False]
+    except Exception as e:  # noqa: BLE001 - reported by class
+        got = [type(e).__name__, str(e)[:300], isinstance(e, ck.CheckpointError)]
+    dist.barrier()
+    return {"flipped_row": got}
 
 
 def fallback(fsdp, opt, root: str, rank: int) -> dict:
