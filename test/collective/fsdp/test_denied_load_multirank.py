@@ -44,3 +44,17 @@ def test_a_flipped_bit_of_a_rows_file_is_named_on_both_ranks(denied_run):
     """One flipped bit in index.pieces (row 0's file): a 2-rank resume used to load another rank's bytes."""
     got = {r: denied_run.result(r)["flipped_row"] for r in (0, 1)}
     assert all(v[0] == "CorruptCheckpointError" and "index.pieces row 0 is damaged" in v[1] for v in got.values()), got
+
+
+def test_a_peer_rebuilds_the_s3_error_class_of_the_failing_rank():
+    """A rank denied by S3 raises S3AccessDeniedError; its peers get the same class (it used to be rebuilt as
+    the base CheckpointError: only the engine's own classes were known to the exchange)."""
+    from paddle.distributed.fsdp.checkpoint import gather_errors
+    from paddle.distributed.fsdp.checkpoint.s3.errors import S3AccessDeniedError
+
+    class Peer:  # rank 0's view of an exchange in which rank 1 failed
+        def all_gather_object(self, obj):
+            return [obj, (("S3AccessDeniedError", "GetObject of s3://b/ck/index.keys: 403 AccessDenied"), None)]
+
+    with pytest.raises(S3AccessDeniedError, match="rank 1 failed: GetObject"):
+        gather_errors(Peer(), None)

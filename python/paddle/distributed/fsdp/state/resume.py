@@ -55,6 +55,7 @@ from ..checkpoint.format.reserved import (
     RNG_KEY,
 )
 from ..checkpoint.gc_pause import gc_paused
+from ..checkpoint.load_checks import named_read_error
 from ..checkpoint.manager import (
     committed_steps,
     is_checkpoint_root,
@@ -370,7 +371,7 @@ def _load_once(
         metadata = read_metadata(resolved)
         checked["foreign"], checked["apply"] = _precheck(fsdp, resolved, metadata, optimizer, strict, grad_scaler)
     except Exception as e:  # noqa: BLE001 - whatever fails here must reach the exchange below
-        err = e
+        err = named_read_error(path, e)  # (an OSError reading storage: named, the same class on every rank)
     # every rank fails together: a rank raising alone would leave the others waiting in the load's collective
     resolutions = gather_errors(Comm(fsdp.checkpoint_group), err, resolved)
     if len(set(resolutions)) > 1:  # `latest` moved between the ranks' reads
