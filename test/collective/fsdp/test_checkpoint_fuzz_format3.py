@@ -8,8 +8,9 @@ directory and every hash made to match; or two rows of a key swapped), index.sta
 a ``<rank>.values`` (bytes; or its JSON edited and re-sealed), a checksum sidecar, a data file's header or data,
 or any of them replaced by a FIFO, a directory, a symlink out, or nothing.
 
-Then, for each round: ``load_state_dict`` (sharded targets: a window of the long key) and ``load_full_state_dict``
-return exactly the saved state or raise a named CheckpointError (test_checkpoint_fuzz's contract, sentinels
+Then, for each round: ``load_state_dict`` (sharded targets: a window of the long key; memory-bounded, which
+may also say PartiallyLoadedError, and atomic) and ``load_full_state_dict`` return exactly the saved state or
+raise a named CheckpointError (test_checkpoint_fuzz's contract, sentinels
 included; a crafted mutation may declare other values consistently, so what it loads is not compared), and
 they agree with ``verify_checkpoint``: when verify finds the checkpoint sound, both loads return
 the saved state; when a load of everything refuses, verify names a problem. Every tenth round the CLI's
@@ -227,7 +228,26 @@ def _round(ckpt: Path, values: dict, targets: dict, want: dict, what: str) -> tu
     mutation (every hash and check made to match) may declare other values: then a load that succeeds is not
     compared with the saved state, only the agreement with verify and the named errors are asserted."""
     crafted = "crafted" in what
-    for key in want:
+    for key in want:  # the memory-bounded load (the default): exact, refused untouched, or said partial
+        _raw(targets[key])[:] = SENTINEL
+    targets["step"] = targets["rng"] = None
+    with alarm(30, f"bounded load_state_dict after {what}"):
+        try:
+            ck.load_state_dict(targets, str(ckpt))
+            bounded = "loaded"
+        except ck.PartiallyLoadedError:
+            bounded = "partial"
+        except ck.StateDictMismatchError as e:
+            bounded = f"mismatch:{type(e).__name__}"
+        except ck.CheckpointError as e:
+            bounded = f"refused:{type(e).__name__}"
+    for key, w in want.items():
+        got = _raw(targets[key])
+        if bounded == "loaded":
+            assert crafted or np.array_equal(got, w), f"{what}: bounded load succeeded with changed bytes of {key!r}"
+        elif bounded.startswith(("refused", "mismatch")):
+            assert np.all(got == SENTINEL), f"{what}: a refused bounded load changed {key!r}"
+    for key in want:  # the atomic load: exact or refused untouched
         _raw(targets[key])[:] = SENTINEL
     targets["step"] = targets["rng"] = None
     with alarm(30, f"load_state_dict after {what}"):
@@ -266,10 +286,10 @@ def _round(ckpt: Path, values: dict, targets: dict, want: dict, what: str) -> tu
         problems = ck.verify_checkpoint(str(ckpt))
     assert isinstance(problems, list) and all(isinstance(p, str) for p in problems), what
     if not problems:  # verify says sound: every load returns the saved state
-        ok = ("loaded", "mismatch")
-        assert sharded.split(":")[0] in ok and whole.split(":")[0] in ok, (
-            f"{what}: verify: sound, loads: {sharded}, {whole}"
-        )
+        outcomes = (bounded, sharded, whole)
+        assert all(o.split(":")[0] in ("loaded", "mismatch") for o in outcomes), f"{what}: sound, loads: {outcomes}"
+    if sharded == "loaded" and bounded != "loaded":  # the same request: the bounded and atomic loads agree
+        raise AssertionError(f"{what}: the atomic load loaded, the bounded one: {bounded}")
     if whole.startswith("refused"):  # a load of everything names damage: so does verify
         assert problems, f"{what}: load_full refused ({whole}), verify says sound"
     return sharded, whole, not problems
