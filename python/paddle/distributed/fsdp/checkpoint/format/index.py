@@ -22,8 +22,14 @@ loads, not with the world or the bytes of state::
     index.ranks,         version 3, a save with per-rank values (format/rank_values.py): each rank's own values
     <rank>.values        object, and the coordinator's table of their sizes and SHA-256; a rank reads its own
 
-A row that is damaged fails the structural checks (``rows_to_pieces``: file, bounds, sizes), the exact coverage
-check of its key, or the data checksums it points to; ``verify_checkpoint`` also checks the SHA-256 of the rows.
+Every row carries a 32-bit check of its fields and its row number in ``pad`` (``row_checks``; ``"check":
+"mix64"`` in metadata.json, saves since 2026-12-05), checked on each row a load reads: one flipped bit of a
+row's ``file`` could otherwise point it at another rank's piece of the same layout, whose checksums match. Then
+the structural checks (``_pieces``: key, file, bounds, sizes), no two rows read sharing bytes of a file, a whole
+key's rows in directory order, the exact coverage of the key, and the data checksums the row points to;
+``verify_checkpoint`` also checks the SHA-256 of every index object (a load of every row of a checkpoint
+written before row checks checks that of index.pieces). ``index.keys`` inflates to the size metadata.json
+declares (``inflated``; MAX_INFLATED_KEYS_BYTES for checkpoints without it).
 
 Pure: the bytes of the objects (``encode``) and the lazy views over them (``decode_header``, ``IndexSource``);
 the caller passes ``fetch(name, offset, length) -> bytes`` (directory.py), which does the I/O.
@@ -49,7 +55,13 @@ READ_VERSIONS = (2, 3)  # 2: per-rank values as lists in metadata.json's values 
 KEYS_FILE = "index.keys"
 PIECES_FILE = "index.pieces"
 SUMS_SUFFIX = ".sums"
-MAX_KEYS_BYTES = 1 << 30  # decompressed index.keys cap (a zip bomb is refused, not inflated)
+MAX_KEYS_BYTES = 1 << 30  # index.keys as stored (compressed): at most this
+# index.keys inflates to the size metadata.json declares (``inflated``, saves since row checks); a checkpoint
+# without it (written before) may inflate to this much (100k keys measure ~10 MB): a zip bomb stops here
+MAX_INFLATED_KEYS_BYTES = 256 << 20
+ROW_CHECK = "mix64"  # index.pieces rows carry a check of their own fields and position in ``pad`` (row_checks)
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+_MASK32 = np.uint64(0xFFFFFFFF)
 
 PIECE_ROW = np.dtype(
     [
@@ -85,6 +97,27 @@ def pack_sums(per_piece: Iterable[Iterable[int]]) -> bytes:
 # ------------------------------------------------------------------------------------------------------- writing
 
 
+def row_checks(rows: np.ndarray, first_row: int) -> np.ndarray:
+    """The check of each PIECE_ROW row (its ``pad``): a 64-bit multiply-xorshift chain over the row's other
+    fields, seeded by its row number, folded to 32 bits. Every step is a bijection of the running value, so a
+    damaged field (e.g. one flipped bit of ``file``, which would point the row at another rank's bytes of the
+    same layout) or a row moved to another position always changes the 64-bit value; the 32 bits of it kept
+    miss a damaged row with odds 2^-32. Vectorised: a few ns a row, no extra read (the check is in the row)."""
+    words = np.ascontiguousarray(rows).view("<u8").reshape(len(rows), PIECE_ROW.itemsize // 8).T.copy()
+    words[1] &= _MASK32  # word 1: box (low half) and pad (high half, the check itself)
+    h = np.arange(first_row + 1, first_row + 1 + len(rows), dtype=np.uint64)
+    h *= _MIX
+    t = np.empty_like(h)
+    for w in words:
+        h ^= w
+        h *= _MIX
+        np.right_shift(h, np.uint64(29), out=t)
+        h ^= t
+    np.right_shift(h, np.uint64(32), out=t)
+    h ^= t
+    return (h & _MASK32).astype("<u4")
+
+
 def keys_blob(keys: list, dtypes: list, shapes: list, row_starts: list, n_rows: int, extra: dict) -> bytes:
     """``index.keys``: per key (in row order) its dtype, shape (``ndims`` + the flat ``dims``) and row count;
     ``extra``: ``{"boxes": [[offset, shape]], "names": {row: name}}`` (pieces that are not whole-tensor boxes,
@@ -116,7 +149,9 @@ def encode(
     rank_values: ``(keys, index.ranks bytes)`` (rank_values.py). ``keys``: the ``keys_blob``. ``files``:
     ``(name, size, checksum count)`` by file index. ``rows``: PIECE_ROW array. ``starts``, ``fences``: the row
     directory (row_directory.py): one u64 per row, and every FENCE-th of a key with more rows."""
-    pieces_blob = rows.astype(PIECE_ROW, copy=False).tobytes()
+    rows = rows.astype(PIECE_ROW, copy=True)
+    rows["pad"] = row_checks(rows, 0)
+    pieces_blob = rows.tobytes()
     starts_blob = np.asarray(starts, dtype="<u8").tobytes()
     fences_blob = np.asarray(fences, dtype="<u8").tobytes()
     out = {KEYS_FILE: keys, PIECES_FILE: pieces_blob, STARTS_FILE: starts_blob, FENCES_FILE: fences_blob}
@@ -131,8 +166,16 @@ def encode(
             "sums": [int(f[2]) for f in files],
         },
         "index": {
-            KEYS_FILE: {"bytes": len(keys), "sha256": hashlib.sha256(keys).hexdigest()},
-            PIECES_FILE: {"rows": int(len(rows)), "sha256": hashlib.sha256(pieces_blob).hexdigest()},
+            KEYS_FILE: {
+                "bytes": len(keys),
+                "sha256": hashlib.sha256(keys).hexdigest(),
+                "inflated": len(zlib.decompress(keys)),
+            },
+            PIECES_FILE: {
+                "rows": int(len(rows)),
+                "sha256": hashlib.sha256(pieces_blob).hexdigest(),
+                "check": ROW_CHECK,
+            },
             STARTS_FILE: {"sha256": hashlib.sha256(starts_blob).hexdigest()},
             FENCES_FILE: {"sha256": hashlib.sha256(fences_blob).hexdigest()},
         },
@@ -191,7 +234,16 @@ def decode_header(d: dict, where: str) -> tuple[dict, dict]:
         "pieces_sha256": f.str(f.get(pieces_d, "sha256", "index.pieces.sha256"), "index.pieces.sha256", 64),
         "starts_sha256": None,  # format 2: no row directory (every row of a key is read)
         "fences_sha256": None,
+        "inflated": MAX_INFLATED_KEYS_BYTES,  # (a cap, when not declared)
+        "inflated_declared": "inflated" in keys_d,
+        "row_check": None,
     }
+    if "inflated" in keys_d:
+        index["inflated"] = f.int(keys_d["inflated"], "index.keys.inflated", 0, MAX_INFLATED_KEYS_BYTES)
+    if "check" in pieces_d:
+        index["row_check"] = f.str(pieces_d["check"], "index.pieces.check", 64)
+        if index["row_check"] != ROW_CHECK:
+            raise _fail(where, f"index.pieces.check {index['row_check']!r} is unknown (written by a newer build?)")
     for name, field in ((STARTS_FILE, "starts_sha256"), (FENCES_FILE, "fences_sha256")):
         if name in idx:
             d_ = f.obj(idx[name], f"index[{name!r}]")
@@ -216,23 +268,30 @@ def decode_keys(blob: bytes, index: dict, where: str) -> dict:
     """The parsed, checked ``index.keys``: ``keys``, ``dtypes``, ``shapes``, ``rows`` (starts + the row count)."""
     if len(blob) != index["keys_bytes"] or hashlib.sha256(blob).hexdigest() != index["keys_sha256"]:
         raise _fail(where, f"{KEYS_FILE} does not match its size and SHA-256 in metadata.json (damaged)")
-    try:
+    cap = index["inflated"]
+    try:  # never more than ``cap`` bytes inflated: a zip bomb is refused, not inflated
         dec = zlib.decompressobj()
-        text = dec.decompress(blob, MAX_KEYS_BYTES)
-        if dec.unconsumed_tail:
-            raise _fail(where, f"{KEYS_FILE} inflates beyond {MAX_KEYS_BYTES} bytes")
-        d = json.loads(text)
-    except (zlib.error, ValueError) as e:
+        text = dec.decompress(blob, cap + 1)
+    except zlib.error as e:
         raise _fail(where, f"{KEYS_FILE} is not compressed JSON: {e}") from None
+    if len(text) > cap or dec.unconsumed_tail:
+        raise _fail(where, f"{KEYS_FILE} inflates beyond {cap} bytes")
+    if index["inflated_declared"] and (len(text) != cap or not dec.eof):
+        raise _fail(where, f"{KEYS_FILE} inflates to {len(text)} bytes, metadata.json declares {cap}")
+    from .strict_json import loads_strict
+
+    d = loads_strict(text, f"{where}: {KEYS_FILE}", _KEYS_TYPED)  # (nesting bounded: a MetadataError, no recursion)
     if type(d) is not dict or type(d.get("keys")) is not list:
         raise _fail(where, f"{KEYS_FILE} must be an object with a keys list")
     keys = d["keys"]
     n = len(keys)
+    if set(map(type, keys)) - {str}:
+        raise _fail(where, f"{KEYS_FILE}: keys must be distinct strings")
     ids = dict(zip(keys, range(n)))  # key -> its index (IndexedTensors), and the duplicate check
-    if set(map(type, keys)) - {str} or len(ids) != n:
+    if len(ids) != n:
         raise _fail(where, f"{KEYS_FILE}: keys must be distinct strings")
     dtypes = d.get("dtypes")
-    if type(dtypes) is not list or len(dtypes) != n or not set(dtypes) <= set(DTYPES):
+    if type(dtypes) is not list or len(dtypes) != n or set(map(type, dtypes)) - {str} or not set(dtypes) <= set(DTYPES):
         raise _fail(where, f"{KEYS_FILE}: dtypes must name a supported dtype per key")
     shapes = _shapes(d.get("ndims"), d.get("dims"), n, where)
     if "counts" in d:  # format 3: rows per key
@@ -246,7 +305,13 @@ def decode_keys(blob: bytes, index: dict, where: str) -> dict:
     names = d.get("names", {})
     if type(boxes) is not list or type(names) is not dict:
         raise _fail(where, f"{KEYS_FILE}: boxes must be a list and names an object")
+    if names and (set(map(type, names.values())) != {str} or not all(map(str.isdigit, names))):
+        raise _fail(where, f"{KEYS_FILE}: names must map row numbers to strings")
     return {"keys": keys, "ids": ids, "dtypes": dtypes, "shapes": shapes, "rows": rows, "boxes": boxes, "names": names}
+
+
+# every field is typed field by field above (or by _box when used): loads_strict's generic walk is not needed
+_KEYS_TYPED = frozenset({"keys", "dtypes", "ndims", "dims", "counts", "rows", "boxes", "names"})
 
 
 def _shapes(ndims, dims, n: int, where: str) -> _Shapes:
@@ -307,15 +372,60 @@ class IndexSource:
             self.fences = row_directory.fence_offsets(rows)
         win = row_directory.windows(self.fetch, self.where, rows, want, self.fences) if want else {}
         todo_rows = [(*win.get(i, (rows[i], rows[i + 1], None)), todo[i]) for i in sorted(todo)]
+        fetched, whole = [], []  # (first row, its rows, starts, tensor); whole keys of format 3
         for a, b, items in row_directory.coalesce(
             [(a, b, (a, b, st, t)) for a, b, st, t in todo_rows], PIECE_ROW.itemsize
         ):
-            arr = row_directory.fetch_items(self.fetch, PIECES_FILE, a, b, PIECE_ROW, self.where)
+            arr = self._rows(a, b)
             for r0, r1, st, t in items:
-                span = spans.get(t.key)
-                row_directory.check_window(arr[r0 - a : r1 - a], st, span, numel(t.shape), self.where, t.key)
-                t._pieces = self._pieces(t, arr[r0 - a : r1 - a], r0)
-                t._span = None if st is None else spans[t.key]
+                rows_of = arr[r0 - a : r1 - a]
+                if st is None:
+                    whole.append((rows_of, numel(t.shape), t.key))
+                else:
+                    row_directory.check_window(rows_of, st, spans[t.key], numel(t.shape), self.where, t.key)
+                fetched.append((r0, rows_of, st, t))
+        if self.starts_sha256:  # format 3: a whole key's rows in directory order
+            row_directory.check_order(whole, self.where)
+        if fetched:  # before any piece is made of them (and any target allocated by their shapes)
+            self._check_no_shared_bytes(fetched)
+        for r0, arr, st, t in fetched:
+            t._pieces = self._pieces(t, arr, r0)
+            t._span = None if st is None else spans[t.key]
+
+    def _rows(self, a: int, b: int) -> np.ndarray:
+        """Rows ``[a, b)`` of index.pieces, each checked against its own check (``row_checks``; checkpoints
+        written before them: the SHA-256 of metadata.json when the read is the whole object)."""
+        arr = row_directory.fetch_items(self.fetch, PIECES_FILE, a, b, PIECE_ROW, self.where)
+        if self.row_check is not None:
+            bad = np.nonzero(arr["pad"] != row_checks(arr, a))[0]
+            if len(bad):
+                raise CorruptCheckpointError(
+                    f"{self.where}: {PIECES_FILE} row {a + int(bad[0])} is damaged (it does not match its check)"
+                )
+        elif a == 0 and b == self.table["rows"][-1] and hashlib.sha256(arr.tobytes()).hexdigest() != self.pieces_sha256:
+            raise CorruptCheckpointError(f"{self.where}: {PIECES_FILE} does not match its SHA-256 in metadata.json")
+        return arr
+
+    def _check_no_shared_bytes(self, fetched: list) -> None:
+        """No two of the rows a load reads share bytes of a data file (as format 1: each piece owns its bytes,
+        so a small file never stands for a large tensor, nor a row for another key's bytes)."""
+        rows = np.concatenate([arr for _r0, arr, _st, _t in fetched])
+        keys = np.concatenate([np.full(len(arr), t.key_id, np.int64) for _r0, arr, _st, t in fetched])
+        # (a row beyond any file is named by _pieces' checks: left out here, so the sums below cannot wrap)
+        used = (rows["nbytes"] > 0) & (rows["nbytes"] < 1 << 62) & (rows["offset"] < 1 << 62)
+        rows, keys = rows[used], keys[used]
+        order = np.lexsort((rows["offset"], rows["file"]))
+        f, lo = rows["file"][order], rows["offset"][order].astype(np.int64)
+        end = lo + rows["nbytes"][order].astype(np.int64)
+        shared = np.nonzero((f[1:] == f[:-1]) & (lo[1:] < end[:-1]))[0]
+        if len(shared):
+            i = int(shared[0])
+            k0, k1 = (self.table["keys"][int(keys[order[j]])] for j in (i, i + 1))
+            name = self.names[int(f[i])] if int(f[i]) < len(self.names) else f"#{int(f[i])}"
+            raise CorruptCheckpointError(
+                f"{self.where}: pieces of {k0!r} and {k1!r} share bytes of data file {name} (pieces never share "
+                f"bytes: a damaged or crafted index)"
+            )
 
     def all_rows(self) -> np.ndarray:
         """Every row (verify_checkpoint), checked against the SHA-256 of metadata.json."""
@@ -468,6 +578,7 @@ def open_v2(d: dict, where: str, fetch: Fetch | None):
     source = tensors.source = IndexSource(fetch, where, table, fields, tensors)
     source.pieces_sha256, source.starts_sha256 = index["pieces_sha256"], index["starts_sha256"]
     source.fences_sha256, source.fences = index["fences_sha256"], None
+    source.row_check = index["row_check"]
     md.tensors = tensors
     md.index = source
     return md
