@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 from ..checkpoint import (
     CheckpointManager,
@@ -274,7 +275,7 @@ def _load_retrying(objs, path, strict, verify_checksums, atomic, max_host_bytes,
         try:
             return _load_once(objs, path, strict, verify_checksums, atomic, max_host_bytes, options)
         except CheckpointRemovedError as e:  # raised on every rank alike (the engine exchanges errors)
-            if attempt == _REMOVED_RETRIES or not _agreed(fsdp, e, lambda: is_checkpoint_root(path)):
+            if attempt == _REMOVED_RETRIES or not _agreed(objs.fsdp, e, lambda: is_checkpoint_root(path)):
                 raise
             logger.warning("load_checkpoint(%s): %s; retrying with what %s names now", path, e, "latest")
     raise AssertionError("unreachable")  # pragma: no cover
