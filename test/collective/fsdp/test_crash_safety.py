@@ -40,7 +40,9 @@ from paddle.distributed.fsdp.checkpoint import faults, manager, writer
 TEST_DIR = Path(__file__).resolve().parent
 WORKER = TEST_DIR / "workers" / "crash_safety.py"
 COMMIT_TIMEOUT = 1.5  # seconds the survivor of a kill waits; the launcher SIGKILLs it ~3.6 s after the death
-PARALLEL_LAUNCHES = 4
+# two at a time on a 2-core machine: the survivor has ~3 s between the death and the launcher's SIGKILL, and 4
+# launches at once once made one survivor miss it in CI (after_rename-rank0, 2026-12-05; 6 of 6 passed locally)
+PARALLEL_LAUNCHES = 2
 
 
 @dataclass(frozen=True)
