@@ -19,6 +19,7 @@ from typing import Callable
 import paddle
 
 from . import gradient_sync
+from .buffer_memory import BlockLedger, memory_account
 from .communication import ShardingComm, check_interval_from_env
 from .fused_buffer import FusedBuffer
 from .fused_layout import BufferLayout
@@ -104,6 +105,7 @@ class FullyShardFusion:
         # optimizers that stepped or initialised state for these parameters: summon_full_params(writeback=True)
         # re-casts their fp32 master weights where a written-back value changed (full_params.py)
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
+        self.blocks = BlockLedger()  # gathered units and gradient buffers mapped in host memory (buffer_memory.py)
         layout = self.group_layout
         if layout.replicate_degree > 1:
             self.comm: ShardingComm = HybridComm(layout.shard_group, layout.replicate_group)
@@ -220,6 +222,11 @@ class FullyShardFusion:
 
     def total_parameter_bytes(self) -> int:
         return sum(b.layout.used_numel * b.shard.element_size() for b in self.buffers)
+
+    def memory_account(self) -> dict[str, int]:
+        """Bytes this rank's buffers hold now, by role (parameter_shard, gradient_shard, gathered_units,
+        gradient_buffers, staging) and the mapped host blocks alive (see buffer_memory.py); peaks in ``blocks.peak``."""
+        return memory_account(self.buffers, self.blocks)
 
     # ---- training-loop support --------------------------------------------------------------------
     def arm_backward_end(self) -> None:
