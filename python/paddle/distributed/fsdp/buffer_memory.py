@@ -1,19 +1,21 @@
-"""Where FullyShardFusion's transient full-size buffers come from, and what its buffers hold (the memory account).
+"""Where FullyShardFusion's per-step buffers come from, and what its buffers hold (the memory account).
 
-The transient buffers are a unit's gathered parameters and its full-size gradient buffer: one unit each (a few MiB
-to GiB), made and freed per unit per step. On a device, paddle's caching allocator reuses such blocks: they come
-from ``paddle.empty`` / ``paddle.zeros``. In host memory (CPU training) they would come from glibc's malloc, which
-serves a block above its mmap threshold (128 KiB at start) by a mapping of its own, but raises that threshold to the
-size of the first such block freed (up to 32 MiB): from then on every unit-sized block comes from the heap, whose
-freed middle is never returned, and per-step churn of gathers and gradients grew a rank's RSS by ~250 MiB above its
-live bytes (docs/reports/train-memory-2026-12-05.md). So on the host each block is an anonymous mapping of its own
-(``mmap``, handed to paddle through DLPack): it is returned to the OS when the last tensor referencing it is freed,
-whoever holds it, and fresh pages read zero, so a gradient buffer needs no zeroing pass. The process's malloc
-settings are left alone (installing the fork changes nothing for code that does not use it).
+Per step and unit FSDP makes a gathered copy of the unit's parameters and a full-size gradient buffer, and per
+backward a gradient shard (``main_grad``, freed again at ``opt.clear_grad()``: FusedBuffer.release_grads, as stock
+stage 3 frees gradients). On a device, paddle's caching allocator reuses such blocks: they come from
+``paddle.empty`` / ``paddle.zeros``. In host memory (CPU training) they would come from glibc's malloc, which serves
+a block above its mmap threshold (128 KiB at start) by a mapping of its own, but raises that threshold to the size of
+the first such block freed (up to 32 MiB): from then on every unit-sized block comes from the heap, whose freed
+middle is never returned, and the per-step churn grew a rank's RSS by ~250 MiB above its live bytes
+(docs/reports/train-memory-2026-12-05.md). So on the host each block is an anonymous mapping of its own (``mmap``,
+handed to paddle through DLPack): it is returned to the OS when the last tensor referencing it is freed, whoever
+holds it, and fresh pages read zero. The process's malloc settings are left alone (installing the fork changes
+nothing for code that does not use it).
 
 Why not a pool of reused blocks: a released block can still be referenced (a view of a parameter saved by
-autograd outlives the release that re-points the parameter), and paddle exposes no use count to tell; a reused
-block would then feed another unit's weights to that backward. A mapping is freed by its last reference instead.
+autograd, e.g. ``w.T``, outlives the release that re-points the parameter), and paddle exposes no use count to
+tell; a reused block would then feed another unit's weights to that backward. A mapping is freed by its last
+reference instead.
 
 :class:`BlockLedger` counts the mapped blocks alive, by kind, and their peaks: :meth:`FullyShardFusion.memory_account`
 reports it next to what the buffers reference (parameter shard, gradient shard, gathered units, gradient buffers,
@@ -35,8 +37,10 @@ from . import device
 if TYPE_CHECKING:
     from .fused_buffer import FusedBuffer
 
-#: the kinds of transient block
-GATHERED, GRADIENT = "gathered", "gradient"
+#: the kinds of block: gathered parameters, full-size gradient buffers, the gradient shard (``main_grad``, freed
+#: at ``opt.clear_grad()``: fused_buffer.release_grads)
+GATHERED, GRADIENT, GRADIENT_SHARD = "gathered", "gradient", "gradient_shard"
+KINDS = (GATHERED, GRADIENT, GRADIENT_SHARD)
 
 _NUMPY_DTYPES = {
     paddle.float32: np.float32,
@@ -55,9 +59,9 @@ class BlockLedger:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self.live = {GATHERED: 0, GRADIENT: 0}
-        self.count = {GATHERED: 0, GRADIENT: 0}
-        self.peak = {GATHERED: 0, GRADIENT: 0, "total": 0}
+        self.live = dict.fromkeys(KINDS, 0)
+        self.count = dict.fromkeys(KINDS, 0)
+        self.peak = {**dict.fromkeys(KINDS, 0), "total": 0}
 
     def add(self, kind: str, nbytes: int) -> None:
         with self._lock:
@@ -89,8 +93,8 @@ def new_block(numel: int, dtype, kind: str, ledger: BlockLedger, mapped: bool, z
     numpy cannot hold, empty blocks) from paddle's allocator."""
     if not mapped or numel == 0 or (dtype not in _NUMPY_DTYPES and dtype != paddle.bfloat16):
         return paddle.zeros([numel], dtype=dtype) if zero else paddle.empty([numel], dtype=dtype)
-    np_dtype = _NUMPY_DTYPES.get(dtype, np.uint16)  # bfloat16: 2-byte words, viewed as bfloat16 below
-    nbytes = numel * np.dtype(np_dtype).itemsize
+    np_dtype = _NUMPY_DTYPES.get(dtype, np.uint8)  # bfloat16 (numpy has none): bytes, viewed as bfloat16 below
+    nbytes = numel * (2 if dtype == paddle.bfloat16 else np.dtype(np_dtype).itemsize)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     ledger.add(kind, nbytes)
     weakref.finalize(region, ledger.drop, kind, nbytes)
@@ -132,8 +136,8 @@ def memory_account(buffers: list[FusedBuffer], ledger: BlockLedger) -> dict[str,
     for buffer in buffers:
         for role, nbytes in buffer_account(buffer).items():
             total[role] = total.get(role, 0) + nbytes
-    total["mapped_gathered"] = ledger.live[GATHERED]
-    total["mapped_gradient"] = ledger.live[GRADIENT]
-    total["mapped_blocks"] = ledger.count[GATHERED] + ledger.count[GRADIENT]
-    total["mapped_outside_allocator"] = ledger.live[GATHERED] + ledger.live[GRADIENT]
+    for kind in KINDS:
+        total[f"mapped_{kind}"] = ledger.live[kind]
+    total["mapped_blocks"] = sum(ledger.count.values())
+    total["mapped_outside_allocator"] = sum(ledger.live.values())
     return total

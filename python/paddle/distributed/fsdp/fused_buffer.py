@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import paddle
 
+from .buffer_memory import GATHERED, GRADIENT, GRADIENT_SHARD, maps_blocks, new_block
 from .communication import GATHER, REDUCE
 from .device import address, check_same_place, host_to_device
 from .fused_layout import BufferLayout, LocalPiece
@@ -79,6 +80,7 @@ class FusedBuffer:
         self._gathering: tuple | None = None  # (full, task) of a gather in flight (a prefetch, see overlap.py)
         self._reducing: tuple | None = None  # (local result, task) of a reduce-scatter in flight
         self.shard = paddle.zeros([layout.shard_numel], dtype=params[0].dtype)
+        self._maps_blocks = maps_blocks(self.shard)  # gathered and gradient blocks: host mappings (buffer_memory)
         # gradients are reduced and accumulated in at least fp32 (fp64 params keep fp64)
         self.grad_dtype = paddle.float64 if self.shard.dtype == paddle.float64 else paddle.float32
         for index, param in enumerate(params):
@@ -159,6 +161,12 @@ class FusedBuffer:
         self.start_gather(dtype=dtype)
         self.finish_gather()
 
+    def _new_block(self, dtype, kind: str, zero: bool = False) -> paddle.Tensor:
+        """A block for ``kind`` (full-size, or shard-size for the gradient shard), given back when its last
+        reference goes (buffer_memory.py)."""
+        numel = self.layout.shard_numel if kind == GRADIENT_SHARD else self.layout.padded_numel
+        return new_block(numel, dtype, kind, self.owner.blocks, self._maps_blocks, zero=zero)
+
     @property
     def gather_in_flight(self) -> bool:
         return self._gathering is not None
@@ -176,7 +184,7 @@ class FusedBuffer:
         with paddle.no_grad():
             source = self.shard if dtype == self.shard.dtype else self.shard.astype(dtype)
             self.comm.agree(GATHER, self.index, self.owner.describe_buffer)
-            full = paddle.empty([self.layout.padded_numel], dtype=dtype)
+            full = self._new_block(dtype, GATHERED)
             # the cast source stays referenced until the task is waited for: the collective reads it
             self._gathering = (full, self.comm.all_gather_into(full, source, async_op=True), source)
         self.owner.schedule.record("AG", self.index, "issue")
@@ -254,7 +262,7 @@ class FusedBuffer:
         slot = self.layout.slots[index]
         with paddle.no_grad():
             if self.full_grad is None:
-                self.full_grad = paddle.zeros([self.layout.padded_numel], dtype=self.grad_dtype)
+                self.full_grad = self._new_block(self.grad_dtype, GRADIENT, zero=True)
             flat = grad.reshape([-1])
             if flat.dtype != self.grad_dtype:
                 flat = flat.astype(self.grad_dtype)
@@ -338,7 +346,7 @@ class FusedBuffer:
             self.comm.agree(REDUCE, self.index, self.owner.describe_buffer)
             full = self.full_grad
             if full is None:
-                full = paddle.zeros([self.layout.padded_numel], dtype=self.grad_dtype)
+                full = self._new_block(self.grad_dtype, GRADIENT, zero=True)
             self.full_grad = None
             self._reducing = self.comm.reduce_scatter_mean_async(full, dtype=dtype)
         self.owner.schedule.record("RS", self.index, "issue")
@@ -359,8 +367,25 @@ class FusedBuffer:
             if local.dtype != self.grad_dtype:
                 local = local.astype(self.grad_dtype)
             if self.main_grad is None:
-                self.main_grad = paddle.zeros([self.layout.shard_numel], dtype=self.grad_dtype)
+                self.main_grad = self._new_block(self.grad_dtype, GRADIENT_SHARD, zero=True)
             self.main_grad.add_(local)
+
+    def release_grads(self, cleared: set[int]) -> bool:
+        """After ``opt.clear_grad()``: free the gradient shard (``main_grad``) and unbind ``.grad`` (None
+        afterwards), as stock stage 3 and torch's ``zero_grad()`` do, when that optimizer cleared every parameter
+        holding a gradient here (``cleared``: their ids) and nothing is pending. A zeroed and a freed gradient
+        shard are the same to the next backward (it starts from zero); only the memory differs. True if freed."""
+        if self.main_grad is None or self.reduce_pending or self._reducing is not None or self.received:
+            return False
+        if any(id(self.params[index]) not in cleared for index in self.has_grad | self._bound_grads):
+            return False
+        for index in self._bound_grads:
+            self.params[index].clear_gradient(False)
+        self._bound_grads.clear()
+        self.has_grad.clear()
+        self.main_grad = None
+        self._grad_in_param_dtype = None
+        return True
 
     def optimizer_grad_dtype(self):
         """The dtype ``.grad`` gets: the parameter's own, except under AMP master grads (fp32, as paddle's
