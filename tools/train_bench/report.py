@@ -14,6 +14,7 @@ LABELS = {
     "stage3": "stock GroupShardedStage3 (forced onto CPU)",
     "stage1": "fleet sharding stage 1",
     "fsdp": "**FullyShardFusion**",
+    "fsdp_d0": "FullyShardFusion, prefetch_depth 0",
     "torch_single": "torch, one process",
     "torch_fsdp2": "torch FSDP2 `fully_shard`",
 }
@@ -81,8 +82,14 @@ def main_table(results: dict) -> list[str]:
             if (floor, r["round"]) in by_round
         ]
         rss = " / ".join(_fmt_range([r["ranks"][k]["peak_rss_mib"] for r in ok], 0) for k in range(w))
-        if "allocator_peak" in ok[0]["ranks"][0]:
-            alloc = " / ".join(_fmt_range([_live_peak(r["ranks"][k]) / MIB for r in ok], 0) for k in range(w))
+        if "block_peaks" in ok[0]["ranks"][0]:  # FSDP: the allocator's peak + the peak of its mapped blocks
+            alloc = " / ".join(
+                f"{_fmt_range([r['ranks'][k]['allocator_peak'] / MIB for r in ok], 0)} + "
+                f"{_fmt_range([r['ranks'][k]['block_peaks']['total'] / MIB for r in ok], 0)} mapped"
+                for k in range(w)
+            )
+        elif "allocator_peak" in ok[0]["ranks"][0]:
+            alloc = " / ".join(_fmt_range([r["ranks"][k]["allocator_peak"] / MIB for r in ok], 0) for k in range(w))
         else:
             alloc = "(no CPU allocator statistics)"
         loss = f"{ok[-1]['ranks'][0]['losses'][-1]:.9g}"
@@ -111,9 +118,14 @@ def account_table(results: dict) -> list[str]:
     state = STATE_COPIES * BYTES_FP32 * rank["parameters"] / world
     units = (depth + 1) * rank["unit_bytes"]
     bound = state + rank["activations"] + units
+    grad_peak = rank.get("block_peaks", {}).get("gradient_shard", 0)
     rows = [
         ("parameter shard", account["parameter_shard"], None),
-        ("gradient shard (fp32 `main_grad`)", account["gradient_shard"], None),
+        (
+            f"gradient shard (fp32 `main_grad`; {_mib(grad_peak)} MiB after backward, freed by clear_grad)",
+            account["gradient_shard"],
+            None,
+        ),
         ("optimizer state (AdamW moments)", rank["optimizer_state"], None),
         ("= sharded state", account["parameter_shard"] + account["gradient_shard"] + rank["optimizer_state"], state),
         ("gathered units (alive)", gathered, units),
@@ -134,8 +146,10 @@ def account_table(results: dict) -> list[str]:
     lines += [f"| {name} | {_mib(v)} | {_mib(b) if b is not None else ''} |" for name, v, b in rows]
     peaks = rank.get("block_peaks", {})
     if peaks:
-        lines += ["", f"Peaks of FSDP's mapped blocks alive: gathered {_mib(peaks['gathered'])} MiB, gradient "
-                  f"buffers {_mib(peaks['gradient'])} MiB, together {_mib(peaks['total'])} MiB."]  # fmt: skip
+        lines += ["", f"Peaks of FSDP's mapped blocks alive (host memory outside paddle's allocator statistics): "
+                  f"gathered units {_mib(peaks['gathered'])} MiB, full-size gradient buffers {_mib(peaks['gradient'])} "
+                  f"MiB, gradient shards {_mib(peaks.get('gradient_shard', 0))} MiB; all together at most "
+                  f"{_mib(peaks['total'])} MiB at once."]  # fmt: skip
     return lines
 
 
@@ -145,8 +159,8 @@ def curve_table(results: dict) -> list[str]:
     if len(worlds) < 2:
         return []
     lines = [
-        "| FullyShardFusion ranks | sharded state per rank (param + grad shard + AdamW), MiB | x 1 rank | ideal 1/N "
-        "| allocator peak (+ mapped) per rank, MiB | peak RSS per rank, MiB | step s (slowest rank) |",
+        "| FullyShardFusion ranks | sharded state per rank (param + grad shard after backward + AdamW), MiB | x 1 rank | ideal 1/N "
+        "| allocator peak + mapped peak per rank, MiB | peak RSS per rank, MiB | step s (slowest rank) |",
         "|---|---|---|---|---|---|---|",
     ]
     base = None
@@ -154,7 +168,8 @@ def curve_table(results: dict) -> list[str]:
         run = [r for r in runs if r["world"] == world][0]
         rank = run["ranks"][0]
         account = rank["peak_sample"]["account"]
-        sharded = account["parameter_shard"] + account["gradient_shard"] + rank["optimizer_state"]
+        grad = max(account["gradient_shard"], rank.get("block_peaks", {}).get("gradient_shard", 0))
+        sharded = account["parameter_shard"] + grad + rank["optimizer_state"]
         base = base or sharded
         live = max(_live_peak(r) for r in run["ranks"]) / MIB
         rss = max(r["peak_rss_mib"] for r in run["ranks"])

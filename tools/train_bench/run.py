@@ -10,7 +10,7 @@ order reversed every other round), with one compute thread per rank (OMP_NUM_THR
 
 Contenders (same model, data and optimizer; see bench_model.py): paddle one process, paddle DataParallel, stock
 GroupShardedStage3 (forced onto CPU: see paddle_worker.stock_stage3), fleet sharding stage 1, FullyShardFusion
-(one unit per block), and, if torch is importable, torch one process and torch FSDP2. Reported per rank: step
+(one unit per block; ``fsdp_d0``: with prefetch_depth 0), and, if torch is importable, torch one process and torch FSDP2. Reported per rank: step
 time median, peak RSS (getrusage), the allocator's own peak (paddle's host memory statistics) and, for
 FullyShardFusion, the account of what its buffers hold at the sampled peak against the model bound
 (state / N + activations + (prefetch_depth + 1) gathered units); the compute-floor ratio (step / one-process
@@ -36,7 +36,7 @@ from ckpt_bench.common import clean_env  # noqa: E402
 from report import render, update_docs  # noqa: E402
 
 LOG = logging.getLogger("train_bench")
-PADDLE = ("single", "dp", "stage3", "stage1", "fsdp")
+PADDLE = ("single", "dp", "stage3", "stage1", "fsdp", "fsdp_d0")
 TORCH = ("torch_single", "torch_fsdp2")
 ONE_PROCESS = ("single", "torch_single")
 
@@ -84,9 +84,9 @@ def command(contender: str, world: int, args, out: str, log_dir: str) -> tuple[l
     """The command (and environment) that runs ``contender`` on ``world`` fresh processes."""
     env = child_env()
     script = os.path.join(HERE, "torch_worker.py" if contender in TORCH else "paddle_worker.py")
-    worker = [script, "--contender", contender, "--out", out, *model_args(args)]
-    if contender == "fsdp":
-        worker += ["--prefetch-depth", str(args.prefetch_depth)]
+    worker = [script, "--contender", contender.split("_d0")[0], "--out", out, *model_args(args)]
+    if contender.startswith("fsdp"):
+        worker += ["--prefetch-depth", "0" if contender == "fsdp_d0" else str(args.prefetch_depth)]
     if world == 1:
         return [sys.executable, *worker], env
     if contender in TORCH:

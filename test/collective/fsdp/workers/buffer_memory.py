@@ -78,7 +78,9 @@ def unit_and_root_bytes(fsdp) -> tuple[int, int]:
 def watch(model, fsdp, samples: list) -> None:
     def post(layer, inputs, output):
         if not output.stop_gradient:
-            output.register_hook(lambda grad: samples.append(("backward", dict(fsdp.blocks.live), dict(fsdp.blocks.count))))
+            output.register_hook(
+                lambda grad: samples.append(("backward", dict(fsdp.blocks.live), dict(fsdp.blocks.count)))
+            )
 
     for unit in model.units:
         unit.register_forward_post_hook(post)
