@@ -371,18 +371,23 @@ class FusedBuffer:
             self.main_grad.add_(local)
 
     def release_grads(self, cleared: set[int]) -> bool:
-        """After ``opt.clear_grad()``: free the gradient shard (``main_grad``) and unbind ``.grad`` (None
-        afterwards), as stock stage 3 and torch's ``zero_grad()`` do, when that optimizer cleared every parameter
-        holding a gradient here (``cleared``: their ids) and nothing is pending. A zeroed and a freed gradient
-        shard are the same to the next backward (it starts from zero); only the memory differs. True if freed."""
+        """After ``opt.clear_grad()``: free the gradient shard (``main_grad``) and unbind ``.grad`` (None until the
+        next backward ends), as stock stage 3 frees gradients, when that optimizer cleared every parameter holding
+        a gradient here (``cleared``: their ids) and nothing is pending. A zeroed and a freed gradient shard are
+        the same to the next backward (it starts from zero), and parameters zeroed rather than dropped get a zero
+        gradient bound again then (bind_grads), so training is unchanged; only the memory differs. True if freed."""
         if self.main_grad is None or self.reduce_pending or self._reducing is not None or self.received:
             return False
         if any(id(self.params[index]) not in cleared for index in self.has_grad | self._bound_grads):
             return False
         for index in self._bound_grads:
-            self.params[index].clear_gradient(False)
+            param = self.params[index]
+            if param._grad_ivar() is None:  # clear_grad(set_to_zero=False): no gradient any more, as stock
+                self.has_grad.discard(index)
+            param.clear_gradient(False)
+        # set_to_zero=True keeps has_grad: those parameters are bound to zeros (at least) at the next end of
+        # backward, so the optimizer still steps them as stock steps a zeroed gradient (weight decay, moments)
         self._bound_grads.clear()
-        self.has_grad.clear()
         self.main_grad = None
         self._grad_in_param_dtype = None
         return True
@@ -397,8 +402,10 @@ class FusedBuffer:
     def bind_grads(self) -> list[tuple]:
         """Bind ``.grad`` of every local piece that has a gradient to its piece of ``main_grad`` (or of one
         cast of it). Returns the (param, grad) pairs bound."""
-        if self.main_grad is None or not self.has_grad:
+        if not self.has_grad:
             return []
+        if self.main_grad is None:  # released by clear_grad and no gradient since: zeros, as a zeroed .grad was
+            self.main_grad = self._new_block(self.grad_dtype, GRADIENT_SHARD, zero=True)
         dtype = self.optimizer_grad_dtype()
         source = self.main_grad
         if dtype != self.grad_dtype:
