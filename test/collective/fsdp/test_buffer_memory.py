@@ -53,3 +53,46 @@ def test_new_block(dtype, mapped):
     gc.collect()
     assert ledger.live[GRADIENT] == 0 and ledger.count[GRADIENT] == 0
     assert ledger.peak[GRADIENT] == expected
+
+
+class _Branchy(paddle.nn.Layer):
+    """Two units; the second one is skipped on odd steps (its parameters get no gradient there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.units = paddle.nn.LayerList([paddle.nn.Linear(6, 6) for _ in range(2)])
+
+    def forward(self, x, step: int):
+        x = paddle.tanh(self.units[0](x))
+        if step % 2 == 0:
+            x = self.units[1](x)
+        return (x * x).mean()
+
+
+@pytest.mark.parametrize("set_to_zero", [True, False])
+def test_clear_grad_frees_gradient_shards_and_trains_as_before(set_to_zero):
+    """``opt.clear_grad()`` frees the gradient shards (nothing mapped, ``.grad`` None) and training is what a plain
+    model does in both modes: zeroed gradients of a parameter unused in a step are still stepped (AdamW decays it),
+    dropped ones are not."""
+    from paddle.distributed.fsdp import FullyShardFusion
+
+    def make():
+        paddle.seed(5)
+        model = _Branchy()
+        return model, paddle.optimizer.AdamW(0.05, parameters=model.parameters(), weight_decay=0.5)
+
+    ref, ref_opt = make()
+    model, opt = make()
+    fsdp = FullyShardFusion(model, ["Linear"])
+    rng = np.random.default_rng(0)
+    for step in range(4):
+        x = rng.standard_normal([3, 6]).astype("float32")
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(paddle.to_tensor(x), step).backward()
+            o.step()
+            o.clear_grad(set_to_zero=set_to_zero)
+        assert fsdp.memory_account()["mapped_blocks"] == 0, fsdp.memory_account()
+        assert all(p.grad is None for p in model.parameters())
+        mine = fsdp.full_parameters()
+        for key, value in ref.state_dict().items():
+            np.testing.assert_array_equal(mine[key].numpy(), value.numpy(), err_msg=f"step {step}: {key}")
