@@ -37,6 +37,12 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--prefetch-depth", type=int, default=1)
+    p.add_argument(
+        "--heap-blocks",
+        action="store_true",
+        help="fsdp: take gathered units and gradient buffers from paddle's allocator (malloc) instead of mappings "
+        "of their own: the A/B of what buffer_memory.py's mappings save and cost",
+    )
     p.add_argument("--out", required=True, help="result path prefix (<out>.rank<r>.json)")
     return p.parse_args(argv)
 
@@ -140,7 +146,10 @@ def main(argv=None) -> int:
     model = paddle_model(args.dim, args.layers)
     fsdp = None
     if args.contender == "fsdp":
-        from paddle.distributed.fsdp import FullyShardFusion
+        from paddle.distributed.fsdp import FullyShardFusion, fused_buffer
+
+        if args.heap_blocks:
+            fused_buffer.maps_blocks = lambda like: False
 
         fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"], prefetch_depth=args.prefetch_depth)
     opt = paddle.optimizer.AdamW(learning_rate=1e-3, parameters=model.parameters(), weight_decay=0.01)

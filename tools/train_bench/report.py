@@ -15,6 +15,7 @@ LABELS = {
     "stage1": "fleet sharding stage 1",
     "fsdp": "**FullyShardFusion**",
     "fsdp_d0": "FullyShardFusion, prefetch_depth 0",
+    "fsdp_heap": "FullyShardFusion, per-step blocks from malloc (A/B)",
     "torch_single": "torch, one process",
     "torch_fsdp2": "torch FSDP2 `fully_shard`",
 }

@@ -10,7 +10,8 @@ order reversed every other round), with one compute thread per rank (OMP_NUM_THR
 
 Contenders (same model, data and optimizer; see bench_model.py): paddle one process, paddle DataParallel, stock
 GroupShardedStage3 (forced onto CPU: see paddle_worker.stock_stage3), fleet sharding stage 1, FullyShardFusion
-(one unit per block; ``fsdp_d0``: with prefetch_depth 0), and, if torch is importable, torch one process and torch FSDP2. Reported per rank: step
+(one unit per block; ``fsdp_d0``: with prefetch_depth 0; ``fsdp_heap``, not in the default set: its per-step
+blocks from paddle's allocator instead of mappings), and, if torch is importable, torch one process and torch FSDP2. Reported per rank: step
 time median, peak RSS (getrusage), the allocator's own peak (paddle's host memory statistics) and, for
 FullyShardFusion, the account of what its buffers hold at the sampled peak against the model bound
 (state / N + activations + (prefetch_depth + 1) gathered units); the compute-floor ratio (step / one-process
@@ -39,6 +40,7 @@ LOG = logging.getLogger("train_bench")
 PADDLE = ("single", "dp", "stage3", "stage1", "fsdp", "fsdp_d0")
 TORCH = ("torch_single", "torch_fsdp2")
 ONE_PROCESS = ("single", "torch_single")
+OPTIONAL = ("fsdp_heap",)
 
 
 def parse_args(argv=None):
@@ -56,7 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per run (default 1)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per run (default 3)")
     p.add_argument("--prefetch-depth", type=int, default=1, help="FullyShardFusion's prefetch_depth (default 1)")
-    p.add_argument("--contenders", default=",".join(PADDLE + TORCH), help="comma-separated subset")
+    p.add_argument(
+        "--contenders", default=",".join(PADDLE + TORCH), help=f"comma-separated subset (also: {', '.join(OPTIONAL)})"
+    )
     p.add_argument("--curve", default="1,2,4", help="FullyShardFusion's ranks for the memory curve ('' none)")
     p.add_argument("--dir", default=None, help="work directory (results, logs; default a temporary one)")
     p.add_argument("--json", default=None, help="write every result here")
@@ -84,9 +88,11 @@ def command(contender: str, world: int, args, out: str, log_dir: str) -> tuple[l
     """The command (and environment) that runs ``contender`` on ``world`` fresh processes."""
     env = child_env()
     script = os.path.join(HERE, "torch_worker.py" if contender in TORCH else "paddle_worker.py")
-    worker = [script, "--contender", contender.split("_d0")[0], "--out", out, *model_args(args)]
+    worker = [script, "--contender", contender.split("_")[0], "--out", out, *model_args(args)]
     if contender.startswith("fsdp"):
         worker += ["--prefetch-depth", "0" if contender == "fsdp_d0" else str(args.prefetch_depth)]
+    if contender == "fsdp_heap":
+        worker.append("--heap-blocks")
     if world == 1:
         return [sys.executable, *worker], env
     if contender in TORCH:
