@@ -355,6 +355,11 @@ class FusedBuffer:
     def reduce_in_flight(self) -> bool:
         return self._reducing is not None
 
+    @property
+    def reduce_completed(self) -> bool:
+        """Whether the reduce-scatter in flight has finished already (see CommTask.completed)."""
+        return self._reducing is not None and self._reducing[1].completed
+
     def finish_reduce(self) -> None:
         """Wait for this buffer's reduce-scatter in flight, if any, and add it to ``main_grad``."""
         if self._reducing is None:
