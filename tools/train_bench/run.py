@@ -88,7 +88,8 @@ def command(contender: str, world: int, args, out: str, log_dir: str) -> tuple[l
     """The command (and environment) that runs ``contender`` on ``world`` fresh processes."""
     env = child_env()
     script = os.path.join(HERE, "torch_worker.py" if contender in TORCH else "paddle_worker.py")
-    worker = [script, "--contender", contender.split("_")[0], "--out", out, *model_args(args)]
+    name = "fsdp" if contender.startswith("fsdp") else contender  # fsdp_d0, fsdp_heap: fsdp with options
+    worker = [script, "--contender", name, "--out", out, *model_args(args)]
     if contender.startswith("fsdp"):
         worker += ["--prefetch-depth", "0" if contender == "fsdp_d0" else str(args.prefetch_depth)]
     if contender == "fsdp_heap":

@@ -105,7 +105,7 @@ class FullyShardFusion:
         # optimizers that stepped or initialised state for these parameters: summon_full_params(writeback=True)
         # re-casts their fp32 master weights where a written-back value changed (full_params.py)
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
-        self.blocks = BlockLedger()  # gathered units and gradient buffers mapped in host memory (buffer_memory.py)
+        self.blocks = BlockLedger()  # per-step blocks mapped in host memory, by kind (buffer_memory.py)
         layout = self.group_layout
         if layout.replicate_degree > 1:
             self.comm: ShardingComm = HybridComm(layout.shard_group, layout.replicate_group)
