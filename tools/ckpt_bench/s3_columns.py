@@ -6,7 +6,7 @@ Starts a real SeaweedFS (``weed mini`` on 127.0.0.1, test/collective/fsdp/s3_ser
 ``rows x cols`` whole (one process) with each chunk size, then loads its right half of the columns: every row's
 needed segment is half a row, so with chunks longer than that every chunk is needed (2x the share), and with
 chunks aligned to half rows each needed run is its own ranged GET. Every load is checked against the tensor.
-Why: docs/s3-2026-12-03-session3.md section 4 (why smaller chunks are no fix for column reads on an object store).
+Why: docs/reports/s3-2026-12-03-session3.md section 4 (smaller chunks are no fix for column reads on an object store).
 """
 
 from __future__ import annotations

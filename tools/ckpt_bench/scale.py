@@ -389,7 +389,7 @@ def _stock_cell(x: dict) -> str:
 
 
 def markdown(res: dict) -> str:
-    """The table of a run (README, docs/scale-*.md): per world the worst sampled loading rank and the
+    """The table of a run (docs/performance.md, docs/reports/scale-*.md): per world the worst sampled loading rank and the
     coordinator."""
     out = [
         f"{res['model']}, {res['state_bytes'] / 1e12:.2f} TB of state (fp32 master + AdamW moments):",

@@ -6,8 +6,11 @@ import numpy as np
 import paddle
 from paddle.distributed.fsdp import FullyShardFusion
 from paddle.distributed.fsdp.checkpoint import checksums
+from paddle.distributed.fsdp.checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, RNG_KEY
 from paddle.distributed.fsdp.memtier.copies import offsets_of
 from paddle.distributed.fsdp.memtier.slot import Slot
+
+DURABLE_ID = "0" * 32  # the durable root identity a hand-written copy names (memtier/identity.py)
 
 
 def write_copy(path: str, rng: np.random.Generator, layout: list[list], header: dict, chunk: int) -> dict:
@@ -22,6 +25,8 @@ def write_copy(path: str, rng: np.random.Generator, layout: list[list], header: 
     for (key, dtype, shape, n), off in zip(layout, offsets):
         data[off : off + n] = rng.integers(0, 256, n, dtype=np.uint8)
         recs.append([key, dtype, shape, off, n, checksums.chunk_digests(data[off : off + n], chunk, fn)])
+    header = dict({"durable_id": DURABLE_ID, "descs": [None] * len(layout)}, **header)
+    header["values"] = {EXTRA_KEY: {}, BUFFERS_KEY: [], RNG_KEY: None, **header.get("values", {})}
     slot.write_header(dict(header, algo=checksums.XXH3_64, chunk=chunk, records=recs), slot.data_off, data_len)
     records = {key: bytes(data[off : off + n]) for (key, _d, _s, n), off in zip(layout, offsets)}
     slot.close()

@@ -10,7 +10,7 @@ reduce-scatters round as documented; the order check runs every N-th pass only; 
 reads nothing on the host and keeps its semantics.
 
 What the CPU proof does not show: NCCL stream semantics (events, record_stream), bandwidth, or contention
-between communication and compute kernels; see README "GPU" for the first-GPU checklist.
+between communication and compute kernels; see docs/gpu.md for the first-GPU checklist.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from paddle.distributed.fsdp.memtier import PeerTransferError, wire
 from paddle.distributed.fsdp.memtier.slot import Slot
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "memtier_wire.py")
+KEY = b"k" * 32  # the job's key (the tier draws one per start: manager.peer_link)
 SIZE = 256 << 20  # far more than the socket buffers hold: the transfer is in flight when the kill comes
 
 
@@ -38,7 +39,7 @@ def _spawn(*args) -> subprocess.Popen:
 
 
 def test_sender_killed_mid_transfer_is_a_named_error(tmp_path):
-    link = wire.PeerLink(1, 60.0)
+    link = wire.PeerLink(1, 60.0, KEY)
     proc = _spawn("send", link.address[0], str(link.address[1]), _file(tmp_path))
     try:
         incoming = link.accept(0, 7)
@@ -55,7 +56,7 @@ def test_sender_killed_mid_transfer_is_a_named_error(tmp_path):
 
 def test_receiver_killed_mid_transfer_is_a_named_error(tmp_path):
     proc = _spawn("recv")
-    link = wire.PeerLink(0, 60.0)
+    link = wire.PeerLink(0, 60.0, KEY)
     errors: list[BaseException] = []
     try:
         port = int(proc.stdout.readline().split()[1])
@@ -82,11 +83,11 @@ def _catch(errors, fn, *args) -> None:
 
 
 def test_deadline_stale_tags_and_a_whole_copy(tmp_path):
-    short = wire.PeerLink(1, 0.5)
+    short = wire.PeerLink(1, 0.5, KEY)
     with pytest.raises(PeerTransferError, match="rank 0 did not connect within 0.5 s"):
         short.accept(0, 3)
     short.close()
-    a, b = wire.PeerLink(0, 5.0), wire.PeerLink(1, 30.0)
+    a, b = wire.PeerLink(0, 5.0, KEY), wire.PeerLink(1, 30.0, KEY)
     a.addrs = b.addrs = [a.address, b.address]
     try:
         slot = Slot.allocate(str(tmp_path / "rank00001.peer"), 4096, 1 << 20)

@@ -7,7 +7,7 @@ multi-rank cases) and records observations; this file compares them. Where they 
 * stock raised, the fork did not: allowed only where listed in ``STOCK_FAILS`` (stock crashes on an input it
   documents, or refuses one the fork adds on top); the fork's values must then equal the worker's ``expect_*``;
 * stock succeeded, the fork raised: allowed only where listed in ``STOCK_UNSAFE`` (stock silently loads wrong
-  data); the README says so;
+  data); docs/stock-compatibility.md says so;
 * values differ (tensors bit for bit, files, return values): the fork's must equal the worker's ``expect_<key>``,
   i.e. the fork is right where stock is wrong.
 

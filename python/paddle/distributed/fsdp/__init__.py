@@ -1,6 +1,6 @@
 """Fused-buffer fully sharded data parallel (FSDP) training and its sharded checkpoints.
 
-This package overlays stock ``paddle.distributed.fsdp`` (see README: installed next to stock paddle,
+This package overlays stock ``paddle.distributed.fsdp`` (see docs/internals.md: installed next to stock paddle,
 activated by an import hook); upstream's ``fully_shard`` is re-exported unchanged.
 """
 

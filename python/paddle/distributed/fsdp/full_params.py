@@ -130,6 +130,7 @@ def full_state_dict(fsdp: FullyShardFusion, rank0_only: bool = True, offload_to_
             return copy.cpu()
         return copy.clone()
 
+    slot_keys: dict[str, list[str]] = {}  # under EP: a local expert key -> that slot's key on every EP rank
     for buffer in fsdp.buffers:
         was_gathered = buffer.is_gathered
         buffer.gather(full_precision=True)
@@ -139,6 +140,11 @@ def full_state_dict(fsdp: FullyShardFusion, rank0_only: bool = True, offload_to_
                     value = take(param)
                     for key in names_of.get(id(param), []):
                         values[key] = value
+            peers, keys_by_rank = expert_peers(fsdp, buffer)
+            if keep and peers:
+                values.update((key, take(tensor)) for key, tensor in peers.items())
+                for k, slot in enumerate(buffer.layout.slots):
+                    slot_keys[slot.key] = [keys[k] for keys in keys_by_rank]
         finally:
             if not was_gathered:
                 buffer.release()
@@ -148,4 +154,62 @@ def full_state_dict(fsdp: FullyShardFusion, rank0_only: bool = True, offload_to_
         value = take(tensor)
         for name in names_of.get(id(tensor), [key]):
             values[name] = value
-    return OrderedDict((key, values[key]) for key in order if key in values)
+    return OrderedDict((key, values[key]) for key in _with_peer_experts(order, slot_keys) if key in values)
+
+
+def _with_peer_experts(order: list[str], slot_keys: dict[str, list[str]]) -> list[str]:
+    """The one-process order: each run of consecutive local expert keys (one expert list's experts of this EP rank)
+    becomes that run as EP rank 0 names it, then as EP rank 1 does, ... (EP rank p holds the p-th block of
+    experts)."""
+    if not slot_keys:
+        return order
+
+    def expert_list(key: str) -> tuple[str, ...]:  # the path components the EP ranks' names share: the list
+        names = [k.split(".") for k in slot_keys[key]]
+        common = []
+        for parts in zip(*names):
+            if len(set(parts)) > 1:
+                break
+            common.append(parts[0])
+        return tuple(common)
+
+    out: list[str] = []
+    run: list[str] = []
+    for key in [*order, None]:
+        if key is not None and key in slot_keys and (not run or expert_list(key) == expert_list(run[0])):
+            run.append(key)
+            continue
+        if run:
+            ranks = len(slot_keys[run[0]])
+            out.extend(slot_keys[k][p] for p in range(ranks) for k in run)
+            run = []
+        if key is not None and key in slot_keys:
+            run = [key]
+        elif key is not None:
+            out.append(key)
+    return out
+
+
+def expert_peer_parameters(fsdp: FullyShardFusion, buffer) -> dict[str, paddle.Tensor]:
+    """The other EP ranks' whole parameters at ``buffer``'s positions, by key (see :func:`expert_peers`)."""
+    return expert_peers(fsdp, buffer)[0]
+
+
+def expert_peers(fsdp: FullyShardFusion, buffer) -> tuple[dict[str, paddle.Tensor], list[list[str]]]:
+    """Under expert parallelism, for a gathered expert buffer: the whole parameters the *other* EP ranks hold at
+    the same buffer positions, by key, and every EP rank's keys of the buffer's slots (by EP rank). Collective over
+    the EP group for expert buffers; ``({}, [])`` (no collective) for every other buffer. The layouts are the same
+    on every EP rank (checked when wrapping), so one all_gather of the buffer and one of its keys suffice."""
+    comm = getattr(fsdp, "expert_comm", None)
+    if comm is None or buffer.comm is not comm or comm.ep_degree == 1:
+        return {}, []
+    slots = buffer.layout.slots
+    fulls = comm.all_gather_experts(buffer.full)
+    keys = comm.all_gather_object_experts([slot.key for slot in slots])
+    out: dict[str, paddle.Tensor] = {}
+    for ep_rank, (full, names) in enumerate(zip(fulls, keys)):
+        if ep_rank == comm.parallel_group.rank:
+            continue
+        for slot, key in zip(slots, names):
+            out[key] = full._slice(slot.offset, slot.end).reshape(list(slot.shape))
+    return out, keys

@@ -21,6 +21,8 @@ import paddle
 from . import gradient_sync
 from .buffer_memory import BlockLedger, memory_account
 from .communication import ShardingComm, check_interval_from_env
+from .expert_comm import ExpertComm
+from .expert_parallel import check_expert_layout, expert_parameter_ids, resolve_expert_layout
 from .fused_buffer import FusedBuffer
 from .fused_layout import BufferLayout
 from .hooks import LayerHooks
@@ -30,7 +32,7 @@ from .lazy_init import install_creation_stamps, is_lazy, materialise_into_shards
 from .optimizer_integration import install_optimizer_integration
 from .overlap import OverlapSchedule
 from .param_grouping import plan_param_groups
-from .topology import resolve_layout
+from .topology import _world_size, resolve_layout
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,15 @@ class FullyShardFusion:
             every collective synchronous. Results are bit-identical for every depth. See overlap.py.
         reduce_dtype: dtype fp32 gradients are reduce-scattered in: None or "float32" (default, exact), or
             "bfloat16" (half the bytes; the sum over ranks is rounded to bf16, accumulation stays fp32).
+        moe_layers_name, expert_parallel_group, expert_shard_group: expert parallelism (EP, see
+            expert_parallel.py). Expert parameters (those of sublayers whose class is named in ``moe_layers_name``
+            and that are members of an expert list, e.g. ``mlp.experts.5``; default: upstream's ``Qwen3MoeMLP``,
+            ``StandardMLPExpert``; and any parameter with ``param.expert = True``) go to buffers of their own,
+            sharded over ``expert_shard_group`` (fleet's moe_sharding group; None: one rank per expert) with
+            gradients reduced there only; ``expert_parallel_group`` (fleet's EP group) links the ranks holding
+            different experts. Default: fleet's groups when its ``ep_degree > 1`` and no group is passed. An
+            expert's key must name its global index (checkpoints then do not depend on the EP degree). Layouts EP
+            cannot train right raise ``UnsupportedGroupLayoutError``. See docs/expert-parallel.md.
         check_collective_order: run the collective-order check (raises ``CollectiveOrderError`` on every rank
             when ranks are about to issue different FSDP collectives; costs a host round trip before every
             collective) during the first backward pass and every N-th after it; 0 never. None: the
@@ -86,6 +97,9 @@ class FullyShardFusion:
         *,
         replicate_group=None,
         shard_group=None,
+        moe_layers_name: list[str] | None = None,
+        expert_parallel_group=None,
+        expert_shard_group=None,
     ) -> None:
         if not isinstance(model, paddle.nn.Layer):
             raise TypeError(f"FullyShardFusion expects a paddle.nn.Layer, got {type(model).__name__}")
@@ -96,6 +110,17 @@ class FullyShardFusion:
         self.compute_dtype = _check_compute_dtype(compute_dtype)
         # refuses layouts FSDP would train wrong, before anything changes
         self.group_layout = resolve_layout(group, replicate_group, shard_group)
+        own_groups = group is not None or shard_group is not None or replicate_group is not None
+        self.expert_layout = resolve_expert_layout(expert_parallel_group, expert_shard_group, use_fleet=not own_groups)
+        # without EP only parameters marked ``expert = True`` count (refused: they would be trained as dense)
+        expert_ids = expert_parameter_ids(model, moe_layers_name if self.expert_layout is not None else ())
+        #: every EP rank's expert keys (this rank's included): all belong to this model's checkpoints
+        self.expert_keys: frozenset[str] = frozenset()
+        world = _world_size()
+        if world > 1:  # one small exchange: every rank refuses alike (expert_parallel.py)
+            self.expert_keys = check_expert_layout(self.expert_layout, self.group_layout, model, expert_ids, world)
+        if self.expert_layout is None:
+            expert_ids = set()
         install_optimizer_integration()
         install_layer_integration()
         self.model = model
@@ -111,10 +136,14 @@ class FullyShardFusion:
             self.comm: ShardingComm = HybridComm(layout.shard_group, layout.replicate_group)
         else:
             self.comm = ShardingComm(layout.shard_group)
+        self.expert_comm: ExpertComm | None = None
+        if self.expert_layout is not None:
+            ep = self.expert_layout
+            self.expert_comm = ExpertComm(ep.shard_group, ep.parallel_group, world)
         if check_collective_order is None:
             check_collective_order = check_interval_from_env()
         self.schedule = OverlapSchedule(self, prefetch_depth, reduce_dtype, check_collective_order)
-        groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn)
+        groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn, expert_ids)
         # lazily built (paddle.LazyGuard) parameters are materialised one at a time after planning (lazy_init.py)
         one_by_one = any(is_lazy(p) for p in model.parameters())
         self.buffers: list[FusedBuffer] = []
@@ -124,16 +153,17 @@ class FullyShardFusion:
         fallback_buffers: dict[int, tuple[paddle.nn.Layer, list[FusedBuffer]]] = {}
         for index, group_plan in enumerate(groups):
             first = group_plan.params[0]
+            comm = self.expert_comm if group_plan.attrs.get("expert") else self.comm
             layout = BufferLayout.plan(
                 name=f"{index}:{group_plan.name}",
                 dtype=str(first.dtype).replace("paddle.", ""),
                 element_size=first.element_size(),
                 trainable=group_plan.trainable,
                 params=[(k, tuple(p.shape)) for k, p in zip(group_plan.keys, group_plan.params)],
-                world_size=self.comm.world_size,
+                world_size=comm.world_size,
                 attrs=group_plan.attrs,
             )
-            buffer = FusedBuffer(layout, group_plan.params, self.comm, owner=self, fill=not one_by_one)
+            buffer = FusedBuffer(layout, group_plan.params, comm, owner=self, fill=not one_by_one)
             self.buffers.append(buffer)
             for key, param in zip(group_plan.keys, group_plan.params):
                 self.param_keys[id(param)] = key
@@ -239,13 +269,17 @@ class FullyShardFusion:
         return gradient_sync.flush_before_step(self)
 
     def full_parameters(self) -> dict[str, paddle.Tensor]:
-        """Gathered copies of every parameter by key (collective; for tests and small models)."""
+        """Gathered copies of every parameter by key, every EP rank's experts included (collective; for tests and
+        small models)."""
+        from .full_params import expert_peer_parameters
+
         out = {}
         for buffer in self.buffers:
             was_gathered = buffer.is_gathered
             buffer.gather(full_precision=True)
             for param, slot in zip(buffer.params, buffer.layout.slots):
                 out[slot.key] = param.detach().clone()
+            out.update((k, v.clone()) for k, v in expert_peer_parameters(self, buffer).items())  # other EP ranks'
             if not was_gathered:
                 buffer.release()
         for prefix, layer in self.model.named_sublayers(include_self=True):  # replicated (never sharded) ones
@@ -311,6 +345,14 @@ class FullyShardFusion:
         tier = MemoryTier(self, optimizer, durable_root=durable_root, **kwargs)
         tier.restore()
         return tier
+
+    def ema(self, coef: float, every: int = 1):
+        """A ShardedEMA of this model's weights (state/ema.py): fp32, over this rank's shard, initialised from the
+        current weights; call ``ema.update()`` after each optimizer step and pass ``ema=`` to the checkpoint calls
+        (``every=N``: average every N-th call, at 1/N of the cost)."""
+        from .state.ema import ShardedEMA
+
+        return ShardedEMA(self, coef, every)
 
     def load_checkpoint(self, path: str, optimizer=None, **kwargs) -> dict:
         """Restore what :meth:`save_checkpoint` wrote (a checkpoint, or a root: its ``latest``).

@@ -85,10 +85,24 @@ def arm_backward_end(owner) -> None:
 
 def _exchange_received(owner) -> tuple[list[set[int]], list[bool]]:
     """Per buffer: parameters that received a gradient on any rank; whether any rank has gradients left
-    unreduced. One all-reduce of a small vector (none in a one-rank world)."""
+    unreduced. One all-reduce of a small vector per group of buffers (the dense buffers' group; under expert
+    parallelism also the expert buffers' shard group, whose members hold the same experts); none in a one-rank
+    world."""
     buffers = owner.buffers
+    received: list[set[int]] = [set() for _ in buffers]
+    late = [False] * len(buffers)
+    comms = [owner.comm] + ([owner.expert_comm] if getattr(owner, "expert_comm", None) is not None else [])
+    for comm in comms:
+        mine = [k for k, b in enumerate(buffers) if b.comm is comm]
+        got, pending = _exchange_over(comm, [buffers[k] for k in mine], comm is owner.comm)
+        for k, g, p in zip(mine, got, pending):
+            received[k], late[k] = g, p
+    return received, late
+
+
+def _exchange_over(comm, buffers: list, checked: bool) -> tuple[list[set[int]], list[bool]]:
     sizes = [len(b.params) for b in buffers]
-    if owner.comm.world_size == 1:
+    if comm.world_size == 1:
         return [set(b.received) for b in buffers], [b.full_grad is not None for b in buffers]
     flags = [0.0] * (sum(sizes) + len(buffers))
     offset = 0
@@ -99,9 +113,10 @@ def _exchange_received(owner) -> tuple[list[set[int]], list[bool]]:
         flags[sum(sizes) + k] = 1.0 if buffer.full_grad is not None else 0.0
     from .communication import EXCHANGE
 
-    owner.comm.agree(EXCHANGE, 0)
+    if checked:
+        comm.agree(EXCHANGE, 0)
     vector = paddle.to_tensor(flags, dtype="float32")
-    owner.comm.all_reduce_sum_data_parallel(vector)  # every replica binds and steps the same parameters
+    comm.all_reduce_sum_data_parallel(vector)  # every replica binds and steps the same parameters
     values = vector.numpy().tolist()
     received, offset = [], 0
     for size in sizes:

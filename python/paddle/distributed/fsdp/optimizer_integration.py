@@ -243,7 +243,7 @@ def clip_by_global_norm(owners, pairs, clip: ClipGradByGlobalNorm) -> list:
                 partial = partial + _sum_of_squares(grad).reshape([1])
         owner_sums[id(buffer.owner)] = owner_sums[id(buffer.owner)] + partial
     total = paddle.zeros([1], dtype="float64")
-    for owner in owners:
+    for owner in owners:  # under EP too: the dense group is the world, each expert piece has one holder in it
         total = total + owner.comm.all_reduce_sum(owner_sums[id(owner)])
     for _, _, grad in loose:  # replicated parameters: their sums are complete on every rank
         total = total + _sum_of_squares(grad).reshape([1])
@@ -282,18 +282,27 @@ def _complete_squared_norms(owners, selected) -> tuple[list[paddle.Tensor], padd
     for owner in owners:
         if owner.world_size == 1:
             continue
-        vector = paddle.zeros([len(owner.param_keys)], dtype="float64")
-        positions = []
-        for k, (_, param, _) in enumerate(selected):
-            buffer = getattr(param, "_fsdp_buffer", None)
-            if buffer is not None and buffer.owner is owner:
-                positions.append((k, owner.param_index[id(param)]))
-                vector[positions[-1][1]] = squared[k]
-        owner.comm.all_reduce_sum(vector)
-        total = total + vector.sum()
-        for k, position in positions:
-            squared[k] = vector[position]
-            reduced.add(k)
+        # under expert parallelism expert pieces are summed over their own shard group (the same position holds
+        # different experts on different EP ranks), then their total over the EP group (expert_comm.py)
+        expert_comm = getattr(owner, "expert_comm", None)
+        for comm in (owner.comm, expert_comm):
+            if comm is None:
+                continue
+            vector = paddle.zeros([len(owner.param_keys)], dtype="float64")
+            positions = []
+            for k, (_, param, _) in enumerate(selected):
+                buffer = getattr(param, "_fsdp_buffer", None)
+                if buffer is not None and buffer.owner is owner and buffer.comm is comm:
+                    positions.append((k, owner.param_index[id(param)]))
+                    vector[positions[-1][1]] = squared[k]
+            comm.all_reduce_sum(vector)
+            part = vector.sum()
+            total = total + (
+                comm.all_reduce_sum_experts(part.reshape([1])).reshape([]) if comm is expert_comm else part
+            )
+            for k, position in positions:
+                squared[k] = vector[position]
+                reduced.add(k)
     for k, value in enumerate(squared):
         if k not in reduced:
             total = total + value

@@ -137,8 +137,10 @@ class OverlapSchedule:
             self.trace.append((op, index, what))
 
     def _set_check(self) -> None:
-        comm = self.owner.comm
-        comm.check_order = comm.world_size > 1 and self.check_interval > 0 and self.passes % self.check_interval == 0
+        for comm in (self.owner.comm, getattr(self.owner, "expert_comm", None)):
+            if comm is not None:
+                on = self.check_interval > 0 and self.passes % self.check_interval == 0
+                comm.check_order = comm.world_size > 1 and on
 
     # ---- forward ---------------------------------------------------------------------------------
     def root_pre_forward(self, layer, inputs) -> None:

@@ -107,9 +107,10 @@ def _innermost_common_unit(chains: list[list[tuple[str, object]]]):
 
 
 def plan_param_groups(
-    model: paddle.nn.Layer, fsdp_unit_layers: list[str] | None, no_weight_decay_fn=None
+    model: paddle.nn.Layer, fsdp_unit_layers: list[str] | None, no_weight_decay_fn=None, expert_ids=frozenset()
 ) -> list[ParamGroup]:
-    """Group ``model``'s parameters into buffers, in model order."""
+    """Group ``model``'s parameters into buffers, in model order. ``expert_ids``: ids of expert parameters (under
+    expert parallelism): they get buffers of their own (sharded over another group, expert_parallel.py)."""
     unit_classes = set(fsdp_unit_layers or [])
     known = {type(layer).__name__ for layer in model.sublayers(include_self=False)}
     unknown = unit_classes - known
@@ -134,12 +135,14 @@ def plan_param_groups(
         scope_name, scope_layers = (f"unit:{unit[0]}", [unit[1]]) if unit is not None else ("root", [model])
         if tied:
             scope_name = f"{scope_name}|tied:{keys[pid]}"
-        group_key = (scope_name, str(param.dtype), trainable, exempt)
+        expert = pid in expert_ids
+        group_key = (scope_name, str(param.dtype), trainable, exempt, expert)
         if group_key not in groups:
             name = (
                 f"{scope_name}|{str(param.dtype).replace('paddle.', '')}|"
                 + ("trainable" if trainable else "frozen")
                 + ("|no_decay" if exempt else "")
+                + ("|expert" if expert else "")
             )
             groups[group_key] = ParamGroup(
                 name,
@@ -147,7 +150,7 @@ def plan_param_groups(
                 [],
                 scope_layers,
                 trainable,
-                {"scope": scope_name, "tied": tied, "no_weight_decay": exempt},
+                {"scope": scope_name, "tied": tied, "no_weight_decay": exempt, **({"expert": True} if expert else {})},
             )
         groups[group_key].params.append(param)
         groups[group_key].keys.append(keys[pid])

@@ -46,19 +46,38 @@ def new_group(ranks: list[int], **kwargs: Any):
 
 
 @contextlib.contextmanager
-def barrier_after_new_group() -> Iterator[None]:
+def barrier_after_new_group(reuse_identical: bool = False) -> Iterator[None]:
     """Inside the block, every ``paddle.distributed.new_group`` call is followed by a global barrier.
 
     For group creation the project does not own, e.g. ``with barrier_after_new_group(): fleet.init(...)``
-    (fleet's hybrid topology calls ``paddle.distributed.new_group`` for each of its groups, on every rank)."""
+    (fleet's hybrid topology calls ``paddle.distributed.new_group`` for each of its groups, on every rank).
+
+    ``reuse_identical``: a group whose members equal an existing one's (the global group, groups made before the
+    block or inside it) is that group. Fleet's expert-parallel init (``ep_degree > 1``) creates several groups of
+    the same members (the sharding and context-sharding groups are both the world); with gloo and 4 processes that
+    init failed in most runs here even with the barrier ("address.cc ... sizeof(impl_) == bytes.size()",
+    "Connection refused") and passed every run with the reuse. Every rank has made the same groups in the same
+    order (``new_group`` is collective), so the reuse is the same everywhere."""
     import paddle.distributed as pdist
 
     original = pdist.new_group
+    made: dict[tuple, Any] = {}
+    if reuse_identical and dist.is_initialized():
+        from paddle.distributed.collective import _get_group_map
 
-    def wrapped(*args: Any, **kwargs: Any):
-        group = original(*args, **kwargs)
+        for _gid, existing in sorted(_get_group_map().items(), key=lambda item: item[0]):
+            if getattr(existing, "ranks", None):
+                made.setdefault(tuple(sorted(existing.ranks)), existing)
+
+    def wrapped(ranks=None, *args: Any, **kwargs: Any):
+        key = tuple(sorted(ranks)) if ranks is not None else None
+        if reuse_identical and key is not None and key in made:
+            return made[key]
+        group = original(ranks, *args, **kwargs)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
+        if reuse_identical and key is not None:
+            made[key] = group
         return group
 
     pdist.new_group = wrapped

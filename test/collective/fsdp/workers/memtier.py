@@ -92,7 +92,7 @@ def build(name: str, workdir: str, seed: int, rank: int, world: int, restore_now
             pf.train(model, opt, [i], rank, world)
 
     durable = os.path.join(workdir, "durable")
-    if restore_now:  # the README's form: built and restored in one call
+    if restore_now:  # the documented form (docs/memory-tier.md): built and restored in one call
         tier = fsdp.memory_tier(opt, durable_root=durable, persist_every=PERSIST_EVERY, keep_last=None,
                                 peer_timeout_s=PEER_TIMEOUT_S)  # fmt: skip
     else:

@@ -18,12 +18,12 @@ from paddle.distributed.fsdp.memtier import wire
 def main() -> None:
     mode = sys.argv[1]
     if mode == "send":
-        link = wire.PeerLink(0, 60.0)
+        link = wire.PeerLink(0, 60.0, b"k" * 32)
         link.addrs = [link.address, (sys.argv[2], int(sys.argv[3]))]
         link.send_buffer(1, np.fromfile(sys.argv[4], np.uint8), 7)
         print("SENT", flush=True)
     else:
-        link = wire.PeerLink(1, 60.0)
+        link = wire.PeerLink(1, 60.0, b"k" * 32)
         print("PORT", link.address[1], flush=True)
         incoming = link.accept(0, 7)
         incoming.read_into(np.empty(1 << 20, np.uint8))

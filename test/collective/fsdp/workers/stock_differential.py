@@ -325,7 +325,7 @@ def case_save_twice_other_keys(d):
 def case_safetensors_true(d):
     sd = {"w": t([3, 4], 1), "h": t([5], 2, "bfloat16"), "i": t([2], 3, "int64")}
     o = roundtrip(os.path.join(d, "a"), sd, {"safetensors": True}, {"safetensors": True})
-    o.pop("files")  # the fork writes its own format here (README: safetensors=True goes to the engine)
+    o.pop("files")  # the fork writes its own format here (safetensors=True goes to the engine)
     for k, v in roundtrip(os.path.join(d, "b"), sd, {"safetensors": True}, {}, stock_reads=False).items():
         if k != "files":
             o[f"expect_default_load_{k[7:]}" if k.startswith("expect_") else f"default_load_{k}"] = v

@@ -451,7 +451,7 @@ class SaveJob:
             self.storage.publish(self.staging, self.path)
 
 
-STOCK_WARN_WORLD = 256  # from this world the coordinator's work for 0.metadata dominates a commit (README)
+STOCK_WARN_WORLD = 256  # from this world the coordinator's work for 0.metadata dominates a commit (docs/performance.md)
 _stock_warned: list = []
 
 

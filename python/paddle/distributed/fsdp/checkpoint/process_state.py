@@ -2,7 +2,7 @@
 
 Why: module singletons make tests depend on their order; listing them in one place shows what a process carries
 from one save or load to the next, and ``reset_process_state()`` puts every resettable one back to its state at
-import. The README table "What the fork patches in paddle, and what a process keeps" lists the same entries.
+import. The table "What the fork patches in paddle, and what a process keeps" in docs/internals.md lists them.
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def read_range_direct(
         # page cache: read CACHE_STEP bytes straight into ``out``, hash them while they are in the CPU cache
         # (steps of exactly one chunk, the default, are hashed in one shot each: no running-digest bookkeeping,
         # which cost ~40% of the checks' time on a warm 500 MiB load). Not mmap: a mapping copied out with
-        # non-temporal stores (native code) gained ~10% with two ranks at once (README, what bounds the figures),
+        # non-temporal stores (native code) gained ~10% with two ranks at once (docs/performance.md, what bounds the figures),
         # and a file truncated under the load would kill the process with SIGBUS instead of a named error
         check = None if C == CACHE_STEP else ChunkStream(files, key, piece, A, C)
         digest, sums = files.digest, piece.checksums

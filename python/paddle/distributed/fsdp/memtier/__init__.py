@@ -5,10 +5,22 @@ Modules: ``slot.py`` (one fully allocated, mapped copy file), ``copies.py`` (a r
 the tensors in one pass),
 ``agreement.py`` (the restart rule), ``restore.py`` (a restart, collective), ``persist.py`` (a copy written to
 storage as a committed checkpoint), ``flush.py`` (the same from one process after a crash: ``paddle-fsdp-ckpt
-flush-memory``), ``errors.py``; ``manager.py`` (MemoryTier) ties them together.
+flush-memory``), ``errors.py``; ``manager.py`` (MemoryTier) ties them together. What is trusted
+(docs/memory-tier-trust.md): ``header.py`` (a copy's header checked field by field), ``roots.py`` (memory roots:
+no symlink, FIFO or foreign file; job ids; one live process per job and rank), ``identity.py`` (which durable
+root a copy belongs to).
 """
 
-from .errors import InvalidMemoryCopyError, MemoryTierError, MemoryTierFullError, NoCommonStepError, PeerTransferError
+from .errors import (
+    InvalidMemoryCopyError,
+    MemoryRootError,
+    MemoryRootInUseError,
+    MemoryTierError,
+    MemoryTierFullError,
+    NoCommonStepError,
+    PeerAuthError,
+    PeerTransferError,
+)
 from .manager import MemoryTier
 from .restore import RestoreResult
 
@@ -20,4 +32,7 @@ __all__ = [
     "InvalidMemoryCopyError",
     "NoCommonStepError",
     "PeerTransferError",
+    "PeerAuthError",
+    "MemoryRootError",
+    "MemoryRootInUseError",
 ]

@@ -4,6 +4,10 @@ Why collective and pure: a memory tier and storage that disagree about the newes
 groups resume from different iterations (DLRover #1233). Every rank gathers every rank's report and applies this
 same function to the same list, so all ranks reach the same decision without another exchange.
 
+"Nothing stored" (a fresh start) needs every rank to have positively seen nothing: no memory copy anywhere and
+an empty storage listing on every rank. A rank that could not list storage reports an error instead (raised on
+every rank by name before this rule runs), and storage some rank sees but another does not is not "nothing".
+
 A rank's report: ``own`` (step of its own valid memory copy or None), ``held`` (``[source rank, step]`` of the
 valid peer copy it holds for another rank, or None), ``storage`` (committed steps in durable storage).
 """
@@ -43,7 +47,8 @@ def decide(reports: list[dict]) -> Decision | None:
             if 0 <= src < world and src != r:
                 in_memory[src].setdefault(step, PEER)
                 holder_of.setdefault((src, step), r)
-    if not storage and not any(in_memory):
+    seen_storage = [sorted(rep["storage"]) for rep in reports]
+    if not any(seen_storage) and not any(in_memory):
         return None
     common_memory = set.intersection(*(set(m) for m in in_memory)) if world else set()
     best_memory = max(common_memory, default=None)
@@ -55,6 +60,12 @@ def decide(reports: list[dict]) -> Decision | None:
     if best_storage is not None:
         return Decision(best_storage, [STORAGE] * world, {})
     have = "; ".join(f"rank {r}: {sorted(m) or 'nothing'}" for r, m in enumerate(in_memory))
+    stored = (
+        "nothing"
+        if not any(seen_storage)
+        else "; ".join(f"rank {r}: {s[-5:] or 'nothing'}" for r, s in enumerate(seen_storage))
+    )
     raise NoCommonStepError(
-        f"no step is restorable by every rank: in memory (own or peer copy) {have}; in storage: nothing"
+        f"no step is restorable by every rank: in memory (own or peer copy) {have}; in storage (as each rank "
+        f"lists it) {stored}"
     )

@@ -16,6 +16,7 @@ import threading
 import numpy as np
 
 from ..checkpoint import checksums, host_memory, snapshot, snapshot_guard
+from . import roots
 from .errors import InvalidMemoryCopyError, MemoryTierFullError
 from .slot import Slot, aligned
 
@@ -38,11 +39,14 @@ def offsets_of(layout: list[list]) -> tuple[list[int], int]:
 
 
 class Copies:
-    """This rank's own slot and its peer slot (None without a peer copy) under ``<root>/<job>``."""
+    """This rank's own slot and its peer slot (None without a peer copy) under ``<root>/<job>`` (roots.py: a
+    checked job id, private directories, the rank's lock held while the tier lives)."""
 
     def __init__(self, root: str, job: str, rank: int):
-        self.dir = os.path.join(root, job)
+        self.root = root
+        self.dir = os.path.join(root, roots.check_job_id(job))
         self.rank = rank
+        self.lock: roots.RankLock | None = None
         self.own: Slot | None = None
         self.peer: Slot | None = None
         self.sizes: list[tuple[int, int]] = []  # (header capacity, data length) by rank
@@ -53,8 +57,33 @@ class Copies:
     def peer_path(self) -> str:
         return os.path.join(self.dir, f"rank{self.rank:05d}.peer")
 
+    def claim(self) -> None:
+        """Check the memory root and the job's directory (roots.open_dir) and take this rank's lock (once):
+        MemoryRootError / MemoryRootInUseError by name."""
+        if self.lock is None:
+            os.close(roots.open_dir(self.root, create=True, private=False))
+            self.lock = roots.RankLock(self.dir, self.rank)
+
+    def unclaim(self, remove: bool) -> None:
+        """Release the lock (the end of the tier); ``remove``: delete the lock file and the job's directory too."""
+        if self.lock is None:
+            return
+        if remove:
+            try:
+                os.unlink(self.lock.path)
+            except FileNotFoundError:
+                pass
+        self.lock.close()
+        self.lock = None
+        if remove:
+            try:
+                os.rmdir(self.dir)
+            except OSError:
+                pass
+
     def allocate(self, sizes: list[tuple[int, int]], source: int | None, quota: int | None) -> None:
         """Allocate both slots (MemoryTierFullError when the root or the quota is too small for both)."""
+        self.claim()
         self.release()
         self.sizes = sizes
         cap, dlen = sizes[self.rank]
@@ -154,6 +183,9 @@ def check_header(header: dict, expect: dict, layout: list[list] | None, where: s
     """InvalidMemoryCopyError unless the header is of ``expect`` (job, world, rank, ...) and ``layout``."""
     for field, want in expect.items():
         if header.get(field) != want:
+            if field == "durable_id":
+                raise InvalidMemoryCopyError(f"{where}: a copy of another durable root (its id {header.get(field)}, "
+                                             f"the durable root's {want}): ignored")  # fmt: skip
             raise InvalidMemoryCopyError(f"{where}: {field} {header.get(field)!r}, expected {want!r}")
     if layout is not None:
         try:

@@ -29,10 +29,32 @@ class PeerTransferError(MemoryTierError):
     connect or stalled past the deadline (``peer_timeout_s``), or sent something else than expected."""
 
 
+class MemoryRootError(MemoryTierError):
+    """A memory root or job directory the tier must not use: a symlink, not a directory, owned by another user,
+    open to others' writes (flush-memory), or a job id that is not a plain name (roots.py)."""
+
+
+class MemoryRootInUseError(MemoryRootError):
+    """Another live process holds this job id and rank's lock in the memory root (two jobs with one job id)."""
+
+
+class PeerAuthError(PeerTransferError):
+    """The process at a partner's address did not prove it holds the job's peer-link key (wire.py)."""
+
+
 # another rank's failure is raised on every rank as the same class (rebuild_remote_error)
 ERROR_CLASSES.update(
     {
         c.__name__: c
-        for c in (MemoryTierError, MemoryTierFullError, InvalidMemoryCopyError, NoCommonStepError, PeerTransferError)
+        for c in (
+            MemoryTierError,
+            MemoryTierFullError,
+            InvalidMemoryCopyError,
+            NoCommonStepError,
+            PeerTransferError,
+            MemoryRootError,
+            MemoryRootInUseError,
+            PeerAuthError,
+        )
     }  # fmt: skip
 )

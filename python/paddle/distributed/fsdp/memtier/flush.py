@@ -6,8 +6,15 @@ storage; the copies survive in ``/dev/shm`` (a tmpfs), and with the peer copies 
 every rank's state (its ranks' own copies and its partner node's). Give every root that is reachable.
 
 Which step: the newest step for which EVERY rank of the job has a copy (its own, or the one its partner holds)
-whose header, job, world size and every chunk checksum check out; a copy that does not is skipped with a
-warning (the rank's other copy, or an older step, is used). A step storage already has is not written again.
+whose header, job, world size, durable root identity (identity.py: copies of another durable root are
+skipped) and every chunk checksum check out; a copy that does not is skipped with a warning (any other copy
+of that rank in any root, or an older step, is used). A step storage already has is not written again.
+
+What is trusted: roots and files are opened as the tier opens them (roots.py: no symlink, FIFO or another
+user's file; a root others may write to is refused); a job whose rank lock is held by a live process is
+refused (MemoryRootInUseError), and the locks are held while flushing, so a restarting tier cannot rewrite a
+copy under it; each record is copied into a private buffer and verified there before it is written, so the
+checkpoint holds exactly the bytes that were verified.
 
 What is written: the checkpoint the job's collective save would have written at that step (persist.py): the
 engine's planner assigns and lays out every rank's file from the copies' record descriptions, each rank file
@@ -24,16 +31,20 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..checkpoint import checksums, writer
 from ..checkpoint.directory import committed_steps, prune, step_dir_name
 from ..checkpoint.format.metadata import LATEST_FILE, FileMeta
-from ..checkpoint.format.reserved import RNG_KEY
 from ..checkpoint.io.storage import backend_for
 from ..checkpoint.planner import RecordDesc, assign_writes, lay_out_files, merged_values
+from ..state.resume_state import PER_RANK_KEYS
+from . import identity
 from .copies import read_copy
 from .errors import InvalidMemoryCopyError, MemoryTierError, NoCommonStepError
 from .persist import records_of
-from .slot import Slot
+from .roots import JOB_ID_RE, check_job_id, hold_locks, open_dir
+from .slot import Slot, check_record_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -50,29 +61,48 @@ class FlushResult:
     nbytes: int = 0
 
 
-def _scan(roots: list[str], job: str | None) -> tuple[str, list[tuple[str, dict]]]:
-    """(job, [(path, header)]) of every copy of one job under ``roots`` with a valid header (no data read)."""
+def _scan(roots: list[str], job: str | None, durable_id: str | None, locks: list) -> tuple[str, list]:
+    """(job, [(path, header)]) of every copy of one job under ``roots`` with a valid header naming
+    ``durable_id`` (no data read); the rank locks of every job directory read are taken into ``locks``."""
     by_job: dict[str, list] = {}
+    other_root = []
+    if job is not None:
+        check_job_id(job)
     for root in roots:
         if not os.path.isdir(root):
             raise MemoryTierError(f"memory root {root} is not a directory")
+        os.close(open_dir(root, create=False, private=False))
         for name in sorted(os.listdir(root)):
-            if job is not None and name != job or not os.path.isdir(os.path.join(root, name)):
+            jdir = os.path.join(root, name)
+            if job is not None and name != job or not JOB_ID_RE.match(name) or not os.path.isdir(jdir):
                 continue
-            for fname in sorted(os.listdir(os.path.join(root, name))):
-                path = os.path.join(root, name, fname)
+            os.close(open_dir(jdir, create=False, private=False))
+            names = sorted(os.listdir(jdir))
+            locks.extend(hold_locks(jdir, [n for n in names if n.endswith(".lock")]))
+            for fname in names:
+                path = os.path.join(jdir, fname)
                 if not fname.endswith((".own", ".peer")):
                     continue
-                slot = Slot.open(path)
+                try:
+                    slot = Slot.open(path)
+                except (InvalidMemoryCopyError, OSError) as e:
+                    logger.warning("skipping %s: %s", path, e)
+                    continue
                 try:
                     header, _off, _len = slot.header()
+                    if header["durable_id"] != durable_id:
+                        other_root.append(path)
+                        logger.warning("skipping %s: a copy of another durable root (its id %s, the durable root's "
+                                       "%s)", path, header["durable_id"], durable_id)  # fmt: skip
+                        continue
                     by_job.setdefault(name, []).append((path, header))
                 except InvalidMemoryCopyError as e:
                     logger.warning("skipping %s: %s", path, e)
                 finally:
                     slot.close()
     if not by_job:
-        raise MemoryTierError(f"no valid memory copy{f' of job {job!r}' if job else ''} under {', '.join(roots)}")
+        why = f"; {len(other_root)} copies name another durable root (id {durable_id} here)" if other_root else ""
+        raise MemoryTierError(f"no valid memory copy{f' of job {job!r}' if job else ''} under {', '.join(roots)}{why}")
     if len(by_job) > 1:
         raise MemoryTierError(f"memory copies of several jobs under the roots: {sorted(by_job)}; choose one with --job")
     return next(iter(by_job.items()))
@@ -90,7 +120,7 @@ def _choose(job: str, found: list[tuple[str, dict]], step: int | None) -> tuple[
                 continue
             try:
                 chosen[r] = read_copy(path, {"job": job, "world": world, "rank": r, "step": st}, None)
-            except InvalidMemoryCopyError as e:
+            except (InvalidMemoryCopyError, OSError) as e:
                 logger.warning("skipping %s: %s", path, e)
         if len(chosen) == world:
             return world, st, [chosen[r] for r in range(world)]
@@ -115,22 +145,29 @@ def _write(staging: str, copies: list, on_bytes, on_total) -> int:
     for slot, header, _off, _len in copies:
         pairs = records_of(header, f"memory copy {slot.path}")
         wires.append([RecordDesc.from_wire(desc.to_wire()).to_wire() for _rec, desc in pairs])
-        per_rank.append(dict(header["values"], **{RNG_KEY: None}))
-    values = merged_values(per_rank)
-    plan = lay_out_files(assign_writes(wires, values), values, out.checkpoint_id)
-    values[RNG_KEY] = [h["values"].get(RNG_KEY) for _s, h, _o, _n in copies]
+        per_rank.append({k: (None if k in PER_RANK_KEYS else v) for k, v in header["values"].items()})
+    try:
+        values = merged_values(per_rank)
+        plan = lay_out_files(assign_writes(wires, values), values, out.checkpoint_id)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        raise InvalidMemoryCopyError(
+            f"the copies' record descriptions and values do not make a checkpoint: {e}"
+        ) from None
+    present = [k for k in PER_RANK_KEYS if k in values]  # each rank's entry of a per-rank value, by rank
+    for key in present:
+        values[key] = [h["values"].get(key) for _s, h, _o, _n in copies]
     if on_total is not None:
         on_total(sum(layout.size - len(layout.header) for layout in plan.files.values()))
     for r, (slot, header, doff, dlen) in enumerate(copies):
         layout, data = plan.files[r], slot.data(doff, dlen)
-        where = {rec[0]: (rec[3], rec[4]) for rec in header["records"]}
+        where = {rec[0]: rec for rec in header["records"]}
         pieces = []
         for key, piece in layout.pieces:
-            off, nbytes = where[key]
+            off, nbytes = where[key][3], where[key][4]
             if nbytes != piece.nbytes:
                 raise InvalidMemoryCopyError(f"memory copy {slot.path}: record {key!r} has {nbytes} bytes, "
                                              f"the plan {piece.nbytes}")  # fmt: skip
-            pieces.append(_producer(data[off : off + nbytes], on_bytes))
+            pieces.append(_producer(data[off : off + nbytes], header, where[key], on_bytes, f"memory copy {slot.path}"))
         size, sums = writer.write_rank_file(os.path.join(staging, layout.name), layout.header, pieces,
                                             out.chunk_bytes, digest)  # fmt: skip
         if size != layout.size:
@@ -139,15 +176,24 @@ def _write(staging: str, copies: list, on_bytes, on_total) -> int:
             piece.checksums = [int(c) for c in piece_sums]
         out.files[layout.name] = FileMeta(rank=r, size=size)
     out.tensors = dict(plan.tensors)
-    out.commit(values, per_rank_values=(RNG_KEY,))  # each rank's RNG state in its own object, as a save
+    out.commit(values, per_rank_values=tuple(present))  # each rank's entries in its own object, as a save
     return sum(f.size for f in out.files.values())
 
 
-def _producer(arr, on_bytes):
+def _producer(src, header: dict, rec: list, on_bytes, where: str):
+    """The piece of record ``rec``: copied out of the mapping ``src`` into a private buffer and verified THERE
+    against the header's digests, so what is written is exactly what was verified (the mapping may change under
+    a reader: a process still writing the copy). Memory: the record being written plus one write batch."""
+
     def produce():
+        private = np.array(src, copy=True)
+        try:
+            check_record_bytes(header, rec, private, where)
+        except InvalidMemoryCopyError as e:
+            raise InvalidMemoryCopyError(f"{e} (the copy changed after it was verified: nothing committed)") from None
         if on_bytes is not None:
-            on_bytes(arr.nbytes)
-        return arr, None
+            on_bytes(len(private))
+        return private, private
 
     return produce
 
@@ -167,8 +213,6 @@ def flush_memory(
     step instead of the newest; ``keep_last``: then prune like CheckpointManager. Named errors: MemoryTierError
     (no copies, several jobs, a bad root), NoCommonStepError (no step every rank has). Progress: ``on_total(n)``
     once the plan is made (tensor bytes to write), then ``on_bytes(k)`` per piece written."""
-    from ..tools.ckpt_io import staged_output
-
     if isinstance(roots, str) or not roots or not all(isinstance(r, str) and r for r in roots):
         raise MemoryTierError(f"roots must be a non-empty list of memory root paths, got {roots!r}")
     if not isinstance(durable_root, str) or not durable_root:
@@ -179,8 +223,23 @@ def flush_memory(
         raise MemoryTierError(f"keep_last must be an int >= 1, got {keep_last!r}")
     durable_root = durable_root if "://" in durable_root else os.path.abspath(durable_root)
     storage = backend_for(durable_root)  # StorageError for a URL scheme no backend serves, before reading memory
-    job, found = _scan(list(roots), job)
-    world, st, copies = _choose(job, found, step)
+    durable_id = identity.read_id(durable_root, storage)
+    if durable_id is None:
+        raise MemoryTierError(f"durable root {durable_root} has no memory-tier id ({identity.ID_OBJECT}): no memory "
+                              "copy belongs to it (the root was removed, or no memory tier ever used it)")  # fmt: skip
+    locks: list[int] = []
+    try:
+        job, found = _scan(list(roots), job, durable_id, locks)
+        world, st, copies = _choose(job, found, step)
+        return _flush(durable_root, storage, job, world, st, copies, keep_last, on_bytes, on_total)
+    finally:
+        for fd in locks:
+            os.close(fd)
+
+
+def _flush(durable_root, storage, job, world, st, copies, keep_last, on_bytes, on_total) -> FlushResult:
+    from ..tools.ckpt_io import staged_output
+
     logger.info("job %s: step %d, every rank's copy verified: %s", job, st, ", ".join(c[0].path for c in copies))
     result = FlushResult(job, world, st, None, {r: c[0].path for r, c in enumerate(copies)})
     try:

@@ -1,10 +1,13 @@
 """MemoryTier: checkpoints into host shared memory with a peer copy on another node, persisted every K-th save.
 
-A training script needs three lines (see README "Memory tier")::
+A training script needs three lines (see docs/memory-tier.md)::
 
     tier = fsdp.memory_tier(opt, durable_root="ckpt", persist_every=10)   # restores: tier.start_step
     for step in range(tier.start_step, total_steps):
         tier.save(step + 1, extra_state={...})   # after optimizer.step(); tier.close() at a clean end
+
+A copy holds what ``save_checkpoint`` saves (state/resume_state.py): give ``grad_scaler=``, ``stateful=`` and
+``ema=`` to the tier (or to ``save``) as to ``save_checkpoint``; ``restore`` applies them to the objects given.
 
 ``save`` blocks like an async save: tensors the optimizer step changes are copied into the rank's shared-memory
 slot after it returned (the next ``optimizer.step()`` waits for that copy: snapshot_guard.py); the checksums and
@@ -26,17 +29,20 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 
 from ..checkpoint import checksums
-from . import peers, wire
+from ..checkpoint.errors import CheckpointError, rebuild_remote_error
+from ..state.resume_state import ResumeObjects
+from . import identity, peers, roots, wire
 from .copies import Background, Copies, SaveIntoSlot, header_capacity, offsets_of
-from .errors import MemoryTierError, MemoryTierFullError
+from .errors import MemoryRootError, MemoryTierError, MemoryTierFullError
 from .persist import persist_copy
 from .restore import Restore, RestoreResult
 from .slot import Slot
-from .state import buffer_keys, capture_values, tensor_state
+from .state import capture
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +78,9 @@ class MemoryTier:
         checksum: str = "xxh3-64",
         persist_on_restore: bool = True,
         peer_timeout_s: float = 60.0,
+        grad_scaler=None,
+        stateful: dict | None = None,
+        ema=None,
     ):
         if not isinstance(durable_root, str) or not durable_root:
             raise MemoryTierError(f"durable_root must be a non-empty path, got {durable_root!r}")
@@ -79,8 +88,8 @@ class MemoryTier:
             raise MemoryTierError(f"persist_every must be an int >= 1, got {persist_every!r}")
         if memory_root is not None and (not isinstance(memory_root, str) or not memory_root):
             raise MemoryTierError(f"memory_root must be a non-empty path, got {memory_root!r}")
-        if job_id is not None and (not isinstance(job_id, str) or not job_id or "/" in job_id or job_id[0] == "."):
-            raise MemoryTierError(f"job_id must be a non-empty name without '/', got {job_id!r}")
+        if job_id is not None:
+            roots.check_job_id(job_id)
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise MemoryTierError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
         if type(peer_timeout_s) not in (int, float) or not peer_timeout_s > 0:
@@ -91,13 +100,17 @@ class MemoryTier:
         if quota_bytes is not None and (type(quota_bytes) is not int or quota_bytes < 0):
             raise MemoryTierError(f"quota_bytes must be a non-negative int or None, got {quota_bytes!r}")
         self.fsdp, self.optimizer = fsdp, optimizer
+        # what else a save holds and a restore applies (state/resume_state.py), as save_checkpoint takes them
+        self.grad_scaler, self.stateful, self.ema = grad_scaler, stateful, ema
+        self.resume_objects()  # TypeError for a wrong object, before anything is set up
         self.durable_root = durable_root if "://" in durable_root else os.path.abspath(durable_root)
         self.memory_root = memory_root or os.environ.get(ROOT_ENV) or DEFAULT_ROOT
         self.persist_every, self.keep_last, self.quota = persist_every, keep_last, quota_bytes
         self.checksum, self.persist_on_restore, self.peer_timeout_s = checksum, persist_on_restore, peer_timeout_s
         self.rank, self.world = fsdp.rank, fsdp.world_size
         digest = hashlib.sha256(self.durable_root.encode()).hexdigest()[:12]
-        self.job_id = job_id or os.environ.get(JOB_ENV) or f"job-{digest}"
+        self.job_id = roots.check_job_id(job_id or os.environ.get(JOB_ENV) or f"job-{digest}")
+        self.durable_id: str | None = None  # the durable root's identity (identity.py), set by _prepare
         if partners is None:
             partners = peers.default_partners(self.world, peers.local_size(self.world))
         self.partners = peers.check_partners(partners, self.world)
@@ -109,7 +122,6 @@ class MemoryTier:
         self._bg = Background()
         self._persister = Background("memtier-persist")
         self._persisting = False  # a persist was started and every rank has not yet seen it finish
-        self._buffers: list[str] | None = None
         self.save_timings: dict[str, float] = {}  # seconds of the last save's background phases (benchmark)
         self.skipped: list[int] = []  # memory saves skipped because a persist was still writing the copy
         self.persist_errors: list[str] = []
@@ -132,31 +144,58 @@ class MemoryTier:
 
     def peer_link(self) -> wire.PeerLink | None:
         """This rank's end of the direct connections to its partners (wire.py); None without peer copies.
-        Collective when first called (every rank's address is exchanged over the training group)."""
+        Collective when first called: every rank's address, and rank 0's fresh key for the link (the per-job
+        secret that admits the job's ranks only), travel over the training group, never through the
+        environment, a file or the launcher's store."""
         if self._link is None and self.partners:
-            link = wire.PeerLink(self.rank, self.peer_timeout_s)
-            link.addrs = [tuple(a) for a in self.fsdp.comm.all_gather_object(link.address)]
+            key = secrets.token_bytes(32) if self.rank == 0 else None
+            link = wire.PeerLink(self.rank, self.peer_timeout_s, b"\0" * 32)
+            gathered = self.fsdp.comm.all_gather_object((link.address, key))
+            link.key = gathered[0][1]
+            link.addrs = [tuple(a) for a, _k in gathered]
             self._link = link
         return self._link
 
+    def _prepare(self) -> None:
+        """Once, before the tier touches its memory root (collective): check the root and take this rank's lock
+        (roots.py), and agree on the durable root's identity (identity.py). Any rank's failure is raised on
+        every rank as the same named error."""
+        if self.durable_id is not None:
+            return
+        status = None
+        try:
+            self.copies.claim()
+        except (CheckpointError, OSError) as e:
+            status = (type(e).__name__ if isinstance(e, CheckpointError) else "MemoryRootError", f"{e}")
+        for r, st in enumerate(self.fsdp.comm.all_gather_object(status)):
+            if st is not None:
+                self.copies.unclaim(remove=False)
+                raise rebuild_remote_error(*st, r)
+        self.durable_id = identity.agree(self.durable_root, self.rank, self.fsdp.comm.all_gather_object)
+
     def expect(self) -> dict:
-        return {"job": self.job_id, "world": self.world}
+        return {"job": self.job_id, "world": self.world, "durable_id": self.durable_id}
 
     def _setup(self, state, values_len: int) -> None:
         """Allocate the two slots on every rank for this layout; disable the tier on every rank when any rank
         lacks the space (collective)."""
         self._bg.wait()
         self._unmap()
+        self._prepare()
         cap = header_capacity(values_len, len(state.layout))
         _offsets, data_len = offsets_of(state.layout)
         sizes = [tuple(s) for s in self.fsdp.comm.all_gather_object((cap, data_len))]
         err = None
         try:
             self.copies.allocate(sizes, self.source, self.quota)
-        except (MemoryTierFullError, OSError) as e:  # OSError: an unusable root (permissions, not a directory)
+        except (MemoryTierFullError, MemoryRootError, OSError) as e:  # OSError: an unusable root (permissions)
             err = e
         status = (type(err).__name__, str(err)) if err else None
         failed = [(r, st) for r, st in enumerate(self.fsdp.comm.all_gather_object(status)) if st]
+        for r, (kind, msg) in failed:
+            if kind in ("MemoryRootError", "MemoryRootInUseError"):  # an unsafe root: refused, never worked around
+                self.copies.release()
+                raise rebuild_remote_error(kind, msg, r)
         if failed:
             self.copies.remove()
             r, (kind, msg) = failed[0]
@@ -168,11 +207,29 @@ class MemoryTier:
         self.peer_link()
         self._layout = state.layout
 
+    def resume_objects(self, extra_state: dict | None = None) -> ResumeObjects:
+        """What this tier saves and restores, for the owner of the resume state (state/resume_state.py)."""
+        return ResumeObjects(self.fsdp, self.optimizer, self.grad_scaler, self.stateful, self.ema, extra_state)
+
+    def resume_kwargs(self) -> dict:
+        """The same objects as keywords of ``save_checkpoint`` / ``load_checkpoint`` (storage, through the tier)."""
+        return dict(optimizer=self.optimizer, grad_scaler=self.grad_scaler, stateful=self.stateful, ema=self.ema)
+
     # ------------------------------------------------------------------ save
-    def save(self, step: int, extra_state: dict | None = None) -> None:
-        """Checkpoint ``step`` into memory (and to storage every ``persist_every``-th step). Collective."""
+    def save(
+        self, step: int, extra_state: dict | None = None, *, grad_scaler=None, stateful: dict | None = None, ema=None
+    ) -> None:
+        """Checkpoint ``step`` into memory (and to storage every ``persist_every``-th step). Collective.
+
+        ``grad_scaler`` / ``stateful`` / ``ema``: as ``save_checkpoint`` takes them; given here they replace the
+        tier's (given at construction, which a restore applies) for this and later saves."""
         if type(step) is not int or step < 0:
             raise MemoryTierError(f"step must be a non-negative int, got {step!r}")
+        if grad_scaler is not None or stateful is not None or ema is not None:
+            ResumeObjects(self.fsdp, self.optimizer, grad_scaler, stateful, ema)  # TypeError, before anything
+            self.grad_scaler = grad_scaler if grad_scaler is not None else self.grad_scaler
+            self.stateful = stateful if stateful is not None else self.stateful
+            self.ema = ema if ema is not None else self.ema
         err = self._bg.wait()
         if err is not None:
             logger.warning("memory tier: the previous memory save (background) failed: %s", err)
@@ -181,10 +238,7 @@ class MemoryTier:
             logger.info("memory tier: memory save of step %d skipped: the persist of the copy is still writing", step)
             return
         self._release_persist_buffers()
-        state = tensor_state(self.fsdp, self.optimizer)
-        if self._buffers is None:
-            self._buffers = buffer_keys(self.fsdp)
-        values = capture_values(self.fsdp, self.optimizer, extra_state, self._buffers)
+        state, values = capture(self.resume_objects(extra_state))
         if self.disabled_reason is None and state.layout != self._layout:
             self._setup(state, len(json.dumps(values)))  # collective, on every rank alike
         if self.disabled_reason is not None:
@@ -279,7 +333,7 @@ class MemoryTier:
             sender.start()
         try:
             if self.source is not None and self.copies.peer is not None:
-                wire.receive_into_slot(link, self.copies.peer, self.source, step)
+                wire.receive_into_slot(link, self.copies.peer, self.source, step, self.expect())
         finally:
             if sender is not None:
                 sender.join()
@@ -293,8 +347,8 @@ class MemoryTier:
         self._persist_handle = save_checkpoint(
             self.fsdp,
             self.durable_root,
-            optimizer=self.optimizer,
             extra_state=extra_state,
+            **self.resume_kwargs(),
             step=step,
             keep_last=self.keep_last,
             async_save=async_save,
@@ -329,6 +383,8 @@ class MemoryTier:
             self.copies.remove()
         else:
             self.copies.release()
+        self.copies.unclaim(remove)
+        self.durable_id = None
         if self._link is not None:
             self._link.close()
             self._link = None
@@ -346,6 +402,7 @@ class MemoryTier:
             self.fsdp.init_optimizer_state(self.optimizer)
         self.copies.release()
         self._layout = None
+        self._prepare()
         restore = Restore(self)
         self.restored = restore.run()
         self.start_step = self.restored.step if self.restored is not None else 0

@@ -7,8 +7,8 @@ any world size, by the tools, by ``verify``): ``persist_copy`` as every rank's p
 (CheckpointManager: ``latest`` and ``keep_last`` as for a direct save), flush.py from one process.
 
 A copy's header carries, per record, its description in the engine's wire form (``descs``: region, replicated),
-and the values a direct save writes (optimizer class and global state, buffer keys, extra state, this rank's
-RNG), so the persisted checkpoint is the one ``save_checkpoint`` would have written at that step.
+and the values a direct save writes (state/resume_state.py: optimizer class and global state, buffer keys,
+extra state, GradScaler, EMA, this rank's RNG and stateful objects), so the persisted checkpoint is the one ``save_checkpoint`` would have written at that step.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import time
 
 import numpy as np
 
-from ..checkpoint.format.reserved import RNG_KEY
 from ..checkpoint.planner import RecordDesc
+from ..state.resume_state import PER_RANK_KEYS
 from .errors import InvalidMemoryCopyError
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def records_of(header: dict, where: str) -> list[tuple[list, RecordDesc]]:
     for rec, wire in zip(records, descs):
         try:
             desc = RecordDesc.from_wire(wire)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError):
             raise InvalidMemoryCopyError(f"{where}: unreadable description of record {rec[0]!r}") from None
         if desc.key != rec[0] or desc.dtype != rec[1]:
             raise InvalidMemoryCopyError(f"{where}: description {desc.key!r} does not match record {rec[0]!r}")
@@ -78,7 +78,8 @@ def persist_copy(slot, header: dict, data_off: int, data_len: int, root: str, ke
     t0 = time.perf_counter()
     state = copy_state_dict(header, slot.data(data_off, data_len), f"memory copy {slot.path}")
     manager = CheckpointManager(root, keep_last=keep_last, process_group=group)
-    manager.save(int(header["step"]), state, per_rank_values=(RNG_KEY,))
+    per_rank = tuple(key for key in PER_RANK_KEYS if key in state)
+    manager.save(int(header["step"]), state, per_rank_values=per_rank)
     dt = time.perf_counter() - t0
     logger.info("memory tier: rank %d persisted its memory copy of step %d to %s in %.0f ms",
                 header["rank"], header["step"], root, dt * 1e3)  # fmt: skip

@@ -26,7 +26,7 @@ import os
 import threading
 import time
 
-from ..checkpoint.errors import rebuild_remote_error
+from ..checkpoint.errors import CheckpointError, rebuild_remote_error
 from ..checkpoint.format.reserved import EXTRA_KEY
 from ..checkpoint.io.storage import backend_for
 from ..checkpoint.manager import committed_steps, step_dir_name
@@ -83,15 +83,15 @@ class Restore:
 
     # ------------------------------------------------------------------ 1. scan
     def _open(self, name: str, path: str, owner: int, layout) -> None:
-        if name in self.excluded or not os.path.exists(path):
+        if name in self.excluded or not os.path.lexists(path):
             return
         try:
             expect = dict(self.tier.expect(), rank=owner)
             self.found[name] = read_copy(path, expect, layout, verify=False)  # the header only
             if name == "own":
                 tier, header = self.tier, self.found[name][1]
-                self.apply_own = decode_values(tier.fsdp, tier.optimizer, header["values"], f"memory copy {path}")
-        except (InvalidMemoryCopyError, OSError) as e:
+                self.apply_own = decode_values(tier.resume_objects(), header["values"], f"memory copy {path}")
+        except (CheckpointError, OSError, TypeError, ValueError, KeyError) as e:  # a copy this rank cannot use
             copy = self.found.pop(name, None)
             if copy is not None:
                 copy[0].close()
@@ -107,13 +107,17 @@ class Restore:
                 self._open("held", copies.peer_path(), self.tier.source, None)
         except Exception as e:  # noqa: BLE001 - raised on every rank after the agreement's exchange
             error = (type(e).__name__, str(e))
-        root = self.tier.durable_root
+        storage: list[int] = []
+        try:  # a rank that cannot list storage reports it (every rank raises it): never "no checkpoint"
+            storage = committed_steps(self.tier.durable_root)
+        except Exception as e:  # noqa: BLE001 - raised on every rank after the agreement's exchange
+            error = error or (type(e).__name__, str(e))
         held = self.found.get("held")
         own = self.found.get("own")
         return {
             "own": own[1]["step"] if own else None,
             "held": [self.tier.source, held[1]["step"]] if held else None,
-            "storage": committed_steps(root),
+            "storage": storage,
             "error": error,
         }
 
@@ -132,7 +136,7 @@ class Restore:
 
     def _rounds(self) -> RestoreResult | None:
         tier = self.tier
-        state = tensor_state(tier.fsdp, tier.optimizer)
+        state = tensor_state(tier.resume_objects())
         tier.peer_link()  # collective when first called: before any rank may need it
         self.mark("prepare")
         for _round in range(2 * tier.world + 2):  # every repeated round excludes at least one copy
@@ -167,7 +171,7 @@ class Restore:
 
         root = self.tier.durable_root
         path = backend_for(root).child(root, step_dir_name(decision.step))
-        result = load_checkpoint(self.tier.fsdp, path, optimizer=self.tier.optimizer)
+        result = load_checkpoint(self.tier.fsdp, path, **self.tier.resume_kwargs())
         logger.info("memory tier: every rank restored step %d from storage %s", decision.step, path)
         out = RestoreResult(dict(result), decision.step, decision.sources)
         out.timings = self.timings()
@@ -207,7 +211,7 @@ class Restore:
         try:
             header, doff, dlen = wire.receive_header(incoming, where)
             check_header(header, dict(tier.expect(), rank=self.rank, step=decision.step), state.layout, where)
-            apply = decode_values(tier.fsdp, tier.optimizer, header["values"], where)
+            apply = decode_values(tier.resume_objects(), header["values"], where)
             self.mark("transfer")
 
             def fill(dst, off: int) -> None:

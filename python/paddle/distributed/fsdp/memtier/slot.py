@@ -11,6 +11,11 @@ Layout of a slot file (little endian)::
                       chunk digests, each record's description in the engine's wire form, the JSON values)
     [data_off, +len)  data: every record's bytes, 64-byte aligned
 
+The header's digest is always BLAKE2b-64 of its bytes, whatever checksum algorithm the data uses: a flipped
+bit in the header (its ``algo`` too) is a digest mismatch, so the copy is skipped like any corrupt one. Every
+field is then checked (header.py). Files are opened through roots.py: never a symlink, a FIFO or another
+user's file.
+
 Safety: the file is grown with ``posix_fallocate`` (every block reserved) before it is mapped, after a check of
 the free space, so a full tmpfs is a named error (MemoryTierFullError) here, never a SIGBUS on a later write.
 A file opened for reading is mapped only up to its size and every offset in the prefix is checked against it,
@@ -21,6 +26,7 @@ interrupted mid-write is never taken as valid.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import mmap
 import os
@@ -29,9 +35,11 @@ import struct
 import numpy as np
 
 from ..checkpoint import checksums
-from .errors import InvalidMemoryCopyError, MemoryTierFullError
+from . import roots
+from .errors import InvalidMemoryCopyError, MemoryRootError, MemoryTierFullError
+from .header import check_fields
 
-MAGIC = b"FSDPMEM2"  # 2: headers carry the record descriptions (persist.py)
+MAGIC = b"FSDPMEM3"  # 2: headers carry the record descriptions (persist.py); 3: BLAKE2b header digest, durable_id
 _PREFIX = struct.Struct("<8sIQQQQQ")  # magic, state, header_len, header_cap, data_off, data_len, header_digest
 HEADER_OFF = 4096
 WRITING, VALID = 0, 1
@@ -51,6 +59,10 @@ def free_bytes(root: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def header_digest(raw: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+
+
 def parse_header(buf, size: int, where: str) -> tuple[dict, int, int]:
     """(header, data offset, data length) from the first bytes ``buf`` (at least prefix and header) of a slot
     file of ``size`` bytes (mapped, or arriving over a socket: wire.py); InvalidMemoryCopyError unless valid."""
@@ -66,14 +78,13 @@ def parse_header(buf, size: int, where: str) -> tuple[dict, int, int]:
             f"memory copy {where} is truncated or malformed ({size} bytes, needs {doff + dlen})"
         )
     raw = bytes(buf[HEADER_OFF : HEADER_OFF + hlen])
+    if header_digest(raw) != digest:
+        raise InvalidMemoryCopyError(f"memory copy {where}: header checksum mismatch")
     try:
         header = json.loads(raw)
-        algo = header["algo"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, RecursionError):
         raise InvalidMemoryCopyError(f"memory copy {where} has an unreadable header") from None
-    if algo != checksums.NONE and checksums.digest_function(algo)(raw) != digest:
-        raise InvalidMemoryCopyError(f"memory copy {where}: header checksum mismatch")
-    return header, doff, dlen
+    return check_fields(header, dlen, f"memory copy {where}"), doff, dlen
 
 
 class Slot:
@@ -98,20 +109,28 @@ class Slot:
         MemoryTierFullError when the root lacks the space (or ``quota`` is exceeded)."""
         size = slot_size(header_cap, data_len)
         root = os.path.dirname(path)
-        os.makedirs(root, exist_ok=True)
-        have = os.stat(path).st_blocks * 512 if os.path.exists(path) else 0
         if quota is not None and size > quota:
             raise MemoryTierFullError(f"memory copy {path} needs {size} bytes, more than the quota of {quota} bytes")
-        avail = free_bytes(root)
-        if size - have > avail:
-            raise MemoryTierFullError(
-                f"memory root {root} has {avail} bytes free, memory copy {path} needs {size - have} more"
-            )
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        dfd = roots.open_dir(root, create=True, private=False)  # the job directory: tightened by RankLock
         try:
+            fd = roots.open_file(dfd, os.path.basename(path), os.O_RDWR | os.O_CREAT, f"memory copy {path}")
+        except InvalidMemoryCopyError as e:  # a symlink, FIFO or foreign file where the copy goes: never written
+            raise MemoryRootError(str(e)) from None
+        finally:
+            os.close(dfd)
+        try:
+            have = os.fstat(fd).st_blocks * 512
+            avail = free_bytes(root)
+            if size - have > avail:
+                raise MemoryTierFullError(
+                    f"memory root {root} has {avail} bytes free, memory copy {path} needs {size - have} more"
+                )
             if os.fstat(fd).st_size > size:
                 os.ftruncate(fd, size)
             os.posix_fallocate(fd, 0, size)
+        except MemoryTierFullError:
+            os.close(fd)
+            raise
         except OSError as e:
             os.close(fd)
             if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
@@ -132,8 +151,12 @@ class Slot:
         """Map an existing slot file for reading (its size as it is: checked by ``header``). ``populate``: the
         page tables are filled by the kernel at once (a copy that will be read whole: ~10% faster than a fault
         per 4 KiB page, measured here)."""
-        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
-        return cls(path, fd, os.fstat(fd).st_size, writable, populate)
+        fd = roots.open_file(None, path, os.O_RDWR if writable else os.O_RDONLY, f"memory copy {path}")
+        try:
+            return cls(path, fd, os.fstat(fd).st_size, writable, populate)
+        except BaseException:
+            os.close(fd)
+            raise
 
     # ------------------------------------------------------------------ prefix and header
     def mark_writing(self) -> None:
@@ -152,7 +175,7 @@ class Slot:
         if len(raw) > cap:
             raise InvalidMemoryCopyError(f"memory copy {self.path}: header of {len(raw)} bytes exceeds {cap}")
         self.buf[HEADER_OFF : HEADER_OFF + len(raw)] = np.frombuffer(raw, np.uint8)
-        digest = checksums.digest_function(header["algo"])(raw) if header["algo"] != checksums.NONE else 0
+        digest = header_digest(raw)
         _PREFIX.pack_into(self._mm, 0, MAGIC, WRITING, len(raw), cap, data_off, data_len, digest)
         _PREFIX.pack_into(self._mm, 0, MAGIC, VALID, len(raw), cap, data_off, data_len, digest)
 
@@ -162,17 +185,7 @@ class Slot:
 
     def verify(self, header: dict, data_off: int, data_len: int) -> None:
         """Check every record's chunk digests against the data (InvalidMemoryCopyError on a mismatch)."""
-        algo = header["algo"]
-        if algo == checksums.NONE:
-            return
-        fn = checksums.digest_function(algo)
-        chunk = int(header["chunk"])
-        data = self.data(data_off, data_len)
-        for key, _dtype, _shape, off, nbytes, digests in header["records"]:
-            if off + nbytes > data_len:
-                raise InvalidMemoryCopyError(f"memory copy {self.path}: record {key!r} lies outside the data")
-            if checksums.chunk_digests(data[off : off + nbytes], chunk, fn) != digests:
-                raise InvalidMemoryCopyError(f"memory copy {self.path}: checksum mismatch in record {key!r}")
+        verify_records(header, self.data(data_off, data_len), f"memory copy {self.path}")
 
     # ------------------------------------------------------------------ end
     def close(self) -> None:
@@ -193,3 +206,29 @@ class Slot:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def digest_fn(header: dict):
+    """The data's chunk hash of a checked header (None: ``none``); InvalidMemoryCopyError when this build lacks it."""
+    if header["algo"] == checksums.NONE:
+        return None
+    try:
+        return checksums.digest_function(header["algo"])
+    except Exception as e:  # noqa: BLE001 - CheckpointError: xxhash missing here
+        raise InvalidMemoryCopyError(str(e)) from None
+
+
+def verify_records(header: dict, data, where: str) -> None:
+    """Check the chunk digests of every record of a checked header against ``data`` (the copy's data region)."""
+    fn = digest_fn(header)
+    if fn is None:
+        return
+    for rec in header["records"]:
+        check_record_bytes(header, rec, data[rec[3] : rec[3] + rec[4]], where, fn)
+
+
+def check_record_bytes(header: dict, rec: list, buf, where: str, fn=None) -> None:
+    """InvalidMemoryCopyError unless ``buf`` (one record's bytes, wherever they are) matches its chunk digests."""
+    fn = fn or digest_fn(header)
+    if fn is not None and checksums.chunk_digests(buf, header["chunk"], fn) != rec[5]:
+        raise InvalidMemoryCopyError(f"{where}: checksum mismatch in record {rec[0]!r}")

@@ -2,8 +2,11 @@
 
 * ``records.py``: each rank's parameter pieces and optimizer state as ShardedWeight records (no gathering).
 * ``optimizer_states.py``: the per-optimizer-class table naming every accumulator and non-tensor state.
-* ``resume.py``: the one-call ``save_checkpoint`` / ``load_checkpoint`` (tensors, optimizer, LR scheduler,
-  RNG, ``extra_state``) built on the engine in ``paddle.distributed.fsdp.checkpoint``.
+* ``resume_state.py``: what a resume holds (``ITEMS``), built and applied in one place for every door.
+* ``resume.py``: the one-call ``save_checkpoint`` / ``load_checkpoint`` built on the engine in
+  ``paddle.distributed.fsdp.checkpoint``; the memory tier (``memtier/``) is the other door.
+* ``grad_scaler.py``, ``rng.py``, ``buffers.py``, ``stateful.py`` (objects with ``state_dict()``, the data
+  sampler), ``ema.py`` (a sharded EMA of the weights): the items' own encodings.
 
 Data flows one way: model -> buffers -> records (here) -> storage (``checkpoint/``).
 """

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ..fully_shard_fusion import FullyShardFusion
 
 
-def _flattened_record(key: str, local: paddle.Tensor, shape: tuple[int, ...], start: int, stop: int):
+def flattened_record(key: str, local: paddle.Tensor, shape: tuple[int, ...], start: int, stop: int):
     return ShardedWeight(
         key=key,
         local_tensor=local,
@@ -40,15 +40,21 @@ def _flattened_record(key: str, local: paddle.Tensor, shape: tuple[int, ...], st
 def model_sharded_state_dict(fsdp: FullyShardFusion) -> dict:
     """Every parameter piece this rank holds, keyed by structured name (tied params appear once), and every
     persistable buffer as a replicated tensor (see buffers.py: saved from rank 0, loaded on every rank)."""
+    records = parameter_records(fsdp)
+    records.update(persistable_buffers(fsdp.model))
+    return records
+
+
+def parameter_records(fsdp: FullyShardFusion) -> dict:
+    """Every parameter piece this rank holds, keyed by structured name (tied params appear once)."""
     records: dict = {}
     for key, _param, buffer, index in fsdp.managed_parameters():
         piece = buffer.pieces.get(index)
         if piece is None:
             continue
-        records[key] = _flattened_record(
+        records[key] = flattened_record(
             key, buffer.local_view(index), piece.slot.shape, piece.param_start, piece.param_stop
         )
-    records.update(persistable_buffers(fsdp.model))
     return records
 
 
@@ -80,7 +86,7 @@ def optimizer_sharded_state_dict(fsdp: FullyShardFusion, optimizer) -> dict:
             if entry.kind == names.ELEMENTWISE:
                 # the optimizer created it from the 1-D piece, so it is [length]: record the live
                 # tensor itself (a reshape could copy, and loads must land in the optimizer's memory)
-                records[state_key] = _flattened_record(
+                records[state_key] = flattened_record(
                     state_key,
                     entry.tensor,
                     piece.slot.shape,

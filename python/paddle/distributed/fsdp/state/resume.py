@@ -1,8 +1,10 @@
 """One-call checkpointing of a FullyShardFusion model: tensors, optimizer, LR scheduler, RNG, user state.
 
-Built on the records of records.py and the storage engine in ``checkpoint/``. Besides tensors,
-a checkpoint carries small JSON values under the reserved keys of ``checkpoint/format/reserved.py``: the optimizer's class and
-non-tensor state, every rank's random generator state, and the caller's ``extra_state``.
+Built on the storage engine in ``checkpoint/``. WHAT is saved and how it is applied is decided by the owner of
+the resume state, resume_state.py (tensors, and small JSON values under the reserved keys of
+``checkpoint/format/reserved.py``: optimizer class and non-tensor state, every rank's random generator state, a
+GradScaler, stateful objects such as the data sampler, an EMA, the caller's ``extra_state``); this module is the
+disk and object-store door: saving, loading with its checks, retries and fallback.
 
 Numbered checkpoints (``checkpoint/manager.py``)::
 
@@ -39,22 +41,10 @@ from ..checkpoint import (
     save_state_dict,
 )
 from ..checkpoint.coordination import Comm
-from ..checkpoint.errors import (
-    CheckpointRemovedError,
-    MetadataError,
-    OptimizerMismatchError,
-    PartiallyLoadedError,
-    UnexpectedKeyError,
-)
-from ..checkpoint.format.reserved import (
-    BUFFERS_KEY,
-    EXTRA_KEY,
-    GRAD_SCALER_KEY,
-    OPTIMIZER_KEY,
-    RESERVED_PREFIX,
-    RNG_KEY,
-)
+from ..checkpoint.errors import CheckpointRemovedError, PartiallyLoadedError, UnexpectedKeyError
+from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, RESERVED_PREFIX
 from ..checkpoint.gc_pause import gc_paused
+from ..checkpoint.load_checks import named_read_error
 from ..checkpoint.manager import (
     committed_steps,
     is_checkpoint_root,
@@ -63,11 +53,10 @@ from ..checkpoint.manager import (
     step_dir_name,
 )
 from ..checkpoint.paths import local_path
-from . import grad_scaler as scaler_state
-from . import optimizer_states as names
-from . import replicas, rng
-from .buffers import persistable_buffers, warn_if_buffers_differ
+from . import replicas, resume_state
+from .buffers import persistable_buffers
 from .records import refresh_master_weights
+from .resume_state import ResumeObjects
 
 logger = logging.getLogger(__name__)
 
@@ -96,30 +85,6 @@ class LoadResult(dict):
         self.fallback_from: list[tuple[str, str]] = []
 
 
-def decode_extra_state(saved: Any, where: str) -> dict:
-    if saved is None:
-        return {}
-    if type(saved) is not dict:
-        raise MetadataError(f"{where} must be an object, got {type(saved).__name__}")
-    return saved
-
-
-def _state(fsdp, optimizer) -> dict:
-    state = fsdp.sharded_state_dict()
-    if optimizer is not None:
-        state.update(fsdp.optimizer_sharded_state_dict(optimizer))
-    return state
-
-
-def _deferred_keys(fsdp, model_state: dict, optimizer_state: dict) -> list[str]:
-    """Keys an async save may copy after it returned: pieces of trainable parameters and optimizer state, which
-    only the optimizer step (or a direct write) changes, and both wait for the copy (checkpoint/snapshot_guard.py).
-    Everything else (parameters of non-trainable buffers, persistable buffers that forward updates) is copied at
-    the call."""
-    trainable = {key for key, _param, buffer, _index in fsdp.managed_parameters() if buffer.layout.trainable}
-    return [key for key in model_state if key in trainable] + list(optimizer_state)
-
-
 @gc_paused()  # the state dict of every piece: many small objects, no cycles (checkpoint/gc_pause.py)
 def save_checkpoint(
     fsdp,
@@ -133,6 +98,8 @@ def save_checkpoint(
     async_save: bool = False,
     options: CheckpointOptions | None = None,
     grad_scaler=None,
+    stateful: dict | None = None,
+    ema=None,
 ):
     """Save everything needed to resume bit-exactly. Collective: every rank of the group calls it.
 
@@ -144,7 +111,10 @@ def save_checkpoint(
     ``extra_state`` and non-trainable tensors; parameters and optimizer state are copied during the next
     forward/backward, and the next ``optimizer.step()`` waits for that copy by itself (see
     checkpoint/snapshot_guard.py for what else waits). ``grad_scaler``: a ``paddle.amp.GradScaler`` whose state
-    (loss scale, counters, settings) is saved too (state/grad_scaler.py).
+    (loss scale, counters, settings) is saved too (state/grad_scaler.py). ``stateful``: ``{name: object}`` of
+    objects with ``state_dict()``/``set_state_dict()`` (a data sampler, fsdp/sampler.py), saved per rank
+    (state/stateful.py). ``ema``: a ShardedEMA (``fsdp.ema(coef)``, state/ema.py) saved with the weights. What a
+    checkpoint holds is decided in one place: state/resume_state.py.
     """
     if str(format).lower() in HF_FORMAT_NAMES:
         raise ValueError(
@@ -154,31 +124,19 @@ def save_checkpoint(
         )
     if str(format).lower() != "fsdp":
         raise ValueError(f"unknown checkpoint format {format!r} (supported: 'fsdp')")
-    scaler_value = scaler_state.capture(grad_scaler) if grad_scaler is not None else None
+    objs = ResumeObjects(fsdp, optimizer, grad_scaler, stateful, ema, extra_state)
     manager = None
     if step is not None:
         step_dir_name(step)  # validates before any collective
         manager = CheckpointManager(path, keep_last=keep_last, process_group=fsdp.checkpoint_group)
     elif keep_last is not None:
         raise ValueError("keep_last needs step=: numbered checkpoints live in a root as step_<N> directories")
-    state = fsdp.sharded_state_dict()
-    optimizer_state = fsdp.optimizer_sharded_state_dict(optimizer) if optimizer is not None else {}
-    deferred = _deferred_keys(fsdp, state, optimizer_state) if async_save else None
-    state.update(optimizer_state)
-    if optimizer is not None:
-        inner = names.unwrap_optimizer(optimizer)
-        state[OPTIMIZER_KEY] = {
-            "class": type(inner).__name__,
-            "global_state": names.optimizer_global_state(inner),
-        }
-    buffers = persistable_buffers(fsdp.model)
-    warn_if_buffers_differ(fsdp, buffers)
-    state[BUFFERS_KEY] = list(buffers)
-    state[RNG_KEY] = rng.capture()  # every rank's, gathered by the save's own exchange (per_rank_values)
-    state[EXTRA_KEY] = dict(extra_state or {})
-    if scaler_value is not None:
-        state[GRAD_SCALER_KEY] = scaler_value
-    save_options = dict(async_save=async_save, deferred_keys=deferred, per_rank_values=(RNG_KEY,), options=options)
+    built = resume_state.build(objs, collective=True)
+    state = built.state_dict()
+    deferred = [key for key in built.tensors if key in built.deferred] if async_save else None
+    save_options = dict(
+        async_save=async_save, deferred_keys=deferred, per_rank_values=built.per_rank_keys, options=options
+    )
     if manager is not None:
         return manager.save(step, state, **save_options)
     return save_state_dict(state, path, process_group=fsdp.checkpoint_group, **save_options)
@@ -189,6 +147,7 @@ def _foreign_keys(metadata, fsdp) -> list[str]:
     reserved ``__fsdp__.*`` values belong)."""
     model_keys = {key for key, _param, _buffer, _index in fsdp.managed_parameters()}
     model_keys.update(persistable_buffers(fsdp.model))
+    model_keys.update(getattr(fsdp, "expert_keys", ()))  # under EP: the experts other EP ranks hold
     out = []
     for key in list(metadata.tensors) + list(metadata.values):
         if key in model_keys or key.startswith(RESERVED_PREFIX):
@@ -203,53 +162,21 @@ def _foreign_keys(metadata, fsdp) -> list[str]:
     return sorted(out)
 
 
-def _precheck(
-    fsdp, resolved: str, metadata, optimizer, strict: bool, grad_scaler=None
-) -> tuple[list[str], Callable[[], None]]:
+def _precheck(objs: ResumeObjects, resolved: str, metadata, strict: bool) -> tuple[list[str], Callable[[], None]]:
     """Everything a load must refuse before any tensor is written (this rank; the engine exchanges the verdict):
-    the optimizer class, keys of another model, and every piece of non-tensor state decoded and validated
-    (optimizer global state and LR scheduler with field types, this rank's RNG state and the structure of every
-    rank's, ``extra_state``). Returns the foreign keys and a function applying the decoded state, which cannot
-    fail half-way."""
-    values = metadata.values
-    saved_optimizer = values.get(OPTIMIZER_KEY)
-    apply_optimizer = None
-    if optimizer is not None:
-        inner = names.unwrap_optimizer(optimizer)
-        given = type(inner).__name__
-        if saved_optimizer is None:
-            raise OptimizerMismatchError(
-                f"checkpoint {resolved} has no optimizer state, but a {given} was given: load it without optimizer="
-            )
-        if type(saved_optimizer) is not dict or type(saved_optimizer.get("class")) is not str:
-            raise MetadataError(f"checkpoint {resolved}: {OPTIMIZER_KEY} must be an object with a 'class' string")
-        if saved_optimizer["class"] != given:
-            raise OptimizerMismatchError(
-                f"checkpoint {resolved} holds {saved_optimizer['class']} state, but the optimizer given is {given}"
-            )
-        try:
-            apply_optimizer = names.decode_optimizer_global_state(inner, saved_optimizer.get("global_state"))
-        except MetadataError as e:
-            raise MetadataError(f"checkpoint {resolved}: {e}") from None
+    keys of another model, and every item of non-tensor state decoded and validated by the owner of the resume
+    state (state/resume_state.py: optimizer class and global state with the LR scheduler, this rank's RNG,
+    GradScaler, stateful objects, EMA, ``extra_state``). Returns the foreign keys and the function applying the
+    decoded state, which cannot fail half-way."""
+    fsdp = objs.fsdp
     foreign = _foreign_keys(metadata, fsdp)
     if foreign and strict:
         raise UnexpectedKeyError(
             f"checkpoint {resolved} holds {len(foreign)} key(s) this model does not have (a checkpoint of another "
             f"model?): {foreign[:5]}{' ...' if len(foreign) > 5 else ''}; pass strict=False to load the rest"
         )
-    apply_rng = rng.decode(values.get(RNG_KEY), fsdp.checkpoint_rank, f"checkpoint {resolved}")
-    decode_extra_state(values.get(EXTRA_KEY), f"checkpoint {resolved}: {EXTRA_KEY}")
-    apply_scaler = scaler_state.decode(
-        grad_scaler, values.get(GRAD_SCALER_KEY), GRAD_SCALER_KEY in values, strict, f"checkpoint {resolved}"
-    )
-
-    def apply() -> None:
-        if apply_optimizer is not None:
-            apply_optimizer()
-        apply_rng()
-        apply_scaler()
-
-    return foreign, apply
+    saved = resume_state.Saved(metadata.values, fsdp.checkpoint_rank, resume_state.checkpoint_world(fsdp))
+    return foreign, resume_state.decode(objs, saved, strict, f"checkpoint {resolved}")
 
 
 # a load that lost a race with keep_last rotation (or a replacing save) retries with what `latest` names now
@@ -268,6 +195,8 @@ def load_checkpoint(
     max_host_bytes: int | None = None,
     options: CheckpointOptions | None = None,
     grad_scaler=None,
+    stateful: dict | None = None,
+    ema=None,
 ) -> LoadResult:
     """Restore what :func:`save_checkpoint` wrote into ``fsdp``'s model and ``optimizer``, in place.
 
@@ -286,21 +215,22 @@ def load_checkpoint(
     ``atomic=True`` instead keeps an undo copy of the rank's state and restores it on any failure.
     Returns a :class:`LoadResult`: the saved ``extra_state`` dict, with ``.report``, ``.path``, ``.step`` and
     ``.fallback_from``. ``grad_scaler``: a ``paddle.amp.GradScaler`` to restore (saved with ``grad_scaler=``;
-    with ``strict``, a checkpoint without its state is refused, state/grad_scaler.py).
+    with ``strict``, a checkpoint without its state is refused, state/grad_scaler.py). ``stateful``: the objects
+    saved with ``stateful=``, restored with ``set_state_dict`` (state/stateful.py); ``ema``: the ShardedEMA saved
+    with ``ema=`` (resharded like the weights at another world size).
     """
-    if grad_scaler is not None:
-        scaler_state.check_scaler(grad_scaler)
+    objs = ResumeObjects(fsdp, optimizer, grad_scaler, stateful, ema)  # TypeError for a wrong object, first
     root = local_path(path)  # a local directory, or a URL of a storage backend (s3://)
     skipped: list[tuple[str, str]] = []
     target = path
     while True:
         try:
-            result = _load_retrying(
-                fsdp, target, optimizer, strict, verify_checksums, atomic, max_host_bytes, options, grad_scaler
-            )
+            result = _load_retrying(objs, target, strict, verify_checksums, atomic, max_host_bytes, options)
         except PartiallyLoadedError as e:
             failed = getattr(e, "checkpoint", None)
-            older = _older_checkpoint(root, failed) if failed is not None and failed != root else None
+            # decided alike on every rank (a rank that cannot list the root must not give up alone while its
+            # peers fall back: their next collective would meet nobody)
+            older = _agreed(fsdp, e, lambda f=failed: _older_checkpoint(root, f) if f not in (None, root) else None)
             if older is None:
                 raise
             skipped.append((failed, str(e)))
@@ -309,6 +239,23 @@ def load_checkpoint(
             continue
         result.fallback_from = skipped
         return result
+
+
+def _agreed(fsdp, failure: BaseException, decide: Callable[[], Any]) -> Any:
+    """What ``decide()`` answers on every rank of the checkpoint group, if they all answer alike; else (or
+    when it raised on some rank) ``failure``, the error being handled, is raised on every rank with why."""
+    answer, err = None, None
+    try:
+        answer = decide()
+    except Exception as e:  # noqa: BLE001 - whatever fails must reach the exchange below
+        err = e
+    try:
+        answers = gather_errors(Comm(fsdp.checkpoint_group), err, answer)
+    except Exception as e:  # noqa: BLE001 - the same class on every rank: the error being handled
+        raise type(failure)(f"{type(e).__name__}: {e}; while deciding what to do after: {failure}") from e
+    if len(set(map(repr, answers))) > 1:
+        raise type(failure)(f"the ranks see the checkpoint root differently ({answers}) after: {failure}")
+    return answer
 
 
 def _older_checkpoint(root: str, failed: str) -> str | None:
@@ -322,25 +269,22 @@ def _older_checkpoint(root: str, failed: str) -> str | None:
     return os.path.join(root, step_dir_name(older[-1])) if older else None
 
 
-def _load_retrying(
-    fsdp, path, optimizer, strict, verify_checksums, atomic, max_host_bytes, options, grad_scaler
-) -> LoadResult:
+def _load_retrying(objs, path, strict, verify_checksums, atomic, max_host_bytes, options) -> LoadResult:
     """One load of ``path``, retried when ``keep_last`` rotation removed the checkpoint being read."""
     for attempt in range(_REMOVED_RETRIES + 1):
         try:
-            return _load_once(
-                fsdp, path, optimizer, strict, verify_checksums, atomic, max_host_bytes, options, grad_scaler
-            )
+            return _load_once(objs, path, strict, verify_checksums, atomic, max_host_bytes, options)
         except CheckpointRemovedError as e:  # raised on every rank alike (the engine exchanges errors)
-            if attempt == _REMOVED_RETRIES or not is_checkpoint_root(path):
+            if attempt == _REMOVED_RETRIES or not _agreed(objs.fsdp, e, lambda: is_checkpoint_root(path)):
                 raise
             logger.warning("load_checkpoint(%s): %s; retrying with what %s names now", path, e, "latest")
     raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _load_once(
-    fsdp, path: str, optimizer, strict: bool, verify_checksums: bool, atomic: bool, max_host_bytes, options, grad_scaler
+    objs: ResumeObjects, path: str, strict: bool, verify_checksums: bool, atomic: bool, max_host_bytes, options
 ) -> LoadResult:
+    fsdp, optimizer = objs.fsdp, objs.optimizer
     err: BaseException | None = None
     resolved = metadata = None
     checked: dict = {}
@@ -349,32 +293,32 @@ def _load_once(
         # refused here, before the optimizer's state is even created; the engine loads with this same metadata
         # (read once) and still compares the checkpoint id every rank read
         metadata = read_metadata(resolved)
-        checked["foreign"], checked["apply"] = _precheck(fsdp, resolved, metadata, optimizer, strict, grad_scaler)
+        checked["foreign"], checked["apply"] = _precheck(objs, resolved, metadata, strict)
     except Exception as e:  # noqa: BLE001 - whatever fails here must reach the exchange below
-        err = e
+        err = named_read_error(path, e)  # (an OSError reading storage: named, the same class on every rank)
     # every rank fails together: a rank raising alone would leave the others waiting in the load's collective
     resolutions = gather_errors(Comm(fsdp.checkpoint_group), err, resolved)
     if len(set(resolutions)) > 1:  # `latest` moved between the ranks' reads
         raise CheckpointRemovedError(f"ranks resolved {path} to different checkpoints: {sorted(set(resolutions))}")
     if optimizer is not None:
         fsdp.init_optimizer_state(optimizer)
-    state = _state(fsdp, optimizer)
-    for key in (RNG_KEY, EXTRA_KEY) + ((OPTIMIZER_KEY,) if optimizer is not None else ()):
-        state[key] = None
-    if grad_scaler is not None and metadata is not None and GRAD_SCALER_KEY in metadata.values:
-        state[GRAD_SCALER_KEY] = None
+    state = resume_state.load_targets(objs)
+    for key in resume_state.requested_values(objs, metadata.values if metadata is not None else {}):
+        state[key] = None  # requested: the engine reports them missing like any key (extra_state is returned)
 
     def precheck(md) -> None:
         if md is not metadata:  # (the engine read the metadata itself: check it again)
-            checked["foreign"], checked["apply"] = _precheck(fsdp, resolved, md, optimizer, strict, grad_scaler)
+            checked["foreign"], checked["apply"] = _precheck(objs, resolved, md, strict)
 
     replicate_group = fsdp.group_layout.replicate_group
     split = (
         replicas.split_for_replicas(state, metadata, fsdp.group_layout.replicate_degree) if replicate_group else None
     )
+    # the dict the engine fills: under HSDP a replica's part, which holds the JSON values (extra_state) too
+    requested = replicas.my_part(state, split, replicate_group.rank) if split else state
     try:
         report = load_state_dict(
-            replicas.my_part(state, split, replicate_group.rank) if split else state,
+            requested,
             resolved,
             process_group=fsdp.checkpoint_group,
             strict=strict,
@@ -413,5 +357,5 @@ def _load_once(
                 resolved,
                 "; ".join(f"{what}: {keys}" for what, keys in problems.items() if keys),
             )
-    extra = state[EXTRA_KEY]
+    extra = requested[EXTRA_KEY]
     return LoadResult(extra if isinstance(extra, dict) else {}, report, resolved)

@@ -54,7 +54,7 @@ from ..checkpoint.format.metadata import (
     rank_file_name,
     storage_dtype,
 )
-from ..checkpoint.format.reserved import BUFFERS_KEY, OPTIMIZER_KEY, key_problem
+from ..checkpoint.format.reserved import BUFFERS_KEY, EMA_SUFFIX, OPTIMIZER_KEY, key_problem
 from ..checkpoint.format.safetensors import build_header
 from ..checkpoint.paths import local_path, url_scheme
 from ..checkpoint.planner import Region
@@ -106,7 +106,7 @@ def classify_keys(md: CheckpointMetadata) -> dict[str, KeyRole]:
     if isinstance(opt, dict) and isinstance(opt.get("class"), str):
         known = _known_state_names(opt["class"])
         if known is not None:
-            odd = sorted({r.state for r in roles.values() if r.role == OPTIMIZER} - known)
+            odd = sorted({r.state for r in roles.values() if r.role == OPTIMIZER} - known - {EMA_SUFFIX[1:]})
             if odd:
                 logger.warning(
                     "checkpoint holds %s state, but state names %s are not in that optimizer's table",

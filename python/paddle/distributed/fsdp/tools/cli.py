@@ -169,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also write the model's persistable buffers (left out by default)",
     )
+    p.add_argument(
+        "--ema",
+        action="store_true",
+        help="write the EMA of the weights (saved with ema=) as the model's weights (docs/resume-state.md)",
+    )
     _preset_options(p, "to-hf")
     p.set_defaults(func=cmd_to_hf)
 
@@ -375,6 +380,7 @@ def cmd_to_hf(args) -> int:
         preset=args.preset,
         config=args.config,
         allow_unmapped=args.allow_unmapped,
+        ema=args.ema,
     )
     print(
         f"wrote {s['tensors']} tensors ({human_bytes(s['total_size'])}, {s['transposed']} transposed, "

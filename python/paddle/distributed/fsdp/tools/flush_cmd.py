@@ -19,7 +19,11 @@ def add_flush_memory(sub, common: argparse.ArgumentParser) -> None:
         "checkpoint (loadable at any world size), then point DURABLE_ROOT/latest at it. Nothing is written\n"
         "when storage already has that step or a newer one. Run it on a node after the job crashed, before\n"
         "the restart; give the roots of every node you can reach (a node's root holds its ranks' copies and\n"
-        "its partner node's).",
+        "its partner node's).\n\n"
+        "Only copies that name DURABLE_ROOT's memory-tier id (its memtier-id object) are used; a job whose\n"
+        "tier is still running (its rank lock held) is refused; roots others may write to, symlinks and FIFOs\n"
+        "are refused or skipped; each record is verified in a private buffer before it is written\n"
+        "(docs/memory-tier-trust.md). Exit 2 names what is wrong.",
         epilog="examples:\n"
         "  paddle-fsdp-ckpt flush-memory ckpt/ --memory-root /dev/shm/paddle-fsdp-memtier\n"
         "  paddle-fsdp-ckpt flush-memory ckpt/ --memory-root /mnt/node0-shm --memory-root /mnt/node1-shm --job run7\n"

@@ -51,6 +51,7 @@ Both directions write into ``OUT.tmp-<id>`` and rename it to ``OUT`` only when c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -63,7 +64,15 @@ import numpy as np
 from ..checkpoint.errors import CheckpointError, SafetensorsHeaderError
 from ..checkpoint.format import safetensors
 from ..checkpoint.format.metadata import itemsize, storage_dtype
-from ..checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RESERVED_PREFIX, RNG_KEY, safetensors_name_problem
+from ..checkpoint.format.reserved import (
+    EMA_KEY,
+    EMA_SUFFIX,
+    EXTRA_KEY,
+    OPTIMIZER_KEY,
+    RESERVED_PREFIX,
+    RNG_KEY,
+    safetensors_name_problem,
+)
 from ..checkpoint.format.safetensors import SafetensorsEntry, SafetensorsFile
 from ..checkpoint.paths import local_path
 from ..checkpoint.planner import Region
@@ -236,6 +245,20 @@ def plan_to_hf(md, rules: Rules, dtype: str | None, include_optimizer: bool) -> 
     return out
 
 
+def ema_as_weights(md, tensors: list[HfTensor]) -> list[HfTensor]:
+    """The plan with every model weight that has an EMA record (``<key>.ema``) read from it instead, cast to
+    the dtype planned for the weight; ToolError when the checkpoint holds no EMA."""
+    if md.values.get(EMA_KEY) is None:
+        raise ToolError("--ema: the checkpoint holds no EMA of the weights (saved without ema=)")
+    out = []
+    for t in tensors:
+        source = md.tensors.get(t.key + EMA_SUFFIX)
+        if t.key == t.param and source is not None:
+            t = dataclasses.replace(t, key=t.key + EMA_SUFFIX, src_dtype=source.dtype)
+        out.append(t)
+    return out
+
+
 def _check_collisions(pairs: list[tuple[str, str]], what: str) -> None:
     seen: dict[str, str] = {}
     for src, dst in pairs:
@@ -276,6 +299,7 @@ def to_hf(
     preset: str | None = None,
     config: str | os.PathLike | None = None,
     allow_unmapped: bool = False,
+    ema: bool = False,
 ) -> dict:
     """Convert checkpoint ``ckpt`` into Hugging Face safetensors in ``out`` (see the module docstring).
 
@@ -283,7 +307,9 @@ def to_hf(
     ``include_buffers``: Hugging Face weights hold parameters, and a loader would report them as unexpected.
     ``preset`` (needs ``config``, an HF ``config.json``): the family's names, transposes and fused-key splits,
     with the export refused unless complete (``allow_unmapped`` skips what cannot be mapped). ``config`` is copied
-    into the export as ``config.json``. Returns a summary: ``{"out", "files", "tensors", "total_size",
+    into the export as ``config.json``. ``ema``: export the EMA of the weights (``save_checkpoint(..., ema=)``,
+    state/ema.py) as the model's weights, in the weights' dtype unless ``dtype``; weights without an EMA (frozen
+    ones) are exported as they are. Returns a summary: ``{"out", "files", "tensors", "total_size",
     "transposed", "split"}``.
     """
     if preset is not None and rules is not None and not rules.is_identity:
@@ -308,6 +334,10 @@ def to_hf(
         else:
             tensors = plan_to_hf(ckpt_io.without_keys(reader.md, buffers), rules, dtype, include_optimizer)
             unchecked = check_rules_export(tensors, config_dict, config, allow_unmapped)
+        names = {t.name: t.key for t in tensors}  # what each HF name is in the checkpoint (its EMA: the weight)
+        has_optimizer_state = any(t.key != t.param for t in tensors)
+        if ema:
+            tensors = ema_as_weights(reader.md, tensors)
         if not tensors:
             raise ToolError(f"checkpoint {reader.path} holds no tensors to export")
         shards = split_shards(tensors, max_bytes)
@@ -321,15 +351,17 @@ def to_hf(
             source.release()
             record: dict[str, Any] = {
                 "version": RECORD_VERSION,
-                "names": {t.name: t.key for t in tensors},
+                "names": names,
                 "transposed": [t.name for t in tensors if t.transpose],
             }
             if preset is not None:
                 record["preset"] = preset
+            if ema:
+                record["ema"] = reader.md.values.get(EMA_KEY)
             if config_bytes is not None:
                 _write_small(os.path.join(staging, CONFIG_FILE), config_bytes)
             opt_value = reader.md.values.get(OPTIMIZER_KEY)
-            if opt_value is not None and any(t.key != t.param for t in tensors):
+            if opt_value is not None and has_optimizer_state:
                 record["optimizer"] = opt_value
             index = {
                 "metadata": {"total_size": total, RECORD_KEY: record},

@@ -11,6 +11,7 @@ unmapped, naming the keys, unless ``allow_unmapped`` (then the keys are skipped 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 from .ckpt_io import MODEL, OPTIMIZER, classify_keys
@@ -25,6 +26,37 @@ MAX_NAMED = 12  # keys named in one error message
 def _names(keys: list[str]) -> str:
     shown = ", ".join(repr(k) for k in keys[:MAX_NAMED])
     return shown + (f" and {len(keys) - MAX_NAMED} more" if len(keys) > MAX_NAMED else "")
+
+
+_EXPERT = re.compile(r"layers\.(\d+)\..*?experts\.(\d+)\.")
+
+
+def expert_accounting(names: list[str]) -> str:
+    """The experts among ``names`` (HF names or checkpoint keys), per layer: ``" (experts by layer: layer 0:
+    [4, 5, 6, 7]; layer 2: [1])"``, or ``""`` when none is an expert. Exports that lose experts (an EP checkpoint
+    read by one rank's view) show up here at a glance, not as hundreds of tensor names."""
+    layers: dict[int, set[int]] = {}
+    for name in names:
+        m = _EXPERT.search(name)
+        if m:
+            layers.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    if not layers:
+        return ""
+    shown = "; ".join(f"layer {i}: {_ranges(sorted(e))}" for i, e in sorted(layers.items())[:MAX_NAMED])
+    more = f"; and {len(layers) - MAX_NAMED} more layers" if len(layers) > MAX_NAMED else ""
+    return f" (experts by layer: {shown}{more})"
+
+
+def _ranges(values: list[int]) -> str:
+    """``[0, 1, 2, 3, 7]`` -> ``"[0-3, 7]"``."""
+    parts, start = [], None
+    for k, v in enumerate(values):
+        if start is None:
+            start = v
+        if k + 1 == len(values) or values[k + 1] != v + 1:
+            parts.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return "[" + ", ".join(parts) + "]"
 
 
 @dataclass(frozen=True)
@@ -130,6 +162,7 @@ def plan_to_hf_preset(
     produced: dict[str, str] = {}
     unmapped: list[str] = []
     outside: list[str] = []
+    outside_keys: list[str] = []
     shape_errors: list[str] = []
     items: list[ToHfItem] = []
     by_param: dict[str, ToHfItem] = {}
@@ -145,6 +178,7 @@ def plan_to_hf_preset(
         extra = [n for n in names if n not in expected]
         if extra:
             outside.append(f"{key!r} -> {_names(extra)}")
+            outside_keys.extend(extra)
             continue
         shapes = _target_shapes(rule, names, expected)
         want = fused_shape(rule, shapes)
@@ -170,9 +204,14 @@ def plan_to_hf_preset(
             + _suggest(unmapped, preset)
         )
     if outside:
-        problems.append(f"key(s) outside the architecture of the config: {_names(outside)}")
+        problems.append(
+            f"key(s) outside the architecture of the config: {_names(outside)}" + expert_accounting(outside_keys)
+        )
     if missing:
-        problems.append(f"{len(missing)} parameter(s) of the architecture missing from the export: {_names(missing)}")
+        problems.append(
+            f"{len(missing)} parameter(s) of the architecture missing from the export: {_names(missing)}"
+            + expert_accounting(missing)
+        )
     refuse_or_warn(problems, allow_unmapped, f"to-hf --preset {preset.name}")
     if not include_optimizer:
         return items
@@ -291,10 +330,13 @@ def plan_from_hf_preset(
     if unmapped:
         problems.append(
             f"{len(unmapped)} Hugging Face tensor(s) not mapped by preset {preset.name} for this config: "
-            f"{_names(unmapped)}"
+            f"{_names(unmapped)}" + expert_accounting(unmapped)
         )
     if missing:
-        problems.append(f"{len(missing)} parameter(s) of the architecture missing from the input: {_names(missing)}")
+        problems.append(
+            f"{len(missing)} parameter(s) of the architecture missing from the input: {_names(missing)}"
+            + expert_accounting(missing)
+        )
     if incomplete:
         problems.append(f"fused key(s) lacking parts: {_names(incomplete)}")
     refuse_or_warn(problems, allow_unmapped, f"from-hf --preset {preset.name}")

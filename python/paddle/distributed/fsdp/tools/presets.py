@@ -221,6 +221,19 @@ _FAMILIES = {
         o_bias="attention_bias",
         mlp_bias="mlp_bias",
     ),
+    "llama-pf1": dict(
+        description="PaddleFormers >= 1.0 LlamaForCausalLM (model.*, lm_head [vocab, hidden]) <-> transformers "
+        "LlamaForCausalLM",
+        model_types=("llama",),
+        base="model",
+        ffn_fused_name=None,  # 1.x's Llama has no fused variant
+        qk_norm=False,
+        lm_head_transposed=False,
+        moe=False,
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        mlp_bias="mlp_bias",
+    ),
     "qwen2": dict(
         description="PaddleFormers Qwen2ForCausalLM <-> transformers Qwen2ForCausalLM",
         model_types=("qwen2",),
@@ -260,7 +273,9 @@ _FAMILIES = {
 }
 
 PRESETS: dict[str, Preset] = {
-    p.name: p for family, kw in _FAMILIES.items() for p in (_family(family, f, **dict(kw)) for f in (False, True))
+    p.name: p
+    for family, kw in _FAMILIES.items()
+    for p in (_family(family, f, **dict(kw)) for f in ((False, True) if kw["ffn_fused_name"] else (False,)))
 }
 
 

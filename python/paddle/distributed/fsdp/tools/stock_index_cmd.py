@@ -1,7 +1,7 @@
 """``paddle-fsdp-ckpt stock-index``: write stock paddle's ``0.metadata`` for a checkpoint saved without it.
 
 Why: ``0.metadata`` (stock_compat.py) lists every piece of every rank, so a save that writes it makes the
-coordinator lay out every rank's file and pickle the whole index (docs/scale-2026-12-03-s3.md: seconds and
+coordinator lay out every rank's file and pickle the whole index (docs/reports/scale-2026-12-03-s3.md: seconds and
 hundreds of MB at thousands of ranks). Saves at that scale pass ``write_stock_metadata=False``; this command
 writes the same index later, in one process, from the checkpoint's own index, for a stock reader that needs it.
 The checkpoint is not otherwise changed (its commit record does not cover ``0.metadata``: the engine never

@@ -12,8 +12,8 @@
   share bytes in a file.
 * ``coverage.py``: the one exact-coverage check (overlaps and gaps) of a tensor by its pieces, bounded by the
   number of pieces (verify, loads, the save plan).
-* ``regions.py``: ``read_region``, the one reader of a region of a saved tensor (load, full loads, tools), and
-  ``iter_piece`` (verify).
+* not here: ``read_region`` / ``iter_piece``, the one reader of a region of a saved tensor, are in
+  ``checkpoint/regions.py`` (it does I/O).
 
 Writers and readers elsewhere (save.py, load.py, verify.py, tools/) call these; a format change is made here.
 

@@ -16,6 +16,9 @@ RNG_KEY = "__fsdp__.rng"  # one entry per saving rank: paddle's generator states
 EXTRA_KEY = "__fsdp__.extra_state"  # the caller's extra_state dict
 GRAD_SCALER_KEY = "__fsdp__.grad_scaler"  # a loss scaler's state (state/grad_scaler.py), when one was given
 BUFFERS_KEY = "__fsdp__.buffers"  # keys of the model's persistable buffers (to-hf leaves them out unless asked)
+STATEFUL_KEY = "__fsdp__.stateful"  # per rank: {name: state_dict()} of the caller's stateful objects (a data sampler)
+EMA_KEY = "__fsdp__.ema"  # {"coef", "updates"} of an EMA of the weights (state/ema.py), when one was given
+EMA_SUFFIX = ".ema"  # an EMA record is "<param key>.ema", sharded like its parameter (to-hf --ema exports them)
 
 SAFETENSORS_METADATA = "__metadata__"  # the header entry of a safetensors file that holds its str->str metadata
 MAX_TENSOR_KEY_CHARS = 1 << 16  # what metadata.json's reader accepts for a piece name (format/schema.py)

@@ -1,4 +1,4 @@
-"""S3 object storage for checkpoints: ``s3://bucket/prefix`` URLs over boto3 (docs/s3-client-choice-2026-12-03.md).
+"""S3 object storage for checkpoints: ``s3://bucket/prefix`` URLs over boto3 (docs/reports/s3-client-choice-*.md).
 
 * ``url.py``: ``S3Url`` (parse and validate ``s3://bucket/prefix``), ``S3Options`` (endpoint, region,
   credentials, part size, concurrency, retries and deadlines; the usual AWS variables and config files fill what

@@ -1,0 +1,118 @@
+"""Hugging Face weights of a sharded Trainer model (``save_model``, ``save_hf_steps``) through the engine's ``to-hf``.
+
+Why not the Trainer's own ``save_pretrained``: it gathers through stock ``full_param`` (``.cuda()``, fails on CPU)
+and knows nothing of our shards. Here every rank writes its shard once as a checkpoint (or an existing checkpoint
+of the same step is reused), then rank 0 streams it into HF safetensors with the model family's preset (names,
+transposes, fused-key splits: ``tools/presets.py``), one tensor in memory at a time, and adds ``config.json``,
+the generation config and the tokenizer, so that ``from_pretrained`` of PaddleFormers (and of transformers) loads
+the directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+
+import paddle.distributed as dist
+
+from ...checkpoint import gather_errors
+from ...checkpoint.coordination import Comm
+from ...tools.errors import ToolError
+from ...tools.presets import PRESETS
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class NoHfPresetError(ToolError):
+    """No to-hf preset maps every parameter of this model (its architecture has no export rules yet)."""
+
+
+def choose_preset(model_type: str | None, keys: list[str]) -> str:
+    """The preset whose family accepts ``model_type`` and whose rules map every key of the model."""
+    tried = []
+    for name, preset in PRESETS.items():
+        if model_type not in preset.model_types:
+            continue
+        tried.append(name)
+        patterns = [pattern for pattern, _rule in preset.ckpt_patterns()]
+        if all(any(p.match(k) for p in patterns) for k in keys):
+            return name
+    raise NoHfPresetError(
+        f"no to-hf preset maps every parameter of this {model_type!r} model (tried {tried or 'none'}; keys such as "
+        f"{keys[:3]}); pass hf_preset= with one of {sorted(PRESETS)}, or save_hf_steps=-1"
+    )
+
+
+def export(fsdp, model, out_dir: str, *, preset: str | None, tokenizer=None, source: str | None = None) -> None:
+    """Write HF weights + config (+ tokenizer) of ``model`` into ``out_dir`` (collective; local paths only).
+
+    ``source``: a committed checkpoint of the current weights (reused, not rewritten); None saves one into a
+    temporary directory next to ``out_dir`` first. Files land in ``out_dir`` one by one, the index last.
+    """
+    from ...tools import to_hf
+
+    if "://" in str(out_dir):
+        raise ValueError(f"HF export writes a local directory; got {out_dir!r} (export locally, then upload)")
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    scratch = None
+    if source is None:
+        scratch = f"{out_dir.rstrip('/')}.fsdp-weights.tmp"
+        fsdp.save_checkpoint(scratch)  # model only (optimizer=None): every rank writes its shard
+        source = scratch
+    error = None
+    if _is_rank0():
+        try:
+            if preset is None:
+                keys = [key for key, _p, _b, _i in fsdp.managed_parameters()]
+                preset = choose_preset(getattr(model.config, "model_type", None), keys)
+            os.makedirs(parent, exist_ok=True)
+            with tempfile.TemporaryDirectory(prefix=".fsdp-hf-", dir=parent) as work:
+                config_dir = os.path.join(work, "config")
+                model.config.save_pretrained(config_dir)
+                staged = os.path.join(work, "out")
+                to_hf(source, staged, preset=preset, config=os.path.join(config_dir, "config.json"), progress=False)
+                generation = getattr(model, "generation_config", None)
+                if generation is not None and hasattr(generation, "save_pretrained"):
+                    generation.save_pretrained(staged)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(staged)
+                _move_into(staged, out_dir)
+            logger.info("FSDPTrainer: HF weights (preset %s) written to %s", preset, out_dir)
+        except Exception as e:  # noqa: BLE001 - every rank raises it below (rank 0 wrote alone)
+            error = e
+    if scratch is not None and _is_rank0():
+        shutil.rmtree(scratch, ignore_errors=True)
+    gather_errors(Comm(fsdp.checkpoint_group), error)  # also the barrier: every rank returns after the export
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _move_into(staged: str, out_dir: str) -> None:
+    """Every file of ``staged`` into ``out_dir`` (replacing same-named ones), the HF index last: a reader that sees
+    the index sees every shard it names."""
+    os.makedirs(out_dir, exist_ok=True)
+    names = sorted(os.listdir(staged), key=lambda n: n == INDEX_FILE)
+    for name in names:
+        os.replace(os.path.join(staged, name), os.path.join(out_dir, name))
+
+
+def rotate_exports(output_dir: str, prefix: str, keep: int | None) -> list[str]:
+    """Remove all but the ``keep`` newest ``<prefix>-N`` export directories (None or <= 0: keep all)."""
+    if not keep or keep <= 0 or not os.path.isdir(output_dir):
+        return []
+    pattern = re.compile(rf"^{re.escape(prefix)}-(\d+)$")
+    found = sorted((int(m.group(1)), n) for n in os.listdir(output_dir) if (m := pattern.match(n)))
+    removed = [os.path.join(output_dir, n) for _step, n in found[:-keep]]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    if removed:
+        logger.info("save_hf_total_limit=%d: removed %s", keep, removed)
+    return removed

@@ -1,0 +1,63 @@
+"""FSDPTrainer's parts that need no PaddleFormers 1.2.0: the named error without it, the ``checkpoint-N`` directory
+rules (committed only, rotation), the HF preset chosen by architecture. The Trainer itself is tested against the
+real PaddleFormers 1.2.0 in test/integrations/paddleformers (its own venv, run by .ci/run).
+"""
+
+from __future__ import annotations
+
+import pytest
+from paddle.distributed.fsdp.integrations import paddleformers as pf_integration
+from paddle.distributed.fsdp.integrations.paddleformers import checkpoints
+from paddle.distributed.fsdp.integrations.paddleformers.hf_export import NoHfPresetError, choose_preset
+
+
+def test_fsdp_trainer_needs_paddleformers_1_2_and_says_which_extra():
+    import paddleformers
+
+    if paddleformers.__version__ == pf_integration.SUPPORTED_VERSION:
+        pytest.skip("this venv has PaddleFormers 1.2.0: the refusal is for other versions")
+    with pytest.raises(pf_integration.PaddleFormersVersionError, match=r"paddle-fsdp-fork\[paddleformers\]"):
+        pf_integration.FSDPTrainer  # noqa: B018 - the attribute access composes the class
+
+
+def _checkpoint(root, name: str, committed: bool = True):
+    d = root / name
+    d.mkdir()
+    (d / "metadata.json").write_text("{}")
+    if committed:
+        (d / "COMMIT").write_text("{}")
+    return d
+
+
+def test_newest_committed_skips_saves_that_never_committed(tmp_path):
+    _checkpoint(tmp_path, "checkpoint-2")
+    _checkpoint(tmp_path, "checkpoint-10")
+    _checkpoint(tmp_path, "checkpoint-12", committed=False)  # not the engine's: never picked
+    (tmp_path / "checkpoint-14.tmp-00ab").mkdir()  # a crashed save's staging
+    (tmp_path / "checkpoint-hf-16").mkdir()
+    assert [s for s, _ in checkpoints.committed_checkpoints(str(tmp_path))] == [2, 10]
+    assert checkpoints.newest_committed(str(tmp_path)) == str(tmp_path / "checkpoint-10")
+    assert checkpoints.newest_committed(str(tmp_path / "absent")) is None
+
+
+@pytest.mark.parametrize("keep", [None, 0, 1, 2, 5])
+def test_rotation_never_removes_the_newest_committed(tmp_path, keep):
+    for step in (1, 2, 3, 4):
+        _checkpoint(tmp_path, f"checkpoint-{step}")
+    _checkpoint(tmp_path, "checkpoint-5", committed=False)
+    (tmp_path / "checkpoint-6.tmp-00ab").mkdir()
+    checkpoints.rotate(str(tmp_path), keep, protect=(str(tmp_path / "checkpoint-1"),))
+    left = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".trash-"))  # deleted in background
+    kept = {1, 2, 3, 4} if not keep else {1} | set(range(max(1, 5 - keep), 5))
+    assert left == sorted([f"checkpoint-{s}" for s in kept] + ["checkpoint-5"])
+
+
+def test_hf_preset_is_chosen_by_architecture():
+    pf12_llama = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight"]
+    assert choose_preset("llama", pf12_llama) == "llama-pf1"
+    pf04_llama = ["llama.embed_tokens.weight", "llama.layers.0.mlp.gate_up_fused_proj.weight", "lm_head.weight"]
+    assert choose_preset("llama", pf04_llama) == "llama-fused"
+    qwen3 = ["model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.q_norm.weight"]
+    assert choose_preset("qwen3", qwen3) == "qwen3-fused"
+    with pytest.raises(NoHfPresetError, match="no to-hf preset"):
+        choose_preset("gemma3_text", ["model.layers.0.self_attn.q_proj.weight"])
