@@ -19,6 +19,7 @@ import os
 
 import paddle
 import paddle.distributed as dist
+from paddle.base import core
 
 from . import device
 from .comm_emulation import EmulatedStream, delay_from_env
@@ -111,6 +112,12 @@ class CommTask:
     @property
     def done(self) -> bool:
         return self._task is None
+
+    @property
+    def completed(self) -> bool:
+        """Whether the collective has finished already, so waiting costs nothing (gloo completes ``sync_op=False``
+        collectives inside the call). Only backend tasks are asked: emulated ones model a device stream."""
+        return self._task is None or (isinstance(self._task, core.task) and self._task.is_completed())
 
 
 #: A task with nothing in flight (one-rank worlds, synchronous fallbacks).

@@ -19,6 +19,7 @@ from typing import Callable
 import paddle
 
 from . import gradient_sync
+from .buffer_memory import BlockLedger, memory_account
 from .communication import ShardingComm, check_interval_from_env
 from .expert_comm import ExpertComm
 from .expert_parallel import check_expert_layout, expert_parameter_ids, resolve_expert_layout
@@ -129,6 +130,7 @@ class FullyShardFusion:
         # optimizers that stepped or initialised state for these parameters: summon_full_params(writeback=True)
         # re-casts their fp32 master weights where a written-back value changed (full_params.py)
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
+        self.blocks = BlockLedger()  # per-step blocks mapped in host memory, by kind (buffer_memory.py)
         layout = self.group_layout
         if layout.replicate_degree > 1:
             self.comm: ShardingComm = HybridComm(layout.shard_group, layout.replicate_group)
@@ -250,6 +252,11 @@ class FullyShardFusion:
 
     def total_parameter_bytes(self) -> int:
         return sum(b.layout.used_numel * b.shard.element_size() for b in self.buffers)
+
+    def memory_account(self) -> dict[str, int]:
+        """Bytes this rank's buffers hold now, by role (parameter_shard, gradient_shard, gathered_units,
+        gradient_buffers, staging) and the mapped host blocks alive (see buffer_memory.py); peaks in ``blocks.peak``."""
+        return memory_account(self.buffers, self.blocks)
 
     # ---- training-loop support --------------------------------------------------------------------
     def arm_backward_end(self) -> None:

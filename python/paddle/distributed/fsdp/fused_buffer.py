@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import paddle
 
+from .buffer_memory import GATHERED, GRADIENT, GRADIENT_SHARD, maps_blocks, new_block
 from .communication import GATHER, REDUCE
 from .device import address, check_same_place, host_to_device
 from .fused_layout import BufferLayout, LocalPiece
@@ -79,6 +80,7 @@ class FusedBuffer:
         self._gathering: tuple | None = None  # (full, task) of a gather in flight (a prefetch, see overlap.py)
         self._reducing: tuple | None = None  # (local result, task) of a reduce-scatter in flight
         self.shard = paddle.zeros([layout.shard_numel], dtype=params[0].dtype)
+        self._maps_blocks = maps_blocks(self.shard)  # gathered and gradient blocks: host mappings (buffer_memory)
         # gradients are reduced and accumulated in at least fp32 (fp64 params keep fp64)
         self.grad_dtype = paddle.float64 if self.shard.dtype == paddle.float64 else paddle.float32
         for index, param in enumerate(params):
@@ -159,6 +161,12 @@ class FusedBuffer:
         self.start_gather(dtype=dtype)
         self.finish_gather()
 
+    def _new_block(self, dtype, kind: str, zero: bool = False) -> paddle.Tensor:
+        """A block for ``kind`` (full-size, or shard-size for the gradient shard), given back when its last
+        reference goes (buffer_memory.py)."""
+        numel = self.layout.shard_numel if kind == GRADIENT_SHARD else self.layout.padded_numel
+        return new_block(numel, dtype, kind, self.owner.blocks, self._maps_blocks, zero=zero)
+
     @property
     def gather_in_flight(self) -> bool:
         return self._gathering is not None
@@ -176,7 +184,7 @@ class FusedBuffer:
         with paddle.no_grad():
             source = self.shard if dtype == self.shard.dtype else self.shard.astype(dtype)
             self.comm.agree(GATHER, self.index, self.owner.describe_buffer)
-            full = paddle.empty([self.layout.padded_numel], dtype=dtype)
+            full = self._new_block(dtype, GATHERED)
             # the cast source stays referenced until the task is waited for: the collective reads it
             self._gathering = (full, self.comm.all_gather_into(full, source, async_op=True), source)
         self.owner.schedule.record("AG", self.index, "issue")
@@ -254,7 +262,7 @@ class FusedBuffer:
         slot = self.layout.slots[index]
         with paddle.no_grad():
             if self.full_grad is None:
-                self.full_grad = paddle.zeros([self.layout.padded_numel], dtype=self.grad_dtype)
+                self.full_grad = self._new_block(self.grad_dtype, GRADIENT, zero=True)
             flat = grad.reshape([-1])
             if flat.dtype != self.grad_dtype:
                 flat = flat.astype(self.grad_dtype)
@@ -338,7 +346,7 @@ class FusedBuffer:
             self.comm.agree(REDUCE, self.index, self.owner.describe_buffer)
             full = self.full_grad
             if full is None:
-                full = paddle.zeros([self.layout.padded_numel], dtype=self.grad_dtype)
+                full = self._new_block(self.grad_dtype, GRADIENT, zero=True)
             self.full_grad = None
             self._reducing = self.comm.reduce_scatter_mean_async(full, dtype=dtype)
         self.owner.schedule.record("RS", self.index, "issue")
@@ -346,6 +354,11 @@ class FusedBuffer:
     @property
     def reduce_in_flight(self) -> bool:
         return self._reducing is not None
+
+    @property
+    def reduce_completed(self) -> bool:
+        """Whether the reduce-scatter in flight has finished already (see CommTask.completed)."""
+        return self._reducing is not None and self._reducing[1].completed
 
     def finish_reduce(self) -> None:
         """Wait for this buffer's reduce-scatter in flight, if any, and add it to ``main_grad``."""
@@ -359,8 +372,30 @@ class FusedBuffer:
             if local.dtype != self.grad_dtype:
                 local = local.astype(self.grad_dtype)
             if self.main_grad is None:
-                self.main_grad = paddle.zeros([self.layout.shard_numel], dtype=self.grad_dtype)
+                self.main_grad = self._new_block(self.grad_dtype, GRADIENT_SHARD, zero=True)
             self.main_grad.add_(local)
+
+    def release_grads(self, cleared: set[int]) -> bool:
+        """After ``opt.clear_grad()``: free the gradient shard (``main_grad``) and unbind ``.grad`` (None until the
+        next backward ends), as stock stage 3 frees gradients, when that optimizer cleared every parameter holding
+        a gradient here (``cleared``: their ids) and nothing is pending. A zeroed and a freed gradient shard are
+        the same to the next backward (it starts from zero), and parameters zeroed rather than dropped get a zero
+        gradient bound again then (bind_grads), so training is unchanged; only the memory differs. True if freed."""
+        if self.main_grad is None or self.reduce_pending or self._reducing is not None or self.received:
+            return False
+        if any(id(self.params[index]) not in cleared for index in self.has_grad | self._bound_grads):
+            return False
+        for index in self._bound_grads:
+            param = self.params[index]
+            if param._grad_ivar() is None:  # clear_grad(set_to_zero=False): no gradient any more, as stock
+                self.has_grad.discard(index)
+            param.clear_gradient(False)
+        # set_to_zero=True keeps has_grad: those parameters are bound to zeros (at least) at the next end of
+        # backward, so the optimizer still steps them as stock steps a zeroed gradient (weight decay, moments)
+        self._bound_grads.clear()
+        self.main_grad = None
+        self._grad_in_param_dtype = None
+        return True
 
     def optimizer_grad_dtype(self):
         """The dtype ``.grad`` gets: the parameter's own, except under AMP master grads (fp32, as paddle's
@@ -372,8 +407,10 @@ class FusedBuffer:
     def bind_grads(self) -> list[tuple]:
         """Bind ``.grad`` of every local piece that has a gradient to its piece of ``main_grad`` (or of one
         cast of it). Returns the (param, grad) pairs bound."""
-        if self.main_grad is None or not self.has_grad:
+        if not self.has_grad:
             return []
+        if self.main_grad is None:  # released by clear_grad and no gradient since: zeros, as a zeroed .grad was
+            self.main_grad = self._new_block(self.grad_dtype, GRADIENT_SHARD, zero=True)
         dtype = self.optimizer_grad_dtype()
         source = self.main_grad
         if dtype != self.grad_dtype:

@@ -85,3 +85,7 @@ class _ReplicaAllReduce(CommTask):
     @property
     def done(self) -> bool:
         return self._inner is None
+
+    @property
+    def completed(self) -> bool:
+        return self._inner is None  # the replica all-reduce is still to be issued

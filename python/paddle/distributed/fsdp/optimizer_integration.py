@@ -19,6 +19,8 @@ through the parameters themselves, so several instances can coexist and nothing 
 3. Honour ``param.no_weight_decay = True`` for decoupled (AdamW-style ``apply_decay_param_fun``) and
    coupled (``weight_decay=`` regulariser) decay alike. Decay is decided per parameter, never per buffer,
    so a bias exempt from decay is never decayed because of its neighbours.
+4. ``opt.clear_grad()`` frees the gradient shards it cleared (``.grad`` is None afterwards), as stock stage 3
+   does: between steps a rank holds no gradient memory (fused_buffer.release_grads).
 """
 
 from __future__ import annotations
@@ -63,6 +65,28 @@ def install_optimizer_integration() -> None:
     setattr(_apply_optimize, _WRAPPED_FLAG, True)
     _apply_optimize.__wrapped__ = original
     Optimizer._apply_optimize = _apply_optimize
+    _install_clear_grad()
+
+
+def _install_clear_grad() -> None:
+    """Wrap ``Optimizer.clear_grad``: after it, FSDP buffers whose gradients it cleared free their gradient shard
+    (fused_buffer.release_grads; ``.grad`` is None afterwards, as after stock stage 3's clear_grad)."""
+    original = Optimizer.clear_grad
+    if getattr(original, _WRAPPED_FLAG, False):
+        return
+
+    def clear_grad(self, set_to_zero: bool = True) -> None:
+        original(self, set_to_zero)
+        owners = fsdp_owners(self)
+        if owners and paddle.in_dynamic_mode():
+            cleared = {id(p) for p in optimizer_parameters(self) if not p.stop_gradient}
+            for owner in owners:
+                for buffer in owner.buffers:
+                    buffer.release_grads(cleared)
+
+    setattr(clear_grad, _WRAPPED_FLAG, True)
+    clear_grad.__wrapped__ = original
+    Optimizer.clear_grad = clear_grad
 
 
 def _warn_per_piece_norms(opt, owners) -> None:

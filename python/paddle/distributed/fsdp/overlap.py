@@ -1,4 +1,6 @@
-"""When gathers and reduce-scatters are issued and waited for: prefetching and the reduce-scatter queue.
+"""When gathers and reduce-scatters are issued and waited for: prefetching and the reduce-scatter queue. A reduce-scatter that has finished already when issued (gloo completes ``sync_op=False``
+collectives inside the call; emulated and device tasks are never taken as finished) is waited for at once instead
+of queued: there is nothing to overlap, and its full-size gradient buffer is freed a unit earlier.
 
 With ``prefetch_depth=0`` every collective is synchronous, issued when its unit needs it (the behaviour before
 this module). With ``prefetch_depth=k >= 1`` a unit's computation runs while the next ``k`` units' all-gathers
@@ -42,7 +44,9 @@ What stays exposed: the first unit's gather in forward and in backward (nothing 
 the last reduce-scatter of each backward, which is waited for there so that ``.grad`` is complete when
 ``backward()`` returns (gradient clipping, GradScaler and user code read it before ``step()``). Memory:
 up to ``k`` units' parameters are gathered ahead, and up to ``k`` full-size gradient buffers wait in the
-reduce-scatter queue.
+reduce-scatter queue. A reduce-scatter that has finished already when issued (gloo completes ``sync_op=False``
+collectives inside the call; emulated and device tasks are never taken as finished) is waited for at once instead
+of queued: there is nothing to overlap, and its full-size gradient buffer is freed a unit earlier.
 
 Reduce dtype. ``reduce_dtype="bfloat16"`` reduce-scatters fp32 gradients in bf16 (scaled by 1/world first,
 then cast; half the bytes); the result is added to the fp32 ``main_grad``, so accumulation across
@@ -188,7 +192,9 @@ class OverlapSchedule:
         while len(self._reduces) >= self.depth:
             self._reduces.popleft().finish_reduce()
         buffer.start_reduce(dtype)
-        if buffer.reduce_in_flight:
+        if buffer.reduce_completed:  # gloo: finished inside the call; its full-size buffer goes now
+            buffer.finish_reduce()
+        elif buffer.reduce_in_flight:
             self._reduces.append(buffer)
 
     def reduce_now(self, buffer: FusedBuffer) -> None:

@@ -1,0 +1,143 @@
+"""Where FullyShardFusion's per-step buffers come from, and what its buffers hold (the memory account).
+
+Per step and unit FSDP makes a gathered copy of the unit's parameters and a full-size gradient buffer, and per
+backward a gradient shard (``main_grad``, freed again at ``opt.clear_grad()``: FusedBuffer.release_grads, as stock
+stage 3 frees gradients). On a device, paddle's caching allocator reuses such blocks: they come from
+``paddle.empty`` / ``paddle.zeros``. In host memory (CPU training) they would come from glibc's malloc, which serves
+a block above its mmap threshold (128 KiB at start) by a mapping of its own, but raises that threshold to the size of
+the first such block freed (up to 32 MiB): from then on every unit-sized block comes from the heap, whose freed
+middle is never returned, and the per-step churn grew a rank's RSS by ~250 MiB above its live bytes
+(docs/reports/train-memory-2026-12-05.md). So on the host each block is an anonymous mapping of its own (``mmap``,
+handed to paddle through DLPack): it is returned to the OS when the last tensor referencing it is freed, whoever
+holds it, and fresh pages read zero. The process's malloc settings are left alone (installing the fork changes
+nothing for code that does not use it).
+
+Why not a pool of reused blocks: a released block can still be referenced (a view of a parameter saved by
+autograd, e.g. ``w.T``, outlives the release that re-points the parameter), and paddle exposes no use count to
+tell; a reused block would then feed another unit's weights to that backward. A mapping is freed by its last
+reference instead.
+
+:class:`BlockLedger` counts the mapped blocks alive, by kind, and their peaks: :meth:`FullyShardFusion.memory_account`
+reports it next to what the buffers reference (parameter shard, gradient shard, gathered units, gradient buffers,
+staging), and the tests bound it by ``prefetch_depth + 1`` units.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+import numpy as np
+import paddle
+
+from . import device
+
+if TYPE_CHECKING:
+    from .fused_buffer import FusedBuffer
+
+#: the kinds of block: gathered parameters, full-size gradient buffers, the gradient shard (``main_grad``, freed
+#: at ``opt.clear_grad()``: fused_buffer.release_grads)
+GATHERED, GRADIENT, GRADIENT_SHARD = "gathered", "gradient", "gradient_shard"
+KINDS = (GATHERED, GRADIENT, GRADIENT_SHARD)
+
+_NUMPY_DTYPES = {
+    paddle.float32: np.float32,
+    paddle.float64: np.float64,
+    paddle.float16: np.float16,
+    paddle.int32: np.int32,
+    paddle.int64: np.int64,
+    paddle.int8: np.int8,
+    paddle.uint8: np.uint8,
+}
+
+
+class BlockLedger:
+    """Live mapped blocks of one FullyShardFusion, by kind: bytes, count and peak bytes (decremented when the
+    last reference to a block goes, from whichever thread frees it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.live = dict.fromkeys(KINDS, 0)
+        self.count = dict.fromkeys(KINDS, 0)
+        self.peak = {**dict.fromkeys(KINDS, 0), "total": 0}
+
+    def add(self, kind: str, nbytes: int) -> None:
+        with self._lock:
+            self.live[kind] += nbytes
+            self.count[kind] += 1
+            self.peak[kind] = max(self.peak[kind], self.live[kind])
+            self.peak["total"] = max(self.peak["total"], sum(self.live.values()))
+
+    def drop(self, kind: str, nbytes: int) -> None:
+        with self._lock:
+            self.live[kind] -= nbytes
+            self.count[kind] -= 1
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = {**self.live, "total": sum(self.live.values())}
+
+
+def maps_blocks(like: paddle.Tensor) -> bool:
+    """Whether transient buffers next to ``like`` (a shard) are mapped blocks: real host memory. Fake-device mode
+    models a device, so it takes the allocator's path (and keeps that path exercised on CPU)."""
+    return device.is_host_place(like.place) and not device.options().fake_device
+
+
+def new_block(numel: int, dtype, kind: str, ledger: BlockLedger, mapped: bool, zero: bool = False) -> paddle.Tensor:
+    """A 1-D tensor of ``numel`` elements for a transient buffer of ``kind``; zero-filled when ``zero``.
+
+    ``mapped``: a fresh anonymous mapping (zero pages), freed with its last reference; otherwise (devices, dtypes
+    numpy cannot hold, empty blocks) from paddle's allocator."""
+    if not mapped or numel == 0 or (dtype not in _NUMPY_DTYPES and dtype != paddle.bfloat16):
+        return paddle.zeros([numel], dtype=dtype) if zero else paddle.empty([numel], dtype=dtype)
+    np_dtype = _NUMPY_DTYPES.get(dtype, np.uint8)  # bfloat16 (numpy has none): bytes, viewed as bfloat16 below
+    nbytes = numel * (2 if dtype == paddle.bfloat16 else np.dtype(np_dtype).itemsize)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    ledger.add(kind, nbytes)
+    weakref.finalize(region, ledger.drop, kind, nbytes)
+    tensor = paddle.utils.dlpack.from_dlpack(np.frombuffer(region, dtype=np_dtype))
+    return tensor.view(paddle.bfloat16) if dtype == paddle.bfloat16 else tensor
+
+
+def _nbytes(tensor: paddle.Tensor | None) -> int:
+    if tensor is None or not tensor._is_initialized():
+        return 0
+    return tensor._numel() * tensor.element_size()
+
+
+def buffer_account(buffer: FusedBuffer) -> dict[str, int]:
+    """Bytes one buffer references now, by role."""
+    gathered = _nbytes(buffer.full) if buffer.full is not buffer.shard else 0
+    staging = _nbytes(buffer._grad_in_param_dtype)
+    if buffer._gathering is not None:
+        full, _task, source = buffer._gathering
+        gathered += _nbytes(full)
+        staging += _nbytes(source) if source is not buffer.shard else 0
+    reducing = 0
+    if buffer._reducing is not None:
+        reducing = sum(_nbytes(t) for t in buffer._reducing[1]._keep) or _nbytes(buffer._reducing[0])
+    return {
+        "parameter_shard": _nbytes(buffer.shard),
+        "gradient_shard": _nbytes(buffer.main_grad),
+        "gathered_units": gathered,
+        "gradient_buffers": _nbytes(buffer.full_grad) + reducing,
+        "staging": staging,
+    }
+
+
+def memory_account(buffers: list[FusedBuffer], ledger: BlockLedger) -> dict[str, int]:
+    """What the buffers reference now, by role, summed; plus the mapped blocks alive (which autograd may still
+    reference after a release) and their count by kind (``mapped_outside_allocator``: bytes paddle's allocator
+    statistics do not see)."""
+    total: dict[str, int] = {}
+    for buffer in buffers:
+        for role, nbytes in buffer_account(buffer).items():
+            total[role] = total.get(role, 0) + nbytes
+    for kind in KINDS:
+        total[f"mapped_{kind}"] = ledger.live[kind]
+    total["mapped_blocks"] = sum(ledger.count.values())
+    total["mapped_outside_allocator"] = sum(ledger.live.values())
+    return total
