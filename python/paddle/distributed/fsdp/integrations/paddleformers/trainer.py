@@ -33,13 +33,14 @@ import paddle
 import paddle.distributed as dist
 
 from ...fully_shard_fusion import FullyShardFusion
-from . import checkpoints, hf_export
+from . import checkpoints, hf_export, memory_saves
 from . import trainer_state as saved_state
 from .compat import PaddleFormersVersionError, UnsupportedTrainingArgumentError, require_paddleformers
 
 logger = logging.getLogger(__name__)
 
 _CLASS = None
+_MEMORY = "<fsdp memory tier or newest committed checkpoint>"  # resume_from_checkpoint=True with the memory tier
 
 
 def fsdp_trainer_class():
@@ -150,6 +151,9 @@ class FSDPTrainerMixin:
         replicate_group, shard_group: HSDP groups (``topology.hybrid_groups``; with gloo create them before the
             ``TrainingArguments``, whose construction runs ``fleet.init``).
         hf_preset: the ``to-hf`` preset of ``save_model`` / ``save_hf_steps`` (default: chosen by architecture).
+        fsdp_memory_tier: ``dict(persist_every=K, memory_root=..., ...)``: saves to host memory, every K-th one to
+            ``checkpoint-N`` (memory_saves.py).
+        moe_layers_name, expert_parallel_group, expert_shard_group: expert parallelism, as ``FullyShardFusion``'s.
     """
 
     def __init__(
@@ -162,8 +166,13 @@ class FSDPTrainerMixin:
         replicate_group=None,
         shard_group=None,
         hf_preset: str | None = None,
+        fsdp_memory_tier: dict | None = None,
+        moe_layers_name: list[str] | None = None,
+        expert_parallel_group=None,
+        expert_shard_group=None,
         **kwargs,
     ) -> None:
+        memory_options = memory_saves.check_options(fsdp_memory_tier)  # before anything is built
         training_args = kwargs.get("args", args[2] if len(args) > 2 else None)
         with _no_local_copy_of_url(training_args):
             super().__init__(*args, **kwargs)
@@ -187,11 +196,16 @@ class FSDPTrainerMixin:
             prefetch_depth=prefetch_depth,
             replicate_group=replicate_group,
             shard_group=shard_group,
+            moe_layers_name=moe_layers_name,
+            expert_parallel_group=expert_parallel_group,
+            expert_shard_group=expert_shard_group,
         )
         self.model_wrapped = self.model
         self.hf_preset = hf_preset
         self._fsdp_pending = None  # the async save in flight
         self._fsdp_loaded = None  # (path, extra_state) of the checkpoint this train() resumed from
+        self._fsdp_memory = memory_options  # fsdp_memory_tier, checked (memory_saves.py); None: no memory tier
+        self._fsdp_tier = None  # the MemoryTier, built at the first save or memory resume
         logger.info("FSDPTrainer: %d ranks, units %s", self.fsdp.world_size, units)
 
     # ---- wrapping -----------------------------------------------------------------------------------------
@@ -208,6 +222,11 @@ class FSDPTrainerMixin:
         self._track_best(metrics)
         path = checkpoints.checkpoint_dir(self.args.output_dir, self.state.global_step)
         extra = saved_state.capture(self.state, self.fsdp.checkpoint_group)
+        step = self.state.global_step
+        if self._fsdp_memory is not None and not memory_saves.persists(self._fsdp_memory, step, self.args.save_steps):
+            self.memory_tier().save(step, extra_state=extra)
+            logger.info("FSDPTrainer: step %d saved to the memory tier", step)
+            return
         handle = self.fsdp.save_checkpoint(
             path,
             optimizer=self.optimizer,
@@ -221,8 +240,20 @@ class FSDPTrainerMixin:
         else:
             self._rotate()
 
+    def memory_tier(self):
+        """The MemoryTier of ``fsdp_memory_tier`` (built on first use; collective then); None without it."""
+        if self._fsdp_memory is not None and self._fsdp_tier is None:
+            if self.optimizer is None:
+                raise RuntimeError("FSDPTrainer: the optimizer must exist before the memory tier is used")
+            self._fsdp_tier = memory_saves.build(
+                self._fsdp_memory, self.fsdp, self.optimizer, self.args.output_dir, self._grad_scaler
+            )
+        return self._fsdp_tier
+
     def _finish_pending_save(self) -> None:
         """Wait for the async save in flight (its errors raise here), then rotate."""
+        if self._fsdp_tier is not None:
+            self._fsdp_tier.wait()
         if self._fsdp_pending is not None:
             handle, self._fsdp_pending = self._fsdp_pending, None
             handle.wait()
@@ -247,7 +278,9 @@ class FSDPTrainerMixin:
 
     # ---- resuming -----------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, ignore_keys_for_eval=None):
-        if resume_from_checkpoint is True:
+        if resume_from_checkpoint is True and self._fsdp_memory is not None:
+            resume_from_checkpoint = _MEMORY  # decided in _restore, once the optimizer exists
+        elif resume_from_checkpoint is True:
             resume_from_checkpoint = checkpoints.newest_committed(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(
@@ -269,9 +302,29 @@ class FSDPTrainerMixin:
             return
         if self.optimizer is None:
             raise RuntimeError("FSDPTrainer: the optimizer must exist before a checkpoint is loaded")
+        if path == _MEMORY:
+            self._fsdp_loaded = (path, self._restore_newest())
+            return
         result = self.fsdp.load_checkpoint(path, optimizer=self.optimizer, grad_scaler=self._grad_scaler)
         self._fsdp_loaded = (path, saved_state.check(dict(result), f"checkpoint {path}"))
         logger.info("FSDPTrainer: resumed from %s", path)
+
+    def _restore_newest(self) -> dict:
+        """``resume_from_checkpoint=True`` with the memory tier: the newest of the tier's common memory step and the
+        newest committed ``checkpoint-N`` (collective); its ``extra_state``."""
+        tier = self.memory_tier()
+        restored = tier.restore()
+        found = checkpoints.committed_checkpoints(self.args.output_dir)
+        if restored is not None and (not found or restored.step > found[-1][0]):
+            logger.info("FSDPTrainer: resumed from the memory tier, step %d (%s)", restored.step, restored.sources)
+            return saved_state.check(dict(restored), f"memory tier step {restored.step}")
+        if not found:
+            raise ValueError(
+                f"No committed checkpoint-N in output directory ({self.args.output_dir}) and no memory copy to resume from"
+            )
+        result = self.fsdp.load_checkpoint(found[-1][1], optimizer=self.optimizer, grad_scaler=self._grad_scaler)
+        logger.info("FSDPTrainer: resumed from %s (memory tier: step %s)", found[-1][1], restored and restored.step)
+        return saved_state.check(dict(result), f"checkpoint {found[-1][1]}")
 
     def _load_from_checkpoint(self, resume_from_checkpoint=None):
         self._restore(resume_from_checkpoint)
