@@ -58,7 +58,7 @@ def persists(options: dict, step: int, save_steps: int) -> bool:
     return step % (options["persist_every"] * max(int(save_steps or 1), 1)) == 0
 
 
-def build(options: dict, fsdp, optimizer, output_dir: str, grad_scaler) -> MemoryTier:
+def build(options: dict, fsdp, optimizer, output_dir: str, grad_scaler, stateful: dict) -> MemoryTier:
     """The tier over ``fsdp`` / ``optimizer`` with ``output_dir`` as its durable identity; nothing restored."""
     return MemoryTier(
         fsdp,
@@ -67,5 +67,6 @@ def build(options: dict, fsdp, optimizer, output_dir: str, grad_scaler) -> Memor
         persist_every=_NEVER,
         persist_on_restore=False,
         grad_scaler=grad_scaler,
+        stateful=stateful,
         **options["tier"],
     )
