@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +29,11 @@ def flat_boxes(shape, n_files: int):
     return [(int(a), int(b)) for a, b in zip(cuts, cuts[1:])]
 
 
-def craft(path: Path, tensors: dict, pieces: dict, values: dict | None = None, chunk: int = CHUNK) -> None:
-    """Write a committed checkpoint at ``path``.
+def craft(
+    path: Path, tensors: dict, pieces: dict, values: dict | None = None, chunk: int = CHUNK, per_rank: tuple = ()
+) -> None:
+    """Write a committed checkpoint at ``path`` (format 1; format 3 with ``per_rank``: the keys of ``values``
+    holding one entry per file, each in its rank's values object).
 
     ``tensors``: key -> numpy array (its global value). ``pieces``: key -> list of ``(file index, box_offset,
     box_shape, flat_range or None)``; each piece stores those elements of the global array, row-major.
@@ -72,7 +76,10 @@ def craft(path: Path, tensors: dict, pieces: dict, values: dict | None = None, c
                     checksums=[xxhash.xxh3_64_intdigest(raw[j : j + chunk]) for j in range(0, len(raw), chunk)],
                 )
             )
-    data = format_commit.write_metadata(str(path), md, write_stock=False)
+    if per_rank:
+        data = format_commit.write_format3(str(path), md, False, tuple(per_rank))
+    else:
+        data = format_commit.write_metadata(str(path), md, write_stock=False)
     format_commit.write_commit(str(path), md.checkpoint_id, data)
 
 
@@ -118,3 +125,44 @@ def to_format1(path: Path) -> None:
             if name.startswith("index.") or name.endswith((".sums", ".values")):
                 os.unlink(Path(path) / name)
         reseal(Path(path), json.dumps(d, separators=(",", ":")).encode())
+
+
+def convert_to_format3(path: Path) -> None:
+    """A crafted (format-1) checkpoint rewritten as format 3 in place: index objects, sidecars, row checks."""
+    from paddle.distributed.fsdp.checkpoint.convert import convert_to_format2
+
+    assert convert_to_format2(str(path))
+
+
+def rewrite_rows(path: Path, fn, checks: bool = True) -> None:
+    """Edit a format-3 checkpoint's ``index.pieces`` rows with ``fn(rows)`` (a PIECE_ROW array, edited in place)
+    and make everything around them consistent again, as a crafter would: each row's check (``checks=False``:
+    the rows as a build without row checks wrote them), the row directory, the SHA-256s of metadata.json,
+    COMMIT. Only what ``fn`` did is wrong."""
+    from paddle.distributed.fsdp.checkpoint.format import index, row_directory
+
+    rows = np.frombuffer((path / "index.pieces").read_bytes(), index.PIECE_ROW).copy()
+    fn(rows)
+    md = json.loads((path / "metadata.json").read_bytes())
+    info = md["index"]["index.pieces"]
+    rows["pad"] = index.row_checks(rows, 0) if checks else 0
+    if not checks:
+        info.pop("check", None)
+    counts = json.loads(zlib.decompress((path / "index.keys").read_bytes()))["counts"]
+    key_rows = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # (fn keeps every key's row count)
+    starts = np.where(rows["flat_a"] >= 0, rows["flat_a"], 0).astype(np.uint64)
+    owner = np.repeat(np.arange(len(counts)), counts)  # the key each row is a row of (whatever its key field)
+    boxed = np.zeros(len(counts), bool)
+    boxed[owner[rows["box"] >= 0]] = True
+    starts[boxed[owner]] = row_directory.NO_START
+    fences = row_directory.fences_of(starts, key_rows)
+    blobs = {
+        "index.pieces": rows.tobytes(),
+        "index.starts": starts.astype("<u8").tobytes(),
+        "index.fences": fences.astype("<u8").tobytes(),
+    }
+    for name, blob in blobs.items():
+        (path / name).write_bytes(blob)
+        md["index"][name]["sha256"] = hashlib.sha256(blob).hexdigest()
+    info["rows"] = len(rows)
+    reseal(path, json.dumps(md).encode())

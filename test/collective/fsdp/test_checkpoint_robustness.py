@@ -330,6 +330,53 @@ def test_reader_losing_a_race_with_removal_says_removed(saved, monkeypatch, read
     assert_untouched(t)
 
 
+def _remove_when_object_first_read(monkeypatch, ckpt: Path, obj: str):
+    """Make the checkpoint disappear (as keep_last rotation does) when a reader first opens ``obj`` (an index
+    object or a checksum sidecar: read while a load validates, before any data file is opened)."""
+    from paddle.distributed.fsdp.checkpoint.io.local import LocalStorage
+
+    real = LocalStorage.open_read
+    done = []
+
+    def racing(self, location, name):
+        if name == obj and not done and os.path.isdir(ckpt):
+            done.append(1)
+            trash = ckpt.parent / f".trash-{ckpt.name}"
+            os.rename(ckpt, trash)
+            shutil.rmtree(trash)
+        return real(self, location, name)
+
+    monkeypatch.setattr(LocalStorage, "open_read", racing)
+    return done
+
+
+@pytest.mark.parametrize("obj", ["index.pieces", "0_0.safetensors.sums"])
+@pytest.mark.parametrize("reader", ["load", "load_atomic", "load_full", "verify", "cli_verify"])
+def test_removal_while_the_index_is_read_says_removed(saved, monkeypatch, capsys, reader, obj):
+    """Issue 40: removed by rotation while a load validates (its index rows, its checksums), while verify
+    reads the rows, while the CLI prefetches them: CheckpointRemovedError everywhere, never "corrupt"."""
+    from paddle.distributed.fsdp.tools.cli import main
+
+    _, ckpt = saved
+    done = _remove_when_object_first_read(monkeypatch, ckpt, obj)
+    t = targets()
+    if reader == "verify":
+        probs = ck.verify_checkpoint(str(ckpt))
+        assert len(probs) == 1 and probs[0].startswith("CheckpointRemovedError"), probs
+    elif reader == "cli_verify":
+        rc = main(["verify", str(ckpt)])
+        out = capsys.readouterr()
+        assert rc in (1, 2) and "CheckpointRemovedError" in out.out + out.err and "internal" not in out.err, out
+    else:
+        with pytest.raises(ck.CheckpointRemovedError, match="removed"):
+            if reader == "load_full":
+                ck.load_full_state_dict(str(ckpt))
+            else:
+                ck.load_state_dict(t, str(ckpt), atomic=reader == "load_atomic")
+        assert_untouched(t)
+    assert done
+
+
 def test_load_latest_retries_with_the_new_latest_after_rotation(tmp_path, monkeypatch):
     mgr = ck.CheckpointManager(tmp_path / "run", keep_last=1)
     mgr.save(1, {"x": paddle.full([4], 1.0)})

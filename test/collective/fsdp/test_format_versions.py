@@ -151,7 +151,7 @@ def test_format2_damage_is_named(saved_v2):
         load_full_state_dict(str(ck), keys)
     damaged("index.pieces", flip(PIECE_ROW.fields["key"][1]))  # row 0 claims another key
     assert any("index.pieces does not match its SHA-256" in m for m in verify_checkpoint(str(ck)))
-    with pytest.raises(MetadataError, match="does not belong to key"):
+    with pytest.raises(CorruptCheckpointError, match="index.pieces row 0 is damaged"):  # its row check
         load_full_state_dict(str(ck), keys)
     damaged("index.starts", flip(0))  # the row directory: whole-key loads do not need it, verify names it
     assert any("index.starts does not match its SHA-256" in m for m in verify_checkpoint(str(ck)))

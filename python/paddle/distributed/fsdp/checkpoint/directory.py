@@ -202,14 +202,20 @@ def prune(root: str, keep_last: int, protect: tuple[str, ...] = (), storage: Sto
 def commit_id(path: str, storage: Storage | None = None) -> str | None:
     """The checkpoint id the commit record at ``path`` names now (None: absent or unreadable): the truth about
     whether (and which) checkpoint is committed there."""
-    from .format.schema import parse_commit
-    from .format.strict_json import SMALL_FILE_BYTES, loads_strict
-
-    where = f"{path}/{COMMIT_FILE}"
     try:
-        raw = (storage or backend_for(path)).get(path, COMMIT_FILE, SMALL_FILE_BYTES)
-        return None if raw is None else parse_commit(loads_strict(raw, where), where)[0]
+        return _read_commit_id(path, storage)
     except (OSError, CheckpointError):
+        return None
+
+
+def _read_commit_id(path: str, storage: Storage | None) -> str | None:
+    """``commit_id``, but an unreadable commit record (EACCES, EIO: the storage cannot be read, which says
+    nothing about whether the checkpoint is there) raises the OSError."""
+    where = f"{path}/{COMMIT_FILE}"
+    raw = (storage or backend_for(path)).get(path, COMMIT_FILE, SMALL_FILE_BYTES)
+    try:
+        return None if raw is None else parse_commit(loads_strict(raw, where), where)[0]
+    except CheckpointError:
         return None
 
 
@@ -217,8 +223,12 @@ def removed_or(
     path: str, error: CheckpointError, checkpoint_id: str | None = None, storage: Storage | None = None
 ) -> CheckpointError:
     """CheckpointRemovedError when the checkpoint at ``path`` is gone (no commit record) or, given the
-    ``checkpoint_id`` being read, was replaced by another one; else ``error``."""
-    now = commit_id(path, storage)
+    ``checkpoint_id`` being read, was replaced by another one; else ``error`` (also when the commit record cannot
+    be read: a rank denied by its storage is not told the checkpoint went away)."""
+    try:
+        now = _read_commit_id(path, storage)
+    except (OSError, CheckpointError):  # (CheckpointError: a commit record that is not a regular file)
+        return error
     if now is None:
         return CheckpointRemovedError(
             f"checkpoint {path} was removed while it was being read (keep_last rotation or a replacing save?)"
@@ -319,17 +329,24 @@ def _read_metadata(path: str, max_metadata_bytes: int, storage: Storage) -> Chec
 def index_fetch(path: str, storage: Storage | None = None):
     """``fetch(name, offset, length)`` of the index objects and checksum sidecars of the checkpoint at ``path``
     (format 2, format/index.py), read through ``storage`` (None: the location's backend): exactly ``length``
-    bytes, fewer only at the end of the object."""
+    bytes, fewer only at the end of the object. A missing object is CorruptCheckpointError (CheckpointRemovedError
+    when the checkpoint went away), any other I/O error CorruptCheckpointError naming it."""
     storage = storage or backend_for(path)
 
     def fetch(name: str, offset: int, length: int) -> bytes:
-        handle = storage.open_read(path, check_file_name(name))
         try:
-            buf = bytearray(max(0, min(length, handle.size - offset)))
-            got = handle.read_into(offset, buf) if buf else 0
-            return bytes(buf[:got])
-        finally:
-            handle.close()
+            handle = storage.open_read(path, check_file_name(name))
+            try:
+                buf = bytearray(max(0, min(length, handle.size - offset)))
+                got = handle.read_into(offset, buf) if buf else 0
+                return bytes(buf[:got])
+            finally:
+                handle.close()
+        except FileNotFoundError as e:  # missing, or the checkpoint went away under the reader (keep_last)
+            missing = CorruptCheckpointError(f"checkpoint {path}: {name} is missing")
+            raise removed_or(path, missing, None, storage) from e
+        except OSError as e:  # EACCES, EIO, a denied request: named, never a bare OSError
+            raise CorruptCheckpointError(f"checkpoint {path}: cannot read {name}: {type(e).__name__}: {e}") from e
 
     return fetch
 

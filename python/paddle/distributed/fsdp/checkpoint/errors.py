@@ -43,6 +43,11 @@ class UnsafePathError(MetadataError):
     """A file name in the metadata would escape the checkpoint directory."""
 
 
+class MissingDependencyError(CheckpointError, ImportError):
+    """A feature needs an optional dependency that is not installed (``s3://`` URLs: the ``s3`` extra); the
+    message says what to install."""
+
+
 class StateDictMismatchError(CheckpointError):
     """The requested state dict does not match the checkpoint (base of the three below)."""
 
@@ -111,6 +116,7 @@ ERROR_CLASSES = {
         SafetensorsHeaderError,
         UnsafePathError,
         NotARegularFileError,
+        MissingDependencyError,
         CheckpointRemovedError,
         StateDictMismatchError,
         MissingKeyError,
@@ -128,7 +134,22 @@ ERROR_CLASSES = {
 }
 
 
+def _named_class(type_name: str) -> type:
+    """The CheckpointError class called ``type_name``: the engine's own, or any subclass loaded in this process
+    (the S3 backend's errors, ...), else CheckpointError."""
+    cls = ERROR_CLASSES.get(type_name)
+    todo = [CheckpointError]
+    while cls is None and todo:
+        for sub in todo.pop().__subclasses__():
+            if sub.__name__ == type_name:
+                return sub
+            todo.append(sub)
+    return cls or CheckpointError
+
+
 def rebuild_remote_error(type_name: str, message: str, rank: int) -> CheckpointError:
-    """Re-create, on a rank that did not fail itself, the error another rank reported."""
-    cls = ERROR_CLASSES.get(type_name, CheckpointError)
-    return cls(f"rank {rank} failed: {message}")
+    """Re-create, on a rank that did not fail itself, the error another rank reported (the same class)."""
+    try:
+        return _named_class(type_name)(f"rank {rank} failed: {message}")
+    except TypeError:  # a class whose constructor takes other arguments
+        return CheckpointError(f"rank {rank} failed: {type_name}: {message}")

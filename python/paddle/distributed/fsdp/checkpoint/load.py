@@ -68,14 +68,14 @@ from . import host_memory
 from .background import wait_pending
 from .chunks import ChunkVerifier
 from .coordination import Comm
-from .directory import read_metadata, removed_or
+from .directory import read_metadata
 from .errors import CheckpointError, CorruptCheckpointError, InvalidStateDictError, MissingKeyError
 from .format.metadata import CheckpointMetadata
 from .gc_pause import gc_paused
 from .keywords import STOCK_LOAD_KEYWORDS, check_keywords, keyword_names
 from .load_atomic import AtomicLoadJob
 from .load_bounded import BoundedLoadJob
-from .load_checks import check_coverage, check_data_files, named_read_error, staging_tensor
+from .load_checks import check_coverage, check_data_files, read_failure, staging_tensor
 from .load_job import LoadReport, default_load_budget
 from .options import CheckpointOptions, resolve
 from .paths import local_path
@@ -172,17 +172,16 @@ def load_full_state_dict(
     tensor_keys = [k for k in wanted if k in md.tensors]
     try:
         # before allocating by a declared shape: exact coverage + real files of the declared sizes, so what is
-        # allocated is the bytes of pieces that really are on disk (pieces never share bytes: schema.py)
+        # allocated is the bytes of pieces that really are on disk (pieces never share bytes: schema.py, and
+        # format/index.py among the rows a load reads)
         check_coverage(path, md, tensor_keys)
         check_data_files(path, md, tensor_keys, options=opts, storage=storage)
         return _read_full(path, md, wanted, opts, storage)
-    except OSError as e:
-        raise removed_or(path, named_read_error(path, e), md.checkpoint_id, storage) from e
-    except CorruptCheckpointError as e:
-        gone = removed_or(path, e, md.checkpoint_id, storage)
-        if gone is e:
+    except (OSError, CorruptCheckpointError) as e:
+        err = read_failure(path, e, md, storage)
+        if err is e:
             raise
-        raise gone from e
+        raise err from e
 
 
 def _read_full(path: str, md: CheckpointMetadata, wanted: list[str], opts: CheckpointOptions, storage) -> dict:

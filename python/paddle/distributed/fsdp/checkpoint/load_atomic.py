@@ -8,11 +8,9 @@ import numpy as np
 
 from . import host_memory
 from .coordination import Comm, aligned
-from .directory import removed_or
-from .errors import CorruptCheckpointError
 from .format.metadata import DTYPES
 from .inplace import InPlaceReads
-from .load_checks import named_read_error, staging_tensor
+from .load_checks import read_failure, staging_tensor
 from .load_job import LoadJob, Target
 from .ranges import SpanRead, read_spans
 from .read_ops import SpanPlan, TargetRead
@@ -105,16 +103,14 @@ class AtomicLoadJob(LoadJob):
                     raise opts_error
                 self.validate(strict, precheck)
             except Exception as e:  # noqa: BLE001 - every failure must reach the verdict exchange below
-                err = named_read_error(self.path, e)
+                err = read_failure(self.path, e, self.md, self.storage)
             all_requested = self.exchange(comm, err)
             # 2-3. plan, read and verify; 4. exchange; 5. commit
             try:
                 self.plan()
                 self.read()
             except Exception as e:  # noqa: BLE001 - every failure must reach the status exchange below
-                err = named_read_error(self.path, e)
-                if isinstance(err, CorruptCheckpointError):  # a file gone under the reader: removed, not corrupt
-                    err = removed_or(self.path, err, self.md.checkpoint_id, self.storage)
+                err = read_failure(self.path, e, self.md, self.storage)  # (a file gone: removed, not corrupt)
             finally:
                 self.stop_reading()
             self.exchange(comm, err)

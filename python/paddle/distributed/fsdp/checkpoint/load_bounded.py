@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from . import host_memory
 from .coordination import Comm, gather_errors
-from .directory import removed_or
-from .errors import CorruptCheckpointError, PartiallyLoadedError
+from .errors import PartiallyLoadedError
 from .format.metadata import DTYPES
-from .load_checks import named_read_error, staging_tensor
+from .load_checks import read_failure, staging_tensor
 from .load_job import LoadJob, Target, default_load_budget
 from .reader import FileSet
 from .regions import clip_segments, read_deferred, read_region, region_segments
@@ -34,16 +33,14 @@ class BoundedLoadJob(LoadJob):
                 self.validate(strict, precheck)
                 plan = self.prepare(max_host_bytes)
             except Exception as e:  # noqa: BLE001 - every failure must reach the status exchange below
-                err = named_read_error(self.path, e)
+                err = read_failure(self.path, e, self.md, self.storage)
             all_requested = self.exchange(comm, err)  # raises on every rank if any failed: nothing was written
             self.tr.mark("exchange-checks")
             err = None
             try:
                 self.write_targets(plan)
             except Exception as e:  # noqa: BLE001 - every failure must reach the outcome exchange below
-                err = named_read_error(self.path, e)
-                if isinstance(err, CorruptCheckpointError):  # a file gone under the reader: removed, not corrupt
-                    err = removed_or(self.path, err, self.md.checkpoint_id, self.storage)
+                err = read_failure(self.path, e, self.md, self.storage)  # (a file gone: removed, not corrupt)
             finally:
                 self.verifier.drain()
             self.exchange_outcome(comm, err)
@@ -66,6 +63,8 @@ class BoundedLoadJob(LoadJob):
             segs = region_segments(self.path, md, tg.key, tg.region)
             for seg in segs:
                 self.files.handle(seg.piece.file)  # opened and size-checked before any byte is written
+                if self.verify_checksums and len(seg.piece.checksums):
+                    seg.piece.checksums[0]  # noqa: B018 - its checksums read now (format 2/3: the sidecar), too
             plan.append((tg, segs))
         self.tr.mark("prepare")
         return plan

@@ -4,6 +4,7 @@ load_bounded.py, load.py) and the tools."""
 
 from __future__ import annotations
 
+from .directory import removed_or
 from .errors import CorruptCheckpointError
 from .format.coverage import coverage_problems, flat_span
 from .format.metadata import CheckpointMetadata
@@ -27,6 +28,15 @@ def named_read_error(path: str, e: BaseException | None) -> BaseException | None
         err.__cause__ = e
         return err
     return e
+
+
+def read_failure(path: str, e: BaseException | None, md: CheckpointMetadata | None, storage: Storage):
+    """The error a load reports for ``e``: ``named_read_error``, and CheckpointRemovedError instead of
+    corruption when the checkpoint went away (or was replaced) under the reader (keep_last rotation)."""
+    err = named_read_error(path, e)
+    if isinstance(err, CorruptCheckpointError):
+        err = removed_or(path, err, md.checkpoint_id if md is not None else None, storage)
+    return err
 
 
 def check_coverage(root: str, md: CheckpointMetadata, keys, regions: dict | None = None) -> None:

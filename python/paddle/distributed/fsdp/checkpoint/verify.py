@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
+
 from . import checksums
 from .directory import read_metadata, removed_or
 from .errors import CheckpointError, CheckpointRemovedError, CorruptCheckpointError, SafetensorsHeaderError
@@ -36,6 +38,16 @@ def verify_checkpoint(
         md = read_metadata(path, opts, storage)
     except CheckpointError as e:
         return [f"{type(e).__name__}: {e}"]
+    problems = _problems(path, md, storage, opts, on_bytes)
+    if problems:
+        # a checkpoint removed (keep_last rotation) or replaced while being verified is not corrupt
+        gone = removed_or(path, CorruptCheckpointError(""), md.checkpoint_id, storage)
+        if isinstance(gone, CheckpointRemovedError):
+            return [f"{type(gone).__name__}: {gone}"]
+    return problems
+
+
+def _problems(path: str, md, storage: Storage, opts: CheckpointOptions, on_bytes) -> list[str]:
     problems: list[str] = []
     if md.index is not None:  # format 2: every row, its hash, every sidecar's size, pieces owning their bytes
         problems += index_problems(md)
@@ -71,11 +83,6 @@ def verify_checkpoint(
             handle.close()
     if md.checksum != checksums.NONE:
         problems += _check_chunks(path, md, storage, opts, usable, on_bytes)
-    if problems:
-        # a checkpoint removed (keep_last rotation) or replaced while being verified is not corrupt
-        gone = removed_or(path, CorruptCheckpointError(""), md.checkpoint_id, storage)
-        if isinstance(gone, CheckpointRemovedError):
-            return [f"{type(gone).__name__}: {gone}"]
     return problems
 
 
@@ -140,6 +147,11 @@ def index_problems(md) -> list[str]:
         rows = src.all_rows()
         if hashlib.sha256(rows.tobytes()).hexdigest() != src.pieces_sha256:
             return [f"{PIECES_FILE} does not match its SHA-256 in metadata.json (damaged)"]
+        key_rows = np.asarray(src.table["rows"], dtype=np.int64)
+        owner = np.repeat(np.arange(len(key_rows) - 1), np.diff(key_rows))
+        stray = np.nonzero(rows["key"].astype(np.int64) != owner)[0]
+        if len(stray):
+            return [f"{PIECES_FILE} row {int(stray[0])} does not belong to the key index.keys gives it"]
         if src.starts_sha256 is not None:  # format 3: the row directory, whole, and as the rows imply it
             problem = row_directory.problem(src.fetch, rows, src.table["rows"], src.starts_sha256, src.fences_sha256)
             if problem:
@@ -152,11 +164,11 @@ def index_problems(md) -> list[str]:
         want = src.sums_counts[fi] * 8
         try:
             got = len(src.fetch(sums_name(name), 0, want + 1)) if want else want
-        except FileNotFoundError:
+        except (CheckpointError, OSError) as e:
+            if not isinstance(e.__cause__, FileNotFoundError):
+                problems.append(f"checksum sidecar {sums_name(name)}: {e}")
+                continue
             got = None
-        except OSError as e:
-            problems.append(f"checksum sidecar {sums_name(name)}: {e}")
-            continue
         if got != want:
             problems.append(
                 f"checksum sidecar {sums_name(name)} is missing"

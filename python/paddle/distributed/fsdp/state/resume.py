@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 from ..checkpoint import (
     CheckpointManager,
@@ -43,6 +44,7 @@ from ..checkpoint.coordination import Comm
 from ..checkpoint.errors import CheckpointRemovedError, PartiallyLoadedError, UnexpectedKeyError
 from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, RESERVED_PREFIX
 from ..checkpoint.gc_pause import gc_paused
+from ..checkpoint.load_checks import named_read_error
 from ..checkpoint.manager import (
     committed_steps,
     is_checkpoint_root,
@@ -226,7 +228,9 @@ def load_checkpoint(
             result = _load_retrying(objs, target, strict, verify_checksums, atomic, max_host_bytes, options)
         except PartiallyLoadedError as e:
             failed = getattr(e, "checkpoint", None)
-            older = _older_checkpoint(root, failed) if failed is not None and failed != root else None
+            # decided alike on every rank (a rank that cannot list the root must not give up alone while its
+            # peers fall back: their next collective would meet nobody)
+            older = _agreed(fsdp, e, lambda f=failed: _older_checkpoint(root, f) if f not in (None, root) else None)
             if older is None:
                 raise
             skipped.append((failed, str(e)))
@@ -235,6 +239,23 @@ def load_checkpoint(
             continue
         result.fallback_from = skipped
         return result
+
+
+def _agreed(fsdp, failure: BaseException, decide: Callable[[], Any]) -> Any:
+    """What ``decide()`` answers on every rank of the checkpoint group, if they all answer alike; else (or
+    when it raised on some rank) ``failure``, the error being handled, is raised on every rank with why."""
+    answer, err = None, None
+    try:
+        answer = decide()
+    except Exception as e:  # noqa: BLE001 - whatever fails must reach the exchange below
+        err = e
+    try:
+        answers = gather_errors(Comm(fsdp.checkpoint_group), err, answer)
+    except Exception as e:  # noqa: BLE001 - the same class on every rank: the error being handled
+        raise type(failure)(f"{type(e).__name__}: {e}; while deciding what to do after: {failure}") from e
+    if len(set(map(repr, answers))) > 1:
+        raise type(failure)(f"the ranks see the checkpoint root differently ({answers}) after: {failure}")
+    return answer
 
 
 def _older_checkpoint(root: str, failed: str) -> str | None:
@@ -254,7 +275,7 @@ def _load_retrying(objs, path, strict, verify_checksums, atomic, max_host_bytes,
         try:
             return _load_once(objs, path, strict, verify_checksums, atomic, max_host_bytes, options)
         except CheckpointRemovedError as e:  # raised on every rank alike (the engine exchanges errors)
-            if attempt == _REMOVED_RETRIES or not is_checkpoint_root(path):
+            if attempt == _REMOVED_RETRIES or not _agreed(objs.fsdp, e, lambda: is_checkpoint_root(path)):
                 raise
             logger.warning("load_checkpoint(%s): %s; retrying with what %s names now", path, e, "latest")
     raise AssertionError("unreachable")  # pragma: no cover
@@ -274,7 +295,7 @@ def _load_once(
         metadata = read_metadata(resolved)
         checked["foreign"], checked["apply"] = _precheck(objs, resolved, metadata, strict)
     except Exception as e:  # noqa: BLE001 - whatever fails here must reach the exchange below
-        err = e
+        err = named_read_error(path, e)  # (an OSError reading storage: named, the same class on every rank)
     # every rank fails together: a rank raising alone would leave the others waiting in the load's collective
     resolutions = gather_errors(Comm(fsdp.checkpoint_group), err, resolved)
     if len(set(resolutions)) > 1:  # `latest` moved between the ranks' reads

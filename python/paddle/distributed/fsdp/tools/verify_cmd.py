@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from ..checkpoint import read_metadata, verify_checkpoint
-from ..checkpoint.errors import CheckpointError, NotACheckpointError
+from ..checkpoint.errors import CheckpointError, CheckpointRemovedError, NotACheckpointError
 from .ckpt_io import resolve_checkpoint_path
 from .progress import Progress
 
@@ -42,6 +42,8 @@ def verify(path: str | os.PathLike, progress: bool | None = None) -> tuple[list[
             "file_bytes": sum(f.size for f in md.files.values()),
             "checksum": md.checksum,
         }
+    except CheckpointRemovedError as e:  # removed (keep_last rotation) while it was read: not corrupt
+        return [f"{type(e).__name__}: {e}"], None
     except NotACheckpointError:
         raise
     except CheckpointError:

@@ -22,11 +22,18 @@ loads, not with the world or the bytes of state::
     index.ranks,         version 3, a save with per-rank values (format/rank_values.py): each rank's own values
     <rank>.values        object, and the coordinator's table of their sizes and SHA-256; a rank reads its own
 
-A row that is damaged fails the structural checks (``rows_to_pieces``: file, bounds, sizes), the exact coverage
-check of its key, or the data checksums it points to; ``verify_checkpoint`` also checks the SHA-256 of the rows.
+Every row carries a 32-bit check of its fields and its row number in ``pad`` (``row_checks``; ``"check":
+"mix64"`` in metadata.json, saves since 2026-12-05), checked on each row a load reads: one flipped bit of a
+row's ``file`` could otherwise point it at another rank's piece of the same layout, whose checksums match. Then
+the structural checks (``_pieces``: key, file, bounds, sizes), no two rows read sharing bytes of a file, a whole
+key's rows in directory order, the exact coverage of the key, and the data checksums the row points to;
+``verify_checkpoint`` also checks the SHA-256 of every index object (a load of every row of a checkpoint
+written before row checks checks that of index.pieces). ``index.keys`` inflates to the size metadata.json
+declares (``inflated``; MAX_INFLATED_KEYS_BYTES for checkpoints without it).
 
-Pure: the bytes of the objects (``encode``) and the lazy views over them (``decode_header``, ``IndexSource``);
-the caller passes ``fetch(name, offset, length) -> bytes`` (directory.py), which does the I/O.
+Pure: the bytes of the objects (``encode``) and their checked headers (``decode_header``, ``decode_keys``); the
+lazy views a load reads through are in index_view.py, which takes ``fetch(name, offset, length) -> bytes``
+(directory.py) from the caller.
 """
 
 from __future__ import annotations
@@ -34,22 +41,27 @@ from __future__ import annotations
 import hashlib
 import json
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError, MetadataError
-from . import rank_values, row_directory
-from .metadata import DTYPES, FileMeta, PieceMeta, check_file_name, numel
-from .row_directory import FENCES_FILE, SMALL_KEY_ROWS, STARTS_FILE
-from .sidecar import CountedFetch, SidecarSums
+from ..errors import MetadataError
+from . import rank_values
+from .metadata import DTYPES, FileMeta, check_file_name
+from .row_directory import FENCES_FILE, STARTS_FILE
 
 VERSION = 3
 READ_VERSIONS = (2, 3)  # 2: per-rank values as lists in metadata.json's values (read as they are)
 KEYS_FILE = "index.keys"
 PIECES_FILE = "index.pieces"
 SUMS_SUFFIX = ".sums"
-MAX_KEYS_BYTES = 1 << 30  # decompressed index.keys cap (a zip bomb is refused, not inflated)
+MAX_KEYS_BYTES = 1 << 30  # index.keys as stored (compressed): at most this
+# index.keys inflates to the size metadata.json declares (``inflated``, saves since row checks); a checkpoint
+# without it (written before) may inflate to this much (100k keys measure ~10 MB): a zip bomb stops here
+MAX_INFLATED_KEYS_BYTES = 256 << 20
+ROW_CHECK = "mix64"  # index.pieces rows carry a check of their own fields and position in ``pad`` (row_checks)
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+_MASK32 = np.uint64(0xFFFFFFFF)
 
 PIECE_ROW = np.dtype(
     [
@@ -85,6 +97,27 @@ def pack_sums(per_piece: Iterable[Iterable[int]]) -> bytes:
 # ------------------------------------------------------------------------------------------------------- writing
 
 
+def row_checks(rows: np.ndarray, first_row: int) -> np.ndarray:
+    """The check of each PIECE_ROW row (its ``pad``): a 64-bit multiply-xorshift chain over the row's other
+    fields, seeded by its row number, folded to 32 bits. Every step is a bijection of the running value, so a
+    damaged field (e.g. one flipped bit of ``file``, which would point the row at another rank's bytes of the
+    same layout) or a row moved to another position always changes the 64-bit value; the 32 bits of it kept
+    miss a damaged row with odds 2^-32. Vectorised: a few ns a row, no extra read (the check is in the row)."""
+    words = np.ascontiguousarray(rows).view("<u8").reshape(len(rows), PIECE_ROW.itemsize // 8).T.copy()
+    words[1] &= _MASK32  # word 1: box (low half) and pad (high half, the check itself)
+    h = np.arange(first_row + 1, first_row + 1 + len(rows), dtype=np.uint64)
+    h *= _MIX
+    t = np.empty_like(h)
+    for w in words:
+        h ^= w
+        h *= _MIX
+        np.right_shift(h, np.uint64(29), out=t)
+        h ^= t
+    np.right_shift(h, np.uint64(32), out=t)
+    h ^= t
+    return (h & _MASK32).astype("<u4")
+
+
 def keys_blob(keys: list, dtypes: list, shapes: list, row_starts: list, n_rows: int, extra: dict) -> bytes:
     """``index.keys``: per key (in row order) its dtype, shape (``ndims`` + the flat ``dims``) and row count;
     ``extra``: ``{"boxes": [[offset, shape]], "names": {row: name}}`` (pieces that are not whole-tensor boxes,
@@ -116,7 +149,9 @@ def encode(
     rank_values: ``(keys, index.ranks bytes)`` (rank_values.py). ``keys``: the ``keys_blob``. ``files``:
     ``(name, size, checksum count)`` by file index. ``rows``: PIECE_ROW array. ``starts``, ``fences``: the row
     directory (row_directory.py): one u64 per row, and every FENCE-th of a key with more rows."""
-    pieces_blob = rows.astype(PIECE_ROW, copy=False).tobytes()
+    rows = rows.astype(PIECE_ROW, copy=True)
+    rows["pad"] = row_checks(rows, 0)
+    pieces_blob = rows.tobytes()
     starts_blob = np.asarray(starts, dtype="<u8").tobytes()
     fences_blob = np.asarray(fences, dtype="<u8").tobytes()
     out = {KEYS_FILE: keys, PIECES_FILE: pieces_blob, STARTS_FILE: starts_blob, FENCES_FILE: fences_blob}
@@ -131,8 +166,16 @@ def encode(
             "sums": [int(f[2]) for f in files],
         },
         "index": {
-            KEYS_FILE: {"bytes": len(keys), "sha256": hashlib.sha256(keys).hexdigest()},
-            PIECES_FILE: {"rows": int(len(rows)), "sha256": hashlib.sha256(pieces_blob).hexdigest()},
+            KEYS_FILE: {
+                "bytes": len(keys),
+                "sha256": hashlib.sha256(keys).hexdigest(),
+                "inflated": len(zlib.decompress(keys)),
+            },
+            PIECES_FILE: {
+                "rows": int(len(rows)),
+                "sha256": hashlib.sha256(pieces_blob).hexdigest(),
+                "check": ROW_CHECK,
+            },
             STARTS_FILE: {"sha256": hashlib.sha256(starts_blob).hexdigest()},
             FENCES_FILE: {"sha256": hashlib.sha256(fences_blob).hexdigest()},
         },
@@ -191,7 +234,16 @@ def decode_header(d: dict, where: str) -> tuple[dict, dict]:
         "pieces_sha256": f.str(f.get(pieces_d, "sha256", "index.pieces.sha256"), "index.pieces.sha256", 64),
         "starts_sha256": None,  # format 2: no row directory (every row of a key is read)
         "fences_sha256": None,
+        "inflated": MAX_INFLATED_KEYS_BYTES,  # (a cap, when not declared)
+        "inflated_declared": "inflated" in keys_d,
+        "row_check": None,
     }
+    if "inflated" in keys_d:
+        index["inflated"] = f.int(keys_d["inflated"], "index.keys.inflated", 0, MAX_INFLATED_KEYS_BYTES)
+    if "check" in pieces_d:
+        index["row_check"] = f.str(pieces_d["check"], "index.pieces.check", 64)
+        if index["row_check"] != ROW_CHECK:
+            raise _fail(where, f"index.pieces.check {index['row_check']!r} is unknown (written by a newer build?)")
     for name, field in ((STARTS_FILE, "starts_sha256"), (FENCES_FILE, "fences_sha256")):
         if name in idx:
             d_ = f.obj(idx[name], f"index[{name!r}]")
@@ -216,23 +268,30 @@ def decode_keys(blob: bytes, index: dict, where: str) -> dict:
     """The parsed, checked ``index.keys``: ``keys``, ``dtypes``, ``shapes``, ``rows`` (starts + the row count)."""
     if len(blob) != index["keys_bytes"] or hashlib.sha256(blob).hexdigest() != index["keys_sha256"]:
         raise _fail(where, f"{KEYS_FILE} does not match its size and SHA-256 in metadata.json (damaged)")
-    try:
+    cap = index["inflated"]
+    try:  # never more than ``cap`` bytes inflated: a zip bomb is refused, not inflated
         dec = zlib.decompressobj()
-        text = dec.decompress(blob, MAX_KEYS_BYTES)
-        if dec.unconsumed_tail:
-            raise _fail(where, f"{KEYS_FILE} inflates beyond {MAX_KEYS_BYTES} bytes")
-        d = json.loads(text)
-    except (zlib.error, ValueError) as e:
+        text = dec.decompress(blob, cap + 1)
+    except zlib.error as e:
         raise _fail(where, f"{KEYS_FILE} is not compressed JSON: {e}") from None
+    if len(text) > cap or dec.unconsumed_tail:
+        raise _fail(where, f"{KEYS_FILE} inflates beyond {cap} bytes")
+    if index["inflated_declared"] and (len(text) != cap or not dec.eof):
+        raise _fail(where, f"{KEYS_FILE} inflates to {len(text)} bytes, metadata.json declares {cap}")
+    from .strict_json import loads_strict
+
+    d = loads_strict(text, f"{where}: {KEYS_FILE}", _KEYS_TYPED)  # (nesting bounded: a MetadataError, no recursion)
     if type(d) is not dict or type(d.get("keys")) is not list:
         raise _fail(where, f"{KEYS_FILE} must be an object with a keys list")
     keys = d["keys"]
     n = len(keys)
+    if set(map(type, keys)) - {str}:
+        raise _fail(where, f"{KEYS_FILE}: keys must be distinct strings")
     ids = dict(zip(keys, range(n)))  # key -> its index (IndexedTensors), and the duplicate check
-    if set(map(type, keys)) - {str} or len(ids) != n:
+    if len(ids) != n:
         raise _fail(where, f"{KEYS_FILE}: keys must be distinct strings")
     dtypes = d.get("dtypes")
-    if type(dtypes) is not list or len(dtypes) != n or not set(dtypes) <= set(DTYPES):
+    if type(dtypes) is not list or len(dtypes) != n or set(map(type, dtypes)) - {str} or not set(dtypes) <= set(DTYPES):
         raise _fail(where, f"{KEYS_FILE}: dtypes must name a supported dtype per key")
     shapes = _shapes(d.get("ndims"), d.get("dims"), n, where)
     if "counts" in d:  # format 3: rows per key
@@ -246,7 +305,13 @@ def decode_keys(blob: bytes, index: dict, where: str) -> dict:
     names = d.get("names", {})
     if type(boxes) is not list or type(names) is not dict:
         raise _fail(where, f"{KEYS_FILE}: boxes must be a list and names an object")
+    if names and (set(map(type, names.values())) != {str} or not all(map(str.isdigit, names))):
+        raise _fail(where, f"{KEYS_FILE}: names must map row numbers to strings")
     return {"keys": keys, "ids": ids, "dtypes": dtypes, "shapes": shapes, "rows": rows, "boxes": boxes, "names": names}
+
+
+# every field is typed field by field above (or by _box when used): loads_strict's generic walk is not needed
+_KEYS_TYPED = frozenset({"keys", "dtypes", "ndims", "dims", "counts", "rows", "boxes", "names"})
 
 
 def _shapes(ndims, dims, n: int, where: str) -> _Shapes:
@@ -272,202 +337,3 @@ class _Shapes:
 
     def __len__(self) -> int:
         return len(self.starts)
-
-
-class IndexSource:
-    """Lazy reads of a format-2 checkpoint's piece rows and checksum sidecars through ``fetch``.
-
-    ``load(keys)`` fills ``tensors[key].pieces`` for the keys not loaded yet, in coalesced range reads of
-    index.pieces; each piece's ``checksums`` is a view of its file's sidecar, fetched by SUMS_BLOCK on demand."""
-
-    def __init__(self, fetch: Fetch, where: str, keys_table: dict, fields: dict, tensors: dict):
-        self.fetch, self.where = fetch, where
-        self.table = keys_table
-        self.files = fields["files"]
-        self.names = list(self.files)
-        self.sums_counts = fields["sums_counts"]
-        self.chunk = fields["chunk_bytes"]
-        self.with_sums = fields["checksum"] != "none"
-        self.tensors = tensors
-        self.sidecars: dict[int, SidecarSums] = {}
-
-    def load(self, keys: Iterable[str], spans: Mapping[str, tuple[int, int]] | None = None) -> None:
-        """Fill the pieces of ``keys``: all rows of a key, or with ``spans[key] = (lo, hi)`` (global flat
-        elements) only the rows the directory says may overlap them (row_directory.py), in coalesced reads."""
-        rows, spans = self.table["rows"], spans or {}
-        todo, want = {}, {}
-        for t in (self.tensors[k] for k in keys):
-            span = spans.get(t.key)
-            if t._pieces is not None and (t._span is None or (span is not None and _inside(span, t._span))):
-                continue  # (loaded already, whole or a window holding this span)
-            todo[t.key_id] = t
-            if span is not None and self.starts_sha256 and rows[t.key_id + 1] - rows[t.key_id] > SMALL_KEY_ROWS:
-                want[t.key_id] = span
-        if want and self.fences_sha256 and self.fences is None:
-            self.fences = row_directory.fence_offsets(rows)
-        win = row_directory.windows(self.fetch, self.where, rows, want, self.fences) if want else {}
-        todo_rows = [(*win.get(i, (rows[i], rows[i + 1], None)), todo[i]) for i in sorted(todo)]
-        for a, b, items in row_directory.coalesce(
-            [(a, b, (a, b, st, t)) for a, b, st, t in todo_rows], PIECE_ROW.itemsize
-        ):
-            arr = row_directory.fetch_items(self.fetch, PIECES_FILE, a, b, PIECE_ROW, self.where)
-            for r0, r1, st, t in items:
-                span = spans.get(t.key)
-                row_directory.check_window(arr[r0 - a : r1 - a], st, span, numel(t.shape), self.where, t.key)
-                t._pieces = self._pieces(t, arr[r0 - a : r1 - a], r0)
-                t._span = None if st is None else spans[t.key]
-
-    def all_rows(self) -> np.ndarray:
-        """Every row (verify_checkpoint), checked against the SHA-256 of metadata.json."""
-        n = self.table["rows"][-1]
-        raw = self.fetch(PIECES_FILE, 0, n * PIECE_ROW.itemsize + 1)
-        if len(raw) != n * PIECE_ROW.itemsize:
-            raise CorruptCheckpointError(f"{self.where}: {PIECES_FILE} has {len(raw)} bytes, expected {n} rows")
-        return np.frombuffer(raw, PIECE_ROW)
-
-    def _pieces(self, t, arr: np.ndarray, first_row: int) -> list[PieceMeta]:
-        """PieceMeta of one key's rows, each checked against the key's shape and its file (MetadataError)."""
-        isz = DTYPES[t.dtype][0]
-        out = []
-        boxes, names = self.table["boxes"], self.table["names"]
-        whole = (tuple([0] * len(t.shape)), tuple(t.shape))
-        for i, r in enumerate(arr.tolist()):
-            key_id, fi, box, _pad, offset, nbytes, fa, fb, sums = r
-            if key_id != t.key_id or fi >= len(self.names):
-                raise _fail(self.where, f"{PIECES_FILE} row {first_row + i} does not belong to key {t.key!r}")
-            if box < 0:
-                off, shp = whole
-            else:
-                off, shp = _box(boxes, box, len(t.shape), self.where)
-            fr = None if fa < 0 else (fa, fb)
-            name = names.get(str(first_row + i), t.key)
-            p = PieceMeta(self.names[fi], name, offset, nbytes, off, shp, fr, [])
-            self._check(t, p, isz, fi, sums)
-            if self.with_sums:
-                p.checksums = self._sidecar(fi).view(sums, chunk_count(nbytes, self.chunk))
-            out.append(p)
-        return out
-
-    def _check(self, t, p: PieceMeta, isz: int, fi: int, sums: int) -> None:
-        for o, s, g in zip(p.box_offset, p.box_shape, t.shape):
-            if o + s > g:
-                raise _fail(self.where, f"key {t.key!r} has a piece outside its shape")
-        if p.flat_range is not None and not 0 <= p.flat_range[0] <= p.flat_range[1] <= numel(p.box_shape):
-            raise _fail(self.where, f"key {t.key!r} has a bad flat_range {p.flat_range}")
-        if p.nbytes != p.numel * isz or p.offset + p.nbytes > self.files[p.file].size:
-            raise _fail(self.where, f"key {t.key!r} has a piece whose bytes do not fit its elements or file {p.file}")
-        if self.with_sums and sums + chunk_count(p.nbytes, self.chunk) > self.sums_counts[fi]:
-            raise _fail(self.where, f"key {t.key!r} has a piece whose checksums lie outside {sums_name(p.file)}")
-
-    def _sidecar(self, fi: int) -> SidecarSums:
-        s = self.sidecars.get(fi)
-        if s is None:
-            s = self.sidecars[fi] = SidecarSums(self.fetch, sums_name(self.names[fi]), self.sums_counts[fi])
-        return s
-
-
-def _box(boxes: list, i: int, ndim: int, where: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    try:
-        off, shp = boxes[i]
-        off, shp = tuple(_int_list(off, where, "box", ndim)), tuple(_int_list(shp, where, "box", ndim))
-    except (IndexError, TypeError, ValueError):
-        raise _fail(where, f"{KEYS_FILE}: box {i} is missing or malformed") from None
-    return off, shp
-
-
-def _inside(span: tuple[int, int], outer: tuple[int, int]) -> bool:
-    return outer[0] <= span[0] and span[1] <= outer[1]
-
-
-class IndexedTensor:
-    """A tensor of a format-2 checkpoint: dtype and shape from index.keys, pieces read when first asked for."""
-
-    __slots__ = ("key", "key_id", "dtype", "shape", "_pieces", "_span", "_source")
-
-    def __init__(self, key: str, key_id: int, dtype: str, shape: tuple[int, ...], source: IndexSource):
-        self.key, self.key_id, self.dtype, self.shape = key, key_id, dtype, shape
-        self._pieces: list[PieceMeta] | None = None
-        self._span: tuple[int, int] | None = None  # the pieces are a window of the key's rows (for this span)
-        self._source = source
-
-    @property
-    def pieces(self) -> list[PieceMeta]:
-        """Every piece of the key (all its rows read)."""
-        if self._pieces is None or self._span is not None:
-            self._source.load([self.key])
-        return self._pieces
-
-    def window(self, lo: int, hi: int) -> tuple[list[PieceMeta], bool]:
-        """``(pieces, whole)``: pieces among which are all those overlapping global flat elements ``[lo, hi)``
-        (the rows the directory selects, or every piece: ``whole``)."""
-        if self._pieces is None or (self._span is not None and not _inside((lo, hi), self._span)):
-            self._source.load([self.key], {self.key: (lo, hi)})
-        return self._pieces, self._span is None
-
-    def to_json(self) -> dict:
-        return {"dtype": self.dtype, "shape": list(self.shape), "pieces": [p.to_json() for p in self.pieces]}
-
-
-class IndexedTensors(Mapping):
-    """key -> IndexedTensor of every key of index.keys, each made when first asked for (100k keys: a load
-    that asks for a few hundred does not pay for the others)."""
-
-    def __init__(self, table: dict):
-        self.table = table
-        self.ids = table["ids"]
-        self.made: dict[str, IndexedTensor] = {}
-        self.source: IndexSource | None = None
-
-    def __getitem__(self, key: str) -> IndexedTensor:
-        t = self.made.get(key)
-        if t is None:
-            i = self.ids[key]
-            t = self.made[key] = IndexedTensor(key, i, self.table["dtypes"][i], self.table["shapes"][i], self.source)
-        return t
-
-    def __contains__(self, key) -> bool:
-        return key in self.ids
-
-    def __iter__(self):
-        return iter(self.ids)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-
-def open_v2(d: dict, where: str, fetch: Fetch | None):
-    """The CheckpointMetadata of a parsed format-2 ``metadata.json``: header fields typed, ``index.keys`` read
-    whole (size and SHA-256 checked), pieces and checksums read through ``fetch`` when first needed."""
-    from .metadata import CheckpointMetadata
-
-    if fetch is None:
-        raise MetadataError(f"{where}: a format-2 checkpoint is read with its index objects (no fetch given)")
-    fields, index = decode_header(d, where)
-    fetch = CountedFetch(fetch)
-    table = decode_keys(fetch(KEYS_FILE, 0, index["keys_bytes"]), index, where)
-    md = CheckpointMetadata(
-        checkpoint_id=fields["checkpoint_id"],
-        world_size=fields["world_size"],
-        chunk_bytes=fields["chunk_bytes"],
-        checksum=fields["checksum"],
-        created_unix=fields["created_unix"],
-        files=fields["files"],
-        values=fields["values"],
-        version=fields["version"],
-    )
-    if "rank_values" in fields:
-        md.rank_values = rank_values.RankValues(fetch, where, md.checkpoint_id, fields["rank_values"])
-        both = set(md.rank_values.keys) & set(md.values)
-        if both:
-            raise _fail(where, f"keys stored both as per-rank and plain value: {sorted(both)[:5]}")
-        md.values.update(md.rank_values.lists())
-    overlap = set(table["keys"]) & set(md.values)
-    if overlap:
-        raise _fail(where, f"keys stored both as tensor and value: {sorted(overlap)[:5]}")
-    tensors = IndexedTensors(table)
-    source = tensors.source = IndexSource(fetch, where, table, fields, tensors)
-    source.pieces_sha256, source.starts_sha256 = index["pieces_sha256"], index["starts_sha256"]
-    source.fences_sha256, source.fences = index["fences_sha256"], None
-    md.tensors = tensors
-    md.index = source
-    return md

@@ -279,7 +279,8 @@ class CheckpointMetadata:
 
         d = loads_strict(data, where, _SCHEMA_TYPED)
         if type(d) is dict and d.get("format") == FORMAT_NAME and type(d.get("version")) is int and d["version"] > 1:
-            from .index import READ_VERSIONS, open_v2
+            from .index import READ_VERSIONS
+            from .index_view import open_v2
 
             if d["version"] not in READ_VERSIONS:
                 raise MetadataError(

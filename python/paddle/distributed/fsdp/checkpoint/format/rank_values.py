@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError, MetadataError
+from ..errors import CheckpointError, CorruptCheckpointError, MetadataError
 
 TABLE_FILE = "index.ranks"
 SUFFIX = ".values"
@@ -117,7 +117,12 @@ class RankValues:
         nbytes = int(row["nbytes"])
         if nbytes > MAX_ENTRY_BYTES:
             raise self._fail(rank, f"is declared {nbytes} bytes, over the {MAX_ENTRY_BYTES} cap (damaged)")
-        blob = self.fetch(object_name(rank), 0, nbytes + 1)
+        try:
+            blob = self.fetch(object_name(rank), 0, nbytes + 1)
+        except CorruptCheckpointError as e:
+            if isinstance(e.__cause__, FileNotFoundError):
+                raise self._fail(rank, "is missing") from e
+            raise
         if len(blob) != nbytes or hashlib.sha256(blob).digest() != bytes(row["sha256"]).ljust(32, b"\0"):
             raise self._fail(rank, "does not match its size and SHA-256 in index.ranks (damaged)")
         from .strict_json import loads_strict
@@ -142,15 +147,13 @@ class RankValues:
         """Every row and every rank's object checked (verify_checkpoint); one line per problem."""
         try:
             rows = self.table()
-        except (CorruptCheckpointError, OSError) as e:
+        except (CheckpointError, OSError) as e:
             return [f"{type(e).__name__}: {e}"]
         out = []
         for r in range(self.world):
             try:
                 self.entry(r, rows[r])
-            except FileNotFoundError:
-                out.append(f"the values object of rank {r} ({object_name(r)}) is missing")
-            except (CorruptCheckpointError, MetadataError, OSError) as e:
+            except (CheckpointError, OSError) as e:  # (a missing object: CorruptCheckpointError from the fetch)
                 out.append(f"{type(e).__name__}: {e}")
         return out
 

@@ -49,7 +49,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, MissingDependencyError
 
 # A piece of a data object: a uint8 array (anything with the buffer protocol), or a callable returning
 # ``(array, owner of its memory)`` that is called just before the piece is written (one device copy at a time).
@@ -169,10 +169,16 @@ _schemes: dict[str, Callable[[], Storage]] = {}
 
 
 def _s3_backend() -> Storage:
-    """``s3://``: the S3 backend, imported (with boto3) only when an s3:// location is first used."""
-    from ..s3.storage import default_storage
-
+    """``s3://``: the S3 backend, imported (with boto3) only when an s3:// location is first used; without the
+    ``s3`` extra a MissingDependencyError saying what to install."""
+    try:
+        from ..s3.storage import default_storage
+    except ImportError as e:
+        raise MissingDependencyError(S3_EXTRA_HINT.format(missing=e.name or e)) from e
     return default_storage()
+
+
+S3_EXTRA_HINT = 's3:// URLs need the s3 extra ({missing} is not installed): pip install "paddle-fsdp-fork[s3]"'
 
 
 # schemes served by backends of this package, registered without importing them (their client libraries load on

@@ -7,6 +7,8 @@ every body). boto3 is imported here only, so the engine works without it until a
 
 from __future__ import annotations
 
+from ..errors import MissingDependencyError
+from ..io.storage import S3_EXTRA_HINT
 from .errors import S3ConfigError
 from .url import S3Options
 
@@ -20,7 +22,7 @@ def make_client(opts: S3Options):
         from botocore import exceptions as bce
         from botocore.config import Config
     except ImportError as exc:
-        raise ImportError('s3:// URLs need boto3: pip install "paddle-fsdp-fork[s3]" (or pip install boto3)') from exc
+        raise MissingDependencyError(S3_EXTRA_HINT.format(missing=exc.name or exc)) from exc
     try:
         session = boto3.session.Session(
             aws_access_key_id=opts.access_key_id,
