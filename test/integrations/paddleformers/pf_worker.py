@@ -5,7 +5,7 @@ Run by the tests under ``paddle.distributed.launch``. Options (all optional): ``
 ``save_steps``, ``save_total_limit``, ``save_hf_steps``, ``save_hf_total_limit``, ``resume`` (True or a path), ``kill_after_save`` (kill -9
 every rank right after the checkpoint of that step), ``async_save``, ``accumulation``, ``max_grad_norm``,
 ``stock`` ("dp": the stock Trainer, for comparisons), ``bf16``, ``eval`` (evaluate every ``save_steps``),
-``hsdp`` (replicas: HSDP over ``topology.hybrid_groups``).
+``hsdp`` (replicas: HSDP over ``topology.hybrid_groups``), ``memory_tier`` (``fsdp_memory_tier``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class Record(TrainerCallback):
         self.losses: dict[int, float] = {}
         self.eval_losses: dict[int, float] = {}
         self.kill_after_save = kill_after_save
+        self.trainer = None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
@@ -41,6 +42,9 @@ class Record(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == self.kill_after_save:
+            tier = getattr(self.trainer, "memory_tier", lambda: None)()
+            if tier is not None:
+                tier.wait()  # the memory copy (and its peer copy) complete: the crash comes after the save
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -88,7 +92,10 @@ def main() -> None:
         tokenizer=make_tokenizer(),
         callbacks=[record],
     )
+    if cfg.get("memory_tier"):
+        groups["fsdp_memory_tier"] = cfg["memory_tier"]
     trainer = Trainer(**kwargs) if cfg.get("stock") else FSDPTrainer(**kwargs, **groups)
+    record.trainer = trainer
     trainer.train(resume_from_checkpoint=cfg.get("resume"))
     if cfg.get("save_model"):
         trainer.save_model(cfg["save_model"])

@@ -14,7 +14,9 @@ before the optimizer is built), and what each override does:
 * ``_load_from_checkpoint`` / ``_load_optimizer_and_scheduler`` / ``_load_flex_checkpoint``: the Trainer calls one of
   them (by load format) after building the optimizer; each loads our checkpoint once.
 * ``_inner_training_loop`` / ``_load_rng_state``: the Trainer reads its state file from the resume path and
-  restores RNG after skipping the consumed batches; both are served from the checkpoint's ``extra_state``.
+  restores RNG after skipping the consumed batches: the state from the checkpoint's ``extra_state``, each rank's
+  RNG from its own per-rank ``stateful`` value (trainer_state.py).
+* ``fsdp_memory_tier``: saves to host memory, every K-th to ``checkpoint-N``; resume from the newer (memory_saves.py).
 * ``_maybe_log_save_evaluate``: ``save_hf_steps`` exports through ``to-hf`` instead of stock ``save_pretrained``.
 * ``save_model``: HF weights + config + tokenizer (hf_export.py).
 
@@ -33,13 +35,14 @@ import paddle
 import paddle.distributed as dist
 
 from ...fully_shard_fusion import FullyShardFusion
-from . import checkpoints, hf_export
+from . import checkpoints, hf_export, memory_saves
 from . import trainer_state as saved_state
 from .compat import PaddleFormersVersionError, UnsupportedTrainingArgumentError, require_paddleformers
 
 logger = logging.getLogger(__name__)
 
 _CLASS = None
+_MEMORY = "<fsdp memory tier or newest committed checkpoint>"  # resume_from_checkpoint=True with the memory tier
 
 
 def fsdp_trainer_class():
@@ -150,6 +153,9 @@ class FSDPTrainerMixin:
         replicate_group, shard_group: HSDP groups (``topology.hybrid_groups``; with gloo create them before the
             ``TrainingArguments``, whose construction runs ``fleet.init``).
         hf_preset: the ``to-hf`` preset of ``save_model`` / ``save_hf_steps`` (default: chosen by architecture).
+        fsdp_memory_tier: ``dict(persist_every=K, memory_root=..., ...)``: saves to host memory, every K-th one to
+            ``checkpoint-N`` (memory_saves.py).
+        moe_layers_name, expert_parallel_group, expert_shard_group: expert parallelism, as ``FullyShardFusion``'s.
     """
 
     def __init__(
@@ -162,8 +168,13 @@ class FSDPTrainerMixin:
         replicate_group=None,
         shard_group=None,
         hf_preset: str | None = None,
+        fsdp_memory_tier: dict | None = None,
+        moe_layers_name: list[str] | None = None,
+        expert_parallel_group=None,
+        expert_shard_group=None,
         **kwargs,
     ) -> None:
+        memory_options = memory_saves.check_options(fsdp_memory_tier)  # before anything is built
         training_args = kwargs.get("args", args[2] if len(args) > 2 else None)
         with _no_local_copy_of_url(training_args):
             super().__init__(*args, **kwargs)
@@ -187,11 +198,19 @@ class FSDPTrainerMixin:
             prefetch_depth=prefetch_depth,
             replicate_group=replicate_group,
             shard_group=shard_group,
+            moe_layers_name=moe_layers_name,
+            expert_parallel_group=expert_parallel_group,
+            expert_shard_group=expert_shard_group,
         )
         self.model_wrapped = self.model
         self.hf_preset = hf_preset
         self._fsdp_pending = None  # the async save in flight
         self._fsdp_loaded = None  # (path, extra_state) of the checkpoint this train() resumed from
+        self._fsdp_memory = memory_options  # fsdp_memory_tier, checked (memory_saves.py); None: no memory tier
+        self._fsdp_tier = None  # the MemoryTier, built at the first save or memory resume
+        self._fsdp_memory_step = None  # the step of a state held in memory only (saved or resumed), else None
+        self._rng = saved_state.RankRandomState(self.args.world_size)
+        self._stateful = {saved_state.RankRandomState.NAME: self._rng}  # per-rank values of every checkpoint
         logger.info("FSDPTrainer: %d ranks, units %s", self.fsdp.world_size, units)
 
     # ---- wrapping -----------------------------------------------------------------------------------------
@@ -203,17 +222,28 @@ class FSDPTrainerMixin:
     def _grad_scaler(self):
         return self.scaler if getattr(self, "do_grad_scaling", False) else None
 
-    def _save_checkpoint(self, model, metrics=None):
+    def _save_checkpoint(self, model, metrics=None, persist: bool = False):
         self._finish_pending_save()
         self._track_best(metrics)
         path = checkpoints.checkpoint_dir(self.args.output_dir, self.state.global_step)
-        extra = saved_state.capture(self.state, self.fsdp.checkpoint_group)
+        extra = saved_state.capture(self.state)
+        step = self.state.global_step
+        to_memory = self._fsdp_memory is not None and not persist
+        if to_memory and self._fsdp_tier is not None and self._fsdp_tier.disabled_reason is not None:
+            to_memory = False  # the tier lacked space on some rank (logged by it): every save goes to checkpoint-N
+        if to_memory and not memory_saves.persists(self._fsdp_memory, step, self.args.save_steps):
+            self.memory_tier().save(step, extra_state=extra)
+            self._fsdp_memory_step = step
+            logger.info("FSDPTrainer: step %d saved to the memory tier", step)
+            return
+        self._fsdp_memory_step = None
         handle = self.fsdp.save_checkpoint(
             path,
             optimizer=self.optimizer,
             extra_state=extra,
             async_save=bool(self.args.use_async_save),
             grad_scaler=self._grad_scaler,
+            stateful=self._stateful,
         )
         logger.info("FSDPTrainer: %s checkpoint %s", "saving (async)" if handle is not None else "saved", path)
         if handle is not None:
@@ -221,8 +251,20 @@ class FSDPTrainerMixin:
         else:
             self._rotate()
 
+    def memory_tier(self):
+        """The MemoryTier of ``fsdp_memory_tier`` (built on first use; collective then); None without it."""
+        if self._fsdp_memory is not None and self._fsdp_tier is None:
+            if self.optimizer is None:
+                raise RuntimeError("FSDPTrainer: the optimizer must exist before the memory tier is used")
+            self._fsdp_tier = memory_saves.build(
+                self._fsdp_memory, self.fsdp, self.optimizer, self.args.output_dir, self._grad_scaler, self._stateful
+            )
+        return self._fsdp_tier
+
     def _finish_pending_save(self) -> None:
         """Wait for the async save in flight (its errors raise here), then rotate."""
+        if self._fsdp_tier is not None:
+            self._fsdp_tier.wait()
         if self._fsdp_pending is not None:
             handle, self._fsdp_pending = self._fsdp_pending, None
             handle.wait()
@@ -247,7 +289,9 @@ class FSDPTrainerMixin:
 
     # ---- resuming -----------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, ignore_keys_for_eval=None):
-        if resume_from_checkpoint is True:
+        if resume_from_checkpoint is True and self._fsdp_memory is not None:
+            resume_from_checkpoint = _MEMORY  # decided in _restore, once the optimizer exists
+        elif resume_from_checkpoint is True:
             resume_from_checkpoint = checkpoints.newest_committed(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(
@@ -257,11 +301,26 @@ class FSDPTrainerMixin:
             resume_from_checkpoint = None
         self._fsdp_loaded = None
         try:
-            return super().train(
+            output = super().train(
                 resume_from_checkpoint=resume_from_checkpoint, ignore_keys_for_eval=ignore_keys_for_eval
             )
         finally:
             self._finish_pending_save()
+        self._end_memory_tier()
+        return output
+
+    def _end_memory_tier(self) -> None:
+        """A clean end of ``train()``: a memory save newer than the newest ``checkpoint-N`` is written as one (the
+        state at the end), then this rank's memory copies are removed (collective)."""
+        tier, self._fsdp_tier = self._fsdp_tier, None
+        if tier is None:
+            return
+        tier.wait()
+        if self._fsdp_memory_step is not None:  # the same on every rank: set by the collective saves and restore
+            self._save_checkpoint(self.model, persist=True)
+            self._finish_pending_save()
+        self._fsdp_memory_step = None
+        tier.close(remove=True)
 
     def _restore(self, path) -> None:
         """Load checkpoint ``path`` into the sharded model, optimizer, LR scheduler, RNG and GradScaler (once)."""
@@ -269,9 +328,34 @@ class FSDPTrainerMixin:
             return
         if self.optimizer is None:
             raise RuntimeError("FSDPTrainer: the optimizer must exist before a checkpoint is loaded")
-        result = self.fsdp.load_checkpoint(path, optimizer=self.optimizer, grad_scaler=self._grad_scaler)
+        if path == _MEMORY:
+            self._fsdp_loaded = (path, self._restore_newest())
+            return
+        result = self.fsdp.load_checkpoint(
+            path, optimizer=self.optimizer, grad_scaler=self._grad_scaler, stateful=self._stateful
+        )
         self._fsdp_loaded = (path, saved_state.check(dict(result), f"checkpoint {path}"))
         logger.info("FSDPTrainer: resumed from %s", path)
+
+    def _restore_newest(self) -> dict:
+        """``resume_from_checkpoint=True`` with the memory tier: the newest of the tier's common memory step and the
+        newest committed ``checkpoint-N`` (collective); its ``extra_state``."""
+        tier = self.memory_tier()
+        restored = tier.restore()
+        found = checkpoints.committed_checkpoints(self.args.output_dir)
+        if restored is not None and (not found or restored.step > found[-1][0]):
+            logger.info("FSDPTrainer: resumed from the memory tier, step %d (%s)", restored.step, restored.sources)
+            self._fsdp_memory_step = restored.step
+            return saved_state.check(dict(restored), f"memory tier step {restored.step}")
+        if not found:
+            raise ValueError(
+                f"No committed checkpoint-N in output directory ({self.args.output_dir}) and no memory copy to resume from"
+            )
+        result = self.fsdp.load_checkpoint(
+            found[-1][1], optimizer=self.optimizer, grad_scaler=self._grad_scaler, stateful=self._stateful
+        )
+        logger.info("FSDPTrainer: resumed from %s (memory tier: step %s)", found[-1][1], restored and restored.step)
+        return saved_state.check(dict(result), f"checkpoint {found[-1][1]}")
 
     def _load_from_checkpoint(self, resume_from_checkpoint=None):
         self._restore(resume_from_checkpoint)
@@ -298,9 +382,7 @@ class FSDPTrainerMixin:
     def _load_rng_state(self, checkpoint):
         if checkpoint is None or self._fsdp_loaded is None:
             return
-        saved_state.restore_rng(
-            self._fsdp_loaded[1], dist.get_rank() if dist.is_initialized() else 0, self.args.world_size
-        )
+        self._rng.restore()
 
     # ---- Hugging Face exports -----------------------------------------------------------------------------
     def _maybe_log_save_evaluate(self, tr_loss, model, epoch, ignore_keys_for_eval, **kwargs):

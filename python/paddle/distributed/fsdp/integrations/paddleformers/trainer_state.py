@@ -1,16 +1,15 @@
-"""What the Trainer itself resumes from, carried in the checkpoint's ``extra_state`` (committed with the tensors).
+"""What the Trainer itself resumes from, saved with the tensors in one commit.
 
-* ``trainer_state``: the ``TrainerState`` as JSON (global step, epoch, consumed samples, log history, best metric).
-  The Trainer turns the global step back into its data position (skipped batches / ``consumed_samples``). Timings
-  and memory readings in the log history are left out: they are of the machine, not of the run, and would make a
-  resumed checkpoint differ from an uninterrupted one (``paddle-fsdp-ckpt diff``).
-* ``rng``: every rank's Python and NumPy generator states and paddle generators (``state/rng.py`` format), by rank.
-  The engine restores the paddle generators at load; the Trainer restores all of them once more after it skipped
-  the consumed batches (as stock's ``rng_state_<rank>.pth``), and, like stock, only at the same world size.
-
-Why gathered into ``extra_state`` (one value, rank 0's): ``save_checkpoint`` takes no per-rank user values yet.
-This is O(world) small records (~15 KB a rank), like the engine's own per-rank RNG entry.
-TODO(resume helper): when ``state/`` takes arbitrary per-rank stateful objects, hand these over to it instead.
+* ``extra_state`` (one value, rank 0's): ``trainer_state``, the ``TrainerState`` as JSON (global step, epoch,
+  consumed samples, log history, best metric). The Trainer turns the global step back into its data position
+  (skipped batches / ``consumed_samples``). Timings and memory readings in the log history are left out: they are
+  of the machine, not of the run, and would make a resumed checkpoint differ from an uninterrupted one
+  (``paddle-fsdp-ckpt diff``).
+* :class:`RankRandomState`, given to the engine as ``stateful={"trainer_rng": ...}``: this rank's Python and NumPy
+  generator states and paddle generators (``state/rng.py`` format), saved as the rank's own per-rank value
+  (``__fsdp__.stateful``), so a loading rank reads only its own entry (checkpoint/format/rank_values.py), nothing
+  gathered. The engine restores the paddle generators at load; the Trainer restores all of them once more after it
+  skipped the consumed batches (as stock's ``rng_state_<rank>.pth``), and, like stock, only at the same world size.
 """
 
 from __future__ import annotations
@@ -22,14 +21,13 @@ import random
 from typing import Any
 
 import numpy as np
-import paddle.distributed as dist
 
 from ...checkpoint.errors import MetadataError
 from ...state import rng as engine_rng
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "paddleformers-trainer-v1"
+FORMAT = "paddleformers-trainer-v2"  # v1 (never released) gathered RNG here
 
 
 def _rank_rng() -> dict:
@@ -54,19 +52,52 @@ def _state_json(state) -> str:
     return json.dumps(fields, sort_keys=True)
 
 
-def capture(state, group=None) -> dict:
-    """``extra_state`` for a checkpoint of the Trainer at ``state`` (collective over ``group``: the RNG gather)."""
-    gathered: list = []
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_gather_object(gathered, _rank_rng(), group=group)
-    else:
-        gathered = [_rank_rng()]
-    return {
-        "format": FORMAT,
-        "trainer_state": _state_json(state),
-        "world_size": len(gathered),
-        "rng": gathered,
-    }
+class RankRandomState:
+    """This rank's random generators as a stateful object of the engine (``stateful=``).
+
+    ``set_state_dict`` only keeps the saved state: the Trainer applies it with :meth:`restore` after skipping the
+    consumed batches. ``stateful_scope = "global"`` lets a load at another world size through (the engine then
+    hands every rank saving rank 0's entry); :meth:`restore` itself keeps the current states there, as stock does."""
+
+    stateful_scope = "global"
+    NAME = "trainer_rng"
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.saved: dict | None = None
+
+    def state_dict(self) -> dict:
+        return {"world_size": self.world_size, **_rank_rng()}
+
+    def set_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or not {"world_size", "python", "numpy", "paddle"} <= set(state):
+            raise MetadataError(f"{self.NAME}: a saved random state needs world_size, python, numpy and paddle")
+        self.saved = state
+
+    def restore(self) -> bool:
+        """Set the saved generator states (Python, NumPy, paddle); False (logged) when saved at another world size."""
+        saved, self.saved = self.saved, None
+        if saved is None:
+            return False
+        if saved["world_size"] != self.world_size:
+            logger.warning(
+                "FSDPTrainer: checkpoint saved by %s ranks, now %s: random states not restored (as stock's Trainer)",
+                saved["world_size"],
+                self.world_size,
+            )
+            return False
+        apply_paddle = engine_rng.decode([saved["paddle"]], 0, f"checkpoint stateful {self.NAME}")
+        version, internal, gauss = saved["python"]
+        kind, keys, pos, has_gauss, cached = saved["numpy"]
+        random.setstate((version, tuple(internal), gauss))
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+        apply_paddle()
+        return True
+
+
+def capture(state) -> dict:
+    """``extra_state`` for a checkpoint of the Trainer at ``state`` (not collective: RNG is per-rank stateful)."""
+    return {"format": FORMAT, "trainer_state": _state_json(state)}
 
 
 def check(extra: Any, where: str) -> dict:
@@ -76,29 +107,10 @@ def check(extra: Any, where: str) -> dict:
             f"{where} holds no PaddleFormers Trainer state (extra_state format {extra.get('format') if isinstance(extra, dict) else None!r}, "
             f"expected {FORMAT!r}): was it saved by FSDPTrainer?"
         )
-    if not isinstance(extra.get("trainer_state"), str) or not isinstance(extra.get("rng"), list):
-        raise MetadataError(f"{where}: trainer_state must be a JSON string and rng a list")
+    if not isinstance(extra.get("trainer_state"), str):
+        raise MetadataError(f"{where}: trainer_state must be a JSON string")
     return extra
 
 
 def trainer_state_json(extra: dict) -> str:
     return extra["trainer_state"]
-
-
-def restore_rng(extra: dict, rank: int, world_size: int) -> bool:
-    """Set this rank's saved generator states (Python, NumPy, paddle); False (logged) at another world size."""
-    if extra.get("world_size") != world_size or rank >= len(extra["rng"]):
-        logger.warning(
-            "FSDPTrainer: checkpoint saved by %s ranks, now %s: random states not restored (as stock's Trainer)",
-            extra.get("world_size"),
-            world_size,
-        )
-        return False
-    saved = extra["rng"][rank]
-    apply_paddle = engine_rng.decode([saved["paddle"]], 0, "checkpoint extra_state rng")
-    version, internal, gauss = saved["python"]
-    kind, keys, pos, has_gauss, cached = saved["numpy"]
-    random.setstate((version, tuple(internal), gauss))
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    apply_paddle()
-    return True
