@@ -370,7 +370,7 @@ def test_memory_tier_slot_holds_row_major_bytes_of_every_kind_of_tensor(tmp_path
         errors: list = []
 
         def write():  # training goes on: its writes wait for the copies, which hold the values at the call
-            for t in tensors:
+            for t in reversed(tensors):  # the strided one first (made contiguous for its copy: moved)
                 if _nbytes(t) and t.is_contiguous():
                     t.scale_(3.0)
 

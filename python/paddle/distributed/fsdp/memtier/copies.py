@@ -133,7 +133,7 @@ class SaveIntoSlot:
         self.data_off = slot.size - self.data_len
         data = slot.data(self.data_off, self.data_len)
         slot.mark_writing()
-        self._jobs, ranges, volatile, deferred = [], [], [], []
+        self._jobs, volatile, deferred = [], [], []
         for rec, off, item in zip(state.records, self.offsets, state.layout):
             dst = data[off : off + item[3]]
             if not item[3]:
@@ -141,7 +141,6 @@ class SaveIntoSlot:
             on_host = device.is_host(rec.tensor)
             if rec.key in state.deferred:
                 (self._jobs if on_host else deferred).append((dst, rec.tensor))
-                ranges.append(snapshot_guard.span_of(rec.tensor) or (0, 0))
             elif on_host:
                 np.copyto(dst, host_memory.raw_view(rec.tensor)[0])  # strided: through one contiguous copy
             else:
@@ -150,6 +149,8 @@ class SaveIntoSlot:
         self._staged = snapshot.StagedInto(volatile, deferred) if volatile or deferred else None
         self._guard = None
         if self._jobs or deferred:
+            # the ranges after staging: paddle's contiguous() moves a strided tensor's own memory
+            ranges = [snapshot_guard.span_of(t) or (0, 0) for _dst, t in self._jobs + deferred]
             self._guard = snapshot_guard.SnapshotInFlight(ranges)
             snapshot_guard.register(self._guard)
 
