@@ -8,6 +8,7 @@ through a data pointer, results are byte for byte those of a sync save.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 
@@ -403,31 +404,17 @@ def test_memory_tier_of_device_tensors_restores_each_save_bit_for_bit(tmp_path, 
     """FSDP + AdamW with BatchNorm statistics (volatile records) in fake-device mode: memory-tier saves (one
     waited for, two with training going on at once) and a restore from the memory copy, and from the persisted
     checkpoint, give back each save's state bit for bit; no device memory is read through a pointer."""
-    from memtier_util import state_bytes
-    from paddle.distributed.fsdp import FullyShardFusion
+    from memtier_util import small_fsdp, state_bytes, train_step
     from paddle.distributed.fsdp.memtier import MemoryTier
 
     issued, _waits, pointer_reads = spy
-
-    def build(seed):
-        paddle.seed(seed)
-        model = paddle.nn.Sequential(paddle.nn.Linear(8, 8), paddle.nn.BatchNorm1D(8), paddle.nn.Linear(8, 4))
-        fsdp = FullyShardFusion(model)
-        lr = paddle.optimizer.lr.StepDecay(0.02, step_size=1, gamma=0.5)
-        return model, fsdp, paddle.optimizer.AdamW(lr, parameters=model.parameters())
-
-    def train(model, opt):
-        model(paddle.rand([6, 8])).square().mean().backward()
-        opt.step()
-        opt.clear_grad()
-        opt._learning_rate.step()
-
+    build = functools.partial(small_fsdp, batch_norm=True)
     root, mem = str(tmp_path / "durable"), str(tmp_path / "mem")
     model, fsdp, opt = build(1)
     tier = MemoryTier(fsdp, opt, durable_root=root, memory_root=mem, persist_every=2, keep_last=None, job_id="j")
     wants = {}
     for step in (1, 2, 3):
-        train(model, opt)
+        train_step(model, opt)
         issued.clear()
         tier.save(step, extra_state={"step": step})
         assert issued and all(c["main"] for c in issued), issued  # device copies issued at the call
@@ -435,7 +422,7 @@ def test_memory_tier_of_device_tensors_restores_each_save_bit_for_bit(tmp_path, 
         if step == 1:
             tier.wait()
         else:
-            train(model, opt)  # at once: the optimizer step waits for the deferred copies
+            train_step(model, opt)  # at once: the optimizer step waits for the deferred copies
             if step == 2:
                 tier.wait_persisted()
     tier.wait()
