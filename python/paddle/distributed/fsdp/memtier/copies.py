@@ -139,10 +139,11 @@ class SaveIntoSlot:
             if not item[3]:
                 continue
             on_host = device.is_host(rec.tensor)
-            if rec.key in state.deferred:
+            if on_host and (rec.key not in state.deferred or not rec.tensor.is_contiguous()):
+                # strided: at the call, on this thread (paddle's contiguous() moves the tensor's own memory)
+                np.copyto(dst, host_memory.raw_view(rec.tensor)[0])
+            elif rec.key in state.deferred:
                 (self._jobs if on_host else deferred).append((dst, rec.tensor))
-            elif on_host:
-                np.copyto(dst, host_memory.raw_view(rec.tensor)[0])  # strided: through one contiguous copy
             else:
                 volatile.append((dst, rec.tensor))
         # device copies are issued here, on the training thread, as the engine's Snapshot does
@@ -161,7 +162,7 @@ class SaveIntoSlot:
         try:
             try:
                 for dst, t in self._jobs:
-                    np.copyto(dst, host_memory.raw_view(t)[0])
+                    np.copyto(dst, host_memory.raw_view(t, allow_copy=False)[0])
                 if staged is not None:
                     staged.wait()
             finally:
