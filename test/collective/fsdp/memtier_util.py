@@ -33,10 +33,12 @@ def write_copy(path: str, rng: np.random.Generator, layout: list[list], header: 
     return records
 
 
-def small_fsdp(seed: int):
-    """A two-layer model under FSDP with AdamW and a step-decay schedule: ``(model, fsdp, optimizer)``."""
+def small_fsdp(seed: int, batch_norm: bool = False):
+    """A two-layer model under FSDP with AdamW and a step-decay schedule: ``(model, fsdp, optimizer)``;
+    ``batch_norm``: BatchNorm statistics between the layers (records a forward changes: saved at the call)."""
     paddle.seed(seed)
-    model = paddle.nn.Sequential(paddle.nn.Linear(64, 64), paddle.nn.ReLU(), paddle.nn.Linear(64, 8))
+    middle = paddle.nn.BatchNorm1D(64) if batch_norm else paddle.nn.ReLU()
+    model = paddle.nn.Sequential(paddle.nn.Linear(64, 64), middle, paddle.nn.Linear(64, 8))
     fsdp = FullyShardFusion(model)
     lr = paddle.optimizer.lr.StepDecay(0.02, step_size=1, gamma=0.5)
     return model, fsdp, paddle.optimizer.AdamW(lr, parameters=model.parameters())
@@ -53,11 +55,16 @@ def train_and_save(model, fsdp, opt, tier, steps, extra_key: str = "step") -> di
     """One AdamW step and one tier save (waiting for its persist) per step: ``{step: (state_bytes, lr)}``."""
     wants = {}
     for step in steps:
-        model(paddle.randn([4, 64])).square().mean().backward()
-        opt.step()
-        opt.clear_grad()
-        opt._learning_rate.step()
+        train_step(model, opt)
         tier.save(step, extra_state={extra_key: step})
         tier.wait_persisted()
         wants[step] = (state_bytes(fsdp, opt), opt.get_lr())
     return wants
+
+
+def train_step(model, opt) -> None:
+    """One AdamW step of ``small_fsdp``'s model on random data, then one step of its schedule."""
+    model(paddle.randn([4, 64])).square().mean().backward()
+    opt.step()
+    opt.clear_grad()
+    opt._learning_rate.step()

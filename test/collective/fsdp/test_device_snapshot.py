@@ -8,6 +8,7 @@ through a data pointer, results are byte for byte those of a sync save.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 
@@ -340,3 +341,113 @@ def test_fsdp_checkpoints_take_no_gil_held_sync_off_the_training_thread(tmp_path
         fresh_fsdp.load_checkpoint(str(tmp_path / kind))
         got = local(fresh_fsdp)
         assert set(got) == set(at_call) and all(np.array_equal(v, at_call[k]) for k, v in got.items()), kind
+
+
+@pytest.mark.parametrize("fake", [True, False])
+def test_memory_tier_slot_holds_row_major_bytes_of_every_kind_of_tensor(tmp_path, fake, spy, monkeypatch):
+    """A memory-tier save into its slot (memtier/copies.py), half of the records deferred: the copy holds each
+    tensor's row-major bytes at the call (strided, bf16, empty ones too); every device copy was issued at the
+    call on the training thread in one batch (a GPU's copy stream is the process's: never entered from the
+    background thread), host ones never went through a batch, no device memory was read through a pointer."""
+    from memtier_util import DURABLE_ID
+    from paddle.distributed.fsdp.checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, RNG_KEY
+    from paddle.distributed.fsdp.memtier.copies import SaveIntoSlot, offsets_of, read_copy
+    from paddle.distributed.fsdp.memtier.slot import Slot
+    from paddle.distributed.fsdp.memtier.state import _tier_state
+
+    before = device.options()
+    device.set_options(device.DeviceOptions(fake_device=fake, emulate_gpu_collectives=fake))
+    try:
+        issued, waits, pointer_reads = spy
+        tensors = _zoo(2)
+        state = _tier_state({f"t{i}": t for i, t in enumerate(tensors)}, {f"t{i}" for i in range(0, len(tensors), 2)})
+        at_call = {r.key: bits(r.tensor) for r in state.records}
+        path = str(tmp_path / "rank00000.own")
+        slot = Slot.allocate(path, 1 << 16, offsets_of(state.layout)[1])
+        expect = {"job": "j", "world": 1, "rank": 0, "durable_id": DURABLE_ID}
+        values = {EXTRA_KEY: {}, BUFFERS_KEY: [], RNG_KEY: None}
+        job = SaveIntoSlot(slot, state, dict(expect, step=1, values=values, descs=state.descs), "xxh3-64")
+        assert all(c["main"] for c in issued) and not waits  # issued at the call, not waited for there
+        errors: list = []
+
+        def write():  # training goes on: its writes wait for the copies, which hold the values at the call
+            for t in reversed(tensors):  # the strided one first (made contiguous for its copy: moved)
+                if _nbytes(t) and t.is_contiguous():
+                    t.scale_(3.0)
+
+        writer = threading.Thread(target=lambda: _catch(write, errors))
+        writer.start()
+        real_wait = snapshot.StagedInto.wait
+        # the device copies complete only once the writer ran or was held back long enough: a write let through
+        # before them would end up in the copy
+        monkeypatch.setattr(snapshot.StagedInto, "wait", lambda self: (writer.join(0.5), real_wait(self))[1])
+        background = threading.Thread(target=lambda: _catch(job.finish, errors))  # the tier's background thread
+        background.start()
+        background.join(60)
+        writer.join(60)
+        assert errors == [] and not snapshot_guard.snapshot_in_flight()
+        slot.close()
+        copy, header, doff, dlen = read_copy(path, expect, state.layout)
+        data = copy.data(doff, dlen)
+        got = {key: data[off : off + n].copy() for key, _d, _s, off, n, _sums in header["records"]}
+        copy.close()
+        assert set(got) == set(at_call) and [k for k, v in at_call.items() if not np.array_equal(got[k], v)] == []
+        staged = [t for t in tensors if _nbytes(t)] if fake else []
+        assert sum(c["n"] for c in issued) == len(staged) and len({c["batch"] for c in issued}) == (1 if fake else 0)
+        assert sum(c["bytes"] for c in issued) == sum(_nbytes(t) for t in staged)
+        assert all(pointer_reads)
+    finally:
+        device.set_options(before)
+
+
+def test_memory_tier_of_device_tensors_restores_each_save_bit_for_bit(tmp_path, fake_device, spy):
+    """FSDP + AdamW with BatchNorm statistics (volatile records) in fake-device mode: memory-tier saves (one
+    waited for, two with training going on at once) and a restore from the memory copy, and from the persisted
+    checkpoint, give back each save's state bit for bit; no device memory is read through a pointer."""
+    from memtier_util import small_fsdp, state_bytes, train_step
+    from paddle.distributed.fsdp.memtier import MemoryTier
+
+    issued, _waits, pointer_reads = spy
+    build = functools.partial(small_fsdp, batch_norm=True)
+    root, mem = str(tmp_path / "durable"), str(tmp_path / "mem")
+    model, fsdp, opt = build(1)
+    tier = MemoryTier(fsdp, opt, durable_root=root, memory_root=mem, persist_every=2, keep_last=None, job_id="j")
+    wants = {}
+    for step in (1, 2, 3):
+        train_step(model, opt)
+        issued.clear()
+        tier.save(step, extra_state={"step": step})
+        assert issued and all(c["main"] for c in issued), issued  # device copies issued at the call
+        wants[step] = (state_bytes(fsdp, opt), opt.get_lr())
+        if step == 1:
+            tier.wait()
+        else:
+            train_step(model, opt)  # at once: the optimizer step waits for the deferred copies
+            if step == 2:
+                tier.wait_persisted()
+    tier.wait()
+    assert tier.skipped == [] and tier.durable_saves == [2] and tier.persist_errors == []
+    assert any(v != wants[3][0][k] for k, v in state_bytes(fsdp, opt).items())  # training moved on
+    assert all(pointer_reads)
+    tier.close(remove=False)
+
+    _m, fsdp2, opt2 = build(9)
+    tier2 = MemoryTier(fsdp2, opt2, durable_root=root, memory_root=mem, persist_every=2, keep_last=None, job_id="j")
+    got = tier2.restore()
+    assert (got.step, got.sources, dict(got)) == (3, ["memory"], {"step": 3})
+    want, lr = wants[3]
+    assert [k for k, v in state_bytes(fsdp2, opt2).items() if v != want[k]] == [] and opt2.get_lr() == lr
+    tier2.close()
+
+    _m, fsdp3, opt3 = build(9)
+    extra = fsdp3.load_checkpoint(str(tmp_path / "durable" / "step_00000002"), optimizer=opt3)
+    want, lr = wants[2]
+    assert dict(extra) == {"step": 2} and opt3.get_lr() == lr
+    assert [k for k, v in state_bytes(fsdp3, opt3).items() if v != want[k]] == []
+
+
+def _catch(fn, errors: list) -> None:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - the test asserts there is none
+        errors.append(e)

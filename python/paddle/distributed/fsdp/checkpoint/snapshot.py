@@ -293,6 +293,58 @@ class Snapshot:
         self._give_back()
 
 
+class StagedInto:
+    """Device tensors copied into host arrays the caller owns (``pairs``: ``(dst, tensor)``, ``dst`` a uint8 array
+    of the tensor's size, e.g. a memory-tier slot), on the Snapshot's schedule: every copy is issued at the call
+    on the calling thread (a GPU's copy stream may not be entered from a background thread: device_streams.py),
+    the ``volatile`` ones first (the compute stream waits for those), into the process's pinned staging;
+    ``finish`` (the background thread may call it) waits for them and moves the bytes into the arrays. Strided
+    tensors are made contiguous on the device before the copies."""
+
+    def __init__(self, volatile: list, deferred: list):
+        self._pairs, self._views = volatile + deferred, []
+        self._batch: device_streams.CopyBatch | None = None
+        self._staging: device.HostStaging | None = snapshot_staging.acquire()
+        try:
+            sources = [device.flat_source(t) for _dst, t in self._pairs]  # before the batch's start event
+            self._views = device.staging_views([t for _dst, t in self._pairs], self._staging)
+            self._batch = batch = device_streams.begin(device.copy_mode())
+            n = len(volatile)
+            try:
+                batch.copy(zip(self._views[:n], sources[:n]))
+                if n:
+                    batch.fence()
+                batch.copy(zip(self._views[n:], sources[n:]))
+            finally:
+                batch.finish()  # also after a failed issue: release() waits for the copies in flight
+        except BaseException:
+            self.release()
+            raise
+
+    def wait(self) -> None:
+        """Wait for the device copies (polling the copy event, GIL released): the tensors may change from then on."""
+        self._batch.wait()
+
+    def finish(self) -> None:
+        """Wait for the copies and copy the staged bytes into the arrays; gives the staging back."""
+        try:
+            self.wait()
+            for (dst, _t), view in zip(self._pairs, self._views):
+                np.copyto(dst, host_memory.raw_view(view, allow_copy=False)[0])
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Give the staging back once no copy into it is in flight (idempotent)."""
+        batch, self._batch = self._batch, None
+        if batch is not None and not batch.query():
+            batch.wait()
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            snapshot_staging.release(staging)
+        self._pairs, self._views = [], []
+
+
 def _address_range(t) -> tuple[int, int]:
     """The memory a deferred tensor's copy reads, for the guard (a device address on a GPU: compared, never read)."""
     return snapshot_guard.span_of(t) or (0, 0)

@@ -15,6 +15,7 @@ import threading
 
 import numpy as np
 
+from .. import device
 from ..checkpoint import checksums, host_memory, snapshot, snapshot_guard
 from . import roots
 from .errors import InvalidMemoryCopyError, MemoryTierFullError
@@ -122,9 +123,9 @@ class Copies:
 
 
 class SaveIntoSlot:
-    """One save into the own slot: volatile records copied at construction (the caller's clock), deferred ones
-    registered with the snapshot guard and copied by ``finish`` (background), which then checksums and writes the
-    header that makes the copy valid."""
+    """One save into the own slot: volatile host records copied at construction (the caller's clock), device
+    records' copies issued there (snapshot.StagedInto), deferred ones registered with the snapshot guard and
+    completed by ``finish`` (background), which then checksums and writes the header that makes the copy valid."""
 
     def __init__(self, slot: Slot, state, header: dict, algo: str):
         self.slot, self.state, self.header, self.algo = slot, state, header, algo
@@ -132,36 +133,45 @@ class SaveIntoSlot:
         self.data_off = slot.size - self.data_len
         data = slot.data(self.data_off, self.data_len)
         slot.mark_writing()
-        self._jobs, self._staged, ranges = [], [], []
-        now_staged = []
+        self._jobs, volatile, deferred = [], [], []
         for rec, off, item in zip(state.records, self.offsets, state.layout):
             dst = data[off : off + item[3]]
             if not item[3]:
                 continue
-            host = host_memory.is_host_contiguous(rec.tensor)
-            if rec.key in state.deferred:
-                (self._jobs if host else self._staged).append((dst, rec.tensor))
-                ranges.append(snapshot_guard.span_of(rec.tensor) or (0, 0))
-            elif host:
-                np.copyto(dst, host_memory.raw_view(rec.tensor, allow_copy=False)[0])
+            on_host = device.is_host(rec.tensor)
+            if on_host and (rec.key not in state.deferred or not rec.tensor.is_contiguous()):
+                # strided: at the call, on this thread (paddle's contiguous() moves the tensor's own memory)
+                np.copyto(dst, host_memory.raw_view(rec.tensor)[0])
+            elif rec.key in state.deferred:
+                (self._jobs if on_host else deferred).append((dst, rec.tensor))
             else:
-                now_staged.append((dst, rec.tensor))
-        if now_staged:
-            snapshot.stage_into(now_staged)
+                volatile.append((dst, rec.tensor))
+        # device copies are issued here, on the training thread, as the engine's Snapshot does
+        self._staged = snapshot.StagedInto(volatile, deferred) if volatile or deferred else None
         self._guard = None
-        if self._jobs or self._staged:
+        if self._jobs or deferred:
+            # the ranges after staging: paddle's contiguous() moves a strided tensor's own memory
+            ranges = [snapshot_guard.span_of(t) or (0, 0) for _dst, t in self._jobs + deferred]
             self._guard = snapshot_guard.SnapshotInFlight(ranges)
             snapshot_guard.register(self._guard)
 
     def finish(self) -> None:
-        """Copy the deferred records, release the guard, checksum, write the header (valid from then on)."""
+        """Copy the deferred host records and wait for the device copies, release the guard (training's writes
+        may go on), move the staged bytes into the slot, checksum, write the header (valid from then on)."""
+        staged, self._staged = self._staged, None
         try:
-            for dst, t in self._jobs:
-                np.copyto(dst, host_memory.raw_view(t, allow_copy=False)[0])
-            if self._staged:
-                snapshot.stage_into(self._staged)
+            try:
+                for dst, t in self._jobs:
+                    np.copyto(dst, host_memory.raw_view(t, allow_copy=False)[0])
+                if staged is not None:
+                    staged.wait()
+            finally:
+                self.release_guard()
+            if staged is not None:
+                staged.finish()
         finally:
-            self.release_guard()
+            if staged is not None:
+                staged.release()
         data = self.slot.data(self.data_off, self.data_len)
         fn = checksums.digest_function(self.algo) if self.algo != checksums.NONE else None
         records = []
@@ -172,8 +182,12 @@ class SaveIntoSlot:
         self.slot.write_header(self.header, self.data_off, self.data_len)
 
     def release_guard(self) -> None:
+        """End the guard's wait (also on error); a save never finished gives its staging back too."""
         guard, self._guard = self._guard, None
-        self._jobs, self._staged = [], []
+        self._jobs = []
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged.release()
         if guard is not None:
             guard.done.set()
             snapshot_guard.unregister(guard)
