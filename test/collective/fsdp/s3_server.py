@@ -144,6 +144,9 @@ def start_weed(
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
         "-s3.autoCreateBucket=false",  # as on a real store: a write to a missing bucket fails
+        # every bucket is a collection that takes volumes of its own: with the default count (free disk / 128 MB)
+        # puts failed with HTTP 500 from about the 35th bucket of a session (measured 2026-12-05, 36 GB free)
+        "-volume.max=4000",
         f"-filer.localSocket={data_dir}/filer.sock",
         f"-s3.localSocket={data_dir}/s3.sock",
     ] + [f"-{flag}={port}" for flag, port in ports.items()]
