@@ -8,9 +8,9 @@ a block above its mmap threshold (128 KiB at start) by a mapping of its own, but
 the first such block freed (up to 32 MiB): from then on every unit-sized block comes from the heap, whose freed
 middle is never returned, and the per-step churn grew a rank's RSS by ~250 MiB above its live bytes
 (docs/reports/train-memory-2026-12-05.md). So on the host each block is an anonymous mapping of its own (``mmap``,
-handed to paddle through DLPack): it is returned to the OS when the last tensor referencing it is freed, whoever
-holds it, and fresh pages read zero. The process's malloc settings are left alone (installing the fork changes
-nothing for code that does not use it).
+handed to paddle through DLPack): it is returned to the OS once no tensor references it any more, whoever held it
+(at the next release point or allocation: never inside paddle's deleter, host_mappings.py), and fresh pages read
+zero. The process's malloc settings are left alone (installing the fork changes nothing for code that does not use it).
 
 Why not a pool of reused blocks: a released block can still be referenced (a view of a parameter saved by
 autograd, e.g. ``w.T``, outlives the release that re-points the parameter), and paddle exposes no use count to
@@ -24,15 +24,14 @@ staging), and the tests bound it by ``prefetch_depth + 1`` units.
 
 from __future__ import annotations
 
-import mmap
+import functools
 import threading
-import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
 import paddle
 
-from . import device
+from . import device, host_mappings
 
 if TYPE_CHECKING:
     from .fused_buffer import FusedBuffer
@@ -54,30 +53,49 @@ _NUMPY_DTYPES = {
 
 
 class BlockLedger:
-    """Live mapped blocks of one FullyShardFusion, by kind: bytes, count and peak bytes (decremented when the
-    last reference to a block goes, from whichever thread frees it)."""
+    """Live mapped blocks of one FullyShardFusion, by kind: bytes, count and peak bytes. A block counts until it is
+    unmapped: by the first ``host_mappings.release_unviewed`` after the last tensor viewing it was freed (never
+    inside paddle's deleter: host_mappings.py); reading the ledger runs one."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self.live = dict.fromkeys(KINDS, 0)
-        self.count = dict.fromkeys(KINDS, 0)
-        self.peak = {**dict.fromkeys(KINDS, 0), "total": 0}
+        self._live = dict.fromkeys(KINDS, 0)
+        self._count = dict.fromkeys(KINDS, 0)
+        self._peak = {**dict.fromkeys(KINDS, 0), "total": 0}
 
     def add(self, kind: str, nbytes: int) -> None:
         with self._lock:
-            self.live[kind] += nbytes
-            self.count[kind] += 1
-            self.peak[kind] = max(self.peak[kind], self.live[kind])
-            self.peak["total"] = max(self.peak["total"], sum(self.live.values()))
+            self._live[kind] += nbytes
+            self._count[kind] += 1
+            self._peak[kind] = max(self._peak[kind], self._live[kind])
+            self._peak["total"] = max(self._peak["total"], sum(self._live.values()))
 
     def drop(self, kind: str, nbytes: int) -> None:
         with self._lock:
-            self.live[kind] -= nbytes
-            self.count[kind] -= 1
+            self._live[kind] -= nbytes
+            self._count[kind] -= 1
+
+    def _read(self, name: str) -> dict[str, int]:
+        host_mappings.release_unviewed()
+        with self._lock:
+            return dict(getattr(self, name))
+
+    @property
+    def live(self) -> dict[str, int]:
+        return self._read("_live")
+
+    @property
+    def count(self) -> dict[str, int]:
+        return self._read("_count")
+
+    @property
+    def peak(self) -> dict[str, int]:
+        return self._read("_peak")
 
     def reset_peak(self) -> None:
+        host_mappings.release_unviewed()
         with self._lock:
-            self.peak = {**self.live, "total": sum(self.live.values())}
+            self._peak = {**self._live, "total": sum(self._live.values())}
 
 
 def maps_blocks(like: paddle.Tensor) -> bool:
@@ -89,16 +107,15 @@ def maps_blocks(like: paddle.Tensor) -> bool:
 def new_block(numel: int, dtype, kind: str, ledger: BlockLedger, mapped: bool, zero: bool = False) -> paddle.Tensor:
     """A 1-D tensor of ``numel`` elements for a transient buffer of ``kind``; zero-filled when ``zero``.
 
-    ``mapped``: a fresh anonymous mapping (zero pages), freed with its last reference; otherwise (devices, dtypes
+    ``mapped``: a fresh anonymous mapping (zero pages), unmapped once no tensor references it; otherwise (devices, dtypes
     numpy cannot hold, empty blocks) from paddle's allocator."""
     if not mapped or numel == 0 or (dtype not in _NUMPY_DTYPES and dtype != paddle.bfloat16):
         return paddle.zeros([numel], dtype=dtype) if zero else paddle.empty([numel], dtype=dtype)
     np_dtype = _NUMPY_DTYPES.get(dtype, np.uint8)  # bfloat16 (numpy has none): bytes, viewed as bfloat16 below
     nbytes = numel * (2 if dtype == paddle.bfloat16 else np.dtype(np_dtype).itemsize)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region = host_mappings.anonymous_array(nbytes, on_unmap=functools.partial(ledger.drop, kind, nbytes))
     ledger.add(kind, nbytes)
-    weakref.finalize(region, ledger.drop, kind, nbytes)
-    tensor = paddle.utils.dlpack.from_dlpack(np.frombuffer(region, dtype=np_dtype))
+    tensor = paddle.utils.dlpack.from_dlpack(region.view(np_dtype))
     return tensor.view(paddle.bfloat16) if dtype == paddle.bfloat16 else tensor
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import paddle
 
+from . import host_mappings
 from .buffer_memory import GATHERED, GRADIENT, GRADIENT_SHARD, maps_blocks, new_block
 from .communication import GATHER, REDUCE
 from .device import address, check_same_place, host_to_device
@@ -222,6 +223,7 @@ class FusedBuffer:
         self.full = None
         self.held_for_backward = False
         self._arrived.clear()
+        host_mappings.release_unviewed()  # the gathered block, unless autograd still holds a view
 
     def local_view(self, index: int) -> paddle.Tensor | None:
         """This rank's piece of parameter ``index`` as a 1-D view of the shard, or None if it owns none.
@@ -374,6 +376,8 @@ class FusedBuffer:
             if self.main_grad is None:
                 self.main_grad = self._new_block(self.grad_dtype, GRADIENT_SHARD, zero=True)
             self.main_grad.add_(local)
+        del local, task
+        host_mappings.release_unviewed()  # the reduced gradient block, unless autograd still holds a view
 
     def release_grads(self, cleared: set[int]) -> bool:
         """After ``opt.clear_grad()``: free the gradient shard (``main_grad``) and unbind ``.grad`` (None until the
@@ -395,6 +399,7 @@ class FusedBuffer:
         self._bound_grads.clear()
         self.main_grad = None
         self._grad_in_param_dtype = None
+        host_mappings.release_unviewed()
         return True
 
     def optimizer_grad_dtype(self):

@@ -33,6 +33,7 @@ import secrets
 import threading
 import time
 
+from .. import host_mappings
 from ..checkpoint import checksums
 from ..checkpoint.errors import CheckpointError, rebuild_remote_error
 from ..state.resume_state import ResumeObjects
@@ -233,6 +234,7 @@ class MemoryTier:
         err = self._bg.wait()
         if err is not None:
             logger.warning("memory tier: the previous memory save (background) failed: %s", err)
+        host_mappings.release_unviewed()  # copies closed while tensors viewed them (slot.py)
         if self._persist_busy():
             self.skipped.append(step)
             logger.info("memory tier: memory save of step %d skipped: the persist of the copy is still writing", step)

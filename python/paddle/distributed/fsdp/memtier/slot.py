@@ -31,9 +31,11 @@ import json
 import mmap
 import os
 import struct
+import weakref
 
 import numpy as np
 
+from .. import host_mappings
 from ..checkpoint import checksums
 from . import roots
 from .errors import InvalidMemoryCopyError, MemoryRootError, MemoryTierFullError
@@ -101,6 +103,9 @@ class Slot:
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         self._mm = mmap.mmap(fd, size, flags, prot) if size else None
         self.buf = np.frombuffer(self._mm, np.uint8) if size else np.zeros(0, np.uint8)
+        # closed or dropped, the mapping goes to host_mappings: tensors may view it, and it must never be unmapped
+        # inside their deleter
+        self._hand_over = weakref.finalize(self, host_mappings.keep_until_unviewed, self._mm) if size else None
 
     # ------------------------------------------------------------------ creation
     @classmethod
@@ -190,12 +195,9 @@ class Slot:
     # ------------------------------------------------------------------ end
     def close(self) -> None:
         self.buf = np.zeros(0, np.uint8)
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:  # a view is still alive: the mapping goes with it
-                pass
+        if self._hand_over is not None:
             self._mm = None
+            self._hand_over()  # unmapped now, or by a later release once no view of it is left
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
