@@ -49,7 +49,7 @@ def test_a_flipped_bit_of_a_rows_file_is_named_on_both_ranks(denied_run):
 def test_a_peer_rebuilds_the_s3_error_class_of_the_failing_rank():
     """A rank denied by S3 raises S3AccessDeniedError; its peers get the same class (it used to be rebuilt as
     the base CheckpointError: only the engine's own classes were known to the exchange)."""
-    from paddle.distributed.fsdp.checkpoint import gather_errors
+    from paddle.distributed.fsdp.checkpoint.coordination import gather_errors
     from paddle.distributed.fsdp.checkpoint.s3.errors import S3AccessDeniedError
 
     class Peer:  # rank 0's view of an exchange in which rank 1 failed

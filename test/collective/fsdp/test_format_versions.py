@@ -10,13 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from paddle.distributed.fsdp.checkpoint import (
-    CorruptCheckpointError,
-    RngStateMismatchError,
-    load_full_state_dict,
-    read_metadata,
-    verify_checkpoint,
-)
+from paddle.distributed.fsdp.checkpoint import load_full_state_dict, read_metadata, verify_checkpoint
+from paddle.distributed.fsdp.checkpoint.errors import CorruptCheckpointError, RngStateMismatchError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 V1 = FIXTURES / "v1_two_ranks"
@@ -118,7 +113,7 @@ def saved_v2(tmp_path):
 
 def test_format2_damage_is_named(saved_v2):
     """Each object of format 2 damaged: verify names it, a load refuses with a named error (never wrong bytes)."""
-    from paddle.distributed.fsdp.checkpoint import CheckpointError, MetadataError
+    from paddle.distributed.fsdp.checkpoint.errors import CheckpointError, MetadataError
     from paddle.distributed.fsdp.checkpoint.format.index import PIECE_ROW
 
     ck, arrays = saved_v2

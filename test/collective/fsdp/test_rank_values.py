@@ -98,7 +98,7 @@ def test_an_entry_of_another_checkpoint_is_refused(tmp_path):
 
 
 def test_rng_decode_reads_only_its_rank_and_keeps_state_beyond_the_saved_world(tmp_path, caplog):
-    from paddle.distributed.fsdp.checkpoint import MetadataError
+    from paddle.distributed.fsdp.checkpoint.errors import MetadataError
     from paddle.distributed.fsdp.state import rng
 
     path = str(tmp_path / "ck")

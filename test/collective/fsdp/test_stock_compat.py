@@ -16,7 +16,7 @@ import paddle.distributed as dist
 import pytest
 from paddle.distributed.flex_checkpoint.dcp.save_state_dict import save_state_dict as stock_save
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
-from paddle.distributed.fsdp.checkpoint import NotACheckpointError, ShapeMismatchError
+from paddle.distributed.fsdp.checkpoint.errors import NotACheckpointError, ShapeMismatchError
 from paddle.distributed.fsdp.checkpoint.stock import (
     StockFormatError,
     StockVersionNotFoundError,

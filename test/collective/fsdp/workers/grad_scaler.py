@@ -22,7 +22,7 @@ import paddle.distributed as dist
 from launch_util import report, run_cases
 from models import decay_fun_for, global_batches, local_part, make_model
 from paddle.distributed.fsdp import FullyShardFusion
-from paddle.distributed.fsdp.checkpoint import GradScalerMismatchError, MissingKeyError
+from paddle.distributed.fsdp.checkpoint.errors import GradScalerMismatchError, MissingKeyError
 
 BATCH = 12
 INF_KEY, INF_INDEX = "blocks.1.up.weight", 37  # the gradient element made inf (owned by one rank only)

@@ -27,7 +27,7 @@ from launch_util import report
 from models import Bf16MLP, global_batches, make_model
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 from paddle.distributed.fsdp import FullyShardFusion
-from paddle.distributed.fsdp.checkpoint import ShapeMismatchError
+from paddle.distributed.fsdp.checkpoint.errors import ShapeMismatchError
 from training import records, train
 
 BATCH = 12

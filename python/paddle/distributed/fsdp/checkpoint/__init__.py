@@ -21,9 +21,11 @@ Saving and loading (collective over the process group; every rank gets the same 
   receiving ``TraceRecord``s);
   passed as ``options=``; without it ``CheckpointOptions.from_env()`` reads the ``PADDLE_FSDP_CKPT_*``
   variables at call time.
-* ``gather_errors(comm, error, payload)``: the one "every rank fails together with the same named error"
-  exchange, for callers that check something before a collective save or load (coordination.py).
-* the ``CheckpointError`` family (errors.py).
+* ``CheckpointError`` and the families callers catch: ``NotACheckpointError``, ``CorruptCheckpointError``,
+  ``StateDictMismatchError``, ``PartiallyLoadedError``. Every named error is exported by ``checkpoint.errors``.
+
+Names exported here before (every other exception, ``gather_errors``, ``CheckpointMetadata``, ``TraceRecord``)
+still import from this package, resolved from their home module on first use (``__getattr__`` below).
 
 Save path: ``save.py`` (calling thread) -> ``background.py`` (the one save in flight) -> ``commit.py`` (write,
 hand over, commit, publish) over ``channel.py`` (the TCP store: decisions and heartbeats, no polled files) and
@@ -53,39 +55,19 @@ commit), ``reader.py`` (the read handles), ``host_memory.py`` (buffers, tensor v
 ``records.py`` normalises state-dict entries; ``faults.py`` holds the test-only crash hook.
 """
 
-from .coordination import gather_errors
 from .directory import read_metadata
 from .errors import (
     CheckpointError,
-    CheckpointRemovedError,
     CorruptCheckpointError,
-    DtypeMismatchError,
-    GradScalerMismatchError,
-    IncompleteCheckpointError,
-    InvalidStateDictError,
-    MetadataError,
-    MissingDependencyError,
-    MissingKeyError,
     NotACheckpointError,
-    NotARegularFileError,
-    OptimizerMismatchError,
     PartiallyLoadedError,
-    RngStateMismatchError,
-    SafetensorsHeaderError,
-    SaveFailedError,
-    ShapeMismatchError,
     StateDictMismatchError,
-    UnexpectedKeyError,
-    UnrepresentableKeyError,
-    UnsafePathError,
 )
-from .format.metadata import CheckpointMetadata
 from .load import LoadReport, load_full_state_dict, load_state_dict
 from .manager import CheckpointManager, latest_checkpoint, resolve_checkpoint
 from .options import CheckpointOptions
 from .save import SaveHandle, release_host_buffers, save_state_dict
 from .snapshot_guard import snapshot_in_flight, wait_for_snapshot
-from .tracing import TraceRecord
 from .verify import verify_checkpoint
 
 __all__ = [
@@ -102,30 +84,49 @@ __all__ = [
     "CheckpointManager",
     "latest_checkpoint",
     "resolve_checkpoint",
-    "CheckpointMetadata",
     "CheckpointOptions",
-    "TraceRecord",
-    "gather_errors",
     "CheckpointError",
-    "CorruptCheckpointError",
-    "DtypeMismatchError",
-    "IncompleteCheckpointError",
-    "InvalidStateDictError",
-    "MetadataError",
-    "MissingKeyError",
     "NotACheckpointError",
-    "SafetensorsHeaderError",
-    "CheckpointRemovedError",
-    "MissingDependencyError",
-    "NotARegularFileError",
-    "SaveFailedError",
-    "PartiallyLoadedError",
-    "ShapeMismatchError",
+    "CorruptCheckpointError",
     "StateDictMismatchError",
-    "OptimizerMismatchError",
-    "GradScalerMismatchError",
-    "RngStateMismatchError",
-    "UnexpectedKeyError",
-    "UnrepresentableKeyError",
-    "UnsafePathError",
+    "PartiallyLoadedError",
 ]
+
+# Names this package exported before its face was cut to the list above: still importable from here, resolved on
+# first use from their home module (not in ``__all__`` or ``dir()``). Exceptions: ``checkpoint.errors``.
+_MOVED = {
+    "gather_errors": "coordination",
+    "CheckpointMetadata": "format.metadata",
+    "TraceRecord": "tracing",
+    **{
+        name: "errors"
+        for name in (
+            "DtypeMismatchError",
+            "IncompleteCheckpointError",
+            "InvalidStateDictError",
+            "MetadataError",
+            "MissingKeyError",
+            "SafetensorsHeaderError",
+            "CheckpointRemovedError",
+            "MissingDependencyError",
+            "NotARegularFileError",
+            "SaveFailedError",
+            "ShapeMismatchError",
+            "OptimizerMismatchError",
+            "GradScalerMismatchError",
+            "RngStateMismatchError",
+            "UnexpectedKeyError",
+            "UnrepresentableKeyError",
+            "UnsafePathError",
+        )
+    },
+}
+
+
+def __getattr__(name: str):
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)

@@ -1,10 +1,37 @@
 """Exceptions raised by the checkpoint engine.
 
 Every error carries a message that names the checkpoint path, the key and/or the file involved.
-All of them derive from :class:`CheckpointError` so callers can catch the whole family.
+All of them derive from :class:`CheckpointError` so callers can catch the whole family. This module is their public
+home (``__all__``); ``paddle.distributed.fsdp.checkpoint`` exports only the base and the families callers catch.
 """
 
 from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "NotACheckpointError",
+    "CheckpointRemovedError",
+    "IncompleteCheckpointError",
+    "CorruptCheckpointError",
+    "MetadataError",
+    "UnsafePathError",
+    "NotARegularFileError",
+    "SafetensorsHeaderError",
+    "MissingDependencyError",
+    "StateDictMismatchError",
+    "MissingKeyError",
+    "ShapeMismatchError",
+    "DtypeMismatchError",
+    "UnexpectedKeyError",
+    "RngStateMismatchError",
+    "OptimizerMismatchError",
+    "GradScalerMismatchError",
+    "InvalidStateDictError",
+    "UnrepresentableKeyError",
+    "SaveFailedError",
+    "DirectoryMismatchError",
+    "PartiallyLoadedError",
+]
 
 
 class CheckpointError(RuntimeError):

@@ -35,12 +35,11 @@ from ..checkpoint import (
     CheckpointManager,
     CheckpointOptions,
     LoadReport,
-    gather_errors,
     load_state_dict,
     read_metadata,
     save_state_dict,
 )
-from ..checkpoint.coordination import Comm
+from ..checkpoint.coordination import Comm, gather_errors
 from ..checkpoint.errors import CheckpointRemovedError, PartiallyLoadedError, UnexpectedKeyError
 from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, RESERVED_PREFIX
 from ..checkpoint.gc_pause import gc_paused

@@ -7,6 +7,8 @@
   SHA-256, conditional put, ranged parallel reads, listing, deletion, abort of every failed upload.
 * ``retry.py``: which failures are retried, backoff, bounds in count and time.
 * ``errors.py``: the named errors.
+* ``storage.py``: ``S3Storage``, the ``Storage`` backend of ``s3://`` (``CheckpointOptions(storage=...)``); exported
+  here, imported on first use.
 
 boto3 is an optional dependency (``pip install ".[s3]"``); importing this package without it raises ImportError
 naming the extra.
@@ -33,6 +35,15 @@ __all__ = [
     "S3Error",
     "S3Options",
     "S3StalledError",
+    "S3Storage",
     "S3TransferError",
     "S3Url",
 ]
+
+
+def __getattr__(name: str):
+    if name == "S3Storage":  # the backend (storage.py, which registers itself) loads on first use, as s3:// does
+        from .storage import S3Storage
+
+        return S3Storage
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,8 +18,7 @@ import tempfile
 
 import paddle.distributed as dist
 
-from ...checkpoint import gather_errors
-from ...checkpoint.coordination import Comm
+from ...checkpoint.coordination import Comm, gather_errors
 from ...tools.errors import ToolError
 from ...tools.presets import PRESETS
 
