@@ -39,9 +39,9 @@ def summon_full_params(fsdp: FullyShardFusion, writeback: bool = False, rank0_on
     """
     if rank0_only and writeback:
         raise ValueError("summon_full_params: writeback=True needs rank0_only=False (every rank writes its shard)")
-    if fsdp.summoned:
+    if fsdp._summoned:
         raise RuntimeError("summon_full_params is already active for this model (contexts do not nest)")
-    keep = not rank0_only or fsdp.checkpoint_rank == 0
+    keep = not rank0_only or fsdp._checkpoint_rank == 0
     backups = []
     gathered = []
     try:
@@ -54,13 +54,13 @@ def summon_full_params(fsdp: FullyShardFusion, writeback: bool = False, rank0_on
             gathered.append(buffer)
             if not keep:
                 buffer.release()
-        fsdp.summoned = keep
+        fsdp._summoned = keep
         yield
     finally:
-        fsdp.summoned = False
+        fsdp._summoned = False
         try:
             if writeback:
-                optimizers = list(fsdp.optimizers)
+                optimizers = list(fsdp._optimizers)
                 for buffer in gathered:
                     _write_back(buffer, optimizers)
         finally:
@@ -112,7 +112,7 @@ def full_state_dict(fsdp: FullyShardFusion, rank0_only: bool = True, offload_to_
     names, persistable buffers included), so ``unwrapped.set_state_dict(full)`` loads it. With ``rank0_only``
     the other ranks return an empty dict. Tensors are copies (on CPU with ``offload_to_cpu``).
     """
-    keep = not rank0_only or fsdp.checkpoint_rank == 0
+    keep = not rank0_only or fsdp._checkpoint_rank == 0
     names_of: dict[int, list[str]] = {}
     order: list[str] = []
     for prefix, layer in fsdp.model.named_sublayers(include_self=True):

@@ -115,21 +115,21 @@ class FullyShardFusion:
         # without EP only parameters marked ``expert = True`` count (refused: they would be trained as dense)
         expert_ids = expert_parameter_ids(model, moe_layers_name if self.expert_layout is not None else ())
         #: every EP rank's expert keys (this rank's included): all belong to this model's checkpoints
-        self.expert_keys: frozenset[str] = frozenset()
+        self._expert_keys: frozenset[str] = frozenset()
         world = _world_size()
         if world > 1:  # one small exchange: every rank refuses alike (expert_parallel.py)
-            self.expert_keys = check_expert_layout(self.expert_layout, self.group_layout, model, expert_ids, world)
+            self._expert_keys = check_expert_layout(self.expert_layout, self.group_layout, model, expert_ids, world)
         if self.expert_layout is None:
             expert_ids = set()
         install_optimizer_integration()
         install_layer_integration()
         self.model = model
-        self.backward_end_armed = False
-        self.rearm_backward_end = False  # a nested backward ended while the enclosing one runs on
-        self.summoned = False  # inside summon_full_params: every buffer stays gathered
+        self._backward_end_armed = False
+        self._rearm_backward_end = False  # a nested backward ended while the enclosing one runs on
+        self._summoned = False  # inside summon_full_params: every buffer stays gathered
         # optimizers that stepped or initialised state for these parameters: summon_full_params(writeback=True)
         # re-casts their fp32 master weights where a written-back value changed (full_params.py)
-        self.optimizers: weakref.WeakSet = weakref.WeakSet()
+        self._optimizers: weakref.WeakSet = weakref.WeakSet()
         self.blocks = BlockLedger()  # per-step blocks mapped in host memory, by kind (buffer_memory.py)
         layout = self.group_layout
         if layout.replicate_degree > 1:
@@ -147,8 +147,8 @@ class FullyShardFusion:
         # lazily built (paddle.LazyGuard) parameters are materialised one at a time after planning (lazy_init.py)
         one_by_one = any(is_lazy(p) for p in model.parameters())
         self.buffers: list[FusedBuffer] = []
-        self.param_keys: dict[int, str] = {}  # id(param) -> structured key
-        self.param_index: dict[int, int] = {}  # id(param) -> position in model order, same on every rank
+        self._param_keys: dict[int, str] = {}  # id(param) -> structured key
+        self._param_index: dict[int, int] = {}  # id(param) -> position in model order, same on every rank
         layer_buffers: dict[int, tuple[paddle.nn.Layer, list[FusedBuffer]]] = {}
         fallback_buffers: dict[int, tuple[paddle.nn.Layer, list[FusedBuffer]]] = {}
         for index, group_plan in enumerate(groups):
@@ -166,8 +166,8 @@ class FullyShardFusion:
             buffer = FusedBuffer(layout, group_plan.params, comm, owner=self, fill=not one_by_one)
             self.buffers.append(buffer)
             for key, param in zip(group_plan.keys, group_plan.params):
-                self.param_keys[id(param)] = key
-                self.param_index[id(param)] = len(self.param_index)
+                self._param_keys[id(param)] = key
+                self._param_index[id(param)] = len(self._param_index)
             for layer in group_plan.scope_layers:
                 layer_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
             for layer in group_plan.fallback_layers:
@@ -179,7 +179,7 @@ class FullyShardFusion:
         model.sharded_state_dict = self.sharded_state_dict
         logger.debug(
             "FullyShardFusion: %d params in %d buffers over %d ranks; this rank holds %d of %d bytes",
-            len(self.param_keys),
+            len(self._param_keys),
             len(self.buffers),
             self.comm.world_size,
             self.resident_parameter_bytes(),
@@ -207,7 +207,7 @@ class FullyShardFusion:
             for layer, bufs in table.values()
         ]
 
-    def describe_buffer(self, index: int) -> str:
+    def _describe_buffer(self, index: int) -> str:
         """A buffer's name and first parameter, for error messages."""
         if not 0 <= index < len(self.buffers):
             return f"#{index}"
@@ -224,21 +224,21 @@ class FullyShardFusion:
         return self.comm.rank
 
     @property
-    def checkpoint_group(self):
+    def _checkpoint_group(self):
         """The group checkpoints are saved and loaded over: every rank under HSDP (None: the global group), else
         the sharding group."""
         return None if self.group_layout.replicate_degree > 1 else self.comm.group
 
     @property
-    def checkpoint_rank(self) -> int:
-        """This rank's position in :attr:`checkpoint_group` (indexes the saved RNG states)."""
+    def _checkpoint_rank(self) -> int:
+        """This rank's position in :attr:`_checkpoint_group` (indexes the saved RNG states)."""
         if self.group_layout.replicate_degree > 1:
             import paddle.distributed as dist
 
             return dist.get_rank()
         return self.comm.rank
 
-    def layouts(self) -> list[BufferLayout]:
+    def _layouts(self) -> list[BufferLayout]:
         return [buffer.layout for buffer in self.buffers]
 
     def managed_parameters(self):
@@ -259,11 +259,11 @@ class FullyShardFusion:
         return memory_account(self.buffers, self.blocks)
 
     # ---- training-loop support --------------------------------------------------------------------
-    def arm_backward_end(self) -> None:
+    def _arm_backward_end(self) -> None:
         """Finish gradients when the running backward pass ends (see gradient_sync.py)."""
         gradient_sync.arm_backward_end(self)
 
-    def flush_gradients(self) -> list[tuple]:
+    def _flush_gradients(self) -> list[tuple]:
         """Finish a backward pass whose end was not seen (a safety net run at ``opt.step()``); returns the
         (param, grad) pairs it bound. Collective only when every rank has something pending."""
         return gradient_sync.flush_before_step(self)

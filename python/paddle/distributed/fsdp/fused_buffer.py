@@ -184,7 +184,7 @@ class FusedBuffer:
         dtype = self.compute_dtype() if dtype is None else dtype
         with paddle.no_grad():
             source = self.shard if dtype == self.shard.dtype else self.shard.astype(dtype)
-            self.comm.agree(GATHER, self.index, self.owner.describe_buffer)
+            self.comm.agree(GATHER, self.index, self.owner._describe_buffer)
             full = self._new_block(dtype, GATHERED)
             # the cast source stays referenced until the task is waited for: the collective reads it
             self._gathering = (full, self.comm.all_gather_into(full, source, async_op=True), source)
@@ -270,7 +270,7 @@ class FusedBuffer:
                 flat = flat.astype(self.grad_dtype)
             self.full_grad._slice(slot.offset, slot.end).add_(flat)
         param.clear_gradient(False)
-        if self.owner.rearm_backward_end:  # a nested backward ended; the enclosing one goes on (gradient_sync)
+        if self.owner._rearm_backward_end:  # a nested backward ended; the enclosing one goes on (gradient_sync)
             from .gradient_sync import arm_backward_end
 
             arm_backward_end(self.owner)
@@ -345,7 +345,7 @@ class FusedBuffer:
         if self.full_grad is None and self.comm.world_size == 1:
             return
         with paddle.no_grad():
-            self.comm.agree(REDUCE, self.index, self.owner.describe_buffer)
+            self.comm.agree(REDUCE, self.index, self.owner._describe_buffer)
             full = self.full_grad
             if full is None:
                 full = self._new_block(self.grad_dtype, GRADIENT, zero=True)

@@ -69,14 +69,14 @@ def arm_backward_end(owner) -> None:
     them), and ``opt.step()`` finishes whatever is still pending (the pending state is set by collective
     gathers, so every rank agrees on it).
     """
-    owner.rearm_backward_end = False
-    if not owner.backward_end_armed:
-        owner.backward_end_armed = True
+    owner._rearm_backward_end = False
+    if not owner._backward_end_armed:
+        owner._backward_end_armed = True
 
         def hook() -> None:
-            owner.backward_end_armed = False
+            owner._backward_end_armed = False
             if _nested_backward_depth() > 1:
-                owner.rearm_backward_end = True
+                owner._rearm_backward_end = True
                 return
             end_of_backward(owner)
 

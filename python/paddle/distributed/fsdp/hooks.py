@@ -132,12 +132,12 @@ class LayerHooks:
 
     def _release(self) -> None:
         for buffer in self.buffers:
-            if not buffer.held_for_backward and not buffer.owner.summoned:
+            if not buffer.held_for_backward and not buffer.owner._summoned:
                 buffer.release()
 
     def _before_backward(self, grad):
         for buffer in self.buffers:
-            if buffer.owner.summoned:
+            if buffer.owner._summoned:
                 raise RuntimeError(
                     f"FullyShardFusion: backward through {self.name} inside summon_full_params() is not "
                     "supported; run evaluation under paddle.no_grad(), train outside the context"

@@ -8,7 +8,7 @@ through the parameters themselves, so several instances can coexist and nothing 
 0. (every optimizer) Wait for an async checkpoint's background snapshot (checkpoint/snapshot_guard.py): a
    save returns before it copied the shards, and the step must not modify them before they are copied.
 1. Flush gradients (a safety net: buffers whose parameters did not all receive a gradient, unused
-   parameters, are normally reduced when backward ends; see FullyShardFusion.arm_backward_end).
+   parameters, are normally reduced when backward ends; see gradient_sync.arm_backward_end).
 2. Clip with norms over all ranks: parameters are local pieces at rest, so ``ClipGradByGlobalNorm`` and
    ``ClipGradByNorm`` need sums of squares all-reduced over the sharding group. ``ClipGradByValue`` is
    elementwise and runs as is.
@@ -53,7 +53,7 @@ def install_optimizer_integration() -> None:
             return original(self, loss, startup_program, params_grads, param_group_idx)
         _warn_per_piece_norms(self, owners)
         for owner in owners:  # whose master weights a writeback must follow (full_params.py)
-            owner.optimizers.add(self)
+            owner._optimizers.add(self)
         _check_intact_once(self, owners)
         if isinstance(params_grads, list):
             params_grads = list(params_grads)
@@ -135,7 +135,7 @@ def _flush_and_extend(opt, owners, params_grads):
     Pending pairs join a plain step. A grouped step cannot tell which group is running (AdamW.step
     passes no group index), so there pending gradients are an error rather than a silent loss.
     """
-    bound = [pair for owner in owners for pair in owner.flush_gradients()]
+    bound = [pair for owner in owners for pair in owner._flush_gradients()]
     if not bound:
         return params_grads
     if isinstance(params_grads, dict):
@@ -288,12 +288,12 @@ def _complete_squared_norms(owners, selected) -> tuple[list[paddle.Tensor], padd
         for comm in (owner.comm, expert_comm):
             if comm is None:
                 continue
-            vector = paddle.zeros([len(owner.param_keys)], dtype="float64")
+            vector = paddle.zeros([len(owner._param_keys)], dtype="float64")
             positions = []
             for k, (_, param, _) in enumerate(selected):
                 buffer = getattr(param, "_fsdp_buffer", None)
                 if buffer is not None and buffer.owner is owner and buffer.comm is comm:
-                    positions.append((k, owner.param_index[id(param)]))
+                    positions.append((k, owner._param_index[id(param)]))
                     vector[positions[-1][1]] = squared[k]
             comm.all_reduce_sum(vector)
             part = vector.sum()

@@ -156,7 +156,7 @@ class OverlapSchedule:
 
     def before_forward(self, buffers: list[FusedBuffer]) -> None:
         """A unit's forward is about to run: its buffers gathered, the next units' gathers issued."""
-        if self.depth and self._in_forward and not self.owner.summoned:
+        if self.depth and self._in_forward and not self.owner._summoned:
             for buffer in buffers:
                 if not buffer.is_gathered:
                     buffer.start_gather()
@@ -173,7 +173,7 @@ class OverlapSchedule:
             self._backward.start()
         for buffer in finished:
             self.reduce(buffer)
-        if self.depth and not self.owner.summoned:
+        if self.depth and not self.owner._summoned:
             for buffer in buffers:
                 if not buffer.is_gathered:
                     buffer.start_gather()

@@ -92,7 +92,7 @@ def check(kind: str, rank: int, world: int, dtype: str) -> None:
     resident = fsdp.resident_parameter_bytes()
     padded = sum(b.layout.padded_numel * b.shard.element_size() for b in fsdp.buffers)
     assert resident * world == padded, (resident, world, padded)
-    assert padded - total <= 256 * (len(fsdp.param_keys) + len(fsdp.buffers) * world), (padded, total)
+    assert padded - total <= 256 * (len(fsdp._param_keys) + len(fsdp.buffers) * world), (padded, total)
     for key, param, buffer, index in fsdp.managed_parameters():
         piece = buffer.pieces.get(index)
         assert param.shape == [piece.length if piece else 0], (key, param.shape)

@@ -117,7 +117,7 @@ def optimizer_sharded_state_dict(fsdp: FullyShardFusion, optimizer) -> dict:
 def init_optimizer_state(fsdp: FullyShardFusion, optimizer) -> None:
     """Create the accumulators of every trainable piece this rank holds, as a first step would."""
     in_optimizer = _optimizer_params(optimizer)
-    fsdp.optimizers.add(names.unwrap_optimizer(optimizer))  # its master weights follow writebacks (full_params)
+    fsdp._optimizers.add(names.unwrap_optimizer(optimizer))  # its master weights follow writebacks (full_params)
     params = [
         param
         for _key, param, buffer, index in fsdp.managed_parameters()

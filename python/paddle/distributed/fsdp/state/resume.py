@@ -127,7 +127,7 @@ def save_checkpoint(
     manager = None
     if step is not None:
         step_dir_name(step)  # validates before any collective
-        manager = CheckpointManager(path, keep_last=keep_last, process_group=fsdp.checkpoint_group)
+        manager = CheckpointManager(path, keep_last=keep_last, process_group=fsdp._checkpoint_group)
     elif keep_last is not None:
         raise ValueError("keep_last needs step=: numbered checkpoints live in a root as step_<N> directories")
     built = resume_state.build(objs, collective=True)
@@ -138,7 +138,7 @@ def save_checkpoint(
     )
     if manager is not None:
         return manager.save(step, state, **save_options)
-    return save_state_dict(state, path, process_group=fsdp.checkpoint_group, **save_options)
+    return save_state_dict(state, path, process_group=fsdp._checkpoint_group, **save_options)
 
 
 def _foreign_keys(metadata, fsdp) -> list[str]:
@@ -146,7 +146,7 @@ def _foreign_keys(metadata, fsdp) -> list[str]:
     reserved ``__fsdp__.*`` values belong)."""
     model_keys = {key for key, _param, _buffer, _index in fsdp.managed_parameters()}
     model_keys.update(persistable_buffers(fsdp.model))
-    model_keys.update(getattr(fsdp, "expert_keys", ()))  # under EP: the experts other EP ranks hold
+    model_keys.update(getattr(fsdp, "_expert_keys", ()))  # under EP: the experts other EP ranks hold
     out = []
     for key in list(metadata.tensors) + list(metadata.values):
         if key in model_keys or key.startswith(RESERVED_PREFIX):
@@ -174,7 +174,7 @@ def _precheck(objs: ResumeObjects, resolved: str, metadata, strict: bool) -> tup
             f"checkpoint {resolved} holds {len(foreign)} key(s) this model does not have (a checkpoint of another "
             f"model?): {foreign[:5]}{' ...' if len(foreign) > 5 else ''}; pass strict=False to load the rest"
         )
-    saved = resume_state.Saved(metadata.values, fsdp.checkpoint_rank, resume_state.checkpoint_world(fsdp))
+    saved = resume_state.Saved(metadata.values, fsdp._checkpoint_rank, resume_state.checkpoint_world(fsdp))
     return foreign, resume_state.decode(objs, saved, strict, f"checkpoint {resolved}")
 
 
@@ -249,7 +249,7 @@ def _agreed(fsdp, failure: BaseException, decide: Callable[[], Any]) -> Any:
     except Exception as e:  # noqa: BLE001 - whatever fails must reach the exchange below
         err = e
     try:
-        answers = gather_errors(Comm(fsdp.checkpoint_group), err, answer)
+        answers = gather_errors(Comm(fsdp._checkpoint_group), err, answer)
     except Exception as e:  # noqa: BLE001 - the same class on every rank: the error being handled
         raise type(failure)(f"{type(e).__name__}: {e}; while deciding what to do after: {failure}") from e
     if len(set(map(repr, answers))) > 1:
@@ -296,7 +296,7 @@ def _load_once(
     except Exception as e:  # noqa: BLE001 - whatever fails here must reach the exchange below
         err = named_read_error(path, e)  # (an OSError reading storage: named, the same class on every rank)
     # every rank fails together: a rank raising alone would leave the others waiting in the load's collective
-    resolutions = gather_errors(Comm(fsdp.checkpoint_group), err, resolved)
+    resolutions = gather_errors(Comm(fsdp._checkpoint_group), err, resolved)
     if len(set(resolutions)) > 1:  # `latest` moved between the ranks' reads
         raise CheckpointRemovedError(f"ranks resolved {path} to different checkpoints: {sorted(set(resolutions))}")
     if optimizer is not None:
@@ -319,7 +319,7 @@ def _load_once(
         report = load_state_dict(
             requested,
             resolved,
-            process_group=fsdp.checkpoint_group,
+            process_group=fsdp._checkpoint_group,
             strict=strict,
             verify_checksums=verify_checksums,
             atomic=atomic,

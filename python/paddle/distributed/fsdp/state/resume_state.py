@@ -309,7 +309,7 @@ def decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> Calla
 
 
 def checkpoint_world(fsdp) -> int:
-    """The number of ranks in ``fsdp.checkpoint_group`` (every rank under HSDP)."""
+    """The number of ranks in ``fsdp._checkpoint_group`` (every rank under HSDP)."""
     if fsdp.group_layout.replicate_degree > 1:
         import paddle.distributed as dist
 

@@ -87,7 +87,7 @@ def export(fsdp, model, out_dir: str, *, preset: str | None, tokenizer=None, sou
             error = e
     if scratch is not None and _is_rank0():
         shutil.rmtree(scratch, ignore_errors=True)
-    gather_errors(Comm(fsdp.checkpoint_group), error)  # also the barrier: every rank returns after the export
+    gather_errors(Comm(fsdp._checkpoint_group), error)  # also the barrier: every rank returns after the export
 
 
 def _is_rank0() -> bool:
