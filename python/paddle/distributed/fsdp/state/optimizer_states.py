@@ -96,7 +96,6 @@ Siblings: ``optimizer_json_state.py`` (the non-tensor state as JSON: learning ra
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -119,8 +118,6 @@ __all__ = [
     "all_optimizer_state_entries",
     "state_names_of_class",
 ]
-
-logger = logging.getLogger(__name__)
 
 ELEMENTWISE = "elementwise"
 SCALAR = "scalar"
