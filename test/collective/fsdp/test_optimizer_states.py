@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import paddle
 import pytest
 from paddle import nn
+from paddle.distributed.fsdp.state import optimizer_json_state as osj
+from paddle.distributed.fsdp.state import optimizer_state_creation as osc
 from paddle.distributed.fsdp.state import optimizer_states as osn
 from paddle.optimizer.lr import LRScheduler
 
@@ -35,7 +37,7 @@ L = paddle.optimizer.lr
 
 def _set_global_state(opt, state) -> None:
     """Restore what optimizer_global_state returned (decoding checks everything first)."""
-    osn.decode_optimizer_global_state(opt, state)()
+    osj.decode_optimizer_global_state(opt, state)()
 
 
 @pytest.fixture(autouse=True)
@@ -343,22 +345,22 @@ def test_bit_exact_resume(cfg: Config, model_cls) -> None:
         opt_a.set_lr(cfg.set_lr)
     _train(model_a, opt_a, batches[:3])
     saved_params, saved_states = _snapshot(model_a, opt_a)
-    saved_global = json.loads(json.dumps(osn.optimizer_global_state(opt_a), allow_nan=False))
+    saved_global = json.loads(json.dumps(osj.optimizer_global_state(opt_a), allow_nan=False))
 
     model_b, opt_b = _build(cfg, model_cls, seed=2)
     assert any(_bits(pa) != _bits(pb) for pa, pb in zip(model_a.parameters(), model_b.parameters()))
     params_before = [_bits(p) for p in model_b.parameters()]
     lr_before = opt_b.get_lr()
-    osn.create_optimizer_state(opt_b)
+    osc.create_optimizer_state(opt_b)
     assert [_bits(p) for p in model_b.parameters()] == params_before
     assert opt_b.get_lr() == lr_before
 
     for p, value, states in zip(model_b.parameters(), saved_params, saved_states):
-        osn.copy_into_state_(p, value)
+        osc.copy_into_state_(p, value)
         entries = osn.optimizer_state_entries(opt_b, p)
         assert {e.state_name for e in entries} == states.keys()
         for e in entries:
-            osn.copy_into_state_(e.tensor, states[e.state_name])
+            osc.copy_into_state_(e.tensor, states[e.state_name])
     _set_global_state(opt_b, saved_global)
 
     _train(model_a, opt_a, batches[3:])
@@ -373,7 +375,7 @@ def test_eager_creation_matches_lazy_first_step(cfg: Config, model_cls) -> None:
     batches = _batches(3)
     model_a, opt_a = _build(cfg, model_cls, seed=1)
     model_b, opt_b = _build(cfg, model_cls, seed=1)
-    osn.create_optimizer_state(opt_b)
+    osc.create_optimizer_state(opt_b)
     assert sum(len(v) for v in opt_b._accumulators.values()) == len(cfg.kinds) * len(model_b.parameters())
     _train(model_a, opt_a, batches)
     _train(model_b, opt_b, batches)
@@ -385,14 +387,14 @@ def test_create_keeps_group_hyperparameters() -> None:
     groups = _groups(model)
     groups[-1]["beta1"] = 0.5  # the last group's value would stick
     opt = O.Adam(0.01, parameters=groups, beta1=0.9)
-    osn.create_optimizer_state(opt)
+    osc.create_optimizer_state(opt)
     assert opt._beta1 == 0.9  # group dict values are not left behind
     opt2 = O.Adagrad(
         0.1,
         parameters=_groups(Dense(), initial_accumulator_value=0.5),
         initial_accumulator_value=0.1,
     )
-    osn.create_optimizer_state(opt2)
+    osc.create_optimizer_state(opt2)
     assert opt2.initial_accumulator_value == 0.1
     values = sorted(float(t.flatten()[0]) for t in opt2._accumulators["moment"].values())
     assert values == pytest.approx([0.1, 0.5])
@@ -402,24 +404,24 @@ def test_create_only_given_params_and_skips_frozen() -> None:
     model = Dense()
     model.fc.bias.stop_gradient = True
     opt = O.Adam(0.01, parameters=model.parameters())
-    osn.create_optimizer_state(opt)
+    osc.create_optimizer_state(opt)
     assert osn.optimizer_state_entries(opt, model.fc.bias) == []
     assert len(osn.optimizer_state_entries(opt, model.fc.weight)) == 4
 
     model2 = Dense()
     opt2 = O.Adam(0.01, parameters=model2.parameters())
-    osn.create_optimizer_state(opt2, [model2.fc.bias])
+    osc.create_optimizer_state(opt2, [model2.fc.bias])
     assert osn.optimizer_state_entries(opt2, model2.fc.weight) == []
     assert len(osn.optimizer_state_entries(opt2, model2.fc.bias)) == 4
 
     # A tensor the optimizer does not list (e.g. an FSDP buffer it is handed
     # at step time) gets state too, unless param groups make it ambiguous.
     extra = paddle.create_parameter([5], "float32")
-    osn.create_optimizer_state(opt2, [extra])
+    osc.create_optimizer_state(opt2, [extra])
     assert {e.state_name for e in osn.optimizer_state_entries(opt2, extra)} == (ADAM.keys())
     grouped = O.Adam(0.01, parameters=_groups(Dense()))
     with pytest.raises(ValueError, match="none of the param groups"):
-        osn.create_optimizer_state(grouped, [extra])
+        osc.create_optimizer_state(grouped, [extra])
 
 
 def test_refresh_master_weight_after_loading_param() -> None:
@@ -432,10 +434,10 @@ def test_refresh_master_weight_after_loading_param() -> None:
     paddle.seed(2)
     model_b = LowPrecision()
     opt_b = O.SGD(0.1, parameters=model_b.parameters(), multi_precision=True)
-    osn.create_optimizer_state(opt_b)
+    osc.create_optimizer_state(opt_b)
     for pa, pb in zip(model_a.parameters(), model_b.parameters()):
-        osn.copy_into_state_(pb, pa.detach().clone())
-        osn.refresh_master_weight_(opt_b, pb)
+        osc.copy_into_state_(pb, pa.detach().clone())
+        osc.refresh_master_weight_(opt_b, pb)
     _train(model_a, opt_a, batches)
     _train(model_b, opt_b, batches)
     _assert_same_run(model_a, opt_a, model_b, opt_b)
@@ -504,7 +506,7 @@ def test_undeclared_accumulator_is_refused(name) -> None:
     assert err.value.accumulator == key
     assert isinstance(err.value, ValueError)
     with pytest.raises(osn.UnsupportedOptimizerStateError, match="ema"):
-        osn.create_optimizer_state(_AdamWithEma(parameters=Dense().parameters()))
+        osc.create_optimizer_state(_AdamWithEma(parameters=Dense().parameters()))
 
 
 def test_subclass_adding_nothing_is_accepted() -> None:
@@ -518,7 +520,7 @@ def test_subclass_adding_nothing_is_accepted() -> None:
 def test_known_accumulator_with_foreign_shape_is_refused() -> None:
     model = Dense()
     opt = _AdamWithOddMoment(0.01, parameters=model.parameters())
-    osn.create_optimizer_state(opt)
+    osc.create_optimizer_state(opt)
     with pytest.raises(osn.UnsupportedOptimizerStateError, match="_AdamWithOddMoment.*moment1"):
         osn.optimizer_state_entries(opt, model.fc.weight)
 
@@ -534,8 +536,8 @@ def test_unknown_optimizer_class_is_refused() -> None:
     custom = Custom(0.1, parameters=model.parameters())
     for call in (
         lambda: osn.optimizer_state_entries(custom, model.fc.weight),
-        lambda: osn.create_optimizer_state(custom),
-        lambda: osn.optimizer_global_state(custom),
+        lambda: osc.create_optimizer_state(custom),
+        lambda: osj.optimizer_global_state(custom),
     ):
         with pytest.raises(osn.UnsupportedOptimizerStateError, match="Custom"):
             call()
@@ -572,10 +574,10 @@ def test_wrapped_optimizers_are_unwrapped() -> None:
     inner = O.AdamW(0.01, parameters=model.parameters(), name="opt")
     wrapped = _FleetLikeWrapper(MixPrecisionOptimizer(inner))
     assert osn.unwrap_optimizer(wrapped) is inner
-    osn.create_optimizer_state(wrapped)
+    osc.create_optimizer_state(wrapped)
     entries = osn.optimizer_state_entries(wrapped, model.fc.weight)
     assert [e.tensor for e in entries] == [e.tensor for e in osn.optimizer_state_entries(inner, model.fc.weight)]
-    assert osn.optimizer_global_state(wrapped)["optimizer_class"] == "AdamW"
+    assert osj.optimizer_global_state(wrapped)["optimizer_class"] == "AdamW"
 
     with pytest.raises(TypeError):
         osn.unwrap_optimizer(object())
@@ -622,7 +624,7 @@ def test_scheduler_state_round_trips_through_strict_json(make_scheduler, step) -
     opt_a = O.SGD(make_scheduler(), parameters=model.parameters())
     for i in range(5):
         advance(opt_a._learning_rate, i)
-    state = json.loads(json.dumps(osn.optimizer_global_state(opt_a), allow_nan=False))
+    state = json.loads(json.dumps(osj.optimizer_global_state(opt_a), allow_nan=False))
     opt_b = O.SGD(make_scheduler(), parameters=model.parameters())
     _set_global_state(opt_b, state)
     lrs_a, lrs_b = [], []
@@ -636,7 +638,7 @@ def test_scheduler_state_round_trips_through_strict_json(make_scheduler, step) -
 
 def test_global_state_refuses_mismatches() -> None:
     model = Dense()
-    state = osn.optimizer_global_state(O.Adam(0.01, parameters=model.parameters()))
+    state = osj.optimizer_global_state(O.Adam(0.01, parameters=model.parameters()))
     assert state["learning_rate"] == {"type": "float", "value": 0.01}
     with pytest.raises(ValueError, match="AdamW"):
         _set_global_state(O.AdamW(0.01, parameters=model.parameters()), state)
@@ -647,19 +649,19 @@ def test_global_state_refuses_mismatches() -> None:
 def test_copy_into_state_checks_shape_and_dtype_and_keeps_identity() -> None:
     t = paddle.zeros([3])
     ptr = t.data_ptr()
-    osn.copy_into_state_(t, paddle.ones([3]))
+    osc.copy_into_state_(t, paddle.ones([3]))
     assert t.data_ptr() == ptr and t.numpy().tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="shape"):
-        osn.copy_into_state_(t, paddle.ones([4]))
+        osc.copy_into_state_(t, paddle.ones([4]))
     with pytest.raises(ValueError, match="int64"):
-        osn.copy_into_state_(t, paddle.ones([3], dtype="int64"))
+        osc.copy_into_state_(t, paddle.ones([3], dtype="int64"))
 
 
 def test_non_finite_scheduler_values_survive_strict_json() -> None:
     model = Dense()
     opt_a = O.SGD(L.ReduceOnPlateau(0.1), parameters=model.parameters())
     opt_a._learning_rate.best = float("-inf")
-    text = json.dumps(osn.optimizer_global_state(opt_a), allow_nan=False)
+    text = json.dumps(osj.optimizer_global_state(opt_a), allow_nan=False)
     opt_b = O.SGD(L.ReduceOnPlateau(0.1), parameters=model.parameters())
     _set_global_state(opt_b, json.loads(text))
     assert opt_b._learning_rate.best == float("-inf")

@@ -112,7 +112,7 @@ def test_bad_hf_inputs_on_s3_are_named(tmp_path, s3_bucket, s3_env, capsys):
         err = capsys.readouterr().err
         assert expect in err, (src, err)
         assert not os.path.exists(tmp_path / f"out{i}")
-    from paddle.distributed.fsdp.tools.hf_convert import read_config
+    from paddle.distributed.fsdp.tools.hf_format import read_config
 
     s3 = s3_env.default_storage()
     objs, prefix = s3._split(url)

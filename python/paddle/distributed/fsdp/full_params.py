@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import paddle
 
 from .state.buffers import persistable_buffers
-from .state.optimizer_states import copy_into_state_
+from .state.optimizer_state_creation import copy_into_state_
 
 if TYPE_CHECKING:
     from .fully_shard_fusion import FullyShardFusion

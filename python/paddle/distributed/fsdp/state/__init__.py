@@ -1,7 +1,9 @@
 """The FSDP side of checkpointing: what a FullyShardFusion model and its optimizer save, and how it resumes.
 
 * ``records.py``: each rank's parameter pieces and optimizer state as ShardedWeight records (no gathering).
-* ``optimizer_states.py``: the per-optimizer-class table naming every accumulator and non-tensor state.
+* ``optimizer_states.py``: the per-optimizer-class table naming every accumulator, and the discovery of each
+  param's state tensors; ``optimizer_json_state.py``: the non-tensor state (learning rate, scheduler) as JSON;
+  ``optimizer_state_creation.py``: making the state exist before a load and writing into it in place.
 * ``resume_state.py``: what a resume holds (``ITEMS``), built and applied in one place for every door.
 * ``resume.py``: the one-call ``save_checkpoint`` / ``load_checkpoint`` built on the engine in
   ``paddle.distributed.fsdp.checkpoint``; the memory tier (``memtier/``) is the other door.

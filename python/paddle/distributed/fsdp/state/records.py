@@ -20,6 +20,7 @@ from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
 from . import optimizer_states as names
 from .buffers import persistable_buffers
+from .optimizer_state_creation import create_optimizer_state, refresh_master_weight_
 
 if TYPE_CHECKING:
     from ..fully_shard_fusion import FullyShardFusion
@@ -123,7 +124,7 @@ def init_optimizer_state(fsdp: FullyShardFusion, optimizer) -> None:
         for _key, param, buffer, index in fsdp.managed_parameters()
         if id(param) in in_optimizer and not param.stop_gradient and buffer.pieces.get(index) is not None
     ]
-    names.create_optimizer_state(optimizer, params)
+    create_optimizer_state(optimizer, params)
 
 
 def refresh_master_weights(fsdp: FullyShardFusion, optimizer, loaded_keys) -> list[str]:
@@ -142,6 +143,6 @@ def refresh_master_weights(fsdp: FullyShardFusion, optimizer, loaded_keys) -> li
         if key not in loaded or f"{key}.{names.MASTER_WEIGHT}" in loaded or id(param) not in in_optimizer:
             continue
         piece = buffer.local_view(index)  # what the load wrote (the param may be bound to a gathered copy)
-        if piece is not None and names.refresh_master_weight_(optimizer, param, piece):
+        if piece is not None and refresh_master_weight_(optimizer, param, piece):
             refreshed.append(key)
     return refreshed

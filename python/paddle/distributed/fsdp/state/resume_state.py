@@ -37,6 +37,7 @@ from . import rng
 from . import stateful as stateful_state
 from .buffers import persistable_buffers, warn_if_buffers_differ
 from .ema import ShardedEMA
+from .optimizer_json_state import decode_optimizer_global_state, optimizer_global_state
 from .records import optimizer_sharded_state_dict, parameter_records
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def _opt_tensors(objs: ResumeObjects) -> tuple[dict, set]:
 
 def _opt_value(objs: ResumeObjects, collective: bool) -> Any:
     inner = names.unwrap_optimizer(objs.optimizer)
-    return {"class": type(inner).__name__, "global_state": names.optimizer_global_state(inner)}
+    return {"class": type(inner).__name__, "global_state": optimizer_global_state(inner)}
 
 
 def _opt_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> Callable[[], None]:
@@ -151,7 +152,7 @@ def _opt_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> 
     if value["class"] != given:
         raise OptimizerMismatchError(f"{where} holds {value['class']} state, but the optimizer given is {given}")
     try:
-        return names.decode_optimizer_global_state(inner, value.get("global_state"))
+        return decode_optimizer_global_state(inner, value.get("global_state"))
     except MetadataError as e:
         raise MetadataError(f"{where}: {e}") from None
 

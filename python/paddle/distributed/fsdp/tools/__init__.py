@@ -1,6 +1,6 @@
 """Command-line tools for FSDP checkpoints: ``paddle-fsdp-ckpt`` (``python -m paddle.distributed.fsdp.tools``).
 
-Subcommands (see ``cli.py``): ``inspect``, ``verify``, ``to-hf``, ``from-hf``, ``diff``. The library functions behind
+Subcommands (see ``cli_parser.py``): ``inspect``, ``verify``, ``to-hf``, ``from-hf``, ``diff``. The library functions behind
 them can be used directly: :func:`inspect_checkpoint`, :func:`verify`, :func:`to_hf`, :func:`from_hf`, :func:`diff`
 (model-family presets: ``PRESETS``), and the streaming
 :class:`CheckpointReader` / one-process :class:`CheckpointWriter`. Modules are imported lazily.
@@ -27,8 +27,8 @@ _LAZY = {
     "main": ("cli", "main"),
     "inspect_checkpoint": ("inspect_cmd", "inspect_checkpoint"),
     "verify": ("verify_cmd", "verify"),
-    "to_hf": ("hf_convert", "to_hf"),
-    "from_hf": ("hf_convert", "from_hf"),
+    "to_hf": ("to_hf_cmd", "to_hf"),
+    "from_hf": ("from_hf_cmd", "from_hf"),
     "diff": ("diff_cmd", "diff"),
     "PRESETS": ("presets", "PRESETS"),
     "Rules": ("rules", "Rules"),

@@ -117,7 +117,7 @@ def check(value: Any, spec: Any, where: str, path: str = "") -> Any:
     return value
 
 
-# the paddle_fsdp record to-hf writes into metadata of model.safetensors.index.json (hf_convert.py)
+# the paddle_fsdp record to-hf writes into metadata of model.safetensors.index.json (to_hf_cmd.py)
 # ``optimizer`` is the checkpoint value __fsdp__.optimizer (state/resume.py): its global_state is checked against
 # the optimizer when a checkpoint made from the export is loaded
 OPTIMIZER = Obj({"class": STR, "global_state": OBJECT}, required=("class",))

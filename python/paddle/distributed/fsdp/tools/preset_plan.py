@@ -1,7 +1,7 @@
 """Planning a preset conversion: which tensors to write, split or merged how, and refusing incomplete ones.
 
 ``to-hf``: every model key of the checkpoint is matched against the preset's rules; a fused key becomes several
-HF tensors, each a list of row ranges of the source seen in HF orientation (:class:`~.hf_convert.HfTensor` with
+HF tensors, each a list of row ranges of the source seen in HF orientation (:class:`~.to_hf_cmd.HfTensor` with
 ``rows``). ``from-hf``: HF names are grouped back per rule and binding (all of ``q/k/v`` of layer 3) and merged
 into one checkpoint tensor (:class:`MergedTensor`). Both check every shape against the config and refuse (a
 ``ToolError``, exit 2) an output that would leave a parameter of the architecture missing or an input key

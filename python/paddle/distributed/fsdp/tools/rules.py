@@ -27,7 +27,7 @@ weights are what a transpose rule usually names, in both directions.
 
 Regexes cannot be inverted in general, so ``from-hf`` does not derive its renaming from the ``to-hf`` rules:
 ``to-hf`` records the exact name map and the transposed names in ``model.safetensors.index.json`` (see
-``hf_convert``), and ``from-hf`` without ``--rules`` inverts that record; for Hugging Face weights that did not
+``to_hf_cmd``), and ``from-hf`` without ``--rules`` inverts that record; for Hugging Face weights that did not
 come from ``to-hf`` (no record), give ``from-hf`` its own rules file in the HF -> checkpoint direction.
 """
 

@@ -1,0 +1,152 @@
+"""The commands of ``paddle-fsdp-ckpt``: each takes the parsed arguments, calls the library function behind it,
+prints its summary and returns the exit code (the parser is ``cli_parser.py``, the entry point ``cli.py``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+PROG = "paddle-fsdp-ckpt"
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+def one_line(text: object) -> str:
+    """``text`` with every run of whitespace (newlines too) turned into one space: a message fit for one line."""
+    return " ".join(str(text).split())
+
+
+def _progress(args) -> bool | None:
+    return False if getattr(args, "no_progress", False) else None
+
+
+def cmd_inspect(args) -> int:
+    from .inspect_cmd import format_text, inspect_checkpoint
+    from .stock_cmd import format_foreign, inspect_foreign, is_foreign
+
+    if is_foreign(args.ckpt):  # stock paddle / plain safetensors directory
+        info = inspect_foreign(args.ckpt)
+        print(json.dumps(info, indent=2) if args.json else format_foreign(info), flush=True)
+        return EXIT_OK
+    info = inspect_checkpoint(args.ckpt)
+    print(json.dumps(info, indent=2) if args.json else format_text(info), flush=True)
+    return EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    from .progress import human_bytes
+    from .stock_cmd import is_foreign, verify_foreign
+    from .verify_cmd import verify
+
+    foreign = is_foreign(args.ckpt)  # stock paddle / plain safetensors directory (no checksums to check)
+    if foreign:
+        problems, summary = verify_foreign(args.ckpt, progress=_progress(args))
+    else:
+        problems, summary = verify(args.ckpt, progress=_progress(args))
+    if args.json:
+        print(json.dumps({"path": args.ckpt, "ok": not problems, "problems": problems}, indent=2))
+    elif not problems and foreign:
+        print(
+            f"OK: {summary['path']}: {summary['tensors']} tensors fully covered, {summary['files']} data file(s), "
+            f"every piece readable; no checksums to check ({summary['checksum']})"
+        )
+    elif not problems:
+        print(
+            f"OK: {summary['path']}: {summary['tensors']} tensors fully covered, {summary['files']} data file(s), "
+            f"{human_bytes(summary['file_bytes'])}, checksums ({summary['checksum']}) match"
+        )
+    else:
+        for p in problems:
+            print(f"PROBLEM: {p}")
+    if problems:
+        print(
+            f"{PROG} verify: {args.ckpt} is NOT sound: {len(problems)} problem(s); first: {one_line(problems[0])}",
+            file=sys.stderr,
+        )
+        return EXIT_PROBLEMS
+    return EXIT_OK
+
+
+def cmd_to_hf(args) -> int:
+    from .errors import ToolError
+    from .progress import human_bytes
+    from .rules import load_rules
+    from .to_hf_cmd import to_hf
+
+    if args.preset and args.rules:
+        raise ToolError("give either --preset or --rules, not both")
+    rules = load_rules(args.rules)
+    s = to_hf(
+        args.ckpt,
+        args.out,
+        max_shard_size=args.max_shard_size,
+        dtype=args.dtype,
+        rules=rules,
+        include_optimizer=args.include_optimizer,
+        include_buffers=args.include_buffers,
+        progress=_progress(args),
+        preset=args.preset,
+        config=args.config,
+        allow_unmapped=args.allow_unmapped,
+        ema=args.ema,
+    )
+    print(
+        f"wrote {s['tensors']} tensors ({human_bytes(s['total_size'])}, {s['transposed']} transposed, "
+        f"{s['split']} split from fused keys) in {len(s['files'])} file(s) to {s['out']}"
+    )
+    return EXIT_OK
+
+
+def cmd_from_hf(args) -> int:
+    from .errors import ToolError
+    from .from_hf_cmd import from_hf
+    from .progress import human_bytes
+    from .rules import load_rules
+
+    if args.preset and args.rules:
+        raise ToolError("give either --preset or --rules, not both")
+    rules = load_rules(args.rules) if args.rules else None
+    s = from_hf(
+        args.hf,
+        args.out,
+        rules=rules,
+        dtype=args.dtype,
+        progress=_progress(args),
+        preset=args.preset,
+        config=args.config,
+        allow_unmapped=args.allow_unmapped,
+    )
+    print(
+        f"wrote checkpoint {s['out']}: {s['tensors']} tensors ({human_bytes(s['total_size'])}, "
+        f"{s['transposed']} transposed, {s['merged']} merged into fused keys) in {s['files']} data file(s)"
+    )
+    return EXIT_OK
+
+
+def cmd_import_stock(args) -> int:
+    from .progress import human_bytes
+    from .stock_cmd import import_stock
+
+    s = import_stock(args.src, args.out, unique_id=args.unique_id, progress=_progress(args))
+    print(f"wrote checkpoint {s['out']}: {s['tensors']} tensors ({human_bytes(s['total_size'])})")
+    return EXIT_OK
+
+
+def cmd_diff(args) -> int:
+    from .diff_cmd import diff, format_text
+    from .hf_format import parse_size
+
+    report = diff(
+        args.a,
+        args.b,
+        window_bytes=parse_size(args.window),
+        atol=args.atol,
+        rtol=args.rtol,
+        keys=args.key,
+        progress=_progress(args),
+    )
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(format_text(report, show_equal=args.show_equal))
+    return EXIT_OK if report.identical else EXIT_PROBLEMS
