@@ -13,10 +13,10 @@ from .errors import CheckpointError, CheckpointRemovedError, CorruptCheckpointEr
 from .format import safetensors
 from .format.coverage import coverage_problems
 from .format.metadata import check_file_name
+from .geometry import region_of_piece
 from .io.storage import Storage
 from .options import CheckpointOptions
 from .paths import local_path
-from .planner import region_of_piece
 from .reader import FileSet
 from .regions import iter_piece
 

@@ -56,8 +56,8 @@ from ..checkpoint.format.metadata import (
 )
 from ..checkpoint.format.reserved import BUFFERS_KEY, EMA_SUFFIX, OPTIMIZER_KEY, key_problem
 from ..checkpoint.format.safetensors import build_header
+from ..checkpoint.geometry import Region
 from ..checkpoint.paths import local_path, url_scheme
-from ..checkpoint.planner import Region
 from ..checkpoint.regions import read_region
 from .errors import ToolError
 

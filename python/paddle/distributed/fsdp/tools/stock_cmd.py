@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from ..checkpoint.errors import CheckpointError, NotACheckpointError
+from ..checkpoint.format.coverage import coverage_problems
 from ..checkpoint.format.metadata import itemsize, numel
-from ..checkpoint.planner import Region, coverage_problems
+from ..checkpoint.geometry import Region
 from ..checkpoint.stock import classify, index_hf, index_stock
 from ..checkpoint.stock.boxes import PieceData, assemble_box
 from ..checkpoint.stock.index import PieceIndex
