@@ -37,6 +37,7 @@ from .format.metadata import (
 )
 from .format.schema import parse_commit
 from .format.strict_json import SMALL_FILE_BYTES, loads_strict
+from .format.versions import loads_metadata
 from .io.local import TRASH_PREFIX
 from .io.storage import Storage, backend_for
 
@@ -317,7 +318,7 @@ def _read_metadata(path: str, max_metadata_bytes: int, storage: Storage) -> Chec
         raise MetadataError(
             f"checkpoint {path}: {METADATA_FILE} does not match the checksum in the commit record (damaged)"
         )
-    md = CheckpointMetadata.loads(data, where=f"{path}/{METADATA_FILE}", fetch=index_fetch(path, storage))
+    md = loads_metadata(data, where=f"{path}/{METADATA_FILE}", fetch=index_fetch(path, storage))
     if md.index is not None:
         md.index.fetch.bytes += len(data)  # (metadata.json itself: the figures count every metadata byte read)
         md.index.fetch.objects.add(METADATA_FILE)

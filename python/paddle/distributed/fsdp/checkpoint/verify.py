@@ -140,7 +140,7 @@ def index_problems(md) -> list[str]:
 
     from .format import row_directory
     from .format.index import PIECES_FILE, sums_name
-    from .format.schema import file_overlap_problems
+    from .format.metadata import file_overlap_problems
 
     src = md.index
     try:
