@@ -8,7 +8,8 @@ from typing import Callable
 import numpy as np
 
 from . import checksums
-from .directory import read_metadata, removed_or
+from .commit_record import removed_or
+from .directory import read_metadata
 from .errors import CheckpointError, CheckpointRemovedError, CorruptCheckpointError, SafetensorsHeaderError
 from .format import safetensors
 from .format.coverage import coverage_problems
