@@ -13,7 +13,8 @@ from .errors import CheckpointError, CheckpointRemovedError
 from .format.metadata import COMMIT_FILE
 from .format.schema import parse_commit
 from .format.strict_json import SMALL_FILE_BYTES, loads_strict
-from .io.storage import Storage, backend_for
+from .io.backends import backend_for
+from .io.storage import Storage
 
 
 def commit_id(path: str, storage: Storage | None = None) -> str | None:

@@ -37,8 +37,9 @@ from .format.metadata import (
 from .format.schema import parse_commit
 from .format.strict_json import SMALL_FILE_BYTES, loads_strict
 from .format.versions import loads_metadata
+from .io.backends import backend_for
 from .io.local import TRASH_PREFIX
-from .io.storage import Storage, backend_for
+from .io.storage import Storage
 
 logger = logging.getLogger(__name__)
 

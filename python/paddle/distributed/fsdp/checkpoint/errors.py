@@ -48,6 +48,9 @@ class MissingDependencyError(CheckpointError, ImportError):
     message says what to install."""
 
 
+S3_EXTRA_HINT = 's3:// URLs need the s3 extra ({missing} is not installed): pip install "paddle-fsdp-fork[s3]"'
+
+
 class StateDictMismatchError(CheckpointError):
     """The requested state dict does not match the checkpoint (base of the three below)."""
 

@@ -36,7 +36,7 @@ import numpy as np
 from ..checkpoint import checksums, writer
 from ..checkpoint.directory import committed_steps, prune, step_dir_name
 from ..checkpoint.format.metadata import LATEST_FILE, FileMeta
-from ..checkpoint.io.storage import backend_for
+from ..checkpoint.io.backends import backend_for
 from ..checkpoint.planner import RecordDesc, assign_writes, lay_out_files, merged_values
 from ..state.resume_state import PER_RANK_KEYS
 from . import identity

@@ -15,7 +15,8 @@ import tempfile
 import uuid
 
 from ..checkpoint.format.metadata import COMMIT_FILE, METADATA_FILE
-from ..checkpoint.io.storage import Storage, backend_for
+from ..checkpoint.io.backends import backend_for
+from ..checkpoint.io.storage import Storage
 from .errors import ToolError
 
 SMALL = 1 << 20  # files up to this size are sent as one small object (put)
