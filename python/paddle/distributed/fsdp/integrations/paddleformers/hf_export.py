@@ -20,7 +20,7 @@ import paddle.distributed as dist
 
 from ...checkpoint import gather_errors
 from ...checkpoint.coordination import Comm
-from ...tools.errors import ToolError
+from ...checkpoint.errors import ToolError
 from ...tools.presets import PRESETS
 
 logger = logging.getLogger(__name__)
