@@ -105,7 +105,7 @@ class FileSet:
         """The data objects of checkpoint ``md`` at ``root`` in ``storage``; verified reads when ``verify`` and it
         has checksums; O_DIRECT and the read slab as ``options`` (a CheckpointOptions; None: the defaults)."""
         digest = checksums.digest_function(md.checksum) if verify and md.checksum != checksums.NONE else None
-        tuning = {}  # None: this class's defaults, which CheckpointOptions' defaults are (options.py takes them here)
+        tuning = {}  # no options: the constructor's defaults, CheckpointOptions' own (options.py takes them here)
         if options is not None:
             tuning = dict(
                 odirect=options.odirect,
