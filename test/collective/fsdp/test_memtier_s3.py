@@ -13,7 +13,7 @@ import shutil
 
 from memtier_util import small_fsdp, state_bytes, train_and_save
 from paddle.distributed.fsdp.checkpoint import verify_checkpoint
-from paddle.distributed.fsdp.checkpoint.io import storage as storage_mod
+from paddle.distributed.fsdp.checkpoint.io import backends as backends_mod
 from paddle.distributed.fsdp.memtier import MemoryTier
 from s3_fixtures import s3_options_for
 
@@ -23,7 +23,7 @@ def test_persist_and_flush_memory_to_s3_load_bit_exact(tmp_path, s3_server, s3_b
     from paddle.distributed.fsdp.tools.cli import main as cli
 
     store = S3Storage(s3_options_for(s3_server.endpoint))
-    monkeypatch.setitem(storage_mod._schemes, "s3", lambda: store)
+    monkeypatch.setitem(backends_mod._schemes, "s3", lambda: store)
     url, mem = f"s3://{s3_bucket}/run/durable", str(tmp_path / "mem")
     model, fsdp, opt = small_fsdp(1)
     tier = MemoryTier(fsdp, opt, durable_root=url, memory_root=mem, persist_every=2, job_id="s3job")

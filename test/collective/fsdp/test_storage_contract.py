@@ -164,7 +164,7 @@ def test_a_save_needs_nothing_but_the_interface():
         save_state_dict,
         verify_checkpoint,
     )
-    from paddle.distributed.fsdp.checkpoint.format.metadata import CheckpointMetadata
+    from paddle.distributed.fsdp.checkpoint.format.versions import loads_metadata
 
     mem = MemoryStorage()
     opts = CheckpointOptions(storage=mem)
@@ -179,7 +179,7 @@ def test_a_save_needs_nothing_but_the_interface():
         assert {"COMMIT", "metadata.json", "0_0.safetensors", "0_0.safetensors.sums", "index.keys"} <= set(names)
         assert ("0.metadata" in names) == (step == 1)
         assert mem.children("mem://run") == ["ckpt"]  # no staging left
-        md = CheckpointMetadata.loads(
+        md = loads_metadata(
             mem.get("mem://run/ckpt", "metadata.json"),
             where="mem",
             fetch=lambda name, off, n: mem.get("mem://run/ckpt", name)[off : off + n],

@@ -57,7 +57,7 @@ def test_boto3_is_imported_only_when_an_s3_url_is_used(tmp_path):
         f"p = {str(tmp_path / 'c')!r}\n"
         "sd = {'w': paddle.ones([4])}\n"
         "ck.save_state_dict(sd, p); ck.load_state_dict(sd, p); assert ck.verify_checkpoint(p) == []\n"
-        "assert 's3' in ck.io.storage.served_schemes()\n"
+        "assert 's3' in ck.io.backends.served_schemes()\n"
         "print(sorted(m for m in sys.modules if m.startswith(('boto3', 'botocore')) or m.endswith('.s3.storage')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

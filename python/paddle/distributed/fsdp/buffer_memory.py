@@ -18,7 +18,7 @@ tell; a reused block would then feed another unit's weights to that backward. A 
 reference instead.
 
 :class:`BlockLedger` counts the mapped blocks alive, by kind, and their peaks: :meth:`FullyShardFusion.memory_account`
-reports it next to what the buffers reference (parameter shard, gradient shard, gathered units, gradient buffers,
+(memory_account.py) reports it next to what the buffers reference (parameter shard, gradient shard, gathered units, gradient buffers,
 staging), and the tests bound it by ``prefetch_depth + 1`` units.
 """
 
@@ -26,15 +26,11 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import TYPE_CHECKING
 
 import numpy as np
 import paddle
 
 from . import device, host_mappings
-
-if TYPE_CHECKING:
-    from .fused_buffer import FusedBuffer
 
 #: the kinds of block: gathered parameters, full-size gradient buffers, the gradient shard (``main_grad``, freed
 #: at ``opt.clear_grad()``: fused_buffer.release_grads)
@@ -117,44 +113,3 @@ def new_block(numel: int, dtype, kind: str, ledger: BlockLedger, mapped: bool, z
     ledger.add(kind, nbytes)
     tensor = paddle.utils.dlpack.from_dlpack(region.view(np_dtype))
     return tensor.view(paddle.bfloat16) if dtype == paddle.bfloat16 else tensor
-
-
-def _nbytes(tensor: paddle.Tensor | None) -> int:
-    if tensor is None or not tensor._is_initialized():
-        return 0
-    return tensor._numel() * tensor.element_size()
-
-
-def buffer_account(buffer: FusedBuffer) -> dict[str, int]:
-    """Bytes one buffer references now, by role."""
-    gathered = _nbytes(buffer.full) if buffer.full is not buffer.shard else 0
-    staging = _nbytes(buffer._grad_in_param_dtype)
-    if buffer._gathering is not None:
-        full, _task, source = buffer._gathering
-        gathered += _nbytes(full)
-        staging += _nbytes(source) if source is not buffer.shard else 0
-    reducing = 0
-    if buffer._reducing is not None:
-        reducing = sum(_nbytes(t) for t in buffer._reducing[1]._keep) or _nbytes(buffer._reducing[0])
-    return {
-        "parameter_shard": _nbytes(buffer.shard),
-        "gradient_shard": _nbytes(buffer.main_grad),
-        "gathered_units": gathered,
-        "gradient_buffers": _nbytes(buffer.full_grad) + reducing,
-        "staging": staging,
-    }
-
-
-def memory_account(buffers: list[FusedBuffer], ledger: BlockLedger) -> dict[str, int]:
-    """What the buffers reference now, by role, summed; plus the mapped blocks alive (which autograd may still
-    reference after a release) and their count by kind (``mapped_outside_allocator``: bytes paddle's allocator
-    statistics do not see)."""
-    total: dict[str, int] = {}
-    for buffer in buffers:
-        for role, nbytes in buffer_account(buffer).items():
-            total[role] = total.get(role, 0) + nbytes
-    for kind in KINDS:
-        total[f"mapped_{kind}"] = ledger.live[kind]
-    total["mapped_blocks"] = sum(ledger.count.values())
-    total["mapped_outside_allocator"] = sum(ledger.live.values())
-    return total

@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
 import paddle
 
+from .sharded_model import ShardedModel
 from .state.buffers import persistable_buffers
 from .state.optimizer_state_creation import copy_into_state_
 
-if TYPE_CHECKING:
-    from .fully_shard_fusion import FullyShardFusion
-
 
 @contextlib.contextmanager
-def summon_full_params(fsdp: FullyShardFusion, writeback: bool = False, rank0_only: bool = False):
+def summon_full_params(fsdp: ShardedModel, writeback: bool = False, rank0_only: bool = False):
     """Every parameter full-size inside the context. Collective: every rank of the group enters and exits it.
 
     Args:
@@ -105,7 +102,7 @@ def _follow_master_weight(optimizer, param, piece: paddle.Tensor) -> None:
         copy_into_state_(master, paddle.where(changed, paddle.cast(piece, master.dtype), master))
 
 
-def full_state_dict(fsdp: FullyShardFusion, rank0_only: bool = True, offload_to_cpu: bool = True) -> OrderedDict:
+def full_state_dict(fsdp: ShardedModel, rank0_only: bool = True, offload_to_cpu: bool = True) -> OrderedDict:
     """The model's ``state_dict()`` with whole parameters, gathered one buffer at a time. Collective.
 
     Keys and order are those of the unwrapped model's ``state_dict()`` (tied parameters under each of their
@@ -190,12 +187,12 @@ def _with_peer_experts(order: list[str], slot_keys: dict[str, list[str]]) -> lis
     return out
 
 
-def expert_peer_parameters(fsdp: FullyShardFusion, buffer) -> dict[str, paddle.Tensor]:
+def expert_peer_parameters(fsdp: ShardedModel, buffer) -> dict[str, paddle.Tensor]:
     """The other EP ranks' whole parameters at ``buffer``'s positions, by key (see :func:`expert_peers`)."""
     return expert_peers(fsdp, buffer)[0]
 
 
-def expert_peers(fsdp: FullyShardFusion, buffer) -> tuple[dict[str, paddle.Tensor], list[list[str]]]:
+def expert_peers(fsdp: ShardedModel, buffer) -> tuple[dict[str, paddle.Tensor], list[list[str]]]:
     """Under expert parallelism, for a gathered expert buffer: the whole parameters the *other* EP ranks hold at
     the same buffer positions, by key, and every EP rank's keys of the buffer's slots (by EP rank). Collective over
     the EP group for expert buffers; ``({}, [])`` (no collective) for every other buffer. The layouts are the same

@@ -19,7 +19,7 @@ from typing import Callable
 import paddle
 
 from . import gradient_sync
-from .buffer_memory import BlockLedger, memory_account
+from .buffer_memory import BlockLedger
 from .communication import ShardingComm, check_interval_from_env
 from .expert_comm import ExpertComm
 from .expert_parallel import check_expert_layout, expert_parameter_ids, resolve_expert_layout
@@ -29,6 +29,7 @@ from .hooks import LayerHooks
 from .hybrid_comm import HybridComm
 from .layer_integration import install_layer_integration
 from .lazy_init import install_creation_stamps, is_lazy, materialise_into_shards
+from .memory_account import memory_account
 from .optimizer_integration import install_optimizer_integration
 from .overlap import OverlapSchedule
 from .param_grouping import plan_param_groups

@@ -271,9 +271,7 @@ class FusedBuffer:
             self.full_grad._slice(slot.offset, slot.end).add_(flat)
         param.clear_gradient(False)
         if self.owner._rearm_backward_end:  # a nested backward ended; the enclosing one goes on (gradient_sync)
-            from .gradient_sync import arm_backward_end
-
-            arm_backward_end(self.owner)
+            self.owner._arm_backward_end()
         self.received.add(index)
         self._arrived.add(index)
         if len(self._arrived) == len(self.params):

@@ -31,7 +31,7 @@ import numpy as np
 from .errors import InvalidStateDictError
 from .format.coverage import coverage_problems
 from .format.metadata import DTYPES, numel
-from .planner import Region
+from .geometry import Region
 
 REPLICATED, FLAT, GENERAL = 1, 2, 4  # Columns.flags bits
 

@@ -30,7 +30,7 @@ from typing import Any
 from . import checksums, faults
 from .abandon import leave_failed_save, leave_timeout
 from .channel import LocalChannel, SaveChannel
-from .directory import commit_id
+from .commit_record import commit_id
 from .errors import SaveFailedError
 from .format import rank_values as per_rank
 from .format.commit import commit_record

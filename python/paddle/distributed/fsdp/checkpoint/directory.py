@@ -5,9 +5,8 @@ a checkpoint root, stock paddle, foreign), so the error names the problem.
 
 Why: these questions were answered in five files (manager, removal, stock/directories, format/commit, load);
 now the manager, the save's commit, loads and verify ask here. Every answer is read through the storage
-interface (io/storage.py) where it concerns a root of numbered checkpoints; ``removed_or`` tells a checkpoint
-removed under a reader (keep_last rotation, a replacing save) apart from a corrupt one, so that
-``load_checkpoint(root)`` can retry with what ``latest`` names now and never call a sound checkpoint corrupt.
+interface (io/storage.py) where it concerns a root of numbered checkpoints. What the commit record names now
+(``commit_id``, ``removed_or``: a checkpoint removed under its reader) is commit_record.py's, below the reader.
 """
 
 from __future__ import annotations
@@ -18,9 +17,9 @@ import os
 import re
 
 from . import errors as _errors
+from .commit_record import removed_or
 from .errors import (
     CheckpointError,
-    CheckpointRemovedError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     MetadataError,
@@ -37,8 +36,10 @@ from .format.metadata import (
 )
 from .format.schema import parse_commit
 from .format.strict_json import SMALL_FILE_BYTES, loads_strict
+from .format.versions import loads_metadata
+from .io.backends import backend_for
 from .io.local import TRASH_PREFIX
-from .io.storage import Storage, backend_for
+from .io.storage import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -199,48 +200,6 @@ def prune(root: str, keep_last: int, protect: tuple[str, ...] = (), storage: Sto
     return removed
 
 
-def commit_id(path: str, storage: Storage | None = None) -> str | None:
-    """The checkpoint id the commit record at ``path`` names now (None: absent or unreadable): the truth about
-    whether (and which) checkpoint is committed there."""
-    try:
-        return _read_commit_id(path, storage)
-    except (OSError, CheckpointError):
-        return None
-
-
-def _read_commit_id(path: str, storage: Storage | None) -> str | None:
-    """``commit_id``, but an unreadable commit record (EACCES, EIO: the storage cannot be read, which says
-    nothing about whether the checkpoint is there) raises the OSError."""
-    where = f"{path}/{COMMIT_FILE}"
-    raw = (storage or backend_for(path)).get(path, COMMIT_FILE, SMALL_FILE_BYTES)
-    try:
-        return None if raw is None else parse_commit(loads_strict(raw, where), where)[0]
-    except CheckpointError:
-        return None
-
-
-def removed_or(
-    path: str, error: CheckpointError, checkpoint_id: str | None = None, storage: Storage | None = None
-) -> CheckpointError:
-    """CheckpointRemovedError when the checkpoint at ``path`` is gone (no commit record) or, given the
-    ``checkpoint_id`` being read, was replaced by another one; else ``error`` (also when the commit record cannot
-    be read: a rank denied by its storage is not told the checkpoint went away)."""
-    try:
-        now = _read_commit_id(path, storage)
-    except (OSError, CheckpointError):  # (CheckpointError: a commit record that is not a regular file)
-        return error
-    if now is None:
-        return CheckpointRemovedError(
-            f"checkpoint {path} was removed while it was being read (keep_last rotation or a replacing save?)"
-        )
-    if checkpoint_id is not None and now != checkpoint_id:
-        return CheckpointRemovedError(
-            f"checkpoint {path} was replaced by another save while it was being read (checkpoint id "
-            f"{checkpoint_id} -> {now})"
-        )
-    return error
-
-
 def read_metadata(path: str, options=None, storage: Storage | None = None) -> CheckpointMetadata:
     """Metadata of a committed checkpoint (read through ``storage``; None: ``options.storage`` or the backend
     of the location's scheme); raises NotACheckpointError / IncompleteCheckpointError / MetadataError
@@ -317,7 +276,7 @@ def _read_metadata(path: str, max_metadata_bytes: int, storage: Storage) -> Chec
         raise MetadataError(
             f"checkpoint {path}: {METADATA_FILE} does not match the checksum in the commit record (damaged)"
         )
-    md = CheckpointMetadata.loads(data, where=f"{path}/{METADATA_FILE}", fetch=index_fetch(path, storage))
+    md = loads_metadata(data, where=f"{path}/{METADATA_FILE}", fetch=index_fetch(path, storage))
     if md.index is not None:
         md.index.fetch.bytes += len(data)  # (metadata.json itself: the figures count every metadata byte read)
         md.index.fetch.objects.add(METADATA_FILE)

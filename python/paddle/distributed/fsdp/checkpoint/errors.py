@@ -31,6 +31,7 @@ __all__ = [
     "SaveFailedError",
     "DirectoryMismatchError",
     "PartiallyLoadedError",
+    "ToolError",
 ]
 
 
@@ -73,6 +74,18 @@ class UnsafePathError(MetadataError):
 class MissingDependencyError(CheckpointError, ImportError):
     """A feature needs an optional dependency that is not installed (``s3://`` URLs: the ``s3`` extra); the
     message says what to install."""
+
+
+class ToolError(ValueError):
+    """Bad input to a checkpoint tool or the one-process writer (one_process.py, staged_output.py): not a
+    checkpoint, a bad rules file, a name collision, an unknown dtype, an output that exists...
+
+    Not a CheckpointError (a tool's input, not the engine's state): the CLI reports both as one line. Defined here
+    because the engine's one-process writer, which the tools and the memory tier's flush share, raises it; the
+    tools import it from tools/errors.py."""
+
+
+S3_EXTRA_HINT = 's3:// URLs need the s3 extra ({missing} is not installed): pip install "paddle-fsdp-fork[s3]"'
 
 
 class StateDictMismatchError(CheckpointError):

@@ -72,6 +72,7 @@ from .directory import read_metadata
 from .errors import CheckpointError, CorruptCheckpointError, InvalidStateDictError, MissingKeyError
 from .format.metadata import CheckpointMetadata
 from .gc_pause import gc_paused
+from .geometry import Region
 from .keywords import STOCK_LOAD_KEYWORDS, check_keywords, keyword_names
 from .load_atomic import AtomicLoadJob
 from .load_bounded import BoundedLoadJob
@@ -79,7 +80,6 @@ from .load_checks import check_coverage, check_data_files, read_failure, staging
 from .load_job import LoadReport, default_load_budget
 from .options import CheckpointOptions, resolve
 from .paths import local_path
-from .planner import Region
 from .reader import FileSet
 from .regions import read_deferred, read_region
 from .tracing import Tracer

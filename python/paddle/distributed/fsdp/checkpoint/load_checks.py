@@ -4,12 +4,12 @@ load_bounded.py, load.py) and the tools."""
 
 from __future__ import annotations
 
-from .directory import removed_or
+from .commit_record import removed_or
 from .errors import CorruptCheckpointError
 from .format.coverage import coverage_problems, flat_span
 from .format.metadata import CheckpointMetadata
+from .geometry import region_of_piece
 from .io.storage import Storage
-from .planner import region_of_piece
 from .reader import FileSet
 
 

@@ -22,10 +22,10 @@ from .errors import (
     ShapeMismatchError,
 )
 from .format.metadata import CheckpointMetadata
+from .geometry import Region
 from .io.storage import Storage
 from .load_checks import check_coverage, check_data_files
 from .options import CheckpointOptions
-from .planner import Region
 from .reader import FileSet
 from .records import to_record
 from .tracing import Tracer

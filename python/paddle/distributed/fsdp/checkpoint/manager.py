@@ -55,7 +55,8 @@ from .errors import (
     SaveFailedError,
 )
 from .format.metadata import LATEST_FILE
-from .io.storage import Storage, backend_for
+from .io.backends import backend_for
+from .io.storage import Storage
 from .keywords import check_keywords, keyword_names
 from .load import LoadReport, load_state_dict
 from .paths import local_path, url_scheme

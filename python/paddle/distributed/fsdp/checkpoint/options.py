@@ -163,8 +163,8 @@ class CheckpointOptions:
 
     def storage_for(self, location: str) -> Storage:
         """The backend that holds ``location`` under these options (``storage``, a scheme, or local)."""
+        from .io.backends import backend_for
         from .io.local import LOCAL, LocalStorage
-        from .io.storage import backend_for
 
         chosen = backend_for(location, self.storage)
         if chosen is LOCAL and self.odirect is False:

@@ -4,7 +4,7 @@ any other URL refused with a named error.
 Why: ``os.path.abspath("s3://bucket/run")`` is a valid relative path, so before this check a save to an S3 URL
 "succeeded" into a directory named ``s3:`` under the working directory and a load read from there. Every entry
 point that takes a path turns it into a location here; a ``scheme://`` URL passes only when a storage backend
-serves that scheme (``io.storage.register_backend``; ``s3://`` is known and loads its backend on first use), else
+serves that scheme (``io.register_backend``; ``s3://`` is known and loads its backend on first use), else
 UnsupportedURLError.
 """
 
@@ -15,6 +15,7 @@ import re
 
 from . import errors
 from .errors import CheckpointError
+from .io.backends import served_schemes
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -38,8 +39,6 @@ def local_path(path: str | os.PathLike, chosen: object = None) -> str:
     """``path`` as a location: an absolute local path, or the URL itself when a storage backend serves its scheme
     (any scheme when the caller ``chosen`` a backend: CheckpointOptions.storage); UnsupportedURLError for any other
     URL, TypeError for a non-path."""
-    from .io.storage import served_schemes
-
     scheme = url_scheme(path)
     if scheme is not None:
         if chosen is not None or scheme in served_schemes():
@@ -48,7 +47,7 @@ def local_path(path: str | os.PathLike, chosen: object = None) -> str:
             return f"{scheme}://{rest}"
         raise UnsupportedURLError(
             f"checkpoint path {path!r} is a {scheme}:// URL, which no storage backend serves (served: "
-            f"{', '.join(sorted(served_schemes())) or 'none'}; register one with io.storage.register_backend). "
+            f"{', '.join(sorted(served_schemes())) or 'none'}; register one with io.register_backend). "
             "Nothing was written or read."
         )
     return os.path.abspath(os.fspath(path))

@@ -29,7 +29,7 @@ PROCESS_STATE = (
     ("faults", "_counts", "test-only fault hook arrivals", "cleared"),
     ("checksums", "_warned_fallback", "the crc32 fallback warning was logged", "cleared"),
     ("commit", "_stock_warned", "the 0.metadata-at-scale warning was logged", "cleared"),
-    ("io.storage", "_schemes", "registered storage backends by URL scheme", "kept"),
+    ("io.backends", "_schemes", "registered storage backends by URL scheme", "kept"),
     ("s3.storage", "_default", "the shared S3Storage of s3:// locations (its clients; made at first use)", "kept"),
 )
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from . import checksums, libc
 from .checksums import DigestFn
+from .commit_record import removed_or
 from .errors import CorruptCheckpointError
 from .format.metadata import check_file_name
 from .io.storage import ReadHandle, Storage
@@ -103,21 +104,17 @@ class FileSet:
     def of(cls, root: str, md, verify: bool, options=None, storage: Storage | None = None) -> FileSet:
         """The data objects of checkpoint ``md`` at ``root`` in ``storage``; verified reads when ``verify`` and it
         has checksums; O_DIRECT and the read slab as ``options`` (a CheckpointOptions; None: the defaults)."""
-        if options is None:
-            from .options import CheckpointOptions  # options.py takes its defaults from this module
-
-            options = CheckpointOptions()
         digest = checksums.digest_function(md.checksum) if verify and md.checksum != checksums.NONE else None
+        tuning = {}  # no options: the constructor's defaults, CheckpointOptions' own (options.py takes them here)
+        if options is not None:
+            tuning = dict(
+                odirect=options.odirect,
+                read_slab=options.read_slab_bytes,
+                checksum_threads=options.checksum_threads,
+                max_open=options.max_open_files,
+            )
         return cls(
-            root,
-            {n: f.size for n, f in md.files.items()},
-            storage,
-            digest,
-            odirect=options.odirect,
-            read_slab=options.read_slab_bytes,
-            checksum_threads=options.checksum_threads,
-            checkpoint_id=md.checkpoint_id,
-            max_open=options.max_open_files,
+            root, {n: f.size for n, f in md.files.items()}, storage, digest, checkpoint_id=md.checkpoint_id, **tuning
         )
 
     @property
@@ -126,9 +123,7 @@ class FileSet:
 
     def _open(self, name: str, flags: int = 0) -> ReadHandle:
         """A read handle of the data object ``name`` (regular files only, never blocks on a FIFO); a missing one is
-        a removed checkpoint when its commit record went too (directory.removed_or), else corruption."""
-        from .directory import removed_or
-
+        a removed checkpoint when its commit record went too (commit_record.removed_or), else corruption."""
         check_file_name(name)
         try:
             return self.storage.open_read(self.root, name)

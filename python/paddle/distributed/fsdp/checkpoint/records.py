@@ -21,8 +21,9 @@ from .errors import InvalidStateDictError, UnrepresentableKeyError
 from .format.metadata import DTYPES, is_json_value, numel
 from .format.rank_values import plain
 from .format.reserved import key_problem
+from .geometry import Region
 from .host_memory import dtype_name, numel_of
-from .planner import RecordDesc, Region
+from .planner import RecordDesc
 
 
 @functools.cache

@@ -19,8 +19,9 @@ from . import ranges, streamed
 from .chunks import ChunkVerifier, verify_chunks
 from .errors import CorruptCheckpointError
 from .format.metadata import DTYPES, CheckpointMetadata, PieceMeta
+from .geometry import Region
 from .host_memory import host_empty
-from .planner import Region, plan_reads
+from .planner import plan_reads
 from .read_ops import RangeRead, ScatterRead, Segments
 from .reader import DEFAULT_WINDOW, FileSet
 

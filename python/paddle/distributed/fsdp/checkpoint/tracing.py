@@ -14,10 +14,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
-
-if TYPE_CHECKING:
-    from .options import CheckpointOptions
+from typing import Callable, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +45,21 @@ class TraceRecord:
 TraceHook = Callable[[TraceRecord], None]
 
 
+class TraceSettings(Protocol):
+    """What a Tracer reads of its options: CheckpointOptions (options.py, which takes TraceHook from here)."""
+
+    @property
+    def trace(self) -> bool: ...
+
+    @property
+    def trace_hook(self) -> TraceHook | None: ...
+
+
 class Tracer:
     """Phase timings of one save or load: logged with ``options.trace``, handed to
     ``options.trace_hook``; free when neither is set."""
 
-    def __init__(self, what: str, options: CheckpointOptions):
+    def __init__(self, what: str, options: TraceSettings):
         self.what = what
         self.print = options.trace
         self.hook = options.trace_hook

@@ -8,15 +8,16 @@ from typing import Callable
 import numpy as np
 
 from . import checksums
-from .directory import read_metadata, removed_or
+from .commit_record import removed_or
+from .directory import read_metadata
 from .errors import CheckpointError, CheckpointRemovedError, CorruptCheckpointError, SafetensorsHeaderError
 from .format import safetensors
 from .format.coverage import coverage_problems
 from .format.metadata import check_file_name
+from .geometry import region_of_piece
 from .io.storage import Storage
 from .options import CheckpointOptions
 from .paths import local_path
-from .planner import region_of_piece
 from .reader import FileSet
 from .regions import iter_piece
 
@@ -140,7 +141,7 @@ def index_problems(md) -> list[str]:
 
     from .format import row_directory
     from .format.index import PIECES_FILE, sums_name
-    from .format.schema import file_overlap_problems
+    from .format.metadata import file_overlap_problems
 
     src = md.index
     try:

@@ -21,7 +21,7 @@ engine's planner assigns and lays out every rank's file from the copies' record 
 is written from its copy's mapped bytes (one piece at a time, checksummed on the way), then ``metadata.json``
 and ``COMMIT`` last, in a staging directory published as ``<durable_root>/step_<N>``; then ``latest`` names it.
 Any storage backend: a local directory, or a URL (``s3://``) whose staging directory is local and is uploaded
-when complete (the tools' ``staged_output``); ``latest`` and pruning go through the root's Storage.
+when complete (the engine's ``staged_output``, staged_output.py); ``latest`` and pruning go through the root's Storage.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ import numpy as np
 from ..checkpoint import checksums, writer
 from ..checkpoint.directory import committed_steps, prune, step_dir_name
 from ..checkpoint.format.metadata import LATEST_FILE, FileMeta
-from ..checkpoint.io.storage import backend_for
+from ..checkpoint.io.backends import backend_for
+from ..checkpoint.one_process import CheckpointWriter
 from ..checkpoint.planner import RecordDesc, assign_writes, lay_out_files, merged_values
+from ..checkpoint.staged_output import staged_output
 from ..state.resume_state import PER_RANK_KEYS
 from . import identity
 from .copies import read_copy
@@ -135,10 +137,8 @@ def _choose(job: str, found: list[tuple[str, dict]], step: int | None) -> tuple[
 
 
 def _write(staging: str, copies: list, on_bytes, on_total) -> int:
-    """Write every rank's file from its copy into ``staging``, then metadata.json and COMMIT (the tools'
-    one-process writer, so its index is the one every tool writes). Returns the bytes of the data files."""
-    from ..tools.ckpt_io import CheckpointWriter
-
+    """Write every rank's file from its copy into ``staging``, then metadata.json and COMMIT (the engine's
+    one-process writer, one_process.py, so its index is the one every tool writes). Returns the bytes of the data files."""
     out = CheckpointWriter(staging)
     digest = checksums.digest_function(out.checksum) if out.checksum != checksums.NONE else None
     wires, per_rank = [], []
@@ -238,8 +238,6 @@ def flush_memory(
 
 
 def _flush(durable_root, storage, job, world, st, copies, keep_last, on_bytes, on_total) -> FlushResult:
-    from ..tools.ckpt_io import staged_output
-
     logger.info("job %s: step %d, every rank's copy verified: %s", job, st, ", ".join(c[0].path for c in copies))
     result = FlushResult(job, world, st, None, {r: c[0].path for r, c in enumerate(copies)})
     try:

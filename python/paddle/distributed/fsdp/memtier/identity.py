@@ -18,7 +18,7 @@ import secrets
 
 from ..checkpoint.directory import StorageUnreadableError  # noqa: F401 - registered for rebuild_remote_error
 from ..checkpoint.errors import CheckpointError, rebuild_remote_error
-from ..checkpoint.io.storage import backend_for
+from ..checkpoint.io.backends import backend_for
 from .errors import MemoryTierError
 from .header import is_durable_id
 

@@ -28,7 +28,7 @@ import time
 
 from ..checkpoint.errors import CheckpointError, rebuild_remote_error
 from ..checkpoint.format.reserved import EXTRA_KEY
-from ..checkpoint.io.storage import backend_for
+from ..checkpoint.io.backends import backend_for
 from ..checkpoint.manager import committed_steps, step_dir_name
 from . import agreement, wire
 from .copies import check_header, read_copy

@@ -13,17 +13,13 @@ State names come from the per-class table in optimizer_states; anything it does 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import paddle
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
+from ..sharded_model import ShardedModel
 from . import optimizer_states as names
 from .buffers import persistable_buffers
 from .optimizer_state_creation import create_optimizer_state, refresh_master_weight_
-
-if TYPE_CHECKING:
-    from ..fully_shard_fusion import FullyShardFusion
 
 
 def flattened_record(key: str, local: paddle.Tensor, shape: tuple[int, ...], start: int, stop: int):
@@ -38,7 +34,7 @@ def flattened_record(key: str, local: paddle.Tensor, shape: tuple[int, ...], sta
     )
 
 
-def model_sharded_state_dict(fsdp: FullyShardFusion) -> dict:
+def model_sharded_state_dict(fsdp: ShardedModel) -> dict:
     """Every parameter piece this rank holds, keyed by structured name (tied params appear once), and every
     persistable buffer as a replicated tensor (see buffers.py: saved from rank 0, loaded on every rank)."""
     records = parameter_records(fsdp)
@@ -46,7 +42,7 @@ def model_sharded_state_dict(fsdp: FullyShardFusion) -> dict:
     return records
 
 
-def parameter_records(fsdp: FullyShardFusion) -> dict:
+def parameter_records(fsdp: ShardedModel) -> dict:
     """Every parameter piece this rank holds, keyed by structured name (tied params appear once)."""
     records: dict = {}
     for key, _param, buffer, index in fsdp.managed_parameters():
@@ -65,7 +61,7 @@ def _optimizer_params(optimizer) -> dict[int, paddle.Tensor]:
     return {id(p): p for p in optimizer_parameters(names.unwrap_optimizer(optimizer))}
 
 
-def optimizer_sharded_state_dict(fsdp: FullyShardFusion, optimizer) -> dict:
+def optimizer_sharded_state_dict(fsdp: ShardedModel, optimizer) -> dict:
     """Records of every optimizer state tensor of the pieces this rank holds.
 
     Raises :class:`UnsupportedOptimizerStateError` for state the table cannot map, and ``ValueError``
@@ -115,7 +111,7 @@ def optimizer_sharded_state_dict(fsdp: FullyShardFusion, optimizer) -> dict:
     return records
 
 
-def init_optimizer_state(fsdp: FullyShardFusion, optimizer) -> None:
+def init_optimizer_state(fsdp: ShardedModel, optimizer) -> None:
     """Create the accumulators of every trainable piece this rank holds, as a first step would."""
     in_optimizer = _optimizer_params(optimizer)
     fsdp._optimizers.add(names.unwrap_optimizer(optimizer))  # its master weights follow writebacks (full_params)
@@ -127,7 +123,7 @@ def init_optimizer_state(fsdp: FullyShardFusion, optimizer) -> None:
     create_optimizer_state(optimizer, params)
 
 
-def refresh_master_weights(fsdp: FullyShardFusion, optimizer, loaded_keys) -> list[str]:
+def refresh_master_weights(fsdp: ShardedModel, optimizer, loaded_keys) -> list[str]:
     """After a load: re-cast the master weight of every parameter piece the load wrote without its master weight.
 
     Why: on GPU paddle's multi-precision kernels compute a low-precision parameter from its fp32 master weight at

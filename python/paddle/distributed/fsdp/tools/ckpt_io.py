@@ -25,40 +25,28 @@ parameter (``P`` absent) is classified as model weights.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
-import shutil
-import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import numpy as np
 
-from ..checkpoint import CheckpointOptions, checksums, one_process, read_metadata, reader, writer
+from ..checkpoint import CheckpointOptions, read_metadata, reader
 from ..checkpoint import load as engine_load
 from ..checkpoint.format.metadata import (
-    DEFAULT_CHUNK_BYTES,
-    DTYPES,
-    FORMAT_NAME,
-    METADATA_FILE,
     NUMPY_STORAGE,
     CheckpointMetadata,
-    FileMeta,
-    PieceMeta,
-    TensorMeta,
     itemsize,
-    rank_file_name,
     storage_dtype,
 )
-from ..checkpoint.format.reserved import BUFFERS_KEY, EMA_SUFFIX, OPTIMIZER_KEY, key_problem
-from ..checkpoint.format.safetensors import build_header
-from ..checkpoint.paths import local_path, url_scheme
-from ..checkpoint.planner import Region
+from ..checkpoint.format.reserved import BUFFERS_KEY, EMA_SUFFIX, OPTIMIZER_KEY
+from ..checkpoint.geometry import Region
+from ..checkpoint.one_process import CheckpointWriter, Producer, WriteEntry  # noqa: F401 (the tools import them here)
+from ..checkpoint.paths import local_path
 from ..checkpoint.regions import read_region
+from ..checkpoint.staged_output import check_output_path, staged_output  # noqa: F401 (the tools import them here)
 from .errors import ToolError
 
 logger = logging.getLogger(__name__)
@@ -287,71 +275,6 @@ def converted_blocks(
         yield np.ascontiguousarray(cast_array(flat[i : i + step], src, dst)).view(np.uint8).reshape(-1)
 
 
-# ------------------------------------------------------------------------------------------------ output dirs
-
-
-def check_output_path(out: str) -> None:
-    """Refuse an output path that exists as a file, a symbolic link or a non-empty directory (never overwrite);
-    for a URL of a storage backend, one where something is published."""
-    if url_scheme(out) is not None:
-        from .remote_output import check_remote_output
-
-        check_remote_output(local_path(out))
-        return
-    if os.path.lexists(out):
-        if os.path.islink(out):  # refused before any work (the final rename cannot replace a link by a directory)
-            raise ToolError(f"output {out} is a symbolic link; give the real directory path (nothing is written)")
-        if not os.path.isdir(out):
-            raise ToolError(f"output {out} exists and is not a directory")
-        if os.listdir(out):
-            raise ToolError(
-                f"output directory {out} is not empty; refusing to overwrite it (remove it or pick another)"
-            )
-
-
-@contextlib.contextmanager
-def staged_output(out: str | os.PathLike) -> Iterator[str]:
-    """Yield a fresh staging directory next to ``out``; on success it is fsynced and renamed to ``out``.
-
-    On any error (or Ctrl-C) the staging directory is removed, so ``out`` either appears complete or not at all;
-    a hard kill leaves only ``<out>.tmp-<id>``, never something at ``out``. ``out`` may be a URL of a storage
-    backend (``s3://``): the staging directory is then a local temporary one, published there (remote_output.py).
-    """
-    out = local_path(out)
-    if url_scheme(out) is not None:
-        from .remote_output import RemoteStaging
-
-        remote = RemoteStaging(out)
-        try:
-            yield remote.local
-            remote.finish()
-        finally:
-            remote.cleanup()
-        return
-    check_output_path(out)
-    parent = os.path.dirname(out)
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as e:
-        raise ToolError(f"cannot create the parent directory of {out}: {e.strerror or e}") from None
-    staging = f"{out}.tmp-{uuid.uuid4().hex[:12]}"
-    try:
-        os.mkdir(staging)
-    except OSError as e:
-        raise ToolError(f"cannot create {staging}: {e.strerror or e}") from None
-    try:
-        yield staging
-        writer.fsync_dir(staging)
-        try:
-            os.rename(staging, out)  # `out` is absent or an empty directory
-        except OSError as e:
-            raise ToolError(f"cannot move the finished output into {out}: {e.strerror or e}") from None
-        writer.fsync_dir(parent)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
 def pread_exact(fd: int, buf: np.ndarray, offset: int, what: str) -> None:
     """Fill ``buf`` from ``fd`` at ``offset`` through the engine's read loop; ToolError naming ``what`` (a file
     of the tool's input) when the file ends first."""
@@ -359,136 +282,3 @@ def pread_exact(fd: int, buf: np.ndarray, offset: int, what: str) -> None:
     done = reader.pread_full(fd, buf, offset)
     if done < want:
         raise ToolError(f"{what} ends at byte {offset + done}, expected at least {offset + want} (truncated)")
-
-
-# ------------------------------------------------------------------------------------------------ writing
-
-
-Producer = Callable[[], np.ndarray]  # returns the tensor's bytes (uint8, row-major), called when written
-
-
-@dataclass
-class WriteEntry:
-    key: str
-    dtype: str  # engine dtype name
-    shape: tuple[int, ...]
-    produce: Producer
-
-    @property
-    def nbytes(self) -> int:
-        return Region.full(self.shape).numel * itemsize(self.dtype)
-
-
-class CheckpointWriter:
-    """Writes a checkpoint of the engine's format from ONE process, one data file at a time, one tensor in memory.
-
-    Every tensor is stored whole (one box piece covering it), so any world size can load any slice of it. Each
-    data file is ``<i>_0.safetensors`` with file rank ``i`` (as if rank ``i`` had saved it); ``commit`` writes
-    the index (format 3: checksum sidecars, ``index.keys``, ``index.pieces``, ``metadata.json``), the stock-paddle
-    index ``0.metadata`` and the ``COMMIT`` record last, exactly like a collective save. Write into a staging directory (see :func:`staged_output`).
-    """
-
-    def __init__(
-        self,
-        directory: str,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        on_bytes: Callable[[int], None] | None = None,
-        options: CheckpointOptions | None = None,
-    ):
-        self.directory = directory
-        self.chunk_bytes = chunk_bytes
-        self.checksum = (
-            CheckpointOptions.from_env().checksum_algorithm() if options is None else options.checksum_algorithm()
-        )
-        self._digest = checksums.digest_function(self.checksum) if self.checksum != checksums.NONE else None
-        self.checkpoint_id = uuid.uuid4().hex
-        self.created = time.time()
-        self.files: dict[str, FileMeta] = {}
-        self.tensors: dict[str, TensorMeta] = {}
-        self.on_bytes = on_bytes
-
-    def write_file(self, entries: list[WriteEntry]) -> str:
-        rank = len(self.files)
-        name = rank_file_name(rank)
-        header_entries, stored, pos = [], [], 0
-        seen: set[str] = set()
-        for e in entries:
-            if e.key in self.tensors or e.key in seen:
-                raise ToolError(f"key {e.key!r} is written twice")
-            seen.add(e.key)
-            problem = key_problem(e.key, tensor=True)
-            if problem is not None:
-                raise ToolError(f"key {e.key!r:.200} cannot be stored in a checkpoint: {problem}")
-            if e.dtype not in DTYPES:
-                raise ToolError(f"key {e.key!r}: dtype {e.dtype} is not supported by the checkpoint format")
-            if e.nbytes == 0:
-                continue
-            header_entries.append((e.key, e.dtype, tuple(e.shape), pos, pos + e.nbytes))
-            stored.append(e)
-            pos += e.nbytes
-        header = build_header(
-            header_entries, {"format": FORMAT_NAME, "checkpoint_id": self.checkpoint_id, "rank": str(rank)}
-        )
-        # one tensor in memory at a time: produced, checksummed and written by the engine's rank-file writer
-        size, sums = writer.write_rank_file(
-            os.path.join(self.directory, name),
-            header,
-            [self._provider(e) for e in stored],
-            self.chunk_bytes,
-            self._digest,
-            batch_bytes=0,
-        )
-        if size != len(header) + pos:
-            raise ToolError(f"{name}: wrote {size} bytes, expected {len(header) + pos}")
-        self.files[name] = FileMeta(rank=rank, size=size)
-        for e in entries:
-            self.tensors[e.key] = TensorMeta(dtype=e.dtype, shape=tuple(e.shape), pieces=[])
-        for (key, _dtype, shape, begin, end), piece_sums in zip(header_entries, sums):
-            self.tensors[key].pieces.append(
-                PieceMeta(
-                    file=name,
-                    name=key,
-                    offset=len(header) + begin,
-                    nbytes=end - begin,
-                    box_offset=(0,) * len(shape),
-                    box_shape=tuple(shape),
-                    flat_range=None,
-                    checksums=[int(c) for c in piece_sums],
-                )
-            )
-        return name
-
-    def _provider(self, e: WriteEntry) -> Callable[[], tuple[np.ndarray, None]]:
-        def produce() -> tuple[np.ndarray, None]:
-            data = e.produce()
-            if data.dtype != np.uint8 or data.ndim != 1 or data.size != e.nbytes:
-                raise ToolError(f"key {e.key!r}: produced {data.size} bytes, expected {e.nbytes}")
-            if self.on_bytes is not None:
-                self.on_bytes(e.nbytes)
-            return data, None
-
-        return produce
-
-    def commit(
-        self, values: dict[str, Any], write_stock_metadata: bool = True, per_rank_values: tuple[str, ...] = ()
-    ) -> CheckpointMetadata:
-        """Write the index (format 3, the one collective saves write) and the commit record. ``per_rank_values``:
-        keys of ``values`` holding a list with one entry per data file (as if each file's rank had saved its
-        own, e.g. its RNG state): each entry goes into that rank's values object."""
-        md = CheckpointMetadata(
-            checkpoint_id=self.checkpoint_id,
-            world_size=max(len(self.files), 1),
-            chunk_bytes=self.chunk_bytes,
-            checksum=self.checksum,
-            created_unix=self.created,
-            files=dict(self.files),
-            tensors=dict(self.tensors),
-            values=dict(values),
-        )
-        md.validate(f"{self.directory}/{METADATA_FILE}")
-        try:
-            data = one_process.write_format3(self.directory, md, write_stock_metadata, tuple(per_rank_values))
-        except ValueError as e:
-            raise ToolError(str(e)) from None
-        one_process.write_commit(self.directory, self.checkpoint_id, data)
-        return md

@@ -25,7 +25,7 @@ import numpy as np
 from ..checkpoint.format.metadata import itemsize
 from ..checkpoint.format.rank_values import plain
 from ..checkpoint.format.reserved import RNG_KEY
-from ..checkpoint.planner import Region
+from ..checkpoint.geometry import Region
 from .ckpt_io import BUFFER, CheckpointReader, buffer_keys, classify_keys
 from .progress import Progress
 

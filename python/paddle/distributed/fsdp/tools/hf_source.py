@@ -20,7 +20,8 @@ from ..checkpoint.errors import CheckpointError, SafetensorsHeaderError
 from ..checkpoint.format import safetensors
 from ..checkpoint.format.safetensors import SafetensorsFile
 from ..checkpoint.format.strict_json import open_regular, read_capped
-from ..checkpoint.io.storage import Storage, backend_for
+from ..checkpoint.io.backends import backend_for
+from ..checkpoint.io.storage import Storage
 from ..checkpoint.paths import local_path, url_scheme
 from . import ckpt_io
 from .errors import ToolError

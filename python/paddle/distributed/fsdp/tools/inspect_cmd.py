@@ -16,7 +16,7 @@ from ..checkpoint import read_metadata
 from ..checkpoint.format.metadata import itemsize
 from ..checkpoint.format.rank_values import plain
 from ..checkpoint.format.reserved import OPTIMIZER_KEY, RNG_KEY
-from ..checkpoint.planner import Region
+from ..checkpoint.geometry import Region
 from .ckpt_io import BUFFER, MODEL, OPTIMIZER, buffer_keys, classify_keys, resolve_checkpoint_path
 from .progress import human_bytes
 

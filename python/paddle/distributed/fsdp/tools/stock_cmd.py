@@ -16,12 +16,15 @@ from typing import Any
 import numpy as np
 
 from ..checkpoint.errors import CheckpointError, NotACheckpointError
+from ..checkpoint.format.coverage import coverage_problems
 from ..checkpoint.format.metadata import itemsize, numel
-from ..checkpoint.planner import Region, coverage_problems
+from ..checkpoint.geometry import Region
+from ..checkpoint.one_process import CheckpointWriter, WriteEntry
+from ..checkpoint.staged_output import staged_output
 from ..checkpoint.stock import classify, index_hf, index_stock
 from ..checkpoint.stock.boxes import PieceData, assemble_box
 from ..checkpoint.stock.index import PieceIndex
-from .ckpt_io import MODEL, CheckpointWriter, WriteEntry, staged_output
+from .ckpt_io import MODEL
 from .progress import Progress
 
 

@@ -34,7 +34,7 @@ def add_stock_index(sub, common: argparse.ArgumentParser) -> None:
 
 def cmd_stock_index(args) -> int:
     from ..checkpoint import read_metadata
-    from ..checkpoint.io.storage import backend_for
+    from ..checkpoint.io.backends import backend_for
     from ..checkpoint.paths import local_path
     from ..checkpoint.stock_compat import STOCK_METADATA_FILE, stock_metadata_bytes
     from .progress import human_bytes

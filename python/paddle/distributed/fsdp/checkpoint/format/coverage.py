@@ -2,7 +2,7 @@
 
 Why: a checkpoint's pieces must cover every element of each tensor exactly once; a load that only counts
 elements accepts pieces that overlap and leave a gap (8 + 8 = 16 of 16 elements) and fills the gap with
-whatever the staging memory held. Listing the flat runs of every piece (planner.Region.runs) would be exact too,
+whatever the staging memory held. Listing the flat runs of every piece (geometry.Region.runs) would be exact too,
 but costs memory proportional to the rows a piece *declares*: a 2 KB crafted index declaring a column box of
 2^30 rows would need gigabytes. Here each region is cut into at most ``2 * ndim + 1`` boxes (a box, or a flat
 range of one, is a union of a few boxes), and boxes are compared pairwise on their bounds, so the cost depends

@@ -49,6 +49,7 @@ from ..errors import MetadataError
 from . import rank_values
 from .metadata import DTYPES, FileMeta, check_file_name
 from .row_directory import FENCES_FILE, STARTS_FILE
+from .schema import _Fields
 
 VERSION = 3
 READ_VERSIONS = (2, 3)  # 2: per-rank values as lists in metadata.json's values (read as they are)
@@ -207,8 +208,6 @@ def _int_list(v, where: str, field: str, n: int | None = None, hi: int = 1 << 62
 def decode_header(d: dict, where: str) -> tuple[dict, dict]:
     """``(fields, index)`` of a parsed format-2 metadata.json: the typed header fields (``files`` as
     ``{name: FileMeta}``, plus ``sums_counts`` by file) and the index objects' declared sizes and hashes."""
-    from .schema import _Fields
-
     f = _Fields(where)
     files_d = f.obj(f.get(d, "files", "files"), "files")
     sizes = _int_list(files_d.get("sizes"), where, "files.sizes")

@@ -28,7 +28,7 @@ from .index import (
     row_checks,
     sums_name,
 )
-from .metadata import DTYPES, PieceMeta, numel
+from .metadata import DTYPES, CheckpointMetadata, PieceMeta, numel
 from .row_directory import SMALL_KEY_ROWS
 from .sidecar import CountedFetch, SidecarSums
 
@@ -242,8 +242,6 @@ class IndexedTensors(Mapping):
 def open_v2(d: dict, where: str, fetch: Fetch | None):
     """The CheckpointMetadata of a parsed format-2 ``metadata.json``: header fields typed, ``index.keys`` read
     whole (size and SHA-256 checked), pieces and checksums read through ``fetch`` when first needed."""
-    from .metadata import CheckpointMetadata
-
     if fetch is None:
         raise MetadataError(f"{where}: a format-2 checkpoint is read with its index objects (no fetch given)")
     fields, index = decode_header(d, where)

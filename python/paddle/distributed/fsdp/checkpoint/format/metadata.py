@@ -49,14 +49,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import MetadataError, UnsafePathError
-from ..gc_pause import gc_paused
 from . import algorithms
 from .rank_values import plain
+from .strict_json import json_value_problem
 
 FORMAT_NAME = "paddle-fsdp-checkpoint"
 FORMAT_VERSION = 1
-# metadata.json fields schema.py types and bounds value by value (strict_json.loads_strict skips its generic walk)
-_SCHEMA_TYPED = frozenset({"files", "tensors"})
 METADATA_FILE = "metadata.json"
 COMMIT_FILE = "COMMIT"
 LATEST_FILE = "latest"  # in a CheckpointManager root: the name of the newest committed checkpoint directory
@@ -268,31 +266,6 @@ class CheckpointMetadata:
         # strict JSON: values are checked at save (records.py), so NaN/Infinity never reach the file
         return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
 
-    @classmethod
-    @gc_paused()
-    def loads(cls, data: bytes, where: str = "metadata.json", fetch=None) -> CheckpointMetadata:
-        """Parse and check ``metadata.json``: strict bounded JSON (strict_json.py), every field typed
-        (schema.py), then the structure (``validate``); MetadataError naming the field otherwise. A format-2
-        ``metadata.json`` (format/index.py) reads its index objects through ``fetch(name, offset, length)``."""
-        from .schema import parse_metadata
-        from .strict_json import loads_strict
-
-        d = loads_strict(data, where, _SCHEMA_TYPED)
-        if type(d) is dict and d.get("format") == FORMAT_NAME and type(d.get("version")) is int and d["version"] > 1:
-            from .index import READ_VERSIONS
-            from .index_view import open_v2
-
-            if d["version"] not in READ_VERSIONS:
-                raise MetadataError(
-                    f"{where}: unsupported format version {d['version']} (this build reads 1, "
-                    f"{', '.join(map(str, READ_VERSIONS))}): written by a newer build?"
-                )
-
-            return open_v2(d, where, fetch)
-        md = parse_metadata(d, where, FORMAT_NAME, FORMAT_VERSION)
-        md.validate(where)
-        return md
-
     def validate(self, where: str = "metadata.json") -> None:
         """Structural checks that need no data files (coverage is checked by the planner)."""
         if self.chunk_bytes <= 0:
@@ -334,8 +307,6 @@ class CheckpointMetadata:
                         raise MetadataError(
                             f"{where}: key {key!r} piece has {len(p.checksums)} checksums, expected {want}"
                         )
-        from .schema import file_overlap_problems
-
         problems = file_overlap_problems(self)
         if problems:
             raise MetadataError(f"{where}: {problems[0]}")
@@ -344,9 +315,31 @@ class CheckpointMetadata:
             raise MetadataError(f"{where}: keys stored both as tensor and value: {sorted(overlap)[:5]}")
 
 
+def file_overlap_problems(md) -> list[str]:
+    """Pieces that share bytes inside one data file, or share a safetensors name in it (each piece must own its
+    bytes: otherwise a small file could stand for any number of declared tensors)."""
+    by_file: dict[str, list] = {}
+    for key, tm in md.tensors.items():
+        for p in tm.pieces:
+            if p.nbytes:
+                by_file.setdefault(p.file, []).append((p.offset, p.offset + p.nbytes, key, p.name))
+    problems = []
+    for name, spans in by_file.items():
+        spans.sort()
+        for (_a0, a1, k0, _n0), (b0, _b1, k1, _n1) in zip(spans, spans[1:]):
+            if b0 < a1:
+                problems.append(f"data file {name}: overlapping pieces of {k0!r} and {k1!r} (they share bytes)")
+                break
+        seen: set[str] = set()
+        for _a, _b, _key, pname in spans:
+            if pname in seen:
+                problems.append(f"data file {name}: two pieces are named {pname!r}")
+                break
+            seen.add(pname)
+    return problems
+
+
 def is_json_value(v: Any) -> bool:
     """Values allowed in ``values``: None, bool, int, float, str, and lists/tuples/dicts (str keys) of those,
     finite, nested at most strict_json.MAX_DEPTH deep (what a reader accepts back)."""
-    from .strict_json import json_value_problem
-
     return json_value_problem(v) is None

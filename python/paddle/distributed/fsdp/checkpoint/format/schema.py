@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 from ..errors import MetadataError, NotACheckpointError
+from .metadata import CheckpointMetadata, FileMeta, PieceMeta, TensorMeta
 
 MAX_NDIM = 64
 MAX_DIM = 1 << 62
@@ -91,8 +92,6 @@ def parse_commit(d: Any, where: str) -> tuple[str, str]:
 
 def parse_metadata(d: Any, where: str, format_name: str, version: int):
     """The typed CheckpointMetadata of parsed ``metadata.json`` (structure checked by its ``validate``)."""
-    from .metadata import CheckpointMetadata, FileMeta, PieceMeta, TensorMeta
-
     f = _Fields(where)
     if type(d) is not dict or d.get("format") != format_name:
         raise NotACheckpointError(f"{where} is not a {format_name} metadata file")
@@ -217,27 +216,3 @@ def _well_formed_piece(pd: Any, piece_meta: type):
         flat_range=None if fr is None else tuple(fr),
         checksums=sums,
     )
-
-
-def file_overlap_problems(md) -> list[str]:
-    """Pieces that share bytes inside one data file, or share a safetensors name in it (each piece must own its
-    bytes: otherwise a small file could stand for any number of declared tensors)."""
-    by_file: dict[str, list] = {}
-    for key, tm in md.tensors.items():
-        for p in tm.pieces:
-            if p.nbytes:
-                by_file.setdefault(p.file, []).append((p.offset, p.offset + p.nbytes, key, p.name))
-    problems = []
-    for name, spans in by_file.items():
-        spans.sort()
-        for (_a0, a1, k0, _n0), (b0, _b1, k1, _n1) in zip(spans, spans[1:]):
-            if b0 < a1:
-                problems.append(f"data file {name}: overlapping pieces of {k0!r} and {k1!r} (they share bytes)")
-                break
-        seen: set[str] = set()
-        for _a, _b, _key, pname in spans:
-            if pname in seen:
-                problems.append(f"data file {name}: two pieces are named {pname!r}")
-                break
-            seen.add(pname)
-    return problems

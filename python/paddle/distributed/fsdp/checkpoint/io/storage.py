@@ -3,7 +3,7 @@
 Why: the save/load protocol (plan, write, commit, publish, rotate, read) must not care whether the bytes land on
 a shared POSIX file system, a node-local disk, host memory or an object store. The engine speaks only to this
 interface; a new backend is one module that implements it (and, optionally, registers a URL scheme with
-``register_backend``), with no change anywhere else. Anchors: PyTorch DCP ``storage.py`` (StorageWriter /
+``io.backends.register_backend``), with no change anywhere else. Anchors: PyTorch DCP ``storage.py`` (StorageWriter /
 StorageReader), Orbax ``_src/path/atomicity.py`` (temporary location + finalize).
 
 Vocabulary. A *location* is a string the backend understands (a directory for ``LocalStorage``, ``s3://b/p``
@@ -49,7 +49,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
-from ..errors import CheckpointError, MissingDependencyError
+from ..errors import CheckpointError
 
 # A piece of a data object: a uint8 array (anything with the buffer protocol), or a callable returning
 # ``(array, owner of its memory)`` that is called just before the piece is written (one device copy at a time).
@@ -163,56 +163,3 @@ class Storage(ABC):
 
     def sync(self, location: str) -> None:  # noqa: B027 (optional hook)
         """Make the names in ``location`` durable (local: fsync of the directory). Default: nothing to do."""
-
-
-_schemes: dict[str, Callable[[], Storage]] = {}
-
-
-def _s3_backend() -> Storage:
-    """``s3://``: the S3 backend, imported (with boto3) only when an s3:// location is first used; without the
-    ``s3`` extra a MissingDependencyError saying what to install."""
-    try:
-        from ..s3.storage import default_storage
-    except ImportError as e:
-        raise MissingDependencyError(S3_EXTRA_HINT.format(missing=e.name or e)) from e
-    return default_storage()
-
-
-S3_EXTRA_HINT = 's3:// URLs need the s3 extra ({missing} is not installed): pip install "paddle-fsdp-fork[s3]"'
-
-
-# schemes served by backends of this package, registered without importing them (their client libraries load on
-# first use); register_backend replaces them
-_schemes["s3"] = _s3_backend
-
-
-def served_schemes() -> set[str]:
-    """The URL schemes ``backend_for`` serves."""
-    return set(_schemes)
-
-
-def register_backend(scheme: str, factory: Callable[[], Storage]) -> None:
-    """Make locations ``<scheme>://...`` use ``factory()``'s backend (a backend module calls this once)."""
-    if not scheme.isidentifier():
-        raise StorageError(f"backend scheme {scheme!r} must be an identifier")
-    _schemes[scheme] = factory
-
-
-def backend_for(location: str, chosen: Storage | None = None) -> Storage:
-    """The backend of ``location``: ``chosen`` (CheckpointOptions.storage) when given, else the one registered for
-    its URL scheme, else the local POSIX backend."""
-    if chosen is not None:
-        if not isinstance(chosen, Storage):
-            raise StorageError(f"storage must be a Storage, got {type(chosen).__name__}")
-        return chosen
-    if not isinstance(location, str):
-        raise StorageError(f"a checkpoint location must be a str, got {type(location).__name__}")
-    scheme, sep, _rest = location.partition("://")
-    if sep:
-        factory = _schemes.get(scheme)
-        if factory is None:
-            raise StorageError(f"no storage backend registered for '{scheme}://' (location {location!r})")
-        return factory()
-    from .local import LOCAL
-
-    return LOCAL

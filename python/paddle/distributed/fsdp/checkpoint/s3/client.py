@@ -7,8 +7,7 @@ every body). boto3 is imported here only, so the engine works without it until a
 
 from __future__ import annotations
 
-from ..errors import MissingDependencyError
-from ..io.storage import S3_EXTRA_HINT
+from ..errors import S3_EXTRA_HINT, MissingDependencyError
 from .errors import S3ConfigError
 from .url import S3Options
 

@@ -9,8 +9,8 @@ save that failed or whose writer was killed) is never read, listed as a child, o
 the same step at once: one pointer write wins, the other raises S3CommitConflictError (a SaveFailedError).
 The replaced version is deleted only after the new pointer exists; ``remove`` deletes the pointer first.
 
-Register it for ``s3://`` with ``register()`` (done on import): ``backend_for("s3://...")`` then uses a shared
-``S3Storage(S3Options())`` configured by the AWS environment; pass ``S3Storage(options)`` to choose the options.
+``backend_for("s3://...")`` (io/backends.py, which maps ``s3://`` here) uses a shared ``S3Storage(S3Options())``
+configured by the AWS environment (``default_storage``); pass ``S3Storage(options)`` to choose the options.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from .. import checksums, faults
 from ..errors import MetadataError
-from ..io.storage import DigestFn, Piece, Storage, StorageError, register_backend
+from ..io.storage import DigestFn, Piece, Storage, StorageError
 from .errors import S3CommitConflictError
 from .objects import S3Objects
 from .stream import StreamUpload
@@ -289,11 +289,3 @@ def default_storage() -> S3Storage:
             rank = os.environ.get("PADDLE_TRAINER_ID")
             _default = S3Storage(who=f"rank {rank}" if rank else "")
         return _default
-
-
-def register() -> None:
-    """Serve ``s3://`` locations with ``default_storage()`` in ``backend_for``."""
-    register_backend("s3", default_storage)
-
-
-register()

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import InvalidStateDictError
 from ..format.metadata import NUMPY_STORAGE
+from .cpu_tensor import to_paddle
 from .index import PieceIndex
 from .targets import Target
 
@@ -113,8 +114,6 @@ def postprocess(arr: np.ndarray, dtype: str, steps: list[str] | None) -> tuple[n
             arr = np.ascontiguousarray(np.transpose(arr, parsed))
         elif isinstance(step, str) and step in NUMPY_STORAGE:
             if step != dtype:
-                from .loader import to_paddle
-
                 arr = np.ascontiguousarray(to_paddle(arr, dtype).cast(step).numpy())
                 dtype = step
         else:

@@ -27,21 +27,12 @@ from ..errors import DtypeMismatchError, ShapeMismatchError
 from ..format.metadata import storage_dtype
 from .aoa import Assignment, plan_aoa, postprocess, target_shard_info
 from .boxes import PieceData, assemble_box, pieces_overlapping
+from .cpu_tensor import to_paddle
 from .errors import StockIncompleteCheckpointError, StockMissingKeyError
 from .index import Piece, PieceIndex
 from .targets import Target, flatten_state_dict, make_target, mw_compatible_key
 
 logger = logging.getLogger(__name__)
-
-
-def to_paddle(arr: np.ndarray, dtype: str):
-    """A CPU paddle tensor of ``dtype`` holding ``arr`` (its storage-type array)."""
-    import paddle
-
-    t = paddle.to_tensor(np.ascontiguousarray(arr), place=paddle.CPUPlace())
-    if str(t.dtype).split(".")[-1] != dtype:
-        t = t.view(dtype)
-    return t
 
 
 def _piece_id(key: str, p: Piece) -> tuple:

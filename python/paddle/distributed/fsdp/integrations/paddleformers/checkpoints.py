@@ -14,7 +14,8 @@ import logging
 import re
 
 from ...checkpoint.format.metadata import COMMIT_FILE
-from ...checkpoint.io.storage import Storage, backend_for
+from ...checkpoint.io.backends import backend_for
+from ...checkpoint.io.storage import Storage
 from ...checkpoint.paths import local_path
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import tempfile
 import paddle.distributed as dist
 
 from ...checkpoint.coordination import Comm, gather_errors
-from ...tools.errors import ToolError
+from ...checkpoint.errors import ToolError
 from ...tools.presets import PRESETS
 
 logger = logging.getLogger(__name__)
