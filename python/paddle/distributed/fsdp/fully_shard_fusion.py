@@ -239,9 +239,6 @@ class FullyShardFusion:
             return dist.get_rank()
         return self.comm.rank
 
-    def _layouts(self) -> list[BufferLayout]:
-        return [buffer.layout for buffer in self.buffers]
-
     def managed_parameters(self):
         """(structured key, parameter, buffer, index in buffer) for every parameter, in model order."""
         for buffer in self.buffers:

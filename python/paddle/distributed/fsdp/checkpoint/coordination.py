@@ -2,13 +2,12 @@
 
 The process group wrapper (``Comm``: one ``all_gather_object`` per exchange, none in a single process), the
 error exchange that makes all ranks fail together with the same named error (``gather_errors``), the file-based
-completion protocol helpers used instead of collectives (``poll``, ``read_json``), the save target check, and
+completion protocol helper used instead of collectives (``poll``), the save target check, and
 byte alignment of host buffers. The protocols themselves are described in save.py and load.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -133,14 +132,6 @@ def poll(cond, timeout: float, what: str):
             raise SaveFailedError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(delay)
         delay = min(delay * 2, 0.005)
-
-
-def read_json(path: str):
-    try:
-        with open(path, "rb") as f:
-            return json.loads(f.read())
-    except (OSError, ValueError):
-        return None
 
 
 ALIGN = 64  # byte alignment of the pieces carved out of one host buffer

@@ -61,9 +61,6 @@ class SavePlan:
     values: dict[str, object]
     files: dict[int, FileLayout]  # rank -> layout
 
-    def my_writes(self, rank: int) -> list[tuple[str, PieceMeta]]:
-        return self.files[rank].pieces
-
 
 @dataclass(frozen=True)
 class WriteAssignment:

@@ -153,11 +153,6 @@ def lazy_views(tensors: list, chunk_bytes: int = STAGING_CHUNK_BYTES) -> list:
     return providers
 
 
-def copy_to_host(tensor):
-    """Host bytes of a device or strided tensor and the object that owns them (one tensor)."""
-    return host_memory.raw_view(tensor)
-
-
 def default_deferred(record) -> bool:
     """Without ``deferred_keys``: trainable paddle Parameters change only through the optimizer step."""
     t = record.tensor

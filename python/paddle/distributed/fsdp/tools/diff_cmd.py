@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -246,7 +245,3 @@ def format_text(report: DiffReport, show_equal: bool = False) -> str:
     worst = f"; max abs {_fmt(s['max_abs'])} at {s['worst_key']}" if s["worst_key"] else ""
     lines.append(f"{verdict}: {s['keys']} keys: {counts}{worst}")
     return "\n".join(lines)
-
-
-def report_json(report: DiffReport) -> dict[str, Any]:
-    return report.to_json()

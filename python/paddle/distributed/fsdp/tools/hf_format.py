@@ -13,9 +13,6 @@ import json
 import os
 import re
 
-from ..checkpoint.errors import SafetensorsHeaderError
-from ..checkpoint.format import safetensors
-from ..checkpoint.format.safetensors import SafetensorsFile
 from ..checkpoint.planner import Region
 from . import json_schema
 from .ckpt_io import FLOAT_DTYPES
@@ -92,14 +89,6 @@ def numel(shape) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ safetensors
-
-
-def read_safetensors_header(path: str) -> SafetensorsFile:
-    """The engine's safetensors header parser, its refusals reported as ToolError (a bad input, exit code 2)."""
-    try:
-        return safetensors.read_header(path)
-    except SafetensorsHeaderError as e:
-        raise ToolError(str(e)) from None
 
 
 def check_collisions(pairs: list[tuple[str, str]], what: str) -> None:

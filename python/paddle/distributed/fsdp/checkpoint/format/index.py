@@ -51,7 +51,7 @@ from .metadata import DTYPES, FileMeta, check_file_name
 from .row_directory import FENCES_FILE, STARTS_FILE
 from .schema import _Fields
 
-VERSION = 3
+VERSION = 3  # what saves write; metadata.py FORMAT_VERSION is format 1, versions.py reads all three
 READ_VERSIONS = (2, 3)  # 2: per-rank values as lists in metadata.json's values (read as they are)
 KEYS_FILE = "index.keys"
 PIECES_FILE = "index.pieces"

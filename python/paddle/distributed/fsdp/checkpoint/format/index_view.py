@@ -239,11 +239,11 @@ class IndexedTensors(Mapping):
         return len(self.ids)
 
 
-def open_v2(d: dict, where: str, fetch: Fetch | None):
-    """The CheckpointMetadata of a parsed format-2 ``metadata.json``: header fields typed, ``index.keys`` read
+def open_indexed(d: dict, where: str, fetch: Fetch | None):
+    """The CheckpointMetadata of a parsed format-2 or -3 ``metadata.json`` (the indexed formats): header fields typed, ``index.keys`` read
     whole (size and SHA-256 checked), pieces and checksums read through ``fetch`` when first needed."""
     if fetch is None:
-        raise MetadataError(f"{where}: a format-2 checkpoint is read with its index objects (no fetch given)")
+        raise MetadataError(f"{where}: a format-2/3 checkpoint is read with its index objects (no fetch given)")
     fields, index = decode_header(d, where)
     fetch = CountedFetch(fetch)
     table = decode_keys(fetch(KEYS_FILE, 0, index["keys_bytes"]), index, where)

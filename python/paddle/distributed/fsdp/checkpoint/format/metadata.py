@@ -54,7 +54,7 @@ from .rank_values import plain
 from .strict_json import json_value_problem
 
 FORMAT_NAME = "paddle-fsdp-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # the single-file format (schema.py); formats 2 and 3: index.py VERSION, READ_VERSIONS
 METADATA_FILE = "metadata.json"
 COMMIT_FILE = "COMMIT"
 LATEST_FILE = "latest"  # in a CheckpointManager root: the name of the newest committed checkpoint directory

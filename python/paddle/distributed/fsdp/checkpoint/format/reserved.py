@@ -24,10 +24,6 @@ SAFETENSORS_METADATA = "__metadata__"  # the header entry of a safetensors file 
 MAX_TENSOR_KEY_CHARS = 1 << 16  # what metadata.json's reader accepts for a piece name (format/schema.py)
 
 
-def is_reserved(key: str) -> bool:
-    return key.startswith(RESERVED_PREFIX)
-
-
 def key_problem(key: object, tensor: bool) -> str | None:
     """Why ``key`` cannot be stored as a tensor (``tensor``) or JSON-value key of a checkpoint; None: it can."""
     if not isinstance(key, str):

@@ -23,7 +23,7 @@ import stat
 import sys
 from typing import Any
 
-from ..errors import MetadataError, NotACheckpointError, NotARegularFileError
+from ..errors import MetadataError, NotARegularFileError
 
 MAX_DEPTH = 64  # nesting of JSON containers in any checkpoint JSON (values included)
 MAX_INT_DIGITS = 40  # longest integer literal accepted (uint64 checksums and RNG words need 20)
@@ -192,12 +192,3 @@ def json_value_problem(value: Any, max_depth: int = MAX_DEPTH) -> str | None:
 _PLAIN = {type(None), bool, int, float, str}
 _INT = {int}
 _INT_LIMIT = 10**MAX_INT_DIGITS
-
-
-def read_json_file(path: str, cap: int, where: str | None = None) -> Any:
-    """``read_capped`` + ``loads_strict``: NotACheckpointError when absent, MetadataError when malformed."""
-    try:
-        data = read_capped(path, cap, what=where or "file")
-    except FileNotFoundError:
-        raise NotACheckpointError(f"{path} does not exist") from None
-    return loads_strict(data, where or path)

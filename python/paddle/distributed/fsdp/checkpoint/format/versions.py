@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..errors import MetadataError
 from ..gc_pause import gc_paused
 from .index import READ_VERSIONS
-from .index_view import open_v2
+from .index_view import open_indexed
 from .metadata import FORMAT_NAME, FORMAT_VERSION, CheckpointMetadata
 from .schema import parse_metadata
 from .strict_json import loads_strict
@@ -31,7 +31,7 @@ def loads_metadata(data: bytes, where: str = "metadata.json", fetch=None) -> Che
                 f"{where}: unsupported format version {d['version']} (this build reads 1, "
                 f"{', '.join(map(str, READ_VERSIONS))}): written by a newer build?"
             )
-        return open_v2(d, where, fetch)
+        return open_indexed(d, where, fetch)
     md = parse_metadata(d, where, FORMAT_NAME, FORMAT_VERSION)
     md.validate(where)
     return md

@@ -354,17 +354,6 @@ class S3Objects:
         except retry.S3ObjectNotFoundError:
             return None
 
-    def etag(self, name: str) -> str | None:
-        """ETag of an object (for a later If-Match), None if it does not exist."""
-        what = self._what("HeadObject", name)
-        try:
-            head = retry.call(
-                what, lambda: self.client.head_object(Bucket=self.url.bucket, Key=self.url.key(name)), self.opts
-            )
-        except retry.S3ObjectNotFoundError:
-            return None
-        return str(head["ETag"])
-
     def delete(self, names: Sequence[str]) -> None:
         """Delete objects (absent ones are fine); S3TransferError naming the keys the store refused."""
         keys = [self.url.key(n) for n in names]

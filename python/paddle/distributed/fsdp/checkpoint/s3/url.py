@@ -75,10 +75,6 @@ class S3Url:
         return f"{SCHEME}{self.bucket}/{self.prefix}" if self.prefix else f"{SCHEME}{self.bucket}"
 
 
-def is_s3_url(path: object) -> bool:
-    return isinstance(path, str) and path.startswith(SCHEME)
-
-
 @dataclass(frozen=True)
 class S3Options:
     """How the object layer talks to the store. None fields come from boto3's environment/config chain.
