@@ -60,7 +60,8 @@ from .io.storage import Storage
 from .keywords import check_keywords, keyword_names
 from .load import LoadReport, load_state_dict
 from .paths import local_path, url_scheme
-from .save import SaveHandle, save_and_publish, save_state_dict
+from .save import SaveHandle, run_save, save_state_dict
+from .save_request import save_request
 
 logger = logging.getLogger(__name__)
 
@@ -145,13 +146,16 @@ class CheckpointManager:
                 os.makedirs(self.root, exist_ok=True)
             except OSError as e:  # read-only file system, permissions: a named error, like any failed save
                 raise SaveFailedError(f"save to {self.root}: cannot create the checkpoint root: {e}") from e
-        return save_and_publish(
-            state_dict,
-            storage.child(self.root, name),
-            _LatestPublisher(self.root, name, self.keep_last, storage),
-            process_group=self.process_group,
-            coordinator_rank=self.coordinator_rank,
-            **save_kwargs,
+        # save_and_publish without its keyword check: save_kwargs were checked above, against the same keywords
+        return run_save(
+            save_request(
+                state_dict,
+                storage.child(self.root, name),
+                self.process_group,
+                self.coordinator_rank,
+                _LatestPublisher(self.root, name, self.keep_last, storage),
+                **save_kwargs,
+            )
         )
 
     def latest(self) -> str | None:

@@ -105,8 +105,7 @@ from .first_save import exchange_assignment
 from .gc_pause import gc_paused
 from .keywords import STOCK_SAVE_KEYWORDS, check_keywords, keyword_names
 from .markers import cause, mark_failed, remove_failed_stagings
-from .options import CheckpointOptions, resolve
-from .paths import local_path
+from .options import CheckpointOptions
 from .planner import (
     AssignmentMemo,
     assignment_name,
@@ -116,6 +115,7 @@ from .planner import (
     merged_values,
 )
 from .records import collect
+from .save_request import SaveRequest, save_request
 from .snapshot import Snapshot, default_deferred
 from .tracing import Tracer
 
@@ -167,18 +167,20 @@ def save_state_dict(
     directory, safetensors); any other keyword is a TypeError naming the nearest valid one (keywords.py).
     """
     check_keywords("save_state_dict", unused_stock_kwargs, keyword_names(save_state_dict) + STOCK_SAVE_KEYWORDS)
-    return _save(
-        state_dict,
-        path,
-        process_group,
-        coordinator_rank,
-        None,
-        async_save=async_save,
-        chunk_bytes=chunk_bytes,
-        write_stock_metadata=write_stock_metadata,
-        deferred_keys=deferred_keys,
-        per_rank_values=per_rank_values,
-        options=options,
+    return run_save(
+        save_request(
+            state_dict,
+            path,
+            process_group,
+            coordinator_rank,
+            None,
+            async_save=async_save,
+            chunk_bytes=chunk_bytes,
+            write_stock_metadata=write_stock_metadata,
+            deferred_keys=deferred_keys,
+            per_rank_values=per_rank_values,
+            options=options,
+        )
     )
 
 
@@ -189,41 +191,22 @@ def save_and_publish(
     only once it has published (CheckpointManager: moves ``latest``, then prunes). ``kwargs``: those of
     ``save_state_dict``."""
     check_keywords("save_and_publish", kwargs, keyword_names(save_state_dict, _PUBLISH_MANAGED))
-    if not all(callable(getattr(publisher, m, None)) for m in ("publish", "is_published", "cleanup")):
+    return run_save(save_request(state_dict, path, process_group, coordinator_rank, publisher, **kwargs))
+
+
+def run_save(req: SaveRequest) -> SaveHandle | None:
+    """Carry out one save request (save_request.py): the door behind ``save_state_dict`` and ``save_and_publish``,
+    and the one of a caller that checked its keywords itself (CheckpointManager.save), so each call is checked once.
+    """
+    publisher = req.publisher
+    if publisher is not None and not all(
+        callable(getattr(publisher, m, None)) for m in ("publish", "is_published", "cleanup")
+    ):
         raise InvalidStateDictError(
             f"publisher must have publish(), is_published() and cleanup(), got {type(publisher).__name__}"
         )
-    return _save(state_dict, path, process_group, coordinator_rank, publisher, **kwargs)
-
-
-def _save(
-    state_dict: dict,
-    path: str,
-    process_group,
-    coordinator_rank: int,
-    publisher: Publisher | None,
-    *,
-    async_save: bool = False,
-    chunk_bytes: int | None = None,
-    write_stock_metadata: bool = True,
-    deferred_keys: Collection[str] | None = None,
-    per_rank_values: Collection[str] = (),
-    options: CheckpointOptions | None = None,
-) -> SaveHandle | None:
     with _save_lock:  # saves of one process never overlap, whatever thread they come from
-        return _save_locked(
-            state_dict,
-            path,
-            process_group,
-            coordinator_rank,
-            async_save,
-            chunk_bytes,
-            write_stock_metadata,
-            deferred_keys,
-            per_rank_values,
-            options,
-            publisher,
-        )
+        return _save_locked(req)
 
 
 @dataclass
@@ -239,56 +222,39 @@ class _Local:
     all_paths: list = field(default_factory=list)  # every rank's target path, by rank (filled by the exchange)
 
 
-def _save_locked(
-    state_dict: dict,
-    path: str,
-    process_group,
-    coordinator_rank: int,
-    async_save: bool,
-    chunk_bytes: int | None,
-    write_stock_metadata: bool,
-    deferred_keys: Collection[str] | None,
-    per_rank_values: Collection[str],
-    options: CheckpointOptions | None,
-    publisher: Publisher | None,
-) -> SaveHandle | None:
+def _save_locked(req: SaveRequest) -> SaveHandle | None:
     """The save protocol, in steps: validate -> exchange + assignment -> piece sources -> file layout (an async
     save: on the background thread) -> write + commit."""
-    try:
-        opts, opts_error = resolve(options), None
-    except CheckpointError as e:  # a malformed PADDLE_FSDP_CKPT_* variable: reported by the exchange below
-        opts, opts_error = CheckpointOptions(), e
+    opts, path, coordinator_rank, async_save = req.options, req.path, req.coordinator_rank, req.async_save
     tr = Tracer("save (calling thread)", opts)
     wait_pending(raise_error=True)
     tr.mark("wait-previous")
-    path = local_path(path, opts.storage)
-    comm = Comm(process_group)
+    if req.path_error is not None:
+        raise req.path_error
+    comm = Comm(req.process_group)
     if not 0 <= coordinator_rank < comm.world:
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
-    timeout = opts.commit_timeout
 
-    local = _validate(state_dict, path, comm.rank, coordinator_rank, opts, opts_error)
+    local = _validate(req, comm.rank)
     tr.mark("validate")
     # per-rank values reach the coordinator in the ranks' done markers, not through the exchange: only it needs
     # them (an RNG state is ~13 KB a rank, which would take every save's exchange to a second round)
-    rank_values = {key: local.values[key] for key in per_rank_values if key in local.values}
+    rank_values = {key: local.values[key] for key in req.per_rank_values if key in local.values}
     local.values.update(dict.fromkeys(rank_values))  # the key still goes with the exchange (its checks)
     checkpoint_id, algorithm, assignment, values = _exchange_and_assign(comm, local, coordinator_rank, tr, path)
     _check_names(local.all_paths, coordinator_rank)  # decided alike on every rank, from the exchange
-    storage, channel, staging = _open(path, checkpoint_id, comm, coordinator_rank, opts)
+    storage, channel, staging = _open(req, checkpoint_id, comm)
     my_keys = assignment.keys_of(comm.rank)
     snap, plan, arrays, keep, release = _sources(
         my_keys,
         local,
-        async_save,
-        deferred_keys,
-        opts,
+        req,
         # the coordinator lays out every file only for stock paddle's index (0.metadata lists every piece)
         (
             assignment,
             values,
             checkpoint_id,
-            None if comm.rank == coordinator_rank and write_stock_metadata else comm.rank,
+            None if comm.rank == coordinator_rank and req.write_stock_metadata else comm.rank,
         ),
         (channel, storage, staging),
     )
@@ -302,17 +268,17 @@ def _save_locked(
         checkpoint_id=checkpoint_id,
         assignment=assignment,
         values=values,
-        per_rank_keys=tuple(per_rank_values),
+        per_rank_keys=tuple(req.per_rank_values),
         rank_values=rank_values,
         plan=plan,
         arrays=arrays,
         keepalive=keep,
-        chunk_bytes=chunk_for(assignment) if chunk_bytes is None else chunk_bytes,
+        chunk_bytes=chunk_for(assignment) if req.chunk_bytes is None else req.chunk_bytes,
         checksum=algorithm,
-        timeout=timeout,
-        write_stock=write_stock_metadata,
+        timeout=opts.commit_timeout,
+        write_stock=req.write_stock_metadata,
         options=opts,
-        publisher=publisher,
+        publisher=req.publisher,
         storage=storage,
         channel=channel,
         release=release,
@@ -330,25 +296,19 @@ def _save_locked(
 
 
 @gc_paused()
-def _validate(
-    state_dict: dict,
-    path: str,
-    rank: int,
-    coordinator_rank: int,
-    opts: CheckpointOptions,
-    opts_error: BaseException | None,
-) -> _Local:
+def _validate(req: SaveRequest, rank: int) -> _Local:
     """Step 1: this rank's records, their small descriptions and the checksum algorithm; the target path check
     (coordinator). Never raises: the error goes to the exchange, so no rank is left waiting."""
     local = _Local()
+    opts, path = req.options, req.path
     try:
-        if opts_error is not None:
-            raise opts_error
+        if req.opts_error is not None:
+            raise req.opts_error
         local.algorithm = opts.checksum_algorithm()
-        local.records, local.values = collect(state_dict)
+        local.records, local.values = collect(req.state_dict)
         local.descs = [r.desc().to_wire() for r in local.records]
-        if rank == coordinator_rank:
-            storage = opts.storage_for(path)
+        if rank == req.coordinator_rank:
+            storage = req.backend()
             remove_failed_stagings(storage, path)  # what earlier failed saves left (their space is needed now)
             if opts.storage is None and "://" not in path:
                 check_target_path(path)
@@ -400,10 +360,11 @@ def _exchange_and_assign(comm: Comm, local: _Local, coordinator_rank: int, tr: T
     return checkpoint_id, algorithm, assignment, values
 
 
-def _open(path: str, checkpoint_id: str, comm: Comm, coordinator_rank: int, opts: CheckpointOptions):
-    """The save's storage backend, its channel (heartbeat starts) and its staging location."""
-    storage = opts.storage_for(path)
-    channel = open_channel(checkpoint_id, comm.rank, comm.world, coordinator_rank, opts.heartbeat_lease)
+def _open(req: SaveRequest, checkpoint_id: str, comm: Comm):
+    """The save's storage backend (the request's), its channel (heartbeat starts) and its staging location."""
+    path = req.path
+    storage = req.backend()
+    channel = open_channel(checkpoint_id, comm.rank, comm.world, req.coordinator_rank, req.options.heartbeat_lease)
     try:
         return storage, channel, storage.begin(path, checkpoint_id)
     except BaseException as e:
@@ -414,13 +375,14 @@ def _open(path: str, checkpoint_id: str, comm: Comm, coordinator_rank: int, opts
         raise SaveFailedError(f"save to {path} failed: rank {comm.rank} failed: {cause(e)}") from e
 
 
-def _sources(keys, local: _Local, async_save: bool, deferred_keys, opts: CheckpointOptions, layout_of, where):
+def _sources(keys, local: _Local, req: SaveRequest, layout_of, where):
     """Step 3: ``(snapshot, plan, arrays, keepalive, release)``; a failure is told to every rank at once."""
     channel, storage, staging = where
+    opts = req.options
     snap = plan = None
     try:
-        if async_save:
-            snap = _snapshot(keys, local, deferred_keys, opts)
+        if req.async_save:
+            snap = _snapshot(keys, local, req.deferred_keys, opts)
             return snap, plan, snap.arrays, snap.keep, snap.written
         plan = lay_out_files(*layout_of)
         return (snap, plan, *_piece_sources(keys, local))
