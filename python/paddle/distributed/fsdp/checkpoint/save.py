@@ -83,7 +83,8 @@ Node-local disks: see "Saving twice" above; loading: see load.py.
 ``process_group``: ranks, file names and ``coordinator_rank`` are group-local ranks.
 
 Cross-rank helpers shared with the load path (process group, error exchange): coordination.py. This module is
-the calling thread's part; background.py the one save in flight; commit.py steps 2-3; markers.py the records.
+the calling thread's part; save_request.py one call's inputs, options and storage backend, resolved once at the
+door and handed to every step; background.py the one save in flight; commit.py steps 2-3; markers.py the records.
 """
 
 from __future__ import annotations
