@@ -17,9 +17,6 @@
 * ``max_open_files``: ``PADDLE_FSDP_CKPT_MAX_OPEN_FILES``; default 64
 * ``heartbeat_lease``: ``PADDLE_FSDP_CKPT_HEARTBEAT_LEASE``; default 5 s
 * ``trace_hook``, ``host_fast_path``, ``storage``: no variable; default None, True, None
-
-Only the test-only crash hook ``PADDLE_FSDP_CKPT_FAULT`` (faults.py) stays an environment variable: it must
-reach child processes started by a launcher, and it is not an option anyone should set in production.
 """
 
 from __future__ import annotations
@@ -163,13 +160,13 @@ class CheckpointOptions:
 
     def storage_for(self, location: str) -> Storage:
         """The backend that holds ``location`` under these options (``storage``, a scheme, or local)."""
-        from .io.backends import backend_for
+        from .io.backends import layered, unlayered_backend_for
         from .io.local import LOCAL, LocalStorage
 
-        chosen = backend_for(location, self.storage)
+        chosen = unlayered_backend_for(location, self.storage)
         if chosen is LOCAL and self.odirect is False:
-            return LocalStorage(odirect=False)
-        return chosen
+            chosen = LocalStorage(odirect=False)
+        return layered(chosen)
 
     def checksum_algorithm(self) -> str:
         """The algorithm a new checkpoint is written with (refuses xxh3-64 without xxhash before any write)."""
