@@ -158,7 +158,9 @@ class FaultStorage(Storage):
     def __init__(self, inner: Storage) -> None:
         self.inner = inner
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str):  # what only the wrapped backend has (its options, its clients)
+        if name == "inner":
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     # names
