@@ -13,8 +13,8 @@ import pytest
 from _results import assert_case_ok
 from launch_util import run_launch
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+from paddle.distributed.fsdp.checkpoint import host_memory, load_job
 from paddle.distributed.fsdp.checkpoint import load as ck_load
-from paddle.distributed.fsdp.checkpoint import load_job
 
 KIB = 1 << 10
 CHUNK = 64 * KIB
@@ -148,11 +148,12 @@ def test_one_chunk_steps_of_cached_reads_agree_with_the_running_digest_path(tmp_
     data.write_bytes(raw)
 
 
-def test_staged_targets_go_through_row_windows_within_the_budget(saved):
+def test_staged_targets_go_through_row_windows_within_the_budget(saved, monkeypatch):
     """Targets that cannot be read into directly (device tensors; here host tensors on the same path) are
     filled through a staging window of rows and copied with ``Tensor.copy_`` into the same memory."""
     path, full = saved
-    staged = ck.CheckpointOptions(host_fast_path=False)
+    monkeypatch.setattr(host_memory, "is_host_contiguous", lambda t: False)  # every target takes the device path
+    staged = ck.CheckpointOptions()
     targets = {k: paddle.full(list(v.shape), -1.0) for k, v in full.items()}
     ptrs = {k: t.data_ptr() for k, t in targets.items()}
     report = ck.load_state_dict(targets, str(path), max_host_bytes=BUDGET, options=staged)

@@ -23,13 +23,14 @@ import textwrap
 import tracemalloc
 from pathlib import Path
 
+import fault_storage
 import numpy as np
 import paddle
 import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 from crafted import craft, edit_metadata, flat_boxes
 from hangs import alarm
-from paddle.distributed.fsdp.checkpoint import faults, reader
+from paddle.distributed.fsdp.checkpoint import reader
 
 HERE = Path(__file__).resolve().parent
 
@@ -423,7 +424,7 @@ STAGE_FAULTS = [
 
 
 # a full disk at every stage of the save protocol that writes (the coordinator's stages included)
-STAGE_FAULTS += [(stage, "ENOSPC") for stage in faults.STAGES[:6] if (stage, "ENOSPC") not in STAGE_FAULTS]
+STAGE_FAULTS += [(stage, "ENOSPC") for stage in fault_storage.STAGES[:6] if (stage, "ENOSPC") not in STAGE_FAULTS]
 
 
 @pytest.mark.parametrize("stage, code", STAGE_FAULTS)
@@ -432,12 +433,11 @@ def test_injected_io_error_at_each_stage_is_a_named_save_failure(tmp_path, monke
     path = tmp_path / "ckpt"
     first = {"x": paddle.rand([1 << 16]), "step": 1}
     ck.save_state_dict(first, str(path))
-    monkeypatch.setenv(faults.ENV, f"{stage}:0:1:{code}")
-    faults.reset()
+    monkeypatch.setenv(fault_storage.ENV, f"{stage}:0:1:{code}")
     strerror = os.strerror(getattr(__import__("errno"), code))
-    with pytest.raises(ck.SaveFailedError, match=f"rank 0 .*Error: .*{strerror}"):
+    with fault_storage.installed(), pytest.raises(ck.SaveFailedError, match=f"rank 0 .*Error: .*{strerror}"):
         ck.save_state_dict({"x": paddle.rand([1 << 16]), "step": 2}, str(path))
-    monkeypatch.delenv(faults.ENV)
+    monkeypatch.delenv(fault_storage.ENV)
     t = {"x": paddle.zeros([1 << 16]), "step": None}
     ck.load_state_dict(t, str(path))  # the previous checkpoint is intact
     assert np.array_equal(bits(t["x"]), bits(first["x"])) and t["step"] == 1

@@ -4,7 +4,7 @@ Why: a month of training rides on the newest checkpoint. A crash during a save m
 checkpoint, a damaged checkpoint must never load quietly, and a failed load must leave the model and the
 optimizer bit-identical.
 
-* Fault matrix (multi-process, real SIGKILL via the engine's test-only PADDLE_FSDP_CKPT_FAULT hook): for each
+* Fault matrix (multi-process, real SIGKILL via PADDLE_FSDP_CKPT_FAULT, fault_storage.py's wrapped Storage): for each
   (stage, killed rank) one 2-rank launch trains, saves step 1 into a CheckpointManager root (keep_last=1),
   trains, and dies during the save of step 2. The survivor's save must end by the (short) commit timeout, not
   hang. The files left prove where the kill happened. One fresh 2-rank launch (``workers/crash_safety.py
@@ -29,13 +29,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import fault_storage
 import numpy as np
 import paddle
 import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 from _results import assert_case_ok
 from launch_util import LaunchResult, run_launch
-from paddle.distributed.fsdp.checkpoint import faults, manager, writer
+from paddle.distributed.fsdp.checkpoint import manager, writer
 
 TEST_DIR = Path(__file__).resolve().parent
 WORKER = TEST_DIR / "workers" / "crash_safety.py"
@@ -110,7 +111,10 @@ def crash_runs(tmp_path_factory) -> dict[str, tuple[LaunchResult, Path]]:
     def one(cell: Cell) -> tuple[LaunchResult, Path]:
         root = base / cell.name / "root"
         root.parent.mkdir(parents=True)
-        env = {faults.ENV: f"{cell.stage}:{cell.killed}:2", "PADDLE_FSDP_CKPT_COMMIT_TIMEOUT": str(COMMIT_TIMEOUT)}
+        env = {
+            fault_storage.ENV: f"{cell.stage}:{cell.killed}:2",
+            "PADDLE_FSDP_CKPT_COMMIT_TIMEOUT": str(COMMIT_TIMEOUT),
+        }
         res = run_launch(
             WORKER, 2, ["save", str(root)], timeout=120, env=env, log_dir=root.parent / "logs", check=False
         )
@@ -436,10 +440,10 @@ def test_commit_into_a_path_another_job_just_created(tmp_path, monkeypatch):
 
 
 def test_fault_spec_is_validated_and_counts_arrivals(monkeypatch):
-    monkeypatch.setenv(faults.ENV, "nonsense:0")
+    monkeypatch.setenv(fault_storage.ENV, "nonsense:0")
     with pytest.raises(ValueError, match="stage"):
-        faults.hit("before_data", 0)
-    monkeypatch.setenv(faults.ENV, "after_data:1:2")
-    monkeypatch.setattr(faults, "_counts", {})
-    assert [faults.hit("after_data", 1) for _ in range(3)] == [False, True, False]
-    assert not faults.hit("after_data", 0) and not faults.hit("before_data", 1)
+        fault_storage.hit("before_data", 0)
+    monkeypatch.setenv(fault_storage.ENV, "after_data:1:2")
+    monkeypatch.setattr(fault_storage, "_counts", {})
+    assert [fault_storage.hit("after_data", 1) for _ in range(3)] == [False, True, False]
+    assert not fault_storage.hit("after_data", 0) and not fault_storage.hit("before_data", 1)

@@ -10,10 +10,12 @@ import os
 import threading
 import zlib
 
+import fault_storage
 import numpy as np
 import pytest
 import xxhash
-from paddle.distributed.fsdp.checkpoint import direct_write, faults, writer
+from paddle.distributed.fsdp.checkpoint import direct_write, writer
+from paddle.distributed.fsdp.checkpoint.io.local import LocalStorage
 
 KIB, MIB = 1 << 10, 1 << 20
 DIGESTS = {"xxh3": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32, "none": None}
@@ -127,15 +129,19 @@ def test_a_small_file_still_asks_should_stop(tmp_path):
     assert asked == [1]
 
 
-def test_mid_data_fault_writes_exactly_kill_at_bytes_then_fails(tmp_path, monkeypatch):
-    monkeypatch.setenv(faults.ENV, "mid_data:0:EIO")
+def test_mid_data_fault_writes_exactly_half_then_fails(tmp_path, monkeypatch):
+    """The tests' mid_data fault (fault_storage.py) over O_DIRECT writes: exactly half of the object (an unaligned
+    length, 9 MiB + 77) durable through the direct writer, then the injected error; no writer thread left."""
+    monkeypatch.setenv(fault_storage.ENV, "mid_data:0:EIO")
+    fault_storage.reset()
     rng = np.random.default_rng(5)
-    pieces = [rng.integers(0, 256, 13 * MIB + 5, dtype=np.uint8)]
-    kill_at = 9 * MIB + 77
+    pieces = [rng.integers(0, 256, 18 * MIB + 151, dtype=np.uint8)]
+    half = 9 * MIB + 77  # (3 header bytes + 18 MiB + 151) // 2
+    storage = fault_storage.FaultStorage(LocalStorage(odirect=True))
     with pytest.raises(OSError) as ei:
-        writer.write_rank_file(str(tmp_path / "f"), b"hdr", pieces, MIB, None, kill_at=kill_at, direct=True)
+        storage.write_object(str(tmp_path), "0_0.safetensors", b"hdr", pieces, MIB, None)
     assert ei.value.errno == errno.EIO
-    assert (tmp_path / "f").read_bytes() == (b"hdr" + pieces[0].tobytes())[:kill_at]
+    assert (tmp_path / "0_0.safetensors").read_bytes() == (b"hdr" + pieces[0].tobytes())[:half]
     assert _writer_threads() == 0
 
 

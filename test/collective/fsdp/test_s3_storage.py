@@ -103,14 +103,16 @@ def test_writer_killed_mid_upload_leaves_nothing_visible_and_remove_aborts_its_u
         import sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         import numpy as np
+        from fault_storage import FaultStorage
         from s3_fixtures import s3_options_for
         from paddle.distributed.fsdp.checkpoint.s3.storage import POINTER, S3Storage
-        st = S3Storage(s3_options_for({s3_server.endpoint!r}))
+        st = FaultStorage(S3Storage(s3_options_for({s3_server.endpoint!r})))  # mid_data: killed half way
         pieces = [np.full(8 << 20, 7, np.uint8), np.full(8 << 20, 9, np.uint8)]
-        st.write_object({staging!r}, "0_0.safetensors", b"H", pieces, 1 << 20, None, kill_at=11 << 20)
+        st.write_object({staging!r}, "0_0.safetensors", b"H", pieces, 1 << 20, None)
         print("NOT KILLED")
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "PADDLE_FSDP_CKPT_FAULT": "mid_data:0"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     url = S3Url.parse(staging)
     objs = S3Objects(S3Url(url.bucket), s3_options_for(s3_server.endpoint))

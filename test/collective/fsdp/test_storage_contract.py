@@ -11,11 +11,11 @@ import os
 
 import numpy as np
 import pytest
+from memory_storage import MemoryStorage
 from paddle.distributed.fsdp.checkpoint import checksums
 from paddle.distributed.fsdp.checkpoint.errors import MetadataError
 from paddle.distributed.fsdp.checkpoint.io import Storage, StorageError, backend_for, register_backend
 from paddle.distributed.fsdp.checkpoint.io.local import LocalStorage
-from paddle.distributed.fsdp.checkpoint.io.memory import MemoryStorage
 
 
 @pytest.fixture(params=["local-direct", "local-buffered", "memory"])

@@ -20,6 +20,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "test" / "collective" / "fsdp")]
 
+import fault_storage  # noqa: E402
 import paddle.distributed as dist  # noqa: E402
 from launch_util import report  # noqa: E402
 from paddle.distributed.fsdp.integrations.paddleformers import FSDPTrainer  # noqa: E402
@@ -109,4 +110,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    fault_storage.install()  # the crash a test arms (PADDLE_FSDP_CKPT_FAULT)
     main()

@@ -3,7 +3,8 @@
 Usage (under paddle.distributed.launch, 2 ranks):
     crash_safety.py save ROOT
         train, save step 1 (``step=1, keep_last=1``), train, dump references, save step 2. The test arms
-        PADDLE_FSDP_CKPT_FAULT=<stage>:<rank>:2, so one rank SIGKILLs itself at that stage of the SECOND save.
+        PADDLE_FSDP_CKPT_FAULT=<stage>:<rank>:2 (fault_storage.py), so one rank SIGKILLs itself at that stage of
+        the SECOND save.
         The survivor reports how its save ended. It ignores the launcher's SIGTERM (sent when the launcher
         sees the dead rank) so that the engine's own commit timeout, not the launcher, ends its wait: that is
         what shows it cannot hang. References: ROOT.refs/ref<step>.rank<r>.npz, every record at save time.
@@ -27,6 +28,7 @@ import traceback
 from typing import Callable
 
 import _paths  # noqa: F401  (puts launch_util on sys.path)
+import fault_storage
 import numpy as np
 import paddle
 import paddle.distributed as dist
@@ -457,4 +459,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    fault_storage.install()  # the kill the test arms (PADDLE_FSDP_CKPT_FAULT)
     main()

@@ -24,6 +24,7 @@ import time
 import traceback
 
 import _paths  # noqa: F401  (puts launch_util on sys.path)
+import fault_storage
 import numpy as np
 import paddle.distributed as dist
 import paddle.distributed.fsdp.checkpoint as ck
@@ -115,6 +116,7 @@ def kill(root: str) -> None:
 
 
 if __name__ == "__main__":
+    fault_storage.install()  # the kill a test arms (PADDLE_FSDP_CKPT_FAULT)
     case, work = sys.argv[1], sys.argv[2]
     dist.init_parallel_env()
     try:

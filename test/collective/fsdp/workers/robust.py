@@ -22,6 +22,7 @@ import time
 import traceback
 
 import _paths  # noqa: F401  (puts launch_util on sys.path)
+import fault_storage
 import numpy as np
 import paddle
 import paddle.distributed as dist
@@ -31,7 +32,6 @@ from launch_util import report
 from models import global_batches, local_part, make_model
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 from paddle.distributed.fsdp import FullyShardFusion
-from paddle.distributed.fsdp.checkpoint import faults
 from paddle.distributed.fsdp.checkpoint.format.reserved import EXTRA_KEY, OPTIMIZER_KEY, RNG_KEY
 
 BATCH = 8
@@ -220,7 +220,7 @@ def main() -> None:
     run("sound_load_still_works", sound_load_still_works)
 
     # ---- prompt, named save failure on every rank: an injected I/O error on one rank; with ``markers`` the failing
-    # rank pauses between the detail of its failure marker and the marker named by its cause (faults.delay): every
+    # rank pauses between the detail of its failure marker and the marker named by its cause (fault_storage.py): every
     # rank must still report the full cause, whenever it looks
     # ``after_data``: the failing rank's data is complete and handed over (done marker); the coordinator decides: it
     # aborts when it sees the failure before its commit record (every rank raises), else the checkpoint is complete
@@ -243,10 +243,10 @@ def main() -> None:
 
         def fail_once(stage=stage, bad_rank=bad_rank, code=code, slow=slow, expect=expect):
             with step():
-                os.environ[faults.ENV] = f"{stage}:{bad_rank}:1:{code}"
+                os.environ[fault_storage.ENV] = f"{stage}:{bad_rank}:1:{code}"
                 if slow:
-                    os.environ[faults.DELAY_ENV] = f"{slow[0]}:{slow[1]}:2"
-                faults.reset()
+                    os.environ[fault_storage.DELAY_ENV] = f"{slow[0]}:{slow[1]}:2"
+                fault_storage.reset()
                 try:
                     fsdp.save_checkpoint(base, optimizer=opt, extra_state={"epoch": 2})
                     outcome = "commit"
@@ -254,10 +254,10 @@ def main() -> None:
                     outcome = "fail"
                     msg = str(e)
                     assert f"rank {bad_rank} " in msg and os.strerror(getattr(errno_mod, code)) in msg, msg
-                    assert f"[injected by {faults.ENV} at stage {stage}]" in msg, f"not the full cause: {msg}"
+                    assert f"[injected by {fault_storage.ENV} at stage {stage}]" in msg, f"not the full cause: {msg}"
                 finally:
-                    os.environ.pop(faults.ENV, None)
-                    os.environ.pop(faults.DELAY_ENV, None)
+                    os.environ.pop(fault_storage.ENV, None)
+                    os.environ.pop(fault_storage.DELAY_ENV, None)
                 assert expect in (outcome, "same on every rank"), f"expected the save to {expect}, it did {outcome}"
             with step():
                 outcomes: list = []
@@ -338,4 +338,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    fault_storage.install()  # the faults the cases arm (PADDLE_FSDP_CKPT_FAULT)
     main()

@@ -25,6 +25,7 @@ import time
 import traceback
 
 import _paths  # noqa: F401  (puts launch_util on sys.path)
+import fault_storage
 import numpy as np
 import paddle
 import paddle.distributed as dist
@@ -171,6 +172,7 @@ def kill(url: str, work: str) -> None:
 
 
 if __name__ == "__main__":
+    fault_storage.install()  # the kill a test arms (PADDLE_FSDP_CKPT_FAULT)
     case = sys.argv[1]
     dist.init_parallel_env()
     if case == "roundtrip":

@@ -29,7 +29,7 @@ still import from this package, resolved from their home module on first use (``
 
 Save path: ``save.py`` (calling thread) -> ``background.py`` (the one save in flight) -> ``commit.py`` (write,
 hand over, commit, publish) over ``channel.py`` (the TCP store: decisions and heartbeats, no polled files) and
-``io/storage.py`` (every byte and name; ``io/local.py`` POSIX, ``io/memory.py`` reference); ``markers.py``
+``io/storage.py`` (every byte and name; ``io/local.py`` POSIX; ``io/backends.py`` the registry and layers); ``markers.py``
 records why a save failed; ``directory.py`` answers "committed? latest? removable? removed under a reader?" and
 reads the metadata. ``process_state.py`` lists the process-wide state, with one reset for tests.
 
@@ -52,7 +52,7 @@ What must never import what (test_checkpoint_layers.py checks it, naming the exc
 Where things live: ``format/`` owns the on-disk format (schema, commit record, safetensors headers, reserved
 keys; no I/O); ``planner.py`` plans writes and reads; the file I/O is ``writer.py`` (rank files, durable
 commit), ``reader.py`` (the read handles), ``host_memory.py`` (buffers, tensor views) and ``libc.py``;
-``records.py`` normalises state-dict entries; ``faults.py`` holds the test-only crash hook.
+``records.py`` normalises state-dict entries.
 """
 
 from .directory import read_metadata

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import checksums, faults
+from . import checksums
 from .abandon import leave_failed_save, leave_timeout
 from .channel import LocalChannel, SaveChannel
 from .commit_record import commit_id
@@ -148,8 +148,7 @@ class SaveJob:
         try:
             self._write(name, tr)
             handed_over = True
-            faults.delay("handed_over", self.rank)
-            faults.point("after_data", self.rank)
+            tr.mark("hand-over")
         except _PeerFailed as e:  # another rank failed first: stop writing, free the space, say who failed
             self._drop(name)
             err = SaveFailedError(f"save to {self.path} aborted: {e}; the previous checkpoint is untouched")
@@ -180,9 +179,6 @@ class SaveJob:
 
     def _write(self, name: str, tr: Tracer) -> None:
         layout = self.plan.files[self.rank]
-        faults.delay("before_data", self.rank)
-        faults.point("before_data", self.rank)
-        kill_at = layout.size // 2 if faults.hit("mid_data", self.rank) else None
         try:
             digest = None if self.checksum == checksums.NONE else checksums.digest_function(self.checksum)
             size, sums = self.storage.write_object(
@@ -192,7 +188,6 @@ class SaveJob:
                 self.arrays,
                 self.chunk_bytes,
                 digest,
-                kill_at=kill_at,
                 should_stop=self._peer_failure,
             )
         finally:
@@ -242,7 +237,6 @@ class SaveJob:
                 f"the previous checkpoint is untouched"
             ) from e
         self.channel.committed()
-        faults.point("after_rename", self.rank)
         if self.publisher is None:
             return
         try:
@@ -256,7 +250,6 @@ class SaveJob:
             ) from e
         self.channel.published()
         tr.mark("publish")
-        faults.point("before_prune", self.rank)
         self.publisher.cleanup()
 
     def _commit(self, tr: Tracer) -> None:
@@ -264,7 +257,6 @@ class SaveJob:
         then publish it at ``path`` atomically."""
         status = self._wait_for_ranks()
         tr.mark("wait-ranks")
-        faults.point("before_metadata", self.rank)
         with gc_paused():  # the index of every piece: many small objects (gc_pause.py)
             objects = self._index(status)
             data = objects[METADATA_FILE]
@@ -279,7 +271,6 @@ class SaveJob:
                 objects[STOCK_METADATA_FILE] = stock_metadata_bytes(self._stock_view())
             self.storage.put_all(self.staging, objects)  # on S3: one round trip for all of them
         tr.mark("metadata")
-        faults.point("before_commit", self.rank)
         # the last point at which the save can still be aborted: a rank that failed after its hand-over waits
         # for this decision (_follow_decision)
         late = self.channel.failures()
@@ -292,7 +283,6 @@ class SaveJob:
         self.storage.put(self.staging, COMMIT_FILE, commit_record(self.checkpoint_id, data))
         self.storage.sync(self.staging)
         tr.mark("commit-record")
-        faults.point("before_rename", self.rank)
         self.storage.publish(self.staging, self.path)
         tr.mark("rename")
 

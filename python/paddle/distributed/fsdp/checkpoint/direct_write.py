@@ -23,7 +23,7 @@ import threading
 
 import numpy as np
 
-from . import checksums, faults
+from . import checksums
 from .checksums import DigestFn
 from .host_memory import alloc_host
 
@@ -54,12 +54,11 @@ class DirectFileWriter:
     will be written, for the checksums; valid until the next ``append``: a buffer comes back for refilling only
     after two more have been submitted); full buffers go to the writer thread. ``finish`` writes the rest, sets
     the exact size and fsyncs. ``close`` always stops the writer thread (joined), also after an error.
-    ``should_stop()`` raises to give up (another rank failed); ``kill_at`` is the test-only ``mid_data`` fault:
-    exactly that many bytes written and fsynced, then faults.kill."""
+    ``should_stop()`` raises to give up (another rank failed)."""
 
-    def __init__(self, fd: int, dfd: int | None, should_stop=None, kill_at: int | None = None):
+    def __init__(self, fd: int, dfd: int | None, should_stop=None):
         self.fd, self.dfd = fd, dfd
-        self.should_stop, self.kill_at = should_stop, kill_at
+        self.should_stop = should_stop
         ring = alloc_host(SLAB * RING_SLABS, for_direct_reads=True)  # page aligned
         self.free: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(RING_SLABS):
@@ -75,8 +74,6 @@ class DirectFileWriter:
 
     # ----------------------------------------------------------------------------------------- calling thread
     def append(self, mv: memoryview) -> list[memoryview]:
-        if self.kill_at is not None and self.offset + self.fill + len(mv) >= self.kill_at:
-            self._die_at_kill_point(mv)
         out = []
         while len(mv):
             n = min(len(mv), SLAB - self.fill)
@@ -136,13 +133,6 @@ class DirectFileWriter:
         if self.error is not None:
             raise self.error
 
-    def _die_at_kill_point(self, mv: memoryview) -> None:
-        self._drain()
-        rest = bytes(self.cur[: self.fill]) + bytes(mv[: self.kill_at - self.offset - self.fill])
-        os.pwrite(self.fd, rest, self.offset)
-        os.fsync(self.fd)
-        faults.kill("mid_data")
-
     # ------------------------------------------------------------------------------------------ writer thread
     def _write_loop(self) -> None:
         while True:
@@ -187,12 +177,11 @@ def write_pieces(
     pieces: list,
     chunk_bytes: int,
     digest: DigestFn | None,
-    kill_at: int | None = None,
     should_stop=None,
 ) -> tuple[int, list[list[int]]]:
     """writer.write_rank_file's O_DIRECT path: header + pieces through the ring, each chunk hashed in the bounce
     buffer. A piece (or its producer's owner) is dropped as soon as its bytes are copied. Returns (size, sums)."""
-    w = DirectFileWriter(fd, dfd, should_stop, kill_at)
+    w = DirectFileWriter(fd, dfd, should_stop)
     sums: list[list[int]] = []
     try:
         w.append(memoryview(header))

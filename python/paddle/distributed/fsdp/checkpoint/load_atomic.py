@@ -137,7 +137,7 @@ class AtomicLoadJob(LoadJob):
                 continue
             segs = region_segments(self.path, md, tg.key, tg.region)
             host = host_memory.is_host_contiguous(tg.tensor)
-            if opts.host_fast_path and host and all(sg.all_big for sg in segs):
+            if host and all(sg.all_big for sg in segs):
                 tg.copies = []
                 for sg in segs:
                     for a, d, n in zip(sg.src.tolist(), sg.dst.tolist(), sg.length.tolist()):
@@ -148,7 +148,7 @@ class AtomicLoadJob(LoadJob):
         spans = _plan_spans(direct, md.chunk_bytes, verify)
         A = DIRECT_ALIGN
         span_bytes = [-(-(sp.end - sp.start) // A) * A for sp in spans]
-        host_staged = [tg for tg in self.staged if opts.host_fast_path and host_memory.is_host_contiguous(tg.tensor)]
+        host_staged = [tg for tg in self.staged if host_memory.is_host_contiguous(tg.tensor)]
         undo_bytes = sum(aligned(len(dst)) for _key, _piece, dst in regions)
         need = sum(span_bytes) + undo_bytes + sum(aligned(tg.region.numel * DTYPES[tg.dtype][0]) for tg in host_staged)
         self.staged_bytes = need

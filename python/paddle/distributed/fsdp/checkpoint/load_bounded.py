@@ -80,7 +80,7 @@ class BoundedLoadJob(LoadJob):
         try:
             reads: list = []  # the reads of host targets, done straight into them in file order
             for tg, segs in sorted(plan, key=_file_position):  # windowed targets in file order too
-                if self.opts.host_fast_path and host_memory.is_host_contiguous(tg.tensor):
+                if host_memory.is_host_contiguous(tg.tensor):
                     dst, _ = host_memory.raw_view(tg.tensor, allow_copy=False)
                     read_region(files, md, tg.key, tg.region, dst, self.verify_checksums, verifier, reads, window, segs)
                 else:

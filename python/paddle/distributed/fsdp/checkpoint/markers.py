@@ -17,7 +17,6 @@ import json
 import os
 import re
 
-from . import faults
 from .format.metadata import PARTS_DIR
 from .io.storage import Storage
 
@@ -48,7 +47,6 @@ def mark_failed(storage: Storage, staging: str, rank: int, e: BaseException) -> 
     """Record that ``rank`` failed with ``e`` (best effort, never raises)."""
     parts = storage.child(staging, PARTS_DIR)
     _put_quietly(storage, parts, f"{rank}.failed.json", json.dumps({"error": cause(e)}).encode())
-    faults.delay("markers", rank)
     _put_quietly(storage, parts, f"{rank}.failed.{tag(e)}", b"")
 
 
@@ -56,7 +54,6 @@ def mark_aborted(storage: Storage, staging: str, rank: int, e: BaseException) ->
     """Record that the coordinator (``rank``) gave the save up because of ``e`` (best effort)."""
     parts = storage.child(staging, PARTS_DIR)
     _put_quietly(storage, parts, "ABORT", cause(e).encode())
-    faults.delay("markers", rank)
     _put_quietly(storage, parts, f"ABORT.{tag(e)}", b"")
 
 

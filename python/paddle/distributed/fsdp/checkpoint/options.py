@@ -16,10 +16,7 @@
 * ``max_metadata_bytes``: ``PADDLE_FSDP_CKPT_MAX_METADATA_BYTES``; default 512 MiB
 * ``max_open_files``: ``PADDLE_FSDP_CKPT_MAX_OPEN_FILES``; default 64
 * ``heartbeat_lease``: ``PADDLE_FSDP_CKPT_HEARTBEAT_LEASE``; default 5 s
-* ``trace_hook``, ``host_fast_path``, ``storage``: no variable; default None, True, None
-
-Only the test-only crash hook ``PADDLE_FSDP_CKPT_FAULT`` (faults.py) stays an environment variable: it must
-reach child processes started by a launcher, and it is not an option anyone should set in production.
+* ``trace_hook``, ``storage``: no variable; default None
 """
 
 from __future__ import annotations
@@ -60,8 +57,6 @@ class CheckpointOptions:
         trace: print the phase timings of every save and load to stderr.
         trace_hook: called with a TraceRecord at the end of every save and load (and of a save's background
             part); for benchmarks. Runs on the thread that did the work; must not raise.
-        host_fast_path: load contiguous host targets through memcpy from host staging; False forces the
-            generic path used for device targets (a host staging tensor + ``Tensor.copy_``), for tests.
         max_metadata_bytes: a ``metadata.json`` larger than this is refused (MetadataError) before it is read:
             parsing costs about ten times its size in memory. A real 30B-MoE index measured 246 MB.
         max_open_files: descriptors a reader keeps open at once (least recently used ones are closed), so any
@@ -81,7 +76,6 @@ class CheckpointOptions:
     read_slab_bytes: int = reader.DEFAULT_READ_SLAB
     trace: bool = False
     trace_hook: TraceHook | None = field(default=None, compare=False)
-    host_fast_path: bool = True
     max_metadata_bytes: int = strict_json.DEFAULT_MAX_METADATA_BYTES
     max_open_files: int = reader.MAX_OPEN_FILES
     heartbeat_lease: float = 5.0
@@ -163,13 +157,13 @@ class CheckpointOptions:
 
     def storage_for(self, location: str) -> Storage:
         """The backend that holds ``location`` under these options (``storage``, a scheme, or local)."""
-        from .io.backends import backend_for
+        from .io.backends import layered, unlayered_backend_for
         from .io.local import LOCAL, LocalStorage
 
-        chosen = backend_for(location, self.storage)
+        chosen = unlayered_backend_for(location, self.storage)
         if chosen is LOCAL and self.odirect is False:
-            return LocalStorage(odirect=False)
-        return chosen
+            chosen = LocalStorage(odirect=False)
+        return layered(chosen)
 
     def checksum_algorithm(self) -> str:
         """The algorithm a new checkpoint is written with (refuses xxh3-64 without xxhash before any write)."""

@@ -215,17 +215,6 @@ def merged_values(per_rank_values: list[dict]) -> dict:
     return values
 
 
-def build_save_plan(
-    per_rank: list[tuple[list[RecordDesc], dict[str, object]]],
-    checkpoint_id: str,
-    chunk_bytes: int,
-) -> SavePlan:
-    """Deterministic: dedup replicas (assign.py), check coverage, lay out every file."""
-    values = merged_values([vals for _descs, vals in per_rank])
-    assignment = assign_writes([[d.to_wire() for d in descs] for descs, _vals in per_rank], values)
-    return lay_out_files(assignment, values, checkpoint_id)
-
-
 # ----------------------------------------------------------------------------------------------- load planning
 
 

@@ -7,7 +7,7 @@ import. The table "What the fork patches in paddle, and what a process keeps" in
 
 from __future__ import annotations
 
-from . import background, channel, checksums, commit, faults, save, snapshot_guard
+from . import background, channel, checksums, commit, save, snapshot_guard
 
 # (module, attribute, what it holds, how it is reset)
 PROCESS_STATE = (
@@ -26,10 +26,10 @@ PROCESS_STATE = (
     ("snapshot_guard", "_inflight / _installed", "snapshots being copied; the in-place write guard", "checked"),
     ("chunks", "_pools", "checksum thread pools, one per size", "kept"),
     ("gc_pause", "_depth", "pauses of Python's cyclic GC in progress", "must be 0"),
-    ("faults", "_counts", "test-only fault hook arrivals", "cleared"),
     ("checksums", "_warned_fallback", "the crc32 fallback warning was logged", "cleared"),
     ("commit", "_stock_warned", "the 0.metadata-at-scale warning was logged", "cleared"),
     ("io.backends", "_schemes", "registered storage backends by URL scheme", "kept"),
+    ("io.backends", "_layers", "storage layers added by the application (add_storage_layer)", "kept"),
     ("s3.storage", "_default", "the shared S3Storage of s3:// locations (its clients; made at first use)", "kept"),
 )
 
@@ -40,7 +40,6 @@ def reset_process_state() -> None:
     background.forget_pending()
     save.forget_assignments()
     channel.reset_clients()
-    faults.reset()
     checksums.reset_warning()
     commit._stock_warned.clear()
     if snapshot_guard.copies_in_flight():

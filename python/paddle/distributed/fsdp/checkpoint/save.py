@@ -43,8 +43,8 @@ committed. Node-local storage (every rank sees only its own ``path``): the coord
 metadata and its data file, every other rank publishes its own data file at its own ``path``; gathered into one
 directory again (copied, re-mounted) the checkpoint loads at any world size.
 
-Crashes (kill -9 of any rank at any stage; stages in ``faults.py``, which also holds the test-only
-``PADDLE_FSDP_CKPT_FAULT`` hook that proves this): before the rename, ``path`` keeps the previous checkpoint
+Crashes (kill -9 of any rank at any stage; the stages, and what is durable at each, in docs/save-load.md; the
+tests kill at each one through a wrapped Storage): before the rename, ``path`` keeps the previous checkpoint
 untouched (or stays absent) and the partial save is only ``<path>.tmp-<id>`` (never loadable at ``path``; safe
 to delete; CheckpointManager removes it at its next save). Loading or verifying ``path`` when it is absent
 but such a staging directory exists raises / reports IncompleteCheckpointError ("never committed", saying

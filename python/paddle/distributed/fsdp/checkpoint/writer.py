@@ -22,7 +22,7 @@ import threading
 
 import numpy as np
 
-from . import checksums, direct_write, faults, libc
+from . import checksums, direct_write, libc
 from .checksums import DigestFn
 
 WRITE_SLAB = 64 << 20  # bytes handed to the kernel per write call
@@ -52,25 +52,17 @@ def write_all(fd: int, bufs: list) -> None:
 
 class _Writer:
     """Sequential writer that starts disk writeback of every KICK_BYTES written (Linux ``sync_file_range``), so
-    the data goes to disk while later data is still being checksummed and copied, and the final fsync is short.
+    the data goes to disk while later data is still being checksummed and copied, and the final fsync is short."""
 
-    ``kill_at`` (test-only, see faults.py): write exactly that many bytes of the file, fsync, then SIGKILL."""
-
-    def __init__(self, fd: int, kill_at: int | None = None, should_stop=None):
+    def __init__(self, fd: int, should_stop=None):
         self.fd = fd
         self.pos = 0
         self.kicked = 0
-        self.kill_at = kill_at
         self.should_stop = should_stop
 
     def write(self, bufs: list) -> None:
         if self.should_stop is not None:
             self.should_stop()  # raises when the save was given up elsewhere (another rank failed)
-        if self.kill_at is not None and self.pos + sum(len(b) for b in bufs) >= self.kill_at:
-            data = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
-            write_all(self.fd, [data[: self.kill_at - self.pos]])
-            os.fsync(self.fd)
-            faults.kill("mid_data")
         write_all(self.fd, bufs)
         self.pos += sum(len(b) for b in bufs)
         if self.pos - self.kicked >= KICK_BYTES and libc.sync_file_range(self.fd, self.kicked, self.pos - self.kicked):
@@ -83,7 +75,6 @@ def write_rank_file(
     pieces: list[np.ndarray],
     chunk_bytes: int,
     digest: DigestFn | None,
-    kill_at: int | None = None,
     batch_bytes: int = WRITE_SLAB,
     should_stop=None,
     direct: bool = False,
@@ -96,7 +87,7 @@ def write_rank_file(
         thread just before it is queued for writing: xxh3-64 runs at memory speed, far faster than the write, so
         helper threads would only add hand-offs. Pieces smaller than ``batch_bytes`` are batched into one writev (and
     stay alive until it); ``batch_bytes=0`` writes and drops each piece before the next is produced (the tools: one
-    tensor in memory). ``kill_at`` is the test-only ``mid_data`` fault (see faults.py).
+    tensor in memory).
     ``should_stop()`` is called before each write call (at most every ``WRITE_SLAB`` bytes) and raises to give
     up (another rank failed): a long write stops within one slab.
     ``direct``: write with O_DIRECT through bounce buffers where the file system allows it (direct_write.py;
@@ -111,12 +102,12 @@ def write_rank_file(
             raise
         if dfd is not None:
             try:
-                return direct_write.write_pieces(fd, dfd, header, pieces, chunk_bytes, digest, kill_at, should_stop)
+                return direct_write.write_pieces(fd, dfd, header, pieces, chunk_bytes, digest, should_stop)
             finally:
                 os.close(fd)
     sums: list[list[int]] = []
     size = len(header)
-    w = _Writer(fd, kill_at, should_stop)
+    w = _Writer(fd, should_stop)
     try:
         pending = [header]  # small pieces batched into one writev (with their owners, alive until written)
         pending_owners: list = []

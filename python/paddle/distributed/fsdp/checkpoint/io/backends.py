@@ -4,6 +4,12 @@
 S3 backend, checkpoint/s3/, imported with boto3 only when an s3:// location is first used), else the local POSIX
 backend (io/local.py). Why a module of its own: the interface (io/storage.py) is what every backend implements,
 so it cannot know the backends; the registry knows both.
+
+Layers: ``add_storage_layer(layer)`` wraps every storage the engine resolves (the chosen one of
+``CheckpointOptions.storage`` too) as ``layer(storage)``, so code that cannot hand a storage to each save (a
+trainer's saves, worker processes, ``CheckpointManager``) can still observe or shape every storage call: metrics,
+throttling, logging, injected failures. A layer returns a ``Storage`` that forwards to the one it wraps; it is
+applied each time a storage is resolved, so it keeps no per-save state of its own.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from .local import LOCAL
 from .storage import Storage, StorageError
 
 _schemes: dict[str, Callable[[], Storage]] = {}
+StorageLayer = Callable[[Storage], Storage]
+_layers: list[StorageLayer] = []
 
 
 def _s3_backend() -> Storage:
@@ -44,9 +52,33 @@ def register_backend(scheme: str, factory: Callable[[], Storage]) -> None:
     _schemes[scheme] = factory
 
 
+def add_storage_layer(layer: StorageLayer) -> None:
+    """Wrap every storage resolved from now on (``backend_for``, ``CheckpointOptions.storage_for``) as
+    ``layer(storage)``; layers added later wrap the earlier ones."""
+    _layers.append(layer)
+
+
+def remove_storage_layer(layer: StorageLayer) -> None:
+    """Undo ``add_storage_layer(layer)`` (not added: no error)."""
+    if layer in _layers:
+        _layers.remove(layer)
+
+
+def layered(storage: Storage) -> Storage:
+    """``storage`` wrapped by every added layer (itself when there is none)."""
+    for layer in _layers:
+        storage = layer(storage)
+    return storage
+
+
 def backend_for(location: str, chosen: Storage | None = None) -> Storage:
     """The backend of ``location``: ``chosen`` (CheckpointOptions.storage) when given, else the one registered for
-    its URL scheme, else the local POSIX backend."""
+    its URL scheme, else the local POSIX backend; wrapped by the added layers."""
+    return layered(unlayered_backend_for(location, chosen))
+
+
+def unlayered_backend_for(location: str, chosen: Storage | None = None) -> Storage:
+    """``backend_for`` without the layers (CheckpointOptions.storage_for picks among the bare backends first)."""
     if chosen is not None:
         if not isinstance(chosen, Storage):
             raise StorageError(f"storage must be a Storage, got {type(chosen).__name__}")

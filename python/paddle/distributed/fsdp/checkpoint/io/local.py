@@ -108,7 +108,6 @@ class LocalStorage(Storage):
         digest: DigestFn | None,
         *,
         should_stop: Callable[[], None] | None = None,
-        kill_at: int | None = None,
     ) -> tuple[int, list[list[int]]]:
         _check_name(name)
         return writer.write_rank_file(
@@ -117,7 +116,6 @@ class LocalStorage(Storage):
             pieces,
             chunk_bytes,
             digest,
-            kill_at=kill_at,
             should_stop=should_stop,
             direct=self.odirect,
         )

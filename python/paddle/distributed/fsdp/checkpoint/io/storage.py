@@ -114,12 +114,10 @@ class Storage(ABC):
         digest: DigestFn | None,
         *,
         should_stop: Callable[[], None] | None = None,
-        kill_at: int | None = None,
     ) -> tuple[int, list[list[int]]]:
         """Write ``header`` then every piece as one new object, durably. Returns (size, per-piece checksums of
         every ``chunk_bytes`` chunk with ``digest``; [] per piece when None). ``should_stop()`` is called at
-        at least every 64 MiB and raises to give up; ``kill_at`` is the test-only ``mid_data`` fault
-        (faults.py): that many bytes durable, then the process is killed."""
+        at least every 64 MiB and raises to give up."""
 
     @abstractmethod
     def put(self, location: str, name: str, data: bytes, *, durable: bool = True) -> None:

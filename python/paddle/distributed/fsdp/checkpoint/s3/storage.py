@@ -21,7 +21,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
-from .. import checksums, faults
+from .. import checksums
 from ..errors import MetadataError
 from ..io.storage import DigestFn, Piece, Storage, StorageError
 from .errors import S3CommitConflictError
@@ -160,7 +160,6 @@ class S3Storage(Storage):
         digest: DigestFn | None,
         *,
         should_stop: Callable[[], None] | None = None,
-        kill_at: int | None = None,
     ) -> tuple[int, list[list[int]]]:
         self._check_name(name)
         objs, prefix = self._resolve(location)
@@ -178,9 +177,6 @@ class S3Storage(Storage):
                     if should_stop is not None:
                         should_stop()
                     up.write(mv[off : off + STOP_EVERY], keep=owner)
-                    if kill_at is not None and up.size >= kill_at:
-                        up.wait_sent()  # the parts sent so far are stored; the upload stays pending
-                        faults.kill("mid_data")
             size = up.finish().size
         return size, sums
 

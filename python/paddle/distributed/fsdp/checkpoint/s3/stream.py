@@ -101,12 +101,6 @@ class StreamUpload:
             if fut.done() and fut.exception() is not None:
                 raise fut.exception()
 
-    def wait_sent(self) -> int:
-        """Wait for the parts in flight; returns the bytes durable in parts (for the test-only kill fault)."""
-        cf.wait(self._futures)
-        self._raise_failed()
-        return len(self._futures) * self.o.opts.part_size
-
     def finish(self) -> UploadResult:
         """Send the rest and complete; the object exists (whole) when this returns."""
         try:

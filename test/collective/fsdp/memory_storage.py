@@ -1,9 +1,9 @@
-"""An in-memory backend: the reference implementation of the storage contract, for the interface tests.
+"""An in-memory Storage: the reference implementation of the storage contract, for the interface tests.
 
 Why: the contract tests (test_storage_contract.py) run against every backend; this one has no file system
 behind it, so a test that passes here and on LocalStorage shows the engine relies on the interface only. It is
-process-local (every rank has its own: like node-local disks). Not a production tier: the host-memory tier with
-peer copies is its own backend.
+process-local (every rank has its own: like node-local disks). It lives with the tests: no production code
+uses it (the host-memory tier with peer copies is its own backend).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
-from .. import checksums
-from ..errors import MetadataError
-from .storage import DigestFn, Piece, Storage, StorageError
+from paddle.distributed.fsdp.checkpoint import checksums
+from paddle.distributed.fsdp.checkpoint.errors import MetadataError
+from paddle.distributed.fsdp.checkpoint.io.storage import DigestFn, Piece, Storage, StorageError
 
 SCHEME = "mem://"
 
@@ -86,7 +86,6 @@ class MemoryStorage(Storage):
         digest: DigestFn | None,
         *,
         should_stop: Callable[[], None] | None = None,
-        kill_at: int | None = None,
     ) -> tuple[int, list[list[int]]]:
         out, sums = [bytes(header)], []
         for arr in pieces:
