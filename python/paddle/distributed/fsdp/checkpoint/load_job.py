@@ -89,8 +89,8 @@ class LoadJob:
 
     def validate(self, strict: bool) -> None:
         """Read the committed metadata (unless the caller opened the checkpoint: ``md`` set) and match every
-        requested key against it (kind, shape, dtype). With ``strict`` any mismatch raises the named error of the first one; else
-        mismatches go to the report. Then exact coverage of every target's tensor and the kinds and sizes of the
+        requested key against it (kind, shape, dtype). With ``strict`` any mismatch raises the named error of the
+        first one; else mismatches go to the report. Then exact coverage of every target's tensor and the kinds and sizes of the
         data files its pieces are in: everything that can be refused before a byte of data is read."""
         path, report = self.path, self.report
         md = self.md = self.md if self.md is not None else read_metadata(path, self.opts, self.storage)

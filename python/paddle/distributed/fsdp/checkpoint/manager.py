@@ -166,8 +166,8 @@ class CheckpointManager:
 
     def save_request(self, step: int, state_dict: dict, checked: Mapping[str, Any]) -> SaveRequest:
         """The engine's request (save_request.py) of saving ``state_dict`` as ``step``, publishing ``latest`` and
-        pruning after the commit; ``checked``: ``save_state_dict``'s keywords as a dict, checked by the caller's door (``save``
-        above, or ``save_checkpoint``), so an unknown one is reported once, naming that door."""
+        pruning after the commit. ``checked``: ``save_state_dict``'s keywords as a dict, checked by the caller's
+        door (``save`` above, or ``save_checkpoint``), so an unknown one is reported once, naming that door."""
         name = step_dir_name(step)
         storage = backend_for(self.root, getattr(checked.get("options"), "storage", None))
         if url_scheme(self.root) is None:
