@@ -236,7 +236,6 @@ def test_load_checkpoint_parses_the_metadata_once_and_still_checks_it(tmp_path, 
     is still refused by name, and a load after it restores the saved values."""
     from paddle.distributed.fsdp import FullyShardFusion
     from paddle.distributed.fsdp.checkpoint import directory as commit
-    from paddle.distributed.fsdp.state import resume
 
     def build(seed):
         paddle.seed(seed)
@@ -252,7 +251,8 @@ def test_load_checkpoint_parses_the_metadata_once_and_still_checks_it(tmp_path, 
     model2, fsdp2, opt2 = build(2)
     calls = []
     real = commit.read_metadata
-    monkeypatch.setattr(resume, "read_metadata", lambda *a, **k: (calls.append(a), real(*a, **k))[1])
+    # load_checkpoint opens the checkpoint through directory.open_checkpoint, which reads it with read_metadata
+    monkeypatch.setattr(commit, "read_metadata", lambda *a, **k: (calls.append(a), real(*a, **k))[1])
     monkeypatch.setattr(load_job, "read_metadata", lambda *a, **k: (calls.append(a), real(*a, **k))[1])
     fsdp2.load_checkpoint(str(tmp_path / "c"), optimizer=opt2)
     assert len(calls) == 1, calls

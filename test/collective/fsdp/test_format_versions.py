@@ -163,3 +163,21 @@ def test_format2_damage_is_named(saved_v2):
     damaged("index.pieces", lambda b: bytes(b))
     got = load_full_state_dict(str(ck), keys)
     assert all(got[k].numpy().tobytes() == arrays[k].tobytes() for k in keys)
+
+
+def test_one_registry_names_every_version_and_the_one_written(tmp_path):
+    """format/versions.py registers formats 1, 2 and 3 (each with its reader); a save, the converter and the
+    fixtures agree with it: a new checkpoint declares WRITE_VERSION (3), the fixtures their own versions."""
+    import paddle
+    from paddle.distributed.fsdp.checkpoint import save_state_dict
+    from paddle.distributed.fsdp.checkpoint.convert import convert_to_format2, convert_to_format3
+    from paddle.distributed.fsdp.checkpoint.format import versions
+
+    assert sorted(versions.FORMATS) == [1, 2, 3]
+    assert versions.WRITE_VERSION == versions.RANK_VALUES_VERSION == 3
+    assert (versions.SINGLE_FILE_VERSION, versions.INDEXED_VERSION) == (1, 2)
+    assert all(v.version == n and callable(v.read) for n, v in versions.FORMATS.items())
+    assert convert_to_format2 is convert_to_format3
+    save_state_dict({"w": paddle.ones([3])}, str(tmp_path / "new"))
+    assert read_metadata(str(tmp_path / "new")).version == versions.WRITE_VERSION
+    assert (read_metadata(str(V1)).version, read_metadata(str(V2)).version) == (1, 2)

@@ -27,7 +27,7 @@ from paddle.distributed.fsdp import FullyShardFusion
 from paddle.distributed.fsdp.checkpoint import reader, records, regions
 from paddle.distributed.fsdp.checkpoint.errors import MetadataError
 from paddle.distributed.fsdp.checkpoint.format import metadata as md_format
-from paddle.distributed.fsdp.checkpoint.format import schema
+from paddle.distributed.fsdp.checkpoint.format import schema, versions
 from paddle.distributed.fsdp.checkpoint.gc_pause import gc_paused
 
 CHUNK = 4096
@@ -160,7 +160,7 @@ def _parse(d: dict, fast: bool, monkeypatch):
         if not fast:
             m.setattr(schema, "_well_formed_piece", lambda pd, cls: None)
         try:
-            got = schema.parse_metadata(copy.deepcopy(d), "m.json", md_format.FORMAT_NAME, md_format.FORMAT_VERSION)
+            got = schema.parse_metadata(copy.deepcopy(d), "m.json", md_format.FORMAT_NAME, versions.SINGLE_FILE_VERSION)
         except MetadataError as e:
             return "error", str(e)
         return "ok", got.to_json()

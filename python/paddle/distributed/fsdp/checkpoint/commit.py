@@ -40,7 +40,7 @@ from .gc_pause import gc_paused
 from .io.storage import Storage
 from .markers import cause, mark_aborted, mark_failed
 from .options import CheckpointOptions
-from .planner import WriteAssignment, lay_out_files
+from .planner import WriteAssignment, rank_plan
 from .save_index import assignment_columns, index_objects
 from .tracing import Tracer
 
@@ -113,9 +113,15 @@ class SaveJob:
                 try:
                     if self.snapshot is not None:  # async: copy the deferred tensors first (snapshot.py)
                         self.snapshot.copy_deferred()
-                    if self.plan is None:
-                        only = None if self.rank == self.coordinator and self.write_stock else self.rank
-                        self.plan = lay_out_files(self.assignment, self.values, self.checkpoint_id, only)
+                    if self.plan is None:  # (a sync save laid it out on the calling thread, the same way)
+                        self.plan = rank_plan(
+                            self.assignment,
+                            self.values,
+                            self.checkpoint_id,
+                            self.rank,
+                            self.coordinator,
+                            self.write_stock,
+                        )
                 except BaseException as e:
                     self.fail(e)
                     raise

@@ -1,6 +1,6 @@
-"""Converting a format-1 checkpoint (one metadata.json holding every checksum) to format 2 (format/index.py).
+"""Converting a format-1 checkpoint (one metadata.json holding every checksum) to an indexed one (format 3).
 
-Why: format-1 checkpoints keep loading as they are; converting one makes its loads read what a format-2 load
+Why: format-1 checkpoints keep loading as they are; converting one makes its loads read what a format-3 load
 reads (a small index, the rows and checksums of what is loaded). The data files are not rewritten: they are
 hard-linked into a staging directory next to the checkpoint, the sidecars and index objects are written there,
 COMMIT last, and the staging replaces the checkpoint atomically (writer.replace_dir), so a crash leaves the
@@ -20,13 +20,14 @@ from .format.commit import commit_record
 from .format.metadata import COMMIT_FILE, METADATA_FILE, STOCK_METADATA_FILE
 from .one_process import format3_objects
 
-__all__ = ["convert_to_format2"]
+__all__ = ["convert_to_format3", "convert_to_format2"]
 
 
-def convert_to_format2(path: str) -> bool:
-    """Convert the committed checkpoint at ``path`` to format 2 (written as version 3: per-rank values stay the
-    lists they are in format 1) in place (atomically); False when it has an index already. Every checksum is
-    carried over as saved (nothing is re-read); ``verify_checkpoint`` afterwards checks them against the data."""
+def convert_to_format3(path: str) -> bool:
+    """Convert the format-1 checkpoint at ``path`` to the format saves write (format 3, versions.py
+    ``WRITE_VERSION``; its per-rank values stay the lists they are in format 1, as format 3 reads them) in place
+    (atomically); False when it has an index already (format 2 or 3). Every checksum is carried over as saved
+    (nothing is re-read); ``verify_checkpoint`` afterwards checks them against the data."""
     path = os.path.abspath(os.fspath(path))
     md = read_metadata(path)
     if md.index is not None:  # format 2 or 3 already
@@ -48,3 +49,7 @@ def convert_to_format2(path: str) -> bool:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return True
+
+
+# its name before the format it writes was numbered 3 (docs and scripts call it so); the same function
+convert_to_format2 = convert_to_format3

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import re
+from dataclasses import dataclass
 
 from . import errors as _errors
 from .commit_record import removed_or
@@ -198,6 +199,21 @@ def prune(root: str, keep_last: int, protect: tuple[str, ...] = (), storage: Sto
     if removed:
         logger.info("keep_last=%d: removed %s from %s", keep_last, removed, root)
     return removed
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    """A committed checkpoint whose metadata was read once: what a caller checks before a load (state/resume.py)
+    and what the engine then loads from (load.py ``run_load``), so nobody reads or parses it twice."""
+
+    path: str  # the location (paths.py)
+    metadata: CheckpointMetadata
+
+
+def open_checkpoint(path: str, options=None, storage: Storage | None = None) -> CommittedCheckpoint:
+    """The committed checkpoint at ``path``, its metadata read (:func:`read_metadata`: same errors)."""
+    where, _ = _location(path, storage or getattr(options, "storage", None))
+    return CommittedCheckpoint(where, read_metadata(where, options, storage))
 
 
 def read_metadata(path: str, options=None, storage: Storage | None = None) -> CheckpointMetadata:

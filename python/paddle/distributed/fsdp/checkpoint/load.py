@@ -62,13 +62,13 @@ each node has the pieces its ranks read). Saving needs one file system visible t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from . import host_memory
 from .background import wait_pending
 from .chunks import ChunkVerifier
 from .coordination import Comm
-from .directory import read_metadata
+from .directory import CommittedCheckpoint, read_metadata
 from .errors import CheckpointError, CorruptCheckpointError, InvalidStateDictError, MissingKeyError
 from .format.metadata import CheckpointMetadata
 from .gc_pause import gc_paused
@@ -84,10 +84,9 @@ from .reader import FileSet
 from .regions import read_deferred, read_region
 from .tracing import Tracer
 
-__all__ = ["LoadReport", "default_load_budget", "load_full_state_dict", "load_state_dict"]
+__all__ = ["LoadReport", "default_load_budget", "load_full_state_dict", "load_state_dict", "run_load"]
 
 
-@gc_paused()
 def load_state_dict(
     state_dict: dict,
     path: str,
@@ -98,9 +97,7 @@ def load_state_dict(
     strict: bool = True,
     atomic: bool = False,
     max_host_bytes: int | None = None,
-    precheck: Callable[[CheckpointMetadata], None] | None = None,
     options: CheckpointOptions | None = None,
-    _metadata: CheckpointMetadata | None = None,
     **unused_stock_kwargs,
 ) -> LoadReport:
     """Load ``path`` into the tensors of ``state_dict`` in place (see the module docstring).
@@ -110,27 +107,52 @@ def load_state_dict(
     rank when data turns out corrupt (or unreadable) once writing has begun. ``atomic=True``: all-or-nothing for
     everything, at the cost of a host copy of the rank's slice.
 
-    ``precheck(metadata)`` (optional) runs on every rank right after the metadata is read, before the engine's
-    own checks (keys, shapes, dtypes, exact coverage, data file kinds and sizes) and before any data is read:
-    what it raises on any rank is exchanged, so every rank raises the same named error and nothing is written.
-    Callers decode and validate the non-tensor state they will restore there (state/resume.py).
-
     ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now): O_DIRECT, huge pages,
     in-place reads, read slab, checksum threads, tracing.
-
-    ``_metadata``: the metadata of ``path`` as its caller read it a moment ago (load_checkpoint), so that it is
-    not read and parsed twice; everything is still checked against it, and the ranks still compare checkpoint ids.
 
     Stock's keywords (``unique_id``, ``offload``, ``safetensors``, ...) are accepted and ignored (``aoa_config``
     refused); any other keyword is a TypeError naming the nearest valid one (keywords.py).
 
-    Steps (``_LoadJob``, atomic): validate -> plan -> read -> exchange -> commit; nothing a target holds changes
+    Steps (``AtomicLoadJob``, atomic): validate -> plan -> read -> exchange -> commit; nothing a target holds changes
     before the exchange has shown that every rank validated and read everything (in-place reads keep an undo
-    copy). ``_BoundedLoadJob`` (default): validate -> prepare -> exchange -> read into the targets -> exchange.
+    copy). ``BoundedLoadJob`` (default): validate -> prepare -> exchange -> read into the targets -> exchange.
     """
     check_keywords("load_state_dict", unused_stock_kwargs, keyword_names(load_state_dict) + STOCK_LOAD_KEYWORDS)
     if unused_stock_kwargs.get("aoa_config") is not None:
         raise InvalidStateDictError("aoa_config is not supported by the FSDP checkpoint engine")
+    return run_load(
+        state_dict,
+        path,
+        process_group,
+        coordinator_rank,
+        verify_checksums=verify_checksums,
+        strict=strict,
+        atomic=atomic,
+        max_host_bytes=max_host_bytes,
+        options=options,
+    )
+
+
+@gc_paused()
+def run_load(
+    state_dict: dict,
+    source: str | CommittedCheckpoint,
+    process_group=None,
+    coordinator_rank: int = 0,
+    *,
+    verify_checksums: bool = True,
+    strict: bool = True,
+    atomic: bool = False,
+    max_host_bytes: int | None = None,
+    options: CheckpointOptions | None = None,
+) -> LoadReport:
+    """The load behind every door, whose keywords its door checked (``load_state_dict``, CheckpointManager,
+    the stock hook, ``load_checkpoint``): so an unknown keyword is reported once, naming the door called.
+
+    ``source``: a path, or a checkpoint its caller opened and checked already (directory.open_checkpoint:
+    load_checkpoint runs its own checks of the non-tensor state on that metadata first); the load is checked
+    against that same metadata, read once, and the ranks still compare the checkpoint ids they read.
+    """
     try:
         opts, opts_error = resolve(options), None
     except CheckpointError as e:  # a malformed PADDLE_FSDP_CKPT_* variable: reported by the exchange below
@@ -139,14 +161,16 @@ def load_state_dict(
     wait_pending(raise_error=False)
     t0 = time.perf_counter()
     comm = Comm(process_group)
+    opened = source if isinstance(source, CommittedCheckpoint) else None
+    path = local_path(opened.path if opened is not None else source, opts.storage)
     if atomic:
-        job = AtomicLoadJob(state_dict, local_path(path, opts.storage), opts, verify_checksums, tr)
-        job.md = _metadata
-        all_requested = job.run(comm, strict, opts_error, precheck)
+        job = AtomicLoadJob(state_dict, path, opts, verify_checksums, tr)
+        job.md = opened.metadata if opened is not None else None
+        all_requested = job.run(comm, strict, opts_error)
     else:
-        job = BoundedLoadJob(state_dict, local_path(path, opts.storage), opts, verify_checksums, tr)
-        job.md = _metadata
-        all_requested = job.run(comm, strict, max_host_bytes, opts_error, precheck)
+        job = BoundedLoadJob(state_dict, path, opts, verify_checksums, tr)
+        job.md = opened.metadata if opened is not None else None
+        all_requested = job.run(comm, strict, max_host_bytes, opts_error)
     return job.finish(all_requested, time.perf_counter() - t0)
 
 

@@ -91,17 +91,17 @@ class AtomicLoadJob(LoadJob):
         self.staged: list[Target] = []
         self.staged_bytes = 0  # host staging + undo bytes (a copy of the slice)
 
-    def run(self, comm: Comm, strict: bool, opts_error, precheck=None) -> set[str]:
+    def run(self, comm: Comm, strict: bool, opts_error) -> set[str]:
         """Every step in order; returns the keys requested by any rank."""
         base = host_memory.account.reset_peak()
         err: BaseException | None = None
         try:
-            # 1. validate (no data read): metadata, caller's checks, keys, shapes, dtypes, exact coverage, files;
+            # 1. validate (no data read): metadata, keys, shapes, dtypes, exact coverage, files;
             # the verdict of every rank is exchanged before any byte of data is read or any target written
             try:
                 if opts_error is not None:
                     raise opts_error
-                self.validate(strict, precheck)
+                self.validate(strict)
             except Exception as e:  # noqa: BLE001 - every failure must reach the verdict exchange below
                 err = read_failure(self.path, e, self.md, self.storage)
             all_requested = self.exchange(comm, err)

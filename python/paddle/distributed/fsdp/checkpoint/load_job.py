@@ -87,16 +87,14 @@ class LoadJob:
         self.files: FileSet | None = None
         self.storage: Storage = opts.storage_for(path)
 
-    def validate(self, strict: bool, precheck=None) -> None:
-        """Read the committed metadata, run the caller's ``precheck`` on it, and match every requested key against
-        it (kind, shape, dtype). With ``strict`` any mismatch raises the named error of the first one; else
-        mismatches go to the report. Then exact coverage of every target's tensor and the kinds and sizes of the
+    def validate(self, strict: bool) -> None:
+        """Read the committed metadata (unless the caller opened the checkpoint: ``md`` set) and match every
+        requested key against it (kind, shape, dtype). With ``strict`` any mismatch raises the named error of the
+        first one; else mismatches go to the report. Then exact coverage of every target's tensor and the kinds and sizes of the
         data files its pieces are in: everything that can be refused before a byte of data is read."""
         path, report = self.path, self.report
         md = self.md = self.md if self.md is not None else read_metadata(path, self.opts, self.storage)
         self.tr.mark("metadata")
-        if precheck is not None:  # the caller's checks first: "another optimizer" says more than its keys
-            precheck(md)
         if not isinstance(self.state_dict, dict):
             raise InvalidStateDictError(f"state_dict must be a dict, got {type(self.state_dict).__name__}")
         problems: list[tuple[type, str]] = []

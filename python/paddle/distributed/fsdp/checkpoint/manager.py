@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from .coordination import Comm, gather_errors
 from .directory import (  # noqa: F401 - the manager's functions, answered in directory.py
@@ -58,10 +60,10 @@ from .format.metadata import LATEST_FILE
 from .io.backends import backend_for
 from .io.storage import Storage
 from .keywords import check_keywords, keyword_names
-from .load import LoadReport, load_state_dict
+from .load import LoadReport, load_state_dict, run_load
 from .paths import local_path, url_scheme
 from .save import SaveHandle, run_save, save_state_dict
-from .save_request import save_request
+from .save_request import SaveRequest, save_request
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,28 @@ __all__ = [
     "committed_steps",
     "resolve_checkpoint",
 ]
+
+
+# a load that lost a race with keep_last rotation (or a replacing save) retries with what `latest` names now
+REMOVED_RETRIES = 3
+_T = TypeVar("_T")
+
+
+def retry_removed(load: Callable[[], _T], what: str, may_retry: Callable[[BaseException], bool] = lambda e: True) -> _T:
+    """``load()``, called again (at most ``REMOVED_RETRIES`` times) while it raises CheckpointRemovedError (on every
+    rank alike: the engine exchanges errors) and ``may_retry(error)`` agrees (decided alike on every rank).
+
+    Why one helper: CheckpointManager.load_latest and load_checkpoint (state/resume.py) both resolve ``latest``
+    again after a race with keep_last rotation; the fallback to an older step after a failed load is
+    load_checkpoint's own (state/resume.py ``load_checkpoint``)."""
+    for attempt in range(REMOVED_RETRIES + 1):
+        try:
+            return load()
+        except CheckpointRemovedError as e:
+            if attempt == REMOVED_RETRIES or not may_retry(e):
+                raise
+            logger.warning("%s: %s; retrying with what %s names now", what, e, LATEST_FILE)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def resolve_checkpoint_collective(path: str, comm) -> str:
@@ -138,24 +162,22 @@ class CheckpointManager:
         one is a TypeError naming the nearest valid one.
         """
         check_keywords("CheckpointManager.save", save_kwargs, keyword_names(save_state_dict, _MANAGED))
+        return run_save(self.save_request(step, state_dict, save_kwargs))
+
+    def save_request(self, step: int, state_dict: dict, checked: Mapping[str, Any]) -> SaveRequest:
+        """The engine's request (save_request.py) of saving ``state_dict`` as ``step``, publishing ``latest`` and
+        pruning after the commit. ``checked``: ``save_state_dict``'s keywords as a dict, checked by the caller's
+        door (``save`` above, or ``save_checkpoint``), so an unknown one is reported once, naming that door."""
         name = step_dir_name(step)
-        options = save_kwargs.get("options")
-        storage = backend_for(self.root, getattr(options, "storage", None))
+        storage = backend_for(self.root, getattr(checked.get("options"), "storage", None))
         if url_scheme(self.root) is None:
             try:
                 os.makedirs(self.root, exist_ok=True)
             except OSError as e:  # read-only file system, permissions: a named error, like any failed save
                 raise SaveFailedError(f"save to {self.root}: cannot create the checkpoint root: {e}") from e
-        # save_and_publish without its keyword check: save_kwargs were checked above, against the same keywords
-        return run_save(
-            save_request(
-                state_dict,
-                storage.child(self.root, name),
-                self.process_group,
-                self.coordinator_rank,
-                _LatestPublisher(self.root, name, self.keep_last, storage),
-                **save_kwargs,
-            )
+        publisher = _LatestPublisher(self.root, name, self.keep_last, storage)
+        return save_request(
+            state_dict, storage.child(self.root, name), self.process_group, self.coordinator_rank, publisher, **checked
         )
 
     def latest(self) -> str | None:
@@ -175,17 +197,14 @@ class CheckpointManager:
         loses a race with keep_last rotation (CheckpointRemovedError on every rank) retries with the new latest.
         ``load_kwargs`` go to ``load_state_dict``; an unknown one is a TypeError naming the nearest valid one."""
         check_keywords("CheckpointManager.load_latest", load_kwargs, keyword_names(load_state_dict, _MANAGED))
-        for attempt in range(4):
-            try:
-                return load_state_dict(
-                    state_dict,
-                    resolve_checkpoint_collective(self.root, Comm(self.process_group)),
-                    process_group=self.process_group,
-                    coordinator_rank=self.coordinator_rank,
-                    **load_kwargs,
-                )
-            except CheckpointRemovedError as e:
-                if attempt == 3:
-                    raise
-                logger.warning("load_latest(%s): %s; retrying with what %s names now", self.root, e, LATEST_FILE)
-        raise AssertionError("unreachable")  # pragma: no cover
+        comm = Comm(self.process_group)
+        return retry_removed(
+            lambda: run_load(
+                state_dict,
+                resolve_checkpoint_collective(self.root, comm),
+                self.process_group,
+                self.coordinator_rank,
+                **load_kwargs,
+            ),
+            f"load_latest({self.root})",
+        )

@@ -112,8 +112,8 @@ from .planner import (
     assignment_name,
     chunk_for,
     descs_digest,
-    lay_out_files,
     merged_values,
+    rank_plan,
 )
 from .records import collect
 from .save_request import SaveRequest, save_request
@@ -196,9 +196,9 @@ def save_and_publish(
 
 
 def run_save(req: SaveRequest) -> SaveHandle | None:
-    """Carry out one save request (save_request.py): the door behind ``save_state_dict`` and ``save_and_publish``,
-    and the one of a caller that checked its keywords itself (CheckpointManager.save), so each call is checked once.
-    """
+    """Carry out one save request (save_request.py): the save behind every door (``save_state_dict``,
+    ``save_and_publish``, CheckpointManager.save, ``save_checkpoint``, the stock hook), each of which checked its
+    own keywords, so an unknown keyword is reported once, naming the door called."""
     publisher = req.publisher
     if publisher is not None and not all(
         callable(getattr(publisher, m, None)) for m in ("publish", "is_published", "cleanup")
@@ -250,13 +250,7 @@ def _save_locked(req: SaveRequest) -> SaveHandle | None:
         my_keys,
         local,
         req,
-        # the coordinator lays out every file only for stock paddle's index (0.metadata lists every piece)
-        (
-            assignment,
-            values,
-            checkpoint_id,
-            None if comm.rank == coordinator_rank and req.write_stock_metadata else comm.rank,
-        ),
+        (assignment, values, checkpoint_id, comm.rank, coordinator_rank, req.write_stock_metadata),
         (channel, storage, staging),
     )
     tr.mark("snapshot (volatile part)" if async_save else "views")
@@ -385,7 +379,7 @@ def _sources(keys, local: _Local, req: SaveRequest, layout_of, where):
         if req.async_save:
             snap = _snapshot(keys, local, req.deferred_keys, opts)
             return snap, plan, snap.arrays, snap.keep, snap.written
-        plan = lay_out_files(*layout_of)
+        plan = rank_plan(*layout_of)  # (an async save's job lays it out on its thread, the same way)
         return (snap, plan, *_piece_sources(keys, local))
     except BaseException as e:  # the coordinator must not wait for this rank until the timeout
         channel.fail(cause(e))

@@ -6,7 +6,8 @@
   ``optimizer_state_creation.py``: making the state exist before a load and writing into it in place.
 * ``resume_state.py``: what a resume holds (``ITEMS``), built and applied in one place for every door.
 * ``resume.py``: the one-call ``save_checkpoint`` / ``load_checkpoint`` built on the engine in
-  ``paddle.distributed.fsdp.checkpoint``; the memory tier (``memtier/``) is the other door.
+  ``paddle.distributed.fsdp.checkpoint``: the implementation behind the ``FullyShardFusion`` methods, which are
+  the door (they check the keywords; docs/save-load.md "The doors"); the memory tier (``memtier/``) is the other.
 * ``grad_scaler.py``, ``rng.py``, ``buffers.py``, ``stateful.py`` (objects with ``state_dict()``, the data
   sampler), ``ema.py`` (a sharded EMA of the weights): the items' own encodings.
 

@@ -31,27 +31,25 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..checkpoint import (
-    CheckpointManager,
-    CheckpointOptions,
-    LoadReport,
-    load_state_dict,
-    read_metadata,
-    save_state_dict,
-)
+from ..checkpoint import CheckpointManager, CheckpointOptions, LoadReport
 from ..checkpoint.coordination import Comm, gather_errors
+from ..checkpoint.directory import open_checkpoint
 from ..checkpoint.errors import CheckpointRemovedError, PartiallyLoadedError, UnexpectedKeyError
 from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, RESERVED_PREFIX
 from ..checkpoint.gc_pause import gc_paused
+from ..checkpoint.load import run_load
 from ..checkpoint.load_checks import named_read_error
 from ..checkpoint.manager import (
     committed_steps,
     is_checkpoint_root,
     parse_step,
     resolve_checkpoint,
+    retry_removed,
     step_dir_name,
 )
 from ..checkpoint.paths import local_path
+from ..checkpoint.save import run_save
+from ..checkpoint.save_request import save_request
 from . import replicas, resume_state
 from .buffers import persistable_buffers
 from .records import refresh_master_weights
@@ -136,9 +134,10 @@ def save_checkpoint(
     save_options = dict(
         async_save=async_save, deferred_keys=deferred, per_rank_values=built.per_rank_keys, options=options
     )
+    # the engine's requests directly: this function's keywords are its door's (FullyShardFusion.save_checkpoint)
     if manager is not None:
-        return manager.save(step, state, **save_options)
-    return save_state_dict(state, path, process_group=fsdp._checkpoint_group, **save_options)
+        return run_save(manager.save_request(step, state, save_options))
+    return run_save(save_request(state, path, fsdp._checkpoint_group, 0, None, **save_options))
 
 
 def _foreign_keys(metadata, fsdp) -> list[str]:
@@ -162,7 +161,7 @@ def _foreign_keys(metadata, fsdp) -> list[str]:
 
 
 def _precheck(objs: ResumeObjects, resolved: str, metadata, strict: bool) -> tuple[list[str], Callable[[], None]]:
-    """Everything a load must refuse before any tensor is written (this rank; the engine exchanges the verdict):
+    """Everything a load must refuse before any tensor is written (this rank; ``_load_once`` exchanges the verdict):
     keys of another model, and every item of non-tensor state decoded and validated by the owner of the resume
     state (state/resume_state.py: optimizer class and global state with the LR scheduler, this rank's RNG,
     GradScaler, stateful objects, EMA, ``extra_state``). Returns the foreign keys and the function applying the
@@ -176,10 +175,6 @@ def _precheck(objs: ResumeObjects, resolved: str, metadata, strict: bool) -> tup
         )
     saved = resume_state.Saved(metadata.values, fsdp._checkpoint_rank, resume_state.checkpoint_world(fsdp))
     return foreign, resume_state.decode(objs, saved, strict, f"checkpoint {resolved}")
-
-
-# a load that lost a race with keep_last rotation (or a replacing save) retries with what `latest` names now
-_REMOVED_RETRIES = 3
 
 
 @gc_paused()
@@ -269,45 +264,41 @@ def _older_checkpoint(root: str, failed: str) -> str | None:
 
 
 def _load_retrying(objs, path, strict, verify_checksums, atomic, max_host_bytes, options) -> LoadResult:
-    """One load of ``path``, retried when ``keep_last`` rotation removed the checkpoint being read."""
-    for attempt in range(_REMOVED_RETRIES + 1):
-        try:
-            return _load_once(objs, path, strict, verify_checksums, atomic, max_host_bytes, options)
-        except CheckpointRemovedError as e:  # raised on every rank alike (the engine exchanges errors)
-            if attempt == _REMOVED_RETRIES or not _agreed(objs.fsdp, e, lambda: is_checkpoint_root(path)):
-                raise
-            logger.warning("load_checkpoint(%s): %s; retrying with what %s names now", path, e, "latest")
-    raise AssertionError("unreachable")  # pragma: no cover
+    """One load of ``path``, retried when ``keep_last`` rotation removed the checkpoint being read (for a root:
+    checkpoint/manager.py ``retry_removed``)."""
+    return retry_removed(
+        lambda: _load_once(objs, path, strict, verify_checksums, atomic, max_host_bytes, options),
+        f"load_checkpoint({path})",
+        lambda e: _agreed(objs.fsdp, e, lambda: is_checkpoint_root(path)),
+    )
 
 
 def _load_once(
     objs: ResumeObjects, path: str, strict: bool, verify_checksums: bool, atomic: bool, max_host_bytes, options
 ) -> LoadResult:
+    """Open the checkpoint once, refuse on every rank together what the engine cannot see (keys of another model,
+    the non-tensor state: ``_precheck``), then have the engine load from that same opened checkpoint."""
     fsdp, optimizer = objs.fsdp, objs.optimizer
     err: BaseException | None = None
-    resolved = metadata = None
-    checked: dict = {}
+    resolved = checkpoint = foreign = apply = None
     try:
         resolved = resolve_checkpoint(path)
-        # refused here, before the optimizer's state is even created; the engine loads with this same metadata
-        # (read once) and still compares the checkpoint id every rank read
-        metadata = read_metadata(resolved)
-        checked["foreign"], checked["apply"] = _precheck(objs, resolved, metadata, strict)
+        # refused here, before the optimizer's state is even created; the engine loads from this same opened
+        # checkpoint (its metadata read once) and still compares the checkpoint id every rank read
+        checkpoint = open_checkpoint(resolved)
+        foreign, apply = _precheck(objs, resolved, checkpoint.metadata, strict)
     except Exception as e:  # noqa: BLE001 - whatever fails here must reach the exchange below
         err = named_read_error(path, e)  # (an OSError reading storage: named, the same class on every rank)
     # every rank fails together: a rank raising alone would leave the others waiting in the load's collective
     resolutions = gather_errors(Comm(fsdp._checkpoint_group), err, resolved)
     if len(set(resolutions)) > 1:  # `latest` moved between the ranks' reads
         raise CheckpointRemovedError(f"ranks resolved {path} to different checkpoints: {sorted(set(resolutions))}")
+    metadata = checkpoint.metadata
     if optimizer is not None:
         fsdp.init_optimizer_state(optimizer)
     state = resume_state.load_targets(objs)
-    for key in resume_state.requested_values(objs, metadata.values if metadata is not None else {}):
+    for key in resume_state.requested_values(objs, metadata.values):
         state[key] = None  # requested: the engine reports them missing like any key (extra_state is returned)
-
-    def precheck(md) -> None:
-        if md is not metadata:  # (the engine read the metadata itself: check it again)
-            checked["foreign"], checked["apply"] = _precheck(objs, resolved, md, strict)
 
     replicate_group = fsdp.group_layout.replicate_group
     split = (
@@ -316,17 +307,15 @@ def _load_once(
     # the dict the engine fills: under HSDP a replica's part, which holds the JSON values (extra_state) too
     requested = replicas.my_part(state, split, replicate_group.rank) if split else state
     try:
-        report = load_state_dict(
+        report = run_load(
             requested,
-            resolved,
-            process_group=fsdp._checkpoint_group,
+            checkpoint,
+            fsdp._checkpoint_group,
             strict=strict,
             verify_checksums=verify_checksums,
             atomic=atomic,
             max_host_bytes=max_host_bytes,
-            precheck=precheck,
             options=options,
-            _metadata=metadata,
         )
     except PartiallyLoadedError as e:
         e.checkpoint = resolved  # which checkpoint failed, for the fallback
@@ -334,7 +323,7 @@ def _load_once(
     if split is not None:  # HSDP: each replica read its part; the parts are exchanged over the replicate group
         window = replicas.window_for(max_host_bytes)
         report.loaded_keys.extend(replicas.broadcast_parts(split, set(report.loaded_keys), replicate_group, window))
-    checked["apply"]()  # validated above on every rank: restores optimizer global state and RNG, cannot fail
+    apply()  # validated above on every rank: restores optimizer global state and RNG, cannot fail
     # the list of buffer keys is for the tools (to-hf); the buffers themselves were loaded as model state
     report.unexpected_keys = [k for k in report.unexpected_keys if k != BUFFERS_KEY]
     if optimizer is not None:  # a parameter loaded without its master weight: the master follows the parameter
@@ -343,7 +332,6 @@ def _load_once(
             logger.info(
                 "load_checkpoint(%s): master weights re-cast from the loaded parameters %s", resolved, refreshed
             )
-    foreign = checked["foreign"]
     if not strict:
         problems = {
             "missing": [k for k in report.missing_keys if not k.startswith(RESERVED_PREFIX)],

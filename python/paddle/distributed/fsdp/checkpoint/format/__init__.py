@@ -3,8 +3,9 @@
 * ``metadata.py``: the schema of ``metadata.json`` (dataclasses, JSON, validation: pieces never share bytes in a
   file), dtype table, file names of a checkpoint directory (``metadata.json``, ``COMMIT``, ``latest``, ``.parts``,
   ``<rank>_0.safetensors``).
-* ``versions.py``: ``loads_metadata``, reading ``metadata.json`` of any version this build reads (format 1 through
-  schema.py, formats 2 and 3 through index.py / index_view.py).
+* ``versions.py``: the registry of on-disk versions (``FORMATS``: 1, 2, 3, what each holds and its reader;
+  ``WRITE_VERSION``) and ``loads_metadata``, reading ``metadata.json`` of any of them (format 1 through schema.py,
+  formats 2 and 3 through index.py / index_view.py).
 * ``commit.py``: writing ``metadata.json`` then the ``COMMIT`` record, and ``read_metadata`` of a committed
   checkpoint (with a diagnosis of directories that are not one).
 * ``safetensors.py``: the one safetensors header builder and the one parser.

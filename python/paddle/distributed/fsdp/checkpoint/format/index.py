@@ -51,8 +51,6 @@ from .metadata import DTYPES, FileMeta, check_file_name
 from .row_directory import FENCES_FILE, STARTS_FILE
 from .schema import _Fields
 
-VERSION = 3  # what saves write; metadata.py FORMAT_VERSION is format 1, versions.py reads all three
-READ_VERSIONS = (2, 3)  # 2: per-rank values as lists in metadata.json's values (read as they are)
 KEYS_FILE = "index.keys"
 PIECES_FILE = "index.pieces"
 SUMS_SUFFIX = ".sums"
@@ -143,8 +141,10 @@ def encode(
     rows: np.ndarray,
     starts: np.ndarray,
     fences: np.ndarray,
+    version: int,
 ) -> dict[str, bytes]:
-    """The index objects of a format-2 checkpoint: ``{name: bytes}`` with ``metadata.json`` last.
+    """The index objects of an indexed checkpoint: ``{name: bytes}`` with ``metadata.json`` last; ``version``:
+    the format number it declares (versions.py ``WRITE_VERSION``).
 
     ``header``: checkpoint_id, created_unix, world_size, chunk_bytes, checksum, values, and optionally
     rank_values: ``(keys, index.ranks bytes)`` (rank_values.py). ``keys``: the ``keys_blob``. ``files``:
@@ -159,7 +159,7 @@ def encode(
     default_names = all(name == f"{i}_0.safetensors" for i, (name, _s, _n) in enumerate(files))
     md = {
         "format": "paddle-fsdp-checkpoint",
-        "version": VERSION,
+        "version": version,
         **{k: header[k] for k in ("checkpoint_id", "created_unix", "world_size", "chunk_bytes", "checksum")},
         "files": {
             "names": None if default_names else [f[0] for f in files],

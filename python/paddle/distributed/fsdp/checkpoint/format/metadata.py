@@ -1,9 +1,9 @@
 """Checkpoint metadata: the schema of ``metadata.json`` (dataclasses, JSON (de)serialization, validation) and
 the names of the files of a checkpoint directory.
 
-``metadata.json`` (schema version 1) is the only index of a format-1 checkpoint (the one-process writers of the
-tools still write it; collective saves write format 2, format/index.py: the same fields without the checksums,
-the pieces in index objects read by key); loading never unpickles anything::
+``metadata.json`` (schema version 1) is the only index of a format-1 checkpoint (written before format 2, still
+read; every writer builds this form in memory, then writes format 3, format/index.py: the same fields without the
+checksums, the pieces in index objects read by key; the versions: versions.py); loading never unpickles anything::
 
     {
       "format": "paddle-fsdp-checkpoint", "version": 1,
@@ -54,7 +54,6 @@ from .rank_values import plain
 from .strict_json import json_value_problem
 
 FORMAT_NAME = "paddle-fsdp-checkpoint"
-FORMAT_VERSION = 1  # the single-file format (schema.py); formats 2 and 3: index.py VERSION, READ_VERSIONS
 METADATA_FILE = "metadata.json"
 COMMIT_FILE = "COMMIT"
 LATEST_FILE = "latest"  # in a CheckpointManager root: the name of the newest committed checkpoint directory
@@ -235,7 +234,7 @@ class CheckpointMetadata:
     files: dict[str, FileMeta] = field(default_factory=dict)
     tensors: dict[str, TensorMeta] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
-    version: int = FORMAT_VERSION
+    version: int = 1  # format 1, the in-memory form every writer builds (format numbers: versions.py)
     # format 2 (format/index.py): reads piece rows and checksums on demand; None for a format-1 checkpoint
     index: Any = field(default=None, repr=False, compare=False)
     # format 3: the per-rank values read by saving rank (format/rank_values.py); None otherwise

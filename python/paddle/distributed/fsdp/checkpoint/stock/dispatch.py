@@ -35,7 +35,7 @@ from ..coordination import Comm, gather_errors
 from ..errors import NotACheckpointError, UnrepresentableKeyError
 from ..format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE
 from ..format.reserved import key_problem
-from ..keywords import keyword_names, unexpected_keyword
+from ..keywords import check_keywords, keyword_names
 from ..paths import local_path, url_scheme
 from .errors import (
     CheckpointPathNotADirectoryError,
@@ -69,11 +69,9 @@ DEFAULT = _Default()
 
 
 def _check_options(given: dict, allowed: frozenset, fn: str, stock: Any) -> None:
-    """Stock's TypeError for a keyword neither stock's ``stock`` nor this engine takes, with the nearest one."""
-    unknown = sorted(set(given) - allowed)
-    if unknown:
-        valid = set(keyword_names(stock)) | {k for k in allowed if not k.startswith("_")}
-        raise unexpected_keyword(fn, unknown[0], valid)
+    """Stock's TypeError for a keyword neither stock's ``stock`` nor this engine takes, with the nearest one. The
+    only check of the call: the engine is then entered behind its own keyword check (``run_save`` / ``run_load``)."""
+    check_keywords(fn, given, set(keyword_names(stock)) | allowed)
 
 
 def _is_tensor_like(v: Any) -> bool:
@@ -254,10 +252,12 @@ def save_state_dict(
             safetensors=bool(safetensors),
             save_replicas=save_replicas,
         )
-    from ..save import save_state_dict as engine_save
+    from ..save import run_save
+    from ..save_request import save_request
 
-    return engine_save(
-        flatten_for_engine(state_dict), path, process_group, coordinator_rank, async_save=async_save, **fork_options
+    flat = flatten_for_engine(state_dict)
+    return run_save(
+        save_request(flat, path, process_group, coordinator_rank, None, async_save=async_save, **fork_options)
     )
 
 
@@ -296,7 +296,7 @@ NO_CHECKPOINT = {
 
 
 def _engine_load(state_dict, path, process_group, coordinator_rank, fork_options: dict):
-    from ..load import load_state_dict as engine_load
+    from ..load import run_load as engine_load
 
     flat = flatten_for_engine(state_dict) if isinstance(state_dict, dict) else state_dict
     same = isinstance(state_dict, dict) and flat.keys() == state_dict.keys()
