@@ -147,7 +147,7 @@ def _rank_values_objects(directory: str, world: int, handovers: dict) -> int:
 
 def _stock_index(plan, world: int) -> int:
     """Bytes of stock paddle's ``0.metadata`` for ``plan`` (the coordinator's work of write_stock_metadata)."""
-    from paddle.distributed.fsdp.checkpoint.commit import stock_view
+    from paddle.distributed.fsdp.checkpoint.save.commit import stock_view
     from paddle.distributed.fsdp.checkpoint.stock_compat import stock_metadata_bytes
 
     return len(stock_metadata_bytes(stock_view(plan, "0" * 32, world)))
@@ -190,7 +190,7 @@ def save_side(
     entry_bytes = _rank_values_objects(directory, world, handovers) if rank_values else 0
     wait_s = store_handover(world, handovers)
     t5 = time.perf_counter()
-    if rank_values:  # the coordinator's table of the ranks' values objects (commit.py's _index)
+    if rank_values:  # the coordinator's table of the ranks' values objects (save/commit.py's _index)
         from paddle.distributed.fsdp.checkpoint.format.rank_values import encode_table
 
         header["rank_values"] = ([RNG_KEY], encode_table([handovers[r]["values"] for r in range(world)]))
@@ -234,7 +234,7 @@ def load_rank(directory: str, model: str, world: int, rank: int, memory: bool = 
     """One loading rank of ``world``: read the metadata cold, plan its FSDP targets, fetch the checksum blocks
     of the ranges it reads. Figures: metadata bytes (index; own checksum ranges apart), time, files opened."""
     from paddle.distributed.fsdp.checkpoint import directory as ckdir
-    from paddle.distributed.fsdp.checkpoint.load import check_coverage
+    from paddle.distributed.fsdp.checkpoint.load.load import check_coverage
     from paddle.distributed.fsdp.checkpoint.planner import Region
     from paddle.distributed.fsdp.checkpoint.regions import region_segments
 

@@ -31,7 +31,7 @@ def store_handover(world: int, handovers: dict) -> float:
     import socket
 
     import paddle.base.core as core
-    from paddle.distributed.fsdp.checkpoint import channel
+    from paddle.distributed.fsdp.checkpoint.save import channel
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -66,7 +66,7 @@ STAGES = (
 )
 DATA_RE = re.compile(r"^(\d+)_\d+\.safetensors$")
 FAILED_DETAIL_RE = re.compile(r"^(\d+)\.failed\.json$")
-HAND_OVER_MARK = "hand-over"  # commit.py's trace mark right after a rank's hand-over
+HAND_OVER_MARK = "hand-over"  # save/commit.py's trace mark right after a rank's hand-over
 
 _counts: dict[str, int] = {}
 _lock = threading.Lock()

@@ -13,8 +13,9 @@ import pytest
 from _results import assert_case_ok
 from launch_util import run_launch
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
-from paddle.distributed.fsdp.checkpoint import host_memory, load_job
-from paddle.distributed.fsdp.checkpoint import load as ck_load
+from paddle.distributed.fsdp.checkpoint import host_memory
+from paddle.distributed.fsdp.checkpoint.load import job as load_job
+from paddle.distributed.fsdp.checkpoint.load import load as ck_load
 
 KIB = 1 << 10
 CHUNK = 64 * KIB

@@ -641,7 +641,7 @@ def test_whole_pieces_are_read_in_place_and_restored_when_the_atomic_load_fails(
     """atomic=True: tensors whose bytes are whole saved pieces are read straight into their memory (no staging
     copy after the status exchange); when a later piece is damaged, every one of them gets its previous bytes
     back."""
-    from paddle.distributed.fsdp.checkpoint import inplace
+    from paddle.distributed.fsdp.checkpoint.load import inplace
 
     paddle.seed(11)
     sd = {f"t{i}": paddle.rand([700, 1000]) for i in range(4)}  # 2.8 MB each: several checksum chunks
@@ -678,7 +678,7 @@ def test_whole_pieces_are_read_in_place_and_restored_when_the_atomic_load_fails(
 
 
 def test_aliasing_targets_are_not_read_in_place(tmp_path, monkeypatch):
-    from paddle.distributed.fsdp.checkpoint import load_atomic as ck_load_mod
+    from paddle.distributed.fsdp.checkpoint.load import atomic as ck_load_mod
 
     sd = {"a": paddle.rand([4, 300_000]), "b": paddle.rand([4, 300_000])}
     ck.save_state_dict(sd, str(tmp_path / "c"))

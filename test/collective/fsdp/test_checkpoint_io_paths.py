@@ -19,7 +19,8 @@ import pytest
 import xxhash
 from crafted import metadata_json
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
-from paddle.distributed.fsdp.checkpoint import chunks, host_memory, libc, load_atomic, ranges, reader, writer
+from paddle.distributed.fsdp.checkpoint import chunks, host_memory, libc, ranges, reader, writer
+from paddle.distributed.fsdp.checkpoint.load import atomic as load_atomic
 
 MIB = 1 << 20
 

@@ -161,7 +161,7 @@ def test_process_state_list_names_real_attributes_and_reset_runs():
         mod = importlib.import_module(f"{BASE}.{module}")
         for attr in attrs.split(" / "):
             assert hasattr(mod, attr), (module, attr)
-    from paddle.distributed.fsdp.checkpoint import save
+    from paddle.distributed.fsdp.checkpoint.save import save
 
     save._assignments.put(b"x", object())
     reset_process_state()

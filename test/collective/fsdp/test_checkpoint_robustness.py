@@ -451,7 +451,7 @@ def test_injected_io_error_at_each_stage_is_a_named_save_failure(tmp_path, monke
 
 @pytest.mark.parametrize("detail_written", [True, False])
 def test_failure_markers_name_rank_errno_and_strerror_with_or_without_their_detail(tmp_path, detail_written):
-    """What a failed save's records say (markers.py; read by loads and verify of the staging, and by the cleanup
+    """What a failed save's records say (save/markers.py; read by loads and verify of the staging, and by the cleanup
     of failed stagings; the ranks themselves learn of failures through the channel). The detail file is written
     before the marker
     named by the cause, so a rank that sees a marker sees the full cause; on a full disk only the named (empty)
@@ -459,7 +459,7 @@ def test_failure_markers_name_rank_errno_and_strerror_with_or_without_their_deta
     as a bare "EIO", which failed an assertion on one rank only and crashed a 2-rank job under load)."""
     import importlib
 
-    markers = importlib.import_module("paddle.distributed.fsdp.checkpoint.markers")
+    markers = importlib.import_module("paddle.distributed.fsdp.checkpoint.save.markers")
     local = importlib.import_module("paddle.distributed.fsdp.checkpoint.io.local").LOCAL
     parts = tmp_path / ".parts"
     parts.mkdir()

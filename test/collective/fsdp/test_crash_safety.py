@@ -158,7 +158,7 @@ def _assert_files_show_stage(cell: Cell, root: Path) -> None:
     assert len(staging) == 1, list(root.iterdir())
     st = staging[0]
     k = cell.killed
-    # (the hand-over of a rank's data goes through the TCP store, channel.py: no marker file to look at)
+    # (the hand-over of a rank's data goes through the TCP store, save/channel.py: no marker file to look at)
     data = st / f"{k}_0.safetensors"
     full_size = (root / "step_00000001" / f"{k}_0.safetensors").stat().st_size  # same layout as step 2
     if cell.stage == "before_data":

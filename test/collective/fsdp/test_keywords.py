@@ -60,12 +60,12 @@ def _fsdp():
 
 # catch-all -> (call with the misspelt keyword, the misspelt keyword, the keyword meant)
 CASES = {
-    P + "checkpoint.save:save_state_dict": (
+    P + "checkpoint.save.save:save_state_dict": (
         lambda d: ck.save_state_dict({"w": paddle.ones([2])}, d, asnyc_save=True),
         "asnyc_save",
         "async_save",
     ),
-    P + "checkpoint.load:load_state_dict": (
+    P + "checkpoint.load.load:load_state_dict": (
         lambda d: ck.load_state_dict({"w": paddle.ones([2])}, d, verfy_checksums=False),
         "verfy_checksums",
         "verify_checksums",
@@ -80,7 +80,7 @@ CASES = {
         "strikt",
         "strict",
     ),
-    P + "checkpoint.save:save_and_publish": (
+    P + "checkpoint.save.save:save_and_publish": (
         lambda d: ck.save.save_and_publish({"w": paddle.ones([2])}, d, _Publisher(), asnyc_save=True),
         "asnyc_save",
         "async_save",

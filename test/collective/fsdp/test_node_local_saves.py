@@ -1,6 +1,6 @@
 """Saves that need no shared file system, and a rank killed with -9 mid-save found by the others in time.
 
-Why: the commit decision travels through the job's TCP store (checkpoint/channel.py), so ranks that each see only
+Why: the commit decision travels through the job's TCP store (checkpoint/save/channel.py), so ranks that each see only
 their own directory (node-local disks, simulated by a directory per rank) still commit one checkpoint, and a rank
 that dies is named by the others through its stopped heartbeat instead of the commit timeout. Real processes,
 real SIGKILL (the engine's test-only fault hook), no mocks. Worker: workers/node_local.py.

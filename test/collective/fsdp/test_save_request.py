@@ -1,4 +1,4 @@
-"""A save is one SaveRequest (checkpoint/save_request.py): options and storage backend resolved once, at the door,
+"""A save is one SaveRequest (checkpoint/save/request.py): options and storage backend resolved once, at the door,
 and what fails while resolving surfaces where the save reported it before (issue #42)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 from paddle.distributed.fsdp.checkpoint.options import CheckpointOptions
 from paddle.distributed.fsdp.checkpoint.paths import UnsupportedURLError
-from paddle.distributed.fsdp.checkpoint.save_request import save_request
+from paddle.distributed.fsdp.checkpoint.save.request import save_request
 
 
 def test_a_save_resolves_its_storage_once(tmp_path, monkeypatch):

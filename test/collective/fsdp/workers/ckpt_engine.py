@@ -254,7 +254,7 @@ def case_description_memo(rank, world, d, full, ck):
     assignment on every rank; a rank that lost its memo, or records that changed on one rank only, send every
     rank through the full exchange together (no hang, no mismatch) and the checkpoints stay whole."""
     import paddle
-    from paddle.distributed.fsdp.checkpoint import save as save_mod
+    from paddle.distributed.fsdp.checkpoint.save import save as save_mod
 
     calls = []
     real = save_mod.exchange_assignment

@@ -18,7 +18,7 @@ import paddle
 import paddle.distributed.fsdp.checkpoint as ck
 from launch_util import worker_main
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
-from paddle.distributed.fsdp.checkpoint import save as save_mod
+from paddle.distributed.fsdp.checkpoint.save import save as save_mod
 
 N = 30  # elements of "w", split in equal thirds
 

@@ -5,13 +5,13 @@ Per-rank safetensors data files + a JSON index (metadata.json) + a commit record
 Saving and loading (collective over the process group; every rank gets the same named error on failure):
 
 * ``save_state_dict(state_dict, path, ...)`` -> ``SaveHandle`` (async) or None; ``release_host_buffers()``
-  (save.py: directory layout, save/commit protocol, crash safety, async saves).
+  (save/save.py: directory layout, save/commit protocol, crash safety, async saves).
 * ``load_state_dict(state_dict, path, ...)`` -> ``LoadReport``, any world size, memory-bounded; all-or-nothing
   for everything checkable before writing, ``PartiallyLoadedError`` on every rank for data found corrupt while
-  writing, or fully all-or-nothing with ``atomic=True`` (load.py).
+  writing, or fully all-or-nothing with ``atomic=True`` (load/load.py).
 * ``wait_for_snapshot()`` / ``snapshot_in_flight()``: an async save copies parameters and optimizer state after
   it returned; writers the engine cannot intercept wait with this first (snapshot_guard.py).
-* ``load_full_state_dict(path, keys=None)``: whole tensors in one process, no collectives (load.py).
+* ``load_full_state_dict(path, keys=None)``: whole tensors in one process, no collectives (load/load.py).
 * ``read_metadata(path)`` -> ``CheckpointMetadata`` of a committed checkpoint (directory.py).
 * ``verify_checkpoint(path)`` -> list of problems (verify.py).
 * ``CheckpointManager``, ``latest_checkpoint``, ``resolve_checkpoint``: numbered checkpoints with a ``latest``
@@ -27,15 +27,15 @@ Saving and loading (collective over the process group; every rank gets the same 
 Names exported here before (every other exception, ``gather_errors``, ``CheckpointMetadata``, ``TraceRecord``)
 still import from this package, resolved from their home module on first use (``__getattr__`` below).
 
-Save path: ``save.py`` (calling thread) -> ``background.py`` (the one save in flight) -> ``commit.py`` (write,
-hand over, commit, publish) over ``channel.py`` (the TCP store: decisions and heartbeats, no polled files) and
-``io/storage.py`` (every byte and name; ``io/local.py`` POSIX; ``io/backends.py`` the registry and layers); ``markers.py``
+Save path: ``save/save.py`` (calling thread) -> ``background.py`` (the one save in flight) -> ``save/commit.py`` (write,
+hand over, commit, publish) over ``save/channel.py`` (the TCP store: decisions and heartbeats, no polled files) and
+``io/storage.py`` (every byte and name; ``io/local.py`` POSIX; ``io/backends.py`` the registry and layers); ``save/markers.py``
 records why a save failed; ``directory.py`` answers "committed? latest? removable? removed under a reader?" and
 reads the metadata. ``process_state.py`` lists the process-wide state, with one reset for tests.
 
-Load path: ``load.py`` (entry points) -> ``load_job.py`` (validate, exchange, finish) with ``load_bounded.py``
-(default) or ``load_atomic.py`` (``atomic=True``), ``load_checks.py`` (checks that read no data) -> ``regions.py``
-(what to read for a region: ``read_ops.py``'s typed reads) -> ``ranges.py`` / ``streamed.py`` / ``inplace.py`` (how a
+Load path: ``load/load.py`` (entry points) -> ``load/job.py`` (validate, exchange, finish) with ``load/bounded.py``
+(default) or ``load/atomic.py`` (``atomic=True``), ``load_checks.py`` (checks that read no data) -> ``regions.py``
+(what to read for a region: ``read_ops.py``'s typed reads) -> ``ranges.py`` / ``streamed.py`` / ``load/inplace.py`` (how a
 range is read) -> ``chunks.py`` (checksum checks) -> ``reader.py`` (``FileSet``: the data objects' handles from
 ``Storage.open_read``; POSIX fast paths where a handle has a descriptor). ``s3/`` serves ``s3://`` locations
 (registered in ``io/storage.py`` without importing it; boto3 loads on first use); ``paths.py`` turns a path into a

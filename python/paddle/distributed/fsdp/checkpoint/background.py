@@ -2,7 +2,7 @@
 
 Why: the saves of one process never overlap, whatever thread they come from (a save or a load first waits for
 this process's previous save), and the background part of an async save runs on one long-lived thread. Split
-from save.py so that load.py can wait for a pending save without importing the save path.
+from save/save.py so that load/load.py can wait for a pending save without importing the save path.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Chunk checksum checks of bytes read from a checkpoint: at once (``verify_chunks``), fed in steps while the
 bytes are in the CPU cache (``ChunkStream``), or queued on helper threads while later bytes are read
-(``ChunkVerifier``). Why its own module: every reader (ranges.py, regions.py, streamed.py, inplace.py) checks
+(``ChunkVerifier``). Why its own module: every reader (ranges.py, regions.py, streamed.py, load/inplace.py) checks
 chunks the same way, whatever storage the bytes came from."""
 
 from __future__ import annotations

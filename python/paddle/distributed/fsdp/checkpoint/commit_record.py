@@ -1,7 +1,7 @@
 """What the commit record of a checkpoint names now, and whether a checkpoint went away under its reader.
 
 Why a module of its own: the reader of data files (reader.py), loads and verify ask ``removed_or`` when a read
-fails, the directory questions (directory.py) and the commit (commit.py) ask ``commit_id``; it needs only the
+fails, the directory questions (directory.py) and the commit (save/commit.py) ask ``commit_id``; it needs only the
 format and the storage interface, so it sits below all of them. ``removed_or`` tells a checkpoint removed under
 a reader (keep_last rotation, a replacing save) apart from a corrupt one, so that ``load_checkpoint(root)`` can
 retry with what ``latest`` names now and never call a sound checkpoint corrupt.

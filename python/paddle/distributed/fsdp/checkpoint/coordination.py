@@ -3,7 +3,7 @@
 The process group wrapper (``Comm``: one ``all_gather_object`` per exchange, none in a single process), the
 error exchange that makes all ranks fail together with the same named error (``gather_errors``), the file-based
 completion protocol helper used instead of collectives (``poll``), the save target check, and
-byte alignment of host buffers. The protocols themselves are described in save.py and load.py.
+byte alignment of host buffers. The protocols themselves are described in save/save.py and load/load.py.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def check_target_path(path: str) -> None:
     names = os.listdir(path)
     if not names:
         return
-    # a checkpoint of ours is replaced atomically; entries of other tools are kept (save.py adopts them)
+    # a checkpoint of ours is replaced atomically; entries of other tools are kept (save/save.py adopts them)
 
 
 def poll(cond, timeout: float, what: str):

@@ -204,7 +204,7 @@ def prune(root: str, keep_last: int, protect: tuple[str, ...] = (), storage: Sto
 @dataclass(frozen=True)
 class CommittedCheckpoint:
     """A committed checkpoint whose metadata was read once: what a caller checks before a load (state/resume.py)
-    and what the engine then loads from (load.py ``run_load``), so nobody reads or parses it twice."""
+    and what the engine then loads from (load/load.py ``run_load``), so nobody reads or parses it twice."""
 
     path: str  # the location (paths.py)
     metadata: CheckpointMetadata
@@ -361,7 +361,7 @@ def _describe_staging(storage: Storage, staging: str) -> str:
     return "a save that was interrupted (or is still running)"
 
 
-# failure markers of a save (markers.py): details in <rank>.failed.json / ABORT, the cause in the name otherwise
+# failure markers of a save (save/markers.py): details in <rank>.failed.json / ABORT, the cause in the name otherwise
 _FAILURE_MARKER = re.compile(r"^(\d+\.failed(\.json|\.[A-Za-z0-9_]+)?|ABORT(\.[A-Za-z0-9_]+)?)$")
 
 

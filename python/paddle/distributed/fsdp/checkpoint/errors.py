@@ -142,7 +142,7 @@ class PartiallyLoadedError(CheckpointError):
     """A load failed after it had begun writing the targets (e.g. a corrupt chunk found mid-read by a
     memory-bounded load): the tensors of the ranks that read data hold a mix of old and loaded bytes and must not
     be used. Raised on every rank. ``load_checkpoint(root)`` then falls back to the newest older checkpoint;
-    ``atomic=True`` loads keep an undo copy instead (see load.py)."""
+    ``atomic=True`` loads keep an undo copy instead (see load/load.py)."""
 
 
 ERROR_CLASSES = {

@@ -5,7 +5,7 @@ views of tensors' own bytes.
   bounds are checked against; ``host_empty`` for accounted scratch buffers.
 * ``alloc_host``: anonymous page-aligned memory (huge pages for O_DIRECT read buffers), returned to the OS when
   the last view of it is dropped.
-* ``HostArena`` / ``arena``: one reusable buffer for async-save snapshots and load staging (save.py, load.py).
+* ``HostArena`` / ``arena``: one reusable buffer for async-save snapshots and load staging (save/save.py, load/load.py).
 * ``raw_view``: a tensor's bytes as a uint8 numpy array, in place for contiguous host tensors.
 """
 

@@ -1,6 +1,6 @@
 """The checks of a load that read no data (exact coverage, data objects of the declared sizes), the host staging
-of a target, and the named error of a failed read: shared by every kind of load (load_atomic.py,
-load_bounded.py, load.py) and the tools."""
+of a target, and the named error of a failed read: shared by every kind of load (load/atomic.py,
+load/bounded.py, load/load.py) and the tools."""
 
 from __future__ import annotations
 

@@ -4,13 +4,13 @@ Why: a long run keeps several checkpoints and resumes from the newest one that i
 the pruning must never name or delete anything before the new checkpoint is committed. Layout::
 
     root/
-      step_00000100/        committed checkpoints: each is a checkpoint directory of the engine (save.py)
+      step_00000100/        committed checkpoints: each is a checkpoint directory of the engine (save/save.py)
       step_00000200/
       latest                one line, e.g. "step_00000200": the most recently committed checkpoint
 
 ``CheckpointManager(root, keep_last=K).save(step, state_dict)`` (collective) runs:
 
-1. the engine's save of ``root/step_<step:08d>`` (staging dir, checksums, COMMIT last, atomic rename; save.py);
+1. the engine's save of ``root/step_<step:08d>`` (staging dir, checksums, COMMIT last, atomic rename; save/save.py);
 2. the coordinator rewrites ``latest`` atomically and durably (tmp file + fsync + rename + directory fsync). The
    other ranks return only once they see the commit AND ``latest`` naming it, so after ``save`` returns
    ``latest()`` gives the new checkpoint on every rank (async saves: after ``handle.wait()``);
@@ -27,7 +27,7 @@ removes them). ``latest()`` returns the directory ``latest`` names if it is comm
 missing, unreadable or names no committed checkpoint, it falls back (with a warning) to the committed checkpoint
 with the highest step; None when there is none.
 
-Saving a step that exists replaces that checkpoint atomically (save.py); ``latest`` then names it even if
+Saving a step that exists replaces that checkpoint atomically (save/save.py); ``latest`` then names it even if
 higher steps exist (latest = most recently saved) and keep_last keeps it too. One job per root: two jobs
 saving into one root race on ``latest`` and on pruning (each checkpoint directory itself stays consistent).
 """
@@ -62,8 +62,8 @@ from .io.storage import Storage
 from .keywords import check_keywords, keyword_names
 from .load import LoadReport, load_state_dict, run_load
 from .paths import local_path, url_scheme
-from .save import SaveHandle, run_save, save_state_dict
-from .save_request import SaveRequest, save_request
+from .save.request import SaveRequest, save_request
+from .save.save import SaveHandle, run_save, save_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class CheckpointManager:
         return run_save(self.save_request(step, state_dict, save_kwargs))
 
     def save_request(self, step: int, state_dict: dict, checked: Mapping[str, Any]) -> SaveRequest:
-        """The engine's request (save_request.py) of saving ``state_dict`` as ``step``, publishing ``latest`` and
+        """The engine's request (save/request.py) of saving ``state_dict`` as ``step``, publishing ``latest`` and
         pruning after the commit. ``checked``: ``save_state_dict``'s keywords as a dict, checked by the caller's
         door (``save`` above, or ``save_checkpoint``), so an unknown one is reported once, naming that door."""
         name = step_dir_name(step)

@@ -3,7 +3,7 @@
 ``CheckpointWriter`` writes one data file at a time, one tensor in memory, then the index and ``COMMIT``. Who:
 the tools (``from-hf``, stock ``import``, through tools/ckpt_io.py), the memory tier's flush (memtier/flush.py),
 ``convert.py`` (format 1 -> 3, through the functions below) and test fixtures. The collective save goes through
-the storage interface instead (commit.py); both build the index with the same code (save_index.py:
+the storage interface instead (save/commit.py); both build the index with the same code (save_index.py:
 ``index_objects``), so there is one index writer.
 
 ``format3_objects(md, per_rank)``: from metadata with every piece and its checksums (the in-memory form of

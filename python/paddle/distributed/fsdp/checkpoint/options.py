@@ -52,7 +52,7 @@ class CheckpointOptions:
         hugepages: transparent huge pages for host buffers: ``"auto"`` for buffers filled by O_DIRECT reads
             only, True for all, False never.
         in_place: a load reads whole saved pieces straight into contiguous host targets, with an undo copy
-            (inplace.py); False stages them like every other target (for measurements).
+            (load/inplace.py); False stages them like every other target (for measurements).
         read_slab_bytes: bytes per pread of a large range (checksums of one slab overlap the next read).
         trace: print the phase timings of every save and load to stderr.
         trace_hook: called with a TraceRecord at the end of every save and load (and of a save's background
@@ -61,7 +61,7 @@ class CheckpointOptions:
             parsing costs about ten times its size in memory. A real 30B-MoE index measured 246 MB.
         max_open_files: descriptors a reader keeps open at once (least recently used ones are closed), so any
             number of data files reads under a low RLIMIT_NOFILE.
-        heartbeat_lease: seconds without a heartbeat (channel.py, through the TCP store) after which the other
+        heartbeat_lease: seconds without a heartbeat (save/channel.py, through the TCP store) after which the other
             ranks of a save consider a rank dead and raise SaveFailedError naming it.
         storage: the storage backend (io/storage.py) that holds the checkpoint; None picks it from the path
             (a registered ``scheme://``, else the local POSIX backend with ``odirect`` writes).

@@ -210,7 +210,7 @@ def rank_plan(
     assignment: WriteAssignment, values: dict, checkpoint_id: str, rank: int, coordinator: int, write_stock: bool
 ) -> SavePlan:
     """The plan ``rank`` writes by, the one place a save lays out its files (a sync save on the calling thread,
-    an async one on its background thread: commit.py): every rank's file for the coordinator when it writes stock
+    an async one on its background thread: save/commit.py): every rank's file for the coordinator when it writes stock
     paddle's index (``0.metadata`` lists every piece), else only the rank's own."""
     only = None if rank == coordinator and write_stock else rank
     return lay_out_files(assignment, values, checkpoint_id, only)

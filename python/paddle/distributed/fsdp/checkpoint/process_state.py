@@ -7,14 +7,15 @@ import. The table "What the fork patches in paddle, and what a process keeps" in
 
 from __future__ import annotations
 
-from . import background, channel, checksums, commit, save, snapshot_guard
+from . import background, checksums, snapshot_guard
+from .save import channel, commit, save
 
 # (module, attribute, what it holds, how it is reset)
 PROCESS_STATE = (
     ("background", "_pending", "this process's save in flight (the next save or load waits for it)", "waited for"),
     ("background", "_worker", "the one background save thread (started at the first async save)", "kept"),
-    ("save", "_assignments", "write assignments remembered between saves of the same records", "cleared"),
-    ("channel", "_clients", "TCP store clients (save thread, heartbeat thread)", "dropped"),
+    ("save.save", "_assignments", "write assignments remembered between saves of the same records", "cleared"),
+    ("save.channel", "_clients", "TCP store clients (save thread, heartbeat thread)", "dropped"),
     ("host_memory", "arena", "the resident snapshot buffer of async saves", "release_host_buffers()"),
     (
         "snapshot",
@@ -27,7 +28,7 @@ PROCESS_STATE = (
     ("chunks", "_pools", "checksum thread pools, one per size", "kept"),
     ("gc_pause", "_depth", "pauses of Python's cyclic GC in progress", "must be 0"),
     ("checksums", "_warned_fallback", "the crc32 fallback warning was logged", "cleared"),
-    ("commit", "_stock_warned", "the 0.metadata-at-scale warning was logged", "cleared"),
+    ("save.commit", "_stock_warned", "the 0.metadata-at-scale warning was logged", "cleared"),
     ("io.backends", "_schemes", "registered storage backends by URL scheme", "kept"),
     ("io.backends", "_layers", "storage layers added by the application (add_storage_layer)", "kept"),
     ("s3.storage", "_default", "the shared S3Storage of s3:// locations (its clients; made at first use)", "kept"),

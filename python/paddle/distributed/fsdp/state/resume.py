@@ -48,8 +48,8 @@ from ..checkpoint.manager import (
     step_dir_name,
 )
 from ..checkpoint.paths import local_path
-from ..checkpoint.save import run_save
-from ..checkpoint.save_request import save_request
+from ..checkpoint.save.request import save_request
+from ..checkpoint.save.save import run_save
 from . import replicas, resume_state
 from .buffers import persistable_buffers
 from .records import refresh_master_weights

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..checkpoint import CheckpointOptions, read_metadata, reader
-from ..checkpoint import load as engine_load
 from ..checkpoint.format.metadata import (
     NUMPY_STORAGE,
     CheckpointMetadata,
@@ -43,6 +42,7 @@ from ..checkpoint.format.metadata import (
 )
 from ..checkpoint.format.reserved import BUFFERS_KEY, EMA_SUFFIX, OPTIMIZER_KEY
 from ..checkpoint.geometry import Region
+from ..checkpoint.load import load as engine_load
 from ..checkpoint.one_process import CheckpointWriter, Producer, WriteEntry  # noqa: F401 (the tools import them here)
 from ..checkpoint.paths import local_path
 from ..checkpoint.regions import read_region

@@ -18,7 +18,7 @@
 * not here: ``read_region`` / ``iter_piece``, the one reader of a region of a saved tensor, are in
   ``checkpoint/regions.py`` (it does I/O).
 
-Writers and readers elsewhere (save.py, load.py, verify.py, tools/) call these; a format change is made here.
+Writers and readers elsewhere (save/save.py, load/load.py, verify.py, tools/) call these; a format change is made here.
 
 Import the submodule that owns a name (``from ..format.metadata import CheckpointMetadata``): one import path per
 name, and importing the package pulls in no I/O code.

@@ -1,7 +1,7 @@
 """The COMMIT record: its bytes. A checkpoint directory is committed when its ``COMMIT`` record exists and names the
 checkpoint id and the SHA-256 of ``metadata.json``: ``{"format", "checkpoint_id", "metadata_sha256"}``.
 
-Pure (no I/O): writers (commit.py: the collective save and the tools' one-process writer) write the data
+Pure (no I/O): writers (save/commit.py: the collective save and the tools' one-process writer) write the data
 files, then ``metadata.json``, then ``COMMIT`` (last); readers (directory.py ``read_metadata``) trust nothing
 that is not committed (the record is parsed by schema.py ``parse_commit``).
 """

@@ -4,7 +4,7 @@ Every fast path of the engine lives here or below: data objects are written by `
 (O_DIRECT through bounce buffers where the file system allows it, checksums in the bounce buffer, one fsync);
 small objects are tmp + fsync + rename; ``publish`` is ``renameat2(RENAME_EXCHANGE)`` (two renames where the
 kernel refuses it) with the old directory removed in the background; read handles expose their descriptor and
-path so the readers keep preadv, O_DIRECT and page-cache residency (reader.py, streamed.py, inplace.py).
+path so the readers keep preadv, O_DIRECT and page-cache residency (reader.py, streamed.py, load/inplace.py).
 
 A location is an absolute directory path; its staging is the sibling ``<final>.tmp-<checkpoint_id>``, so the
 rename that publishes it stays on one file system.

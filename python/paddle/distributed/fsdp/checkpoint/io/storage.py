@@ -11,7 +11,7 @@ for an object store); a checkpoint is one location. Inside a location there are 
 ``/``). Locations may have child locations (``child(parent, name)``): a CheckpointManager root holds one
 location per step. Nothing here assumes directories, renames of single objects or file descriptors.
 
-Call order of a save of a checkpoint to ``final`` (save.py, commit.py)::
+Call order of a save of a checkpoint to ``final`` (save/save.py, save/commit.py)::
 
     staging = storage.begin(final, checkpoint_id)      # every rank, same string; the staging is invisible at final
     size, sums = storage.write_object(staging, name, header, pieces, ...)   # each rank: its data object, durable
@@ -24,7 +24,7 @@ Call order of a save of a checkpoint to ``final`` (save.py, commit.py)::
     storage.put(root, "latest", name)                   # CheckpointManager: move the pointer (durable, atomic)
     storage.remove(old_location)                        # rotation; also abandon(staging) after a failed save
 
-Call order of a load / verify (load.py, verify.py, directory.py)::
+Call order of a load / verify (load/load.py, verify.py, directory.py)::
 
     storage.get(loc, "COMMIT"); storage.get(loc, "metadata.json", limit)   # small objects, whole
     h = storage.open_read(loc, name); h.read_into(offset, buf) ...; h.close()   # ranges of data objects
@@ -35,7 +35,7 @@ reader sees the old object, the new one, or none, never a part) and creates its 
 ``remove`` are atomic per location; objects of a staging location are invisible at ``final`` before
 ``publish``. Node-local storage: every rank calls ``begin`` and ``write_object`` on its own backend; a rank whose
 ``final`` shows no commit record of this checkpoint after the coordinator's publish publishes its own staging
-(commit.py), so ``publish`` must work per rank too. ``get`` of a missing object returns None;
+(save/commit.py), so ``publish`` must work per rank too. ``get`` of a missing object returns None;
 ``open_read`` of a missing object raises FileNotFoundError.
 
 Fast paths: a ``ReadHandle`` may expose ``fileno()`` (an OS file descriptor) and ``path``; the engine's readers

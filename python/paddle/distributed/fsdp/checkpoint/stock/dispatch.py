@@ -252,8 +252,8 @@ def save_state_dict(
             safetensors=bool(safetensors),
             save_replicas=save_replicas,
         )
-    from ..save import run_save
-    from ..save_request import save_request
+    from ..save.request import save_request
+    from ..save.save import run_save
 
     flat = flatten_for_engine(state_dict)
     return run_save(

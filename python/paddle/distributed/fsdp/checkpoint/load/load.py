@@ -2,7 +2,7 @@
 (``read_metadata`` is directory.py's).
 
 The layout of a checkpoint directory and the save protocol (staging directory, COMMIT written last, atomic
-rename, what a crashed save leaves behind) are described in save.py.
+rename, what a crashed save leaves behind) are described in save/save.py.
 
 Checksums (xxh3-64, or CRC-32 in older checkpoints, per ``chunk_bytes`` chunk of each piece; checksums.py): a load
 that needs part of a piece reads the enclosing chunks, verifies them, then copies what it needs; so every byte
@@ -55,7 +55,7 @@ subset and lists the rest in the returned LoadReport. Checkpoint keys no rank as
 (``LoadReport.unexpected_keys``), so a model-only load of a model+optimizer checkpoint works.
 
 Node-local disks: loading works when every rank sees every file it needs (shared FS, or files copied so that
-each node has the pieces its ranks read). Saving needs one file system visible to all ranks (see save.py).
+each node has the pieces its ranks read). Saving needs one file system visible to all ranks (see save/save.py).
 ``process_group``: ranks, file names and ``coordinator_rank`` are group-local ranks.
 """
 
@@ -64,25 +64,25 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from . import host_memory
-from .background import wait_pending
-from .chunks import ChunkVerifier
-from .coordination import Comm
-from .directory import CommittedCheckpoint, read_metadata
-from .errors import CheckpointError, CorruptCheckpointError, InvalidStateDictError, MissingKeyError
-from .format.metadata import CheckpointMetadata
-from .gc_pause import gc_paused
-from .geometry import Region
-from .keywords import STOCK_LOAD_KEYWORDS, check_keywords, keyword_names
-from .load_atomic import AtomicLoadJob
-from .load_bounded import BoundedLoadJob
-from .load_checks import check_coverage, check_data_files, read_failure, staging_tensor
-from .load_job import LoadReport, default_load_budget
-from .options import CheckpointOptions, resolve
-from .paths import local_path
-from .reader import FileSet
-from .regions import read_deferred, read_region
-from .tracing import Tracer
+from .. import host_memory
+from ..background import wait_pending
+from ..chunks import ChunkVerifier
+from ..coordination import Comm
+from ..directory import CommittedCheckpoint, read_metadata
+from ..errors import CheckpointError, CorruptCheckpointError, InvalidStateDictError, MissingKeyError
+from ..format.metadata import CheckpointMetadata
+from ..gc_pause import gc_paused
+from ..geometry import Region
+from ..keywords import STOCK_LOAD_KEYWORDS, check_keywords, keyword_names
+from ..load_checks import check_coverage, check_data_files, read_failure, staging_tensor
+from ..options import CheckpointOptions, resolve
+from ..paths import local_path
+from ..reader import FileSet
+from ..regions import read_deferred, read_region
+from ..tracing import Tracer
+from .atomic import AtomicLoadJob
+from .bounded import BoundedLoadJob
+from .job import LoadReport, default_load_budget
 
 __all__ = ["LoadReport", "default_load_budget", "load_full_state_dict", "load_state_dict", "run_load"]
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 
-from .errors import SaveFailedError
-from .io.storage import Storage
+from ..errors import SaveFailedError
+from ..io.storage import Storage
 
 logger = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ import threading
 
 import numpy as np
 
-from .chunks import ChunkVerifier
-from .coordination import aligned
-from .ranges import read_range_direct
-from .reader import FileSet
+from ..chunks import ChunkVerifier
+from ..coordination import aligned
+from ..ranges import read_range_direct
+from ..reader import FileSet
 
 
 class InPlaceReads:

@@ -27,22 +27,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import checksums
+from .. import checksums
+from ..commit_record import commit_id
+from ..errors import SaveFailedError
+from ..format import rank_values as per_rank
+from ..format.commit import commit_record
+from ..format.index import pack_sums, sums_name
+from ..format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, PARTS_DIR, CheckpointMetadata, FileMeta
+from ..gc_pause import gc_paused
+from ..io.storage import Storage
+from ..options import CheckpointOptions
+from ..planner import WriteAssignment, rank_plan
+from ..save_index import assignment_columns, index_objects
+from ..tracing import Tracer
 from .abandon import leave_failed_save, leave_timeout
 from .channel import LocalChannel, SaveChannel
-from .commit_record import commit_id
-from .errors import SaveFailedError
-from .format import rank_values as per_rank
-from .format.commit import commit_record
-from .format.index import pack_sums, sums_name
-from .format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, PARTS_DIR, CheckpointMetadata, FileMeta
-from .gc_pause import gc_paused
-from .io.storage import Storage
 from .markers import cause, mark_aborted, mark_failed
-from .options import CheckpointOptions
-from .planner import WriteAssignment, rank_plan
-from .save_index import assignment_columns, index_objects
-from .tracing import Tracer
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ class SaveJob:
             # then the publish
             objects = dict(objects)
             if self.write_stock:
-                from .stock_compat import STOCK_METADATA_FILE, stock_metadata_bytes
+                from ..stock_compat import STOCK_METADATA_FILE, stock_metadata_bytes
 
                 _warn_stock_at_scale(self.world)
                 objects[STOCK_METADATA_FILE] = stock_metadata_bytes(self._stock_view())

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import host_memory
-from .coordination import Comm, aligned
-from .format.metadata import DTYPES
+from .. import host_memory
+from ..coordination import Comm, aligned
+from ..format.metadata import DTYPES
+from ..load_checks import read_failure, staging_tensor
+from ..ranges import SpanRead, read_spans
+from ..read_ops import SpanPlan, TargetRead
+from ..reader import DIRECT_ALIGN, FileSet
+from ..regions import read_deferred, read_region, region_segments
 from .inplace import InPlaceReads
-from .load_checks import read_failure, staging_tensor
-from .load_job import LoadJob, Target
-from .ranges import SpanRead, read_spans
-from .read_ops import SpanPlan, TargetRead
-from .reader import DIRECT_ALIGN, FileSet
-from .regions import read_deferred, read_region, region_segments
+from .job import LoadJob, Target
 
 
 def _in_place_regions(reads: list[TargetRead], enabled: bool = True) -> tuple[list, list[TargetRead]]:

@@ -17,8 +17,8 @@ import json
 import os
 import re
 
-from .format.metadata import PARTS_DIR
-from .io.storage import Storage
+from ..format.metadata import PARTS_DIR
+from ..io.storage import Storage
 
 _FAILED_RE = re.compile(r"^(\d+)\.failed(?:\.([A-Za-z0-9_]+))?$")
 _ABORT_RE = re.compile(r"^ABORT(?:\.([A-Za-z0-9_]+))?$")

@@ -77,13 +77,13 @@ loop's collectives), hence the store-based completion protocol.
 
 Checksums: xxh3-64 (checksums.py) per 256 KiB chunk of each piece (``chunk_bytes`` in metadata.json; ``CheckpointOptions.checksum``), computed on
 the tensor memory during the single write pass, piece by piece just before it is written. The coordinator's
-choice of algorithm is used by every rank. Loads verify them (load.py).
+choice of algorithm is used by every rank. Loads verify them (load/load.py).
 
-Node-local disks: see "Saving twice" above; loading: see load.py.
+Node-local disks: see "Saving twice" above; loading: see load/load.py.
 ``process_group``: ranks, file names and ``coordinator_rank`` are group-local ranks.
 
 Cross-rank helpers shared with the load path (process group, error exchange): coordination.py. This module is
-the calling thread's part; save_request.py one call's inputs, options and storage backend, resolved once at the
+the calling thread's part; request.py one call's inputs, options and storage backend, resolved once at the
 door and handed to every step; background.py the one save in flight; commit.py steps 2-3; markers.py the records.
 """
 
@@ -96,18 +96,15 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import host_memory, snapshot
-from .abandon import leave_failed_save, leave_timeout
-from .background import SaveHandle, start_in_background, wait_pending
-from .commit import Publisher, SaveJob, open_channel
-from .coordination import Comm, check_target_path, gather_errors
-from .errors import CheckpointError, DirectoryMismatchError, InvalidStateDictError, SaveFailedError
-from .first_save import exchange_assignment
-from .gc_pause import gc_paused
-from .keywords import STOCK_SAVE_KEYWORDS, check_keywords, keyword_names
-from .markers import cause, mark_failed, remove_failed_stagings
-from .options import CheckpointOptions
-from .planner import (
+from .. import host_memory, snapshot
+from ..background import SaveHandle, start_in_background, wait_pending
+from ..coordination import Comm, check_target_path, gather_errors
+from ..errors import CheckpointError, DirectoryMismatchError, InvalidStateDictError, SaveFailedError
+from ..first_save import exchange_assignment
+from ..gc_pause import gc_paused
+from ..keywords import STOCK_SAVE_KEYWORDS, check_keywords, keyword_names
+from ..options import CheckpointOptions
+from ..planner import (
     AssignmentMemo,
     assignment_name,
     chunk_for,
@@ -115,10 +112,13 @@ from .planner import (
     merged_values,
     rank_plan,
 )
-from .records import collect
-from .save_request import SaveRequest, save_request
-from .snapshot import Snapshot, default_deferred
-from .tracing import Tracer
+from ..records import collect
+from ..snapshot import Snapshot, default_deferred
+from ..tracing import Tracer
+from .abandon import leave_failed_save, leave_timeout
+from .commit import Publisher, SaveJob, open_channel
+from .markers import cause, mark_failed, remove_failed_stagings
+from .request import SaveRequest, save_request
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ def save_and_publish(
 
 
 def run_save(req: SaveRequest) -> SaveHandle | None:
-    """Carry out one save request (save_request.py): the save behind every door (``save_state_dict``,
+    """Carry out one save request (request.py): the save behind every door (``save_state_dict``,
     ``save_and_publish``, CheckpointManager.save, ``save_checkpoint``, the stock hook), each of which checked its
     own keywords, so an unknown keyword is reported once, naming the door called."""
     publisher = req.publisher

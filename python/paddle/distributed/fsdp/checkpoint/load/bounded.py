@@ -3,14 +3,14 @@ into the targets -> exchange of the outcome (load.py's docstring has the details
 
 from __future__ import annotations
 
-from . import host_memory
-from .coordination import Comm, gather_errors
-from .errors import PartiallyLoadedError
-from .format.metadata import DTYPES
-from .load_checks import read_failure, staging_tensor
-from .load_job import LoadJob, Target, default_load_budget
-from .reader import FileSet
-from .regions import clip_segments, read_deferred, read_region, region_segments
+from .. import host_memory
+from ..coordination import Comm, gather_errors
+from ..errors import PartiallyLoadedError
+from ..format.metadata import DTYPES
+from ..load_checks import read_failure, staging_tensor
+from ..reader import FileSet
+from ..regions import clip_segments, read_deferred, read_region, region_segments
+from .job import LoadJob, Target, default_load_budget
 
 
 def _file_position(item) -> tuple:

@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 
-from .errors import SaveFailedError
+from ..errors import SaveFailedError
 
 logger = logging.getLogger(__name__)
 

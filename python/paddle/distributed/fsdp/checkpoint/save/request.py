@@ -16,11 +16,11 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import CheckpointError
+from ..io.storage import Storage
+from ..options import CheckpointOptions, resolve
+from ..paths import local_path
 from .commit import Publisher
-from .errors import CheckpointError
-from .io.storage import Storage
-from .options import CheckpointOptions, resolve
-from .paths import local_path
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """What every load of a rank shares: its report, its targets, the validation of the request against the committed
 metadata (read through the storage interface), the status exchange between ranks, and the finish.
 
-Why its own module: the atomic load (load_atomic.py) and the memory-bounded load (load_bounded.py) differ only in
+Why its own module: the atomic load (atomic.py) and the memory-bounded load (bounded.py) differ only in
 how they read; both validate, exchange and finish the same way.
 """
 
@@ -10,25 +10,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import checksums
-from .chunks import ChunkVerifier
-from .coordination import Comm, gather_errors
-from .directory import read_metadata
-from .errors import (
+from .. import checksums
+from ..chunks import ChunkVerifier
+from ..coordination import Comm, gather_errors
+from ..directory import read_metadata
+from ..errors import (
     CheckpointRemovedError,
     DtypeMismatchError,
     InvalidStateDictError,
     MissingKeyError,
     ShapeMismatchError,
 )
-from .format.metadata import CheckpointMetadata
-from .geometry import Region
-from .io.storage import Storage
-from .load_checks import check_coverage, check_data_files
-from .options import CheckpointOptions
-from .reader import FileSet
-from .records import to_record
-from .tracing import Tracer
+from ..format.metadata import CheckpointMetadata
+from ..geometry import Region
+from ..io.storage import Storage
+from ..load_checks import check_coverage, check_data_files
+from ..options import CheckpointOptions
+from ..reader import FileSet
+from ..records import to_record
+from ..tracing import Tracer
 
 
 @dataclass
@@ -70,7 +70,7 @@ class Target:
 
 class LoadJob:
     """The state of one ``load_state_dict`` call on this rank and the steps every kind of load shares (validate,
-    exchange, finish); load_atomic.py and load_bounded.py add their own reads."""
+    exchange, finish); atomic.py and bounded.py add their own reads."""
 
     def __init__(self, state_dict, path: str, opts: CheckpointOptions, verify_checksums: bool, tr: Tracer):
         self.state_dict = state_dict
