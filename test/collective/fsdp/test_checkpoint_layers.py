@@ -10,6 +10,7 @@ import ast
 from pathlib import Path
 
 from paddle.distributed.fsdp.checkpoint.process_state import PROCESS_STATE, reset_process_state
+from test_package_imports import graph as package_graph
 
 PKG = Path(__file__).resolve().parents[3] / "python" / "paddle" / "distributed" / "fsdp" / "checkpoint"
 BASE = "paddle.distributed.fsdp.checkpoint"
@@ -20,6 +21,12 @@ MAX_FUNCTION_LINES = 80  # code lines: the signature and the docstring do not co
 FORMAT_EXCEPTIONS: set[tuple[str, str]] = set()
 LARGE_MODULES: set[str] = set()
 LONG_FUNCTIONS: set[str] = set()
+# checkpoint/ by phase (issue #42): save/ and load/ import the shared modules one level up, never each other; a
+# shared module imports neither, except these, which sit above both phases (the public face re-exports the doors,
+# the manager runs saves and loads, the process state resets the save's singletons, stock's dispatch routes
+# paddle's own API to the doors). The list may only shrink.
+PHASES = ("save", "load")
+PHASE_ORCHESTRATORS: set[str] = {"", "manager", "process_state", "stock.dispatch"}
 
 
 def _modules() -> dict[str, Path]:
@@ -135,6 +142,47 @@ def test_no_import_cycle():
     for m in sorted(g):
         visit(m)
     assert not cycles, cycles
+
+
+def _phase_graph() -> dict[str, set[str]]:
+    """checkpoint/'s modules (package-relative, the package itself "") -> the checkpoint modules each imports,
+    read by test_package_imports.py's reader: every import, deferred and absolute ones too."""
+    rel = lambda m: m[len(BASE) + 1 :] if m != BASE else ""  # noqa: E731
+    inside = lambda m: m == BASE or m.startswith(BASE + ".")  # noqa: E731
+    return {rel(m): {rel(d) for d in deps if inside(d)} for m, deps in package_graph().items() if inside(m)}
+
+
+def _phase_of(module: str) -> str | None:
+    top = module.split(".")[0]
+    return top if top in PHASES else None
+
+
+def test_save_and_load_import_the_shared_modules_never_each_other():
+    g = _phase_graph()
+    assert set(PHASES) <= set(g), "checkpoint/save/ and checkpoint/load/ are packages"
+    bad = set()
+    for m, deps in g.items():
+        for d in deps:
+            here, there = _phase_of(m), _phase_of(d)
+            if there is None or there == here or (here is None and m in PHASE_ORCHESTRATORS):
+                continue
+            bad.add((m, d))
+    assert not bad, f"imports across the phases (save/ <-> load/) or from a shared module into one: {sorted(bad)}"
+    idle = {m for m in PHASE_ORCHESTRATORS if not any(_phase_of(d) for d in g.get(m, ()))}
+    assert not idle, f"listed in PHASE_ORCHESTRATORS but import no phase (delete them from the list): {sorted(idle)}"
+
+
+def test_a_shared_module_is_used_beyond_one_phase():
+    """A top-level module of checkpoint/ that only one phase imports belongs in that phase's package."""
+    g = package_graph()
+    mods = [m for m in _phase_graph() if m and "." not in m and m not in PHASES]
+    one_phase = {}
+    for m in mods:
+        users = {u for u, deps in g.items() if f"{BASE}.{m}" in deps}
+        phases = {_phase_of(u[len(BASE) + 1 :]) if u.startswith(BASE + ".") else None for u in users}
+        if users and len(phases) == 1 and None not in phases:
+            one_phase[m] = phases.pop()
+    assert not one_phase, f"shared modules only one phase uses (move them into it): {one_phase}"
 
 
 def test_module_and_function_sizes():
