@@ -27,19 +27,29 @@ Saving and loading (collective over the process group; every rank gets the same 
 Names exported here before (every other exception, ``gather_errors``, ``CheckpointMetadata``, ``TraceRecord``)
 still import from this package, resolved from their home module on first use (``__getattr__`` below).
 
-Save path: ``save/save.py`` (calling thread) -> ``background.py`` (the one save in flight) -> ``save/commit.py`` (write,
-hand over, commit, publish) over ``save/channel.py`` (the TCP store: decisions and heartbeats, no polled files) and
-``io/storage.py`` (every byte and name; ``io/local.py`` POSIX; ``io/backends.py`` the registry and layers); ``save/markers.py``
-records why a save failed; ``directory.py`` answers "committed? latest? removable? removed under a reader?" and
-reads the metadata. ``process_state.py`` lists the process-wide state, with one reset for tests.
+Layout, by phase (issue #42): ``save/`` holds the modules only a save uses, ``load/`` those only a load uses; every
+other module sits here, shared by both phases or used by ``verify.py``, ``manager.py``, ``memtier/``, ``state/`` or
+``tools/``. Data flows one way: ``save/`` and ``load/`` import the shared modules, never each other.
 
-Load path: ``load/load.py`` (entry points) -> ``load/job.py`` (validate, exchange, finish) with ``load/bounded.py``
-(default) or ``load/atomic.py`` (``atomic=True``), ``load_checks.py`` (checks that read no data) -> ``regions.py``
-(what to read for a region: ``read_ops.py``'s typed reads) -> ``ranges.py`` / ``streamed.py`` / ``load/inplace.py`` (how a
-range is read) -> ``chunks.py`` (checksum checks) -> ``reader.py`` (``FileSet``: the data objects' handles from
-``Storage.open_read``; POSIX fast paths where a handle has a descriptor). ``s3/`` serves ``s3://`` locations
-(registered in ``io/storage.py`` without importing it; boto3 loads on first use); ``paths.py`` turns a path into a
-location and refuses URLs no backend serves.
+Save path: ``save/save.py`` (calling thread; ``save/request.py`` the request it carries) -> ``background.py`` (the
+one save in flight) -> ``save/commit.py`` (write, hand over, commit, publish) over ``save/channel.py`` (the TCP
+store: decisions and heartbeats, no polled files) and ``io/storage.py`` (every byte and name; ``io/local.py``
+POSIX; ``io/backends.py`` the registry and layers); ``save/markers.py`` records why a save failed, ``save/abandon.py`` how a rank
+gives a save up. Save modules that others use too stay shared (the tools' one-process writer ``one_process.py``,
+the memory tier, ``coordination.py``): ``planner.py`` / ``assign.py`` / ``first_save.py`` (the write assignment),
+``save_index.py``, ``writer.py`` / ``direct_write.py`` (rank files), ``snapshot.py`` (async copies),
+``stock_compat.py``. ``directory.py`` answers
+"committed? latest? removable? removed under a reader?" and reads the metadata. ``process_state.py`` lists the
+process-wide state, with one reset for tests.
+
+Load path: ``load/load.py`` (entry points) -> ``load/job.py`` (validate, exchange, finish) with
+``load/bounded.py`` (default) or ``load/atomic.py`` (``atomic=True``, reading in place through
+``load/inplace.py``). Shared with ``verify.py``, the tools and ``state/``: ``load_checks.py`` (checks that read no
+data) -> ``regions.py`` (what to read for a region: ``read_ops.py``'s typed reads) -> ``ranges.py`` /
+``streamed.py`` (how a range is read) -> ``chunks.py`` (checksum checks) -> ``reader.py`` (``FileSet``: the data
+objects' handles from ``Storage.open_read``; POSIX fast paths where a handle has a descriptor). ``s3/`` serves
+``s3://`` locations (registered in ``io/storage.py`` without importing it; boto3 loads on first use); ``paths.py``
+turns a path into a location and refuses URLs no backend serves.
 
 What must never import what (test_checkpoint_layers.py checks it, naming the exceptions that remain):
 1. ``format/`` imports nothing of the package but ``errors`` and ``gc_pause``.
@@ -48,6 +58,8 @@ What must never import what (test_checkpoint_layers.py checks it, naming the exc
 3. the engine (everything outside ``stock/``) never imports ``stock/``.
 4. ``checkpoint/`` never imports ``state/`` or the training core, only the leaves ``device`` and ``communication``.
 5. no import cycle; modules under 500 lines, functions under 80 lines of code.
+6. ``save/`` and ``load/`` never import each other; a shared module imports neither, but this face and the
+   orchestrators above both phases (``manager.py``, ``process_state.py``, ``stock/dispatch.py``).
 
 Where things live: ``format/`` owns the on-disk format (schema, commit record, safetensors headers, reserved
 keys; no I/O); ``planner.py`` plans writes and reads; the file I/O is ``writer.py`` (rank files, durable
