@@ -245,7 +245,7 @@ def load_rank(directory: str, model: str, world: int, rank: int, memory: bool = 
     t0 = time.perf_counter()
     md = ckdir.read_metadata(directory)
     keys = [k for k, _r in targets]
-    check_coverage(directory, md, keys, dict(targets))  # (as load_job: the regions this rank loads)
+    check_coverage(directory, md, keys, dict(targets))  # (as load/job.py: the regions this rank loads)
     segs = [(key, region_segments(directory, md, key, reg)) for key, reg in targets]
     t1 = time.perf_counter()
     index_bytes, index_objects = md.index.fetch.bytes, set(md.index.fetch.objects)

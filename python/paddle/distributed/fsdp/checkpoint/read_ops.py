@@ -84,7 +84,7 @@ class TargetRead:
     """Piece bytes ``[a, b)`` into a host target's own memory at byte ``dst`` (an atomic load's fast path:
     staged in a span buffer and copied at commit, or read in place)."""
 
-    target: Any  # load_job.Target
+    target: Any  # load/job.py's Target
     piece: PieceMeta
     a: int
     b: int
