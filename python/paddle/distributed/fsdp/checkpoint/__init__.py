@@ -53,8 +53,8 @@ turns a path into a location and refuses URLs no backend serves.
 
 What must never import what (test_checkpoint_layers.py checks it, naming the exceptions that remain):
 1. ``format/`` imports nothing of the package but ``errors`` and ``gc_pause``.
-2. ``io/`` never imports ``save``, ``load``, ``commit``, ``markers``, ``manager``, ``verify``, ``channel`` or
-   ``stock/``: it knows no protocol.
+2. ``io/`` never imports ``save/`` (its ``commit``, ``markers``, ``channel`` included), ``load/``, ``manager``,
+   ``verify``, ``background`` or ``stock/``: it knows no protocol.
 3. the engine (everything outside ``stock/``) never imports ``stock/``.
 4. ``checkpoint/`` never imports ``state/`` or the training core, only the leaves ``device`` and ``communication``.
 5. no import cycle; modules under 500 lines, functions under 80 lines of code.
