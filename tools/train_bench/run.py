@@ -4,7 +4,7 @@
 One command runs every contender side by side, each as fresh processes, interleaved over several rounds (the
 order reversed every other round), with one compute thread per rank (OMP_NUM_THREADS=1)::
 
-    python tools/train_bench/run.py                       # d=512, 2 ranks, 2 rounds, curve 1/2/4 ranks
+    python tools/train_bench/run.py                       # d=512, 2 ranks, 3 rounds, curve 1/2/4 ranks
     python tools/train_bench/run.py --d 128 --rounds 1    # a quick small run
     python tools/train_bench/run.py --write-docs docs/performance.md --report docs/reports/train-memory-2026-12-05.md
 
@@ -55,7 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=16, help="sequences per rank (default 16)")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
     p.add_argument("--world", type=int, default=2, help="ranks of the distributed contenders (default 2)")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per run (default 1)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per run (default 3)")
     p.add_argument(
