@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from probe import peak_rss_mib, rss_now_mib, threads_pinned, write_result
+from probe import heap_now_mib, peak_rss_mib, rss_now_mib, threads_pinned, write_result
 
 threads_pinned()
 
@@ -36,12 +36,17 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--prefetch-depth", type=int, default=1)
+    p.add_argument("--prefetch-depth", type=int, default=None, help="fsdp: prefetch_depth (default: FSDP's own)")
     p.add_argument(
         "--heap-blocks",
         action="store_true",
         help="fsdp: take gathered units and gradient buffers from paddle's allocator (malloc) instead of mappings "
         "of their own: the A/B of what buffer_memory.py's mappings save and cost",
+    )
+    p.add_argument(
+        "--no-heap-trim",
+        action="store_true",
+        help="fsdp: no malloc_trim at the start of forward and backward (heap_trim.py): the A/B of what it saves and costs",
     )
     p.add_argument("--out", required=True, help="result path prefix (<out>.rank<r>.json)")
     return p.parse_args(argv)
@@ -115,11 +120,17 @@ class Sampler:
         allocator = core.host_memory_stat_current_value("Allocated", 0)
         account = self.fsdp.memory_account() if self.fsdp is not None else {}
         live = allocator + account.get("mapped_outside_allocator", 0)
-        entry = {"where": where, "live": live, "allocator": allocator, "rss_mib": rss_now_mib(), "account": account}
+        entry = {
+            "where": where,
+            "live": live,
+            "allocator": allocator,
+            "rss_mib": rss_now_mib(),
+            "heap_mib": heap_now_mib(),
+            "account": account,
+        }
         if self.peak is None or live > self.peak["live"]:
             self.peak = entry
-        if not where.startswith("backward "):
-            self.trace.append({k: v for k, v in entry.items() if k != "account"})
+        self.trace.append({k: v for k, v in entry.items() if k != "account"})
 
     def watch(self, blocks) -> None:
         """Sample right before each block's backward: a hook on its output (after FSDP's own, which gathers)."""
@@ -152,6 +163,8 @@ def main(argv=None) -> int:
             fused_buffer.maps_blocks = lambda like: False
 
         fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"], prefetch_depth=args.prefetch_depth)
+        if args.no_heap_trim:
+            fsdp.heap_trim.enabled = False
     opt = paddle.optimizer.AdamW(learning_rate=1e-3, parameters=model.parameters(), weight_decay=0.01)
     blocks = model.blocks
     if args.contender == "dp":
@@ -201,11 +214,12 @@ def main(argv=None) -> int:
         "activations": max(after_forward),
         "optimizer_state": optimizer_state_bytes(opt),
         "parameters": parameter_count(args.dim, args.layers),
-        "prefetch_depth": args.prefetch_depth if fsdp is not None else None,
+        "prefetch_depth": fsdp.schedule.depth if fsdp is not None else None,
     }
     if fsdp is not None:
         result["unit_bytes"] = max(b.layout.padded_numel * b.shard.element_size() for b in fsdp.buffers)
         result["block_peaks"] = dict(fsdp.blocks.peak)
+        result["heap_trim"] = {"calls": fsdp.heap_trim.calls, "seconds": fsdp.heap_trim.seconds}
     write_result(args.out, rank, result)
     return 0
 

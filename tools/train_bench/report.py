@@ -14,8 +14,10 @@ LABELS = {
     "stage3": "stock GroupShardedStage3 (forced onto CPU)",
     "stage1": "fleet sharding stage 1",
     "fsdp": "**FullyShardFusion**",
+    "fsdp_d1": "FullyShardFusion, prefetch_depth 1",
     "fsdp_d0": "FullyShardFusion, prefetch_depth 0",
     "fsdp_heap": "FullyShardFusion, per-step blocks from malloc (A/B)",
+    "fsdp_notrim": "FullyShardFusion, no heap trim (A/B)",
     "torch_single": "torch, one process",
     "torch_fsdp2": "torch FSDP2 `fully_shard`",
 }
@@ -154,6 +156,70 @@ def account_table(results: dict) -> list[str]:
     return lines
 
 
+def rounds_table(results: dict) -> list[str]:
+    """Peak RSS per rank, per round: FullyShardFusion against stock stage 3 (and DataParallel), side by side."""
+    args, runs = results["args"], results["runs"]
+    names = [c for c in ("fsdp", "stage3", "dp") if _ok(runs, c, args["world"])]
+    if "fsdp" not in names or "stage3" not in names:
+        return []
+    lines = [
+        "| round | " + " | ".join(f"{LABELS[c]} peak RSS r0 / r1, MiB" for c in names)
+        + " | FullyShardFusion - stage 3, worst rank, MiB |",
+        "|---|" + "---|" * (len(names) + 1),
+    ]  # fmt: skip
+    for r in sorted({run["round"] for run in runs}):
+        peaks = {}
+        for c in names:
+            ok = [run for run in _ok(runs, c, args["world"]) if run["round"] == r]
+            if ok:
+                peaks[c] = [rank["peak_rss_mib"] for rank in sorted(ok[0]["ranks"], key=lambda x: x["rank"])]
+        if "fsdp" not in peaks or "stage3" not in peaks:
+            continue
+        cells = [" / ".join(f"{v:.0f}" for v in peaks[c]) if c in peaks else "–" for c in names]
+        worst = max(peaks["fsdp"]) - min(peaks["stage3"])
+        lines.append(f"| {r + 1} | " + " | ".join(cells) + f" | {worst:+.0f} |")
+    return lines
+
+
+def where_table(results: dict) -> list[str]:
+    """Where each contender's resident memory sits at its sampled live peak (rank 0, last run): the kernel's and
+    malloc's views (probe.heap_now_mib)."""
+    args, runs = results["args"], results["runs"]
+    rows = []
+    for contender in LABELS:
+        ok = _ok(runs, contender, 1 if contender in ("single", "torch_single") else args["world"])
+        if not ok:
+            continue
+        rank = ok[-1]["ranks"][0]
+        sample = rank.get("peak_sample") or {}
+        heap = sample.get("heap_mib")
+        if not heap or "smaps_anonymous" not in heap:
+            continue
+        mapped = sample.get("account", {}).get("mapped_outside_allocator", 0) / MIB
+        anon = heap["smaps_anonymous"]
+        rest = anon - heap.get("heap_in_use", 0) - heap.get("malloc_mmapped", 0) - mapped
+        trims = rank.get("heap_trim")
+        per_step = f"{1000 * trims['seconds'] / len(rank['losses']):.0f}" if trims and trims["calls"] else "–"
+        rows.append(
+            f"| {LABELS[contender]} | `{sample['where']}` | {heap['smaps_rss']:.0f} | {heap['smaps_rss'] - anon:.0f} "
+            f"| {anon:.0f} | {heap.get('heap_in_use', 0):.0f} | {heap.get('malloc_mmapped', 0):.0f} | {mapped:.0f} "
+            f"| {rest:.0f} | {heap.get('heap_free', 0):.0f} | {per_step} |"
+        )
+    if not rows:
+        return []
+    return [
+        "Where the resident memory sits at each contender's sampled live peak (rank 0, last run; MiB): the kernel's "
+        "view (`/proc/self/smaps_rollup`) and malloc's (`mallinfo2`). *Rest of anonymous* = anonymous - malloc "
+        "in use - malloc's mmapped chunks - FSDP's mapped blocks: the free heap pages still resident, Python's "
+        "arenas, thread stacks. *Heap free* counts free heap bytes whether resident or trimmed.",
+        "",
+        "| contender | sampled at | RSS | file-backed (libraries) | anonymous | malloc in use (heap) "
+        "| malloc mmapped chunks | FSDP mapped blocks | rest of anonymous | heap free | heap trims, ms per step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
 def curve_table(results: dict) -> list[str]:
     runs = [r for r in _ok(results["runs"], "fsdp")]
     worlds = sorted({r["world"] for r in runs})
@@ -198,6 +264,9 @@ def render(results: dict) -> str:
         "",
     ]
     body = main_table(results) + [""] + account_table(results)
+    for table in (rounds_table(results), where_table(results)):
+        if table:
+            body += ["", *table]
     curve = curve_table(results)
     if curve:
         body += ["", *curve]

@@ -4,14 +4,15 @@
 One command runs every contender side by side, each as fresh processes, interleaved over several rounds (the
 order reversed every other round), with one compute thread per rank (OMP_NUM_THREADS=1)::
 
-    python tools/train_bench/run.py                       # d=512, 2 ranks, 2 rounds, curve 1/2/4 ranks
+    python tools/train_bench/run.py                       # d=512, 2 ranks, 3 rounds, curve 1/2/4 ranks
     python tools/train_bench/run.py --d 128 --rounds 1    # a quick small run
     python tools/train_bench/run.py --write-docs docs/performance.md --report docs/reports/train-memory-2026-12-05.md
 
 Contenders (same model, data and optimizer; see bench_model.py): paddle one process, paddle DataParallel, stock
 GroupShardedStage3 (forced onto CPU: see paddle_worker.stock_stage3), fleet sharding stage 1, FullyShardFusion
-(one unit per block; ``fsdp_d0``: with prefetch_depth 0; ``fsdp_heap``, not in the default set: its per-step
-blocks from paddle's allocator instead of mappings), and, if torch is importable, torch one process and torch FSDP2. Reported per rank: step
+(one unit per block, its default prefetch_depth: 0 on gloo; ``fsdp_d1``: prefetch_depth 1; not in the default
+set: ``fsdp_d0``, ``fsdp_heap`` (its per-step blocks from paddle's allocator instead of mappings) and
+``fsdp_notrim`` (no malloc_trim at the start of forward and backward)), and, if torch is importable, torch one process and torch FSDP2. Reported per rank: step
 time median, peak RSS (getrusage), the allocator's own peak (paddle's host memory statistics) and, for
 FullyShardFusion, the account of what its buffers hold at the sampled peak against the model bound
 (state / N + activations + (prefetch_depth + 1) gathered units); the compute-floor ratio (step / one-process
@@ -37,10 +38,10 @@ from ckpt_bench.common import clean_env  # noqa: E402
 from report import render, update_docs  # noqa: E402
 
 LOG = logging.getLogger("train_bench")
-PADDLE = ("single", "dp", "stage3", "stage1", "fsdp", "fsdp_d0")
+PADDLE = ("single", "dp", "stage3", "stage1", "fsdp", "fsdp_d1")
 TORCH = ("torch_single", "torch_fsdp2")
 ONE_PROCESS = ("single", "torch_single")
-OPTIONAL = ("fsdp_heap",)
+OPTIONAL = ("fsdp_d0", "fsdp_heap", "fsdp_notrim")
 
 
 def parse_args(argv=None):
@@ -54,10 +55,15 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=16, help="sequences per rank (default 16)")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
     p.add_argument("--world", type=int, default=2, help="ranks of the distributed contenders (default 2)")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per run (default 1)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per run (default 3)")
-    p.add_argument("--prefetch-depth", type=int, default=1, help="FullyShardFusion's prefetch_depth (default 1)")
+    p.add_argument(
+        "--prefetch-depth",
+        type=int,
+        default=None,
+        help="FullyShardFusion's prefetch_depth (default: its own, 0 on gloo)",
+    )
     p.add_argument(
         "--contenders", default=",".join(PADDLE + TORCH), help=f"comma-separated subset (also: {', '.join(OPTIONAL)})"
     )
@@ -90,10 +96,13 @@ def command(contender: str, world: int, args, out: str, log_dir: str) -> tuple[l
     script = os.path.join(HERE, "torch_worker.py" if contender in TORCH else "paddle_worker.py")
     name = "fsdp" if contender.startswith("fsdp") else contender  # fsdp_d0, fsdp_heap: fsdp with options
     worker = [script, "--contender", name, "--out", out, *model_args(args)]
-    if contender.startswith("fsdp"):
-        worker += ["--prefetch-depth", "0" if contender == "fsdp_d0" else str(args.prefetch_depth)]
+    depth = {"fsdp_d0": 0, "fsdp_d1": 1}.get(contender, args.prefetch_depth)
+    if contender.startswith("fsdp") and depth is not None:
+        worker += ["--prefetch-depth", str(depth)]
     if contender == "fsdp_heap":
         worker.append("--heap-blocks")
+    if contender == "fsdp_notrim":
+        worker.append("--no-heap-trim")
     if world == 1:
         return [sys.executable, *worker], env
     if contender in TORCH:

@@ -23,7 +23,7 @@ def two_ranks(tmp_path_factory):
     return run_launch(WORKER, 2, timeout=300, env={"PADDLE_PG_TIMEOUT": "60000"}, log_dir=tmp_path_factory.mktemp("bm"))
 
 
-@pytest.mark.parametrize("case", ["bounded", "saved_views"])
+@pytest.mark.parametrize("case", ["bounded", "default_depth", "saved_views"])
 def test_two_ranks(two_ranks, case):
     assert_case_ok(two_ranks, case, 2)
 

@@ -152,6 +152,12 @@ class ShardingComm:
         # whether agree() checks; the schedule (overlap.py) switches it per backward pass
         self.check_order = self.world_size > 1 and check_interval_from_env() > 0
 
+    @property
+    def completes_inside_call(self) -> bool:
+        """Whether this group's collectives finish inside the call, ``sync_op=False`` ones too (paddle's plain gloo;
+        not the emulated GPU stream): nothing can overlap them (overlap.default_prefetch_depth)."""
+        return self.world_size > 1 and not self._has_reduce_scatter and self.emulation is None
+
     def agree(self, kind: int, index: int, describe=None) -> None:
         """Refuse, on every rank at once, a collective that not every rank is issuing.
 

@@ -25,6 +25,7 @@ from .expert_comm import ExpertComm
 from .expert_parallel import check_expert_layout, expert_parameter_ids, resolve_expert_layout
 from .fused_buffer import FusedBuffer
 from .fused_layout import BufferLayout
+from .heap_trim import HeapTrim
 from .hooks import LayerHooks
 from .hybrid_comm import HybridComm
 from .layer_integration import install_layer_integration
@@ -63,7 +64,9 @@ class FullyShardFusion:
             fp32(bf16(w)), not w (as PyTorch FSDP2's ``param_dtype``). Gradients still accumulate in fp32.
         prefetch_depth: how many units ahead all-gathers are issued asynchronously, in forward and backward
             order, while the current unit computes; also how many reduce-scatters may be in flight. 0 makes
-            every collective synchronous. Results are bit-identical for every depth. See overlap.py.
+            every collective synchronous. Results are bit-identical for every depth. None (default): 1, except 0
+            where every collective finishes inside its call (paddle's plain gloo, CPU training: a prefetch
+            overlaps nothing there and holds one more gathered unit). See overlap.py.
         reduce_dtype: dtype fp32 gradients are reduce-scattered in: None or "float32" (default, exact), or
             "bfloat16" (half the bytes; the sum over ranks is rounded to bf16, accumulation stays fp32).
         moe_layers_name, expert_parallel_group, expert_shard_group: expert parallelism (EP, see
@@ -92,7 +95,7 @@ class FullyShardFusion:
         group=None,
         no_weight_decay_fn: Callable[[str], bool] | None = None,
         compute_dtype: str | None = None,
-        prefetch_depth: int = 1,
+        prefetch_depth: int | None = None,
         reduce_dtype: str | None = None,
         check_collective_order: int | None = None,
         *,
@@ -175,6 +178,8 @@ class FullyShardFusion:
                 fallback_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
         if one_by_one:
             materialise_into_shards(model, self.buffers)
+        #: trims malloc's heap at the start of each forward and backward, in host memory (heap_trim.py)
+        self.heap_trim = HeapTrim(enabled=any(buffer._maps_blocks for buffer in self.buffers))
         self._install_hooks(model, layer_buffers, fallback_buffers)
         model._fsdp = self
         model.sharded_state_dict = self.sharded_state_dict

@@ -8,6 +8,11 @@ and the previous units' reduce-scatters are in flight. The arithmetic is unchang
 on the same tensors, each waited for before its result is read, so parameters and gradients are
 bit-identical to ``prefetch_depth=0``.
 
+Default depth (``prefetch_depth=None``): 1 where a collective can run while a unit computes (NCCL and other
+device backends, the emulated GPU stream of fake-device and emulation modes), 0 where every collective of FSDP's
+groups finishes inside its call (paddle's plain gloo, CPU training): there a prefetch overlaps nothing and only
+holds one more gathered unit at the step's peak (:func:`default_prefetch_depth`).
+
 Order. The units' order is recorded, not declared: the forward order is the sequence of unit forwards seen in
 the last root forward (``model(...)``), the backward order the sequence of unit backwards seen in the last
 backward pass (consecutive repeats of a unit counted once). The first forward and the first backward of a
@@ -86,6 +91,14 @@ def parse_reduce_dtype(value):
     raise ValueError(f"FullyShardFusion: reduce_dtype must be None, 'float32' or 'bfloat16', got {value!r}")
 
 
+def default_prefetch_depth(comms) -> int:
+    """The depth ``prefetch_depth=None`` means: 0 when every multi-rank group among ``comms`` (ShardingComm and
+    subclasses; None skipped) runs plain gloo, whose collectives finish inside the call, so nothing would
+    overlap; else 1 (one rank only: 1, which gathers nothing anyway)."""
+    multi = [comm for comm in comms if comm is not None and comm.world_size > 1]
+    return 0 if multi and all(comm.completes_inside_call for comm in multi) else 1
+
+
 class _Order:
     """One direction's recorded unit order and where the running pass is in it."""
 
@@ -119,8 +132,12 @@ class _Order:
 class OverlapSchedule:
     """Issues and waits for one FullyShardFusion's gathers and reduce-scatters (see the module docstring)."""
 
-    def __init__(self, owner, prefetch_depth: int = 1, reduce_dtype=None, check_collective_order: int = 0) -> None:
+    def __init__(
+        self, owner, prefetch_depth: int | None = 1, reduce_dtype=None, check_collective_order: int = 0
+    ) -> None:
         self.owner = owner
+        if prefetch_depth is None:
+            prefetch_depth = default_prefetch_depth((owner.comm, getattr(owner, "expert_comm", None)))
         self.depth = _check_int("prefetch_depth", prefetch_depth, 0)
         self.reduce_dtype = parse_reduce_dtype(reduce_dtype)
         self.check_interval = _check_int("check_collective_order", check_collective_order, 0)
@@ -148,6 +165,7 @@ class OverlapSchedule:
             self.drop_gathers()
         self._in_forward = True
         self._forward.start()
+        self.owner.heap_trim("forward")  # the last step's activations are freed (heap_trim.py)
 
     def root_post_forward(self, layer, inputs, outputs) -> None:
         self._in_forward = False
@@ -171,6 +189,7 @@ class OverlapSchedule:
         if not self._in_backward:
             self._in_backward = True
             self._backward.start()
+            self.owner.heap_trim("backward")  # the forward's temporaries are freed; the step's peak is here
         for buffer in finished:
             self.reduce(buffer)
         if self.depth and not self.owner._summoned:

@@ -136,6 +136,31 @@ def case_bounded(rank: int, world: int) -> dict:
     return figures
 
 
+def case_default_depth(rank: int, world: int) -> dict:
+    """On plain gloo (collectives finish inside the call) the default prefetch_depth is 0: at most one unit (plus
+    the root) gathered at any moment, the ledger's peak included; the emulated GPU stream keeps 1 (overlap.py)."""
+    paddle.seed(7)
+    model = Net()
+    fsdp = FullyShardFusion(model, ["Unit"])
+    opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters(), weight_decay=0.01)
+    plain_gloo = fsdp.comm.completes_inside_call
+    assert fsdp.schedule.depth == (0 if plain_gloo else 1), (plain_gloo, fsdp.schedule.depth)
+    unit, root = unit_and_root_bytes(fsdp)
+    samples: list = []
+    watch(model, fsdp, samples)
+    for x in batches(world):
+        model(paddle.to_tensor(x[rank * ROWS : (rank + 1) * ROWS])).backward()
+        opt.step()
+        opt.clear_grad()
+    bound = (fsdp.schedule.depth + 1) * unit + root
+    assert max(live["gathered"] for _, live in samples) >= unit, samples
+    for _, live in samples:
+        assert live["gathered"] <= bound, (live, unit, root)
+    if fsdp.buffers[0]._maps_blocks:
+        assert fsdp.blocks.peak["gathered"] <= bound, (fsdp.blocks.peak, unit, root)
+    return {"depth": fsdp.schedule.depth, "peak": dict(fsdp.blocks.peak)}
+
+
 def case_saved_views(rank: int, world: int) -> dict:
     """Autograd keeps views of gathered weights past their unit's release: their block must stay what it was
     (a reused block would feed another unit's weights to the backward). FSDP trains like one process, and every
@@ -164,7 +189,7 @@ def case_saved_views(rank: int, world: int) -> dict:
     return {"losses": losses}
 
 
-CASES = {"bounded": case_bounded, "saved_views": case_saved_views}
+CASES = {"bounded": case_bounded, "default_depth": case_default_depth, "saved_views": case_saved_views}
 
 
 def main() -> None:

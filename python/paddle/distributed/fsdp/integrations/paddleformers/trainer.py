@@ -164,7 +164,7 @@ class FSDPTrainerMixin:
         fsdp_unit_layers: list[str] | None = None,
         compute_dtype: str | None = None,
         reduce_dtype: str | None = None,
-        prefetch_depth: int = 1,
+        prefetch_depth: int | None = None,
         replicate_group=None,
         shard_group=None,
         hf_preset: str | None = None,
