@@ -50,6 +50,7 @@ def store_endpoint() -> tuple[str, int] | None:
 
 _clients: dict[str, object] = {}  # role -> TCPStore client (one per thread role: main, beat)
 _clients_lock = threading.Lock()
+CONNECT_DEADLINE = 2.0  # seconds a new store client may take to connect (_connect)
 STORE_ERRORS = (RuntimeError, ValueError, OSError)  # what paddle's TCPStore client raises on a broken connection
 
 
@@ -76,12 +77,41 @@ def _client(role: str):
                 )
             if not _reachable(*ep):
                 raise ConnectionRefusedError(f"the job's TCP store at {ep[0]}:{ep[1]} does not answer")
-            import paddle.base.core as core
-
             before = _socket_fds()
-            c = _clients[role] = core.TCPStore(ep[0], ep[1], False, 0, 60)
+            c = _clients[role] = _connect(ep)
             _no_delay(_socket_fds() - before, ep[1])
         return c
+
+
+def _connect(ep: tuple[str, int]):
+    """A store client of ``ep``, or ConnectionRefusedError after ``CONNECT_DEADLINE`` seconds.
+
+    Why a deadline of our own: the probe above can succeed while the store's process is being killed (the kernel
+    still completes handshakes on its listening socket), and paddle's client then retries the dead address every
+    3 s for its whole timeout, far past the save's commit timeout and the launcher's teardown (seen in CI: a
+    survivor of its coordinator's kill -9 stuck in that loop). The connect runs on a helper thread; one that misses
+    the deadline is left to paddle's own timeout and its client is never used."""
+    import paddle.base.core as core
+
+    box: dict[str, object] = {}
+    done = threading.Event()
+
+    def connect() -> None:
+        try:
+            box["client"] = core.TCPStore(ep[0], ep[1], False, 0, 60)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            box["error"] = e
+        finally:
+            done.set()
+
+    _thread.start_new_thread(connect, ())
+    if not done.wait(CONNECT_DEADLINE):
+        raise ConnectionRefusedError(
+            f"the job's TCP store at {ep[0]}:{ep[1]} accepted no client within {CONNECT_DEADLINE:.0f} s"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["client"]
 
 
 def _socket_fds() -> set[int]:
