@@ -40,7 +40,7 @@ the memory tier, ``coordination.py``): ``planner.py`` / ``assign.py`` / ``first_
 ``save_index.py``, ``writer.py`` / ``direct_write.py`` (rank files), ``snapshot.py`` (async copies),
 ``stock_compat.py``. ``directory.py`` answers
 "committed? latest? removable? removed under a reader?" and reads the metadata. ``process_state.py`` lists the
-process-wide state, with one reset for tests.
+process-wide state (the tests reset it with their own helper).
 
 Load path: ``load/load.py`` (entry points) -> ``load/job.py`` (validate, exchange, finish) with
 ``load/bounded.py`` (default) or ``load/atomic.py`` (``atomic=True``, reading in place through
@@ -59,7 +59,7 @@ What must never import what (test_checkpoint_layers.py checks it, naming the exc
 4. ``checkpoint/`` never imports ``state/`` or the training core, only the leaves ``device`` and ``communication``.
 5. no import cycle; modules under 500 lines, functions under 80 lines of code.
 6. ``save/`` and ``load/`` never import each other; a shared module imports neither, but this face and the
-   orchestrators above both phases (``manager.py``, ``process_state.py``, ``stock/dispatch.py``).
+   orchestrators above both phases (``manager.py``, ``stock/dispatch.py``).
 
 Where things live: ``format/`` owns the on-disk format (schema, commit record, safetensors headers, reserved
 keys; no I/O); ``planner.py`` plans writes and reads; the file I/O is ``writer.py`` (rank files, durable

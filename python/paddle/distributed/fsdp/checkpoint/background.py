@@ -119,11 +119,3 @@ def start_in_background(handle: SaveHandle, run, cancel) -> SaveHandle:
         cancel()
         raise
     return handle
-
-
-def forget_pending() -> None:
-    """Wait for this process's save in flight and forget it, also its uncollected error (tests)."""
-    global _pending
-    wait_pending(False)
-    with _pending_lock:
-        _pending = None

@@ -141,9 +141,3 @@ def chunk_digests(buf, chunk_bytes: int, fn: DigestFn) -> list[int]:
     """Digest of every ``chunk_bytes`` chunk of ``buf`` (the last one may be shorter)."""
     mv = memoryview(buf).cast("B")
     return [fn(mv[j : j + chunk_bytes]) for j in range(0, len(mv), chunk_bytes)]
-
-
-def reset_warning() -> None:
-    """Log the crc32 fallback warning again at its next use (tests)."""
-    global _warned_fallback
-    _warned_fallback = False

@@ -1,14 +1,11 @@
-"""Every piece of process-wide state of the checkpoint engine, and one reset for tests.
+"""Every piece of process-wide state of the checkpoint engine, listed in one place.
 
-Why: module singletons make tests depend on their order; listing them in one place shows what a process carries
-from one save or load to the next, and ``reset_process_state()`` puts every resettable one back to its state at
-import. The table "What the fork patches in paddle, and what a process keeps" in docs/internals.md lists them.
+Why: module singletons make tests depend on their order; listing them shows what a process carries from one save
+or load to the next (test_checkpoint_layers.py checks the list against the code; the tests' own reset,
+test/collective/fsdp/process_reset.py, puts every resettable one back to its state at import). The table "What the fork patches in paddle, and what a process keeps" in docs/internals.md lists them.
 """
 
 from __future__ import annotations
-
-from . import background, checksums, snapshot_guard
-from .save import channel, commit, save
 
 # (module, attribute, what it holds, how it is reset)
 PROCESS_STATE = (
@@ -33,15 +30,3 @@ PROCESS_STATE = (
     ("io.backends", "_layers", "storage layers added by the application (add_storage_layer)", "kept"),
     ("s3.storage", "_default", "the shared S3Storage of s3:// locations (its clients; made at first use)", "kept"),
 )
-
-
-def reset_process_state() -> None:
-    """Wait for a save in flight, then reset every resettable process-wide state (see PROCESS_STATE). Tests
-    only: a training process has no reason to call it."""
-    background.forget_pending()
-    save.forget_assignments()
-    channel.reset_clients()
-    checksums.reset_warning()
-    commit._stock_warned.clear()
-    if snapshot_guard.copies_in_flight():
-        raise RuntimeError("reset_process_state: a snapshot copy is still running")

@@ -442,9 +442,3 @@ def _start_in_background(job: SaveJob, path: str, checkpoint_id: str) -> SaveHan
         job.channel.close()
 
     return start_in_background(SaveHandle(path, checkpoint_id), job.run, cancel)
-
-
-def forget_assignments() -> None:
-    """Forget the write assignments remembered between saves (tests)."""
-    with _save_lock:
-        _assignments.clear()
