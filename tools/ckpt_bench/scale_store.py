@@ -25,6 +25,17 @@ class _Locked:
         return call
 
 
+class _Deadline:
+    """A StoreClient called as the channel calls a store given to it (no deadline argument): 5 s a call."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def __getattr__(self, method: str):
+        fn = getattr(self.client, method)
+        return lambda *args: fn(*args, 5.0)
+
+
 def store_handover(world: int, handovers: dict) -> float:
     """Seconds the coordinator's channel takes to read ``world`` hand-overs from a real TCP store (this
     process serves it; the ranks' ``done`` keys are set first, as the ranks would)."""
@@ -32,21 +43,19 @@ def store_handover(world: int, handovers: dict) -> float:
 
     import paddle.base.core as core
     from paddle.distributed.fsdp.checkpoint.save import channel
+    from paddle.distributed.fsdp.checkpoint.save.store_client import StoreClient
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    before = channel._socket_fds()
-    master = core.TCPStore("127.0.0.1", port, True, 1, 60)
-    channel._no_delay(channel._socket_fds() - before, port)  # (its own client: ~40 ms a request without)
+    master = core.TCPStore("127.0.0.1", port, True, 1, 60)  # the server (and a client of paddle's, unused)
+    writer = StoreClient("127.0.0.1", port, 2.0)  # the engine's own client, as every rank's channel uses
     ns = "fsdp-ckpt/sim/"
     for r, h in handovers.items():
-        master.set(f"{ns}done/{r}", json.dumps(h).encode())
-        master.add(f"{ns}fdone/{r}", 1)
-        master.add(f"{ns}ndone", 1)
-    before = channel._socket_fds()
-    client = core.TCPStore("127.0.0.1", port, False, 0, 60)
-    channel._no_delay(channel._socket_fds() - before, port)  # as the engine's own clients (channel._client)
+        writer.set(f"{ns}done/{r}", json.dumps(h).encode(), 5.0)
+        writer.add(f"{ns}fdone/{r}", 1, 5.0)
+        writer.add(f"{ns}ndone", 1, 5.0)
+    client = _Deadline(StoreClient("127.0.0.1", port, 2.0))
     ch = channel.SaveChannel("sim", 0, world, 0, 60.0, store=_Locked(client))
     try:
         t0 = time.perf_counter()
@@ -57,3 +66,4 @@ def store_handover(world: int, handovers: dict) -> float:
         return time.perf_counter() - t0
     finally:
         ch.close()
+        del master

@@ -13,9 +13,13 @@ checkpoint id:
     committed    the coordinator published the checkpoint; published: it moved ``latest`` too
 
 Only ``add`` (atomic, never blocks) tells whether a key is there, so a reader never waits on a key that may
-never come; a call that fails (a signal interrupting it, a reset) is retried once on a fresh connection. A rank whose heartbeat counter stops moving for ``lease`` seconds is dead (kill -9, OOM killer, a
-lost node): the others raise SaveFailedError naming it. A store that cannot be reached counts as silence of
-the rank that hosts it (rank 0 runs the store server). Collective-free, so it is safe on the background thread.
+never come. Every store call has a deadline (``call_deadline``: a third of the lease) and every reply is checked
+(store_client.py: paddle's own client blocks forever on a store that stops answering, and believes garbage); a
+call that failed on a broken connection (a reset) is retried once on a fresh one. A rank whose heartbeat counter
+stops moving for ``lease`` seconds is dead (kill -9, OOM killer, SIGSTOP, a lost node): the others raise
+SaveFailedError naming it. A store that does not answer (refused, silent, or not answering as the store) for
+``lease`` counts as silence of the rank that hosts it (rank 0 runs the store server), named the same way.
+Collective-free, so it is safe on the background thread.
 """
 
 from __future__ import annotations
@@ -24,15 +28,16 @@ import _thread
 import json
 import logging
 import os
-import socket
 import threading
 import time
 
 from ..errors import SaveFailedError
+from .store_client import StoreClient, StoreReplyError, StoreTimeoutError
 
 logger = logging.getLogger(__name__)
 
 POLL_START, POLL_MAX = 0.001, 0.005  # seconds between polls (doubling up to POLL_MAX)
+PEER_CHECK_PAUSE = 1.0  # seconds a write skips its checks for peer failures after a failed store call
 
 
 def store_endpoint() -> tuple[str, int] | None:
@@ -48,22 +53,21 @@ def store_endpoint() -> tuple[str, int] | None:
     return host, int(port)
 
 
-_clients: dict[str, object] = {}  # role -> TCPStore client (one per thread role: main, beat)
+_clients: dict[str, StoreClient] = {}  # role -> store client (one per thread role: main, beat)
 _clients_lock = threading.Lock()
-CONNECT_DEADLINE = 2.0  # seconds a new store client may take to connect (_connect)
-STORE_ERRORS = (RuntimeError, ValueError, OSError)  # what paddle's TCPStore client raises on a broken connection
+CONNECT_DEADLINE = 2.0  # seconds a new store client may take to connect
+STORE_ERRORS = (RuntimeError, ValueError, OSError)  # StoreError is an OSError; a fixed (paddle) store raises these
+STORE_HOST = 0  # the rank whose process serves the job's TCP store (paddle's init_parallel_env: global rank 0)
 
 
-def _reachable(host: str, port: int) -> bool:
-    """A plain connect with a short timeout: paddle's client would retry a dead address for a long time."""
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
+def call_deadline(lease: float) -> float:
+    """Seconds one store call may take: a third of the lease (0.5-5 s). A call that misses it counts as silence
+    of the store's host, which the lease then judges: a store a little slow under load costs a reconnect, never
+    the save; a frozen one ends the save within ``lease`` plus a deadline or two."""
+    return min(5.0, max(0.5, lease / 3))
 
 
-def _client(role: str):
+def _client(role: str) -> StoreClient:
     """This process's store client for ``role``. A client is not thread-safe: the save (one at a time per
     process) and the heartbeat thread each have their own."""
     with _clients_lock:
@@ -75,82 +79,12 @@ def _client(role: str):
                     "a multi-rank save needs the job's TCP store (MASTER_ADDR/MASTER_PORT or PADDLE_MASTER, set by "
                     "paddle.distributed.launch), and none is configured"
                 )
-            if not _reachable(*ep):
-                raise ConnectionRefusedError(f"the job's TCP store at {ep[0]}:{ep[1]} does not answer")
-            before = _socket_fds()
-            c = _clients[role] = _connect(ep)
-            _no_delay(_socket_fds() - before, ep[1])
+            c = _clients[role] = StoreClient(ep[0], ep[1], CONNECT_DEADLINE, f"rank {STORE_HOST}")
         return c
 
 
-def _connect(ep: tuple[str, int]):
-    """A store client of ``ep``, or ConnectionRefusedError after ``CONNECT_DEADLINE`` seconds.
-
-    Why a deadline of our own: the probe above can succeed while the store's process is being killed (the kernel
-    still completes handshakes on its listening socket), and paddle's client then retries the dead address every
-    3 s for its whole timeout, far past the save's commit timeout and the launcher's teardown (seen in CI: a
-    survivor of its coordinator's kill -9 stuck in that loop). The connect runs on a helper thread; one that misses
-    the deadline is left to paddle's own timeout and its client is never used."""
-    import paddle.base.core as core
-
-    box: dict[str, object] = {}
-    done = threading.Event()
-
-    def connect() -> None:
-        try:
-            box["client"] = core.TCPStore(ep[0], ep[1], False, 0, 60)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller below
-            box["error"] = e
-        finally:
-            done.set()
-
-    _thread.start_new_thread(connect, ())
-    if not done.wait(CONNECT_DEADLINE):
-        raise ConnectionRefusedError(
-            f"the job's TCP store at {ep[0]}:{ep[1]} accepted no client within {CONNECT_DEADLINE:.0f} s"
-        )
-    if "error" in box:
-        raise box["error"]
-    return box["client"]
-
-
-def _socket_fds() -> set[int]:
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:  # not Linux: the client keeps Nagle's algorithm (correct, ~40 ms a request)
-        return set()
-    out = set()
-    for n in names:
-        try:
-            if os.readlink(f"/proc/self/fd/{n}").startswith("socket:"):
-                out.add(int(n))
-        except OSError:
-            pass
-    return out
-
-
-def _no_delay(fds: set[int], port: int) -> None:
-    """TCP_NODELAY on the new client sockets to the store. Why: paddle's client sends a request in several small
-    writes and waits for the reply, so Nagle's algorithm against the server's delayed ACK costs ~40 ms a request
-    (measured: 40-44 ms an ``add``; 0.05 ms with TCP_NODELAY). The option is set on a duplicate descriptor of the
-    same socket."""
-    for fd in fds:
-        try:
-            sk = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            if sk.type == socket.SOCK_STREAM and sk.getpeername()[1] == port:
-                sk.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except (OSError, IndexError, TypeError):
-            pass
-        finally:
-            sk.close()
-
-
 def _drop_client(role: str, client) -> None:
-    """Forget a client whose connection failed: a request interrupted half way (EINTR from a signal, a reset)
-    leaves its reply in the stream, and every later answer would be the previous request's."""
+    """Forget a client whose call failed (store_client.py closed it: its stream may hold an unread reply)."""
     with _clients_lock:
         if _clients.get(role) is client:
             del _clients[role]
@@ -159,24 +93,34 @@ def _drop_client(role: str, client) -> None:
 def reset_clients() -> None:
     """Forget the store clients (tests; a forked child)."""
     with _clients_lock:
+        for c in _clients.values():
+            c.close()
         _clients.clear()
 
 
 class _Store:
-    """Store calls of one role, each retried once on a fresh connection (never a half-answered stream)."""
+    """Store calls of one role, each within ``deadline`` seconds. A call that failed on a broken connection (a
+    reset, a closed socket) is retried once on a fresh one; a timeout or a bad reply is not (the store's host is
+    silent, or the endpoint is not the store: the waiting's lease judges it)."""
 
-    def __init__(self, role: str, store=None):
-        self.role, self.fixed = role, store
+    def __init__(self, role: str, deadline: float, store=None):
+        self.role, self.deadline, self.fixed = role, deadline, store
+        self.failed_at: float | None = None  # monotonic time of the last failed call
 
     def call(self, method: str, *args):
+        if self.fixed is not None:  # a store object given by the caller (tools): its own calls, no deadline
+            return getattr(self.fixed, method)(*args)
         for attempt in (0, 1):
-            client = self.fixed if self.fixed is not None else _client(self.role)
+            client = _client(self.role)
             try:
-                return getattr(client, method)(*args)
-            except STORE_ERRORS:
-                if self.fixed is not None or attempt:
-                    raise
+                out = getattr(client, method)(*args, self.deadline)
+                self.failed_at = None
+                return out
+            except STORE_ERRORS as e:
                 _drop_client(self.role, client)
+                self.failed_at = time.monotonic()
+                if attempt or isinstance(e, (StoreTimeoutError, StoreReplyError)):
+                    raise
         raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -186,8 +130,8 @@ class SaveChannel:
     def __init__(self, checkpoint_id: str, rank: int, world: int, coordinator: int, lease: float, store=None):
         self.ns = f"fsdp-ckpt/{checkpoint_id}/"
         self.rank, self.world, self.coordinator, self.lease = rank, world, coordinator, lease
-        self._store = _Store("main", store)
-        self._beat_store = _Store("beat", store)
+        self._store = _Store("main", call_deadline(lease), store)
+        self._beat_store = _Store("beat", call_deadline(lease), store)
         self._stop = threading.Event()
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last counter, monotonic time it last moved)
         self._lost_since: float | None = None  # first failed store call of a run of failures
@@ -235,6 +179,8 @@ class SaveChannel:
     def peer_failures(self) -> dict[int, str]:
         """``failures()`` for a check between writes: a store that cannot be reached reads as no news (the
         waiting after the write reports it)."""
+        if self._store.failed_at is not None and time.monotonic() - self._store.failed_at < PEER_CHECK_PAUSE:
+            return {}  # the store just failed: a write is not slowed by a call deadline at every slab
         try:
             return self.failures()
         except STORE_ERRORS:
@@ -257,7 +203,12 @@ class SaveChannel:
             logger.warning("could not report the abort to the other ranks: %s", e)
 
     def committed(self) -> None:
-        self._flag("committed")
+        """Tell the waiting ranks the checkpoint is committed. Best effort: the commit record in storage is the
+        truth, which a waiting rank reads back when the store went silent (commit.py ``_wait_commit``)."""
+        try:
+            self._flag("committed")
+        except STORE_ERRORS as e:
+            logger.warning("could not tell the other ranks of the commit through the TCP store: %s", e)
 
     def leave(self) -> None:
         """This rank gave a failed save up (abandon.py)."""
@@ -271,7 +222,11 @@ class SaveChannel:
         return sum(1 for r in range(self.world) if self._count(f"fleft/{r}"))
 
     def published(self) -> None:
-        self._flag("published")
+        """Best effort, as ``committed`` (a waiting rank reads ``latest`` back)."""
+        try:
+            self._flag("published")
+        except STORE_ERRORS as e:
+            logger.warning("could not tell the other ranks of the published pointer through the TCP store: %s", e)
 
     # ------------------------------------------------------------------------------------------- reads
     def _count(self, name: str) -> int:
@@ -350,8 +305,9 @@ class SaveChannel:
                     self._lost_since = now
                 elif now - self._lost_since > self.lease:
                     raise SaveFailedError(
-                        f"the job's TCP store (served by rank 0) cannot be reached for {self.lease:g} s (rank 0 "
-                        f"killed or lost?): {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                        f"rank {STORE_HOST} stopped responding: the job's TCP store it serves did not answer for "
+                        f"{self.lease:g} s (rank {STORE_HOST} killed, frozen or lost?): {type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200]}"
                     ) from None
             if now - t0 > timeout:
                 raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")

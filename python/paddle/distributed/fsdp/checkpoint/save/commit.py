@@ -397,7 +397,7 @@ class SaveJob:
             if seen_commit and (self.publisher is None or self.publisher.is_published()):
                 st, info = "committed", None
             else:
-                self._raise_lost(e, seen_commit, name)
+                self._raise_lost(e, seen_commit)
         if st == "failed":
             r, why = info
             self._drop(name)
@@ -417,7 +417,7 @@ class SaveJob:
     def _committed_in_storage(self) -> bool:
         return commit_id(self.path, self.storage) == self.checkpoint_id
 
-    def _raise_lost(self, e: BaseException, seen_commit: bool, name: str) -> None:
+    def _raise_lost(self, e: BaseException, seen_commit: bool) -> None:
         """The wait for the coordinator ended without its word: timeout, or the coordinator found dead."""
         if isinstance(e, TimeoutError):
             if seen_commit:
@@ -429,8 +429,8 @@ class SaveJob:
                 f"save to {self.path} did not commit: rank {self.coordinator} (the coordinator) did not commit "
                 f"within {self.timeout:g} s (did it die?); the previous checkpoint is untouched"
             ) from None
-        if not seen_commit:
-            self._drop(name)
+        # this rank's object stays (its staging is removed by the next save): the coordinator was not heard, but
+        # may be alive (frozen, then resumed) and commit with it, which must not give a checkpoint without it
         done = f"committed, but did not move the '{LATEST_FILE}' pointer: " if seen_commit else "did not commit: "
         raise SaveFailedError(f"save to {self.path} {done}{e}") from None
 
