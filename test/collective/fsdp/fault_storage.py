@@ -7,11 +7,13 @@ its ``Storage``, seen by ``FaultStorage`` (layered over every storage with ``io.
 the hand-over, which goes through the TCP store, is the ``hand-over`` trace mark that follows it. The stage table
 (protocol order, what is durable at each) is in docs/save-load.md, "Crash semantics". Set::
 
-    PADDLE_FSDP_CKPT_FAULT=<stage>:<rank>[:<n>][:<ERRNO>]
+    PADDLE_FSDP_CKPT_FAULT=<stage>:<rank>[:<n>][:<ERRNO> | :FREEZE | :FREEZE<r>]
 
 and the process whose save-group rank is ``<rank>`` sends itself SIGKILL the ``<n>``-th time (default 1) it
 reaches ``<stage>``; with an errno name (``ENOSPC``, ``EIO``, ...) it raises that ``OSError`` there instead, as
-the file system would. ``PADDLE_FSDP_CKPT_FAULT_DELAY=<point>:<rank>:<seconds>`` makes that rank sleep at
+the file system would. ``FREEZE`` stops it with SIGSTOP instead (a hung node, a paused container: alive, silent,
+its sockets open), ``FREEZE<r>`` stops the process of rank ``<r>`` (its pid from ``note_pid``); either way the
+frozen pid is written to ``$PADDLE_FSDP_CKPT_FAULT_DIR/frozen`` first, for the test to SIGCONT or kill it. ``PADDLE_FSDP_CKPT_FAULT_DELAY=<point>:<rank>:<seconds>`` makes that rank sleep at
 ``<point>`` every time it gets there (races made deterministic). A worker process calls ``install()`` once; an
 in-process test uses ``installed()``. Where each stage is seen:
 
@@ -52,6 +54,8 @@ from paddle.distributed.fsdp.checkpoint.io.local import LocalStorage
 from paddle.distributed.fsdp.checkpoint.io.storage import DigestFn, Piece, ReadHandle, Storage
 
 ENV = "PADDLE_FSDP_CKPT_FAULT"
+DIR_ENV = "PADDLE_FSDP_CKPT_FAULT_DIR"  # where FREEZE modes find the ranks' pids and record the frozen one
+FREEZE_RE = re.compile(r"^FREEZE(\d*)$")
 DELAY_ENV = "PADDLE_FSDP_CKPT_FAULT_DELAY"
 DELAY_POINTS = ("before_data", "markers", "handed_over")
 STAGES = (
@@ -75,13 +79,16 @@ _coordinating: set[str] = set()  # stagings this process wrote metadata.json int
 _pointer_moved: set[str] = set()  # roots whose `latest` this process just wrote (pruning comes next)
 
 
-def _spec() -> tuple[str, int, int, int | None] | None:
+def _spec() -> tuple[str, int, int, int | str | None] | None:
     raw = os.environ.get(ENV)
     if not raw:
         return None
     parts = raw.strip().split(":")
-    code = None
-    if len(parts) >= 3 and parts[-1].isalpha():
+    code: int | str | None = None
+    if len(parts) >= 3 and FREEZE_RE.match(parts[-1]):
+        code = parts[-1]
+        parts = parts[:-1]
+    elif len(parts) >= 3 and parts[-1].isalpha():
         code = getattr(errno, parts[-1], None)
         if not isinstance(code, int):
             raise ValueError(f"{ENV}={raw!r}: {parts[-1]!r} is not an errno name")
@@ -113,12 +120,53 @@ def fire(stage: str) -> None:
     """Die now, as ``kill -9`` would (a stderr line first, so the test log shows where); or, when the fault
     names an errno, raise that OSError as a failing file system would."""
     spec = _spec()
+    if spec is not None and isinstance(spec[3], str):
+        freeze(spec[3], stage)
+        return
     if spec is not None and spec[3] is not None:
         code = spec[3]
         raise OSError(code, f"{os.strerror(code)} [injected by {ENV} at stage {stage}]")
     sys.stderr.write(f"[{ENV}] pid {os.getpid()}: SIGKILL at stage {stage}\n")
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def note_pid(rank: int) -> None:
+    """Worker side: record this process as rank ``rank`` (for ``FREEZE<rank>`` armed on another rank)."""
+    with open(os.path.join(os.environ[DIR_ENV], f"pid.{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def frozen_pid() -> int | None:
+    """The pid a FREEZE mode stopped (None: nothing frozen since the last ``clear_frozen``)."""
+    try:
+        with open(os.path.join(os.environ[DIR_ENV], "frozen")) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def clear_frozen() -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(os.environ[DIR_ENV], "frozen"))
+
+
+def freeze(mode: str, stage: str) -> None:
+    """SIGSTOP this process (``FREEZE``) or rank r's (``FREEZE<r>``), its pid recorded first."""
+    target = FREEZE_RE.match(mode).group(1)
+    where = os.environ[DIR_ENV]
+    if target:
+        with open(os.path.join(where, f"pid.{target}")) as f:
+            pid = int(f.read())
+    else:
+        pid = os.getpid()
+    tmp = os.path.join(where, f"frozen.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(str(pid))
+    os.replace(tmp, os.path.join(where, "frozen"))
+    sys.stderr.write(f"[{ENV}] pid {os.getpid()}: SIGSTOP of pid {pid} at stage {stage}\n")
+    sys.stderr.flush()
+    os.kill(pid, signal.SIGSTOP)
 
 
 def point(stage: str, rank: int) -> None:
@@ -219,7 +267,12 @@ class FaultStorage(Storage):
         if isinstance(self.inner, LocalStorage):  # a file: exactly `half` bytes, fsynced by the backend's writer
             head, first = _halves(bytes(header), arrays, half)
             self.inner.write_object(location, name, head, first, chunk_bytes, None, should_stop=should_stop)
+            fire("mid_data")  # a kill or an error ends here; a freeze returns once resumed: the write goes on
+            return self.inner.write_object(location, name, header, arrays, chunk_bytes, digest, should_stop=should_stop)
+        spec = _spec()
+        if spec is not None and isinstance(spec[3], str):  # a freeze on an object store: before the upload
             fire("mid_data")
+            return self.inner.write_object(location, name, header, arrays, chunk_bytes, digest, should_stop=should_stop)
         # an object store: feed the upload up to the piece that crosses the half, then fail while it is pending
         fed, size = [], len(header)
         for a in arrays:

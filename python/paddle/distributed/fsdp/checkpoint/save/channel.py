@@ -32,7 +32,7 @@ import threading
 import time
 
 from ..errors import SaveFailedError
-from .store_client import StoreClient, StoreReplyError, StoreTimeoutError
+from .store_client import StoreClient, StoreError, StoreReplyError, StoreTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +106,11 @@ class _Store:
     def __init__(self, role: str, deadline: float, store=None):
         self.role, self.deadline, self.fixed = role, deadline, store
         self.failed_at: float | None = None  # monotonic time of the last failed call
+        self.lost: str | None = None  # the store was silent for a whole lease: why (set by SaveChannel.wait)
 
     def call(self, method: str, *args):
+        if self.lost is not None:  # the save's last words (abort, leave) cost no deadline each
+            raise StoreError(f"the job's TCP store was given up: {self.lost}")
         if self.fixed is not None:  # a store object given by the caller (tools): its own calls, no deadline
             return getattr(self.fixed, method)(*args)
         for attempt in (0, 1):
@@ -304,11 +307,13 @@ class SaveChannel:
                 if self._lost_since is None:
                     self._lost_since = now
                 elif now - self._lost_since > self.lease:
-                    raise SaveFailedError(
+                    err = SaveFailedError(
                         f"rank {STORE_HOST} stopped responding: the job's TCP store it serves did not answer for "
                         f"{self.lease:g} s (rank {STORE_HOST} killed, frozen or lost?): {type(e).__name__}: "
                         f"{str(e).splitlines()[0][:200]}"
-                    ) from None
+                    )
+                    self._store.lost = self._beat_store.lost = str(err)
+                    raise err from None
             if now - t0 > timeout:
                 raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
             time.sleep(delay)

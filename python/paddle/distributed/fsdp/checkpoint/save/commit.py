@@ -431,8 +431,14 @@ class SaveJob:
             ) from None
         # this rank's object stays (its staging is removed by the next save): the coordinator was not heard, but
         # may be alive (frozen, then resumed) and commit with it, which must not give a checkpoint without it
-        done = f"committed, but did not move the '{LATEST_FILE}' pointer: " if seen_commit else "did not commit: "
-        raise SaveFailedError(f"save to {self.path} {done}{e}") from None
+        if seen_commit:
+            raise SaveFailedError(
+                f"save to {self.path} committed, but did not move the '{LATEST_FILE}' pointer: {e}"
+            ) from None
+        raise SaveFailedError(
+            f"save to {self.path} did not commit: {e} (a coordinator that was frozen, not dead, may still commit "
+            f"it, complete, when it resumes)"
+        ) from None
 
     def _publish_own(self, name: str) -> None:
         """Node-local storage: the coordinator's publish did not take this rank's object (``path`` shows no
