@@ -268,6 +268,7 @@ class FaultStorage(Storage):
             head, first = _halves(bytes(header), arrays, half)
             self.inner.write_object(location, name, head, first, chunk_bytes, None, should_stop=should_stop)
             fire("mid_data")  # a kill or an error ends here; a freeze returns once resumed: the write goes on
+            self.inner.delete(location, name)  # (the half object; the backend refuses to overwrite a file)
             return self.inner.write_object(location, name, header, arrays, chunk_bytes, digest, should_stop=should_stop)
         spec = _spec()
         if spec is not None and isinstance(spec[3], str):  # a freeze on an object store: before the upload
