@@ -124,3 +124,13 @@ def test_a_frozen_rank_or_store_ends_every_save_by_the_lease(coordinator, runs):
         final = reports[r]["final"]
         assert isinstance(final, dict) and not final["problems"], (r, final)
         assert final["latest"] == final["steps"][-1], final
+
+
+def test_freeze_spec_is_parsed(monkeypatch):
+    monkeypatch.setenv(fault_storage.ENV, "before_commit:0:2:FREEZE")
+    assert fault_storage._spec() == ("before_commit", 0, 2, "FREEZE")
+    monkeypatch.setenv(fault_storage.ENV, "after_rename:1:1:FREEZE0")
+    assert fault_storage._spec() == ("after_rename", 1, 1, "FREEZE0")
+    monkeypatch.setenv(fault_storage.ENV, "after_rename:1:1:FREEZEX")
+    with pytest.raises(ValueError, match="not an errno name"):
+        fault_storage._spec()
