@@ -33,7 +33,7 @@ other module sits here, shared by both phases or used by ``verify.py``, ``manage
 
 Save path: ``save/save.py`` (calling thread; ``save/request.py`` the request it carries) -> ``background.py`` (the
 one save in flight) -> ``save/commit.py`` (write, hand over, commit, publish) over ``save/channel.py`` (the TCP
-store: decisions and heartbeats, no polled files) and ``io/storage.py`` (every byte and name; ``io/local.py``
+store: decisions and heartbeats, no polled files; ``save/store_client.py``, its client: every call bounded) and ``io/storage.py`` (every byte and name; ``io/local.py``
 POSIX; ``io/backends.py`` the registry and layers); ``save/markers.py`` records why a save failed, ``save/abandon.py`` how a rank
 gives a save up. Save modules that others use too stay shared (the tools' one-process writer ``one_process.py``,
 the memory tier, ``coordination.py``): ``planner.py`` / ``assign.py`` / ``first_save.py`` (the write assignment),
