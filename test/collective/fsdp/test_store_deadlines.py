@@ -120,3 +120,58 @@ def test_a_reply_of_the_wrong_call_is_refused(at, monkeypatch):
         assert ch.is_committed() is False  # a fresh connection: the real answer
     finally:
         ch.close()
+
+
+class _Cut:
+    """Rank 1's store: a client that answers its first ``keep`` calls of a hand-over, then none (the store froze
+    between two of them); heartbeats pass (they run until the rank's save ends)."""
+
+    def __init__(self, port: int, keep: int):
+        import threading
+
+        from paddle.distributed.fsdp.checkpoint.save.store_client import StoreClient
+
+        self.client, self.keep, self.lock = StoreClient("127.0.0.1", port, 2.0), keep, threading.Lock()
+
+    def __getattr__(self, method: str):
+        def call(key, *args):
+            with self.lock:
+                if "/hb/" not in key:
+                    if self.keep == 0:
+                        raise StoreTimeoutError("the store froze here")
+                    self.keep -= 1
+                return getattr(self.client, method)(key, *args, 5.0)
+
+        return call
+
+
+@pytest.mark.parametrize("keep", [1, 2], ids=["value-only", "value-and-counter"])
+def test_a_hand_over_cut_by_a_frozen_store_keeps_the_rank_watched(keep, at):
+    """A store that froze in the middle of a rank's hand-over (``done``: value, counter, per-rank flag, each
+    acknowledged before the next) and then resumed leaves the per-rank flag unset: the coordinator keeps watching
+    that rank's heartbeat and names it once it stops, instead of waiting on the counter for its whole commit
+    timeout (a resumed coordinator did: test_frozen_save.py, after_data of rank 0, when the flag went first)."""
+    import socket
+
+    import paddle.base.core as core
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    at(port)
+    _master = core.TCPStore("127.0.0.1", port, True, 1, 60)  # noqa: F841 - serves the store while the test runs
+    coordinator = channel.SaveChannel("cut", 0, 2, 0, LEASE)
+    rank1 = channel.SaveChannel("cut", 1, 2, 0, LEASE, store=_Cut(port, keep))
+    try:
+        coordinator.done({"size": 1})
+        rank1.done({"size": 2})  # cut after `keep` calls; logged, as a frozen store's would be
+        rank1.close()  # its save ends: its heartbeat stops
+        pending = [r for r in range(2) if r not in coordinator.handed_over()]
+        assert pending == [1]
+        t0 = time.monotonic()
+        with alarm(int(LEASE + MARGIN + 20), "the coordinator's wait for a cut hand-over"):
+            with pytest.raises(ck.SaveFailedError, match=r"rank 1 stopped responding \(no heartbeat"):
+                coordinator.wait(coordinator.all_done, 600, "every hand-over", pending)
+        assert time.monotonic() - t0 < LEASE + MARGIN
+    finally:
+        coordinator.close()

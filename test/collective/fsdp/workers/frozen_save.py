@@ -16,6 +16,7 @@ Each rank reports {"store_host": bool, "cells": [{"stage", "frozen", "outcome", 
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from paddle.distributed.fsdp.checkpoint.save.channel import store_endpoint
 
 logger = logging.getLogger("frozen_save")
 EVERY_RANK = ("before_data", "mid_data", "after_data")  # the stages every rank passes (the others: coordinator)
+HANG_DUMP = 25.0  # seconds after which a cell's stacks go to the log (gloo's barrier gives up at about 30)
 FROZEN_WAIT = 30.0  # seconds the live rank waits for the freeze to be recorded (it may come after its save)
 
 
@@ -91,6 +93,7 @@ def main() -> None:
         os.environ[fault_storage.ENV] = f"{stage}:{by}:1:FREEZE{'' if by == frozen else frozen}"
         fault_storage.reset()
         t0 = time.monotonic()
+        faulthandler.dump_traceback_later(HANG_DUMP)  # a save or its resume that hangs shows where, in the log
         try:
             mgr.save(i + 2, state)
             outcome = "ok"
@@ -103,6 +106,7 @@ def main() -> None:
         resumed = resume_frozen(rank) if rank != frozen else None
         logger.warning("rank %d: cell %s/rank %d: %s (%.1f s)", rank, stage, frozen, outcome[:300], seconds)
         dist.barrier()  # the resumed rank's save is over too: what it left must be sound
+        faulthandler.cancel_dump_traceback_later()
         committed = i + 2 in ck.CheckpointManager(spec["root"]).steps()
         problems = ck.verify_checkpoint(mgr.path_for(i + 2)) if committed else None
         out["cells"].append(
@@ -130,5 +134,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1)  # a hang's stacks into the worker log: kill -USR1 <pid>
     fault_storage.install()
     main()

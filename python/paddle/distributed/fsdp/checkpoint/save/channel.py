@@ -171,11 +171,12 @@ class SaveChannel:
 
     def done(self, payload: dict) -> None:
         """This rank's data object is durable: hand it over to the coordinator's commit. A store that cannot be
-        reached (its host died) is left to the waiting that follows, which names the lost rank."""
+        reached (its host died) is left to the waiting that follows, which names the lost rank. The per-rank flag
+        goes last (``_written_last``)."""
         try:
             self._set(f"done/{self.rank}", json.dumps(payload, allow_nan=False))
-            self._flag(f"fdone/{self.rank}")
             self._flag("ndone")
+            self._flag(f"fdone/{self.rank}")
         except STORE_ERRORS as e:
             logger.warning("rank %d could not hand its data over through the TCP store: %s", self.rank, e)
 
@@ -189,12 +190,18 @@ class SaveChannel:
         except STORE_ERRORS:
             return {}
 
+    # _written_last: a message is a value, a counter (the readers' one-read hint) and a per-rank flag, written in
+    # that order, each call acknowledged before the next. A store that freezes between two of them (then resumes)
+    # leaves the flag unset whatever else went through: the rank still counts as not having said it, so a waiting
+    # coordinator keeps watching its heartbeat. The flag first and the counter lost made a resumed coordinator
+    # wait on a hint for its whole commit timeout (test_frozen_save.py, after_data of rank 0).
+
     def fail(self, cause: str) -> None:
         """Tell every rank this one failed (best effort: a lost store already tells them)."""
         try:
             self._set(f"fail/{self.rank}", cause)
-            self._flag(f"ffail/{self.rank}")
             self._flag("nfail")
+            self._flag(f"ffail/{self.rank}")  # last (``_written_last``)
         except Exception as e:  # noqa: BLE001
             logger.warning("could not report the failure of rank %d to the other ranks: %s", self.rank, e)
 
@@ -215,8 +222,8 @@ class SaveChannel:
 
     def leave(self) -> None:
         """This rank gave a failed save up (abandon.py)."""
-        self._flag(f"fleft/{self.rank}")
         self._flag("nleft")
+        self._flag(f"fleft/{self.rank}")  # last (``_written_last``)
 
     def left(self) -> int:
         """How many ranks gave the failed save up (each counted once)."""
