@@ -164,20 +164,34 @@ class CheckpointManager:
         check_keywords("CheckpointManager.save", save_kwargs, keyword_names(save_state_dict, _MANAGED))
         return run_save(self.save_request(step, state_dict, save_kwargs))
 
-    def save_request(self, step: int, state_dict: dict, checked: Mapping[str, Any]) -> SaveRequest:
+    def save_request(
+        self, step: int, state_dict: dict, checked: Mapping[str, Any], caller_error: BaseException | None = None
+    ) -> SaveRequest:
         """The engine's request (save/request.py) of saving ``state_dict`` as ``step``, publishing ``latest`` and
         pruning after the commit. ``checked``: ``save_state_dict``'s keywords as a dict, checked by the caller's
-        door (``save`` above, or ``save_checkpoint``), so an unknown one is reported once, naming that door."""
+        door (``save`` above, or ``save_checkpoint``), so an unknown one is reported once, naming that door.
+        ``caller_error``: what the calling door's own stage raised on this rank; it, or what resolving the root
+        raises here on this rank, is reported by the save's exchange (every rank raises it)."""
         name = step_dir_name(step)
-        storage = backend_for(self.root, getattr(checked.get("options"), "storage", None))
-        if url_scheme(self.root) is None:
-            try:
-                os.makedirs(self.root, exist_ok=True)
-            except OSError as e:  # read-only file system, permissions: a named error, like any failed save
-                raise SaveFailedError(f"save to {self.root}: cannot create the checkpoint root: {e}") from e
-        publisher = _LatestPublisher(self.root, name, self.keep_last, storage)
+        path, publisher, failed = f"{self.root.rstrip('/')}/{name}", None, caller_error
+        try:  # what fails here on one rank (a storage layer, the root's file system) goes to the save's exchange
+            storage = backend_for(self.root, getattr(checked.get("options"), "storage", None))
+            if url_scheme(self.root) is None:
+                try:
+                    os.makedirs(self.root, exist_ok=True)
+                except OSError as e:  # read-only file system, permissions: a named error, like any failed save
+                    raise SaveFailedError(f"save to {self.root}: cannot create the checkpoint root: {e}") from e
+            path, publisher = storage.child(self.root, name), _LatestPublisher(self.root, name, self.keep_last, storage)
+        except Exception as e:  # noqa: BLE001 - every rank raises it after the exchange
+            failed = failed or e
         return save_request(
-            state_dict, storage.child(self.root, name), self.process_group, self.coordinator_rank, publisher, **checked
+            state_dict,
+            path,
+            self.process_group,
+            self.coordinator_rank,
+            publisher,
+            caller_error=failed,
+            **checked,
         )
 
     def latest(self) -> str | None:

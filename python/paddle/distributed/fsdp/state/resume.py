@@ -51,7 +51,7 @@ from ..checkpoint.paths import local_path
 from ..checkpoint.save.request import save_request
 from ..checkpoint.save.save import run_save
 from . import replicas, resume_state
-from .buffers import persistable_buffers
+from .buffers import persistable_buffers, warn_if_buffers_differ
 from .records import refresh_master_weights
 from .resume_state import ResumeObjects
 
@@ -128,16 +128,35 @@ def save_checkpoint(
         manager = CheckpointManager(path, keep_last=keep_last, process_group=fsdp._checkpoint_group)
     elif keep_last is not None:
         raise ValueError("keep_last needs step=: numbered checkpoints live in a root as step_<N> directories")
-    built = resume_state.build(objs, collective=True)
-    state = built.state_dict()
-    deferred = [key for key in built.tensors if key in built.deferred] if async_save else None
-    save_options = dict(
-        async_save=async_save, deferred_keys=deferred, per_rank_values=built.per_rank_keys, options=options
-    )
-    # the engine's requests directly: this function's keywords are its door's (FullyShardFusion.save_checkpoint)
+    state, per_rank, deferred, failed = _capture(objs, async_save)
+    save_options = dict(async_save=async_save, deferred_keys=deferred, per_rank_values=per_rank, options=options)
+    # the engine's requests directly: this function's keywords are its door's (FullyShardFusion.save_checkpoint);
+    # what the capture raised on this rank goes to the save's first exchange, which every rank raises alike
     if manager is not None:
-        return run_save(manager.save_request(step, state, save_options))
-    return run_save(save_request(state, path, fsdp._checkpoint_group, 0, None, **save_options))
+        return run_save(manager.save_request(step, state, save_options, caller_error=failed))
+    return run_save(save_request(state, path, fsdp._checkpoint_group, 0, None, caller_error=failed, **save_options))
+
+
+def _capture(objs: ResumeObjects, async_save: bool):
+    """This rank's state to save (resume_state.build: user code runs here, the stateful objects' ``state_dict()``,
+    the EMA), then the comparison of the buffers across ranks (a collective every rank joins, also one whose
+    capture failed). Returns ``(state, per_rank_keys, deferred_keys, error)``; never raises: a rank failing
+    alone here would leave the others waiting in the save's exchange (issue #50)."""
+    state: dict = {}
+    per_rank: tuple = ()
+    deferred = None
+    failed: BaseException | None = None
+    try:
+        built = resume_state.build(objs)
+        state, per_rank = built.state_dict(), built.per_rank_keys
+        deferred = [key for key in built.tensors if key in built.deferred] if async_save else None
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the save's exchange
+        failed = e
+    try:
+        warn_if_buffers_differ(objs.fsdp, objs.buffers)
+    except Exception as e:  # noqa: BLE001 - as above
+        failed = failed or e
+    return state, per_rank, deferred, failed
 
 
 def _foreign_keys(metadata, fsdp) -> list[str]:
