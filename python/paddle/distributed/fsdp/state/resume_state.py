@@ -10,7 +10,8 @@ An item yields tensors (records loaded in place by the engine or the memory copy
 JSON value under a reserved key (``checkpoint/format/reserved.py``). A per-rank value (RNG, stateful objects) is
 saved by every rank as its own entry (``per_rank_values``). :func:`decode` runs before anything is written and
 raises the named error of the first problem; the function it returns applies the non-tensor state after the
-tensors landed and every rank's check passed (it cannot fail half-way).
+tensors landed and every rank's check passed. Only user code can still fail there (a stateful object's setter):
+every other item is applied all the same and the failures are named (state/apply.py, NotAppliedError).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from . import grad_scaler as scaler_state
 from . import optimizer_states as names
 from . import rng
 from . import stateful as stateful_state
+from .apply import apply_all
 from .buffers import persistable_buffers
 from .ema import ShardedEMA
 from .optimizer_json_state import decode_optimizer_global_state, optimizer_global_state
@@ -299,11 +301,12 @@ def requested_values(objs: ResumeObjects, present) -> list[str]:
 def decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> Callable[[], None]:
     """Check every item's saved value for ``objs`` before anything is written (the first problem raises its
     named error); returns the function applying them all, in ITEMS order, after the tensors landed."""
-    actions = [item.decode(objs, saved, strict, where) for item in ITEMS if item.decode and item.given(objs)]
+    actions = [
+        (item.name, item.decode(objs, saved, strict, where)) for item in ITEMS if item.decode and item.given(objs)
+    ]
 
     def apply() -> None:
-        for action in actions:
-            action()
+        apply_all(actions)  # user code (a stateful object's setter) may still raise: the rest is applied, it is named
 
     return apply
 
