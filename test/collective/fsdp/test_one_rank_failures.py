@@ -25,6 +25,7 @@ CASES = {
     "save:stateful_raises": ("SaveFailedError", ("RuntimeError", "counter state unavailable"), "RuntimeError", True),
     "save:extra_state_not_json": ("InvalidStateDictError", ("__fsdp__.extra_state", "set", "is not JSON"), None, True),
     "save:layer_factory_raises": ("SaveFailedError", ("RuntimeError", "metrics layer"), "RuntimeError", True),
+    "save:layer_factory_raises_save_state_dict": ("SaveFailedError", ("metrics layer",), "RuntimeError", True),
     "save:layer_begin_raises": ("SaveFailedError", ("PermissionError", "quota layer refuses"), None, False),
     "save:write_eio": ("SaveFailedError", ("Input/output error",), None, False),
     "save:disk_full": ("SaveFailedError", ("No space left on device",), None, False),
@@ -40,6 +41,7 @@ CASES = {
     "load:optimizer_creation_raises": ("LoadFailedError", ("accumulator creation failed",), "RuntimeError", True),
     "load:layer_factory_raises": ("LoadFailedError", ("RuntimeError", "metrics layer"), "RuntimeError", True),
     "load:layer_factory_raises_load_state_dict": ("LoadFailedError", ("metrics layer",), "RuntimeError", True),
+    "load:layer_factory_raises_load_latest": ("LoadFailedError", ("metrics layer",), "RuntimeError", True),
     "load:data_eio": (
         "CorruptCheckpointError",
         ("cannot read it", "Input/output error"),

@@ -187,11 +187,13 @@ def main() -> None:
     def extra_not_json(bad):
         return lambda: save(extra_state={"seen": {1, 2}} if bad else {"seen": [1, 2]})
 
-    def layer(factory):
+    def layer(factory, door=None):
         def case(bad):
             if bad:
                 add_storage_layer(factory)
                 added.append(factory)
+            if door == "save_state_dict":  # the engine's own door (no root, no resume layer)
+                return lambda: ck.save_state_dict(run.fsdp.sharded_state_dict(), os.path.join(work, "plain"))
             return save
 
         return case
@@ -215,6 +217,7 @@ def main() -> None:
         "save:stateful_raises": stateful_state("raise"),
         "save:extra_state_not_json": extra_not_json,
         "save:layer_factory_raises": layer(Exploding()),
+        "save:layer_factory_raises_save_state_dict": layer(Exploding(), "save_state_dict"),
         "save:layer_begin_raises": layer(DenyBegin),
         "save:write_eio": fault("before_data:{rank}:EIO"),
         "save:disk_full": fault("mid_data:{rank}:ENOSPC"),
@@ -259,6 +262,9 @@ def main() -> None:
                 added.append(factory)
             if call == "load_state_dict":
                 return lambda: ck.load_state_dict(run.fsdp.sharded_state_dict(), run.step1, atomic=atomic)
+            if call == "load_latest":
+                manager = ck.CheckpointManager(run.root, process_group=run.fsdp._checkpoint_group)
+                return lambda: manager.load_latest(run.fsdp.sharded_state_dict())
             return load(atomic=atomic)
 
         return case
@@ -270,6 +276,7 @@ def main() -> None:
         "load:optimizer_creation_raises": optimizer_creation_raises,
         "load:layer_factory_raises": load_layer(Exploding()),
         "load:layer_factory_raises_load_state_dict": load_layer(Exploding(), "load_state_dict"),
+        "load:layer_factory_raises_load_latest": load_layer(Exploding(), "load_latest"),
         "load:data_eio": load_layer(DataEIO),
         "load:data_eio_atomic": load_layer(DataEIO, atomic=True),
     }

@@ -39,7 +39,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from .coordination import Comm, gather_errors
+from .coordination import Comm, gather_errors, stage_error
 from .directory import (  # noqa: F401 - the manager's functions, answered in directory.py
     STEP_PREFIX,
     committed_steps,
@@ -52,8 +52,8 @@ from .directory import (  # noqa: F401 - the manager's functions, answered in di
     step_dir_name,
 )
 from .errors import (
-    CheckpointError,
     CheckpointRemovedError,
+    LoadFailedError,
     SaveFailedError,
 )
 from .format.metadata import LATEST_FILE
@@ -61,6 +61,7 @@ from .io.backends import backend_for
 from .io.storage import Storage
 from .keywords import check_keywords, keyword_names
 from .load import LoadReport, load_state_dict, run_load
+from .load_checks import named_read_error
 from .paths import local_path, url_scheme
 from .save.request import SaveRequest, save_request
 from .save.save import SaveHandle, run_save, save_state_dict
@@ -106,8 +107,8 @@ def resolve_checkpoint_collective(path: str, comm) -> str:
     err, resolved = None, None
     try:
         resolved = resolve_checkpoint(path)
-    except CheckpointError as e:
-        err = e
+    except Exception as e:  # noqa: BLE001 - a storage layer's or the file system's error too: named, exchanged
+        err = stage_error(named_read_error(path, e), f"load of {path} failed", comm.rank, LoadFailedError)
     gather_errors(comm, err)
     return resolved
 
