@@ -23,6 +23,7 @@ CASES = {
     "save:stateful_not_json": ("SaveFailedError", ("TypeError", "is not JSON"), "TypeError", True),
     "save:stateful_nan": ("SaveFailedError", ("TypeError", "is not JSON"), "TypeError", True),
     "save:stateful_raises": ("SaveFailedError", ("RuntimeError", "counter state unavailable"), "RuntimeError", True),
+    "save:stateful_raises_unprintable": ("SaveFailedError", ("Unprintable", "cannot be printed"), "Unprintable", True),
     "save:extra_state_not_json": ("InvalidStateDictError", ("__fsdp__.extra_state", "set", "is not JSON"), None, True),
     "save:layer_factory_raises": ("SaveFailedError", ("RuntimeError", "metrics layer"), "RuntimeError", True),
     "save:layer_factory_raises_save_state_dict": ("SaveFailedError", ("metrics layer",), "RuntimeError", True),

@@ -5,8 +5,8 @@ whose name holds it: a quick look at one case)
 
 Rank 0 and rank 1 save a checkpoint root (step 1: FullyShardFusion, AdamW, three stateful counters), then train on.
 Then every case runs once with rank 0 and once with rank 1 as the only failing rank: user code of the state
-collection (a stateful object whose ``state_dict()`` is not JSON, holds NaN, or raises; an ``extra_state`` that is
-not JSON), a storage layer (its factory raising; its ``begin`` raising), the storage itself (an injected EIO before
+collection (a stateful object whose ``state_dict()`` is not JSON, holds NaN, or raises, even an exception that
+cannot be printed; an ``extra_state`` that is not JSON), a storage layer (its factory raising; its ``begin`` raising), the storage itself (an injected EIO before
 the data, a full disk mid-data: fault_storage.py), an async save; and on the load side a stateful object whose
 ``set_state_dict`` raises (which objects: drawn with SEED), whose ``check_state_dict`` raises, one the checkpoint
 lacks, an optimizer whose accumulator creation raises, a storage layer factory (``load_checkpoint`` and
@@ -43,6 +43,13 @@ from paddle.distributed.fsdp.checkpoint.io.backends import add_storage_layer, re
 NAMES = ("a", "b", "c")
 
 
+class Unprintable(Exception):
+    """User code's exception whose message cannot even be printed."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no message")
+
+
 class Counter:
     """A stateful object (the caller's data position, say) that can be told to misbehave."""
 
@@ -55,6 +62,8 @@ class Counter:
     def state_dict(self):
         if self.bad_state == "raise":
             raise RuntimeError("counter state unavailable (injected)")
+        if self.bad_state == "unprintable":
+            raise Unprintable()
         if self.bad_state == "tensor":
             return {"n": paddle.to_tensor([self.n])}
         if self.bad_state == "nan":
@@ -215,6 +224,7 @@ def main() -> None:
         "save:stateful_not_json": stateful_state("tensor"),
         "save:stateful_nan": stateful_state("nan"),
         "save:stateful_raises": stateful_state("raise"),
+        "save:stateful_raises_unprintable": stateful_state("unprintable"),
         "save:extra_state_not_json": extra_not_json,
         "save:layer_factory_raises": layer(Exploding()),
         "save:layer_factory_raises_save_state_dict": layer(Exploding(), "save_state_dict"),

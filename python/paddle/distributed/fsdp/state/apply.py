@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..checkpoint.coordination import gather_errors
+from ..checkpoint.coordination import gather_errors, message_of
 from ..checkpoint.errors import PartiallyLoadedError
 
 
@@ -22,7 +22,7 @@ class NotAppliedError(Exception):
 
     def __init__(self, failures: Sequence[tuple[str, BaseException]]) -> None:
         self.failures = list(failures)
-        super().__init__("; ".join(f"{item}: {type(e).__name__}: {e}" for item, e in self.failures))
+        super().__init__("; ".join(f"{item}: {type(e).__name__}: {message_of(e)}" for item, e in self.failures))
 
 
 def apply_all(actions: Sequence[tuple[str, Callable[[], None]]]) -> None:
@@ -50,7 +50,7 @@ def apply_on_every_rank(comm, apply: Callable[[], None], where: str) -> None:
         if isinstance(e, NotAppliedError):
             what, rest = str(e), f"the items named keep their previous state on rank {comm.rank}"
         else:
-            what, rest = f"{type(e).__name__}: {e}", f"rank {comm.rank} may hold part of it"
+            what, rest = f"{type(e).__name__}: {message_of(e)}", f"rank {comm.rank} may hold part of it"
         error = PartiallyLoadedError(
             f"{where}: rank {comm.rank} failed applying the loaded state: {what}. Every tensor (model, optimizer, "
             f"EMA) holds the checkpoint's values on every rank, and so does every other item of state; {rest}. "
