@@ -4,13 +4,15 @@ Usage (under paddle.distributed.launch, 2 ranks): ``one_rank.py WORKDIR SEED [CA
 whose name holds it: a quick look at one case)
 
 Rank 0 and rank 1 save a checkpoint root (step 1: FullyShardFusion, AdamW, three stateful counters), then train on.
-Then every case runs once with rank 0 and once with rank 1 as the only failing rank: user code of the state
+Then every case runs once with rank 0 and once with rank 1 as the only failing rank. Save: user code of the state
 collection (a stateful object whose ``state_dict()`` is not JSON, holds NaN, or raises, even an exception that
-cannot be printed; an ``extra_state`` that is not JSON), a storage layer (its factory raising; its ``begin`` raising), the storage itself (an injected EIO before
-the data, a full disk mid-data: fault_storage.py), an async save; and on the load side a stateful object whose
+cannot be printed; one without ``state_dict()``; an ``extra_state`` that is not JSON), a storage layer (its factory
+raising, through ``save_checkpoint`` and ``save_state_dict``; its ``begin`` raising), the storage itself (an
+injected EIO before the data, a full disk mid-data: fault_storage.py), an async save. Load: a stateful object whose
 ``set_state_dict`` raises (which objects: drawn with SEED), whose ``check_state_dict`` raises, one the checkpoint
-lacks, an optimizer whose accumulator creation raises, a storage layer factory (``load_checkpoint`` and
-``load_state_dict``), an EIO reading the data files (memory-bounded and atomic loads).
+lacks, one without ``set_state_dict()``, an optimizer whose accumulator creation raises, a storage layer factory
+(``load_checkpoint``, ``load_state_dict``, ``CheckpointManager.load_latest``), an EIO reading the data files
+(memory-bounded and atomic loads).
 
 Each rank reports per case ``{error, message, causes, seconds, check}``: the class and message of what it raised,
 the classes of its ``__cause__`` chain, how long the call took, and "ok" or the traceback of the checks of the
@@ -193,6 +195,9 @@ def main() -> None:
 
         return case
 
+    def wrong_object(bad):
+        return lambda: save(stateful={**run.objs, "d": 5} if bad else run.objs)
+
     def extra_not_json(bad):
         return lambda: save(extra_state={"seen": {1, 2}} if bad else {"seen": [1, 2]})
 
@@ -225,6 +230,7 @@ def main() -> None:
         "save:stateful_nan": stateful_state("nan"),
         "save:stateful_raises": stateful_state("raise"),
         "save:stateful_raises_unprintable": stateful_state("unprintable"),
+        "save:stateful_wrong_type": wrong_object,
         "save:extra_state_not_json": extra_not_json,
         "save:layer_factory_raises": layer(Exploding()),
         "save:layer_factory_raises_save_state_dict": layer(Exploding(), "save_state_dict"),
@@ -260,6 +266,9 @@ def main() -> None:
         extra = {"zzz": Counter(0)} if bad else {}
         return load(stateful={**run.objs, **extra})
 
+    def stateful_wrong_type(bad):
+        return load(stateful={**run.objs, "d": 5} if bad else run.objs)
+
     def optimizer_creation_raises(bad):
         opt = AdamW(0.01, parameters=run.model.parameters())
         opt.fail = bad
@@ -283,6 +292,7 @@ def main() -> None:
         "load:setter_raises": setter_raises,
         "load:checker_raises": checker_raises,
         "load:stateful_unknown": stateful_unknown,
+        "load:stateful_wrong_type": stateful_wrong_type,
         "load:optimizer_creation_raises": optimizer_creation_raises,
         "load:layer_factory_raises": load_layer(Exploding()),
         "load:layer_factory_raises_load_state_dict": load_layer(Exploding(), "load_state_dict"),
