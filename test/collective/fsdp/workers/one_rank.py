@@ -6,13 +6,12 @@ whose name holds it: a quick look at one case)
 Rank 0 and rank 1 save a checkpoint root (step 1: FullyShardFusion, AdamW, three stateful counters), then train on.
 Then every case runs once with rank 0 and once with rank 1 as the only failing rank. Save: user code of the state
 collection (a stateful object whose ``state_dict()`` is not JSON, holds NaN, or raises, even an exception that
-cannot be printed; one without ``state_dict()``; an ``extra_state`` that is not JSON), a storage layer (its factory
-raising, through ``save_checkpoint`` and ``save_state_dict``; its ``begin`` raising), the storage itself (an
-injected EIO before the data, a full disk mid-data: fault_storage.py), an async save. Load: a stateful object whose
-``set_state_dict`` raises (which objects: drawn with SEED), whose ``check_state_dict`` raises, one the checkpoint
-lacks, one without ``set_state_dict()``, an optimizer whose accumulator creation raises, a storage layer factory
-(``load_checkpoint``, ``load_state_dict``, ``CheckpointManager.load_latest``), an EIO reading the data files
-(memory-bounded and atomic loads).
+cannot be printed; an optimizer accumulator its class does not declare; an ``extra_state`` that is not JSON), a storage layer (its factory raising, through
+``save_checkpoint`` and ``save_state_dict``; its ``begin`` raising), the storage itself (an injected EIO before the
+data, a full disk mid-data: fault_storage.py), an async save. Load: a stateful object whose ``set_state_dict``
+raises (which objects: drawn with SEED), whose ``check_state_dict`` raises, one the checkpoint lacks, an optimizer
+whose accumulator creation raises, a storage layer factory (``load_checkpoint``, ``load_state_dict``,
+``CheckpointManager.load_latest``), an EIO reading the data files (memory-bounded and atomic loads).
 
 Each rank reports per case ``{error, message, causes, seconds, check}``: the class and message of what it raised,
 the classes of its ``__cause__`` chain, how long the call took, and "ok" or the traceback of the checks of the
@@ -86,11 +85,15 @@ class AdamW(paddle.optimizer.AdamW):
     """The saved optimizer's class (same name), whose accumulator creation can be told to raise."""
 
     fail = False
+    undeclared = False  # creates an accumulator its class's table does not declare
 
     def _create_accumulators(self, block, parameters):
         if self.fail:
             raise RuntimeError("accumulator creation failed (injected)")
-        return super()._create_accumulators(block, parameters)
+        super()._create_accumulators(block, parameters)
+        if self.undeclared:
+            for param in parameters:
+                self._add_accumulator("ema", param)
 
 
 class Exploding:
@@ -182,7 +185,8 @@ def main() -> None:
         step = run.next_step
         run.next_step += 1
         stateful = kw.pop("stateful", run.objs)
-        return run.fsdp.save_checkpoint(run.root, optimizer=run.opt, step=step, stateful=stateful, **kw)
+        opt = kw.pop("optimizer", run.opt)
+        return run.fsdp.save_checkpoint(run.root, optimizer=opt, step=step, stateful=stateful, **kw)
 
     added: list = []  # storage layers a case added on the bad rank
 
@@ -195,8 +199,11 @@ def main() -> None:
 
         return case
 
-    def wrong_object(bad):
-        return lambda: save(stateful={**run.objs, "d": 5} if bad else run.objs)
+    def undeclared_accumulator(bad):
+        opt = AdamW(0.01, parameters=run.model.parameters())
+        opt.undeclared = bad
+        train(run.model, opt, seed, rank)  # its first step creates its state (init_optimizer_state would refuse)
+        return lambda: save(optimizer=opt)
 
     def extra_not_json(bad):
         return lambda: save(extra_state={"seen": {1, 2}} if bad else {"seen": [1, 2]})
@@ -230,7 +237,7 @@ def main() -> None:
         "save:stateful_nan": stateful_state("nan"),
         "save:stateful_raises": stateful_state("raise"),
         "save:stateful_raises_unprintable": stateful_state("unprintable"),
-        "save:stateful_wrong_type": wrong_object,
+        "save:undeclared_accumulator": undeclared_accumulator,
         "save:extra_state_not_json": extra_not_json,
         "save:layer_factory_raises": layer(Exploding()),
         "save:layer_factory_raises_save_state_dict": layer(Exploding(), "save_state_dict"),
@@ -266,9 +273,6 @@ def main() -> None:
         extra = {"zzz": Counter(0)} if bad else {}
         return load(stateful={**run.objs, **extra})
 
-    def stateful_wrong_type(bad):
-        return load(stateful={**run.objs, "d": 5} if bad else run.objs)
-
     def optimizer_creation_raises(bad):
         opt = AdamW(0.01, parameters=run.model.parameters())
         opt.fail = bad
@@ -292,7 +296,6 @@ def main() -> None:
         "load:setter_raises": setter_raises,
         "load:checker_raises": checker_raises,
         "load:stateful_unknown": stateful_unknown,
-        "load:stateful_wrong_type": stateful_wrong_type,
         "load:optimizer_creation_raises": optimizer_creation_raises,
         "load:layer_factory_raises": load_layer(Exploding()),
         "load:layer_factory_raises_load_state_dict": load_layer(Exploding(), "load_state_dict"),

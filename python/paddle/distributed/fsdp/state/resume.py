@@ -122,14 +122,14 @@ def save_checkpoint(
         )
     if str(format).lower() != "fsdp":
         raise ValueError(f"unknown checkpoint format {format!r} (supported: 'fsdp')")
-    objs, failed = ResumeObjects.checked(fsdp, optimizer, grad_scaler, stateful, ema, extra_state)
+    objs = ResumeObjects(fsdp, optimizer, grad_scaler, stateful, ema, extra_state)
     manager = None
     if step is not None:
         step_dir_name(step)  # validates before any collective
         manager = CheckpointManager(path, keep_last=keep_last, process_group=fsdp._checkpoint_group)
     elif keep_last is not None:
         raise ValueError("keep_last needs step=: numbered checkpoints live in a root as step_<N> directories")
-    state, per_rank, deferred, failed = _capture(objs, async_save, failed)
+    state, per_rank, deferred, failed = _capture(objs, async_save)
     save_options = dict(async_save=async_save, deferred_keys=deferred, per_rank_values=per_rank, options=options)
     # the engine's requests directly: this function's keywords are its door's (FullyShardFusion.save_checkpoint);
     # what the capture raised on this rank goes to the save's first exchange, which every rank raises alike
@@ -138,18 +138,16 @@ def save_checkpoint(
     return run_save(save_request(state, path, fsdp._checkpoint_group, 0, None, caller_error=failed, **save_options))
 
 
-def _capture(objs: ResumeObjects, async_save: bool, failed: BaseException | None):
+def _capture(objs: ResumeObjects, async_save: bool):
     """This rank's state to save (resume_state.build: user code runs here, the stateful objects' ``state_dict()``,
     the EMA), then the comparison of the buffers across ranks (a collective every rank joins, also one whose
     capture failed). Returns ``(state, per_rank_keys, deferred_keys, error)``; never raises: a rank failing
-    alone here would leave the others waiting in the save's exchange (issue #50). ``failed``: the objects given
-    were wrong on this rank (nothing is captured)."""
+    alone here would leave the others waiting in the save's exchange (issue #50)."""
     state: dict = {}
     per_rank: tuple = ()
     deferred = None
+    failed: BaseException | None = None
     try:
-        if failed is not None:
-            raise failed
         built = resume_state.build(objs)
         state, per_rank = built.state_dict(), built.per_rank_keys
         deferred = [key for key in built.tensors if key in built.deferred] if async_save else None
@@ -235,14 +233,13 @@ def load_checkpoint(
     saved with ``stateful=``, restored with ``set_state_dict`` (state/stateful.py); ``ema``: the ShardedEMA saved
     with ``ema=`` (resharded like the weights at another world size).
     """
-    # an object of a wrong type is reported by the first exchange (every rank raises LoadFailedError naming it)
-    objs, failed = ResumeObjects.checked(fsdp, optimizer, grad_scaler, stateful, ema)
+    objs = ResumeObjects(fsdp, optimizer, grad_scaler, stateful, ema)  # TypeError for a wrong object, first
     root = local_path(path)  # a local directory, or a URL of a storage backend (s3://)
     skipped: list[tuple[str, str]] = []
     target = path
     while True:
         try:
-            result = _load_retrying(objs, target, strict, verify_checksums, atomic, max_host_bytes, options, failed)
+            result = _load_retrying(objs, target, strict, verify_checksums, atomic, max_host_bytes, options)
         except PartiallyLoadedError as e:
             failed = getattr(e, "checkpoint", None)
             # decided alike on every rank (a rank that cannot list the root must not give up alone while its
@@ -286,11 +283,11 @@ def _older_checkpoint(root: str, failed: str) -> str | None:
     return os.path.join(root, step_dir_name(older[-1])) if older else None
 
 
-def _load_retrying(objs, path, strict, verify_checksums, atomic, max_host_bytes, options, failed=None) -> LoadResult:
+def _load_retrying(objs, path, strict, verify_checksums, atomic, max_host_bytes, options) -> LoadResult:
     """One load of ``path``, retried when ``keep_last`` rotation removed the checkpoint being read (for a root:
     checkpoint/manager.py ``retry_removed``)."""
     return retry_removed(
-        lambda: _load_once(objs, path, strict, verify_checksums, atomic, max_host_bytes, options, failed),
+        lambda: _load_once(objs, path, strict, verify_checksums, atomic, max_host_bytes, options),
         f"load_checkpoint({path})",
         lambda e: _agreed(objs.fsdp, e, lambda: is_checkpoint_root(path)),
     )
@@ -317,26 +314,17 @@ def _targets(objs: ResumeObjects, metadata) -> tuple[dict, Any, BaseException | 
 
 
 def _load_once(
-    objs: ResumeObjects,
-    path: str,
-    strict: bool,
-    verify_checksums: bool,
-    atomic: bool,
-    max_host_bytes,
-    options,
-    wrong: BaseException | None = None,
+    objs: ResumeObjects, path: str, strict: bool, verify_checksums: bool, atomic: bool, max_host_bytes, options
 ) -> LoadResult:
     """Open the checkpoint once, refuse on every rank together what the engine cannot see (keys of another model,
     the non-tensor state: ``_precheck``), then have the engine load from that same opened checkpoint, then apply
     the non-tensor state and agree on that outcome too. Each stage's failure on one rank reaches every rank as the
-    same named error naming it (issue #50). ``wrong``: an object given was of a wrong type on this rank."""
+    same named error naming it (issue #50)."""
     fsdp, optimizer = objs.fsdp, objs.optimizer
     comm = Comm(fsdp._checkpoint_group)
     err: BaseException | None = None
     resolved = checkpoint = foreign = apply = None
     try:
-        if wrong is not None:
-            raise wrong
         resolved = resolve_checkpoint(path)
         # refused here, before the optimizer's state is even created; the engine loads from this same opened
         # checkpoint (its metadata read once) and still compares the checkpoint id every rank read

@@ -66,16 +66,6 @@ class ResumeObjects:
         if self.ema is not None and self.ema.fsdp is not self.fsdp:
             raise ValueError("ema was made for another FullyShardFusion model")
 
-    @classmethod
-    def checked(cls, fsdp: Any, *objects: Any) -> tuple[ResumeObjects, BaseException | None]:
-        """``(ResumeObjects(fsdp, *objects), None)``; when an object is of a wrong type on this rank, the model
-        alone and the error (TypeError, ValueError naming it), which the door's first exchange reports on every
-        rank: a rank raising alone here would leave the others waiting in it."""
-        try:
-            return cls(fsdp, *objects), None
-        except (TypeError, ValueError) as e:
-            return cls(fsdp), e
-
     @cached_property
     def buffers(self) -> dict:
         return persistable_buffers(self.fsdp.model)
