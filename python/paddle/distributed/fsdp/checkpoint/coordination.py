@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidStateDictError, SaveFailedError, rebuild_remote_error
+from .errors import CheckpointError, InvalidStateDictError, SaveFailedError, names_rank, rebuild_remote_error
 
 # ------------------------------------------------------------------------------------------------ groups
 
@@ -94,17 +94,56 @@ def gather_errors(comm, error: BaseException | None, payload: Any = None) -> lis
     every rank: the rank's own error where it has one, else the first failed rank's, rebuilt as the same named
     class (errors.rebuild_remote_error). Returns every rank's ``payload`` (by rank) when none failed.
 
+    A rank that failed while others did not raises the very error its peers rebuild: the same class, its message
+    naming the rank (``rank <r> failed: ...``), with its own error chained as the cause (``own_error``).
+
     ``comm`` is anything with ``all_gather_object(obj) -> list`` (``Comm``, FullyShardFusion's ``comm``). Every
     rank must call it, also a failed one: that is what keeps a failing rank from leaving the others waiting.
     """
-    status = None if error is None else (type(error).__name__, str(error))
+    status = None if error is None else (type(error).__name__, message_of(error))
     gathered = comm.all_gather_object((status, payload))
     if error is not None:
-        raise error
+        raise own_error(error, comm, gathered)
     for r, (st, _payload) in enumerate(gathered):
         if st is not None:
             raise rebuild_remote_error(st[0], st[1], r)
     return [p for _st, p in gathered]
+
+
+def message_of(error: BaseException) -> str:
+    """``str(error)``, or a stand-in when user code's exception cannot even be printed (its ``__str__`` raising
+    here would make this rank raise alone, before the exchange)."""
+    try:
+        return str(error)
+    except Exception:  # noqa: BLE001 - any failure of user code's __str__
+        return f"<{type(error).__name__} whose message cannot be printed>"
+
+
+def own_error(error: BaseException, comm, gathered: list) -> BaseException:
+    """What a failed rank raises after the exchange: ``error`` itself when every rank failed (each names its own
+    cause) or its message names the rank already; else the error its peers rebuild (same class, message naming
+    this rank), chained to ``error``. ``error`` itself too when its class cannot be rebuilt from a message."""
+    rank = getattr(comm, "rank", None)
+    if rank is None or all(st is not None for st, _p in gathered) or names_rank(message_of(error), rank):
+        return error
+    try:
+        named = type(error)(f"rank {rank} failed: {message_of(error)}")
+    except Exception:  # noqa: BLE001 - a class whose constructor takes other arguments: raised as it is
+        return error
+    named.__cause__ = error
+    return named
+
+
+def stage_error(error: BaseException, what: str, rank: int, fallback: type[CheckpointError]) -> CheckpointError:
+    """This rank's ``error`` in a stage of a save or load (``what``: ``"save to <path> failed"``, ...) as the named
+    error every rank will raise: an engine error keeps its class, anything else (a TypeError of user code, an
+    OSError, a storage layer's own error) becomes ``fallback`` naming the stage, the rank and the cause
+    (``Class: message``), the original chained."""
+    if isinstance(error, CheckpointError):
+        return error
+    named = fallback(f"{what}: rank {rank} failed: {type(error).__name__}: {message_of(error)}")
+    named.__cause__ = error
+    return named
 
 
 # ------------------------------------------------------------------------------------------------ file protocol

@@ -29,6 +29,7 @@ __all__ = [
     "InvalidStateDictError",
     "UnrepresentableKeyError",
     "SaveFailedError",
+    "LoadFailedError",
     "DirectoryMismatchError",
     "PartiallyLoadedError",
     "ToolError",
@@ -134,6 +135,12 @@ class SaveFailedError(CheckpointError):
     """A save did not commit (a rank failed, or the commit timed out)."""
 
 
+class LoadFailedError(CheckpointError):
+    """A load did not happen because a rank failed before anything was written, with an error that is not one of
+    the engine's own (its state collection, a storage layer, a bug): the message names the rank and the cause,
+    every rank raises it, the failing one with its original error chained."""
+
+
 class DirectoryMismatchError(SaveFailedError):
     """The ranks of one save were given different checkpoint names (a node-local ``path`` is fine)."""
 
@@ -168,6 +175,7 @@ ERROR_CLASSES = {
         RngStateMismatchError,
         InvalidStateDictError,
         SaveFailedError,
+        LoadFailedError,
         DirectoryMismatchError,
         PartiallyLoadedError,
     )
@@ -187,9 +195,16 @@ def _named_class(type_name: str) -> type:
     return cls or CheckpointError
 
 
+def names_rank(message: str, rank: int) -> bool:
+    """Whether ``message`` already says that ``rank`` failed (errors named where they happened)."""
+    return f"rank {rank} failed" in message
+
+
 def rebuild_remote_error(type_name: str, message: str, rank: int) -> CheckpointError:
-    """Re-create, on a rank that did not fail itself, the error another rank reported (the same class)."""
+    """Re-create, on a rank that did not fail itself, the error another rank reported (the same class), its
+    message naming the failed rank (once: a message that names it already is kept as it is)."""
+    named = message if names_rank(message, rank) else f"rank {rank} failed: {message}"
     try:
-        return _named_class(type_name)(f"rank {rank} failed: {message}")
+        return _named_class(type_name)(named)
     except TypeError:  # a class whose constructor takes other arguments
         return CheckpointError(f"rank {rank} failed: {type_name}: {message}")

@@ -39,7 +39,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from .coordination import Comm, gather_errors
+from .coordination import Comm, gather_errors, stage_error
 from .directory import (  # noqa: F401 - the manager's functions, answered in directory.py
     STEP_PREFIX,
     committed_steps,
@@ -52,8 +52,8 @@ from .directory import (  # noqa: F401 - the manager's functions, answered in di
     step_dir_name,
 )
 from .errors import (
-    CheckpointError,
     CheckpointRemovedError,
+    LoadFailedError,
     SaveFailedError,
 )
 from .format.metadata import LATEST_FILE
@@ -61,6 +61,7 @@ from .io.backends import backend_for
 from .io.storage import Storage
 from .keywords import check_keywords, keyword_names
 from .load import LoadReport, load_state_dict, run_load
+from .load_checks import named_read_error
 from .paths import local_path, url_scheme
 from .save.request import SaveRequest, save_request
 from .save.save import SaveHandle, run_save, save_state_dict
@@ -106,8 +107,8 @@ def resolve_checkpoint_collective(path: str, comm) -> str:
     err, resolved = None, None
     try:
         resolved = resolve_checkpoint(path)
-    except CheckpointError as e:
-        err = e
+    except Exception as e:  # noqa: BLE001 - a storage layer's or the file system's error too: named, exchanged
+        err = stage_error(named_read_error(path, e), f"load of {path} failed", comm.rank, LoadFailedError)
     gather_errors(comm, err)
     return resolved
 
@@ -164,20 +165,34 @@ class CheckpointManager:
         check_keywords("CheckpointManager.save", save_kwargs, keyword_names(save_state_dict, _MANAGED))
         return run_save(self.save_request(step, state_dict, save_kwargs))
 
-    def save_request(self, step: int, state_dict: dict, checked: Mapping[str, Any]) -> SaveRequest:
+    def save_request(
+        self, step: int, state_dict: dict, checked: Mapping[str, Any], caller_error: BaseException | None = None
+    ) -> SaveRequest:
         """The engine's request (save/request.py) of saving ``state_dict`` as ``step``, publishing ``latest`` and
         pruning after the commit. ``checked``: ``save_state_dict``'s keywords as a dict, checked by the caller's
-        door (``save`` above, or ``save_checkpoint``), so an unknown one is reported once, naming that door."""
+        door (``save`` above, or ``save_checkpoint``), so an unknown one is reported once, naming that door.
+        ``caller_error``: what the calling door's own stage raised on this rank; it, or what resolving the root
+        raises here on this rank, is reported by the save's exchange (every rank raises it)."""
         name = step_dir_name(step)
-        storage = backend_for(self.root, getattr(checked.get("options"), "storage", None))
-        if url_scheme(self.root) is None:
-            try:
-                os.makedirs(self.root, exist_ok=True)
-            except OSError as e:  # read-only file system, permissions: a named error, like any failed save
-                raise SaveFailedError(f"save to {self.root}: cannot create the checkpoint root: {e}") from e
-        publisher = _LatestPublisher(self.root, name, self.keep_last, storage)
+        path, publisher, failed = f"{self.root.rstrip('/')}/{name}", None, caller_error
+        try:  # what fails here on one rank (a storage layer, the root's file system) goes to the save's exchange
+            storage = backend_for(self.root, getattr(checked.get("options"), "storage", None))
+            if url_scheme(self.root) is None:
+                try:
+                    os.makedirs(self.root, exist_ok=True)
+                except OSError as e:  # read-only file system, permissions: a named error, like any failed save
+                    raise SaveFailedError(f"save to {self.root}: cannot create the checkpoint root: {e}") from e
+            path, publisher = storage.child(self.root, name), _LatestPublisher(self.root, name, self.keep_last, storage)
+        except Exception as e:  # noqa: BLE001 - every rank raises it after the exchange
+            failed = failed or e
         return save_request(
-            state_dict, storage.child(self.root, name), self.process_group, self.coordinator_rank, publisher, **checked
+            state_dict,
+            path,
+            self.process_group,
+            self.coordinator_rank,
+            publisher,
+            caller_error=failed,
+            **checked,
         )
 
     def latest(self) -> str | None:

@@ -78,12 +78,18 @@ def buffers_differing_across_ranks(fsdp, buffers: dict | None = None) -> dict[st
         buffers = persistable_buffers(fsdp.model)
     if not buffers:  # the model's structure is the same on every rank: all skip the collective together
         return {}
-    mine = fingerprints(buffers)
+    failure = None
+    try:
+        mine = fingerprints(buffers)
+    except Exception as e:  # noqa: BLE001 - raised after the exchange: the others must not wait for this rank
+        mine, failure = None, e
     every = fsdp.comm.all_gather_object(mine)
+    if failure is not None:
+        raise failure
     differing: dict[str, list[int]] = {}
     for rank, prints in enumerate(every[1:], start=1):
-        for key, value in prints.items():
-            if every[0].get(key) != value:
+        for key, value in (prints or {}).items():  # None: that rank failed (its save reports it to every rank)
+            if every[0] is not None and every[0].get(key) != value:
                 differing.setdefault(key, []).append(rank)
     return differing
 

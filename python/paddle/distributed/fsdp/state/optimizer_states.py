@@ -104,6 +104,8 @@ from typing import Any
 import paddle
 from paddle.optimizer import Optimizer
 
+from ..checkpoint.errors import InvalidStateDictError
+
 __all__ = [
     "ELEMENTWISE",
     "SCALAR",
@@ -191,11 +193,12 @@ _STATE_TABLE: dict[type, dict[str, tuple[str, str]]] = {
 _WRAPPER_ATTRS = ("_inner_opt", "inner_opt")
 
 
-class UnsupportedOptimizerStateError(ValueError):
+class UnsupportedOptimizerStateError(InvalidStateDictError):
     """Optimizer state that cannot be named or sharded safely.
 
     Raised instead of skipping the state, so a checkpoint is never silently
-    incomplete.
+    incomplete. A checkpoint error (and a ValueError): raised on one rank while
+    a save collects its state, every rank raises it by name (issue #50).
     """
 
     def __init__(

@@ -32,9 +32,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..checkpoint import CheckpointManager, CheckpointOptions, LoadReport
-from ..checkpoint.coordination import Comm, gather_errors
+from ..checkpoint.coordination import Comm, gather_errors, stage_error
 from ..checkpoint.directory import open_checkpoint
-from ..checkpoint.errors import CheckpointRemovedError, PartiallyLoadedError, UnexpectedKeyError
+from ..checkpoint.errors import CheckpointRemovedError, LoadFailedError, PartiallyLoadedError, UnexpectedKeyError
 from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, RESERVED_PREFIX
 from ..checkpoint.gc_pause import gc_paused
 from ..checkpoint.load import run_load
@@ -51,7 +51,8 @@ from ..checkpoint.paths import local_path
 from ..checkpoint.save.request import save_request
 from ..checkpoint.save.save import run_save
 from . import replicas, resume_state
-from .buffers import persistable_buffers
+from .apply import apply_on_every_rank
+from .buffers import persistable_buffers, warn_if_buffers_differ
 from .records import refresh_master_weights
 from .resume_state import ResumeObjects
 
@@ -128,16 +129,35 @@ def save_checkpoint(
         manager = CheckpointManager(path, keep_last=keep_last, process_group=fsdp._checkpoint_group)
     elif keep_last is not None:
         raise ValueError("keep_last needs step=: numbered checkpoints live in a root as step_<N> directories")
-    built = resume_state.build(objs, collective=True)
-    state = built.state_dict()
-    deferred = [key for key in built.tensors if key in built.deferred] if async_save else None
-    save_options = dict(
-        async_save=async_save, deferred_keys=deferred, per_rank_values=built.per_rank_keys, options=options
-    )
-    # the engine's requests directly: this function's keywords are its door's (FullyShardFusion.save_checkpoint)
+    state, per_rank, deferred, failed = _capture(objs, async_save)
+    save_options = dict(async_save=async_save, deferred_keys=deferred, per_rank_values=per_rank, options=options)
+    # the engine's requests directly: this function's keywords are its door's (FullyShardFusion.save_checkpoint);
+    # what the capture raised on this rank goes to the save's first exchange, which every rank raises alike
     if manager is not None:
-        return run_save(manager.save_request(step, state, save_options))
-    return run_save(save_request(state, path, fsdp._checkpoint_group, 0, None, **save_options))
+        return run_save(manager.save_request(step, state, save_options, caller_error=failed))
+    return run_save(save_request(state, path, fsdp._checkpoint_group, 0, None, caller_error=failed, **save_options))
+
+
+def _capture(objs: ResumeObjects, async_save: bool):
+    """This rank's state to save (resume_state.build: user code runs here, the stateful objects' ``state_dict()``,
+    the EMA), then the comparison of the buffers across ranks (a collective every rank joins, also one whose
+    capture failed). Returns ``(state, per_rank_keys, deferred_keys, error)``; never raises: a rank failing
+    alone here would leave the others waiting in the save's exchange (issue #50)."""
+    state: dict = {}
+    per_rank: tuple = ()
+    deferred = None
+    failed: BaseException | None = None
+    try:
+        built = resume_state.build(objs)
+        state, per_rank = built.state_dict(), built.per_rank_keys
+        deferred = [key for key in built.tensors if key in built.deferred] if async_save else None
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the save's exchange
+        failed = e
+    try:
+        warn_if_buffers_differ(objs.fsdp, objs.buffers)
+    except Exception as e:  # noqa: BLE001 - as above
+        failed = failed or e
+    return state, per_rank, deferred, failed
 
 
 def _foreign_keys(metadata, fsdp) -> list[str]:
@@ -165,7 +185,7 @@ def _precheck(objs: ResumeObjects, resolved: str, metadata, strict: bool) -> tup
     keys of another model, and every item of non-tensor state decoded and validated by the owner of the resume
     state (state/resume_state.py: optimizer class and global state with the LR scheduler, this rank's RNG,
     GradScaler, stateful objects, EMA, ``extra_state``). Returns the foreign keys and the function applying the
-    decoded state, which cannot fail half-way."""
+    decoded state (only user code can fail in it: ``_load_once`` agrees on that outcome too)."""
     fsdp = objs.fsdp
     foreign = _foreign_keys(metadata, fsdp)
     if foreign and strict:
@@ -273,12 +293,35 @@ def _load_retrying(objs, path, strict, verify_checksums, atomic, max_host_bytes,
     )
 
 
+def _targets(objs: ResumeObjects, metadata) -> tuple[dict, Any, BaseException | None]:
+    """What the engine loads into on this rank (optimizer state created first), after the precheck's verdict:
+    ``(requested, split, error)``. Never raises: what fails goes to the engine's first exchange (``error``)."""
+    fsdp = objs.fsdp
+    try:
+        if objs.optimizer is not None:
+            fsdp.init_optimizer_state(objs.optimizer)
+        state = resume_state.load_targets(objs)
+        for key in resume_state.requested_values(objs, metadata.values):
+            state[key] = None  # requested: the engine reports them missing like any key (extra_state is returned)
+        replicate_group = fsdp.group_layout.replicate_group
+        degree = fsdp.group_layout.replicate_degree
+        split = replicas.split_for_replicas(state, metadata, degree) if replicate_group else None
+        # the dict the engine fills: under HSDP a replica's part, which holds the JSON values (extra_state) too
+        requested = replicas.my_part(state, split, replicate_group.rank) if split else state
+        return requested, split, None
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it
+        return {EXTRA_KEY: None}, None, e
+
+
 def _load_once(
     objs: ResumeObjects, path: str, strict: bool, verify_checksums: bool, atomic: bool, max_host_bytes, options
 ) -> LoadResult:
     """Open the checkpoint once, refuse on every rank together what the engine cannot see (keys of another model,
-    the non-tensor state: ``_precheck``), then have the engine load from that same opened checkpoint."""
+    the non-tensor state: ``_precheck``), then have the engine load from that same opened checkpoint, then apply
+    the non-tensor state and agree on that outcome too. Each stage's failure on one rank reaches every rank as the
+    same named error naming it (issue #50)."""
     fsdp, optimizer = objs.fsdp, objs.optimizer
+    comm = Comm(fsdp._checkpoint_group)
     err: BaseException | None = None
     resolved = checkpoint = foreign = apply = None
     try:
@@ -288,24 +331,13 @@ def _load_once(
         checkpoint = open_checkpoint(resolved)
         foreign, apply = _precheck(objs, resolved, checkpoint.metadata, strict)
     except Exception as e:  # noqa: BLE001 - whatever fails here must reach the exchange below
-        err = named_read_error(path, e)  # (an OSError reading storage: named, the same class on every rank)
+        # an OSError reading storage: CorruptCheckpointError; user code, a storage layer: LoadFailedError
+        err = stage_error(named_read_error(path, e), f"load of {path} failed", comm.rank, LoadFailedError)
     # every rank fails together: a rank raising alone would leave the others waiting in the load's collective
-    resolutions = gather_errors(Comm(fsdp._checkpoint_group), err, resolved)
+    resolutions = gather_errors(comm, err, resolved)
     if len(set(resolutions)) > 1:  # `latest` moved between the ranks' reads
         raise CheckpointRemovedError(f"ranks resolved {path} to different checkpoints: {sorted(set(resolutions))}")
-    metadata = checkpoint.metadata
-    if optimizer is not None:
-        fsdp.init_optimizer_state(optimizer)
-    state = resume_state.load_targets(objs)
-    for key in resume_state.requested_values(objs, metadata.values):
-        state[key] = None  # requested: the engine reports them missing like any key (extra_state is returned)
-
-    replicate_group = fsdp.group_layout.replicate_group
-    split = (
-        replicas.split_for_replicas(state, metadata, fsdp.group_layout.replicate_degree) if replicate_group else None
-    )
-    # the dict the engine fills: under HSDP a replica's part, which holds the JSON values (extra_state) too
-    requested = replicas.my_part(state, split, replicate_group.rank) if split else state
+    requested, split, failed = _targets(objs, checkpoint.metadata)
     try:
         report = run_load(
             requested,
@@ -316,22 +348,27 @@ def _load_once(
             atomic=atomic,
             max_host_bytes=max_host_bytes,
             options=options,
+            caller_error=failed,  # reported by the engine's first exchange: nothing is read on any rank
         )
     except PartiallyLoadedError as e:
         e.checkpoint = resolved  # which checkpoint failed, for the fallback
         raise
     if split is not None:  # HSDP: each replica read its part; the parts are exchanged over the replicate group
         window = replicas.window_for(max_host_bytes)
+        replicate_group = fsdp.group_layout.replicate_group
         report.loaded_keys.extend(replicas.broadcast_parts(split, set(report.loaded_keys), replicate_group, window))
-    apply()  # validated above on every rank: restores optimizer global state and RNG, cannot fail
+
+    def apply_and_refresh() -> None:
+        apply()  # validated on every rank; only user code (a stateful object's setter) can still raise
+        if optimizer is not None:  # a parameter loaded without its master weight: the master follows the parameter
+            refreshed = refresh_master_weights(fsdp, optimizer, report.loaded_keys)
+            if refreshed:
+                logger.info("load_checkpoint(%s): master weights re-cast from the loaded parameters %s", resolved,
+                            refreshed)  # fmt: skip
+
+    apply_on_every_rank(comm, apply_and_refresh, f"load of {resolved}")
     # the list of buffer keys is for the tools (to-hf); the buffers themselves were loaded as model state
     report.unexpected_keys = [k for k in report.unexpected_keys if k != BUFFERS_KEY]
-    if optimizer is not None:  # a parameter loaded without its master weight: the master follows the parameter
-        refreshed = refresh_master_weights(fsdp, optimizer, report.loaded_keys)
-        if refreshed:
-            logger.info(
-                "load_checkpoint(%s): master weights re-cast from the loaded parameters %s", resolved, refreshed
-            )
     if not strict:
         problems = {
             "missing": [k for k in report.missing_keys if not k.startswith(RESERVED_PREFIX)],

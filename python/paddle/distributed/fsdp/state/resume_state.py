@@ -10,7 +10,8 @@ An item yields tensors (records loaded in place by the engine or the memory copy
 JSON value under a reserved key (``checkpoint/format/reserved.py``). A per-rank value (RNG, stateful objects) is
 saved by every rank as its own entry (``per_rank_values``). :func:`decode` runs before anything is written and
 raises the named error of the first problem; the function it returns applies the non-tensor state after the
-tensors landed and every rank's check passed (it cannot fail half-way).
+tensors landed and every rank's check passed. Only user code can still fail there (a stateful object's setter):
+every other item is applied all the same and the failures are named (state/apply.py, NotAppliedError).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from . import grad_scaler as scaler_state
 from . import optimizer_states as names
 from . import rng
 from . import stateful as stateful_state
-from .buffers import persistable_buffers, warn_if_buffers_differ
+from .apply import apply_all
+from .buffers import persistable_buffers
 from .ema import ShardedEMA
 from .optimizer_json_state import decode_optimizer_global_state, optimizer_global_state
 from .records import optimizer_sharded_state_dict, parameter_records
@@ -93,14 +95,14 @@ class Saved:
 @dataclass(frozen=True)
 class Item:
     """One kind of state a resume holds. ``tensors(objs)`` -> (records, keys only a step changes);
-    ``value(objs, collective)`` -> its JSON value; ``decode(objs, saved, strict, where)`` -> apply. None of them
+    ``value(objs)`` -> its JSON value; ``decode(objs, saved, strict, where)`` -> apply. None of them
     is called when the object the item ``needs`` was not given."""
 
     name: str
     key: str | None = None  # its JSON value's reserved key
     per_rank: bool = False  # every rank saves its own value
     tensors: Callable[[ResumeObjects], tuple[dict, set]] | None = None
-    value: Callable[[ResumeObjects, bool], Any] | None = None
+    value: Callable[[ResumeObjects], Any] | None = None
     decode: Callable[[ResumeObjects, Saved, bool, str], Callable[[], None]] | None = None
     needs: str | None = None  # the ResumeObjects field it is about: without that object, the item holds nothing
 
@@ -123,9 +125,7 @@ def _buffer_tensors(objs: ResumeObjects) -> tuple[dict, set]:
     return dict(objs.buffers), set()
 
 
-def _buffer_value(objs: ResumeObjects, collective: bool) -> list:
-    if collective:  # one small all_gather: the memory tier's saves skip it (they are collective-free)
-        warn_if_buffers_differ(objs.fsdp, objs.buffers)
+def _buffer_value(objs: ResumeObjects) -> list:
     return list(objs.buffers)  # the tools' list (to-hf); the buffers are tensors
 
 
@@ -134,7 +134,7 @@ def _opt_tensors(objs: ResumeObjects) -> tuple[dict, set]:
     return records, set(records)
 
 
-def _opt_value(objs: ResumeObjects, collective: bool) -> Any:
+def _opt_value(objs: ResumeObjects) -> Any:
     inner = names.unwrap_optimizer(objs.optimizer)
     return {"class": type(inner).__name__, "global_state": optimizer_global_state(inner)}
 
@@ -161,7 +161,7 @@ def _rng_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> 
     return rng.decode(saved.per_rank(RNG_KEY), saved.rank, where)
 
 
-def _scaler_value(objs: ResumeObjects, collective: bool) -> Any:
+def _scaler_value(objs: ResumeObjects) -> Any:
     return scaler_state.capture(objs.grad_scaler)
 
 
@@ -183,7 +183,7 @@ def _extra_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -
     return _nothing
 
 
-def _stateful_value(objs: ResumeObjects, collective: bool) -> Any:
+def _stateful_value(objs: ResumeObjects) -> Any:
     return stateful_state.capture(objs.stateful)
 
 
@@ -197,7 +197,7 @@ def _ema_tensors(objs: ResumeObjects) -> tuple[dict, set]:
     return records, set(records)  # changed only by ema.update(), which waits for an async save's copy
 
 
-def _ema_value(objs: ResumeObjects, collective: bool) -> Any:
+def _ema_value(objs: ResumeObjects) -> Any:
     return objs.ema.value()
 
 
@@ -222,8 +222,8 @@ ITEMS: tuple[Item, ...] = (
     # accumulators and master weights (tensors); class and global state with the LR scheduler (value)
     Item("optimizer", OPTIMIZER_KEY, tensors=_opt_tensors, value=_opt_value, decode=_opt_decode, needs="optimizer"),
     Item("buffers", BUFFERS_KEY, tensors=_buffer_tensors, value=_buffer_value),
-    Item("rng", RNG_KEY, per_rank=True, value=lambda objs, _c: rng.capture(), decode=_rng_decode),
-    Item("extra_state", EXTRA_KEY, value=lambda objs, _c: dict(objs.extra_state or {}), decode=_extra_decode),
+    Item("rng", RNG_KEY, per_rank=True, value=lambda objs: rng.capture(), decode=_rng_decode),
+    Item("extra_state", EXTRA_KEY, value=lambda objs: dict(objs.extra_state or {}), decode=_extra_decode),
     Item("grad_scaler", GRAD_SCALER_KEY, value=_scaler_value, decode=_scaler_decode, needs="grad_scaler"),
     Item("stateful", STATEFUL_KEY, per_rank=True, value=_stateful_value, decode=_stateful_decode, needs="stateful"),
     Item("ema", EMA_KEY, tensors=_ema_tensors, value=_ema_value, decode=_ema_decode, needs="ema"),
@@ -253,9 +253,10 @@ class Built:
         return tuple(key for key in PER_RANK_KEYS if key in self.values)
 
 
-def build(objs: ResumeObjects, *, collective: bool = False) -> Built:
-    """Capture everything a resume needs from ``objs`` (values at the call; tensors as live records).
-    ``collective``: also run the one small exchange of the disk save (buffers differing across ranks)."""
+def build(objs: ResumeObjects) -> Built:
+    """Capture everything a resume needs from ``objs`` (values at the call; tensors as live records). No
+    collective: a rank whose capture fails (user code: a stateful object, an EMA) must still reach its door's
+    exchange, which tells every rank (the disk save: state/resume.py)."""
     out = Built()
     for item in ITEMS:
         keys: list[str] = []
@@ -268,7 +269,7 @@ def build(objs: ResumeObjects, *, collective: bool = False) -> Built:
             out.deferred |= deferred
             keys.extend(records)
         if item.value is not None:
-            out.values[item.key] = item.value(objs, collective)
+            out.values[item.key] = item.value(objs)
             keys.append(item.key)
     return out
 
@@ -300,11 +301,12 @@ def requested_values(objs: ResumeObjects, present) -> list[str]:
 def decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> Callable[[], None]:
     """Check every item's saved value for ``objs`` before anything is written (the first problem raises its
     named error); returns the function applying them all, in ITEMS order, after the tensors landed."""
-    actions = [item.decode(objs, saved, strict, where) for item in ITEMS if item.decode and item.given(objs)]
+    actions = [
+        (item.name, item.decode(objs, saved, strict, where)) for item in ITEMS if item.decode and item.given(objs)
+    ]
 
     def apply() -> None:
-        for action in actions:
-            action()
+        apply_all(actions)  # user code (a stateful object's setter) may still raise: the rest is applied, it is named
 
     return apply
 

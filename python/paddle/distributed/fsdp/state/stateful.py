@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..checkpoint.errors import MetadataError, MissingKeyError, StateDictMismatchError
+from .apply import apply_all
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def decode(
     if entries is not None and (not isinstance(entries, Sequence) or isinstance(entries, (str, bytes))):
         raise MetadataError(f"{key} must be a list (one entry per saving rank)")
     saved_world = 0 if entries is None else len(entries)
-    actions: list[Callable[[], None]] = []
+    actions: list[tuple[str, Callable[[], None]]] = []
     for name, obj in stateful.items():
         is_global = getattr(obj, "stateful_scope", None) == GLOBAL_SCOPE
         problem = None
@@ -103,16 +104,17 @@ def decode(
             if name not in entry:
                 problem = MissingKeyError(f"{where} holds no state of stateful[{name!r}]")
             else:
-                actions.append(_applier(obj, entry[name], f"{key}[{name!r}]"))
+                actions.append((f"stateful[{name!r}]", _applier(obj, entry[name], f"{key}[{name!r}]")))
                 continue
         if strict:
             raise type(problem)(f"{problem}; pass strict=False to keep its current state")
         message = str(problem)
-        actions.append(lambda message=message: logger.warning("%s: the object keeps its current state", message))
+        actions.append(
+            (name, lambda message=message: logger.warning("%s: the object keeps its current state", message))
+        )
 
     def apply() -> None:
-        for action in actions:
-            action()
+        apply_all(actions)  # every object, also after one raised; those that raised named (NotAppliedError)
 
     return apply
 

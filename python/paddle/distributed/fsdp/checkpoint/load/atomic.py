@@ -9,7 +9,7 @@ import numpy as np
 from .. import host_memory
 from ..coordination import Comm, aligned
 from ..format.metadata import DTYPES
-from ..load_checks import read_failure, staging_tensor
+from ..load_checks import staging_tensor
 from ..ranges import SpanRead, read_spans
 from ..read_ops import SpanPlan, TargetRead
 from ..reader import DIRECT_ALIGN, FileSet
@@ -91,7 +91,7 @@ class AtomicLoadJob(LoadJob):
         self.staged: list[Target] = []
         self.staged_bytes = 0  # host staging + undo bytes (a copy of the slice)
 
-    def run(self, comm: Comm, strict: bool, opts_error) -> set[str]:
+    def run(self, comm: Comm, strict: bool, earlier: BaseException | None) -> set[str]:
         """Every step in order; returns the keys requested by any rank."""
         base = host_memory.account.reset_peak()
         err: BaseException | None = None
@@ -99,18 +99,17 @@ class AtomicLoadJob(LoadJob):
             # 1. validate (no data read): metadata, keys, shapes, dtypes, exact coverage, files;
             # the verdict of every rank is exchanged before any byte of data is read or any target written
             try:
-                if opts_error is not None:
-                    raise opts_error
+                self.check_earlier(earlier)
                 self.validate(strict)
             except Exception as e:  # noqa: BLE001 - every failure must reach the verdict exchange below
-                err = read_failure(self.path, e, self.md, self.storage)
+                err = self.failure(e, comm.rank)
             all_requested = self.exchange(comm, err)
             # 2-3. plan, read and verify; 4. exchange; 5. commit
             try:
                 self.plan()
                 self.read()
             except Exception as e:  # noqa: BLE001 - every failure must reach the status exchange below
-                err = read_failure(self.path, e, self.md, self.storage)  # (a file gone: removed, not corrupt)
+                err = self.failure(e, comm.rank)  # (a file gone: removed, not corrupt)
             finally:
                 self.stop_reading()
             self.exchange(comm, err)

@@ -23,17 +23,16 @@ class BoundedLoadJob(LoadJob):
     """A memory-bounded load (the default; module docstring): validate -> prepare -> exchange -> read straight
     into the targets -> exchange of the outcome."""
 
-    def run(self, comm: Comm, strict: bool, max_host_bytes: int | None, opts_error) -> set[str]:
+    def run(self, comm: Comm, strict: bool, max_host_bytes: int | None, earlier: BaseException | None) -> set[str]:
         err: BaseException | None = None
         plan: list = []
         try:
             try:
-                if opts_error is not None:
-                    raise opts_error
+                self.check_earlier(earlier)
                 self.validate(strict)
                 plan = self.prepare(max_host_bytes)
             except Exception as e:  # noqa: BLE001 - every failure must reach the status exchange below
-                err = read_failure(self.path, e, self.md, self.storage)
+                err = self.failure(e, comm.rank)
             all_requested = self.exchange(comm, err)  # raises on every rank if any failed: nothing was written
             self.tr.mark("exchange-checks")
             err = None

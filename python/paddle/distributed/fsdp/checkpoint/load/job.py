@@ -12,19 +12,20 @@ from typing import Any
 
 from .. import checksums
 from ..chunks import ChunkVerifier
-from ..coordination import Comm, gather_errors
+from ..coordination import Comm, gather_errors, stage_error
 from ..directory import read_metadata
 from ..errors import (
     CheckpointRemovedError,
     DtypeMismatchError,
     InvalidStateDictError,
+    LoadFailedError,
     MissingKeyError,
     ShapeMismatchError,
 )
 from ..format.metadata import CheckpointMetadata
 from ..geometry import Region
 from ..io.storage import Storage
-from ..load_checks import check_coverage, check_data_files
+from ..load_checks import check_coverage, check_data_files, named_read_error, read_failure
 from ..options import CheckpointOptions
 from ..reader import FileSet
 from ..records import to_record
@@ -85,7 +86,28 @@ class LoadJob:
         self.requested = sorted(k for k in state_dict) if isinstance(state_dict, dict) else []
         self.verifier = ChunkVerifier(opts.checksum_threads)
         self.files: FileSet | None = None
-        self.storage: Storage = opts.storage_for(path)
+        self.storage_error: BaseException | None = None
+        try:
+            self.storage: Storage | None = opts.storage_for(path)
+        except Exception as e:  # noqa: BLE001 - an added storage layer failing on this rank: the first exchange
+            self.storage, self.storage_error = None, e
+
+    def failure(self, e: BaseException, rank: int) -> BaseException:
+        """The named error this rank reports for ``e`` (``read_failure``: an OSError is CorruptCheckpointError, a
+        checkpoint gone under the reader CheckpointRemovedError; anything else not the engine's own is
+        LoadFailedError naming the rank and the cause)."""
+        if self.storage is None:
+            err = named_read_error(self.path, e)
+        else:
+            err = read_failure(self.path, e, self.md, self.storage)
+        return stage_error(err, f"load of {self.path} failed", rank, LoadFailedError)
+
+    def check_earlier(self, earlier: BaseException | None) -> None:
+        """Raise what failed on this rank before the load's own steps (a malformed variable, what the calling
+        door's own stage raised, the storage backend), so that the first exchange reports it."""
+        for e in (earlier, self.storage_error):
+            if e is not None:
+                raise e
 
     def validate(self, strict: bool) -> None:
         """Read the committed metadata (unless the caller opened the checkpoint: ``md`` set) and match every

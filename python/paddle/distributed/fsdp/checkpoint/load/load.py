@@ -145,6 +145,7 @@ def run_load(
     atomic: bool = False,
     max_host_bytes: int | None = None,
     options: CheckpointOptions | None = None,
+    caller_error: BaseException | None = None,
 ) -> LoadReport:
     """The load behind every door, whose keywords its door checked (``load_state_dict``, CheckpointManager,
     the stock hook, ``load_checkpoint``): so an unknown keyword is reported once, naming the door called.
@@ -152,25 +153,31 @@ def run_load(
     ``source``: a path, or a checkpoint its caller opened and checked already (directory.open_checkpoint:
     load_checkpoint runs its own checks of the non-tensor state on that metadata first); the load is checked
     against that same metadata, read once, and the ranks still compare the checkpoint ids they read.
+    ``caller_error``: what the calling door's own stage raised on this rank (load_checkpoint's collection of
+    the targets): reported by the first exchange, so every rank raises it and nothing is read.
     """
     try:
-        opts, opts_error = resolve(options), None
+        opts, earlier = resolve(options), caller_error
     except CheckpointError as e:  # a malformed PADDLE_FSDP_CKPT_* variable: reported by the exchange below
-        opts, opts_error = CheckpointOptions(), e
+        opts, earlier = CheckpointOptions(), caller_error or e
     tr = Tracer("load", opts)
     wait_pending(raise_error=False)
     t0 = time.perf_counter()
     comm = Comm(process_group)
     opened = source if isinstance(source, CommittedCheckpoint) else None
-    path = local_path(opened.path if opened is not None else source, opts.storage)
+    path = opened.path if opened is not None else source
+    try:
+        path = local_path(path, opts.storage)
+    except CheckpointError as e:  # a URL no backend serves on this rank: the exchange tells every rank
+        earlier = earlier or e
     if atomic:
         job = AtomicLoadJob(state_dict, path, opts, verify_checksums, tr)
         job.md = opened.metadata if opened is not None else None
-        all_requested = job.run(comm, strict, opts_error)
+        all_requested = job.run(comm, strict, earlier)
     else:
         job = BoundedLoadJob(state_dict, path, opts, verify_checksums, tr)
         job.md = opened.metadata if opened is not None else None
-        all_requested = job.run(comm, strict, max_host_bytes, opts_error)
+        all_requested = job.run(comm, strict, max_host_bytes, earlier)
     return job.finish(all_requested, time.perf_counter() - t0)
 
 

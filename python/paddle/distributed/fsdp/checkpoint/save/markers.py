@@ -17,6 +17,7 @@ import json
 import os
 import re
 
+from ..coordination import message_of
 from ..format.metadata import PARTS_DIR
 from ..io.storage import Storage
 
@@ -25,8 +26,8 @@ _ABORT_RE = re.compile(r"^ABORT(?:\.([A-Za-z0-9_]+))?$")
 
 
 def cause(e: BaseException) -> str:
-    """``Class: message``, the form every rank's error quotes."""
-    return f"{type(e).__name__}: {e}"
+    """``Class: message``, the form every rank's error quotes (a message user code cannot print: a stand-in)."""
+    return f"{type(e).__name__}: {message_of(e)}"
 
 
 def tag(e: BaseException) -> str:

@@ -7,7 +7,8 @@ after the keyword check, and every phase reads what it needs from it.
 Errors of the resolution are kept, not raised, so that each one still surfaces where the save reported it before:
 ``opts_error`` (a malformed ``PADDLE_FSDP_CKPT_*`` variable) through the cross-rank exchange, so every rank raises
 it; ``path_error`` (a URL no backend serves, a non-path) after the previous save was waited for;
-``storage_error`` where the backend is first used (``backend()``).
+``storage_error`` where the backend is first used (``backend()``: on every rank, before the exchange); and
+``caller_error``, what the calling door's own stage raised on this rank, through the exchange too.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class SaveRequest:
     opts_error: CheckpointError | None = None
     path_error: BaseException | None = None
     storage_error: BaseException | None = None
+    caller_error: BaseException | None = None
 
     def backend(self) -> Storage:
         """The storage backend of ``path``, resolved once; raises what resolving it raised."""
@@ -64,9 +66,12 @@ def save_request(
     deferred_keys: Collection[str] | None = None,
     per_rank_values: Collection[str] = (),
     options: CheckpointOptions | None = None,
+    caller_error: BaseException | None = None,
 ) -> SaveRequest:
     """The request of one save: options resolved (None: the environment, read now), ``path`` made a location and
-    its backend resolved, each once; what fails is kept in the request (see the module docstring)."""
+    its backend resolved, each once; what fails is kept in the request (see the module docstring).
+    ``caller_error``: what the calling door's own stage raised on this rank (the resume layer's capture of the
+    state, the checkpoint root of a CheckpointManager): the exchange reports it, so every rank raises it."""
     opts_error = path_error = storage_error = None
     storage = None
     try:
@@ -98,4 +103,5 @@ def save_request(
         opts_error=opts_error,
         path_error=path_error,
         storage_error=storage_error,
+        caller_error=caller_error,
     )

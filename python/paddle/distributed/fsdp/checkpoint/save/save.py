@@ -98,7 +98,7 @@ from typing import Any
 
 from .. import host_memory, snapshot
 from ..background import SaveHandle, start_in_background, wait_pending
-from ..coordination import Comm, check_target_path, gather_errors
+from ..coordination import Comm, check_target_path, gather_errors, stage_error
 from ..errors import CheckpointError, DirectoryMismatchError, InvalidStateDictError, SaveFailedError
 from ..first_save import exchange_assignment
 from ..gc_pause import gc_paused
@@ -228,15 +228,19 @@ def _save_locked(req: SaveRequest) -> SaveHandle | None:
     save: on the background thread) -> write + commit."""
     opts, path, coordinator_rank, async_save = req.options, req.path, req.coordinator_rank, req.async_save
     tr = Tracer("save (calling thread)", opts)
-    wait_pending(raise_error=True)
+    previous_error = None
+    try:
+        wait_pending(raise_error=True)
+    except SaveFailedError as e:  # this rank's previous async save: every rank hears of it in the exchange
+        previous_error = e
     tr.mark("wait-previous")
-    if req.path_error is not None:
-        raise req.path_error
+    if req.path_error is not None and not isinstance(req.path_error, CheckpointError):
+        raise req.path_error  # not a path at all (TypeError): the caller's bug, the same on every rank
     comm = Comm(req.process_group)
     if not 0 <= coordinator_rank < comm.world:
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
 
-    local = _validate(req, comm.rank)
+    local = _validate(req, comm.rank, previous_error)
     tr.mark("validate")
     # per-rank values reach the coordinator in the ranks' done markers, not through the exchange: only it needs
     # them (an RNG state is ~13 KB a rank, which would take every save's exchange to a second round)
@@ -291,27 +295,27 @@ def _save_locked(req: SaveRequest) -> SaveHandle | None:
 
 
 @gc_paused()
-def _validate(req: SaveRequest, rank: int) -> _Local:
-    """Step 1: this rank's records, their small descriptions and the checksum algorithm; the target path check
-    (coordinator). Never raises: the error goes to the exchange, so no rank is left waiting."""
+def _validate(req: SaveRequest, rank: int, previous_error: BaseException | None = None) -> _Local:
+    """Step 1: this rank's records, their small descriptions and the checksum algorithm; its storage backend
+    resolved (an added storage layer runs here, on every rank); the target path check (coordinator). Never raises:
+    the error goes to the exchange, so no rank is left waiting. What failed before (this rank's previous async
+    save, the calling door's own stage: ``req.caller_error``, the path, the options) is reported the same way."""
     local = _Local()
     opts, path = req.options, req.path
     try:
-        if req.opts_error is not None:
-            raise req.opts_error
+        for earlier in (previous_error, req.caller_error, req.path_error, req.opts_error):
+            if earlier is not None:
+                raise earlier
         local.algorithm = opts.checksum_algorithm()
         local.records, local.values = collect(req.state_dict)
         local.descs = [r.desc().to_wire() for r in local.records]
+        storage = req.backend()
         if rank == req.coordinator_rank:
-            storage = req.backend()
             remove_failed_stagings(storage, path)  # what earlier failed saves left (their space is needed now)
             if opts.storage is None and "://" not in path:
                 check_target_path(path)
-    except CheckpointError as e:  # reported to every rank by the exchange
-        local.error = e
-    except Exception as e:  # an I/O error or a bug: named, with the rank and the cause
-        local.error = SaveFailedError(f"save to {path} failed: rank {rank} failed: {cause(e)}")
-        local.error.__cause__ = e
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the exchange; an I/O error or a bug named
+        local.error = stage_error(e, f"save to {path} failed", rank, SaveFailedError)
     return local
 
 
