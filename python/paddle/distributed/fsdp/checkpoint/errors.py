@@ -7,6 +7,8 @@ home (``__all__``); ``paddle.distributed.fsdp.checkpoint`` exports only the base
 
 from __future__ import annotations
 
+from ..env_switches import EnvSwitchError
+
 __all__ = [
     "CheckpointError",
     "NotACheckpointError",
@@ -32,11 +34,17 @@ __all__ = [
     "DirectoryMismatchError",
     "PartiallyLoadedError",
     "ToolError",
+    "CheckpointEnvError",
 ]
 
 
 class CheckpointError(RuntimeError):
     """Base class of every error raised by the checkpoint engine."""
+
+
+class CheckpointEnvError(CheckpointError, EnvSwitchError):
+    """A checkpoint environment switch (``PADDLE_FSDP_CKPT_*``, the memory tier's) holds a value it does not
+    accept (env_switches.py; also a ValueError)."""
 
 
 class NotACheckpointError(CheckpointError):
