@@ -35,6 +35,7 @@ __all__ = [
     "PartiallyLoadedError",
     "ToolError",
     "CheckpointEnvError",
+    "ExtensionError",
 ]
 
 
@@ -153,10 +154,24 @@ class PartiallyLoadedError(CheckpointError):
     ``atomic=True`` loads keep an undo copy instead (see load/load.py)."""
 
 
+class ExtensionError(CheckpointError):
+    """User code plugged into the engine (a storage layer, a backend factory, a trace hook) is not what it must
+    be, or returned the wrong thing; the message names the extension (its qualified name)."""
+
+
+def extension_name(extension: object) -> str:
+    """``module.qualname`` of a function or class (the object's repr for anything else), for error messages."""
+    name = getattr(extension, "__qualname__", None) or getattr(type(extension), "__qualname__", None)
+    module = getattr(extension, "__module__", None) or getattr(type(extension), "__module__", "")
+    return f"{module}.{name}" if name else repr(extension)
+
+
 ERROR_CLASSES = {
     cls.__name__: cls
     for cls in (
         CheckpointError,
+        ExtensionError,
+        CheckpointEnvError,
         NotACheckpointError,
         IncompleteCheckpointError,
         CorruptCheckpointError,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from .. import env_switches
 from . import checksums, reader
-from .errors import CheckpointEnvError, CheckpointError
+from .errors import CheckpointEnvError, CheckpointError, ExtensionError
 from .format import strict_json
 from .io.storage import Storage
 from .tracing import TraceHook
@@ -75,7 +75,8 @@ class CheckpointOptions:
         read_slab_bytes: bytes per pread of a large range (checksums of one slab overlap the next read).
         trace: print the phase timings of every save and load to stderr.
         trace_hook: called with a TraceRecord at the end of every save and load (and of a save's background
-            part); for benchmarks. Runs on the thread that did the work; must not raise.
+            part); for benchmarks. Runs on the thread that did the work; an exception it raises is logged as a
+            warning naming it (the work it reports on succeeded). Not callable: ExtensionError.
         max_metadata_bytes: a ``metadata.json`` larger than this is refused (MetadataError) before it is read:
             parsing costs about ten times its size in memory. A real 30B-MoE index measured 246 MB.
         max_open_files: descriptors a reader keeps open at once (least recently used ones are closed), so any
@@ -114,6 +115,8 @@ class CheckpointOptions:
             raise CheckpointError(f"commit_timeout must be positive, got {self.commit_timeout}")
         if not self.heartbeat_lease > 0:
             raise CheckpointError(f"heartbeat_lease must be positive, got {self.heartbeat_lease}")
+        if self.trace_hook is not None and not callable(self.trace_hook):
+            raise ExtensionError(f"trace_hook must be callable (TraceRecord -> None), got {self.trace_hook!r:.100}")
         if self.storage is not None and not isinstance(self.storage, Storage):
             raise CheckpointError(f"storage must be a Storage (io/storage.py), got {type(self.storage).__name__}")
         if self.max_metadata_bytes <= 0 or self.max_open_files < 2:
