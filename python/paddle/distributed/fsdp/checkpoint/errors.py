@@ -36,6 +36,7 @@ __all__ = [
     "ToolError",
     "CheckpointEnvError",
     "ExtensionError",
+    "ReservedKeyError",
 ]
 
 
@@ -154,6 +155,11 @@ class PartiallyLoadedError(CheckpointError):
     ``atomic=True`` loads keep an undo copy instead (see load/load.py)."""
 
 
+class ReservedKeyError(UnrepresentableKeyError):
+    """A model, optimizer or EMA key starts with the reserved ``__fsdp__.`` prefix (a sublayer named ``__fsdp__``):
+    the one-call API's own values live there (format/reserved.py); refused before anything is written."""
+
+
 class ExtensionError(CheckpointError):
     """User code plugged into the engine (a storage layer, a backend factory, a trace hook) is not what it must
     be, or returned the wrong thing; the message names the extension (its qualified name)."""
@@ -172,6 +178,7 @@ ERROR_CLASSES = {
         CheckpointError,
         ExtensionError,
         CheckpointEnvError,
+        ReservedKeyError,
         NotACheckpointError,
         IncompleteCheckpointError,
         CorruptCheckpointError,

@@ -142,13 +142,14 @@ def save_checkpoint(
 
 def _foreign_keys(metadata, fsdp) -> list[str]:
     """Checkpoint keys that belong to no parameter of this model (optimizer state ``<param key>.<name>`` and
-    reserved ``__fsdp__.*`` values belong)."""
+    reserved ``__fsdp__.*`` values belong; a TENSOR under the reserved prefix, saved before saves refused them,
+    does not)."""
     model_keys = {key for key, _param, _buffer, _index in fsdp.managed_parameters()}
     model_keys.update(persistable_buffers(fsdp.model))
     model_keys.update(getattr(fsdp, "_expert_keys", ()))  # under EP: the experts other EP ranks hold
     out = []
     for key in list(metadata.tensors) + list(metadata.values):
-        if key in model_keys or key.startswith(RESERVED_PREFIX):
+        if key in model_keys or (key.startswith(RESERVED_PREFIX) and key in metadata.values):
             continue
         head = key
         while "." in head:  # "blocks.0.mix.weight.moment1" -> "blocks.0.mix.weight"

@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from ..checkpoint.errors import MetadataError, MissingKeyError, OptimizerMismatchError
+from ..checkpoint.errors import MetadataError, MissingKeyError, OptimizerMismatchError, ReservedKeyError
 from ..checkpoint.format.reserved import (
     BUFFERS_KEY,
     EMA_KEY,
     EXTRA_KEY,
     GRAD_SCALER_KEY,
     OPTIMIZER_KEY,
+    RESERVED_PREFIX,
     RNG_KEY,
     STATEFUL_KEY,
 )
@@ -264,6 +265,7 @@ def build(objs: ResumeObjects, *, collective: bool = False) -> Built:
             continue
         if item.tensors is not None:
             records, deferred = item.tensors(objs)
+            _refuse_reserved(item.name, records)  # before the buffers' exchange: every rank raises it alone
             out.tensors.update(records)
             out.deferred |= deferred
             keys.extend(records)
@@ -271,6 +273,17 @@ def build(objs: ResumeObjects, *, collective: bool = False) -> Built:
             out.values[item.key] = item.value(objs, collective)
             keys.append(item.key)
     return out
+
+
+def _refuse_reserved(item: str, records: dict) -> None:
+    """ReservedKeyError naming the first key of ``records`` under the reserved prefix: the one-call API's own
+    values live there, and a load would take such a tensor for one of them (a sublayer named ``__fsdp__``)."""
+    reserved = sorted(key for key in records if key.startswith(RESERVED_PREFIX))
+    if reserved:
+        raise ReservedKeyError(
+            f"{item} key {reserved[0]!r}{f' (and {len(reserved) - 1} more)' if len(reserved) > 1 else ''} starts "
+            f"with the reserved prefix {RESERVED_PREFIX!r} (a sublayer named {RESERVED_PREFIX[:-1]!r}?): rename it"
+        )
 
 
 def load_targets(objs: ResumeObjects) -> dict:
