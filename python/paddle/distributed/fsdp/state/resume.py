@@ -192,6 +192,7 @@ def load_checkpoint(
     grad_scaler=None,
     stateful: dict | None = None,
     ema=None,
+    model_only: bool = False,
 ) -> LoadResult:
     """Restore what :func:`save_checkpoint` wrote into ``fsdp``'s model and ``optimizer``, in place.
 
@@ -213,7 +214,15 @@ def load_checkpoint(
     with ``strict``, a checkpoint without its state is refused, state/grad_scaler.py). ``stateful``: the objects
     saved with ``stateful=``, restored with ``set_state_dict`` (state/stateful.py); ``ema``: the ShardedEMA saved
     with ``ema=`` (resharded like the weights at another world size).
+
+    Saved state left unrequested (the checkpoint holds optimizer, GradScaler, EMA or stateful state and the
+    call did not pass that object) is listed in ``result.report.left_unrequested`` and logged as ONE warning per
+    load naming the parts, unless ``model_only=True`` says that is intended (then no other object may be given).
     """
+    if type(model_only) is not bool:
+        raise TypeError(f"model_only must be a bool, got {model_only!r}")
+    if model_only and any(o for o in (optimizer, grad_scaler, stateful, ema)):
+        raise ValueError("model_only=True loads the model alone: pass no optimizer, grad_scaler, stateful or ema")
     objs = ResumeObjects(fsdp, optimizer, grad_scaler, stateful, ema)  # TypeError for a wrong object, first
     root = local_path(path)  # a local directory, or a URL of a storage backend (s3://)
     skipped: list[tuple[str, str]] = []
@@ -233,7 +242,19 @@ def load_checkpoint(
             target = older
             continue
         result.fallback_from = skipped
+        left = result.report.left_unrequested
+        if left and not model_only:
+            logger.warning(
+                "load_checkpoint(%s): the checkpoint also holds %s state, not restored because no object was given "
+                "for it (pass %s to restore it, or model_only=True to load the model alone without this warning)",
+                result.path,
+                ", ".join(left),
+                " / ".join(_HOW_TO_PASS.get(part.split("[")[0], part) for part in left),
+            )
         return result
+
+
+_HOW_TO_PASS = {"optimizer": "optimizer=", "grad_scaler": "grad_scaler=", "ema": "ema=", "stateful": "stateful="}
 
 
 def _agreed(fsdp, failure: BaseException, decide: Callable[[], Any]) -> Any:
@@ -325,6 +346,8 @@ def _load_once(
         window = replicas.window_for(max_host_bytes)
         report.loaded_keys.extend(replicas.broadcast_parts(split, set(report.loaded_keys), replicate_group, window))
     apply()  # validated above on every rank: restores optimizer global state and RNG, cannot fail
+    saved = resume_state.Saved(metadata.values, fsdp._checkpoint_rank, resume_state.checkpoint_world(fsdp))
+    report.left_unrequested = resume_state.left_unrequested(objs, saved)
     # the list of buffer keys is for the tools (to-hf); the buffers themselves were loaded as model state
     report.unexpected_keys = [k for k in report.unexpected_keys if k != BUFFERS_KEY]
     if optimizer is not None:  # a parameter loaded without its master weight: the master follows the parameter

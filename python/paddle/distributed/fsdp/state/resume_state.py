@@ -310,6 +310,25 @@ def requested_values(objs: ResumeObjects, present) -> list[str]:
     ]
 
 
+def left_unrequested(objs: ResumeObjects, saved: Saved) -> list[str]:
+    """The saved items a load of ``objs`` leaves behind: those whose object was not given (``optimizer`` with
+    its LR scheduler, ``grad_scaler``, ``stateful``, ``ema``), and stateful objects saved under names not given
+    (``stateful['name']``, from this rank's entry, else saving rank 0's)."""
+    out = []
+    for item in ITEMS:
+        if item.needs is None or item.key is None or item.key not in saved:
+            continue
+        if not item.given(objs):
+            out.append(item.name)
+        elif item.name == "stateful":
+            entries = saved.per_rank(STATEFUL_KEY)  # a Sequence read by rank (format/rank_values.py)
+            if isinstance(entries, Sequence) and not isinstance(entries, (str, bytes)) and len(entries):
+                entry = entries[saved.rank] if saved.rank < len(entries) else entries[0]
+                names = entry if isinstance(entry, dict) else {}
+                out.extend(f"stateful[{name!r}]" for name in sorted(names) if name not in objs.stateful)
+    return out
+
+
 def decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> Callable[[], None]:
     """Check every item's saved value for ``objs`` before anything is written (the first problem raises its
     named error); returns the function applying them all, in ITEMS order, after the tensors landed."""
