@@ -183,19 +183,20 @@ def test_resumable_dataloader_counts_delivered_batches_not_prefetched_ones():
 
 
 def _loader(n: int, batch: int, shuffle: bool, workers: int, seed: int = 5) -> ResumableDataLoader:
-    return ResumableDataLoader(
-        _Data(n), Sampler(_Data(n), batch, 1, 0, shuffle=shuffle, seed=seed), num_workers=workers
-    )
+    """``workers`` < 0: ``-workers`` persistent workers (paddle cannot restart those mid-epoch: rebuilt)."""
+    kw = dict(num_workers=abs(workers), persistent_workers=True) if workers < 0 else dict(num_workers=workers)
+    return ResumableDataLoader(_Data(n), Sampler(_Data(n), batch, 1, 0, shuffle=shuffle, seed=seed), **kw)
 
 
 @pytest.mark.parametrize(
-    "batch,shuffle,workers", [(b, s, 0) for b in (2, 3, 5) for s in (False, True)] + [(3, True, 2), (2, False, 2)]
+    "batch,shuffle,workers",
+    [(b, s, 0) for b in (2, 3, 5) for s in (False, True)] + [(3, True, 2), (2, False, 2), (3, True, -2)],
 )
 def test_iterating_again_mid_epoch_continues_at_the_delivered_position(batch, shuffle, workers):
     """#50 item 4: take ``k`` batches, break, iterate again: the concatenation is the uninterrupted epoch (no
     sample skipped or repeated) for every break point ``k``, and a checkpoint-like state taken after the second
     iteration's ``m`` batches restores a fresh loader to exactly the uninterrupted rest (2 epochs)."""
-    n = 64 if workers == 0 else 13  # worker processes are slow to start: fewer break points
+    n = 64 if workers == 0 else 13  # worker processes are slow to start: fewer break points (-2: persistent)
     ref = _loader(n, batch, shuffle, workers)
     want = [_ids(b) for _epoch in range(2) for b in ref]
     per_epoch = len(_loader(n, batch, shuffle, workers))

@@ -229,7 +229,12 @@ class ResumableDataLoader:
                 f"batch_sampler must be a ResumableDistributedBatchSampler, got {type(batch_sampler).__name__}"
             )
         self.sampler = batch_sampler
-        self.loader = paddle.io.DataLoader(dataset, batch_sampler=_DeliveredView(batch_sampler), **kwargs)
+        self._make = lambda: paddle.io.DataLoader(dataset, batch_sampler=_DeliveredView(batch_sampler), **kwargs)
+        self.loader = self._make()
+        # paddle's persistent workers cannot restart an iteration abandoned mid-epoch (IndexError in its
+        # _reset, stock DataLoader alike): such a loader is rebuilt, with new workers, when that happened
+        self._rebuild_if_abandoned = bool(kwargs.get("persistent_workers")) and kwargs.get("num_workers", 0) > 0
+        self._running = False  # an iteration began and has not run out
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -239,12 +244,16 @@ class ResumableDataLoader:
         the last batch the loop got. Stepping an iteration a newer one superseded is a
         ``SupersededIterationError``."""
         generation = self.sampler.begin_iteration()
+        if self._running and self._rebuild_if_abandoned:
+            self.loader = self._make()
+        self._running = True
         positions = self.sampler.batches_from(self.sampler.epoch, self.sampler.consumed)
         for batch in self.loader:  # its view starts at the same position, read now
             _batch, after = next(positions)
             self.sampler.advance(generation, after)
             yield batch
         self.sampler.finish_epoch(generation)
+        self._running = False
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()
