@@ -74,6 +74,9 @@ WRAPPER_MARKER = "_paddle_fsdp_fork_wrapper"
 _CHECKPOINT_FUNCTIONS = ("save_state_dict", "load_state_dict")
 
 
+_warned_switches: set = set()  # (variable, value) already warned about: once per process
+
+
 def _switch(name: str) -> bool:
     """A boolean switch read at start-up, with the spellings of the package's env_switches.py (which cannot be
     imported before the overlay exists; a test checks both agree on every spelling): 1/true/yes/on,
@@ -82,7 +85,8 @@ def _switch(name: str) -> bool:
     word = os.environ.get(name, "").strip().lower()
     if word in ("1", "true", "yes", "on"):
         return True
-    if word not in ("", "0", "false", "no", "off"):
+    if word not in ("", "0", "false", "no", "off") and (name, word) not in _warned_switches:
+        _warned_switches.add((name, word))
         _logger().warning(
             "%s=%r is not accepted (expected 1/true/yes/on or 0/false/no/off, any case): read as 0",
             name,

@@ -210,10 +210,15 @@ def test_the_activator_reads_its_switches_with_the_same_spellings(monkeypatch, c
             monkeypatch.setenv(name, spelled)
             assert activator._switch(name) is env_switches.read(name), (name, spelled)
         monkeypatch.setenv(name, "perhaps")
+        monkeypatch.setattr(activator, "_warned_switches", set())
         caplog.clear()
         with caplog.at_level("WARNING"):
             assert activator._switch(name) is False
         assert name in caplog.text and "perhaps" in caplog.text
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert activator._switch(name) is False
+        assert caplog.text == "", "warned twice about the same value"
         monkeypatch.delenv(name)
         assert activator._switch(name) is False
     assert os.environ.get(activator.DISABLE_ENV) is None
