@@ -28,17 +28,21 @@ the sampler, to the checkpoint. Iterating the sampler in the training loop itsel
 
 Re-entry: iterating again (after a ``break``) continues right after the last batch handed out, for the loader
 and the sampler alike. Every new iteration (and ``set_epoch`` to another epoch, ``set_state_dict``) supersedes
-the running one: stepping a superseded iterator raises ``SupersededIterationError`` and moves nothing.
+the running one, which moves nothing any more: stepping a superseded ``ResumableDataLoader`` iterator raises
+``SupersededIterationError``; a superseded sampler iteration ends (logged), because a DataLoader's prefetch
+thread may be stepping it and an exception there would leave that DataLoader waiting forever.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 FORMAT = "fsdp-sampler-v1"
+logger = logging.getLogger(__name__)
 
 
 class ResumableDistributedBatchSampler:
@@ -137,11 +141,18 @@ class ResumableDistributedBatchSampler:
         self.epoch, self.consumed = self.epoch + 1, 0
 
     def __iter__(self) -> Iterator[list[int]]:
+        """Batches from the current position. A superseded iteration ENDS (logged once) instead of raising: a
+        DataLoader's prefetch thread may be the one stepping it, and an exception there leaves that DataLoader's
+        iterator waiting forever."""
         generation = self.begin_iteration()
         for batch, after in self.batches_from(self.epoch, self.consumed):
-            self.advance(generation, after)
+            if generation != self._generation:
+                logger.warning("an iteration over the sampler was superseded: it ends (the position moves on)")
+                return
+            self.consumed = after
             yield batch
-        self.finish_epoch(generation)
+        if generation == self._generation:
+            self.epoch, self.consumed = self.epoch + 1, 0
 
     def set_epoch(self, epoch: int) -> None:
         """Paddle's API: make ``epoch`` current. Its position is kept when it already is (a resumed run that
