@@ -74,8 +74,25 @@ WRAPPER_MARKER = "_paddle_fsdp_fork_wrapper"
 _CHECKPOINT_FUNCTIONS = ("save_state_dict", "load_state_dict")
 
 
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() not in ("", "0", "false", "no", "off")
+_warned_switches: set = set()  # (variable, value) already warned about: once per process
+
+
+def _switch(name: str) -> bool:
+    """A boolean switch read at start-up, with the spellings of the package's env_switches.py (which cannot be
+    imported before the overlay exists; a test checks both agree on every spelling): 1/true/yes/on,
+    0/false/no/off, any case; unset or empty is False. Anything else is logged as a warning naming the variable
+    and read as False (raising here would break every Python process that starts with the variable set)."""
+    word = os.environ.get(name, "").strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word not in ("", "0", "false", "no", "off") and (name, word) not in _warned_switches:
+        _warned_switches.add((name, word))
+        _logger().warning(
+            "%s=%r is not accepted (expected 1/true/yes/on or 0/false/no/off, any case): read as 0",
+            name,
+            os.environ[name],
+        )
+    return False
 
 
 def check_paddle_version(version: str | None = None) -> str:
@@ -95,7 +112,7 @@ def check_paddle_version(version: str | None = None) -> str:
             or "unknown"
         )
         location = f" (imported from {os.path.dirname(getattr(paddle, '__file__', '') or '?')})"
-    if _truthy(os.environ.get(SKIP_VERSION_CHECK_ENV)):
+    if _switch(SKIP_VERSION_CHECK_ENV):
         return version
     if version == DEV_PADDLE_VERSION:
         return version
@@ -286,7 +303,7 @@ def install() -> bool:
     """
     global _finder
     try:
-        if _truthy(os.environ.get(DISABLE_ENV)):
+        if _switch(DISABLE_ENV):
             _logger().debug("%s is set: paddle-fsdp-fork not activated", DISABLE_ENV)
             return False
         if _finder is None:

@@ -10,10 +10,13 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import time
 from collections import Counter
 
+import numpy as np
 import paddle
 import pytest
+from paddle.distributed.fsdp.sampler import ResumableDataLoader, SupersededIterationError
 from paddle.distributed.fsdp.sampler import ResumableDistributedBatchSampler as Sampler
 
 
@@ -133,38 +136,156 @@ def test_paddle_dataloader_takes_it_as_batch_sampler():
     assert got == want
 
 
+class _Data(paddle.io.Dataset):
+    """``n`` samples, sample ``i`` is ``[i]``; ``fetched`` counts the samples the DataLoader read (its prefetch
+    runs ahead of the loop)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.fetched = n, 0
+
+    def __getitem__(self, i):
+        self.fetched += 1
+        return np.array([i], dtype="float32")
+
+    def __len__(self):
+        return self.n
+
+
+def _ids(batch) -> list[int]:
+    return (batch[0] if isinstance(batch, (list, tuple)) else batch).numpy().reshape(-1).astype(int).tolist()
+
+
 def test_resumable_dataloader_counts_delivered_batches_not_prefetched_ones():
     """paddle's DataLoader pulls batches from its sampler ahead of the loop: ResumableDataLoader's state is the
     position of what the loop got, so a resume after every batch of 2 epochs continues the uninterrupted stream."""
-    from paddle.distributed.fsdp.sampler import ResumableDataLoader
-
-    class Data(paddle.io.Dataset):
-        def __getitem__(self, i):
-            return paddle.to_tensor([float(i)])
-
-        def __len__(self):
-            return 14
 
     def loader(seed: int = 3) -> ResumableDataLoader:
-        return ResumableDataLoader(Data(), Sampler(Data(), 2, 2, 1, shuffle=True, seed=seed))
-
-    def ids(batch) -> list[int]:
-        return (batch[0] if isinstance(batch, (list, tuple)) else batch).numpy().reshape(-1).astype(int).tolist()
+        return ResumableDataLoader(_Data(14), Sampler(_Data(14), 2, 2, 1, shuffle=True, seed=seed))
 
     ref = loader()
-    want = [ids(b) for _epoch in range(2) for b in ref]
+    want = [_ids(b) for _epoch in range(2) for b in ref]
     assert len(want) == 8
     ahead = 0
     for cut in range(len(want)):
         first, got = loader(), []
         stream = (b for _epoch in range(2) for b in first)
         for _ in range(cut):
-            got.append(ids(next(stream)))
+            got.append(_ids(next(stream)))
+        time.sleep(0.05)  # let the prefetch thread run ahead
         state = json.loads(json.dumps(first.state_dict()))
-        ahead += first.sampler.state_dict() != state  # the prefetch thread took more than the loop got
+        ahead += first.loader.dataset.fetched > 2 * cut  # the prefetch took more than the loop got
         second = loader(seed=9)
         second.set_state_dict(state)
         epochs = 2 - state["epoch"]
-        got += [ids(b) for _epoch in range(epochs) for b in second]
+        got += [_ids(b) for _epoch in range(epochs) for b in second]
         assert got == want, f"resumed after batch {cut}"
     assert ahead, "the DataLoader never ran ahead of the loop: the test shows nothing"
+
+
+def _loader(n: int, batch: int, shuffle: bool, workers: int, seed: int = 5) -> ResumableDataLoader:
+    """``workers`` < 0: ``-workers`` persistent workers (paddle cannot restart those mid-epoch: rebuilt)."""
+    kw = dict(num_workers=abs(workers), persistent_workers=True) if workers < 0 else dict(num_workers=workers)
+    return ResumableDataLoader(_Data(n), Sampler(_Data(n), batch, 1, 0, shuffle=shuffle, seed=seed), **kw)
+
+
+@pytest.mark.parametrize(
+    "batch,shuffle,workers",
+    [(b, s, 0) for b in (2, 3, 5) for s in (False, True)] + [(3, True, 2), (2, False, 2), (3, True, -2)],
+)
+def test_iterating_again_mid_epoch_continues_at_the_delivered_position(batch, shuffle, workers):
+    """#50 item 4: take ``k`` batches, break, iterate again: the concatenation is the uninterrupted epoch (no
+    sample skipped or repeated) for every break point ``k``, and a checkpoint-like state taken after the second
+    iteration's ``m`` batches restores a fresh loader to exactly the uninterrupted rest (2 epochs)."""
+    n = 64 if workers == 0 else 13  # worker processes are slow to start: fewer break points (-2: persistent)
+    ref = _loader(n, batch, shuffle, workers)
+    want = [_ids(b) for _epoch in range(2) for b in ref]
+    per_epoch = len(_loader(n, batch, shuffle, workers))
+    for k in range(per_epoch + 1):
+        loader, got = _loader(n, batch, shuffle, workers), []
+        for b in loader if k else ():
+            got.append(_ids(b))
+            if len(got) == k:
+                break
+        time.sleep(0.01 if workers == 0 else 0)  # the abandoned prefetch has run ahead
+        m = min(2, per_epoch - k)
+        for b in loader:  # iterate again: continues after batch k
+            got.append(_ids(b))
+            if len(got) == k + m:
+                break
+        state = json.loads(json.dumps(loader.state_dict()))  # what a checkpoint records now
+        assert got == want[: k + m], f"break after {k} batches: samples skipped or repeated"
+        fresh = _loader(n, batch, shuffle, workers, seed=99)
+        fresh.set_state_dict(state)
+        rest = [_ids(b) for _epoch in range(2 - state["epoch"]) for b in fresh]
+        assert got + rest == want, f"break after {k}, checkpoint after {k + m}: the resume is not the same stream"
+
+
+def test_a_superseded_iteration_raises_and_moves_nothing():
+    """Two live iterators of one loader (or one sampler): the newer wins, stepping the older loader iterator is a
+    named error (an older sampler iteration ends), and the position stays where the newer one put it."""
+    loader = _loader(30, 3, True, 0)
+    want = [_ids(b) for b in _loader(30, 3, True, 0)]
+    old = iter(loader)
+    got = [_ids(next(old)) for _ in range(2)]
+    new = iter(loader)
+    got.append(_ids(next(new)))
+    position = loader.state_dict()
+    with pytest.raises(SupersededIterationError, match="superseded"):
+        next(old)
+    assert loader.state_dict() == position
+    got += [_ids(b) for b in new]
+    assert got == want
+    sampler = Sampler(list(range(12)), 2, 1, 0)
+    first = iter(sampler)
+    next(first)
+    sampler.set_state_dict(dict(sampler.state_dict(), consumed=6))
+    assert list(first) == [], "a superseded sampler iteration must end"  # (it may run on a DataLoader's thread)
+    assert sampler.state_dict()["consumed"] == 6 and sampler.epoch == 0
+    assert list(sampler) == [[6, 7], [8, 9], [10, 11]]
+    second = iter(sampler)
+    next(second)
+    sampler.set_epoch(7)
+    assert list(second) == [] and (sampler.epoch, sampler.consumed) == (7, 0)
+
+
+def test_a_plain_dataloader_over_the_sampler_never_hangs_when_iterated_twice():
+    """paddle's DataLoader steps the sampler on its prefetch thread: a second live iterator supersedes the
+    first, whose thread then ends quietly; stepping the first iterator ends it (no hang, no exception)."""
+    data = _Data(64)
+    loader = paddle.io.DataLoader(data, batch_sampler=Sampler(data, 2, 1, 0))
+    old = iter(loader)
+    for _ in range(3):
+        next(old)
+    assert len([b for b in iter(loader)]) > 0
+    t0 = time.monotonic()
+    rest = list(old)  # ends: StopIteration, within seconds
+    assert time.monotonic() - t0 < 60 and len(rest) < 32
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_real_checkpoint_after_iterating_again_resumes_the_uninterrupted_stream(tmp_path, shuffle):
+    """The same through ``fsdp.save_checkpoint(stateful={"data": loader})`` and ``load_checkpoint`` of one
+    process: break after k batches, iterate again for 2 more, save; a fresh loader restored from the checkpoint
+    continues the uninterrupted 2-epoch stream exactly (64 samples, batch 2: the issue's case, every 3rd k)."""
+    from paddle.distributed.fsdp import FullyShardFusion
+
+    fsdp = FullyShardFusion(paddle.nn.Linear(2, 2))
+    ref = _loader(64, 2, shuffle, 0)
+    want = [_ids(b) for _epoch in range(2) for b in ref]
+    for k in range(0, 32, 3):
+        loader, got = _loader(64, 2, shuffle, 0), []
+        for b in loader if k else ():
+            got.append(_ids(b))
+            if len(got) == k:
+                break
+        time.sleep(0.01)  # the abandoned prefetch runs ahead
+        for b in loader:
+            got.append(_ids(b))
+            if len(got) == k + 2:
+                break
+        path = str(tmp_path / f"k{k}")
+        fsdp.save_checkpoint(path, stateful={"data": loader})
+        fresh = _loader(64, 2, shuffle, 0, seed=42)
+        fsdp.load_checkpoint(path, stateful={"data": fresh})
+        epochs = 2 - fresh.sampler.epoch
+        assert got + [_ids(b) for _epoch in range(epochs) for b in fresh] == want, f"break after {k}"

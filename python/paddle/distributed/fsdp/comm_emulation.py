@@ -24,25 +24,17 @@ communication and compute kernels, or stream-ordering bugs (CUDA events, ``recor
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable
+
+from . import env_switches
 
 DELAY_ENV = "PADDLE_FSDP_EMULATE_COLLECTIVE_DELAY_MS"
 
 
 def delay_from_env() -> float:
     """The emulated duration of one gather or reduce-scatter, in seconds (0 when unset)."""
-    raw = os.environ.get(DELAY_ENV, "").strip()
-    if not raw:
-        return 0.0
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{DELAY_ENV}={raw!r}: expected a number of milliseconds") from None
-    if value < 0:
-        raise ValueError(f"{DELAY_ENV}={raw!r}: a delay cannot be negative")
-    return value / 1000.0
+    return env_switches.read(DELAY_ENV) / 1000.0
 
 
 class EmulatedStream:

@@ -15,13 +15,12 @@ until waited for and whose delays the host can overlap; synchronous collectives 
 from __future__ import annotations
 
 import logging
-import os
 
 import paddle
 import paddle.distributed as dist
 from paddle.base import core
 
-from . import device
+from . import device, env_switches
 from .comm_emulation import EmulatedStream, delay_from_env
 
 logger = logging.getLogger(__name__)
@@ -81,12 +80,7 @@ CHECK_ORDER_ENV = "PADDLE_FSDP_CHECK_COLLECTIVE_ORDER"
 
 def check_interval_from_env() -> int:
     """The order check's interval from ``PADDLE_FSDP_CHECK_COLLECTIVE_ORDER`` (unset: 0, off)."""
-    raw = os.environ.get(CHECK_ORDER_ENV, "").strip()
-    if not raw:
-        return 0
-    if not raw.isdigit():
-        raise ValueError(f"{CHECK_ORDER_ENV}={raw!r}: expected 0 (off), 1 (every backward pass) or N (every N-th)")
-    return int(raw)
+    return env_switches.read(CHECK_ORDER_ENV)
 
 
 #: What an FSDP collective is for, as exchanged by the order check.

@@ -34,7 +34,6 @@ Options are read from the environment in one place (:func:`options`), once per p
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import weakref
 from collections.abc import Iterable, Sequence
@@ -42,7 +41,7 @@ from dataclasses import dataclass
 
 import paddle
 
-from . import device_rules, device_streams
+from . import device_rules, device_streams, env_switches
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +67,8 @@ class DeviceOptions:
 
     @classmethod
     def from_env(cls) -> DeviceOptions:
-        fake = os.environ.get(FAKE_DEVICE_ENV, "") not in ("", "0", "false", "False")
-        emulate = os.environ.get(EMULATE_COLLECTIVES_ENV, "") not in ("", "0", "false", "False")
+        fake = env_switches.read(FAKE_DEVICE_ENV)
+        emulate = env_switches.read(EMULATE_COLLECTIVES_ENV)
         return cls(fake_device=fake, emulate_gpu_collectives=emulate or fake)
 
 

@@ -22,18 +22,27 @@ sample of the epoch is seen twice or skipped; only the epoch's last step differs
 
 The position counts the batches this sampler handed out. A ``paddle.io.DataLoader`` prefetches batches on a
 thread, so its sampler runs ahead of the training (measured: 10-12 batches after the first one was delivered).
-``ResumableDataLoader`` (a DataLoader over this sampler) counts the batches it DELIVERED instead: give the loader,
-not the sampler, to the checkpoint. Iterating the sampler in the training loop itself is exact too.
+``ResumableDataLoader`` (a DataLoader over this sampler) counts the batches it DELIVERED instead: its DataLoader
+iterates a view that never moves the position, and the loader moves it per delivered batch. Give the loader, not
+the sampler, to the checkpoint. Iterating the sampler in the training loop itself is exact too.
+
+Re-entry: iterating again (after a ``break``) continues right after the last batch handed out, for the loader
+and the sampler alike. Every new iteration (and ``set_epoch`` to another epoch, ``set_state_dict``) supersedes
+the running one, which moves nothing any more: stepping a superseded ``ResumableDataLoader`` iterator raises
+``SupersededIterationError``; a superseded sampler iteration ends (logged), because a DataLoader's prefetch
+thread may be stepping it and an exception there would leave that DataLoader waiting forever.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 FORMAT = "fsdp-sampler-v1"
+logger = logging.getLogger(__name__)
 
 
 class ResumableDistributedBatchSampler:
@@ -70,6 +79,7 @@ class ResumableDistributedBatchSampler:
         self.shuffle, self.drop_last, self.seed = bool(shuffle), bool(drop_last), seed
         self.epoch = 0
         self.consumed = 0  # samples of this epoch handed out, over every rank
+        self._generation = 0  # the newest iteration over the position (older ones are superseded)
 
     # ------------------------------------------------------------------ the order
     def order(self, epoch: int) -> np.ndarray:
@@ -87,23 +97,62 @@ class ResumableDistributedBatchSampler:
         left = max(len(self.dataset) - self.consumed, 0)
         return left // self._step_size() if self.drop_last else -(-left // self._step_size())
 
-    def __iter__(self) -> Iterator[list[int]]:
-        order = self.order(self.epoch)
+    def batches_from(self, epoch: int, consumed: int) -> Iterator[tuple[list[int], int]]:
+        """This rank's batches of epoch ``epoch`` from position ``consumed``, each with the position after it.
+        Moves nothing: the caller decides when a batch counts as handed out."""
+        order = self.order(epoch)
         n, step, b = len(order), self._step_size(), self.batch_size
-        while self.consumed < n:
-            left = n - self.consumed
+        while consumed < n:
+            left = n - consumed
             if left < step and self.drop_last:
                 break
             take = min(step, left)
-            lo = self.consumed + min(self.local_rank * b, take)
-            hi = self.consumed + min((self.local_rank + 1) * b, take)
+            lo = consumed + min(self.local_rank * b, take)
+            hi = consumed + min((self.local_rank + 1) * b, take)
             batch = order[lo:hi].tolist()
             if len(batch) < b:  # the epoch's last step: padded from the start of the order
                 batch += np.resize(order, b - len(batch)).tolist()
-            self.consumed += take
+            consumed += take
+            yield batch, consumed
+
+    def begin_iteration(self) -> int:
+        """Start a new iteration over the position: every iteration begun earlier is superseded (stepping it
+        raises ``SupersededIterationError`` instead of moving the position a second time)."""
+        self._generation += 1
+        return self._generation
+
+    def check_current(self, generation: int, what: str = "sampler") -> None:
+        """``SupersededIterationError`` unless ``generation`` is the newest iteration over this position."""
+        if generation != self._generation:
+            raise SupersededIterationError(
+                f"this iteration over the {what} was superseded (a newer iteration, set_epoch or set_state_dict "
+                f"moved the position to epoch {self.epoch}, sample {self.consumed}); iterate again to continue "
+                f"from there"
+            )
+
+    def advance(self, generation: int, consumed: int) -> None:
+        """Record a handed-out batch: the position becomes ``consumed`` (of the current epoch)."""
+        self.check_current(generation)
+        self.consumed = consumed
+
+    def finish_epoch(self, generation: int) -> None:
+        """The current epoch's batches ran out: move to the start of the next epoch."""
+        self.check_current(generation)
+        self.epoch, self.consumed = self.epoch + 1, 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """Batches from the current position. A superseded iteration ENDS (logged once) instead of raising: a
+        DataLoader's prefetch thread may be the one stepping it, and an exception there leaves that DataLoader's
+        iterator waiting forever."""
+        generation = self.begin_iteration()
+        for batch, after in self.batches_from(self.epoch, self.consumed):
+            if generation != self._generation:
+                logger.warning("an iteration over the sampler was superseded: it ends (the position moves on)")
+                return
+            self.consumed = after
             yield batch
-        self.epoch += 1
-        self.consumed = 0
+        if generation == self._generation:
+            self.epoch, self.consumed = self.epoch + 1, 0
 
     def set_epoch(self, epoch: int) -> None:
         """Paddle's API: make ``epoch`` current. Its position is kept when it already is (a resumed run that
@@ -112,6 +161,7 @@ class ResumableDistributedBatchSampler:
             raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
         if epoch != self.epoch:
             self.epoch, self.consumed = epoch, 0
+            self.begin_iteration()  # a running iteration belongs to the old epoch
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -151,12 +201,28 @@ class ResumableDistributedBatchSampler:
         """Continue from ``state`` (see :meth:`check_state_dict`), whatever the world size it was saved at."""
         self.check_state_dict(state)
         self.seed, self.epoch, self.consumed = state["seed"], state["epoch"], state["consumed"]
+        self.begin_iteration()  # a running iteration continues from the old position: superseded
 
-    def state_after(self, epoch: int, consumed: int, batches: int) -> dict[str, Any]:
-        """The state after ``batches`` batches of an iteration that started at (``epoch``, ``consumed``)."""
-        return dict(
-            self.state_dict(), epoch=epoch, consumed=min(consumed + batches * self._step_size(), len(self.dataset))
-        )
+
+class SupersededIterationError(RuntimeError):
+    """An iteration over a sampler (or ``ResumableDataLoader``) was stepped after a newer iteration,
+    ``set_epoch`` or ``set_state_dict`` moved the position: stepping it on would hand out batches twice."""
+
+
+class _DeliveredView:
+    """The batch sampler paddle's DataLoader iterates: batches from the position the loop was DELIVERED up to,
+    without moving it (the loader moves it per delivered batch), so a prefetch thread can run ahead freely."""
+
+    def __init__(self, sampler: ResumableDistributedBatchSampler) -> None:
+        self.sampler = sampler
+        self.batch_size, self.drop_last = sampler.batch_size, sampler.drop_last
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        positioned = self.sampler.batches_from(self.sampler.epoch, self.sampler.consumed)  # the position of now
+        return (batch for batch, _after in positioned)
 
 
 class ResumableDataLoader:
@@ -174,28 +240,37 @@ class ResumableDataLoader:
                 f"batch_sampler must be a ResumableDistributedBatchSampler, got {type(batch_sampler).__name__}"
             )
         self.sampler = batch_sampler
-        self.loader = paddle.io.DataLoader(dataset, batch_sampler=batch_sampler, **kwargs)
-        self._start: tuple[int, int] | None = None  # (epoch, consumed) where the running iteration began
-        self._delivered = 0
+        self._make = lambda: paddle.io.DataLoader(dataset, batch_sampler=_DeliveredView(batch_sampler), **kwargs)
+        self.loader = self._make()
+        # paddle's persistent workers cannot restart an iteration abandoned mid-epoch (IndexError in its
+        # _reset, stock DataLoader alike): such a loader is rebuilt, with new workers, when that happened
+        self._rebuild_if_abandoned = bool(kwargs.get("persistent_workers")) and kwargs.get("num_workers", 0) > 0
+        self._running = False  # an iteration began and has not run out
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator:
-        self._start, self._delivered = (self.sampler.epoch, self.sampler.consumed), 0  # before the prefetch starts
-        for batch in self.loader:
-            self._delivered += 1
+        """The batches from the delivered position; iterating again (after a ``break``) continues right after
+        the last batch the loop got. Stepping an iteration a newer one superseded is a
+        ``SupersededIterationError``."""
+        generation = self.sampler.begin_iteration()
+        if self._running and self._rebuild_if_abandoned:
+            self.loader = self._make()
+        self._running = True
+        positions = self.sampler.batches_from(self.sampler.epoch, self.sampler.consumed)
+        for batch in self.loader:  # its view starts at the same position, read now
+            _batch, after = next(positions)
+            self.sampler.advance(generation, after)
             yield batch
-        self._start = None  # the epoch ran out: the sampler itself moved to the next one
+        self.sampler.finish_epoch(generation)
+        self._running = False
 
     def state_dict(self) -> dict[str, Any]:
-        if self._start is None:
-            return self.sampler.state_dict()
-        return self.sampler.state_after(*self._start, self._delivered)
+        return self.sampler.state_dict()
 
     def check_state_dict(self, state: Any) -> None:
         self.sampler.check_state_dict(state)
 
     def set_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.set_state_dict(state)
-        self._start = None

@@ -7,6 +7,8 @@ home (``__all__``); ``paddle.distributed.fsdp.checkpoint`` exports only the base
 
 from __future__ import annotations
 
+from ..env_switches import EnvSwitchError
+
 __all__ = [
     "CheckpointError",
     "NotACheckpointError",
@@ -33,11 +35,19 @@ __all__ = [
     "DirectoryMismatchError",
     "PartiallyLoadedError",
     "ToolError",
+    "CheckpointEnvError",
+    "ExtensionError",
+    "ReservedKeyError",
 ]
 
 
 class CheckpointError(RuntimeError):
     """Base class of every error raised by the checkpoint engine."""
+
+
+class CheckpointEnvError(CheckpointError, EnvSwitchError):
+    """A checkpoint environment switch (``PADDLE_FSDP_CKPT_*``, the memory tier's) holds a value it does not
+    accept (env_switches.py; also a ValueError)."""
 
 
 class NotACheckpointError(CheckpointError):
@@ -152,10 +162,30 @@ class PartiallyLoadedError(CheckpointError):
     ``atomic=True`` loads keep an undo copy instead (see load/load.py)."""
 
 
+class ReservedKeyError(UnrepresentableKeyError):
+    """A model, optimizer or EMA key starts with the reserved ``__fsdp__.`` prefix (a sublayer named ``__fsdp__``):
+    the one-call API's own values live there (format/reserved.py); refused before anything is written."""
+
+
+class ExtensionError(CheckpointError):
+    """User code plugged into the engine (a storage layer, a backend factory, a trace hook) is not what it must
+    be, or returned the wrong thing; the message names the extension (its qualified name)."""
+
+
+def extension_name(extension: object) -> str:
+    """``module.qualname`` of a function or class (the object's repr for anything else), for error messages."""
+    name = getattr(extension, "__qualname__", None) or getattr(type(extension), "__qualname__", None)
+    module = getattr(extension, "__module__", None) or getattr(type(extension), "__module__", "")
+    return f"{module}.{name}" if name else repr(extension)
+
+
 ERROR_CLASSES = {
     cls.__name__: cls
     for cls in (
         CheckpointError,
+        ExtensionError,
+        CheckpointEnvError,
+        ReservedKeyError,
         NotACheckpointError,
         IncompleteCheckpointError,
         CorruptCheckpointError,

@@ -8,15 +8,20 @@
 * ``checksum``: ``PADDLE_FSDP_CKPT_CHECKSUM``; default None (xxh3-64, crc32 without xxhash)
 * ``checksum_threads``: ``PADDLE_FSDP_CKPT_CHECKSUM_THREADS``; default 2 (0: verify on the reading thread)
 * ``commit_timeout``: ``PADDLE_FSDP_CKPT_COMMIT_TIMEOUT``; default 1800 s
-* ``odirect``: ``PADDLE_FSDP_CKPT_ODIRECT`` (``1``/``0``); default "auto" (reads: by page-cache residency; writes: on)
-* ``hugepages``: ``PADDLE_FSDP_CKPT_HUGEPAGES`` (``1``/``0``); default "auto" (O_DIRECT read buffers)
-* ``in_place``: ``PADDLE_FSDP_CKPT_IN_PLACE`` (``0``: off); default True
+* ``odirect``: ``PADDLE_FSDP_CKPT_ODIRECT`` (``auto`` or on/off); default "auto" (reads: by page-cache residency;
+  writes: on)
+* ``hugepages``: ``PADDLE_FSDP_CKPT_HUGEPAGES`` (``auto`` or on/off); default "auto" (O_DIRECT read buffers)
+* ``in_place``: ``PADDLE_FSDP_CKPT_IN_PLACE`` (on/off); default True
 * ``read_slab_bytes``: ``PADDLE_FSDP_CKPT_READ_SLAB``; default 16 MiB
-* ``trace``: ``PADDLE_FSDP_CKPT_TRACE`` (``1``: on); default False
+* ``trace``: ``PADDLE_FSDP_CKPT_TRACE`` (on/off); default False
 * ``max_metadata_bytes``: ``PADDLE_FSDP_CKPT_MAX_METADATA_BYTES``; default 512 MiB
 * ``max_open_files``: ``PADDLE_FSDP_CKPT_MAX_OPEN_FILES``; default 64
 * ``heartbeat_lease``: ``PADDLE_FSDP_CKPT_HEARTBEAT_LEASE``; default 5 s
 * ``trace_hook``, ``storage``: no variable; default None
+
+Spellings (env_switches.py, the one parser of every switch): booleans take 1/0, true/false, yes/no, on/off in
+any case; an empty variable is the default; anything else (and a number out of range) is a
+``CheckpointEnvError`` naming the variable and what it accepts.
 """
 
 from __future__ import annotations
@@ -25,14 +30,28 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
+from .. import env_switches
 from . import checksums, reader
-from .errors import CheckpointError
+from .errors import CheckpointEnvError, CheckpointError, ExtensionError
 from .format import strict_json
 from .io.storage import Storage
 from .tracing import TraceHook
 
 ENV_PREFIX = "PADDLE_FSDP_CKPT_"
-_MODES = {"1": True, "0": False}  # anything else: "auto"
+#: variable (after the prefix) -> field; each is declared in env_switches.SWITCHES
+_ENV_FIELDS = {
+    "CHECKSUM": "checksum",
+    "CHECKSUM_THREADS": "checksum_threads",
+    "COMMIT_TIMEOUT": "commit_timeout",
+    "HEARTBEAT_LEASE": "heartbeat_lease",
+    "READ_SLAB": "read_slab_bytes",
+    "MAX_METADATA_BYTES": "max_metadata_bytes",
+    "MAX_OPEN_FILES": "max_open_files",
+    "ODIRECT": "odirect",
+    "HUGEPAGES": "hugepages",
+    "IN_PLACE": "in_place",
+    "TRACE": "trace",
+}
 
 
 @dataclass(frozen=True)
@@ -56,7 +75,8 @@ class CheckpointOptions:
         read_slab_bytes: bytes per pread of a large range (checksums of one slab overlap the next read).
         trace: print the phase timings of every save and load to stderr.
         trace_hook: called with a TraceRecord at the end of every save and load (and of a save's background
-            part); for benchmarks. Runs on the thread that did the work; must not raise.
+            part); for benchmarks. Runs on the thread that did the work; an exception it raises is logged as a
+            warning naming it (the work it reports on succeeded). Not callable: ExtensionError.
         max_metadata_bytes: a ``metadata.json`` larger than this is refused (MetadataError) before it is read:
             parsing costs about ten times its size in memory. A real 30B-MoE index measured 246 MB.
         max_open_files: descriptors a reader keeps open at once (least recently used ones are closed), so any
@@ -95,6 +115,8 @@ class CheckpointOptions:
             raise CheckpointError(f"commit_timeout must be positive, got {self.commit_timeout}")
         if not self.heartbeat_lease > 0:
             raise CheckpointError(f"heartbeat_lease must be positive, got {self.heartbeat_lease}")
+        if self.trace_hook is not None and not callable(self.trace_hook):
+            raise ExtensionError(f"trace_hook must be callable (TraceRecord -> None), got {self.trace_hook!r:.100}")
         if self.storage is not None and not isinstance(self.storage, Storage):
             raise CheckpointError(f"storage must be a Storage (io/storage.py), got {type(self.storage).__name__}")
         if self.max_metadata_bytes <= 0 or self.max_open_files < 2:
@@ -106,45 +128,9 @@ class CheckpointOptions:
         an unset variable keeps the default, a malformed one raises CheckpointError naming it."""
         env = os.environ if environ is None else environ
         kw: dict = {}
-
-        def get(name: str) -> str | None:
-            v = env.get(ENV_PREFIX + name)
-            return None if v is None or not v.strip() else v.strip()
-
-        def number(name: str, conv):
-            raw = get(name)
-            if raw is None:
-                return None
-            try:
-                return conv(raw)
-            except ValueError:
-                raise CheckpointError(f"{ENV_PREFIX}{name}={raw!r} is not a number") from None
-
-        chosen = get("CHECKSUM")
-        if chosen is not None:
-            chosen = chosen.lower()
-            if chosen not in checksums.KNOWN:
-                raise CheckpointError(f"{ENV_PREFIX}CHECKSUM={chosen!r}: expected one of {', '.join(checksums.KNOWN)}")
-            kw["checksum"] = chosen
-        for name, key, conv in (
-            ("CHECKSUM_THREADS", "checksum_threads", int),
-            ("COMMIT_TIMEOUT", "commit_timeout", float),
-            ("HEARTBEAT_LEASE", "heartbeat_lease", float),
-            ("READ_SLAB", "read_slab_bytes", int),
-            ("MAX_METADATA_BYTES", "max_metadata_bytes", int),
-            ("MAX_OPEN_FILES", "max_open_files", int),
-        ):
-            v = number(name, conv)
-            if v is not None:
-                kw[key] = v
-        for name, key in (("ODIRECT", "odirect"), ("HUGEPAGES", "hugepages")):
-            raw = get(name)
-            if raw is not None:
-                kw[key] = _MODES.get(raw.lower(), "auto")
-        raw = get("IN_PLACE")
-        if raw is not None:
-            kw["in_place"] = raw != "0"
-        kw["trace"] = env.get(ENV_PREFIX + "TRACE") == "1"
+        for name, key in _ENV_FIELDS.items():
+            if env.get(ENV_PREFIX + name, "").strip():  # unset or empty: the field's default
+                kw[key] = env_switches.read(ENV_PREFIX + name, env, error=CheckpointEnvError)
         return cls(**kw)
 
     def replace(self, **changes) -> CheckpointOptions:

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from .errors import extension_name
+
 logger = logging.getLogger(__name__)
 
 
@@ -82,4 +84,13 @@ class Tracer:
             _ensure_visible()
             logger.info("[ckpt-trace pid %d] %s: %s total=%.1fms", record.pid, self.what, parts, record.total * 1000)
         if self.hook is not None:
-            self.hook(record)
+            try:
+                self.hook(record)
+            except Exception as e:  # the save or load it reports on succeeded: a diagnostic must not undo that
+                logger.warning(
+                    "trace_hook %s raised %s: %s (the %s itself succeeded)",
+                    extension_name(self.hook),
+                    type(e).__name__,
+                    e,
+                    self.what,
+                )

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from ..checkpoint.errors import ERROR_CLASSES, CheckpointError
+from ..checkpoint.errors import ERROR_CLASSES, CheckpointEnvError, CheckpointError
 
 
 class MemoryTierError(CheckpointError):
     """Base class of the memory tier's errors."""
+
+
+class MemoryTierEnvError(MemoryTierError, CheckpointEnvError):
+    """A memory tier environment switch (``PADDLE_FSDP_MEMTIER_QUOTA``) holds a value it does not accept."""
 
 
 class MemoryTierFullError(MemoryTierError):

@@ -33,13 +33,13 @@ import secrets
 import threading
 import time
 
-from .. import host_mappings
+from .. import env_switches, host_mappings
 from ..checkpoint import checksums
 from ..checkpoint.errors import CheckpointError, rebuild_remote_error
 from ..state.resume_state import ResumeObjects
 from . import identity, peers, roots, wire
 from .copies import Background, Copies, SaveIntoSlot, header_capacity, offsets_of
-from .errors import MemoryRootError, MemoryTierError, MemoryTierFullError
+from .errors import MemoryRootError, MemoryTierEnvError, MemoryTierError, MemoryTierFullError
 from .persist import persist_copy
 from .restore import Restore, RestoreResult
 from .slot import Slot
@@ -50,14 +50,7 @@ logger = logging.getLogger(__name__)
 ROOT_ENV = "PADDLE_FSDP_MEMTIER_ROOT"
 JOB_ENV = "PADDLE_FSDP_JOB_ID"
 QUOTA_ENV = "PADDLE_FSDP_MEMTIER_QUOTA"
-DEFAULT_ROOT = "/dev/shm/paddle-fsdp-memtier"
-
-
-def _env_int(name: str) -> int:
-    try:
-        return int(os.environ[name])
-    except ValueError:
-        raise MemoryTierError(f"{name}={os.environ[name]!r} is not an integer") from None
+DEFAULT_ROOT = env_switches.SWITCHES[ROOT_ENV].default  # /dev/shm/paddle-fsdp-memtier
 
 
 class MemoryTier:
@@ -96,8 +89,8 @@ class MemoryTier:
         if type(peer_timeout_s) not in (int, float) or not peer_timeout_s > 0:
             raise MemoryTierError(f"peer_timeout_s must be a positive number of seconds, got {peer_timeout_s!r}")
         checksums.default_algorithm(checksum)  # CheckpointError for an unknown algorithm
-        if quota_bytes is None and os.environ.get(QUOTA_ENV):
-            quota_bytes = _env_int(QUOTA_ENV)
+        if quota_bytes is None:
+            quota_bytes = env_switches.read(QUOTA_ENV, error=MemoryTierEnvError)
         if quota_bytes is not None and (type(quota_bytes) is not int or quota_bytes < 0):
             raise MemoryTierError(f"quota_bytes must be a non-negative int or None, got {quota_bytes!r}")
         self.fsdp, self.optimizer = fsdp, optimizer
@@ -105,12 +98,12 @@ class MemoryTier:
         self.grad_scaler, self.stateful, self.ema = grad_scaler, stateful, ema
         self.resume_objects()  # TypeError for a wrong object, before anything is set up
         self.durable_root = durable_root if "://" in durable_root else os.path.abspath(durable_root)
-        self.memory_root = memory_root or os.environ.get(ROOT_ENV) or DEFAULT_ROOT
+        self.memory_root = memory_root or env_switches.read(ROOT_ENV)
         self.persist_every, self.keep_last, self.quota = persist_every, keep_last, quota_bytes
         self.checksum, self.persist_on_restore, self.peer_timeout_s = checksum, persist_on_restore, peer_timeout_s
         self.rank, self.world = fsdp.rank, fsdp.world_size
         digest = hashlib.sha256(self.durable_root.encode()).hexdigest()[:12]
-        self.job_id = roots.check_job_id(job_id or os.environ.get(JOB_ENV) or f"job-{digest}")
+        self.job_id = roots.check_job_id(job_id or env_switches.read(JOB_ENV) or f"job-{digest}")
         self.durable_id: str | None = None  # the durable root's identity (identity.py), set by _prepare
         if partners is None:
             partners = peers.default_partners(self.world, peers.local_size(self.world))

@@ -162,13 +162,14 @@ def _capture(objs: ResumeObjects, async_save: bool):
 
 def _foreign_keys(metadata, fsdp) -> list[str]:
     """Checkpoint keys that belong to no parameter of this model (optimizer state ``<param key>.<name>`` and
-    reserved ``__fsdp__.*`` values belong)."""
+    reserved ``__fsdp__.*`` values belong; a TENSOR under the reserved prefix, saved before saves refused them,
+    does not)."""
     model_keys = {key for key, _param, _buffer, _index in fsdp.managed_parameters()}
     model_keys.update(persistable_buffers(fsdp.model))
     model_keys.update(getattr(fsdp, "_expert_keys", ()))  # under EP: the experts other EP ranks hold
     out = []
     for key in list(metadata.tensors) + list(metadata.values):
-        if key in model_keys or key.startswith(RESERVED_PREFIX):
+        if key in model_keys or (key.startswith(RESERVED_PREFIX) and key in metadata.values):
             continue
         head = key
         while "." in head:  # "blocks.0.mix.weight.moment1" -> "blocks.0.mix.weight"
@@ -193,7 +194,7 @@ def _precheck(objs: ResumeObjects, resolved: str, metadata, strict: bool) -> tup
             f"checkpoint {resolved} holds {len(foreign)} key(s) this model does not have (a checkpoint of another "
             f"model?): {foreign[:5]}{' ...' if len(foreign) > 5 else ''}; pass strict=False to load the rest"
         )
-    saved = resume_state.Saved(metadata.values, fsdp._checkpoint_rank, resume_state.checkpoint_world(fsdp))
+    saved = resume_state.Saved(checkpoint.metadata.values, fsdp._checkpoint_rank, resume_state.checkpoint_world(fsdp))
     return foreign, resume_state.decode(objs, saved, strict, f"checkpoint {resolved}")
 
 
@@ -211,6 +212,7 @@ def load_checkpoint(
     grad_scaler=None,
     stateful: dict | None = None,
     ema=None,
+    model_only: bool = False,
 ) -> LoadResult:
     """Restore what :func:`save_checkpoint` wrote into ``fsdp``'s model and ``optimizer``, in place.
 
@@ -232,7 +234,15 @@ def load_checkpoint(
     with ``strict``, a checkpoint without its state is refused, state/grad_scaler.py). ``stateful``: the objects
     saved with ``stateful=``, restored with ``set_state_dict`` (state/stateful.py); ``ema``: the ShardedEMA saved
     with ``ema=`` (resharded like the weights at another world size).
+
+    Saved state left unrequested (the checkpoint holds optimizer, GradScaler, EMA or stateful state and the
+    call did not pass that object) is listed in ``result.report.left_unrequested`` and logged as ONE warning per
+    load naming the parts, unless ``model_only=True`` says that is intended (then no other object may be given).
     """
+    if type(model_only) is not bool:
+        raise TypeError(f"model_only must be a bool, got {model_only!r}")
+    if model_only and any(o for o in (optimizer, grad_scaler, stateful, ema)):
+        raise ValueError("model_only=True loads the model alone: pass no optimizer, grad_scaler, stateful or ema")
     objs = ResumeObjects(fsdp, optimizer, grad_scaler, stateful, ema)  # TypeError for a wrong object, first
     root = local_path(path)  # a local directory, or a URL of a storage backend (s3://)
     skipped: list[tuple[str, str]] = []
@@ -252,7 +262,19 @@ def load_checkpoint(
             target = older
             continue
         result.fallback_from = skipped
+        left = result.report.left_unrequested
+        if left and not model_only:
+            logger.warning(
+                "load_checkpoint(%s): the checkpoint also holds %s state, not restored because no object was given "
+                "for it (pass %s to restore it, or model_only=True to load the model alone without this warning)",
+                result.path,
+                ", ".join(left),
+                " / ".join(_HOW_TO_PASS.get(part.split("[")[0], part) for part in left),
+            )
         return result
+
+
+_HOW_TO_PASS = {"optimizer": "optimizer=", "grad_scaler": "grad_scaler=", "ema": "ema=", "stateful": "stateful="}
 
 
 def _agreed(fsdp, failure: BaseException, decide: Callable[[], Any]) -> Any:
@@ -367,6 +389,8 @@ def _load_once(
                             refreshed)  # fmt: skip
 
     apply_on_every_rank(comm, apply_and_refresh, f"load of {resolved}")
+    saved = resume_state.Saved(checkpoint.metadata.values, fsdp._checkpoint_rank, resume_state.checkpoint_world(fsdp))
+    report.left_unrequested = resume_state.left_unrequested(objs, saved)
     # the list of buffer keys is for the tools (to-hf); the buffers themselves were loaded as model state
     report.unexpected_keys = [k for k in report.unexpected_keys if k != BUFFERS_KEY]
     if not strict:

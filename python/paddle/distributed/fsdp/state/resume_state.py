@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from ..checkpoint.errors import MetadataError, MissingKeyError, OptimizerMismatchError
+from ..checkpoint.errors import MetadataError, MissingKeyError, OptimizerMismatchError, ReservedKeyError
 from ..checkpoint.format.reserved import (
     BUFFERS_KEY,
     EMA_KEY,
     EXTRA_KEY,
     GRAD_SCALER_KEY,
     OPTIMIZER_KEY,
+    RESERVED_PREFIX,
     RNG_KEY,
     STATEFUL_KEY,
 )
@@ -265,6 +266,7 @@ def build(objs: ResumeObjects) -> Built:
             continue
         if item.tensors is not None:
             records, deferred = item.tensors(objs)
+            _refuse_reserved(item.name, records)  # before the buffers' exchange: every rank raises it alone
             out.tensors.update(records)
             out.deferred |= deferred
             keys.extend(records)
@@ -272,6 +274,17 @@ def build(objs: ResumeObjects) -> Built:
             out.values[item.key] = item.value(objs)
             keys.append(item.key)
     return out
+
+
+def _refuse_reserved(item: str, records: dict) -> None:
+    """ReservedKeyError naming the first key of ``records`` under the reserved prefix: the one-call API's own
+    values live there, and a load would take such a tensor for one of them (a sublayer named ``__fsdp__``)."""
+    reserved = sorted(key for key in records if key.startswith(RESERVED_PREFIX))
+    if reserved:
+        raise ReservedKeyError(
+            f"{item} key {reserved[0]!r}{f' (and {len(reserved) - 1} more)' if len(reserved) > 1 else ''} starts "
+            f"with the reserved prefix {RESERVED_PREFIX!r} (a sublayer named {RESERVED_PREFIX[:-1]!r}?): rename it"
+        )
 
 
 def load_targets(objs: ResumeObjects) -> dict:
@@ -296,6 +309,25 @@ def requested_values(objs: ResumeObjects, present) -> list[str]:
         and item.given(objs)
         and (item.key in always or item.key == OPTIMIZER_KEY or item.key in present)
     ]
+
+
+def left_unrequested(objs: ResumeObjects, saved: Saved) -> list[str]:
+    """The saved items a load of ``objs`` leaves behind: those whose object was not given (``optimizer`` with
+    its LR scheduler, ``grad_scaler``, ``stateful``, ``ema``), and stateful objects saved under names not given
+    (``stateful['name']``, from this rank's entry, else saving rank 0's)."""
+    out = []
+    for item in ITEMS:
+        if item.needs is None or item.key is None or item.key not in saved:
+            continue
+        if not item.given(objs):
+            out.append(item.name)
+        elif item.name == "stateful":
+            entries = saved.per_rank(STATEFUL_KEY)  # a Sequence read by rank (format/rank_values.py)
+            if isinstance(entries, Sequence) and not isinstance(entries, (str, bytes)) and len(entries):
+                entry = entries[saved.rank] if saved.rank < len(entries) else entries[0]
+                names = entry if isinstance(entry, dict) else {}
+                out.extend(f"stateful[{name!r}]" for name in sorted(names) if name not in objs.stateful)
+    return out
 
 
 def decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> Callable[[], None]:

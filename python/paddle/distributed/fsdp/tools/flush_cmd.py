@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 EXIT_OK = 0
 
@@ -46,11 +45,12 @@ def add_flush_memory(sub, common: argparse.ArgumentParser) -> None:
 
 
 def cmd_flush_memory(args) -> int:
+    from .. import env_switches
     from ..memtier.flush import flush_memory
-    from ..memtier.manager import DEFAULT_ROOT, ROOT_ENV
+    from ..memtier.manager import ROOT_ENV
     from .progress import Progress, human_bytes
 
-    roots = args.memory_root or [os.environ.get(ROOT_ENV) or DEFAULT_ROOT]
+    roots = args.memory_root or [env_switches.read(ROOT_ENV)]
     with Progress(0, "flush-memory", enabled=False if getattr(args, "no_progress", False) else None) as bar:
         res = flush_memory(roots, args.durable_root, job=args.job, step=args.step, keep_last=args.keep_last,
                            on_bytes=bar.update, on_total=lambda n: setattr(bar, "total", n))  # fmt: skip

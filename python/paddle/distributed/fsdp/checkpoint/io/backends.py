@@ -10,13 +10,18 @@ Layers: ``add_storage_layer(layer)`` wraps every storage the engine resolves (th
 trainer's saves, worker processes, ``CheckpointManager``) can still observe or shape every storage call: metrics,
 throttling, logging, injected failures. A layer returns a ``Storage`` that forwards to the one it wraps; it is
 applied each time a storage is resolved, so it keeps no per-save state of its own.
+
+What is checked (user code, issue #50): a layer or factory that is not callable is an ``ExtensionError`` at
+registration; one that returns something else than a ``Storage`` (or raises) is an ``ExtensionError`` naming
+it (``module.qualname``) when a storage is next resolved, before any storage call. Adding the same layer again
+is a no-op (it wraps once; one ``remove_storage_layer`` removes it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..errors import S3_EXTRA_HINT, MissingDependencyError
+from ..errors import S3_EXTRA_HINT, CheckpointError, ExtensionError, MissingDependencyError, extension_name
 from .local import LOCAL
 from .storage import Storage, StorageError
 
@@ -47,15 +52,20 @@ def served_schemes() -> set[str]:
 
 def register_backend(scheme: str, factory: Callable[[], Storage]) -> None:
     """Make locations ``<scheme>://...`` use ``factory()``'s backend (a backend module calls this once)."""
-    if not scheme.isidentifier():
+    if not isinstance(scheme, str) or not scheme.isidentifier():
         raise StorageError(f"backend scheme {scheme!r} must be an identifier")
+    if not callable(factory):
+        raise ExtensionError(f"the backend factory for '{scheme}://' must be callable, got {factory!r:.100}")
     _schemes[scheme] = factory
 
 
 def add_storage_layer(layer: StorageLayer) -> None:
     """Wrap every storage resolved from now on (``backend_for``, ``CheckpointOptions.storage_for``) as
-    ``layer(storage)``; layers added later wrap the earlier ones."""
-    _layers.append(layer)
+    ``layer(storage)``; layers added later wrap the earlier ones. Adding a layer already added does nothing."""
+    if not callable(layer):
+        raise ExtensionError(f"a storage layer must be callable (storage -> Storage), got {layer!r:.100}")
+    if layer not in _layers:
+        _layers.append(layer)
 
 
 def remove_storage_layer(layer: StorageLayer) -> None:
@@ -66,9 +76,24 @@ def remove_storage_layer(layer: StorageLayer) -> None:
 
 def layered(storage: Storage) -> Storage:
     """``storage`` wrapped by every added layer (itself when there is none)."""
-    for layer in _layers:
-        storage = layer(storage)
+    for layer in list(_layers):
+        storage = _checked("storage layer", layer, storage)
     return storage
+
+
+def _checked(what: str, extension: Callable, *args: object) -> Storage:
+    """``extension(*args)``: a Storage, else an ExtensionError naming the extension."""
+    try:
+        made = extension(*args)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise ExtensionError(f"{what} {extension_name(extension)} raised {type(e).__name__}: {e}") from e
+    if not isinstance(made, Storage):
+        raise ExtensionError(
+            f"{what} {extension_name(extension)} returned {type(made).__name__}, not a Storage (io/storage.py)"
+        )
+    return made
 
 
 def backend_for(location: str, chosen: Storage | None = None) -> Storage:
@@ -90,5 +115,5 @@ def unlayered_backend_for(location: str, chosen: Storage | None = None) -> Stora
         factory = _schemes.get(scheme)
         if factory is None:
             raise StorageError(f"no storage backend registered for '{scheme}://' (location {location!r})")
-        return factory()
+        return _checked(f"the backend factory for '{scheme}://'", factory)
     return LOCAL

@@ -45,6 +45,9 @@ class LoadReport:
     atomic: bool = False  # loaded with an undo copy / staging (atomic=True)
     host_budget: int = 0  # bound on the extra host memory of a memory-bounded load (bytes)
     peak_host_bytes: int = 0  # the engine's own account of the extra host memory this load held at its peak
+    # saved state the caller did not ask for (filled by the resume door, state/resume.py: "optimizer",
+    # "grad_scaler", "ema", "stateful", "stateful['name']"); the engine itself leaves it empty
+    left_unrequested: list[str] = field(default_factory=list)
 
 
 LOAD_MIN_HOST_BYTES = 64 << 20  # memory-bounded loads: extra host memory at most max(this, ...
