@@ -259,7 +259,9 @@ def _skip(workdir: str, rank: int, world: int) -> dict:
         fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"])
         opt = paddle.optimizer.AdamW(0.01, parameters=model.parameters())
         batches, durable = global_batches(8, BATCH), os.path.join(workdir, "skip", "durable")
-        tier = MemoryTier(fsdp, opt, durable_root=durable, persist_every=2, keep_last=None, job_id="skip", memory_slots=SLOTS)
+        tier = MemoryTier(
+            fsdp, opt, durable_root=durable, persist_every=2, keep_last=None, job_id="skip", memory_slots=SLOTS
+        )
         for i in range(4):
             train(model, opt, batches[i : i + 1], rank, world)
             tier.save(i + 1)
