@@ -52,7 +52,12 @@ def launch_nodes(
 
 
 def start_nodes(
-    log_dir: Path, script: str, args: list[str], roots: list[Path], per_node: int = 1, extra_env: list[dict] | None = None
+    log_dir: Path,
+    script: str,
+    args: list[str],
+    roots: list[Path],
+    per_node: int = 1,
+    extra_env: list[dict] | None = None,
 ) -> list[subprocess.Popen]:
     """Start the launchers of ``launch_nodes`` and return them at once (a test that kills them at its moment)."""
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -146,7 +146,9 @@ def run_series(tmp_path: Path, roots: list[Path], per_node: int, env: dict, roun
         floor = min(last) - 1
         stats["rounds"] += 1
         stats["kills"].append(None if finished else (target, round(delay, 3)))
-        print(f"round {rnd}: resumed {expect} (torn slots {torn}), killed at save {target}+{delay:.3f}s, last saves {last}")
+        print(
+            f"round {rnd}: resumed {expect} (torn slots {torn}), killed at save {target}+{delay:.3f}s, last saves {last}"
+        )
         stats["done"] = stats.get("done", 0) + done
         if stats["done"] == 2:  # the series ended, and a relaunch resumed from its last step
             break
@@ -171,11 +173,78 @@ def test_kill9_every_rank_at_random_moments_one_node(tmp_path):
 def test_kill9_every_rank_on_two_nodes_while_persists_run(tmp_path):
     roots = _roots(2)
     try:
-        env = {"FSDP_TEST_PERSIST_EVERY": "3", "FSDP_TEST_SLOTS": "2",
-               "PADDLE_FSDP_CKPT_FAULT_DELAY": "before_data:0:0.4"}  # fmt: skip
+        env = {"FSDP_TEST_PERSIST_EVERY": "3", "FSDP_TEST_SLOTS": "2", "FSDP_TEST_DIM": "512",
+               "PADDLE_FSDP_CKPT_FAULT_DELAY": "before_data:0:2.0"}  # fmt: skip
         stats = run_series(tmp_path, roots, 1, env, rounds=3, seed=SEED + 1)
         assert stats["from_memory"] > 0, stats
         assert stats["overlap"] > 0, stats  # persists ran across saves (and none of those saves was skipped)
     finally:
         for root in roots:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def test_agreement_over_every_slot_fresh_start_and_what_the_error_says():
+    """The restart rule with several own copies per rank (pure: agreement.decide)."""
+    import pytest
+    from paddle.distributed.fsdp.memtier import NoCommonStepError
+    from paddle.distributed.fsdp.memtier.agreement import FRESH, MEMORY, decide
+
+    def rep(own, storage=(), **kw):
+        return {"own": list(own), "held": None, "storage": list(storage), **kw}
+
+    # a save in flight on rank 1 (its slot of step 6 torn): the previous step, from the other slot
+    assert decide([rep([5, 6]), rep([5])]).step == 5
+    assert decide([rep([5, 6]), rep([5])]).sources == [MEMORY, MEMORY]
+    assert decide([rep([3, 5]), rep([5, 3], [3])]).step == 5  # memory beats an older stored step
+    assert decide([rep([3]), rep([3], [3])]) is not None  # storage listed by one rank only: not common, memory
+    assert decide([{"own": 4, "held": None, "storage": []}] * 2).step == 4  # the single-slot report form
+    # a first save interrupted on rank 1 (its slots name no common step): nothing was ever common -> fresh start
+    fresh = decide([rep([1], seen=-1, never=False), rep([], seen=-1, never=True)])
+    assert fresh.sources == [FRESH, FRESH] and fresh.step == -1
+    # rank 1 has no copy and no evidence of a first save (a wiped root): never guessed, the error says what to do
+    where = ["node0:/dev/shm/m/job-x", "node1:/dev/shm/m/job-x"]
+    for reports in (
+        [rep([4, 5], where=where[0]), rep([], where=where[1])],
+        [rep([], seen=5, never=False, where=where[0]), rep([], seen=-1, where=where[1])],  # copies of 5 lost
+    ):
+        with pytest.raises(NoCommonStepError) as err:
+            decide(reports)
+        msg = str(err.value)
+        assert all(w in msg for w in where) and "PADDLE_FSDP_JOB_ID" in msg and "delete" in msg, msg
+    assert "rank: step) {0: 5}" in msg, msg  # the lost step is named
+
+
+def test_root_of_the_single_slot_layout_restores_and_slots_keep_the_previous_step(tmp_path):
+    """A memory root written with one slot (the older layout: rank<N>.own only) restores with two slots, bit for
+    bit; the next save writes the second slot, keeping the restored step; a save whose copy was interrupted (its
+    slot marked "writing", as a kill leaves it) leaves the previous step, which the next restart resumes from."""
+    from memtier_util import small_fsdp, state_bytes, train_and_save, train_step
+    from paddle.distributed.fsdp.memtier import MemoryTier
+    from paddle.distributed.fsdp.memtier.slot import Slot
+
+    root, mem = str(tmp_path / "durable"), str(tmp_path / "mem")
+    kw = dict(durable_root=root, memory_root=mem, persist_every=100, job_id="j")
+    model, fsdp, opt = small_fsdp(1)
+    old = MemoryTier(fsdp, opt, memory_slots=1, **kw)
+    wants = train_and_save(model, fsdp, opt, old, (1, 2, 3))
+    old.close(remove=False)
+    assert sorted(os.listdir(f"{mem}/j")) == ["rank00000.lock", "rank00000.own"]
+    model2, fsdp2, opt2 = small_fsdp(9)
+    tier = MemoryTier(fsdp2, opt2, **kw)
+    got = tier.restore()
+    assert (got.step, got.sources, dict(got)) == (3, ["memory"], {"step": 3})
+    assert state_bytes(fsdp2, opt2) == wants[3][0] and opt2.get_lr() == wants[3][1]
+    more = train_and_save(model2, fsdp2, opt2, tier, (4,))
+    steps = {os.path.basename(p): Slot.open(p).header()[0]["step"] for p in tier.copies.own_paths()}
+    assert steps == {"rank00000.own": 3, "rank00000.own1": 4}, steps
+    # step 5 is copied into the slot of step 3 and interrupted (a kill leaves it marked "writing")
+    train_step(model2, opt2)
+    tier.save(5, extra_state={"step": 5})
+    tier.wait()
+    tier.copies.own[0].mark_writing(5, 4)
+    tier.close(remove=False)
+    _m, fsdp3, opt3 = small_fsdp(5)
+    tier3 = MemoryTier(fsdp3, opt3, **kw)
+    got = tier3.restore()
+    assert (got.step, dict(got)) == (4, {"step": 4}) and state_bytes(fsdp3, opt3) == more[4][0]
+    tier3.close()

@@ -5,7 +5,7 @@ then train and save to memory after every step until TOTAL, logging BEFORE each 
 saves (so a copy that completed always has its digest logged). The state depends only on the step (data drawn
 from the step number, no dropout), so the restored state must equal what was saved at that step, bit for bit.
 
-Usage: memtier_kill.py WORKDIR TOTAL. Environment: FSDP_TEST_SLOTS (memory_slots), FSDP_TEST_PERSIST_EVERY,
+Usage: memtier_kill.py WORKDIR TOTAL. Environment: FSDP_TEST_SLOTS (memory_slots), FSDP_TEST_DIM (model width), FSDP_TEST_PERSIST_EVERY,
 PADDLE_FSDP_CKPT_FAULT_DELAY (fault_storage.py: a slowed persist). Log: WORKDIR/log/rank<R>.jsonl, one JSON object
 a line: ``{"start": step, "digest", "sources"}``, ``{"save": step, "digest", "skipped", "persists_skipped"}``,
 ``{"done": TOTAL}``.
@@ -26,7 +26,8 @@ import paddle.distributed as dist
 from memtier_util import state_bytes
 from paddle.distributed.fsdp import FullyShardFusion
 
-DIM, LAYERS, BATCH = 1024, 4, 8  # 25 MB of state per rank: a copy takes long enough to be killed in
+# 1024: 25 MB of state per rank, a copy takes long enough to be killed in (FSDP_TEST_DIM: another width)
+DIM, LAYERS, BATCH = int(os.environ.get("FSDP_TEST_DIM", "1024")), 4, 8
 
 
 def digest(fsdp, opt, extra: dict) -> str:
