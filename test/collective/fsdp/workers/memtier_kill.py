@@ -8,7 +8,7 @@ from the step number, no dropout), so the restored state must equal what was sav
 Usage: memtier_kill.py WORKDIR TOTAL. Environment: FSDP_TEST_SLOTS (memory_slots), FSDP_TEST_DIM (model width), FSDP_TEST_PERSIST_EVERY,
 PADDLE_FSDP_CKPT_FAULT_DELAY (fault_storage.py: a slowed persist). Log: WORKDIR/log/rank<R>.jsonl, one JSON object
 a line: ``{"start": step, "digest", "sources"}``, ``{"save": step, "digest", "skipped", "persists_skipped"}``,
-``{"done": TOTAL}``.
+``{"call_ms": ...}`` (the save call's time), ``{"done": TOTAL}``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 import _paths  # noqa: F401  (puts the test directory on sys.path)
 import fault_storage
@@ -76,7 +77,9 @@ def main() -> None:
         log.write(json.dumps({"save": step + 1, "digest": digest(fsdp, opt, extra), "skipped": tier.skipped,
                               "persists_skipped": tier.persists_skipped,
                               "overwrites": tier.slots.overwrites}) + "\n")  # fmt: skip
+        t0 = time.perf_counter()
         tier.save(step + 1, extra_state=extra)
+        log.write(json.dumps({"call_ms": (time.perf_counter() - t0) * 1e3}) + "\n")  # the figures of the report
     tier.wait()
     tier.wait_persisted()
     log.write(json.dumps({"done": total}) + "\n")
