@@ -248,3 +248,36 @@ def test_root_of_the_single_slot_layout_restores_and_slots_keep_the_previous_ste
     got = tier3.restore()
     assert (got.step, dict(got)) == (4, {"step": 4}) and state_bytes(fsdp3, opt3) == more[4][0]
     tier3.close()
+
+
+def test_flush_memory_and_leftover_slots_of_another_slot_count(tmp_path):
+    """flush-memory reads every own slot (the newest verified step; an interrupted one's previous step); a root
+    written with three slots restores with two from its third slot and then drops the slot files beyond two, while
+    a directory planted under a slot's name is left alone."""
+    from memtier_util import small_fsdp, state_bytes, train_and_save
+    from paddle.distributed.fsdp.memtier import MemoryTier
+    from paddle.distributed.fsdp.memtier.flush import flush_memory
+
+    root, mem = str(tmp_path / "durable"), str(tmp_path / "mem")
+    kw = dict(durable_root=root, memory_root=mem, persist_every=100, job_id="j")
+    model, fsdp, opt = small_fsdp(1)
+    tier = MemoryTier(fsdp, opt, memory_slots=3, **kw)
+    tier.restore()
+    wants = train_and_save(model, fsdp, opt, tier, (1, 2, 3))  # slot i holds step i + 1
+    tier.close(remove=False)
+    from paddle.distributed.fsdp.memtier.slot import Slot
+
+    interrupted = Slot.open(tier.copies.own_path(index=0), writable=True)
+    interrupted.mark_writing(4, 3)  # step 4 was being copied into the slot of step 1 when killed
+    interrupted.close()
+    flushed = flush_memory([mem], root)
+    assert flushed.step == 3 and flushed.sources[0].endswith("rank00000.own2"), flushed
+    os.mkdir(f"{mem}/j/rank00000.own5")
+    _m, fsdp2, opt2 = small_fsdp(9)
+    tier2 = MemoryTier(fsdp2, opt2, **kw)
+    got = tier2.restore()
+    assert (got.step, got.sources) == (3, ["memory"]) and state_bytes(fsdp2, opt2) == wants[3][0]
+    train_and_save(model, fsdp2, opt2, tier2, (4,))
+    names = sorted(n for n in os.listdir(f"{mem}/j") if ".own" in n)
+    assert names == ["rank00000.own", "rank00000.own1", "rank00000.own5"], names
+    tier2.close(remove=False)

@@ -134,8 +134,8 @@ class Copies:
             )
         keep = {self.own_path(index=i) for i in range(self.n_slots)}
         for path in self.own_paths():
-            if path not in keep:
-                os.unlink(path)
+            if path not in keep and os.path.isfile(path) and not os.path.islink(path):
+                os.unlink(path)  # anything else under such a name is left alone (never a copy: roots.open_file)
         try:
             for i in range(self.n_slots):  # one at a time: a failure closes (remove) the ones already mapped
                 self.own.append(Slot.allocate(self.own_path(index=i), cap, dlen))

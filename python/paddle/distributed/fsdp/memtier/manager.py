@@ -429,7 +429,12 @@ class MemoryTier:
         restore = Restore(self)
         self.restored = restore.run()
         self.start_step = self.restored.step if self.restored is not None else 0
-        self.slots.restored(restore.restored_slot, self.restored.step if self.restored is not None else -1)
+        kept = (
+            restore.restored_slot
+            if restore.restored_slot is not None and restore.restored_slot < self.slots.n
+            else None
+        )
+        self.slots.restored(kept, self.restored.step if self.restored is not None else -1)
         if restore.slot_sizes is not None:  # restored from the peer copy: the own slot is likely gone (lost node)
             self._bg.start(lambda: self._reserve_own(*restore.slot_sizes))
         return self.restored
