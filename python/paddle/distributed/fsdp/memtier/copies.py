@@ -2,7 +2,7 @@
 
 Bounded memory: ``slots`` own slot files per rank (2 by default) and one peer slot, allocated once (``setup``) and
 reused by every later save. Why several own slots: a save writes a slot other than the one holding the newest
-step complete on every rank (manager.py chooses), so a crash while it copies still leaves that step; and a
+step complete on every rank (slots.py chooses), so a crash while it copies still leaves that step; and a
 persist reads the slot of its step while the next saves write another. One slot (``slots=1``) is the older
 layout: a save overwrites the only copy in place (marked "writing" until complete). Setup is collective: every
 rank learns every rank's slot size, and if any rank lacks the space, every rank disables the tier together (the
