@@ -210,10 +210,14 @@ def test_bad_arguments_are_refused_by_name(tmp_path):
             flush_memory(roots, str(tmp_path / "d"), **kw)
 
 
-def test_persist_writes_the_memory_copy_while_training_moves_on(tmp_path, monkeypatch):
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_persist_writes_the_memory_copy_while_training_moves_on(tmp_path, monkeypatch, slots):
     """The persist of step 2 is held back until training ran three more steps: the checkpoint is still step 2
-    bit for bit (written from the memory copy, which the skipped saves left alone), the engine's snapshot buffer
-    is never allocated (no third copy), and the first save after the persist is taken and persisted again."""
+    bit for bit (written from the memory copy, which the later saves left alone), the engine's snapshot buffer
+    is never allocated (no third copy), and the first save after the persist is taken and persisted again.
+    Two or three slots: no memory save is skipped (the persist due at step 4 is: the one of step 2 still runs);
+    memory holds step 2 (the persist's slot) and step 5, with three slots step 4 too. One slot (the older layout):
+    the saves of steps 3-5 are skipped."""
     import threading
 
     import paddle
@@ -239,7 +243,8 @@ def test_persist_writes_the_memory_copy_while_training_moves_on(tmp_path, monkey
     monkeypatch.setattr(manager_mod, "persist_copy", lambda *a: (gate.wait(60), real(*a))[1])
     model, fsdp, opt = build(1)
     root = str(tmp_path / "durable")
-    tier = MemoryTier(fsdp, opt, durable_root=root, memory_root=str(tmp_path / "mem"), persist_every=2, keep_last=None)
+    tier = MemoryTier(fsdp, opt, durable_root=root, memory_root=str(tmp_path / "mem"), persist_every=2, keep_last=None,
+                      memory_slots=slots)  # fmt: skip
     host_memory.arena.free()
     wants = {}
     for step in range(1, 7):
@@ -247,11 +252,16 @@ def test_persist_writes_the_memory_copy_while_training_moves_on(tmp_path, monkey
         tier.save(step, extra_state={"step": step})
         wants[step] = (state_bytes(fsdp, opt), opt.get_lr())
         if step == 5:
-            assert tier.skipped == [3, 4, 5] and os.listdir(root) == ["memtier-id"]  # the persist of step 2: held back
+            tier.wait()
+            assert os.listdir(root) == ["memtier-id"]  # the persist of step 2: held back
+            assert tier.skipped == ([3, 4, 5] if slots == 1 else []), tier.skipped
+            assert tier.persists_skipped == ([] if slots == 1 else [4]), tier.persists_skipped
+            held = sorted(Slot.open(p).header()[0]["step"] for p in tier.copies.own_paths())
+            assert held == {1: [2], 2: [2, 5], 3: [2, 4, 5]}[slots], held
             gate.set()
             tier.wait_persisted()
     tier.wait_persisted()
-    assert tier.skipped == [3, 4, 5] and tier.durable_saves == [2, 6] and tier.persist_errors == []
+    assert tier.durable_saves == [2, 6] and tier.persist_errors == []
     assert host_memory.arena.capacity == 0
     for step in (2, 6):
         _m, fsdp2, opt2 = build(9)

@@ -69,16 +69,19 @@ def _flip_last_record(path: str) -> None:
         f.write(bytes([byte[0] ^ 0x01]))
 
 
-def test_corrupt_copy_found_while_reading_falls_back_and_overwrites(tmp_path):
+@pytest.mark.parametrize("slots", [1, 2])
+def test_corrupt_copy_found_while_reading_falls_back_and_overwrites(tmp_path, slots):
+    """Step 3's copy is corrupt: one slot falls back to storage's step 2, two slots to the other slot's step 2."""
     model, fsdp, opt = small_fsdp(1)
     root, mem = str(tmp_path / "durable"), str(tmp_path / "mem")
-    tier = MemoryTier(fsdp, opt, durable_root=root, memory_root=mem, persist_every=2, job_id="j")
+    kw = dict(durable_root=root, memory_root=mem, persist_every=2, job_id="j", memory_slots=slots)
+    tier = MemoryTier(fsdp, opt, **kw)
     wants = train_and_save(model, fsdp, opt, tier, (1, 2, 3))
     tier.close(remove=False)
     own = tier.copies.own_path()
     _flip_last_record(own)
     _m, fsdp2, opt2 = small_fsdp(9)
-    tier2 = MemoryTier(fsdp2, opt2, durable_root=root, memory_root=mem, persist_every=2, job_id="j")
+    tier2 = MemoryTier(fsdp2, opt2, **kw)
     wrote = []
     real = readback.read_into
     readback_spy = lambda *a: (wrote.append(1), real(*a))[1]  # noqa: E731
@@ -88,20 +91,24 @@ def test_corrupt_copy_found_while_reading_falls_back_and_overwrites(tmp_path):
     try:
         got = tier2.restore()
         assert wrote, "the corrupt copy was not read"
-        assert (got.step, got.sources, dict(got)) == (2, ["storage"], {"step": 2})
+        assert (got.step, got.sources, dict(got)) == (2, ["storage" if slots == 1 else "memory"], {"step": 2})
         mine, (want, lr) = state_bytes(fsdp2, opt2), wants[2]
         assert [k for k in want if mine[k] != want[k]] == [] and opt2.get_lr() == lr
         # the same corrupt copy, no step in storage (the root keeps its memory-tier id, so the copy is still this
         # root's): a named error that says the tensors are no checkpoint's
         tier2.close(remove=False)
+        if slots == 2:  # the slot step 2 came from: corrupt too (step 3's was discarded by the restore of step 2)
+            _flip_last_record(tier.copies.own_path(index=1))
         for name in os.listdir(root):
             if name.startswith("step_"):
                 shutil.rmtree(os.path.join(root, name))
         _m, fsdp3, opt3 = small_fsdp(9)
-        tier3 = MemoryTier(fsdp3, opt3, durable_root=root, memory_root=mem, persist_every=2, job_id="j")
+        tier3 = MemoryTier(fsdp3, opt3, **kw)
         with pytest.raises(NoCommonStepError) as err:
             tier3.restore()
-        assert any("hold no checkpoint's state" in n for n in getattr(err.value, "__notes__", [])), err.value
+        assert f"{mem}/j" in str(err.value) and "PADDLE_FSDP_JOB_ID" in str(err.value), err.value  # what to do
+        if slots == 2:  # one slot: the restore of step 2 discarded step 3's copy, nothing is read
+            assert any("hold no checkpoint's state" in n for n in getattr(err.value, "__notes__", [])), err.value
         tier3.close()
     finally:
         restore_mod.read_into = real

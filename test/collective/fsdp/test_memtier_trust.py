@@ -42,6 +42,9 @@ KEY = os.urandom(32)
 
 
 def _tier(fsdp, opt, root, mem, **kw):
+    """One own slot (the single-slot layout): these tests damage THE copy file of a step and check what reads it;
+    with two slots the other slot's older step would be restored instead (test_memtier_slots.py)."""
+    kw.setdefault("memory_slots", 1)
     return MemoryTier(fsdp, opt, durable_root=str(root), memory_root=str(mem), persist_every=2, job_id="j", **kw)
 
 

@@ -53,6 +53,8 @@ from training import records, train
 BATCH, PERSIST_EVERY = 8, 4
 MODELS = tuple(os.environ.get("FSDP_TEST_MEMTIER_MODELS", "tiny,qwen3").split(","))
 PEER_TIMEOUT_S = float(os.environ.get("FSDP_TEST_MEMTIER_PEER_TIMEOUT", "60"))
+# these scenarios damage and copy THE slot file of a step: the single-slot layout (memtier_kill.py: two slots)
+SLOTS = int(os.environ.get("FSDP_TEST_MEMTIER_SLOTS", "1"))
 
 
 def _sync() -> None:
@@ -94,10 +96,10 @@ def build(name: str, workdir: str, seed: int, rank: int, world: int, restore_now
     durable = os.path.join(workdir, "durable")
     if restore_now:  # the documented form (docs/memory-tier.md): built and restored in one call
         tier = fsdp.memory_tier(opt, durable_root=durable, persist_every=PERSIST_EVERY, keep_last=None,
-                                peer_timeout_s=PEER_TIMEOUT_S)  # fmt: skip
+                                peer_timeout_s=PEER_TIMEOUT_S, memory_slots=SLOTS)  # fmt: skip
     else:
         tier = MemoryTier(fsdp, opt, durable_root=durable, persist_every=PERSIST_EVERY, keep_last=None,
-                          peer_timeout_s=PEER_TIMEOUT_S)  # fmt: skip
+                          peer_timeout_s=PEER_TIMEOUT_S, memory_slots=SLOTS)  # fmt: skip
     return Case(name, workdir, fsdp, opt, tier, step)
 
 
@@ -257,7 +259,9 @@ def _skip(workdir: str, rank: int, world: int) -> dict:
         fsdp = FullyShardFusion(model, fsdp_unit_layers=["Block"])
         opt = paddle.optimizer.AdamW(0.01, parameters=model.parameters())
         batches, durable = global_batches(8, BATCH), os.path.join(workdir, "skip", "durable")
-        tier = MemoryTier(fsdp, opt, durable_root=durable, persist_every=2, keep_last=None, job_id="skip")
+        tier = MemoryTier(
+            fsdp, opt, durable_root=durable, persist_every=2, keep_last=None, job_id="skip", memory_slots=SLOTS
+        )
         for i in range(4):
             train(model, opt, batches[i : i + 1], rank, world)
             tier.save(i + 1)

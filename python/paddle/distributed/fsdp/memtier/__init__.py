@@ -1,8 +1,9 @@
 """The memory tier: checkpoints in host shared memory with a peer copy on another node (manager.py: MemoryTier).
 
-Modules: ``slot.py`` (one fully allocated, mapped copy file), ``copies.py`` (a rank's two copies, writing a save),
-``state.py`` (what a copy holds for a FullyShardFusion model), ``peers.py`` (partner map), ``wire.py`` (peer transfers over TCP), ``readback.py`` (a copy read into
-the tensors in one pass),
+Modules: ``slot.py`` (one fully allocated, mapped copy file), ``copies.py`` (a rank's copies: its own slots and
+a peer's; writing a save), ``slots.py`` (which own slot a save writes), ``state.py`` (what a copy holds for a
+FullyShardFusion model), ``peers.py`` (partner map), ``wire.py`` (peer transfers over TCP), ``readback.py`` (a
+copy read into the tensors in one pass),
 ``agreement.py`` (the restart rule), ``restore.py`` (a restart, collective), ``persist.py`` (a copy written to
 storage as a committed checkpoint), ``flush.py`` (the same from one process after a crash: ``paddle-fsdp-ckpt
 flush-memory``), ``errors.py``; ``manager.py`` (MemoryTier) ties them together. What is trusted

@@ -1,9 +1,15 @@
-"""The two memory copies a rank keeps (its own latest state, and one peer's) and writing a save into its own.
+"""The memory copies a rank keeps (its own states in N slots used in turn, and one peer's) and writing a save.
 
-Bounded memory: exactly two slot files per rank, allocated once (``setup``) and reused by every later save; a
-save overwrites its own slot in place (marked "writing" until complete), so the memory tier never holds more
-than the rank's own latest state and one peer's. Setup is collective: every rank learns every rank's slot size,
-and if any rank lacks the space, every rank disables the tier together (the saves then go to storage).
+Bounded memory: ``slots`` own slot files per rank (2 by default) and one peer slot, allocated once (``setup``) and
+reused by every later save. Why several own slots: a save writes a slot other than the one holding the newest
+step complete on every rank (slots.py chooses), so a crash while it copies still leaves that step; and a
+persist reads the slot of its step while the next saves write another. One slot (``slots=1``) is the older
+layout: a save overwrites the only copy in place (marked "writing" until complete). Setup is collective: every
+rank learns every rank's slot size, and if any rank lacks the space, every rank disables the tier together (the
+saves then go to storage).
+
+Files: ``rankNNNNN.own`` (slot 0: the single-slot layout's name, so a root it wrote restores), ``rankNNNNN.own1``
+... and ``rankNNNNN.peer``.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import threading
 
 import numpy as np
@@ -39,21 +46,49 @@ def offsets_of(layout: list[list]) -> tuple[list[int], int]:
     return offsets, pos
 
 
-class Copies:
-    """This rank's own slot and its peer slot (None without a peer copy) under ``<root>/<job>`` (roots.py: a
-    checked job id, private directories, the rank's lock held while the tier lives)."""
+OWN_NAME = re.compile(r"^rank(\d{5})\.own(\d*)$")  # slot 0 is ".own", slot i ".own<i>"
+MAX_SLOTS = 8
 
-    def __init__(self, root: str, job: str, rank: int):
+
+def own_name(rank: int, index: int) -> str:
+    return f"rank{rank:05d}.own{index or ''}"
+
+
+class Copies:
+    """This rank's ``slots`` own slots and its peer slot (None without a peer copy) under ``<root>/<job>``
+    (roots.py: a checked job id, private directories, the rank's lock held while the tier lives)."""
+
+    def __init__(self, root: str, job: str, rank: int, slots: int = 2):
         self.root = root
         self.dir = os.path.join(root, roots.check_job_id(job))
         self.rank = rank
+        self.n_slots = slots
         self.lock: roots.RankLock | None = None
-        self.own: Slot | None = None
+        self.own: list[Slot] = []
         self.peer: Slot | None = None
         self.sizes: list[tuple[int, int]] = []  # (header capacity, data length) by rank
 
-    def own_path(self, rank: int | None = None) -> str:
-        return os.path.join(self.dir, f"rank{self.rank if rank is None else rank:05d}.own")
+    def own_path(self, rank: int | None = None, index: int = 0) -> str:
+        return os.path.join(self.dir, own_name(self.rank if rank is None else rank, index))
+
+    @staticmethod
+    def own_index(path: str) -> int:
+        m = OWN_NAME.match(os.path.basename(path))
+        return int(m.group(2) or 0) if m else 0
+
+    def own_paths(self) -> list[str]:
+        """Every own slot file of this rank present in the job's directory (any count: a root written with
+        another ``slots``), slot 0 first."""
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return []
+        found = []
+        for name in names:
+            m = OWN_NAME.match(name)
+            if m and int(m.group(1)) == self.rank and (m.group(2) == "" or 0 < int(m.group(2)) < MAX_SLOTS):
+                found.append((int(m.group(2) or 0), os.path.join(self.dir, name)))
+        return [path for _i, path in sorted(found)]
 
     def peer_path(self) -> str:
         return os.path.join(self.dir, f"rank{self.rank:05d}.peer")
@@ -83,19 +118,27 @@ class Copies:
                 pass
 
     def allocate(self, sizes: list[tuple[int, int]], source: int | None, quota: int | None) -> None:
-        """Allocate both slots (MemoryTierFullError when the root or the quota is too small for both)."""
+        """Allocate every slot (MemoryTierFullError when the root or the quota is too small for all). Own slot
+        files beyond ``n_slots`` (a root written with more) are removed: their steps are older than the kept ones
+        or were refused by the restore."""
         self.claim()
         self.release()
         self.sizes = sizes
         cap, dlen = sizes[self.rank]
         peer_size = (sizes[source][0] + sizes[source][1]) if source is not None else 0
-        if quota is not None and cap + dlen + peer_size > quota:
+        own_size = self.n_slots * (cap + dlen)
+        if quota is not None and own_size + peer_size > quota:
             raise MemoryTierFullError(
-                f"rank {self.rank}: own copy ({cap + dlen} bytes) and peer copy ({peer_size} bytes) exceed the "
-                f"memory tier quota of {quota} bytes"
+                f"rank {self.rank}: {self.n_slots} own copies ({own_size} bytes) and peer copy ({peer_size} bytes) "
+                f"exceed the memory tier quota of {quota} bytes"
             )
+        keep = {self.own_path(index=i) for i in range(self.n_slots)}
+        for path in self.own_paths():
+            if path not in keep and os.path.isfile(path) and not os.path.islink(path):
+                os.unlink(path)  # anything else under such a name is left alone (never a copy: roots.open_file)
         try:
-            self.own = Slot.allocate(self.own_path(), cap, dlen)
+            for i in range(self.n_slots):  # one at a time: a failure closes (remove) the ones already mapped
+                self.own.append(Slot.allocate(self.own_path(index=i), cap, dlen))
             if source is not None:
                 self.peer = Slot.allocate(self.peer_path(), *sizes[source])
         except MemoryTierFullError:
@@ -103,15 +146,15 @@ class Copies:
             raise
 
     def release(self) -> None:
-        for slot in (self.own, self.peer):
+        for slot in [*self.own, self.peer]:
             if slot is not None:
                 slot.close()
-        self.own = self.peer = None
+        self.own, self.peer = [], None
 
     def remove(self) -> None:
-        """Delete both slot files (a clean end of the job, or a tier that could not be set up)."""
+        """Delete every slot file (a clean end of the job, or a tier that could not be set up)."""
         self.release()
-        for path in (self.own_path(), self.peer_path()):
+        for path in [*self.own_paths(), self.peer_path()]:
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -127,12 +170,12 @@ class SaveIntoSlot:
     records' copies issued there (snapshot.StagedInto), deferred ones registered with the snapshot guard and
     completed by ``finish`` (background), which then checksums and writes the header that makes the copy valid."""
 
-    def __init__(self, slot: Slot, state, header: dict, algo: str):
+    def __init__(self, slot: Slot, state, header: dict, algo: str, common: int = -1):
         self.slot, self.state, self.header, self.algo = slot, state, header, algo
         self.offsets, self.data_len = offsets_of(state.layout)
         self.data_off = slot.size - self.data_len
         data = slot.data(self.data_off, self.data_len)
-        slot.mark_writing()
+        slot.mark_writing(int(header["step"]), common)
         self._jobs, volatile, deferred = [], [], []
         for rec, off, item in zip(state.records, self.offsets, state.layout):
             dst = data[off : off + item[3]]

@@ -42,7 +42,7 @@ from ..checkpoint.planner import RecordDesc, assign_writes, lay_out_files, merge
 from ..checkpoint.staged_output import staged_output
 from ..state.resume_state import PER_RANK_KEYS
 from . import identity
-from .copies import read_copy
+from .copies import OWN_NAME, read_copy
 from .errors import InvalidMemoryCopyError, MemoryTierError, NoCommonStepError
 from .persist import records_of
 from .roots import JOB_ID_RE, check_job_id, hold_locks, open_dir
@@ -83,7 +83,7 @@ def _scan(roots: list[str], job: str | None, durable_id: str | None, locks: list
             locks.extend(hold_locks(jdir, [n for n in names if n.endswith(".lock")]))
             for fname in names:
                 path = os.path.join(jdir, fname)
-                if not fname.endswith((".own", ".peer")):
+                if not (OWN_NAME.match(fname) or fname.endswith(".peer")):
                     continue
                 try:
                     slot = Slot.open(path)

@@ -13,9 +13,11 @@ A copy holds what ``save_checkpoint`` saves (state/resume_state.py): give ``grad
 slot after it returned (the next ``optimizer.step()`` waits for that copy: snapshot_guard.py); the checksums and
 the transfer to the peer run in the background. Every ``persist_every``-th memory checkpoint is also written to
 ``durable_root`` from the memory copy itself (persist.py: the same step's bytes, today's committed format) by a
-second background thread, on the tier's own process group. The copy must not change while it is written, so the
-saves called during a persist are skipped, on every rank alike (one small exchange decides): they are logged and
-listed in ``skipped``; the newest memory checkpoint is then the one being persisted.
+second background thread, on the tier's own process group. Each rank keeps ``memory_slots`` own copies (2 by
+default) used in turn (slots.py chooses): a save never writes the slot of the newest step complete on every rank,
+nor the slot a persist still reads, so a crash mid-copy keeps a complete step and no save is skipped for a
+persist (one small exchange per save tells every rank that every rank completed the previous save and whether a
+persist still runs). With one slot (the older layout) a save called during a persist is skipped (``skipped``).
 
 ``restore`` agrees collectively on the step (agreement.py), reads every rank's copy into its tensors in one
 pass, verified on the way (readback.py; a peer copy straight from the holder's socket: wire.py), and applies the
@@ -38,11 +40,12 @@ from ..checkpoint import checksums
 from ..checkpoint.errors import CheckpointError, rebuild_remote_error
 from ..state.resume_state import ResumeObjects
 from . import identity, peers, roots, wire
-from .copies import Background, Copies, SaveIntoSlot, header_capacity, offsets_of
+from .copies import MAX_SLOTS, Background, Copies, SaveIntoSlot, header_capacity, offsets_of
 from .errors import MemoryRootError, MemoryTierEnvError, MemoryTierError, MemoryTierFullError
 from .persist import persist_copy
 from .restore import Restore, RestoreResult
 from .slot import Slot
+from .slots import SlotChooser
 from .state import capture
 
 logger = logging.getLogger(__name__)
@@ -72,6 +75,7 @@ class MemoryTier:
         checksum: str = "xxh3-64",
         persist_on_restore: bool = True,
         peer_timeout_s: float = 60.0,
+        memory_slots: int = 2,
         grad_scaler=None,
         stateful: dict | None = None,
         ema=None,
@@ -88,6 +92,8 @@ class MemoryTier:
             raise MemoryTierError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
         if type(peer_timeout_s) not in (int, float) or not peer_timeout_s > 0:
             raise MemoryTierError(f"peer_timeout_s must be a positive number of seconds, got {peer_timeout_s!r}")
+        if type(memory_slots) is not int or not 1 <= memory_slots < MAX_SLOTS:
+            raise MemoryTierError(f"memory_slots must be an int in [1, {MAX_SLOTS - 1}], got {memory_slots!r}")
         checksums.default_algorithm(checksum)  # CheckpointError for an unknown algorithm
         if quota_bytes is None:
             quota_bytes = env_switches.read(QUOTA_ENV, error=MemoryTierEnvError)
@@ -109,7 +115,8 @@ class MemoryTier:
             partners = peers.default_partners(self.world, peers.local_size(self.world))
         self.partners = peers.check_partners(partners, self.world)
         self.source = peers.source_of(self.partners, self.rank)
-        self.copies = Copies(self.memory_root, self.job_id, self.rank)
+        self.copies = Copies(self.memory_root, self.job_id, self.rank, memory_slots)
+        self.slots = SlotChooser(memory_slots)
         self._group = None
         self._link: wire.PeerLink | None = None
         self._layout: list | None = None
@@ -117,7 +124,8 @@ class MemoryTier:
         self._persister = Background("memtier-persist")
         self._persisting = False  # a persist was started and every rank has not yet seen it finish
         self.save_timings: dict[str, float] = {}  # seconds of the last save's background phases (benchmark)
-        self.skipped: list[int] = []  # memory saves skipped because a persist was still writing the copy
+        self.skipped: list[int] = []  # memory saves skipped because a persist was still writing (one slot only)
+        self.persists_skipped: list[int] = []  # persists not started: the previous one was still writing
         self.persist_errors: list[str] = []
         self._unmap_later: list = []
         self.disabled_reason: MemoryTierError | None = None
@@ -228,7 +236,9 @@ class MemoryTier:
         if err is not None:
             logger.warning("memory tier: the previous memory save (background) failed: %s", err)
         host_mappings.release_unviewed()  # copies closed while tensors viewed them (slot.py)
-        if self._persist_busy():
+        busy = self._save_status(err is None)
+        index = self.slots.choose(busy) if self.disabled_reason is None else 0
+        if index is None:  # one slot, read by a persist still writing
             self.skipped.append(step)
             logger.info("memory tier: memory save of step %d skipped: the persist of the copy is still writing", step)
             return
@@ -240,11 +250,18 @@ class MemoryTier:
             self.persist(step, extra_state)
             return
         header = dict(self.expect(), rank=self.rank, step=step, values=values, descs=state.descs)
-        job = SaveIntoSlot(self.copies.own, state, header, self.checksum)
+        job = SaveIntoSlot(self.copies.own[index], state, header, self.checksum, self.slots.common_step)
+        self.slots.started(index, step)
         persist = step % self.persist_every == 0
+        if persist and busy:
+            persist = False
+            self.persists_skipped.append(step)
+            logger.info("memory tier: step %d is saved to memory but not persisted: the persist of step %d is "
+                        "still writing", step, self.slots.persist_step)  # fmt: skip
         self._bg.start(lambda: self._finish_save(job, persist))
         if persist:
             self._persisting = True
+            self.slots.persist_started(index, step)
             self.durable_saves.append(step)
 
     def _finish_save(self, job: SaveIntoSlot, persist: bool) -> None:
@@ -262,7 +279,7 @@ class MemoryTier:
             job.release_guard()
         t1 = time.perf_counter()
         try:
-            self._exchange(int(job.header["step"]))
+            self._exchange(job.slot, int(job.header["step"]))
             self.save_timings = {"copy_checksums": t1 - t0, "exchange": time.perf_counter() - t1}
         finally:
             if persist:
@@ -274,7 +291,7 @@ class MemoryTier:
     def _persist_own(self, job: SaveIntoSlot, ok: bool) -> None:
         """Persist thread: the own copy of ``job``'s step to durable storage (collective on the persist group)."""
         group = self.tier_group()
-        slot = self.copies.own
+        slot = job.slot
         if not ok:  # this rank's copy is incomplete: a state the engine refuses, on every rank together
             from ..checkpoint import save_state_dict
 
@@ -282,17 +299,20 @@ class MemoryTier:
             return
         persist_copy(slot, job.header, job.data_off, job.data_len, self.durable_root, self.keep_last, group)
 
-    def _persist_busy(self) -> bool:
-        """Whether a started persist is still writing on any rank (collective, only while one was started: the
-        same saves on every rank); collects a finished persist's error (logged, kept in ``persist_errors``)."""
-        if not self._persisting:
-            return False
-        busy = not self._persister.idle()
-        if self.world > 1:
-            busy = any(self.fsdp.comm.all_gather_object(busy))
-        if busy:
-            return True
+    def _save_status(self, ok: bool) -> bool:
+        """Whether a started persist is still writing on any rank; and whether every rank completed its previous
+        memory save (``ok``: this rank's), which makes that save's step the one the next saves keep. Collective
+        (one small exchange per save, the same on every rank). Collects a finished persist's error (logged, kept
+        in ``persist_errors``)."""
+        busy = self._persisting and not self._persister.idle()
+        if self.world > 1 and self.disabled_reason is None:
+            gathered = self.fsdp.comm.all_gather_object((ok, busy))
+            ok, busy = all(o for o, _b in gathered), any(b for _o, b in gathered)
+        self.slots.previous_done(ok)
+        if busy or not self._persisting:
+            return busy
         self._persisting = False
+        self.slots.persist_done()
         err = self._persister.wait()
         if err is not None:
             self.persist_errors.append(f"{type(err).__name__}: {err}")
@@ -308,7 +328,7 @@ class MemoryTier:
             self.persist_errors.append(f"{type(err).__name__}: {err}")
             raise MemoryTierError(f"persisting the memory copy failed: {err}") from err
 
-    def _exchange(self, step: int) -> None:
+    def _exchange(self, slot: Slot, step: int) -> None:
         """Send the own slot to its holder while receiving the copy this rank holds (wire.py; both directions at
         once). PeerTransferError when the partner died or stalled past ``peer_timeout_s``."""
         link = self.peer_link()
@@ -319,7 +339,7 @@ class MemoryTier:
 
         def send() -> None:
             try:
-                link.send_buffer(holder, self.copies.own.buf, step)
+                link.send_buffer(holder, slot.buf, step)
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 errors.append(e)
 
@@ -392,6 +412,7 @@ class MemoryTier:
         self._bg.wait()
         self._persister.wait()
         self._persisting = False
+        self.slots.persist_done()
         self._unmap()  # a previous restore's mappings: an unlinked copy would keep its memory while mapped
         if self.optimizer is not None:
             self.fsdp.init_optimizer_state(self.optimizer)
@@ -401,6 +422,12 @@ class MemoryTier:
         restore = Restore(self)
         self.restored = restore.run()
         self.start_step = self.restored.step if self.restored is not None else 0
+        kept = (
+            restore.restored_slot
+            if restore.restored_slot is not None and restore.restored_slot < self.slots.n
+            else None
+        )
+        self.slots.restored(kept, self.restored.step if self.restored is not None else -1)
         if restore.slot_sizes is not None:  # restored from the peer copy: the own slot is likely gone (lost node)
             self._bg.start(lambda: self._reserve_own(*restore.slot_sizes))
         return self.restored

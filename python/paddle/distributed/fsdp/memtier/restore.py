@@ -2,8 +2,9 @@
 
 Order, on every rank:
 
-1. *scan* the rank's own copy and the copy it holds for its partner, headers only: prefix, "valid" flag, header
-   checksum, job id, world size, rank and the model's records; the own copy's non-tensor state is decoded;
+1. *scan* the rank's own copies (every own slot: copies.py) and the copy it holds for its partner, headers only:
+   prefix, "valid" flag, header checksum, job id, world size, rank and the model's records; the own copies'
+   non-tensor state is decoded;
 2. *agree* (agreement.py) on the step and every rank's source from everyone's scan (any other failure of a scan
    is raised on every rank, the same named error);
 3. only when some rank restores from a peer copy: *transfer* it (holder -> owner, into the owner's own slot);
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 
@@ -34,7 +36,7 @@ from . import agreement, wire
 from .copies import check_header, read_copy
 from .errors import InvalidMemoryCopyError, MemoryTierError, NoCommonStepError, PeerTransferError
 from .readback import fill_tensors, populate, read_into
-from .slot import HEADER_OFF
+from .slot import HEADER_OFF, Slot
 from .state import decode_values, tensor_state
 
 logger = logging.getLogger(__name__)
@@ -59,7 +61,9 @@ class Restore:
         self.marks = [("start", time.perf_counter())]
         self.excluded: set[str] = set()  # this rank's copies found corrupt in an earlier round
         self.found: dict = {}
-        self.apply_own = None  # the own copy's checked non-tensor state (decode_values), set by the scan
+        self.apply_own: dict = {}  # per own slot name, its checked non-tensor state (decode_values), set by the scan
+        self.used: str | None = None  # the own slot read (its name: "own<i>")
+        self.restored_slot: int | None = None  # its index, once the restore succeeded from it
         self._sender = None  # the thread sending held copies to their owners
         self.storage_steps: list[int] = []
         self.slot_sizes: tuple[int, int] | None = None  # (header capacity, data length) of a copy received
@@ -79,7 +83,7 @@ class Restore:
         for slot, *_rest in self.found.values():
             slot.close()
         self.found = {}
-        self.apply_own = None
+        self.apply_own = {}
 
     # ------------------------------------------------------------------ 1. scan
     def _open(self, name: str, path: str, owner: int, layout) -> None:
@@ -88,21 +92,22 @@ class Restore:
         try:
             expect = dict(self.tier.expect(), rank=owner)
             self.found[name] = read_copy(path, expect, layout, verify=False)  # the header only
-            if name == "own":
+            if name.startswith("own"):
                 tier, header = self.tier, self.found[name][1]
-                self.apply_own = decode_values(tier.resume_objects(), header["values"], f"memory copy {path}")
+                self.apply_own[name] = decode_values(tier.resume_objects(), header["values"], f"memory copy {path}")
         except (CheckpointError, OSError, TypeError, ValueError, KeyError) as e:  # a copy this rank cannot use
             copy = self.found.pop(name, None)
             if copy is not None:
                 copy[0].close()
-            logger.warning("memory tier: rank %d skips %s: %s", self.rank, "its own copy" if name == "own" else
+            logger.warning("memory tier: rank %d skips %s: %s", self.rank, "its own copy" if name.startswith("own") else
                            "the peer copy it holds", e)  # fmt: skip
 
     def scan(self, layout) -> dict:
         copies = self.tier.copies
         error = None
         try:
-            self._open("own", copies.own_path(), self.rank, layout)
+            for path in copies.own_paths():
+                self._open(f"own{copies.own_index(path)}", path, self.rank, layout)
             if self.tier.source is not None:
                 self._open("held", copies.peer_path(), self.tier.source, None)
         except Exception as e:  # noqa: BLE001 - raised on every rank after the agreement's exchange
@@ -113,13 +118,36 @@ class Restore:
         except Exception as e:  # noqa: BLE001 - raised on every rank after the agreement's exchange
             error = error or (type(e).__name__, str(e))
         held = self.found.get("held")
-        own = self.found.get("own")
+        own = sorted({copy[1]["step"] for name, copy in self.found.items() if name.startswith("own")})
         return {
-            "own": own[1]["step"] if own else None,
+            "own": own,
             "held": [self.tier.source, held[1]["step"]] if held else None,
             "storage": storage,
             "error": error,
+            "where": f"{socket.gethostname()}:{copies.dir}",
+            **self._intents(bool(own)),
         }
+
+    def _intents(self, has_copy: bool) -> dict:
+        """What this rank's interrupted slots say (slot.intent): ``seen``, the newest step they name as complete
+        on every rank when they were written (-1: none), and ``never``: this rank has no copy and every own slot
+        is a first save's interrupted copy (no common step named; none a refused or damaged copy)."""
+        paths, seen, never = self.tier.copies.own_paths(), -1, not has_copy
+        for path in paths:
+            try:
+                slot = Slot.open(path)
+            except (CheckpointError, OSError):
+                never = False
+                continue
+            try:
+                intent = slot.intent()
+                if intent is None and slot.size:  # a valid copy this rank refused, or an older layout's
+                    never = False
+            finally:
+                slot.close()
+            if intent is not None:
+                seen = max(seen, intent[1])
+        return {"seen": seen, "never": bool(paths) and never and seen < 0}
 
     # ------------------------------------------------------------------ driver
     def run(self) -> RestoreResult | None:
@@ -151,14 +179,47 @@ class Restore:
             decision = agreement.decide(reports)
             if decision is None and self.written:  # every copy excluded after a failed read, storage empty
                 raise NoCommonStepError("no intact memory copy is left after a failed restore, storage is empty")
+            if decision is not None and decision.sources[0] == agreement.FRESH:
+                self.close_found()
+                logger.warning("memory tier: rank %d: a first save was interrupted before every rank completed it "
+                               "(memory %s): every rank starts from the beginning", self.rank,
+                               [rep["own"] for rep in reports])  # fmt: skip
+                self.discard_newer(-1)
+                return None
             if decision is None or decision.sources[0] == agreement.STORAGE:
                 self.close_found()
-                return None if decision is None else self.from_storage(decision)
+                if decision is None:
+                    return None
+                result = self.from_storage(decision)
+                self.discard_newer(decision.step)
+                return result
             self._log_stale(decision.step)
             result = self.from_memory(state, decision, _round)
             if result is not None:
+                self.discard_newer(decision.step)
                 return result
         raise MemoryTierError("memory tier: restore did not converge")  # pragma: no cover - bounded above
+
+    def discard_newer(self, step: int) -> None:
+        """Mark "writing" every copy of this rank (own and held) of a step newer than the agreed ``step``: training
+        goes on from ``step``, so such a copy belongs to a lineage that no longer exists; kept, it could pair at a
+        later restart with a new copy of the same step number on another rank (not the same state)."""
+        copies = self.tier.copies
+        for path in [*copies.own_paths(), copies.peer_path()]:
+            try:
+                slot = Slot.open(path, writable=True)
+            except (CheckpointError, OSError):
+                continue
+            try:
+                header, _o, _n = slot.header()
+                if header["step"] > step:
+                    slot.mark_writing(header["step"], step)
+                    logger.info("memory tier: rank %d discards its copy of step %d in %s (newer than the restored "
+                                "step %d)", self.rank, header["step"], path, step)  # fmt: skip
+            except CheckpointError:
+                pass
+            finally:
+                slot.close()
 
     def _log_stale(self, step: int) -> None:
         for name, (_slot, header, _o, _n) in self.found.items():
@@ -234,13 +295,14 @@ class Restore:
         InvalidMemoryCopyError for a corrupt copy, after writing part of the tensors)."""
         if decision.sources[self.rank] == agreement.PEER:
             return self._receive(state, decision, tag)
-        copy = self.found.get("own")
-        if copy is None or copy[1]["step"] != decision.step:
+        names = [n for n, c in self.found.items() if n.startswith("own") and c[1]["step"] == decision.step]
+        if not names:
             raise InvalidMemoryCopyError(f"rank {self.rank}: no copy of step {decision.step}")
-        slot, header, doff, dlen = copy
+        self.used = names[0]
+        slot, header, doff, dlen = self.found[self.used]
         self.written = True
         read_into(slot, header, doff, dlen, [rec.tensor for rec in state.records])
-        return header, self.apply_own
+        return header, self.apply_own[self.used]
 
     def from_memory(self, state, decision, round_: int) -> RestoreResult | None:
         """Restore from memory; None when a copy turned out corrupt (excluded: the caller starts a new round)."""
@@ -270,8 +332,8 @@ class Restore:
                 if what != "corrupt":
                     raise rebuild_remote_error(what, msg, r)
             for r, _v in failed:  # a corrupt copy: its owner's own, or the holder's copy it came from
-                if r == self.rank and decision.sources[r] == agreement.MEMORY:
-                    self.excluded.add("own")
+                if r == self.rank and decision.sources[r] == agreement.MEMORY and self.used is not None:
+                    self.excluded.add(self.used)
                 if decision.sources[r] == agreement.PEER and decision.holders[r] == self.rank:
                     self.excluded.add("held")
             logger.warning("memory tier: rank %d: the copies of ranks %s failed their check; every rank tries "
@@ -279,6 +341,8 @@ class Restore:
             return None
         apply()
         self.mark("apply")
+        if kind == agreement.MEMORY:
+            self.restored_slot = int(self.used[3:])
         self.tier.unmap_later(list(self.found.values()))  # unmapping is slow: at the next save, off this path
         self.found = {}
         extra = header["values"].get(EXTRA_KEY) or {}

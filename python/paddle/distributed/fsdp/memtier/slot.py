@@ -20,7 +20,9 @@ Safety: the file is grown with ``posix_fallocate`` (every block reserved) before
 the free space, so a full tmpfs is a named error (MemoryTierFullError) here, never a SIGBUS on a later write.
 A file opened for reading is mapped only up to its size and every offset in the prefix is checked against it,
 so a truncated copy is a named error too. A save marks the slot "writing" first and "valid" last: a copy
-interrupted mid-write is never taken as valid.
+interrupted mid-write is never taken as valid. When it marks a slot "writing" it also notes, at ``INTENT_OFF``
+(bytes no reader of the older layout looks at), the step it writes and the newest step then known complete on
+every rank: a restart tells "this rank never completed a save" (a first save interrupted) from "lost" by it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ from .header import check_fields
 MAGIC = b"FSDPMEM3"  # 2: headers carry the record descriptions (persist.py); 3: BLAKE2b header digest, durable_id
 _PREFIX = struct.Struct("<8sIQQQQQ")  # magic, state, header_len, header_cap, data_off, data_len, header_digest
 HEADER_OFF = 4096
+INTENT_OFF = 64  # after the prefix, before the header: unused by the single-slot layout
+_INTENT = struct.Struct("<8sqq")  # magic, step being written, newest step complete on every rank then (-1: none)
+INTENT_MAGIC = b"FSDPMINT"
 WRITING, VALID = 0, 1
 ALIGN = 64
 
@@ -124,7 +129,7 @@ class Slot:
         finally:
             os.close(dfd)
         try:
-            have = os.fstat(fd).st_blocks * 512
+            have, old_size = os.fstat(fd).st_blocks * 512, os.fstat(fd).st_size
             avail = free_bytes(root)
             if size - have > avail:
                 raise MemoryTierFullError(
@@ -145,10 +150,12 @@ class Slot:
                     pass
                 raise MemoryTierFullError(f"memory copy {path}: cannot reserve {size} bytes: {e}") from None
             raise
+        reused = have >= size and old_size == size
         slot = cls(path, fd, size, writable=True)
         Slot.allocations += 1
         slot.data_off = size - data_len
-        slot.mark_writing()
+        if not reused:  # a file of this size keeps its copy: it may hold the step a restart needs
+            slot.mark_writing()
         return slot
 
     @classmethod
@@ -164,11 +171,22 @@ class Slot:
             raise
 
     # ------------------------------------------------------------------ prefix and header
-    def mark_writing(self) -> None:
+    def mark_writing(self, step: int = -1, common: int = -1) -> None:
+        """Invalidate the copy (first of a save); note the ``step`` written and the ``common`` step kept."""
         magic, _state, hlen, hcap, doff, dlen, hd = (MAGIC, 0, 0, 0, 0, 0, 0)
         if self.size >= HEADER_OFF:
             _m, _s, hlen, hcap, doff, dlen, hd = _PREFIX.unpack_from(self._mm, 0)
         _PREFIX.pack_into(self._mm, 0, magic, WRITING, hlen, hcap, doff, dlen, hd)
+        if self.size >= HEADER_OFF:
+            _INTENT.pack_into(self._mm, INTENT_OFF, INTENT_MAGIC, step, common)
+
+    def intent(self) -> tuple[int, int] | None:
+        """(step being written, newest common step then) of a slot marked "writing" by a save; None for a
+        valid copy, a file of the single-slot layout or one never written."""
+        if self.size < HEADER_OFF or _PREFIX.unpack_from(self._mm, 0)[1] != WRITING:
+            return None
+        magic, step, common = _INTENT.unpack_from(self._mm, INTENT_OFF)
+        return (step, common) if magic == INTENT_MAGIC else None
 
     def data(self, data_off: int, data_len: int) -> np.ndarray:
         return self.buf[data_off : data_off + data_len]

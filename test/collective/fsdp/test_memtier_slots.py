@@ -1,0 +1,283 @@
+"""#50 item 9: the memory tier's own slots used in turn keep the previous complete step while a save copies.
+
+Every rank is killed with SIGKILL at seeded random moments of a series of 30 saves (workers/memtier_kill.py;
+the seed is printed, FSDP_TEST_MEMTIER_KILL_SEED sets another), on one node (2 ranks) and on two simulated nodes
+while slowed persists run (fault_storage.py's delay: each persist spans several saves). After each kill the test
+reads every copy's header itself (not through the package) and storage's committed steps, and computes the newest
+step complete on every rank; the relaunch (no cleanup between launches) must resume exactly from it, every rank
+with the state it logged before saving that step (digest of every record, LR, extra state), never skip a memory
+save, and keep the previous step: the resumed step is at least the step before the newest save every rank
+started (or, two slots during a persist longer than a save interval, the persisting step: slots.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import struct
+import time
+from pathlib import Path
+
+from nodes import kill9_all, start_nodes, tails
+
+TOTAL = 30
+SEED = int(os.environ.get("FSDP_TEST_MEMTIER_KILL_SEED", "20261207"))
+_PREFIX = struct.Struct("<8sIQQQQQ")  # the slot prefix (docs/memory-tier.md): read here without the package
+_COPY = re.compile(r"^rank\d{5}\.(own\d*|peer)$")
+
+
+def complete_copies(roots: list[Path]) -> tuple[dict[int, set[int]], list[str]]:
+    """Per rank, the steps of its complete copies (own or held by its partner) in the memory roots: "valid" set,
+    the header's BLAKE2b digest right (the data's checksums are written before the header and checked by the
+    restore); and the names of the slots a save was writing (torn)."""
+    steps: dict[int, set[int]] = {}
+    torn: list[str] = []
+    for root in roots:
+        for job in Path(root).iterdir() if Path(root).is_dir() else []:
+            for path in job.iterdir():
+                if not _COPY.match(path.name):
+                    continue
+                raw = path.read_bytes()[: 1 << 20]
+                magic, state, hlen, _cap, _doff, _dlen, digest = _PREFIX.unpack_from(raw, 0)
+                head = raw[4096 : 4096 + hlen]
+                if magic == b"FSDPMEM3" and state == 0 and raw[64:72] == b"FSDPMINT":
+                    torn.append(path.name)  # a save was copying into it when the ranks were killed
+                if magic != b"FSDPMEM3" or state != 1 or len(head) != hlen:
+                    continue
+                if int.from_bytes(hashlib.blake2b(head, digest_size=8).digest(), "little") != digest:
+                    continue
+                header = json.loads(head)
+                steps.setdefault(header["rank"], set()).add(header["step"])
+    return steps, torn
+
+
+def stored_steps(durable: Path) -> set[int]:
+    if not durable.is_dir():
+        return set()
+    return {int(p.name[5:]) for p in durable.iterdir() if p.name.startswith("step_") and (p / "COMMIT").exists()}
+
+
+def newest_common(roots: list[Path], durable: Path, world: int) -> tuple[int, list[str]]:
+    copies, torn = complete_copies(roots)
+    common = set.intersection(*(copies.get(r, set()) for r in range(world)))
+    return max(common | stored_steps(durable), default=0), torn
+
+
+def _new_lines(path: Path, offset: int) -> tuple[list[dict], int]:
+    if not path.exists():
+        return [], offset
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    return [json.loads(line) for line in data[:end].splitlines()], offset + end
+
+
+def run_series(tmp_path: Path, roots: list[Path], per_node: int, env: dict, rounds: int, seed: int) -> dict:
+    """Launch, kill every rank at a random save (and a random delay after it), check the relaunch; repeat."""
+    print(f"memtier kill series: seed {seed}, {len(roots)} node(s) x {per_node} ranks, {rounds} rounds")
+    rng = random.Random(seed)
+    world = len(roots) * per_node
+    work, durable = tmp_path / "work", tmp_path / "work" / "durable"
+    logs = [work / "log" / f"rank{r}.jsonl" for r in range(world)]
+    offsets = [0] * world
+    digests: dict[tuple[int, int], set[str]] = {}  # (rank, step) -> digests logged before saving it
+    stats = {"rounds": 0, "from_memory": 0, "overlap": 0, "kills": [], "torn": 0}
+    floor = 0  # what the previous round's kill must have kept (see the module docstring)
+    persist_every = int(env["FSDP_TEST_PERSIST_EVERY"])
+    for rnd in range(rounds):
+        expect, torn = newest_common(roots, durable, world)
+        stats["torn"] += len(torn)
+        if rnd:
+            assert expect >= floor or expect % persist_every == 0, (
+                f"seed {seed} round {rnd}: the newest step complete on every rank is {expect}, the kill should "
+                f"have kept step {floor} or a persisting step"
+            )
+        target, delay = rng.randint(0, max(0, TOTAL - expect - 1)), rng.uniform(0.0, 0.08)  # this launch's saves
+        log_dir = tmp_path / f"launch{rnd}"
+        procs = start_nodes(log_dir, "memtier_kill.py", [str(work), str(TOTAL)], roots, per_node, [env] * len(roots))
+        lines: list[list[dict]] = [[] for _ in range(world)]
+        deadline = time.monotonic() + 150
+        try:
+            while True:
+                for r in range(world):
+                    new, offsets[r] = _new_lines(logs[r], offsets[r])
+                    lines[r] += new
+                saves0 = sum(1 for x in lines[0] if "save" in x)
+                started = all(lines[r] for r in range(world))
+                if started and (saves0 >= target or any("done" in x for x in lines[0])):
+                    break
+                if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.002)
+            time.sleep(delay)
+            finished = all(p.poll() is not None for p in procs)
+            if not finished:
+                kill9_all(procs)
+        except BaseException:
+            kill9_all(procs)
+            raise
+        for r in range(world):
+            new, offsets[r] = _new_lines(logs[r], offsets[r])
+            lines[r] += new
+        done = all(any("done" in x for x in lines[r]) for r in range(world))
+        assert all(lines[r] and "start" in lines[r][0] for r in range(world)), (
+            f"seed {seed} round {rnd}: a rank did not restart (a restart must never need a cleanup)\n{tails(log_dir)}"
+        )
+        for r in range(world):
+            start = lines[r][0]
+            assert start["start"] == expect, (
+                f"seed {seed} round {rnd} rank {r}: resumed from step {start['start']}, the newest step complete on "
+                f"every rank is {expect}\n{tails(log_dir)}"
+            )
+            if expect:
+                assert start["digest"] in digests[(r, expect)], f"seed {seed} round {rnd} rank {r}: state differs"
+                stats["from_memory"] += "memory" in (start["sources"] or []) or "peer" in (start["sources"] or [])
+            for x in lines[r][1:]:
+                if "save" in x:
+                    digests.setdefault((r, x["save"]), set()).add(x["digest"])
+                    assert x["skipped"] == [], f"seed {seed} rank {r}: memory saves skipped {x['skipped']}"
+                    stats["overlap"] = max(stats["overlap"], x["overwrites"] + len(x["persists_skipped"]))
+        last = [max([x["save"] for x in lines[r] if "save" in x], default=lines[r][0]["start"]) for r in range(world)]
+        floor = min(last) - 1
+        stats["rounds"] += 1
+        stats["kills"].append(None if finished else (target, round(delay, 3)))
+        print(
+            f"round {rnd}: resumed {expect} (torn slots {torn}), killed at save {target}+{delay:.3f}s, last saves {last}"
+        )
+        stats["done"] = stats.get("done", 0) + done
+        if stats["done"] == 2:  # the series ended, and a relaunch resumed from its last step
+            break
+    return stats
+
+
+def _roots(n: int) -> list[Path]:
+    return [Path(f"/dev/shm/fsdp-memslots-{os.getpid()}-node{i}") for i in range(n)]
+
+
+def test_kill9_every_rank_at_random_moments_one_node(tmp_path):
+    roots = _roots(1)
+    try:
+        env = {"FSDP_TEST_PERSIST_EVERY": "5", "FSDP_TEST_SLOTS": "2"}
+        stats = run_series(tmp_path, roots, 2, env, rounds=3, seed=SEED)
+        assert stats["from_memory"] > 0, stats  # the series resumed from memory at least once
+    finally:
+        for root in roots:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def test_kill9_every_rank_on_two_nodes_while_persists_run(tmp_path):
+    roots = _roots(2)
+    try:
+        env = {"FSDP_TEST_PERSIST_EVERY": "3", "FSDP_TEST_SLOTS": "2", "FSDP_TEST_DIM": "512",
+               "PADDLE_FSDP_CKPT_FAULT_DELAY": "before_data:0:2.0"}  # fmt: skip
+        stats = run_series(tmp_path, roots, 1, env, rounds=3, seed=SEED + 1)
+        assert stats["from_memory"] > 0, stats
+        assert stats["overlap"] > 0, stats  # persists ran across saves (and none of those saves was skipped)
+    finally:
+        for root in roots:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def test_agreement_over_every_slot_fresh_start_and_what_the_error_says():
+    """The restart rule with several own copies per rank (pure: agreement.decide)."""
+    import pytest
+    from paddle.distributed.fsdp.memtier import NoCommonStepError
+    from paddle.distributed.fsdp.memtier.agreement import FRESH, MEMORY, decide
+
+    def rep(own, storage=(), **kw):
+        return {"own": list(own), "held": None, "storage": list(storage), **kw}
+
+    # a save in flight on rank 1 (its slot of step 6 torn): the previous step, from the other slot
+    assert decide([rep([5, 6]), rep([5])]).step == 5
+    assert decide([rep([5, 6]), rep([5])]).sources == [MEMORY, MEMORY]
+    assert decide([rep([3, 5]), rep([5, 3], [3])]).step == 5  # memory beats an older stored step
+    assert decide([rep([3]), rep([3], [3])]) is not None  # storage listed by one rank only: not common, memory
+    assert decide([{"own": 4, "held": None, "storage": []}] * 2).step == 4  # the single-slot report form
+    # a first save interrupted on rank 1 (its slots name no common step): nothing was ever common -> fresh start
+    fresh = decide([rep([1], seen=-1, never=False), rep([], seen=-1, never=True)])
+    assert fresh.sources == [FRESH, FRESH] and fresh.step == -1
+    # rank 1 has no copy and no evidence of a first save (a wiped root): never guessed, the error says what to do
+    where = ["node0:/dev/shm/m/job-x", "node1:/dev/shm/m/job-x"]
+    for reports in (
+        [rep([4, 5], where=where[0]), rep([], where=where[1])],
+        [rep([], seen=5, never=False, where=where[0]), rep([], seen=-1, where=where[1])],  # copies of 5 lost
+    ):
+        with pytest.raises(NoCommonStepError) as err:
+            decide(reports)
+        msg = str(err.value)
+        assert all(w in msg for w in where) and "PADDLE_FSDP_JOB_ID" in msg and "delete" in msg, msg
+    assert "rank: step) {0: 5}" in msg, msg  # the lost step is named
+
+
+def test_root_of_the_single_slot_layout_restores_and_slots_keep_the_previous_step(tmp_path):
+    """A memory root written with one slot (the older layout: rank<N>.own only) restores with two slots, bit for
+    bit; the next save writes the second slot, keeping the restored step; a save whose copy was interrupted (its
+    slot marked "writing", as a kill leaves it) leaves the previous step, which the next restart resumes from."""
+    from memtier_util import small_fsdp, state_bytes, train_and_save, train_step
+    from paddle.distributed.fsdp.memtier import MemoryTier
+    from paddle.distributed.fsdp.memtier.slot import Slot
+
+    root, mem = str(tmp_path / "durable"), str(tmp_path / "mem")
+    kw = dict(durable_root=root, memory_root=mem, persist_every=100, job_id="j")
+    model, fsdp, opt = small_fsdp(1)
+    old = MemoryTier(fsdp, opt, memory_slots=1, **kw)
+    wants = train_and_save(model, fsdp, opt, old, (1, 2, 3))
+    old.close(remove=False)
+    assert sorted(os.listdir(f"{mem}/j")) == ["rank00000.lock", "rank00000.own"]
+    model2, fsdp2, opt2 = small_fsdp(9)
+    tier = MemoryTier(fsdp2, opt2, **kw)
+    got = tier.restore()
+    assert (got.step, got.sources, dict(got)) == (3, ["memory"], {"step": 3})
+    assert state_bytes(fsdp2, opt2) == wants[3][0] and opt2.get_lr() == wants[3][1]
+    more = train_and_save(model2, fsdp2, opt2, tier, (4,))
+    steps = {os.path.basename(p): Slot.open(p).header()[0]["step"] for p in tier.copies.own_paths()}
+    assert steps == {"rank00000.own": 3, "rank00000.own1": 4}, steps
+    # step 5 is copied into the slot of step 3 and interrupted (a kill leaves it marked "writing")
+    train_step(model2, opt2)
+    tier.save(5, extra_state={"step": 5})
+    tier.wait()
+    tier.copies.own[0].mark_writing(5, 4)
+    tier.close(remove=False)
+    _m, fsdp3, opt3 = small_fsdp(5)
+    tier3 = MemoryTier(fsdp3, opt3, **kw)
+    got = tier3.restore()
+    assert (got.step, dict(got)) == (4, {"step": 4}) and state_bytes(fsdp3, opt3) == more[4][0]
+    tier3.close()
+
+
+def test_flush_memory_and_leftover_slots_of_another_slot_count(tmp_path):
+    """flush-memory reads every own slot (the newest verified step; an interrupted one's previous step); a root
+    written with three slots restores with two from its third slot and then drops the slot files beyond two, while
+    a directory planted under a slot's name is left alone."""
+    from memtier_util import small_fsdp, state_bytes, train_and_save
+    from paddle.distributed.fsdp.memtier import MemoryTier
+    from paddle.distributed.fsdp.memtier.flush import flush_memory
+
+    root, mem = str(tmp_path / "durable"), str(tmp_path / "mem")
+    kw = dict(durable_root=root, memory_root=mem, persist_every=100, job_id="j")
+    model, fsdp, opt = small_fsdp(1)
+    tier = MemoryTier(fsdp, opt, memory_slots=3, **kw)
+    tier.restore()
+    wants = train_and_save(model, fsdp, opt, tier, (1, 2, 3))  # slot i holds step i + 1
+    tier.close(remove=False)
+    from paddle.distributed.fsdp.memtier.slot import Slot
+
+    interrupted = Slot.open(tier.copies.own_path(index=0), writable=True)
+    interrupted.mark_writing(4, 3)  # step 4 was being copied into the slot of step 1 when killed
+    interrupted.close()
+    flushed = flush_memory([mem], root)
+    assert flushed.step == 3 and flushed.sources[0].endswith("rank00000.own2"), flushed
+    os.mkdir(f"{mem}/j/rank00000.own5")
+    _m, fsdp2, opt2 = small_fsdp(9)
+    tier2 = MemoryTier(fsdp2, opt2, **kw)
+    got = tier2.restore()
+    assert (got.step, got.sources) == (3, ["memory"]) and state_bytes(fsdp2, opt2) == wants[3][0]
+    train_and_save(model, fsdp2, opt2, tier2, (4,))
+    names = sorted(n for n in os.listdir(f"{mem}/j") if ".own" in n)
+    assert names == ["rank00000.own", "rank00000.own1", "rank00000.own5"], names
+    tier2.close(remove=False)
