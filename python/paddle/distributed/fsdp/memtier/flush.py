@@ -34,11 +34,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..checkpoint import checksums, writer
-from ..checkpoint.directory import committed_steps, prune, step_dir_name
+from ..checkpoint.directory import committed_steps, step_dir_name
 from ..checkpoint.format.metadata import LATEST_FILE, FileMeta
 from ..checkpoint.io.backends import backend_for
 from ..checkpoint.one_process import CheckpointWriter
 from ..checkpoint.planner import RecordDesc, assign_writes, lay_out_files, merged_values
+from ..checkpoint.selection import prune
 from ..checkpoint.staged_output import staged_output
 from ..state.resume_state import PER_RANK_KEYS
 from . import identity

@@ -37,6 +37,7 @@ from ..checkpoint.directory import open_checkpoint
 from ..checkpoint.errors import CheckpointRemovedError, PartiallyLoadedError, UnexpectedKeyError
 from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, RESERVED_PREFIX
 from ..checkpoint.gc_pause import gc_paused
+from ..checkpoint.lineage import Lineage
 from ..checkpoint.load import run_load
 from ..checkpoint.load_checks import named_read_error
 from ..checkpoint.manager import (
@@ -97,6 +98,7 @@ def save_checkpoint(
     grad_scaler=None,
     stateful: dict | None = None,
     ema=None,
+    lineage: Lineage | None = None,
 ):
     """Save everything needed to resume bit-exactly. Collective: every rank of the group calls it.
 
@@ -110,7 +112,9 @@ def save_checkpoint(
     checkpoint/snapshot_guard.py for what else waits). ``grad_scaler``: a ``paddle.amp.GradScaler`` whose state
     (loss scale, counters, settings) is saved too (state/grad_scaler.py). ``stateful``: ``{name: object}`` of
     objects with ``state_dict()``/``set_state_dict()`` (a data sampler, fsdp/sampler.py), saved per rank
-    (state/stateful.py). ``ema``: a ShardedEMA (``fsdp.ema(coef)``, state/ema.py) saved with the weights. What a
+    (state/stateful.py). ``ema``: a ShardedEMA (``fsdp.ema(coef)``, state/ema.py) saved with the weights.
+    ``lineage``: the run this checkpoint belongs to (checkpoint/lineage.py), written in its commit record, which is
+    what rotation and resume compare (None: with ``step``, the run of the root's ``latest``; else none). What a
     checkpoint holds is decided in one place: state/resume_state.py.
     """
     if str(format).lower() in HF_FORMAT_NAMES:
@@ -136,8 +140,9 @@ def save_checkpoint(
     )
     # the engine's requests directly: this function's keywords are its door's (FullyShardFusion.save_checkpoint)
     if manager is not None:
-        return run_save(manager.save_request(step, state, save_options))
-    return run_save(save_request(state, path, fsdp._checkpoint_group, 0, None, **save_options))
+        return run_save(manager.save_request(step, state, save_options, lineage))
+    record = lineage.record if lineage is not None else None
+    return run_save(save_request(state, path, fsdp._checkpoint_group, 0, None, lineage=record, **save_options))
 
 
 def _foreign_keys(metadata, fsdp) -> list[str]:

@@ -12,7 +12,7 @@ it; ``path_error`` (a URL no backend serves, a non-path) after the previous save
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,8 @@ class SaveRequest:
     opts_error: CheckpointError | None = None
     path_error: BaseException | None = None
     storage_error: BaseException | None = None
+    # the commit record's ``lineage`` (lineage.py), asked by the coordinator right before it commits; None: none
+    lineage: Callable[[], dict | None] | None = None
 
     def backend(self) -> Storage:
         """The storage backend of ``path``, resolved once; raises what resolving it raised."""
@@ -58,6 +60,7 @@ def save_request(
     coordinator_rank: int,
     publisher: Publisher | None,
     *,
+    lineage: Callable[[], dict | None] | None = None,
     async_save: bool = False,
     chunk_bytes: int | None = None,
     write_stock_metadata: bool = True,
@@ -98,4 +101,5 @@ def save_request(
         opts_error=opts_error,
         path_error=path_error,
         storage_error=storage_error,
+        lineage=lineage,
     )
