@@ -152,7 +152,7 @@ def resolve_checkpoint(path: str, storage: Storage | None = None) -> str:
         raise IncompleteCheckpointError(
             f"checkpoint root {path} holds no committed checkpoint: only interrupted saves ({staging[:3]})"
         )
-    raise NotACheckpointError(f"checkpoint root {path} holds no complete committed checkpoint")
+    raise NotACheckpointError(f"checkpoint root {path} holds no committed checkpoint (none complete)")
 
 
 def prune(root: str, keep_last: int, protect: tuple[str, ...] = (), storage: Storage | None = None) -> list[str]:
