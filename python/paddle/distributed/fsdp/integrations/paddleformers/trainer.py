@@ -9,7 +9,8 @@ before the optimizer is built), and what each override does:
   in place, so ``create_optimizer`` sees the sharded parameters.
 * ``_wrap_model``: no ``DataParallel`` / fleet wrapper: FSDP reduces gradients itself.
 * ``_save_checkpoint``: ``checkpoint-N`` through ``FullyShardFusion.save_checkpoint`` (model, optimizer, LR scheduler,
-  RNG, GradScaler and the Trainer state in one commit; async with ``use_async_save``), then rotation.
+  RNG, GradScaler and the Trainer state in one commit; async with ``use_async_save``), then rotation
+  (``_rotate_checkpoints`` / ``_sorted_checkpoints``: only this run's complete checkpoints, checkpoints.py).
 * ``train``: ``resume_from_checkpoint=True`` means the *complete* ``checkpoint-N`` committed last; the run carries on
   its lineage (checkpoint/lineage.py), which every save records and rotation compares (checkpoints.py).
 * ``_load_from_checkpoint`` / ``_load_optimizer_and_scheduler`` / ``_load_flex_checkpoint``: the Trainer calls one of
@@ -280,10 +281,20 @@ class FSDPTrainerMixin:
             self._fsdp_lineage = Lineage.fresh()
         return self._fsdp_lineage
 
-    def _rotate(self) -> None:
+    def _rotate_checkpoints(self, use_mtime=False, output_dir=None) -> None:
+        """Stock's rotation (by name or mtime, whatever exists) would delete this run's newest: ours instead."""
+        self._rotate(output_dir)
+
+    def _sorted_checkpoints(self, output_dir=None, checkpoint_prefix=checkpoints.PREFIX, use_mtime=False) -> list[str]:
+        """This run's complete ``checkpoint-N``, oldest first (stock's lists every ``checkpoint-N``)."""
+        found = checkpoints.checkpoints_found(output_dir or self.args.output_dir)
+        mine = [f for f in found if f.complete and self._lineage().owns(f)]
+        return [f.location for f in sorted(mine, key=lambda f: f.order())]
+
+    def _rotate(self, output_dir=None) -> None:
         if self.args.should_save:  # one process per job removes
             checkpoints.rotate(
-                self.args.output_dir,
+                output_dir or self.args.output_dir,
                 self.args.save_total_limit,
                 self._lineage(),
                 (self.state.best_model_checkpoint,),
