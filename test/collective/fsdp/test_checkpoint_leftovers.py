@@ -223,6 +223,29 @@ def test_checkpoints_without_lineage_record(tmp_path):
     assert {_commit(mgr.path_for(s))["lineage"]["parent"] for s in (5, 6)} == {parent}
 
 
+def test_a_torn_newest_of_the_run_falls_back_to_its_previous_not_to_a_leftover(tmp_path, caplog):
+    """The run's newest is torn after its commit (a data file lost) and ``latest`` names it: the load takes the
+    run's previous complete checkpoint, not another run's with a higher step nor one with a malformed lineage."""
+    root = tmp_path / "run"
+    mgr = ck.CheckpointManager(root)
+    for step in (1, 2):
+        mgr.save(step, _state(float(step)))
+    shutil.copytree(_foreign(tmp_path, 900, 900.0), root / STEP(900))  # another run, committed later
+    shutil.copytree(mgr.path_for(1), root / STEP(950))
+    record = _commit(root / STEP(950))
+    record["lineage"]["run"] = 12345  # not a string: the record is not trusted for selection
+    (root / STEP(950) / "COMMIT").write_text(json.dumps(record))
+    assert "commit record unreadable" in examine(str(root / STEP(950)), 950, LOCAL).problem
+    _tear(root / STEP(2), "missing", random.Random(0))
+    with caplog.at_level(logging.WARNING):
+        assert mgr.latest() == mgr.path_for(1)
+    assert STEP(900) in caplog.text and STEP(950) in caplog.text
+    mgr = ck.CheckpointManager(root, keep_last=1)
+    mgr.save(3, _state(3.0))
+    _join_background_deletes()
+    assert sorted(os.listdir(root)) == ["latest", STEP(2), STEP(3), STEP(900), STEP(950)]  # 1 rotated, torn 2 left
+
+
 def test_selection_rules_on_found_lists(tmp_path):
     """pick_newest / rotation_victims over every order of a mixed list (no I/O): the run's newest complete one is
     always kept and picked when it was committed last; never a victim that is not the run's."""
