@@ -18,7 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from .directory import read_metadata
+from .directory import StorageUnreadableError, read_metadata
 from .errors import CheckpointError
 from .format.metadata import COMMIT_FILE, check_file_name
 from .format.schema import parse_commit, parse_lineage
@@ -94,16 +94,20 @@ class Found:
 
 def examine(location: str, step: int, storage: Storage) -> Found:
     """``location`` as a :class:`Found`: its commit record and lineage, and whether it is complete (its metadata
-    readable and matching the commit record, every data file it lists present with its recorded size)."""
+    readable and matching the commit record, every data file it lists present with its recorded size).
+    StorageUnreadableError when the storage refuses a read (EACCES, EIO): unreadable is never "not there"."""
     where = f"{location}/{COMMIT_FILE}"
     try:
         raw = storage.get(location, COMMIT_FILE, SMALL_FILE_BYTES)
-        if raw is None:
-            return Found(location, step, problem=f"no commit record {COMMIT_FILE}")
+    except OSError as e:  # EACCES, EIO: says nothing about the checkpoint; never taken for "not there"
+        raise StorageUnreadableError(f"cannot read {where}: {e}") from e
+    if raw is None:
+        return Found(location, step, problem=f"no commit record {COMMIT_FILE}")
+    try:
         record = loads_strict(raw, where)
         cid, _ = parse_commit(record, where)
         lineage = parse_lineage(record, where)
-    except (OSError, CheckpointError) as e:
+    except CheckpointError as e:
         return Found(location, step, problem=f"commit record unreadable: {e}")
     run, parent, when = lineage if lineage is not None else (None, None, None)
     found = Found(location, step, cid, run, parent, when)
@@ -115,7 +119,10 @@ def examine(location: str, step: int, storage: Storage) -> Found:
                 return _torn(found, f"data file {name} is missing")
             if size != fm.size:
                 return _torn(found, f"data file {name} has {size} bytes, expected {fm.size}")
-    except (OSError, CheckpointError) as e:
+    except CheckpointError as e:
+        cause = e.__cause__
+        if isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError):
+            raise StorageUnreadableError(f"cannot read checkpoint {location}: {cause}") from e
         return _torn(found, f"{type(e).__name__}: {e}")
     return found
 
@@ -125,6 +132,8 @@ def _size(storage: Storage, location: str, name: str) -> int | None:
         handle = storage.open_read(location, check_file_name(name))
     except FileNotFoundError:
         return None
+    except OSError as e:
+        raise StorageUnreadableError(f"cannot read {location}/{name}: {e}") from e
     try:
         return handle.size
     finally:

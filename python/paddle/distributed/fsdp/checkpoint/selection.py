@@ -54,8 +54,10 @@ def survey(root: str, parse: Callable[[str], int | None], storage: Storage) -> l
         try:
             if COMMIT_FILE not in storage.list(location):
                 continue  # never committed: a crashed save's leftovers, not a checkpoint
-        except OSError:
-            continue
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # removed meanwhile, or a file of that name
+        except OSError as e:
+            raise StorageUnreadableError(f"cannot list checkpoint {location}: {e}") from None
         found.append(examine(location, step, storage))
     return sorted(found, key=lambda f: (f.step, f.name))
 
@@ -164,7 +166,7 @@ def prune(root: str, keep_last: int, protect: tuple[str, ...] = (), storage: Sto
     keep = {storage.child(root, n) for n in (*protect, latest) if n is not None}
     try:
         found = survey(root, parse_step, storage)
-    except StorageUnreadableError as e:
+    except StorageUnreadableError as e:  # removes nothing it could not examine
         logger.warning("keep_last: %s", e)
         found = []
     by_name = {f.name: f for f in found}

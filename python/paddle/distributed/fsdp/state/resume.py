@@ -37,11 +37,11 @@ from ..checkpoint.directory import open_checkpoint
 from ..checkpoint.errors import CheckpointRemovedError, PartiallyLoadedError, UnexpectedKeyError
 from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, RESERVED_PREFIX
 from ..checkpoint.gc_pause import gc_paused
+from ..checkpoint.io.backends import backend_for
 from ..checkpoint.lineage import Lineage
 from ..checkpoint.load import run_load
 from ..checkpoint.load_checks import named_read_error
 from ..checkpoint.manager import (
-    committed_steps,
     is_checkpoint_root,
     parse_step,
     resolve_checkpoint,
@@ -51,6 +51,7 @@ from ..checkpoint.manager import (
 from ..checkpoint.paths import local_path
 from ..checkpoint.save.request import save_request
 from ..checkpoint.save.save import run_save
+from ..checkpoint.selection import survey
 from . import replicas, resume_state
 from .buffers import persistable_buffers
 from .records import refresh_master_weights
@@ -258,14 +259,17 @@ def _agreed(fsdp, failure: BaseException, decide: Callable[[], Any]) -> Any:
 
 
 def _older_checkpoint(root: str, failed: str) -> str | None:
-    """The newest committed ``step_*`` checkpoint of ``root`` older than ``failed`` (None: there is none)."""
+    """The newest complete ``step_*`` checkpoint of ``root`` with a lower step than ``failed``, of ``failed``'s run
+    (checkpoint/selection.py: never a leftover of another run, never a torn copy; None: there is none)."""
     if os.path.dirname(failed) != root:
         return None
     step = parse_step(os.path.basename(failed))
     if step is None:
         return None
-    older = [s for s in committed_steps(root) if s < step]
-    return os.path.join(root, step_dir_name(older[-1])) if older else None
+    found = survey(root, parse_step, backend_for(root))
+    run = next((f.lineage() for f in found if f.name == os.path.basename(failed)), Lineage(None))
+    older = [f for f in found if f.complete and f.step < step and run.owns(f)]
+    return max(older, key=lambda f: f.order()).location if older else None
 
 
 def _load_retrying(objs, path, strict, verify_checksums, atomic, max_host_bytes, options) -> LoadResult:

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 
+from ...checkpoint.directory import StorageUnreadableError
 from ...checkpoint.format.metadata import COMMIT_FILE
 from ...checkpoint.io.backends import backend_for
 from ...checkpoint.io.storage import Storage
@@ -89,7 +90,11 @@ def rotate(
     no save to ``output_dir`` is in flight (its staging would look crashed). Returns the removed locations."""
     root = local_path(output_dir)
     storage = backend_for(root)
-    found = checkpoints_found(root)
+    try:
+        found = checkpoints_found(root)
+    except StorageUnreadableError as e:  # a committed save is not failed by its rotation: nothing removed
+        logger.warning("checkpoint rotation skipped: %s", e)
+        return []
     limited = bool(keep and keep > 0)
     victims, left = rotation_victims(
         found, owner, keep if limited else len(found), {local_path(p) for p in protect if p}
