@@ -246,6 +246,23 @@ def test_a_torn_newest_of_the_run_falls_back_to_its_previous_not_to_a_leftover(t
     assert sorted(os.listdir(root)) == ["latest", STEP(2), STEP(3), STEP(900), STEP(950)]  # 1 rotated, torn 2 left
 
 
+def test_fallback_after_a_failed_load_takes_the_runs_older_complete_checkpoint(tmp_path):
+    """load_checkpoint(root)'s fallback (state/resume.py) after the newest failed mid-load: the run's newest
+    complete older one, never another run's nor a torn one with a step in between."""
+    from paddle.distributed.fsdp.state.resume import _older_checkpoint
+
+    root = tmp_path / "run"
+    mgr = ck.CheckpointManager(root)
+    for step in (1, 2, 6):
+        mgr.save(step, _state(float(step)))
+    shutil.copytree(_foreign(tmp_path, 4, 4.0), root / STEP(4))
+    shutil.copytree(mgr.path_for(2), root / STEP(5))
+    _tear(root / STEP(5), "truncated", random.Random(5))
+    _tear(root / STEP(2), "grown", random.Random(2))
+    assert _older_checkpoint(str(root), mgr.path_for(6)) == mgr.path_for(1)
+    assert _older_checkpoint(str(root), mgr.path_for(1)) is None
+
+
 def test_selection_rules_on_found_lists(tmp_path):
     """pick_newest / rotation_victims over every order of a mixed list (no I/O): the run's newest complete one is
     always kept and picked when it was committed last; never a victim that is not the run's."""
