@@ -263,6 +263,34 @@ def test_fallback_after_a_failed_load_takes_the_runs_older_complete_checkpoint(t
     assert _older_checkpoint(str(root), mgr.path_for(1)) is None
 
 
+def test_a_one_process_commit_continuing_the_root_keeps_its_run(tmp_path):
+    """flush-memory (memtier/flush.py) writes with the one-process writer: it records the root's run (what
+    ``latest`` names), so the pruning after it, and the persists after a restart, still count the job's earlier
+    checkpoints as the job's (before: a commit without lineage would make them leftovers kept forever)."""
+    from paddle.distributed.fsdp.checkpoint.manager import root_lineage
+    from paddle.distributed.fsdp.checkpoint.one_process import CheckpointWriter, WriteEntry
+    from paddle.distributed.fsdp.checkpoint.selection import prune
+    from paddle.distributed.fsdp.checkpoint.staged_output import staged_output
+
+    root = tmp_path / "run"
+    mgr = ck.CheckpointManager(root)
+    for step in (2, 4):
+        mgr.save(step, _state(float(step)))
+    run = _commit(mgr.path_for(4))["lineage"]["run"]
+    lineage = root_lineage(str(root), LOCAL)
+    assert lineage.run == run
+    arr = np.full([64], 5.0, np.float32)
+    with staged_output(str(root / STEP(5))) as staging:
+        out = CheckpointWriter(staging)
+        out.write_file([WriteEntry("w", "float32", arr.shape, lambda: arr.view(np.uint8).reshape(-1))])
+        out.commit({}, lineage=lineage.record())
+    (root / "latest").write_text(STEP(5) + "\n")
+    assert _commit(root / STEP(5))["lineage"]["run"] == run
+    prune(str(root), 1, protect=(STEP(5),), storage=LOCAL)
+    _join_background_deletes()
+    assert sorted(os.listdir(root)) == ["latest", STEP(5)]
+
+
 def test_selection_rules_on_found_lists(tmp_path):
     """pick_newest / rotation_victims over every order of a mixed list (no I/O): the run's newest complete one is
     always kept and picked when it was committed last; never a victim that is not the run's."""
