@@ -1,11 +1,15 @@
 """FSDPTrainer's parts that need no PaddleFormers 1.2.0: the named error without it, the ``checkpoint-N`` directory
-rules (committed only, rotation), the HF preset chosen by architecture. The Trainer itself is tested against the
+rules (complete and of this run only, rotation), the HF preset chosen by architecture. The Trainer itself is tested against the
 real PaddleFormers 1.2.0 in test/integrations/paddleformers (its own venv, run by .ci/run).
 """
 
 from __future__ import annotations
 
+import paddle
 import pytest
+from paddle.distributed.fsdp.checkpoint.lineage import Lineage
+from paddle.distributed.fsdp.checkpoint.save.request import save_request
+from paddle.distributed.fsdp.checkpoint.save.save import run_save
 from paddle.distributed.fsdp.integrations import paddleformers as pf_integration
 from paddle.distributed.fsdp.integrations.paddleformers import checkpoints
 from paddle.distributed.fsdp.integrations.paddleformers.hf_export import NoHfPresetError, choose_preset
@@ -20,36 +24,50 @@ def test_fsdp_trainer_needs_paddleformers_1_2_and_says_which_extra():
         pf_integration.FSDPTrainer  # noqa: B018 - the attribute access composes the class
 
 
-def _checkpoint(root, name: str, committed: bool = True):
+def _checkpoint(root, name: str, committed: bool = True, lineage: Lineage | None = None):
+    """A real checkpoint ``root/name`` saved by ``lineage``'s run (committed=False: a directory without COMMIT,
+    as a stock Trainer's checkpoint)."""
     d = root / name
-    d.mkdir()
-    (d / "metadata.json").write_text("{}")
-    if committed:
-        (d / "COMMIT").write_text("{}")
+    if not committed:
+        d.mkdir()
+        (d / "metadata.json").write_text("{}")
+        return d
+    state = {"w": paddle.full([8], 1.0)}
+    record = lineage.record if lineage is not None else None
+    run_save(save_request(state, str(d), None, 0, None, lineage=record))
     return d
 
 
-def test_newest_committed_skips_saves_that_never_committed(tmp_path):
-    _checkpoint(tmp_path, "checkpoint-2")
-    _checkpoint(tmp_path, "checkpoint-10")
+def test_newest_complete_skips_saves_that_never_committed(tmp_path):
+    run = Lineage.fresh()
+    _checkpoint(tmp_path, "checkpoint-2", lineage=run)
+    _checkpoint(tmp_path, "checkpoint-10", lineage=run)
     _checkpoint(tmp_path, "checkpoint-12", committed=False)  # not the engine's: never picked
     (tmp_path / "checkpoint-14.tmp-00ab").mkdir()  # a crashed save's staging
     (tmp_path / "checkpoint-hf-16").mkdir()
-    assert [s for s, _ in checkpoints.committed_checkpoints(str(tmp_path))] == [2, 10]
-    assert checkpoints.newest_committed(str(tmp_path)) == str(tmp_path / "checkpoint-10")
-    assert checkpoints.newest_committed(str(tmp_path / "absent")) is None
+    assert [s for s, _ in checkpoints.complete_checkpoints(str(tmp_path))] == [2, 10]
+    assert checkpoints.newest_complete(str(tmp_path)).location == str(tmp_path / "checkpoint-10")
+    assert checkpoints.newest_complete(str(tmp_path / "absent")) is None
 
 
 @pytest.mark.parametrize("keep", [None, 0, 1, 2, 5])
-def test_rotation_never_removes_the_newest_committed(tmp_path, keep):
+def test_rotation_never_removes_the_newest_complete_of_the_run(tmp_path, keep):
+    run, other = Lineage.fresh(), Lineage.fresh()
     for step in (1, 2, 3, 4):
-        _checkpoint(tmp_path, f"checkpoint-{step}")
+        _checkpoint(tmp_path, f"checkpoint-{step}", lineage=run)
     _checkpoint(tmp_path, "checkpoint-5", committed=False)
+    _checkpoint(tmp_path, "checkpoint-1000", lineage=other)  # a leftover of another run, higher step
+    torn = _checkpoint(tmp_path, "checkpoint-20", lineage=run)  # a torn copy: COMMIT, a data file missing
+    (torn / "0_0.safetensors").unlink()
     (tmp_path / "checkpoint-6.tmp-00ab").mkdir()
-    checkpoints.rotate(str(tmp_path), keep, protect=(str(tmp_path / "checkpoint-1"),))
+    warned: set = set()
+    checkpoints.rotate(str(tmp_path), keep, run, protect=(str(tmp_path / "checkpoint-1"),), warned=warned)
     left = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".trash-"))  # deleted in background
     kept = {1, 2, 3, 4} if not keep else {1} | set(range(max(1, 5 - keep), 5))
-    assert left == sorted([f"checkpoint-{s}" for s in kept] + ["checkpoint-5"])
+    expect = [f"checkpoint-{s}" for s in kept] + ["checkpoint-5", "checkpoint-1000", "checkpoint-20"]
+    assert left == sorted(expect)
+    if keep:
+        assert warned == {str(tmp_path / "checkpoint-1000"), str(torn)}
 
 
 def test_hf_preset_is_chosen_by_architecture():

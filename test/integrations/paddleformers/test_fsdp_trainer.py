@@ -162,6 +162,35 @@ def test_rotation_keeps_the_newest_committed_and_removes_crashed_stagings(tmp_pa
     ).is_file()
 
 
+@pytest.mark.parametrize("leftover", ["checkpoint-1000", "checkpoint-20"])
+def test_leftovers_never_make_rotation_delete_or_resume_skip_this_runs_newest(straight, tmp_path, leftover):
+    """Issue #50 item 2: (a) an earlier run left ``checkpoint-1000`` in output_dir; (b) a torn copy ``checkpoint-20``
+    (COMMIT, a data file missing). This run saves checkpoint-3 with save_total_limit=1 and is killed: rotation kept
+    checkpoint-3; resume_from_checkpoint=True picks it (bit-exact continuation), names the leftover in a warning,
+    and the leftover is still there at the end, never counted: the run's own checkpoint-3 was rotated away."""
+    ref_dir, ref = straight
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copytree(ref_dir / f"checkpoint-{STEPS}", out / leftover)  # another (earlier) run's checkpoint
+    if leftover == "checkpoint-20":
+        data = sorted((out / leftover).glob("*.safetensors"))
+        assert data, list((out / leftover).iterdir())
+        data[-1].unlink()
+    killed = train(out, save_total_limit=1, kill_after_save=SAVE_AT, check=False)
+    assert killed.returncode != 0
+    names = sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint"))
+    assert names == sorted([f"checkpoint-{SAVE_AT}", leftover]), names
+    assert leftover in killed.worker_logs[0]  # rotation named what it left alone
+    resumed = train(out, save_total_limit=1, resume=True)
+    assert losses(resumed) == {s: ref[s] for s in range(SAVE_AT + 1, STEPS + 1)}  # from checkpoint-3, bit-exact
+    log = resumed.worker_logs[0]
+    assert f"not resuming from {out / leftover}" in log and f"checkpoint-{SAVE_AT}" in log, log[-3000:]
+    names = sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint"))
+    assert names == sorted([f"checkpoint-{STEPS}", leftover]), names
+    d = ckpt_diff(ref_dir / f"checkpoint-{STEPS}", out / f"checkpoint-{STEPS}")
+    assert d.returncode == 0 and "IDENTICAL" in d.stdout, d.stdout + d.stderr
+
+
 def test_what_fsdp_trainer_cannot_do_is_refused_by_name(tmp_path):
     import paddle
     from paddle.distributed.fsdp.integrations.paddleformers import FSDPTrainer, UnsupportedTrainingArgumentError
@@ -208,7 +237,7 @@ def test_s3_output_dir_saves_rotates_and_resumes(straight, tmp_path, s3_env, s3_
     assert losses(resumed) == {s: ref[s] for s in range(SAVE_AT + 1, STEPS + 1)}
     from paddle.distributed.fsdp.integrations.paddleformers import checkpoints
 
-    assert [s for s, _ in checkpoints.committed_checkpoints(url)] == [STEPS]  # rotated on the object store
+    assert [s for s, _ in checkpoints.complete_checkpoints(url)] == [STEPS]  # rotated on the object store
     assert not [n for n in os.listdir(cwd) if n.startswith("s3")]  # no local "s3:" tree left behind
 
 

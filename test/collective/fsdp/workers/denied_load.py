@@ -126,13 +126,13 @@ def fallback(fsdp, opt, root: str, rank: int) -> dict:
     dist.barrier()
     out = {}
     for case in ("sound", "denied"):
-        real = resume.committed_steps
+        real = resume.survey  # what the fallback lists the root with
 
         def denied(*_a, **_k):
             raise PermissionError(13, "Permission denied (injected)", root)
 
         if case == "denied" and rank == 1:
-            resume.committed_steps = denied
+            resume.survey = denied
         t0 = time.monotonic()
         try:
             res = fsdp.load_checkpoint(root, optimizer=opt)
@@ -140,7 +140,7 @@ def fallback(fsdp, opt, root: str, rank: int) -> dict:
         except Exception as e:  # noqa: BLE001 - reported by class
             got = [type(e).__name__, str(e)[:600], isinstance(e, ck.CheckpointError)]
         finally:
-            resume.committed_steps = real
+            resume.survey = real
         out[f"fallback:{case}"] = got + [round(time.monotonic() - t0, 1)]
         dist.barrier()
     return out

@@ -39,7 +39,8 @@ gives a save up. Save modules that others use too stay shared (the tools' one-pr
 the memory tier, ``coordination.py``): ``planner.py`` / ``assign.py`` / ``first_save.py`` (the write assignment),
 ``save_index.py``, ``writer.py`` / ``direct_write.py`` (rank files), ``snapshot.py`` (async copies),
 ``stock_compat.py``. ``directory.py`` answers
-"committed? latest? removable? removed under a reader?" and reads the metadata. ``process_state.py`` lists the
+"committed? removed under a reader?" and reads the metadata; ``lineage.py`` "complete? which run?";
+``selection.py`` "which one to resume (``latest``), what may rotation remove" (CheckpointManager and the Trainer). ``process_state.py`` lists the
 process-wide state (the tests reset it with their own helper).
 
 Load path: ``load/load.py`` (entry points) -> ``load/job.py`` (validate, exchange, finish) with

@@ -1,4 +1,5 @@
-"""The one place that answers: is this a committed checkpoint, which one is latest, what may be removed.
+"""The one place that answers: is this a committed checkpoint, and why not (which one is latest and what may be
+removed: selection.py, which asks here).
 
 Also ``read_metadata``: the metadata of a committed checkpoint, and why a directory is not one (never committed,
 a checkpoint root, stock paddle, foreign), so the error names the problem.
@@ -39,7 +40,6 @@ from .format.schema import parse_commit
 from .format.strict_json import SMALL_FILE_BYTES, loads_strict
 from .format.versions import loads_metadata
 from .io.backends import backend_for
-from .io.local import TRASH_PREFIX
 from .io.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -116,26 +116,6 @@ def _location(path, storage: Storage | None = None) -> tuple[str, Storage]:
     return where, storage or backend_for(where)
 
 
-def latest_checkpoint(root: str, storage: Storage | None = None) -> str | None:
-    """Location of the checkpoint to resume from: what ``latest`` names, else the highest committed step."""
-    root, storage = _location(root, storage)
-    name = read_latest(root, storage)
-    if name is not None and _committed(storage.child(root, name), storage):
-        return storage.child(root, name)
-    steps = committed_steps(root, storage)
-    if steps:
-        fallback = storage.child(root, step_dir_name(steps[-1]))
-        logger.warning(
-            "%s/%s %s; using the committed checkpoint with the highest step: %s",
-            root,
-            LATEST_FILE,
-            "is missing or unreadable" if name is None else f"names {name!r}, which is not committed",
-            fallback,
-        )
-        return fallback
-    return None
-
-
 def is_checkpoint_root(path: str, storage: Storage | None = None) -> bool:
     path, storage = _location(path, storage)
     try:
@@ -145,60 +125,6 @@ def is_checkpoint_root(path: str, storage: Storage | None = None) -> bool:
     if COMMIT_FILE in names or METADATA_FILE in names:
         return False
     return LATEST_FILE in names or any(parse_step(n) is not None or _STAGING_RE.match(n) for n in names)
-
-
-def resolve_checkpoint(path: str, storage: Storage | None = None) -> str:
-    """``path`` itself for a checkpoint; the latest committed checkpoint for a CheckpointManager root.
-
-    A root without any committed checkpoint raises IncompleteCheckpointError when crashed saves left staging
-    locations in it, else NotACheckpointError.
-    """
-    path, storage = _location(path, storage)
-    if not storage.exists(path) or not is_checkpoint_root(path, storage):
-        return path  # the engine's read_metadata reports what is wrong with it, if anything
-    found = latest_checkpoint(path, storage)
-    if found is not None:
-        return found
-    staging = sorted(n for n in storage.children(path) if _STAGING_RE.match(n))
-    if staging:
-        raise IncompleteCheckpointError(
-            f"checkpoint root {path} holds no committed checkpoint: only interrupted saves ({staging[:3]})"
-        )
-    raise NotACheckpointError(f"checkpoint root {path} holds no committed checkpoint")
-
-
-def prune(root: str, keep_last: int, protect: tuple[str, ...] = (), storage: Storage | None = None) -> list[str]:
-    """Remove committed checkpoints outside the ``keep_last`` highest steps (never ``protect`` or ``latest``'s
-    target) and staging leftovers of crashed saves. Returns the removed names. Best effort: never raises."""
-    storage = storage or backend_for(root)
-    keep = set(protect)
-    latest = read_latest(root, storage)
-    if latest is not None:
-        keep.add(latest)
-    steps = committed_steps(root, storage)
-    keep.update(step_dir_name(s) for s in steps[-keep_last:])
-    victims = [step_dir_name(s) for s in steps if step_dir_name(s) not in keep]
-    try:
-        children = storage.children(root)
-    except OSError:
-        children = []
-    victims += sorted(n for n in children if _STAGING_RE.match(n))
-    removed = []
-    for name in victims:
-        try:  # Storage.remove is atomic: the checkpoint disappears whole, never half-deleted under its own name
-            storage.remove(storage.child(root, name))
-            removed.append(name)
-        except OSError as e:
-            logger.warning("keep_last: could not remove %s/%s: %s", root, name, e)
-    for name in children:  # left by a process that died while deleting
-        if name.startswith(TRASH_PREFIX):
-            try:
-                storage.remove(storage.child(root, name))
-            except OSError as e:
-                logger.warning("keep_last: could not clean %s/%s: %s", root, name, e)
-    if removed:
-        logger.info("keep_last=%d: removed %s from %s", keep_last, removed, root)
-    return removed
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ the pruning must never name or delete anything before the new checkpoint is comm
 2. the coordinator rewrites ``latest`` atomically and durably (tmp file + fsync + rename + directory fsync). The
    other ranks return only once they see the commit AND ``latest`` naming it, so after ``save`` returns
    ``latest()`` gives the new checkpoint on every rank (async saves: after ``handle.wait()``);
-3. with ``keep_last=K`` the coordinator removes every committed checkpoint outside the K highest steps, except
-   the one ``latest`` names: each is first renamed to a hidden ``.trash-*`` name (atomic: it stops being a
+3. with ``keep_last=K`` the coordinator removes the run's complete checkpoints outside its K newest, never the
+   one ``latest`` names (selection.py: "the run" is the lineage in the commit record, which a save continues
+   from ``latest``'s target; another run's checkpoints and torn copies are left and named): each is first renamed to a hidden ``.trash-*`` name (atomic: it stops being a
    checkpoint at once, never half-deleted under its own name), then deleted in a background (non-daemon)
    thread. Staging directories left by crashed saves (``step_*.tmp-*``) are removed the same way.
 
@@ -23,9 +24,10 @@ A crash (kill -9 of any rank) at any point leaves either the previous state (old
 the previous one; the partial save is ``step_*.tmp-*``, reported by loads of ``root/step_<step>`` as
 IncompleteCheckpointError) or the new checkpoint committed, maybe not yet named by ``latest`` (crash between
 steps 1 and 2: ``latest`` still names the previous one) and old ones maybe not yet removed (the next save
-removes them). ``latest()`` returns the directory ``latest`` names if it is committed; when the pointer is
-missing, unreadable or names no committed checkpoint, it falls back (with a warning) to the committed checkpoint
-with the highest step; None when there is none.
+removes them). ``latest()`` returns the directory ``latest`` names if it is complete (lineage.py ``examine``);
+when the pointer is missing, unreadable or names no complete checkpoint, it falls back (with a warning naming
+what it passed over) to the complete checkpoint committed last (of the run ``latest``'s target belongs to, when
+it has one); None when there is none.
 
 Saving a step that exists replaces that checkpoint atomically (save/save.py); ``latest`` then names it even if
 higher steps exist (latest = most recently saved) and keep_last keeps it too. One job per root: two jobs
@@ -40,15 +42,12 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from .coordination import Comm, gather_errors, stage_error
-from .directory import (  # noqa: F401 - the manager's functions, answered in directory.py
+from .directory import (  # noqa: F401 - the manager's functions, answered in directory.py and selection.py
     STEP_PREFIX,
     committed_steps,
     is_checkpoint_root,
-    latest_checkpoint,
     parse_step,
-    prune,
     read_latest,
-    resolve_checkpoint,
     step_dir_name,
 )
 from .errors import (
@@ -60,11 +59,13 @@ from .format.metadata import LATEST_FILE
 from .io.backends import backend_for
 from .io.storage import Storage
 from .keywords import check_keywords, keyword_names
+from .lineage import Lineage, examine
 from .load import LoadReport, load_state_dict, run_load
 from .load_checks import named_read_error
 from .paths import local_path, url_scheme
 from .save.request import SaveRequest, save_request
 from .save.save import SaveHandle, run_save, save_state_dict
+from .selection import latest_checkpoint, prune, resolve_checkpoint  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,21 @@ class _LatestPublisher:
                 logger.warning("keep_last: cleaning %s failed: %s", self.root, e)
 
 
+def root_lineage(root: str, storage: Storage) -> Lineage:
+    """The lineage a save into ``root`` continues: that of the checkpoint ``latest`` names (the root's chain: one
+    job per root), a new run when there is none. A leftover that ``latest`` never named (another run's copy) is
+    never adopted. Never raises: a lineage that cannot be read starts a new run (logged)."""
+    try:
+        name = read_latest(root, storage)
+        if name is not None:
+            found = examine(storage.child(root, name), 0, storage)
+            if found.checkpoint_id is not None:
+                return Lineage.continuing(found)
+    except Exception as e:  # noqa: BLE001 - a commit must not fail because its predecessor cannot be examined
+        logger.warning("cannot read the lineage of %s (%s): the save starts a new run", root, e)
+    return Lineage.fresh()
+
+
 class CheckpointManager:
     """Checkpoints ``root/step_<N>`` with a ``latest`` pointer and optional keep-last-K (see module docstring).
 
@@ -166,13 +182,20 @@ class CheckpointManager:
         return run_save(self.save_request(step, state_dict, save_kwargs))
 
     def save_request(
-        self, step: int, state_dict: dict, checked: Mapping[str, Any], caller_error: BaseException | None = None
+        self,
+        step: int,
+        state_dict: dict,
+        checked: Mapping[str, Any],
+        lineage: Lineage | None = None,
+        caller_error: BaseException | None = None,
     ) -> SaveRequest:
         """The engine's request (save/request.py) of saving ``state_dict`` as ``step``, publishing ``latest`` and
         pruning after the commit. ``checked``: ``save_state_dict``'s keywords as a dict, checked by the caller's
         door (``save`` above, or ``save_checkpoint``), so an unknown one is reported once, naming that door.
         ``caller_error``: what the calling door's own stage raised on this rank; it, or what resolving the root
-        raises here on this rank, is reported by the save's exchange (every rank raises it)."""
+        raises here on this rank, is reported by the save's exchange (every rank raises it).
+        ``lineage``: the run the checkpoint belongs to (None: the run of the checkpoint ``latest`` names, asked
+        by the coordinator at its commit; a new run when there is none)."""
         name = step_dir_name(step)
         path, publisher, failed = f"{self.root.rstrip('/')}/{name}", None, caller_error
         try:  # what fails here on one rank (a storage layer, the root's file system) goes to the save's exchange
@@ -192,11 +215,12 @@ class CheckpointManager:
             self.coordinator_rank,
             publisher,
             caller_error=failed,
+            lineage=lineage.record if lineage is not None else lambda: root_lineage(self.root, storage).record(),
             **checked,
         )
 
     def latest(self) -> str | None:
-        """Path of the newest committed checkpoint (what ``latest`` names), or None."""
+        """Path of the checkpoint to resume from (what ``latest`` names, when complete), or None."""
         return latest_checkpoint(self.root)
 
     def latest_step(self) -> int | None:

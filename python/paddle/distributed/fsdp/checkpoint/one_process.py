@@ -117,11 +117,11 @@ def write_metadata(directory: str, md: CheckpointMetadata, write_stock: bool) ->
     return data
 
 
-def write_commit(directory: str, checkpoint_id: str, metadata_bytes: bytes) -> None:
-    """Write and fsync the ``COMMIT`` record (after every data file and ``metadata.json`` are durable)."""
-    writer.write_file(
-        os.path.join(directory, COMMIT_FILE), commit_record(checkpoint_id, metadata_bytes), fsync=True, atomic=False
-    )
+def write_commit(directory: str, checkpoint_id: str, metadata_bytes: bytes, lineage: dict | None = None) -> None:
+    """Write and fsync the ``COMMIT`` record (after every data file and ``metadata.json`` are durable);
+    ``lineage``: the run it belongs to (lineage.py), None for a tool's checkpoint of no run."""
+    record = commit_record(checkpoint_id, metadata_bytes, lineage)
+    writer.write_file(os.path.join(directory, COMMIT_FILE), record, fsync=True, atomic=False)
 
 
 # ------------------------------------------------------------------------------------------------ writing
@@ -233,7 +233,11 @@ class CheckpointWriter:
         return produce
 
     def commit(
-        self, values: dict[str, Any], write_stock_metadata: bool = True, per_rank_values: tuple[str, ...] = ()
+        self,
+        values: dict[str, Any],
+        write_stock_metadata: bool = True,
+        per_rank_values: tuple[str, ...] = (),
+        lineage: dict | None = None,
     ) -> CheckpointMetadata:
         """Write the index (format 3, the one collective saves write) and the commit record. ``per_rank_values``:
         keys of ``values`` holding a list with one entry per data file (as if each file's rank had saved its
@@ -253,5 +257,5 @@ class CheckpointWriter:
             data = write_format3(self.directory, md, write_stock_metadata, tuple(per_rank_values))
         except ValueError as e:
             raise ToolError(str(e)) from None
-        write_commit(self.directory, self.checkpoint_id, data)
+        write_commit(self.directory, self.checkpoint_id, data, lineage)
         return md

@@ -34,11 +34,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..checkpoint import checksums, writer
-from ..checkpoint.directory import committed_steps, prune, step_dir_name
+from ..checkpoint.directory import committed_steps, step_dir_name
 from ..checkpoint.format.metadata import LATEST_FILE, FileMeta
 from ..checkpoint.io.backends import backend_for
+from ..checkpoint.manager import root_lineage
 from ..checkpoint.one_process import CheckpointWriter
 from ..checkpoint.planner import RecordDesc, assign_writes, lay_out_files, merged_values
+from ..checkpoint.selection import prune
 from ..checkpoint.staged_output import staged_output
 from ..state.resume_state import PER_RANK_KEYS
 from . import identity
@@ -136,7 +138,7 @@ def _choose(job: str, found: list[tuple[str, dict]], step: int | None) -> tuple[
     )
 
 
-def _write(staging: str, copies: list, on_bytes, on_total) -> int:
+def _write(staging: str, copies: list, on_bytes, on_total, lineage: dict | None = None) -> int:
     """Write every rank's file from its copy into ``staging``, then metadata.json and COMMIT (the engine's
     one-process writer, one_process.py, so its index is the one every tool writes). Returns the bytes of the data files."""
     out = CheckpointWriter(staging)
@@ -176,7 +178,7 @@ def _write(staging: str, copies: list, on_bytes, on_total) -> int:
             piece.checksums = [int(c) for c in piece_sums]
         out.files[layout.name] = FileMeta(rank=r, size=size)
     out.tensors = dict(plan.tensors)
-    out.commit(values, per_rank_values=tuple(present))  # each rank's entries in its own object, as a save
+    out.commit(values, per_rank_values=tuple(present), lineage=lineage)  # per-rank entries: own objects, as a save
     return sum(f.size for f in out.files.values())
 
 
@@ -248,8 +250,9 @@ def _flush(durable_root, storage, job, world, st, copies, keep_last, on_bytes, o
             return result
         name = step_dir_name(st)
         out = storage.child(durable_root, name)
+        lineage = root_lineage(durable_root, storage).record()  # the job's run, as its persists recorded it
         with staged_output(out) as staging:
-            nbytes = _write(staging, copies, on_bytes, on_total)
+            nbytes = _write(staging, copies, on_bytes, on_total, lineage)
         storage.put(durable_root, LATEST_FILE, f"{name}\n".encode())
         if keep_last is not None:
             prune(durable_root, keep_last, protect=(name,), storage=storage)

@@ -37,10 +37,11 @@ from ..checkpoint.directory import open_checkpoint
 from ..checkpoint.errors import CheckpointRemovedError, LoadFailedError, PartiallyLoadedError, UnexpectedKeyError
 from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, RESERVED_PREFIX
 from ..checkpoint.gc_pause import gc_paused
+from ..checkpoint.io.backends import backend_for
+from ..checkpoint.lineage import Lineage
 from ..checkpoint.load import run_load
 from ..checkpoint.load_checks import named_read_error
 from ..checkpoint.manager import (
-    committed_steps,
     is_checkpoint_root,
     parse_step,
     resolve_checkpoint,
@@ -50,6 +51,7 @@ from ..checkpoint.manager import (
 from ..checkpoint.paths import local_path
 from ..checkpoint.save.request import save_request
 from ..checkpoint.save.save import run_save
+from ..checkpoint.selection import survey
 from . import replicas, resume_state
 from .apply import apply_on_every_rank
 from .buffers import persistable_buffers, warn_if_buffers_differ
@@ -98,6 +100,7 @@ def save_checkpoint(
     grad_scaler=None,
     stateful: dict | None = None,
     ema=None,
+    lineage: Lineage | None = None,
 ):
     """Save everything needed to resume bit-exactly. Collective: every rank of the group calls it.
 
@@ -111,7 +114,9 @@ def save_checkpoint(
     checkpoint/snapshot_guard.py for what else waits). ``grad_scaler``: a ``paddle.amp.GradScaler`` whose state
     (loss scale, counters, settings) is saved too (state/grad_scaler.py). ``stateful``: ``{name: object}`` of
     objects with ``state_dict()``/``set_state_dict()`` (a data sampler, fsdp/sampler.py), saved per rank
-    (state/stateful.py). ``ema``: a ShardedEMA (``fsdp.ema(coef)``, state/ema.py) saved with the weights. What a
+    (state/stateful.py). ``ema``: a ShardedEMA (``fsdp.ema(coef)``, state/ema.py) saved with the weights.
+    ``lineage``: the run this checkpoint belongs to (checkpoint/lineage.py), written in its commit record, which is
+    what rotation and resume compare (None: with ``step``, the run of the root's ``latest``; else none). What a
     checkpoint holds is decided in one place: state/resume_state.py.
     """
     if str(format).lower() in HF_FORMAT_NAMES:
@@ -134,8 +139,11 @@ def save_checkpoint(
     # the engine's requests directly: this function's keywords are its door's (FullyShardFusion.save_checkpoint);
     # what the capture raised on this rank goes to the save's first exchange, which every rank raises alike
     if manager is not None:
-        return run_save(manager.save_request(step, state, save_options, caller_error=failed))
-    return run_save(save_request(state, path, fsdp._checkpoint_group, 0, None, caller_error=failed, **save_options))
+        return run_save(manager.save_request(step, state, save_options, lineage, caller_error=failed))
+    record = lineage.record if lineage is not None else None
+    return run_save(
+        save_request(state, path, fsdp._checkpoint_group, 0, None, caller_error=failed, lineage=record, **save_options)
+    )
 
 
 def _capture(objs: ResumeObjects, async_save: bool):
@@ -295,14 +303,17 @@ def _agreed(fsdp, failure: BaseException, decide: Callable[[], Any]) -> Any:
 
 
 def _older_checkpoint(root: str, failed: str) -> str | None:
-    """The newest committed ``step_*`` checkpoint of ``root`` older than ``failed`` (None: there is none)."""
+    """The newest complete ``step_*`` checkpoint of ``root`` with a lower step than ``failed``, of ``failed``'s run
+    (checkpoint/selection.py: never a leftover of another run, never a torn copy; None: there is none)."""
     if os.path.dirname(failed) != root:
         return None
     step = parse_step(os.path.basename(failed))
     if step is None:
         return None
-    older = [s for s in committed_steps(root) if s < step]
-    return os.path.join(root, step_dir_name(older[-1])) if older else None
+    found = survey(root, parse_step, backend_for(root))
+    run = next((f.lineage() for f in found if f.name == os.path.basename(failed)), Lineage(None))
+    older = [f for f in found if f.complete and f.step < step and run.owns(f)]
+    return max(older, key=lambda f: f.order()).location if older else None
 
 
 def _load_retrying(objs, path, strict, verify_checksums, atomic, max_host_bytes, options) -> LoadResult:

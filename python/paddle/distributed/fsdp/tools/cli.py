@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .cli_commands import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, PROG, one_line
+from .cli_commands import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_REMOVED, PROG, one_line
 from .cli_parser import build_parser
 
 LOGGER_NAME = "paddle.distributed.fsdp"  # the fork's loggers: tools and checkpoint engine
@@ -51,12 +51,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(None if argv is None else list(argv))
     except SystemExit as e:  # --help (0) or a usage error (2, message already printed by argparse)
         return int(e.code or 0) if isinstance(e.code, int) or e.code is None else EXIT_BAD_INPUT
-    from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.errors import CheckpointError, CheckpointRemovedError
     from .errors import ToolError
 
     try:
         with _log_to_stderr(getattr(args, "verbose", 0)):
             return args.func(args)
+    except CheckpointRemovedError as e:  # not bad input, not a damaged checkpoint: it went away; run again
+        print(f"{PROG} {args.command}: checkpoint removed while it was read: {one_line(e)}", file=sys.stderr)
+        return EXIT_REMOVED
     except (ToolError, CheckpointError) as e:
         print(f"{PROG} {args.command}: error: {one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT

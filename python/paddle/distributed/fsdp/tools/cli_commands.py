@@ -9,6 +9,7 @@ import sys
 PROG = "paddle-fsdp-ckpt"
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_REMOVED = 4  # the checkpoint was removed (another job's keep_last rotation) while it was read: run again
 
 
 def one_line(text: object) -> str:

@@ -90,6 +90,21 @@ def parse_commit(d: Any, where: str) -> tuple[str, str]:
     return cid, sha
 
 
+def parse_lineage(d: Any, where: str) -> tuple[str, str | None, float] | None:
+    """``(run, parent, time)`` of a parsed COMMIT record's ``lineage`` (None: the record has none, e.g. written
+    before lineages were recorded, or by a one-process tool)."""
+    f = _Fields(where)
+    d = f.obj(d, "(top level)")
+    if "lineage" not in d:
+        return None
+    lin = f.obj(d["lineage"], "lineage")
+    run = f.str(f.get(lin, "run", "lineage.run"), "lineage.run", 128)
+    parent = lin.get("parent")
+    if parent is not None:
+        parent = f.str(parent, "lineage.parent", 128)
+    return run, parent, f.number(f.get(lin, "time", "lineage.time"), "lineage.time")
+
+
 def parse_metadata(d: Any, where: str, format_name: str, version: int):
     """The typed CheckpointMetadata of parsed ``metadata.json`` (structure checked by its ``validate``)."""
     f = _Fields(where)

@@ -88,6 +88,7 @@ class SaveJob:
     channel: SaveChannel | LocalChannel
     options: CheckpointOptions = field(default_factory=CheckpointOptions)
     publisher: Publisher | None = None
+    lineage: Any = None  # coordinator: () -> the commit record's lineage (lineage.py), or None
     created: float = field(default_factory=time.time)
     release: Any = None  # async save: gives the snapshot arena back (called once the data object is written)
     snapshot: Any = None  # async save: the Snapshot whose deferred copies run first in the background thread
@@ -286,7 +287,8 @@ class SaveJob:
                 f"save to {self.path} aborted: rank {r} failed: {why}; the previous checkpoint is untouched"
             )
         self.storage.remove(self.storage.child(self.staging, PARTS_DIR))
-        self.storage.put(self.staging, COMMIT_FILE, commit_record(self.checkpoint_id, data))
+        lineage = self.lineage() if self.lineage is not None else None
+        self.storage.put(self.staging, COMMIT_FILE, commit_record(self.checkpoint_id, data, lineage))
         self.storage.sync(self.staging)
         tr.mark("commit-record")
         self.storage.publish(self.staging, self.path)

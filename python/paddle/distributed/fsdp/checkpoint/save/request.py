@@ -13,7 +13,7 @@ it; ``path_error`` (a URL no backend serves, a non-path) after the previous save
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,8 @@ class SaveRequest:
     path_error: BaseException | None = None
     storage_error: BaseException | None = None
     caller_error: BaseException | None = None
+    # the commit record's ``lineage`` (lineage.py), asked by the coordinator right before it commits; None: none
+    lineage: Callable[[], dict | None] | None = None
 
     def backend(self) -> Storage:
         """The storage backend of ``path``, resolved once; raises what resolving it raised."""
@@ -60,6 +62,7 @@ def save_request(
     coordinator_rank: int,
     publisher: Publisher | None,
     *,
+    lineage: Callable[[], dict | None] | None = None,
     async_save: bool = False,
     chunk_bytes: int | None = None,
     write_stock_metadata: bool = True,
@@ -104,4 +107,5 @@ def save_request(
         path_error=path_error,
         storage_error=storage_error,
         caller_error=caller_error,
+        lineage=lineage,
     )

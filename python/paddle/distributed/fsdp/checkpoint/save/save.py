@@ -278,6 +278,7 @@ def _save_locked(req: SaveRequest) -> SaveHandle | None:
         write_stock=req.write_stock_metadata,
         options=opts,
         publisher=req.publisher,
+        lineage=req.lineage,
         storage=storage,
         channel=channel,
         release=release,

@@ -1,22 +1,30 @@
-"""The Trainer's ``output_dir/checkpoint-N`` directories as engine checkpoints: which are committed, which is the
-newest, which rotation removes.
+"""The Trainer's ``output_dir/checkpoint-N`` directories as engine checkpoints: which are complete and of this run,
+which one a resume picks, which rotation removes.
 
 Why not the Trainer's own helpers: ``get_last_checkpoint`` takes the highest ``checkpoint-N`` even when its save
-never finished, and ``_rotate_checkpoints`` may delete by count whatever exists. Here a ``checkpoint-N`` counts
-only once the engine committed it (its commit record is there); a save that crashed left only its staging
-(``checkpoint-N.tmp-<id>`` on a local disk, an unpublished version on S3), never a ``checkpoint-N`` a resume would
-pick. Every name is read through the engine's storage interface, so ``s3://`` output dirs work alike.
+never finished, and ``_rotate_checkpoints`` may delete by count whatever exists, so a leftover of an earlier run
+with a higher step, or a torn copy that kept its commit record, made it delete this run's only good checkpoint.
+Here the engine's selection (checkpoint/selection.py) decides: a ``checkpoint-N`` counts only when it is complete
+(commit record, metadata, every data file with its size: checkpoint/lineage.py ``examine``); a resume picks the
+complete one committed last; rotation counts and removes only this run's (the lineage in its commit record), and
+names what it leaves. A save that crashed left only its staging (``checkpoint-N.tmp-<id>`` on a local disk, an
+unpublished version on S3), removed by the next rotation. Every name is read through the engine's storage
+interface, so ``s3://`` output dirs work alike.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 
+from ...checkpoint.directory import StorageUnreadableError
 from ...checkpoint.format.metadata import COMMIT_FILE
 from ...checkpoint.io.backends import backend_for
 from ...checkpoint.io.storage import Storage
+from ...checkpoint.lineage import Found, Lineage, examine
 from ...checkpoint.paths import local_path
+from ...checkpoint.selection import pick_newest, rotation_victims, survey, warn_left, warn_passed
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +39,11 @@ def checkpoint_dir(output_dir: str, step: int) -> str:
     return backend_for(root).child(root, f"{PREFIX}-{step}")
 
 
+def parse_name(name: str) -> int | None:
+    m = _NAME_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
 def is_committed(location: str, storage: Storage | None = None) -> bool:
     storage = storage or backend_for(location)
     try:
@@ -39,39 +52,61 @@ def is_committed(location: str, storage: Storage | None = None) -> bool:
         return False
 
 
-def committed_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """``(step, location)`` of every committed ``checkpoint-N`` under ``output_dir``, by step."""
+def checkpoints_found(output_dir: str) -> list[Found]:
+    """Every committed ``checkpoint-N`` under ``output_dir``, examined (complete? which run?), by step; [] when
+    ``output_dir`` does not exist."""
+    root = local_path(output_dir)
+    if "://" not in root and not os.path.lexists(root):
+        return []
+    return survey(root, parse_name, backend_for(root))
+
+
+def complete_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """``(step, location)`` of every complete ``checkpoint-N`` under ``output_dir``, by step."""
+    return [(f.step, f.location) for f in checkpoints_found(output_dir) if f.complete]
+
+
+def newest_complete(output_dir: str) -> Found | None:
+    """The ``checkpoint-N`` ``resume_from_checkpoint=True`` picks: the complete one committed last (selection.py);
+    each passed-over one with a higher step is named in a warning."""
+    pick, passed = pick_newest(checkpoints_found(output_dir))
+    warn_passed(f"resume_from_checkpoint=True in {local_path(output_dir)}", pick, passed)
+    return pick
+
+
+def examine_checkpoint(location: str) -> Found:
+    """``checkpoint-N`` at ``location`` examined (its step from its name; 0 when it is named otherwise)."""
+    location = local_path(location)
+    step = parse_name(location.rstrip("/").rpartition("/")[2])
+    return examine(location, step or 0, backend_for(location))
+
+
+def rotate(
+    output_dir: str, keep: int | None, owner: Lineage | None, protect: tuple[str, ...] = (), warned: set | None = None
+) -> list[str]:
+    """Remove ``owner``'s complete checkpoints beyond its ``keep`` newest (None or <= 0: keep all), never its
+    newest nor ``protect`` (the best model's); then the stagings crashed saves left. Checkpoints of other runs and
+    torn ones are left and named in a warning (once per location when ``warned`` collects them). Call it only when
+    no save to ``output_dir`` is in flight (its staging would look crashed). Returns the removed locations."""
     root = local_path(output_dir)
     storage = backend_for(root)
     try:
-        names = storage.children(root)
-    except OSError:
+        found = checkpoints_found(root)
+    except StorageUnreadableError as e:  # a committed save is not failed by its rotation: nothing removed
+        logger.warning("checkpoint rotation skipped: %s", e)
         return []
-    found = []
-    for name in names:
-        m = _NAME_RE.match(name)
-        if m and is_committed(storage.child(root, name), storage):
-            found.append((int(m.group(1)), storage.child(root, name)))
-    return sorted(found)
-
-
-def newest_committed(output_dir: str) -> str | None:
-    found = committed_checkpoints(output_dir)
-    return found[-1][1] if found else None
-
-
-def rotate(output_dir: str, keep: int | None, protect: tuple[str, ...] = ()) -> list[str]:
-    """Remove the oldest committed checkpoints beyond the ``keep`` newest (None or <= 0: keep all), never the
-    newest committed one nor ``protect`` (the best model's); then the stagings crashed saves left. Call it only
-    when no save to ``output_dir`` is in flight (its staging would look crashed). Returns the removed names."""
-    root = local_path(output_dir)
-    storage = backend_for(root)
-    found = committed_checkpoints(root)
-    keep_locations = {loc for _, loc in found[-max(keep or 0, 1) :]} | {local_path(p) for p in protect if p}
-    victims = [loc for _, loc in found if loc not in keep_locations] if keep and keep > 0 else []
-    victims += _crashed_stagings(root, storage)
+    limited = bool(keep and keep > 0)
+    victims, left = rotation_victims(
+        found, owner, keep if limited else len(found), {local_path(p) for p in protect if p}
+    )
+    if limited:
+        fresh = [f for f in left if warned is None or f.location not in warned]
+        warn_left(f"checkpoint rotation (save_total_limit={keep})", fresh)
+        if warned is not None:
+            warned.update(f.location for f in fresh)
+    targets = ([f.location for f in victims] if limited else []) + _crashed_stagings(root, storage)
     removed = []
-    for loc in victims:
+    for loc in targets:
         try:
             storage.remove(loc)
             removed.append(loc)

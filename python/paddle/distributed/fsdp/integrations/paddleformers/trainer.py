@@ -9,8 +9,10 @@ before the optimizer is built), and what each override does:
   in place, so ``create_optimizer`` sees the sharded parameters.
 * ``_wrap_model``: no ``DataParallel`` / fleet wrapper: FSDP reduces gradients itself.
 * ``_save_checkpoint``: ``checkpoint-N`` through ``FullyShardFusion.save_checkpoint`` (model, optimizer, LR scheduler,
-  RNG, GradScaler and the Trainer state in one commit; async with ``use_async_save``), then rotation.
-* ``train``: ``resume_from_checkpoint=True`` means the newest *committed* ``checkpoint-N``.
+  RNG, GradScaler and the Trainer state in one commit; async with ``use_async_save``), then rotation
+  (``_rotate_checkpoints`` / ``_sorted_checkpoints``: only this run's complete checkpoints, checkpoints.py).
+* ``train``: ``resume_from_checkpoint=True`` means the *complete* ``checkpoint-N`` committed last; the run carries on
+  its lineage (checkpoint/lineage.py), which every save records and rotation compares (checkpoints.py).
 * ``_load_from_checkpoint`` / ``_load_optimizer_and_scheduler`` / ``_load_flex_checkpoint``: the Trainer calls one of
   them (by load format) after building the optimizer; each loads our checkpoint once.
 * ``_inner_training_loop`` / ``_load_rng_state``: the Trainer reads its state file from the resume path and
@@ -34,6 +36,7 @@ import tempfile
 import paddle
 import paddle.distributed as dist
 
+from ...checkpoint.lineage import Lineage
 from ...fully_shard_fusion import FullyShardFusion
 from . import checkpoints, hf_export, memory_saves
 from . import trainer_state as saved_state
@@ -209,6 +212,8 @@ class FSDPTrainerMixin:
         self._fsdp_memory = memory_options  # fsdp_memory_tier, checked (memory_saves.py); None: no memory tier
         self._fsdp_tier = None  # the MemoryTier, built at the first save or memory resume
         self._fsdp_memory_step = None  # the step of a state held in memory only (saved or resumed), else None
+        self._fsdp_lineage = None  # this run (checkpoint/lineage.py): set by train(), recorded by every save
+        self._fsdp_warned: set[str] = set()  # leftovers rotation already named
         self._rng = saved_state.RankRandomState(self.args.world_size)
         self._stateful = {saved_state.RankRandomState.NAME: self._rng}  # per-rank values of every checkpoint
         logger.info("FSDPTrainer: %d ranks, units %s", self.fsdp.world_size, units)
@@ -244,6 +249,7 @@ class FSDPTrainerMixin:
             async_save=bool(self.args.use_async_save),
             grad_scaler=self._grad_scaler,
             stateful=self._stateful,
+            lineage=self._lineage(),
         )
         logger.info("FSDPTrainer: %s checkpoint %s", "saving (async)" if handle is not None else "saved", path)
         if handle is not None:
@@ -270,9 +276,30 @@ class FSDPTrainerMixin:
             handle.wait()
             self._rotate()
 
-    def _rotate(self) -> None:
+    def _lineage(self) -> Lineage:
+        if self._fsdp_lineage is None:  # a save outside train(): a run of its own
+            self._fsdp_lineage = Lineage.fresh()
+        return self._fsdp_lineage
+
+    def _rotate_checkpoints(self, use_mtime=False, output_dir=None) -> None:
+        """Stock's rotation (by name or mtime, whatever exists) would delete this run's newest: ours instead."""
+        self._rotate(output_dir)
+
+    def _sorted_checkpoints(self, output_dir=None, checkpoint_prefix=checkpoints.PREFIX, use_mtime=False) -> list[str]:
+        """This run's complete ``checkpoint-N``, oldest first (stock's lists every ``checkpoint-N``)."""
+        found = checkpoints.checkpoints_found(output_dir or self.args.output_dir)
+        mine = [f for f in found if f.complete and self._lineage().owns(f)]
+        return [f.location for f in sorted(mine, key=lambda f: f.order())]
+
+    def _rotate(self, output_dir=None) -> None:
         if self.args.should_save:  # one process per job removes
-            checkpoints.rotate(self.args.output_dir, self.args.save_total_limit, (self.state.best_model_checkpoint,))
+            checkpoints.rotate(
+                output_dir or self.args.output_dir,
+                self.args.save_total_limit,
+                self._lineage(),
+                (self.state.best_model_checkpoint,),
+                self._fsdp_warned,
+            )
 
     def _track_best(self, metrics) -> None:
         name = self.args.metric_for_best_model
@@ -292,13 +319,15 @@ class FSDPTrainerMixin:
         if resume_from_checkpoint is True and self._fsdp_memory is not None:
             resume_from_checkpoint = _MEMORY  # decided in _restore, once the optimizer exists
         elif resume_from_checkpoint is True:
-            resume_from_checkpoint = checkpoints.newest_committed(self.args.output_dir)
-            if resume_from_checkpoint is None:
+            newest = checkpoints.newest_complete(self.args.output_dir)
+            if newest is None:
                 raise ValueError(
-                    f"No committed checkpoint-N in output directory ({self.args.output_dir}) to resume from"
+                    f"No complete checkpoint-N in output directory ({self.args.output_dir}) to resume from"
                 )
+            resume_from_checkpoint = newest.location
         elif resume_from_checkpoint is False or resume_from_checkpoint == "":
             resume_from_checkpoint = None
+        self._fsdp_lineage = self._lineage_of(resume_from_checkpoint)
         self._fsdp_loaded = None
         try:
             output = super().train(
@@ -308,6 +337,16 @@ class FSDPTrainerMixin:
             self._finish_pending_save()
         self._end_memory_tier()
         return output
+
+    def _lineage_of(self, resume_from) -> Lineage:
+        """The lineage of a run that resumes from ``resume_from`` (a fresh one for None; with the memory tier the
+        newest complete ``checkpoint-N``'s, the run the memory copies continue)."""
+        if resume_from is None:
+            return Lineage.fresh()
+        if resume_from == _MEMORY:
+            newest = checkpoints.newest_complete(self.args.output_dir)
+            return Lineage.continuing(newest) if newest is not None else Lineage.fresh()
+        return Lineage.continuing(checkpoints.examine_checkpoint(str(resume_from)))
 
     def _end_memory_tier(self) -> None:
         """A clean end of ``train()``: a memory save newer than the newest ``checkpoint-N`` is written as one (the
@@ -342,14 +381,15 @@ class FSDPTrainerMixin:
         newest committed ``checkpoint-N`` (collective); its ``extra_state``."""
         tier = self.memory_tier()
         restored = tier.restore()
-        found = checkpoints.committed_checkpoints(self.args.output_dir)
+        newest = checkpoints.newest_complete(self.args.output_dir)
+        found = [(newest.step, newest.location)] if newest is not None else []
         if restored is not None and (not found or restored.step > found[-1][0]):
             logger.info("FSDPTrainer: resumed from the memory tier, step %d (%s)", restored.step, restored.sources)
             self._fsdp_memory_step = restored.step
             return saved_state.check(dict(restored), f"memory tier step {restored.step}")
         if not found:
             raise ValueError(
-                f"No committed checkpoint-N in output directory ({self.args.output_dir}) and no memory copy to resume from"
+                f"No complete checkpoint-N in output directory ({self.args.output_dir}) and no memory copy to resume from"
             )
         result = self.fsdp.load_checkpoint(
             found[-1][1], optimizer=self.optimizer, grad_scaler=self._grad_scaler, stateful=self._stateful
