@@ -8,6 +8,8 @@ that they see the same load:
 - ``barrier``: the former workaround, every ``new_group`` followed by a global barrier, groups of identical
   members reused (what ``barrier_after_new_group(reuse_identical=True)`` did before group_startup.py);
 - ``retry``: ``barrier_after_new_group(reuse_identical=True)`` as it is now (bounded attempts agreed by every rank);
+- ``retry_noreuse``: the same without reusing groups of identical members (fleet then creates the sharding and
+  context-sharding groups of the whole world too: more handshakes);
 - ``stock``: plain ``fleet.init``.
 
 ``--load K`` keeps K two-rank jobs (all-reduces of 256x256 matmul products) running during the measurement, as
@@ -40,7 +42,7 @@ _ERROR_LINE = re.compile(r"^(\w*(Error|Exception)\b.*)$", re.M)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--launches", type=int, default=20, help="launches per mode (default 20)")
-    p.add_argument("--modes", default="barrier,retry", help="comma-separated: barrier, retry, stock")
+    p.add_argument("--modes", default="barrier,retry", help="comma-separated: barrier, retry, retry_noreuse, stock")
     p.add_argument("--load", type=int, default=0, help="two-rank load jobs kept running meanwhile (default 0)")
     p.add_argument("--timeout", type=float, default=300, help="seconds a launch may take (default 300)")
     p.add_argument("--port-range", default=None, help="PORT_RANGE for the measured launches (default: paddle's)")
@@ -107,10 +109,10 @@ def worker(mode: str) -> None:
         "moe_sharding_degree": world // 2,
         "order": ORDER,
     }
-    if mode == "retry":
+    if mode in ("retry", "retry_noreuse"):
         from paddle.distributed.fsdp import barrier_after_new_group
 
-        ctx = barrier_after_new_group(reuse_identical=True)
+        ctx = barrier_after_new_group(reuse_identical=mode == "retry")
     elif mode == "barrier":
         ctx = _former_barrier_after_new_group()
     else:
