@@ -8,9 +8,11 @@ gloo's TIMEOUT (minutes), or a group reads an address of the wrong size ("addres
 raises on one rank and leaves the others waiting; nothing retries.
 
 Each attempt here: every rank calls paddle's ``new_group`` (a fresh group id, so fresh store keys and fresh
-sockets); the members of a group that came up run one barrier of that group under a deadline (a pair connected
-to the wrong socket never completes one); then every rank reports "ok" or its error under a key of the job's
-store and waits for every rank's report. All ok: the group is used. Any failure: every rank drops that group
+sockets) under a deadline (a handshake waiting for a connection that never comes otherwise blocks for gloo's own
+timeout, minutes); the members of a group that came up run one barrier of that group under a deadline (a pair
+connected to the wrong socket never completes one); then every rank reports "ok" or its error under a key of the
+job's store, through a store client of its own (an abandoned handshake may still use paddle's), and waits for
+every rank's report. A call past its deadline is left running on its helper thread until gloo gives up. All ok: the group is used. Any failure: every rank drops that group
 and tries again. After ``attempts`` failed attempts every rank raises :class:`GroupCreationError` naming the
 group's ranks and each failing rank's error.
 """
@@ -29,6 +31,7 @@ import paddle.distributed as dist
 logger = logging.getLogger(__name__)
 
 ATTEMPTS = 4  # tries of one group before GroupCreationError
+CREATE_TIMEOUT = 60.0  # s one rank's paddle new_group may take (healthy: about a second under load here)
 PROBE_TIMEOUT = 30.0  # s the members of a new group wait for its first barrier
 AGREE_TIMEOUT = 600.0  # s a rank waits for every rank's report: longer than gloo's own handshake timeout
 _REPORT_CHARS = 400  # of a rank's error kept in the store and in the message
@@ -43,37 +46,44 @@ class GroupCreationError(RuntimeError):
 _creations = [0]  # groups created through here by this process: the same sequence on every rank (collective)
 
 
-def _probe(group: Any, timeout: float) -> str:
-    """'ok' when one barrier of ``group`` completes within ``timeout`` s on this member, else why not. The barrier
-    runs on a helper thread: one stuck on a pair connected to the wrong socket is left to gloo's own timeout."""
-    pg = getattr(group, "process_group", None)
-    if pg is None or getattr(group, "nranks", 1) < 2 or getattr(group, "rank", -1) < 0:
-        return "ok"
-    box: dict[str, BaseException] = {}
+def _within(fn: Callable[[], Any], timeout: float) -> tuple[Any, BaseException | None, bool]:
+    """``(result, error, finished)`` of ``fn()`` run on a helper thread for at most ``timeout`` s (paddle's gloo
+    calls release the GIL while they wait). An unfinished call is left to gloo's own timeout."""
+    box: dict[str, Any] = {}
     done = threading.Event()
 
     def run() -> None:
         try:
-            pg.barrier()
-        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
             box["error"] = e
         finally:
             done.set()
 
     _thread.start_new_thread(run, ())
-    if not done.wait(timeout):
+    finished = done.wait(timeout)
+    return box.get("result"), box.get("error"), finished
+
+
+def _probe(group: Any, timeout: float) -> str:
+    """'ok' when one barrier of ``group`` completes within ``timeout`` s on this member, else why not."""
+    pg = getattr(group, "process_group", None)
+    if pg is None or getattr(group, "nranks", 1) < 2 or getattr(group, "rank", -1) < 0:
+        return "ok"
+    _result, error, finished = _within(pg.barrier, timeout)
+    if not finished:
         return f"its first barrier did not complete within {timeout:.0f} s"
-    if "error" in box:
-        return f"its first barrier failed: {type(box['error']).__name__}: {box['error']}"
+    if error is not None:
+        return f"its first barrier failed: {type(error).__name__}: {error}"
     return "ok"
 
 
 def _agree(key: str, status: str, timeout: float, what: str) -> dict[int, str]:
     """Every rank's status for ``key`` (this rank's included), through the job's store; GroupCreationError naming
     the silent ranks when not every rank reported within ``timeout`` s."""
-    import paddle.distributed.collective as collective
+    from .checkpoint.save.channel import _client  # the save channel's store clients, one per role
 
-    store = collective._default_store
+    store = _client("new_group")
     rank, world = dist.get_rank(), dist.get_world_size()
     store.set(f"{key}/status{rank}", status[:_REPORT_CHARS])
     store.add(f"{key}/flag{rank}", 1)
@@ -96,6 +106,7 @@ def create_group(
     ranks: Sequence[int] | None,
     *,
     attempts: int = ATTEMPTS,
+    create_timeout: float = CREATE_TIMEOUT,
     probe_timeout: float = PROBE_TIMEOUT,
     agree_timeout: float = AGREE_TIMEOUT,
 ) -> Any:
@@ -110,12 +121,15 @@ def create_group(
     what = f"new_group({list(ranks) if ranks is not None else 'world'})"
     failed: dict[int, str] = {}
     for attempt in range(1, attempts + 1):
-        group = None
-        try:
-            group = create()
+        group, error, finished = _within(create, create_timeout)
+        if not finished:
+            status = f"paddle's new_group did not return within {create_timeout:.0f} s"
+        elif isinstance(error, Exception):  # paddle raises RuntimeError (gloo) or ValueError: this rank's failure
+            status = f"{type(error).__name__}: {error}"
+        elif error is not None:  # KeyboardInterrupt, SystemExit: not a handshake failure
+            raise error
+        else:
             status = _probe(group, probe_timeout)
-        except Exception as e:  # paddle raises RuntimeError (gloo) or ValueError; any is this rank's failure
-            status = f"{type(e).__name__}: {e}"
         reports = _agree(f"fsdp/new_group/{_creations[0]}/{attempt}", status, agree_timeout, what)
         failed = {r: s for r, s in reports.items() if s != "ok"}
         if not failed:
