@@ -142,7 +142,7 @@ def test_unknown_names_still_raise():
 
 def test_what_the_guides_use_is_exported_at_the_top():
     """HSDP and EP setup helpers the guides show come from ``paddle.distributed.fsdp`` itself."""
-    for name in ("FullyShardFusion", "hybrid_groups", "barrier_after_new_group"):
+    for name in ("FullyShardFusion", "hybrid_groups", "barrier_after_new_group", "GroupCreationError"):
         assert name in fsdp.__all__, name
         assert getattr(fsdp, name) is not None
 

@@ -10,9 +10,10 @@ that is a strict subset of the world) trains silently wrong: replicas drift apar
 replica's state. Such layouts are refused here, before anything is sharded, with
 :class:`UnsupportedGroupLayoutError`.
 
-Group creation: with gloo and 4+ processes, ``new_group`` fails with "Connection refused" when a member
-connects before its peer listens; a global barrier after each ``new_group`` avoids it. :func:`new_group`
-does that, and :func:`barrier_after_new_group` applies it to group creation done by others (``fleet.init``).
+Group creation: with gloo and 4+ processes, paddle's ``new_group`` fails now and then ("Connection refused",
+"address.cc ... 136 vs 45", a TIMEOUT). :func:`new_group` creates a group through
+:func:`group_startup.create_group` (bounded attempts agreed by every rank, which is also a barrier of the world),
+and :func:`barrier_after_new_group` applies it to group creation done by others (``fleet.init``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import Any
 
 import paddle.distributed as dist
 
+from .group_startup import ATTEMPTS, PROBE_TIMEOUT, create_group
+
 logger = logging.getLogger(__name__)
 
 
@@ -33,21 +36,26 @@ class UnsupportedGroupLayoutError(ValueError):
 
 
 def new_group(ranks: list[int], **kwargs: Any):
-    """``dist.new_group(ranks)`` followed by a global barrier (collective: every rank calls it with the same
-    ranks, as ``dist.new_group`` requires); see the module docstring for why."""
+    """``dist.new_group(ranks)``, retried until every rank's attempt came up, and a barrier of the world
+    (collective: every rank calls it with the same ranks, as ``dist.new_group`` requires); see the module
+    docstring for why. Raises ``GroupCreationError`` on every rank after the allowed attempts."""
     if not isinstance(ranks, (list, tuple)) or not all(isinstance(r, int) for r in ranks):
         raise TypeError(f"new_group expects a list of int ranks, got {ranks!r}")
     from .checkpoint.keywords import check_keywords, keyword_names
 
     check_keywords("new_group", kwargs, keyword_names(dist.new_group, ("ranks",)))  # stock's, with a hint
-    group = dist.new_group(list(ranks), **kwargs)
-    dist.barrier()
-    return group
+    return create_group(lambda: dist.new_group(list(ranks), **kwargs), ranks)
 
 
 @contextlib.contextmanager
-def barrier_after_new_group(reuse_identical: bool = False) -> Iterator[None]:
-    """Inside the block, every ``paddle.distributed.new_group`` call is followed by a global barrier.
+def barrier_after_new_group(
+    reuse_identical: bool = False, attempts: int = ATTEMPTS, probe_timeout: float = PROBE_TIMEOUT
+) -> Iterator[None]:
+    """Inside the block, every ``paddle.distributed.new_group`` call goes through
+    :func:`group_startup.create_group`: retried (at most ``attempts`` times, a new group id each time) until every
+    rank's attempt came up and passed one barrier of the group within ``probe_timeout`` s, and followed by a
+    barrier of the world. After the last failed attempt every rank raises ``GroupCreationError`` naming the
+    group's ranks and each rank's error.
 
     For group creation the project does not own, e.g. ``with barrier_after_new_group(): fleet.init(...)``
     (fleet's hybrid topology calls ``paddle.distributed.new_group`` for each of its groups, on every rank).
@@ -56,8 +64,8 @@ def barrier_after_new_group(reuse_identical: bool = False) -> Iterator[None]:
     block or inside it) is that group. Fleet's expert-parallel init (``ep_degree > 1``) creates several groups of
     the same members (the sharding and context-sharding groups are both the world); with gloo and 4 processes that
     init failed in most runs here even with the barrier ("address.cc ... sizeof(impl_) == bytes.size()",
-    "Connection refused") and passed every run with the reuse. Every rank has made the same groups in the same
-    order (``new_group`` is collective), so the reuse is the same everywhere."""
+    "Connection refused"); the reuse creates fewer groups, so fewer handshakes can fail. Every rank has made the
+    same groups in the same order (``new_group`` is collective), so the reuse is the same everywhere."""
     import paddle.distributed as pdist
 
     original = pdist.new_group
@@ -73,9 +81,9 @@ def barrier_after_new_group(reuse_identical: bool = False) -> Iterator[None]:
         key = tuple(sorted(ranks)) if ranks is not None else None
         if reuse_identical and key is not None and key in made:
             return made[key]
-        group = original(ranks, *args, **kwargs)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+        group = create_group(
+            lambda: original(ranks, *args, **kwargs), ranks, attempts=attempts, probe_timeout=probe_timeout
+        )
         if reuse_identical and key is not None:
             made[key] = group
         return group
