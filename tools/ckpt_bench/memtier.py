@@ -198,7 +198,9 @@ def run_memtier(args) -> dict:
     shm = os.path.join(args.shm_root, f"bench-{os.getpid() if rank == 0 else 0}")
     shm = comm.gather(shm)[0]
     partners = {r: r ^ 1 for r in range(world)} if world % 2 == 0 else {}
-    tier = MemoryTier(ps.fsdp, ps.opt, durable_root=work, memory_root=shm, persist_every=10**9, partners=partners)
+    # one own slot: the phases below remove THE own copy to measure the peer path (two slots would keep another)
+    tier = MemoryTier(ps.fsdp, ps.opt, durable_root=work, memory_root=shm, persist_every=10**9, partners=partners,
+                      memory_slots=1)  # fmt: skip
     out = {"world": world, "state_bytes": max(comm.gather(ps.bytes))}
     out["memcpy"] = _memcpy(ps, comm, args.repeats)
     out["save"] = _saves(tier, comm, args.repeats)

@@ -281,3 +281,14 @@ def test_flush_memory_and_leftover_slots_of_another_slot_count(tmp_path):
     names = sorted(n for n in os.listdir(f"{mem}/j") if ".own" in n)
     assert names == ["rank00000.own", "rank00000.own1", "rank00000.own5"], names
     tier2.close(remove=False)
+
+
+def test_memory_slots_is_checked(tmp_path):
+    import pytest
+    from memtier_util import small_fsdp
+    from paddle.distributed.fsdp.memtier import MemoryTier, MemoryTierError
+
+    _m, fsdp, opt = small_fsdp(1)
+    for bad in (0, -1, 8, True, "2", 2.0, None):
+        with pytest.raises(MemoryTierError, match="memory_slots"):
+            MemoryTier(fsdp, opt, durable_root=str(tmp_path / "d"), memory_root=str(tmp_path / "m"), memory_slots=bad)

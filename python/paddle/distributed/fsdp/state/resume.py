@@ -202,7 +202,7 @@ def _precheck(objs: ResumeObjects, resolved: str, metadata, strict: bool) -> tup
             f"checkpoint {resolved} holds {len(foreign)} key(s) this model does not have (a checkpoint of another "
             f"model?): {foreign[:5]}{' ...' if len(foreign) > 5 else ''}; pass strict=False to load the rest"
         )
-    saved = resume_state.Saved(checkpoint.metadata.values, fsdp._checkpoint_rank, resume_state.checkpoint_world(fsdp))
+    saved = resume_state.Saved(metadata.values, fsdp._checkpoint_rank, resume_state.checkpoint_world(fsdp))
     return foreign, resume_state.decode(objs, saved, strict, f"checkpoint {resolved}")
 
 

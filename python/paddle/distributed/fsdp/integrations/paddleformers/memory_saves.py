@@ -28,7 +28,16 @@ logger = logging.getLogger(__name__)
 
 _NEVER = 2**62  # the tier's own persist_every: the Trainer persists (see the module docstring)
 _OURS = ("durable_root", "persist_every", "persist_on_restore", "grad_scaler", "stateful", "ema")
-_ALLOWED = ("memory_root", "keep_last", "job_id", "partners", "quota_bytes", "checksum", "peer_timeout_s")
+_ALLOWED = (
+    "memory_root",
+    "keep_last",
+    "job_id",
+    "partners",
+    "quota_bytes",
+    "checksum",
+    "peer_timeout_s",
+    "memory_slots",
+)
 
 
 def check_options(options: dict | None) -> dict | None:
