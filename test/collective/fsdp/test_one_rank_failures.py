@@ -76,11 +76,11 @@ def test_every_rank_raises_the_same_named_error_naming_the_failing_rank(one_rank
         assert all(f in g["message"] for f in fragments), (r, fragments, g)  # and its cause
         assert g["seconds"] < PROMPT, (r, g)
         assert g["check"] == "ok", f"rank {r}: {g['check']}"  # state as before, or as the error says
-    if identical:
+    if identical:  # the peer raises the failing rank's error, rebuilt from the exchange (nothing of its own)
         assert got[0]["message"] == got[1]["message"], got
+        assert got[1 - failing]["causes"] == [], got
     if cause is not None:  # the failing rank chains its original error
         assert got[failing]["causes"][:1] == [cause], got[failing]
-    assert got[1 - failing]["causes"] == [] or not identical, got  # the peer's error is rebuilt from the exchange
 
 
 # ---------------------------------------------------------------------------------------- the exchange itself
