@@ -82,7 +82,8 @@ class CheckpointOptions:
         max_open_files: descriptors a reader keeps open at once (least recently used ones are closed), so any
             number of data files reads under a low RLIMIT_NOFILE.
         heartbeat_lease: seconds without a heartbeat (save/channel.py, through the TCP store) after which the other
-            ranks of a save consider a rank dead and raise SaveFailedError naming it.
+            ranks of a save consider a rank dead (killed or frozen) and raise SaveFailedError naming it; a TCP store
+            silent this long names rank 0, its host. Each store call has a third of it (0.5-5 s).
         storage: the storage backend (io/storage.py) that holds the checkpoint; None picks it from the path
             (a registered ``scheme://``, else the local POSIX backend with ``odirect`` writes).
     """
