@@ -67,6 +67,8 @@ def test_a_member_past_the_probe_deadline_is_retried(launches):
         assert len(failed) == 1, (rank, got["warnings"])
         assert "rank 0: its first barrier did not complete within 4 s" in failed[0], failed
         assert any(w.startswith("new_group([0, 2]) came up at attempt ") for w in got["warnings"]), got["warnings"]
+        # a later reuse_identical block returns the group that came up, never the dropped attempt's
+        assert got["reused_moe_group"] is True, (rank, got)
 
 
 def test_a_group_that_never_comes_up_is_a_named_error_on_every_rank(launches):

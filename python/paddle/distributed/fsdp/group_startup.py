@@ -44,17 +44,36 @@ class GroupCreationError(RuntimeError):
 
 
 _creations = [0]  # groups created through here by this process: the same sequence on every rank (collective)
+_dropped: set[int] = set()  # ids of the groups of failed attempts, still in paddle's group map: never to be reused
+_dropped_lock = threading.Lock()
+
+
+def dropped_group_ids() -> frozenset[int]:
+    """Ids of groups that paddle registered during a failed attempt (they may not work)."""
+    with _dropped_lock:
+        return frozenset(_dropped)
+
+
+def _group_ids() -> set[int]:
+    from paddle.distributed.collective import _get_group_map
+
+    return set(_get_group_map())
 
 
 def _within(fn: Callable[[], Any], timeout: float) -> tuple[Any, BaseException | None, bool]:
     """``(result, error, finished)`` of ``fn()`` run on a helper thread for at most ``timeout`` s (paddle's gloo
-    calls release the GIL while they wait). An unfinished call is left to gloo's own timeout."""
+    calls release the GIL while they wait). An unfinished call is left to gloo's own timeout; a group it still
+    returns then is recorded as dropped."""
     box: dict[str, Any] = {}
     done = threading.Event()
 
     def run() -> None:
         try:
-            box["result"] = fn()
+            result = fn()
+            with _dropped_lock:
+                box["result"] = result
+                if box.get("abandoned") and getattr(result, "id", None) is not None:
+                    _dropped.add(result.id)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             box["error"] = e
         finally:
@@ -62,7 +81,9 @@ def _within(fn: Callable[[], Any], timeout: float) -> tuple[Any, BaseException |
 
     _thread.start_new_thread(run, ())
     finished = done.wait(timeout)
-    return box.get("result"), box.get("error"), finished
+    with _dropped_lock:
+        box["abandoned"] = not finished
+        return box.get("result"), box.get("error"), finished
 
 
 def _probe(group: Any, timeout: float) -> str:
@@ -101,6 +122,15 @@ def _agree(key: str, status: str, timeout: float, what: str) -> dict[int, str]:
     return {r: store.get(f"{key}/status{r}").decode(errors="replace") for r in range(world)}
 
 
+def check_options(attempts: int, **timeouts: float) -> None:
+    """ValueError naming the option unless ``attempts`` is a positive int and every timeout a positive number."""
+    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+        raise ValueError(f"attempts must be a positive int, got {attempts!r}")
+    for name, value in timeouts.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
 def create_group(
     create: Callable[[], Any],
     ranks: Sequence[int] | None,
@@ -113,14 +143,14 @@ def create_group(
     """``create()`` (paddle's ``new_group`` for ``ranks``; every rank calls this with the same ranks, in the same
     order, as ``new_group`` requires) until every rank's attempt came up, at most ``attempts`` times. Also a
     barrier of the world: no rank starts its next group before every rank finished this one."""
-    if not isinstance(attempts, int) or attempts < 1:
-        raise ValueError(f"attempts must be a positive int, got {attempts!r}")
+    check_options(attempts, create_timeout=create_timeout, probe_timeout=probe_timeout, agree_timeout=agree_timeout)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return create()
     _creations[0] += 1
     what = f"new_group({list(ranks) if ranks is not None else 'world'})"
     failed: dict[int, str] = {}
     for attempt in range(1, attempts + 1):
+        before = _group_ids()
         group, error, finished = _within(create, create_timeout)
         if not finished:
             status = f"paddle's new_group did not return within {create_timeout:.0f} s"
@@ -132,7 +162,10 @@ def create_group(
             status = _probe(group, probe_timeout)
         reports = _agree(f"fsdp/new_group/{_creations[0]}/{attempt}", status, agree_timeout, what)
         failed = {r: s for r, s in reports.items() if s != "ok"}
-        if not failed:
+        if failed:
+            with _dropped_lock:
+                _dropped.update(_group_ids() - before)
+        else:
             if attempt > 1:
                 logger.warning("%s came up at attempt %d of %d", what, attempt, attempts)
             return group

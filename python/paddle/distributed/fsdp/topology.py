@@ -26,7 +26,7 @@ from typing import Any
 
 import paddle.distributed as dist
 
-from .group_startup import ATTEMPTS, PROBE_TIMEOUT, create_group
+from .group_startup import ATTEMPTS, PROBE_TIMEOUT, check_options, create_group, dropped_group_ids
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +68,15 @@ def barrier_after_new_group(
     same groups in the same order (``new_group`` is collective), so the reuse is the same everywhere."""
     import paddle.distributed as pdist
 
+    check_options(attempts, probe_timeout=probe_timeout)
     original = pdist.new_group
     made: dict[tuple, Any] = {}
     if reuse_identical and dist.is_initialized():
         from paddle.distributed.collective import _get_group_map
 
-        for _gid, existing in sorted(_get_group_map().items(), key=lambda item: item[0]):
-            if getattr(existing, "ranks", None):
+        dropped = dropped_group_ids()  # a failed attempt's group is in paddle's map too: never reuse it
+        for gid, existing in sorted(_get_group_map().items(), key=lambda item: item[0]):
+            if getattr(existing, "ranks", None) and gid not in dropped:
                 made.setdefault(tuple(sorted(existing.ranks)), existing)
 
     def wrapped(ranks=None, *args: Any, **kwargs: Any):

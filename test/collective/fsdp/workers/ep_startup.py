@@ -97,6 +97,9 @@ def main() -> None:
             x = paddle.to_tensor([float(rank + 1)])
             dist.all_reduce(x, group=g)
             out["ranks"][name], out["sums"][name] = list(g.ranks), float(x)
+        with barrier_after_new_group(reuse_identical=True):  # a later block reuses fleet's groups, not dropped ones
+            again = dist.new_group([0, 2])
+        out["reused_moe_group"] = rank not in (0, 2) or again.id == groups["moe_sharding"].id
         dist.barrier()
     out["warnings"] = handler.lines
     report(out)
