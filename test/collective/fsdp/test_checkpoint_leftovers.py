@@ -27,7 +27,7 @@ import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 from paddle.distributed.fsdp.checkpoint.io.local import LOCAL
 from paddle.distributed.fsdp.checkpoint.lineage import Lineage, examine
-from paddle.distributed.fsdp.checkpoint.selection import pick_newest, rotation_victims
+from paddle.distributed.fsdp.checkpoint.selection import pick_newest, rotation_victims, survey
 from paddle.distributed.fsdp.tools import verify_cmd
 from paddle.distributed.fsdp.tools.cli import main as cli_main
 from paddle.distributed.fsdp.tools.cli_commands import EXIT_REMOVED
@@ -407,3 +407,26 @@ def test_verify_racing_another_jobs_rotation_seeded(tmp_path, caplog):
     finally:
         job.kill()
         job.wait()
+
+
+def test_on_s3_a_torn_checkpoint_is_passed_over_and_left(tmp_path, s3_env, s3_bucket, caplog):
+    """The same rules through the storage interface on a real S3 server: a data object deleted from the newest
+    checkpoint (its COMMIT kept) makes ``latest`` fall back to the run's previous one, named; keep_last=1 then
+    removes the run's previous one and leaves the torn one."""
+    from paddle.distributed.fsdp.checkpoint.io.backends import backend_for
+
+    root = f"s3://{s3_bucket}/run"
+    storage = backend_for(root)
+    mgr = ck.CheckpointManager(root)
+    for step in (1, 2):
+        mgr.save(step, _state(float(step)))
+    torn = mgr.path_for(2)
+    name = sorted(ck.read_metadata(torn).files)[0]
+    storage.delete(torn, name)
+    assert not examine(torn, 2, storage).complete
+    with caplog.at_level(logging.WARNING):
+        assert mgr.latest() == mgr.path_for(1)  # `latest` names the torn step 2
+    assert torn in caplog.text
+    ck.CheckpointManager(root, keep_last=1).save(3, _state(3.0))
+    _join_background_deletes()
+    assert [f.step for f in survey(root, ck.manager.parse_step, storage)] == [2, 3]
