@@ -103,15 +103,19 @@ def retry_removed(load: Callable[[], _T], what: str, may_retry: Callable[[BaseEx
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def resolve_checkpoint_collective(path: str, comm) -> str:
-    """:func:`resolve_checkpoint` on every rank, failing on all ranks together (no rank left in a collective)."""
+def resolve_checkpoint_collective(path: str, comm, coordinator: int = 0) -> str:
+    """:func:`resolve_checkpoint` by the coordinator alone, its answer (or its error, named) on every rank.
+
+    Why one rank: resolving a root examines the checkpoint ``latest`` names (a stat of every data file it lists,
+    selection.py), so every rank doing it would cost world x files requests at each resume; one answer also
+    means the ranks can never pick different checkpoints when ``latest`` moves meanwhile."""
     err, resolved = None, None
-    try:
-        resolved = resolve_checkpoint(path)
-    except Exception as e:  # noqa: BLE001 - a storage layer's or the file system's error too: named, exchanged
-        err = stage_error(named_read_error(path, e), f"load of {path} failed", comm.rank, LoadFailedError)
-    gather_errors(comm, err)
-    return resolved
+    if comm.rank == coordinator:
+        try:
+            resolved = resolve_checkpoint(path)
+        except Exception as e:  # noqa: BLE001 - a storage layer's or the file system's error too: named, exchanged
+            err = stage_error(named_read_error(path, e), f"load of {path} failed", comm.rank, LoadFailedError)
+    return gather_errors(comm, err, resolved)[coordinator]
 
 
 class _LatestPublisher:
@@ -240,7 +244,7 @@ class CheckpointManager:
         return retry_removed(
             lambda: run_load(
                 state_dict,
-                resolve_checkpoint_collective(self.root, comm),
+                resolve_checkpoint_collective(self.root, comm, self.coordinator_rank),
                 self.process_group,
                 self.coordinator_rank,
                 **load_kwargs,

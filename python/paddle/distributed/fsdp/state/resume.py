@@ -34,7 +34,7 @@ from typing import Any
 from ..checkpoint import CheckpointManager, CheckpointOptions, LoadReport
 from ..checkpoint.coordination import Comm, gather_errors, stage_error
 from ..checkpoint.directory import open_checkpoint
-from ..checkpoint.errors import CheckpointRemovedError, LoadFailedError, PartiallyLoadedError, UnexpectedKeyError
+from ..checkpoint.errors import LoadFailedError, PartiallyLoadedError, UnexpectedKeyError
 from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, RESERVED_PREFIX
 from ..checkpoint.gc_pause import gc_paused
 from ..checkpoint.io.backends import backend_for
@@ -44,7 +44,7 @@ from ..checkpoint.load_checks import named_read_error
 from ..checkpoint.manager import (
     is_checkpoint_root,
     parse_step,
-    resolve_checkpoint,
+    resolve_checkpoint_collective,
     retry_removed,
     step_dir_name,
 )
@@ -356,9 +356,9 @@ def _load_once(
     fsdp, optimizer = objs.fsdp, objs.optimizer
     comm = Comm(fsdp._checkpoint_group)
     err: BaseException | None = None
-    resolved = checkpoint = foreign = apply = None
+    checkpoint = foreign = apply = None
+    resolved = resolve_checkpoint_collective(path, comm)  # one rank examines the root; every rank its answer
     try:
-        resolved = resolve_checkpoint(path)
         # refused here, before the optimizer's state is even created; the engine loads from this same opened
         # checkpoint (its metadata read once) and still compares the checkpoint id every rank read
         checkpoint = open_checkpoint(resolved)
@@ -367,9 +367,7 @@ def _load_once(
         # an OSError reading storage: CorruptCheckpointError; user code, a storage layer: LoadFailedError
         err = stage_error(named_read_error(path, e), f"load of {path} failed", comm.rank, LoadFailedError)
     # every rank fails together: a rank raising alone would leave the others waiting in the load's collective
-    resolutions = gather_errors(comm, err, resolved)
-    if len(set(resolutions)) > 1:  # `latest` moved between the ranks' reads
-        raise CheckpointRemovedError(f"ranks resolved {path} to different checkpoints: {sorted(set(resolutions))}")
+    gather_errors(comm, err)
     requested, split, failed = _targets(objs, checkpoint.metadata)
     try:
         report = run_load(
