@@ -122,10 +122,16 @@ def _agree(key: str, status: str, timeout: float, what: str) -> dict[int, str]:
     return {r: store.get(f"{key}/status{r}").decode(errors="replace") for r in range(world)}
 
 
-def check_options(attempts: int, **timeouts: float) -> None:
+def check_options(
+    attempts: int,
+    create_timeout: float = CREATE_TIMEOUT,
+    probe_timeout: float = PROBE_TIMEOUT,
+    agree_timeout: float = AGREE_TIMEOUT,
+) -> None:
     """ValueError naming the option unless ``attempts`` is a positive int and every timeout a positive number."""
     if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
         raise ValueError(f"attempts must be a positive int, got {attempts!r}")
+    timeouts = {"create_timeout": create_timeout, "probe_timeout": probe_timeout, "agree_timeout": agree_timeout}
     for name, value in timeouts.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
