@@ -36,6 +36,7 @@ import time
 from .. import host_mappings
 from ..checkpoint import checksums
 from ..checkpoint.errors import CheckpointError, rebuild_remote_error
+from ..state import frozen_base
 from ..state.resume_state import ResumeObjects
 from . import identity, peers, roots, wire
 from .copies import Background, Copies, SaveIntoSlot, header_capacity, offsets_of
@@ -405,6 +406,7 @@ class MemoryTier:
         self.copies.release()
         self._layout = None
         self._prepare()
+        frozen_base.fingerprint(self.fsdp)  # collective, once per run: what a copy without the base is checked against
         restore = Restore(self)
         self.restored = restore.run()
         self.start_step = self.restored.step if self.restored is not None else 0

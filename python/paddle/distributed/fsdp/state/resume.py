@@ -35,7 +35,7 @@ from ..checkpoint import CheckpointManager, CheckpointOptions, LoadReport
 from ..checkpoint.coordination import Comm, gather_errors
 from ..checkpoint.directory import open_checkpoint
 from ..checkpoint.errors import CheckpointRemovedError, PartiallyLoadedError, UnexpectedKeyError
-from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, RESERVED_PREFIX
+from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, FROZEN_BASE_KEY, RESERVED_PREFIX
 from ..checkpoint.gc_pause import gc_paused
 from ..checkpoint.load import run_load
 from ..checkpoint.load_checks import named_read_error
@@ -50,7 +50,7 @@ from ..checkpoint.manager import (
 from ..checkpoint.paths import local_path
 from ..checkpoint.save.request import save_request
 from ..checkpoint.save.save import run_save
-from . import replicas, resume_state
+from . import frozen_base, replicas, resume_state
 from .buffers import persistable_buffers
 from .records import refresh_master_weights
 from .resume_state import ResumeObjects
@@ -97,6 +97,7 @@ def save_checkpoint(
     grad_scaler=None,
     stateful: dict | None = None,
     ema=None,
+    save_frozen: bool = False,
 ):
     """Save everything needed to resume bit-exactly. Collective: every rank of the group calls it.
 
@@ -111,7 +112,9 @@ def save_checkpoint(
     (loss scale, counters, settings) is saved too (state/grad_scaler.py). ``stateful``: ``{name: object}`` of
     objects with ``state_dict()``/``set_state_dict()`` (a data sampler, fsdp/sampler.py), saved per rank
     (state/stateful.py). ``ema``: a ShardedEMA (``fsdp.ema(coef)``, state/ema.py) saved with the weights. What a
-    checkpoint holds is decided in one place: state/resume_state.py.
+    checkpoint holds is decided in one place: state/resume_state.py. Frozen parameters (``stop_gradient``, a
+    LoRA base) are not written but referenced (their source and fingerprint, checked by the load); ``save_frozen``
+    writes them too (state/frozen_base.py).
     """
     if str(format).lower() in HF_FORMAT_NAMES:
         raise ValueError(
@@ -121,7 +124,7 @@ def save_checkpoint(
         )
     if str(format).lower() != "fsdp":
         raise ValueError(f"unknown checkpoint format {format!r} (supported: 'fsdp')")
-    objs = ResumeObjects(fsdp, optimizer, grad_scaler, stateful, ema, extra_state)
+    objs = ResumeObjects(fsdp, optimizer, grad_scaler, stateful, ema, extra_state, with_frozen_base=bool(save_frozen))
     manager = None
     if step is not None:
         step_dir_name(step)  # validates before any collective
@@ -281,11 +284,13 @@ def _load_once(
     fsdp, optimizer = objs.fsdp, objs.optimizer
     err: BaseException | None = None
     resolved = checkpoint = foreign = apply = None
+    frozen_base.fingerprint(fsdp)  # collective, once per run: a checkpoint without the base is checked against it
     try:
         resolved = resolve_checkpoint(path)
         # refused here, before the optimizer's state is even created; the engine loads from this same opened
         # checkpoint (its metadata read once) and still compares the checkpoint id every rank read
         checkpoint = open_checkpoint(resolved)
+        objs.with_frozen_base = frozen_base.holds_base(checkpoint.metadata.values.get(FROZEN_BASE_KEY))
         foreign, apply = _precheck(objs, resolved, checkpoint.metadata, strict)
     except Exception as e:  # noqa: BLE001 - whatever fails here must reach the exchange below
         err = named_read_error(path, e)  # (an OSError reading storage: named, the same class on every rank)

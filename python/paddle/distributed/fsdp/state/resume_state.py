@@ -26,14 +26,15 @@ from ..checkpoint.format.reserved import (
     BUFFERS_KEY,
     EMA_KEY,
     EXTRA_KEY,
+    FROZEN_BASE_KEY,
     GRAD_SCALER_KEY,
     OPTIMIZER_KEY,
     RNG_KEY,
     STATEFUL_KEY,
 )
+from . import frozen_base, rng
 from . import grad_scaler as scaler_state
 from . import optimizer_states as names
-from . import rng
 from . import stateful as stateful_state
 from .buffers import persistable_buffers, warn_if_buffers_differ
 from .ema import ShardedEMA
@@ -46,7 +47,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ResumeObjects:
     """What a door saves from and restores into. Only ``fsdp`` is required; ``extra_state`` is the caller's
-    JSON dict (returned by a load, not applied)."""
+    JSON dict (returned by a load, not applied). ``with_frozen_base``: a save writes the frozen base's tensors
+    too, a load reads them (the checkpoint holds them); else only its reference (state/frozen_base.py)."""
 
     fsdp: Any
     optimizer: Any = None
@@ -54,6 +56,7 @@ class ResumeObjects:
     stateful: dict | None = None
     ema: ShardedEMA | None = None
     extra_state: dict | None = None
+    with_frozen_base: bool = False
 
     def __post_init__(self) -> None:
         if self.grad_scaler is not None:
@@ -67,6 +70,10 @@ class ResumeObjects:
     @cached_property
     def buffers(self) -> dict:
         return persistable_buffers(self.fsdp.model)
+
+    @cached_property
+    def frozen_base_keys(self) -> list[str]:
+        return frozen_base.frozen_keys(self.fsdp)
 
 
 class Saved:
@@ -115,6 +122,9 @@ def _nothing() -> None:
 # ---------------------------------------------------------------------------------------------- the items
 def _parameter_tensors(objs: ResumeObjects) -> tuple[dict, set]:
     records = parameter_records(objs.fsdp)
+    if not objs.with_frozen_base:  # the frozen base is referenced, not written (state/frozen_base.py)
+        for key in objs.frozen_base_keys:
+            records.pop(key, None)
     trainable = {key for key, _p, buffer, _i in objs.fsdp.managed_parameters() if buffer.layout.trainable}
     return records, {key for key in records if key in trainable}
 
@@ -216,6 +226,18 @@ def _ema_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> 
     return ema.decode(saved.get(EMA_KEY), f"{where}: {EMA_KEY}")
 
 
+def _frozen_base_value(objs: ResumeObjects, collective: bool) -> Any:
+    return frozen_base.reference(objs.fsdp, objs.with_frozen_base, collective)
+
+
+def _frozen_base_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> Callable[[], None]:
+    value = saved.get(FROZEN_BASE_KEY)
+    frozen_base.check(objs.fsdp, value, where)
+    if frozen_base.holds_base(value):  # the load writes the base: its fingerprint is computed anew when needed
+        return lambda: frozen_base.forget(objs.fsdp)
+    return _nothing
+
+
 # in the order a save has always written them (values: optimizer, buffers, RNG, extra_state, GradScaler)
 ITEMS: tuple[Item, ...] = (
     Item("parameters", tensors=_parameter_tensors),
@@ -227,6 +249,9 @@ ITEMS: tuple[Item, ...] = (
     Item("grad_scaler", GRAD_SCALER_KEY, value=_scaler_value, decode=_scaler_decode, needs="grad_scaler"),
     Item("stateful", STATEFUL_KEY, per_rank=True, value=_stateful_value, decode=_stateful_decode, needs="stateful"),
     Item("ema", EMA_KEY, tensors=_ema_tensors, value=_ema_value, decode=_ema_decode, needs="ema"),
+    Item(
+        "frozen_base", FROZEN_BASE_KEY, value=_frozen_base_value, decode=_frozen_base_decode, needs="frozen_base_keys"
+    ),
 )
 PER_RANK_KEYS: tuple[str, ...] = tuple(item.key for item in ITEMS if item.per_rank and item.key)
 VALUE_KEYS: tuple[str, ...] = tuple(item.key for item in ITEMS if item.key)

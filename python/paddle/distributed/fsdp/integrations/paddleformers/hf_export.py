@@ -60,9 +60,12 @@ def export(fsdp, model, out_dir: str, *, preset: str | None, tokenizer=None, sou
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     scratch = None
+    if source is not None and not _holds_every_weight(source):
+        source = None  # a checkpoint-N references the frozen base only (state/frozen_base.py)
     if source is None:
         scratch = f"{out_dir.rstrip('/')}.fsdp-weights.tmp"
-        fsdp.save_checkpoint(scratch)  # model only (optimizer=None): every rank writes its shard
+        # model only (optimizer=None), frozen base included: every rank writes its shard
+        fsdp.save_checkpoint(scratch, save_frozen=True)
         source = scratch
     error = None
     if _is_rank0():
@@ -88,6 +91,15 @@ def export(fsdp, model, out_dir: str, *, preset: str | None, tokenizer=None, sou
     if scratch is not None and _is_rank0():
         shutil.rmtree(scratch, ignore_errors=True)
     gather_errors(Comm(fsdp._checkpoint_group), error)  # also the barrier: every rank returns after the export
+
+
+def _holds_every_weight(checkpoint: str) -> bool:
+    """Whether ``checkpoint`` holds the frozen base's tensors too (or references none): the same on every rank."""
+    from ...checkpoint.directory import open_checkpoint
+    from ...checkpoint.format.reserved import FROZEN_BASE_KEY
+    from ...state.frozen_base import holds_base
+
+    return holds_base(open_checkpoint(checkpoint).metadata.values.get(FROZEN_BASE_KEY))
 
 
 def _is_rank0() -> bool:

@@ -156,6 +156,8 @@ class FSDPTrainerMixin:
         fsdp_memory_tier: ``dict(persist_every=K, memory_root=..., ...)``: saves to host memory, every K-th one to
             ``checkpoint-N`` (memory_saves.py).
         moe_layers_name, expert_parallel_group, expert_shard_group: expert parallelism, as ``FullyShardFusion``'s.
+        save_frozen_base: ``checkpoint-N`` holds the frozen base's tensors too (default: a reference to it, its
+            source and fingerprint, checked at resume; state/frozen_base.py).
     """
 
     def __init__(
@@ -172,6 +174,7 @@ class FSDPTrainerMixin:
         moe_layers_name: list[str] | None = None,
         expert_parallel_group=None,
         expert_shard_group=None,
+        save_frozen_base: bool = False,
         **kwargs,
     ) -> None:
         memory_options = memory_saves.check_options(fsdp_memory_tier)  # before anything is built
@@ -204,6 +207,7 @@ class FSDPTrainerMixin:
         )
         self.model_wrapped = self.model
         self.hf_preset = hf_preset
+        self.save_frozen_base = bool(save_frozen_base)
         self._fsdp_pending = None  # the async save in flight
         self._fsdp_loaded = None  # (path, extra_state) of the checkpoint this train() resumed from
         self._fsdp_memory = memory_options  # fsdp_memory_tier, checked (memory_saves.py); None: no memory tier
@@ -244,6 +248,7 @@ class FSDPTrainerMixin:
             async_save=bool(self.args.use_async_save),
             grad_scaler=self._grad_scaler,
             stateful=self._stateful,
+            save_frozen=self.save_frozen_base,
         )
         logger.info("FSDPTrainer: %s checkpoint %s", "saving (async)" if handle is not None else "saved", path)
         if handle is not None:
