@@ -26,6 +26,8 @@ from paddle.distributed.fsdp import FullyShardFusion
 from paddle.distributed.fsdp.checkpoint.directory import open_checkpoint
 from paddle.distributed.fsdp.checkpoint.errors import FrozenBaseMismatchError
 from paddle.distributed.fsdp.checkpoint.format.reserved import FROZEN_BASE_KEY
+from paddle.distributed.fsdp.tools import to_hf
+from paddle.distributed.fsdp.tools.errors import ToolError
 
 ROWS, SEED = 12, 11
 
@@ -107,12 +109,19 @@ def _case_contents(root: str, figures: dict):
         )
         assert ref["bytes"] == base_bytes, (ref, base_bytes)
         figures["fingerprint"] = ref["fingerprint"]
+        if rank == 0:  # no whole model to convert, and no adapter recorded (not a LoRAModel): refused by name
+            try:
+                to_hf(path, os.path.join(root, "contents_hf"))
+            except ToolError as e:
+                assert "save_frozen=True" in str(e) and f"{len(frozen)} frozen" in str(e), e
+            else:
+                raise AssertionError("to-hf converted a checkpoint without its frozen base")
         figures["tensor_keys"] = sorted(meta.tensors)
         # with the base: every parameter, and a model with another base gets this one's back
         full = os.path.join(root, "with_base")
         fsdp.save_checkpoint(full, optimizer=opt, save_frozen=True)
         meta = open_checkpoint(full).metadata
-        assert frozen <= set(meta.tensors) and meta.values[FROZEN_BASE_KEY]["saved"] is True
+        assert frozen <= set(meta.tensors) and FROZEN_BASE_KEY not in meta.values
         other_model, other, other_opt = build(seed=SEED + 100)
         other.load_checkpoint(full, optimizer=other_opt)
         want, got = fsdp.full_parameters(), other.full_parameters()
@@ -154,6 +163,15 @@ def _case_refusal(root: str):
         else:
             raise AssertionError("a base differing in one element was accepted")
         # more trainable parameters than at save: another set of frozen parameters, refused by name
+        model5 = make_adapter_model(SEED)
+        for p in model5.parameters():
+            p.stop_gradient = False
+        try:
+            FullyShardFusion(model5, fsdp_unit_layers=["AdapterBlock"]).load_checkpoint(path, strict=False)
+        except FrozenBaseMismatchError as e:
+            assert "no frozen parameters" in str(e), e
+        else:
+            raise AssertionError("a model without frozen parameters loaded a checkpoint without its base")
         model4 = make_adapter_model(SEED)
         model4.head.bias.stop_gradient = False
         fsdp4 = FullyShardFusion(model4, fsdp_unit_layers=["AdapterBlock"])

@@ -406,7 +406,8 @@ class MemoryTier:
         self.copies.release()
         self._layout = None
         self._prepare()
-        frozen_base.fingerprint(self.fsdp)  # collective, once per run: what a copy without the base is checked against
+        if not frozen_base.writes_base_by_default(self.fsdp):  # copies reference the base: checked against this
+            frozen_base.fingerprint(self.fsdp)  # collective, once per run
         restore = Restore(self)
         self.restored = restore.run()
         self.start_step = self.restored.step if self.restored is not None else 0

@@ -7,7 +7,8 @@ and the resume state, and under :data:`FROZEN_BASE_KEY` a reference to the base:
 bytes, where it came from (``fsdp.base_source``, else the model config's ``name_or_path`` when it has one) and a
 content fingerprint. A resume checks the fingerprint and refuses another base with FrozenBaseMismatchError,
 before anything is written. ``save_frozen=True`` writes the base too (a run whose base exists nowhere else);
-such a checkpoint restores the base and needs no check.
+such a checkpoint restores the base and needs no check. Not told (``save_frozen=None``), a save writes the frozen
+parameters when they are no larger than the trainable ones (:func:`writes_base_by_default`).
 
 The fingerprint is the same at every world size and is what a tool would compute from whole weights: xxh3-64 of
 each frozen parameter's bytes (its whole value, gathered one buffer at a time as a forward would; each rank
@@ -38,6 +39,23 @@ def is_base_buffer(buffer) -> bool:
 def frozen_keys(fsdp) -> list[str]:
     """The keys of the frozen base's parameters, in model order."""
     return [key for key, _p, buffer, _i in fsdp.managed_parameters() if is_base_buffer(buffer)]
+
+
+def _bytes(fsdp, base: bool) -> int:
+    return sum(
+        slot.numel * buffer.shard.element_size()
+        for buffer in fsdp.buffers
+        if is_base_buffer(buffer) == base and (base or buffer.layout.trainable)
+        for slot in buffer.layout.slots
+    )
+
+
+def writes_base_by_default(fsdp) -> bool:
+    """Whether a save writes the frozen parameters when not told (``save_frozen=None``): when they are no larger
+    than the trainable ones (a frozen positional table, a frozen norm: they cost nothing and keep the checkpoint
+    self-contained); a base that dominates the model (LoRA and other adapters) is referenced. The same on every
+    rank (from the buffers' layouts)."""
+    return _bytes(fsdp, base=True) <= _bytes(fsdp, base=False)
 
 
 def base_source(fsdp) -> str | None:
@@ -103,12 +121,7 @@ def fingerprint(fsdp, collective: bool = True) -> dict | None:
     combined = xxhash.xxh3_64()
     for key in sorted(every):
         combined.update(f"{key}={every[key]}\n".encode())
-    total = sum(
-        slot.numel * buffer.shard.element_size()
-        for buffer in fsdp.buffers
-        if is_base_buffer(buffer)
-        for slot in buffer.layout.slots
-    )
+    total = _bytes(fsdp, base=True)
     value = {"algorithm": ALGORITHM, "fingerprint": combined.hexdigest(), "parameters": len(keys), "bytes": total}
     setattr(fsdp, _CACHE_ATTR, value)
     logger.info("frozen base: %d parameters, %d bytes, fingerprint %s", len(keys), total, value["fingerprint"])
@@ -120,13 +133,24 @@ def forget(fsdp) -> None:
     setattr(fsdp, _CACHE_ATTR, None)
 
 
-def reference(fsdp, saved: bool, collective: bool) -> dict | None:
-    """The JSON value a checkpoint stores under FROZEN_BASE_KEY (None: the model has no frozen base). A
-    collective-free save before the fingerprint is known stores none (its load does not check)."""
-    if not frozen_keys(fsdp):
+def adapter_info(fsdp) -> dict | None:
+    """What the exports need to write the trainable part as an adapter: a PaddleFormers ``LoRAModel`` records its
+    LoRA config and the prefix its own keys add to the base model's (``model.``); None for another model."""
+    config = getattr(fsdp.model, "lora_config", None)
+    if config is None or not callable(getattr(config, "to_dict", None)):
         return None
+    return {"format": "paddleformers-lora", "config": config.to_dict(), "prefix": "model."}
+
+
+def reference(fsdp, collective: bool) -> dict:
+    """The JSON value a checkpoint that does not hold the frozen base stores under FROZEN_BASE_KEY. A
+    collective-free save before the fingerprint is known stores none (its load does not check)."""
     found = fingerprint(fsdp, collective) or {"algorithm": ALGORITHM, "fingerprint": None}
-    return {**found, "saved": saved, "source": base_source(fsdp)}
+    value = {**found, "saved": False, "source": base_source(fsdp)}
+    adapter = adapter_info(fsdp)
+    if adapter is not None:
+        value["adapter"] = adapter
+    return value
 
 
 def holds_base(value: Any) -> bool:
@@ -138,7 +162,7 @@ def holds_base(value: Any) -> bool:
 
 def check(fsdp, value: Any, where: str) -> None:
     """Refuse to resume onto another base than the checkpoint's (FrozenBaseMismatchError, before anything is
-    written). The model's fingerprint must have been computed (collectively) before: :func:`fingerprint`."""
+    written). Checks nothing while the model's fingerprint is not computed (:func:`fingerprint`, collective)."""
     if holds_base(value):
         return
     if value.get("fingerprint") is None:  # saved by a collective-free door before any fingerprint was known
@@ -147,8 +171,8 @@ def check(fsdp, value: Any, where: str) -> None:
     if not isinstance(value.get("parameters"), int) or not isinstance(value["fingerprint"], str):
         raise MetadataError(f"{where}: the frozen base reference needs 'parameters' (int) and 'fingerprint' (str)")
     mine = getattr(fsdp, _CACHE_ATTR, None)
-    if mine is None:
-        raise RuntimeError(f"{where}: the frozen base's fingerprint was not computed before the check")
+    if mine is None:  # not computed yet: the door checks after computing it collectively (state/resume.py)
+        return
     source = value.get("source")
     hint = (
         f"load the base it was trained on{f' ({source})' if source else ''} into the model before resuming, or "

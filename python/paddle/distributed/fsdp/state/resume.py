@@ -97,7 +97,7 @@ def save_checkpoint(
     grad_scaler=None,
     stateful: dict | None = None,
     ema=None,
-    save_frozen: bool = False,
+    save_frozen: bool | None = None,
 ):
     """Save everything needed to resume bit-exactly. Collective: every rank of the group calls it.
 
@@ -113,8 +113,8 @@ def save_checkpoint(
     objects with ``state_dict()``/``set_state_dict()`` (a data sampler, fsdp/sampler.py), saved per rank
     (state/stateful.py). ``ema``: a ShardedEMA (``fsdp.ema(coef)``, state/ema.py) saved with the weights. What a
     checkpoint holds is decided in one place: state/resume_state.py. Frozen parameters (``stop_gradient``, a
-    LoRA base) are not written but referenced (their source and fingerprint, checked by the load); ``save_frozen``
-    writes them too (state/frozen_base.py).
+    LoRA base) larger than the trainable ones are not written but referenced (their source and fingerprint, checked
+    by the load); ``save_frozen=True`` writes them, ``False`` never does (state/frozen_base.py).
     """
     if str(format).lower() in HF_FORMAT_NAMES:
         raise ValueError(
@@ -124,7 +124,7 @@ def save_checkpoint(
         )
     if str(format).lower() != "fsdp":
         raise ValueError(f"unknown checkpoint format {format!r} (supported: 'fsdp')")
-    objs = ResumeObjects(fsdp, optimizer, grad_scaler, stateful, ema, extra_state, with_frozen_base=bool(save_frozen))
+    objs = ResumeObjects(fsdp, optimizer, grad_scaler, stateful, ema, extra_state, with_frozen_base=save_frozen)
     manager = None
     if step is not None:
         step_dir_name(step)  # validates before any collective
@@ -284,7 +284,6 @@ def _load_once(
     fsdp, optimizer = objs.fsdp, objs.optimizer
     err: BaseException | None = None
     resolved = checkpoint = foreign = apply = None
-    frozen_base.fingerprint(fsdp)  # collective, once per run: a checkpoint without the base is checked against it
     try:
         resolved = resolve_checkpoint(path)
         # refused here, before the optimizer's state is even created; the engine loads from this same opened
@@ -299,6 +298,9 @@ def _load_once(
     if len(set(resolutions)) > 1:  # `latest` moved between the ranks' reads
         raise CheckpointRemovedError(f"ranks resolved {path} to different checkpoints: {sorted(set(resolutions))}")
     metadata = checkpoint.metadata
+    if not objs.with_frozen_base:  # the checkpoint references its base: alike on every rank (the same checkpoint)
+        frozen_base.fingerprint(fsdp)  # collective, once per run; then every rank decides alike
+        frozen_base.check(fsdp, metadata.values.get(FROZEN_BASE_KEY), f"checkpoint {resolved}")
     if optimizer is not None:
         fsdp.init_optimizer_state(optimizer)
     state = resume_state.load_targets(objs)
@@ -329,6 +331,8 @@ def _load_once(
         window = replicas.window_for(max_host_bytes)
         report.loaded_keys.extend(replicas.broadcast_parts(split, set(report.loaded_keys), replicate_group, window))
     apply()  # validated above on every rank: restores optimizer global state and RNG, cannot fail
+    if objs.with_frozen_base and objs.frozen_base_keys:  # the base was loaded: a later fingerprint is computed anew
+        frozen_base.forget(fsdp)
     # the list of buffer keys is for the tools (to-hf); the buffers themselves were loaded as model state
     report.unexpected_keys = [k for k in report.unexpected_keys if k != BUFFERS_KEY]
     if optimizer is not None:  # a parameter loaded without its master weight: the master follows the parameter

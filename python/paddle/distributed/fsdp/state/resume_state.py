@@ -48,7 +48,8 @@ logger = logging.getLogger(__name__)
 class ResumeObjects:
     """What a door saves from and restores into. Only ``fsdp`` is required; ``extra_state`` is the caller's
     JSON dict (returned by a load, not applied). ``with_frozen_base``: a save writes the frozen base's tensors
-    too, a load reads them (the checkpoint holds them); else only its reference (state/frozen_base.py)."""
+    too, a load reads them (the checkpoint holds them); else only its reference; None: as
+    ``frozen_base.writes_base_by_default`` decides (state/frozen_base.py)."""
 
     fsdp: Any
     optimizer: Any = None
@@ -56,7 +57,7 @@ class ResumeObjects:
     stateful: dict | None = None
     ema: ShardedEMA | None = None
     extra_state: dict | None = None
-    with_frozen_base: bool = False
+    with_frozen_base: bool | None = None  # None: frozen_base.writes_base_by_default
 
     def __post_init__(self) -> None:
         if self.grad_scaler is not None:
@@ -74,6 +75,17 @@ class ResumeObjects:
     @cached_property
     def frozen_base_keys(self) -> list[str]:
         return frozen_base.frozen_keys(self.fsdp)
+
+    @property
+    def writes_frozen_base(self) -> bool:
+        if self.with_frozen_base is None:
+            self.with_frozen_base = frozen_base.writes_base_by_default(self.fsdp)
+        return self.with_frozen_base
+
+    @property
+    def references_frozen_base(self) -> bool:
+        """The frozen parameters are referenced, not written: the state holds their reference instead."""
+        return bool(self.frozen_base_keys) and not self.writes_frozen_base
 
 
 class Saved:
@@ -110,6 +122,7 @@ class Item:
     value: Callable[[ResumeObjects, bool], Any] | None = None
     decode: Callable[[ResumeObjects, Saved, bool, str], Callable[[], None]] | None = None
     needs: str | None = None  # the ResumeObjects field it is about: without that object, the item holds nothing
+    checked_only: bool = False  # a reference a load checks and never writes (the frozen base), not restored state
 
     def given(self, objs: ResumeObjects) -> bool:
         return self.needs is None or bool(getattr(objs, self.needs))
@@ -122,7 +135,7 @@ def _nothing() -> None:
 # ---------------------------------------------------------------------------------------------- the items
 def _parameter_tensors(objs: ResumeObjects) -> tuple[dict, set]:
     records = parameter_records(objs.fsdp)
-    if not objs.with_frozen_base:  # the frozen base is referenced, not written (state/frozen_base.py)
+    if not objs.writes_frozen_base:  # the frozen base is referenced, not written (state/frozen_base.py)
         for key in objs.frozen_base_keys:
             records.pop(key, None)
     trainable = {key for key, _p, buffer, _i in objs.fsdp.managed_parameters() if buffer.layout.trainable}
@@ -227,14 +240,11 @@ def _ema_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> 
 
 
 def _frozen_base_value(objs: ResumeObjects, collective: bool) -> Any:
-    return frozen_base.reference(objs.fsdp, objs.with_frozen_base, collective)
+    return frozen_base.reference(objs.fsdp, collective)
 
 
 def _frozen_base_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> Callable[[], None]:
-    value = saved.get(FROZEN_BASE_KEY)
-    frozen_base.check(objs.fsdp, value, where)
-    if frozen_base.holds_base(value):  # the load writes the base: its fingerprint is computed anew when needed
-        return lambda: frozen_base.forget(objs.fsdp)
+    frozen_base.check(objs.fsdp, saved.get(FROZEN_BASE_KEY), where)  # (the disk load checks after computing it)
     return _nothing
 
 
@@ -250,7 +260,12 @@ ITEMS: tuple[Item, ...] = (
     Item("stateful", STATEFUL_KEY, per_rank=True, value=_stateful_value, decode=_stateful_decode, needs="stateful"),
     Item("ema", EMA_KEY, tensors=_ema_tensors, value=_ema_value, decode=_ema_decode, needs="ema"),
     Item(
-        "frozen_base", FROZEN_BASE_KEY, value=_frozen_base_value, decode=_frozen_base_decode, needs="frozen_base_keys"
+        "frozen_base",
+        FROZEN_BASE_KEY,
+        value=_frozen_base_value,
+        decode=_frozen_base_decode,
+        needs="references_frozen_base",
+        checked_only=True,
     ),
 )
 PER_RANK_KEYS: tuple[str, ...] = tuple(item.key for item in ITEMS if item.per_rank and item.key)

@@ -20,6 +20,7 @@ import paddle.distributed as dist
 
 from ...checkpoint.coordination import Comm, gather_errors
 from ...checkpoint.errors import ToolError
+from ...state.frozen_base import adapter_info
 from ...tools.presets import PRESETS
 
 logger = logging.getLogger(__name__)
@@ -47,28 +48,52 @@ def choose_preset(model_type: str | None, keys: list[str]) -> str:
     )
 
 
+def check_exportable(fsdp, model, preset: str | None) -> str | None:
+    """What ``export`` will write, decided before training (a run must not die at its first ``save_hf_steps``):
+    None for an adapter model (its adapter, tools/adapter_export.py), else the preset (NoHfPresetError now)."""
+    if adapter_info(fsdp) is not None:
+        return None
+    if preset is not None:
+        if preset not in PRESETS:
+            raise NoHfPresetError(f"hf_preset {preset!r} is not a to-hf preset (known: {sorted(PRESETS)})")
+        return preset
+    keys = [key for key, _p, _b, _i in fsdp.managed_parameters()]
+    return choose_preset(getattr(getattr(model, "config", None), "model_type", None), keys)
+
+
 def export(fsdp, model, out_dir: str, *, preset: str | None, tokenizer=None, source: str | None = None) -> None:
-    """Write HF weights + config (+ tokenizer) of ``model`` into ``out_dir`` (collective; local paths only).
+    """Write HF weights + config (+ tokenizer) of ``model`` into ``out_dir`` (collective; local paths only); for an
+    adapter model (a PaddleFormers ``LoRAModel``) its adapter in PaddleFormers' and peft's layouts instead.
 
     ``source``: a committed checkpoint of the current weights (reused, not rewritten); None saves one into a
     temporary directory next to ``out_dir`` first. Files land in ``out_dir`` one by one, the index last.
     """
     from ...tools import to_hf
+    from ...tools.adapter_export import export_adapter
 
     if "://" in str(out_dir):
         raise ValueError(f"HF export writes a local directory; got {out_dir!r} (export locally, then upload)")
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
+    adapter = adapter_info(fsdp) is not None
     scratch = None
-    if source is not None and not _holds_every_weight(source):
+    if source is not None and not adapter and not _holds_every_weight(source):
         source = None  # a checkpoint-N references the frozen base only (state/frozen_base.py)
     if source is None:
         scratch = f"{out_dir.rstrip('/')}.fsdp-weights.tmp"
-        # model only (optimizer=None), frozen base included: every rank writes its shard
-        fsdp.save_checkpoint(scratch, save_frozen=True)
+        # model only (optimizer=None), frozen base included unless the adapter is exported: every rank its shard
+        fsdp.save_checkpoint(scratch, save_frozen=not adapter)
         source = scratch
     error = None
-    if _is_rank0():
+    if _is_rank0() and adapter:
+        try:
+            with tempfile.TemporaryDirectory(prefix=".fsdp-adapter-", dir=_made(parent)) as work:
+                export_adapter(source, work)
+                _move_into(work, out_dir)
+            logger.info("FSDPTrainer: adapter written to %s", out_dir)
+        except Exception as e:  # noqa: BLE001 - every rank raises it below (rank 0 wrote alone)
+            error = e
+    elif _is_rank0():
         try:
             if preset is None:
                 keys = [key for key, _p, _b, _i in fsdp.managed_parameters()]
@@ -91,6 +116,11 @@ def export(fsdp, model, out_dir: str, *, preset: str | None, tokenizer=None, sou
     if scratch is not None and _is_rank0():
         shutil.rmtree(scratch, ignore_errors=True)
     gather_errors(Comm(fsdp._checkpoint_group), error)  # also the barrier: every rank returns after the export
+
+
+def _made(directory: str) -> str:
+    os.makedirs(directory, exist_ok=True)
+    return directory
 
 
 def _holds_every_weight(checkpoint: str) -> bool:

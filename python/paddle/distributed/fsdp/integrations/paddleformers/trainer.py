@@ -156,8 +156,9 @@ class FSDPTrainerMixin:
         fsdp_memory_tier: ``dict(persist_every=K, memory_root=..., ...)``: saves to host memory, every K-th one to
             ``checkpoint-N`` (memory_saves.py).
         moe_layers_name, expert_parallel_group, expert_shard_group: expert parallelism, as ``FullyShardFusion``'s.
-        save_frozen_base: ``checkpoint-N`` holds the frozen base's tensors too (default: a reference to it, its
-            source and fingerprint, checked at resume; state/frozen_base.py).
+        save_frozen_base: ``checkpoint-N`` holds the frozen parameters' tensors too (True) or never (False); None:
+            a frozen base larger than the trainable parameters (LoRA) is referenced (its source and fingerprint,
+            checked at resume), smaller frozen parameters are written (state/frozen_base.py).
     """
 
     def __init__(
@@ -174,7 +175,7 @@ class FSDPTrainerMixin:
         moe_layers_name: list[str] | None = None,
         expert_parallel_group=None,
         expert_shard_group=None,
-        save_frozen_base: bool = False,
+        save_frozen_base: bool | None = None,
         **kwargs,
     ) -> None:
         memory_options = memory_saves.check_options(fsdp_memory_tier)  # before anything is built
@@ -207,7 +208,9 @@ class FSDPTrainerMixin:
         )
         self.model_wrapped = self.model
         self.hf_preset = hf_preset
-        self.save_frozen_base = bool(save_frozen_base)
+        self.save_frozen_base = save_frozen_base
+        if (getattr(self.args, "save_hf_steps", -1) or -1) > 0:  # a run must not die at its first export
+            hf_export.check_exportable(self.fsdp, self.model, hf_preset)
         self._fsdp_pending = None  # the async save in flight
         self._fsdp_loaded = None  # (path, extra_state) of the checkpoint this train() resumed from
         self._fsdp_memory = memory_options  # fsdp_memory_tier, checked (memory_saves.py); None: no memory tier
