@@ -7,7 +7,7 @@ every rank right after the checkpoint of that step), ``async_save``, ``accumulat
 ``stock`` ("dp": the stock Trainer, for comparisons), ``bf16``, ``eval`` (evaluate every ``save_steps``),
 ``hsdp`` (replicas: HSDP over ``topology.hybrid_groups``), ``memory_tier`` (``fsdp_memory_tier``), ``lora`` (the
 model wrapped in PaddleFormers' ``LoRAModel``, r=4 on q/v, only the adapters trainable), ``save_frozen_base``,
-``hf_preset`` (FSDPTrainer's keywords).
+``hf_preset``, ``hf_merge_adapter`` (FSDPTrainer's keywords).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def main() -> None:
     )
     if cfg.get("memory_tier"):
         groups["fsdp_memory_tier"] = cfg["memory_tier"]
-    for key in ("save_frozen_base", "hf_preset"):
+    for key in ("save_frozen_base", "hf_preset", "hf_merge_adapter"):
         if key in cfg:
             groups[key] = cfg[key]
     trainer = Trainer(**kwargs) if cfg.get("stock") else FSDPTrainer(**kwargs, **groups)

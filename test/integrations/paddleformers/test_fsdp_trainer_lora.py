@@ -19,7 +19,7 @@ import pytest
 from test_fsdp_trainer import STEPS, ckpt_diff, losses, train
 
 SAVE_AT = 3
-LORA = {"lora": True, "eval": False, "save_hf_steps": SAVE_AT}
+LORA = {"lora": True, "eval": False, "save_hf_steps": SAVE_AT, "hf_merge_adapter": True}
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +121,33 @@ def test_peft_layout_matches_the_adapter(lora_run):
     assert sorted(tensors) == sorted(f"base_model.model.{k}.weight" for k in want)
     for key, value in want.items():
         np.testing.assert_array_equal(tensors[f"base_model.model.{key}.weight"], value.T, err_msg=key)
+
+
+def _logits(model, ids) -> np.ndarray:
+    out = model(input_ids=ids)
+    return np.asarray((out[0] if isinstance(out, tuple) else out.logits).numpy())
+
+
+def test_merged_model_loads_with_from_pretrained_and_gives_the_adapter_models_logits(lora_run):
+    """hf_merge_adapter: final/merged is the base with scale * A @ B merged in (fp32, as the base), HF weights that
+    LlamaForCausalLM.from_pretrained loads; its logits equal the adapter model's within 1e-5."""
+    import paddle
+    from paddleformers.peft import LoRAModel
+    from paddleformers.transformers.llama.modeling import LlamaForCausalLM
+    from trainer_fsdp import tiny_llama
+
+    out, _ = lora_run
+    merged = LlamaForCausalLM.from_pretrained(str(out / "final" / "merged"))
+    adapter = LoRAModel.from_pretrained(tiny_llama(), str(out / "final"))
+    plain = tiny_llama()  # the base alone: the merge must change what the adapters change
+    ids = paddle.to_tensor(np.random.default_rng(0).integers(4, 128, (2, 16)).astype("int64"))
+    for m in (merged, adapter, plain):
+        m.eval()
+    with paddle.no_grad():
+        want, got, base = (_logits(m, ids) for m in (adapter, merged, plain))
+    assert {str(v.dtype) for v in merged.state_dict().values()} == {"paddle.float32"}
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert np.abs(base - want).max() > 1e-4, "the adapters do not change the logits: the merge is not tested"
 
 
 def test_peft_loads_the_adapter(lora_run):
