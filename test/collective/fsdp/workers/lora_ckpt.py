@@ -109,6 +109,10 @@ def _case_contents(root: str, figures: dict):
         )
         assert ref["bytes"] == base_bytes, (ref, base_bytes)
         figures["fingerprint"] = ref["fingerprint"]
+        handle = fsdp.save_checkpoint(os.path.join(root, "contents_async"), optimizer=opt, async_save=True)
+        handle.wait()  # an async save holds the same: no frozen tensor, the same reference
+        async_meta = open_checkpoint(os.path.join(root, "contents_async")).metadata
+        assert sorted(async_meta.tensors) == sorted(meta.tensors) and async_meta.values[FROZEN_BASE_KEY] == ref
         if rank == 0:  # no whole model to convert, and no adapter recorded (not a LoRAModel): refused by name
             try:
                 to_hf(path, os.path.join(root, "contents_hf"))
