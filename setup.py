@@ -77,12 +77,13 @@ setup(
     python_requires=">=3.9",
     package_dir={"": "python", FORK_PACKAGE: FORK_SRC},
     packages=_fork_packages(),
-    py_modules=["paddle_fsdp_fork_activate"],
+    py_modules=["paddle_fsdp_fork_activate", "paddle_fsdp_fork_cli"],
     include_package_data=False,
     zip_safe=False,  # the import hook needs real files (spec_from_file_location)
     install_requires=["numpy>=1.21", "safetensors>=0.4", "xxhash>=3.0"],
-    # the public name works because the .pth import hook serves the fork as paddle.distributed.fsdp
-    entry_points={"console_scripts": ["paddle-fsdp-ckpt = paddle.distributed.fsdp.tools.cli:main"]},
+    # a launcher outside `paddle`: --help and usage errors are answered without importing paddle (seconds);
+    # commands then run paddle.distributed.fsdp.tools.cli:main (served by the .pth import hook)
+    entry_points={"console_scripts": ["paddle-fsdp-ckpt = paddle_fsdp_fork_cli:main"]},
     extras_require={
         # Not a hard dependency: GPU users already have paddlepaddle-gpu (same `paddle` package).
         "cpu": ["paddlepaddle==3.3.1"],
