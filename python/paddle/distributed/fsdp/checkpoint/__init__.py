@@ -124,6 +124,7 @@ _MOVED = {
             "NotARegularFileError",
             "SaveFailedError",
             "ShapeMismatchError",
+            "TargetNotADirectoryError",
             "OptimizerMismatchError",
             "GradScalerMismatchError",
             "RngStateMismatchError",

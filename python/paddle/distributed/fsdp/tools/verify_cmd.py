@@ -38,6 +38,7 @@ def verify(path: str | os.PathLike, progress: bool | None = None) -> tuple[list[
         summary = {
             "path": path,
             "tensors": len(md.tensors),
+            "tensor_bytes": data_bytes,
             "files": len(md.files),
             "file_bytes": sum(f.size for f in md.files.values()),
             "checksum": md.checksum,
