@@ -209,3 +209,20 @@ def test_diff_only_refuses_unknown_parts(round_trip, capsys, bad):
         assert rc == 0, err
         return
     assert rc == 2 and "choose from model, optimizer, values" in err, err
+
+
+# ------------------------------------------------------------------------------- the README's demo
+
+
+def test_the_demo_leaves_no_checkpoint_behind(tmp_path):
+    """README's demo, as its Quick start runs it: trains, reloads identically, and removes its temporary checkpoint
+    (it used to leave a fixed /tmp/fsdp_demo_checkpoint)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    demo = TEST_DIR.parents[2] / "examples" / "demo_train.py"
+    result = run_launch(demo, NPROC, log_dir=tmp_path / "logs", env={"TMPDIR": str(scratch)})
+    log = result.worker_logs[0]
+    assert "reloaded checkpoint at step 10: parameters identical = True" in log, log[-3000:]
+    saved = re.search(r"saved checkpoint to (\S+)", log)
+    assert saved and saved.group(1).startswith(str(scratch)), log[-3000:]
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith("fsdp_demo_")]
