@@ -87,8 +87,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     with warnings.catch_warnings():
         if verbose <= 0:
             warnings.filterwarnings("ignore", message=CCACHE_WARNING, category=UserWarning)
-        from paddle.distributed.fsdp.tools.cli import main as run
-
+        try:
+            from paddle.distributed.fsdp.tools.cli import main as run
+        except ImportError as e:  # paddle missing, or the overlay switched off: one line, not a traceback
+            print(
+                f"paddle-fsdp-ckpt: error: cannot import the FSDP fork's tools ({e}); is paddle installed "
+                "(the `cpu` extra) and the fork's import hook on (PADDLE_FSDP_FORK_DISABLE unset)?",
+                file=sys.stderr,
+            )
+            return 2
     return run(argv)
 
 

@@ -132,3 +132,15 @@ def test_commands_on_s3_print_no_botocore_lines(tmp_path, s3_bucket, s3_env):
     proc = subprocess.run([str(SCRIPT), "verify", "-v", url], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "Found credentials" in proc.stderr, proc.stderr  # shown with -v: only the default is quiet
+
+
+def test_a_command_without_the_fork_is_one_line(tmp_path):
+    """The overlay switched off (or paddle missing): the command says so in one line, not a traceback; --help
+    still answers."""
+    env = dict(os.environ, PADDLE_FSDP_FORK_DISABLE="1")
+    proc = subprocess.run([str(SCRIPT), "verify", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("paddle-fsdp-ckpt")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(lines) == 1 and "PADDLE_FSDP_FORK_DISABLE" in lines[0], proc.stderr[-2000:]
+    proc = subprocess.run([str(SCRIPT), "--help"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: paddle-fsdp-ckpt"), proc.stderr
