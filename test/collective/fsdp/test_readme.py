@@ -13,7 +13,11 @@ import ast
 import glob
 import importlib
 import inspect
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -289,3 +293,48 @@ def test_every_guide_is_indexed():
     assert not missing, f"docs/README.md does not list {missing}"
     linked = README.read_text()
     assert "docs/README.md" in linked
+
+
+def _section(path: Path, heading: str) -> str:
+    """The text of ``path`` under the heading ``heading``, to the next heading of the same or a higher level (lines
+    inside code blocks, such as a shell comment, are no headings)."""
+    lines, level, in_code = [], 0, False
+    for line in path.read_text().splitlines(keepends=True):
+        in_code ^= line.startswith("```")
+        m = None if in_code else re.match(r"(#+) (.*)", line)
+        if m and level and len(m.group(1)) <= level:
+            break
+        if level:
+            lines.append(line)
+        elif m and m.group(2).strip() == heading:
+            level = len(m.group(1))
+    assert level, f"{path.name} has no section {heading!r}"
+    return "".join(lines)
+
+
+def _isolated_loopback() -> list[str]:
+    """``unshare`` into a network namespace of our own (its own 127.0.0.1, so the guide's fixed ports cannot meet
+    another run's), or nothing when this machine does not allow it."""
+    if not (shutil.which("unshare") and shutil.which("ip")):
+        return []
+    probe = subprocess.run(["unshare", "-rn", "ip", "link", "set", "lo", "up"], capture_output=True, timeout=30)
+    return ["unshare", "-rn"] if probe.returncode == 0 else []
+
+
+def test_object_storage_try_it_on_one_machine_runs_as_written(tmp_path):
+    """docs/object-storage.md's "Try it on one machine" block, verbatim in bash: a local S3 server, a save and a
+    load through boto3's environment, a CLI verify, the server stopped."""
+    (block,) = _blocks(_section(DOCS / "object-storage.md", "Try it on one machine"), "bash")
+    assert "127.0.0.1" in block and not re.search(r"\b(?!127\.)\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}\b", block)
+    bindir = str(Path(sys.executable).parent)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}  # only what the block sets
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    netns = _isolated_loopback()
+    script = ("ip link set lo up\n" if netns else "") + block
+    proc = subprocess.run(
+        [*netns, "bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    assert "[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]" in out.splitlines(), out + proc.stderr[-3000:]
+    assert any(line.startswith("OK: s3://demo/run1/step_1: 1 tensors") for line in out.splitlines()), out

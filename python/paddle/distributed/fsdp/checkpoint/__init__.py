@@ -125,6 +125,7 @@ _MOVED = {
             "NotARegularFileError",
             "SaveFailedError",
             "ShapeMismatchError",
+            "TargetNotADirectoryError",
             "OptimizerMismatchError",
             "GradScalerMismatchError",
             "RngStateMismatchError",

@@ -14,7 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CheckpointError, InvalidStateDictError, SaveFailedError, names_rank, rebuild_remote_error
+from .errors import (
+    CheckpointError,
+    InvalidStateDictError,
+    SaveFailedError,
+    TargetNotADirectoryError,
+    agreed_error,
+    names_rank,
+    rebuild_remote_error,
+)
 
 # ------------------------------------------------------------------------------------------------ groups
 
@@ -89,7 +97,7 @@ class Comm:
         return unpadded(out.numpy())
 
 
-def gather_errors(comm, error: BaseException | None, payload: Any = None) -> list:
+def gather_errors(comm, error: BaseException | None, payload: Any = None, *, agree: bool = False) -> list:
     """Exchange every rank's error (and ``payload``) in one ``all_gather_object``; if any rank failed, raise on
     every rank: the rank's own error where it has one, else the first failed rank's, rebuilt as the same named
     class (errors.rebuild_remote_error). Returns every rank's ``payload`` (by rank) when none failed.
@@ -97,11 +105,19 @@ def gather_errors(comm, error: BaseException | None, payload: Any = None) -> lis
     A rank that failed while others did not raises the very error its peers rebuild: the same class, its message
     naming the rank (``rank <r> failed: ...``), with its own error chained as the cause (``own_error``).
 
+    ``agree``: for errors each rank finds on its own part (a load's key checks), where ranks may fail for
+    different keys: when every failure is a named CheckpointError, every rank raises one error with the same
+    text, naming each failed rank's cause (errors.agreed_error), chained to its own.
+
     ``comm`` is anything with ``all_gather_object(obj) -> list`` (``Comm``, FullyShardFusion's ``comm``). Every
     rank must call it, also a failed one: that is what keeps a failing rank from leaving the others waiting.
     """
     status = None if error is None else (type(error).__name__, message_of(error))
     gathered = comm.all_gather_object((status, payload))
+    if agree and len(gathered) > 1 and (error is None or isinstance(error, CheckpointError)):
+        one = agreed_error([(r, st[0], st[1]) for r, (st, _p) in enumerate(gathered) if st is not None])
+        if one is not None:
+            raise one from error
     if error is not None:
         raise own_error(error, comm, gathered)
     for r, (st, _payload) in enumerate(gathered):
@@ -153,7 +169,10 @@ def check_target_path(path: str) -> None:
     if not os.path.lexists(path):
         return
     if not os.path.isdir(path):
-        raise InvalidStateDictError(f"cannot save to {path}: it exists and is not a directory")
+        what = "a file" if os.path.isfile(path) else "not a directory"
+        raise TargetNotADirectoryError(
+            f"cannot save to {path}: it is {what}; a checkpoint is a directory (nothing was written over it)"
+        )
     names = os.listdir(path)
     if not names:
         return

@@ -174,7 +174,12 @@ def _not_there(path: str, storage: Storage) -> CheckpointError:
             f"checkpoint {path} is incomplete: it was never committed; "
             f"{_describe_staging(storage, _newest(parent, staging, storage))} left {staging[:3]} next to it{old_hint}"
         )
-    return NotACheckpointError(f"{path} is not a checkpoint: no such directory{old_hint}")
+    try:
+        is_file = base in storage.list(parent)
+    except OSError:
+        is_file = False
+    what = "it is a file, not a checkpoint directory" if is_file else "no such directory"
+    return NotACheckpointError(f"{path} is not a checkpoint: {what}{old_hint}")
 
 
 def _not_committed(path: str, names: list[str], storage: Storage) -> CheckpointError:

@@ -34,6 +34,7 @@ __all__ = [
     "SaveFailedError",
     "LoadFailedError",
     "DirectoryMismatchError",
+    "TargetNotADirectoryError",
     "PartiallyLoadedError",
     "ToolError",
     "CheckpointEnvError",
@@ -161,6 +162,10 @@ class DirectoryMismatchError(SaveFailedError):
     """The ranks of one save were given different checkpoint names (a node-local ``path`` is fine)."""
 
 
+class TargetNotADirectoryError(SaveFailedError):
+    """A save's target path is an existing file (or another non-directory): nothing is written over it."""
+
+
 class PartiallyLoadedError(CheckpointError):
     """A load failed after it had begun writing the targets (e.g. a corrupt chunk found mid-read by a
     memory-bounded load): the tensors of the ranks that read data hold a mix of old and loaded bytes and must not
@@ -213,6 +218,7 @@ ERROR_CLASSES = {
         SaveFailedError,
         LoadFailedError,
         DirectoryMismatchError,
+        TargetNotADirectoryError,
         PartiallyLoadedError,
     )
 }
@@ -244,3 +250,24 @@ def rebuild_remote_error(type_name: str, message: str, rank: int) -> CheckpointE
         return _named_class(type_name)(named)
     except TypeError:  # a class whose constructor takes other arguments
         return CheckpointError(f"rank {rank} failed: {type_name}: {message}")
+
+
+#: at most this many ranks' causes are spelled out in an agreed error (the count of the others follows)
+AGREED_RANKS_SHOWN = 4
+
+
+def agreed_error(failed: list[tuple[int, str, str]]) -> CheckpointError | None:
+    """One error, the same text on every rank, from every failed rank's ``(rank, class name, message)`` (in rank
+    order): the lowest failed rank's class, each rank's cause. None unless every class is a CheckpointError's
+    (anything else, e.g. a bug, stays the failing rank's own error)."""
+    if not failed or any(_named_class(name).__name__ != name for _r, name, _m in failed):
+        return None
+    first = failed[0][1]
+    parts = [f"rank {r} failed: {msg if name == first else f'{name}: {msg}'}" for r, name, msg in failed]
+    text = "; ".join(parts[:AGREED_RANKS_SHOWN])
+    if len(parts) > AGREED_RANKS_SHOWN:
+        text += f" (and {len(parts) - AGREED_RANKS_SHOWN} more rank(s) failed)"
+    try:
+        return _named_class(first)(text)
+    except TypeError:  # a class whose constructor takes other arguments
+        return CheckpointError(f"{first}: {text}")

@@ -169,7 +169,7 @@ def _opt_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> 
     given, value = type(inner).__name__, saved.get(OPTIMIZER_KEY)
     if value is None:
         raise OptimizerMismatchError(
-            f"{where} has no optimizer state, but a {given} was given: load it without optimizer="
+            f"{where} has no optimizer state, but an optimizer ({given}) was given: load it without optimizer="
         )
     if type(value) is not dict or type(value.get("class")) is not str:
         raise MetadataError(f"{where}: {OPTIMIZER_KEY} must be an object with a 'class' string")

@@ -19,6 +19,9 @@ from .cli_commands import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_
 from .cli_parser import build_parser
 
 LOGGER_NAME = "paddle.distributed.fsdp"  # the fork's loggers: tools and checkpoint engine
+#: loggers of libraries whose INFO lines (e.g. botocore's "Found credentials in environment variables.") say
+#: nothing about the user's checkpoint; paddle's root handler would print them. Shown with -v.
+QUIET_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3")
 
 
 @contextlib.contextmanager
@@ -26,11 +29,16 @@ def _log_to_stderr(verbose: int):
     """Route the fork's loggers (tools and checkpoint engine) to stderr as ``paddle-fsdp-ckpt: LEVEL: msg``.
 
     Paddle installs its own root handler at import; the fork's logger is detached from it for the duration of
-    the command and restored afterwards (so calling ``main`` in-process leaves logging as it was).
+    the command and restored afterwards (so calling ``main`` in-process leaves logging as it was). Without ``-v``
+    the S3 client's loggers (``QUIET_LOGGERS``) show warnings only.
     """
     level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
     fork_logger = logging.getLogger(LOGGER_NAME)
     saved = (fork_logger.level, fork_logger.propagate)
+    quiet = [logging.getLogger(name) for name in QUIET_LOGGERS] if verbose <= 0 else []
+    quiet_levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"{PROG}: %(levelname)s: %(message)s"))
     fork_logger.addHandler(handler)
@@ -42,6 +50,8 @@ def _log_to_stderr(verbose: int):
         fork_logger.removeHandler(handler)
         fork_logger.setLevel(saved[0])
         fork_logger.propagate = saved[1]
+        for logger, old in zip(quiet, quiet_levels):
+            logger.setLevel(old)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -53,8 +53,9 @@ def cmd_verify(args) -> int:
         )
     elif not problems:
         print(
-            f"OK: {summary['path']}: {summary['tensors']} tensors fully covered, {summary['files']} data file(s), "
-            f"{human_bytes(summary['file_bytes'])}, checksums ({summary['checksum']}) match"
+            f"OK: {summary['path']}: {summary['tensors']} tensors ({human_bytes(summary['tensor_bytes'])}) fully "
+            f"covered, {summary['files']} data file(s) ({human_bytes(summary['file_bytes'])} on disk), checksums "
+            f"({summary['checksum']}) match"
         )
     else:
         for p in problems:
@@ -133,7 +134,10 @@ def cmd_import_stock(args) -> int:
     from .stock_cmd import import_stock
 
     s = import_stock(args.src, args.out, unique_id=args.unique_id, progress=_progress(args))
-    print(f"wrote checkpoint {s['out']}: {s['tensors']} tensors ({human_bytes(s['total_size'])})")
+    print(
+        f"wrote checkpoint {s['out']}: {s['tensors']} tensors ({human_bytes(s['total_size'])}) in {s['files']} "
+        f"data file(s) ({human_bytes(s['file_bytes'])} on disk)"
+    )
     return EXIT_OK
 
 
@@ -149,6 +153,7 @@ def cmd_diff(args) -> int:
         rtol=args.rtol,
         keys=args.key,
         progress=_progress(args),
+        only=args.only,
     )
     if args.json:
         print(json.dumps(report.to_json(), indent=2))

@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 identical (or every difference within --atol/--rtol), 1 different, 2 bad input.\n\n"
         "examples:\n"
         "  paddle-fsdp-ckpt diff run_a/step_1000 run_b/step_1000\n"
-        "  paddle-fsdp-ckpt diff resumed/step_2000 straight/step_2000 --atol 1e-6 --json > diff.json",
+        "  paddle-fsdp-ckpt diff resumed/step_2000 straight/step_2000 --atol 1e-6 --json > diff.json\n"
+        "  paddle-fsdp-ckpt diff ckpt/step_1000 roundtrip_ckpt --only model",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("a", metavar="A", help="checkpoint directory (or a root with numbered checkpoints: its latest)")
@@ -204,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--atol", type=_tolerance, default=0.0, help="absolute difference accepted as equal (default 0)")
     p.add_argument("--rtol", type=_tolerance, default=0.0, help="relative difference accepted as equal (default 0)")
     p.add_argument("--key", action="append", metavar="KEY", help="compare only this key (repeatable)")
+    p.add_argument(
+        "--only",
+        type=_parts,
+        metavar="PART[,PART]",
+        help=f"compare only these parts: {', '.join(DIFF_PARTS)} (model: weights and buffers; e.g. --only model "
+        "for a checkpoint against its to-hf -> from-hf round trip, which has no optimizer state)",
+    )
     p.add_argument("--show-equal", action="store_true", help="list equal keys too (text output)")
     p.add_argument(
         "--window", default="16MiB", metavar="SIZE", help="bytes read per tensor window and side (default 16MiB)"
@@ -241,6 +249,17 @@ def _tolerance(text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
     return value
+
+
+DIFF_PARTS = ("model", "optimizer", "values")  # diff_cmd.PARTS (the parser imports nothing beyond the stdlib)
+
+
+def _parts(text: str) -> list[str]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in DIFF_PARTS]
+    if not parts or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(DIFF_PARTS)} (comma-separated)")
+    return parts
 
 
 def _version(text: str) -> int:

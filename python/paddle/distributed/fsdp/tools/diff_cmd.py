@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,12 +26,15 @@ from ..checkpoint.format.metadata import itemsize
 from ..checkpoint.format.rank_values import plain
 from ..checkpoint.format.reserved import RNG_KEY
 from ..checkpoint.geometry import Region
-from .ckpt_io import BUFFER, CheckpointReader, buffer_keys, classify_keys
+from .ckpt_io import BUFFER, MODEL, OPTIMIZER, CheckpointReader, buffer_keys, classify_keys
+from .errors import ToolError
 from .progress import Progress
 
 DEFAULT_WINDOW_BYTES = 16 << 20
 IGNORED_VALUES = (RNG_KEY,)  # per-run random state: never equal across runs, not a weight
 EMPTY_VALUES = (None, {}, [])
+VALUES = "values"  # the JSON values: optimizer class, LR scheduler, the caller's extra state
+PARTS = (MODEL, OPTIMIZER, VALUES)  # what ``only`` selects: parameters and buffers, optimizer tensors, values
 
 
 @dataclass
@@ -145,14 +149,24 @@ def diff(
     keys: list[str] | None = None,
     progress: bool | None = None,
     verify: bool = True,
+    only: Iterable[str] | None = None,
 ) -> DiffReport:
-    """Compare checkpoints ``a`` and ``b`` (see the module docstring). ``keys`` limits the comparison."""
+    """Compare checkpoints ``a`` and ``b`` (see the module docstring). ``keys`` limits the comparison to those
+    keys, ``only`` to parts of the state (``PARTS``: e.g. ``["model"]`` compares weights and buffers alone, as
+    for a checkpoint against its to-hf -> from-hf round trip, which carries no optimizer state)."""
+    parts = set(PARTS) if only is None else set(only)
+    if not parts or parts - set(PARTS):
+        raise ToolError(f"unknown part(s) {sorted(parts - set(PARTS)) or '(none)'}; choose from {', '.join(PARTS)}")
     with CheckpointReader(a, verify=verify) as ra, CheckpointReader(b, verify=verify) as rb:
         report = DiffReport(ra.path, rb.path, atol=float(atol), rtol=float(rtol))
         roles_a, roles_b = classify_keys(ra.md), classify_keys(rb.md)
         buffers = buffer_keys(ra.md) | buffer_keys(rb.md)
         ta, tb = ra.md.tensors, rb.md.tensors
-        names = list(ta) + [k for k in tb if k not in ta]
+
+        def role_of(k: str) -> str:
+            return BUFFER if k in buffers else (roles_a.get(k) or roles_b[k]).role
+
+        names = [k for k in list(ta) + [k for k in tb if k not in ta] if _part(role_of(k)) in parts]
         if keys is not None:
             wanted = set(keys)
             names = [k for k in names if k in wanted]
@@ -160,7 +174,7 @@ def diff(
         total = sum(ra.nbytes(k) for k in common if ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape)
         with Progress(total, "diff", enabled=progress) as bar:
             for k in names:
-                role = BUFFER if k in buffers else (roles_a.get(k) or roles_b[k]).role
+                role = role_of(k)
                 if k not in tb:
                     report.keys.append(KeyDiff(k, role, "missing", ta[k].dtype, list(ta[k].shape)))
                     continue
@@ -192,6 +206,8 @@ def diff(
                 if acc.n_diff or acc.nan_mismatch:
                     acc.status = "differs"
                 report.keys.append(acc)
+        if VALUES not in parts:
+            return report
         va = {k: v for k, v in ra.md.values.items() if k not in IGNORED_VALUES}
         vb = {k: v for k, v in rb.md.values.items() if k not in IGNORED_VALUES}
         for k in list(va) + [k for k in vb if k not in va]:
@@ -206,6 +222,11 @@ def diff(
                 same = json.dumps(plain(va[k]), sort_keys=True) == json.dumps(plain(vb[k]), sort_keys=True)
                 report.values[k] = "equal" if same else "differs"
     return report
+
+
+def _part(role: str) -> str:
+    """The ``--only`` part a tensor of ``role`` belongs to: buffers are model state."""
+    return OPTIMIZER if role == OPTIMIZER else MODEL
 
 
 def _fmt(x: float) -> str:

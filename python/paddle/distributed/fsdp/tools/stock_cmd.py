@@ -140,4 +140,10 @@ def import_stock(path: str, out: str, unique_id: int | None = None, progress: bo
         )
         writer.commit({})
     data.close()
-    return {"out": os.path.abspath(out), "tensors": len(idx.tensors), "total_size": total}
+    return {
+        "out": os.path.abspath(out),
+        "tensors": len(idx.tensors),
+        "total_size": total,  # tensor bytes (verify's "tensors (N B)")
+        "files": len(writer.files),
+        "file_bytes": sum(f.size for f in writer.files.values()),  # on disk, headers included (verify's too)
+    }

@@ -195,7 +195,7 @@ class LoadJob:
         """Every rank's status: raise the same named error on every rank if any failed, or if the ranks read
         different checkpoints. Returns the keys requested by any rank."""
         md = self.md
-        statuses = gather_errors(comm, err, (self.requested, md.checkpoint_id if md else None))
+        statuses = gather_errors(comm, err, (self.requested, md.checkpoint_id if md else None), agree=True)
         ids = sorted({s[1] for s in statuses})
         if len(ids) > 1:  # e.g. the path was replaced by a concurrent save between the ranks' reads
             raise CheckpointRemovedError(
