@@ -114,8 +114,10 @@ def gather_errors(comm, error: BaseException | None, payload: Any = None, *, agr
     """
     status = None if error is None else (type(error).__name__, message_of(error))
     gathered = comm.all_gather_object((status, payload))
-    if agree and len(gathered) > 1 and (error is None or isinstance(error, CheckpointError)):
-        one = agreed_error([(r, st[0], st[1]) for r, (st, _p) in enumerate(gathered) if st is not None])
+    failed = [(r, st[0], st[1]) for r, (st, _p) in enumerate(gathered) if st is not None]
+    # one failed rank: the rebuilt error below is already the same text on every rank
+    if agree and len(failed) > 1 and (error is None or isinstance(error, CheckpointError)):
+        one = agreed_error(failed)
         if one is not None:
             raise one from error
     if error is not None:
