@@ -291,6 +291,30 @@ def test_a_one_process_commit_continuing_the_root_keeps_its_run(tmp_path):
     assert sorted(os.listdir(root)) == ["latest", STEP(5)]
 
 
+@pytest.mark.parametrize("where", ["leftover", "the run's own older"])
+def test_an_oversized_commit_record_is_a_torn_checkpoint_not_a_failure(tmp_path, where):
+    """Red-team attack (#50 trust round 4): a checkpoint in the root whose COMMIT is larger than a commit record may
+    be (damage, another tool's file) made examine raise MetadataError: keep_last stopped removing anything (the
+    disk fills) and a resume without ``latest`` failed for every rank. It is a checkpoint that is not complete."""
+    root = tmp_path / "run"
+    mgr = ck.CheckpointManager(root, keep_last=1)
+    mgr.save(1, _state(1.0))
+    victim = root / STEP(1000) if where == "leftover" else root / STEP(1)
+    if where == "leftover":
+        shutil.copytree(mgr.path_for(1), victim)
+    record = (victim / "COMMIT").read_text()
+    (victim / "COMMIT").write_text(" " * (2 << 20) + record)  # still valid JSON, beyond the size limit
+    found = examine(str(victim), 1, LOCAL)
+    assert not found.complete and "COMMIT" in found.problem, found.problem
+    for step in (2, 3):
+        mgr.save(step, _state(float(step)))
+        _join_background_deletes()
+    left = sorted(p.name for p in root.iterdir() if p.name.startswith("step_"))
+    assert left == sorted([STEP(3), victim.name]), left  # the run rotated; the damaged one is left, named
+    (root / "latest").unlink()
+    assert ck.resolve_checkpoint(str(root)) == mgr.path_for(3)
+
+
 class _ClockBehind:
     """The clock of a node ``behind`` seconds behind the one that saved before (injected into lineage.py)."""
 

@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from .directory import StorageUnreadableError, read_metadata
-from .errors import CheckpointError
+from .errors import CheckpointError, MetadataError
 from .format.metadata import COMMIT_FILE, check_file_name
 from .format.schema import parse_commit, parse_lineage
 from .format.strict_json import SMALL_FILE_BYTES, loads_strict
@@ -113,6 +113,8 @@ def examine(location: str, step: int, storage: Storage) -> Found:
         raw = storage.get(location, COMMIT_FILE, SMALL_FILE_BYTES)
     except OSError as e:  # EACCES, EIO: says nothing about the checkpoint; never taken for "not there"
         raise StorageUnreadableError(f"cannot read {where}: {e}") from e
+    except MetadataError as e:  # larger than a commit record can be: a damaged or foreign file, never fatal
+        return Found(location, step, problem=f"commit record unreadable: {e}")
     if raw is None:
         return Found(location, step, problem=f"no commit record {COMMIT_FILE}")
     try:
