@@ -42,6 +42,7 @@ from ..state.resume_state import ResumeObjects
 from . import identity, peers, roots, wire
 from .copies import MAX_SLOTS, Background, Copies, SaveIntoSlot, header_capacity, offsets_of
 from .errors import MemoryRootError, MemoryTierEnvError, MemoryTierError, MemoryTierFullError
+from .header import written_now
 from .persist import persist_copy
 from .restore import Restore, RestoreResult
 from .slot import Slot
@@ -250,6 +251,7 @@ class MemoryTier:
             self.persist(step, extra_state)
             return
         header = dict(self.expect(), rank=self.rank, step=step, values=values, descs=state.descs)
+        header["written"] = written_now()  # two own copies of one step: the restore takes the later
         job = SaveIntoSlot(self.copies.own[index], state, header, self.checksum, self.slots.common_step)
         self.slots.started(index, step)
         persist = step % self.persist_every == 0
