@@ -5,7 +5,9 @@
 
 Everything is made here (a tiny config, a word-level tokenizer, a synthetic dataset): nothing is downloaded. The
 three lines that differ from a stock Trainer script are marked "FSDP". Run it again with ``--resume`` to continue
-from the newest committed checkpoint; the Hugging Face export lands in ``OUTPUT_DIR/final``.
+from the newest committed checkpoint; the Hugging Face export lands in ``OUTPUT_DIR/final``. With ``--lora`` the
+model is fine-tuned with PaddleFormers' LoRA (r=4 on q_proj and v_proj, the base frozen): checkpoints then hold the
+adapters and a reference to the base, and ``OUTPUT_DIR/final`` the adapter (PaddleFormers' and peft's layouts).
 """
 
 from __future__ import annotations
@@ -52,6 +54,16 @@ class CountingDataset(paddle.io.Dataset):
         return {"input_ids": row[:-1], "labels": row[1:]}
 
 
+def lora_llama() -> paddle.nn.Layer:
+    """The tiny Llama under PaddleFormers' LoRA (r=4 on q_proj and v_proj), only the adapters trainable."""
+    from paddleformers.peft import LoRAConfig, LoRAModel
+
+    config = LoRAConfig(target_modules=[".*q_proj.*", ".*v_proj.*"], r=4, lora_alpha=8, merge_weights=False)
+    model = LoRAModel(tiny_llama(), config)
+    model.mark_only_lora_as_trainable()
+    return model
+
+
 class PrintLoss(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs and "loss" in logs:
@@ -80,6 +92,7 @@ def main() -> None:
     parser.add_argument("--output_dir", default="/tmp/fsdp-trainer-example")
     parser.add_argument("--max_steps", type=int, default=8)
     parser.add_argument("--resume", action="store_true", help="continue from the newest committed checkpoint")
+    parser.add_argument("--lora", action="store_true", help="fine-tune LoRA adapters on q/v, the base frozen")
     opts = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -99,7 +112,7 @@ def main() -> None:
         seed=42,
     )
     trainer = FSDPTrainer(  # FSDP (3 of 3): was Trainer(
-        model=tiny_llama(),
+        model=lora_llama() if opts.lora else tiny_llama(),
         args=args,
         train_dataset=CountingDataset(256),
         tokenizer=make_tokenizer(),

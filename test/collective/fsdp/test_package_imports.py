@@ -19,6 +19,8 @@ BASE = "paddle.distributed.fsdp"
 TOOLS_USERS: set[tuple[str, str]] = {
     ("integrations.paddleformers.hf_export", "tools"),
     ("integrations.paddleformers.hf_export", "tools.presets"),
+    ("integrations.paddleformers.hf_export", "tools.adapter_export"),  # a LoRA model's export: its adapter (#51)
+    ("integrations.paddleformers.hf_export", "tools.adapter_merge"),  # and the merged model on request (#51)
 }
 
 

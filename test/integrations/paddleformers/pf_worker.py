@@ -5,7 +5,9 @@ Run by the tests under ``paddle.distributed.launch``. Options (all optional): ``
 ``save_steps``, ``save_total_limit``, ``save_hf_steps``, ``save_hf_total_limit``, ``resume`` (True or a path), ``kill_after_save`` (kill -9
 every rank right after the checkpoint of that step), ``async_save``, ``accumulation``, ``max_grad_norm``,
 ``stock`` ("dp": the stock Trainer, for comparisons), ``bf16``, ``eval`` (evaluate every ``save_steps``),
-``hsdp`` (replicas: HSDP over ``topology.hybrid_groups``), ``memory_tier`` (``fsdp_memory_tier``).
+``hsdp`` (replicas: HSDP over ``topology.hybrid_groups``), ``memory_tier`` (``fsdp_memory_tier``), ``lora`` (the
+model wrapped in PaddleFormers' ``LoRAModel``, r=4 on q/v, only the adapters trainable), ``save_frozen_base``,
+``hf_preset``, ``hf_merge_adapter`` (FSDPTrainer's keywords).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import paddle.distributed as dist  # noqa: E402
 from launch_util import report  # noqa: E402
 from paddle.distributed.fsdp.integrations.paddleformers import FSDPTrainer  # noqa: E402
 from paddleformers.trainer import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
-from trainer_fsdp import CountingDataset, make_tokenizer, tiny_llama  # noqa: E402
+from trainer_fsdp import CountingDataset, lora_llama, make_tokenizer, tiny_llama  # noqa: E402
 
 
 class Record(TrainerCallback):
@@ -86,7 +88,7 @@ def main() -> None:
     )
     record = Record(cfg.get("kill_after_save"))
     kwargs = dict(
-        model=tiny_llama(),
+        model=lora_llama() if cfg.get("lora") else tiny_llama(),
         args=args,
         train_dataset=CountingDataset(cfg.get("samples", 96)),
         eval_dataset=CountingDataset(12, seed=1) if cfg.get("eval") else None,
@@ -95,6 +97,9 @@ def main() -> None:
     )
     if cfg.get("memory_tier"):
         groups["fsdp_memory_tier"] = cfg["memory_tier"]
+    for key in ("save_frozen_base", "hf_preset", "hf_merge_adapter"):
+        if key in cfg:
+            groups[key] = cfg[key]
     trainer = Trainer(**kwargs) if cfg.get("stock") else FSDPTrainer(**kwargs, **groups)
     record.trainer = trainer
     trainer.train(resume_from_checkpoint=cfg.get("resume"))

@@ -131,6 +131,9 @@ class FullyShardFusion:
         self._backward_end_armed = False
         self._rearm_backward_end = False  # a nested backward ended while the enclosing one runs on
         self._summoned = False  # inside summon_full_params: every buffer stays gathered
+        #: where the frozen base came from (a path or hub name), recorded in checkpoints (state/frozen_base.py)
+        self.base_source: str | None = None
+        self._frozen_base_fingerprint: dict | None = None  # computed once per run (state/frozen_base.py)
         # optimizers that stepped or initialised state for these parameters: summon_full_params(writeback=True)
         # re-casts their fp32 master weights where a written-back value changed (full_params.py)
         self._optimizers: weakref.WeakSet = weakref.WeakSet()

@@ -36,6 +36,7 @@ PROBE_TIMEOUT = 30.0  # s the members of a new group wait for its first barrier
 AGREE_TIMEOUT = 600.0  # s a rank waits for every rank's report: longer than gloo's own handshake timeout
 _REPORT_CHARS = 400  # of a rank's error kept in the store and in the message
 _POLL_MAX = 0.05
+STORE_CALL_DEADLINE = 30.0  # s one call to the job's store may take (a frozen store host: a named error)
 
 
 class GroupCreationError(RuntimeError):
@@ -101,25 +102,37 @@ def _probe(group: Any, timeout: float) -> str:
 
 def _agree(key: str, status: str, timeout: float, what: str) -> dict[int, str]:
     """Every rank's status for ``key`` (this rank's included), through the job's store; GroupCreationError naming
-    the silent ranks when not every rank reported within ``timeout`` s."""
-    from .checkpoint.save.channel import _client  # the save channel's store clients, one per role
+    the silent ranks when not every rank reported within ``timeout`` s, or naming the store when it does not
+    answer a call within ``STORE_CALL_DEADLINE`` s (its host frozen or gone: every call has a deadline)."""
+    from .checkpoint.save.channel import CONNECT_DEADLINE, STORE_HOST, store_endpoint
+    from .checkpoint.save.store_client import StoreClient, StoreError
 
-    store = _client("new_group")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    store.set(f"{key}/status{rank}", status[:_REPORT_CHARS])
-    store.add(f"{key}/flag{rank}", 1)
-    store.add(f"{key}/count", 1)
-    deadline, delay = time.monotonic() + timeout, 0.001
-    while store.add(f"{key}/count", 0) < world:
-        if time.monotonic() > deadline:
-            silent = [r for r in range(world) if store.add(f"{key}/flag{r}", 0) == 0]
-            raise GroupCreationError(
-                f"{what}: rank(s) {silent} did not report within {timeout:.0f} s (stuck in paddle's new_group, "
-                f"or dead); rank {rank} gives up"
-            )
-        time.sleep(delay)
-        delay = min(delay * 2, _POLL_MAX)
-    return {r: store.get(f"{key}/status{r}").decode(errors="replace") for r in range(world)}
+    ep = store_endpoint()
+    if ep is None:
+        raise GroupCreationError(f"{what}: no job TCP store is configured (MASTER_ADDR/MASTER_PORT or PADDLE_MASTER)")
+    rank, world, call = dist.get_rank(), dist.get_world_size(), STORE_CALL_DEADLINE
+    store = None
+    try:
+        store = StoreClient(ep[0], ep[1], CONNECT_DEADLINE, f"rank {STORE_HOST}")
+        store.set(f"{key}/status{rank}", status[:_REPORT_CHARS].encode(), call)
+        store.add(f"{key}/flag{rank}", 1, call)
+        store.add(f"{key}/count", 1, call)
+        deadline, delay = time.monotonic() + timeout, 0.001
+        while store.add(f"{key}/count", 0, call) < world:
+            if time.monotonic() > deadline:
+                silent = [r for r in range(world) if store.add(f"{key}/flag{r}", 0, call) == 0]
+                raise GroupCreationError(
+                    f"{what}: rank(s) {silent} did not report within {timeout:.0f} s (stuck in paddle's new_group, "
+                    f"or dead); rank {rank} gives up"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX)
+        return {r: store.get(f"{key}/status{r}", call).decode(errors="replace") for r in range(world)}
+    except StoreError as e:
+        raise GroupCreationError(f"{what}: rank {rank} could not report through the job's TCP store: {e}") from e
+    finally:
+        if store is not None:
+            store.close()
 
 
 def check_options(

@@ -28,6 +28,7 @@ __all__ = [
     "RngStateMismatchError",
     "OptimizerMismatchError",
     "GradScalerMismatchError",
+    "FrozenBaseMismatchError",
     "InvalidStateDictError",
     "UnrepresentableKeyError",
     "SaveFailedError",
@@ -130,6 +131,11 @@ class OptimizerMismatchError(StateDictMismatchError, ValueError):
 
 class GradScalerMismatchError(StateDictMismatchError, ValueError):
     """The loss scaler given to a load is enabled, but the checkpoint holds a disabled one's (empty) state."""
+
+
+class FrozenBaseMismatchError(StateDictMismatchError, ValueError):
+    """The checkpoint was saved without its frozen base (the default), and the model's frozen parameters are not
+    the base it was trained on (another content fingerprint, another set of frozen parameters)."""
 
 
 class InvalidStateDictError(CheckpointError, ValueError):

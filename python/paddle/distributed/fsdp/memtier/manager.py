@@ -38,6 +38,7 @@ import time
 from .. import env_switches, host_mappings
 from ..checkpoint import checksums
 from ..checkpoint.errors import CheckpointError, rebuild_remote_error
+from ..state import frozen_base
 from ..state.resume_state import ResumeObjects
 from . import identity, peers, roots, wire
 from .copies import MAX_SLOTS, Background, Copies, SaveIntoSlot, header_capacity, offsets_of
@@ -421,6 +422,8 @@ class MemoryTier:
         self.copies.release()
         self._layout = None
         self._prepare()
+        if not frozen_base.writes_base_by_default(self.fsdp):  # copies reference the base: checked against this
+            frozen_base.fingerprint(self.fsdp)  # collective, once per run
         restore = Restore(self)
         self.restored = restore.run()
         self.start_step = self.restored.step if self.restored is not None else 0

@@ -35,7 +35,7 @@ from ..checkpoint import CheckpointManager, CheckpointOptions, LoadReport
 from ..checkpoint.coordination import Comm, gather_errors, stage_error
 from ..checkpoint.directory import open_checkpoint
 from ..checkpoint.errors import LoadFailedError, PartiallyLoadedError, UnexpectedKeyError
-from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, RESERVED_PREFIX
+from ..checkpoint.format.reserved import BUFFERS_KEY, EXTRA_KEY, FROZEN_BASE_KEY, RESERVED_PREFIX
 from ..checkpoint.gc_pause import gc_paused
 from ..checkpoint.io.backends import backend_for
 from ..checkpoint.lineage import Lineage
@@ -52,7 +52,7 @@ from ..checkpoint.paths import local_path
 from ..checkpoint.save.request import save_request
 from ..checkpoint.save.save import run_save
 from ..checkpoint.selection import survey
-from . import replicas, resume_state
+from . import frozen_base, replicas, resume_state
 from .apply import apply_on_every_rank
 from .buffers import persistable_buffers, warn_if_buffers_differ
 from .records import refresh_master_weights
@@ -101,6 +101,7 @@ def save_checkpoint(
     stateful: dict | None = None,
     ema=None,
     lineage: Lineage | None = None,
+    save_frozen: bool | None = None,
 ):
     """Save everything needed to resume bit-exactly. Collective: every rank of the group calls it.
 
@@ -127,7 +128,7 @@ def save_checkpoint(
         )
     if str(format).lower() != "fsdp":
         raise ValueError(f"unknown checkpoint format {format!r} (supported: 'fsdp')")
-    objs = ResumeObjects(fsdp, optimizer, grad_scaler, stateful, ema, extra_state)
+    objs = ResumeObjects(fsdp, optimizer, grad_scaler, stateful, ema, extra_state, with_frozen_base=save_frozen)
     manager = None
     if step is not None:
         step_dir_name(step)  # validates before any collective
@@ -155,12 +156,17 @@ def _capture(objs: ResumeObjects, async_save: bool):
     per_rank: tuple = ()
     deferred = None
     failed: BaseException | None = None
+    try:  # collective, once per run (every rank alike: the same model): the reference the capture writes
+        if objs.references_frozen_base:
+            frozen_base.fingerprint(objs.fsdp)
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the save's exchange
+        failed = e
     try:
         built = resume_state.build(objs)
         state, per_rank = built.state_dict(), built.per_rank_keys
         deferred = [key for key in built.tensors if key in built.deferred] if async_save else None
     except Exception as e:  # noqa: BLE001 - reported to every rank by the save's exchange
-        failed = e
+        failed = failed or e
     try:
         warn_if_buffers_differ(objs.fsdp, objs.buffers)
     except Exception as e:  # noqa: BLE001 - as above
@@ -362,12 +368,16 @@ def _load_once(
         # refused here, before the optimizer's state is even created; the engine loads from this same opened
         # checkpoint (its metadata read once) and still compares the checkpoint id every rank read
         checkpoint = open_checkpoint(resolved)
+        objs.with_frozen_base = frozen_base.holds_base(checkpoint.metadata.values.get(FROZEN_BASE_KEY))
         foreign, apply = _precheck(objs, resolved, checkpoint.metadata, strict)
     except Exception as e:  # noqa: BLE001 - whatever fails here must reach the exchange below
         # an OSError reading storage: CorruptCheckpointError; user code, a storage layer: LoadFailedError
         err = stage_error(named_read_error(path, e), f"load of {path} failed", comm.rank, LoadFailedError)
     # every rank fails together: a rank raising alone would leave the others waiting in the load's collective
     gather_errors(comm, err)
+    if not objs.with_frozen_base:  # the checkpoint references its base: alike on every rank (the same checkpoint)
+        frozen_base.fingerprint(fsdp)  # collective, once per run; then every rank decides alike
+        frozen_base.check(fsdp, checkpoint.metadata.values.get(FROZEN_BASE_KEY), f"checkpoint {resolved}")
     requested, split, failed = _targets(objs, checkpoint.metadata)
     try:
         report = run_load(
@@ -400,6 +410,8 @@ def _load_once(
     apply_on_every_rank(comm, apply_and_refresh, f"load of {resolved}")
     saved = resume_state.Saved(checkpoint.metadata.values, fsdp._checkpoint_rank, resume_state.checkpoint_world(fsdp))
     report.left_unrequested = resume_state.left_unrequested(objs, saved)
+    if objs.with_frozen_base and objs.frozen_base_keys:  # the base was loaded: a later fingerprint is computed anew
+        frozen_base.forget(fsdp)
     # the list of buffer keys is for the tools (to-hf); the buffers themselves were loaded as model state
     report.unexpected_keys = [k for k in report.unexpected_keys if k != BUFFERS_KEY]
     if not strict:

@@ -27,15 +27,16 @@ from ..checkpoint.format.reserved import (
     BUFFERS_KEY,
     EMA_KEY,
     EXTRA_KEY,
+    FROZEN_BASE_KEY,
     GRAD_SCALER_KEY,
     OPTIMIZER_KEY,
     RESERVED_PREFIX,
     RNG_KEY,
     STATEFUL_KEY,
 )
+from . import frozen_base, rng
 from . import grad_scaler as scaler_state
 from . import optimizer_states as names
-from . import rng
 from . import stateful as stateful_state
 from .apply import apply_all
 from .buffers import persistable_buffers
@@ -49,7 +50,9 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ResumeObjects:
     """What a door saves from and restores into. Only ``fsdp`` is required; ``extra_state`` is the caller's
-    JSON dict (returned by a load, not applied)."""
+    JSON dict (returned by a load, not applied). ``with_frozen_base``: a save writes the frozen base's tensors
+    too, a load reads them (the checkpoint holds them); else only its reference; None: as
+    ``frozen_base.writes_base_by_default`` decides (state/frozen_base.py)."""
 
     fsdp: Any
     optimizer: Any = None
@@ -57,6 +60,7 @@ class ResumeObjects:
     stateful: dict | None = None
     ema: ShardedEMA | None = None
     extra_state: dict | None = None
+    with_frozen_base: bool | None = None  # None: frozen_base.writes_base_by_default
 
     def __post_init__(self) -> None:
         if self.grad_scaler is not None:
@@ -70,6 +74,21 @@ class ResumeObjects:
     @cached_property
     def buffers(self) -> dict:
         return persistable_buffers(self.fsdp.model)
+
+    @cached_property
+    def frozen_base_keys(self) -> list[str]:
+        return frozen_base.frozen_keys(self.fsdp)
+
+    @property
+    def writes_frozen_base(self) -> bool:
+        if self.with_frozen_base is None:
+            self.with_frozen_base = frozen_base.writes_base_by_default(self.fsdp)
+        return self.with_frozen_base
+
+    @property
+    def references_frozen_base(self) -> bool:
+        """The frozen parameters are referenced, not written: the state holds their reference instead."""
+        return bool(self.frozen_base_keys) and not self.writes_frozen_base
 
 
 class Saved:
@@ -106,6 +125,7 @@ class Item:
     value: Callable[[ResumeObjects], Any] | None = None
     decode: Callable[[ResumeObjects, Saved, bool, str], Callable[[], None]] | None = None
     needs: str | None = None  # the ResumeObjects field it is about: without that object, the item holds nothing
+    checked_only: bool = False  # a reference a load checks and never writes (the frozen base), not restored state
 
     def given(self, objs: ResumeObjects) -> bool:
         return self.needs is None or bool(getattr(objs, self.needs))
@@ -118,6 +138,9 @@ def _nothing() -> None:
 # ---------------------------------------------------------------------------------------------- the items
 def _parameter_tensors(objs: ResumeObjects) -> tuple[dict, set]:
     records = parameter_records(objs.fsdp)
+    if not objs.writes_frozen_base:  # the frozen base is referenced, not written (state/frozen_base.py)
+        for key in objs.frozen_base_keys:
+            records.pop(key, None)
     trainable = {key for key, _p, buffer, _i in objs.fsdp.managed_parameters() if buffer.layout.trainable}
     return records, {key for key in records if key in trainable}
 
@@ -217,6 +240,17 @@ def _ema_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> 
     return ema.decode(saved.get(EMA_KEY), f"{where}: {EMA_KEY}")
 
 
+def _frozen_base_value(objs: ResumeObjects) -> Any:
+    # the fingerprint is computed collectively by the door before the capture (state/resume.py ``_capture``, the
+    # memory tier at its start): the capture itself joins no collective
+    return frozen_base.reference(objs.fsdp, collective=False)
+
+
+def _frozen_base_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> Callable[[], None]:
+    frozen_base.check(objs.fsdp, saved.get(FROZEN_BASE_KEY), where)  # (the disk load checks after computing it)
+    return _nothing
+
+
 # in the order a save has always written them (values: optimizer, buffers, RNG, extra_state, GradScaler)
 ITEMS: tuple[Item, ...] = (
     Item("parameters", tensors=_parameter_tensors),
@@ -228,6 +262,14 @@ ITEMS: tuple[Item, ...] = (
     Item("grad_scaler", GRAD_SCALER_KEY, value=_scaler_value, decode=_scaler_decode, needs="grad_scaler"),
     Item("stateful", STATEFUL_KEY, per_rank=True, value=_stateful_value, decode=_stateful_decode, needs="stateful"),
     Item("ema", EMA_KEY, tensors=_ema_tensors, value=_ema_value, decode=_ema_decode, needs="ema"),
+    Item(
+        "frozen_base",
+        FROZEN_BASE_KEY,
+        value=_frozen_base_value,
+        decode=_frozen_base_decode,
+        needs="references_frozen_base",
+        checked_only=True,
+    ),
 )
 PER_RANK_KEYS: tuple[str, ...] = tuple(item.key for item in ITEMS if item.per_rank and item.key)
 VALUE_KEYS: tuple[str, ...] = tuple(item.key for item in ITEMS if item.key)

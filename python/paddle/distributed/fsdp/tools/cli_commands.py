@@ -91,6 +91,10 @@ def cmd_to_hf(args) -> int:
         allow_unmapped=args.allow_unmapped,
         ema=args.ema,
     )
+    if s.get("adapter"):  # a checkpoint that references its frozen base: its LoRA adapter (adapter_export.py)
+        base = f"; base: {s['base']}" if s.get("base") else ""
+        print(f"wrote the LoRA adapter ({s['tensors']} tensors, {human_bytes(s['total_size'])}) to {s['out']}{base}")
+        return EXIT_OK
     print(
         f"wrote {s['tensors']} tensors ({human_bytes(s['total_size'])}, {s['transposed']} transposed, "
         f"{s['split']} split from fused keys) in {len(s['files'])} file(s) to {s['out']}"

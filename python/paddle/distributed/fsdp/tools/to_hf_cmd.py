@@ -41,7 +41,13 @@ import numpy as np
 
 from ..checkpoint.format import safetensors
 from ..checkpoint.format.metadata import itemsize
-from ..checkpoint.format.reserved import EMA_KEY, EMA_SUFFIX, OPTIMIZER_KEY, safetensors_name_problem
+from ..checkpoint.format.reserved import (
+    EMA_KEY,
+    EMA_SUFFIX,
+    FROZEN_BASE_KEY,
+    OPTIMIZER_KEY,
+    safetensors_name_problem,
+)
 from ..checkpoint.paths import local_path
 from ..checkpoint.writer import write_all
 from . import ckpt_io
@@ -207,6 +213,10 @@ def to_hf(
         raise ToolError(f"--preset {preset} needs --config (the Hugging Face config.json: sizes for the splits)")
     unchecked = None  # why the export was not checked against an architecture (logged once it is written)
     with CheckpointReader(ckpt) as reader:
+        base_ref = reader.md.values.get(FROZEN_BASE_KEY)
+    if isinstance(base_ref, dict) and not base_ref.get("saved", True):
+        return _without_base(ckpt, out, base_ref)
+    with CheckpointReader(ckpt) as reader:
         buffers = set() if include_buffers else ckpt_io.buffer_keys(reader.md)
         if buffers:
             logger.info("to-hf: leaving out %d buffer(s) (--include-buffers to export them)", len(buffers))
@@ -263,6 +273,21 @@ def to_hf(
         "transposed": sum(1 for t in tensors if t.transpose),
         "split": sum(1 for t in tensors if t.rows is not None),
     }
+
+
+def _without_base(ckpt: str, out: str, base_ref: dict) -> dict:
+    """A checkpoint that references its frozen base (state/frozen_base.py): its adapter, if it records one, in
+    PaddleFormers' and peft's layouts (tools/adapter_export.py); else a ToolError (no whole model to export)."""
+    from .adapter_export import export_adapter
+
+    if base_ref.get("adapter") is None:
+        source = base_ref.get("source")
+        raise ToolError(
+            f"checkpoint {ckpt} holds the trainable parameters only: its {base_ref.get('parameters')} frozen "
+            f"parameters{f' (from {source})' if source else ''} were not saved (save_checkpoint(..., "
+            "save_frozen=True) writes them), and it records no adapter to export instead"
+        )
+    return export_adapter(ckpt, out)
 
 
 def plan_to_hf_with_preset(md, preset_name, config_dict, config_path, dtype, include_optimizer, allow_unmapped, skip):

@@ -18,6 +18,7 @@ GRAD_SCALER_KEY = "__fsdp__.grad_scaler"  # a loss scaler's state (state/grad_sc
 BUFFERS_KEY = "__fsdp__.buffers"  # keys of the model's persistable buffers (to-hf leaves them out unless asked)
 STATEFUL_KEY = "__fsdp__.stateful"  # per rank: {name: state_dict()} of the caller's stateful objects (a data sampler)
 EMA_KEY = "__fsdp__.ema"  # {"coef", "updates"} of an EMA of the weights (state/ema.py), when one was given
+FROZEN_BASE_KEY = "__fsdp__.frozen_base"  # the frozen parameters: saved or not, their fingerprint, their source
 EMA_SUFFIX = ".ema"  # an EMA record is "<param key>.ema", sharded like its parameter (to-hf --ema exports them)
 
 SAFETENSORS_METADATA = "__metadata__"  # the header entry of a safetensors file that holds its str->str metadata

@@ -5,7 +5,8 @@ and knows nothing of our shards. Here every rank writes its shard once as a chec
 of the same step is reused), then rank 0 streams it into HF safetensors with the model family's preset (names,
 transposes, fused-key splits: ``tools/presets.py``), one tensor in memory at a time, and adds ``config.json``,
 the generation config and the tokenizer, so that ``from_pretrained`` of PaddleFormers (and of transformers) loads
-the directory.
+the directory. An adapter model (a PaddleFormers ``LoRAModel``, whose checkpoints reference the frozen base) exports
+its adapter instead (tools/adapter_export.py), and on request the merged model (tools/adapter_merge.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import paddle.distributed as dist
 
 from ...checkpoint.coordination import Comm, gather_errors
 from ...checkpoint.errors import ToolError
+from ...state.frozen_base import adapter_info
 from ...tools.presets import PRESETS
 
 logger = logging.getLogger(__name__)
@@ -47,25 +49,75 @@ def choose_preset(model_type: str | None, keys: list[str]) -> str:
     )
 
 
-def export(fsdp, model, out_dir: str, *, preset: str | None, tokenizer=None, source: str | None = None) -> None:
-    """Write HF weights + config (+ tokenizer) of ``model`` into ``out_dir`` (collective; local paths only).
+def base_preset(fsdp, model, adapter: dict) -> str:
+    """The preset of the base model under an adapter (the wrapper's key prefix and the adapters left out)."""
+    base = getattr(model, "model", model)  # a LoRAModel wraps the base model as .model
+    prefix = adapter.get("prefix", "")
+    keys = [k[len(prefix) :] for k, _p, _b, _i in fsdp.managed_parameters() if "lora_" not in k.rsplit(".", 1)[-1]]
+    return choose_preset(getattr(base.config, "model_type", None), keys)
+
+
+def check_exportable(fsdp, model, preset: str | None, merged: bool = False) -> str | None:
+    """What ``export`` will write, decided before training (a run must not die at its first ``save_hf_steps``):
+    None for an adapter model (its adapter, tools/adapter_export.py; with ``merged`` the base's preset must map
+    every base parameter), else the preset (NoHfPresetError now)."""
+    adapter = adapter_info(fsdp)
+    if adapter is not None:
+        if merged:
+            base_preset(fsdp, model, adapter)
+        return None
+    if preset is not None:
+        if preset not in PRESETS:
+            raise NoHfPresetError(f"hf_preset {preset!r} is not a to-hf preset (known: {sorted(PRESETS)})")
+        return preset
+    keys = [key for key, _p, _b, _i in fsdp.managed_parameters()]
+    return choose_preset(getattr(getattr(model, "config", None), "model_type", None), keys)
+
+
+def export(
+    fsdp, model, out_dir: str, *, preset: str | None, tokenizer=None, source: str | None = None, merged: bool = False
+) -> None:
+    """Write HF weights + config (+ tokenizer) of ``model`` into ``out_dir`` (collective; local paths only); for an
+    adapter model (a PaddleFormers ``LoRAModel``) its adapter in PaddleFormers' and peft's layouts instead.
 
     ``source``: a committed checkpoint of the current weights (reused, not rewritten); None saves one into a
     temporary directory next to ``out_dir`` first. Files land in ``out_dir`` one by one, the index last.
+    ``merged`` (adapter models): also the base with the adapter merged in, as HF weights in ``out_dir/merged``.
     """
     from ...tools import to_hf
+    from ...tools.adapter_export import export_adapter
 
     if "://" in str(out_dir):
         raise ValueError(f"HF export writes a local directory; got {out_dir!r} (export locally, then upload)")
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
+    adapter = adapter_info(fsdp) is not None
     scratch = None
+    if source is not None and not adapter and not _holds_every_weight(source):
+        source = None  # a checkpoint-N references the frozen base only (state/frozen_base.py)
     if source is None:
         scratch = f"{out_dir.rstrip('/')}.fsdp-weights.tmp"
-        fsdp.save_checkpoint(scratch)  # model only (optimizer=None): every rank writes its shard
+        # model only (optimizer=None), frozen base included unless the adapter is exported: every rank its shard
+        fsdp.save_checkpoint(scratch, save_frozen=not adapter)
         source = scratch
     error = None
-    if _is_rank0():
+    whole = None
+    if adapter and merged:  # every weight, for the merge
+        whole = f"{out_dir.rstrip('/')}.fsdp-merge.tmp"
+        fsdp.save_checkpoint(whole, save_frozen=True)
+    if _is_rank0() and adapter:
+        try:
+            with tempfile.TemporaryDirectory(prefix=".fsdp-adapter-", dir=_made(parent)) as work:
+                export_adapter(source, work)
+                if whole is not None:
+                    _export_merged(fsdp, model, whole, os.path.join(work, "merged"), tokenizer)
+                _move_into(work, out_dir)
+            logger.info("FSDPTrainer: adapter%s written to %s", " and merged model" if merged else "", out_dir)
+        except Exception as e:  # noqa: BLE001 - every rank raises it below (rank 0 wrote alone)
+            error = e
+        if whole is not None:
+            shutil.rmtree(whole, ignore_errors=True)
+    elif _is_rank0():
         try:
             if preset is None:
                 keys = [key for key, _p, _b, _i in fsdp.managed_parameters()]
@@ -88,6 +140,40 @@ def export(fsdp, model, out_dir: str, *, preset: str | None, tokenizer=None, sou
     if scratch is not None and _is_rank0():
         shutil.rmtree(scratch, ignore_errors=True)
     gather_errors(Comm(fsdp._checkpoint_group), error)  # also the barrier: every rank returns after the export
+
+
+def _export_merged(fsdp, model, whole: str, out: str, tokenizer) -> None:
+    """The base model with the adapter merged in, as HF weights + config (+ tokenizer) in ``out``."""
+    from ...tools import to_hf
+    from ...tools.adapter_merge import merge_adapter
+
+    adapter = adapter_info(fsdp)
+    base = getattr(model, "model", model)  # a LoRAModel wraps the base model as .model
+    work = os.path.dirname(out)
+    merged_ckpt = os.path.join(work, ".merged-ckpt")
+    merge_adapter(whole, merged_ckpt, adapter)
+    preset = base_preset(fsdp, model, adapter)
+    config_dir = os.path.join(work, ".merged-config")
+    base.config.save_pretrained(config_dir)
+    to_hf(merged_ckpt, out, preset=preset, config=os.path.join(config_dir, "config.json"), progress=False)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    shutil.rmtree(merged_ckpt, ignore_errors=True)
+    shutil.rmtree(config_dir, ignore_errors=True)
+
+
+def _made(directory: str) -> str:
+    os.makedirs(directory, exist_ok=True)
+    return directory
+
+
+def _holds_every_weight(checkpoint: str) -> bool:
+    """Whether ``checkpoint`` holds the frozen base's tensors too (or references none): the same on every rank."""
+    from ...checkpoint.directory import open_checkpoint
+    from ...checkpoint.format.reserved import FROZEN_BASE_KEY
+    from ...state.frozen_base import holds_base
+
+    return holds_base(open_checkpoint(checkpoint).metadata.values.get(FROZEN_BASE_KEY))
 
 
 def _is_rank0() -> bool:

@@ -20,7 +20,7 @@ before the optimizer is built), and what each override does:
   RNG from its own per-rank ``stateful`` value (trainer_state.py).
 * ``fsdp_memory_tier``: saves to host memory, every K-th to ``checkpoint-N``; resume from the newer (memory_saves.py).
 * ``_maybe_log_save_evaluate``: ``save_hf_steps`` exports through ``to-hf`` instead of stock ``save_pretrained``.
-* ``save_model``: HF weights + config + tokenizer (hf_export.py).
+* ``save_model``: HF weights + config + tokenizer; a LoRA model's adapter (hf_export.py).
 
 The class is composed at first use (``fsdp_trainer_class``) from :class:`FSDPTrainerMixin` and the installed
 ``Trainer``, so importing this module needs no PaddleFormers.
@@ -159,6 +159,11 @@ class FSDPTrainerMixin:
         fsdp_memory_tier: ``dict(persist_every=K, memory_root=..., ...)``: saves to host memory, every K-th one to
             ``checkpoint-N`` (memory_saves.py).
         moe_layers_name, expert_parallel_group, expert_shard_group: expert parallelism, as ``FullyShardFusion``'s.
+        save_frozen_base: ``checkpoint-N`` holds the frozen parameters' tensors too (True) or never (False); None:
+            a frozen base larger than the trainable parameters (LoRA) is referenced (its source and fingerprint,
+            checked at resume), smaller frozen parameters are written (state/frozen_base.py).
+        hf_merge_adapter: exports of an adapter model also hold the merged model (base + scale * A @ B) in
+            ``<export>/merged``.
     """
 
     def __init__(
@@ -175,6 +180,8 @@ class FSDPTrainerMixin:
         moe_layers_name: list[str] | None = None,
         expert_parallel_group=None,
         expert_shard_group=None,
+        save_frozen_base: bool | None = None,
+        hf_merge_adapter: bool = False,
         **kwargs,
     ) -> None:
         memory_options = memory_saves.check_options(fsdp_memory_tier)  # before anything is built
@@ -207,6 +214,10 @@ class FSDPTrainerMixin:
         )
         self.model_wrapped = self.model
         self.hf_preset = hf_preset
+        self.save_frozen_base = save_frozen_base
+        self.hf_merge_adapter = bool(hf_merge_adapter)
+        if (getattr(self.args, "save_hf_steps", -1) or -1) > 0:  # a run must not die at its first export
+            hf_export.check_exportable(self.fsdp, self.model, hf_preset, merged=self.hf_merge_adapter)
         self._fsdp_pending = None  # the async save in flight
         self._fsdp_loaded = None  # (path, extra_state) of the checkpoint this train() resumed from
         self._fsdp_memory = memory_options  # fsdp_memory_tier, checked (memory_saves.py); None: no memory tier
@@ -250,6 +261,7 @@ class FSDPTrainerMixin:
             grad_scaler=self._grad_scaler,
             stateful=self._stateful,
             lineage=self._lineage(),
+            save_frozen=self.save_frozen_base,
         )
         logger.info("FSDPTrainer: %s checkpoint %s", "saving (async)" if handle is not None else "saved", path)
         if handle is not None:
@@ -444,7 +456,10 @@ class FSDPTrainerMixin:
         if not checkpoints.is_committed(source) or "://" in source:
             source = None
         tokenizer = self.tokenizer if self.args.save_tokenizer else None
-        hf_export.export(self.fsdp, self.model, out_dir, preset=self.hf_preset, tokenizer=tokenizer, source=source)
+        hf_export.export(
+            self.fsdp, self.model, out_dir, preset=self.hf_preset, tokenizer=tokenizer, source=source,
+            merged=self.hf_merge_adapter,
+        )  # fmt: skip
 
     def save_model(self, output_dir=None, merge_tensor_parallel=False, last_fc_to_hf=False):
         """Hugging Face weights, config and tokenizer of the (sharded) model in ``output_dir`` (collective)."""

@@ -1,0 +1,232 @@
+"""Checkpoints of a frozen-base (LoRA-style) model: what they hold, resumes, refusals (issue #51).
+
+Modes (argv[1]):
+  train ROOT STEPS SAVE_AT [KILL_AT]  train STEPS steps, saving ROOT/step_<k> (keep_last=2) after every step from
+                                     SAVE_AT on; rank 1 kills itself (SIGKILL) before step KILL_AT's optimizer step
+  resume ROOT STEPS                  load ROOT's latest into a fresh model (same base) and train up to STEPS
+  cases ROOT                         in-process checks: contents, refusals, save_frozen, a base loaded separately
+Each rank reports its losses, the trainable parameters' values and bytes digest, and the case outcomes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import _paths  # noqa: F401  (puts launch_util on sys.path)
+import numpy as np
+import paddle
+import paddle.distributed as dist
+import xxhash
+from launch_util import report, run_cases
+from lora_models import adapter_batches, frozen_keys, make_adapter_model
+from models import local_part
+from paddle.distributed.fsdp import FullyShardFusion
+from paddle.distributed.fsdp.checkpoint.directory import open_checkpoint
+from paddle.distributed.fsdp.checkpoint.errors import FrozenBaseMismatchError
+from paddle.distributed.fsdp.checkpoint.format.reserved import FROZEN_BASE_KEY
+from paddle.distributed.fsdp.tools import to_hf
+from paddle.distributed.fsdp.tools.errors import ToolError
+
+ROWS, SEED = 12, 11
+
+
+def build(seed: int = SEED):
+    model = make_adapter_model(seed)
+    fsdp = FullyShardFusion(model, fsdp_unit_layers=["AdapterBlock"])
+    opt = paddle.optimizer.AdamW(0.02, weight_decay=0.1, parameters=model.parameters())
+    return model, fsdp, opt
+
+
+def step(model, opt, batch, rank: int, world: int, kill: bool = False) -> float:
+    ids, labels = batch
+    loss = model(paddle.to_tensor(local_part(ids, rank, world)), paddle.to_tensor(local_part(labels, rank, world)))
+    loss.backward()
+    if kill and rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    opt.step()
+    opt.clear_grad()
+    value = loss.detach().reshape([1])
+    if world > 1:
+        dist.all_reduce(value)
+    return float(value.numpy()[0]) / world
+
+
+def trainable_state(fsdp, model) -> dict:
+    full = fsdp.full_parameters()
+    frozen = frozen_keys(model)
+    values = {k: full[k].numpy() for k in sorted(full) if k not in frozen}
+    digest = xxhash.xxh3_64()
+    for key, arr in values.items():
+        digest.update(key.encode())
+        digest.update(np.ascontiguousarray(arr).tobytes())
+    return {"digest": digest.hexdigest(), "values": {k: v.ravel().tolist() for k, v in values.items()}}
+
+
+def mode_train(root: str, steps: int, save_at: int, kill_at: int, rank: int, world: int) -> dict:
+    model, fsdp, opt = build()
+    losses = []
+    for k, batch in enumerate(adapter_batches(steps, ROWS), start=1):
+        losses.append(step(model, opt, batch, rank, world, kill=k == kill_at))
+        if k >= save_at:
+            fsdp.save_checkpoint(root, optimizer=opt, step=k, keep_last=2, extra_state={"losses": losses})
+    return {"losses": losses, **trainable_state(fsdp, model)}
+
+
+def mode_resume(root: str, steps: int, rank: int, world: int) -> dict:
+    model, fsdp, opt = build()
+    extra = fsdp.load_checkpoint(root, optimizer=opt)
+    losses = list(extra["losses"])
+    for batch in adapter_batches(steps, ROWS)[extra.step :]:
+        losses.append(step(model, opt, batch, rank, world))
+    return {"losses": losses, "resumed_at": extra.step, **trainable_state(fsdp, model)}
+
+
+def _trained(rank: int, world: int, steps: int = 2):
+    model, fsdp, opt = build()
+    for batch in adapter_batches(steps, ROWS):
+        step(model, opt, batch, rank, world)
+    return model, fsdp, opt
+
+
+def _case_contents(root: str, figures: dict):
+    def case(rank: int, world: int) -> None:
+        """Default save: no frozen tensor, every trainable one and its optimizer state, and the base reference."""
+        model, fsdp, opt = _trained(rank, world)
+        path = os.path.join(root, "contents")
+        fsdp.save_checkpoint(path, optimizer=opt)
+        meta = open_checkpoint(path).metadata
+        frozen, trainable = frozen_keys(model), set(dict(model.named_parameters())) - frozen_keys(model)
+        assert not frozen & set(meta.tensors), f"frozen tensors written: {sorted(frozen & set(meta.tensors))[:4]}"
+        assert trainable <= set(meta.tensors), f"trainable missing: {sorted(trainable - set(meta.tensors))}"
+        moments = {k for k in meta.tensors if k.rsplit(".", 1)[0] in trainable}
+        assert moments, "no optimizer state of the adapters"
+        ref = meta.values[FROZEN_BASE_KEY]
+        assert ref["saved"] is False and ref["parameters"] == len(frozen), ref
+        base_bytes = sum(
+            int(np.prod(p.shape)) * 4 for n, p in make_adapter_model(SEED).named_parameters() if n in frozen
+        )
+        assert ref["bytes"] == base_bytes, (ref, base_bytes)
+        figures["fingerprint"] = ref["fingerprint"]
+        handle = fsdp.save_checkpoint(os.path.join(root, "contents_async"), optimizer=opt, async_save=True)
+        handle.wait()  # an async save holds the same: no frozen tensor, the same reference
+        async_meta = open_checkpoint(os.path.join(root, "contents_async")).metadata
+        assert sorted(async_meta.tensors) == sorted(meta.tensors) and async_meta.values[FROZEN_BASE_KEY] == ref
+        if rank == 0:  # no whole model to convert, and no adapter recorded (not a LoRAModel): refused by name
+            try:
+                to_hf(path, os.path.join(root, "contents_hf"))
+            except ToolError as e:
+                assert "save_frozen=True" in str(e) and f"{len(frozen)} frozen" in str(e), e
+            else:
+                raise AssertionError("to-hf converted a checkpoint without its frozen base")
+        figures["tensor_keys"] = sorted(meta.tensors)
+        # with the base: every parameter, and a model with another base gets this one's back
+        full = os.path.join(root, "with_base")
+        fsdp.save_checkpoint(full, optimizer=opt, save_frozen=True)
+        meta = open_checkpoint(full).metadata
+        assert frozen <= set(meta.tensors) and FROZEN_BASE_KEY not in meta.values
+        other_model, other, other_opt = build(seed=SEED + 100)
+        other.load_checkpoint(full, optimizer=other_opt)
+        want, got = fsdp.full_parameters(), other.full_parameters()
+        for key in want:
+            assert np.array_equal(want[key].numpy(), got[key].numpy()), key
+        other.save_checkpoint(os.path.join(root, "after_base_load"), optimizer=other_opt)  # fingerprint recomputed
+        again = open_checkpoint(os.path.join(root, "after_base_load")).metadata.values[FROZEN_BASE_KEY]
+        assert again["fingerprint"] == ref["fingerprint"], (again, ref)
+
+    return case
+
+
+def _case_refusal(root: str):
+    def case(rank: int, world: int) -> None:
+        """Another base: FrozenBaseMismatchError on every rank, before anything is written."""
+        _model, fsdp, opt = _trained(rank, world)
+        path = os.path.join(root, "refusal")
+        fsdp.save_checkpoint(path, optimizer=opt)
+        other_model, other, other_opt = build(seed=SEED + 1)
+        before = {k: v.numpy().copy() for k, v in other.full_parameters().items()}
+        try:
+            other.load_checkpoint(path, optimizer=other_opt)
+        except FrozenBaseMismatchError as e:
+            assert "fingerprint" in str(e), e
+        else:
+            raise AssertionError("a checkpoint of another base loaded")
+        after = other.full_parameters()
+        for key, value in before.items():
+            assert np.array_equal(value, after[key].numpy()), f"refused load changed {key}"
+        # one base parameter differing in one element is another base too
+        model3, fsdp3, opt3 = build()
+        with fsdp3.summon_full_params(writeback=True), paddle.no_grad():
+            w = model3.blocks[1].down.weight
+            w[0, 0] = w[0, 0] + 1.0
+        try:
+            fsdp3.load_checkpoint(path, optimizer=opt3)
+        except FrozenBaseMismatchError:
+            pass
+        else:
+            raise AssertionError("a base differing in one element was accepted")
+        # more trainable parameters than at save: another set of frozen parameters, refused by name
+        model5 = make_adapter_model(SEED)
+        for p in model5.parameters():
+            p.stop_gradient = False
+        try:
+            FullyShardFusion(model5, fsdp_unit_layers=["AdapterBlock"]).load_checkpoint(path, strict=False)
+        except FrozenBaseMismatchError as e:
+            assert "no frozen parameters" in str(e), e
+        else:
+            raise AssertionError("a model without frozen parameters loaded a checkpoint without its base")
+        model4 = make_adapter_model(SEED)
+        model4.head.bias.stop_gradient = False
+        fsdp4 = FullyShardFusion(model4, fsdp_unit_layers=["AdapterBlock"])
+        try:
+            fsdp4.load_checkpoint(path, strict=False)
+        except FrozenBaseMismatchError as e:
+            assert "parameters" in str(e), e
+        else:
+            raise AssertionError("a model freezing fewer parameters was accepted")
+
+    return case
+
+
+def _case_separate_base(root: str):
+    def case(rank: int, world: int) -> None:
+        """The model's base loaded separately (from whole weights, as from_pretrained would) before wrapping,
+        then the adapter checkpoint: the trained model comes back."""
+        model, fsdp, opt = _trained(rank, world)
+        path = os.path.join(root, "separate")
+        fsdp.save_checkpoint(path, optimizer=opt)
+        base = {k: v for k, v in make_adapter_model(SEED).state_dict().items() if k in frozen_keys(model)}
+        fresh = make_adapter_model(SEED + 7)  # random base and adapters
+        fresh.set_state_dict(base)
+        wrapped = FullyShardFusion(fresh, fsdp_unit_layers=["AdapterBlock"])
+        wrapped.load_checkpoint(path)
+        want, got = fsdp.full_parameters(), wrapped.full_parameters()
+        for key in want:
+            assert np.array_equal(want[key].numpy(), got[key].numpy()), key
+
+    return case
+
+
+def main() -> None:
+    if dist.get_world_size() > 1:
+        dist.init_parallel_env()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mode, root = sys.argv[1], sys.argv[2]
+    if mode == "train":
+        kill_at = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+        report(mode_train(root, int(sys.argv[3]), int(sys.argv[4]), kill_at, rank, world))
+    elif mode == "resume":
+        report(mode_resume(root, int(sys.argv[3]), rank, world))
+    else:
+        figures: dict = {}
+        cases = {
+            "contents": _case_contents(root, figures),
+            "refusal": _case_refusal(root),
+            "separate_base": _case_separate_base(root),
+        }
+        report({**run_cases(cases, rank, world), "figures": figures})
+
+
+if __name__ == "__main__":
+    main()
