@@ -229,6 +229,13 @@ class MemoryTier:
         tier's (given at construction, which a restore applies) for this and later saves."""
         if type(step) is not int or step < 0:
             raise MemoryTierError(f"step must be a non-negative int, got {step!r}")
+        newest = max(self.slots.common_step, self.slots.pending[1] if self.slots.pending else -1)
+        if step < newest:  # the same on every rank (SPMD): refused before any collective
+            raise MemoryTierError(
+                f"step {step} is lower than step {newest}, which this tier saved or restored: a restart would resume "
+                f"from step {newest} (its copy stays in another slot). Steps must not go back; to roll back, start "
+                "the tier with another job_id (PADDLE_FSDP_JOB_ID)"
+            )
         if grad_scaler is not None or stateful is not None or ema is not None:
             ResumeObjects(self.fsdp, self.optimizer, grad_scaler, stateful, ema)  # TypeError, before anything
             self.grad_scaler = grad_scaler if grad_scaler is not None else self.grad_scaler
