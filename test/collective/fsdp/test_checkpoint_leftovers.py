@@ -291,6 +291,79 @@ def test_a_one_process_commit_continuing_the_root_keeps_its_run(tmp_path):
     assert sorted(os.listdir(root)) == ["latest", STEP(5)]
 
 
+@pytest.mark.parametrize("where", ["leftover", "the run's own older"])
+def test_an_oversized_commit_record_is_a_torn_checkpoint_not_a_failure(tmp_path, where):
+    """Red-team attack (#50 trust round 4): a checkpoint in the root whose COMMIT is larger than a commit record may
+    be (damage, another tool's file) made examine raise MetadataError: keep_last stopped removing anything (the
+    disk fills) and a resume without ``latest`` failed for every rank. It is a checkpoint that is not complete."""
+    root = tmp_path / "run"
+    mgr = ck.CheckpointManager(root, keep_last=1)
+    mgr.save(1, _state(1.0))
+    victim = root / STEP(1000) if where == "leftover" else root / STEP(1)
+    if where == "leftover":
+        shutil.copytree(mgr.path_for(1), victim)
+    record = (victim / "COMMIT").read_text()
+    (victim / "COMMIT").write_text(" " * (2 << 20) + record)  # still valid JSON, beyond the size limit
+    found = examine(str(victim), 1, LOCAL)
+    assert not found.complete and "COMMIT" in found.problem, found.problem
+    for step in (2, 3):
+        mgr.save(step, _state(float(step)))
+        _join_background_deletes()
+    left = sorted(p.name for p in root.iterdir() if p.name.startswith("step_"))
+    assert left == sorted([STEP(3), victim.name]), left  # the run rotated; the damaged one is left, named
+    (root / "latest").unlink()
+    assert ck.resolve_checkpoint(str(root)) == mgr.path_for(3)
+
+
+class _ClockBehind:
+    """The clock of a node ``behind`` seconds behind the one that saved before (injected into lineage.py)."""
+
+    def __init__(self, behind: float):
+        self.behind = behind
+
+    def time(self) -> float:
+        return time.time() - self.behind
+
+
+@pytest.mark.parametrize("behind", [3600.0, 5.0])
+def test_a_restart_on_a_node_whose_clock_is_behind_keeps_the_runs_order(tmp_path, monkeypatch, behind):
+    """Red-team attack (#50 trust round 4): a run restarted on a node whose clock is behind (or after the clock was
+    stepped back) recorded its newer checkpoints as older: keep_last deleted steps 3 and 4 and kept 1 and 2, and a
+    resume without ``latest`` picked step 2 over step 5. A lineage's commit times never go back now."""
+    from paddle.distributed.fsdp.checkpoint import lineage as lineage_module
+
+    root = tmp_path / "run"
+    for step in (1, 2):
+        ck.CheckpointManager(root, keep_last=2).save(step, _state(float(step)))
+    monkeypatch.setattr(lineage_module, "time", _ClockBehind(behind))
+    mgr = ck.CheckpointManager(root, keep_last=2)  # the restarted job, on the other node
+    for step in (3, 4, 5):
+        mgr.save(step, _state(float(step)))
+        _join_background_deletes()
+        assert mgr.steps() == [step - 1, step], (step, mgr.steps())
+    times = [_commit(mgr.path_for(s))["lineage"]["time"] for s in (4, 5)]
+    assert times[0] < times[1]
+    (root / "latest").unlink()  # latest lost: the resume picks the run's newest by commit time
+    assert ck.resolve_checkpoint(str(root)) == mgr.path_for(5)
+    assert _value(mgr.path_for(5)) == 5.0
+
+
+def test_one_lineage_records_increasing_times_when_the_clock_steps_back(monkeypatch):
+    """The Trainer keeps one Lineage per run and records every save with it: a clock stepped back between two
+    saves (NTP) must not make the later save look older."""
+    from paddle.distributed.fsdp.checkpoint import lineage as lineage_module
+
+    run = Lineage.fresh()
+    first = run.record()["time"]
+    monkeypatch.setattr(lineage_module, "time", _ClockBehind(600.0))
+    later = [run.record()["time"] for _ in range(3)]
+    assert first < later[0] < later[1] < later[2]
+    from paddle.distributed.fsdp.checkpoint.lineage import Found
+
+    resumed = Lineage.continuing(Found("/r/step_9", 9, "cid", run.run, run.parent, later[-1]))
+    assert resumed.run == run.run and resumed.record()["time"] > later[-1]
+
+
 def test_selection_rules_on_found_lists(tmp_path):
     """pick_newest / rotation_victims over every order of a mixed list (no I/O): the run's newest complete one is
     always kept and picked when it was committed last; never a victim that is not the run's."""

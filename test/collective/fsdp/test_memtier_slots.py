@@ -292,3 +292,70 @@ def test_memory_slots_is_checked(tmp_path):
     for bad in (0, -1, 8, True, "2", 2.0, None):
         with pytest.raises(MemoryTierError, match="memory_slots"):
             MemoryTier(fsdp, opt, durable_root=str(tmp_path / "d"), memory_root=str(tmp_path / "m"), memory_slots=bad)
+
+
+def test_a_step_saved_twice_restores_the_later_copy(tmp_path):
+    """Red-team attack (#50 trust round 4): the same step saved twice (newer state the second time: a loop that
+    saves before its step counter moves, a save at the end of training) lands in two own slots; the restore took
+    slot 0, the FIRST copy, so a restart resumed a state older than the last save (one slot had overwritten it).
+    Each copy records when it was written (the node's boot clock); the restore takes the later of one step's."""
+    from memtier_util import small_fsdp, state_bytes, train_step
+    from paddle.distributed.fsdp.memtier import MemoryTier
+
+    for steps in ((5, 5), (5, 5, 5), (3, 4, 4)):
+        base = tmp_path / "-".join(map(str, steps))
+        kw = dict(durable_root=str(base / "durable"), memory_root=str(base / "mem"), persist_every=100, job_id="j")
+        model, fsdp, opt = small_fsdp(1)
+        tier = MemoryTier(fsdp, opt, **kw)
+        tier.restore()
+        for n, step in enumerate(steps):
+            train_step(model, opt)
+            tier.save(step, extra_state={"n": n})
+            tier.wait()
+        last = state_bytes(fsdp, opt)
+        tier.close(remove=False)
+        _m, fsdp2, opt2 = small_fsdp(9)
+        tier2 = MemoryTier(fsdp2, opt2, **kw)
+        got = tier2.restore()
+        assert (got.step, dict(got)) == (steps[-1], {"n": len(steps) - 1}), (steps, got.step, dict(got))
+        assert state_bytes(fsdp2, opt2) == last, steps
+        # and once more after the restart: the restored step saved again, then restored
+        train_step(_m, opt2)
+        tier2.save(steps[-1], extra_state={"n": 99})
+        tier2.wait()
+        again = state_bytes(fsdp2, opt2)
+        tier2.close(remove=False)
+        _m3, fsdp3, opt3 = small_fsdp(4)
+        tier3 = MemoryTier(fsdp3, opt3, **kw)
+        assert dict(tier3.restore()) == {"n": 99} and state_bytes(fsdp3, opt3) == again, steps
+        tier3.close()
+
+
+def test_a_lower_step_after_a_higher_one_is_refused(tmp_path):
+    """Red-team attack (#50 trust round 4): step 10 then step 5 (a rollback within the job) left step 10's copy
+    valid in the other slot and a restart resumed from it (one slot had overwritten it with step 5). A lower step
+    is refused by name before anything is copied; the same step again and higher steps are accepted."""
+    import pytest
+    from memtier_util import small_fsdp, state_bytes, train_step
+    from paddle.distributed.fsdp.memtier import MemoryTier, MemoryTierError
+
+    kw = dict(durable_root=str(tmp_path / "durable"), memory_root=str(tmp_path / "mem"), persist_every=100, job_id="j")
+    model, fsdp, opt = small_fsdp(1)
+    tier = MemoryTier(fsdp, opt, **kw)
+    tier.restore()
+    train_step(model, opt)
+    tier.save(10)
+    for lower in (5, 9, 0):
+        with pytest.raises(MemoryTierError, match=f"step {lower} is lower than step 10.*job_id"):
+            tier.save(lower)
+    tier.wait()
+    kept = state_bytes(fsdp, opt)
+    tier.close(remove=False)
+    _m, fsdp2, opt2 = small_fsdp(9)
+    tier2 = MemoryTier(fsdp2, opt2, **kw)
+    assert tier2.restore().step == 10 and state_bytes(fsdp2, opt2) == kept
+    with pytest.raises(MemoryTierError, match="step 3 is lower than step 10"):  # the restored step counts too
+        tier2.save(3)
+    tier2.save(10)
+    tier2.save(11)
+    tier2.close()

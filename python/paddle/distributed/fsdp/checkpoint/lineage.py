@@ -10,20 +10,27 @@ names, and every data file the metadata lists with its size: a few stats, no dat
 
 A run's id is new at a fresh start; a run that resumes carries on the lineage of the checkpoint it resumed from
 (:meth:`Lineage.continuing`), so rotation after a restart still removes what the run saved before its crash.
+
+The recorded commit times of one lineage never go back: a record's time is at least that of the checkpoint the
+run continued from and of the run's previous record (plus a millisecond), whatever the clock says. Why: a run
+restarted on a node whose clock is behind (or after the clock was stepped back) otherwise recorded its newer
+checkpoints as older: rotation deleted them and kept the stale ones, and a resume picked the stale one.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .directory import StorageUnreadableError, read_metadata
-from .errors import CheckpointError
+from .errors import CheckpointError, MetadataError
 from .format.metadata import COMMIT_FILE, check_file_name
 from .format.schema import parse_commit, parse_lineage
 from .format.strict_json import SMALL_FILE_BYTES, loads_strict
 from .io.storage import Storage
+
+MIN_TICK = 1e-3  # seconds a record's time is at least after its predecessor's (a clock that went back)
 
 
 @dataclass(frozen=True)
@@ -33,24 +40,29 @@ class Lineage:
 
     run: str | None
     parent: str | None = None
+    since: float = field(default=0.0, compare=False)  # the commit time of the checkpoint continued from
+    _last: list[float] = field(default_factory=list, init=False, compare=False, repr=False)  # this run's last
 
     @classmethod
-    def fresh(cls, parent: str | None = None) -> Lineage:
-        return cls(uuid.uuid4().hex, parent)
+    def fresh(cls, parent: str | None = None, since: float | None = None) -> Lineage:
+        return cls(uuid.uuid4().hex, parent, since or 0.0)
 
     @classmethod
     def continuing(cls, found: Found) -> Lineage:
         """The lineage of a run that resumed from ``found``: its run and origin when it has a lineage record; a new
         run whose parent is ``found`` when it has none (written before lineages were recorded)."""
         if found.run is not None:
-            return cls(found.run, found.parent)
-        return cls.fresh(found.checkpoint_id)
+            return cls(found.run, found.parent, found.time or 0.0)
+        return cls.fresh(found.checkpoint_id, found.time)
 
     def record(self) -> dict | None:
         """The commit record's ``lineage`` (None for the lineage of unrecorded checkpoints)."""
         if self.run is None:
             return None
-        return {"run": self.run, "parent": self.parent, "time": time.time()}
+        floor = max([self.since, *self._last]) + MIN_TICK if self.since or self._last else 0.0
+        now = max(time.time(), floor)
+        self._last[:] = [now]
+        return {"run": self.run, "parent": self.parent, "time": now}
 
     def owns(self, found: Found) -> bool:
         """``found`` belongs to this run: committed by it, or the checkpoint it continued from."""
@@ -101,6 +113,8 @@ def examine(location: str, step: int, storage: Storage) -> Found:
         raw = storage.get(location, COMMIT_FILE, SMALL_FILE_BYTES)
     except OSError as e:  # EACCES, EIO: says nothing about the checkpoint; never taken for "not there"
         raise StorageUnreadableError(f"cannot read {where}: {e}") from e
+    except MetadataError as e:  # larger than a commit record can be: a damaged or foreign file, never fatal
+        return Found(location, step, problem=f"commit record unreadable: {e}")
     if raw is None:
         return Found(location, step, problem=f"no commit record {COMMIT_FILE}")
     try:

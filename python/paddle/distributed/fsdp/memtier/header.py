@@ -101,3 +101,17 @@ def _check_record(rec, i: int, chunk: int, algo: str, data_len: int, end: int, w
         or not all(type(d) is int and 0 <= d < 1 << 64 for d in digests)
     ):
         raise InvalidMemoryCopyError(f"{where}: record {key[:80]!r} has not {want} chunk digests")
+
+
+def written_now() -> int:
+    """The ``written`` field of a copy saved now: the boot clock in ns (never set back, shared by every process of
+    the node, and memory copies do not outlive a reboot)."""
+    import time
+
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+
+
+def written_at(header: dict) -> int:
+    """When a copy of this node was written (``written``), -1 for a copy without it (an older layout's)."""
+    value = header.get("written")
+    return value if type(value) is int and value >= 0 else -1

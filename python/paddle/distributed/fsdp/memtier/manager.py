@@ -43,6 +43,7 @@ from ..state.resume_state import ResumeObjects
 from . import identity, peers, roots, wire
 from .copies import MAX_SLOTS, Background, Copies, SaveIntoSlot, header_capacity, offsets_of
 from .errors import MemoryRootError, MemoryTierEnvError, MemoryTierError, MemoryTierFullError
+from .header import written_now
 from .persist import persist_copy
 from .restore import Restore, RestoreResult
 from .slot import Slot
@@ -228,6 +229,13 @@ class MemoryTier:
         tier's (given at construction, which a restore applies) for this and later saves."""
         if type(step) is not int or step < 0:
             raise MemoryTierError(f"step must be a non-negative int, got {step!r}")
+        newest = max(self.slots.common_step, self.slots.pending[1] if self.slots.pending else -1)
+        if step < newest:  # the same on every rank (SPMD): refused before any collective
+            raise MemoryTierError(
+                f"step {step} is lower than step {newest}, which this tier saved or restored: a restart would resume "
+                f"from step {newest} (its copy stays in another slot). Steps must not go back; to roll back, start "
+                "the tier with another job_id (PADDLE_FSDP_JOB_ID)"
+            )
         if grad_scaler is not None or stateful is not None or ema is not None:
             ResumeObjects(self.fsdp, self.optimizer, grad_scaler, stateful, ema)  # TypeError, before anything
             self.grad_scaler = grad_scaler if grad_scaler is not None else self.grad_scaler
@@ -251,6 +259,7 @@ class MemoryTier:
             self.persist(step, extra_state)
             return
         header = dict(self.expect(), rank=self.rank, step=step, values=values, descs=state.descs)
+        header["written"] = written_now()  # two own copies of one step: the restore takes the later
         job = SaveIntoSlot(self.copies.own[index], state, header, self.checksum, self.slots.common_step)
         self.slots.started(index, step)
         persist = step % self.persist_every == 0

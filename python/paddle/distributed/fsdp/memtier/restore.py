@@ -35,6 +35,7 @@ from ..checkpoint.manager import committed_steps, step_dir_name
 from . import agreement, wire
 from .copies import check_header, read_copy
 from .errors import InvalidMemoryCopyError, MemoryTierError, NoCommonStepError, PeerTransferError
+from .header import written_at
 from .readback import fill_tensors, populate, read_into
 from .slot import HEADER_OFF, Slot
 from .state import decode_values, tensor_state
@@ -296,6 +297,7 @@ class Restore:
         if decision.sources[self.rank] == agreement.PEER:
             return self._receive(state, decision, tag)
         names = [n for n, c in self.found.items() if n.startswith("own") and c[1]["step"] == decision.step]
+        names.sort(key=lambda n: written_at(self.found[n][1]), reverse=True)  # a step saved twice: the later copy
         if not names:
             raise InvalidMemoryCopyError(f"rank {self.rank}: no copy of step {decision.step}")
         self.used = names[0]
