@@ -11,12 +11,14 @@ pick. Every name is read through the engine's storage interface, so ``s3://`` ou
 from __future__ import annotations
 
 import logging
+import os
 import re
 
+from ...checkpoint import writer
 from ...checkpoint.format.metadata import COMMIT_FILE
 from ...checkpoint.io.backends import backend_for
 from ...checkpoint.io.storage import Storage
-from ...checkpoint.paths import local_path
+from ...checkpoint.paths import local_path, url_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,14 @@ def is_committed(location: str, storage: Storage | None = None) -> bool:
         return COMMIT_FILE in storage.list(location)
     except OSError:
         return False
+
+
+def make_root_durable(output_dir: str) -> None:
+    """The Trainer's ``__init__`` creates ``output_dir`` with a plain ``os.makedirs``: fsync its parent so the root
+    (and every checkpoint published in it) survives a power loss. Object stores need nothing."""
+    root = local_path(output_dir)
+    if url_scheme(root) is None and os.path.isdir(root):
+        writer.fsync_dir(os.path.dirname(os.path.abspath(root)))
 
 
 def committed_checkpoints(output_dir: str) -> list[tuple[int, str]]:

@@ -205,6 +205,7 @@ class FSDPTrainerMixin:
         self.model_wrapped = self.model
         self.hf_preset = hf_preset
         self._fsdp_pending = None  # the async save in flight
+        checkpoints.make_root_durable(self.args.output_dir)
         self._fsdp_loaded = None  # (path, extra_state) of the checkpoint this train() resumed from
         self._fsdp_memory = memory_options  # fsdp_memory_tier, checked (memory_saves.py); None: no memory tier
         self._fsdp_tier = None  # the MemoryTier, built at the first save or memory resume
