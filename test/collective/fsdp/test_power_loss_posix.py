@@ -9,9 +9,13 @@ record) must make some state fail: the test can fail. The seed is printed; PADDL
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
+import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -20,6 +24,7 @@ import paddle
 import paddle.distributed.fsdp.checkpoint as ck
 import posix_crash
 import pytest
+import strace_summary
 from paddle.distributed.fsdp.checkpoint import writer
 from paddle.distributed.fsdp.checkpoint.format.metadata import COMMIT_FILE
 from paddle.distributed.fsdp.checkpoint.io.local import LocalStorage
@@ -345,3 +350,40 @@ def test_missing_path_names_the_old_directory_with_the_checkpoint(leftover, tmp_
     with pytest.raises(ck.CheckpointError, match=r"one\.old-mmmm holds the checkpoint that was being replaced"):
         ck.load_state_dict({}, str(tmp_path / "one"))
     assert _loads_as(str(tmp_path / "one.old-mmmm")) == 1
+
+
+_STRACED = """
+import json, sys
+sys.path.insert(0, {testdir!r})
+import pytest, posix_crash, strace_summary, test_power_loss_posix as t
+base, scenario = sys.argv[1], getattr(t, sys.argv[2])
+mp = pytest.MonkeyPatch()
+rec = posix_crash.Recorder(base, mp)
+scenario(base, rec, mp)
+mp.undo()
+json.dump(sorted(strace_summary.recorder_summary(rec.calls, base).items()), open(sys.argv[3], "w"))
+"""
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+@pytest.mark.parametrize("scenario", ["_manager", "_same_path"])
+def test_recorder_sees_every_call_strace_sees(scenario, tmp_path):
+    """The explorer's input is complete: ``strace -f`` of the same save (a child process) counts the same
+    creates, writes (bytes per file), truncates, fsyncs, mkdirs, renames, exchanges, links and unlinks."""
+    base, script, out, log = tmp_path / "fs", tmp_path / "s.py", tmp_path / "rec.json", tmp_path / "strace.txt"
+    base.mkdir()
+    if scenario == "_same_path":  # made here, before the traced child starts
+        (base / "one").mkdir()
+        (base / "one" / "notes.txt").write_bytes(NOTES)
+    script.write_text(_STRACED.format(testdir=os.path.dirname(os.path.abspath(__file__))))
+    cmd = ["strace", "-f", "-qq", "-y", "-o", str(log), "-e", f"trace={strace_summary.STRACE_CALLS}"]
+    proc = subprocess.run([*cmd, sys.executable, str(script), str(base), scenario, str(out)], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    if proc.returncode != 0 and "ptrace" in proc.stderr:
+        pytest.skip(f"strace cannot trace here: {proc.stderr.strip()[-200:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recorded = {tuple(k): v for k, v in json.loads(out.read_text())}
+    seen = strace_summary.strace_summary(log.read_text(), str(base))
+    assert seen and sum(v for k, v in seen.items() if k[0] == "fsync") >= 40
+    diff = {k: (recorded.get(k), seen.get(k)) for k in set(recorded) | set(seen) if recorded.get(k) != seen.get(k)}
+    assert not diff, sorted(diff.items(), key=str)[:10]
