@@ -101,9 +101,9 @@ def _loads_as(path: str) -> int:
     raise AssertionError(f"{path} loads as no saved step (a mix or garbage)")
 
 
-def _check(trace: posix_crash.Trace, k: int, root: str, scenario) -> None:
-    """The invariants of one replayed crash state at crash point ``k`` (materialized under ``root``)."""
-    at_least = 2 if k >= trace.marks["saved2"] else 1 if k >= trace.marks["saved1"] else None
+def _check(at_least: int | None, root: str, scenario) -> None:
+    """The invariants of one crash state (materialized or mounted at ``root``); ``at_least``: the last save that
+    had returned before the crash (None: none)."""
     if scenario in (_manager, _manager_async):
         ckroot = os.path.join(root, "run", "ckpt")
         picked = ck.latest_checkpoint(ckroot) if os.path.isdir(ckroot) else None
@@ -147,7 +147,8 @@ def explore(trace: posix_crash.Trace, work, scenario, seed: int, budget: int, st
         root = os.path.join(work, f"s{i}")
         model.materialize(root)
         try:
-            _check(trace, k, root, scenario)
+            at_least = 2 if k >= trace.marks["saved2"] else 1 if k >= trace.marks["saved1"] else None
+            _check(at_least, root, scenario)
         except Exception as e:  # noqa: BLE001 - every failure of a state is a finding, reported with its state
             failures.append((k, lost, f"{type(e).__name__}: {e}"))
             if stop_at_first:
