@@ -7,9 +7,10 @@
   copy of a device tensor) stays alive until its bytes are written. Each file is fsynced once; writeback starts
   every KICK_BYTES (``sync_file_range``) so the final fsync is short. Saves write with O_DIRECT instead
   (``direct=True``: direct_write.py), through bounce buffers, where the file system allows it.
-* Durability helpers: ``fsync_dir``, ``makedirs_durable`` (new directories fsynced in their parents), ``write_file`` / ``write_file_durable`` (tmp + fsync + rename + dir fsync)
-  and ``replace_dir`` (atomic directory swap with ``renameat2(RENAME_EXCHANGE)`` where the kernel and file
-  system support it, otherwise two renames).
+* Durability helpers: ``fsync_dir``, ``makedirs_durable`` (new directories fsynced in their parents),
+  ``write_file`` / ``write_file_durable`` (tmp + fsync + rename + dir fsync) and ``replace_dir`` (atomic
+  directory swap with ``renameat2(RENAME_EXCHANGE)`` where the kernel and file system support it, otherwise
+  two renames).
 """
 
 from __future__ import annotations
