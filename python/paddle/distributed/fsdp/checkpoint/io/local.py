@@ -95,7 +95,8 @@ class LocalStorage(Storage):
     # writes
     def begin(self, final: str, checkpoint_id: str) -> str:
         staging = f"{os.path.abspath(final)}.tmp-{checkpoint_id}"
-        os.makedirs(staging, exist_ok=True)
+        writer.makedirs_durable(os.path.dirname(staging))  # a new root survives a power loss
+        os.makedirs(staging, exist_ok=True)  # made durable by the publish (rename + fsync of the parent)
         return staging
 
     def write_object(
@@ -110,7 +111,7 @@ class LocalStorage(Storage):
         should_stop: Callable[[], None] | None = None,
     ) -> tuple[int, list[list[int]]]:
         _check_name(name)
-        return writer.write_rank_file(
+        result = writer.write_rank_file(
             os.path.join(location, name),
             header,
             pieces,
@@ -119,11 +120,16 @@ class LocalStorage(Storage):
             should_stop=should_stop,
             direct=self.odirect,
         )
+        # "durable on return" includes the object's name: POSIX makes a new name durable only through an fsync of
+        # its directory. Done here, explicitly, rather than relying on a later put's fsync of the same directory
+        # (which would stop covering it the day data moves to a subdirectory); one directory fsync per rank.
+        writer.fsync_dir(location)
+        return result
 
     def put(self, location: str, name: str, data: bytes, *, durable: bool = True) -> None:
         """A small file: tmp + rename (+ fsync of file and directory when ``durable``); creates ``location``."""
         _check_name(name)
-        os.makedirs(location, exist_ok=True)
+        writer.makedirs_durable(location)
         target = os.path.join(location, name)
         if durable:
             writer.write_file_durable(target, data)
@@ -140,8 +146,10 @@ class LocalStorage(Storage):
     def publish(self, staging: str, final: str) -> None:
         final = os.path.abspath(final)
         old = f"{final}.old-{os.path.basename(staging).rpartition('.tmp-')[2] or 'x'}"
-        # entries of other tools in the target directory are kept (hard links), then the directory is swapped
-        adopt_foreign_entries(final, staging, own_entry_names(final))
+        # entries of other tools in the target directory are kept (hard links), made durable (the commit record's
+        # fsync of the staging came before them), then the directory is swapped and the old one removed
+        if adopt_foreign_entries(final, staging, own_entry_names(final)):
+            writer.fsync_dir(staging)
         writer.replace_dir(staging, final, old, background_delete=self.background_delete)
 
     def remove(self, location: str, wait: bool = False) -> None:
@@ -189,7 +197,8 @@ LOCAL = LocalStorage()
 
 def adopt_foreign_entries(final: str, staging: str, ours: set[str]) -> list[str]:
     """Hard-link every entry of ``final`` whose name is not in ``ours`` (and not already in ``staging``) into
-    ``staging``; returns the names adopted. Falls back to copying across file systems."""
+    ``staging``; returns the names adopted. Falls back to copying across file systems. A recreated directory is
+    fsynced once filled; the caller fsyncs ``staging`` when anything was adopted."""
     try:
         names = os.listdir(final)
     except FileNotFoundError:
@@ -209,6 +218,7 @@ def _link_tree(src: str, dst: str) -> None:
         shutil.copystat(src, dst, follow_symlinks=False)
         for name in os.listdir(src):
             _link_tree(os.path.join(src, name), os.path.join(dst, name))
+        writer.fsync_dir(dst)  # its links survive a power loss once the old directory is gone
         return
     try:
         os.link(src, dst, follow_symlinks=False)

@@ -18,12 +18,13 @@ import logging
 import os
 import re
 
+from ...checkpoint import writer
 from ...checkpoint.directory import StorageUnreadableError
 from ...checkpoint.format.metadata import COMMIT_FILE
 from ...checkpoint.io.backends import backend_for
 from ...checkpoint.io.storage import Storage
 from ...checkpoint.lineage import Found, Lineage, examine
-from ...checkpoint.paths import local_path
+from ...checkpoint.paths import local_path, url_scheme
 from ...checkpoint.selection import pick_newest, rotation_victims, survey, warn_left, warn_passed
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,14 @@ def is_committed(location: str, storage: Storage | None = None) -> bool:
         return COMMIT_FILE in storage.list(location)
     except OSError:
         return False
+
+
+def make_root_durable(output_dir: str) -> None:
+    """The Trainer's ``__init__`` creates ``output_dir`` with a plain ``os.makedirs``: fsync its parent so the root
+    (and every checkpoint published in it) survives a power loss. Object stores need nothing."""
+    root = local_path(output_dir)
+    if url_scheme(root) is None and os.path.isdir(root):
+        writer.fsync_dir(os.path.dirname(os.path.abspath(root)))
 
 
 def checkpoints_found(output_dir: str) -> list[Found]:

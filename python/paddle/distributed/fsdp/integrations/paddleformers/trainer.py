@@ -219,6 +219,7 @@ class FSDPTrainerMixin:
         if (getattr(self.args, "save_hf_steps", -1) or -1) > 0:  # a run must not die at its first export
             hf_export.check_exportable(self.fsdp, self.model, hf_preset, merged=self.hf_merge_adapter)
         self._fsdp_pending = None  # the async save in flight
+        checkpoints.make_root_durable(self.args.output_dir)
         self._fsdp_loaded = None  # (path, extra_state) of the checkpoint this train() resumed from
         self._fsdp_memory = memory_options  # fsdp_memory_tier, checked (memory_saves.py); None: no memory tier
         self._fsdp_tier = None  # the MemoryTier, built at the first save or memory resume
