@@ -18,23 +18,23 @@ from typing import Callable
 
 import paddle
 
-from . import gradient_sync
-from .buffer_memory import BlockLedger
-from .communication import ShardingComm, check_interval_from_env
-from .expert_comm import ExpertComm
-from .expert_parallel import check_expert_layout, expert_parameter_ids, resolve_expert_layout
-from .fused_buffer import FusedBuffer
-from .fused_layout import BufferLayout
-from .heap_trim import HeapTrim
-from .hooks import LayerHooks
-from .hybrid_comm import HybridComm
-from .layer_integration import install_layer_integration
-from .lazy_init import install_creation_stamps, is_lazy, materialise_into_shards
-from .memory_account import memory_account
-from .optimizer_integration import install_optimizer_integration
-from .overlap import OverlapSchedule
-from .param_grouping import plan_param_groups
-from .topology import _world_size, resolve_layout
+from .buffers.fused_buffer import FusedBuffer
+from .buffers.fused_layout import BufferLayout
+from .buffers.lazy_init import install_creation_stamps, is_lazy, materialise_into_shards
+from .buffers.memory_account import memory_account
+from .buffers.param_grouping import plan_param_groups
+from .comm.communication import ShardingComm, check_interval_from_env
+from .comm.expert_comm import ExpertComm
+from .comm.expert_parallel import check_expert_layout, expert_parameter_ids, resolve_expert_layout
+from .comm.hybrid_comm import HybridComm
+from .comm.topology import _world_size, resolve_layout
+from .devices.buffer_memory import BlockLedger
+from .devices.heap_trim import HeapTrim
+from .step import gradient_sync
+from .step.hooks import LayerHooks
+from .step.layer_integration import install_layer_integration
+from .step.optimizer_integration import install_optimizer_integration
+from .step.overlap import OverlapSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +277,7 @@ class FullyShardFusion:
     def full_parameters(self) -> dict[str, paddle.Tensor]:
         """Gathered copies of every parameter by key, every EP rank's experts included (collective; for tests and
         small models)."""
-        from .full_params import expert_peer_parameters
+        from .state.full_params import expert_peer_parameters
 
         out = {}
         for buffer in self.buffers:
@@ -298,14 +298,14 @@ class FullyShardFusion:
     def summon_full_params(self, writeback: bool = False, rank0_only: bool = False):
         """Context manager (collective): every parameter whole inside, e.g. for ``print``, ``save_pretrained``,
         evaluation or custom initialisation; ``writeback=True`` scatters changes made inside back to the shards."""
-        from .full_params import summon_full_params
+        from .state.full_params import summon_full_params
 
         return summon_full_params(self, writeback=writeback, rank0_only=rank0_only)
 
     def full_state_dict(self, rank0_only: bool = True, offload_to_cpu: bool = True) -> dict:
         """The unwrapped model's ``state_dict()`` (whole parameters + persistable buffers), gathered one unit at a
         time (collective); other ranks get ``{}`` with ``rank0_only``."""
-        from .full_params import full_state_dict
+        from .state.full_params import full_state_dict
 
         return full_state_dict(self, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
 
@@ -335,7 +335,7 @@ class FullyShardFusion:
         commit); ``keep_last=K`` then removes older steps; ``async_save=True`` returns a handle to wait on;
         ``grad_scaler=`` a ``paddle.amp.GradScaler`` saved too (pass it to :meth:`load_checkpoint` as well).
         """
-        from .checkpoint.keywords import check_keywords, keyword_names
+        from .keywords import check_keywords, keyword_names
         from .state.resume import save_checkpoint
 
         check_keywords("save_checkpoint", kwargs, keyword_names(save_checkpoint, ("fsdp",)))
@@ -344,7 +344,7 @@ class FullyShardFusion:
     def memory_tier(self, optimizer=None, *, durable_root: str, **kwargs):
         """A MemoryTier (memtier/manager.py) over this model and ``optimizer``, already restored (collective):
         ``tier.start_step`` is the step every rank resumed from (0: a fresh start), ``tier.restored`` the result."""
-        from .checkpoint.keywords import check_keywords, keyword_names
+        from .keywords import check_keywords, keyword_names
         from .memtier import MemoryTier
 
         check_keywords("memory_tier", kwargs, keyword_names(MemoryTier.__init__, ("self", "fsdp", "optimizer")))
@@ -367,7 +367,7 @@ class FullyShardFusion:
         ``.path`` (the directory loaded), ``.step`` (for ``step_<N>`` directories) and ``.fallback_from``
         (newer checkpoints of a root that failed mid-load, see state/resume.py).
         """
-        from .checkpoint.keywords import check_keywords, keyword_names
+        from .keywords import check_keywords, keyword_names
         from .state.resume import load_checkpoint
 
         check_keywords("load_checkpoint", kwargs, keyword_names(load_checkpoint, ("fsdp",)))

@@ -19,7 +19,7 @@ import weakref
 
 import numpy as np
 
-from .. import device
+from ..devices import device
 
 # Transparent huge pages (MADV_HUGEPAGE) for buffers filled by O_DIRECT reads: the kernel faults in every page it
 # pins, and a 2 -> 3 rank load took 0.61-0.68 s with huge pages against 0.86-1.16 s without. Not for buffers filled

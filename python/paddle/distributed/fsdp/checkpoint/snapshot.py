@@ -33,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from .. import device, device_streams
+from ..devices import device, device_streams
 from . import host_memory, snapshot_guard
 from .coordination import aligned
 

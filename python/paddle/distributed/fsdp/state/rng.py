@@ -23,10 +23,10 @@ from typing import Any
 import paddle
 from paddle.base import core
 
-from .. import device as device_mode
 from ..checkpoint.errors import MetadataError, RngStateMismatchError
 from ..checkpoint.format.rank_values import RankValueList
 from ..checkpoint.format.reserved import RNG_KEY
+from ..devices import device as device_mode
 
 logger = logging.getLogger(__name__)
 

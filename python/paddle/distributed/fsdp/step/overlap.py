@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING
 import paddle
 
 if TYPE_CHECKING:
-    from .fused_buffer import FusedBuffer
+    from ..buffers.fused_buffer import FusedBuffer
 
 _REDUCE_DTYPES = {"float32": paddle.float32, "bfloat16": paddle.bfloat16}
 

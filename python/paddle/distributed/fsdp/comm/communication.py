@@ -20,7 +20,8 @@ import paddle
 import paddle.distributed as dist
 from paddle.base import core
 
-from . import device, env_switches
+from .. import env_switches
+from ..devices import device
 from .comm_emulation import EmulatedStream, delay_from_env
 
 logger = logging.getLogger(__name__)

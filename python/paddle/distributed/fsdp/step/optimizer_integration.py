@@ -33,7 +33,7 @@ import paddle.distributed as dist
 from paddle.nn.clip import ClipGradByGlobalNorm, ClipGradByNorm
 from paddle.optimizer import Lamb, Optimizer
 
-from .checkpoint.snapshot_guard import wait_for_snapshot
+from ..checkpoint.snapshot_guard import wait_for_snapshot
 
 logger = logging.getLogger(__name__)
 

@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING
 
 import paddle
 
-from . import host_mappings
-from .buffer_memory import GATHERED, GRADIENT, GRADIENT_SHARD, maps_blocks, new_block
-from .communication import GATHER, REDUCE
-from .device import address, check_same_place, host_to_device
+from ..comm.communication import GATHER, REDUCE
+from ..devices import host_mappings
+from ..devices.buffer_memory import GATHERED, GRADIENT, GRADIENT_SHARD, maps_blocks, new_block
+from ..devices.device import address, check_same_place, host_to_device
 from .fused_layout import BufferLayout, LocalPiece
 
 if TYPE_CHECKING:
-    from .communication import ShardingComm
+    from ..comm.communication import ShardingComm
 
 logger = logging.getLogger(__name__)
 

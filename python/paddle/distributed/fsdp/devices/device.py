@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import paddle
 
-from . import device_rules, device_streams, env_switches
+from .. import env_switches
+from . import device_rules, device_streams
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ def _guarded_data_ptr(self: paddle.Tensor) -> int:
     if caller.startswith(_GUARDED_CALLERS) and not is_host(self):
         raise DeviceMemoryAccessError(
             f"data_ptr() of a device tensor {getattr(self, 'name', '')!r} (fake-device mode): device memory is not "
-            "readable by the CPU; copy it with paddle.distributed.fsdp.device.to_host first"
+            "readable by the CPU; copy it with paddle.distributed.fsdp.devices.device.to_host first"
         )
     return _original_data_ptr(self)
 

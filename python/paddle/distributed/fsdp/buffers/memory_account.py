@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import paddle
 
-from .buffer_memory import KINDS, BlockLedger
+from ..devices.buffer_memory import KINDS, BlockLedger
 from .fused_buffer import FusedBuffer
 
 
