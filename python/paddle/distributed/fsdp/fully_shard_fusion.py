@@ -50,7 +50,7 @@ class FullyShardFusion:
         group: the process group to shard over; default: fleet's sharding group if fleet set one up
             with ``sharding_degree > 1``, else the global group, else a single process. Layouts where some
             data-parallel ranks would not average gradients (a group smaller than the world; fleet with
-            ``mp/pp/sep_degree > 1``) raise ``UnsupportedGroupLayoutError`` (topology.py).
+            ``mp/pp/sep_degree > 1``) raise ``UnsupportedGroupLayoutError`` (comm/topology.py).
         replicate_group, shard_group: hybrid sharding (HSDP): shard over ``shard_group`` (alias ``group``),
             replicate over ``replicate_group`` (e.g. from ``topology.hybrid_groups(R)``); fleet's ``dp_degree x
             sharding_degree`` config gives the same. Gradients are averaged over both; checkpoints are written
@@ -66,11 +66,11 @@ class FullyShardFusion:
             order, while the current unit computes; also how many reduce-scatters may be in flight. 0 makes
             every collective synchronous. Results are bit-identical for every depth. None (default): 1, except 0
             where every collective finishes inside its call (paddle's plain gloo, CPU training: a prefetch
-            overlaps nothing there and holds one more gathered unit). See overlap.py.
+            overlaps nothing there and holds one more gathered unit). See step/overlap.py.
         reduce_dtype: dtype fp32 gradients are reduce-scattered in: None or "float32" (default, exact), or
             "bfloat16" (half the bytes; the sum over ranks is rounded to bf16, accumulation stays fp32).
         moe_layers_name, expert_parallel_group, expert_shard_group: expert parallelism (EP, see
-            expert_parallel.py). Expert parameters (those of sublayers whose class is named in ``moe_layers_name``
+            comm/expert_parallel.py). Expert parameters (those of sublayers whose class is named in ``moe_layers_name``
             and that are members of an expert list, e.g. ``mlp.experts.5``; default: upstream's ``Qwen3MoeMLP``,
             ``StandardMLPExpert``; and any parameter with ``param.expert = True``) go to buffers of their own,
             sharded over ``expert_shard_group`` (fleet's moe_sharding group; None: one rank per expert) with
@@ -85,7 +85,7 @@ class FullyShardFusion:
 
     Parameters must be initialised identically on every rank (same seed); each rank keeps its slice. A model
     larger than one device can be built under ``paddle.LazyGuard()`` (materialised one parameter at a time into
-    the shards, values equal to an eager build) or on the CPU (pieces copied to the device): see lazy_init.py.
+    the shards, values equal to an eager build) or on the CPU (pieces copied to the device): see buffers/lazy_init.py.
     """
 
     def __init__(
@@ -121,7 +121,7 @@ class FullyShardFusion:
         #: every EP rank's expert keys (this rank's included): all belong to this model's checkpoints
         self._expert_keys: frozenset[str] = frozenset()
         world = _world_size()
-        if world > 1:  # one small exchange: every rank refuses alike (expert_parallel.py)
+        if world > 1:  # one small exchange: every rank refuses alike (comm/expert_parallel.py)
             self._expert_keys = check_expert_layout(self.expert_layout, self.group_layout, model, expert_ids, world)
         if self.expert_layout is None:
             expert_ids = set()
@@ -135,9 +135,9 @@ class FullyShardFusion:
         self.base_source: str | None = None
         self._frozen_base_fingerprint: dict | None = None  # computed once per run (state/frozen_base.py)
         # optimizers that stepped or initialised state for these parameters: summon_full_params(writeback=True)
-        # re-casts their fp32 master weights where a written-back value changed (full_params.py)
+        # re-casts their fp32 master weights where a written-back value changed (state/full_params.py)
         self._optimizers: weakref.WeakSet = weakref.WeakSet()
-        self.blocks = BlockLedger()  # per-step blocks mapped in host memory, by kind (buffer_memory.py)
+        self.blocks = BlockLedger()  # per-step blocks mapped in host memory, by kind (devices/buffer_memory.py)
         layout = self.group_layout
         if layout.replicate_degree > 1:
             self.comm: ShardingComm = HybridComm(layout.shard_group, layout.replicate_group)
@@ -151,7 +151,7 @@ class FullyShardFusion:
             check_collective_order = check_interval_from_env()
         self.schedule = OverlapSchedule(self, prefetch_depth, reduce_dtype, check_collective_order)
         groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn, expert_ids)
-        # lazily built (paddle.LazyGuard) parameters are materialised one at a time after planning (lazy_init.py)
+        # lazily built (paddle.LazyGuard) parameters are materialised one at a time after planning (buffers/lazy_init.py)
         one_by_one = any(is_lazy(p) for p in model.parameters())
         self.buffers: list[FusedBuffer] = []
         self._param_keys: dict[int, str] = {}  # id(param) -> structured key
@@ -181,7 +181,7 @@ class FullyShardFusion:
                 fallback_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
         if one_by_one:
             materialise_into_shards(model, self.buffers)
-        #: trims malloc's heap at the start of each forward and backward, in host memory (heap_trim.py)
+        #: trims malloc's heap at the start of each forward and backward, in host memory (devices/heap_trim.py)
         self.heap_trim = HeapTrim(enabled=any(buffer._maps_blocks for buffer in self.buffers))
         self._install_hooks(model, layer_buffers, fallback_buffers)
         model._fsdp = self
@@ -197,7 +197,7 @@ class FullyShardFusion:
 
     def _install_hooks(self, model: paddle.nn.Layer, layer_buffers: dict, fallback_buffers: dict) -> None:
         """The root's forward hooks (the schedule's, registered first: they bracket the others), then each
-        gathering layer's (hooks.py)."""
+        gathering layer's (step/hooks.py)."""
         prefixes = {id(layer): prefix for prefix, layer in model.named_sublayers(include_self=True)}
         ancestors = _ancestors(model)
         self._root_hooks = [
@@ -261,12 +261,12 @@ class FullyShardFusion:
 
     def memory_account(self) -> dict[str, int]:
         """Bytes this rank's buffers hold now, by role (parameter_shard, gradient_shard, gathered_units,
-        gradient_buffers, staging) and the mapped host blocks alive (see buffer_memory.py); peaks in ``blocks.peak``."""
+        gradient_buffers, staging) and the mapped host blocks alive (see devices/buffer_memory.py); peaks in ``blocks.peak``."""
         return memory_account(self.buffers, self.blocks)
 
     # ---- training-loop support --------------------------------------------------------------------
     def _arm_backward_end(self) -> None:
-        """Finish gradients when the running backward pass ends (see gradient_sync.py)."""
+        """Finish gradients when the running backward pass ends (see step/gradient_sync.py)."""
         gradient_sync.arm_backward_end(self)
 
     def _flush_gradients(self) -> list[tuple]:
@@ -294,7 +294,7 @@ class FullyShardFusion:
                     out.setdefault(f"{prefix}.{name}" if prefix else name, param.detach().clone())
         return out
 
-    # ---- full parameters (full_params.py) -----------------------------------------------------
+    # ---- full parameters (state/full_params.py) -----------------------------------------------------
     def summon_full_params(self, writeback: bool = False, rank0_only: bool = False):
         """Context manager (collective): every parameter whole inside, e.g. for ``print``, ``save_pretrained``,
         evaluation or custom initialisation; ``writeback=True`` scatters changes made inside back to the shards."""
@@ -385,7 +385,7 @@ def _check_compute_dtype(dtype):
     return allowed[name]
 
 
-install_creation_stamps()  # before any model is built under paddle.LazyGuard (lazy_init.py)
+install_creation_stamps()  # before any model is built under paddle.LazyGuard (buffers/lazy_init.py)
 
 
 def _ancestors(model: paddle.nn.Layer) -> dict[int, set[int]]:

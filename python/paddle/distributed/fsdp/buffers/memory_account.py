@@ -1,7 +1,7 @@
 """The memory account of FullyShardFusion: what its buffers reference now, by role, and the mapped blocks alive.
 
 Why a module of its own: it reads both the buffers (fused_buffer.py) and the ledger of mapped blocks
-(buffer_memory.py), and fused_buffer.py takes its blocks from buffer_memory.py; the account sits above both.
+(devices/buffer_memory.py), and fused_buffer.py takes its blocks from devices/buffer_memory.py; the account sits above both.
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ def is_host_place(place) -> bool:
 
 def is_host_contiguous(t) -> bool:
     """Whether the tensor's bytes can be used in place through its data pointer (see raw_view); device memory
-    (and, in fake-device mode, every tensor not made as host memory) cannot: see ``fsdp/device.py``."""
+    (and, in fake-device mode, every tensor not made as host memory) cannot: see ``fsdp/devices/device.py``."""
     return device.is_host(t) and t.is_contiguous()
 
 

@@ -25,7 +25,7 @@ it would crash on a GPU (stock paddle and third-party callers are left alone). T
 ``device_rules.py`` apply too: pinning is emulated and checked, ops on host staging memory other than slices
 and copies raise, device synchronisations are logged with their thread and whether they hold the GIL; copy
 streams and events are emulated (``device_streams.py``).
-``PADDLE_FSDP_EMULATE_GPU_COLLECTIVES=1`` (implied by fake-device mode) makes ``communication.py`` take
+``PADDLE_FSDP_EMULATE_GPU_COLLECTIVES=1`` (implied by fake-device mode) makes ``comm/communication.py`` take
 its reduce-scatter path (GPU-only in paddle 3.3.1's gloo) through an emulation on gloo.
 
 Options are read from the environment in one place (:func:`options`), once per process.
