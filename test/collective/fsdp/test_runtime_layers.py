@@ -21,12 +21,12 @@ from test_package_imports import BASE, ROOT, graph, modules
 FLOORS: dict[str, int] = {
     "keywords": 0,  # stdlib only: the catch-all keyword checker
     "env_switches": 0,  # stdlib only: the one parser of the package's environment switches
+    "sampler": 0,  # public (docs/resume-state.md): resumable data order, numpy only
     "devices": 1,  # where bytes live and how they cross host <-> device
     "comm": 2,  # who talks to whom and every collective
     "buffers": 3,  # which params share a buffer, the buffer at run time
     "checkpoint": 3,  # save/ and load/ (test_checkpoint_layers.py has its inner rules)
     "step": 4,  # when things happen in a step; the optimizer and Layer wrappers
-    "sampler": 4,  # data order: resumable sampler (numpy only)
     "state": 5,  # whole-parameter and state views of the model
     "memtier": 6,  # the memory tier (host copies of the training state)
     "fully_shard_fusion": 7,  # the public wrapper, where upstream Paddle has it
