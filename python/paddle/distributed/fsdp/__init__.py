@@ -16,13 +16,37 @@ from .fully_shard_fusion import FullyShardFusion  # noqa: E402
 from .step.hooks import UnsupportedUnitOutputError  # noqa: E402
 from .step.layer_integration import ShardedStateDictError  # noqa: E402
 
-# Import paths from before the runtime moved into packages (issue #53) that users or upstream code use: the docs
-# name them. Each old name is the same module object as the new one (a ``sys.modules`` entry and a package
-# attribute), so ``monkeypatch``, ``__name__`` and ``import paddle.distributed.fsdp.topology`` all see one module.
-# Every other old path is gone; test_runtime_layers.py checks that each listed path is the same object.
+# Import paths from before the runtime moved into packages (issue #53): every module that moved keeps its old
+# path, for user code, upstream code and tests written against earlier versions. Each old name is the same module
+# object as the new one (a ``sys.modules`` entry and an attribute of its parent package), so ``monkeypatch``,
+# ``__name__`` and ``import paddle.distributed.fsdp.topology`` all see one module. test_runtime_layers.py checks
+# every entry; new code imports the new paths.
 MOVED_MODULES = {
+    "fused_buffer": "buffers.fused_buffer",
+    "fused_layout": "buffers.fused_layout",
+    "lazy_init": "buffers.lazy_init",
+    "memory_account": "buffers.memory_account",
+    "param_grouping": "buffers.param_grouping",
+    "comm_emulation": "comm.comm_emulation",
+    "communication": "comm.communication",
+    "expert_comm": "comm.expert_comm",
+    "expert_parallel": "comm.expert_parallel",
+    "hybrid_comm": "comm.hybrid_comm",
     "topology": "comm.topology",  # docs/expert-parallel.md: topology.new_group
+    "buffer_memory": "devices.buffer_memory",
     "device": "devices.device",  # docs/gpu.md: host buffers made by paddle.distributed.fsdp.device
+    "device_rules": "devices.device_rules",
+    "device_streams": "devices.device_streams",
+    "heap_trim": "devices.heap_trim",
+    "host_mappings": "devices.host_mappings",
+    "checkpoint.keywords": "keywords",
+    "full_params": "state.full_params",
+    "sharded_model": "state.sharded_model",
+    "gradient_sync": "step.gradient_sync",
+    "hooks": "step.hooks",
+    "layer_integration": "step.layer_integration",
+    "optimizer_integration": "step.optimizer_integration",
+    "overlap": "step.overlap",
 }
 
 
@@ -33,7 +57,8 @@ def _register_moved_modules() -> None:
     for old, new in MOVED_MODULES.items():
         module = importlib.import_module(f"{__name__}.{new}")
         sys.modules[f"{__name__}.{old}"] = module
-        globals()[old] = module
+        parent, _, name = f"{__name__}.{old}".rpartition(".")
+        setattr(sys.modules[parent], name, module)
 
 
 _register_moved_modules()
