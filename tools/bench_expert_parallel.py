@@ -92,8 +92,8 @@ def main(args) -> None:
     import paddle.distributed as dist
     from paddle.distributed.collective import _get_global_group
     from paddle.distributed.fsdp.checkpoint import read_metadata
-    from paddle.distributed.fsdp.communication import all_gather_object
-    from paddle.distributed.fsdp.topology import new_group
+    from paddle.distributed.fsdp.comm.communication import all_gather_object
+    from paddle.distributed.fsdp.comm.topology import new_group
 
     dist.init_parallel_env()
     world, me = dist.get_world_size(), dist.get_rank()

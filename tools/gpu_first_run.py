@@ -27,7 +27,7 @@ import paddle.nn.functional as F
 
 def places() -> None:
     """Where host staging memory lands (expect Place(gpu_pinned) on a GPU build) and what stock paddle does."""
-    from paddle.distributed.fsdp import device
+    from paddle.distributed.fsdp.devices import device
 
     print("compiled with cuda:", paddle.is_compiled_with_cuda(), "| device:", paddle.device.get_device())
     print("device.host_empty(pinned):", device.host_empty([4], "float32").place)

@@ -54,7 +54,7 @@ def run_hsdp(comm, replicas: int, dim: int, work: str) -> dict:
     "load_s"}} with per-rank byte lists (collective; the world must be a multiple of ``replicas``)."""
     import paddle.distributed as dist
     from paddle.distributed.collective import _get_global_group
-    from paddle.distributed.fsdp.topology import hybrid_groups
+    from paddle.distributed.fsdp.comm.topology import hybrid_groups
 
     replicate, shard = hybrid_groups(replicas)
     out: dict = {"replicas": replicas, "world": comm.world, "dim": dim}

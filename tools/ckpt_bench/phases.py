@@ -228,7 +228,7 @@ class Comm:
 def tensor_bytes_view(t) -> np.ndarray:
     """uint8 view of a contiguous host tensor's memory (no copy); device memory is refused, not read through
     a pointer the CPU cannot follow (that segfaults on a GPU)."""
-    from paddle.distributed.fsdp import device
+    from paddle.distributed.fsdp.devices import device
 
     n = math.prod(t.shape) * t.element_size()  # from the shape: numel() is an op (none may run on staging)
     if n == 0:
@@ -236,7 +236,7 @@ def tensor_bytes_view(t) -> np.ndarray:
     if not device.is_host(t) or not t.is_contiguous():
         raise device.DeviceMemoryAccessError(
             f"bench: a tensor on {t.place} is not contiguous host memory; its bytes cannot be viewed in place "
-            "(copy it with paddle.distributed.fsdp.device.to_host)"
+            "(copy it with paddle.distributed.fsdp.devices.device.to_host)"
         )
     return np.frombuffer((ctypes.c_ubyte * n).from_address(device.data_ptr(t)), dtype=np.uint8)
 

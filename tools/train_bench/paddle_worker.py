@@ -157,7 +157,8 @@ def main(argv=None) -> int:
     model = paddle_model(args.dim, args.layers)
     fsdp = None
     if args.contender == "fsdp":
-        from paddle.distributed.fsdp import FullyShardFusion, fused_buffer
+        from paddle.distributed.fsdp import FullyShardFusion
+        from paddle.distributed.fsdp.buffers import fused_buffer
 
         if args.heap_blocks:
             fused_buffer.maps_blocks = lambda like: False

@@ -13,8 +13,8 @@ import numpy as np
 import paddle
 import paddle.distributed.fsdp.checkpoint as ck
 import pytest
-from paddle.distributed.fsdp import optimizer_integration
 from paddle.distributed.fsdp.checkpoint import snapshot, snapshot_guard
+from paddle.distributed.fsdp.step import optimizer_integration
 
 
 def bits(t) -> np.ndarray:

@@ -35,7 +35,7 @@ def test_new_block(dtype, mapped):
     the ledger while referenced (views included) and dropped with their last reference."""
     import gc
 
-    from paddle.distributed.fsdp.buffer_memory import GRADIENT, BlockLedger, new_block
+    from paddle.distributed.fsdp.devices.buffer_memory import GRADIENT, BlockLedger, new_block
 
     ledger = BlockLedger()
     block = new_block(1000, getattr(paddle, dtype), GRADIENT, ledger, mapped=mapped, zero=True)

@@ -14,8 +14,9 @@ import threading
 import numpy as np
 import paddle
 import pytest
-from paddle.distributed.fsdp import FullyShardFusion, device, device_rules
+from paddle.distributed.fsdp import FullyShardFusion
 from paddle.distributed.fsdp.checkpoint.errors import MetadataError
+from paddle.distributed.fsdp.devices import device, device_rules
 from paddle.distributed.fsdp.state import rng
 
 
@@ -295,7 +296,7 @@ def test_load_refuses_rng_mismatch_before_writing(tmp_path):
 def test_an_op_between_a_copy_batch_start_and_its_copies_is_refused(fake_device):
     """On a GPU the copy stream waits only for work queued before the batch's start event: a source made after
     it (a contiguous() of a strided tensor) could be read before it is written."""
-    from paddle.distributed.fsdp import device_streams
+    from paddle.distributed.fsdp.devices import device_streams
 
     strided = paddle.arange(6, dtype="float32").reshape([2, 3]).transpose([1, 0])
     dst = device.host_empty([6], "float32")

@@ -17,8 +17,8 @@ import paddle
 import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 import test_async_snapshot as base
-from paddle.distributed.fsdp import device, device_rules, device_streams
 from paddle.distributed.fsdp.checkpoint import snapshot, snapshot_guard
+from paddle.distributed.fsdp.devices import device, device_rules, device_streams
 
 gated = base.gated  # the gate that holds background copies back (fixture shared with test_async_snapshot)
 WRITES, bits, _write_while_gated = base.WRITES, base.bits, base._write_while_gated

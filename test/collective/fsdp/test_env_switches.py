@@ -16,10 +16,11 @@ import re
 from pathlib import Path
 
 import pytest
-from paddle.distributed.fsdp import comm_emulation, communication, env_switches
+from paddle.distributed.fsdp import env_switches
 from paddle.distributed.fsdp.checkpoint.errors import CheckpointEnvError, CheckpointError
 from paddle.distributed.fsdp.checkpoint.options import ENV_PREFIX, CheckpointOptions
-from paddle.distributed.fsdp.device import DeviceOptions
+from paddle.distributed.fsdp.comm import comm_emulation, communication
+from paddle.distributed.fsdp.devices.device import DeviceOptions
 from paddle.distributed.fsdp.env_switches import SWITCHES, EnvSwitchError
 
 import paddle_fsdp_fork_activate as activator

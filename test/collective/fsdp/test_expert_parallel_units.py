@@ -9,10 +9,10 @@ from pathlib import Path
 import paddle
 import pytest
 from paddle.distributed.fsdp import FullyShardFusion, UnsupportedGroupLayoutError
-from paddle.distributed.fsdp.expert_parallel import ExpertLayout, _local_problem, expert_parameter_ids
-from paddle.distributed.fsdp.full_params import _with_peer_experts
+from paddle.distributed.fsdp.comm.expert_parallel import ExpertLayout, _local_problem, expert_parameter_ids
+from paddle.distributed.fsdp.comm.topology import GroupLayout
+from paddle.distributed.fsdp.state.full_params import _with_peer_experts
 from paddle.distributed.fsdp.tools.preset_plan import expert_accounting
-from paddle.distributed.fsdp.topology import GroupLayout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from moe_models import EXPERTS, make_moe  # noqa: E402

@@ -85,8 +85,8 @@ def test_bad_options_are_refused(options, match):
 def test_bad_environment_is_refused(monkeypatch):
     import paddle
     from paddle.distributed.fsdp import FullyShardFusion
-    from paddle.distributed.fsdp.comm_emulation import DELAY_ENV, delay_from_env
-    from paddle.distributed.fsdp.communication import CHECK_ORDER_ENV
+    from paddle.distributed.fsdp.comm.comm_emulation import DELAY_ENV, delay_from_env
+    from paddle.distributed.fsdp.comm.communication import CHECK_ORDER_ENV
 
     monkeypatch.setenv(CHECK_ORDER_ENV, "sometimes")  # yes/on mean 1 (every pass): env_switches.py
     with pytest.raises(ValueError, match=CHECK_ORDER_ENV):

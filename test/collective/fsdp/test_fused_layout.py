@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from paddle.distributed.fsdp.fused_layout import ALIGNMENT_BYTES, BufferLayout
+from paddle.distributed.fsdp.buffers.fused_layout import ALIGNMENT_BYTES, BufferLayout
 
 SHAPES = [("a", (3, 5)), ("b", (7,)), ("c", ()), ("d", (2, 3, 4)), ("e", (1,))]
 

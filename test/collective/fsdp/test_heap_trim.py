@@ -14,8 +14,9 @@ import types
 import numpy as np
 import paddle
 import pytest
-from paddle.distributed.fsdp import FullyShardFusion, device, heap_trim
-from paddle.distributed.fsdp.overlap import default_prefetch_depth
+from paddle.distributed.fsdp import FullyShardFusion
+from paddle.distributed.fsdp.devices import device, heap_trim
+from paddle.distributed.fsdp.step.overlap import default_prefetch_depth
 
 MIB = 1 << 20
 

@@ -32,7 +32,7 @@ t.start()
 CASES = {
     # training's transient blocks, freed with their last tensor (buffer_memory.new_block)
     "blocks": """
-from paddle.distributed.fsdp.buffer_memory import GRADIENT, BlockLedger, new_block
+from paddle.distributed.fsdp.devices.buffer_memory import GRADIENT, BlockLedger, new_block
 ledger = BlockLedger()
 for i in range(3000):
     block = new_block(1 << 18, paddle.float32, GRADIENT, ledger, mapped=True)
@@ -69,7 +69,7 @@ def test_freeing_views_while_another_thread_makes_dlpack_tensors_never_hangs(cas
 
 
 def test_a_mapping_is_unmapped_once_nothing_views_it():
-    from paddle.distributed.fsdp import host_mappings
+    from paddle.distributed.fsdp.devices import host_mappings
 
     host_mappings.release_unviewed()
     unmapped = []

@@ -15,8 +15,8 @@ import paddle
 import paddle.distributed as dist
 import paddle.distributed.fsdp.checkpoint as ck
 import pytest
-from paddle.distributed.fsdp import FullyShardFusion
-from paddle.distributed.fsdp.checkpoint import keywords, manager  # noqa: F401 - manager imported to be patched
+from paddle.distributed.fsdp import FullyShardFusion, keywords
+from paddle.distributed.fsdp.checkpoint import manager  # noqa: F401 - manager imported to be patched
 from paddle.distributed.fsdp.checkpoint.load import load  # noqa: F401 - imported to be patched
 from paddle.distributed.fsdp.checkpoint.save import save  # noqa: F401 - imported to be patched
 from paddle.distributed.fsdp.checkpoint.stock import dispatch  # noqa: F401 - imported to be patched

@@ -105,7 +105,7 @@ CASES = {
         "asnyc_save",
         "async_save",
     ),
-    P + "topology:new_group": (
+    P + "comm.topology:new_group": (
         lambda d: __import__(P + "topology", fromlist=["x"]).new_group([0], backnd="gloo"),
         "backnd",
         "backend",

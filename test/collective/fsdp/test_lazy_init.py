@@ -50,7 +50,7 @@ class _Place:
 
 def test_check_same_place_accepts_host_parameters_for_device_shards():
     import paddle
-    from paddle.distributed.fsdp.device import check_same_place
+    from paddle.distributed.fsdp.devices.device import check_same_place
 
     if os.environ.get("PADDLE_FSDP_FAKE_DEVICE"):
         pytest.skip("real places only: in fake-device mode host memory is decided by allocation (see the worker)")

@@ -56,7 +56,7 @@ def main() -> None:
     world = dist.get_world_size() if "PADDLE_TRAINER_ID" in os.environ else 1
     groups = {}
     if cfg.get("hsdp"):  # before TrainingArguments: its fleet.init breaks gloo's new_group afterwards
-        from paddle.distributed.fsdp.topology import hybrid_groups
+        from paddle.distributed.fsdp.comm.topology import hybrid_groups
 
         dist.init_parallel_env()
         groups["replicate_group"], groups["shard_group"] = hybrid_groups(cfg["hsdp"])

@@ -18,23 +18,23 @@ from typing import Callable
 
 import paddle
 
-from . import gradient_sync
-from .buffer_memory import BlockLedger
-from .communication import ShardingComm, check_interval_from_env
-from .expert_comm import ExpertComm
-from .expert_parallel import check_expert_layout, expert_parameter_ids, resolve_expert_layout
-from .fused_buffer import FusedBuffer
-from .fused_layout import BufferLayout
-from .heap_trim import HeapTrim
-from .hooks import LayerHooks
-from .hybrid_comm import HybridComm
-from .layer_integration import install_layer_integration
-from .lazy_init import install_creation_stamps, is_lazy, materialise_into_shards
-from .memory_account import memory_account
-from .optimizer_integration import install_optimizer_integration
-from .overlap import OverlapSchedule
-from .param_grouping import plan_param_groups
-from .topology import _world_size, resolve_layout
+from .buffers.fused_buffer import FusedBuffer
+from .buffers.fused_layout import BufferLayout
+from .buffers.lazy_init import install_creation_stamps, is_lazy, materialise_into_shards
+from .buffers.memory_account import memory_account
+from .buffers.param_grouping import plan_param_groups
+from .comm.communication import ShardingComm, check_interval_from_env
+from .comm.expert_comm import ExpertComm
+from .comm.expert_parallel import check_expert_layout, expert_parameter_ids, resolve_expert_layout
+from .comm.hybrid_comm import HybridComm
+from .comm.topology import _world_size, resolve_layout
+from .devices.buffer_memory import BlockLedger
+from .devices.heap_trim import HeapTrim
+from .step import gradient_sync
+from .step.hooks import LayerHooks
+from .step.layer_integration import install_layer_integration
+from .step.optimizer_integration import install_optimizer_integration
+from .step.overlap import OverlapSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class FullyShardFusion:
         group: the process group to shard over; default: fleet's sharding group if fleet set one up
             with ``sharding_degree > 1``, else the global group, else a single process. Layouts where some
             data-parallel ranks would not average gradients (a group smaller than the world; fleet with
-            ``mp/pp/sep_degree > 1``) raise ``UnsupportedGroupLayoutError`` (topology.py).
+            ``mp/pp/sep_degree > 1``) raise ``UnsupportedGroupLayoutError`` (comm/topology.py).
         replicate_group, shard_group: hybrid sharding (HSDP): shard over ``shard_group`` (alias ``group``),
             replicate over ``replicate_group`` (e.g. from ``topology.hybrid_groups(R)``); fleet's ``dp_degree x
             sharding_degree`` config gives the same. Gradients are averaged over both; checkpoints are written
@@ -66,11 +66,11 @@ class FullyShardFusion:
             order, while the current unit computes; also how many reduce-scatters may be in flight. 0 makes
             every collective synchronous. Results are bit-identical for every depth. None (default): 1, except 0
             where every collective finishes inside its call (paddle's plain gloo, CPU training: a prefetch
-            overlaps nothing there and holds one more gathered unit). See overlap.py.
+            overlaps nothing there and holds one more gathered unit). See step/overlap.py.
         reduce_dtype: dtype fp32 gradients are reduce-scattered in: None or "float32" (default, exact), or
             "bfloat16" (half the bytes; the sum over ranks is rounded to bf16, accumulation stays fp32).
         moe_layers_name, expert_parallel_group, expert_shard_group: expert parallelism (EP, see
-            expert_parallel.py). Expert parameters (those of sublayers whose class is named in ``moe_layers_name``
+            comm/expert_parallel.py). Expert parameters (those of sublayers whose class is named in ``moe_layers_name``
             and that are members of an expert list, e.g. ``mlp.experts.5``; default: upstream's ``Qwen3MoeMLP``,
             ``StandardMLPExpert``; and any parameter with ``param.expert = True``) go to buffers of their own,
             sharded over ``expert_shard_group`` (fleet's moe_sharding group; None: one rank per expert) with
@@ -85,7 +85,7 @@ class FullyShardFusion:
 
     Parameters must be initialised identically on every rank (same seed); each rank keeps its slice. A model
     larger than one device can be built under ``paddle.LazyGuard()`` (materialised one parameter at a time into
-    the shards, values equal to an eager build) or on the CPU (pieces copied to the device): see lazy_init.py.
+    the shards, values equal to an eager build) or on the CPU (pieces copied to the device): see buffers/lazy_init.py.
     """
 
     def __init__(
@@ -121,7 +121,7 @@ class FullyShardFusion:
         #: every EP rank's expert keys (this rank's included): all belong to this model's checkpoints
         self._expert_keys: frozenset[str] = frozenset()
         world = _world_size()
-        if world > 1:  # one small exchange: every rank refuses alike (expert_parallel.py)
+        if world > 1:  # one small exchange: every rank refuses alike (comm/expert_parallel.py)
             self._expert_keys = check_expert_layout(self.expert_layout, self.group_layout, model, expert_ids, world)
         if self.expert_layout is None:
             expert_ids = set()
@@ -135,9 +135,9 @@ class FullyShardFusion:
         self.base_source: str | None = None
         self._frozen_base_fingerprint: dict | None = None  # computed once per run (state/frozen_base.py)
         # optimizers that stepped or initialised state for these parameters: summon_full_params(writeback=True)
-        # re-casts their fp32 master weights where a written-back value changed (full_params.py)
+        # re-casts their fp32 master weights where a written-back value changed (state/full_params.py)
         self._optimizers: weakref.WeakSet = weakref.WeakSet()
-        self.blocks = BlockLedger()  # per-step blocks mapped in host memory, by kind (buffer_memory.py)
+        self.blocks = BlockLedger()  # per-step blocks mapped in host memory, by kind (devices/buffer_memory.py)
         layout = self.group_layout
         if layout.replicate_degree > 1:
             self.comm: ShardingComm = HybridComm(layout.shard_group, layout.replicate_group)
@@ -151,7 +151,7 @@ class FullyShardFusion:
             check_collective_order = check_interval_from_env()
         self.schedule = OverlapSchedule(self, prefetch_depth, reduce_dtype, check_collective_order)
         groups = plan_param_groups(model, fsdp_unit_layers, no_weight_decay_fn, expert_ids)
-        # lazily built (paddle.LazyGuard) parameters are materialised one at a time after planning (lazy_init.py)
+        # lazily built (paddle.LazyGuard) parameters are materialised one at a time after planning (buffers/lazy_init.py)
         one_by_one = any(is_lazy(p) for p in model.parameters())
         self.buffers: list[FusedBuffer] = []
         self._param_keys: dict[int, str] = {}  # id(param) -> structured key
@@ -181,7 +181,7 @@ class FullyShardFusion:
                 fallback_buffers.setdefault(id(layer), (layer, []))[1].append(buffer)
         if one_by_one:
             materialise_into_shards(model, self.buffers)
-        #: trims malloc's heap at the start of each forward and backward, in host memory (heap_trim.py)
+        #: trims malloc's heap at the start of each forward and backward, in host memory (devices/heap_trim.py)
         self.heap_trim = HeapTrim(enabled=any(buffer._maps_blocks for buffer in self.buffers))
         self._install_hooks(model, layer_buffers, fallback_buffers)
         model._fsdp = self
@@ -197,7 +197,7 @@ class FullyShardFusion:
 
     def _install_hooks(self, model: paddle.nn.Layer, layer_buffers: dict, fallback_buffers: dict) -> None:
         """The root's forward hooks (the schedule's, registered first: they bracket the others), then each
-        gathering layer's (hooks.py)."""
+        gathering layer's (step/hooks.py)."""
         prefixes = {id(layer): prefix for prefix, layer in model.named_sublayers(include_self=True)}
         ancestors = _ancestors(model)
         self._root_hooks = [
@@ -261,12 +261,12 @@ class FullyShardFusion:
 
     def memory_account(self) -> dict[str, int]:
         """Bytes this rank's buffers hold now, by role (parameter_shard, gradient_shard, gathered_units,
-        gradient_buffers, staging) and the mapped host blocks alive (see buffer_memory.py); peaks in ``blocks.peak``."""
+        gradient_buffers, staging) and the mapped host blocks alive (see devices/buffer_memory.py); peaks in ``blocks.peak``."""
         return memory_account(self.buffers, self.blocks)
 
     # ---- training-loop support --------------------------------------------------------------------
     def _arm_backward_end(self) -> None:
-        """Finish gradients when the running backward pass ends (see gradient_sync.py)."""
+        """Finish gradients when the running backward pass ends (see step/gradient_sync.py)."""
         gradient_sync.arm_backward_end(self)
 
     def _flush_gradients(self) -> list[tuple]:
@@ -277,7 +277,7 @@ class FullyShardFusion:
     def full_parameters(self) -> dict[str, paddle.Tensor]:
         """Gathered copies of every parameter by key, every EP rank's experts included (collective; for tests and
         small models)."""
-        from .full_params import expert_peer_parameters
+        from .state.full_params import expert_peer_parameters
 
         out = {}
         for buffer in self.buffers:
@@ -294,18 +294,18 @@ class FullyShardFusion:
                     out.setdefault(f"{prefix}.{name}" if prefix else name, param.detach().clone())
         return out
 
-    # ---- full parameters (full_params.py) -----------------------------------------------------
+    # ---- full parameters (state/full_params.py) -----------------------------------------------------
     def summon_full_params(self, writeback: bool = False, rank0_only: bool = False):
         """Context manager (collective): every parameter whole inside, e.g. for ``print``, ``save_pretrained``,
         evaluation or custom initialisation; ``writeback=True`` scatters changes made inside back to the shards."""
-        from .full_params import summon_full_params
+        from .state.full_params import summon_full_params
 
         return summon_full_params(self, writeback=writeback, rank0_only=rank0_only)
 
     def full_state_dict(self, rank0_only: bool = True, offload_to_cpu: bool = True) -> dict:
         """The unwrapped model's ``state_dict()`` (whole parameters + persistable buffers), gathered one unit at a
         time (collective); other ranks get ``{}`` with ``rank0_only``."""
-        from .full_params import full_state_dict
+        from .state.full_params import full_state_dict
 
         return full_state_dict(self, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
 
@@ -335,7 +335,7 @@ class FullyShardFusion:
         commit); ``keep_last=K`` then removes older steps; ``async_save=True`` returns a handle to wait on;
         ``grad_scaler=`` a ``paddle.amp.GradScaler`` saved too (pass it to :meth:`load_checkpoint` as well).
         """
-        from .checkpoint.keywords import check_keywords, keyword_names
+        from .keywords import check_keywords, keyword_names
         from .state.resume import save_checkpoint
 
         check_keywords("save_checkpoint", kwargs, keyword_names(save_checkpoint, ("fsdp",)))
@@ -344,7 +344,7 @@ class FullyShardFusion:
     def memory_tier(self, optimizer=None, *, durable_root: str, **kwargs):
         """A MemoryTier (memtier/manager.py) over this model and ``optimizer``, already restored (collective):
         ``tier.start_step`` is the step every rank resumed from (0: a fresh start), ``tier.restored`` the result."""
-        from .checkpoint.keywords import check_keywords, keyword_names
+        from .keywords import check_keywords, keyword_names
         from .memtier import MemoryTier
 
         check_keywords("memory_tier", kwargs, keyword_names(MemoryTier.__init__, ("self", "fsdp", "optimizer")))
@@ -367,7 +367,7 @@ class FullyShardFusion:
         ``.path`` (the directory loaded), ``.step`` (for ``step_<N>`` directories) and ``.fallback_from``
         (newer checkpoints of a root that failed mid-load, see state/resume.py).
         """
-        from .checkpoint.keywords import check_keywords, keyword_names
+        from .keywords import check_keywords, keyword_names
         from .state.resume import load_checkpoint
 
         check_keywords("load_checkpoint", kwargs, keyword_names(load_checkpoint, ("fsdp",)))
@@ -385,7 +385,7 @@ def _check_compute_dtype(dtype):
     return allowed[name]
 
 
-install_creation_stamps()  # before any model is built under paddle.LazyGuard (lazy_init.py)
+install_creation_stamps()  # before any model is built under paddle.LazyGuard (buffers/lazy_init.py)
 
 
 def _ancestors(model: paddle.nn.Layer) -> dict[int, set[int]]:

@@ -146,7 +146,7 @@ def case_object_exchange(rank, world):
     """The one-shot object exchange: small objects in one round, a mix of small and large (a second round on
     every rank, decided by the length headers), an empty object and None; over the FSDP group (fleet's
     sharding group under --fleet)."""
-    from paddle.distributed.fsdp.communication import OBJECT_BLOCK_BYTES
+    from paddle.distributed.fsdp.comm.communication import OBJECT_BLOCK_BYTES
 
     fsdp = FullyShardFusion(Tiny())
     comm = fsdp.comm

@@ -20,7 +20,7 @@ import pf_models
 from launch_util import report
 from paddle.distributed import fleet
 from paddle.distributed.fsdp import FullyShardFusion
-from paddle.distributed.fsdp.topology import barrier_after_new_group
+from paddle.distributed.fsdp.comm.topology import barrier_after_new_group
 
 ORDER = ["pp", "moe_sharding", "ep", "dp", "sharding", "sep", "cp", "mp"]
 

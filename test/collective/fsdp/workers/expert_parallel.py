@@ -26,7 +26,7 @@ from moe_models import EXPERTS, make_moe, moe_batches
 from paddle.distributed import fleet
 from paddle.distributed.fsdp import FullyShardFusion, UnsupportedGroupLayoutError
 from paddle.distributed.fsdp.checkpoint import load_full_state_dict, read_metadata
-from paddle.distributed.fsdp.topology import barrier_after_new_group
+from paddle.distributed.fsdp.comm.topology import barrier_after_new_group
 
 BATCHES = moe_batches(3, 8)  # 2 steps, a checkpoint, 1 more
 SEED = 5
@@ -43,7 +43,7 @@ def world_group():
 
 
 def gather(value):
-    from paddle.distributed.fsdp.communication import all_gather_object
+    from paddle.distributed.fsdp.comm.communication import all_gather_object
 
     return all_gather_object(value, world_group())
 
@@ -455,7 +455,7 @@ def four_rank_cases():
 
 def _own_groups():
     """(EP group, expert shard group) of this rank in fleet's layout for ep2 x 2: EP over consecutive ranks."""
-    from paddle.distributed.fsdp.topology import new_group
+    from paddle.distributed.fsdp.comm.topology import new_group
 
     me, mine = dist.get_rank(), {}
     for name, lists in (("ep", ([0, 1], [2, 3])), ("shard", ([0, 2], [1, 3]))):

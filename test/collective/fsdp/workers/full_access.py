@@ -19,7 +19,7 @@ import paddle.nn.functional as F
 from launch_util import report
 from paddle.distributed.fsdp import FullyShardFusion
 from paddle.distributed.fsdp.checkpoint import load_full_state_dict
-from paddle.distributed.fsdp.layer_integration import ShardedStateDictError
+from paddle.distributed.fsdp.step.layer_integration import ShardedStateDictError
 
 DIM = 8
 

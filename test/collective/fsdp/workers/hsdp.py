@@ -27,7 +27,7 @@ from paddle.distributed import fleet
 from paddle.distributed.fsdp import FullyShardFusion, UnsupportedGroupLayoutError
 from paddle.distributed.fsdp.checkpoint import load_full_state_dict, read_metadata
 from paddle.distributed.fsdp.checkpoint.verify import verify_checkpoint
-from paddle.distributed.fsdp.topology import barrier_after_new_group, hybrid_groups
+from paddle.distributed.fsdp.comm.topology import barrier_after_new_group, hybrid_groups
 from training import train
 
 BATCHES = global_batches(3, 24)  # 2 steps, a checkpoint, 1 more; 24 rows split over 1, 3 and 4 ranks
@@ -113,7 +113,7 @@ def state_bytes(path: str) -> int:
 
 
 def gather(value):
-    from paddle.distributed.fsdp.communication import all_gather_object
+    from paddle.distributed.fsdp.comm.communication import all_gather_object
 
     return all_gather_object(value, world_group())
 

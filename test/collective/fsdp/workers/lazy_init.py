@@ -13,7 +13,7 @@ from launch_util import worker_main
 from models import TinyLM
 from paddle.base import core
 from paddle.distributed.fsdp import FullyShardFusion
-from paddle.distributed.fsdp import device as fsdp_device
+from paddle.distributed.fsdp.devices import device as fsdp_device
 
 #: peak host bytes allocated while wrapping a lazy model <= RATIO x (largest unit + this rank's shards)
 PEAK_RATIO = 1.25

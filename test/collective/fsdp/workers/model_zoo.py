@@ -496,7 +496,7 @@ def case_submodules_called_alone():
 def case_moe_expert_units():
     """Experts as units, idle ones skipped: the experts' gathers differ per rank. Unsupported on several ranks;
     it must fail on every rank at once with a named error (never a gloo abort or timeout)."""
-    from paddle.distributed.fsdp.communication import CHECK_ORDER_ENV
+    from paddle.distributed.fsdp.comm.communication import CHECK_ORDER_ENV
 
     os.environ[CHECK_ORDER_ENV] = "1"  # the order check is off by default (overlap.py); this case needs it
     try:
@@ -506,7 +506,7 @@ def case_moe_expert_units():
 
 
 def _moe_expert_units():
-    from paddle.distributed.fsdp.communication import CollectiveOrderError
+    from paddle.distributed.fsdp.comm.communication import CollectiveOrderError
 
     if world()[1] == 1:
         train_compare(lambda: MoENet("inside"), ["Expert"], batch, steps=2)

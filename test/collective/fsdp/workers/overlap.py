@@ -22,7 +22,7 @@ from launch_util import report
 from models import decay_fun_for, global_batches, make_model
 from paddle.autograd import PyLayer
 from paddle.distributed.fsdp import FullyShardFusion
-from paddle.distributed.fsdp.comm_emulation import DELAY_ENV
+from paddle.distributed.fsdp.comm.comm_emulation import DELAY_ENV
 from training import train
 
 DIM = 8

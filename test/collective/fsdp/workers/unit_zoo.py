@@ -229,7 +229,7 @@ def run_case(case: str) -> None:
 
 def unsupported_output_is_named() -> None:
     from paddle.distributed.fsdp import FullyShardFusion
-    from paddle.distributed.fsdp.hooks import UnsupportedUnitOutputError
+    from paddle.distributed.fsdp.step.hooks import UnsupportedUnitOutputError
 
     paddle.seed(1)
     model = Model("unsupported")

@@ -48,7 +48,7 @@ class Comm:
     def all_gather_object(self, obj) -> list:
         if self.world == 1:
             return [obj]
-        from ..communication import all_gather_object
+        from ..comm.communication import all_gather_object
 
         return all_gather_object(obj, self.group)
 

@@ -19,7 +19,7 @@ import weakref
 
 import numpy as np
 
-from .. import device
+from ..devices import device
 
 # Transparent huge pages (MADV_HUGEPAGE) for buffers filled by O_DIRECT reads: the kernel faults in every page it
 # pins, and a 2 -> 3 rank load took 0.61-0.68 s with huge pages against 0.86-1.16 s without. Not for buffers filled
@@ -154,7 +154,7 @@ def is_host_place(place) -> bool:
 
 def is_host_contiguous(t) -> bool:
     """Whether the tensor's bytes can be used in place through its data pointer (see raw_view); device memory
-    (and, in fake-device mode, every tensor not made as host memory) cannot: see ``fsdp/device.py``."""
+    (and, in fake-device mode, every tensor not made as host memory) cannot: see ``fsdp/devices/device.py``."""
     return device.is_host(t) and t.is_contiguous()
 
 

@@ -15,7 +15,7 @@ from .reader import FileSet
 
 def staging_tensor(shape, dtype: str, pin: bool):
     """Host memory to read into (pinned for device targets: ``CUDAPinnedPlace``, logged fallback)."""
-    from .. import device
+    from ..devices import device
 
     return device.host_empty(list(shape), dtype, pinned=pin)
 

@@ -41,6 +41,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from ..keywords import check_keywords, keyword_names
 from .coordination import Comm, gather_errors, stage_error
 from .directory import (  # noqa: F401 - the manager's functions, answered in directory.py and selection.py
     STEP_PREFIX,
@@ -58,7 +59,6 @@ from .errors import (
 from .format.metadata import LATEST_FILE
 from .io.backends import backend_for
 from .io.storage import Storage
-from .keywords import check_keywords, keyword_names
 from .lineage import Lineage, examine
 from .load import LoadReport, load_state_dict, run_load
 from .load_checks import named_read_error

@@ -137,7 +137,7 @@ class CheckpointOptions:
     def replace(self, **changes) -> CheckpointOptions:
         """A copy with ``changes`` (the object itself is frozen); an unknown field is a TypeError naming the
         nearest one."""
-        from .keywords import check_keywords
+        from ..keywords import check_keywords
 
         check_keywords("CheckpointOptions.replace", changes, [f.name for f in fields(self)])
         return replace(self, **changes)

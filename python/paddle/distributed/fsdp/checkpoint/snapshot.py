@@ -33,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from .. import device, device_streams
+from ..devices import device, device_streams
 from . import host_memory, snapshot_guard
 from .coordination import aligned
 
@@ -291,7 +291,7 @@ class Snapshot:
 class StagedInto:
     """Device tensors copied into host arrays the caller owns (``pairs``: ``(dst, tensor)``, ``dst`` a uint8 array
     of the tensor's size, e.g. a memory-tier slot), on the Snapshot's schedule: every copy is issued at the call
-    on the calling thread (a GPU's copy stream may not be entered from a background thread: device_streams.py),
+    on the calling thread (a GPU's copy stream may not be entered from a background thread: devices/device_streams.py),
     the ``volatile`` ones first (the compute stream waits for those), into the process's pinned staging;
     ``finish`` (the background thread may call it) waits for them and moves the bytes into the arrays. Strided
     tensors are made contiguous on the device before the copies."""

@@ -118,7 +118,7 @@ def span_of(t) -> tuple[int, int] | None:
     """Address range of a tensor's bytes, host or device (None when it has none): a device tensor's copy is
     staged by the background snapshot too, so its device range is guarded like a host one (compared, never
     read: ``device.address``)."""
-    from .. import device
+    from ..devices import device
 
     try:
         n = 1

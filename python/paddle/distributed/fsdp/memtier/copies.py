@@ -22,8 +22,8 @@ import threading
 
 import numpy as np
 
-from .. import device
 from ..checkpoint import checksums, host_memory, snapshot, snapshot_guard
+from ..devices import device
 from . import roots
 from .errors import InvalidMemoryCopyError, MemoryTierFullError
 from .slot import Slot, aligned

@@ -35,9 +35,10 @@ import secrets
 import threading
 import time
 
-from .. import env_switches, host_mappings
+from .. import env_switches
 from ..checkpoint import checksums
 from ..checkpoint.errors import CheckpointError, rebuild_remote_error
+from ..devices import host_mappings
 from ..state import frozen_base
 from ..state.resume_state import ResumeObjects
 from . import identity, peers, roots, wire
@@ -141,7 +142,7 @@ class MemoryTier:
         """The tier's own process group for persists (persist.py: they run on a background thread, never on the
         training's group). Collective when first called; None in a single process."""
         if self._group is None and self.world > 1:
-            from ..topology import new_group  # with the barrier gloo needs after it
+            from ..comm.topology import new_group  # with the barrier gloo needs after it
 
             self._group = new_group(list(range(self.world)))
         return self._group

@@ -37,8 +37,8 @@ import weakref
 
 import numpy as np
 
-from .. import host_mappings
 from ..checkpoint import checksums
+from ..devices import host_mappings
 from . import roots
 from .errors import InvalidMemoryCopyError, MemoryRootError, MemoryTierFullError
 from .header import check_fields

@@ -55,8 +55,8 @@ def fingerprints(buffers: dict) -> dict[str, str]:
     each; host ones are hashed in place."""
     import xxhash
 
-    from .. import device
     from ..checkpoint import host_memory
+    from ..devices import device
 
     global _fingerprint_staging
     if _fingerprint_staging is None:

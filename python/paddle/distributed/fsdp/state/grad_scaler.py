@@ -10,7 +10,7 @@ steps) is not the run it continues. The value saved under ``__fsdp__.grad_scaler
 
 (``{"enabled": false}`` for a disabled scaler). The scale goes through its bits, so any float32 value, even
 inf, comes back exactly. Every rank holds the same scaler state (``found_inf`` is agreed over the sharding
-group before each step, see optimizer_integration.py), so the coordinator's value is saved.
+group before each step, see step/optimizer_integration.py), so the coordinator's value is saved.
 
 Loading follows stock ``load_state_dict``: a disabled scaler (e.g. GradScaler on a CPU) takes nothing; an
 enabled one takes every field. :func:`decode` checks everything before a load writes anything and returns the

@@ -16,10 +16,10 @@ from __future__ import annotations
 import paddle
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
-from ..sharded_model import ShardedModel
 from . import optimizer_states as names
 from .buffers import persistable_buffers
 from .optimizer_state_creation import create_optimizer_state, refresh_master_weight_
+from .sharded_model import ShardedModel
 
 
 def flattened_record(key: str, local: paddle.Tensor, shape: tuple[int, ...], start: int, stop: int):
@@ -56,7 +56,7 @@ def parameter_records(fsdp: ShardedModel) -> dict:
 
 
 def _optimizer_params(optimizer) -> dict[int, paddle.Tensor]:
-    from ..optimizer_integration import optimizer_parameters
+    from ..step.optimizer_integration import optimizer_parameters
 
     return {id(p): p for p in optimizer_parameters(names.unwrap_optimizer(optimizer))}
 

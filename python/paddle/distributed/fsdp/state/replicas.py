@@ -21,10 +21,10 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from .. import device
 from ..checkpoint.format.metadata import DTYPES
 from ..checkpoint.host_memory import is_host_contiguous, raw_view
 from ..checkpoint.records import to_record
+from ..devices import device
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def broadcast_parts(
     """Send each replica's loaded part to the others over ``replicate_group``; returns the keys received here.
     Collective over the replicate group: one small exchange (which keys each part loaded: ``strict=False`` may
     skip mismatched ones), then each part's bytes, in order, in broadcasts of at most ``window`` bytes."""
-    from ..communication import all_gather_object
+    from ..comm.communication import all_gather_object
 
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be a positive int, got {window!r}")

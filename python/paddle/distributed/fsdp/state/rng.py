@@ -10,7 +10,7 @@ which used to happen after the tensors were already loaded. Each rank saves inst
 generator, the device state into the generator of the device this rank runs on now, whatever its index.
 :func:`decode` runs before anything is written: it checks every saved state completely (MetadataError for
 damaged state) and refuses a mismatch (RngStateMismatchError: a device entry for a device type this process
-does not use, or the reverse, or an old-style list of another length); the function it returns restores. In fake-device mode (``device.py``) a stand-in device generator
+does not use, or the reverse, or an old-style list of another length); the function it returns restores. In fake-device mode (``devices/device.py``) a stand-in device generator
 takes the device entry, so the device branch runs on CPU.
 """
 
@@ -23,10 +23,10 @@ from typing import Any
 import paddle
 from paddle.base import core
 
-from .. import device as device_mode
 from ..checkpoint.errors import MetadataError, RngStateMismatchError
 from ..checkpoint.format.rank_values import RankValueList
 from ..checkpoint.format.reserved import RNG_KEY
+from ..devices import device as device_mode
 
 logger = logging.getLogger(__name__)
 

@@ -64,6 +64,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+from ...keywords import STOCK_LOAD_KEYWORDS, check_keywords, keyword_names
 from .. import host_memory
 from ..background import wait_pending
 from ..chunks import ChunkVerifier
@@ -73,7 +74,6 @@ from ..errors import CheckpointError, CorruptCheckpointError, InvalidStateDictEr
 from ..format.metadata import CheckpointMetadata
 from ..gc_pause import gc_paused
 from ..geometry import Region
-from ..keywords import STOCK_LOAD_KEYWORDS, check_keywords, keyword_names
 from ..load_checks import check_coverage, check_data_files, read_failure, staging_tensor
 from ..options import CheckpointOptions, resolve
 from ..paths import local_path

@@ -96,13 +96,13 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...keywords import STOCK_SAVE_KEYWORDS, check_keywords, keyword_names
 from .. import host_memory, snapshot
 from ..background import SaveHandle, start_in_background, wait_pending
 from ..coordination import Comm, check_target_path, gather_errors, stage_error
 from ..errors import CheckpointError, DirectoryMismatchError, InvalidStateDictError, SaveFailedError
 from ..first_save import exchange_assignment
 from ..gc_pause import gc_paused
-from ..keywords import STOCK_SAVE_KEYWORDS, check_keywords, keyword_names
 from ..options import CheckpointOptions
 from ..planner import (
     AssignmentMemo,

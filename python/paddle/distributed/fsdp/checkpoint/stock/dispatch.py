@@ -31,11 +31,11 @@ import logging
 import os
 from typing import Any
 
+from ...keywords import check_keywords, keyword_names
 from ..coordination import Comm, gather_errors
 from ..errors import NotACheckpointError, UnrepresentableKeyError
 from ..format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE
 from ..format.reserved import key_problem
-from ..keywords import check_keywords, keyword_names
 from ..paths import local_path, url_scheme
 from .errors import (
     CheckpointPathNotADirectoryError,

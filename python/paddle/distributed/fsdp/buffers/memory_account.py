@@ -1,14 +1,14 @@
 """The memory account of FullyShardFusion: what its buffers reference now, by role, and the mapped blocks alive.
 
 Why a module of its own: it reads both the buffers (fused_buffer.py) and the ledger of mapped blocks
-(buffer_memory.py), and fused_buffer.py takes its blocks from buffer_memory.py; the account sits above both.
+(devices/buffer_memory.py), and fused_buffer.py takes its blocks from devices/buffer_memory.py; the account sits above both.
 """
 
 from __future__ import annotations
 
 import paddle
 
-from .buffer_memory import KINDS, BlockLedger
+from ..devices.buffer_memory import KINDS, BlockLedger
 from .fused_buffer import FusedBuffer
 
 

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import paddle
 
-from .fused_buffer import FusedBuffer
+from ..buffers.fused_buffer import FusedBuffer
 
 
 class ShardedModel(Protocol):

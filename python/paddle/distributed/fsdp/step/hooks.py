@@ -23,7 +23,7 @@ import paddle
 from .gradient_sync import before_backward_gather
 
 if TYPE_CHECKING:
-    from .fused_buffer import FusedBuffer
+    from ..buffers.fused_buffer import FusedBuffer
 
 _PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes)
 

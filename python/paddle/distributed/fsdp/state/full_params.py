@@ -13,9 +13,9 @@ from collections import OrderedDict
 
 import paddle
 
+from .buffers import persistable_buffers
+from .optimizer_state_creation import copy_into_state_
 from .sharded_model import ShardedModel
-from .state.buffers import persistable_buffers
-from .state.optimizer_state_creation import copy_into_state_
 
 
 @contextlib.contextmanager

@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING
 import paddle
 
 if TYPE_CHECKING:
-    from .fused_buffer import FusedBuffer
+    from ..buffers.fused_buffer import FusedBuffer
 
 _REDUCE_DTYPES = {"float32": paddle.float32, "bfloat16": paddle.bfloat16}
 
@@ -165,7 +165,7 @@ class OverlapSchedule:
             self.drop_gathers()
         self._in_forward = True
         self._forward.start()
-        self.owner.heap_trim("forward")  # the last step's activations are freed (heap_trim.py)
+        self.owner.heap_trim("forward")  # the last step's activations are freed (devices/heap_trim.py)
 
     def root_post_forward(self, layer, inputs, outputs) -> None:
         self._in_forward = False

@@ -110,7 +110,7 @@ def plan_param_groups(
     model: paddle.nn.Layer, fsdp_unit_layers: list[str] | None, no_weight_decay_fn=None, expert_ids=frozenset()
 ) -> list[ParamGroup]:
     """Group ``model``'s parameters into buffers, in model order. ``expert_ids``: ids of expert parameters (under
-    expert parallelism): they get buffers of their own (sharded over another group, expert_parallel.py)."""
+    expert parallelism): they get buffers of their own (sharded over another group, comm/expert_parallel.py)."""
     unit_classes = set(fsdp_unit_layers or [])
     known = {type(layer).__name__ for layer in model.sublayers(include_self=False)}
     unknown = unit_classes - known

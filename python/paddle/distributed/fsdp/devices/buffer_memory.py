@@ -18,7 +18,7 @@ tell; a reused block would then feed another unit's weights to that backward. A 
 reference instead.
 
 :class:`BlockLedger` counts the mapped blocks alive, by kind, and their peaks: :meth:`FullyShardFusion.memory_account`
-(memory_account.py) reports it next to what the buffers reference (parameter shard, gradient shard, gathered units, gradient buffers,
+(buffers/memory_account.py) reports it next to what the buffers reference (parameter shard, gradient shard, gathered units, gradient buffers,
 staging), and the tests bound it by ``prefetch_depth + 1`` units.
 """
 

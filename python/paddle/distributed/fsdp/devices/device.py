@@ -25,7 +25,7 @@ it would crash on a GPU (stock paddle and third-party callers are left alone). T
 ``device_rules.py`` apply too: pinning is emulated and checked, ops on host staging memory other than slices
 and copies raise, device synchronisations are logged with their thread and whether they hold the GIL; copy
 streams and events are emulated (``device_streams.py``).
-``PADDLE_FSDP_EMULATE_GPU_COLLECTIVES=1`` (implied by fake-device mode) makes ``communication.py`` take
+``PADDLE_FSDP_EMULATE_GPU_COLLECTIVES=1`` (implied by fake-device mode) makes ``comm/communication.py`` take
 its reduce-scatter path (GPU-only in paddle 3.3.1's gloo) through an emulation on gloo.
 
 Options are read from the environment in one place (:func:`options`), once per process.
@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import paddle
 
-from . import device_rules, device_streams, env_switches
+from .. import env_switches
+from . import device_rules, device_streams
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ def _guarded_data_ptr(self: paddle.Tensor) -> int:
     if caller.startswith(_GUARDED_CALLERS) and not is_host(self):
         raise DeviceMemoryAccessError(
             f"data_ptr() of a device tensor {getattr(self, 'name', '')!r} (fake-device mode): device memory is not "
-            "readable by the CPU; copy it with paddle.distributed.fsdp.device.to_host first"
+            "readable by the CPU; copy it with paddle.distributed.fsdp.devices.device.to_host first"
         )
     return _original_data_ptr(self)
 

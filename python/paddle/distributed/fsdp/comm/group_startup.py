@@ -104,8 +104,8 @@ def _agree(key: str, status: str, timeout: float, what: str) -> dict[int, str]:
     """Every rank's status for ``key`` (this rank's included), through the job's store; GroupCreationError naming
     the silent ranks when not every rank reported within ``timeout`` s, or naming the store when it does not
     answer a call within ``STORE_CALL_DEADLINE`` s (its host frozen or gone: every call has a deadline)."""
-    from .checkpoint.save.channel import CONNECT_DEADLINE, STORE_HOST, store_endpoint
-    from .checkpoint.save.store_client import StoreClient, StoreError
+    from ..checkpoint.save.channel import CONNECT_DEADLINE, STORE_HOST, store_endpoint
+    from ..checkpoint.save.store_client import StoreClient, StoreError
 
     ep = store_endpoint()
     if ep is None:

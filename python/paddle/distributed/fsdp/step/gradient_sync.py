@@ -22,7 +22,7 @@ import paddle
 from paddle.base import core
 
 if TYPE_CHECKING:
-    from .fused_buffer import FusedBuffer
+    from ..buffers.fused_buffer import FusedBuffer
 
 
 def before_backward_gather(buffers: list[FusedBuffer], still_running: set[int] = frozenset()) -> None:
@@ -111,7 +111,7 @@ def _exchange_over(comm, buffers: list, checked: bool) -> tuple[list[set[int]], 
             flags[offset + index] = 1.0
         offset += sizes[k]
         flags[sum(sizes) + k] = 1.0 if buffer.full_grad is not None else 0.0
-    from .communication import EXCHANGE
+    from ..comm.communication import EXCHANGE
 
     if checked:
         comm.agree(EXCHANGE, 0)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from . import env_switches
+from .. import env_switches
 
 DELAY_ENV = "PADDLE_FSDP_EMULATE_COLLECTIVE_DELAY_MS"
 

@@ -41,7 +41,7 @@ def new_group(ranks: list[int], **kwargs: Any):
     docstring for why. Raises ``GroupCreationError`` on every rank after the allowed attempts."""
     if not isinstance(ranks, (list, tuple)) or not all(isinstance(r, int) for r in ranks):
         raise TypeError(f"new_group expects a list of int ranks, got {ranks!r}")
-    from .checkpoint.keywords import check_keywords, keyword_names
+    from ..keywords import check_keywords, keyword_names
 
     check_keywords("new_group", kwargs, keyword_names(dist.new_group, ("ranks",)))  # stock's, with a hint
     return create_group(lambda: dist.new_group(list(ranks), **kwargs), ranks)

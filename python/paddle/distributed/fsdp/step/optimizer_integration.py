@@ -33,7 +33,7 @@ import paddle.distributed as dist
 from paddle.nn.clip import ClipGradByGlobalNorm, ClipGradByNorm
 from paddle.optimizer import Lamb, Optimizer
 
-from .checkpoint.snapshot_guard import wait_for_snapshot
+from ..checkpoint.snapshot_guard import wait_for_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def install_optimizer_integration() -> None:
         if not owners or not paddle.in_dynamic_mode():
             return original(self, loss, startup_program, params_grads, param_group_idx)
         _warn_per_piece_norms(self, owners)
-        for owner in owners:  # whose master weights a writeback must follow (full_params.py)
+        for owner in owners:  # whose master weights a writeback must follow (state/full_params.py)
             owner._optimizers.add(self)
         _check_intact_once(self, owners)
         if isinstance(params_grads, list):
@@ -283,7 +283,7 @@ def _complete_squared_norms(owners, selected) -> tuple[list[paddle.Tensor], padd
         if owner.world_size == 1:
             continue
         # under expert parallelism expert pieces are summed over their own shard group (the same position holds
-        # different experts on different EP ranks), then their total over the EP group (expert_comm.py)
+        # different experts on different EP ranks), then their total over the EP group (comm/expert_comm.py)
         expert_comm = getattr(owner, "expert_comm", None)
         for comm in (owner.comm, expert_comm):
             if comm is None:

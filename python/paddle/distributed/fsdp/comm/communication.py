@@ -2,12 +2,12 @@
 
 Backend gaps are handled here and nowhere else: gloo (CPU) has no reduce_scatter, so it becomes an
 all_reduce followed by a local slice. With ``PADDLE_FSDP_EMULATE_GPU_COLLECTIVES=1`` (or fake-device
-mode, see device.py) the reduce_scatter code path itself runs, its collective emulated on gloo, so the
+mode, see devices/device.py) the reduce_scatter code path itself runs, its collective emulated on gloo, so the
 branch GPUs take is exercised on CPU too. A world of one rank issues no collective at all, because a
 single-process run (launched with one process, or not launched) has no global group.
 
 Gathers and reduce-scatters can be issued asynchronously (``async_op`` / ``reduce_scatter_mean_async``):
-they return a :class:`CommTask` to ``wait()`` on before the output is read (overlap.py decides when). In
+they return a :class:`CommTask` to ``wait()`` on before the output is read (step/overlap.py decides when). In
 emulation mode they run on an emulated GPU communication stream (comm_emulation.py), whose outputs read NaN
 until waited for and whose delays the host can overlap; synchronous collectives wait for that stream first.
 """
@@ -20,7 +20,8 @@ import paddle
 import paddle.distributed as dist
 from paddle.base import core
 
-from . import device, env_switches
+from .. import env_switches
+from ..devices import device
 from .comm_emulation import EmulatedStream, delay_from_env
 
 logger = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class ShardingComm:
         )
         # emulation mode on gloo: gathers and reduce-scatters run on an emulated GPU comm stream (comm_emulation.py)
         self.emulation = EmulatedStream(delay_from_env()) if self._emulate_reduce_scatter else None
-        # whether agree() checks; the schedule (overlap.py) switches it per backward pass
+        # whether agree() checks; the schedule (step/overlap.py) switches it per backward pass
         self.check_order = self.world_size > 1 and check_interval_from_env() > 0
 
     @property
@@ -159,7 +160,7 @@ class ShardingComm:
         in ``fsdp_unit_layers`` and skipped when idle) pairs with a different collective elsewhere: gloo aborts
         the process or hangs, NCCL hangs or mixes up data. Each FSDP collective is therefore preceded by a tiny
         fixed-size all-gather of (kind, buffer index); any difference raises :class:`CollectiveOrderError` on
-        every rank. ``describe(index)`` names a buffer. Off unless enabled (``check_collective_order``, overlap.py).
+        every rank. ``describe(index)`` names a buffer. Off unless enabled (``check_collective_order``, step/overlap.py).
         """
         if not self.check_order:
             return

@@ -9,7 +9,7 @@ never changes, so autograd's saved references stay valid):
 Gradients: autograd produces a full-shape gradient; a post-accumulation hook adds it into a full-size
 fp32 (fp64 for fp64 params) buffer and drops it. The buffer is reduce-scattered (mean over ranks) into
 ``main_grad``, the fp32 gradient of the local shard, at a point every rank reaches in the same order
-(gradient_sync.py): never when "all gradients arrived here", which differs between ranks that leave
+(step/gradient_sync.py): never when "all gradients arrived here", which differs between ranks that leave
 different parameters unused. ``main_grad`` accumulates across micro-batches and is the source of truth;
 at the end of backward each parameter's ``.grad`` is bound to its piece of it (or to a piece of one cast
 of it for low-precision parameters without AMP master grads), so ``opt.step()`` and ``opt.clear_grad()``
@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING
 
 import paddle
 
-from . import host_mappings
-from .buffer_memory import GATHERED, GRADIENT, GRADIENT_SHARD, maps_blocks, new_block
-from .communication import GATHER, REDUCE
-from .device import address, check_same_place, host_to_device
+from ..comm.communication import GATHER, REDUCE
+from ..devices import host_mappings
+from ..devices.buffer_memory import GATHERED, GRADIENT, GRADIENT_SHARD, maps_blocks, new_block
+from ..devices.device import address, check_same_place, host_to_device
 from .fused_layout import BufferLayout, LocalPiece
 
 if TYPE_CHECKING:
-    from .communication import ShardingComm
+    from ..comm.communication import ShardingComm
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class FusedBuffer:
         self.held_for_backward = False
         self.reduce_pending = False  # gathered for backward and not reduced yet (same on every rank)
         self._local_views: dict[int, paddle.Tensor] = {}  # local_view's views, kept while they still alias
-        self._gathering: tuple | None = None  # (full, task) of a gather in flight (a prefetch, see overlap.py)
+        self._gathering: tuple | None = None  # (full, task) of a gather in flight (a prefetch, see step/overlap.py)
         self._reducing: tuple | None = None  # (local result, task) of a reduce-scatter in flight
         self.shard = paddle.zeros([layout.shard_numel], dtype=params[0].dtype)
         self._maps_blocks = maps_blocks(self.shard)  # gathered and gradient blocks: host mappings (buffer_memory)
@@ -164,7 +164,7 @@ class FusedBuffer:
 
     def _new_block(self, dtype, kind: str, zero: bool = False) -> paddle.Tensor:
         """A block for ``kind`` (full-size, or shard-size for the gradient shard), given back when its last
-        reference goes (buffer_memory.py)."""
+        reference goes (devices/buffer_memory.py)."""
         numel = self.layout.shard_numel if kind == GRADIENT_SHARD else self.layout.padded_numel
         return new_block(numel, dtype, kind, self.owner.blocks, self._maps_blocks, zero=zero)
 
@@ -256,7 +256,7 @@ class FusedBuffer:
 
     def _on_grad_ready(self, index: int) -> None:
         """Move a full-shape gradient into ``full_grad``. Never communicates: when to reduce is decided
-        by events every rank sees in the same order (see gradient_sync.py), not by what arrived here."""
+        by events every rank sees in the same order (see step/gradient_sync.py), not by what arrived here."""
         param = self.params[index]
         grad = param._grad_ivar()
         if grad is None:
