@@ -99,7 +99,7 @@ def render(results: dict) -> str:
     own = adapter_bytes(args)
     first = next((r["ranks"][0] for r in runs if "ranks" in r), {})
     lines = [
-        f"LoRA case ({results['date']}): {first.get('parameters', 0) / 1e6:.1f}M-parameter base (d={args['d']}, "
+        f"LoRA case ({results['date']}): {first.get('parameters', 0) / 1e6:.1f}M parameters with the adapters (d={args['d']}, "
         f"{args['layers']} attention + MLP blocks), adapters r={args['r']} on q/k/v/o, the rest frozen; "
         f"{args['world']} ranks, batch {args['batch']}x{args['seq']} per rank, {args['steps']} timed steps, "
         f"{args['rounds']} round(s); the adapter's own bytes (fp32 A, B + AdamW's 2 moments): {own:,}.",
