@@ -4,7 +4,7 @@ Model: ``L`` pre-norm blocks, causal multi-head self-attention (``q``/``k``/``v`
 fp32, loss ``mean(out ** 2)``; every attention projection carries a LoRA adapter (``A [in, r]``, ``B [r, out]``,
 scale ``alpha / r``, B zero at the start); everything else is frozen (``stop_gradient``). The optimizer gets
 ``model.parameters()``, as PaddleFormers' Trainer gives it. Contenders: ``fsdp`` (FullyShardFusion, one unit per
-block, the base built under ``paddle.LazyGuard`` as docs/save-load.md advises for a model larger than a rank;
+block, the base built under ``paddle.LazyGuard`` (docs/training.md: a model larger than a rank);
 ``fsdp.save_checkpoint``), ``dp`` (paddle.DataParallel; rank 0 ``paddle.save``s model and optimizer state dicts,
 as the stock Trainer does), ``stage1`` (fleet sharding stage 1; rank 0 saves the model, every rank its optimizer
 shard). After the timed steps each saves one checkpoint. Writes ``<out>.rank<r>.json``: step times, losses, peak
@@ -149,13 +149,14 @@ def main(argv=None) -> int:
     elif args.contender == "stage1":
         model, opt = fleet_stage1(model, opt, world)
     wrapped_rss = rss_now_mib()
-    times, losses, step_rss = [], [], []
+    times, losses, step_rss, forward_rss = [], [], [], []
     for step in range(args.warmup + args.steps):
         x = paddle.to_tensor(batch(step, rank, args.batch, args.seq, args.dim))
         if world > 1:
             dist.barrier()
         start = time.perf_counter()
         loss = model(x)
+        forward_rss.append(rss_now_mib())
         loss.backward()
         step_rss.append(rss_now_mib())
         opt.step()
@@ -177,7 +178,7 @@ def main(argv=None) -> int:
     write_result(args.out, rank, {
         "contender": args.contender, "world": world, "rank": rank, "times": times, "losses": losses,
         "peak_rss_mib": peak_rss_mib(), "train_peak_rss_mib": train_peak, "wrapped_rss_mib": wrapped_rss,
-        "step_rss_mib": max(step_rss), "trainable_bytes": trainable, "frozen_bytes_here": frozen,
+        "step_rss_mib": max(step_rss), "forward_rss_mib": max(forward_rss), "trainable_bytes": trainable, "frozen_bytes_here": frozen,
         "optimizer_state": opt_bytes, "parameters": parameter_count(args), "ckpt_bytes": total, "ckpt_data_bytes": data,
         "save_s": save_s,
     })  # fmt: skip
