@@ -273,16 +273,17 @@ def render(results: dict) -> str:
     return "\n".join(head + body) + "\n"
 
 
-def update_docs(path: str, text: str) -> None:
-    """Replace the generated section of ``path`` (between the markers) with ``text``; append it if absent."""
+def update_docs(path: str, text: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the generated section of ``path`` (between ``begin`` and ``end``) with ``text``; append it if
+    absent. lora.py's table has markers of its own."""
     try:
         with open(path) as f:
             doc = f.read()
     except FileNotFoundError:
         doc = ""
-    section = f"{BEGIN}\n{text}{END}"
-    if BEGIN in doc and END in doc:
-        doc = doc[: doc.index(BEGIN)] + section + doc[doc.index(END) + len(END) :]
+    section = f"{begin}\n{text}{end}"
+    if begin in doc and end in doc:
+        doc = doc[: doc.index(begin)] + section + doc[doc.index(end) + len(end) :]
     else:
         doc = doc.rstrip("\n") + ("\n\n" if doc else "") + section + "\n"
     with open(path, "w") as f:

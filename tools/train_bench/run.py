@@ -7,6 +7,7 @@ order reversed every other round), with one compute thread per rank (OMP_NUM_THR
     python tools/train_bench/run.py                       # d=512, 2 ranks, 3 rounds, curve 1/2/4 ranks
     python tools/train_bench/run.py --d 128 --rounds 1    # a quick small run
     python tools/train_bench/run.py --write-docs docs/performance.md --json results.json
+    python tools/train_bench/lora.py --write-docs docs/performance.md  # the LoRA case (frozen base; lora.py)
 
 Contenders (same model, data and optimizer; see bench_model.py): paddle one process, paddle DataParallel, stock
 GroupShardedStage3 (forced onto CPU: see paddle_worker.stock_stage3), fleet sharding stage 1, FullyShardFusion

@@ -51,6 +51,23 @@ class Record(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _stock_groups_in_step() -> None:
+    """The stock Trainer at 3+ ranks: paddle 3.3.1's gloo ``new_group`` lets a member connect before its peer
+    listens ("Connection refused" in TrainingArguments' fleet.init, seen at 3 ranks under load); a barrier after
+    each group creation keeps them in step (as tools/train_bench/paddle_worker.py does). Only for the stock
+    comparison runs: FSDP's own groups go through its group_startup, and are left as a user gets them."""
+    import paddle.distributed.collective as collective
+
+    original = collective.new_group
+
+    def new_group(*args, **kwargs):
+        group = original(*args, **kwargs)
+        dist.barrier()
+        return group
+
+    collective.new_group = dist.new_group = new_group
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     world = dist.get_world_size() if "PADDLE_TRAINER_ID" in os.environ else 1
@@ -60,6 +77,8 @@ def main() -> None:
 
         dist.init_parallel_env()
         groups["replicate_group"], groups["shard_group"] = hybrid_groups(cfg["hsdp"])
+    if cfg.get("stock") and world > 2:
+        _stock_groups_in_step()
     batch = cfg.get("global_batch", 6)
     assert batch % world == 0, (batch, world)
     args = TrainingArguments(

@@ -1,14 +1,16 @@
 """FSDPTrainer fine-tuning a PaddleFormers ``LoRAModel`` (issue #51), in real processes against PaddleFormers 1.2.0.
 
-Training equals stock data parallel; ``checkpoint-N`` holds the adapters, their optimizer state and the resume state
+Training equals stock data parallel at 1, 2 and 3 ranks; ``checkpoint-N`` holds the adapters, their optimizer state and the resume state
 plus a reference to the frozen base; resumes are bit-exact after kill -9 and within 1e-5 at another world size;
 ``save_model`` and ``save_hf_steps`` write the adapter that ``LoRAModel.from_pretrained`` loads bit-equal, and peft's
-layout; an export that cannot be made is refused before step 1.
+layout, which peft's own loader loads (where torch + peft exist: ``FSDP_PEFT_PYTHON``, see peft_load.py); an export that cannot be made is refused before step 1.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_fsdp_trainer import STEPS, ckpt_diff, losses, train
+
+HERE = Path(__file__).resolve().parent
 
 SAVE_AT = 3
 LORA = {"lora": True, "eval": False, "save_hf_steps": SAVE_AT, "hf_merge_adapter": True}
@@ -43,6 +47,20 @@ def test_lora_matches_stock_data_parallel(lora_run, tmp_path):
     stock = losses(train(tmp_path / "stock", stock="dp", lora=True, eval=False, save_steps=100))
     np.testing.assert_allclose([ref[s] for s in sorted(ref)], [stock[s] for s in sorted(ref)], rtol=0, atol=1e-5)
     assert len({round(v, 6) for v in ref.values()}) > 1, ref
+
+
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_lora_matches_stock_data_parallel_at_another_world_size(lora_run, tmp_path, nproc):
+    """1 and 3 ranks (the 2-rank case is above): FSDP equals the stock Trainer at the same world size within 1e-5.
+    The global batch is fixed, so both also equal the 2-rank run within 1e-5. No checkpoints: one short run each."""
+    _out, ref = lora_run
+    quick = {"lora": True, "eval": False, "save_steps": 100}
+    got = losses(train(tmp_path / "fsdp", nproc=nproc, **quick))
+    stock = losses(train(tmp_path / "stock", nproc=nproc, stock="dp", **quick))
+    steps = sorted(ref)
+    assert sorted(got) == sorted(stock) == steps, (got, stock)
+    np.testing.assert_allclose([got[s] for s in steps], [stock[s] for s in steps], rtol=0, atol=1e-5)
+    np.testing.assert_allclose([got[s] for s in steps], [ref[s] for s in steps], rtol=0, atol=1e-5)
 
 
 def test_checkpoint_holds_the_adapters_and_a_base_reference(lora_run):
@@ -150,12 +168,47 @@ def test_merged_model_loads_with_from_pretrained_and_gives_the_adapter_models_lo
     assert np.abs(base - want).max() > 1e-4, "the adapters do not change the logits: the merge is not tested"
 
 
-def test_peft_loads_the_adapter(lora_run):
-    torch = pytest.importorskip("torch", reason="torch is not installed here: peft's own load is not run")
-    peft = pytest.importorskip("peft", reason="peft is not installed here")
+def _peft_python() -> str | None:
+    """An interpreter with torch and peft: FSDP_PEFT_PYTHON (torch and Paddle need not share a venv), else this one."""
+    if os.environ.get("FSDP_PEFT_PYTHON"):
+        return os.environ["FSDP_PEFT_PYTHON"]
+    has = all(importlib.util.find_spec(m) for m in ("torch", "peft", "transformers"))
+    return sys.executable if has else None
+
+
+def test_peft_loads_the_adapter(lora_run, tmp_path):
+    """peft's own PeftModel.from_pretrained loads final/ (adapter_config.json + adapter_model.safetensors) into HF
+    transformers' Llama with the same base: its lora_A/lora_B equal PaddleFormers' bit for bit, the logits within
+    1e-5 (peft_load.py, run by an interpreter with torch + peft)."""
+    import paddle
+    from paddleformers.peft import LoRAModel
+    from trainer_fsdp import tiny_llama
+
+    python = _peft_python()
+    if python is None:
+        pytest.skip("torch + peft + transformers not installed here and FSDP_PEFT_PYTHON unset: peft's load not run")
     out, _ = lora_run
-    config = peft.PeftConfig.from_pretrained(str(out / "final"))
-    assert config.r == 4 and torch is not None
+    final = out / "final"
+    base = {}  # the frozen base in HF layout: Paddle's Linear weights are [in, out], HF's [out, in]
+    for key, value in tiny_llama().state_dict().items():
+        a = np.asarray(value.numpy())
+        linear = a.ndim == 2 and not key.endswith(("embed_tokens.weight", "lm_head.weight"))
+        base[f"base/{key}"] = np.ascontiguousarray(a.T) if linear else a
+    adapter, plain = LoRAModel.from_pretrained(tiny_llama(), str(final)), tiny_llama()
+    ids = np.random.default_rng(0).integers(4, 128, (2, 16)).astype("int64")
+    for m in (adapter, plain):
+        m.eval()
+    with paddle.no_grad():
+        logits, base_logits = (_logits(m, paddle.to_tensor(ids)) for m in (adapter, plain))
+    assert np.abs(logits - base_logits).max() > 1e-4, "the adapters do not change the logits: nothing is tested"
+    lora = {f"lora/{k}": np.asarray(v.numpy()) for k, v in adapter.state_dict().items() if ".lora_" in k}
+    check = tmp_path / "check.npz"
+    np.savez(check, ids=ids, logits=logits, base_logits=base_logits, **base, **lora)
+    done = subprocess.run(
+        [python, str(HERE / "peft_load.py"), str(final), str(check)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "peft loaded 8 adapter tensors" in done.stdout, done.stdout
 
 
 def test_to_hf_of_a_lora_checkpoint_writes_the_adapter(lora_run, tmp_path):
