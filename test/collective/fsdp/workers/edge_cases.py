@@ -176,7 +176,10 @@ def main() -> None:
 
         strategy = fleet.DistributedStrategy()
         strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": world}
-        fleet.init(is_collective=True, strategy=strategy)
+        from paddle.distributed.fsdp import barrier_after_new_group
+
+        with barrier_after_new_group(reuse_identical=True):  # paddle 3.3.1's gloo new_group race (expert-parallel.md)
+            fleet.init(is_collective=True, strategy=strategy)
     elif world > 1:
         dist.init_parallel_env()
     rank = dist.get_rank()
