@@ -12,6 +12,7 @@ model wrapped in PaddleFormers' ``LoRAModel``, r=4 on q/v, only the adapters tra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -51,37 +52,19 @@ class Record(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _groups_in_step() -> None:
+def _groups_in_step():
     """Every run at 3+ ranks: paddle 3.3.1's gloo ``new_group`` lets a member connect before its peer listens
     ("Connection refused", or a pair TIMEOUT, in TrainingArguments' fleet.init; seen at 3 ranks under load for the
-    stock and the FSDP Trainer alike: those groups are paddle's, made before FSDPTrainer exists); a barrier after
-    each group creation keeps them in step (as tools/train_bench/paddle_worker.py does)."""
-    import paddle.distributed.collective as collective
+    stock and the FSDP Trainer alike: those groups are paddle's, made before FSDPTrainer exists). The project's
+    documented workaround (docs/expert-parallel.md): fleet's groups made inside ``barrier_after_new_group``, which
+    probes each new group and makes it again when it did not come up."""
+    from paddle.distributed.fsdp import barrier_after_new_group
 
-    original = collective.new_group
-
-    def new_group(*args, **kwargs):
-        group = original(*args, **kwargs)
-        dist.barrier()
-        return group
-
-    collective.new_group = dist.new_group = new_group
+    return barrier_after_new_group(reuse_identical=True)
 
 
-def main() -> None:
-    cfg = json.loads(sys.argv[1])
-    world = dist.get_world_size() if "PADDLE_TRAINER_ID" in os.environ else 1
-    groups = {}
-    if cfg.get("hsdp"):  # before TrainingArguments: its fleet.init breaks gloo's new_group afterwards
-        from paddle.distributed.fsdp.comm.topology import hybrid_groups
-
-        dist.init_parallel_env()
-        groups["replicate_group"], groups["shard_group"] = hybrid_groups(cfg["hsdp"])
-    if world > 2:
-        _groups_in_step()
-    batch = cfg.get("global_batch", 6)
-    assert batch % world == 0, (batch, world)
-    args = TrainingArguments(
+def _training_arguments(cfg: dict, batch: int, world: int):
+    return TrainingArguments(
         output_dir=cfg["output_dir"],
         max_steps=cfg.get("max_steps", 6),
         per_device_train_batch_size=batch // world // cfg.get("accumulation", 1),
@@ -105,6 +88,21 @@ def main() -> None:
         disable_tqdm=True,
         seed=42,
     )
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    world = dist.get_world_size() if "PADDLE_TRAINER_ID" in os.environ else 1
+    groups = {}
+    if cfg.get("hsdp"):  # before TrainingArguments: its fleet.init breaks gloo's new_group afterwards
+        from paddle.distributed.fsdp.comm.topology import hybrid_groups
+
+        dist.init_parallel_env()
+        groups["replicate_group"], groups["shard_group"] = hybrid_groups(cfg["hsdp"])
+    batch = cfg.get("global_batch", 6)
+    assert batch % world == 0, (batch, world)
+    with _groups_in_step() if world > 2 else contextlib.nullcontext():
+        args = _training_arguments(cfg, batch, world)
     record = Record(cfg.get("kill_after_save"))
     kwargs = dict(
         model=lora_llama() if cfg.get("lora") else tiny_llama(),
