@@ -93,6 +93,7 @@ _declare(
     Switch(CKPT + "HUGEPAGES", "mode", "auto", "transparent huge pages for host buffers"),
     Switch(CKPT + "IN_PLACE", "bool", True, "loads read straight into contiguous host targets"),
     Switch(CKPT + "TRACE", "bool", False, "phase timings of every save and load on stderr"),
+    Switch(CKPT + "DERIVE_WEIGHTS", "bool", True, "saves leave out weights equal to their master weight cast"),
     Switch("PADDLE_FSDP_MEMTIER_QUOTA", "int", None, "bytes the memory tier may use on a node", minimum=0),
     Switch("PADDLE_FSDP_MEMTIER_ROOT", "text", "/dev/shm/paddle-fsdp-memtier", "the memory tier's directory"),
     Switch("PADDLE_FSDP_JOB_ID", "text", None, "the memory tier's job id (checked by memtier/roots.py)"),

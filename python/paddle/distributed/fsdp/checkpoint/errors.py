@@ -22,6 +22,7 @@ __all__ = [
     "MissingDependencyError",
     "StateDictMismatchError",
     "MissingKeyError",
+    "DerivedKeyError",
     "ShapeMismatchError",
     "DtypeMismatchError",
     "UnexpectedKeyError",
@@ -107,6 +108,11 @@ class StateDictMismatchError(CheckpointError):
 
 class MissingKeyError(StateDictMismatchError):
     """A requested key is absent from the checkpoint."""
+
+
+class DerivedKeyError(MissingKeyError):
+    """A requested key is a derived weight (format 4, format/derived.py) whose master weight is not in the
+    checkpoint, so it cannot be derived."""
 
 
 class ShapeMismatchError(StateDictMismatchError, ValueError):
@@ -208,6 +214,7 @@ ERROR_CLASSES = {
         CheckpointRemovedError,
         StateDictMismatchError,
         MissingKeyError,
+        DerivedKeyError,
         ShapeMismatchError,
         DtypeMismatchError,
         UnexpectedKeyError,

@@ -14,6 +14,7 @@
 * ``in_place``: ``PADDLE_FSDP_CKPT_IN_PLACE`` (on/off); default True
 * ``read_slab_bytes``: ``PADDLE_FSDP_CKPT_READ_SLAB``; default 16 MiB
 * ``trace``: ``PADDLE_FSDP_CKPT_TRACE`` (on/off); default False
+* ``derive_weights``: ``PADDLE_FSDP_CKPT_DERIVE_WEIGHTS`` (on/off); default True
 * ``max_metadata_bytes``: ``PADDLE_FSDP_CKPT_MAX_METADATA_BYTES``; default 512 MiB
 * ``max_open_files``: ``PADDLE_FSDP_CKPT_MAX_OPEN_FILES``; default 64
 * ``heartbeat_lease``: ``PADDLE_FSDP_CKPT_HEARTBEAT_LEASE``; default 5 s
@@ -51,6 +52,7 @@ _ENV_FIELDS = {
     "HUGEPAGES": "hugepages",
     "IN_PLACE": "in_place",
     "TRACE": "trace",
+    "DERIVE_WEIGHTS": "derive_weights",
 }
 
 
@@ -86,6 +88,9 @@ class CheckpointOptions:
             silent this long names rank 0, its host. Each store call has a third of it (0.5-5 s).
         storage: the storage backend (io/storage.py) that holds the checkpoint; None picks it from the path
             (a registered ``scheme://``, else the local POSIX backend with ``odirect`` writes).
+        derive_weights: a save leaves out each bf16/fp16 weight ``<k>`` that is exactly its fp32 master weight
+            ``<k>.master_weight`` cast (checked on every rank's shard; save/derive.py), and every load derives it
+            (format 4's ``derived``: format/derived.py). False stores every weight (format 3).
     """
 
     checksum: str | None = None
@@ -101,6 +106,7 @@ class CheckpointOptions:
     max_open_files: int = reader.MAX_OPEN_FILES
     heartbeat_lease: float = 5.0
     storage: Storage | None = field(default=None, compare=False)
+    derive_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.checksum is not None and self.checksum not in checksums.KNOWN:

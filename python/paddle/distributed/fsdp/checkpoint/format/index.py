@@ -182,6 +182,9 @@ def encode(
         },
         "values": header["values"],
     }
+    for extended in ("derived",):  # format 4's optional fields (versions.EXTENDED_FIELDS), only when used
+        if header.get(extended):
+            md[extended] = header[extended]
     if header.get("rank_values"):
         rank_keys, table = header["rank_values"]
         md["rank_values"] = rank_values.header_field(rank_keys, table)

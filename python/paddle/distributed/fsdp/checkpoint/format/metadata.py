@@ -239,6 +239,8 @@ class CheckpointMetadata:
     index: Any = field(default=None, repr=False, compare=False)
     # format 3: the per-rank values read by saving rank (format/rank_values.py); None otherwise
     rank_values: Any = field(default=None, repr=False, compare=False)
+    # format 4: key -> derived.Derived, the weights stored as their master weight cast (not as bytes of their own)
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     def prefetch(self, keys, spans: dict[str, tuple[int, int]] | None = None) -> None:
         """Read the pieces of ``keys`` now, in as few reads as possible (format 2; nothing to do in format 1);

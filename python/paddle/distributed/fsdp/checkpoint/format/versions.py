@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..errors import MetadataError
 from ..gc_pause import gc_paused
+from . import derived
 from .index_view import open_indexed
 from .metadata import FORMAT_NAME, CheckpointMetadata
 from .schema import parse_metadata
@@ -22,7 +23,11 @@ from .strict_json import loads_strict
 SINGLE_FILE_VERSION = 1  # format 1: metadata.json holds every piece and its chunk checksums
 INDEXED_VERSION = 2  # format 2: index objects and checksum sidecars; per-rank values as lists in "values"
 RANK_VALUES_VERSION = 3  # format 3: format 2 with per-rank values in objects of their own
-WRITE_VERSION = RANK_VALUES_VERSION  # what saves, the tools and the converter write
+EXTENDED_VERSION = 4  # format 4: format 3 plus optional top-level metadata.json fields (EXTENDED_FIELDS)
+WRITE_VERSION = RANK_VALUES_VERSION  # what saves, the tools and the converter write when no format-4 field is used
+# format 4's optional fields: a save writes version 4 only when it uses one, so plain checkpoints stay format 3
+# and older builds keep reading them
+EXTENDED_FIELDS = (derived.FIELD,)
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,18 @@ def _read_single_file(d: dict, where: str, fetch=None) -> CheckpointMetadata:
     return md
 
 
+def write_version(header: dict) -> int:
+    """The version a save of index ``header`` declares: 4 when it uses a format-4 field, else 3."""
+    return EXTENDED_VERSION if any(header.get(f) for f in EXTENDED_FIELDS) else WRITE_VERSION
+
+
+def _read_extended(d: dict, where: str, fetch=None) -> CheckpointMetadata:
+    """Format 4: format 3's reader, then its optional fields, each checked (MetadataError naming it)."""
+    md = open_indexed(d, where, fetch)
+    md.derived = derived.parse_field(d.get(derived.FIELD), md.tensors, md.values, where)
+    return md
+
+
 FORMATS: dict[int, FormatVersion] = {
     SINGLE_FILE_VERSION: FormatVersion(
         SINGLE_FILE_VERSION, "metadata.json alone: every piece and its checksums (schema.py)", _read_single_file
@@ -52,6 +69,9 @@ FORMATS: dict[int, FormatVersion] = {
     ),
     RANK_VALUES_VERSION: FormatVersion(
         RANK_VALUES_VERSION, "format 2 + index.ranks and <rank>.values (rank_values.py)", open_indexed
+    ),
+    EXTENDED_VERSION: FormatVersion(
+        EXTENDED_VERSION, "format 3 + optional fields: derived (derived weights: format/derived.py)", _read_extended
     ),
 }
 

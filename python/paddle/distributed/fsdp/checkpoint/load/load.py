@@ -69,7 +69,7 @@ from .. import host_memory
 from ..background import wait_pending
 from ..chunks import ChunkVerifier
 from ..coordination import Comm
-from ..directory import CommittedCheckpoint, read_metadata
+from ..directory import CommittedCheckpoint, open_checkpoint, read_metadata
 from ..errors import CheckpointError, CorruptCheckpointError, InvalidStateDictError, MissingKeyError
 from ..format.metadata import CheckpointMetadata
 from ..gc_pause import gc_paused
@@ -80,6 +80,7 @@ from ..paths import local_path
 from ..reader import FileSet
 from ..regions import read_deferred, read_region
 from ..tracing import Tracer
+from . import derive
 from .atomic import AtomicLoadJob
 from .bounded import BoundedLoadJob
 from .job import LoadReport, default_load_budget
@@ -170,6 +171,13 @@ def run_load(
         path = local_path(path, opts.storage)
     except CheckpointError as e:  # a URL no backend serves on this rank: the exchange tells every rank
         earlier = earlier or e
+    caller_dict, casts = state_dict, []
+    if earlier is None:
+        try:
+            opened = _opened(path, opened, opts)
+            state_dict, opened, casts = derive.prepare(state_dict, opened)
+        except Exception as e:  # noqa: BLE001 - reported by the first exchange, on every rank
+            earlier = e
     if atomic:
         job = AtomicLoadJob(state_dict, path, opts, verify_checksums, tr)
         job.md = opened.metadata if opened is not None else None
@@ -178,7 +186,21 @@ def run_load(
         job = BoundedLoadJob(state_dict, path, opts, verify_checksums, tr)
         job.md = opened.metadata if opened is not None else None
         all_requested = job.run(comm, strict, max_host_bytes, earlier)
-    return job.finish(all_requested, time.perf_counter() - t0)
+    report = job.finish(all_requested, time.perf_counter() - t0)
+    if state_dict is not caller_dict:  # derived weights (format 4): cast now that the load committed
+        derive.apply(casts, report, caller_dict, job.value_updates)
+    return report
+
+
+def _opened(path: str, opened: CommittedCheckpoint | None, opts: CheckpointOptions) -> CommittedCheckpoint | None:
+    """The checkpoint, its metadata read once here (so a load of derived weights knows them before it starts);
+    None when that fails: the load reads it again and reports the error on every rank."""
+    if opened is not None:
+        return opened
+    try:
+        return open_checkpoint(path, opts, opts.storage_for(path))
+    except Exception:  # noqa: BLE001 - the job's own read names it, through the exchange
+        return None
 
 
 @gc_paused()
@@ -196,11 +218,15 @@ def load_full_state_dict(
     path = local_path(path, opts.storage)
     storage = opts.storage_for(path)
     md = read_metadata(path, opts, storage)
-    wanted = list(md.tensors) if keys is None else list(keys)
+    wanted = [*md.tensors, *md.derived] if keys is None else list(keys)
     for key in wanted:
-        if key not in md.tensors and key not in md.values:
+        if key in md.derived:
+            derive.source_of(md, key)  # DerivedKeyError when its master is not there
+        elif key not in md.tensors and key not in md.values:
             raise MissingKeyError(f"key {key!r} is missing from checkpoint {path}")
-    tensor_keys = [k for k in wanted if k in md.tensors]
+    tensor_keys = list(
+        dict.fromkeys(md.derived[k].source if k in md.derived else k for k in wanted if k not in md.values)
+    )
     try:
         # before allocating by a declared shape: exact coverage + real files of the declared sizes, so what is
         # allocated is the bytes of pieces that really are on disk (pieces never share bytes: schema.py, and
@@ -225,15 +251,22 @@ def _read_full(path: str, md: CheckpointMetadata, wanted: list[str], opts: Check
             if key in md.values and key not in md.tensors:
                 out[key] = md.values[key]
                 continue
-            tm = md.tensors[key]
+            d = md.derived.get(key)
+            tm = md.tensors[d.source if d else key]
             t = staging_tensor(tm.shape, tm.dtype, False)
             region = Region.full(tm.shape)
             if region.numel:
                 raw, _ = host_memory.raw_view(t, allow_copy=False)
-                read_region(files, md, key, region, raw, True, verifier, reads)
+                read_region(files, md, d.source if d else key, region, raw, True, verifier, reads)
             out[key] = t
         read_deferred(files, md, reads, True, verifier)
         verifier.wait()  # nothing is returned before every checksum passed
+        for key, d in md.derived.items():  # derived weights: their master read above, cast (format 4)
+            if key in out:
+                src, _ = host_memory.raw_view(out[key], allow_copy=False)
+                t = staging_tensor(out[key].shape, d.dtype, False)
+                derive.write_cast(t, src.view("float32"), d.dtype)
+                out[key] = t
     finally:
         verifier.drain()
         files.close()

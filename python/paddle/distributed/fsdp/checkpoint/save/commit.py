@@ -93,6 +93,7 @@ class SaveJob:
     release: Any = None  # async save: gives the snapshot arena back (called once the data object is written)
     snapshot: Any = None  # async save: the Snapshot whose deferred copies run first in the background thread
     plan: Any = None  # the SavePlan; laid out by run() (an async save's caller does not wait for it)
+    derived: dict = field(default_factory=dict)  # format 4's "derived" field (save/derive.py); {}: none
 
     def _written(self) -> None:
         self.arrays = self.keepalive = []  # release snapshot memory early
@@ -336,6 +337,7 @@ class SaveJob:
             "chunk_bytes": self.chunk_bytes,
             "checksum": self.checksum,
             "values": values,
+            "derived": self.derived,
         }
         if self.per_rank_keys:
             try:

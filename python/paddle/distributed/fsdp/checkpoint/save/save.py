@@ -117,6 +117,7 @@ from ..snapshot import Snapshot, default_deferred
 from ..tracing import Tracer
 from .abandon import leave_failed_save, leave_timeout
 from .commit import Publisher, SaveJob, open_channel
+from .derive import plan_derived
 from .markers import cause, mark_failed, remove_failed_stagings
 from .request import SaveRequest, save_request
 
@@ -240,6 +241,8 @@ def _save_locked(req: SaveRequest) -> SaveHandle | None:
     if not 0 <= coordinator_rank < comm.world:
         raise InvalidStateDictError(f"coordinator_rank {coordinator_rank} is outside the group of {comm.world}")
 
+    req, derived_field = plan_derived(req, comm)  # (collective when on: the weights left out, on every rank)
+    tr.mark("derive")
     local = _validate(req, comm.rank, previous_error)
     tr.mark("validate")
     # per-rank values reach the coordinator in the ranks' done markers, not through the exchange: only it needs
@@ -269,6 +272,7 @@ def _save_locked(req: SaveRequest) -> SaveHandle | None:
         values=values,
         per_rank_keys=tuple(req.per_rank_values),
         rank_values=rank_values,
+        derived=derived_field,
         plan=plan,
         arrays=arrays,
         keepalive=keep,

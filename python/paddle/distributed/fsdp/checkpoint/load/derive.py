@@ -1,0 +1,181 @@
+"""Loading derived weights (format 4's ``"derived"``, format/derived.py): every door that loads into a state dict
+(``load_state_dict``, CheckpointManager, ``load_checkpoint``, the stock hook: all go through ``run_load``) gets the
+weight its save left out as its fp32 master weight cast, round to nearest even, bit-exactly what was trained.
+
+How, without a read path of its own: before the load, each requested derived key whose dtype and shape match is
+taken out of the state dict. When its master weight is requested too, for the same region (a resume: FSDP asks
+for both, sharded alike), the master's own target is cast into the weight after the load (no extra read).
+Otherwise a float32 temporary of the weight's region is requested under an alias key (``ALIAS_PREFIX``) that the
+load's metadata view maps to the master's pieces, so the load reads, checks and reshards it as any other key
+(windowed, atomic or bounded, any world size). The casts run only once the load has committed on every rank: a
+failed load leaves every target as it was. A derived key requested with another dtype or shape meets the
+engine's usual DtypeMismatchError / ShapeMismatchError (the view declares its dtype and its master's shape).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from ..directory import CommittedCheckpoint
+from ..errors import CheckpointError, DerivedKeyError
+from ..format import derived
+from ..host_memory import is_host_contiguous, raw_view
+from ..load_checks import staging_tensor
+from ..records import to_record
+
+ALIAS_PREFIX = "__fsdp__.derived-source:"  # alias key of a temporary (never a saved key: saves refuse nothing
+# of it, but the view below only maps aliases it made itself)
+
+
+@dataclass(frozen=True)
+class DerivedMeta:
+    """What a load's validation sees of a derived key: its dtype and its master's shape (never read)."""
+
+    dtype: str
+    shape: tuple
+
+
+class _Tensors(Mapping):
+    """``md.tensors`` of a load with derived keys: the stored tensors, plus each alias as its master's tensor
+    and each derived key as a DerivedMeta (iterated: the stored tensors only, as before)."""
+
+    def __init__(self, inner, aliases: dict[str, str], views: dict[str, DerivedMeta]):
+        self.inner, self.aliases, self.views = inner, aliases, views
+
+    def __getitem__(self, key):
+        if key in self.aliases:
+            return self.inner[self.aliases[key]]
+        if key in self.views:
+            return self.views[key]
+        return self.inner[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self.aliases or key in self.views or key in self.inner
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+class _AliasIndex:
+    """``md.index`` of such a load: prefetches of an alias read its master's rows (spans merged)."""
+
+    def __init__(self, inner, aliases: dict[str, str]):
+        self.inner, self.aliases = inner, aliases
+
+    def load(self, keys, spans=None) -> None:
+        real = list(dict.fromkeys(self.aliases.get(k, k) for k in keys))
+        merged: dict[str, tuple[int, int]] = {}
+        for k, (lo, hi) in (spans or {}).items():
+            r = self.aliases.get(k, k)
+            old = merged.get(r)
+            merged[r] = (lo, hi) if old is None else (min(lo, old[0]), max(hi, old[1]))
+        self.inner.load(real, merged)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@dataclass
+class Cast:
+    """After the load: ``target`` (the weight's tensor) := ``source`` (float32, same elements) cast to ``dtype``."""
+
+    key: str
+    target: Any
+    source: Any
+    dtype: str
+    alias: str | None  # the temporary's key, or None when the master's own target is the source
+
+
+def _temporary(rec, alias: str):
+    """A float32 host value of ``rec``'s region, requested under ``alias``."""
+    t = staging_tensor(list(rec.tensor.shape), derived.SOURCE_DTYPE, False)
+    if rec.replicated:
+        return t
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+    r = rec.region
+    fr = None if r.flat_range is None else slice(*r.flat_range)
+    return ShardedWeight(alias, t, tuple(r.box_shape), tuple(r.shape), tuple(r.box_offset), fr is not None, fr)
+
+
+def _record(key, val):
+    try:
+        return to_record(key, val)
+    except CheckpointError:
+        return None  # (the load's own validation names it)
+
+
+def prepare(state_dict, opened: CommittedCheckpoint | None):
+    """``(state dict to load, checkpoint to load it from, casts)``: unchanged when nothing requested is derived."""
+    md = None if opened is None else opened.metadata
+    if md is None or not md.derived or not isinstance(state_dict, dict):
+        return state_dict, opened, []
+    load_dict, casts, aliases = dict(state_dict), [], {}
+    for key, d in md.derived.items():
+        rec = _record(key, state_dict[key]) if key in state_dict else None
+        if rec is None or d.source not in md.tensors:
+            continue
+        if rec.dtype != d.dtype or tuple(rec.region.shape) != tuple(md.tensors[d.source].shape):
+            continue  # (the view below makes the load name the mismatch)
+        del load_dict[key]
+        master = _record(d.source, state_dict[d.source]) if d.source in state_dict else None
+        if master is not None and master.dtype == derived.SOURCE_DTYPE and master.region == rec.region:
+            casts.append(Cast(key, rec.tensor, master.tensor, d.dtype, None))
+            continue
+        alias = ALIAS_PREFIX + key
+        temp = _temporary(rec, alias)
+        load_dict[alias] = temp
+        aliases[alias] = d.source
+        casts.append(Cast(key, rec.tensor, getattr(temp, "local_tensor", temp), d.dtype, alias))
+    views = {k: DerivedMeta(d.dtype, tuple(md.tensors[d.source].shape)) for k, d in md.derived.items()}
+    view = replace(md, tensors=_Tensors(md.tensors, aliases, views), index=_AliasIndex(md.index, aliases))
+    view.derived = md.derived
+    return load_dict, CommittedCheckpoint(opened.path, view), casts
+
+
+def write_cast(target, source_f32: np.ndarray, dtype: str) -> None:
+    """``target`` (a tensor of ``dtype``) := ``source_f32`` cast: in place for a contiguous host tensor, else
+    through a host staging tensor and ``Tensor.copy_`` (views into fused buffers keep aliasing)."""
+    if is_host_contiguous(target):
+        dst, _keep = raw_view(target, allow_copy=False)
+        derived.cast_into(source_f32, dtype, dst)
+        return
+    staging = staging_tensor(list(target.shape), dtype, False)
+    dst, _keep = raw_view(staging, allow_copy=False)
+    derived.cast_into(source_f32, dtype, dst)
+    target.copy_(staging, True)
+
+
+def apply(casts: list[Cast], report, state_dict: dict, updates: dict) -> None:
+    """After a committed load: every cast, the report in the caller's keys, and the JSON values the load wrote
+    into its own dict (``updates``) into the caller's."""
+    loaded = set(report.loaded_keys)
+    for c in casts:
+        if c.alias is not None and c.alias not in loaded:
+            continue  # (a non-strict load that left it out: reported as the caller's key below)
+        src, _keep = raw_view(c.source)
+        write_cast(c.target, src.view(np.float32), c.dtype)
+    aliased = {c.alias: c.key for c in casts if c.alias is not None}
+    report.loaded_keys = [aliased.get(k, k) for k in report.loaded_keys] + [
+        c.key for c in casts if c.alias is None and c.key not in loaded
+    ]
+    report.missing_keys = [aliased.get(k, k) for k in report.missing_keys]
+    report.mismatched_keys = {aliased.get(k, k): v for k, v in report.mismatched_keys.items()}
+    report.unexpected_keys = [k for k in report.unexpected_keys if not k.startswith(ALIAS_PREFIX)]
+    for k, v in updates.items():
+        state_dict[k] = v
+
+
+def source_of(md, key: str) -> derived.Derived:
+    """The derivation of ``key`` (a key of ``md.derived``); DerivedKeyError when its master is not stored."""
+    d = md.derived[key]
+    if d.source not in md.tensors:
+        raise DerivedKeyError(f"key {key!r} is derived from {d.source!r}, which the checkpoint does not hold")
+    return d
