@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..checkpoint import CheckpointOptions, read_metadata, reader
+from ..checkpoint.errors import DerivedKeyError
+from ..checkpoint.format import derived
 from ..checkpoint.format.metadata import (
     NUMPY_STORAGE,
     CheckpointMetadata,
@@ -152,8 +154,12 @@ class CheckpointReader:
         self.path = resolve_checkpoint_path(path)
         opts = CheckpointOptions.from_env() if options is None else options
         storage = opts.storage_for(self.path)
-        self.md = read_metadata(self.path, opts, storage)
-        self._files = reader.FileSet.of(self.path, self.md, verify, opts, storage)
+        md = read_metadata(self.path, opts, storage)
+        self._files = reader.FileSet.of(self.path, md, verify, opts, storage)
+        # derived weights (format 4) listed with the stored tensors, read as their master weight cast
+        self.md = dataclasses.replace(md, tensors=derived.WithDerived(md.tensors, md.derived)) if md.derived else md
+        if md.derived:
+            self.md.derived = md.derived
         self.verify = self._files.verifies
         self._covered: set[str] = set()
 
@@ -199,6 +205,8 @@ class CheckpointReader:
 
     def check_coverage(self, key: str) -> None:
         """Raise ``CorruptCheckpointError`` unless the pieces of ``key`` cover every element exactly once."""
+        if key in self.md.derived:
+            key = self.md.derived[key].source
         if key in self._covered:
             return
         engine_load.check_coverage(self.path, self.md, [key])  # the check every load runs
@@ -209,6 +217,13 @@ class CheckpointReader:
         tm = self.md.tensors[key]
         if region.numel == 0:
             return np.empty(0, np.uint8)
+        d = self.md.derived.get(key)
+        if d is not None:  # a derived weight: its master's elements, cast (DerivedKeyError: no master)
+            if d.source not in self.md.tensors:
+                raise DerivedKeyError(f"key {key!r} is derived from {d.source!r}, which {self.path} does not hold")
+            out = np.empty(region.numel * itemsize(tm.dtype), np.uint8)
+            derived.cast_into(self.read_region_raw(d.source, region).view(np.float32), d.dtype, out)
+            return out
         self.check_coverage(key)
         for name in sorted({p.file for p in tm.pieces if p.nbytes}):
             self._files.handle(name)  # real regular files of the declared sizes, before allocating by the shape

@@ -56,6 +56,7 @@ def cmd_verify(args) -> int:
             f"OK: {summary['path']}: {summary['tensors']} tensors ({human_bytes(summary['tensor_bytes'])}) fully "
             f"covered, {summary['files']} data file(s) ({human_bytes(summary['file_bytes'])} on disk), checksums "
             f"({summary['checksum']}) match"
+            + (f"; {summary['derived']} weights derived from their master weights" if summary.get("derived") else "")
         )
     else:
         for p in problems:

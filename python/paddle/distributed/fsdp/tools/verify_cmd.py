@@ -51,6 +51,7 @@ def _verify_once(given: str | os.PathLike, progress: bool | None) -> tuple[list[
         summary = {
             "path": path,
             "tensors": len(md.tensors),
+            "derived": len(md.derived),  # weights stored as their master weight cast (format 4): no bytes
             "tensor_bytes": data_bytes,
             "files": len(md.files),
             "file_bytes": sum(f.size for f in md.files.values()),

@@ -12,6 +12,7 @@ MetadataError naming the entry, before anything is allocated.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,3 +113,29 @@ def parse_field(raw, tensors, values, where: str) -> dict[str, Derived]:
 def to_field(derived: dict[str, Derived]) -> dict:
     """The ``"derived"`` field written for ``derived`` (sorted by key)."""
     return {k: derived[k].to_json() for k in sorted(derived)}
+
+
+class WithDerived(Mapping):
+    """``md.tensors`` as the tools see it (tools/ckpt_io.py): every stored tensor, then every derived key as a
+    TensorMeta of its dtype and its master's shape, without pieces (the reader reads the master and casts)."""
+
+    def __init__(self, stored, derived_keys: dict[str, Derived]):
+        self.stored, self.derived = stored, derived_keys
+
+    def __getitem__(self, key):
+        d = self.derived.get(key)
+        if d is None:
+            return self.stored[key]
+        from .metadata import TensorMeta
+
+        return TensorMeta(d.dtype, tuple(self.stored[d.source].shape), [])
+
+    def __contains__(self, key) -> bool:
+        return key in self.derived or key in self.stored
+
+    def __iter__(self):
+        yield from self.stored
+        yield from self.derived
+
+    def __len__(self) -> int:
+        return len(self.stored) + len(self.derived)
