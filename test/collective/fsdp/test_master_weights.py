@@ -61,3 +61,16 @@ def test_writeback_survives_the_next_multi_precision_step(tmp_path, world):
     that sets the values and their masters by hand."""
     run = run_launch(WORKER, world, ["writeback", str(tmp_path)], log_dir=tmp_path / "logs")
     assert_case_ok(run, "writeback", world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_saves_derive_the_bf16_weights_from_their_masters(workdir, world):
+    """Every bf16 weight of these checkpoints was its master weight cast: none is stored (format 4's "derived",
+    issue #52), and the resume / reshard tests above read them back derived, bit-exactly."""
+    import json
+
+    for name in (f"A_{world}", f"REF_{world}", f"RES_{world}", f"B_{SOURCE_OF[world]}_{world}"):
+        md = json.loads((workdir / name / "metadata.json").read_text())
+        masters = [k for k in _tensors(workdir / name) if k.endswith(".master_weight")]
+        assert md["version"] == 4 and masters, (name, md["version"])
+        assert sorted(md["derived"]) == sorted(k[: -len(".master_weight")] for k in masters), name

@@ -24,29 +24,29 @@ from ..records import to_record
 logger = logging.getLogger(__name__)
 
 
-def _local_candidates(state_dict) -> tuple[list[str], list[str]]:
-    """``(candidates, equal)``: the weight keys of this rank that could be derived, and those whose shard is its
-    master cast exactly."""
+def _local_candidates(state_dict) -> tuple[list[tuple[str, str]], list[str]]:
+    """``(equal, other)``: this rank's weight keys (and dtypes) whose shard is exactly its master's cast, its other
+    bf16/fp16 tensor keys (a rank whose shard of a weight is not derivable keeps it stored on every rank: a key
+    is never stored in part)."""
     if not isinstance(state_dict, dict):
         return [], []  # (the save's own validation names it)
-    candidates, equal = [], []
-    for mkey, mval in state_dict.items():
-        if not isinstance(mkey, str) or not mkey.endswith(derived.MASTER_SUFFIX):
+    equal, other = [], []
+    for wkey, wval in state_dict.items():
+        w = to_record(wkey, wval) if isinstance(wkey, str) else None
+        if w is None or w.dtype not in derived.CAST_DTYPES:
             continue
-        wkey = mkey[: -len(derived.MASTER_SUFFIX)]
-        if wkey not in state_dict:
+        mkey = wkey + derived.MASTER_SUFFIX
+        m = to_record(mkey, state_dict[mkey]) if mkey in state_dict else None
+        if m is None or m.dtype != derived.SOURCE_DTYPE or w.region != m.region or w.replicated != m.replicated:
+            other.append(wkey)
             continue
-        w, m = to_record(wkey, state_dict[wkey]), to_record(mkey, mval)
-        if w is None or m is None or w.replicated != m.replicated:
-            continue
-        if w.dtype not in derived.CAST_DTYPES or m.dtype != derived.SOURCE_DTYPE or w.region != m.region:
-            continue
-        candidates.append(wkey)
         wraw, _keep_w = raw_view(w.tensor)
         mraw, _keep_m = raw_view(m.tensor)
         if derived.equals_cast(wraw.view("uint16"), mraw.view("float32"), w.dtype):
-            equal.append(wkey)
-    return candidates, equal
+            equal.append((wkey, w.dtype))
+        else:
+            other.append(wkey)
+    return equal, other
 
 
 def plan_derived(req, comm):
@@ -61,20 +61,14 @@ def plan_derived(req, comm):
     except Exception as e:  # noqa: BLE001 - reported to every rank (a bad record is the save's own error)
         err = stage_error(e, f"save to {req.path} failed", comm.rank, SaveFailedError)
     gathered = gather_errors(comm, err, payload)
-    agreed = set(gathered[0][1]) if gathered else set()
-    for candidates, equal in gathered:
-        agreed &= set(equal)
-        agreed &= set(candidates)
-    kept = sorted(set(gathered[0][0]) - agreed) if gathered else []
+    dtypes = {k: d for equal, _o in gathered for k, d in equal}
+    agreed = set(dtypes) - {k for _e, other in gathered for k in other}
+    kept = sorted(set(dtypes) - agreed)
     if kept:
-        logger.info(
-            "save to %s: %d weights differ from their master weight cast; stored: %s", req.path, len(kept), kept[:5]
-        )
+        logger.info("save to %s: %d weights not derivable on every rank, stored: %s", req.path, len(kept), kept[:5])
     if not agreed:
         return req, {}
     state = {k: v for k, v in req.state_dict.items() if k not in agreed}
     deferred = None if req.deferred_keys is None else [k for k in req.deferred_keys if k not in agreed]
-    field = derived.to_field(
-        {k: derived.Derived(k, k + derived.MASTER_SUFFIX, to_record(k, req.state_dict[k]).dtype) for k in agreed}
-    )
+    field = derived.to_field({k: derived.Derived(k, k + derived.MASTER_SUFFIX, dtypes[k]) for k in agreed})
     return replace(req, state_dict=state, deferred_keys=deferred), field

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import CorruptCheckpointError
+from ..format.derived import cast_bits
 from ..format.metadata import numel, storage_dtype
 from ..format.strict_json import open_regular
 from .errors import StockIncompleteCheckpointError
@@ -36,6 +37,12 @@ class PieceData:
     def read(self, key: str, piece: Piece) -> np.ndarray:
         """The piece's elements, 1-D, in storage order, as the key's storage type."""
         dtype = self.index.tensors[key].dtype
+        stored = self.index.derived_from.get(key)
+        if stored is not None:  # our format 4's derived weight: its master's elements, cast round to nearest even
+            return cast_bits(self._read(key, piece, stored), dtype).view(storage_dtype(dtype))
+        return self._read(key, piece, dtype)
+
+    def _read(self, key: str, piece: Piece, dtype: str) -> np.ndarray:
         st = storage_dtype(dtype)
         path = os.path.join(self.index.root, piece.file)
         if piece.byte_offset is not None:
@@ -73,7 +80,8 @@ class PieceData:
         if piece.byte_offset is None:  # a .distcp piece: its file is unpickled whole (bounded by the file's size)
             arr = self.read(key, piece)
             return arr.nbytes
-        nbytes = piece.numel * storage_dtype(self.index.tensors[key].dtype).itemsize
+        stored = self.index.derived_from.get(key, self.index.tensors[key].dtype)  # (a derived weight: its master's)
+        nbytes = piece.numel * storage_dtype(stored).itemsize
         path = os.path.join(self.index.root, piece.file)
         fd = open_regular(path)
         try:

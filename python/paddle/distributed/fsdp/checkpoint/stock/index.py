@@ -58,6 +58,8 @@ class PieceIndex:
     kind: str  # "stock" | "hf" | "fork"
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
     unique_id: int | None = None
+    # our format 4's derived weights: key -> the stored dtype of its pieces (its master's), cast when read
+    derived_from: dict[str, str] = field(default_factory=dict)
 
     def files(self) -> set[str]:
         return {p.file for t in self.tensors.values() for p in t.pieces}
@@ -228,7 +230,11 @@ def index_fork(root: str) -> PieceIndex:
 
     md = read_metadata(root)
     idx = PieceIndex(root=md_root(root), kind="fork")
-    for key, tm in md.tensors.items():
+    for key, d in md.derived.items():  # format 4: a derived weight reads its master's pieces (boxes.py casts)
+        idx.derived_from[key] = md.tensors[d.source].dtype
+    for key in [*md.tensors, *md.derived]:
+        tm = md.tensors[md.derived[key].source if key in md.derived else key]
+        dtype = md.derived[key].dtype if key in md.derived else tm.dtype
         pieces = [
             Piece(
                 p.file,
@@ -240,7 +246,7 @@ def index_fork(root: str) -> PieceIndex:
             )
             for p in tm.pieces
         ]
-        idx.tensors[key] = TensorEntry(tm.dtype, tuple(tm.shape), pieces)
+        idx.tensors[key] = TensorEntry(dtype, tuple(tm.shape), pieces)
     return idx
 
 

@@ -1,0 +1,331 @@
+"""Derived weights (issue #52, format 4's ``"derived"``): a bf16 weight equal to its fp32 master weight cast is not
+stored, and every door reads it back bit-exactly; anything else keeps it stored; crafted ``"derived"`` fields are
+named MetadataErrors with bounded memory. In one process (the multi-rank resume and reshard: test_master_weights).
+
+Every check compares with a checkpoint of the same state saved with ``derive_weights=False`` (format 3, every
+weight stored) or with the saved tensors themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+import paddle.distributed.fsdp.checkpoint as ck
+import pytest
+import safetensors.numpy as stnp
+from crafted import reseal
+from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+from paddle.distributed.fsdp.checkpoint.errors import (
+    CheckpointEnvError,
+    CheckpointError,
+    DerivedKeyError,
+    MetadataError,
+)
+from paddle.distributed.fsdp.checkpoint.format import derived
+from paddle.distributed.fsdp.checkpoint.format.versions import EXTENDED_VERSION, WRITE_VERSION, write_version
+from paddle.distributed.fsdp.tools.cli import main as cli_main
+from test_checkpoint_fuzz import _mutate_json
+
+SHAPES = {"embed.weight": (48, 16), "blocks.0.w": (16, 32), "blocks.0.b": (32,), "head.weight": (32, 40)}
+NOT_CAST = "blocks.0.b"  # its weight is NOT its master cast (nudged by one ulp): stays stored
+
+
+def _bits(t) -> np.ndarray:
+    t = t.local_tensor if isinstance(t, ShardedWeight) else t
+    return t.view("uint16").numpy() if t.dtype in (paddle.bfloat16, paddle.float16) else t.numpy()
+
+
+def _state(seed: int = 0) -> dict:
+    """An FSDP-like state: each weight a flattened ShardedWeight (bf16), its master, two moments, a step."""
+    rng = np.random.default_rng(seed)
+    out: dict = {"step": 7}
+    for key, shape in SHAPES.items():
+        n = int(np.prod(shape))
+        master = rng.standard_normal(n).astype(np.float32)
+        bits = derived.cast_bits(master, "bfloat16")
+        if key == NOT_CAST:
+            bits = bits.copy()
+            bits[3] ^= 1
+
+        def sw(k, t, shape=shape, n=n):
+            return ShardedWeight(k, t, shape, shape, (0,) * len(shape), True, slice(0, n))
+
+        out[key] = sw(key, paddle.to_tensor(bits))  # (uint16 numpy -> a bfloat16 tensor)
+        out[key + ".master_weight"] = sw(key + ".master_weight", paddle.to_tensor(master))
+        for m in ("moment1", "moment2"):
+            out[f"{key}.{m}"] = sw(f"{key}.{m}", paddle.to_tensor(rng.random(n).astype(np.float32)))
+    return out
+
+
+def _zeros_like(state: dict, keys=None, flat: tuple[int, int] | None = None) -> dict:
+    """Targets for ``keys`` of ``state`` (all: None), zeroed; ``flat``: only elements [a, b) of each."""
+    out = {}
+    for k in keys or state:
+        v = state[k]
+        if not isinstance(v, ShardedWeight):
+            out[k] = 0
+            continue
+        a, b = flat or (v.flattened_range.start, v.flattened_range.stop)
+        t = paddle.zeros([b - a], dtype=v.local_tensor.dtype)
+        out[k] = ShardedWeight(k, t, v.local_shape, v.global_shape, v.global_offset, True, slice(a, b))
+    return out
+
+
+def _assert_loaded(got: dict, want: dict, flat: tuple[int, int] | None = None) -> None:
+    for k, v in got.items():
+        if isinstance(v, ShardedWeight):
+            w = _bits(want[k])
+            w = w if flat is None else w[flat[0] : flat[1]]
+            assert np.array_equal(_bits(v), w), f"{k} differs"
+        else:
+            assert v == want[k], k
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("derived")
+    state = _state()
+    ck.save_state_dict(state, str(root / "derived"))
+    ck.save_state_dict(state, str(root / "raw"), options=ck.CheckpointOptions(derive_weights=False))
+    return root, state
+
+
+def _md(path: Path) -> dict:
+    return json.loads((path / "metadata.json").read_bytes())
+
+
+def _data_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def test_equal_weights_are_derived_and_the_rest_stored(saved):
+    root, _state_ = saved
+    md, raw = _md(root / "derived"), _md(root / "raw")
+    want = sorted(k for k in SHAPES if k != NOT_CAST)
+    assert md["version"] == EXTENDED_VERSION and sorted(md["derived"]) == want
+    assert raw["version"] == WRITE_VERSION == 3 and "derived" not in raw
+    for k in want:
+        assert md["derived"][k] == {"from": k + ".master_weight", "dtype": "bfloat16", "rounding": "nearest-even"}
+    saved_bytes = sum(2 * int(np.prod(SHAPES[k])) for k in want)
+    assert 0 <= _data_bytes(root / "raw") - _data_bytes(root / "derived") - saved_bytes < 1024  # (+ their headers)
+    assert NOT_CAST in ck.read_metadata(str(root / "derived")).tensors
+    assert write_version({"derived": {}}) == 3 and write_version({"derived": {"a": {}}}) == 4
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        {},
+        {"atomic": True},
+        {"max_host_bytes": 1},
+        {"options": ck.CheckpointOptions(in_place=False)},
+        {"atomic": True, "options": ck.CheckpointOptions(in_place=False)},
+    ],
+)
+@pytest.mark.parametrize("which", ["everything", "model-only", "window", "window-with-whole-masters"])
+def test_every_load_gets_the_derived_weights_bit_exact(saved, how, which):
+    """A resume (masters requested alike: cast from their targets), a model-only load (masters read under an
+    alias), and windows of every key (what a rank of another world size asks for), each memory-bounded, atomic
+    and staged."""
+    root, state = saved
+    keys = list(SHAPES) + ["step"] if which == "model-only" else None
+    flat = (5, 29) if which.startswith("window") else None
+    got = _zeros_like(state, keys, flat)
+    if which == "window-with-whole-masters":  # a master requested whole, its weight in part: read under an alias
+        for k in SHAPES:
+            got.update(_zeros_like(state, [k + ".master_weight"]))
+    report = ck.load_state_dict(got, str(root / "derived"), **how)
+    for k in list(got):
+        whole_master = which == "window-with-whole-masters" and k.endswith(".master_weight")
+        part = None if whole_master else flat
+        _assert_loaded({k: got[k]}, state, part)
+    assert sorted(report.loaded_keys) == sorted(got) and not report.missing_keys
+    assert not any(k.startswith("__fsdp__.derived") for k in report.unexpected_keys)
+
+
+def test_full_reads_tools_and_stock_hook_see_the_same_tensors(saved, tmp_path):
+    root, state = saved
+    a, b = ck.load_full_state_dict(str(root / "derived")), ck.load_full_state_dict(str(root / "raw"))
+    assert sorted(a) == sorted(b)
+    for k in a:
+        if k != "step":
+            assert a[k].dtype == b[k].dtype and np.array_equal(_bits(a[k]), _bits(b[k])), k
+    one = ck.load_full_state_dict(str(root / "derived"), keys=["head.weight"])
+    assert np.array_equal(_bits(one["head.weight"]).reshape(-1), _bits(state["head.weight"]))
+    # to-hf: the same files from both; diff: identical; verify: sound, naming the derived weights
+    for name in ("derived", "raw"):
+        assert cli_main(["to-hf", str(root / name), str(tmp_path / f"hf_{name}"), "--dtype", "float32"]) == 0
+    hf_a = stnp.load_file(str(next((tmp_path / "hf_derived").glob("*.safetensors"))))
+    hf_b = stnp.load_file(str(next((tmp_path / "hf_raw").glob("*.safetensors"))))
+    assert sorted(hf_a) == sorted(hf_b) == sorted(SHAPES)
+    assert all(np.array_equal(hf_a[k], hf_b[k]) for k in hf_a)
+    assert cli_main(["diff", str(root / "derived"), str(root / "raw")]) == 0
+    assert not ck.verify_checkpoint(str(root / "derived"))
+    # the stock hook's own reader of our checkpoints (aoa_config): a derived weight renamed and cast
+    got = {"renamed": paddle.zeros(list(SHAPES["head.weight"]), dtype="float32")}
+    dist.load_state_dict(
+        got, str(root / "derived"), aoa_config={"aoa_statements": ['head.weight -> renamed, dtype="float32"']}
+    )
+    want = (_bits(state["head.weight"]).astype(np.uint32) << 16).view(np.float32).reshape(SHAPES["head.weight"])
+    assert np.array_equal(got["renamed"].numpy(), want)
+
+
+def test_derive_off_by_option_and_environment(tmp_path, monkeypatch):
+    state = _state(1)
+    monkeypatch.setenv("PADDLE_FSDP_CKPT_DERIVE_WEIGHTS", "off")
+    ck.save_state_dict(state, str(tmp_path / "env_off"))
+    assert _md(tmp_path / "env_off")["version"] == 3
+    monkeypatch.setenv("PADDLE_FSDP_CKPT_DERIVE_WEIGHTS", "maybe")
+    with pytest.raises(CheckpointEnvError, match="PADDLE_FSDP_CKPT_DERIVE_WEIGHTS"):
+        ck.save_state_dict(state, str(tmp_path / "bad"))
+    monkeypatch.setenv("PADDLE_FSDP_CKPT_DERIVE_WEIGHTS", "YES")
+    ck.save_state_dict(state, str(tmp_path / "env_on"))
+    assert _md(tmp_path / "env_on")["version"] == 4
+    no_masters = {k: v for k, v in state.items() if not k.endswith(".master_weight")}
+    ck.save_state_dict(no_masters, str(tmp_path / "plain"))
+    assert _md(tmp_path / "plain")["version"] == 3  # nothing derived: format 3, readable by older builds
+
+
+def test_a_failed_load_leaves_derived_targets_untouched(saved, tmp_path):
+    """The master's bytes damaged: the load fails with a named error, and the derived weight (cast only after
+    the load committed on every rank) keeps what it held."""
+    import shutil
+
+    root, state = saved
+    bad = tmp_path / "bad"
+    shutil.copytree(root / "derived", bad)
+    data = bad / "0_0.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0xFF  # the last piece written: a master or a moment of the last key
+    data.write_bytes(bytes(raw))
+    got = _zeros_like(state, list(SHAPES))
+    for k in got:
+        got[k].local_tensor.set_value(paddle.full(got[k].local_tensor.shape, 1.5, "float32").astype("bfloat16"))
+    with pytest.raises(CheckpointError):
+        ck.load_full_state_dict(str(bad))  # (every byte: the damage is found)
+    with pytest.raises(CheckpointError):
+        ck.load_state_dict(got, str(bad), atomic=True)
+    assert all((_bits(v) == 0x3FC0).all() for v in got.values()), "a target changed by a failed load"
+
+
+CRAFTED = {
+    "unknown source": {"embed.weight": {"from": "nope", "dtype": "bfloat16", "rounding": "nearest-even"}},
+    "source not float32": {"x": {"from": NOT_CAST, "dtype": "bfloat16", "rounding": "nearest-even"}},
+    "derived as float32": {"x": {"from": "head.weight.moment1", "dtype": "float32", "rounding": "nearest-even"}},
+    "key also stored": {
+        NOT_CAST: {"from": "blocks.0.b.master_weight", "dtype": "bfloat16", "rounding": "nearest-even"}
+    },
+    "key also a value": {"step": {"from": "blocks.0.b.master_weight", "dtype": "bfloat16", "rounding": "nearest-even"}},
+    "cycle": {
+        "p": {"from": "q", "dtype": "bfloat16", "rounding": "nearest-even"},
+        "q": {"from": "p", "dtype": "bfloat16", "rounding": "nearest-even"},
+    },
+    "chain": {
+        "p": {"from": "embed.weight", "dtype": "bfloat16", "rounding": "nearest-even"},
+    },
+    "one source twice": {
+        "p": {"from": "head.weight.moment1", "dtype": "bfloat16", "rounding": "nearest-even"},
+        "q": {"from": "head.weight.moment1", "dtype": "bfloat16", "rounding": "nearest-even"},
+    },
+    "huge shape": {
+        "p": {"from": "head.weight.moment1", "dtype": "bfloat16", "rounding": "nearest-even", "shape": [1 << 40]}
+    },
+    "other rounding": {"p": {"from": "head.weight.moment1", "dtype": "bfloat16", "rounding": "toward-zero"}},
+    "not an object": ["embed.weight"],
+    "entry not an object": {"p": "head.weight.master_weight"},
+    "a million entries": {
+        f"k{i}": {"from": "x", "dtype": "bfloat16", "rounding": "nearest-even"} for i in range(10**6)
+    },
+}
+
+
+def _crafted_copy(root: Path, tmp_path: Path, field) -> Path:
+    import shutil
+
+    path = tmp_path / "crafted"
+    shutil.copytree(root / "derived", path)
+    md = _md(path)
+    md["derived"] = field
+    reseal(path, json.dumps(md).encode())
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_crafted_derived_fields_are_named_metadata_errors(saved, tmp_path, case):
+    root, state = saved
+    path = _crafted_copy(root, tmp_path, CRAFTED[case])
+    tracemalloc.start()
+    try:
+        with pytest.raises(MetadataError, match="derived"):
+            ck.read_metadata(str(path))
+        _cur, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * len(json.dumps(CRAFTED[case])) + (8 << 20), peak  # bounded by the JSON read, nothing more
+    with pytest.raises(MetadataError):
+        ck.load_full_state_dict(str(path))
+    with pytest.raises(MetadataError):
+        ck.load_state_dict(_zeros_like(state, list(SHAPES)), str(path))
+    assert any("derived" in p for p in ck.verify_checkpoint(str(path)))
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_seeded_mutations_of_the_derived_field(saved, tmp_path, seed):
+    """Each round one structural edit of ``"derived"``: a load returns exactly the saved state or raises a named
+    CheckpointError (an edit may declare a consistent derivation, then what it loads is not compared)."""
+    root, state = saved
+    rnd = random.Random(seed)
+    pristine = _md(root / "derived")["derived"]
+    for i in range(60):
+        field = json.loads(json.dumps(pristine))
+        mutated = _mutate_json(field, rnd)
+        path = tmp_path / f"r{i}"
+        import shutil
+
+        shutil.copytree(root / "derived", path)
+        md_bytes = (path / "metadata.json").read_bytes()
+        text = md_bytes.decode()
+        cut = text.index('"derived":') + len('"derived":')
+        end = cut + len(json.dumps(pristine, separators=(",", ":")))
+        reseal(path, (text[:cut] + mutated.decode() + text[end:]).encode())
+        try:
+            got = _zeros_like(state, list(SHAPES))
+            ck.load_state_dict(got, str(path))
+        except CheckpointError:
+            continue
+        except Exception as e:  # noqa: BLE001
+            raise AssertionError(f"seed {seed} round {i}: {type(e).__name__}: {e} for {mutated[:300]!r}") from e
+        finally:
+            shutil.rmtree(path)
+
+
+def test_a_derived_key_without_its_master_is_named():
+    md = ck.format.metadata.CheckpointMetadata("id", 1)
+    md.derived = {"w": derived.Derived("w", "w.master_weight", "bfloat16")}
+    from paddle.distributed.fsdp.checkpoint.load.derive import source_of
+
+    with pytest.raises(DerivedKeyError, match="w.master_weight"):
+        source_of(md, "w")
+
+
+def test_cast_is_round_to_nearest_even_as_paddle_casts():
+    rng = np.random.default_rng(3)
+    x = np.concatenate(
+        [
+            rng.standard_normal(10000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 10000),
+            [0.0, -0.0, np.inf, -np.inf],
+        ]
+    ).astype(np.float32)
+    # halfway cases: ties go to the even neighbour
+    ties = (np.arange(0, 64, dtype=np.uint32) << 16 | 0x8000).view(np.float32) + np.float32(0)
+    x = np.concatenate([x, ties]).astype(np.float32)
+    ours = derived.cast_bits(x, "bfloat16")
+    theirs = paddle.to_tensor(x).astype("bfloat16").view("uint16").numpy()
+    assert np.array_equal(ours, theirs)
+    assert np.array_equal(derived.cast_bits(x, "float16"), x.astype(np.float16).view(np.uint16))
