@@ -5,6 +5,7 @@ Usage (one invocation measures everything on the same state)::
 
     python -m paddle.distributed.launch --nproc_per_node 2 tools/bench_ckpt.py --json bench.json
     python tools/bench_ckpt.py --world 2 --size-gib 1 --json bench.json     # launches itself
+    python tools/bench_ckpt.py --bytes --json bytes.json   # bytes per parameter per save mode (ckpt_bench/bytes.py)
 
 The state is a model of ``Linear(dim, dim)`` blocks sized so that parameters + AdamW moments come to
 ``--size-gib`` in all (fp32: 12 bytes per parameter), wrapped in ``FullyShardFusion`` (one FSDP unit per
@@ -145,6 +146,11 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--bytes"]:  # bytes per parameter per save mode (ckpt_bench/bytes.py; its own options follow)
+        from ckpt_bench import bytes as bytes_bench
+
+        sys.exit(bytes_bench.main(argv[1:]))
     args = parse_args(argv)
     if args.mode == "torch-worker":
         run_torch_worker(args)

@@ -102,6 +102,7 @@ def save_checkpoint(
     ema=None,
     lineage: Lineage | None = None,
     save_frozen: bool | None = None,
+    derive_weights: bool | None = None,
 ):
     """Save everything needed to resume bit-exactly. Collective: every rank of the group calls it.
 
@@ -118,7 +119,9 @@ def save_checkpoint(
     (state/stateful.py). ``ema``: a ShardedEMA (``fsdp.ema(coef)``, state/ema.py) saved with the weights.
     ``lineage``: the run this checkpoint belongs to (checkpoint/lineage.py), written in its commit record, which is
     what rotation and resume compare (None: with ``step``, the run of the root's ``latest``; else none). What a
-    checkpoint holds is decided in one place: state/resume_state.py.
+    checkpoint holds is decided in one place: state/resume_state.py. ``derive_weights`` (None: the options'
+    default, True): bf16/fp16 weights equal to their fp32 master weight cast are not stored, loads derive them
+    (issue #52; checkpoint/save/derive.py).
     """
     if str(format).lower() in HF_FORMAT_NAMES:
         raise ValueError(
@@ -136,7 +139,13 @@ def save_checkpoint(
     elif keep_last is not None:
         raise ValueError("keep_last needs step=: numbered checkpoints live in a root as step_<N> directories")
     state, per_rank, deferred, failed = _capture(objs, async_save)
-    save_options = dict(async_save=async_save, deferred_keys=deferred, per_rank_values=per_rank, options=options)
+    save_options = dict(
+        async_save=async_save,
+        deferred_keys=deferred,
+        per_rank_values=per_rank,
+        options=options,
+        derive_weights=derive_weights,
+    )
     # the engine's requests directly: this function's keywords are its door's (FullyShardFusion.save_checkpoint);
     # what the capture raised on this rank goes to the save's first exchange, which every rank raises alike
     if manager is not None:

@@ -70,6 +70,7 @@ def save_request(
     per_rank_values: Collection[str] = (),
     options: CheckpointOptions | None = None,
     caller_error: BaseException | None = None,
+    derive_weights: bool | None = None,
 ) -> SaveRequest:
     """The request of one save: options resolved (None: the environment, read now), ``path`` made a location and
     its backend resolved, each once; what fails is kept in the request (see the module docstring).
@@ -79,6 +80,8 @@ def save_request(
     storage = None
     try:
         opts = resolve(options)
+        if derive_weights is not None:  # the keyword wins over options / PADDLE_FSDP_CKPT_DERIVE_WEIGHTS
+            opts = opts.replace(derive_weights=bool(derive_weights))
     except CheckpointError as e:  # reported by the exchange, so every rank raises it
         opts, opts_error = CheckpointOptions(), e
     try:

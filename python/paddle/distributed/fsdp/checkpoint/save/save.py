@@ -151,6 +151,7 @@ def save_state_dict(
     deferred_keys: Collection[str] | None = None,
     per_rank_values: Collection[str] = (),
     options: CheckpointOptions | None = None,
+    derive_weights: bool | None = None,
     **unused_stock_kwargs,
 ) -> SaveHandle | None:
     """Save ``state_dict`` collectively into the checkpoint at ``path`` (see the module docstring).
@@ -163,6 +164,9 @@ def save_state_dict(
     data (no collective of their own).
     ``chunk_bytes``: bytes per checksummed chunk; None: ``planner.chunk_for`` (256 KiB, smaller for the small
     pieces of saves by hundreds of ranks, so that a resharded load reads little beyond its share).
+    ``derive_weights``: leave out each bf16/fp16 weight ``<k>`` that is exactly ``<k>.master_weight`` cast
+    (save/derive.py; loads derive it); None: ``options.derive_weights`` (default True,
+    ``PADDLE_FSDP_CKPT_DERIVE_WEIGHTS``).
     ``options`` (CheckpointOptions; None: ``CheckpointOptions.from_env()``, read now) sets the checksum
     algorithm, commit timeout, storage backend and tracing: every "how" of a save is there, not a keyword.
     Stock's keywords ``unique_id``, ``safetensors``, ``save_replicas`` are accepted and ignored (one version per
@@ -182,6 +186,7 @@ def save_state_dict(
             deferred_keys=deferred_keys,
             per_rank_values=per_rank_values,
             options=options,
+            derive_weights=derive_weights,
         )
     )
 
