@@ -14,7 +14,8 @@ The optimizer state is made by ``fsdp.init_optimizer_state`` and then given trai
 and moments from a seeded normal distribution (moment2 as squares), each bf16 parameter set to its master weight
 cast, as the multi-precision AdamW kernel's last step does (CPU paddle has no bf16 AdamW kernel to run).
 Each mode of ``MODES`` (``fsdp.save_checkpoint`` keywords: the helpers adding save modes extend it) saves the
-same state; the table gives every file of the checkpoint directory in bytes per parameter, by kind: the data
+same state (``--repeats`` times, each followed by a ``load_checkpoint`` of it: median seconds, warm page
+cache, noisy on a shared machine); the table gives every file of the checkpoint directory in bytes per parameter, by kind: the data
 of model weights, master weights, moments (the safetensors data files, by their pieces' keys), the data files'
 headers and checksum sidecars, the index (metadata.json, index.*, <rank>.values, 0.metadata, COMMIT).
 """
@@ -26,8 +27,10 @@ import json
 import logging
 import os
 import shutil
+import statistics
 import sys
 import tempfile
+import time
 
 LOG = logging.getLogger("bench_bytes")
 
@@ -51,6 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one, removed)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--seed", type=int, default=2024)
+    p.add_argument("--repeats", type=int, default=3, help="saves and loads per mode; medians (default 3)")
     return p.parse_args(argv)
 
 
@@ -142,8 +146,17 @@ def run(args) -> dict:
             for mode in args.modes.split(","):
                 path = os.path.join(work, f"{kind.replace('+', '_')}_{mode}")
                 shutil.rmtree(path, ignore_errors=True)
-                fsdp.save_checkpoint(path, optimizer=opt, **MODES[mode])
-                results[f"{kind}/{mode}"] = {"params": n, **measure(path, n)}
+                saves, loads = [], []
+                for _ in range(args.repeats):
+                    shutil.rmtree(path, ignore_errors=True)
+                    t0 = time.perf_counter()
+                    fsdp.save_checkpoint(path, optimizer=opt, **MODES[mode])
+                    t1 = time.perf_counter()
+                    fsdp.load_checkpoint(path, optimizer=opt)  # (warm page cache: the engine's own cost)
+                    saves.append(t1 - t0)
+                    loads.append(time.perf_counter() - t1)
+                timing = {"save_s": statistics.median(saves), "load_s": statistics.median(loads)}
+                results[f"{kind}/{mode}"] = {"params": n, **measure(path, n), **timing}
                 LOG.info("%s %s: %.3f bytes/param", kind, mode, results[f"{kind}/{mode}"]["total"])
     finally:
         if args.dir is None:
@@ -153,10 +166,11 @@ def run(args) -> dict:
 
 def table(results: dict) -> str:
     cols = ["weights", "master", "moments", "other", "headers+sums", "index", "total"]
-    lines = ["| model / mode | params | format | " + " | ".join(cols) + " |", "|---" * (len(cols) + 3) + "|"]
+    head = "| model / mode | params | format | " + " | ".join(cols) + " | save s | load s |"
+    lines = [head, "|---" * (len(cols) + 5) + "|"]
     for name, r in results.items():
         cells = " | ".join(f"{r[c]:.3f}" for c in cols)
-        lines.append(f"| {name} | {r['params']:,} | {r['format']} | {cells} |")
+        lines.append(f"| {name} | {r['params']:,} | {r['format']} | {cells} | {r['save_s']:.3f} | {r['load_s']:.3f} |")
     return "\n".join(lines)
 
 

@@ -12,7 +12,10 @@ MetadataError naming the entry, before anything is allocated.
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,7 +77,19 @@ def equals_cast(weight_bits: np.ndarray, master: np.ndarray, dtype: str) -> bool
     m = master.reshape(-1).view(np.float32)
     if w.size != m.size:
         return False
-    return all(np.array_equal(w[i : i + _BLOCK], cast_bits(m[i : i + _BLOCK], dtype)) for i in range(0, m.size, _BLOCK))
+
+    def block(i: int) -> bool:
+        return np.array_equal(w[i : i + _BLOCK], cast_bits(m[i : i + _BLOCK], dtype))
+
+    starts = range(0, m.size, _BLOCK)
+    if len(starts) < 4:
+        return all(map(block, starts))
+    return all(_pool().map(block, starts))  # numpy releases the GIL: the check scales with the cores
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1), thread_name_prefix="derive-check")
 
 
 def parse_field(raw, tensors, values, where: str) -> dict[str, Derived]:
