@@ -166,14 +166,15 @@ def test_format2_damage_is_named(saved_v2):
 
 
 def test_one_registry_names_every_version_and_the_one_written(tmp_path):
-    """format/versions.py registers formats 1, 2 and 3 (each with its reader); a save, the converter and the
-    fixtures agree with it: a new checkpoint declares WRITE_VERSION (3), the fixtures their own versions."""
+    """format/versions.py registers formats 1 to 4 (each with its reader); a save, the converter and the
+    fixtures agree with it: a new checkpoint without format 4's fields declares WRITE_VERSION (3), the fixtures
+    their own versions (format 4, derived weights: test_derived_weights.py)."""
     import paddle
     from paddle.distributed.fsdp.checkpoint import save_state_dict
     from paddle.distributed.fsdp.checkpoint.convert import convert_to_format2, convert_to_format3
     from paddle.distributed.fsdp.checkpoint.format import versions
 
-    assert sorted(versions.FORMATS) == [1, 2, 3]
+    assert sorted(versions.FORMATS) == [1, 2, 3, 4] and versions.EXTENDED_VERSION == 4
     assert versions.WRITE_VERSION == versions.RANK_VALUES_VERSION == 3
     assert (versions.SINGLE_FILE_VERSION, versions.INDEXED_VERSION) == (1, 2)
     assert all(v.version == n and callable(v.read) for n, v in versions.FORMATS.items())
