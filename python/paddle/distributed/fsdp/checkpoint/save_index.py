@@ -17,7 +17,7 @@ from .errors import SaveFailedError
 from .format.index import PIECE_ROW, chunk_count, encode, keys_blob
 from .format.metadata import DTYPES, numel, rank_file_name
 from .format.row_directory import NO_START, fences_of
-from .format.versions import WRITE_VERSION
+from .format.versions import write_version
 
 
 def _columns(keys, dtypes, shapes, pieces, files, boxes, names) -> dict:
@@ -132,4 +132,4 @@ def index_objects(cols: dict, header: dict, reported: dict[int, dict], with_sums
         rows["key"], rows["file"], rows["box"] = a[:, 0], a[:, 1], a[:, 2]
         rows["offset"] = a[:, 3] + head[a[:, 1]]
         rows["nbytes"], rows["flat_a"], rows["flat_b"], rows["sums"] = a[:, 4], a[:, 5], a[:, 6], a[:, 7]
-    return encode(header, cols["keys_blob"], files, rows, cols["starts"], cols["fences"], WRITE_VERSION)
+    return encode(header, cols["keys_blob"], files, rows, cols["starts"], cols["fences"], write_version(header))

@@ -22,7 +22,10 @@ from .strict_json import loads_strict
 SINGLE_FILE_VERSION = 1  # format 1: metadata.json holds every piece and its chunk checksums
 INDEXED_VERSION = 2  # format 2: index objects and checksum sidecars; per-rank values as lists in "values"
 RANK_VALUES_VERSION = 3  # format 3: format 2 with per-rank values in objects of their own
-WRITE_VERSION = RANK_VALUES_VERSION  # what saves, the tools and the converter write
+EXTENDED_VERSION = 4  # format 4: format 3 plus optional top-level metadata.json fields (EXTENDED_FIELDS)
+WRITE_VERSION = RANK_VALUES_VERSION  # what saves, the tools and the converter write when they use no such field
+#: the optional fields of format 4 (a save that uses one writes version 4; readers of 3 refuse 4 by its number)
+EXTENDED_FIELDS = frozenset({"codecs"})  # "codecs": {data file: codec name} (format/codecs.py)
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,18 @@ FORMATS: dict[int, FormatVersion] = {
     RANK_VALUES_VERSION: FormatVersion(
         RANK_VALUES_VERSION, "format 2 + index.ranks and <rank>.values (rank_values.py)", open_indexed
     ),
+    EXTENDED_VERSION: FormatVersion(
+        EXTENDED_VERSION,
+        "format 3 + optional fields: codecs (stored files and their <file>.chunks tables, codecs.py)",
+        open_indexed,
+    ),
 }
+
+
+def write_version(fields) -> int:
+    """The version a save writes: 4 when its metadata.json uses a field of format 4 (``EXTENDED_FIELDS``), else 3
+    (so that builds that read only 3 keep reading what does not need more)."""
+    return EXTENDED_VERSION if EXTENDED_FIELDS & {k for k in fields if fields[k]} else WRITE_VERSION
 
 # metadata.json fields schema.py types and bounds value by value (strict_json.loads_strict skips its generic walk)
 _SCHEMA_TYPED = frozenset({"files", "tensors"})

@@ -33,7 +33,8 @@ from ..errors import SaveFailedError
 from ..format import rank_values as per_rank
 from ..format.commit import commit_record
 from ..format.index import pack_sums, sums_name
-from ..format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, PARTS_DIR, CheckpointMetadata, FileMeta
+from ..encoded_write import RAW, write_encoded
+from ..format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, PARTS_DIR, CheckpointMetadata, FileMeta, itemsize
 from ..gc_pause import gc_paused
 from ..io.storage import Storage
 from ..options import CheckpointOptions
@@ -93,6 +94,7 @@ class SaveJob:
     release: Any = None  # async save: gives the snapshot arena back (called once the data object is written)
     snapshot: Any = None  # async save: the Snapshot whose deferred copies run first in the background thread
     plan: Any = None  # the SavePlan; laid out by run() (an async save's caller does not wait for it)
+    codec: str = "raw"  # chunk codec of the data files (encoded_write.resolve_codec), the same on every rank
 
     def _written(self) -> None:
         self.arrays = self.keepalive = []  # release snapshot memory early
@@ -188,15 +190,30 @@ class SaveJob:
         layout = self.plan.files[self.rank]
         try:
             digest = None if self.checksum == checksums.NONE else checksums.digest_function(self.checksum)
-            size, sums = self.storage.write_object(
-                self.staging,
-                name,
-                layout.header,
-                self.arrays,
-                self.chunk_bytes,
-                digest,
-                should_stop=self._peer_failure,
-            )
+            if self.codec != RAW:  # a stored file and its chunk table (encoded_write.py)
+                size, sums = write_encoded(
+                    self.storage,
+                    self.staging,
+                    name,
+                    layout.header,
+                    self.arrays,
+                    [itemsize(self.plan.tensors[k].dtype) for k, _p in layout.pieces],
+                    self.chunk_bytes,
+                    digest,
+                    self.codec,
+                    self.options.codec_threads,
+                    should_stop=self._peer_failure,
+                )
+            else:
+                size, sums = self.storage.write_object(
+                    self.staging,
+                    name,
+                    layout.header,
+                    self.arrays,
+                    self.chunk_bytes,
+                    digest,
+                    should_stop=self._peer_failure,
+                )
         finally:
             self._written()
         tr.mark("write+fsync")
@@ -346,6 +363,8 @@ class SaveJob:
                 ) from None
             header["rank_values"] = (list(self.per_rank_keys), table)
         cols = assignment_columns(self.assignment, self.chunk_bytes)
+        if self.codec != RAW:  # every data file is stored through the codec (format 4)
+            header["codecs"] = {name: self.codec for name, _len, _n in cols["files"]}
         return index_objects(cols, header, status, self.checksum != checksums.NONE)
 
     def _stock_view(self) -> CheckpointMetadata:

@@ -1,0 +1,110 @@
+"""Reads of a stored (compressed) data file: the decoded bytes ``[offset, offset + len(buf))`` of the raw file it
+stands for, through its chunk table (format/codecs.py).
+
+Why at the FileSet level: every reader (in-place, bounded, resharding, streamed, the tools) already reads whole
+checksum chunks of raw files through ``FileSet.pread_into`` / ``pread_span``; a stored file answers the same calls,
+so each of them decodes exactly the chunks it would have read, and nothing else changes. Each stored chunk is
+checked against its checksum before it is decoded, and decoded into the caller's buffer (or a one-chunk bounce
+buffer at a partial end), never into more than its declared size. The decodes of one read run on the checksum
+helper pool (zstd releases the GIL), so they scale with ``checksum_threads``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .errors import CorruptCheckpointError
+from .format.codecs import decode_chunk
+from .reader import FileSet, pread_full
+
+STORED_BATCH = 16 << 20  # stored bytes fetched per read call (then decoded chunk by chunk)
+_pools: dict[int, object] = {}
+_pool_lock = threading.Lock()
+
+
+def _decode_pool(threads: int):
+    """Shared decode pool of ``threads`` workers (None: decode on the reading thread). Not the checksum pool: a
+    read may run while that pool's threads wait on it."""
+    if threads <= 0:
+        return None
+    with _pool_lock:
+        pool = _pools.get(threads)
+        if pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = _pools[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-decode")
+        return pool
+
+
+def _stored(files: FileSet, name: str, offset: int, n: int) -> np.ndarray:
+    buf = np.empty(n, np.uint8)
+    h = files.handle(name)
+    get = getattr(h, "fileno", None)
+    fd = get() if get is not None else None
+    done = pread_full(fd, buf, offset) if fd is not None else h.read_into(offset, buf)
+    if done < n:
+        raise CorruptCheckpointError(
+            f"checkpoint {files.root}: stored data file {name} ends at byte {offset + done}, expected {offset + n}"
+        )
+    return buf
+
+
+def _decode_row(files: FileSet, name: str, t, i: int, stored: memoryview, out: memoryview) -> None:
+    row = t.rows[i]
+
+    def where() -> str:
+        return f"checkpoint {files.root}: data file {name} stored chunk {i} (decoded bytes {int(row['doff'])}..)"
+
+    if files.digest is not None and files.digest(stored) != int(row["sum"]):
+        raise CorruptCheckpointError(f"{where()}: checksum mismatch")
+    decode_chunk(int(row["codec"]), int(row["width"]), stored, out, where)
+
+
+def read_decoded(files: FileSet, name: str, buf, offset: int) -> int:
+    """Fill ``buf`` with decoded bytes of ``name`` from ``offset``; returns the stored bytes read."""
+    out = memoryview(buf).cast("B")
+    n = len(out)
+    if n == 0:
+        return 0
+    t = files.table(name)
+    i0, i1 = t.span(offset, n)
+    pool = _decode_pool(files.checksum_threads)
+    read = 0
+    i = i0
+    while i < i1:
+        j = i + 1  # rows [i, j): one read of at most STORED_BATCH stored bytes (at least one row)
+        while j < i1 and t.soff[j] + t.slen[j] - t.soff[i] <= STORED_BATCH:
+            j += 1
+        s0 = int(t.soff[i])
+        stored = memoryview(_stored(files, name, s0, int(t.soff[j - 1] + t.slen[j - 1]) - s0))
+        read += len(stored)
+        jobs = []
+        for r in range(i, j):
+            d0, dl = int(t.doff[r]), int(t.dlen[r])
+            src = stored[int(t.soff[r]) - s0 : int(t.soff[r] + t.slen[r]) - s0]
+            lo, hi = max(d0, offset), min(d0 + dl, offset + n)
+            if lo == d0 and hi == d0 + dl:  # the whole chunk is wanted: decoded in place
+                jobs.append((r, src, out[d0 - offset : d0 + dl - offset], None))
+            else:
+                tmp = memoryview(np.empty(dl, np.uint8))
+                jobs.append((r, src, tmp, (lo, hi, d0)))
+        if pool is None or len(jobs) == 1:
+            for r, src, dst, _part in jobs:
+                _decode_row(files, name, t, r, src, dst)
+        else:
+            futs = [pool.submit(_decode_row, files, name, t, r, src, dst) for r, src, dst, _part in jobs]
+            first = None
+            for f in futs:  # all of them waited for: no helper writes into ``buf`` after we return
+                e = f.exception()
+                if e is not None and first is None:
+                    first = e
+            if first is not None:
+                raise first
+        for _r, _src, tmp, part in jobs:
+            if part is not None:
+                lo, hi, d0 = part
+                out[lo - offset : hi - offset] = tmp[lo - d0 : hi - d0]
+        i = j
+    return read
