@@ -58,7 +58,10 @@ def test_compressed_checkpoint_on_disk_one_process_and_verify(runs):
     assert_case_ok(saves[2], "save", 2)
     raw, zst, env = (Path(workdir) / f"n2-{c}" for c in ("raw", "zstd", "env"))
     mz = json.loads((zst / "metadata.json").read_bytes())
-    assert mz["version"] == 4 and mz["codecs"] == {"0_0.safetensors": "byteplane-zstd", "1_0.safetensors": "byteplane-zstd"}
+    assert mz["version"] == 4 and mz["codecs"] == {
+        "0_0.safetensors": "byteplane-zstd",
+        "1_0.safetensors": "byteplane-zstd",
+    }
     assert json.loads((raw / "metadata.json").read_bytes())["version"] == 3  # raw saves stay format 3
     assert json.loads((env / "metadata.json").read_bytes())["codecs"] == mz["codecs"]  # PADDLE_FSDP_CKPT_CODEC
     assert not (zst / "0.metadata").exists() and (raw / "0.metadata").exists()

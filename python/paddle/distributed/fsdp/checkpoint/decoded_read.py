@@ -17,7 +17,6 @@ import numpy as np
 
 from .errors import CorruptCheckpointError
 from .format.codecs import decode_chunk
-from .reader import FileSet, pread_full
 
 STORED_BATCH = 16 << 20  # stored bytes fetched per read call (then decoded chunk by chunk)
 _pools: dict[int, object] = {}
@@ -38,12 +37,9 @@ def _decode_pool(threads: int):
         return pool
 
 
-def _stored(files: FileSet, name: str, offset: int, n: int) -> np.ndarray:
+def _stored(files, name: str, offset: int, n: int) -> np.ndarray:
     buf = np.empty(n, np.uint8)
-    h = files.handle(name)
-    get = getattr(h, "fileno", None)
-    fd = get() if get is not None else None
-    done = pread_full(fd, buf, offset) if fd is not None else h.read_into(offset, buf)
+    done = files.handle(name).read_into(offset, buf)
     if done < n:
         raise CorruptCheckpointError(
             f"checkpoint {files.root}: stored data file {name} ends at byte {offset + done}, expected {offset + n}"
@@ -51,7 +47,7 @@ def _stored(files: FileSet, name: str, offset: int, n: int) -> np.ndarray:
     return buf
 
 
-def _decode_row(files: FileSet, name: str, t, i: int, stored: memoryview, out: memoryview) -> None:
+def _decode_row(files, name: str, t, i: int, stored: memoryview, out: memoryview) -> None:
     row = t.rows[i]
 
     def where() -> str:
@@ -62,8 +58,9 @@ def _decode_row(files: FileSet, name: str, t, i: int, stored: memoryview, out: m
     decode_chunk(int(row["codec"]), int(row["width"]), stored, out, where)
 
 
-def read_decoded(files: FileSet, name: str, buf, offset: int) -> int:
-    """Fill ``buf`` with decoded bytes of ``name`` from ``offset``; returns the stored bytes read."""
+def read_decoded(files, name: str, buf, offset: int) -> int:
+    """Fill ``buf`` with decoded bytes of ``name`` from ``offset`` (``files``: the reader.FileSet asking); returns
+    the stored bytes read."""
     out = memoryview(buf).cast("B")
     n = len(out)
     if n == 0:

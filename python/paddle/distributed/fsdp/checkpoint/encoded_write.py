@@ -23,6 +23,7 @@ import numpy as np
 
 from .checksums import DigestFn
 from .format.codecs import BYTEPLANE_ZSTD, RAW, TABLE_ROW, codec_named, table_name
+from .format.metadata import itemsize
 from .io.storage import Storage
 
 AUTO = "auto"
@@ -66,7 +67,8 @@ def write_encoded(
     as the stored file ``name`` and its chunk table; returns what ``write_object`` would for the raw file: its
     (decoded) size and each piece's chunk checksums, here of the stored chunks."""
     encode = codec_named(codec).encode
-    pool = ThreadPoolExecutor(max_workers=max(1, threads or default_threads()), thread_name_prefix="ckpt-encode")
+    n_threads = max(1, threads or default_threads())
+    pool = ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="ckpt-encode")
     rows: list[tuple] = []
     sums: list[list[int]] = []
     state = {"dpos": 0, "spos": 0}
@@ -84,28 +86,14 @@ def write_encoded(
             add_row(len(part), len(part), 0, 1, digest(part) if digest is not None else 0)
             batch.append(np.frombuffer(part, np.uint8))
             size += len(part)
-        ahead = 2 * pool._max_workers + 2
+        ahead = 2 * n_threads + 2
         for arr, width in zip(pieces, widths):
             owner = None
             if callable(arr):
                 arr, owner = arr()
             mv = memoryview(arr).cast("B")
             piece_sums: list[int] = []
-            inflight: deque = deque()
-            starts = iter(range(0, len(mv), chunk_bytes))
-
-            def submit_next() -> None:
-                c = next(starts, None)
-                if c is not None:
-                    chunk = mv[c : c + chunk_bytes]
-                    inflight.append((len(chunk), pool.submit(_encode_chunk, encode, chunk, width, digest)))
-
-            for _ in range(ahead):
-                submit_next()
-            while inflight:
-                dlen, fut = inflight.popleft()
-                stored, cid, s = fut.result()
-                submit_next()
+            for dlen, stored, cid, s in _encoded(pool, encode, mv, width, chunk_bytes, digest, ahead):
                 add_row(len(stored), dlen, cid, width if cid else 1, s)
                 piece_sums.append(s)
                 batch.append(np.frombuffer(stored, np.uint8))
@@ -117,7 +105,7 @@ def write_encoded(
             if batch:  # the piece's memory is released once its stored bytes are handed on
                 yield _joined(batch)
                 batch, size = [], 0
-            arr = owner = mv = None
+            del arr, owner, mv
         if batch:
             yield _joined(batch)
 
@@ -128,6 +116,44 @@ def write_encoded(
     table = np.array(rows, dtype=TABLE_ROW) if rows else np.zeros(0, TABLE_ROW)
     storage.put(location, table_name(name), table.tobytes())
     return state["dpos"], sums
+
+
+def write_data_object(job, name: str, layout, digest: DigestFn | None) -> tuple[int, list[list[int]]]:
+    """The data object ``name`` of a save (``job``: its save.commit.SaveJob; ``layout``: its planner.FileLayout):
+    the backend's raw ``write_object``, or a stored file and its chunk table when the job's codec is not raw."""
+    if job.codec == RAW:
+        return job.storage.write_object(
+            job.staging, name, layout.header, job.arrays, job.chunk_bytes, digest, should_stop=job._peer_failure
+        )
+    widths = [itemsize(job.plan.tensors[k].dtype) for k, _p in layout.pieces]
+    return write_encoded(
+        job.storage,
+        job.staging,
+        name,
+        layout.header,
+        job.arrays,
+        widths,
+        job.chunk_bytes,
+        digest,
+        job.codec,
+        job.options.codec_threads,
+        job._peer_failure,
+    )
+
+
+def _encoded(pool, encode, mv: memoryview, width: int, chunk_bytes: int, digest, ahead: int):
+    """``(decoded length, stored bytes, codec id, checksum)`` of each chunk of ``mv`` in order, encoded on
+    ``pool`` at most ``ahead`` chunks ahead of the consumer."""
+    inflight: deque = deque()
+    for c in range(0, len(mv), chunk_bytes):
+        chunk = mv[c : c + chunk_bytes]
+        inflight.append((len(chunk), pool.submit(_encode_chunk, encode, chunk, width, digest)))
+        if len(inflight) >= ahead:
+            dlen, fut = inflight.popleft()
+            yield (dlen, *fut.result())
+    while inflight:
+        dlen, fut = inflight.popleft()
+        yield (dlen, *fut.result())
 
 
 def _joined(batch: list) -> np.ndarray:
@@ -144,4 +170,13 @@ class _Once:
         return self.gen
 
 
-__all__ = ["AUTO", "BYTEPLANE_ZSTD", "CHOICES", "RAW", "default_threads", "resolve_codec", "write_encoded"]
+__all__ = [
+    "AUTO",
+    "BYTEPLANE_ZSTD",
+    "CHOICES",
+    "RAW",
+    "default_threads",
+    "resolve_codec",
+    "write_data_object",
+    "write_encoded",
+]

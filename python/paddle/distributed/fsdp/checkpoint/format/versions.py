@@ -69,6 +69,7 @@ def write_version(fields) -> int:
     (so that builds that read only 3 keep reading what does not need more)."""
     return EXTENDED_VERSION if EXTENDED_FIELDS & {k for k in fields if fields[k]} else WRITE_VERSION
 
+
 # metadata.json fields schema.py types and bounds value by value (strict_json.loads_strict skips its generic walk)
 _SCHEMA_TYPED = frozenset({"files", "tensors"})
 

@@ -29,12 +29,12 @@ from typing import Any
 
 from .. import checksums
 from ..commit_record import commit_id
+from ..encoded_write import RAW, write_data_object
 from ..errors import SaveFailedError
 from ..format import rank_values as per_rank
 from ..format.commit import commit_record
 from ..format.index import pack_sums, sums_name
-from ..encoded_write import RAW, write_encoded
-from ..format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, PARTS_DIR, CheckpointMetadata, FileMeta, itemsize
+from ..format.metadata import COMMIT_FILE, LATEST_FILE, METADATA_FILE, PARTS_DIR, CheckpointMetadata, FileMeta
 from ..gc_pause import gc_paused
 from ..io.storage import Storage
 from ..options import CheckpointOptions
@@ -190,30 +190,7 @@ class SaveJob:
         layout = self.plan.files[self.rank]
         try:
             digest = None if self.checksum == checksums.NONE else checksums.digest_function(self.checksum)
-            if self.codec != RAW:  # a stored file and its chunk table (encoded_write.py)
-                size, sums = write_encoded(
-                    self.storage,
-                    self.staging,
-                    name,
-                    layout.header,
-                    self.arrays,
-                    [itemsize(self.plan.tensors[k].dtype) for k, _p in layout.pieces],
-                    self.chunk_bytes,
-                    digest,
-                    self.codec,
-                    self.options.codec_threads,
-                    should_stop=self._peer_failure,
-                )
-            else:
-                size, sums = self.storage.write_object(
-                    self.staging,
-                    name,
-                    layout.header,
-                    self.arrays,
-                    self.chunk_bytes,
-                    digest,
-                    should_stop=self._peer_failure,
-                )
+            size, sums = write_data_object(self, name, layout, digest)  # raw, or stored through the codec
         finally:
             self._written()
         tr.mark("write+fsync")
