@@ -73,6 +73,26 @@ def test_compressed_checkpoint_on_disk_one_process_and_verify(runs):
     assert ck.verify_checkpoint(str(zst)) == [] and ck.verify_checkpoint(str(workdir / "n2-small-zstd")) == []
 
 
+def test_tools_read_compressed_like_raw(runs, tmp_path):
+    """diff (raw vs compressed: identical, windowed) and to-hf (the same output bytes) through the decoding reader."""
+    from paddle.distributed.fsdp.tools.cli import main as cli_main
+
+    workdir, saves, _ = runs
+    assert_case_ok(saves[2], "save", 2)
+    raw, zst = Path(workdir) / "n2-small-raw", Path(workdir) / "n2-small-zstd"
+    assert cli_main(["diff", str(raw), str(zst), "--window", "4KB", "--no-progress"]) == 0
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps({"rename": []}))
+    outs = []
+    for src in (raw, zst):
+        out = tmp_path / f"hf-{src.name}"
+        assert (
+            cli_main(["to-hf", str(src), str(out), "--rules", str(rules), "--include-optimizer", "--no-progress"]) == 0
+        )
+        outs.append({p.name: p.read_bytes() for p in sorted(out.iterdir())})
+    assert outs[0] == outs[1] and any(n.endswith(".safetensors") for n in outs[0])
+
+
 def _save_pair(tmp_path: Path, chunk: int = 4096):
     rng = np.random.default_rng(3)
     w = (rng.standard_normal((300, 97)) * 0.02).astype(np.float32)
@@ -122,6 +142,16 @@ def test_windowed_reads_and_damage(tmp_path):
     assert ck.verify_checkpoint(str(bad))
     (bad / codecs.table_name("0_0.safetensors")).unlink()
     assert any("chunk table" in m for m in ck.verify_checkpoint(str(bad)))
+
+
+def test_chunks_that_split_elements(tmp_path):
+    """chunk_bytes not a multiple of the element sizes (1001): chunks fall back to one plane, still lossless."""
+    sd, paths = _save_pair(tmp_path, chunk=1001)
+    got = ck.load_full_state_dict(str(paths["zstd"]), list(sd))
+    for k in sd:
+        assert got[k].numpy().tobytes() == sd[k].numpy().tobytes(), k
+    assert set(_table(paths["zstd"])["width"].tolist()) <= {1, 2, 4, 8}
+    assert ck.verify_checkpoint(str(paths["zstd"])) == []
 
 
 def test_unknown_codec_name_is_named(tmp_path):

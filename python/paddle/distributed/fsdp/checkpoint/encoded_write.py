@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .checksums import DigestFn
-from .format.codecs import BYTEPLANE_ZSTD, RAW, TABLE_ROW, codec_named, table_name
+from .format.codecs import BYTEPLANE_ZSTD, RAW, TABLE_ROW, WIDTHS, codec_named, table_name
 from .format.metadata import itemsize
 from .io.storage import Storage
 
@@ -44,10 +44,14 @@ def resolve_codec(chosen: str, storage: Storage) -> str:
 
 
 def _encode_chunk(encode, chunk: memoryview, width: int, digest: DigestFn | None):
+    """``(stored bytes, codec id, checksum, width)`` of one chunk (raw, width 1, when encoding does not shrink it;
+    planes of 1 byte when the chunk is not a whole number of elements, e.g. an odd ``chunk_bytes``)."""
+    if width not in WIDTHS or len(chunk) % width:
+        width = 1
     stored = encode(chunk, width)
     if stored is None:
-        return chunk, 0, (digest(chunk) if digest is not None else 0)
-    return stored, 1, (digest(stored) if digest is not None else 0)
+        return chunk, 0, (digest(chunk) if digest is not None else 0), 1
+    return stored, 1, (digest(stored) if digest is not None else 0), width
 
 
 def write_encoded(
@@ -93,8 +97,8 @@ def write_encoded(
                 arr, owner = arr()
             mv = memoryview(arr).cast("B")
             piece_sums: list[int] = []
-            for dlen, stored, cid, s in _encoded(pool, encode, mv, width, chunk_bytes, digest, ahead):
-                add_row(len(stored), dlen, cid, width if cid else 1, s)
+            for dlen, stored, cid, s, w in _encoded(pool, encode, mv, width, chunk_bytes, digest, ahead):
+                add_row(len(stored), dlen, cid, w, s)
                 piece_sums.append(s)
                 batch.append(np.frombuffer(stored, np.uint8))
                 size += len(stored)
@@ -142,7 +146,7 @@ def write_data_object(job, name: str, layout, digest: DigestFn | None) -> tuple[
 
 
 def _encoded(pool, encode, mv: memoryview, width: int, chunk_bytes: int, digest, ahead: int):
-    """``(decoded length, stored bytes, codec id, checksum)`` of each chunk of ``mv`` in order, encoded on
+    """``(decoded length, stored bytes, codec id, checksum, width)`` of each chunk of ``mv`` in order, encoded on
     ``pool`` at most ``ahead`` chunks ahead of the consumer."""
     inflight: deque = deque()
     for c in range(0, len(mv), chunk_bytes):
