@@ -139,25 +139,27 @@ class FileSet:
         return name in self.codecs
 
     def table(self, name: str):
-        """The checked chunk table of the stored file ``name`` (read once)."""
+        """The checked chunk table of the stored file ``name`` (read with its first ``handle``)."""
         t = self._tables.get(name)
         if t is None:
-            from .format import codecs
-
-            tname = codecs.table_name(name)
-            blob = self.storage.get(self.root, tname, limit=codecs.TABLE_ROW.itemsize * (self.sizes[name] + 1))
-            if blob is None:
-                raise removed_or(
-                    self.root,
-                    CorruptCheckpointError(f"checkpoint {self.root}: chunk table {tname} is missing"),
-                    self.checkpoint_id,
-                    self.storage,
-                )
-            h = self.handle(name)
-            t = self._tables[name] = codecs.ChunkTable(
-                blob, name, self.sizes[name], h.size, self.chunk_bytes or self.sizes[name], self.codecs[name]
-            )
+            self.handle(name)
+            t = self._tables[name]
         return t
+
+    def _load_table(self, name: str, stored_size: int):
+        from .format import codecs
+
+        tname = codecs.table_name(name)
+        blob = self.storage.get(self.root, tname, limit=codecs.TABLE_ROW.itemsize * (self.sizes[name] + 1))
+        if blob is None:
+            raise removed_or(
+                self.root,
+                CorruptCheckpointError(f"checkpoint {self.root}: chunk table {tname} is missing"),
+                self.checkpoint_id,
+                self.storage,
+            )
+        chunk = self.chunk_bytes or self.sizes[name]
+        return codecs.ChunkTable(blob, name, self.sizes[name], stored_size, chunk, self.codecs[name])
 
     def _open(self, name: str, flags: int = 0) -> ReadHandle:
         """A read handle of the data object ``name`` (regular files only, never blocks on a FIFO); a missing one is
@@ -190,11 +192,18 @@ class FileSet:
             return h
         self._make_room()
         h = self._open(name)
-        if h.size != self.sizes[name] and name not in self.codecs:  # (a stored file: checked by its table)
+        if name in self.codecs and name not in self._tables:  # a stored file: its table, of its stored size
+            try:
+                self._tables[name] = self._load_table(name, h.size)
+            except BaseException:
+                h.close()
+                raise
+        want = self._tables[name].stored_size if name in self.codecs else self.sizes[name]
+        if h.size != want:
             h.close()
             raise CorruptCheckpointError(
                 f"checkpoint {self.root}: data file {name} has {h.size} bytes, metadata says "
-                f"{self.sizes[name]} (truncated or replaced)"
+                f"{want} (truncated or replaced)"
             )
         self.handles[name] = h
         return h

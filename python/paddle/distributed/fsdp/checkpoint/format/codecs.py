@@ -252,6 +252,7 @@ class ChunkTable:
         if not ok:
             raise CorruptCheckpointError(f"{where}: rows are not ordered, bounded chunks covering the stored file")
         self.name, self.rows, self.doff, self.dlen, self.soff, self.slen = name, rows, doff, dlen, soff, slen
+        self.stored_size = stored_size
 
     def span(self, offset: int, n: int) -> tuple[int, int]:
         """Rows ``[i0, i1)`` that hold decoded bytes ``[offset, offset + n)``; an error when a byte is in none."""
