@@ -80,7 +80,7 @@ setup(
     py_modules=["paddle_fsdp_fork_activate", "paddle_fsdp_fork_cli"],
     include_package_data=False,
     zip_safe=False,  # the import hook needs real files (spec_from_file_location)
-    install_requires=["numpy>=1.21", "safetensors>=0.4", "xxhash>=3.0"],
+    install_requires=["numpy>=1.21", "safetensors>=0.4", "xxhash>=3.0", "zstandard>=0.22"],
     # a launcher outside `paddle`: --help and usage errors are answered without importing paddle (seconds);
     # commands then run paddle.distributed.fsdp.tools.cli:main (served by the .pth import hook)
     entry_points={"console_scripts": ["paddle-fsdp-ckpt = paddle_fsdp_fork_cli:main"]},

@@ -176,6 +176,8 @@ def test_one_registry_names_every_version_and_the_one_written(tmp_path):
 
     assert sorted(versions.FORMATS) == [1, 2, 3, 4] and versions.EXTENDED_VERSION == 4
     assert versions.WRITE_VERSION == versions.RANK_VALUES_VERSION == 3
+    assert versions.EXTENDED_VERSION == 4 and versions.write_version({"codecs": {"0_0.safetensors": "raw"}}) == 4
+    assert versions.write_version({"codecs": None, "values": {}}) == 3
     assert (versions.SINGLE_FILE_VERSION, versions.INDEXED_VERSION) == (1, 2)
     assert all(v.version == n and callable(v.read) for n, v in versions.FORMATS.items())
     assert convert_to_format2 is convert_to_format3

@@ -84,6 +84,14 @@ CKPT = "PADDLE_FSDP_CKPT_"
 _declare(
     Switch(CKPT + "CHECKSUM", "choice", None, "checksum of new checkpoints", choices=("xxh3-64", "crc32", "none")),
     Switch(CKPT + "CHECKSUM_THREADS", "int", 2, "checksum helper threads of a load", minimum=0),
+    Switch(
+        CKPT + "CODEC",
+        "choice",
+        "auto",
+        "chunk codec of saves (auto: compressed on object stores)",
+        choices=("auto", "raw", "byteplane-zstd"),
+    ),
+    Switch(CKPT + "CODEC_THREADS", "int", 0, "encode threads of a save (0: cores - 1)", minimum=0),
     Switch(CKPT + "COMMIT_TIMEOUT", "float", 1800.0, "seconds a save waits for the commit", minimum=1e-3),
     Switch(CKPT + "HEARTBEAT_LEASE", "float", 5.0, "seconds of silence before a rank counts as dead", minimum=1e-3),
     Switch(CKPT + "READ_SLAB", "int", 16 << 20, "bytes per read of a large range", minimum=1),

@@ -81,6 +81,8 @@ class FileSet:
         checksum_threads: int = DEFAULT_CHECKSUM_THREADS,
         checkpoint_id: str | None = None,
         max_open: int = MAX_OPEN_FILES,
+        codecs: dict[str, str] | None = None,
+        chunk_bytes: int = 0,
     ):
         if storage is None:
             from .io.local import LOCAL
@@ -99,6 +101,9 @@ class FileSet:
         self.bytes_read = 0
         self._direct: dict[str, int | None] = {}
         self._cached: dict[str, bool] = {}
+        self.codecs = codecs or {}  # stored (compressed) data files -> codec (format/codecs.py); others raw
+        self.chunk_bytes = chunk_bytes
+        self._tables: dict = {}
 
     @classmethod
     def of(cls, root: str, md, verify: bool, options=None, storage: Storage | None = None) -> FileSet:
@@ -114,12 +119,47 @@ class FileSet:
                 max_open=options.max_open_files,
             )
         return cls(
-            root, {n: f.size for n, f in md.files.items()}, storage, digest, checkpoint_id=md.checkpoint_id, **tuning
+            root,
+            {n: f.size for n, f in md.files.items()},
+            storage,
+            digest,
+            checkpoint_id=md.checkpoint_id,
+            codecs=getattr(md, "codecs", None),
+            chunk_bytes=md.chunk_bytes,
+            **tuning,
         )
 
     @property
     def verifies(self) -> bool:
         return self.digest is not None
+
+    def decodes(self, name: str) -> bool:
+        """Whether ``name`` is a stored file read through its chunk table (its reads are checked as they are
+        decoded, against the stored chunks' checksums: the piece checks of raw bytes do not apply)."""
+        return name in self.codecs
+
+    def table(self, name: str):
+        """The checked chunk table of the stored file ``name`` (read with its first ``handle``)."""
+        t = self._tables.get(name)
+        if t is None:
+            self.handle(name)
+            t = self._tables[name]
+        return t
+
+    def _load_table(self, name: str, stored_size: int):
+        from .format import codecs
+
+        tname = codecs.table_name(name)
+        blob = self.storage.get(self.root, tname, limit=codecs.TABLE_ROW.itemsize * (self.sizes[name] + 1))
+        if blob is None:
+            raise removed_or(
+                self.root,
+                CorruptCheckpointError(f"checkpoint {self.root}: chunk table {tname} is missing"),
+                self.checkpoint_id,
+                self.storage,
+            )
+        chunk = self.chunk_bytes or self.sizes[name]
+        return codecs.ChunkTable(blob, name, self.sizes[name], stored_size, chunk, self.codecs[name])
 
     def _open(self, name: str, flags: int = 0) -> ReadHandle:
         """A read handle of the data object ``name`` (regular files only, never blocks on a FIFO); a missing one is
@@ -152,17 +192,28 @@ class FileSet:
             return h
         self._make_room()
         h = self._open(name)
-        if h.size != self.sizes[name]:
+        if name in self.codecs and name not in self._tables:  # a stored file: its table, of its stored size
+            try:
+                self._tables[name] = self._load_table(name, h.size)
+            except BaseException:
+                h.close()
+                raise
+        want = self._tables[name].stored_size if name in self.codecs else self.sizes[name]
+        if h.size != want:
             h.close()
             raise CorruptCheckpointError(
                 f"checkpoint {self.root}: data file {name} has {h.size} bytes, metadata says "
-                f"{self.sizes[name]} (truncated or replaced)"
+                f"{want} (truncated or replaced)"
             )
         self.handles[name] = h
         return h
 
     def fd(self, name: str) -> int | None:
-        """The OS descriptor of ``name`` (opened and size-checked), None where the backend has none."""
+        """The OS descriptor of ``name`` (opened and size-checked), None where the backend has none or the file
+        is stored through a codec (its bytes are decoded: no POSIX fast path reads them)."""
+        if name in self.codecs:
+            self.table(name)
+            return None
         return _fileno(self.handle(name))
 
     def local(self, name: str) -> bool:
@@ -175,6 +226,11 @@ class FileSet:
 
     def pread_into(self, name: str, buf: np.ndarray, offset: int) -> None:
         want = memoryview(buf).nbytes
+        if name in self.codecs:
+            from .decoded_read import read_decoded
+
+            self.bytes_read += read_decoded(self, name, buf, offset)
+            return
         h = self.handle(name)
         fd = _fileno(h)
         done = pread_full(fd, buf, offset) if fd is not None else h.read_into(offset, buf)
@@ -197,6 +253,8 @@ class FileSet:
 
     def direct_fd(self, name: str) -> int | None:
         """An O_DIRECT descriptor of ``name`` (after the size check of ``handle``), or None where unsupported."""
+        if name in self.codecs:
+            return None
         if name in self._direct and name in self.handles:
             self.handles.move_to_end(name)
             return self._direct[name]

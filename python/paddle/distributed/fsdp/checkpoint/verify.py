@@ -66,6 +66,9 @@ def _problems(path: str, md, storage: Storage, opts: CheckpointOptions, on_bytes
             by_file[p.file].append((p.offset, p.offset + p.nbytes, key, p))
     usable = set()
     for name, fm in md.files.items():
+        if name in md.codecs:  # a stored file: its chunk table, then the header through decoded reads
+            problems += _check_stored(path, md, storage, opts, name, by_file[name], usable)
+            continue
         try:
             handle = storage.open_read(path, check_file_name(name))
         except FileNotFoundError:
@@ -85,6 +88,41 @@ def _problems(path: str, md, storage: Storage, opts: CheckpointOptions, on_bytes
     if md.checksum != checksums.NONE:
         problems += _check_chunks(path, md, storage, opts, usable, on_bytes)
     return problems
+
+
+def _check_stored(path: str, md, storage: Storage, opts, name: str, pieces, usable: set) -> list[str]:
+    """A stored file (format/codecs.py): its chunk table sound and of the stored size, one row per chunk of the
+    header and of each piece (so that the piece reads of _check_chunks decode every stored chunk), and its
+    safetensors header, decoded, holding each piece's range."""
+    files = FileSet.of(path, md, verify=md.checksum != checksums.NONE, options=opts, storage=storage)
+    try:
+        try:
+            table = files.table(name)
+        except FileNotFoundError:
+            return [f"data file {name} is missing"]
+        except (CheckpointError, OSError) as e:
+            return [f"data file {name}: {e}"]
+        C = md.chunk_bytes
+        header_end = min((a for a, _b, _k, _p in pieces), default=md.files[name].size)
+        want = -(-header_end // C) + sum(-(-p.nbytes // C) for _a, _b, _k, p in pieces)
+        if len(table.rows) != want:
+            return [f"data file {name}: chunk table has {len(table.rows)} rows, the header and pieces need {want}"]
+        usable.add(name)
+
+        class _Decoded:
+            size = md.files[name].size
+
+            def read_into(self, offset: int, buf) -> int:
+                n = max(0, min(len(buf), self.size - offset))
+                files.pread_into(name, memoryview(buf)[:n], offset)
+                return n
+
+        try:
+            return _check_header(_Decoded(), f"{path}/{name}", name, pieces)
+        except (CheckpointError, OSError) as e:
+            return [f"data file {name}: {e}"]
+    finally:
+        files.close()
 
 
 def _check_chunks(path: str, md, storage: Storage, opts, usable: set, on_bytes) -> list[str]:

@@ -41,6 +41,13 @@ def cmd_stock_index(args) -> int:
 
     path = local_path(args.ckpt)
     md = read_metadata(path)
+    if md.codecs:
+        from ..checkpoint.errors import ToolError
+
+        raise ToolError(
+            f"{path}: its data files are stored compressed ({', '.join(sorted(set(md.codecs.values())))}); stock "
+            f"paddle reads raw safetensors files only (save with CheckpointOptions(codec='raw') for stock readers)"
+        )
     storage = backend_for(path)
     if STOCK_METADATA_FILE in storage.list(path) and not args.force:
         print(f"{path} has {STOCK_METADATA_FILE} already (--force rewrites it)")

@@ -189,6 +189,8 @@ def encode(
         rank_keys, table = header["rank_values"]
         md["rank_values"] = rank_values.header_field(rank_keys, table)
         out[rank_values.TABLE_FILE] = table
+    if header.get("codecs"):  # format 4 (versions.py): the stored data files' codecs (codecs.py)
+        md["codecs"] = dict(header["codecs"])
     out["metadata.json"] = json.dumps(md, separators=(",", ":"), allow_nan=False).encode()
     return out
 
@@ -263,6 +265,10 @@ def decode_header(d: dict, where: str) -> tuple[dict, dict]:
     }
     if "rank_values" in d:
         fields["rank_values"] = rank_values.decode_field(d["rank_values"], fields["world_size"], where)
+    if "codecs" in d:
+        from .codecs import parse_codecs_field
+
+        fields["codecs"] = parse_codecs_field(d["codecs"], files, where)
     return fields, index
 
 

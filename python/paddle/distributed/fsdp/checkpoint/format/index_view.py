@@ -256,6 +256,7 @@ def open_indexed(d: dict, where: str, fetch: Fetch | None):
         files=fields["files"],
         values=fields["values"],
         version=fields["version"],
+        codecs=fields.get("codecs", {}),
     )
     if "rank_values" in fields:
         md.rank_values = rank_values.RankValues(fetch, where, md.checkpoint_id, fields["rank_values"])

@@ -26,8 +26,9 @@ RANK_VALUES_VERSION = 3  # format 3: format 2 with per-rank values in objects of
 EXTENDED_VERSION = 4  # format 4: format 3 plus optional top-level metadata.json fields (EXTENDED_FIELDS)
 WRITE_VERSION = RANK_VALUES_VERSION  # what saves, the tools and the converter write when no format-4 field is used
 # format 4's optional fields: a save writes version 4 only when it uses one, so plain checkpoints stay format 3
-# and older builds keep reading them
-EXTENDED_FIELDS = (derived.FIELD,)
+# and older builds keep reading them. "derived": weights stored as their master cast (derived.py); "codecs":
+# {data file: codec name} of the stored (compressed) data files (codecs.py)
+EXTENDED_FIELDS = (derived.FIELD, "codecs")
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,13 @@ FORMATS: dict[int, FormatVersion] = {
         RANK_VALUES_VERSION, "format 2 + index.ranks and <rank>.values (rank_values.py)", open_indexed
     ),
     EXTENDED_VERSION: FormatVersion(
-        EXTENDED_VERSION, "format 3 + optional fields: derived (derived weights: format/derived.py)", _read_extended
+        EXTENDED_VERSION,
+        "format 3 + optional fields: derived (derived weights: format/derived.py), codecs (stored files and their"
+        " <file>.chunks tables: codecs.py)",
+        _read_extended,
     ),
 }
+
 
 # metadata.json fields schema.py types and bounds value by value (strict_json.loads_strict skips its generic walk)
 _SCHEMA_TYPED = frozenset({"files", "tensors"})

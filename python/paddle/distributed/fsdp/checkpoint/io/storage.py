@@ -77,6 +77,10 @@ class Storage(ABC):
     """Where checkpoint bytes live. Methods are called in the order of the module docstring; every method may
     be called from the background save thread; implementations are thread-safe for distinct objects."""
 
+    #: whether ``CheckpointOptions(codec="auto")`` compresses saves here: True where storing a byte costs more
+    #: than encoding it (object stores), False where the encoder would slow the save (a local disk)
+    compress_by_default: bool = False
+
     # ------------------------------------------------------------------------------------------ names
     @abstractmethod
     def child(self, parent: str, name: str) -> str:

@@ -65,6 +65,9 @@ class _Handle:
 class S3Storage(Storage):
     """Checkpoint locations ``s3://bucket/prefix`` (see the module docstring). Thread-safe."""
 
+    # saves compress their chunks by default (CheckpointOptions.codec "auto"): a PUT is slower than the encoder
+    compress_by_default = True
+
     def __init__(self, options: S3Options | None = None, who: str = "") -> None:
         self.opts = options if options is not None else S3Options()
         if not isinstance(self.opts, S3Options):

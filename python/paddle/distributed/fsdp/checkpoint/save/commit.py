@@ -29,6 +29,7 @@ from typing import Any
 
 from .. import checksums
 from ..commit_record import commit_id
+from ..encoded_write import RAW, write_data_object
 from ..errors import SaveFailedError
 from ..format import rank_values as per_rank
 from ..format.commit import commit_record
@@ -94,6 +95,7 @@ class SaveJob:
     snapshot: Any = None  # async save: the Snapshot whose deferred copies run first in the background thread
     plan: Any = None  # the SavePlan; laid out by run() (an async save's caller does not wait for it)
     derived: dict = field(default_factory=dict)  # format 4's "derived" field (save/derive.py); {}: none
+    codec: str = "raw"  # chunk codec of the data files (encoded_write.resolve_codec), the same on every rank
 
     def _written(self) -> None:
         self.arrays = self.keepalive = []  # release snapshot memory early
@@ -189,15 +191,7 @@ class SaveJob:
         layout = self.plan.files[self.rank]
         try:
             digest = None if self.checksum == checksums.NONE else checksums.digest_function(self.checksum)
-            size, sums = self.storage.write_object(
-                self.staging,
-                name,
-                layout.header,
-                self.arrays,
-                self.chunk_bytes,
-                digest,
-                should_stop=self._peer_failure,
-            )
+            size, sums = write_data_object(self, name, layout, digest)  # raw, or stored through the codec
         finally:
             self._written()
         tr.mark("write+fsync")
@@ -348,6 +342,8 @@ class SaveJob:
                 ) from None
             header["rank_values"] = (list(self.per_rank_keys), table)
         cols = assignment_columns(self.assignment, self.chunk_bytes)
+        if self.codec != RAW:  # every data file is stored through the codec (format 4)
+            header["codecs"] = {name: self.codec for name, _len, _n in cols["files"]}
         return index_objects(cols, header, status, self.checksum != checksums.NONE)
 
     def _stock_view(self) -> CheckpointMetadata:

@@ -100,6 +100,7 @@ from ...keywords import STOCK_SAVE_KEYWORDS, check_keywords, keyword_names
 from .. import host_memory, snapshot
 from ..background import SaveHandle, start_in_background, wait_pending
 from ..coordination import Comm, check_target_path, gather_errors, stage_error
+from ..encoded_write import RAW, resolve_codec
 from ..errors import CheckpointError, DirectoryMismatchError, InvalidStateDictError, SaveFailedError
 from ..first_save import exchange_assignment
 from ..gc_pause import gc_paused
@@ -258,11 +259,13 @@ def _save_locked(req: SaveRequest) -> SaveHandle | None:
     _check_names(local.all_paths, coordinator_rank)  # decided alike on every rank, from the exchange
     storage, channel, staging = _open(req, checkpoint_id, comm)
     my_keys = assignment.keys_of(comm.rank)
+    codec = resolve_codec(opts.codec, storage)  # alike on every rank: the options and the backend's kind
+    write_stock = req.write_stock_metadata and codec == RAW  # stock readers read raw safetensors files only
     snap, plan, arrays, keep, release = _sources(
         my_keys,
         local,
         req,
-        (assignment, values, checkpoint_id, comm.rank, coordinator_rank, req.write_stock_metadata),
+        (assignment, values, checkpoint_id, comm.rank, coordinator_rank, write_stock),
         (channel, storage, staging),
     )
     tr.mark("snapshot (volatile part)" if async_save else "views")
@@ -284,7 +287,8 @@ def _save_locked(req: SaveRequest) -> SaveHandle | None:
         chunk_bytes=chunk_for(assignment) if req.chunk_bytes is None else req.chunk_bytes,
         checksum=algorithm,
         timeout=opts.commit_timeout,
-        write_stock=req.write_stock_metadata,
+        write_stock=write_stock,
+        codec=codec,
         options=opts,
         publisher=req.publisher,
         lineage=req.lineage,

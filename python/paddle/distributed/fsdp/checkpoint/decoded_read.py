@@ -1,0 +1,142 @@
+"""Reads of a stored (compressed) data file: the decoded bytes ``[offset, offset + len(buf))`` of the raw file it
+stands for, through its chunk table (format/codecs.py).
+
+Why at the FileSet level: every reader (in-place, bounded, resharding, streamed, the tools) already reads whole
+checksum chunks of raw files through ``FileSet.pread_into`` / ``pread_span``; a stored file answers the same calls,
+so each of them decodes exactly the chunks it would have read, and nothing else changes. Each stored chunk is
+checked against its checksum before it is decoded, and decoded into the caller's buffer (or a one-chunk bounce
+buffer at a partial end), never into more than its declared size. The decodes of one read run on the checksum
+helper pool (zstd releases the GIL), so they scale with ``checksum_threads``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .errors import CorruptCheckpointError
+from .format.codecs import decode_chunk
+
+STORED_BATCH = 16 << 20  # stored bytes fetched per read call (then decoded chunk by chunk)
+REMOTE_STORED_BATCH = 64 << 20  # the same from an object store: the backend splits it into parallel requests
+_pools: dict[int, object] = {}
+_pool_lock = threading.Lock()
+
+
+def _fetch_pool():
+    """One thread that fetches the next stored batch of a read while the current one is decoded."""
+    with _pool_lock:
+        pool = _pools.get(-1)
+        if pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = _pools[-1] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fetch")
+        return pool
+
+
+def _decode_pool(threads: int):
+    """Shared decode pool of ``threads`` workers (None: decode on the reading thread). Not the checksum pool: a
+    read may run while that pool's threads wait on it."""
+    if threads <= 0:
+        return None
+    with _pool_lock:
+        pool = _pools.get(threads)
+        if pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = _pools[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-decode")
+        return pool
+
+
+def _stored(files, name: str, offset: int, n: int) -> np.ndarray:
+    buf = np.empty(n, np.uint8)
+    done = files.handle(name).read_into(offset, buf)
+    if done < n:
+        raise CorruptCheckpointError(
+            f"checkpoint {files.root}: stored data file {name} ends at byte {offset + done}, expected {offset + n}"
+        )
+    return buf
+
+
+def _decode_row(files, name: str, t, i: int, stored: memoryview, out: memoryview) -> None:
+    row = t.rows[i]
+
+    def where() -> str:
+        return f"checkpoint {files.root}: data file {name} stored chunk {i} (decoded bytes {int(row['doff'])}..)"
+
+    if files.digest is not None and files.digest(stored) != int(row["sum"]):
+        raise CorruptCheckpointError(f"{where()}: checksum mismatch")
+    decode_chunk(int(row["codec"]), int(row["width"]), stored, out, where)
+
+
+def read_decoded(files, name: str, buf, offset: int) -> int:
+    """Fill ``buf`` with decoded bytes of ``name`` from ``offset`` (``files``: the reader.FileSet asking); returns
+    the stored bytes read."""
+    out = memoryview(buf).cast("B")
+    n = len(out)
+    if n == 0:
+        return 0
+    t = files.table(name)
+    i0, i1 = t.span(offset, n)
+    pool = _decode_pool(files.checksum_threads)
+    remote = getattr(files.handle(name), "fileno", None) is None
+    limit = REMOTE_STORED_BATCH if remote else STORED_BATCH
+    batches = []  # rows [i, j): one read of at most ``limit`` stored bytes (at least one row)
+    i = i0
+    while i < i1:
+        j = i + 1
+        while j < i1 and t.soff[j] + t.slen[j] - t.soff[i] <= limit:
+            j += 1
+        batches.append((i, j))
+        i = j
+
+    def fetch(b: int):
+        i, j = batches[b]
+        return _stored(files, name, int(t.soff[i]), int(t.soff[j - 1] + t.slen[j - 1] - t.soff[i]))
+
+    read = 0
+    ahead = _fetch_pool().submit(fetch, 0) if len(batches) > 1 else None
+    try:
+        for b, (i, j) in enumerate(batches):
+            stored = memoryview(ahead.result() if ahead is not None else fetch(b))
+            # the next batch is fetched while this one is decoded (an object store's latency hidden)
+            ahead = _fetch_pool().submit(fetch, b + 1) if b + 1 < len(batches) else None
+            read += len(stored)
+            _decode_batch(files, name, t, i, j, stored, out, offset, pool)
+    finally:
+        if ahead is not None:
+            ahead.exception()  # (waited for: nothing runs behind an error)
+    return read
+
+
+def _decode_batch(files, name: str, t, i: int, j: int, stored: memoryview, out: memoryview, offset: int, pool):
+    """Decode rows [i, j) (their stored bytes: ``stored``) into ``out`` (decoded bytes from ``offset``)."""
+    n = len(out)
+    s0 = int(t.soff[i])
+    jobs = []
+    for r in range(i, j):
+        d0, dl = int(t.doff[r]), int(t.dlen[r])
+        src = stored[int(t.soff[r]) - s0 : int(t.soff[r] + t.slen[r]) - s0]
+        lo, hi = max(d0, offset), min(d0 + dl, offset + n)
+        if lo == d0 and hi == d0 + dl:  # the whole chunk is wanted: decoded in place
+            jobs.append((r, src, out[d0 - offset : d0 + dl - offset], None))
+        else:
+            tmp = memoryview(np.empty(dl, np.uint8))
+            jobs.append((r, src, tmp, (lo, hi, d0)))
+    if pool is None or len(jobs) == 1:
+        for r, src, dst, _part in jobs:
+            _decode_row(files, name, t, r, src, dst)
+    else:
+        futs = [pool.submit(_decode_row, files, name, t, r, src, dst) for r, src, dst, _part in jobs]
+        first = None
+        for f in futs:  # all of them waited for: no helper writes into ``out`` after we return
+            e = f.exception()
+            if e is not None and first is None:
+                first = e
+        if first is not None:
+            raise first
+    for _r, _src, tmp, part in jobs:
+        if part is not None:
+            lo, hi, d0 = part
+            out[lo - offset : hi - offset] = tmp[lo - d0 : hi - d0]

@@ -1,0 +1,277 @@
+"""Chunk codecs (byte-plane zstd-1) against raw: encoder/decoder throughput by thread count, and save + cold load
+compressed vs raw against raw I/O on the local disk and against raw PUT/GET on a local S3 server, in one run.
+
+Rerun: ``python tools/ckpt_bench/codec_speed.py [--mib 256] [--repeats 3] [--json out.json]``.
+
+The state is one process's share of bf16 + fp32-master AdamW training state (bf16 weight = its master cast, fp32
+master ~ N(0, 0.02), moment1 ~ N(0, 1e-3), moment2 = moment1^2-like), in 8 parameters, so the ratios are those of
+float training state (issue 52 measured 1.19-1.48x per kind on a trained model; this state is synthetic). Phases,
+each the median of ``--repeats`` (page cache of the read files evicted before every cold load):
+
+* ``codec``: encode and decode of every 256 KiB chunk on 1, 2, ... ``--threads`` threads (the save's and load's
+  pools), MB/s of raw bytes; plus the per-chunk CPU time of one thread, from which the throughput at k threads
+  on a k-core host is modelled (``k * per-core``, capped by the one calling thread's own share of the work);
+* ``local``: raw I/O (write + fsync of the same bytes; cold read) against ``save_state_dict`` / ``load_state_dict``
+  raw and ``byteplane-zstd``;
+* ``s3``: a real SeaweedFS on 127.0.0.1 (test/collective/fsdp/s3_server.py): raw PUT/GET of the same bytes through
+  the engine's S3 objects against save/load raw and ``byteplane-zstd``.
+"""
+
+# ruff: noqa: B023 - every lambda of a loop is called at once, inside its iteration
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "test" / "collective" / "fsdp"))
+sys.path.insert(0, str(REPO / "tools"))
+
+logger = logging.getLogger("codec_speed")
+CHUNK = 256 << 10
+KEY_ID, SECRET = "bench", "bench-secret"
+
+
+def make_state(mib: int, seed: int = 0) -> dict:
+    """``{key: numpy array}``: per parameter a bf16 weight, its fp32 master and two fp32 moments."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    n = (mib << 20) // 14 // 8  # 14 bytes per parameter, 8 parameters
+    out = {}
+    for p in range(8):
+        master = (rng.standard_normal(n) * 0.02).astype(np.float32)
+        bits = master.view(np.uint32)
+        bf16 = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+        m1 = (rng.standard_normal(n) * 1e-3).astype(np.float32)
+        m2 = ((rng.standard_normal(n) * 1e-3) ** 2 + 1e-12).astype(np.float32)
+        out.update({f"p{p}.weight": bf16, f"p{p}.master": master, f"p{p}.moment1": m1, f"p{p}.moment2": m2})
+    return out
+
+
+def to_paddle(state: dict) -> dict:
+    import paddle
+
+    out = {}
+    for k, a in state.items():
+        t = paddle.to_tensor(a.view("int16") if a.dtype.name == "uint16" else a)
+        out[k] = t.view("bfloat16") if a.dtype.name == "uint16" else t
+    return out
+
+
+def timed(fn, repeats: int, before=None) -> float:
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cpu_split(fn) -> dict:
+    """CPU seconds of ``fn`` on the calling thread and in the whole process (the helpers' share is the rest)."""
+    t0, p0 = time.thread_time(), os.times()
+    fn()
+    t1, p1 = time.thread_time(), os.times()
+    total = (p1.user + p1.system) - (p0.user + p0.system)
+    return {"main": t1 - t0, "total": total}
+
+
+def codec_phase(state: dict, threads: list[int], repeats: int) -> dict:
+    import numpy as np
+    from paddle.distributed.fsdp.checkpoint.format import codecs
+
+    chunks = []
+    for a in state.values():
+        mv = memoryview(a).cast("B")
+        chunks += [(mv[c : c + CHUNK], a.itemsize) for c in range(0, len(mv), CHUNK)]
+    total = sum(len(c) for c, _w in chunks)
+    stored = [codecs.encode_byteplanes(c, w) for c, w in chunks]
+    ratio = total / sum(len(s) if s is not None else len(c) for s, (c, _w) in zip(stored, chunks))
+    by_kind = {}
+    for kind in ("weight", "master", "moment1", "moment2"):
+        raw = sum(a.nbytes for k, a in state.items() if k.endswith(kind))
+        enc = 0
+        for k, a in state.items():
+            if k.endswith(kind):
+                mv = memoryview(a).cast("B")
+                for c in range(0, len(mv), CHUNK):
+                    s = codecs.encode_byteplanes(mv[c : c + CHUNK], a.itemsize)
+                    enc += len(s) if s is not None else len(mv[c : c + CHUNK])
+        by_kind[kind] = raw / enc
+    out = {"raw_bytes": total, "ratio": ratio, "ratio_by_kind": by_kind, "encode": {}, "decode": {}}
+    dst = np.empty(CHUNK, np.uint8)
+
+    def dec(i):
+        s = stored[i]
+        c, w = chunks[i]
+        if s is not None:
+            codecs.decode_chunk(1, w, memoryview(s), memoryview(np.empty(len(c), np.uint8)), lambda: "bench")
+
+    for k in threads:
+        with ThreadPoolExecutor(k) as pool:
+            t = timed(lambda: list(pool.map(lambda cw: codecs.encode_byteplanes(*cw), chunks)), repeats)
+            out["encode"][k] = total / t / 1e6
+            t = timed(lambda: list(pool.map(dec, range(len(chunks)))), repeats)
+            out["decode"][k] = total / t / 1e6
+    # one thread's CPU time per byte (thread_time: not the wall clock of a shared machine)
+    c0 = time.thread_time()
+    for c, w in chunks:
+        codecs.encode_byteplanes(c, w)
+    out["encode_cpu_mb_s"] = total / (time.thread_time() - c0) / 1e6
+    c0 = time.thread_time()
+    for i in range(len(chunks)):
+        dec(i)
+    out["decode_cpu_mb_s"] = total / (time.thread_time() - c0) / 1e6
+    del dst
+    return out
+
+
+def local_phase(state: dict, pstate: dict, work: Path, repeats: int) -> dict:
+    import paddle
+    import paddle.distributed.fsdp.checkpoint as ck
+
+    from ckpt_bench.common import drop_cache
+
+    payload = b"".join(memoryview(a).cast("B") for a in state.values())
+    raw_file = work / "raw.bin"
+    res = {"bytes": len(payload)}
+
+    def raw_write():
+        with open(raw_file, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+
+    res["raw_write"] = timed(raw_write, repeats)
+    res["raw_read"] = timed(lambda: raw_file.read_bytes(), repeats, before=lambda: drop_cache([str(raw_file)]))
+    for codec in ("raw", "byteplane-zstd"):
+        opts = ck.CheckpointOptions(codec=codec)
+        path = work / f"ck-{codec}"
+
+        def save():
+            shutil.rmtree(path, ignore_errors=True)
+            ck.save_state_dict(pstate, str(path), options=opts)
+
+        res[f"save_{codec}"] = timed(save, repeats)
+        res[f"save_cpu_{codec}"] = cpu_split(save)
+        files = [str(p) for p in path.iterdir() if p.is_file()]
+        res[f"bytes_{codec}"] = sum(os.path.getsize(p) for p in files if ".safetensors" in p)
+        targets = {k: paddle.zeros_like(v) for k, v in pstate.items()}
+        res[f"load_{codec}"] = timed(
+            lambda: ck.load_state_dict(targets, str(path), options=opts), repeats, before=lambda: drop_cache(files)
+        )
+        drop_cache(files)
+        res[f"load_cpu_{codec}"] = cpu_split(lambda: ck.load_state_dict(targets, str(path), options=opts))
+        for k, v in pstate.items():  # the loaded bytes are the saved ones
+            assert targets[k].numpy().tobytes() == v.numpy().tobytes(), k
+    return res
+
+
+def s3_phase(state: dict, pstate: dict, work: Path, repeats: int) -> dict:
+    import paddle
+    import paddle.distributed.fsdp.checkpoint as ck
+    import s3_server
+    from paddle.distributed.fsdp.checkpoint.s3 import S3Options
+    from paddle.distributed.fsdp.checkpoint.s3.client import make_client
+    from paddle.distributed.fsdp.checkpoint.s3.storage import S3Storage
+
+    server = s3_server.start_weed(work / "weed", credentials=(KEY_ID, SECRET))
+    try:
+        sopts = S3Options(
+            endpoint_url=server.endpoint, region="us-east-1", access_key_id=KEY_ID, secret_access_key=SECRET
+        )
+        client = make_client(sopts)
+        client.create_bucket(Bucket="bench")
+        storage = S3Storage(sopts)
+        payload = b"".join(memoryview(a).cast("B") for a in state.values())
+        res = {"bytes": len(payload)}
+        from boto3.s3.transfer import TransferConfig
+
+        cfg = TransferConfig(
+            multipart_chunksize=sopts.part_size, multipart_threshold=sopts.part_size, max_concurrency=sopts.concurrency
+        )
+        import io
+
+        res["raw_put"] = timed(lambda: client.upload_fileobj(io.BytesIO(payload), "bench", "raw", Config=cfg), repeats)
+        res["raw_get"] = timed(lambda: client.download_fileobj("bench", "raw", io.BytesIO(), Config=cfg), repeats)
+        for codec in ("raw", "byteplane-zstd"):
+            opts = ck.CheckpointOptions(codec=codec, storage=storage)
+            url = f"s3://bench/ck-{codec}"
+            res[f"save_{codec}"] = timed(lambda: ck.save_state_dict(pstate, url, options=opts), repeats)
+            h = storage.open_read(url, "0_0.safetensors")
+            res[f"bytes_{codec}"] = h.size
+            h.close()
+            targets = {k: paddle.zeros_like(v) for k, v in pstate.items()}
+            res[f"load_{codec}"] = timed(lambda: ck.load_state_dict(targets, url, options=opts), repeats)
+            for k, v in pstate.items():
+                assert targets[k].numpy().tobytes() == v.numpy().tobytes(), k
+        return res
+    finally:
+        server.stop()
+
+
+def model(res: dict, cores: list[int]) -> dict:
+    """CPU-bound ceiling of a compressed save and load on k cores: the calling thread's CPU (copies, table, the
+    write or read calls: serial) on one core, the helpers' CPU (encode/decode: parallel) spread over k - 1 cores
+    (k = 1: all on one); bytes / max(serial, parallel / (k - 1)). Measured CPU times, not wall times, so another
+    process on a shared machine does not enter it."""
+    out = {}
+    n = res["bytes"]
+    for op in ("save", "load"):
+        cpu = res[f"{op}_cpu_byteplane-zstd"]
+        serial, par = cpu["main"], max(0.0, cpu["total"] - cpu["main"])
+        out[op] = {
+            "serial_cpu_s": serial,
+            "parallel_cpu_s": par,
+            "by_cores_mb_s": {
+                k: n / max(serial + par if k == 1 else max(serial, par / (k - 1)), 1e-9) / 1e6 for k in cores
+            },
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", type=int, default=256, help="MiB of training state (one process's share)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2, help="largest thread count measured (1..N)")
+    ap.add_argument("--no-s3", action="store_true", help="skip the S3 phase (no SeaweedFS here)")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    state = make_state(args.mib)
+    pstate = to_paddle(state)
+    out = {"mib": args.mib, "repeats": args.repeats, "cpus": os.cpu_count()}
+    logger.info("codec throughput")
+    out["codec"] = codec_phase(state, list(range(1, args.threads + 1)), args.repeats)
+    work = Path(tempfile.mkdtemp(prefix="codec-speed-", dir=os.environ.get("CODEC_BENCH_DIR")))
+    try:
+        logger.info("local disk")
+        out["local"] = local_phase(state, pstate, work, args.repeats)
+        out["model"] = model(out["local"], [1, 2, 4, 8, 16, 32, 64])
+        if not args.no_s3:
+            logger.info("S3 (SeaweedFS on 127.0.0.1)")
+            out["s3"] = s3_phase(state, pstate, work, args.repeats)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    text = json.dumps(out, indent=1, default=float)
+    if args.json:
+        Path(args.json).write_text(text)
+    sys.stdout.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
