@@ -17,10 +17,18 @@ SOURCE_OF = {1: 3, 2: 1, 3: 2}  # resume on M ranks also loads the checkpoint sa
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
+def saves(tmp_path_factory) -> tuple:
+    """(workdir, {world: its save launch}). Each save launch runs the writeback case too: one start-up per world
+    size instead of two (CI time); the two cases are reported and asserted apart."""
     root = tmp_path_factory.mktemp("master")
+    return root, {n: run_launch(WORKER, n, ["save,writeback", str(root)], log_dir=root / f"save{n}") for n in WORLDS}
+
+
+@pytest.fixture(scope="module")
+def workdir(saves):
+    root, launches = saves
     for n in WORLDS:
-        assert_case_ok(run_launch(WORKER, n, ["save", str(root)], log_dir=root / f"save{n}"), "save", n)
+        assert_case_ok(launches[n], "save", n)
     for m in WORLDS:
         run = run_launch(WORKER, m, ["resume", str(root), str(SOURCE_OF[m])], log_dir=root / f"resume{m}")
         assert_case_ok(run, "resume", m)
@@ -54,13 +62,12 @@ def test_reshard_is_bit_exact_with_master_weights(workdir, world):
     _assert_bit_equal(_tensors(workdir / f"B_{source}_{world}"), _tensors(workdir / f"A_{source}"))
 
 
-@pytest.mark.parametrize("world", (1, 2, 3))
-def test_writeback_survives_the_next_multi_precision_step(tmp_path, world):
+@pytest.mark.parametrize("world", WORLDS)
+def test_writeback_survives_the_next_multi_precision_step(saves, world):
     """summon_full_params(writeback=True) re-casts the fp32 master weights of the elements it changed (others keep
     full precision, bit-equal), so the next MasterAdamW step starts from the written values; equals one process
-    that sets the values and their masters by hand."""
-    run = run_launch(WORKER, world, ["writeback", str(tmp_path)], log_dir=tmp_path / "logs")
-    assert_case_ok(run, "writeback", world)
+    that sets the values and their masters by hand. (Run by the save launch of that world size.)"""
+    assert_case_ok(saves[1][world], "writeback", world)
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -20,8 +20,11 @@ import re
 import shutil
 import struct
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 from nodes import kill9_all, start_nodes, tails
 
 TOTAL = 30
@@ -147,7 +150,7 @@ def run_series(tmp_path: Path, roots: list[Path], per_node: int, env: dict, roun
         stats["rounds"] += 1
         stats["kills"].append(None if finished else (target, round(delay, 3)))
         print(
-            f"round {rnd}: resumed {expect} (torn slots {torn}), killed at save {target}+{delay:.3f}s, last saves {last}"
+            f"seed {seed} round {rnd}: resumed {expect} (torn slots {torn}), killed at save {target}+{delay:.3f}s, last saves {last}"
         )
         stats["done"] = stats.get("done", 0) + done
         if stats["done"] == 2:  # the series ended, and a relaunch resumed from its last step
@@ -155,32 +158,45 @@ def run_series(tmp_path: Path, roots: list[Path], per_node: int, env: dict, roun
     return stats
 
 
-def _roots(n: int) -> list[Path]:
-    return [Path(f"/dev/shm/fsdp-memslots-{os.getpid()}-node{i}") for i in range(n)]
+def _roots(n: int, label: str) -> list[Path]:
+    return [Path(f"/dev/shm/fsdp-memslots-{os.getpid()}-{label}-node{i}") for i in range(n)]
 
 
-def test_kill9_every_rank_at_random_moments_one_node(tmp_path):
-    roots = _roots(1)
+#: The two kill series: (memory roots, ranks per node, environment, seed). Independent (their own roots, work
+#: directories and ports), so they run at once: the series are mostly launcher and interpreter start-up, waits on
+#: the slowed persists and the kill moments, not CPU (the series' own checks read the disk, not timings).
+SERIES = {
+    "one_node": (1, 2, {"FSDP_TEST_PERSIST_EVERY": "5", "FSDP_TEST_SLOTS": "2"}, SEED),
+    "two_nodes": (2, 1, {"FSDP_TEST_PERSIST_EVERY": "3", "FSDP_TEST_SLOTS": "2", "FSDP_TEST_DIM": "512",
+                         "PADDLE_FSDP_CKPT_FAULT_DELAY": "before_data:0:2.0"}, SEED + 1),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def kill_series(tmp_path_factory) -> Iterator[dict[str, Future]]:
+    """Both kill series, started together; each test waits for its own (a failure is raised by its test)."""
+    roots = {name: _roots(nodes, name) for name, (nodes, *_rest) in SERIES.items()}
+    pool = ThreadPoolExecutor(len(SERIES))
     try:
-        env = {"FSDP_TEST_PERSIST_EVERY": "5", "FSDP_TEST_SLOTS": "2"}
-        stats = run_series(tmp_path, roots, 2, env, rounds=3, seed=SEED)
-        assert stats["from_memory"] > 0, stats  # the series resumed from memory at least once
+        yield {
+            name: pool.submit(run_series, tmp_path_factory.mktemp(name), roots[name], per_node, env, 3, seed)
+            for name, (_nodes, per_node, env, seed) in SERIES.items()
+        }
     finally:
-        for root in roots:
+        pool.shutdown(wait=True)
+        for root in (r for rs in roots.values() for r in rs):
             shutil.rmtree(root, ignore_errors=True)
 
 
-def test_kill9_every_rank_on_two_nodes_while_persists_run(tmp_path):
-    roots = _roots(2)
-    try:
-        env = {"FSDP_TEST_PERSIST_EVERY": "3", "FSDP_TEST_SLOTS": "2", "FSDP_TEST_DIM": "512",
-               "PADDLE_FSDP_CKPT_FAULT_DELAY": "before_data:0:2.0"}  # fmt: skip
-        stats = run_series(tmp_path, roots, 1, env, rounds=3, seed=SEED + 1)
-        assert stats["from_memory"] > 0, stats
-        assert stats["overlap"] > 0, stats  # persists ran across saves (and none of those saves was skipped)
-    finally:
-        for root in roots:
-            shutil.rmtree(root, ignore_errors=True)
+def test_kill9_every_rank_at_random_moments_one_node(kill_series):
+    stats = kill_series["one_node"].result()
+    assert stats["from_memory"] > 0, stats  # the series resumed from memory at least once
+
+
+def test_kill9_every_rank_on_two_nodes_while_persists_run(kill_series):
+    stats = kill_series["two_nodes"].result()
+    assert stats["from_memory"] > 0, stats
+    assert stats["overlap"] > 0, stats  # persists ran across saves (and none of those saves was skipped)
 
 
 def test_agreement_over_every_slot_fresh_start_and_what_the_error_says():

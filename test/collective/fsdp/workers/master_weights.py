@@ -5,6 +5,7 @@ Usage: master_weights.py save WORKDIR          train 3 steps, save A_<world>, tr
                                                 load A_<SRC> (another world size), save B_<SRC>_<world> at once
        master_weights.py writeback WORKDIR      train 2 steps, write new values back through summon_full_params,
                                                 step once more: the written values survive it (masters followed)
+       master_weights.py save,writeback WORKDIR both phases in one launch, in that order (one start-up, not two)
 Each rank reports {case: "ok" | traceback}; the pytest side compares the checkpoints bit for bit.
 """
 
@@ -12,13 +13,12 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 
 import _paths  # noqa: F401  (puts launch_util on sys.path)
 import numpy as np
 import paddle
 import paddle.distributed as dist
-from launch_util import report
+from launch_util import report, run_cases
 from master_adamw import MasterAdamW
 from models import Bf16MLP, global_batches
 from paddle.distributed.fsdp import FullyShardFusion
@@ -127,21 +127,17 @@ def writeback_phase(rank, world):
 
 
 def main() -> None:
-    phase, workdir = sys.argv[1:3]
+    phases, workdir = sys.argv[1].split(","), sys.argv[2]
     world = dist.get_world_size()
     if world > 1:
         dist.init_parallel_env()
     rank = dist.get_rank()
-    try:
-        if phase == "save":
-            save_phase(workdir, rank, world)
-        elif phase == "writeback":
-            writeback_phase(rank, world)
-        else:
-            resume_phase(workdir, int(sys.argv[3]), rank, world)
-        report({phase: "ok"})
-    except Exception:
-        report({phase: traceback.format_exc()})
+    every = {
+        "save": lambda: save_phase(workdir, rank, world),
+        "writeback": lambda: writeback_phase(rank, world),
+        "resume": lambda: resume_phase(workdir, int(sys.argv[3]), rank, world),
+    }
+    report(run_cases({phase: every[phase] for phase in phases}))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Multi-rank stock use cases with the fork installed. Usage: stock_compat.py CASE WORKDIR; reports "ok" or a traceback.
+"""Multi-rank stock use cases with the fork installed. Usage: stock_compat.py CASE WORKDIR [CASE WORKDIR ...]: the
+cases in order, in one process (one launch for several cases: CI time); reports {case: "ok" or its traceback}.
 
 Cases:
   dist_save        semi-auto DistTensors (Shard(0) on all ranks) saved with stock's default arguments
@@ -126,10 +127,13 @@ def different_dirs(work):
 
 
 if __name__ == "__main__":
-    case, work = sys.argv[1], sys.argv[2]
+    pairs = list(zip(sys.argv[1::2], sys.argv[2::2]))
     dist.init_parallel_env()
-    try:
-        globals()[case](work)
-        report("ok")
-    except BaseException:
-        report(traceback.format_exc())
+    outcomes = {}
+    for case, work in pairs:
+        try:
+            globals()[case](work)
+            outcomes[case] = "ok"
+        except Exception:  # noqa: BLE001 - reported per case; the next cases still run
+            outcomes[case] = traceback.format_exc()
+    report(outcomes)
