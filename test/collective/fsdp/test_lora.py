@@ -92,3 +92,36 @@ def test_resume_after_kill9_is_bit_exact(tmp_path, reference_2ranks):
         assert got["resumed_at"] == 4, got["resumed_at"]
         assert got["losses"] == want["losses"], (got["losses"], want["losses"])
         assert got["digest"] == want["digest"]
+
+
+# ---- exports: to-hf --merge-adapter, and one rank per export file ----------------------------------------------
+MERGE_CASES = ["merged_logits", "merged_bit_equal", "wrong_base", "missing_base", "help"]
+
+
+@pytest.fixture(scope="module")
+def merge_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_merge")
+    return run_launch(os.path.join(WORKERS, "lora_merge.py"), 2, [str(root / "run")], log_dir=root / "logs")
+
+
+@pytest.mark.parametrize("case", MERGE_CASES)
+def test_merge_adapter_cli(merge_run, case):
+    """`to-hf --merge-adapter` of a LoRA checkpoint trained on 2 ranks: logits of the merged model within 1e-5 of
+    the adapter model's; bit-equal tensors whether the base comes from the checkpoint (the Trainer's route),
+    --base or the recorded source; another base refused (exit 2, FrozenBaseMismatchError) with nothing written;
+    no base: FrozenBaseMissingError naming --base."""
+    assert_case_ok(merge_run, case, 1)
+
+
+def test_one_rank_writes_each_export_file(merge_run, tmp_path_factory):
+    """The adapter export (save_model / save_hf_steps) called on both ranks: every file of the export was opened
+    for writing or renamed into place by exactly one rank (recorded by an audit hook in each rank)."""
+    written = {rank: set(merge_run.result(rank)["written"]) for rank in (0, 1)}
+    out = merge_run.log_dir.parent / "run" / "exports" / "adapter"
+    files = sorted(os.listdir(out))
+    assert len(files) == 4, files  # two layouts: config + weights each
+    for name in files:
+        writers = [rank for rank in (0, 1) if f"adapter/{name}" in written[rank]]
+        assert len(writers) == 1, (name, writers, written)
+    both = written[0] & written[1]
+    assert not both, f"files written by both ranks: {sorted(both)}"
