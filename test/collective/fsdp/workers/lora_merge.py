@@ -42,6 +42,13 @@ def train(root: str, rank: int, world: int) -> tuple:
     model = make_wrapped_lora(SEED)
     fsdp = wrap(model)
     fsdp.save_checkpoint(os.path.join(root, "base"), save_frozen=True)  # the base as it was loaded (+ adapters)
+    with fsdp.summon_full_params():  # the same base as a Hugging Face directory: the base model's own names
+        plain = {k[len("model.") :]: v.numpy() for k, v in model.state_dict().items() if ".lora_" not in k}
+    if rank == 0:
+        from safetensors.numpy import save_file
+
+        os.makedirs(os.path.join(root, "base_hf"))
+        save_file(plain, os.path.join(root, "base_hf", "model.safetensors"), metadata={"format": "pt"})
     fsdp.base_source = os.path.join(root, "base")
     opt = paddle.optimizer.AdamW(0.05, parameters=model.parameters())
     for ids, labels in adapter_batches(2, ROWS):
@@ -106,19 +113,28 @@ def _rank0_cases(root: str, want_logits: np.ndarray, ids: np.ndarray, figures: d
 
     def same_tensors_whatever_the_base_source() -> None:
         """The checkpoint holding its base (the Trainer's route: export_merged of a save_frozen checkpoint),
-        --base DIR and the recorded source give bit-equal tensors."""
+        --base DIR (an engine checkpoint of the adapter model; a Hugging Face directory of the base model) and the
+        recorded source give bit-equal tensors."""
         routes = {
             "merged_whole": ("to-hf", whole, os.path.join(root, "merged_whole"), "--merge-adapter"),
             "merged_base": ("to-hf", ckpt, os.path.join(root, "merged_base"), "--merge-adapter", "--base", "base"),
+            "merged_hf_base": (
+                "to-hf",
+                ckpt,
+                os.path.join(root, "merged_hf_base"),
+                "--merge-adapter",
+                "--base",
+                "base_hf",
+            ),
         }
         for name, argv in routes.items():
-            argv = tuple(os.path.join(root, a) if a == "base" else a for a in argv)
+            argv = tuple(os.path.join(root, a) if a in ("base", "base_hf") else a for a in argv)
             code, err = cli(*argv)
             assert code == 0, (name, err)
         library = os.path.join(root, "merged_library")
         export_merged(whole, library, convert=to_hf)  # the function the Trainer's hf_merge_adapter=True calls
         want = load_hf(os.path.join(root, "merged_source"))
-        for name in ("merged_whole", "merged_base", "merged_library"):
+        for name in ("merged_whole", "merged_base", "merged_hf_base", "merged_library"):
             got = load_hf(os.path.join(root, name))
             assert sorted(got) == sorted(want), name
             for key, value in want.items():

@@ -103,8 +103,11 @@ def _frozen_keys(ckpt_md, path: str, ref: dict) -> dict[str, str]:
     prefix = (ref.get("adapter") or {}).get("prefix", "")
     with CheckpointReader(path, verify=False) as reader:
         keys = model_keys(reader.md)
-    add = bool(prefix) and not all(key.startswith(prefix) for key in keys)
     trainable = set(ckpt_md.tensors)
+    adapted = [key[: -len(".lora_A")] + ".weight" for key in trainable if key.endswith(".lora_A")]
+    as_is, prefixed = set(keys), {prefix + key for key in keys}
+    # the base model's own keys or the adapter model's: whichever holds the weights the adapters sit on
+    add = bool(prefix) and sum(k in prefixed for k in adapted) > sum(k in as_is for k in adapted)
     mapped = {(prefix + key if add else key): key for key in keys}
     return {k: v for k, v in mapped.items() if k not in trainable and not k.endswith(_LORA_SUFFIXES)}
 

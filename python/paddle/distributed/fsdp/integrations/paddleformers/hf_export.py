@@ -60,8 +60,13 @@ def base_preset(fsdp, model, adapter: dict) -> str:
 def check_exportable(fsdp, model, preset: str | None, merged: bool = False) -> str | None:
     """What ``export`` will write, decided before training (a run must not die at its first ``save_hf_steps``):
     None for an adapter model (its adapter, tools/adapter_export.py; with ``merged`` the base's preset must map
-    every base parameter), else the preset (NoHfPresetError now)."""
+    every base parameter), else the preset (NoHfPresetError now; also for ``merged`` without an adapter)."""
     adapter = adapter_info(fsdp)
+    if merged and adapter is None:
+        raise NoHfPresetError(
+            f"hf_merge_adapter=True: this {type(model).__name__} is not an adapter model (a PaddleFormers LoRAModel, "
+            "which records its lora_config): there is no adapter to merge; leave hf_merge_adapter unset"
+        )
     if adapter is not None:
         if merged:
             base_preset(fsdp, model, adapter)
