@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..checkpoint.one_process import CheckpointWriter, WriteEntry
+from ..checkpoint.paths import local_path, url_scheme
 from .adapter_base import FrozenBase
 from .ckpt_io import MODEL, CheckpointReader, cast_array, classify_keys
 from .errors import ToolError
@@ -55,8 +56,9 @@ def export_merged(
     from .adapter_export import adapter_of
     from .ckpt_io import check_output_path
 
+    out = local_path(out)  # a local directory, or a URL of a storage backend (s3://): the scratch stays local
     check_output_path(out)
-    parent = os.path.dirname(os.path.abspath(out))
+    parent = tempfile.gettempdir() if url_scheme(out) else os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fsdp-merge-", dir=parent) as scratch:
         with CheckpointReader(ckpt, verify=False) as reader:
