@@ -79,3 +79,23 @@ def test_hf_preset_is_chosen_by_architecture():
     assert choose_preset("qwen3", qwen3) == "qwen3-fused"
     with pytest.raises(NoHfPresetError, match="no to-hf preset"):
         choose_preset("gemma3_text", ["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_merge_adapter_without_an_adapter_is_refused_when_the_trainer_is_built():
+    """hf_merge_adapter=True on a model that is not an adapter model: NoHfPresetError from the check the Trainer
+    runs when it is built (with or without save_hf_steps: trainer.py), not at the first export; an adapter model
+    passes the same check."""
+    import os
+    import sys
+
+    from paddle.distributed.fsdp import FullyShardFusion
+    from paddle.distributed.fsdp.integrations.paddleformers.hf_export import check_exportable
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
+    from lora_models import make_adapter_model, make_wrapped_lora
+
+    plain = make_adapter_model(3)  # frozen base + adapters, but no lora_config: not an adapter model
+    with pytest.raises(NoHfPresetError, match="hf_merge_adapter=True: this AdapterLM is not an adapter model"):
+        check_exportable(FullyShardFusion(plain), plain, None, merged=True)
+    wrapped = make_wrapped_lora(3)
+    assert check_exportable(FullyShardFusion(wrapped), wrapped, None, merged=False) is None  # its adapter

@@ -221,6 +221,70 @@ def test_to_hf_of_a_lora_checkpoint_writes_the_adapter(lora_run, tmp_path):
         assert (dest / name).read_bytes() == (out / "final" / name).read_bytes(), name
 
 
+def test_to_hf_merge_adapter_equals_the_trainers_merged_export(lora_run, tmp_path):
+    """`to-hf checkpoint-N --merge-adapter` (the checkpoint references its base; --base the base's own Hugging Face
+    directory, as PaddleFormers' save_pretrained writes it): tensors bit-equal to the Trainer's final/merged (the
+    same code: tools/adapter_merge.py), logits within 1e-5 of the adapter model's; another base is refused (exit 2,
+    the fingerprint named) with nothing written."""
+    import paddle
+    from paddleformers.peft import LoRAModel
+    from paddleformers.transformers.llama.modeling import LlamaForCausalLM
+    from safetensors.numpy import load_file
+    from trainer_fsdp import tiny_llama
+
+    out, _ = lora_run
+    base = tmp_path / "base"
+    tiny_llama().save_pretrained(str(base))
+    dest = tmp_path / "merged"
+    argv = [str(out / f"checkpoint-{STEPS}"), "--merge-adapter", "--base", str(base), "--preset", "llama-pf1"]
+    argv += ["--config", str(out / "final" / "merged" / "config.json")]
+    cli = [sys.executable, "-m", "paddle.distributed.fsdp.tools", "to-hf"]
+    done = subprocess.run([*cli, argv[0], str(dest), *argv[1:]], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    def tensors(d):
+        return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+    want, got = tensors(out / "final" / "merged"), tensors(dest)
+    assert sorted(got) == sorted(want) and len(want) > 20, (sorted(got)[:3], sorted(want)[:3])
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and got[key].tobytes() == value.tobytes(), key
+    ids = paddle.to_tensor(np.random.default_rng(1).integers(4, 128, (2, 16)).astype("int64"))
+    merged, adapter = (
+        LlamaForCausalLM.from_pretrained(str(dest)),
+        LoRAModel.from_pretrained(tiny_llama(), str(out / "final")),
+    )
+    for m in (merged, adapter):
+        m.eval()
+    with paddle.no_grad():
+        np.testing.assert_allclose(_logits(merged, ids), _logits(adapter, ids), rtol=0, atol=1e-5)
+
+    other = tmp_path / "other_base"
+    model = tiny_llama()
+    with paddle.no_grad():
+        model.lm_head.weight[0, 0] = model.lm_head.weight[0, 0] + 1.0
+    model.save_pretrained(str(other))
+    refused = tmp_path / "refused"
+    argv[3] = str(other)
+    done = subprocess.run([*cli, argv[0], str(refused), *argv[1:]], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "fingerprint" in done.stderr, done.stdout + done.stderr
+    assert not refused.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_merge_adapter_on_a_model_without_adapter_is_refused_when_the_trainer_is_built(tmp_path):
+    """hf_merge_adapter=True without save_hf_steps, on a plain Llama: NoHfPresetError from FSDPTrainer(...)."""
+    from paddle.distributed.fsdp.integrations.paddleformers import FSDPTrainer
+    from paddle.distributed.fsdp.integrations.paddleformers.hf_export import NoHfPresetError
+    from paddleformers.trainer import TrainingArguments
+    from trainer_fsdp import tiny_llama
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), sharding="", amp_master_grad=False, device="cpu", report_to="none"
+    )
+    with pytest.raises(NoHfPresetError, match="not an adapter model"):
+        FSDPTrainer(model=tiny_llama(), args=args, hf_merge_adapter=True)
+
+
 def test_an_export_that_cannot_be_made_is_refused_before_step_1(tmp_path):
     out = tmp_path / "run"
     res = train(out, nproc=1, check=False, save_hf_steps=SAVE_AT, hf_preset="no-such-preset", eval=False)

@@ -4,7 +4,10 @@ Modes (argv[1]):
   train ROOT STEPS SAVE_AT [KILL_AT]  train STEPS steps, saving ROOT/step_<k> (keep_last=2) after every step from
                                      SAVE_AT on; rank 1 kills itself (SIGKILL) before step KILL_AT's optimizer step
   resume ROOT STEPS                  load ROOT's latest into a fresh model (same base) and train up to STEPS
+  memtier ROOT STEPS [KILL_AT]       the same training saving to the memory tier (ROOT/memory) after every step;
+                                     restores from it first; rank 1 kills itself as in train
   cases ROOT                         in-process checks: contents, refusals, save_frozen, a base loaded separately
+  hsdp ROOT                          the HSDP case (4 ranks: 2 replicas x 2 shards)
 Each rank reports its losses, the trainable parameters' values and bytes digest, and the case outcomes.
 """
 
@@ -81,6 +84,28 @@ def mode_resume(root: str, steps: int, rank: int, world: int) -> dict:
     for batch in adapter_batches(steps, ROWS)[extra.step :]:
         losses.append(step(model, opt, batch, rank, world))
     return {"losses": losses, "resumed_at": extra.step, **trainable_state(fsdp, model)}
+
+
+def mode_memtier(root: str, steps: int, kill_at: int, rank: int, world: int) -> dict:
+    model, fsdp, opt = build()
+    tier = fsdp.memory_tier(
+        opt,
+        durable_root=os.path.join(root, "durable"),
+        memory_root=os.path.join(root, "memory"),
+        job_id="lora",
+        persist_every=1000,  # never within the run: a resume can only come from memory
+        peer_timeout_s=20.0,
+    )
+    restored = tier.restored
+    losses = list(restored["losses"]) if restored is not None else []
+    batches = adapter_batches(steps, ROWS)
+    for k in range(tier.start_step + 1, steps + 1):
+        losses.append(step(model, opt, batches[k - 1], rank, world, kill=k == kill_at))
+        tier.save(k, extra_state={"losses": losses})
+    tier.wait()
+    out = {"losses": losses, "resumed_at": tier.start_step, "sources": restored.sources if restored else None}
+    tier.close()
+    return {**out, **trainable_state(fsdp, model)}
 
 
 def _trained(rank: int, world: int, steps: int = 2):
@@ -208,6 +233,54 @@ def _case_separate_base(root: str):
     return case
 
 
+def _case_hsdp(root: str, figures: dict):
+    def case(rank: int, world: int) -> None:
+        """HSDP (2 replicas of world/2 shards): the frozen base holds no gradient and no optimizer state; the
+        checkpoint holds the adapters, their optimizer state, the resume state and the base reference (the same
+        fingerprint as FSDP's); a fresh HSDP model resumed from it continues bit for bit."""
+        from paddle.distributed.fsdp.comm.topology import hybrid_groups
+
+        replicate, shard = hybrid_groups(2)
+
+        def build_hsdp():
+            model = make_adapter_model(SEED)
+            fsdp = FullyShardFusion(
+                model, fsdp_unit_layers=["AdapterBlock"], replicate_group=replicate, shard_group=shard
+            )
+            return model, fsdp, paddle.optimizer.AdamW(0.02, weight_decay=0.1, parameters=model.parameters())
+
+        batches = adapter_batches(4, ROWS)
+        model, fsdp, opt = build_hsdp()
+        frozen = frozen_keys(model)
+        losses = [step(model, opt, b, rank, world) for b in batches[:2]]
+        for key, param, buffer, _i in fsdp.managed_parameters():
+            if key in frozen:
+                assert not buffer.layout.trainable and param.grad is None, key
+                assert buffer.main_grad is None and buffer.full_grad is None, key
+        states = fsdp.optimizer_sharded_state_dict(opt)
+        owners = {k for k in states if not k.startswith("__") for f in frozen if k.startswith(f + ".")}
+        assert not owners, f"frozen parameters got optimizer state under HSDP: {sorted(owners)[:4]}"
+        path = os.path.join(root, "hsdp")
+        fsdp.save_checkpoint(path, optimizer=opt, extra_state={"losses": losses})
+        meta = open_checkpoint(path).metadata
+        trainable = set(dict(model.named_parameters())) - frozen
+        assert not frozen & set(meta.tensors) and trainable <= set(meta.tensors), sorted(meta.tensors)
+        assert {k for k in meta.tensors if k.rsplit(".", 1)[0] in trainable}, "no optimizer state of the adapters"
+        ref = meta.values[FROZEN_BASE_KEY]
+        assert ref["saved"] is False and ref["parameters"] == len(frozen), ref
+        figures["fingerprint"] = ref["fingerprint"]  # (the test compares it with FSDP's)
+        want = [step(model, opt, b, rank, world) for b in batches[2:]]
+        want_state = trainable_state(fsdp, model)
+        model2, fsdp2, opt2 = build_hsdp()
+        extra = fsdp2.load_checkpoint(path, optimizer=opt2)
+        assert extra["losses"] == losses
+        got = [step(model2, opt2, b, rank, world) for b in batches[2:]]
+        assert got == want, (got, want)
+        assert trainable_state(fsdp2, model2)["digest"] == want_state["digest"]
+
+    return case
+
+
 def main() -> None:
     if dist.get_world_size() > 1:
         dist.init_parallel_env()
@@ -218,6 +291,9 @@ def main() -> None:
         report(mode_train(root, int(sys.argv[3]), int(sys.argv[4]), kill_at, rank, world))
     elif mode == "resume":
         report(mode_resume(root, int(sys.argv[3]), rank, world))
+    elif mode == "memtier":
+        kill_at = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+        report(mode_memtier(root, int(sys.argv[3]), kill_at, rank, world))
     else:
         figures: dict = {}
         cases = {
@@ -225,6 +301,8 @@ def main() -> None:
             "refusal": _case_refusal(root),
             "separate_base": _case_separate_base(root),
         }
+        if mode == "hsdp":
+            cases = {"hsdp": _case_hsdp(root, figures)}
         report({**run_cases(cases, rank, world), "figures": figures})
 
 

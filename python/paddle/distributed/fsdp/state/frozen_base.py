@@ -74,10 +74,26 @@ def base_source(fsdp) -> str | None:
     return None
 
 
-def _digests_of_my_share(fsdp) -> dict[str, str]:
-    """``key -> "dtype[shape]:xxh3"`` of the frozen parameters this rank hashes (every ``world``-th one)."""
+def digest_entry(dtype: str, shape, raw) -> str:
+    """One parameter's part of the fingerprint: ``"dtype[shape]:xxh3"`` of its whole value's bytes (row-major);
+    what the tools compute from a checkpoint's tensors too (tools/adapter_base.py)."""
     import xxhash
 
+    return f"{dtype}{[int(n) for n in shape]}:{xxhash.xxh3_64_hexdigest(raw)}"
+
+
+def combine(digests: dict[str, str]) -> str:
+    """The fingerprint of the parameters whose ``digest_entry`` values are ``digests`` (key -> entry)."""
+    import xxhash
+
+    combined = xxhash.xxh3_64()
+    for key in sorted(digests):
+        combined.update(f"{key}={digests[key]}\n".encode())
+    return combined.hexdigest()
+
+
+def _digests_of_my_share(fsdp) -> dict[str, str]:
+    """``key -> "dtype[shape]:xxh3"`` of the frozen parameters this rank hashes (every ``world``-th one)."""
     from ..checkpoint import host_memory
 
     out: dict[str, str] = {}
@@ -91,7 +107,7 @@ def _digests_of_my_share(fsdp) -> dict[str, str]:
             for param, slot in zip(buffer.params, buffer.layout.slots):
                 if position % fsdp.world_size == fsdp.rank:
                     arr, _keep = host_memory.raw_view(param.cpu())
-                    out[slot.key] = f"{host_memory.dtype_name(param)}{list(slot.shape)}:{xxhash.xxh3_64_hexdigest(arr)}"
+                    out[slot.key] = digest_entry(host_memory.dtype_name(param), slot.shape, arr)
                 position += 1
         finally:
             if not was_gathered:
@@ -110,19 +126,14 @@ def fingerprint(fsdp, collective: bool = True) -> dict | None:
     if not keys:
         setattr(fsdp, _CACHE_ATTR, {})
         return None
-    import xxhash
-
     mine = _digests_of_my_share(fsdp)
     every: dict[str, str] = {}
     for share in fsdp.comm.all_gather_object(mine):
         every.update(share)
     if sorted(every) != sorted(keys):
         raise RuntimeError(f"frozen base fingerprint: ranks hashed {len(every)} of {len(keys)} frozen parameters")
-    combined = xxhash.xxh3_64()
-    for key in sorted(every):
-        combined.update(f"{key}={every[key]}\n".encode())
     total = _bytes(fsdp, base=True)
-    value = {"algorithm": ALGORITHM, "fingerprint": combined.hexdigest(), "parameters": len(keys), "bytes": total}
+    value = {"algorithm": ALGORITHM, "fingerprint": combine(every), "parameters": len(keys), "bytes": total}
     setattr(fsdp, _CACHE_ATTR, value)
     logger.info("frozen base: %d parameters, %d bytes, fingerprint %s", len(keys), total, value["fingerprint"])
     return value
@@ -151,6 +162,13 @@ def reference(fsdp, collective: bool) -> dict:
     if adapter is not None:
         value["adapter"] = adapter
     return value
+
+
+def saved_reference(fsdp) -> dict:
+    """The value a checkpoint that holds the frozen base stores under FROZEN_BASE_KEY for an adapter model (a
+    model without an adapter stores none): the adapter description and the source, so that the tools can export
+    the adapter or the merged model (tools/adapter_merge.py) from it."""
+    return {"saved": True, "source": base_source(fsdp), "adapter": adapter_info(fsdp)}
 
 
 def holds_base(value: Any) -> bool:

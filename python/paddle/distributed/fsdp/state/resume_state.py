@@ -90,6 +90,14 @@ class ResumeObjects:
         """The frozen parameters are referenced, not written: the state holds their reference instead."""
         return bool(self.frozen_base_keys) and not self.writes_frozen_base
 
+    @property
+    def records_frozen_base(self) -> bool:
+        """The state holds a FROZEN_BASE_KEY value: a reference, or (an adapter model whose base is written) the
+        adapter description the tools' exports need."""
+        return self.references_frozen_base or (
+            bool(self.frozen_base_keys) and frozen_base.adapter_info(self.fsdp) is not None
+        )
+
 
 class Saved:
     """The JSON values a door read back, as this rank sees them: a checkpoint's values (a per-rank key holds
@@ -243,7 +251,9 @@ def _ema_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> 
 def _frozen_base_value(objs: ResumeObjects) -> Any:
     # the fingerprint is computed collectively by the door before the capture (state/resume.py ``_capture``, the
     # memory tier at its start): the capture itself joins no collective
-    return frozen_base.reference(objs.fsdp, collective=False)
+    if objs.references_frozen_base:
+        return frozen_base.reference(objs.fsdp, collective=False)
+    return frozen_base.saved_reference(objs.fsdp)
 
 
 def _frozen_base_decode(objs: ResumeObjects, saved: Saved, strict: bool, where: str) -> Callable[[], None]:
@@ -267,7 +277,7 @@ ITEMS: tuple[Item, ...] = (
         FROZEN_BASE_KEY,
         value=_frozen_base_value,
         decode=_frozen_base_decode,
-        needs="references_frozen_base",
+        needs="records_frozen_base",
         checked_only=True,
     ),
 )

@@ -78,7 +78,11 @@ def cmd_to_hf(args) -> int:
 
     if args.preset and args.rules:
         raise ToolError("give either --preset or --rules, not both")
+    if args.base and not args.merge_adapter:
+        raise ToolError("--base is the frozen base to merge with: give it with --merge-adapter")
     rules = load_rules(args.rules)
+    if args.merge_adapter:
+        return _merge_adapter(args, rules)
     s = to_hf(
         args.ckpt,
         args.out,
@@ -100,6 +104,32 @@ def cmd_to_hf(args) -> int:
     print(
         f"wrote {s['tensors']} tensors ({human_bytes(s['total_size'])}, {s['transposed']} transposed, "
         f"{s['split']} split from fused keys) in {len(s['files'])} file(s) to {s['out']}"
+    )
+    return EXIT_OK
+
+
+def _merge_adapter(args, rules) -> int:
+    """``to-hf --merge-adapter``: the code of the Trainer's ``hf_merge_adapter=True`` (tools/adapter_merge.py)."""
+    from .adapter_merge import export_merged
+    from .errors import ToolError
+    from .from_hf_cmd import from_hf
+    from .progress import human_bytes
+    from .to_hf_cmd import to_hf
+
+    if args.include_optimizer or args.ema:
+        raise ToolError("--merge-adapter writes the merged weights only (no --include-optimizer, no --ema)")
+
+    def convert(ckpt, out, **kwargs):
+        options = {"max_shard_size": args.max_shard_size, "dtype": args.dtype, "include_buffers": args.include_buffers}
+        options.update(rules=rules, allow_unmapped=args.allow_unmapped, progress=_progress(args))
+        return to_hf(ckpt, out, **options, **kwargs)
+
+    s = export_merged(
+        args.ckpt, args.out, convert=convert, base=args.base, from_hf=from_hf, preset=args.preset, config=args.config
+    )
+    print(
+        f"wrote the merged model ({s['merged']} adapted weights; {s['tensors']} tensors, "
+        f"{human_bytes(s['total_size'])}) to {s['out']}; frozen base from {s['base']}"
     )
     return EXIT_OK
 

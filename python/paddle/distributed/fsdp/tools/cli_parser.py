@@ -38,6 +38,15 @@ of the architecture is missing (--allow-unmapped skips them); config.json is cop
 the config's model_type as a preset's are, refused (exit 2) unless --allow-unmapped; without --config (or
 for a model_type no preset knows) a warning says that nothing was checked.
 
+LoRA checkpoints (a PaddleFormers LoRAModel; saved without their frozen base by default): to-hf writes
+the adapter in PaddleFormers' layout (lora_config.json + lora_model_state.pdparams) and in peft's
+(adapter_config.json + adapter_model.safetensors). --merge-adapter writes the merged model instead (each
+adapted weight W + scale * A @ B, in W's dtype; the base model's names, so use the base's --preset and
+--config), what the Trainer's hf_merge_adapter=True writes. Its frozen base: the checkpoint's own (saved
+with save_frozen=True), else --base DIR, else the source the checkpoint records; DIR is a checkpoint of
+this engine or a Hugging Face directory. The base's fingerprint is checked before anything is written: a
+different base is refused (exit 2, FrozenBaseMismatchError naming what differs).
+
 The exact mapping is recorded in model.safetensors.index.json (metadata.paddle_fsdp), so from-hf can
 invert it without rules. Output is written to OUT.tmp-<id> and renamed to OUT when complete; OUT must
 not exist (or be empty).
@@ -45,6 +54,8 @@ not exist (or be empty).
 examples:
   paddle-fsdp-ckpt to-hf ckpt/step1000 hf_out --dtype bf16 --max-shard-size 2GB --rules to_hf.json
   paddle-fsdp-ckpt to-hf ckpt/step1000 hf_out --preset qwen3-fused --config qwen3/config.json
+  paddle-fsdp-ckpt to-hf out/checkpoint-300 merged --merge-adapter --base llama-base --preset llama-pf1 \
+      --config llama-base/config.json
 """
 )
 
@@ -158,6 +169,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--ema",
         action="store_true",
         help="write the EMA of the weights (saved with ema=) as the model's weights (docs/resume-state.md)",
+    )
+    p.add_argument(
+        "--merge-adapter",
+        action="store_true",
+        help="LoRA checkpoint: write the merged model (base + scale * B @ A, base dtype) instead of the adapter",
+    )
+    p.add_argument(
+        "--base",
+        metavar="DIR",
+        help="with --merge-adapter: the frozen base (engine checkpoint or HF directory) when the checkpoint does "
+        "not hold it; default: the source it records. Its fingerprint must match (else exit 2)",
     )
     _preset_options(p, "to-hf")
     p.set_defaults(func=cmd_to_hf)

@@ -60,8 +60,13 @@ def base_preset(fsdp, model, adapter: dict) -> str:
 def check_exportable(fsdp, model, preset: str | None, merged: bool = False) -> str | None:
     """What ``export`` will write, decided before training (a run must not die at its first ``save_hf_steps``):
     None for an adapter model (its adapter, tools/adapter_export.py; with ``merged`` the base's preset must map
-    every base parameter), else the preset (NoHfPresetError now)."""
+    every base parameter), else the preset (NoHfPresetError now; also for ``merged`` without an adapter)."""
     adapter = adapter_info(fsdp)
+    if merged and adapter is None:
+        raise NoHfPresetError(
+            f"hf_merge_adapter=True: this {type(model).__name__} is not an adapter model (a PaddleFormers LoRAModel, "
+            "which records its lora_config): there is no adapter to merge; leave hf_merge_adapter unset"
+        )
     if adapter is not None:
         if merged:
             base_preset(fsdp, model, adapter)
@@ -143,23 +148,25 @@ def export(
 
 
 def _export_merged(fsdp, model, whole: str, out: str, tokenizer) -> None:
-    """The base model with the adapter merged in, as HF weights + config (+ tokenizer) in ``out``."""
+    """The base model with the adapter merged in, as HF weights + config (+ tokenizer) in ``out``: the code of
+    ``to-hf --merge-adapter`` (tools/adapter_merge.py), with the base's preset and config."""
     from ...tools import to_hf
-    from ...tools.adapter_merge import merge_adapter
+    from ...tools.adapter_merge import export_merged
 
     adapter = adapter_info(fsdp)
     base = getattr(model, "model", model)  # a LoRAModel wraps the base model as .model
-    work = os.path.dirname(out)
-    merged_ckpt = os.path.join(work, ".merged-ckpt")
-    merge_adapter(whole, merged_ckpt, adapter)
-    preset = base_preset(fsdp, model, adapter)
-    config_dir = os.path.join(work, ".merged-config")
+    config_dir = os.path.join(os.path.dirname(out), ".merged-config")
     base.config.save_pretrained(config_dir)
-    to_hf(merged_ckpt, out, preset=preset, config=os.path.join(config_dir, "config.json"), progress=False)
+    preset = base_preset(fsdp, model, adapter)
+    config = os.path.join(config_dir, "config.json")
+    export_merged(whole, out, adapter=adapter, preset=preset, config=config, convert=_quiet(to_hf))
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    shutil.rmtree(merged_ckpt, ignore_errors=True)
     shutil.rmtree(config_dir, ignore_errors=True)
+
+
+def _quiet(convert):
+    return lambda ckpt, out, **kwargs: convert(ckpt, out, progress=False, **kwargs)
 
 
 def _made(directory: str) -> str:

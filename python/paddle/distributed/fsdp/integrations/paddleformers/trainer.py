@@ -216,7 +216,8 @@ class FSDPTrainerMixin:
         self.hf_preset = hf_preset
         self.save_frozen_base = save_frozen_base
         self.hf_merge_adapter = bool(hf_merge_adapter)
-        if (getattr(self.args, "save_hf_steps", -1) or -1) > 0:  # a run must not die at its first export
+        # a run must not die at its first export (save_hf_steps, or save_model at its end)
+        if (getattr(self.args, "save_hf_steps", -1) or -1) > 0 or self.hf_merge_adapter:
             hf_export.check_exportable(self.fsdp, self.model, hf_preset, merged=self.hf_merge_adapter)
         self._fsdp_pending = None  # the async save in flight
         checkpoints.make_root_durable(self.args.output_dir)
