@@ -29,7 +29,7 @@ from paddle.distributed.fsdp.memtier.flush import flush_memory
 pytestmark = pytest.mark.power_loss
 
 LEFTOVER = re.compile(r"^\.trash-|\.tmp-")
-POSIX_BUDGET, BLOCK_BUDGET = 250, 60
+POSIX_BUDGET, BLOCK_BUDGET = 150, 40
 
 
 def _memory_root(base: str) -> str:
@@ -151,7 +151,9 @@ def test_memory_tier_without_the_data_fsync_fails_a_state(scenario, tmp_path, mo
                                                     crash_explore.seed(), crash_explore.budget(POSIX_BUDGET),
                                                     stop_at_first=True)  # fmt: skip
     assert failures, f"no failing state among {checked}"
-    print(f"{scenario.__name__} without the data fsync: failing state after {checked}: {crash_explore.report(failures)}")
+    print(
+        f"{scenario.__name__} without the data fsync: failing state after {checked}: {crash_explore.report(failures)}"
+    )
     assert any("0_0.safetensors" in x for x in failures[0][1]), crash_explore.report(failures)
 
 

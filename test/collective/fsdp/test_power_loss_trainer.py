@@ -33,7 +33,7 @@ from paddle.distributed.fsdp.integrations.paddleformers.trainer import FSDPTrain
 pytestmark = pytest.mark.power_loss
 
 LEFTOVER = re.compile(r"^\.trash-|\.tmp-")
-POSIX_BUDGET, BLOCK_BUDGET = 150, 60
+POSIX_BUDGET, BLOCK_BUDGET = 150, 40
 STEPS = {"saved1": 1, "saved2": 2}
 
 
@@ -86,19 +86,26 @@ def _output_dir(base: str) -> str:
     return os.path.join(base, "run", "out")  # two levels the Trainer's makedirs creates
 
 
-def _trainer_rotation(base: str, rec, mp) -> None:
+def _trainer_rotation(base: str, rec, mp, async_save: bool = False) -> None:
     """checkpoint-1 and checkpoint-2 with save_total_limit=1 (the second save's rotation removes checkpoint-1)."""
     trainer = _trainer(_output_dir(base), 1)
+    trainer.args.use_async_save = async_save
     wants = {}
     for step in (1, 2):
         train_step(trainer.model, trainer.optimizer)
         trainer.state.global_step = step
         trainer._save_checkpoint(trainer.model)
+        trainer._finish_pending_save()  # async: the wait, then the rotation (as the next save or train()'s end)
         crash_explore.join_background_deletes()
         wants[step] = (state_bytes(trainer.fsdp, trainer.optimizer), trainer.optimizer.get_lr())
         rec.mark(f"saved{step}")
     with open(os.path.abspath(base) + "-wants.pkl", "wb") as f:
         pickle.dump(wants, f)
+
+
+def _trainer_rotation_async(base: str, rec, mp) -> None:
+    """The same with ``use_async_save``: the files are written by the background thread, rotation after the wait."""
+    _trainer_rotation(base, rec, mp, async_save=True)
 
 
 def check_state(wants_file: str, at_least: int | None, root: str) -> int | None:
@@ -138,10 +145,10 @@ def _checker(base: str):
     return lambda at_least, root: check_state(wants_file, at_least, root)
 
 
-def _explore(tmp_path, monkeypatch, skip_fsync=None, stop_at_first=False):
+def _explore(tmp_path, monkeypatch, skip_fsync=None, stop_at_first=False, scenario=_trainer_rotation):
     base = str(tmp_path / "fs")
     os.makedirs(base)
-    trace = crash_explore.record(base, monkeypatch, _trainer_rotation, skip_fsync=skip_fsync)
+    trace = crash_explore.record(base, monkeypatch, scenario, skip_fsync=skip_fsync)
     n = crash_explore.budget(POSIX_BUDGET)
     t0 = time.monotonic()
     checked, failures = crash_explore.explore_posix(trace, str(tmp_path / "states"), _checker(base), STEPS,
@@ -149,9 +156,10 @@ def _explore(tmp_path, monkeypatch, skip_fsync=None, stop_at_first=False):
     return trace, n, checked, failures, time.monotonic() - t0
 
 
-def test_every_posix_crash_state_of_trainer_saves_resumes(tmp_path, monkeypatch):
-    trace, n, checked, failures, dt = _explore(tmp_path, monkeypatch)
-    print(f"trainer checkpoint-N + rotation: {len(trace.ops)} operations, {len(trace.fsyncs)} fsyncs, {checked} "
+@pytest.mark.parametrize("scenario", [_trainer_rotation, _trainer_rotation_async], ids=["sync", "async"])
+def test_every_posix_crash_state_of_trainer_saves_resumes(scenario, tmp_path, monkeypatch):
+    trace, n, checked, failures, dt = _explore(tmp_path, monkeypatch, scenario=scenario)
+    print(f"{scenario.__name__}: {len(trace.ops)} operations, {len(trace.fsyncs)} fsyncs, {checked} "
           f"crash states in {dt:.1f} s")  # fmt: skip
     assert checked >= n
     assert not failures, crash_explore.report(failures)
