@@ -29,7 +29,7 @@ from paddle.distributed.fsdp.memtier.flush import flush_memory
 pytestmark = pytest.mark.power_loss
 
 LEFTOVER = re.compile(r"^\.trash-|\.tmp-")
-POSIX_BUDGET, BLOCK_BUDGET = 150, 40
+POSIX_BUDGET, BLOCK_BUDGET = 100, 40
 
 
 def _memory_root(base: str) -> str:

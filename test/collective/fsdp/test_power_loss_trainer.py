@@ -33,7 +33,7 @@ from paddle.distributed.fsdp.integrations.paddleformers.trainer import FSDPTrain
 pytestmark = pytest.mark.power_loss
 
 LEFTOVER = re.compile(r"^\.trash-|\.tmp-")
-POSIX_BUDGET, BLOCK_BUDGET = 150, 40
+POSIX_BUDGET, BLOCK_BUDGET = 100, 40
 STEPS = {"saved1": 1, "saved2": 2}
 
 
