@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 from .format.metadata import STOCK_METADATA_FILE, CheckpointMetadata
-from .writer import fsync_path
+from .writer import write_file
 
 __all__ = ["STOCK_METADATA_FILE", "stock_metadata", "stock_metadata_bytes", "write_stock_metadata"]
 
@@ -74,9 +74,6 @@ def stock_metadata_bytes(md: CheckpointMetadata) -> bytes:
 
 
 def write_stock_metadata(directory: str, md: CheckpointMetadata) -> None:
-    """Write ``0.metadata`` (pickle, for stock paddle only) into ``directory`` and fsync it."""
-    import paddle
-
-    path = os.path.join(directory, STOCK_METADATA_FILE)
-    paddle.save(stock_metadata(md), path)
-    fsync_path(path)
+    """Write ``0.metadata`` (pickle, for stock paddle only) into ``directory`` and fsync it, through the engine's
+    writer like every other index object (paddle.save's own file write went around it: #54)."""
+    write_file(os.path.join(directory, STOCK_METADATA_FILE), stock_metadata_bytes(md), fsync=True, atomic=False)

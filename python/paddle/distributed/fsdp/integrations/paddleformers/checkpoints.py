@@ -22,6 +22,7 @@ from ...checkpoint import writer
 from ...checkpoint.directory import StorageUnreadableError
 from ...checkpoint.format.metadata import COMMIT_FILE
 from ...checkpoint.io.backends import backend_for
+from ...checkpoint.io.local import TRASH_PREFIX
 from ...checkpoint.io.storage import Storage
 from ...checkpoint.lineage import Found, Lineage, examine
 from ...checkpoint.paths import local_path, url_scheme
@@ -54,11 +55,24 @@ def is_committed(location: str, storage: Storage | None = None) -> bool:
 
 
 def make_root_durable(output_dir: str) -> None:
-    """The Trainer's ``__init__`` creates ``output_dir`` with a plain ``os.makedirs``: fsync its parent so the root
-    (and every checkpoint published in it) survives a power loss. Object stores need nothing."""
+    """The Trainer's ``__init__`` creates ``output_dir`` with a plain ``os.makedirs``, possibly several levels: fsync
+    the parent of every level up to its file system's mount point, so the root (and every checkpoint published in
+    it) survives a power loss. Which levels that ``makedirs`` created is not known here, and a new level whose name
+    is not durable takes everything under it along (#54). Levels above one this process may not read are left
+    (they existed before: nobody could have created them here). Object stores need nothing."""
     root = local_path(output_dir)
-    if url_scheme(root) is None and os.path.isdir(root):
-        writer.fsync_dir(os.path.dirname(os.path.abspath(root)))
+    if url_scheme(root) is not None or not os.path.isdir(root):
+        return
+    path = os.path.abspath(root)
+    while True:
+        parent = os.path.dirname(path)
+        try:
+            writer.fsync_dir(parent)
+        except PermissionError:
+            return
+        if parent == path or os.path.ismount(parent):
+            return
+        path = parent
 
 
 def checkpoints_found(output_dir: str) -> list[Found]:
@@ -113,7 +127,7 @@ def rotate(
         warn_left(f"checkpoint rotation (save_total_limit={keep})", fresh)
         if warned is not None:
             warned.update(f.location for f in fresh)
-    targets = ([f.location for f in victims] if limited else []) + _crashed_stagings(root, storage)
+    targets = ([f.location for f in victims] if limited else []) + _crash_leftovers(root, storage)
     removed = []
     for loc in targets:
         try:
@@ -126,9 +140,10 @@ def rotate(
     return removed
 
 
-def _crashed_stagings(root: str, storage: Storage) -> list[str]:
+def _crash_leftovers(root: str, storage: Storage) -> list[str]:
     """Stagings of unpublished saves to any ``checkpoint-N``: siblings ``checkpoint-N.tmp-<id>`` on a local disk,
-    versions under the checkpoint's own prefix on S3 (``Storage.stagings``)."""
+    versions under the checkpoint's own prefix on S3 (``Storage.stagings``); and the ``.trash-*`` directories of
+    removals a crash interrupted (renamed away, not yet deleted: CheckpointManager's prune removes them too)."""
     try:
         children = storage.children(root)
     except OSError:
@@ -140,6 +155,6 @@ def _crashed_stagings(root: str, storage: Storage) -> list[str]:
                 out += [s for s in storage.stagings(storage.child(root, name)) if s not in out]
             except OSError:
                 pass
-        elif _STAGING_RE.match(name) and storage.child(root, name) not in out:
+        elif (_STAGING_RE.match(name) or name.startswith(TRASH_PREFIX)) and storage.child(root, name) not in out:
             out.append(storage.child(root, name))
     return out
