@@ -4,11 +4,12 @@ journal replay or xfs's log recovery at mount; e2fsck first where there is no jo
 invariants of the POSIX-minimal explorer (test_power_loss_posix._check), plus: the ``latest`` pointer never names
 a checkpoint that is missing or not committed, and no state is unmountable.
 
-Saves: one process (CheckpointManager keep_last=1, sync and async; two saves to one path holding another tool's
-file, published by RENAME_EXCHANGE and by two renames where the exchange is refused), 2 ranks
-(workers/power_loss_ranks.py under paddle.distributed.launch), and three broken protocols that must fail.
+Saves: one process (CheckpointManager keep_last=1: sync, async, and with buffered data writes; two saves to one
+path holding another tool's file, published by RENAME_EXCHANGE and by two renames where the exchange is refused,
+forced through the POSIX explorer's recorder), 2 ranks (workers/power_loss_ranks.py under
+paddle.distributed.launch, sync and async), and three broken protocols that must each fail a state.
 
-PADDLE_FSDP_CRASH_STATES: crash states replayed per test (default 60: the file in about 3 minutes on a loaded
+PADDLE_FSDP_CRASH_STATES: crash states replayed per test (default 30: the file in about 3 minutes on a loaded
 2-core machine); PADDLE_FSDP_CRASH_SEED replays one seed (printed and logged). Needs root, /dev/fuse, loop
 devices, mkfs.ext4, mkfs.xfs (xfsprogs; its tests skip without it), fusepy and libfuse 2; skips elsewhere, saying
 which is missing.
@@ -39,7 +40,7 @@ from test_power_loss_posix import LEFTOVER, _check, _manager, _manager_async, _s
 pytestmark = pytest.mark.power_loss
 logger = logging.getLogger(__name__)
 
-STATES = int(os.environ.get("PADDLE_FSDP_CRASH_STATES", "60"))
+STATES = int(os.environ.get("PADDLE_FSDP_CRASH_STATES", "30"))
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
