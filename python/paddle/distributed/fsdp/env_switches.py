@@ -83,6 +83,10 @@ def _declare(*switches: Switch) -> None:
 CKPT = "PADDLE_FSDP_CKPT_"
 _declare(
     Switch(CKPT + "CHECKSUM", "choice", None, "checksum of new checkpoints", choices=("xxh3-64", "crc32", "none")),
+    Switch(
+        CKPT + "QUANTIZE_MOMENTS", "choice", None, "lossy moments of save_checkpoint (quantize_moments=None: this)",
+        choices=("none", "int8", "int4"),
+    ),
     Switch(CKPT + "CHECKSUM_THREADS", "int", 2, "checksum helper threads of a load", minimum=0),
     Switch(CKPT + "COMMIT_TIMEOUT", "float", 1800.0, "seconds a save waits for the commit", minimum=1e-3),
     Switch(CKPT + "HEARTBEAT_LEASE", "float", 5.0, "seconds of silence before a rank counts as dead", minimum=1e-3),

@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from ..errors import MetadataError
-from . import rank_values
+from . import quant, rank_values
 from .metadata import DTYPES, FileMeta, check_file_name
 from .row_directory import FENCES_FILE, STARTS_FILE
 from .schema import _Fields
@@ -182,6 +182,8 @@ def encode(
         },
         "values": header["values"],
     }
+    if header.get("quant") is not None:  # format 4 (versions.py): lossy moments, format/quant.py
+        md["quant"] = header["quant"]
     if header.get("rank_values"):
         rank_keys, table = header["rank_values"]
         md["rank_values"] = rank_values.header_field(rank_keys, table)
@@ -260,6 +262,10 @@ def decode_header(d: dict, where: str) -> tuple[dict, dict]:
     }
     if "rank_values" in d:
         fields["rank_values"] = rank_values.decode_field(d["rank_values"], fields["world_size"], where)
+    if "quant" in d:  # format 4 only: an older version never holds it (and an older build refuses version 4)
+        if d["version"] < 4:
+            raise _fail(where, f"field 'quant' in a format-{d['version']} checkpoint (it needs format 4)")
+        fields["quant"] = quant.parse_field(d["quant"], where)
     return fields, index
 
 

@@ -239,6 +239,8 @@ class CheckpointMetadata:
     index: Any = field(default=None, repr=False, compare=False)
     # format 3: the per-rank values read by saving rank (format/rank_values.py); None otherwise
     rank_values: Any = field(default=None, repr=False, compare=False)
+    # format 4: {key: quant.QuantizedKey} of the keys stored quantized (lossy moments); None: none
+    quant: Any = field(default=None, repr=False, compare=False)
 
     def prefetch(self, keys, spans: dict[str, tuple[int, int]] | None = None) -> None:
         """Read the pieces of ``keys`` now, in as few reads as possible (format 2; nothing to do in format 1);

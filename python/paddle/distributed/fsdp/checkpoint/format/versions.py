@@ -22,7 +22,16 @@ from .strict_json import loads_strict
 SINGLE_FILE_VERSION = 1  # format 1: metadata.json holds every piece and its chunk checksums
 INDEXED_VERSION = 2  # format 2: index objects and checksum sidecars; per-rank values as lists in "values"
 RANK_VALUES_VERSION = 3  # format 3: format 2 with per-rank values in objects of their own
-WRITE_VERSION = RANK_VALUES_VERSION  # what saves, the tools and the converter write
+EXTENDED_VERSION = 4  # format 4: format 3 plus optional top-level metadata.json fields (EXTENDED_FIELDS)
+WRITE_VERSION = RANK_VALUES_VERSION  # what saves, the tools and the converter write (4 where write_version says)
+# the optional fields of format 4 (same reader as format 3, open_indexed, plus these): "quant", lossy moments
+EXTENDED_FIELDS = ("quant",)
+
+
+def write_version(fields) -> int:
+    """The format a save writes: 3, or 4 when it uses a field of format 4 (older builds then refuse it by number
+    instead of reading it wrongly)."""
+    return EXTENDED_VERSION if any(f in fields for f in EXTENDED_FIELDS) else WRITE_VERSION
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,9 @@ FORMATS: dict[int, FormatVersion] = {
     ),
     RANK_VALUES_VERSION: FormatVersion(
         RANK_VALUES_VERSION, "format 2 + index.ranks and <rank>.values (rank_values.py)", open_indexed
+    ),
+    EXTENDED_VERSION: FormatVersion(
+        EXTENDED_VERSION, 'format 3 + optional fields: "quant" (quantized moments, quant.py)', open_indexed
     ),
 }
 

@@ -65,7 +65,7 @@ import time
 from collections.abc import Iterable
 
 from ...keywords import STOCK_LOAD_KEYWORDS, check_keywords, keyword_names
-from .. import host_memory
+from .. import host_memory, lossy
 from ..background import wait_pending
 from ..chunks import ChunkVerifier
 from ..coordination import Comm
@@ -196,7 +196,10 @@ def load_full_state_dict(
     path = local_path(path, opts.storage)
     storage = opts.storage_for(path)
     md = read_metadata(path, opts, storage)
-    wanted = list(md.tensors) if keys is None else list(keys)
+    logical = list(md.tensors) if keys is None else list(keys)
+    if keys is None and md.quant:
+        logical = lossy.logical_keys(md)
+    wanted = lossy.stored_keys(md, logical)  # a quantized moment: its codes and scales (format/quant.py)
     for key in wanted:
         if key not in md.tensors and key not in md.values:
             raise MissingKeyError(f"key {key!r} is missing from checkpoint {path}")
@@ -207,7 +210,9 @@ def load_full_state_dict(
         # format/index.py among the rows a load reads)
         check_coverage(path, md, tensor_keys)
         check_data_files(path, md, tensor_keys, options=opts, storage=storage)
-        return _read_full(path, md, wanted, opts, storage)
+        out = _read_full(path, md, wanted, opts, storage)
+        lossy.dequantize_full(md, out, logical)
+        return out
     except (OSError, CorruptCheckpointError) as e:
         err = read_failure(path, e, md, storage)
         if err is e:
