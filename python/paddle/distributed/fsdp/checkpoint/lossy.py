@@ -213,8 +213,6 @@ def _np(v) -> np.ndarray:
 def swap_targets(requested: dict, quant: dict[str, QuantizedKey] | None) -> PendingDequant:
     """Replace in ``requested`` (in place) each target of a quantized key by targets of the codes and scales
     covering its elements (flat ranges of the whole tensor, or whole tensors)."""
-    import paddle
-
     pending = PendingDequant()
     for key, q in (quant or {}).items():
         target = requested.get(key)
@@ -236,7 +234,6 @@ def swap_targets(requested: dict, quant: dict[str, QuantizedKey] | None) -> Pend
         if codes is not None:
             requested[q.codes], requested[q.scales] = codes, scales
         pending.items.append((q, target, codes, scales, span, (c0, c1), (s0, s1)))
-        del paddle
     return pending
 
 
