@@ -156,8 +156,10 @@ def _quantize(fsdp, state: dict, deferred, failed, mode):
     """The lossy-moments transform (checkpoint/lossy.py), collective on every rank alike; what fails goes to the
     save's first exchange like a capture error."""
     try:
-        mode = lossy.check_mode(read_switch("PADDLE_FSDP_CKPT_QUANTIZE_MOMENTS") if mode is None else mode)
-        mode = None if mode == "none" else mode
+        if mode is None:
+            mode = read_switch("PADDLE_FSDP_CKPT_QUANTIZE_MOMENTS")
+            mode = None if mode == "none" else mode
+        mode = lossy.check_mode(mode)
     except Exception as e:  # noqa: BLE001 - alike on every rank; reported by the save's exchange
         return state, deferred, failed or e
     if mode is None:
