@@ -271,6 +271,26 @@ def stored_keys(md, wanted: list[str]) -> list[str]:
     return out
 
 
+def logical_tensors(md) -> dict:
+    """``{key: TensorMeta}`` as the writer saw them (tools: diff, key roles): a quantized key as its dtype and
+    shape (no pieces: read it with ``read_dequantized``), its codes and scales left out."""
+    from .format.metadata import TensorMeta
+
+    quant = md.quant or {}
+    hidden = {q.codes for q in quant.values()} | {q.scales for q in quant.values()}
+    out = {k: md.tensors[k] for k in md.tensors if k not in hidden}
+    out.update({k: TensorMeta(q.dtype, q.shape, []) for k, q in quant.items()})
+    return out
+
+
+def read_dequantized(read_flat, q: QuantizedKey, start: int, stop: int) -> np.ndarray:
+    """fp32 elements ``[start, stop)`` of quantized key ``q`` through ``read_flat(key, start, stop)`` of the
+    stored keys (only their codes and the scales of the blocks touched)."""
+    (c0, c1), (s0, s1) = read_spans(start, stop, q.block, q.scheme)
+    codes, scales = read_flat(q.codes, c0, c1), read_flat(q.scales, s0, s1)
+    return dequantize_range(codes, c0, scales, s0, start, stop, q.block, q.scheme)
+
+
 def logical_keys(md) -> list[str]:
     """The tensor keys of a checkpoint as its writer saw them: quantized keys instead of their codes/scales."""
     quant = md.quant or {}
