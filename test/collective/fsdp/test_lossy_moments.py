@@ -394,3 +394,40 @@ def test_drift_after_int8_resume_is_small_on_qwen3(tmp_path):
     assert 0 < figures["int8"]["max_abs_diff"] < 0.02, figures
     assert figures["int8"]["final_abs_diff"] < 0.01, figures
     assert curves["reference"][-1] < 0.5 * curves["reference"][0]  # it learned: the drift is measured in training
+
+
+def test_low_level_doors_save_and_read_quantized_moments(tmp_path):
+    """CheckpointManager.save(quantize_moments=) and every engine load of the moments (load_latest,
+    load_state_dict) read them dequantized, as load_full_state_dict does, with the warning; other keys exact."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "workers"))
+    import paddle.distributed.fsdp.checkpoint as ck
+    from paddle.distributed.fsdp.checkpoint.lossy import LossyCheckpointWarning
+
+    _model, fsdp, opt = _train_and_save(tmp_path / "unused", None)
+    state = {**fsdp.sharded_state_dict(), **fsdp.optimizer_sharded_state_dict(opt)}
+    saved = {k: getattr(v, "local_tensor", v).numpy().copy() for k, v in state.items()}
+    manager = ck.CheckpointManager(str(tmp_path / "root"))
+    manager.save(3, state, quantize_moments="int8")
+    with pytest.raises(ValueError, match="quantize_moments"):
+        manager.save(4, state, quantize_moments="int16")
+    whole = ck.load_full_state_dict(str(tmp_path / "root" / "step_00000003"))
+    for load in (
+        lambda s: manager.load_latest(s),
+        lambda s: ck.load_state_dict(s, str(tmp_path / "root" / "step_00000003")),
+    ):
+        fresh, fresh_opt = _fresh()
+        fresh.init_optimizer_state(fresh_opt)
+        target = {**fresh.sharded_state_dict(), **fresh.optimizer_sharded_state_dict(fresh_opt)}
+        with pytest.warns(LossyCheckpointWarning):
+            report = load(target)
+        assert not report.missing_keys and not report.unexpected_keys
+        assert set(report.loaded_keys) == set(saved)
+        for k, v in target.items():
+            got = getattr(v, "local_tensor", v).numpy()
+            if k.endswith((".moment1", ".moment2")):
+                assert np.array_equal(got.reshape(-1), whole[k].numpy().reshape(-1)), k
+                assert np.abs(got - saved[k]).max() <= np.abs(saved[k]).max() / 250 + 1e-12, k
+            else:
+                assert np.array_equal(got, saved[k]), k
