@@ -113,7 +113,9 @@ def _quantize_as_ranks(full: dict[str, np.ndarray], cuts: list[int], mode: str) 
             if hi > lo:
                 t = paddle.to_tensor(x[lo:hi])
                 state[key] = ShardedWeight(key, t, x.shape, x.shape, (0,), True, slice(lo, hi))
-        state["w.master_weight"] = ShardedWeight("w.master_weight", paddle.ones([2]), (2,), (2,), (0,), True, slice(0, 2))
+        state["w.master_weight"] = ShardedWeight(
+            "w.master_weight", paddle.ones([2]), (2,), (2,), (0,), True, slice(0, 2)
+        )
         try:
             outs[r] = lossy.quantize_state(state, mode, comm, block=16)[0]
         except Exception as e:  # noqa: BLE001 - reported below
@@ -349,7 +351,9 @@ def test_two_rank_save_reads_back_alike_at_two_ranks_one_rank_and_whole(two_rank
     fsdp, opt = _fresh()
     with pytest.warns(Warning):
         fsdp.load_checkpoint(str(workdir / mode), optimizer=opt)
-    one = {k: getattr(v, "local_tensor", v).numpy().reshape(-1) for k, v in fsdp.optimizer_sharded_state_dict(opt).items()}
+    one = {
+        k: getattr(v, "local_tensor", v).numpy().reshape(-1) for k, v in fsdp.optimizer_sharded_state_dict(opt).items()
+    }
     md = json.loads((workdir / mode / "metadata.json").read_bytes())
     cut_inside = 0
     for key in exact:

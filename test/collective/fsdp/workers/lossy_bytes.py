@@ -45,7 +45,7 @@ def measure(layers: int, dim: int, workdir: str) -> dict:
     model.to(dtype="bfloat16")
     fsdp = FullyShardFusion(model)
     opt = MasterAdamW(1e-3, parameters=model.parameters(), multi_precision=True)
-    for step in range(3):
+    for _step in range(3):
         model(paddle.randn([4, dim])).backward()
         opt.step()
         opt.clear_grad()

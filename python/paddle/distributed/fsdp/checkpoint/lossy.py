@@ -164,7 +164,9 @@ def quantize_state(state: dict, mode: str | None, comm, block: int = DEFAULT_BLO
         c0, c1 = code_span(lo, hi, scheme)
         s0, s1 = scale_span(lo, hi, block)
         del out[key]
-        out[q.codes] = _sharded(q.codes, pack(codes, lo, scheme, next_code), c0, c1, scheme.codes_len(n), rec.replicated)
+        out[q.codes] = _sharded(
+            q.codes, pack(codes, lo, scheme, next_code), c0, c1, scheme.codes_len(n), rec.replicated
+        )
         first_block = lo // block
         out[q.scales] = _sharded(
             q.scales, scales[s0 - first_block : s1 - first_block], s0, s1, -(-n // block), rec.replicated

@@ -16,8 +16,8 @@ import numpy as np
 from .errors import SaveFailedError
 from .format.index import PIECE_ROW, chunk_count, encode, keys_blob
 from .format.metadata import DTYPES, numel, rank_file_name
-from .format.row_directory import NO_START, fences_of
 from .format.reserved import QUANT_KEY
+from .format.row_directory import NO_START, fences_of
 from .format.versions import write_version
 
 

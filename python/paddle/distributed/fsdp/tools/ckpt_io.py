@@ -42,8 +42,8 @@ from ..checkpoint.format.metadata import (
 )
 from ..checkpoint.format.reserved import BUFFERS_KEY, EMA_SUFFIX, OPTIMIZER_KEY
 from ..checkpoint.geometry import Region
-from ..checkpoint.lossy import logical_tensors, read_dequantized
 from ..checkpoint.load import load as engine_load
+from ..checkpoint.lossy import logical_tensors, read_dequantized
 from ..checkpoint.one_process import CheckpointWriter, Producer, WriteEntry  # noqa: F401 (the tools import them here)
 from ..checkpoint.paths import local_path
 from ..checkpoint.regions import read_region

@@ -100,7 +100,9 @@ def block_maxima(x: np.ndarray, lo: int, block: int, scheme: Scheme) -> np.ndarr
     return buf.reshape(-1, block).max(axis=1)
 
 
-def element_codes(x: np.ndarray, lo: int, scales: np.ndarray, first_block: int, block: int, scheme: Scheme) -> np.ndarray:
+def element_codes(
+    x: np.ndarray, lo: int, scales: np.ndarray, first_block: int, block: int, scheme: Scheme
+) -> np.ndarray:
     """Integer codes (int16) of elements ``[lo, lo + len(x))`` given the scales of blocks ``first_block`` ... ."""
     mag = _magnitude(x, scheme)
     idx = (np.arange(lo, lo + mag.size, dtype=np.int64) // block) - first_block
@@ -141,7 +143,9 @@ def unpack(stored: np.ndarray, byte_lo: int, scheme: Scheme) -> np.ndarray:
     return out - (8 if scheme.signed else 0)
 
 
-def dequantize(codes: np.ndarray, lo: int, scales: np.ndarray, first_block: int, block: int, scheme: Scheme) -> np.ndarray:
+def dequantize(
+    codes: np.ndarray, lo: int, scales: np.ndarray, first_block: int, block: int, scheme: Scheme
+) -> np.ndarray:
     """fp32 values of element codes ``[lo, lo + len(codes))`` given the scales of blocks ``first_block`` ... ."""
     idx = (np.arange(lo, lo + codes.size, dtype=np.int64) // block) - first_block
     m = scales[idx].astype(np.float32)
