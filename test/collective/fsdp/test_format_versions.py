@@ -166,15 +166,18 @@ def test_format2_damage_is_named(saved_v2):
 
 
 def test_one_registry_names_every_version_and_the_one_written(tmp_path):
-    """format/versions.py registers formats 1, 2 and 3 (each with its reader); a save, the converter and the
+    """format/versions.py registers formats 1, 2, 3 and 4 (each with its reader); a save, the converter and the
     fixtures agree with it: a new checkpoint declares WRITE_VERSION (3), the fixtures their own versions."""
     import paddle
     from paddle.distributed.fsdp.checkpoint import save_state_dict
     from paddle.distributed.fsdp.checkpoint.convert import convert_to_format2, convert_to_format3
     from paddle.distributed.fsdp.checkpoint.format import versions
 
-    assert sorted(versions.FORMATS) == [1, 2, 3]
+    assert sorted(versions.FORMATS) == [1, 2, 3, 4]
     assert versions.WRITE_VERSION == versions.RANK_VALUES_VERSION == 3
+    # format 4: format 3 + optional top-level fields, written only when a save uses one (lossy moments: "quant")
+    assert versions.EXTENDED_VERSION == 4 and versions.FORMATS[4].read is versions.FORMATS[3].read
+    assert versions.write_version({"values": {}}) == 3 and versions.write_version({"quant": {}}) == 4
     assert (versions.SINGLE_FILE_VERSION, versions.INDEXED_VERSION) == (1, 2)
     assert all(v.version == n and callable(v.read) for n, v in versions.FORMATS.items())
     assert convert_to_format2 is convert_to_format3

@@ -381,23 +381,32 @@ def test_two_rank_save_reads_back_alike_at_two_ranks_one_rank_and_whole(two_rank
 
 def test_drift_after_int8_resume_is_small_on_qwen3(tmp_path):
     """PaddleFormers' Qwen3 (tiny random config), AdamW: saved at step 20 exactly and with int8 moments, then 100
-    steps after each resume against the uninterrupted run. The exact resume repeats every loss bit for bit; the
-    int8 one differs (the moments really were quantized) by at most 0.02 (measured 4.5e-4 max, 6.8e-5 final:
-    docs/reports/2026-12-07-lossy-moments.md)."""
+    steps after each resume. The int8 resume differs from the exact one (the moments really were quantized) by at
+    most 0.02 (measured 4.5e-4 max, 6.8e-5 final; the exact resume repeats the uninterrupted run bit for bit:
+    lossy_drift.py run directly, test_checkpoint_resume.py; docs/reports/2026-12-07-lossy-moments.md)."""
     import logging
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent / "workers"))
     from lossy_drift import drift, summary
 
-    curves = drift(("int8",), k=20, steps=100, workdir=str(tmp_path))
+    curves = drift(("int8",), k=20, steps=100, workdir=str(tmp_path), uninterrupted=False)
     figures = summary(curves)
-    logging.getLogger(__name__).info("lossy drift: %s", figures)
-    assert curves["exact"] == curves["reference"]
-    assert len(curves["int8"]) == 100
+    logging.getLogger(__name__).info("lossy drift against the exact resume: %s", figures)
+    assert len(curves["int8"]) == len(curves["reference"]) == 100
     assert 0 < figures["int8"]["max_abs_diff"] < 0.02, figures
     assert figures["int8"]["final_abs_diff"] < 0.01, figures
     assert curves["reference"][-1] < 0.5 * curves["reference"][0]  # it learned: the drift is measured in training
+
+
+def _stock_load(state: dict, path: str):
+    """Stock paddle's door, ``paddle.distributed.load_state_dict`` (our engine behind it): it returns nothing, so
+    the report is rebuilt from what it filled in."""
+    import paddle.distributed as dist
+    from paddle.distributed.fsdp.checkpoint import LoadReport
+
+    dist.load_state_dict(state, path)
+    return LoadReport(loaded_keys=sorted(state))
 
 
 def test_low_level_doors_save_and_read_quantized_moments(tmp_path):
@@ -420,6 +429,7 @@ def test_low_level_doors_save_and_read_quantized_moments(tmp_path):
     for load in (
         lambda s: manager.load_latest(s),
         lambda s: ck.load_state_dict(s, str(tmp_path / "root" / "step_00000003")),
+        lambda s: _stock_load(s, str(tmp_path / "root" / "step_00000003")),
     ):
         fresh, fresh_opt = _fresh()
         fresh.init_optimizer_state(fresh_opt)

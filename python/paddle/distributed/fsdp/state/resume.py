@@ -52,7 +52,6 @@ from ..checkpoint.paths import local_path
 from ..checkpoint.save.request import save_request
 from ..checkpoint.save.save import run_save
 from ..checkpoint.selection import survey
-from ..env_switches import read as read_switch
 from . import frozen_base, replicas, resume_state
 from .apply import apply_on_every_rank
 from .buffers import persistable_buffers, warn_if_buffers_differ
@@ -115,7 +114,7 @@ def save_checkpoint(
     ``extra_state`` and non-trainable tensors; parameters and optimizer state are copied during the next
     forward/backward, and the next ``optimizer.step()`` waits for that copy by itself (see
     checkpoint/snapshot_guard.py for what else waits). ``quantize_moments="int8"|"int4"`` (default: the
-    PADDLE_FSDP_CKPT_QUANTIZE_MOMENTS switch, else None: exact) stores Adam's moments lossily, ~4x resp. ~8x
+    options' ``quantize_moments``, PADDLE_FSDP_CKPT_QUANTIZE_MOMENTS, else None: exact) stores Adam's moments lossily, ~4x resp. ~8x
     smaller (checkpoint/lossy.py); loading such a checkpoint warns that the resume is not bit-exact. ``grad_scaler``: a ``paddle.amp.GradScaler`` whose state
     (loss scale, counters, settings) is saved too (state/grad_scaler.py). ``stateful``: ``{name: object}`` of
     objects with ``state_dict()``/``set_state_dict()`` (a data sampler, fsdp/sampler.py), saved per rank
@@ -140,7 +139,7 @@ def save_checkpoint(
     elif keep_last is not None:
         raise ValueError("keep_last needs step=: numbered checkpoints live in a root as step_<N> directories")
     state, per_rank, deferred, failed = _capture(objs, async_save)
-    state, deferred, failed = _quantize(fsdp, state, deferred, failed, quantize_moments)
+    state, deferred, failed = _quantize(fsdp, state, deferred, failed, quantize_moments, options)
     save_options = dict(async_save=async_save, deferred_keys=deferred, per_rank_values=per_rank, options=options)
     # the engine's requests directly: this function's keywords are its door's (FullyShardFusion.save_checkpoint);
     # what the capture raised on this rank goes to the save's first exchange, which every rank raises alike
@@ -152,12 +151,12 @@ def save_checkpoint(
     )
 
 
-def _quantize(fsdp, state: dict, deferred, failed, mode):
+def _quantize(fsdp, state: dict, deferred, failed, mode, options):
     """The lossy-moments transform (checkpoint/lossy.py), collective on every rank alike; what fails goes to the
-    save's first exchange like a capture error."""
+    save's first exchange like a capture error. ``mode`` None: the options' (PADDLE_FSDP_CKPT_QUANTIZE_MOMENTS)."""
     try:
         if mode is None:
-            mode = read_switch("PADDLE_FSDP_CKPT_QUANTIZE_MOMENTS")
+            mode = (options if options is not None else CheckpointOptions.from_env()).quantize_moments
             mode = None if mode == "none" else mode
         mode = lossy.check_mode(mode)
     except Exception as e:  # noqa: BLE001 - alike on every rank; reported by the save's exchange
