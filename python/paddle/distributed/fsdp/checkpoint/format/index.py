@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from ..errors import MetadataError
-from . import quant, rank_values
+from . import rank_values
 from .metadata import DTYPES, FileMeta, check_file_name
 from .row_directory import FENCES_FILE, STARTS_FILE
 from .schema import _Fields
@@ -262,10 +262,8 @@ def decode_header(d: dict, where: str) -> tuple[dict, dict]:
     }
     if "rank_values" in d:
         fields["rank_values"] = rank_values.decode_field(d["rank_values"], fields["world_size"], where)
-    if "quant" in d:  # format 4 only: an older version never holds it (and an older build refuses version 4)
-        if d["version"] < 4:
-            raise _fail(where, f"field 'quant' in a format-{d['version']} checkpoint (it needs format 4)")
-        fields["quant"] = quant.parse_field(d["quant"], where)
+    if "quant" in d and d["version"] < 4:  # format 4's field (versions.py reads it): never in an older version
+        raise _fail(where, f"field 'quant' in a format-{d['version']} checkpoint (it needs format 4)")
     return fields, index
 
 

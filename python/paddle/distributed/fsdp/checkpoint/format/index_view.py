@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from ..errors import CorruptCheckpointError, MetadataError
-from . import quant, rank_values, row_directory
+from . import rank_values, row_directory
 from .index import (
     KEYS_FILE,
     PIECE_ROW,
@@ -273,7 +273,4 @@ def open_indexed(d: dict, where: str, fetch: Fetch | None):
     source.row_check = index["row_check"]
     md.tensors = tensors
     md.index = source
-    if "quant" in fields:  # format 4: the quantized keys, checked against the tensors they are stored as
-        quant.check_against(fields["quant"], tensors, where)
-        md.quant = fields["quant"]
     return md

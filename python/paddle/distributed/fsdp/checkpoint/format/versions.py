@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..errors import MetadataError
 from ..gc_pause import gc_paused
+from . import quant
 from .index_view import open_indexed
 from .metadata import FORMAT_NAME, CheckpointMetadata
 from .schema import parse_metadata
@@ -25,13 +26,22 @@ RANK_VALUES_VERSION = 3  # format 3: format 2 with per-rank values in objects of
 EXTENDED_VERSION = 4  # format 4: format 3 plus optional top-level metadata.json fields (EXTENDED_FIELDS)
 WRITE_VERSION = RANK_VALUES_VERSION  # what saves, the tools and the converter write (4 where write_version says)
 # the optional fields of format 4 (same reader as format 3, open_indexed, plus these): "quant", lossy moments
-EXTENDED_FIELDS = ("quant",)
+EXTENDED_FIELDS = (quant.QUANT_FIELD,)
 
 
-def write_version(fields) -> int:
-    """The format a save writes: 3, or 4 when it uses a field of format 4 (older builds then refuse it by number
-    instead of reading it wrongly)."""
-    return EXTENDED_VERSION if any(f in fields for f in EXTENDED_FIELDS) else WRITE_VERSION
+def write_version(header: dict) -> int:
+    """The version a save of index ``header`` declares: 4 when it uses a format-4 field, else 3 (older builds
+    then refuse it by its number instead of reading it wrongly)."""
+    return EXTENDED_VERSION if any(header.get(f) for f in EXTENDED_FIELDS) else WRITE_VERSION
+
+
+def _read_extended(d: dict, where: str, fetch=None) -> CheckpointMetadata:
+    """Format 4: format 3's reader, then its optional fields, each checked (MetadataError naming it)."""
+    md = open_indexed(d, where, fetch)
+    if quant.QUANT_FIELD in d:  # lossy moments: the quantized keys, checked against the tensors they are stored as
+        md.quant = quant.parse_field(d[quant.QUANT_FIELD], where)
+        quant.check_against(md.quant, md.tensors, where)
+    return md
 
 
 @dataclass(frozen=True)
@@ -63,7 +73,7 @@ FORMATS: dict[int, FormatVersion] = {
         RANK_VALUES_VERSION, "format 2 + index.ranks and <rank>.values (rank_values.py)", open_indexed
     ),
     EXTENDED_VERSION: FormatVersion(
-        EXTENDED_VERSION, 'format 3 + optional fields: "quant" (quantized moments, quant.py)', open_indexed
+        EXTENDED_VERSION, 'format 3 + optional fields: "quant" (quantized moments, quant.py)', _read_extended
     ),
 }
 
