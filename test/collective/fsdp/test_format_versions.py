@@ -177,7 +177,7 @@ def test_one_registry_names_every_version_and_the_one_written(tmp_path):
     assert versions.WRITE_VERSION == versions.RANK_VALUES_VERSION == 3
     # format 4: format 3 + optional top-level fields, written only when a save uses one (lossy moments: "quant")
     assert versions.EXTENDED_VERSION == 4 and versions.FORMATS[4].read is versions._read_extended
-    assert versions.write_version({"values": {}}) == 3 and versions.write_version({"quant": {}}) == 4
+    assert versions.write_version({"values": {}}) == 3 and versions.write_version({"quant": {"keys": {}}}) == 4
     assert (versions.SINGLE_FILE_VERSION, versions.INDEXED_VERSION) == (1, 2)
     assert all(v.version == n and callable(v.read) for n, v in versions.FORMATS.items())
     assert convert_to_format2 is convert_to_format3

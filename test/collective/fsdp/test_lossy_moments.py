@@ -11,6 +11,7 @@ ranks, at 1 rank through load_checkpoint, and by load_full_state_dict, all ident
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -24,6 +25,8 @@ from paddle.distributed.fsdp.checkpoint.format import quant
 from paddle.distributed.fsdp.checkpoint.format.quant import SCHEMES
 
 WORKER = Path(__file__).parent / "workers" / "lossy_moments.py"
+if str(WORKER.parent) not in sys.path:  # the workers' models (TinyLM), lossy_drift.py, as other tests import them
+    sys.path.insert(0, str(WORKER.parent))
 
 
 def _values(rng, n: int, kind: str, signed: bool) -> np.ndarray:
@@ -222,9 +225,6 @@ def _fresh(seed: int = 5):
 
 @pytest.fixture(scope="module")
 def int8_ckpt(tmp_path_factory):
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent / "workers"))
     path = tmp_path_factory.mktemp("lossy") / "int8"
     _train_and_save(path, "int8")
     return path
@@ -343,9 +343,6 @@ def test_two_rank_save_reads_back_alike_at_two_ranks_one_rank_and_whole(two_rank
     """Saved at 2 ranks: what each rank loads back, what one process loads through load_checkpoint (2 -> 1), and
     load_full_state_dict are the same dequantized values, bit for bit; they equal one process quantizing the
     exact moments whole; moments stay within the bound, everything else is bit-exact."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent / "workers"))
     from paddle.distributed.fsdp.checkpoint import load_full_state_dict
 
     workdir, result = two_rank_saves
@@ -390,9 +387,7 @@ def test_drift_after_int8_resume_is_small_on_qwen3(tmp_path):
     most 0.02 (measured 4.5e-4 max, 6.8e-5 final; the exact resume repeats the uninterrupted run bit for bit:
     lossy_drift.py run directly, test_checkpoint_resume.py; docs/reports/2026-12-07-lossy-moments.md)."""
     import logging
-    import sys
 
-    sys.path.insert(0, str(Path(__file__).parent / "workers"))
     from lossy_drift import drift, summary
 
     curves = drift(("int8",), k=20, steps=100, workdir=str(tmp_path), uninterrupted=False)
@@ -417,9 +412,6 @@ def _stock_load(state: dict, path: str):
 def test_low_level_doors_save_and_read_quantized_moments(tmp_path):
     """CheckpointManager.save(quantize_moments=) and every engine load of the moments (load_latest,
     load_state_dict) read them dequantized, as load_full_state_dict does, with the warning; other keys exact."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent / "workers"))
     import paddle.distributed.fsdp.checkpoint as ck
     from paddle.distributed.fsdp.checkpoint.lossy import LossyCheckpointWarning
 
