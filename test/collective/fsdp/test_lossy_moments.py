@@ -186,6 +186,37 @@ def test_non_finite_moment_is_stored_exactly_on_every_rank():
         assert list(o["__fsdp__.quant"]["keys"]) == ["p.moment2"]
 
 
+def test_a_rank_failing_in_the_transform_fails_every_rank_without_a_hang():
+    """One 'rank' holds a malformed moment record: every rank raises the same CheckpointError (the failing one
+    still joins the exchange, so no rank waits forever)."""
+    import paddle
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+    from paddle.distributed.fsdp.checkpoint import lossy
+    from paddle.distributed.fsdp.checkpoint.errors import CheckpointError
+
+    comm, raised = ThreadComm(2), [None, None]
+
+    def rank_main(r: int) -> None:
+        comm.local.rank = r
+        n = 3 if r == 1 else 2  # rank 1: 3 elements in a record of 2
+        state = {
+            "p.moment1": ShardedWeight("p.moment1", paddle.ones([n]), (4,), (4,), (0,), True, slice(2 * r, 2 * r + 2))
+        }
+        try:
+            lossy.quantize_state(state, "int8", comm)
+        except Exception as e:  # noqa: BLE001 - compared below
+            raised[r] = e
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert all(isinstance(e, CheckpointError) for e in raised), raised
+    assert str(raised[0]) == str(raised[1]) and "elements" in str(raised[0])
+
+
 def test_mode_is_checked():
     from paddle.distributed.fsdp.checkpoint import lossy
 

@@ -108,6 +108,23 @@ def quantize_state(state: dict, mode: str | None, comm, block: int = DEFAULT_BLO
         return state, []
     local: dict[str, tuple] = {}
     mine: dict[str, Any] = {}
+    try:  # a rank failing here must still join the exchange, or the others would wait in it forever
+        _describe(state, mode, block, local, mine)
+    except Exception as e:  # noqa: BLE001 - raised on every rank after the exchange
+        mine = {_FAILED: f"rank failed: {type(e).__name__}: {e}"}
+    everyone = comm.all_gather_object(mine)
+    failed = [per[_FAILED] for per in everyone if _FAILED in per]
+    if failed:
+        raise CheckpointError(f"quantize_moments: {failed[0]}")
+    return _encode(state, mode, block, local, everyone)
+
+
+_FAILED = "\0failed"  # (not a key: keys of a state dict are checked at save; this one never reaches a file)
+
+
+def _describe(state: dict, mode: str, block: int, local: dict, mine: dict) -> None:
+    """This rank's moments: ``mine[key]`` what the exchange carries (its flat range, edge block maxima, first value,
+    dtype, shape, scheme; or why it stays exact), ``local[key]`` what encoding it needs."""
     for key, val in state.items():
         name = moment_name(key)
         rec = to_record(key, val) if name is not None else None
@@ -128,7 +145,10 @@ def quantize_state(state: dict, mode: str | None, comm, block: int = DEFAULT_BLO
         edges = (float(maxima[0]), float(maxima[-1])) if maxima.size else (0.0, 0.0)
         mine[key] = (span, edges, first, rec.dtype, tuple(rec.region.shape), scheme.name)
         local[key] = (rec, x, maxima, scheme)
-    everyone = comm.all_gather_object(mine)
+
+
+def _encode(state: dict, mode: str, block: int, local: dict, everyone: list) -> tuple[dict, list[str]]:
+    """Every rank's description of every moment (``everyone``) -> this rank's codes and scales, and the field."""
     keys = sorted({k for per in everyone for k in per})
     out = dict(state)
     described: dict[str, QuantizedKey] = {}
