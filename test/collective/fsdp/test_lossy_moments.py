@@ -262,8 +262,8 @@ def int8_ckpt(tmp_path_factory):
 
 
 def test_lossy_load_warns_and_exact_refuses(int8_ckpt):
-    from paddle.distributed.fsdp.checkpoint.errors import CheckpointError
-    from paddle.distributed.fsdp.checkpoint.lossy import LossyCheckpointError, LossyCheckpointWarning
+    from paddle.distributed.fsdp.checkpoint.errors import CheckpointError, LossyCheckpointError
+    from paddle.distributed.fsdp.checkpoint.lossy import LossyCheckpointWarning
 
     md = json.loads((int8_ckpt / "metadata.json").read_bytes())
     assert md["version"] == 4 and "__fsdp__.quant" not in md["values"]

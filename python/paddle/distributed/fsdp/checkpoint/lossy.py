@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CheckpointError
+from .errors import CheckpointError, LossyCheckpointError
 from .format.metadata import numel
 from .format.quant import (
     CODES_SUFFIX,
@@ -54,11 +54,6 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 class LossyCheckpointWarning(UserWarning):
     """A checkpoint with quantized moments was loaded: the resume is close to, not bit-identical with, the run
     that saved it (docs/reports/2026-12-07-lossy-moments.md measures how close)."""
-
-
-class LossyCheckpointError(CheckpointError):
-    """``load_checkpoint(..., exact=True)`` of a checkpoint whose moments are quantized: it cannot resume
-    bit-exactly."""
 
 
 def check_mode(mode: Any) -> str | None:
