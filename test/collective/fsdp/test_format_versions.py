@@ -168,7 +168,7 @@ def test_format2_damage_is_named(saved_v2):
 def test_one_registry_names_every_version_and_the_one_written(tmp_path):
     """format/versions.py registers formats 1 to 4 (each with its reader); a save, the converter and the
     fixtures agree with it: a new checkpoint without format 4's fields declares WRITE_VERSION (3), the fixtures
-    their own versions (format 4, derived weights: test_derived_weights.py)."""
+    their own versions (format 4: derived weights, test_derived_weights.py; quantized moments, test_lossy_moments.py)."""
     import paddle
     from paddle.distributed.fsdp.checkpoint import save_state_dict
     from paddle.distributed.fsdp.checkpoint.convert import convert_to_format2, convert_to_format3

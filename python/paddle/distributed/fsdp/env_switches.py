@@ -83,6 +83,13 @@ def _declare(*switches: Switch) -> None:
 CKPT = "PADDLE_FSDP_CKPT_"
 _declare(
     Switch(CKPT + "CHECKSUM", "choice", None, "checksum of new checkpoints", choices=("xxh3-64", "crc32", "none")),
+    Switch(
+        CKPT + "QUANTIZE_MOMENTS",
+        "choice",
+        None,
+        "lossy moments of save_checkpoint (quantize_moments=None: this)",
+        choices=("none", "int8", "int4"),
+    ),
     Switch(CKPT + "CHECKSUM_THREADS", "int", 2, "checksum helper threads of a load", minimum=0),
     Switch(
         CKPT + "CODEC",

@@ -41,6 +41,7 @@ __all__ = [
     "CheckpointEnvError",
     "ExtensionError",
     "ReservedKeyError",
+    "LossyCheckpointError",
 ]
 
 
@@ -278,3 +279,8 @@ def agreed_error(failed: list[tuple[int, str, str]]) -> CheckpointError | None:
         return _named_class(first)(text)
     except TypeError:  # a class whose constructor takes other arguments
         return CheckpointError(f"{first}: {text}")
+
+
+class LossyCheckpointError(StateDictMismatchError):
+    """``load_checkpoint(..., exact=True)`` of a checkpoint whose optimizer moments are quantized (lossy.py): it
+    cannot resume bit-exactly."""

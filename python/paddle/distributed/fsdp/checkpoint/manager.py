@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from ..keywords import check_keywords, keyword_names
+from . import lossy
 from .coordination import Comm, gather_errors, stage_error
 from .directory import (  # noqa: F401 - the manager's functions, answered in directory.py and selection.py
     STEP_PREFIX,
@@ -181,9 +182,15 @@ class CheckpointManager:
         """Save ``state_dict`` as ``step``; ``latest`` moves after the commit, then old ones are pruned.
 
         ``save_kwargs`` go to the engine's ``save_state_dict`` (``async_save``, ``options``, ...); an unknown
-        one is a TypeError naming the nearest valid one.
+        one is a TypeError naming the nearest valid one. ``quantize_moments="int8"|"int4"``: the optimizer
+        moments ``<param>.moment1/2`` of ``state_dict`` are stored lossily (lossy.py; collective).
         """
+        mode = lossy.check_mode(save_kwargs.pop("quantize_moments", None))
         check_keywords("CheckpointManager.save", save_kwargs, keyword_names(save_state_dict, _MANAGED))
+        if mode is not None:
+            state_dict, quantized = lossy.quantize_state(state_dict, mode, Comm(self.process_group))
+            if save_kwargs.get("deferred_keys") is not None:
+                save_kwargs["deferred_keys"] = [k for k in save_kwargs["deferred_keys"] if k not in set(quantized)]
         return run_save(self.save_request(step, state_dict, save_kwargs))
 
     def save_request(

@@ -58,6 +58,7 @@ _ENV_FIELDS = {
     "DERIVE_WEIGHTS": "derive_weights",
     "CODEC": "codec",
     "CODEC_THREADS": "codec_threads",
+    "QUANTIZE_MOMENTS": "quantize_moments",
 }
 
 
@@ -91,6 +92,8 @@ class CheckpointOptions:
         heartbeat_lease: seconds without a heartbeat (save/channel.py, through the TCP store) after which the other
             ranks of a save consider a rank dead (killed or frozen) and raise SaveFailedError naming it; a TCP store
             silent this long names rank 0, its host. Each store call has a third of it (0.5-5 s).
+        quantize_moments: ``"int8"``/``"int4"``: ``save_checkpoint`` stores the optimizer moments lossily
+            (lossy.py; its ``quantize_moments=`` argument wins); None or ``"none"``: exactly.
         storage: the storage backend (io/storage.py) that holds the checkpoint; None picks it from the path
             (a registered ``scheme://``, else the local POSIX backend with ``odirect`` writes).
         derive_weights: a save leaves out each bf16/fp16 weight ``<k>`` that is exactly its fp32 master weight
@@ -114,6 +117,7 @@ class CheckpointOptions:
     max_metadata_bytes: int = strict_json.DEFAULT_MAX_METADATA_BYTES
     max_open_files: int = reader.MAX_OPEN_FILES
     heartbeat_lease: float = 5.0
+    quantize_moments: str | None = None
     storage: Storage | None = field(default=None, compare=False)
     derive_weights: bool = True
     codec: str = "auto"
@@ -143,6 +147,10 @@ class CheckpointOptions:
             raise ExtensionError(f"trace_hook must be callable (TraceRecord -> None), got {self.trace_hook!r:.100}")
         if self.storage is not None and not isinstance(self.storage, Storage):
             raise CheckpointError(f"storage must be a Storage (io/storage.py), got {type(self.storage).__name__}")
+        if self.quantize_moments not in (None, "none", "int8", "int4"):
+            raise CheckpointError(
+                f"quantize_moments={self.quantize_moments!r}: expected None, 'none', 'int8' or 'int4'"
+            )
         if self.max_metadata_bytes <= 0 or self.max_open_files < 2:
             raise CheckpointError("max_metadata_bytes must be positive and max_open_files at least 2")
 

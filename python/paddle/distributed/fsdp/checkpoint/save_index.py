@@ -16,6 +16,7 @@ import numpy as np
 from .errors import SaveFailedError
 from .format.index import PIECE_ROW, chunk_count, encode, keys_blob
 from .format.metadata import DTYPES, numel, rank_file_name
+from .format.reserved import QUANT_KEY
 from .format.row_directory import NO_START, fences_of
 from .format.versions import write_version
 
@@ -132,4 +133,8 @@ def index_objects(cols: dict, header: dict, reported: dict[int, dict], with_sums
         rows["key"], rows["file"], rows["box"] = a[:, 0], a[:, 1], a[:, 2]
         rows["offset"] = a[:, 3] + head[a[:, 1]]
         rows["nbytes"], rows["flat_a"], rows["flat_b"], rows["sums"] = a[:, 4], a[:, 5], a[:, 6], a[:, 7]
-    return encode(header, cols["keys_blob"], files, rows, cols["starts"], cols["fences"], write_version(header))
+    if QUANT_KEY in header["values"]:  # lossy moments (checkpoint/lossy.py): a top-level field of format 4
+        values = dict(header["values"])
+        header = {**header, "values": values, "quant": values.pop(QUANT_KEY)}
+    version = write_version(header)
+    return encode(header, cols["keys_blob"], files, rows, cols["starts"], cols["fences"], version)

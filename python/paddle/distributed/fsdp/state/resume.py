@@ -31,7 +31,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..checkpoint import CheckpointManager, CheckpointOptions, LoadReport
+from ..checkpoint import CheckpointManager, CheckpointOptions, LoadReport, lossy
 from ..checkpoint.coordination import Comm, gather_errors, stage_error
 from ..checkpoint.directory import open_checkpoint
 from ..checkpoint.errors import LoadFailedError, PartiallyLoadedError, UnexpectedKeyError
@@ -103,8 +103,9 @@ def save_checkpoint(
     lineage: Lineage | None = None,
     save_frozen: bool | None = None,
     derive_weights: bool | None = None,
+    quantize_moments: str | None = None,
 ):
-    """Save everything needed to resume bit-exactly. Collective: every rank of the group calls it.
+    """Save everything needed to resume bit-exactly (unless ``quantize_moments``). Collective: every rank of the group calls it.
 
     With ``step``, ``path`` is a checkpoint root: the checkpoint goes to ``path/step_<step>``, ``path/latest``
     names it once it is committed, and with ``keep_last=K`` only the K newest steps are kept (removed after
@@ -113,7 +114,9 @@ def save_checkpoint(
     the background too). An async save does not stall training: it returns after capturing RNG, LR scheduler,
     ``extra_state`` and non-trainable tensors; parameters and optimizer state are copied during the next
     forward/backward, and the next ``optimizer.step()`` waits for that copy by itself (see
-    checkpoint/snapshot_guard.py for what else waits). ``grad_scaler``: a ``paddle.amp.GradScaler`` whose state
+    checkpoint/snapshot_guard.py for what else waits). ``quantize_moments="int8"|"int4"`` (default: the
+    options' ``quantize_moments``, PADDLE_FSDP_CKPT_QUANTIZE_MOMENTS, else None: exact) stores Adam's moments lossily, ~4x resp. ~8x
+    smaller (checkpoint/lossy.py); loading such a checkpoint warns that the resume is not bit-exact. ``grad_scaler``: a ``paddle.amp.GradScaler`` whose state
     (loss scale, counters, settings) is saved too (state/grad_scaler.py). ``stateful``: ``{name: object}`` of
     objects with ``state_dict()``/``set_state_dict()`` (a data sampler, fsdp/sampler.py), saved per rank
     (state/stateful.py). ``ema``: a ShardedEMA (``fsdp.ema(coef)``, state/ema.py) saved with the weights.
@@ -139,6 +142,7 @@ def save_checkpoint(
     elif keep_last is not None:
         raise ValueError("keep_last needs step=: numbered checkpoints live in a root as step_<N> directories")
     state, per_rank, deferred, failed = _capture(objs, async_save)
+    state, deferred, failed = _quantize(fsdp, state, deferred, failed, quantize_moments, options)
     save_options = dict(
         async_save=async_save,
         deferred_keys=deferred,
@@ -154,6 +158,28 @@ def save_checkpoint(
     return run_save(
         save_request(state, path, fsdp._checkpoint_group, 0, None, caller_error=failed, lineage=record, **save_options)
     )
+
+
+def _quantize(fsdp, state: dict, deferred, failed, mode, options):
+    """The lossy-moments transform (checkpoint/lossy.py), collective on every rank alike; what fails goes to the
+    save's first exchange like a capture error. ``mode`` None: the options' (PADDLE_FSDP_CKPT_QUANTIZE_MOMENTS)."""
+    try:
+        if mode is None:
+            mode = (options if options is not None else CheckpointOptions.from_env()).quantize_moments
+            mode = None if mode == "none" else mode
+        mode = lossy.check_mode(mode)
+    except Exception as e:  # noqa: BLE001 - alike on every rank; reported by the save's exchange
+        return state, deferred, failed or e
+    if mode is None:
+        return state, deferred, failed
+    try:
+        state, quantized = lossy.quantize_state(state, mode, Comm(fsdp._checkpoint_group))
+    except Exception as e:  # noqa: BLE001 - as above
+        return state, deferred, failed or e
+    if deferred is not None:  # the codes are fresh tensors taken now: nothing of a quantized key is deferred
+        gone = set(quantized)
+        deferred = [k for k in deferred if k not in gone]
+    return state, deferred, failed
 
 
 def _capture(objs: ResumeObjects, async_save: bool):
@@ -236,6 +262,7 @@ def load_checkpoint(
     stateful: dict | None = None,
     ema=None,
     model_only: bool = False,
+    exact: bool = False,
 ) -> LoadResult:
     """Restore what :func:`save_checkpoint` wrote into ``fsdp``'s model and ``optimizer``, in place.
 
@@ -261,6 +288,10 @@ def load_checkpoint(
     Saved state left unrequested (the checkpoint holds optimizer, GradScaler, EMA or stateful state and the
     call did not pass that object) is listed in ``result.report.left_unrequested`` and logged as ONE warning per
     load naming the parts, unless ``model_only=True`` says that is intended (then no other object may be given).
+
+    A checkpoint saved with ``quantize_moments`` resumes close to, not bit-identical with, the run: its load
+    warns (``LossyCheckpointWarning``) when it restores the optimizer; ``exact=True`` refuses it instead
+    (``LossyCheckpointError``, before anything is written).
     """
     if type(model_only) is not bool:
         raise TypeError(f"model_only must be a bool, got {model_only!r}")
@@ -272,7 +303,7 @@ def load_checkpoint(
     target = path
     while True:
         try:
-            result = _load_retrying(objs, target, strict, verify_checksums, atomic, max_host_bytes, options)
+            result = _load_retrying(objs, target, strict, verify_checksums, atomic, max_host_bytes, options, exact)
         except PartiallyLoadedError as e:
             failed = getattr(e, "checkpoint", None)
             # decided alike on every rank (a rank that cannot list the root must not give up alone while its
@@ -331,17 +362,17 @@ def _older_checkpoint(root: str, failed: str) -> str | None:
     return max(older, key=lambda f: f.order()).location if older else None
 
 
-def _load_retrying(objs, path, strict, verify_checksums, atomic, max_host_bytes, options) -> LoadResult:
+def _load_retrying(objs, path, strict, verify_checksums, atomic, max_host_bytes, options, exact=False) -> LoadResult:
     """One load of ``path``, retried when ``keep_last`` rotation removed the checkpoint being read (for a root:
     checkpoint/manager.py ``retry_removed``)."""
     return retry_removed(
-        lambda: _load_once(objs, path, strict, verify_checksums, atomic, max_host_bytes, options),
+        lambda: _load_once(objs, path, strict, verify_checksums, atomic, max_host_bytes, options, exact),
         f"load_checkpoint({path})",
         lambda e: _agreed(objs.fsdp, e, lambda: is_checkpoint_root(path)),
     )
 
 
-def _targets(objs: ResumeObjects, metadata) -> tuple[dict, Any, BaseException | None]:
+def _targets(objs: ResumeObjects, metadata) -> tuple[dict, Any, Any, BaseException | None]:
     """What the engine loads into on this rank (optimizer state created first), after the precheck's verdict:
     ``(requested, split, error)``. Never raises: what fails goes to the engine's first exchange (``error``)."""
     fsdp = objs.fsdp
@@ -351,18 +382,26 @@ def _targets(objs: ResumeObjects, metadata) -> tuple[dict, Any, BaseException | 
         state = resume_state.load_targets(objs)
         for key in resume_state.requested_values(objs, metadata.values):
             state[key] = None  # requested: the engine reports them missing like any key (extra_state is returned)
+        pending = lossy.swap_targets(state, metadata.quant)  # quantized moments: their codes and scales instead
         replicate_group = fsdp.group_layout.replicate_group
         degree = fsdp.group_layout.replicate_degree
         split = replicas.split_for_replicas(state, metadata, degree) if replicate_group else None
         # the dict the engine fills: under HSDP a replica's part, which holds the JSON values (extra_state) too
         requested = replicas.my_part(state, split, replicate_group.rank) if split else state
-        return requested, split, None
+        return requested, split, pending, None
     except Exception as e:  # noqa: BLE001 - every rank must hear of it
-        return {EXTRA_KEY: None}, None, e
+        return {EXTRA_KEY: None}, None, None, e
 
 
 def _load_once(
-    objs: ResumeObjects, path: str, strict: bool, verify_checksums: bool, atomic: bool, max_host_bytes, options
+    objs: ResumeObjects,
+    path: str,
+    strict: bool,
+    verify_checksums: bool,
+    atomic: bool,
+    max_host_bytes,
+    options,
+    exact: bool = False,
 ) -> LoadResult:
     """Open the checkpoint once, refuse on every rank together what the engine cannot see (keys of another model,
     the non-tensor state: ``_precheck``), then have the engine load from that same opened checkpoint, then apply
@@ -379,6 +418,8 @@ def _load_once(
         checkpoint = open_checkpoint(resolved)
         objs.with_frozen_base = frozen_base.holds_base(checkpoint.metadata.values.get(FROZEN_BASE_KEY))
         foreign, apply = _precheck(objs, resolved, checkpoint.metadata, strict)
+        if optimizer is not None:  # lossy moments: refused under exact=True (alike on every rank), else a warning
+            lossy.warn_lossy(resolved, checkpoint.metadata.quant, exact)
     except Exception as e:  # noqa: BLE001 - whatever fails here must reach the exchange below
         # an OSError reading storage: CorruptCheckpointError; user code, a storage layer: LoadFailedError
         err = stage_error(named_read_error(path, e), f"load of {path} failed", comm.rank, LoadFailedError)
@@ -387,7 +428,7 @@ def _load_once(
     if not objs.with_frozen_base:  # the checkpoint references its base: alike on every rank (the same checkpoint)
         frozen_base.fingerprint(fsdp)  # collective, once per run; then every rank decides alike
         frozen_base.check(fsdp, checkpoint.metadata.values.get(FROZEN_BASE_KEY), f"checkpoint {resolved}")
-    requested, split, failed = _targets(objs, checkpoint.metadata)
+    requested, split, pending, failed = _targets(objs, checkpoint.metadata)
     try:
         report = run_load(
             requested,
@@ -407,6 +448,8 @@ def _load_once(
         window = replicas.window_for(max_host_bytes)
         replicate_group = fsdp.group_layout.replicate_group
         report.loaded_keys.extend(replicas.broadcast_parts(split, set(report.loaded_keys), replicate_group, window))
+    if pending:  # quantized moments: their codes and scales were read; the moments are written from them
+        pending.finish(report.loaded_keys)
 
     def apply_and_refresh() -> None:
         apply()  # validated on every rank; only user code (a stateful object's setter) can still raise

@@ -45,6 +45,7 @@ from ..checkpoint.format.metadata import (
 from ..checkpoint.format.reserved import BUFFERS_KEY, EMA_SUFFIX, OPTIMIZER_KEY
 from ..checkpoint.geometry import Region
 from ..checkpoint.load import load as engine_load
+from ..checkpoint.lossy import logical_tensors, read_dequantized
 from ..checkpoint.one_process import CheckpointWriter, Producer, WriteEntry  # noqa: F401 (the tools import them here)
 from ..checkpoint.paths import local_path
 from ..checkpoint.regions import read_region
@@ -81,9 +82,10 @@ def _known_state_names(optimizer_class: str) -> set[str] | None:
 
 def classify_keys(md: CheckpointMetadata) -> dict[str, KeyRole]:
     """Role of every tensor key (see the module docstring for the rule and why it is sound)."""
-    keys = set(md.tensors)
+    tensors = logical_tensors(md)  # a quantized moment as itself, not its stored codes and scales
+    keys = set(tensors)
     roles: dict[str, KeyRole] = {}
-    for key in md.tensors:
+    for key in tensors:
         head, dot, tail = key.rpartition(".")
         if dot and tail and head in keys:
             roles[key] = KeyRole(OPTIMIZER, head, tail)
@@ -155,6 +157,7 @@ class CheckpointReader:
         opts = CheckpointOptions.from_env() if options is None else options
         storage = opts.storage_for(self.path)
         md = read_metadata(self.path, opts, storage)
+        self.quant = md.quant or {}  # quantized moments: read_flat dequantizes them
         self._files = reader.FileSet.of(self.path, md, verify, opts, storage)
         # derived weights (format 4) listed with the stored tensors, read as their master weight cast
         self.md = dataclasses.replace(md, tensors=derived.WithDerived(md.tensors, md.derived)) if md.derived else md
@@ -177,7 +180,7 @@ class CheckpointReader:
         return self._files.bytes_read
 
     def nbytes(self, key: str) -> int:
-        tm = self.md.tensors[key]
+        tm = self.md.tensors[key] if key not in self.quant else logical_tensors(self.md)[key]
         return Region.full(tm.shape).numel * itemsize(tm.dtype)
 
     def read(self, key: str) -> np.ndarray:
@@ -195,7 +198,13 @@ class CheckpointReader:
         """Elements ``[start, stop)`` of tensor ``key``'s row-major flattening, as a new 1-D numpy array.
 
         Only the byte ranges holding them are read (plus checksum-chunk alignment), whatever the saved layout.
+        A quantized moment (checkpoint/lossy.py) is read from its codes and scales, dequantized.
         """
+        q = self.quant.get(key)
+        if q is not None:
+            if not 0 <= start <= stop <= q.numel:
+                raise ValueError(f"key {key!r}: flat range [{start}, {stop}) outside its {q.numel} elements")
+            return cast_array(read_dequantized(self.read_flat, q, start, stop), "float32", q.dtype)
         tm = self.md.tensors[key]
         full = Region.full(tm.shape)
         if not 0 <= start <= stop <= full.numel:

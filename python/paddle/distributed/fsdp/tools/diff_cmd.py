@@ -26,6 +26,7 @@ from ..checkpoint.format.metadata import itemsize
 from ..checkpoint.format.rank_values import plain
 from ..checkpoint.format.reserved import RNG_KEY
 from ..checkpoint.geometry import Region
+from ..checkpoint.lossy import logical_tensors
 from .ckpt_io import BUFFER, MODEL, OPTIMIZER, CheckpointReader, buffer_keys, classify_keys
 from .errors import ToolError
 from .progress import Progress
@@ -161,7 +162,7 @@ def diff(
         report = DiffReport(ra.path, rb.path, atol=float(atol), rtol=float(rtol))
         roles_a, roles_b = classify_keys(ra.md), classify_keys(rb.md)
         buffers = buffer_keys(ra.md) | buffer_keys(rb.md)
-        ta, tb = ra.md.tensors, rb.md.tensors
+        ta, tb = logical_tensors(ra.md), logical_tensors(rb.md)  # quantized moments compared dequantized
 
         def role_of(k: str) -> str:
             return BUFFER if k in buffers else (roles_a.get(k) or roles_b[k]).role

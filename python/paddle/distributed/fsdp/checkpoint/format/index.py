@@ -182,7 +182,7 @@ def encode(
         },
         "values": header["values"],
     }
-    for extended in ("derived",):  # format 4's optional fields (versions.EXTENDED_FIELDS), only when used
+    for extended in ("derived", "quant"):  # format 4's optional fields (versions.EXTENDED_FIELDS), only when used
         if header.get(extended):
             md[extended] = header[extended]
     if header.get("rank_values"):
@@ -269,6 +269,8 @@ def decode_header(d: dict, where: str) -> tuple[dict, dict]:
         from .codecs import parse_codecs_field
 
         fields["codecs"] = parse_codecs_field(d["codecs"], files, where)
+    if "quant" in d and d["version"] < 4:  # format 4's field (versions.py reads it): never in an older version
+        raise _fail(where, f"field 'quant' in a format-{d['version']} checkpoint (it needs format 4)")
     return fields, index
 
 

@@ -243,6 +243,8 @@ class CheckpointMetadata:
     derived: dict = field(default_factory=dict, repr=False, compare=False)
     # format 4: data file -> chunk codec of the files stored through one (format/codecs.py); the others are raw
     codecs: dict[str, str] = field(default_factory=dict)
+    # format 4: {key: quant.QuantizedKey} of the keys stored quantized (lossy moments); None: none
+    quant: Any = field(default=None, repr=False, compare=False)
 
     def prefetch(self, keys, spans: dict[str, tuple[int, int]] | None = None) -> None:
         """Read the pieces of ``keys`` now, in as few reads as possible (format 2; nothing to do in format 1);

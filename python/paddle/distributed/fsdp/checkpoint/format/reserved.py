@@ -19,6 +19,9 @@ BUFFERS_KEY = "__fsdp__.buffers"  # keys of the model's persistable buffers (to-
 STATEFUL_KEY = "__fsdp__.stateful"  # per rank: {name: state_dict()} of the caller's stateful objects (a data sampler)
 EMA_KEY = "__fsdp__.ema"  # {"coef", "updates"} of an EMA of the weights (state/ema.py), when one was given
 FROZEN_BASE_KEY = "__fsdp__.frozen_base"  # the frozen parameters: saved or not, their fingerprint, their source
+# carried as a value from the save transform (checkpoint/lossy.py) to the writer, which stores it as metadata.json's
+# top-level "quant" field (format 4, format/quant.py); never a value on disk
+QUANT_KEY = "__fsdp__.quant"
 EMA_SUFFIX = ".ema"  # an EMA record is "<param key>.ema", sharded like its parameter (to-hf --ema exports them)
 
 SAFETENSORS_METADATA = "__metadata__"  # the header entry of a safetensors file that holds its str->str metadata

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..errors import MetadataError
 from ..gc_pause import gc_paused
-from . import derived
+from . import derived, quant
 from .index_view import open_indexed
 from .metadata import FORMAT_NAME, CheckpointMetadata
 from .schema import parse_metadata
@@ -27,8 +27,8 @@ EXTENDED_VERSION = 4  # format 4: format 3 plus optional top-level metadata.json
 WRITE_VERSION = RANK_VALUES_VERSION  # what saves, the tools and the converter write when no format-4 field is used
 # format 4's optional fields: a save writes version 4 only when it uses one, so plain checkpoints stay format 3
 # and older builds keep reading them. "derived": weights stored as their master cast (derived.py); "codecs":
-# {data file: codec name} of the stored (compressed) data files (codecs.py)
-EXTENDED_FIELDS = (derived.FIELD, "codecs")
+# {data file: codec name} of the stored (compressed) data files (codecs.py); "quant": lossy moments (quant.py)
+EXTENDED_FIELDS = (derived.FIELD, "codecs", quant.QUANT_FIELD)
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,9 @@ def write_version(header: dict) -> int:
 def _read_extended(d: dict, where: str, fetch=None) -> CheckpointMetadata:
     """Format 4: format 3's reader, then its optional fields, each checked (MetadataError naming it)."""
     md = open_indexed(d, where, fetch)
+    if quant.QUANT_FIELD in d:  # lossy moments: the quantized keys, checked against the tensors they are stored as
+        md.quant = quant.parse_field(d[quant.QUANT_FIELD], where)
+        quant.check_against(md.quant, md.tensors, where)
     md.derived = derived.parse_field(d.get(derived.FIELD), md.tensors, md.values, where)
     return md
 
@@ -74,7 +77,7 @@ FORMATS: dict[int, FormatVersion] = {
     EXTENDED_VERSION: FormatVersion(
         EXTENDED_VERSION,
         "format 3 + optional fields: derived (derived weights: format/derived.py), codecs (stored files and their"
-        " <file>.chunks tables: codecs.py)",
+        " <file>.chunks tables: codecs.py), quant (quantized moments: quant.py)",
         _read_extended,
     ),
 }

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import checksums
+from .. import checksums, lossy
 from ..chunks import ChunkVerifier
 from ..coordination import Comm, gather_errors, stage_error
 from ..directory import read_metadata
@@ -78,6 +78,8 @@ class LoadJob:
 
     def __init__(self, state_dict, path: str, opts: CheckpointOptions, verify_checksums: bool, tr: Tracer):
         self.state_dict = state_dict
+        self.values_dict = state_dict  # the caller's dict: JSON values go back into it
+        self.dequant = None  # quantized moments requested: their targets, written after the commit (lossy.py)
         self.path = path
         self.opts = opts
         self.verify_checksums = verify_checksums
@@ -122,6 +124,10 @@ class LoadJob:
         self.tr.mark("metadata")
         if not isinstance(self.state_dict, dict):
             raise InvalidStateDictError(f"state_dict must be a dict, got {type(self.state_dict).__name__}")
+        if md.quant and any(k in md.quant for k in self.state_dict):  # read their codes and scales instead
+            self.state_dict = dict(self.state_dict)
+            self.dequant = lossy.swap_targets(self.state_dict, md.quant)
+            self.requested = sorted(self.state_dict)
         problems: list[tuple[type, str]] = []
 
         def refuse(error: type, key: str, reason: str) -> None:
@@ -211,9 +217,12 @@ class LoadJob:
     def finish(self, all_requested: set[str], seconds: float) -> LoadReport:
         """After the commit: JSON values into the dict, the report completed."""
         for k, v in self.value_updates.items():
-            self.state_dict[k] = v
+            self.values_dict[k] = v
         md, report = self.md, self.report
         report.unexpected_keys = sorted((set(md.tensors) | set(md.values)) - all_requested)
+        if self.dequant:  # the moments from the codes and scales just loaded; not bit-exact: warned
+            self.dequant.finish(report.loaded_keys)
+            lossy.warn_lossy(self.path, md.quant, exact=False)
         report.seconds = seconds
         self.tr.mark("copy-into-targets")
         self.tr.done()

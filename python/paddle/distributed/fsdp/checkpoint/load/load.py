@@ -65,7 +65,7 @@ import time
 from collections.abc import Iterable
 
 from ...keywords import STOCK_LOAD_KEYWORDS, check_keywords, keyword_names
-from .. import host_memory
+from .. import host_memory, lossy
 from ..background import wait_pending
 from ..chunks import ChunkVerifier
 from ..coordination import Comm
@@ -218,7 +218,11 @@ def load_full_state_dict(
     path = local_path(path, opts.storage)
     storage = opts.storage_for(path)
     md = read_metadata(path, opts, storage)
-    wanted = [*md.tensors, *md.derived] if keys is None else list(keys)
+    if keys is None:
+        logical = [*(lossy.logical_keys(md) if md.quant else md.tensors), *md.derived]
+    else:
+        logical = list(keys)
+    wanted = lossy.stored_keys(md, logical)  # a quantized moment: its codes and scales (format/quant.py)
     for key in wanted:
         if key in md.derived:
             derive.source_of(md, key)  # DerivedKeyError when its master is not there
@@ -233,7 +237,9 @@ def load_full_state_dict(
         # format/index.py among the rows a load reads)
         check_coverage(path, md, tensor_keys)
         check_data_files(path, md, tensor_keys, options=opts, storage=storage)
-        return _read_full(path, md, wanted, opts, storage)
+        out = _read_full(path, md, wanted, opts, storage)
+        lossy.dequantize_full(md, out, logical)
+        return out
     except (OSError, CorruptCheckpointError) as e:
         err = read_failure(path, e, md, storage)
         if err is e:
