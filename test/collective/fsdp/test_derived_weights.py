@@ -241,9 +241,7 @@ CRAFTED = {
     "other rounding": {"p": {"from": "head.weight.moment1", "dtype": "bfloat16", "rounding": "toward-zero"}},
     "not an object": ["embed.weight"],
     "entry not an object": {"p": "head.weight.master_weight"},
-    "a million entries": {
-        f"k{i}": {"from": "x", "dtype": "bfloat16", "rounding": "nearest-even"} for i in range(10**6)
-    },
+    "2000 entries": {f"k{i}": {"from": "x", "dtype": "bfloat16", "rounding": "nearest-even"} for i in range(2000)},
 }
 
 
@@ -347,4 +345,5 @@ def test_the_bytes_benchmark_measures_two_bytes_a_parameter_less(tmp_path):
     raw, default = got["bf16+master/raw"], got["bf16+master/default"]
     assert abs(raw["total"] - default["total"] - 2.0) < 0.01 and default["weights"] == 0 and default["format"] == 4
     assert raw["weights"] == 2.0 and raw["master"] == 4.0 and raw["moments"] == 8.0
-    assert got["fp32/raw"]["total"] == got["fp32/default"]["total"]
+    assert abs(got["fp32/raw"]["total"] - got["fp32/default"]["total"]) < 1e-3  # (the index's ids and times vary)
+    assert got["fp32/default"]["format"] == 3

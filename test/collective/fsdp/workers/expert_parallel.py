@@ -310,6 +310,8 @@ def case_master_weights(ctx):
     keys = read_metadata(source).tensors
     masters = [k for k in keys if ".experts." in k and k.endswith(".master_weight")]
     assert len(masters) == 2 * EXPERTS * 3, f"{len(masters)} expert master weights in the checkpoint"
+    derived = read_metadata(source).derived  # each rank holds its own experts: the agreement's second gather
+    assert sum(".experts." in k for k in derived) == len(masters), f"{len(derived)} derived weights"
     dense = build_bf16("dense")
     dense[0].load_checkpoint(source, optimizer=dense[2])
     ep1 = os.path.join(ctx["dir"], "ep1_bf16")

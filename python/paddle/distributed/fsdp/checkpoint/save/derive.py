@@ -12,11 +12,13 @@ Cost: one pass over the rank's weights and masters (6 bytes a parameter read), a
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from dataclasses import replace
 
 from ..coordination import gather_errors, stage_error
-from ..errors import SaveFailedError
+from ..errors import InvalidStateDictError, SaveFailedError
 from ..format import derived
 from ..host_memory import raw_view
 from ..records import to_record
@@ -24,50 +26,74 @@ from ..records import to_record
 logger = logging.getLogger(__name__)
 
 
-def _local_candidates(state_dict) -> tuple[list[tuple[str, str]], list[str]]:
-    """``(equal, other)``: this rank's weight keys (and dtypes) whose shard is exactly its master's cast, its other
-    bf16/fp16 tensor keys (a rank whose shard of a weight is not derivable keeps it stored on every rank: a key
-    is never stored in part)."""
+def _local_candidates(state_dict) -> tuple[dict[str, str], list[str]]:
+    """``(equal, other)``: this rank's weight keys whose shard is exactly its master's cast (key -> dtype), and
+    those that have a master here but differ from its cast (another sharding, an element off, a NaN)."""
     if not isinstance(state_dict, dict):
-        return [], []  # (the save's own validation names it)
-    equal, other = [], []
-    for wkey, wval in state_dict.items():
-        w = to_record(wkey, wval) if isinstance(wkey, str) else None
-        if w is None or w.dtype not in derived.CAST_DTYPES:
+        return {}, []  # (the save's own validation names it)
+    equal, other = {}, []
+    for mkey, mval in state_dict.items():
+        if not isinstance(mkey, str) or not mkey.endswith(derived.MASTER_SUFFIX):
             continue
-        mkey = wkey + derived.MASTER_SUFFIX
-        m = to_record(mkey, state_dict[mkey]) if mkey in state_dict else None
-        if m is None or m.dtype != derived.SOURCE_DTYPE or w.region != m.region or w.replicated != m.replicated:
+        wkey = mkey[: -len(derived.MASTER_SUFFIX)]
+        if wkey not in state_dict:
+            continue
+        w, m = to_record(wkey, state_dict[wkey]), to_record(mkey, mval)
+        if w is None or m is None or w.dtype not in derived.CAST_DTYPES:
+            continue
+        if m.dtype != derived.SOURCE_DTYPE or w.region != m.region or w.replicated != m.replicated:
             other.append(wkey)
             continue
         wraw, _keep_w = raw_view(w.tensor)
         mraw, _keep_m = raw_view(m.tensor)
         if derived.equals_cast(wraw.view("uint16"), mraw.view("float32"), w.dtype):
-            equal.append((wkey, w.dtype))
+            equal[wkey] = w.dtype
         else:
             other.append(wkey)
     return equal, other
 
 
+def _digest(equal: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(sorted(equal.items())).encode()).hexdigest()
+
+
 def plan_derived(req, comm):
     """``(request, derived field)``: the request without the weights every rank found derivable (and the
     ``"derived"`` field naming them), or unchanged with ``{}`` when ``derive_weights`` is off. Collective when on:
-    every rank of the save calls it."""
+    every rank of the save calls it.
+
+    One ``all_gather_object`` of a digest of each rank's derivable keys and the (normally empty) list of those
+    that are not: O(1) a rank when every rank holds the same keys (FSDP). Only when the digests differ (expert
+    parallelism: ranks hold other keys) a second one gathers the lists. A rank that holds an agreed weight
+    without its master (not derivable here, derived elsewhere) makes the save fail by name (a key is never stored
+    in part): ``derive_weights=False`` saves such a state."""
     if not req.options.derive_weights or req.opts_error is not None:
         return req, {}
-    err, payload = None, ([], [])
+    err, equal, other = None, {}, []
     try:
-        payload = _local_candidates(req.state_dict)
+        equal, other = _local_candidates(req.state_dict)
     except Exception as e:  # noqa: BLE001 - reported to every rank (a bad record is the save's own error)
         err = stage_error(e, f"save to {req.path} failed", comm.rank, SaveFailedError)
-    gathered = gather_errors(comm, err, payload)
-    dtypes = {k: d for equal, _o in gathered for k, d in equal}
-    agreed = set(dtypes) - {k for _e, other in gathered for k in other}
+    gathered = gather_errors(comm, err, (_digest(equal), bool(equal), other))
+    if not any(has for _d, has, _o in gathered):
+        return req, {}
+    dtypes = dict(equal)
+    if len({d for d, _h, _o in gathered}) > 1:
+        for theirs in gather_errors(comm, None, equal):
+            dtypes.update(theirs)
+    agreed = set(dtypes) - {k for _d, _h, o in gathered for k in o}
     kept = sorted(set(dtypes) - agreed)
     if kept:
         logger.info("save to %s: %d weights not derivable on every rank, stored: %s", req.path, len(kept), kept[:5])
     if not agreed:
         return req, {}
+    alone = sorted(k for k in agreed if isinstance(req.state_dict, dict) and k in req.state_dict and k not in equal)
+    if alone:
+        error = InvalidStateDictError(
+            f"weights {alone[:5]} are derived from their master weights on other ranks, but this rank holds them "
+            f"without one: save with derive_weights=False"
+        )
+        return replace(req, caller_error=req.caller_error or error), {}
     state = {k: v for k, v in req.state_dict.items() if k not in agreed}
     deferred = None if req.deferred_keys is None else [k for k in req.deferred_keys if k not in agreed]
     field = derived.to_field({k: derived.Derived(k, k + derived.MASTER_SUFFIX, dtypes[k]) for k in agreed})
