@@ -25,7 +25,7 @@ logger = logging.getLogger("lossy_drift")
 VOCAB, SEQ, BATCH = 128, 16, 4
 
 
-def build(seed: int, lr: float):
+def build(seed: int, lr: float, layers: int = 2):
     from paddle.distributed.fsdp import FullyShardFusion
     from paddleformers.transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -34,7 +34,7 @@ def build(seed: int, lr: float):
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
@@ -67,12 +67,18 @@ def train(model, opt, steps) -> list[float]:
 
 
 def drift(
-    modes=("int8",), k: int = 20, steps: int = 100, lr: float = 3e-3, workdir: str | None = None, uninterrupted=True
+    modes=("int8",),
+    k: int = 20,
+    steps: int = 100,
+    lr: float = 3e-3,
+    workdir: str | None = None,
+    uninterrupted: bool = True,
+    layers: int = 2,
 ) -> dict:
     """``{"reference": losses, "exact": losses, mode: losses, ...}`` of the ``steps`` steps after step ``k``;
     without ``uninterrupted`` the reference is the exact resume (one run fewer: the test's budget)."""
     workdir = workdir or tempfile.mkdtemp(prefix="lossy_drift_")
-    model, fsdp, opt = build(1, lr)
+    model, fsdp, opt = build(1, lr, layers)
     train(model, opt, range(k))
     fsdp.save_checkpoint(f"{workdir}/exact", optimizer=opt)
     for mode in modes:
@@ -80,7 +86,7 @@ def drift(
     after = range(k, k + steps)
     out = {"reference": train(model, opt, after)} if uninterrupted else {}
     for name in ("exact", *modes):
-        model, fsdp, opt = build(2, lr)
+        model, fsdp, opt = build(2, lr, layers)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # LossyCheckpointWarning: expected here
             fsdp.load_checkpoint(f"{workdir}/{name}", optimizer=opt)
