@@ -110,11 +110,14 @@ def build(kind: str, args):
                 param.set_value(master.astype(param.dtype))  # (the kernel's last step: param = cast(master))
             else:
                 param.set_value(paddle.to_tensor(value))
-            for name, acc in inner._accumulators.items():
-                t = acc.get(param.name)
-                if t is not None and "moment" in name:
-                    m = (1e-3 * rng.standard_normal(shape)).astype(np.float32)
-                    t.set_value(paddle.to_tensor(m * m if "2" in name else m))
+        # the moments: under FSDP the optimizer's accumulators belong to the fused buffers, not to the parameters,
+        # so every moment accumulator is filled (zeros would make the compressed modes' figures meaningless)
+        for name, accs in inner._accumulators.items():
+            if "moment" not in name:
+                continue
+            for t in accs.values():
+                m = (1e-3 * rng.standard_normal(list(t.shape))).astype(np.float32)
+                t.set_value(paddle.to_tensor(m * m if "2" in name else m))
     n = sum(int(np.prod(p.shape)) for p in model.parameters())
     return fsdp, opt, n
 
