@@ -20,7 +20,7 @@ from _results import assert_case_ok
 from crafted import reseal
 from launch_util import run_launch
 from paddle.distributed.fsdp.checkpoint.errors import CorruptCheckpointError, MetadataError
-from paddle.distributed.fsdp.checkpoint.format import codecs
+from paddle.distributed.fsdp.checkpoint.format import codecs, versions
 from paddle.distributed.fsdp.checkpoint.options import CheckpointOptions
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "codec_ckpt.py")
@@ -62,7 +62,8 @@ def test_compressed_checkpoint_on_disk_one_process_and_verify(runs):
         "0_0.safetensors": "byteplane-zstd",
         "1_0.safetensors": "byteplane-zstd",
     }
-    assert "codecs" not in json.loads((raw / "metadata.json").read_bytes())  # raw saves name no codec
+    mr = json.loads((raw / "metadata.json").read_bytes())  # a raw save: no codecs; format 3 unless another
+    assert "codecs" not in mr and mr["version"] == versions.write_version(mr)  # format-4 field (derived weights)
     assert json.loads((env / "metadata.json").read_bytes())["codecs"] == mz["codecs"]  # PADDLE_FSDP_CKPT_CODEC
     assert not (zst / "0.metadata").exists() and (raw / "0.metadata").exists()
     assert _data_bytes(zst) < 0.9 * _data_bytes(raw), (_data_bytes(zst), _data_bytes(raw))
