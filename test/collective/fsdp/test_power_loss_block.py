@@ -202,12 +202,32 @@ def two_ranks(tmp_path_factory) -> dict:
 
 
 def _mount(fs, img: str, mnt: str) -> subprocess.CompletedProcess:
-    opts = "loop,nouuid" if fs is XFS else "loop"  # nouuid: every image of one recording has the same uuid
-    return subprocess.run(["mount", "-o", opts, img, mnt], capture_output=True, text=True, timeout=120)
+    """Mount ``img`` on a loop device of its own. Not ``mount -o loop``: it reuses a loop device still attached to
+    the same file (the previous state's, being detached after its umount) with that device's cached blocks, so a
+    state was sometimes read with blocks of the state before it (false findings, and it could hide real ones)."""
+    dev = block_crash.run(["losetup", "-f", "--show", img])
+    block_crash.run(["blockdev", "--flushbufs", dev])  # a fresh device; no cached block of an earlier state
+    opts = ["-o", "nouuid"] if fs is XFS else []  # nouuid: every image of one recording has the same uuid
+    r = subprocess.run(["mount", *opts, dev, mnt], capture_output=True, text=True, timeout=120)
+    if r.returncode:
+        _detach(dev)
+    return r
+
+
+def _detach(dev: str) -> None:
+    subprocess.run(["losetup", "-d", dev], check=True, capture_output=True, timeout=60)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # detached asynchronously: the image is rewritten next
+        r = subprocess.run(["losetup", "-n", "-O", "BACK-FILE", dev], capture_output=True, text=True, timeout=60)
+        if r.returncode or not r.stdout.strip():
+            return
+        time.sleep(0.01)
 
 
 def _umount(mnt: str) -> None:
+    dev = block_crash.run(["findmnt", "-n", "-o", "SOURCE", mnt])
     subprocess.run(["umount", mnt], check=True, capture_output=True, timeout=120)
+    _detach(dev)
 
 
 def _latest_ok(ckroot: str, verify=ck.verify_checkpoint) -> None:
@@ -326,6 +346,7 @@ def explore(rec: Recorded, check, work: str, seed: int, budget: int, stop_at_fir
                     check(rec, pos, mnt)
                 except Exception as e:  # noqa: BLE001 - every failing state is a finding, reported with its state
                     out["failures"].append((pos, lost, f"{type(e).__name__}: {e}"))
+                    _keep(img, pos)
                 finally:
                     _umount(mnt)
             if out["failures"] and stop_at_first:
@@ -336,11 +357,21 @@ def explore(rec: Recorded, check, work: str, seed: int, budget: int, stop_at_fir
     return out
 
 
+def _keep(img: str, pos: int) -> None:
+    """PADDLE_FSDP_CRASH_KEEP=DIR: a failing state's image is kept there for inspection (debugfs, xfs_db)."""
+    keep = os.environ.get("PADDLE_FSDP_CRASH_KEEP")
+    if keep:
+        os.makedirs(keep, exist_ok=True)
+        shutil.copy(img, os.path.join(keep, f"state-{os.getpid()}-{pos}.img"))
+
+
 def _summary(what: str, rec: Recorded, out: dict, seconds: float) -> str:
     log = rec.log[rec.start :]
-    text = (f"{what}: {len(log)} block records ({sum(r[0] == block_crash.FLUSH for r in log)} flushes), "
+    text = (f"{what}: {len(log)} block records (from record {rec.start}; saves returned at {rec.marks}) ({sum(r[0] == block_crash.FLUSH for r in log)} flushes), "
             f"{out['states']} crash states in {seconds:.0f} s, {len(out['failures'])} failing, "
             f"{len(out['repaired'])} needed {rec.fs.repair[0]} before they mounted {out['repaired'][:3]}")  # fmt: skip
+    for pos, lost, err in out["failures"][:3]:
+        text += f"\n  failing state at log position {pos} ({lost} writes after the last flush lost): {err}"
     if rec.fs.fsck_first:
         text += f"; mounted without fsck: {len(out['fsckless_failures'])} failing {out['fsckless_failures'][:2]}"
     logger.info(text)
