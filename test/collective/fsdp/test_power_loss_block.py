@@ -201,31 +201,25 @@ def two_ranks(tmp_path_factory) -> dict:
 # ------------------------------------------------------------------------------------------------ replay
 
 
-def _mount(fs, img: str, mnt: str) -> subprocess.CompletedProcess:
-    """Mount ``img`` on a loop device of its own. Not ``mount -o loop``: it reuses a loop device still attached to
-    the same file (the previous state's, being detached after its umount) with that device's cached blocks, so a
-    state was sometimes read with blocks of the state before it (false findings, and it could hide real ones)."""
+def _mount(fs, img: str, mnt: str) -> tuple[subprocess.CompletedProcess, str]:
+    """Mount ``img`` on a loop device of its own: (mount's outcome, device). Not ``mount -o loop``: it reuses a loop
+    device still attached to the same file (the previous state's, being detached after its umount) with that
+    device's cached blocks, so a state was sometimes read with blocks of the state before it (false findings, and
+    it could hide real ones)."""
     dev = block_crash.run(["losetup", "-f", "--show", img])
-    block_crash.run(["blockdev", "--flushbufs", dev])  # a fresh device; no cached block of an earlier state
+    block_crash.run(["blockdev", "--flushbufs", dev])  # no cached block of an earlier state
     opts = ["-o", "nouuid"] if fs is XFS else []  # nouuid: every image of one recording has the same uuid
     r = subprocess.run(["mount", *opts, dev, mnt], capture_output=True, text=True, timeout=120)
     if r.returncode:
         _detach(dev)
-    return r
+    return r, dev
 
 
 def _detach(dev: str) -> None:
     subprocess.run(["losetup", "-d", dev], check=True, capture_output=True, timeout=60)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # detached asynchronously: the image is rewritten next
-        r = subprocess.run(["losetup", "-n", "-O", "BACK-FILE", dev], capture_output=True, text=True, timeout=60)
-        if r.returncode or not r.stdout.strip():
-            return
-        time.sleep(0.01)
 
 
-def _umount(mnt: str) -> None:
-    dev = block_crash.run(["findmnt", "-n", "-o", "SOURCE", mnt])
+def _umount(mnt: str, dev: str) -> None:
     subprocess.run(["umount", mnt], check=True, capture_output=True, timeout=120)
     _detach(dev)
 
@@ -324,7 +318,8 @@ def explore(rec: Recorded, check, work: str, seed: int, budget: int, stop_at_fir
         for pos, lost in block_crash.crash_states(rec.log, start, fs.size, budget, random.Random(seed), img):
             out["states"] += 1
             if fs.fsck_first:  # what a mount without the fsck gives: measured, not asserted
-                if _mount(fs, img, mnt).returncode:
+                r, dev = _mount(fs, img, mnt)
+                if r.returncode:
                     out["fsckless_failures"].append((pos, "unmountable"))
                 else:
                     try:
@@ -332,13 +327,13 @@ def explore(rec: Recorded, check, work: str, seed: int, budget: int, stop_at_fir
                     except Exception as e:  # noqa: BLE001 - a figure of the report
                         out["fsckless_failures"].append((pos, f"{type(e).__name__}: {e}"))
                     finally:
-                        _umount(mnt)
+                        _umount(mnt, dev)
                 subprocess.run([*fs.repair, img], capture_output=True, timeout=300)
-            r = _mount(fs, img, mnt)
+            r, dev = _mount(fs, img, mnt)
             if r.returncode:  # e.g. a torn ext4 superblock (its checksum): the file system's own repair
                 fix = subprocess.run([*fs.repair, img], capture_output=True, text=True, timeout=300)
                 out["repaired"].append((pos, fix.returncode))
-                r = _mount(fs, img, mnt)
+                r, dev = _mount(fs, img, mnt)
             if r.returncode:
                 out["failures"].append((pos, lost, f"unmountable, even after {fs.repair[0]}: {r.stderr.strip()}"))
             else:
@@ -348,7 +343,7 @@ def explore(rec: Recorded, check, work: str, seed: int, budget: int, stop_at_fir
                     out["failures"].append((pos, lost, f"{type(e).__name__}: {e}"))
                     _keep(img, pos)
                 finally:
-                    _umount(mnt)
+                    _umount(mnt, dev)
             if out["failures"] and stop_at_first:
                 break
     finally:
