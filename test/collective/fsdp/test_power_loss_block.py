@@ -9,7 +9,7 @@ path holding another tool's file, published by RENAME_EXCHANGE and by two rename
 forced through the POSIX explorer's recorder), 2 ranks (workers/power_loss_ranks.py under
 paddle.distributed.launch, sync and async), and three broken protocols that must each fail a state.
 
-PADDLE_FSDP_CRASH_STATES: crash states replayed per test (default 30: the file in about 3 minutes on a loaded
+PADDLE_FSDP_CRASH_STATES: crash states replayed per test (default 20: the file in 2-4 minutes on a loaded
 2-core machine); PADDLE_FSDP_CRASH_SEED replays one seed (printed and logged). Needs root, /dev/fuse, loop
 devices, mkfs.ext4, mkfs.xfs (xfsprogs; its tests skip without it), fusepy and libfuse 2; skips elsewhere, saying
 which is missing.
@@ -40,7 +40,7 @@ from test_power_loss_posix import LEFTOVER, _check, _manager, _manager_async, _s
 pytestmark = pytest.mark.power_loss
 logger = logging.getLogger(__name__)
 
-STATES = int(os.environ.get("PADDLE_FSDP_CRASH_STATES", "30"))
+STATES = int(os.environ.get("PADDLE_FSDP_CRASH_STATES", "20"))
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
