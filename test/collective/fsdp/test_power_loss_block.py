@@ -315,7 +315,7 @@ def explore(rec: Recorded, check, work: str, seed: int, budget: int, stop_at_fir
     os.makedirs(mnt, exist_ok=True)
     out = {"states": 0, "failures": [], "repaired": [], "fsckless_failures": []}
     try:
-        for pos, lost in block_crash.crash_states(rec.log, start, fs.size, budget, random.Random(seed), img):
+        for pos, lost in block_crash.crash_states(rec.log, start, fs.size, budget, random.Random(seed), img, fs.atomic):
             out["states"] += 1
             if fs.fsck_first:  # what a mount without the fsck gives: measured, not asserted
                 r, dev = _mount(fs, img, mnt)
