@@ -168,6 +168,9 @@ class FileSystem:
     mkfs: tuple[str, ...]
     repair: tuple[str, ...]  # run on the image file when mount fails (e2fsck for a torn superblock)
     fsck_first: bool = False  # no journal: the boot-time fsck is the recovery (run before the mount)
+    # the unit a write is never torn inside: 512 B (a sector); xfs as on a 4 KiB-atomic disk, since its log
+    # recovery reads in-place metadata blocks and fails on a 4 KiB directory block torn at 512 B (reproduced)
+    atomic: int = 512
 
     def missing(self) -> str | None:
         for tool in (self.mkfs[0], self.repair[0]):
@@ -182,7 +185,9 @@ EXT4_NO_JOURNAL = FileSystem(
     "ext4_no_journal", 32 << 20, ("mkfs.ext4", "-q", "-F", "-E", "nodiscard", "-O", "^has_journal"),
     ("e2fsck", "-fy"), fsck_first=True,
 )  # fmt: skip
-XFS = FileSystem("xfs", 300 << 20, ("mkfs.xfs", "-q", "-f", "-K"), ("xfs_repair",))  # 300 MiB: mkfs.xfs's minimum
+XFS = FileSystem(
+    "xfs", 300 << 20, ("mkfs.xfs", "-q", "-f", "-K"), ("xfs_repair",), atomic=4096
+)  # 300 MiB: mkfs.xfs's minimum
 FILE_SYSTEMS = {fs.name: fs for fs in (EXT4, EXT4_NO_JOURNAL, XFS)}
 
 
@@ -234,20 +239,21 @@ def _plan(log: list[tuple], start: int, budget: int, rng: random.Random) -> tupl
     return flushes, sorted(plan)
 
 
-def crash_states(log: list[tuple], start: int, size: int, budget: int, rng: random.Random, image: str):
+def crash_states(log: list[tuple], start: int, size: int, budget: int, rng: random.Random, image: str, tear=512):
     """Write each crash state to the sparse file ``image`` in turn and yield (log position of the crash, writes
     lost): ``budget`` crash points at or after record ``start`` (everything before it is on disk), see ``_plan``;
-    the flush boundaries first (a broken protocol usually fails at one: found early), then the random ones."""
+    the flush boundaries first (a broken protocol usually fails at one: found early), then the random ones. The last
+    kept write may be torn at a multiple of ``tear`` bytes."""
     flushes, plan = _plan(log, start, budget, rng)
     at_flush = {i + 1 for i in flushes}
     first, rest = [], []
     for p in plan:
         (first if p[1] == 0.0 and p[0] in at_flush else rest).append(p)
     for part in (first, rest):
-        yield from _replay(log, start, flushes, part, size, rng, image)
+        yield from _replay(log, start, flushes, part, size, rng, image, tear)
 
 
-def _replay(log, start, flushes, plan, size, rng, image):
+def _replay(log, start, flushes, plan, size, rng, image, tear):
     base = SparseDisk(size)
     applied = 0
     for k, keep in plan:
@@ -267,8 +273,8 @@ def _replay(log, start, flushes, plan, size, rng, image):
                 if rng.random() >= keep:
                     lost += 1
                     continue
-                if j == len(tail) - 1 and len(data) > 512 and rng.random() < 0.5:
-                    data = data[: rng.randrange(1, len(data) // 512) * 512]
+                if j == len(tail) - 1 and len(data) > tear and rng.random() < 0.5:
+                    data = data[: rng.randrange(1, -(-len(data) // tear)) * tear]
                 os.pwrite(fd, data, off)
         finally:
             os.close(fd)

@@ -9,7 +9,7 @@ path holding another tool's file, published by RENAME_EXCHANGE and by two rename
 forced through the POSIX explorer's recorder), 2 ranks (workers/power_loss_ranks.py under
 paddle.distributed.launch, sync and async), and three broken protocols that must each fail a state.
 
-PADDLE_FSDP_CRASH_STATES: crash states replayed per test (default 30: the file in about 3 minutes on a loaded
+PADDLE_FSDP_CRASH_STATES: crash states replayed per test (default 20: the file in 2-4 minutes on a loaded
 2-core machine); PADDLE_FSDP_CRASH_SEED replays one seed (printed and logged). Needs root, /dev/fuse, loop
 devices, mkfs.ext4, mkfs.xfs (xfsprogs; its tests skip without it), fusepy and libfuse 2; skips elsewhere, saying
 which is missing.
@@ -40,7 +40,7 @@ from test_power_loss_posix import LEFTOVER, _check, _manager, _manager_async, _s
 pytestmark = pytest.mark.power_loss
 logger = logging.getLogger(__name__)
 
-STATES = int(os.environ.get("PADDLE_FSDP_CRASH_STATES", "30"))
+STATES = int(os.environ.get("PADDLE_FSDP_CRASH_STATES", "20"))
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -201,13 +201,27 @@ def two_ranks(tmp_path_factory) -> dict:
 # ------------------------------------------------------------------------------------------------ replay
 
 
-def _mount(fs, img: str, mnt: str) -> subprocess.CompletedProcess:
-    opts = "loop,nouuid" if fs is XFS else "loop"  # nouuid: every image of one recording has the same uuid
-    return subprocess.run(["mount", "-o", opts, img, mnt], capture_output=True, text=True, timeout=120)
+def _mount(fs, img: str, mnt: str) -> tuple[subprocess.CompletedProcess, str]:
+    """Mount ``img`` on a loop device of its own: (mount's outcome, device). Not ``mount -o loop``: it reuses a loop
+    device still attached to the same file (the previous state's, being detached after its umount) with that
+    device's cached blocks, so a state was sometimes read with blocks of the state before it (false findings, and
+    it could hide real ones)."""
+    dev = block_crash.run(["losetup", "-f", "--show", img])
+    block_crash.run(["blockdev", "--flushbufs", dev])  # no cached block of an earlier state
+    opts = ["-o", "nouuid"] if fs is XFS else []  # nouuid: every image of one recording has the same uuid
+    r = subprocess.run(["mount", *opts, dev, mnt], capture_output=True, text=True, timeout=120)
+    if r.returncode:
+        _detach(dev)
+    return r, dev
 
 
-def _umount(mnt: str) -> None:
+def _detach(dev: str) -> None:
+    subprocess.run(["losetup", "-d", dev], check=True, capture_output=True, timeout=60)
+
+
+def _umount(mnt: str, dev: str) -> None:
     subprocess.run(["umount", mnt], check=True, capture_output=True, timeout=120)
+    _detach(dev)
 
 
 def _latest_ok(ckroot: str, verify=ck.verify_checkpoint) -> None:
@@ -301,10 +315,11 @@ def explore(rec: Recorded, check, work: str, seed: int, budget: int, stop_at_fir
     os.makedirs(mnt, exist_ok=True)
     out = {"states": 0, "failures": [], "repaired": [], "fsckless_failures": []}
     try:
-        for pos, lost in block_crash.crash_states(rec.log, start, fs.size, budget, random.Random(seed), img):
+        for pos, lost in block_crash.crash_states(rec.log, start, fs.size, budget, random.Random(seed), img, fs.atomic):
             out["states"] += 1
             if fs.fsck_first:  # what a mount without the fsck gives: measured, not asserted
-                if _mount(fs, img, mnt).returncode:
+                r, dev = _mount(fs, img, mnt)
+                if r.returncode:
                     out["fsckless_failures"].append((pos, "unmountable"))
                 else:
                     try:
@@ -312,13 +327,13 @@ def explore(rec: Recorded, check, work: str, seed: int, budget: int, stop_at_fir
                     except Exception as e:  # noqa: BLE001 - a figure of the report
                         out["fsckless_failures"].append((pos, f"{type(e).__name__}: {e}"))
                     finally:
-                        _umount(mnt)
+                        _umount(mnt, dev)
                 subprocess.run([*fs.repair, img], capture_output=True, timeout=300)
-            r = _mount(fs, img, mnt)
+            r, dev = _mount(fs, img, mnt)
             if r.returncode:  # e.g. a torn ext4 superblock (its checksum): the file system's own repair
                 fix = subprocess.run([*fs.repair, img], capture_output=True, text=True, timeout=300)
                 out["repaired"].append((pos, fix.returncode))
-                r = _mount(fs, img, mnt)
+                r, dev = _mount(fs, img, mnt)
             if r.returncode:
                 out["failures"].append((pos, lost, f"unmountable, even after {fs.repair[0]}: {r.stderr.strip()}"))
             else:
@@ -326,8 +341,9 @@ def explore(rec: Recorded, check, work: str, seed: int, budget: int, stop_at_fir
                     check(rec, pos, mnt)
                 except Exception as e:  # noqa: BLE001 - every failing state is a finding, reported with its state
                     out["failures"].append((pos, lost, f"{type(e).__name__}: {e}"))
+                    _keep(img, pos)
                 finally:
-                    _umount(mnt)
+                    _umount(mnt, dev)
             if out["failures"] and stop_at_first:
                 break
     finally:
@@ -336,11 +352,21 @@ def explore(rec: Recorded, check, work: str, seed: int, budget: int, stop_at_fir
     return out
 
 
+def _keep(img: str, pos: int) -> None:
+    """PADDLE_FSDP_CRASH_KEEP=DIR: a failing state's image is kept there for inspection (debugfs, xfs_db)."""
+    keep = os.environ.get("PADDLE_FSDP_CRASH_KEEP")
+    if keep:
+        os.makedirs(keep, exist_ok=True)
+        shutil.copy(img, os.path.join(keep, f"state-{os.getpid()}-{pos}.img"))
+
+
 def _summary(what: str, rec: Recorded, out: dict, seconds: float) -> str:
     log = rec.log[rec.start :]
-    text = (f"{what}: {len(log)} block records ({sum(r[0] == block_crash.FLUSH for r in log)} flushes), "
+    text = (f"{what}: {len(log)} block records (from record {rec.start}; saves returned at {rec.marks}) ({sum(r[0] == block_crash.FLUSH for r in log)} flushes), "
             f"{out['states']} crash states in {seconds:.0f} s, {len(out['failures'])} failing, "
             f"{len(out['repaired'])} needed {rec.fs.repair[0]} before they mounted {out['repaired'][:3]}")  # fmt: skip
+    for pos, lost, err in out["failures"][:3]:
+        text += f"\n  failing state at log position {pos} ({lost} writes after the last flush lost): {err}"
     if rec.fs.fsck_first:
         text += f"; mounted without fsck: {len(out['fsckless_failures'])} failing {out['fsckless_failures'][:2]}"
     logger.info(text)
