@@ -159,6 +159,28 @@ def run(cmd: list[str], **kw) -> str:
     return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120, **kw).stdout.strip()
 
 
+def mount_image(img: str, mnt: str, options: tuple = ()) -> tuple[subprocess.CompletedProcess, str]:
+    """Mount crash image ``img`` on a loop device of its own: (mount's outcome, device; detached again when the
+    mount failed). Not ``mount -o loop``: it reuses a loop device still attached to the same file (the previous
+    state's, being detached after its umount) with that device's cached blocks, so a state was sometimes read with
+    blocks of the state before it (false findings, and it could hide real ones)."""
+    dev = run(["losetup", "-f", "--show", img])
+    run(["blockdev", "--flushbufs", dev])  # no cached block of an earlier state
+    r = subprocess.run(["mount", *options, dev, mnt], capture_output=True, text=True, timeout=120)
+    if r.returncode:
+        detach(dev)
+    return r, dev
+
+
+def detach(dev: str) -> None:
+    subprocess.run(["losetup", "-d", dev], check=True, capture_output=True, timeout=60)
+
+
+def unmount_image(mnt: str, dev: str) -> None:
+    subprocess.run(["umount", mnt], check=True, capture_output=True, timeout=120)
+    detach(dev)
+
+
 @dataclass(frozen=True)
 class FileSystem:
     """A file system under test: how it is made, and its own repair for an image mount refuses."""

@@ -186,10 +186,6 @@ def _images(log: list, start: int, budget_: int, rng: random.Random):
         yield log[k - 1][3] if k else 0, bytes(image), lost
 
 
-def _mount(img: str, mnt: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["mount", "-o", "loop", img, mnt], capture_output=True, text=True, timeout=60)
-
-
 def explore_block(work: str, recorded, check, steps: dict[str, int], seed_: int, budget_: int, stop_at_first: bool):
     """Mount each sampled crash image (ext4's journal recovery runs; e2fsck when it does not mount) and run
     ``check`` on it: (states checked, [(log position, writes lost, error)], seconds)."""
@@ -202,11 +198,11 @@ def explore_block(work: str, recorded, check, steps: dict[str, int], seed_: int,
             n += 1
             with open(img, "wb") as f:
                 f.write(image)
-            r = _mount(img, mnt)
+            r, dev = block_crash.mount_image(img, mnt)  # a loop device of its own (never `mount -o loop`)
             if r.returncode:  # e.g. a torn superblock write: the file system's own repair first
                 subprocess.run(["e2fsck", "-fy", img], capture_output=True, timeout=120)
                 fscked += 1
-                r = _mount(img, mnt)
+                r, dev = block_crash.mount_image(img, mnt)
             if r.returncode:
                 failures.append((pos, lost, f"unmountable, even after e2fsck: {r.stderr.strip()}"))
                 continue
@@ -215,7 +211,7 @@ def explore_block(work: str, recorded, check, steps: dict[str, int], seed_: int,
             except Exception as e:  # noqa: BLE001 - every failing state is a finding, reported with its state
                 failures.append((pos, lost, f"{type(e).__name__}: {e}"))
             finally:
-                subprocess.run(["umount", mnt], check=True, capture_output=True, timeout=60)
+                block_crash.unmount_image(mnt, dev)
             if failures and stop_at_first:
                 break
     finally:

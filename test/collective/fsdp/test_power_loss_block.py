@@ -202,26 +202,12 @@ def two_ranks(tmp_path_factory) -> dict:
 
 
 def _mount(fs, img: str, mnt: str) -> tuple[subprocess.CompletedProcess, str]:
-    """Mount ``img`` on a loop device of its own: (mount's outcome, device). Not ``mount -o loop``: it reuses a loop
-    device still attached to the same file (the previous state's, being detached after its umount) with that
-    device's cached blocks, so a state was sometimes read with blocks of the state before it (false findings, and
-    it could hide real ones)."""
-    dev = block_crash.run(["losetup", "-f", "--show", img])
-    block_crash.run(["blockdev", "--flushbufs", dev])  # no cached block of an earlier state
-    opts = ["-o", "nouuid"] if fs is XFS else []  # nouuid: every image of one recording has the same uuid
-    r = subprocess.run(["mount", *opts, dev, mnt], capture_output=True, text=True, timeout=120)
-    if r.returncode:
-        _detach(dev)
-    return r, dev
+    """Mount ``img`` on a loop device of its own (block_crash.mount_image: never ``mount -o loop``)."""
+    opts = ("-o", "nouuid") if fs is XFS else ()  # nouuid: every image of one recording has the same uuid
+    return block_crash.mount_image(img, mnt, opts)
 
 
-def _detach(dev: str) -> None:
-    subprocess.run(["losetup", "-d", dev], check=True, capture_output=True, timeout=60)
-
-
-def _umount(mnt: str, dev: str) -> None:
-    subprocess.run(["umount", mnt], check=True, capture_output=True, timeout=120)
-    _detach(dev)
+_umount = block_crash.unmount_image
 
 
 def _latest_ok(ckroot: str, verify=ck.verify_checkpoint) -> None:
