@@ -287,3 +287,44 @@ def test_s3_compressed_by_default_loads_like_local_raw(tmp_path, s3_server, s3_b
         assert stored.size < 0.9 * md.files["0_0.safetensors"].size
     finally:
         stored.close()
+
+
+def test_compressed_checkpoints_are_picked_rotated_and_torn_like_raw(tmp_path, caplog):
+    """Resume and rotation (lineage.examine) see a compressed checkpoint as complete: its data files' sizes are
+    their chunk tables', not the decoded sizes metadata.json lists (they were taken for torn, so a root on S3,
+    compressed by default, never resumed). A stored file cut short or without its table is still torn."""
+    from paddle.distributed.fsdp.checkpoint.directory import step_dir_name
+    from paddle.distributed.fsdp.checkpoint.format.codecs import table_name
+
+    zstd = ck.CheckpointOptions(codec="byteplane-zstd")
+
+    def state(step: int) -> dict:
+        rng = np.random.default_rng(step)
+        return {"w": paddle.to_tensor(rng.standard_normal(3000).astype("float32"))}
+
+    root = tmp_path / "root"
+    mgr = ck.CheckpointManager(str(root), keep_last=1)
+    for step in (1, 2, 3):
+        mgr.save(step, state(step), options=zstd)
+        assert ck.latest_checkpoint(str(root)) == str(root / step_dir_name(step))
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == [step_dir_name(3)]  # rotated
+    got = {"w": paddle.zeros([3000], "float32")}
+    ck.load_state_dict(got, ck.latest_checkpoint(str(root)))
+    assert np.array_equal(got["w"].numpy(), state(3)["w"].numpy())
+
+    data = sorted((root / step_dir_name(3)).glob("*.safetensors"))
+    assert data and all((root / step_dir_name(3) / table_name(f.name)).exists() for f in data)
+    keep_all = ck.CheckpointManager(str(root))  # (no rotation: step 3 stays the one to fall back to)
+    for damage in ("cut", "no table"):
+        keep_all.save(4, state(4), options=zstd)
+        assert ck.latest_checkpoint(str(root)) == str(root / step_dir_name(4))
+        victim = root / step_dir_name(4) / data[0].name
+        if damage == "cut":
+            with open(victim, "r+b") as f:
+                f.truncate(victim.stat().st_size - 1)
+        else:
+            os.unlink(victim.parent / table_name(victim.name))
+        caplog.clear()
+        assert ck.latest_checkpoint(str(root)) == str(root / step_dir_name(3)), damage  # torn: never picked
+        assert step_dir_name(4) in caplog.text, damage  # and named in a warning
+        shutil.rmtree(root / step_dir_name(4))

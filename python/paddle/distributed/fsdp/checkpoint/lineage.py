@@ -23,8 +23,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .directory import StorageUnreadableError, read_metadata
 from .errors import CheckpointError, MetadataError
+from .format.codecs import RAW, TABLE_ROW, table_name
 from .format.metadata import COMMIT_FILE, check_file_name
 from .format.schema import parse_commit, parse_lineage
 from .format.strict_json import SMALL_FILE_BYTES, loads_strict
@@ -128,6 +131,11 @@ def examine(location: str, step: int, storage: Storage) -> Found:
     try:
         md = read_metadata(location, None, storage)
         for name, fm in md.files.items():
+            if md.codecs.get(name, RAW) != RAW:  # a compressed file: its size is its chunk table's, not fm.size
+                problem = _stored_file_problem(storage, location, name, fm.size)
+                if problem is not None:
+                    return _torn(found, problem)
+                continue
             size = _size(storage, location, name)
             if size is None:
                 return _torn(found, f"data file {name} is missing")
@@ -152,6 +160,38 @@ def _size(storage: Storage, location: str, name: str) -> int | None:
         return handle.size
     finally:
         handle.close()
+
+
+def _stored_file_problem(storage: Storage, location: str, name: str, decoded_size: int) -> str | None:
+    """Why the compressed data file ``name`` (format 4 "codecs") is not complete, or None: it and its chunk table
+    ``<name>.chunks`` are there, the table is whole rows, and its last row ends where the stored file ends and
+    within the decoded size. One stat each and one 40-byte read: the same few requests as a raw file's size check."""
+    table = table_name(name)
+    size = _size(storage, location, name)
+    if size is None:
+        return f"data file {name} is missing"
+    try:
+        handle = storage.open_read(location, check_file_name(table))
+    except FileNotFoundError:
+        return f"chunk table {table} is missing"
+    except OSError as e:
+        raise StorageUnreadableError(f"cannot read {location}/{table}: {e}") from e
+    try:
+        if handle.size == 0 or handle.size % TABLE_ROW.itemsize:
+            return f"chunk table {table} has {handle.size} bytes, not whole rows"
+        last = bytearray(TABLE_ROW.itemsize)
+        if handle.read_into(handle.size - len(last), last) != len(last):
+            return f"chunk table {table} is shorter than its size"
+    except OSError as e:
+        raise StorageUnreadableError(f"cannot read {location}/{table}: {e}") from e
+    finally:
+        handle.close()
+    row = np.frombuffer(bytes(last), TABLE_ROW)[0]
+    if int(row["soff"]) + int(row["slen"]) != size:
+        return f"data file {name} has {size} bytes, its chunk table ends at {int(row['soff']) + int(row['slen'])}"
+    if int(row["doff"]) + int(row["dlen"]) > decoded_size:
+        return f"chunk table {table} runs past the decoded size {decoded_size}"
+    return None
 
 
 def _torn(found: Found, problem: str) -> Found:
