@@ -192,6 +192,24 @@ def test_derive_off_by_option_and_environment(tmp_path, monkeypatch):
     assert _md(tmp_path / "plain")["version"] == 3  # nothing derived: format 3, readable by older builds
 
 
+def test_stock_door_stores_every_weight_unless_asked(tmp_path, monkeypatch):
+    """``paddle.distributed.save_state_dict`` (stock's door) writes every tensor it is given, as stock does: a
+    stock reader without the fork must find each weight. Derived only when asked (options or the switch)."""
+    import paddle.distributed as dist
+
+    state = _state(2)
+    monkeypatch.delenv("PADDLE_FSDP_CKPT_DERIVE_WEIGHTS", raising=False)
+    dist.save_state_dict(state, str(tmp_path / "stock"))
+    md = _md(tmp_path / "stock")
+    assert md["version"] == 3 and "derived" not in md
+    dist.save_state_dict(state, str(tmp_path / "asked"), options=ck.CheckpointOptions(derive_weights=True))
+    asked = _md(tmp_path / "asked")
+    assert asked["version"] == 4 and asked["derived"]
+    monkeypatch.setenv("PADDLE_FSDP_CKPT_DERIVE_WEIGHTS", "on")
+    dist.save_state_dict(state, str(tmp_path / "switch"))
+    assert _md(tmp_path / "switch")["version"] == 4
+
+
 def test_a_failed_load_leaves_derived_targets_untouched(saved, tmp_path):
     """The master's bytes damaged: the load fails with a named error, and the derived weight (cast only after
     the load committed on every rank) keeps what it held."""

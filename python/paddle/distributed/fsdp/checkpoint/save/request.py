@@ -13,6 +13,7 @@ it; ``path_error`` (a URL no backend serves, a non-path) after the previous save
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -81,7 +82,7 @@ def save_request(
     try:
         opts = resolve(options)
         if derive_weights is not None:  # the keyword wins over options / PADDLE_FSDP_CKPT_DERIVE_WEIGHTS
-            opts = opts.replace(derive_weights=bool(derive_weights))
+            opts = dataclasses.replace(opts, derive_weights=bool(derive_weights))  # (a known field: not re-checked)
     except CheckpointError as e:  # reported by the exchange, so every rank raises it
         opts, opts_error = CheckpointOptions(), e
     try:

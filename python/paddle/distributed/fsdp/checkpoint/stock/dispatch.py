@@ -50,6 +50,7 @@ from .targets import dist_tensor_box, is_dist_tensor
 
 logger = logging.getLogger(__name__)
 
+DERIVE_WEIGHTS_ENV = "PADDLE_FSDP_CKPT_DERIVE_WEIGHTS"  # options.py's switch of derive_weights
 FORK_SAVE_OPTIONS = frozenset({"chunk_bytes", "write_stock_metadata", "options"})
 FORK_LOAD_OPTIONS = frozenset({"verify_checksums", "strict", "options"})
 COMM_METHODS = ("send_recv", "broadcast", "multi_group_broadcast", "grouped_send_recv", "parallel_broadcast")
@@ -256,6 +257,11 @@ def save_state_dict(
     from ..save.save import run_save
 
     flat = flatten_for_engine(state_dict)
+    if "options" not in fork_options and DERIVE_WEIGHTS_ENV not in os.environ:
+        # stock's door writes every tensor it is given, as stock does (issue #52's derived weights leave out a
+        # weight that equals its master cast: a stock reader without the fork would miss it); opt in with
+        # options=CheckpointOptions(derive_weights=True) or the environment switch
+        fork_options = {**fork_options, "derive_weights": False}
     return run_save(
         save_request(flat, path, process_group, coordinator_rank, None, async_save=async_save, **fork_options)
     )
