@@ -68,3 +68,30 @@ def train_step(model, opt) -> None:
     opt.step()
     opt.clear_grad()
     opt._learning_rate.step()
+
+
+def bf16_fsdp(seed: int):
+    """A bf16 model (its embedding fp32) under FSDP with MasterAdamW (fp32 master weights that really move, each
+    weight its master cast after a step): ``(model, fsdp, optimizer)``."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
+    from master_adamw import MasterAdamW
+    from models import Bf16MLP
+
+    paddle.seed(seed)
+    model = Bf16MLP()
+    fsdp = FullyShardFusion(model)
+    opt = MasterAdamW(0.01, parameters=model.parameters(), weight_decay=0.1, multi_precision=True)
+    fsdp.init_optimizer_state(opt)
+    return model, fsdp, opt
+
+
+def bf16_train_step(model, opt, seed: int) -> None:
+    """One MasterAdamW step of ``bf16_fsdp``'s model on seeded token ids."""
+    rng = np.random.default_rng(seed)
+    ids, labels = (paddle.to_tensor(rng.integers(0, 37, (4, 6))) for _ in range(2))
+    model(ids, labels).backward()
+    opt.step()
+    opt.clear_grad()

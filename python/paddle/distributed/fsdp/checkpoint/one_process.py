@@ -25,6 +25,7 @@ import numpy as np
 from . import checksums, writer
 from .errors import ToolError
 from .format import rank_values
+from .format.codecs import RAW
 from .format.commit import commit_record
 from .format.index import pack_sums, sums_name
 from .format.metadata import (
@@ -47,10 +48,14 @@ from .options import CheckpointOptions
 from .save_index import index_objects, piece_columns
 
 
-def format3_objects(md: CheckpointMetadata, per_rank: tuple[str, ...] = ()) -> dict[str, bytes]:
+def format3_objects(
+    md: CheckpointMetadata, per_rank: tuple[str, ...] = (), derived: dict | None = None, codec: str = RAW
+) -> dict[str, bytes]:
     """``{name: bytes}`` of the format-3 checkpoint of ``md`` (metadata.json last). ``per_rank``: keys of
     ``md.values`` that hold one value per saving rank (a list of ``md.world_size`` entries): each rank's entry
-    goes into its own values object (format/rank_values.py). ValueError for a per-rank key of another shape."""
+    goes into its own values object (format/rank_values.py). ValueError for a per-rank key of another shape.
+    ``derived`` (format 4's field, format/derived.py) and ``codec`` (every data file stored through it, format/
+    codecs.py; its chunk tables written beside the files) make the index format 4, as a collective save's."""
     order = sorted(md.files, key=lambda n: (md.files[n].rank, n))
     with_sums = md.checksum != checksums.NONE
     cols = piece_columns(md.tensors, [(n, md.files[n].size) for n in order], md.chunk_bytes)
@@ -66,6 +71,10 @@ def format3_objects(md: CheckpointMetadata, per_rank: tuple[str, ...] = ()) -> d
         "checksum": md.checksum,
         "values": values,
     }
+    if derived:
+        header["derived"] = derived
+    if codec != RAW:
+        header["codecs"] = dict.fromkeys(order, codec)
     out: dict[str, bytes] = {}
     if with_sums:
         by_file: dict[str, list] = {n: [] for n in order}
@@ -91,11 +100,18 @@ def format3_objects(md: CheckpointMetadata, per_rank: tuple[str, ...] = ()) -> d
     return out
 
 
-def write_format3(directory: str, md: CheckpointMetadata, write_stock: bool, per_rank: tuple[str, ...] = ()) -> bytes:
+def write_format3(
+    directory: str,
+    md: CheckpointMetadata,
+    write_stock: bool,
+    per_rank: tuple[str, ...] = (),
+    derived: dict | None = None,
+    codec: str = RAW,
+) -> bytes:
     """Write and fsync the format-3 index objects of ``md`` (``format3_objects``; stock paddle's ``0.metadata``
     too when ``write_stock``) into the (not yet visible) ``directory`` beside its data files; returns the bytes
     of metadata.json, which ``write_commit`` seals."""
-    objects = format3_objects(md, per_rank)
+    objects = format3_objects(md, per_rank, derived, codec)
     for name, blob in objects.items():
         writer.write_file(os.path.join(directory, name), blob, fsync=True, atomic=False)
     if write_stock:
@@ -238,6 +254,8 @@ class CheckpointWriter:
         write_stock_metadata: bool = True,
         per_rank_values: tuple[str, ...] = (),
         lineage: dict | None = None,
+        derived: dict | None = None,
+        codec: str = RAW,
     ) -> CheckpointMetadata:
         """Write the index (format 3, the one collective saves write) and the commit record. ``per_rank_values``:
         keys of ``values`` holding a list with one entry per data file (as if each file's rank had saved its
@@ -254,7 +272,7 @@ class CheckpointWriter:
         )
         md.validate(f"{self.directory}/{METADATA_FILE}")
         try:
-            data = write_format3(self.directory, md, write_stock_metadata, tuple(per_rank_values))
+            data = write_format3(self.directory, md, write_stock_metadata, tuple(per_rank_values), derived, codec)
         except ValueError as e:
             raise ToolError(str(e)) from None
         write_commit(self.directory, self.checkpoint_id, data, lineage)

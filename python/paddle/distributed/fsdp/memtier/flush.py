@@ -22,6 +22,9 @@ is written from its copy's mapped bytes (one piece at a time, checksummed on the
 and ``COMMIT`` last, in a staging directory published as ``<durable_root>/step_<N>``; then ``latest`` names it.
 Any storage backend: a local directory, or a URL (``s3://``) whose staging directory is local and is uploaded
 when complete (the engine's ``staged_output``, staged_output.py); ``latest`` and pruning go through the root's Storage.
+Its bytes are what the tier's persist writes (flush_bytes.py: derived weights, the chunk codec of the tier's
+options, ``auto`` resolved against the durable root's backend); lossy moments are the one thing a flush does not
+apply (stored exactly).
 """
 
 from __future__ import annotations
@@ -35,15 +38,18 @@ import numpy as np
 
 from ..checkpoint import checksums, writer
 from ..checkpoint.directory import committed_steps, step_dir_name
+from ..checkpoint.encoded_write import RAW, resolve_codec, write_encoded
+from ..checkpoint.format.metadata import itemsize
 from ..checkpoint.format.metadata import LATEST_FILE, FileMeta
 from ..checkpoint.io.backends import backend_for
+from ..checkpoint.io.local import LocalStorage
 from ..checkpoint.manager import root_lineage
 from ..checkpoint.one_process import CheckpointWriter
-from ..checkpoint.planner import RecordDesc, assign_writes, lay_out_files, merged_values
+from ..checkpoint.planner import assign_writes, lay_out_files, merged_values
 from ..checkpoint.selection import prune
 from ..checkpoint.staged_output import staged_output
 from ..state.resume_state import PER_RANK_KEYS
-from . import identity
+from . import flush_bytes, identity
 from .copies import OWN_NAME, read_copy
 from .errors import InvalidMemoryCopyError, MemoryTierError, NoCommonStepError
 from .persist import records_of
@@ -138,15 +144,24 @@ def _choose(job: str, found: list[tuple[str, dict]], step: int | None) -> tuple[
     )
 
 
-def _write(staging: str, copies: list, on_bytes, on_total, lineage: dict | None = None) -> int:
+def _write(staging: str, copies: list, on_bytes, on_total, lineage: dict | None = None, storage=None) -> int:
     """Write every rank's file from its copy into ``staging``, then metadata.json and COMMIT (the engine's
-    one-process writer, one_process.py, so its index is the one every tool writes). Returns the bytes of the data files."""
+    one-process writer, one_process.py, so its index is the one every tool writes), leaving out and compressing
+    what the tier's persist would (flush_bytes.py; ``storage``: the durable root's backend, which ``auto``
+    resolves against). Returns the stored bytes of the data files."""
     out = CheckpointWriter(staging)
     digest = checksums.digest_function(out.checksum) if out.checksum != checksums.NONE else None
+    first = copies[0]
+    choices = flush_bytes.persist_choices(first[1], f"memory copy {first[0].path}")
+    codec = resolve_codec(choices["codec"], storage) if storage is not None else RAW
+    if choices["quantize_moments"] is not None:
+        logger.warning("flush: the tier quantizes moments (%s) when it persists; a flush stores them exactly",
+                       choices["quantize_moments"])  # fmt: skip
+    left_out = flush_bytes.derived_keys(copies, records_of) if choices["derive_weights"] else {}
     wires, per_rank = [], []
     for slot, header, _off, _len in copies:
         pairs = records_of(header, f"memory copy {slot.path}")
-        wires.append([RecordDesc.from_wire(desc.to_wire()).to_wire() for _rec, desc in pairs])
+        wires.append([desc.to_wire() for _rec, desc in pairs if desc.key not in left_out])
         per_rank.append({k: (None if k in PER_RANK_KEYS else v) for k, v in header["values"].items()})
     try:
         values = merged_values(per_rank)
@@ -170,16 +185,22 @@ def _write(staging: str, copies: list, on_bytes, on_total, lineage: dict | None 
                 raise InvalidMemoryCopyError(f"memory copy {slot.path}: record {key!r} has {nbytes} bytes, "
                                              f"the plan {piece.nbytes}")  # fmt: skip
             pieces.append(_producer(data[off : off + nbytes], header, where[key], on_bytes, f"memory copy {slot.path}"))
-        size, sums = writer.write_rank_file(os.path.join(staging, layout.name), layout.header, pieces,
-                                            out.chunk_bytes, digest)  # fmt: skip
+        if codec == RAW:
+            size, sums = writer.write_rank_file(os.path.join(staging, layout.name), layout.header, pieces,
+                                                out.chunk_bytes, digest)  # fmt: skip
+        else:
+            widths = [itemsize(plan.tensors[key].dtype) for key, _piece in layout.pieces]
+            size, sums = write_encoded(LocalStorage(odirect=False), staging, layout.name, layout.header, pieces, widths,
+                                       out.chunk_bytes, digest, codec)  # fmt: skip
         if size != layout.size:
             raise MemoryTierError(f"{layout.name}: wrote {size} bytes, expected {layout.size}")
         for (_key, piece), piece_sums in zip(layout.pieces, sums):
             piece.checksums = [int(c) for c in piece_sums]
         out.files[layout.name] = FileMeta(rank=r, size=size)
     out.tensors = dict(plan.tensors)
-    out.commit(values, per_rank_values=tuple(present), lineage=lineage)  # per-rank entries: own objects, as a save
-    return sum(f.size for f in out.files.values())
+    # per-rank entries: own objects, as a save; stock readers read raw files only (as a save: no 0.metadata then)
+    out.commit(values, codec == RAW, tuple(present), lineage, flush_bytes.derived_field(left_out), codec)
+    return sum(os.path.getsize(os.path.join(staging, name)) for name in out.files)
 
 
 def _producer(src, header: dict, rec: list, on_bytes, where: str):
@@ -252,7 +273,7 @@ def _flush(durable_root, storage, job, world, st, copies, keep_last, on_bytes, o
         out = storage.child(durable_root, name)
         lineage = root_lineage(durable_root, storage).record()  # the job's run, as its persists recorded it
         with staged_output(out) as staging:
-            nbytes = _write(staging, copies, on_bytes, on_total, lineage)
+            nbytes = _write(staging, copies, on_bytes, on_total, lineage, storage)
         storage.put(durable_root, LATEST_FILE, f"{name}\n".encode())
         if keep_last is not None:
             prune(durable_root, keep_last, protect=(name,), storage=storage)

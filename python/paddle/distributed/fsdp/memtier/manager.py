@@ -13,7 +13,9 @@ A copy holds what ``save_checkpoint`` saves (state/resume_state.py): give ``grad
 slot after it returned (the next ``optimizer.step()`` waits for that copy: snapshot_guard.py); the checksums and
 the transfer to the peer run in the background. Every ``persist_every``-th memory checkpoint is also written to
 ``durable_root`` from the memory copy itself (persist.py: the same step's bytes, today's committed format) by a
-second background thread, on the tier's own process group. Each rank keeps ``memory_slots`` own copies (2 by
+second background thread, on the tier's own process group, with the tier's ``options`` and ``quantize_moments``
+(what ``save_checkpoint`` with them writes: derived weights, the chunk codec, lossy moments when asked; the copy's
+header records these choices, so a flush after a crash writes the same: flush.py). Each rank keeps ``memory_slots`` own copies (2 by
 default) used in turn (slots.py chooses): a save never writes the slot of the newest step complete on every rank,
 nor the slot a persist still reads, so a crash mid-copy keeps a complete step and no save is skipped for a
 persist (one small exchange per save tells every rank that every rank completed the previous save and whether a
@@ -36,7 +38,8 @@ import threading
 import time
 
 from .. import env_switches
-from ..checkpoint import checksums
+from ..checkpoint import checksums, lossy
+from ..checkpoint.options import CheckpointOptions
 from ..checkpoint.errors import CheckpointError, rebuild_remote_error
 from ..devices import host_mappings
 from ..state import frozen_base
@@ -82,6 +85,8 @@ class MemoryTier:
         grad_scaler=None,
         stateful: dict | None = None,
         ema=None,
+        options: CheckpointOptions | None = None,
+        quantize_moments: str | None = None,
     ):
         if not isinstance(durable_root, str) or not durable_root:
             raise MemoryTierError(f"durable_root must be a non-empty path, got {durable_root!r}")
@@ -98,6 +103,13 @@ class MemoryTier:
         if type(memory_slots) is not int or not 1 <= memory_slots < MAX_SLOTS:
             raise MemoryTierError(f"memory_slots must be an int in [1, {MAX_SLOTS - 1}], got {memory_slots!r}")
         checksums.default_algorithm(checksum)  # CheckpointError for an unknown algorithm
+        # what persists (and flushes: the header carries it) write, as save_checkpoint with these arguments would
+        self.options = options if options is not None else CheckpointOptions.from_env()
+        mode = self.options.quantize_moments if quantize_moments is None else quantize_moments
+        try:
+            self.quantize_moments = lossy.check_mode(None if mode == "none" else mode)
+        except ValueError as e:
+            raise MemoryTierError(str(e)) from None
         if quota_bytes is None:
             quota_bytes = env_switches.read(QUOTA_ENV, error=MemoryTierEnvError)
         if quota_bytes is not None and (type(quota_bytes) is not int or quota_bytes < 0):
@@ -260,6 +272,7 @@ class MemoryTier:
             self.persist(step, extra_state)
             return
         header = dict(self.expect(), rank=self.rank, step=step, values=values, descs=state.descs)
+        header["persist"] = self.persist_choices()
         header["written"] = written_now()  # two own copies of one step: the restore takes the later
         job = SaveIntoSlot(self.copies.own[index], state, header, self.checksum, self.slots.common_step)
         self.slots.started(index, step)
@@ -299,6 +312,11 @@ class MemoryTier:
         if error is not None:
             raise error
 
+    def persist_choices(self) -> dict:
+        """What a persist of a copy writes (the header's ``persist`` field, read again by flush.py)."""
+        opts = self.options
+        return {"derive_weights": opts.derive_weights, "codec": opts.codec, "quantize_moments": self.quantize_moments}
+
     def _persist_own(self, job: SaveIntoSlot, ok: bool) -> None:
         """Persist thread: the own copy of ``job``'s step to durable storage (collective on the persist group)."""
         group = self.tier_group()
@@ -306,9 +324,10 @@ class MemoryTier:
         if not ok:  # this rank's copy is incomplete: a state the engine refuses, on every rank together
             from ..checkpoint import save_state_dict
 
-            save_state_dict(None, self.durable_root, process_group=group)
+            save_state_dict(None, self.durable_root, process_group=group, options=self.options)
             return
-        persist_copy(slot, job.header, job.data_off, job.data_len, self.durable_root, self.keep_last, group)
+        persist_copy(slot, job.header, job.data_off, job.data_len, self.durable_root, self.keep_last, group,
+                     self.options, self.quantize_moments)  # fmt: skip
 
     def _save_status(self, ok: bool) -> bool:
         """Whether a started persist is still writing on any rank; and whether every rank completed its previous
@@ -378,6 +397,8 @@ class MemoryTier:
             step=step,
             keep_last=self.keep_last,
             async_save=async_save,
+            options=self.options,
+            quantize_moments=self.quantize_moments,
         )
         self.durable_saves.append(step)
 

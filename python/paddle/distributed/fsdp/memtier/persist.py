@@ -9,6 +9,12 @@ any world size, by the tools, by ``verify``): ``persist_copy`` as every rank's p
 A copy's header carries, per record, its description in the engine's wire form (``descs``: region, replicated),
 and the values a direct save writes (state/resume_state.py: optimizer class and global state, buffer keys,
 extra state, GradScaler, EMA, this rank's RNG and stateful objects), so the persisted checkpoint is the one ``save_checkpoint`` would have written at that step.
+
+Bytes: the persist is an ordinary save of the copy's views with the tier's options, so it writes what a direct save
+with them writes: each bf16/fp16 weight equal to its fp32 master cast is derived, not stored (checked by the engine
+on the copy's bytes, save/derive.py), the data files go through the options' chunk codec (``auto``: compressed on
+object storage), and the moments are quantized when the tier was given ``quantize_moments``. The copy itself keeps
+every byte (a restore from memory reads them all; only what goes to storage shrinks).
 """
 
 from __future__ import annotations
@@ -69,9 +75,20 @@ def copy_state_dict(header: dict, data: np.ndarray, where: str) -> dict:
     return state
 
 
-def persist_copy(slot, header: dict, data_off: int, data_len: int, root: str, keep_last, group) -> float:
+def persist_copy(
+    slot,
+    header: dict,
+    data_off: int,
+    data_len: int,
+    root: str,
+    keep_last,
+    group,
+    options=None,
+    quantize_moments: str | None = None,
+) -> float:
     """Collective (every rank, its own copy of the same step): save the copy as ``root/step_<step>`` through the
-    CheckpointManager, synchronously, on ``group`` (the tier's persist group: this runs on a background thread).
+    CheckpointManager, synchronously, on ``group`` (the tier's persist group: this runs on a background thread),
+    with ``options`` (CheckpointOptions; None: from the environment) and ``quantize_moments`` (None: exact).
     Returns the seconds it took."""
     from ..checkpoint import CheckpointManager
 
@@ -79,7 +96,7 @@ def persist_copy(slot, header: dict, data_off: int, data_len: int, root: str, ke
     state = copy_state_dict(header, slot.data(data_off, data_len), f"memory copy {slot.path}")
     manager = CheckpointManager(root, keep_last=keep_last, process_group=group)
     per_rank = tuple(key for key in PER_RANK_KEYS if key in state)
-    manager.save(int(header["step"]), state, per_rank_values=per_rank)
+    manager.save(int(header["step"]), state, per_rank_values=per_rank, options=options, quantize_moments=quantize_moments)
     dt = time.perf_counter() - t0
     logger.info("memory tier: rank %d persisted its memory copy of step %d to %s in %.0f ms",
                 header["rank"], header["step"], root, dt * 1e3)  # fmt: skip
