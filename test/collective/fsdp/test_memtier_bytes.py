@@ -156,9 +156,21 @@ def test_compressed_persist_and_flush_load_bit_exact(tmp_path):
     assert _diff(_restored(tmp_path, 3, options=opts), wants[3]) == []
 
 
-def test_quantize_moments_on_the_tier_reaches_the_persist(tmp_path):
-    _model, _fsdp, _opt, tier, _wants = _run(tmp_path, (1,), persist_every=1, quantize_moments="int8")
-    tier.close()
-    md = _metadata(tmp_path / "durable" / "step_00000001")
-    quantized = sorted(md.get("quant", {}).get("keys", {}))
-    assert quantized == sorted(f"{k}.{m}" for k in WEIGHTS + ["embed.weight"] for m in ("moment1", "moment2"))
+def test_quantize_moments_on_the_tier_reaches_persist_and_flush(tmp_path):
+    """The tier's ``quantize_moments="int8"``: the persist of step 2 and the flush of step 3 store what a direct
+    ``save_checkpoint(quantize_moments="int8")`` of the same step stores (the same codes and scales, bit for bit)."""
+    model, fsdp, opt, tier, _wants = _run(tmp_path, (1, 2), persist_every=2, quantize_moments="int8")
+    fsdp.save_checkpoint(str(tmp_path / "direct2"), optimizer=opt, quantize_moments="int8")
+    bf16_train_step(model, opt, 3)
+    tier.save(3, extra_state={"step": 3})
+    tier.wait()
+    fsdp.save_checkpoint(str(tmp_path / "direct3"), optimizer=opt, quantize_moments="int8")
+    tier.close(remove=False)
+    flushed = flush_memory([str(tmp_path / "mem")], str(tmp_path / "durable"))
+    assert flushed.step == 3, flushed
+    moments = sorted(f"{k}.{m}" for k in WEIGHTS + ["embed.weight"] for m in ("moment1", "moment2"))
+    for got, direct in ((tmp_path / "durable" / "step_00000002", "direct2"), (flushed.path, "direct3")):
+        md = _metadata(got)
+        assert sorted(md.get("quant", {}).get("keys", {})) == moments and sorted(md["derived"]) == WEIGHTS, got
+        assert _data_bytes(got) == _data_bytes(tmp_path / direct) and verify_checkpoint(str(got)) == []
+        assert _diff(_full(got), _full(tmp_path / direct)) == [], got

@@ -114,6 +114,25 @@ def quantize_state(state: dict, mode: str | None, comm, block: int = DEFAULT_BLO
     return _encode(state, mode, block, local, everyone)
 
 
+def quantize_ranks(load_state, world: int, mode: str, block: int = DEFAULT_BLOCK) -> list[tuple[dict, list[str]]]:
+    """``quantize_state`` of ``world`` ranks' states in ONE process (memtier/flush.py: after a crash the saving
+    ranks are gone), the exchange being the list of every rank's descriptions; ``[(state, quantized keys)]`` by
+    rank. ``load_state(r)`` builds rank ``r``'s state; it is called twice a rank (once to describe, once to
+    encode), so one rank's moments are in memory at a time, plus the codes and scales of the ranks encoded."""
+    mode = check_mode(mode)
+    everyone = []
+    for r in range(world):
+        mine: dict[str, Any] = {}
+        _describe(load_state(r), mode, block, {}, mine)
+        everyone.append(mine)
+    out = []
+    for r in range(world):
+        state, local = load_state(r), {}
+        _describe(state, mode, block, local, {})
+        out.append(_encode(state, mode, block, local, everyone))
+    return out
+
+
 _FAILED = "\0failed"  # (not a key: keys of a state dict are checked at save; this one never reaches a file)
 
 

@@ -23,8 +23,7 @@ and ``COMMIT`` last, in a staging directory published as ``<durable_root>/step_<
 Any storage backend: a local directory, or a URL (``s3://``) whose staging directory is local and is uploaded
 when complete (the engine's ``staged_output``, staged_output.py); ``latest`` and pruning go through the root's Storage.
 Its bytes are what the tier's persist writes (flush_bytes.py: derived weights, the chunk codec of the tier's
-options, ``auto`` resolved against the durable root's backend); lossy moments are the one thing a flush does not
-apply (stored exactly).
+options, ``auto`` resolved against the durable root's backend; the tier's ``quantize_moments``).
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from ..checkpoint import checksums, writer
 from ..checkpoint.directory import committed_steps, step_dir_name
 from ..checkpoint.encoded_write import RAW, resolve_codec, write_encoded
 from ..checkpoint.format.metadata import itemsize
+from ..checkpoint.format.reserved import QUANT_KEY
 from ..checkpoint.format.metadata import LATEST_FILE, FileMeta
 from ..checkpoint.io.backends import backend_for
 from ..checkpoint.io.local import LocalStorage
@@ -154,15 +154,19 @@ def _write(staging: str, copies: list, on_bytes, on_total, lineage: dict | None 
     first = copies[0]
     choices = flush_bytes.persist_choices(first[1], f"memory copy {first[0].path}")
     codec = resolve_codec(choices["codec"], storage) if storage is not None else RAW
-    if choices["quantize_moments"] is not None:
-        logger.warning("flush: the tier quantizes moments (%s) when it persists; a flush stores them exactly",
-                       choices["quantize_moments"])  # fmt: skip
     left_out = flush_bytes.derived_keys(copies, records_of) if choices["derive_weights"] else {}
+    added, removed, quant = [{} for _c in copies], [set() for _c in copies], None
+    if choices["quantize_moments"] is not None:
+        added, removed, quant = flush_bytes.quantized_moments(copies, records_of, choices["quantize_moments"])
     wires, per_rank = [], []
-    for slot, header, _off, _len in copies:
+    for r, (slot, header, _off, _len) in enumerate(copies):
         pairs = records_of(header, f"memory copy {slot.path}")
-        wires.append([desc.to_wire() for _rec, desc in pairs if desc.key not in left_out])
+        gone = removed[r].union(left_out)
+        wires.append([desc.to_wire() for _rec, desc in pairs if desc.key not in gone])
+        wires[-1].extend(desc.to_wire() for desc, _bytes in added[r].values())
         per_rank.append({k: (None if k in PER_RANK_KEYS else v) for k, v in header["values"].items()})
+        if quant is not None:
+            per_rank[-1][QUANT_KEY] = quant
     try:
         values = merged_values(per_rank)
         plan = lay_out_files(assign_writes(wires, values), values, out.checkpoint_id)
@@ -180,6 +184,9 @@ def _write(staging: str, copies: list, on_bytes, on_total, lineage: dict | None 
         where = {rec[0]: rec for rec in header["records"]}
         pieces = []
         for key, piece in layout.pieces:
+            if key in added[r]:  # quantized moments: codes and scales computed from verified bytes, in memory
+                pieces.append(_in_memory(added[r][key][1], on_bytes))
+                continue
             off, nbytes = where[key][3], where[key][4]
             if nbytes != piece.nbytes:
                 raise InvalidMemoryCopyError(f"memory copy {slot.path}: record {key!r} has {nbytes} bytes, "
@@ -201,6 +208,17 @@ def _write(staging: str, copies: list, on_bytes, on_total, lineage: dict | None 
     # per-rank entries: own objects, as a save; stock readers read raw files only (as a save: no 0.metadata then)
     out.commit(values, codec == RAW, tuple(present), lineage, flush_bytes.derived_field(left_out), codec)
     return sum(os.path.getsize(os.path.join(staging, name)) for name in out.files)
+
+
+def _in_memory(arr: np.ndarray, on_bytes):
+    """The piece of a record computed by the flush itself (quantized moments: flush_bytes.py)."""
+
+    def produce():
+        if on_bytes is not None:
+            on_bytes(len(arr))
+        return arr, arr
+
+    return produce
 
 
 def _producer(src, header: dict, rec: list, on_bytes, where: str):

@@ -10,8 +10,10 @@ from what the copies hold, or a checkpoint written after a crash would be larger
   verified bytes. Weight ``<k>`` is left out when every copy holding it also holds ``<k>.master_weight`` as a record
   of the same region, the master float32, the weight bfloat16/float16, and every element equals its master cast
   (round to nearest even). One copy where it does not keeps it stored in every file.
-* Lossy moments are not applied by a flush (the quantizer is a collective of the saving ranks): a flush of a tier
-  with ``quantize_moments`` stores the moments exactly (more bytes, never less precision), and says so.
+* Lossy moments (``quantize_moments`` on the tier): the engine's quantizer (checkpoint/lossy.py) over every rank's
+  moments in this one process (``lossy.quantize_ranks``: its exchange is the list of the copies' descriptions), on
+  verified private copies of the moment records, one rank's moments in memory at a time; the codes and scales of
+  every rank (1/4 of the moments' bytes for int8, 1/8 for int4) are held until their files are written.
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ import logging
 
 import numpy as np
 
+from ..checkpoint import lossy
 from ..checkpoint.encoded_write import CHOICES
 from ..checkpoint.format import derived
+from ..checkpoint.format.quant import CODES_SUFFIX, SCALES_SUFFIX
+from ..checkpoint.format.reserved import QUANT_KEY
 from ..checkpoint.options import CheckpointOptions
+from ..checkpoint.records import to_record
 from .errors import InvalidMemoryCopyError
 from .slot import check_record_bytes
 
@@ -98,3 +104,31 @@ def derived_keys(copies: list, records_of) -> dict[str, str]:
 def derived_field(keys: dict[str, str]) -> dict:
     """Format 4's ``"derived"`` field of ``keys`` (``{}``: none)."""
     return derived.to_field({k: derived.Derived(k, k + derived.MASTER_SUFFIX, d) for k, d in keys.items()})
+
+
+def quantized_moments(copies: list, records_of, mode: str) -> tuple[list[dict], list[set[str]], dict | None]:
+    """``(added, removed, field)`` of quantizing the copies' moments (see the module docstring): per rank the
+    records that replace its moments (``{key: (RecordDesc, uint8 bytes)}``: codes and scales) and the moment keys
+    they replace; ``field`` the ``"quant"`` value every rank's values carry (None: nothing quantized)."""
+    from .persist import tensor_view, sharded_view
+
+    def load_state(r: int) -> dict:
+        slot, header, doff, dlen = copies[r]
+        where, data, state = f"memory copy {slot.path}", slot.data(doff, dlen), {}
+        for rec, desc in records_of(header, where):
+            if lossy.moment_name(rec[0]) is not None and desc.dtype in lossy.FLOAT_DTYPES:
+                private = _private(data, header, rec, where)
+                state[rec[0]] = sharded_view(desc, tensor_view(private, rec[1], rec[2]))
+        return state
+
+    added, removed, field = [], [], None
+    for out, keys in lossy.quantize_ranks(load_state, len(copies), mode):
+        field = out.pop(QUANT_KEY, field)
+        mine = {}
+        for key in (k + suffix for k in keys for suffix in (CODES_SUFFIX, SCALES_SUFFIX)):
+            rec = to_record(key, out[key]) if key in out else None  # (a rank may hold no scale of a key)
+            if rec is not None:
+                mine[key] = (rec.desc(), np.ascontiguousarray(rec.tensor.numpy()).reshape(-1).view(np.uint8))
+        added.append(mine)
+        removed.append(set(keys))
+    return added, removed, field

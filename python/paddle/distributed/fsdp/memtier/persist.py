@@ -61,18 +61,21 @@ def records_of(header: dict, where: str) -> list[tuple[list, RecordDesc]]:
 def copy_state_dict(header: dict, data: np.ndarray, where: str) -> dict:
     """The state dict a direct save of this rank would pass to the engine, its tensors zero-copy views of the
     copy's ``data`` (the slot must stay mapped and unchanged until the save returns)."""
-    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
-
     state = dict(header["values"])
     for (key, dtype, shape, off, nbytes, _sums), desc in records_of(header, where):
-        t = tensor_view(data[off : off + nbytes], dtype, shape)
-        if desc.replicated:
-            state[key] = t
-            continue
-        r = desc.region
-        flat = None if r.flat_range is None else slice(*r.flat_range)
-        state[key] = ShardedWeight(key, t, r.box_shape, r.shape, r.box_offset, flat is not None, flat)
+        state[key] = sharded_view(desc, tensor_view(data[off : off + nbytes], dtype, shape))
     return state
+
+
+def sharded_view(desc: RecordDesc, t):
+    """``t`` as the record ``desc`` describes it: the tensor itself when replicated, else its ShardedWeight."""
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+    if desc.replicated:
+        return t
+    r = desc.region
+    flat = None if r.flat_range is None else slice(*r.flat_range)
+    return ShardedWeight(desc.key, t, r.box_shape, r.shape, r.box_offset, flat is not None, flat)
 
 
 def persist_copy(
