@@ -38,9 +38,8 @@ import numpy as np
 from ..checkpoint import checksums, writer
 from ..checkpoint.directory import committed_steps, step_dir_name
 from ..checkpoint.encoded_write import RAW, resolve_codec, write_encoded
-from ..checkpoint.format.metadata import itemsize
+from ..checkpoint.format.metadata import LATEST_FILE, FileMeta, itemsize
 from ..checkpoint.format.reserved import QUANT_KEY
-from ..checkpoint.format.metadata import LATEST_FILE, FileMeta
 from ..checkpoint.io.backends import backend_for
 from ..checkpoint.io.local import LocalStorage
 from ..checkpoint.manager import root_lineage

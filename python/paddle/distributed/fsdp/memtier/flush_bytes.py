@@ -110,7 +110,7 @@ def quantized_moments(copies: list, records_of, mode: str) -> tuple[list[dict], 
     """``(added, removed, field)`` of quantizing the copies' moments (see the module docstring): per rank the
     records that replace its moments (``{key: (RecordDesc, uint8 bytes)}``: codes and scales) and the moment keys
     they replace; ``field`` the ``"quant"`` value every rank's values carry (None: nothing quantized)."""
-    from .persist import tensor_view, sharded_view
+    from .persist import sharded_view, tensor_view
 
     def load_state(r: int) -> dict:
         slot, header, doff, dlen = copies[r]

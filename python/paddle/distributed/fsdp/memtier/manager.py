@@ -39,8 +39,8 @@ import time
 
 from .. import env_switches
 from ..checkpoint import checksums, lossy
-from ..checkpoint.options import CheckpointOptions
 from ..checkpoint.errors import CheckpointError, rebuild_remote_error
+from ..checkpoint.options import CheckpointOptions
 from ..devices import host_mappings
 from ..state import frozen_base
 from ..state.resume_state import ResumeObjects

@@ -99,7 +99,9 @@ def persist_copy(
     state = copy_state_dict(header, slot.data(data_off, data_len), f"memory copy {slot.path}")
     manager = CheckpointManager(root, keep_last=keep_last, process_group=group)
     per_rank = tuple(key for key in PER_RANK_KEYS if key in state)
-    manager.save(int(header["step"]), state, per_rank_values=per_rank, options=options, quantize_moments=quantize_moments)
+    manager.save(
+        int(header["step"]), state, per_rank_values=per_rank, options=options, quantize_moments=quantize_moments
+    )
     dt = time.perf_counter() - t0
     logger.info("memory tier: rank %d persisted its memory copy of step %d to %s in %.0f ms",
                 header["rank"], header["step"], root, dt * 1e3)  # fmt: skip
