@@ -5,11 +5,16 @@ weight its save left out as its fp32 master weight cast, round to nearest even, 
 How, without a read path of its own: before the load, each requested derived key whose dtype and shape match is
 taken out of the state dict. When its master weight is requested too, for the same region (a resume: FSDP asks
 for both, sharded alike), the master's own target is cast into the weight after the load (no extra read).
-Otherwise a float32 temporary of the weight's region is requested under an alias key (``ALIAS_PREFIX``) that the
-load's metadata view maps to the master's pieces, so the load reads, checks and reshards it as any other key
-(windowed, atomic or bounded, any world size). The casts run only once the load has committed on every rank: a
-failed load leaves every target as it was. A derived key requested with another dtype or shape meets the
-engine's usual DtypeMismatchError / ShapeMismatchError (the view declares its dtype and its master's shape).
+Otherwise the master's pieces are read under an alias key (``ALIAS_PREFIX``) that the load's metadata view maps
+to the master, so the load reads, checks and reshards them as any other key (windowed, atomic or bounded, any
+world size). A memory-bounded load (the default) reads such a source a window at a time into a float32 buffer
+of its budget and casts each verified window into the weight (load/bounded.py): the float32 source never exists
+whole, and its memory counts against ``max_host_bytes``; like every target of a bounded load, the weight is
+written while the load reads (a failure then is PartiallyLoadedError). An atomic load requests a float32
+temporary of the weight's region under the alias (atomic loads stage the rank's slice anyway) and casts only once
+the load has committed on every rank, as it does for the masters' targets: a failed load leaves every target as
+it was. A derived key requested with another dtype or shape meets the engine's usual DtypeMismatchError /
+ShapeMismatchError (the view declares its dtype and its master's shape).
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ class Cast:
     source: Any
     dtype: str
     alias: str | None  # the temporary's key, or None when the master's own target is the source
+    region: Any = None  # the weight's Region when a memory-bounded load reads and casts it by windows (no source)
 
 
 def _temporary(rec, alias: str):
@@ -112,8 +118,10 @@ def _record(key, val):
         return None  # (the load's own validation names it)
 
 
-def prepare(state_dict, opened: CommittedCheckpoint | None):
-    """``(state dict to load, checkpoint to load it from, casts)``: unchanged when nothing requested is derived."""
+def prepare(state_dict, opened: CommittedCheckpoint | None, windowed: bool = False):
+    """``(state dict to load, checkpoint to load it from, casts)``: unchanged when nothing requested is derived.
+    ``windowed`` (a memory-bounded load): a weight read from its master under an alias gets no temporary; its
+    Cast carries the region instead, and the load reads and casts it by windows (``LoadJob.derived``)."""
     md = None if opened is None else opened.metadata
     if md is None or not md.derived or not isinstance(state_dict, dict):
         return state_dict, opened, []
@@ -130,9 +138,12 @@ def prepare(state_dict, opened: CommittedCheckpoint | None):
             casts.append(Cast(key, rec.tensor, master.tensor, d.dtype, None))
             continue
         alias = ALIAS_PREFIX + key
+        aliases[alias] = d.source
+        if windowed:
+            casts.append(Cast(key, rec.tensor, None, d.dtype, alias, rec.region))
+            continue
         temp = _temporary(rec, alias)
         load_dict[alias] = temp
-        aliases[alias] = d.source
         casts.append(Cast(key, rec.tensor, getattr(temp, "local_tensor", temp), d.dtype, alias))
     views = {k: DerivedMeta(d.dtype, tuple(md.tensors[d.source].shape)) for k, d in md.derived.items()}
     view = replace(md, tensors=_Tensors(md.tensors, aliases, views), index=_AliasIndex(md.index, aliases))
@@ -158,8 +169,8 @@ def apply(casts: list[Cast], report, state_dict: dict, updates: dict) -> None:
     into its own dict (``updates``) into the caller's."""
     loaded = set(report.loaded_keys)
     for c in casts:
-        if c.alias is not None and c.alias not in loaded:
-            continue  # (a non-strict load that left it out: reported as the caller's key below)
+        if c.region is not None or (c.alias is not None and c.alias not in loaded):
+            continue  # (cast by the load's windows already; a non-strict load that left it out: reported below)
         src, _keep = raw_view(c.source)
         write_cast(c.target, src.view(np.float32), c.dtype)
     aliased = {c.alias: c.key for c in casts if c.alias is not None}
