@@ -417,3 +417,32 @@ def test_a_model_only_load_derives_within_the_host_budget(big_saved, monkeypatch
     assert report.loaded_keys == ["w"] and report.host_budget == budget
     assert max(sizes, default=0) <= budget, f"a host buffer of {max(sizes)} bytes for a budget of {budget}"
     assert 0 < report.peak_host_bytes <= budget
+
+
+def test_a_resume_of_device_tensors_casts_the_masters_by_windows(big_saved, monkeypatch):
+    """Weights and masters both requested (a resume) as device tensors (fake-device mode): each master's target
+    is cast into its weight after the load a window at a time, so no host buffer holds a whole master (16 MiB
+    here) and the weight is bit-exact."""
+    from paddle.distributed.fsdp.devices import device
+
+    path, state = big_saved
+    budget = 2 << 20
+    sizes: list[int] = []
+    real_host_empty = device.host_empty
+
+    def recording_host_empty(shape, dtype, pinned=True):
+        t = real_host_empty(shape, dtype, pinned)
+        sizes.append(int(np.prod(shape)) * t.element_size())
+        return t
+
+    before = device.options()
+    device.set_options(device.DeviceOptions(fake_device=True, emulate_gpu_collectives=True))
+    try:
+        got = _zeros_like(state)
+        monkeypatch.setattr(device, "host_empty", recording_host_empty)
+        report = ck.load_state_dict(got, str(path), max_host_bytes=budget)
+    finally:
+        device.set_options(before)
+    _assert_loaded(got, state)
+    assert sorted(report.loaded_keys) == ["w", "w.master_weight"]
+    assert max(sizes, default=0) <= budget, f"a host buffer of {max(sizes)} bytes for a budget of {budget}"
