@@ -55,7 +55,9 @@ def _one_round(fsdp, opt, model_keys, work: str, derive: bool) -> dict:
         shutil.rmtree(path, ignore_errors=True)
         marks.clear()
         t0 = time.perf_counter()
-        handle = fsdp.save_checkpoint(path, optimizer=opt, derive_weights=derive, options=opts, async_save=kind == "async")
+        handle = fsdp.save_checkpoint(
+            path, optimizer=opt, derive_weights=derive, options=opts, async_save=kind == "async"
+        )
         t1 = time.perf_counter()
         if handle is not None:
             handle.wait()

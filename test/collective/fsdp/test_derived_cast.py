@@ -118,3 +118,22 @@ def test_signed_zeros_and_the_smallest_values_are_told_apart():
         assert derived.equals_cast(np.array([0x8000], np.uint16), neg_zero, dtype)
         assert not derived.equals_cast(np.array([0x0000], np.uint16), neg_zero, dtype)
         assert derived.equals_cast(_paddle_bits(tiny_neg, dtype), tiny_neg, dtype)
+
+
+def test_a_ranks_many_weights_are_checked_together_each_on_its_own():
+    """``equals_cast_many`` (the save's check of a rank's weights, every block on the pool at once): each pair
+    judged on all of its blocks and on nothing else."""
+    rng = np.random.default_rng(11)
+    pairs, want = [], []
+    for j, n in enumerate([1000] * 30 + [3 * (1 << 18) + 7, 5]):
+        m = rng.standard_normal(n).astype(np.float32)
+        w = derived.cast_bits(m, "bfloat16" if j % 2 else "float16")
+        off = j in (3, 30)  # a small one, and the large one in its first block (not its last)
+        if off:
+            w[5] ^= 1
+        pairs.append((w, m, "bfloat16" if j % 2 else "float16"))
+        want.append(not off)
+    pairs.append((np.zeros(4, np.uint16), np.zeros(5, np.float32), "bfloat16"))  # sizes differ
+    want.append(False)
+    assert derived.equals_cast_many(pairs) == want
+    assert derived.equals_cast_many(pairs[:2]) == want[:2]  # (fewer than 4 blocks: on the calling thread)
