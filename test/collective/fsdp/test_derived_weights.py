@@ -365,3 +365,84 @@ def test_the_bytes_benchmark_measures_two_bytes_a_parameter_less(tmp_path):
     assert raw["weights"] == 2.0 and raw["master"] == 4.0 and raw["moments"] == 8.0
     assert abs(got["fp32/raw"]["total"] - got["fp32/default"]["total"]) < 1e-3  # (the index's ids and times vary)
     assert got["fp32/default"]["format"] == 3
+
+
+@pytest.fixture(scope="module")
+def big_saved(tmp_path_factory):
+    """One derived weight of 4M elements (its master 16 MiB), saved derived."""
+    n = 1 << 22
+    master = np.random.default_rng(5).standard_normal(n).astype(np.float32)
+    state = {
+        "w": ShardedWeight(
+            "w", paddle.to_tensor(derived.cast_bits(master, "bfloat16")), (n,), (n,), (0,), True, slice(0, n)
+        ),
+        "w.master_weight": ShardedWeight(
+            "w.master_weight", paddle.to_tensor(master), (n,), (n,), (0,), True, slice(0, n)
+        ),
+    }
+    path = tmp_path_factory.mktemp("big") / "ckpt"
+    ck.save_state_dict(state, str(path))
+    assert "w" in ck.read_metadata(str(path)).derived
+    return path, state
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_model_only_load_derives_within_the_host_budget(big_saved, monkeypatch, on_device):
+    """A derived weight loaded without its master (model-only) under ``max_host_bytes``: its master is read and
+    cast by windows, so no host buffer is larger than the budget and the engine's peak stays within it (a whole
+    float32 temporary of the weight was 16 MiB here, outside the account); device weights (fake-device mode) go
+    through a staging window of their own dtype."""
+    from paddle.distributed.fsdp.devices import device
+
+    path, state = big_saved
+    budget = 2 << 20
+    sizes: list[int] = []
+    real_host_empty = device.host_empty
+
+    def recording_host_empty(shape, dtype, pinned=True):
+        t = real_host_empty(shape, dtype, pinned)
+        sizes.append(int(np.prod(shape)) * t.element_size())
+        return t
+
+    before = device.options()
+    if on_device:
+        device.set_options(device.DeviceOptions(fake_device=True, emulate_gpu_collectives=True))
+    try:
+        got = _zeros_like(state, ["w"])
+        monkeypatch.setattr(device, "host_empty", recording_host_empty)
+        report = ck.load_state_dict(got, str(path), max_host_bytes=budget)
+    finally:
+        device.set_options(before)
+    assert np.array_equal(_bits(got["w"]), _bits(state["w"]))
+    assert report.loaded_keys == ["w"] and report.host_budget == budget
+    assert max(sizes, default=0) <= budget, f"a host buffer of {max(sizes)} bytes for a budget of {budget}"
+    assert 0 < report.peak_host_bytes <= budget
+
+
+def test_a_resume_of_device_tensors_casts_the_masters_by_windows(big_saved, monkeypatch):
+    """Weights and masters both requested (a resume) as device tensors (fake-device mode): each master's target
+    is cast into its weight after the load a window at a time, so no host buffer holds a whole master (16 MiB
+    here) and the weight is bit-exact."""
+    from paddle.distributed.fsdp.devices import device
+
+    path, state = big_saved
+    budget = 2 << 20
+    sizes: list[int] = []
+    real_host_empty = device.host_empty
+
+    def recording_host_empty(shape, dtype, pinned=True):
+        t = real_host_empty(shape, dtype, pinned)
+        sizes.append(int(np.prod(shape)) * t.element_size())
+        return t
+
+    before = device.options()
+    device.set_options(device.DeviceOptions(fake_device=True, emulate_gpu_collectives=True))
+    try:
+        got = _zeros_like(state)
+        monkeypatch.setattr(device, "host_empty", recording_host_empty)
+        report = ck.load_state_dict(got, str(path), max_host_bytes=budget)
+    finally:
+        device.set_options(before)
+    _assert_loaded(got, state)
+    assert sorted(report.loaded_keys) == ["w", "w.master_weight"]
+    assert max(sizes, default=0) <= budget, f"a host buffer of {max(sizes)} bytes for a budget of {budget}"

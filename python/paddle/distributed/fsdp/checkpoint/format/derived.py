@@ -102,6 +102,30 @@ def equals_cast(weight_bits: np.ndarray, master: np.ndarray, dtype: str) -> bool
     return _blocks(m.size, block)
 
 
+def equals_cast_many(pairs: list[tuple[np.ndarray, np.ndarray, str]]) -> list[bool]:
+    """``equals_cast`` of each ``(weight bits, master, dtype)``, the blocks of every pair on the thread pool at
+    once: a rank's many small shards (fewer than 4 blocks each would run one at a time) keep every core busy,
+    with one wait for all of them instead of one a tensor."""
+    tasks = []
+    for j, (w, m, dtype) in enumerate(pairs):
+        if dtype not in CAST_DTYPES:
+            raise ValueError(f"cannot derive a {dtype} weight (derivable: {', '.join(CAST_DTYPES)})")
+        if w.size == m.size:
+            tasks.extend((j, i) for i in range(0, m.size, _BLOCK))
+
+    def block(task: tuple[int, int]) -> bool:
+        j, i = task
+        w, m, dtype = pairs[j]
+        w, m = w.reshape(-1).view(np.uint16), m.reshape(-1).view(np.float32)
+        return np.array_equal(w[i : i + _BLOCK], cast_bits(m[i : i + _BLOCK], dtype))
+
+    results = list(map(block, tasks)) if len(tasks) < 4 else list(_pool().map(block, tasks))
+    equal = [w.size == m.size for w, m, _d in pairs]
+    for (j, _i), ok in zip(tasks, results):
+        equal[j] = equal[j] and ok
+    return equal
+
+
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1), thread_name_prefix="derive-check")

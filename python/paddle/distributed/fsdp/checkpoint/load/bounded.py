@@ -3,9 +3,12 @@ into the targets -> exchange of the outcome (load.py's docstring has the details
 
 from __future__ import annotations
 
+import numpy as np
+
 from .. import host_memory
 from ..coordination import Comm, gather_errors
 from ..errors import PartiallyLoadedError
+from ..format import derived
 from ..format.metadata import DTYPES
 from ..load_checks import read_failure, staging_tensor
 from ..reader import FileSet
@@ -79,7 +82,9 @@ class BoundedLoadJob(LoadJob):
         try:
             reads: list = []  # the reads of host targets, done straight into them in file order
             for tg, segs in sorted(plan, key=_file_position):  # windowed targets in file order too
-                if host_memory.is_host_contiguous(tg.tensor):
+                if tg.derive is not None:
+                    self._derive_through_window(tg, segs, window)
+                elif host_memory.is_host_contiguous(tg.tensor):
                     dst, _ = host_memory.raw_view(tg.tensor, allow_copy=False)
                     read_region(files, md, tg.key, tg.region, dst, self.verify_checksums, verifier, reads, window, segs)
                 else:
@@ -123,6 +128,49 @@ class BoundedLoadJob(LoadJob):
             verifier.wait()  # the window is reused next: its checks must be done
             src = staging if r1 - r0 == per_window else staging._slice(0, r1 - r0)
             tg.tensor._slice(r0, r1).copy_(src, True)
+
+    def _derive_through_window(self, tg: Target, segs: list, window: int) -> None:
+        """A derived weight asked for without its master (a model-only load, load/derive.py): the master's float32
+        bytes read into a window of the budget, verified, and cast into the weight, a window at a time, so the
+        float32 source never exists whole. A device (or strided) weight goes through a staging window of its own
+        dtype and ``Tensor.copy_``, rows at a time; the two windows share ``window``."""
+        md, files, verifier, verify = self.md, self.files, self.verifier, self.verify_checksums
+        cast, numel = tg.derive, tg.region.numel
+        target = cast.target
+        host = host_memory.is_host_contiguous(target)
+        shape = list(target.shape)
+        whole = not host and (not shape or not target.is_contiguous())  # 0-d or strided: one window
+        if host:
+            rows = numel  # (elements: any window boundary will do)
+        else:
+            rows = 1 if whole else shape[0]
+        row = numel // max(rows, 1)  # elements a row
+        per_window = min(rows, max(1, window // (max(row, 1) * (4 if host else 6))))
+        source = host_memory.host_empty(per_window * row * 4)
+        if host:
+            out, _keep = host_memory.raw_view(target, allow_copy=False)
+        else:
+            pin = not host_memory.is_host_place(target.place)
+            staging_shape = shape if whole else [per_window] + shape[1:]
+            staging = host_memory.account.track(staging_tensor(staging_shape, cast.dtype, pin), per_window * row * 2)
+            out, _keep = host_memory.raw_view(staging, allow_copy=False)
+        out = out.view(np.uint16)
+        for r0 in range(0, rows, per_window):
+            r1 = min(rows, r0 + per_window)
+            e0, e1 = r0 * row, r1 * row
+            part = source[: (e1 - e0) * 4]
+            window_segs = clip_segments(segs, e0 * 4, e1 * 4, md.chunk_bytes)
+            read_region(files, md, tg.key, tg.region, part, verify, verifier, None, window, window_segs)
+            verifier.wait()  # the window is reused next, and only verified bytes are cast
+            if host:
+                derived.cast_into(part.view(np.float32), cast.dtype, out[e0:e1])
+                continue
+            derived.cast_into(part.view(np.float32), cast.dtype, out[: e1 - e0])
+            if whole:
+                target.copy_(staging, True)
+            else:
+                src = staging if r1 - r0 == per_window else staging._slice(0, r1 - r0)
+                target._slice(r0, r1).copy_(src, True)
 
     def exchange_outcome(self, comm: Comm, err: BaseException | None) -> None:
         """After writing: a failure on any rank raises PartiallyLoadedError on every rank."""

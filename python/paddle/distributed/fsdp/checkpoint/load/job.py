@@ -70,6 +70,7 @@ class Target:
     staging: Any = None
     raw: Any = None
     copies: Any = None  # in-place host target: [(dst byte offset, verified source bytes in the span buffer)]
+    derive: Any = None  # a derived weight read from its master by windows (load/derive.py's Cast; bounded.py)
 
 
 class LoadJob:
@@ -87,6 +88,7 @@ class LoadJob:
         self.report = LoadReport()
         self.md: CheckpointMetadata | None = None
         self.targets: list[Target] = []
+        self.derived: list = []  # derived weights whose master the load reads by windows (load/derive.py)
         self.value_updates: dict[str, Any] = {}
         self.requested = sorted(k for k in state_dict) if isinstance(state_dict, dict) else []
         self.verifier = ChunkVerifier(opts.checksum_threads)
@@ -168,6 +170,9 @@ class LoadJob:
                 refuse(DtypeMismatchError, key, f"dtype {rec.dtype} requested, {tm.dtype} in the checkpoint")
                 continue
             self.targets.append(Target(key, rec.tensor, rec.region, rec.dtype))
+        for c in self.derived:  # (their dtype and shape checked by derive.prepare; the alias reads the master)
+            self.targets.append(Target(c.alias, None, c.region, "float32", derive=c))
+        self.requested = sorted({*self.requested, *(c.alias for c in self.derived)})
         if strict and problems:
             cls, _ = problems[0]
             more = (

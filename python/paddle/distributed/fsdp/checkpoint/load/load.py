@@ -175,7 +175,7 @@ def run_load(
     if earlier is None:
         try:
             opened = _opened(path, opened, opts)
-            state_dict, opened, casts = derive.prepare(state_dict, opened)
+            state_dict, opened, casts = derive.prepare(state_dict, opened, windowed=not atomic)
         except Exception as e:  # noqa: BLE001 - reported by the first exchange, on every rank
             earlier = e
     if atomic:
@@ -185,6 +185,7 @@ def run_load(
     else:
         job = BoundedLoadJob(state_dict, path, opts, verify_checksums, tr)
         job.md = opened.metadata if opened is not None else None
+        job.derived = [c for c in casts if c.region is not None]
         all_requested = job.run(comm, strict, max_host_bytes, earlier)
     report = job.finish(all_requested, time.perf_counter() - t0)
     if state_dict is not caller_dict:  # derived weights (format 4): cast now that the load committed

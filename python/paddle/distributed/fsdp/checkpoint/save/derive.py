@@ -7,7 +7,9 @@ rank is raised on every rank). A weight ``<k>`` is derived when, on every rank, 
 are both sharded records of the same region, the master float32, the weight bfloat16/float16, and every element of
 the rank's shard of ``<k>`` equals its master's, cast round to nearest even (checked on the values at the call:
 an async save's later copy holds the same values, snapshot_guard.py). Anything else keeps the weight stored.
-Cost: one pass over the rank's weights and masters (6 bytes a parameter read), a block of 1M elements at a time.
+Cost: one pass over the rank's weights and masters (6 bytes a parameter read), the blocks of all of them on one
+thread pool (format/derived.py: ``equals_cast_many``); ~2 ns a parameter of one core's time here, about what a
+copy of those 6 bytes costs (reports/2026-12-07-derive-speed.md).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import replace
 from ..coordination import gather_errors, stage_error
 from ..errors import InvalidStateDictError, SaveFailedError
 from ..format import derived
-from ..host_memory import raw_view
+from ..host_memory import is_host_contiguous, raw_view
 from ..records import to_record
 
 logger = logging.getLogger(__name__)
@@ -32,6 +34,7 @@ def _local_candidates(state_dict) -> tuple[dict[str, str], list[str]]:
     if not isinstance(state_dict, dict):
         return {}, []  # (the save's own validation names it)
     equal, other = {}, []
+    checks, keep = [], []  # (weight key, dtype), and what keeps each raw view's memory alive
     for mkey, mval in state_dict.items():
         if not isinstance(mkey, str) or not mkey.endswith(derived.MASTER_SUFFIX):
             continue
@@ -44,10 +47,21 @@ def _local_candidates(state_dict) -> tuple[dict[str, str], list[str]]:
         if m.dtype != derived.SOURCE_DTYPE or w.region != m.region or w.replicated != m.replicated:
             other.append(wkey)
             continue
-        wraw, _keep_w = raw_view(w.tensor)
-        mraw, _keep_m = raw_view(m.tensor)
-        if derived.equals_cast(wraw.view("uint16"), mraw.view("float32"), w.dtype):
-            equal[wkey] = w.dtype
+        if not (is_host_contiguous(w.tensor) and is_host_contiguous(m.tensor)):
+            wraw, _keep_w = raw_view(w.tensor)  # (device memory: a host copy, checked and dropped one at a time)
+            mraw, _keep_m = raw_view(m.tensor)
+            if derived.equals_cast(wraw.view("uint16"), mraw.view("float32"), w.dtype):
+                equal[wkey] = w.dtype
+            else:
+                other.append(wkey)
+            continue
+        wraw, keep_w = raw_view(w.tensor)
+        mraw, keep_m = raw_view(m.tensor)
+        checks.append((wkey, w.dtype))
+        keep.append((wraw.view("uint16"), mraw.view("float32"), w.dtype, keep_w, keep_m))
+    for (wkey, dtype), ok in zip(checks, derived.equals_cast_many([k[:3] for k in keep])):
+        if ok:
+            equal[wkey] = dtype
         else:
             other.append(wkey)
     return equal, other
