@@ -104,7 +104,7 @@ class ThreadComm:
         return out
 
 
-def _quantize_as_ranks(full: dict[str, np.ndarray], cuts: list[int], mode: str, threads: int = 0) -> list[dict]:
+def _quantize_as_ranks(full: dict[str, np.ndarray], cuts: list[int], mode: str, pool_threads: int = 0) -> list[dict]:
     """Each 'rank' holds flat range [cuts[r], cuts[r+1]) of every tensor (ShardedWeights, as FSDP saves them)."""
     import paddle
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
@@ -125,7 +125,7 @@ def _quantize_as_ranks(full: dict[str, np.ndarray], cuts: list[int], mode: str, 
             "w.master_weight", paddle.ones([2]), (2,), (2,), (0,), True, slice(0, 2)
         )
         try:
-            outs[r] = lossy.quantize_state(state, mode, comm, block=16, threads=threads)[0]
+            outs[r] = lossy.quantize_state(state, mode, comm, block=16, threads=pool_threads)[0]
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
             comm.barrier.abort()
