@@ -52,7 +52,9 @@ def _once(state: dict, threads: int, mode: str) -> dict:
 
     def ranges_only():  # maxima then codes, every key queued before waiting, as quantize_state does
         schemes = {k: SCHEMES[MOMENT_SCHEMES[k.rpartition(".")[2]][mode]] for k in hosts}
-        maxima = {k: quant_threads.block_maxima_async(x, 0, DEFAULT_BLOCK, schemes[k], threads) for k, x in hosts.items()}
+        maxima = {
+            k: quant_threads.block_maxima_async(x, 0, DEFAULT_BLOCK, schemes[k], threads) for k, x in hosts.items()
+        }
         maxima = {k: p.result() for k, p in maxima.items()}
         codes = {
             k: quant_threads.packed_codes_async(x, 0, maxima[k], DEFAULT_BLOCK, schemes[k], 0, threads)
@@ -73,8 +75,9 @@ def _once(state: dict, threads: int, mode: str) -> dict:
 
     def deq_ranges():
         pend = [
-            quant_threads.dequantize_async(lossy._np(i[2]), 0, lossy._np(i[3]), 0, 0, i[0].numel, DEFAULT_BLOCK,
-                                           i[0].scheme, threads)  # fmt: skip
+            quant_threads.dequantize_async(
+                lossy._np(i[2]), 0, lossy._np(i[3]), 0, 0, i[0].numel, DEFAULT_BLOCK, i[0].scheme, threads
+            )  # fmt: skip
             for i in pending.items
         ]
         return [p.result() for p in pend]

@@ -112,7 +112,9 @@ def test_ckpt_quant_stage_maps_onto_quantize_moments():
 
     from paddle.distributed.fsdp.integrations.paddleformers.quant_stage import quantize_moments_for
 
-    source = Path(importlib.util.find_spec("paddleformers").submodule_search_locations[0], "trainer", "training_args.py")
+    source = Path(
+        importlib.util.find_spec("paddleformers").submodule_search_locations[0], "trainer", "training_args.py"
+    )
     declared = [
         node.value
         for cls in ast.walk(ast.parse(source.read_text()))

@@ -41,8 +41,8 @@ from .format.quant import (
     read_spans,
     scale_span,
 )
-from .quant_threads import block_maxima_async, dequantize_async, packed_codes_async, thread_count
 from .format.reserved import QUANT_KEY
+from .quant_threads import block_maxima_async, dequantize_async, packed_codes_async, thread_count
 from .records import to_record
 
 logger = logging.getLogger(__name__)
