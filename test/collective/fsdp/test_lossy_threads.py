@@ -69,9 +69,12 @@ def test_threaded_quantize_and_dequantize_are_bit_identical_to_one_thread(scheme
                 assert got.tobytes() == want.tobytes(), (lo, n, a, b, threads)
 
 
-def test_non_finite_range_is_raised_after_every_range_ran(small_ranges):
+def test_a_non_finite_value_in_any_range_is_named(small_ranges):
+    """NaN in a middle range, a negative second moment in a later one: the first range's error in range order
+    (the saver then stores the moment exactly: lossy.py)."""
     x = np.ones(1000, np.float32)
-    x[500] = np.nan
-    pending = quant_threads.block_maxima_async(x, 3, BLOCK, SCHEMES["int8-absmax"], 3)
-    with pytest.raises(quant.NonFiniteError, match="NaN"):
-        pending.result()
+    x[500], x[900] = np.nan, -1.0
+    for threads in (1, 3):
+        pending = quant_threads.block_maxima_async(x, 3, BLOCK, SCHEMES["uint8-sqrt"], threads)
+        with pytest.raises(quant.NonFiniteError, match="NaN"):
+            pending.result()
