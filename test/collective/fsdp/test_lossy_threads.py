@@ -78,3 +78,33 @@ def test_a_non_finite_value_in_any_range_is_named(small_ranges):
         pending = quant_threads.block_maxima_async(x, 3, BLOCK, SCHEMES["uint8-sqrt"], threads)
         with pytest.raises(quant.NonFiniteError, match="NaN"):
             pending.result()
+
+
+def test_a_forked_child_quantizes_on_pools_of_its_own(small_ranges):
+    """The parent's pool exists at the fork; the child's threads do not: the child makes a pool of its own
+    instead of queueing work that no thread would run (it would wait forever; the parent waits up to 120 s)."""
+    import os
+    import signal
+    import time
+
+    x = np.arange(1000, dtype=np.float32)
+    scheme = SCHEMES["int8-absmax"]
+    want = quant_threads.block_maxima_async(x, 0, BLOCK, scheme, 2).result()  # the parent's pool of 2 exists
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 when it computed the same maxima
+        try:
+            got = quant_threads.block_maxima_async(x, 0, BLOCK, scheme, 2).result()
+            os._exit(0 if np.array_equal(got, want) else 3)
+        finally:
+            os._exit(4)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's quantize never finished (the parent's pool, without threads, took its work)")
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

@@ -15,6 +15,7 @@ same knob as the chunk encoder's, since both are the save's CPU work on checkpoi
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -36,6 +37,17 @@ RANGE_ELEMS = 1 << 18  # elements a task works on (1 MiB of fp32): large enough 
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pool_lock = threading.Lock()
+
+
+def _forget_pools_in_child() -> None:
+    """A forked child has the pools' objects but not their threads (work queued there would wait forever): it
+    makes its own on first use."""
+    global _pool_lock
+    _pools.clear()
+    _pool_lock = threading.Lock()  # (held by another thread of the parent at the fork, it would stay held here)
+
+
+os.register_at_fork(after_in_child=_forget_pools_in_child)
 
 
 def thread_count(codec_threads: int) -> int:
