@@ -36,6 +36,18 @@ def test_ranges_start_on_block_boundaries_and_cover_once(small_ranges):
         assert all(a % BLOCK == 0 for a, _ in cuts[1:]), (lo, n, cuts)
     assert len(quant_threads.ranges(0, 1001, BLOCK)) == 21  # the zoo is really cut: ceil(1001 / 48)
     assert quant_threads.ranges(5, 5, BLOCK) == []
+    odd = quant_threads.ranges(1, 1000, 15)  # an odd block (no checkpoint names one): cuts stay even
+    assert all(a % 30 == 0 for a, _ in odd[1:]) and len(odd) > 10
+
+
+def test_int4_codes_of_an_odd_block_are_bit_identical_on_threads(small_ranges):
+    scheme = SCHEMES["int4-absmax"]
+    x = _values(np.random.default_rng(3), 1001, True)
+    for lo in (0, 1, 14):
+        scales = quant.block_maxima(x, lo, 15, scheme)
+        want = quant.pack(quant.element_codes(x, lo, scales, lo // 15, 15, scheme), lo, scheme, 3)
+        got = quant_threads.packed_codes_async(x, lo, scales, 15, scheme, 3, 3).result()
+        assert got.tobytes() == want.tobytes(), lo
 
 
 @pytest.mark.parametrize("scheme_name", sorted(SCHEMES))

@@ -74,6 +74,7 @@ def ranges(lo: int, hi: int, block: int, elems: int | None = None) -> list[tuple
     if hi <= lo:
         return []
     step = max(1, (elems or RANGE_ELEMS) // block) * block
+    step *= 1 + step % 2  # even cuts: two 4-bit codes share a byte (blocks a checkpoint names are even anyway)
     cuts = [lo, *range((lo // step + 1) * step, hi, step), hi]
     return list(zip(cuts[:-1], cuts[1:], strict=True))
 
