@@ -104,7 +104,7 @@ class ThreadComm:
         return out
 
 
-def _quantize_as_ranks(full: dict[str, np.ndarray], cuts: list[int], mode: str) -> list[dict]:
+def _quantize_as_ranks(full: dict[str, np.ndarray], cuts: list[int], mode: str, pool_threads: int = 0) -> list[dict]:
     """Each 'rank' holds flat range [cuts[r], cuts[r+1]) of every tensor (ShardedWeights, as FSDP saves them)."""
     import paddle
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
@@ -125,7 +125,7 @@ def _quantize_as_ranks(full: dict[str, np.ndarray], cuts: list[int], mode: str) 
             "w.master_weight", paddle.ones([2]), (2,), (2,), (0,), True, slice(0, 2)
         )
         try:
-            outs[r] = lossy.quantize_state(state, mode, comm, block=16)[0]
+            outs[r] = lossy.quantize_state(state, mode, comm, block=16, threads=pool_threads)[0]
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
             comm.barrier.abort()
@@ -154,15 +154,20 @@ def _assemble(outs: list[dict], key: str, n: int, dtype) -> np.ndarray:
     return out
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_pieces_cut_anywhere_quantize_like_the_whole_tensor(mode):
+def test_pieces_cut_anywhere_quantize_like_the_whole_tensor(mode, threads, monkeypatch):
     """Ranks cut a tensor anywhere (odd offsets, inside a block, pieces shorter than a block, a rank holding
     nothing): the codes and scales they store together are those of one process quantizing the whole tensor,
-    every code and scale stored exactly once; master weights and other keys pass untouched."""
+    every code and scale stored exactly once; master weights and other keys pass untouched. Also with each
+    piece cut into ranges of two blocks on 3 threads (quant_threads.py)."""
+    from paddle.distributed.fsdp.checkpoint import quant_threads
+
+    monkeypatch.setattr(quant_threads, "RANGE_ELEMS", 32)
     rng = np.random.default_rng(11)
     full = {"a.moment1": _values(rng, 101, "normal", True), "a.moment2": _values(rng, 101, "normal", False)}
     for cuts in ([0, 101], [0, 50, 101], [0, 33, 34, 35, 101], [0, 17, 17, 64, 101], [0, 1, 2, 3, 99, 101]):
-        outs = _quantize_as_ranks(full, cuts, mode)
+        outs = _quantize_as_ranks(full, cuts, mode, threads)
         described = outs[0]["__fsdp__.quant"]
         assert all(o["__fsdp__.quant"] == described for o in outs)
         parsed = quant.parse_field(json.loads(json.dumps(described)), "test")

@@ -99,3 +99,93 @@ def test_merge_adapter_without_an_adapter_is_refused_when_the_trainer_is_built()
         check_exportable(FullyShardFusion(plain), plain, None, merged=True)
     wrapped = make_wrapped_lora(3)
     assert check_exportable(FullyShardFusion(wrapped), wrapped, None, merged=False) is None  # its adapter
+
+
+def test_ckpt_quant_stage_maps_onto_quantize_moments():
+    """TrainingArguments.ckpt_quant_stage (the field the installed PaddleFormers declares, default O0; read from
+    its source: importing its Trainer takes seconds) -> the ``quantize_moments`` FSDPTrainer saves with; anything
+    else is a named error when the Trainer is built."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from paddle.distributed.fsdp.integrations.paddleformers.quant_stage import quantize_moments_for
+
+    source = Path(
+        importlib.util.find_spec("paddleformers").submodule_search_locations[0], "trainer", "training_args.py"
+    )
+    declared = [
+        node.value
+        for cls in ast.walk(ast.parse(source.read_text()))
+        if isinstance(cls, ast.ClassDef) and cls.name == "TrainingArguments"
+        for node in cls.body
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "ckpt_quant_stage"
+    ]
+    assert len(declared) == 1
+    default = next(k.value for k in declared[0].keywords if k.arg == "default")
+    assert ast.literal_eval(default) == "O0"
+    stages = {s: quantize_moments_for(SimpleNamespace(ckpt_quant_stage=s)) for s in ("O0", "O1", "O2")}
+    assert stages == {"O0": None, "O1": "int8", "O2": "int4"}
+    assert quantize_moments_for(SimpleNamespace()) is None  # arguments without the field: O0
+    for bad in ("O3", "o1", "int8", "", None, 1):
+        with pytest.raises(pf_integration.UnsupportedTrainingArgumentError, match=r"ckpt_quant_stage=.*\"O1\""):
+            quantize_moments_for(SimpleNamespace(ckpt_quant_stage=bad))
+
+
+def test_resume_from_an_o1_checkpoint_warns_and_exact_refuses(tmp_path):
+    """What FSDPTrainer's save and resume do with ckpt_quant_stage="O1" (trainer.py: ``save_checkpoint(...,
+    quantize_moments=<mapped>)``, ``load_checkpoint(path, optimizer=...)``), as docs/trainer.md says: int8 moments
+    in the metadata; the resume dequantizes them with LossyCheckpointWarning; exact=True refuses before writing."""
+    import json
+    import os
+    import sys
+    import warnings
+    from types import SimpleNamespace
+
+    import numpy as np
+    from paddle.distributed.fsdp import FullyShardFusion
+    from paddle.distributed.fsdp.checkpoint.errors import LossyCheckpointError
+    from paddle.distributed.fsdp.checkpoint.lossy import LossyCheckpointWarning
+    from paddle.distributed.fsdp.integrations.paddleformers.quant_stage import quantize_moments_for
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
+    from models import global_batches, make_model
+
+    def trained(seed: int):
+        model = make_model(seed)
+        fsdp = FullyShardFusion(model)
+        opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
+        for x, y in global_batches(2, 4):
+            model(paddle.to_tensor(x), paddle.to_tensor(y)).backward()
+            opt.step()
+            opt.clear_grad()
+        return fsdp, opt
+
+    def moments(fsdp, opt) -> dict:
+        state = fsdp.optimizer_sharded_state_dict(opt)
+        return {k: v.local_tensor.numpy().copy() for k, v in state.items() if k.endswith((".moment1", ".moment2"))}
+
+    fsdp, opt = trained(1)
+    saved = moments(fsdp, opt)
+    path = tmp_path / "checkpoint-2"
+    fsdp.save_checkpoint(str(path), optimizer=opt, quantize_moments=quantize_moments_for(SimpleNamespace(ckpt_quant_stage="O1")))  # fmt: skip
+    md = json.loads((path / "metadata.json").read_bytes())
+    assert {q["scheme"] for q in md["quant"]["keys"].values()} == {"int8-absmax", "uint8-sqrt"}
+    assert sorted(md["quant"]["keys"]) == sorted(saved)
+
+    fsdp, opt = trained(5)  # a resume into another run's state: every moment comes from the checkpoint
+    with pytest.warns(LossyCheckpointWarning, match="not bit-exact"):
+        fsdp.load_checkpoint(str(path), optimizer=opt)
+    loaded = moments(fsdp, opt)
+    for k, want in saved.items():
+        bound = np.abs(want).max() / 127 if k.endswith("moment1") else np.abs(want).max() * 2 / 255 + 1e-30
+        assert np.abs(loaded[k] - want).max() <= bound, k
+    assert any(not np.array_equal(loaded[k], saved[k]) for k in saved)  # lossy indeed
+
+    fsdp, opt = trained(5)
+    before = moments(fsdp, opt)
+    with warnings.catch_warnings(), pytest.raises(LossyCheckpointError, match="cannot resume bit-exactly"):
+        warnings.simplefilter("ignore", LossyCheckpointWarning)
+        fsdp.load_checkpoint(str(path), optimizer=opt, exact=True)
+    assert all(np.array_equal(before[k], v) for k, v in moments(fsdp, opt).items())  # nothing written

@@ -303,3 +303,39 @@ def test_memory_tier_options_are_checked_by_name():
                        ({"persist_every": 0}, "persist_every must be")):  # fmt: skip
         with pytest.raises(MemoryTierError, match=match):
             memory_saves.check_options(bad)
+
+
+def test_ckpt_quant_stage_o1_saves_int8_moments_and_any_stage_resumes_them_with_a_warning(tmp_path):
+    """One process, no launch: ckpt_quant_stage="O3" refused by name before anything is sharded; "O1" writes
+    checkpoint-3 with int8 moments (named in its metadata); a run with "O0" resumes it, warning that the resume is
+    not bit-exact (docs/trainer.md)."""
+    import warnings
+
+    from paddle.distributed.fsdp.checkpoint.lossy import LossyCheckpointWarning
+    from paddle.distributed.fsdp.integrations.paddleformers import FSDPTrainer, UnsupportedTrainingArgumentError
+    from paddleformers.trainer import TrainingArguments
+    from trainer_fsdp import CountingDataset, make_tokenizer, tiny_llama
+
+    def trainer(stage: str, steps: int, model=None):
+        args = TrainingArguments(
+            output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=2, learning_rate=3e-3,
+            logging_steps=1, save_steps=SAVE_AT, sharding="", amp_master_grad=False, device="cpu",
+            report_to="none", disable_tqdm=True, seed=42, ckpt_quant_stage=stage,
+        )  # fmt: skip
+        model = model if model is not None else tiny_llama()
+        return FSDPTrainer(model=model, args=args, train_dataset=CountingDataset(24), tokenizer=make_tokenizer())
+
+    model = tiny_llama()
+    with pytest.raises(UnsupportedTrainingArgumentError, match="ckpt_quant_stage='O3'"):
+        trainer("O3", SAVE_AT, model)
+    assert not hasattr(model, "_fsdp") or model._fsdp is None  # refused before anything was sharded
+    trainer("O1", SAVE_AT).train()
+    md = json.loads((tmp_path / f"checkpoint-{SAVE_AT}" / "metadata.json").read_text())
+    schemes = {q["scheme"] for q in md["quant"]["keys"].values()}
+    assert schemes == {"int8-absmax", "uint8-sqrt"} and all(
+        k.endswith(("moment1", "moment2")) for k in md["quant"]["keys"]
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer("O0", SAVE_AT + 1).train(resume_from_checkpoint=True)
+    assert any(issubclass(w.category, LossyCheckpointWarning) and "not bit-exact" in str(w.message) for w in seen)

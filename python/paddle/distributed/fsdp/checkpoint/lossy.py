@@ -34,16 +34,15 @@ from .format.quant import (
     SCHEMES,
     NonFiniteError,
     QuantizedKey,
-    block_maxima,
     code_span,
     dequantize_range,
     element_codes,
     field_json,
-    pack,
     read_spans,
     scale_span,
 )
 from .format.reserved import QUANT_KEY
+from .quant_threads import block_maxima_async, dequantize_async, packed_codes_async, thread_count
 from .records import to_record
 
 logger = logging.getLogger(__name__)
@@ -95,23 +94,27 @@ def _sharded(key: str, array: np.ndarray, lo: int, hi: int, total: int, replicat
     return ShardedWeight(key, t, (total,), (total,), (0,), is_flattened=True, flattened_range=slice(lo, hi))
 
 
-def quantize_state(state: dict, mode: str | None, comm, block: int = DEFAULT_BLOCK) -> tuple[dict, list[str]]:
+def quantize_state(
+    state: dict, mode: str | None, comm, block: int = DEFAULT_BLOCK, threads: int = 0
+) -> tuple[dict, list[str]]:
     """``(state, quantized keys)``: ``state`` with every moment key replaced by its codes and scales and the
     ``"quant"`` description added (a reserved value the writer lifts into metadata.json). Collective over
-    ``comm`` (checkpoint/coordination.Comm) when ``mode`` is set: every rank calls it, also one with no moments."""
+    ``comm`` (checkpoint/coordination.Comm) when ``mode`` is set: every rank calls it, also one with no moments.
+    ``threads``: the numpy work's threads (quant_threads.py; ``codec_threads``, 0: chosen)."""
     if check_mode(mode) is None:
         return state, []
+    threads = thread_count(threads)
     local: dict[str, tuple] = {}
     mine: dict[str, Any] = {}
     try:  # a rank failing here must still join the exchange, or the others would wait in it forever
-        _describe(state, mode, block, local, mine)
+        _describe(state, mode, block, local, mine, threads)
     except Exception as e:  # noqa: BLE001 - raised on every rank after the exchange
         mine = {_FAILED: f"rank failed: {type(e).__name__}: {e}"}
     everyone = comm.all_gather_object(mine)
     failed = [per[_FAILED] for per in everyone if _FAILED in per]
     if failed:
         raise CheckpointError(f"quantize_moments: {failed[0]}")
-    return _encode(state, mode, block, local, everyone)
+    return _encode(state, mode, block, local, everyone, threads)
 
 
 def quantize_ranks(load_state, world: int, mode: str, block: int = DEFAULT_BLOCK) -> list[tuple[dict, list[str]]]:
@@ -136,9 +139,11 @@ def quantize_ranks(load_state, world: int, mode: str, block: int = DEFAULT_BLOCK
 _FAILED = "\0failed"  # (not a key: keys of a state dict are checked at save; this one never reaches a file)
 
 
-def _describe(state: dict, mode: str, block: int, local: dict, mine: dict) -> None:
+def _describe(state: dict, mode: str, block: int, local: dict, mine: dict, threads: int) -> None:
     """This rank's moments: ``mine[key]`` what the exchange carries (its flat range, edge block maxima, first value,
-    dtype, shape, scheme; or why it stays exact), ``local[key]`` what encoding it needs."""
+    dtype, shape, scheme; or why it stays exact), ``local[key]`` what encoding it needs. Every moment's block
+    maxima are queued on the pool before the first is waited for."""
+    queued = []
     for key, val in state.items():
         name = moment_name(key)
         rec = to_record(key, val) if name is not None else None
@@ -150,8 +155,10 @@ def _describe(state: dict, mode: str, block: int, local: dict, mine: dict) -> No
             mine[key] = "not a flat range of the whole tensor"
             continue
         x = _host_fp32(rec.tensor)
+        queued.append((key, rec, x, span, scheme, block_maxima_async(x, span[0], block, scheme, threads)))
+    for key, rec, x, span, scheme, pending in queued:
         try:
-            maxima = block_maxima(x, span[0], block, scheme)
+            maxima = pending.result()
         except NonFiniteError as e:
             mine[key] = str(e)
             continue
@@ -161,11 +168,13 @@ def _describe(state: dict, mode: str, block: int, local: dict, mine: dict) -> No
         local[key] = (rec, x, maxima, scheme)
 
 
-def _encode(state: dict, mode: str, block: int, local: dict, everyone: list) -> tuple[dict, list[str]]:
-    """Every rank's description of every moment (``everyone``) -> this rank's codes and scales, and the field."""
+def _encode(state: dict, mode: str, block: int, local: dict, everyone: list, threads: int) -> tuple[dict, list[str]]:
+    """Every rank's description of every moment (``everyone``) -> this rank's codes and scales, and the field.
+    Every moment's codes are queued on the pool before the first is waited for."""
     keys = sorted({k for per in everyone for k in per})
     out = dict(state)
     described: dict[str, QuantizedKey] = {}
+    queued = []
     for key in keys:
         infos = [per[key] for per in everyone if key in per]
         refused = next((i for i in infos if isinstance(i, str)), None)
@@ -189,18 +198,19 @@ def _encode(state: dict, mode: str, block: int, local: dict, everyone: list) -> 
         scales = maxima.astype(np.float32)
         scales[0] = edge_max[lo // block]
         scales[-1] = edge_max[(hi - 1) // block]
-        codes = element_codes(x, lo, scales, lo // block, block, scheme)
         next_code = 0
         if scheme.bits == 4 and hi % 2 and hi in firsts:  # the last byte also holds the next piece's first code
             nb = hi // block
             s = np.asarray([edge_max.get(nb, 0.0)], np.float32)
             next_code = int(element_codes(np.asarray([firsts[hi]], np.float32), hi, s, nb, block, scheme)[0])
-        c0, c1 = code_span(lo, hi, scheme)
+        queued.append((q, rec, scales, packed_codes_async(x, lo, scales, block, scheme, next_code, threads)))
+    for q, rec, scales, pending in queued:
+        lo, hi = _flat_span(rec.region)
+        n = q.numel
+        c0, c1 = code_span(lo, hi, q.scheme)
         s0, s1 = scale_span(lo, hi, block)
-        del out[key]
-        out[q.codes] = _sharded(
-            q.codes, pack(codes, lo, scheme, next_code), c0, c1, scheme.codes_len(n), rec.replicated
-        )
+        del out[q.key]
+        out[q.codes] = _sharded(q.codes, pending.result(), c0, c1, q.scheme.codes_len(n), rec.replicated)
         first_block = lo // block
         out[q.scales] = _sharded(
             q.scales, scales[s0 - first_block : s1 - first_block], s0, s1, -(-n // block), rec.replicated
@@ -223,22 +233,26 @@ class PendingDequant:
     def __bool__(self) -> bool:
         return bool(self.items)
 
-    def finish(self, loaded_keys: list[str] | None = None) -> None:
+    def finish(self, loaded_keys: list[str] | None = None, threads: int = 0) -> None:
+        """``threads``: the dequantizing threads (quant_threads.py; ``codec_threads``, 0: chosen); every moment
+        is queued on the pool before the first is copied into its target."""
         import paddle
 
+        threads = thread_count(threads)
         done = set(loaded_keys) if loaded_keys is not None else None
+        queued = []
         for q, target, codes, scales, (a, b), (c0, _c1), (s0, _s1) in self.items:
             if done is not None and not (q.codes in done and q.scales in done):
                 continue
             if b > a:
-                values = dequantize_range(
-                    _np(codes), c0, _np(scales), s0, a, b, q.block, q.scheme
-                )  # fmt: skip
-                t = getattr(target, "local_tensor", target)
-                src = paddle.to_tensor(values.reshape(t.shape)).astype(t.dtype)
-                t.copy_(src, False)  # in place: moments may be views into fused buffers
+                pending = dequantize_async(_np(codes), c0, _np(scales), s0, a, b, q.block, q.scheme, threads)
+                queued.append((target, pending))
             if done is not None:
                 loaded_keys[:] = [k for k in loaded_keys if k not in (q.codes, q.scales)] + [q.key]
+        for target, pending in queued:
+            t = getattr(target, "local_tensor", target)
+            src = paddle.to_tensor(pending.result().reshape(t.shape)).astype(t.dtype)
+            t.copy_(src, False)  # in place: moments may be views into fused buffers
 
 
 def _np(v) -> np.ndarray:
@@ -293,8 +307,8 @@ def dequantize_full(md, out: dict, wanted: list[str]) -> None:
         q = (md.quant or {}).get(key)
         if q is None:
             continue
-        n = q.numel
-        values = dequantize_range(_np(out.pop(q.codes)), 0, _np(out.pop(q.scales)), 0, 0, n, q.block, q.scheme)
+        codes, scales = _np(out.pop(q.codes)), _np(out.pop(q.scales))
+        values = dequantize_async(codes, 0, scales, 0, 0, q.numel, q.block, q.scheme, thread_count(0)).result()
         out[key] = paddle.to_tensor(values.reshape(q.shape) if q.shape else values.reshape([]))
 
 

@@ -63,6 +63,7 @@ from .io.storage import Storage
 from .lineage import Lineage, examine
 from .load import LoadReport, load_state_dict, run_load
 from .load_checks import named_read_error
+from .options import resolve as resolve_options
 from .paths import local_path, url_scheme
 from .save.request import SaveRequest, save_request
 from .save.save import SaveHandle, run_save, save_state_dict
@@ -188,7 +189,8 @@ class CheckpointManager:
         mode = lossy.check_mode(save_kwargs.pop("quantize_moments", None))
         check_keywords("CheckpointManager.save", save_kwargs, keyword_names(save_state_dict, _MANAGED))
         if mode is not None:
-            state_dict, quantized = lossy.quantize_state(state_dict, mode, Comm(self.process_group))
+            threads = resolve_options(save_kwargs.get("options")).codec_threads
+            state_dict, quantized = lossy.quantize_state(state_dict, mode, Comm(self.process_group), threads=threads)
             if save_kwargs.get("deferred_keys") is not None:
                 save_kwargs["deferred_keys"] = [k for k in save_kwargs["deferred_keys"] if k not in set(quantized)]
         return run_save(self.save_request(step, state_dict, save_kwargs))

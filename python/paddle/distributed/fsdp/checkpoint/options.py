@@ -102,7 +102,8 @@ class CheckpointOptions:
         codec: how saves store their data files' chunks (format/codecs.py): ``"raw"``, ``"byteplane-zstd"``
             (lossless, ~1.2-1.5x smaller for bf16/fp32 training state), or ``"auto"``: compressed where the
             backend is slower than the encoder (object stores), raw on a local disk. Loads read any.
-        codec_threads: threads that encode a save's chunks (0: one per core but one).
+        codec_threads: threads that encode a save's chunks, and that quantize (dequantize at load) its moments with
+            ``quantize_moments`` (quant_threads.py); 0: one per core but one.
     """
 
     checksum: str | None = None

@@ -23,6 +23,12 @@ PROCESS_STATE = (
     ("snapshot", "sync_pool", "pinned host staging of sync saves' device batches (a small pool)", "kept"),
     ("snapshot_guard", "_inflight / _installed", "snapshots being copied; the in-place write guard", "checked"),
     ("chunks", "_pools", "checksum thread pools, one per size", "kept"),
+    (
+        "quant_threads",
+        "_pools",
+        "lossy moments' quantize/dequantize thread pools, one per size",
+        "kept; a forked child's: dropped",
+    ),
     ("gc_pause", "_depth", "pauses of Python's cyclic GC in progress", "must be 0"),
     ("checksums", "_warned_fallback", "the crc32 fallback warning was logged", "cleared"),
     ("save.commit", "_stock_warned", "the 0.metadata-at-scale warning was logged", "cleared"),

@@ -164,16 +164,18 @@ def _quantize(fsdp, state: dict, deferred, failed, mode, options):
     """The lossy-moments transform (checkpoint/lossy.py), collective on every rank alike; what fails goes to the
     save's first exchange like a capture error. ``mode`` None: the options' (PADDLE_FSDP_CKPT_QUANTIZE_MOMENTS)."""
     try:
+        options = options if options is not None else CheckpointOptions.from_env()
         if mode is None:
-            mode = (options if options is not None else CheckpointOptions.from_env()).quantize_moments
-            mode = None if mode == "none" else mode
+            mode = None if options.quantize_moments == "none" else options.quantize_moments
         mode = lossy.check_mode(mode)
     except Exception as e:  # noqa: BLE001 - alike on every rank; reported by the save's exchange
         return state, deferred, failed or e
     if mode is None:
         return state, deferred, failed
     try:
-        state, quantized = lossy.quantize_state(state, mode, Comm(fsdp._checkpoint_group))
+        state, quantized = lossy.quantize_state(
+            state, mode, Comm(fsdp._checkpoint_group), threads=options.codec_threads
+        )
     except Exception as e:  # noqa: BLE001 - as above
         return state, deferred, failed or e
     if deferred is not None:  # the codes are fresh tensors taken now: nothing of a quantized key is deferred
@@ -449,7 +451,7 @@ def _load_once(
         replicate_group = fsdp.group_layout.replicate_group
         report.loaded_keys.extend(replicas.broadcast_parts(split, set(report.loaded_keys), replicate_group, window))
     if pending:  # quantized moments: their codes and scales were read; the moments are written from them
-        pending.finish(report.loaded_keys)
+        pending.finish(report.loaded_keys, (options or CheckpointOptions.from_env()).codec_threads)
 
     def apply_and_refresh() -> None:
         apply()  # validated on every rank; only user code (a stateful object's setter) can still raise

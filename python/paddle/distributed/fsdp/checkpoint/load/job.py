@@ -226,7 +226,7 @@ class LoadJob:
         md, report = self.md, self.report
         report.unexpected_keys = sorted((set(md.tensors) | set(md.values)) - all_requested)
         if self.dequant:  # the moments from the codes and scales just loaded; not bit-exact: warned
-            self.dequant.finish(report.loaded_keys)
+            self.dequant.finish(report.loaded_keys, self.opts.codec_threads)
             lossy.warn_lossy(self.path, md.quant, exact=False)
         report.seconds = seconds
         self.tr.mark("copy-into-targets")

@@ -9,7 +9,8 @@ before the optimizer is built), and what each override does:
   in place, so ``create_optimizer`` sees the sharded parameters.
 * ``_wrap_model``: no ``DataParallel`` / fleet wrapper: FSDP reduces gradients itself.
 * ``_save_checkpoint``: ``checkpoint-N`` through ``FullyShardFusion.save_checkpoint`` (model, optimizer, LR scheduler,
-  RNG, GradScaler and the Trainer state in one commit; async with ``use_async_save``), then rotation
+  RNG, GradScaler and the Trainer state in one commit; async with ``use_async_save``; ``ckpt_quant_stage`` O1/O2 as
+  int8/int4 moments: quant_stage.py), then rotation
   (``_rotate_checkpoints`` / ``_sorted_checkpoints``: only this run's complete checkpoints, checkpoints.py).
 * ``train``: ``resume_from_checkpoint=True`` means the *complete* ``checkpoint-N`` committed last; the run carries on
   its lineage (checkpoint/lineage.py), which every save records and rotation compares (checkpoints.py).
@@ -38,7 +39,7 @@ import paddle.distributed as dist
 
 from ...checkpoint.lineage import Lineage
 from ...fully_shard_fusion import FullyShardFusion
-from . import checkpoints, hf_export, memory_saves
+from . import checkpoints, hf_export, memory_saves, quant_stage
 from . import trainer_state as saved_state
 from .compat import PaddleFormersVersionError, UnsupportedTrainingArgumentError, require_paddleformers
 
@@ -191,6 +192,7 @@ class FSDPTrainerMixin:
         problems = _refusals(self.args, self.model, self.optimizer)
         if problems:
             raise UnsupportedTrainingArgumentError("FSDPTrainer: " + "; ".join(problems))
+        self._fsdp_quantize = quant_stage.quantize_moments_for(self.args)  # before anything is built
         if (
             dist.is_initialized()
             and dist.get_world_size() > 1
@@ -264,6 +266,7 @@ class FSDPTrainerMixin:
             stateful=self._stateful,
             lineage=self._lineage(),
             save_frozen=self.save_frozen_base,
+            quantize_moments=self._fsdp_quantize,
         )
         logger.info("FSDPTrainer: %s checkpoint %s", "saving (async)" if handle is not None else "saved", path)
         if handle is not None:
