@@ -16,7 +16,7 @@ import paddle.distributed.fsdp.checkpoint as ck
 import pytest
 import safetensors.numpy as stnp
 from _results import assert_case_ok
-from launch_util import run_launch
+from launch_util import LaunchResult, run_launch
 from paddle.distributed.fsdp.checkpoint.errors import TargetNotADirectoryError
 from paddle.distributed.fsdp.tools.cli import main as cli_main
 
@@ -35,9 +35,26 @@ def _cli(capsys, *args) -> tuple[int, str, str]:
 # ------------------------------------------------------------------------------- the same error on every rank
 
 
+class SeedView:
+    """One seed's reports out of the launch that ran both seeds, read as that seed's launch alone would be."""
+
+    def __init__(self, run: LaunchResult, seed: int):
+        self.run, self.seed = run, str(seed)
+
+    def result(self, rank: int) -> dict:
+        return self.run.result(rank)[self.seed]
+
+
+@pytest.fixture(scope="module")
+def mismatch_run(tmp_path_factory) -> LaunchResult:
+    """Both seeds in one 2-rank launch (each in a directory of its own)."""
+    root = tmp_path_factory.mktemp("mismatch")
+    return run_launch(MISMATCH_WORKER, NPROC, [str(root / "work"), "0,1"], log_dir=root / "logs")
+
+
 @pytest.mark.parametrize("seed", [0, 1])
-def test_a_refused_load_names_the_same_keys_on_every_rank(tmp_path, seed):
-    result = run_launch(MISMATCH_WORKER, NPROC, [str(tmp_path / "work"), str(seed)], log_dir=tmp_path / "logs")
+def test_a_refused_load_names_the_same_keys_on_every_rank(mismatch_run, seed):
+    result = SeedView(mismatch_run, seed)
     for case in ("fsdp_load", "plain_load", "each_rank"):
         assert_case_ok(result, case, NPROC)
         seen = [result.result(r)["figures"][case] for r in range(NPROC)]

@@ -29,16 +29,23 @@ EDGE_CASES = [
 
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory):
-    """One launch per world size runs every configuration (launches are the slow part)."""
+    """One launch per world size runs every configuration (launches are the slow part); the 3-rank one then runs
+    the gloo edge cases as well."""
     return {
-        n: run_launch(_worker("train_parity.py"), n, log_dir=tmp_path_factory.mktemp(f"parity{n}")) for n in (1, 2, 3)
+        n: run_launch(
+            _worker("train_parity.py"),
+            n,
+            ["--edge-cases"] if n == 3 else [],
+            log_dir=tmp_path_factory.mktemp(f"parity{n}"),
+        )
+        for n in (1, 2, 3)
     }
 
 
 @pytest.fixture(scope="module")
-def edge_runs(tmp_path_factory):
+def edge_runs(parity_runs, tmp_path_factory):
     return {
-        "gloo-3": (3, run_launch(_worker("edge_cases.py"), 3, log_dir=tmp_path_factory.mktemp("edge3"))),
+        "gloo-3": (3, parity_runs[3]),  # in the 3-rank parity launch, after its cases
         "fleet-2": (2, run_launch(_worker("edge_cases.py"), 2, ["--fleet"], log_dir=tmp_path_factory.mktemp("edgef"))),
     }
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 from _results import assert_case_ok
-from launch_util import run_launch
+from launch_util import LaunchResult, run_launch
 
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
 TRAIN_CASES = ["parity_units", "parity_root", "frozen_hold_nothing"]
@@ -35,13 +35,44 @@ CKPT = os.path.join(WORKERS, "lora_ckpt.py")
 CKPT_CASES = ["contents", "refusal", "separate_base"]
 
 
+class Phase:
+    """One mode's report out of a launch that ran several (workers/lora_ckpt.py's ``MODE ARGS + MODE ARGS``): read
+    as the launch of that mode alone would be (``result(rank)``)."""
+
+    def __init__(self, run: LaunchResult, index: int):
+        self.run, self.index = run, index
+
+    def result(self, rank: int = 0) -> dict:
+        return self.run.result(rank)["phases"][self.index]
+
+
 @pytest.fixture(scope="module")
-def ckpt_cases(tmp_path_factory):
-    out = {}
-    for n in (1, 2):
-        root = tmp_path_factory.mktemp(f"lora_ckpt{n}")
-        out[n] = run_launch(CKPT, n, ["cases", str(root / "ckpt")], log_dir=root / "logs")
-    return out
+def two_ranks(tmp_path_factory) -> dict:
+    """One 2-rank launch (a launch's start-up costs more than each of these): the uninterrupted reference run of 6
+    steps (no save; first, in a fresh process), the run saved at step 3 that the resumes start from, the cases."""
+    root = tmp_path_factory.mktemp("lora_2ranks")
+    args = ["train", root / "unused", "6", "99", "+", "train", root / "saved3", "3", "3", "+", "cases", root / "ckpt"]
+    run = run_launch(CKPT, 2, args, log_dir=root / "logs")
+    return {"reference": Phase(run, 0), "saved3": root / "saved3", "cases": Phase(run, 2)}
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory, two_ranks) -> dict:
+    """One 1-rank launch: the cases, then the resume of the 2-rank run's step-3 checkpoint on 1 rank."""
+    root = tmp_path_factory.mktemp("lora_1rank")
+    run = run_launch(CKPT, 1, ["cases", root / "ckpt", "+", "resume", two_ranks["saved3"], "6"], log_dir=root / "logs")
+    return {"cases": Phase(run, 0), "resumed": Phase(run, 1)}
+
+
+@pytest.fixture(scope="module")
+def ckpt_cases(one_rank, two_ranks) -> dict:
+    return {1: one_rank["cases"], 2: two_ranks["cases"]}
+
+
+@pytest.fixture(scope="module")
+def reference_2ranks(two_ranks) -> Phase:
+    """An uninterrupted 2-rank run of 6 steps (no save)."""
+    return two_ranks["reference"]
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -67,19 +98,13 @@ def test_fingerprint_is_independent_of_world_size(ckpt_cases):
     assert ckpt_cases[1].result(0)["figures"]["tensor_keys"] == ckpt_cases[2].result(0)["figures"]["tensor_keys"]
 
 
-@pytest.fixture(scope="module")
-def reference_2ranks(tmp_path_factory):
-    """An uninterrupted 2-rank run of 6 steps (no save)."""
-    root = tmp_path_factory.mktemp("lora_ref")
-    return run_launch(CKPT, 2, ["train", str(root / "unused"), "6", "99"], log_dir=root / "logs")
-
-
 @pytest.mark.parametrize("nproc", [1, 3])
-def test_resume_at_another_world_size(tmp_path, reference_2ranks, nproc):
+def test_resume_at_another_world_size(tmp_path, two_ranks, one_rank, reference_2ranks, nproc):
     """Saved at step 3 on 2 ranks, resumed on 1 and 3: losses and adapters within 1e-5 of the 2-rank run."""
-    root = tmp_path / "root"
-    run_launch(CKPT, 2, ["train", str(root), "3", "3"], log_dir=tmp_path / "save")
-    resumed = run_launch(CKPT, nproc, ["resume", str(root), "6"], log_dir=tmp_path / "resume")
+    if nproc == 1:
+        resumed = one_rank["resumed"]
+    else:  # (resume only reads the checkpoint: both world sizes start from the same one)
+        resumed = run_launch(CKPT, nproc, ["resume", two_ranks["saved3"], "6"], log_dir=tmp_path / "resume")
     want, got = reference_2ranks.result(0), resumed.result(0)
     assert got["resumed_at"] == 3
     assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) <= 1e-5, (got["losses"], want["losses"])
@@ -88,32 +113,40 @@ def test_resume_at_another_world_size(tmp_path, reference_2ranks, nproc):
         assert error <= 1e-5, f"{key} differs by {error:.2e}"
 
 
-def test_resume_after_kill9_is_bit_exact(tmp_path, reference_2ranks):
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory) -> dict:
+    """Two 2-rank runs whose rank 1 is SIGKILLed in step 5: one saving checkpoints (from step 2 on), one saving to
+    the memory tier after every step; then one 2-rank launch resuming both (each from its own root)."""
+    root = tmp_path_factory.mktemp("lora_kill9")
+    disk, memory = root / "disk", root / "memtier"
+    crashed = {
+        "disk": run_launch(CKPT, 2, ["train", disk, "6", "2", "5"], log_dir=root / "crash_disk", check=False),
+        "memtier": run_launch(CKPT, 2, ["memtier", memory, "6", "5"], log_dir=root / "crash_memtier", check=False),
+    }
+    resumed = run_launch(CKPT, 2, ["resume", disk, "6", "+", "memtier", memory, "6"], log_dir=root / "resume")
+    return {"crashed": crashed, "disk": Phase(resumed, 0), "memtier": Phase(resumed, 1)}
+
+
+def test_resume_after_kill9_is_bit_exact(killed_and_resumed, reference_2ranks):
     """Rank 1 is SIGKILLed in step 5 (checkpoints of steps 3 and 4 committed); a 2-rank resume from the newest
     equals the uninterrupted run bit for bit: losses and every adapter."""
-    root = tmp_path / "root"
-    crashed = run_launch(CKPT, 2, ["train", str(root), "6", "2", "5"], log_dir=tmp_path / "crash", check=False)
-    assert crashed.returncode != 0, "the killed run exited normally"
-    resumed = run_launch(CKPT, 2, ["resume", str(root), "6"], log_dir=tmp_path / "resume")
+    assert killed_and_resumed["crashed"]["disk"].returncode != 0, "the killed run exited normally"
     want = reference_2ranks.result(0)
     for rank in (0, 1):
-        got = resumed.result(rank)
+        got = killed_and_resumed["disk"].result(rank)
         assert got["resumed_at"] == 4, got["resumed_at"]
         assert got["losses"] == want["losses"], (got["losses"], want["losses"])
         assert got["digest"] == want["digest"]
 
 
-def test_memory_tier_resume_after_kill9_is_bit_exact(tmp_path, reference_2ranks):
+def test_memory_tier_resume_after_kill9_is_bit_exact(killed_and_resumed, reference_2ranks):
     """LoRA saving to the memory tier after every step (nothing persisted): rank 1 is SIGKILLed in step 5; the
     relaunch restores from memory (the newest step complete on both ranks, the frozen base's fingerprint checked)
     and equals the uninterrupted run bit for bit."""
-    root = tmp_path / "root"
-    crashed = run_launch(CKPT, 2, ["memtier", str(root), "6", "5"], log_dir=tmp_path / "crash", check=False)
-    assert crashed.returncode != 0, "the killed run exited normally"
-    resumed = run_launch(CKPT, 2, ["memtier", str(root), "6"], log_dir=tmp_path / "resume")
+    assert killed_and_resumed["crashed"]["memtier"].returncode != 0, "the killed run exited normally"
     want = reference_2ranks.result(0)
     for rank in (0, 1):
-        got = resumed.result(rank)
+        got = killed_and_resumed["memtier"].result(rank)
         assert got["resumed_at"] in (3, 4), got["resumed_at"]  # step 4's copy may still be in flight at the kill
         assert set(got["sources"]) == {"memory"}, got["sources"]
         assert got["losses"] == want["losses"], (got["losses"], want["losses"])

@@ -9,6 +9,11 @@ Modes (argv[1]):
   cases ROOT                         in-process checks: contents, refusals, save_frozen, a base loaded separately
   hsdp ROOT                          the HSDP case (4 ranks: 2 replicas x 2 shards)
 Each rank reports its losses, the trainable parameters' values and bytes digest, and the case outcomes.
+
+Several modes in one launch (a launch's start-up costs more than most modes): separate them with ``+``, e.g.
+``train R1 6 99 + train R2 3 3 + cases R3``; the report is then ``{"phases": [report of each mode, in order]}``.
+A mode that raises ends the launch, as alone (its ranks would otherwise wait on each other's collectives); the
+``cases`` mode reports each case's outcome by name, as alone.
 """
 
 from __future__ import annotations
@@ -281,29 +286,44 @@ def _case_hsdp(root: str, figures: dict):
     return case
 
 
+def run_mode(argv: list[str], rank: int, world: int) -> dict:
+    """One mode (``argv``: the mode and its arguments, as in the module docstring) -> this rank's report."""
+    mode, root = argv[0], argv[1]
+    if mode == "train":
+        kill_at = int(argv[4]) if len(argv) > 4 else 0
+        return mode_train(root, int(argv[2]), int(argv[3]), kill_at, rank, world)
+    if mode == "resume":
+        return mode_resume(root, int(argv[2]), rank, world)
+    if mode == "memtier":
+        kill_at = int(argv[3]) if len(argv) > 3 else 0
+        return mode_memtier(root, int(argv[2]), kill_at, rank, world)
+    figures: dict = {}
+    cases = {
+        "contents": _case_contents(root, figures),
+        "refusal": _case_refusal(root),
+        "separate_base": _case_separate_base(root),
+    }
+    if mode == "hsdp":
+        cases = {"hsdp": _case_hsdp(root, figures)}
+    return {**run_cases(cases, rank, world), "figures": figures}
+
+
 def main() -> None:
     if dist.get_world_size() > 1:
         dist.init_parallel_env()
     rank, world = dist.get_rank(), dist.get_world_size()
-    mode, root = sys.argv[1], sys.argv[2]
-    if mode == "train":
-        kill_at = int(sys.argv[5]) if len(sys.argv) > 5 else 0
-        report(mode_train(root, int(sys.argv[3]), int(sys.argv[4]), kill_at, rank, world))
-    elif mode == "resume":
-        report(mode_resume(root, int(sys.argv[3]), rank, world))
-    elif mode == "memtier":
-        kill_at = int(sys.argv[4]) if len(sys.argv) > 4 else 0
-        report(mode_memtier(root, int(sys.argv[3]), kill_at, rank, world))
-    else:
-        figures: dict = {}
-        cases = {
-            "contents": _case_contents(root, figures),
-            "refusal": _case_refusal(root),
-            "separate_base": _case_separate_base(root),
-        }
-        if mode == "hsdp":
-            cases = {"hsdp": _case_hsdp(root, figures)}
-        report({**run_cases(cases, rank, world), "figures": figures})
+    phases, current = [], []
+    for arg in sys.argv[1:]:
+        if arg == "+":
+            phases.append(current)
+            current = []
+        else:
+            current.append(arg)
+    phases.append(current)
+    if len(phases) == 1:
+        report(run_mode(phases[0], rank, world))
+        return
+    report({"phases": [run_mode(argv, rank, world) for argv in phases]})
 
 
 if __name__ == "__main__":

@@ -1,21 +1,23 @@
 """A refused load names the same keys on every rank (#53): run by test_first_hour.py on 2 processes.
 
-``mismatch_ranks.py DIR SEED``: a model saved by FSDP, loaded into models where seeded layers have other shapes
-(or dtypes) through ``fsdp.load_checkpoint`` and ``dist.load_state_dict``, and plain state dicts where each rank
-requests a different wrong key. Each rank reports {case: "ok" | traceback, "figures": {case: "Class: message"}}.
+``mismatch_ranks.py DIR SEED[,SEED...]``: a model saved by FSDP, loaded into models where seeded layers have other
+shapes (or dtypes) through ``fsdp.load_checkpoint`` and ``dist.load_state_dict``, and plain state dicts where each
+rank requests a different wrong key. Every seed in one launch (its start-up costs more than the cases), each in
+DIR/seed<SEED>; each rank reports {seed: {case: "ok" | traceback, "figures": {case: "Class: message"}}}.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 
 import _paths  # noqa: F401  (puts launch_util on sys.path)
 import numpy as np
 import paddle
 import paddle.distributed as dist
 import paddle.distributed.fsdp.checkpoint as ck
-from launch_util import worker_main
+from launch_util import report, run_cases
 from paddle.distributed.fsdp import FullyShardFusion
 
 WIDTHS = (16, 24, 8, 32, 12)
@@ -32,12 +34,23 @@ class Net(paddle.nn.Layer):
             layer.to(dtype=dtype)
 
 
+@dataclass
+class Seeded:
+    """The seed being run and its own directory (main sets it before each seed's cases)."""
+
+    workdir: str = ""
+    seed: int = 0
+
+
+CURRENT = Seeded()
+
+
 def _workdir() -> str:
-    return sys.argv[1]
+    return CURRENT.workdir
 
 
 def _rng() -> np.random.Generator:
-    return np.random.default_rng(int(sys.argv[2]))
+    return np.random.default_rng(CURRENT.seed)
 
 
 def _saved() -> str:
@@ -94,5 +107,18 @@ CASES = {
     "each_rank": case_each_rank_another_key,
 }
 
+
+def main() -> None:
+    if dist.get_world_size() > 1:
+        dist.init_parallel_env()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for seed in sys.argv[2].split(","):
+        CURRENT.workdir, CURRENT.seed = os.path.join(sys.argv[1], f"seed{seed}"), int(seed)
+        results: dict = {"figures": {}}
+        out[seed] = run_cases(CASES, rank, world, results["figures"], results=results)
+    report(out)
+
+
 if __name__ == "__main__":
-    worker_main(CASES)
+    main()

@@ -1,17 +1,20 @@
 """FSDP training on N ranks equals the same model trained in one process on the same global batch.
 
 Each rank checks every configuration and reports {configuration: "ok" | traceback} (launch_util.report).
+With ``--edge-cases``, the same launch then runs edge_cases.py's cases (gloo, no fleet) and reports them too: a
+launch's start-up costs more than those cases.
 """
 
 from __future__ import annotations
 
+import sys
 import traceback
 
 import _paths  # noqa: F401  (puts launch_util on sys.path)
 import numpy as np
 import paddle
 import paddle.distributed as dist
-from launch_util import report
+from launch_util import report, run_cases
 from models import decay_fun_for, global_batches, make_model
 from paddle.distributed.fsdp import FullyShardFusion
 from training import train
@@ -109,6 +112,10 @@ def main() -> None:
             results[f"{kind}-{dtype}"] = "ok"
         except Exception:
             results[f"{kind}-{dtype}"] = traceback.format_exc()
+    if "--edge-cases" in sys.argv:  # after every parity case: they see a process no other case touched
+        from edge_cases import CASES as EDGE_CASES
+
+        run_cases(EDGE_CASES, rank, world, results=results)
     report(results)
 
 
