@@ -117,22 +117,25 @@ def quantize_state(
     return _encode(state, mode, block, local, everyone, threads)
 
 
-def quantize_ranks(load_state, world: int, mode: str, block: int = DEFAULT_BLOCK) -> list[tuple[dict, list[str]]]:
+def quantize_ranks(
+    load_state, world: int, mode: str, block: int = DEFAULT_BLOCK, threads: int = 0
+) -> list[tuple[dict, list[str]]]:
     """``quantize_state`` of ``world`` ranks' states in ONE process (memtier/flush.py: after a crash the saving
     ranks are gone), the exchange being the list of every rank's descriptions; ``[(state, quantized keys)]`` by
     rank. ``load_state(r)`` builds rank ``r``'s state; it is called twice a rank (once to describe, once to
     encode), so one rank's moments are in memory at a time, plus the codes and scales of the ranks encoded."""
     mode = check_mode(mode)
+    threads = thread_count(threads)
     everyone = []
     for r in range(world):
         mine: dict[str, Any] = {}
-        _describe(load_state(r), mode, block, {}, mine)
+        _describe(load_state(r), mode, block, {}, mine, threads)
         everyone.append(mine)
     out = []
     for r in range(world):
         state, local = load_state(r), {}
-        _describe(state, mode, block, local, {})
-        out.append(_encode(state, mode, block, local, everyone))
+        _describe(state, mode, block, local, {}, threads)
+        out.append(_encode(state, mode, block, local, everyone, threads))
     return out
 
 
