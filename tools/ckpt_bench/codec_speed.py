@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 logger = logging.getLogger("codec_speed")
 CHUNK = 256 << 10
+CODECS = ("raw", "byteplane-zstd")  # the I/O phases' codecs ("auto" too: tools/ckpt_bench/bytes.py --io)
 KEY_ID, SECRET = "bench", "bench-secret"
 
 
@@ -78,6 +79,44 @@ def timed(fn, repeats: int, before=None) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def timed_rss(fn, repeats: int, before=None) -> tuple[float, int]:
+    """``timed`` plus the largest extra peak RSS (bytes over the RSS at its start) of one call."""
+    from ckpt_bench.common import PeakRSS
+
+    times, peaks = [], []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        with PeakRSS() as rss:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        peaks.append(rss.extra)
+    return statistics.median(times), max(peaks)
+
+
+def stored_codec(path: str, opts) -> str:
+    """The codec the checkpoint at ``path`` stored its data with (what ``auto`` chose)."""
+    import paddle.distributed.fsdp.checkpoint as ck
+
+    codecs = set(ck.read_metadata(path, options=opts).codecs.values())
+    return codecs.pop() if len(codecs) == 1 else ("raw" if not codecs else "mixed")
+
+
+def auto_rates(storage, path: str) -> dict:
+    """What codec ``auto`` compared at ``path``'s root: this process's encoder (one thread, MB/s of CPU time)
+    and the storage's write rate its saves measured (MB/s)."""
+    from paddle.distributed.fsdp.checkpoint import codec_choice
+    from paddle.distributed.fsdp.checkpoint.encoded_write import default_threads
+
+    store = codec_choice.storage_rate(codec_choice.storage_root(storage, path))
+    return {
+        "encode_thread_mb_s": codec_choice.encode_rate() / 1e6,
+        "threads": default_threads(),
+        "storage_mb_s": None if store is None else store / 1e6,
+    }
 
 
 def cpu_split(fn) -> dict:
@@ -139,7 +178,7 @@ def codec_phase(state: dict, threads: list[int], repeats: int) -> dict:
     return out
 
 
-def local_phase(state: dict, pstate: dict, work: Path, repeats: int) -> dict:
+def local_phase(state: dict, pstate: dict, work: Path, repeats: int, codecs=CODECS) -> dict:
     import paddle
     import paddle.distributed.fsdp.checkpoint as ck
 
@@ -155,9 +194,11 @@ def local_phase(state: dict, pstate: dict, work: Path, repeats: int) -> dict:
             f.flush()
             os.fsync(f.fileno())
 
-    res["raw_write"] = timed(raw_write, repeats)
-    res["raw_read"] = timed(lambda: raw_file.read_bytes(), repeats, before=lambda: drop_cache([str(raw_file)]))
-    for codec in ("raw", "byteplane-zstd"):
+    res["raw_write"], res["rss_raw_write"] = timed_rss(raw_write, repeats)
+    res["raw_read"], res["rss_raw_read"] = timed_rss(
+        lambda: raw_file.read_bytes(), repeats, before=lambda: drop_cache([str(raw_file)])
+    )
+    for codec in codecs:
         opts = ck.CheckpointOptions(codec=codec)
         path = work / f"ck-{codec}"
 
@@ -165,28 +206,37 @@ def local_phase(state: dict, pstate: dict, work: Path, repeats: int) -> dict:
             shutil.rmtree(path, ignore_errors=True)
             ck.save_state_dict(pstate, str(path), options=opts)
 
-        res[f"save_{codec}"] = timed(save, repeats)
-        res[f"save_cpu_{codec}"] = cpu_split(save)
+        res[f"save_{codec}"], res[f"save_rss_{codec}"] = timed_rss(save, repeats)
+        res[f"stored_{codec}"] = stored_codec(str(path), opts)
+        if codec == "auto":
+            from paddle.distributed.fsdp.checkpoint.io.local import LocalStorage
+
+            res["auto_rates"] = auto_rates(LocalStorage(), str(path))
+        else:
+            res[f"save_cpu_{codec}"] = cpu_split(save)
         files = [str(p) for p in path.iterdir() if p.is_file()]
         res[f"bytes_{codec}"] = sum(os.path.getsize(p) for p in files if ".safetensors" in p)
         targets = {k: paddle.zeros_like(v) for k, v in pstate.items()}
-        res[f"load_{codec}"] = timed(
+        res[f"load_{codec}"], res[f"load_rss_{codec}"] = timed_rss(
             lambda: ck.load_state_dict(targets, str(path), options=opts), repeats, before=lambda: drop_cache(files)
         )
         drop_cache(files)
-        res[f"load_cpu_{codec}"] = cpu_split(lambda: ck.load_state_dict(targets, str(path), options=opts))
+        if codec != "auto":
+            res[f"load_cpu_{codec}"] = cpu_split(lambda: ck.load_state_dict(targets, str(path), options=opts))
         for k, v in pstate.items():  # the loaded bytes are the saved ones
             assert targets[k].numpy().tobytes() == v.numpy().tobytes(), k
     return res
 
 
-def s3_phase(state: dict, pstate: dict, work: Path, repeats: int) -> dict:
+def s3_phase(state: dict, pstate: dict, work: Path, repeats: int, codecs=CODECS) -> dict:
     import paddle
     import paddle.distributed.fsdp.checkpoint as ck
     import s3_server
     from paddle.distributed.fsdp.checkpoint.s3 import S3Options
     from paddle.distributed.fsdp.checkpoint.s3.client import make_client
     from paddle.distributed.fsdp.checkpoint.s3.storage import S3Storage
+
+    from ckpt_bench.common import drop_cache, files_under
 
     server = s3_server.start_weed(work / "weed", credentials=(KEY_ID, SECRET))
     try:
@@ -205,17 +255,29 @@ def s3_phase(state: dict, pstate: dict, work: Path, repeats: int) -> dict:
         )
         import io
 
-        res["raw_put"] = timed(lambda: client.upload_fileobj(io.BytesIO(payload), "bench", "raw", Config=cfg), repeats)
-        res["raw_get"] = timed(lambda: client.download_fileobj("bench", "raw", io.BytesIO(), Config=cfg), repeats)
-        for codec in ("raw", "byteplane-zstd"):
+        res["raw_put"], res["rss_raw_put"] = timed_rss(
+            lambda: client.upload_fileobj(io.BytesIO(payload), "bench", "raw", Config=cfg), repeats
+        )
+        cold = lambda: drop_cache(files_under(str(work / "weed")))  # noqa: E731 - the server's files
+        res["raw_get"], res["rss_raw_get"] = timed_rss(
+            lambda: client.download_fileobj("bench", "raw", io.BytesIO(), Config=cfg), repeats, before=cold
+        )
+        for codec in codecs:
             opts = ck.CheckpointOptions(codec=codec, storage=storage)
             url = f"s3://bench/ck-{codec}"
-            res[f"save_{codec}"] = timed(lambda: ck.save_state_dict(pstate, url, options=opts), repeats)
+            res[f"save_{codec}"], res[f"save_rss_{codec}"] = timed_rss(
+                lambda: ck.save_state_dict(pstate, url, options=opts), repeats
+            )
+            res[f"stored_{codec}"] = stored_codec(url, opts)
+            if codec == "auto":
+                res["auto_rates"] = auto_rates(storage, url)
             h = storage.open_read(url, "0_0.safetensors")
             res[f"bytes_{codec}"] = h.size
             h.close()
             targets = {k: paddle.zeros_like(v) for k, v in pstate.items()}
-            res[f"load_{codec}"] = timed(lambda: ck.load_state_dict(targets, url, options=opts), repeats)
+            res[f"load_{codec}"], res[f"load_rss_{codec}"] = timed_rss(
+                lambda: ck.load_state_dict(targets, url, options=opts), repeats, before=cold
+            )
             for k, v in pstate.items():
                 assert targets[k].numpy().tobytes() == v.numpy().tobytes(), k
         return res

@@ -39,8 +39,12 @@ def fresh_measurements():
 
 def _state() -> dict:
     rng = np.random.default_rng(52)
-    w = (rng.standard_normal(300_000) * 0.02).astype(np.float32)  # 1.2 MB: above MIN_MEASURED_BYTES
-    return {"w": paddle.to_tensor(w), "bf": paddle.to_tensor(w[:100_000]).astype("bfloat16")}
+    w = (rng.standard_normal(300_000) * 0.02).astype(np.float32)  # 2.6 MB in all: above MIN_MEASURED_BYTES
+    return {
+        "w": paddle.to_tensor(w),
+        "bf": paddle.to_tensor(w[:100_000]).astype("bfloat16"),
+        "z": paddle.zeros([300_000]),  # compressible: the measured compressed saves clearly pay on a slow disk
+    }
 
 
 def _save(sd: dict, path: Path, opts: CheckpointOptions) -> str:
@@ -61,8 +65,9 @@ def test_first_local_save_is_raw_then_a_slow_disk_is_compressed(tmp_path):
     assert _save(sd, tmp_path / "ck1", opts) == "raw"
     root = codec_choice.storage_root(opts.storage, str(tmp_path / "ck1"))
     assert codec_choice.storage_rate(root) <= SLOW_BYTES_PER_S
-    assert _save(sd, tmp_path / "ck2", opts) == ZSTD
-    assert _save(sd, tmp_path / "ck3", opts) == ZSTD  # a compressed save measures the disk, not the encoder
+    assert _save(sd, tmp_path / "ck2", opts) == ZSTD  # the model: encoder against the disk's rate
+    assert codec_choice.storage_rate(root) <= SLOW_BYTES_PER_S  # a compressed save measures the disk, not the encoder
+    assert _save(sd, tmp_path / "ck3", opts) == ZSTD  # measured both ways: the compressed saves were faster
 
 
 def test_choice_follows_the_encoder_against_a_real_disk(tmp_path):
@@ -76,6 +81,21 @@ def test_choice_follows_the_encoder_against_a_real_disk(tmp_path):
     codec_choice.set_encode_rate(1e13)  # faster than any disk
     assert _save(sd, tmp_path / "a" / "ck3", opts) == ZSTD
     assert _save(sd, tmp_path / "b" / "ck1", opts) == "raw"  # a new root: no history, the local prior
+
+
+def test_measured_saves_both_ways_overrule_the_model(tmp_path):
+    """Saved both ways at a root: the measured whole-write throughputs decide, whatever the encoder model says
+    (a host whose encode threads got no core: the compressed saves were slower than their encoder promised)."""
+    root = codec_choice.storage_root(LocalStorage(), str(tmp_path / "ck"))
+    mb = 1 << 20
+    codec_choice.record_write(root, codec_choice.Write("raw", 100 * mb, 100 * mb, 1.0, 1.0))
+    codec_choice.set_encode_rate(1e13)  # the model: compress
+    assert codec_choice.choose_codec("auto", LocalStorage(), str(tmp_path / "ck"), 1) == ZSTD
+    codec_choice.record_write(root, codec_choice.Write(ZSTD, 100 * mb, 80 * mb, 0.8, 1.5))  # slower in all
+    assert codec_choice.choose_codec("auto", LocalStorage(), str(tmp_path / "ck"), 1) == "raw"
+    codec_choice.set_encode_rate(1e3)  # the model: raw
+    codec_choice.record_write(root, codec_choice.Write(ZSTD, 100 * mb, 80 * mb, 0.08, 0.1))  # faster, all in all
+    assert codec_choice.choose_codec("auto", LocalStorage(), str(tmp_path / "ck"), 1) == ZSTD
 
 
 def test_explicit_codec_and_the_switch_win(tmp_path, monkeypatch):

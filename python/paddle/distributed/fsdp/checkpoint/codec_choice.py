@@ -8,13 +8,16 @@ the encode hides behind the write (the two run pipelined, encoded_write.py). So 
   first need (~20 ms), times the save's encode threads. CPU time, not wall time: a busy neighbour on a shared
   host does not make this host's encoder look slow;
 * **storage**: bytes a save's data files took per second of write + fsync (local) or upload (S3), measured by
-  the saves themselves (SaveJob._write through ``metered``), remembered per backend and storage root (the
-  parent of the checkpoint path: a manager's root, a bucket prefix) over the last few saves of this process.
-  Only the time the backend spent is counted, not the time it waited for the encoder, so a compressed save
-  measures the storage as well as a raw one does.
+  the saves themselves (SaveJob._write through ``MeteredStorage``), remembered per backend and storage root (the
+  parent of the checkpoint path: a manager's root, a bucket prefix) over the last saves of this process. Only
+  the time the backend spent is counted, not the time it waited for the encoder, so a compressed save measures
+  the storage as a raw one does.
 
-and compresses when ``encoder >= MARGIN * storage`` (it must pay, not tie: the margin covers the decode a load
-then does and the noise of the measurements).
+and compresses when ``encoder >= MARGIN * storage`` (it must pay, not tie: the calling thread's own copies and
+the load's decode are not in the model). Once this process has saved at a root both ways, the model gives way to
+what it predicts: the whole write's throughput (decoded bytes per wall second of the data file's write) of the
+compressed saves against the raw ones; compressed when it is ``PAYS`` times the raw. A model that was wrong
+(e.g. a loaded host whose encoder threads get no core) is corrected by the next save.
 
 With no measurement yet for a root (this process's first save there), a backend's prior decides: object stores
 (``Storage.compress_by_default``: S3) compress, since a PUT over a network is slower than a core's encoder
@@ -35,6 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from .format.codecs import BYTEPLANE_ZSTD, RAW, codec_named
 from .io.storage import Storage
@@ -43,13 +47,14 @@ logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 CHOICES = (AUTO, RAW, BYTEPLANE_ZSTD)
-MARGIN = 1.2  # encoder (all threads) over storage rate needed to compress
+MARGIN = 1.2  # encoder (all threads) over storage rate needed to compress (the model)
+PAYS = 1.1  # measured compressed over raw save throughput needed to compress (both measured)
 MIN_MEASURED_BYTES = 1 << 20  # smaller writes time their fixed costs (fsync, a PUT's round trip), not throughput
 HISTORY = 4  # saves remembered per storage root
 CALIBRATION_ELEMENTS = 1 << 19  # 2 MiB of fp32 + 1 MiB of bf16
 
 _lock = threading.Lock()
-_storage_history: dict[tuple[str, str], deque] = {}
+_storage_history: dict[tuple[str, str], deque] = {}  # root -> deque of Write
 _encode_rate: float | None = None  # raw bytes per CPU second of one encode thread
 _last_choice: dict[tuple[str, str], str] = {}
 
@@ -63,21 +68,45 @@ def storage_root(storage: Storage, path: str) -> tuple[str, str]:
     return type(storage).__qualname__, parent
 
 
-def record_write(root: tuple[str, str], nbytes: int, seconds: float) -> None:
-    """Remember that a save wrote ``nbytes`` (as stored) to ``root`` in ``seconds`` of backend time."""
-    if nbytes < MIN_MEASURED_BYTES or seconds <= 0:
+@dataclass(frozen=True)
+class Write:
+    """One data file's write by a save: its codec, decoded and stored bytes, the backend's seconds (write +
+    fsync or upload) and the whole write's wall seconds (encode included, where it was not hidden)."""
+
+    codec: str
+    decoded: int
+    stored: int
+    backend_seconds: float
+    wall_seconds: float
+
+
+def record_write(root: tuple[str, str], write: Write) -> None:
+    """Remember a save's data file ``write`` at ``root`` (too small a write is not a measurement of throughput)."""
+    if write.stored < MIN_MEASURED_BYTES or write.backend_seconds <= 0 or write.wall_seconds <= 0:
         return
     with _lock:
-        _storage_history.setdefault(root, deque(maxlen=HISTORY)).append((nbytes, seconds))
+        _storage_history.setdefault(root, deque(maxlen=HISTORY)).append(write)
+
+
+def _seen(root: tuple[str, str]) -> list[Write]:
+    with _lock:
+        return list(_storage_history.get(root, ()))
 
 
 def storage_rate(root: tuple[str, str]) -> float | None:
-    """Bytes per second the last saves to ``root`` took (all their bytes over all their time); None: none yet."""
-    with _lock:
-        seen = list(_storage_history.get(root, ()))
+    """Stored bytes per backend second of the last saves at ``root`` (all their bytes over all their time)."""
+    seen = _seen(root)
     if not seen:
         return None
-    return sum(b for b, _s in seen) / sum(s for _b, s in seen)
+    return sum(w.stored for w in seen) / sum(w.backend_seconds for w in seen)
+
+
+def save_rate(root: tuple[str, str], compressed: bool) -> float | None:
+    """Decoded bytes per wall second of the last saves at ``root`` that were (not) compressed; None: none."""
+    seen = [w for w in _seen(root) if (w.codec != RAW) == compressed]
+    if not seen:
+        return None
+    return sum(w.decoded for w in seen) / sum(w.wall_seconds for w in seen)
 
 
 def encode_rate() -> float:
@@ -135,9 +164,13 @@ def choose_codec(chosen: str, storage: Storage, path: str, threads: int) -> str:
         return codec_named(chosen).name
     root = storage_root(storage, path)
     store = storage_rate(root)
+    raw_rate, compressed_rate = save_rate(root, False), save_rate(root, True)
     if store is None:
         codec = BYTEPLANE_ZSTD if getattr(storage, "compress_by_default", False) else RAW
-        why, enc = "no write measured here yet: the backend's prior", None
+        why = "no write measured here yet: the backend's prior"
+    elif raw_rate is not None and compressed_rate is not None:
+        codec = BYTEPLANE_ZSTD if compressed_rate >= PAYS * raw_rate else RAW
+        why = f"measured saves: compressed {compressed_rate / 1e6:.0f} MB/s vs raw {raw_rate / 1e6:.0f} MB/s"
     else:
         enc = encode_rate() * max(1, threads)
         codec = BYTEPLANE_ZSTD if enc >= MARGIN * store else RAW
@@ -155,8 +188,9 @@ class MeteredStorage:
 
     def __init__(self, storage: Storage):
         self._storage = storage
-        self.bytes = 0
-        self.seconds = 0.0
+        self.bytes = 0  # as stored
+        self.seconds = 0.0  # the backend's
+        self.wall = 0.0  # the calls' in all
 
     def __getattr__(self, name):
         return getattr(self._storage, name)
@@ -167,7 +201,9 @@ class MeteredStorage:
         result = self._storage.write_object(
             location, name, header, _Timed(pieces, producing), chunk_bytes, digest, **kw
         )
-        self.seconds += time.perf_counter() - t0 - producing[0]
+        wall = time.perf_counter() - t0
+        self.wall += wall
+        self.seconds += wall - producing[0]
         self.bytes += int(result[0])
         return result
 
@@ -206,11 +242,14 @@ __all__ = [
     "AUTO",
     "CHOICES",
     "MARGIN",
+    "PAYS",
     "MeteredStorage",
+    "Write",
     "choose_codec",
     "encode_rate",
     "forget",
     "record_write",
+    "save_rate",
     "set_encode_rate",
     "storage_rate",
     "storage_root",

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import checksums
-from ..codec_choice import MeteredStorage, record_write, storage_root
+from ..codec_choice import MeteredStorage, Write, record_write, storage_root
 from ..commit_record import commit_id
 from ..encoded_write import RAW, write_data_object
 from ..errors import SaveFailedError
@@ -196,7 +196,8 @@ class SaveJob:
             size, sums = write_data_object(self, name, layout, digest, metered)  # raw, or stored through the codec
         finally:
             self._written()
-        record_write(storage_root(self.storage, self.path), metered.bytes, metered.seconds)
+        measured = Write(self.codec, size, metered.bytes, metered.seconds, metered.wall)
+        record_write(storage_root(self.storage, self.path), measured)
         tr.mark("write+fsync")
         if digest is not None:  # format 2: this rank's checksums beside its data object, never gathered
             self.storage.put(self.staging, sums_name(name), pack_sums(sums))
