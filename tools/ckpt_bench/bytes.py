@@ -277,6 +277,15 @@ def goals(results: dict, io: dict | None) -> list[tuple[str, str, bool | None]]:
                 default["total"] <= 10.0,
             )
         )
+    lossless = results.get("bf16+master/lossless")
+    if lossless is not None:
+        out.append(
+            (
+                "lossless mode (byteplane-zstd asked for) <= 10.0 B/param, bf16+master",
+                f"{lossless['total']:.3f} B/param",
+                lossless["total"] <= 10.0,
+            )
+        )
     int8 = [results[k]["total"] for k in ("bf16+master/int8", "bf16+master/int8+zstd") if k in results]
     if int8:
         out.append(("opt-in int8 <= 6.1 B/param, bf16+master", f"{min(int8):.3f} B/param", min(int8) <= 6.1))
