@@ -81,8 +81,9 @@ def timed(fn, repeats: int, before=None) -> float:
     return statistics.median(times)
 
 
-def timed_rss(fn, repeats: int, before=None) -> tuple[float, int]:
-    """``timed`` plus the largest extra peak RSS (bytes over the RSS at its start) of one call."""
+def timed_rss(fn, repeats: int, before=None) -> tuple[float, int, float]:
+    """``timed`` plus the largest extra peak RSS (bytes over the RSS at its start) of one call and the spread of
+    the calls' times (slowest / fastest: this machine's noise)."""
     from ckpt_bench.common import PeakRSS
 
     times, peaks = [], []
@@ -94,7 +95,7 @@ def timed_rss(fn, repeats: int, before=None) -> tuple[float, int]:
             fn()
             times.append(time.perf_counter() - t0)
         peaks.append(rss.extra)
-    return statistics.median(times), max(peaks)
+    return statistics.median(times), max(peaks), max(times) / max(min(times), 1e-9)
 
 
 def stored_codec(path: str, opts) -> str:
@@ -194,8 +195,8 @@ def local_phase(state: dict, pstate: dict, work: Path, repeats: int, codecs=CODE
             f.flush()
             os.fsync(f.fileno())
 
-    res["raw_write"], res["rss_raw_write"] = timed_rss(raw_write, repeats)
-    res["raw_read"], res["rss_raw_read"] = timed_rss(
+    res["raw_write"], res["rss_raw_write"], res["raw_write_spread"] = timed_rss(raw_write, repeats)
+    res["raw_read"], res["rss_raw_read"], res["raw_read_spread"] = timed_rss(
         lambda: raw_file.read_bytes(), repeats, before=lambda: drop_cache([str(raw_file)])
     )
     for codec in codecs:
@@ -206,7 +207,7 @@ def local_phase(state: dict, pstate: dict, work: Path, repeats: int, codecs=CODE
             shutil.rmtree(path, ignore_errors=True)
             ck.save_state_dict(pstate, str(path), options=opts)
 
-        res[f"save_{codec}"], res[f"save_rss_{codec}"] = timed_rss(save, repeats)
+        res[f"save_{codec}"], res[f"save_rss_{codec}"], res[f"save_{codec}_spread"] = timed_rss(save, repeats)
         res[f"stored_{codec}"] = stored_codec(str(path), opts)
         if codec == "auto":
             from paddle.distributed.fsdp.checkpoint.io.local import LocalStorage
@@ -217,7 +218,7 @@ def local_phase(state: dict, pstate: dict, work: Path, repeats: int, codecs=CODE
         files = [str(p) for p in path.iterdir() if p.is_file()]
         res[f"bytes_{codec}"] = sum(os.path.getsize(p) for p in files if ".safetensors" in p)
         targets = {k: paddle.zeros_like(v) for k, v in pstate.items()}
-        res[f"load_{codec}"], res[f"load_rss_{codec}"] = timed_rss(
+        res[f"load_{codec}"], res[f"load_rss_{codec}"], res[f"load_{codec}_spread"] = timed_rss(
             lambda: ck.load_state_dict(targets, str(path), options=opts), repeats, before=lambda: drop_cache(files)
         )
         drop_cache(files)
@@ -255,17 +256,17 @@ def s3_phase(state: dict, pstate: dict, work: Path, repeats: int, codecs=CODECS)
         )
         import io
 
-        res["raw_put"], res["rss_raw_put"] = timed_rss(
+        res["raw_put"], res["rss_raw_put"], res["raw_put_spread"] = timed_rss(
             lambda: client.upload_fileobj(io.BytesIO(payload), "bench", "raw", Config=cfg), repeats
         )
         cold = lambda: drop_cache(files_under(str(work / "weed")))  # noqa: E731 - the server's files
-        res["raw_get"], res["rss_raw_get"] = timed_rss(
+        res["raw_get"], res["rss_raw_get"], res["raw_get_spread"] = timed_rss(
             lambda: client.download_fileobj("bench", "raw", io.BytesIO(), Config=cfg), repeats, before=cold
         )
         for codec in codecs:
             opts = ck.CheckpointOptions(codec=codec, storage=storage)
             url = f"s3://bench/ck-{codec}"
-            res[f"save_{codec}"], res[f"save_rss_{codec}"] = timed_rss(
+            res[f"save_{codec}"], res[f"save_rss_{codec}"], res[f"save_{codec}_spread"] = timed_rss(
                 lambda: ck.save_state_dict(pstate, url, options=opts), repeats
             )
             res[f"stored_{codec}"] = stored_codec(url, opts)
@@ -275,7 +276,7 @@ def s3_phase(state: dict, pstate: dict, work: Path, repeats: int, codecs=CODECS)
             res[f"bytes_{codec}"] = h.size
             h.close()
             targets = {k: paddle.zeros_like(v) for k, v in pstate.items()}
-            res[f"load_{codec}"], res[f"load_rss_{codec}"] = timed_rss(
+            res[f"load_{codec}"], res[f"load_rss_{codec}"], res[f"load_{codec}_spread"] = timed_rss(
                 lambda: ck.load_state_dict(targets, url, options=opts), repeats, before=cold
             )
             for k, v in pstate.items():

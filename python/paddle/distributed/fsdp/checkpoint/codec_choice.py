@@ -17,7 +17,8 @@ and compresses when ``encoder >= MARGIN * storage`` (it must pay, not tie: the c
 the load's decode are not in the model). Once this process has saved at a root both ways, the model gives way to
 what it predicts: the whole write's throughput (decoded bytes per wall second of the data file's write) of the
 compressed saves against the raw ones; compressed when it is ``PAYS`` times the raw. A model that was wrong
-(e.g. a loaded host whose encoder threads get no core) is corrected by the next save.
+(e.g. a loaded host whose encoder threads get no core) is corrected by the next save. The kind not chosen
+keeps its last figures (the last ``HISTORY`` writes of each kind are remembered): it is not tried again.
 
 With no measurement yet for a root (this process's first save there), a backend's prior decides: object stores
 (``Storage.compress_by_default``: S3) compress, since a PUT over a network is slower than a core's encoder
@@ -50,11 +51,11 @@ CHOICES = (AUTO, RAW, BYTEPLANE_ZSTD)
 MARGIN = 1.2  # encoder (all threads) over storage rate needed to compress (the model)
 PAYS = 1.1  # measured compressed over raw save throughput needed to compress (both measured)
 MIN_MEASURED_BYTES = 1 << 20  # smaller writes time their fixed costs (fsync, a PUT's round trip), not throughput
-HISTORY = 4  # saves remembered per storage root
+HISTORY = 4  # saves remembered per storage root, raw and compressed each
 CALIBRATION_ELEMENTS = 1 << 19  # 2 MiB of fp32 + 1 MiB of bf16
 
 _lock = threading.Lock()
-_storage_history: dict[tuple[str, str], deque] = {}  # root -> deque of Write
+_storage_history: dict[tuple[str, str, bool], deque] = {}  # (*root, compressed) -> the last writes
 _encode_rate: float | None = None  # raw bytes per CPU second of one encode thread
 _last_choice: dict[tuple[str, str], str] = {}
 
@@ -85,12 +86,13 @@ def record_write(root: tuple[str, str], write: Write) -> None:
     if write.stored < MIN_MEASURED_BYTES or write.backend_seconds <= 0 or write.wall_seconds <= 0:
         return
     with _lock:
-        _storage_history.setdefault(root, deque(maxlen=HISTORY)).append(write)
+        _storage_history.setdefault((*root, write.codec != RAW), deque(maxlen=HISTORY)).append(write)
 
 
 def _seen(root: tuple[str, str]) -> list[Write]:
+    """The raw and the compressed writes remembered at ``root`` (the last ``HISTORY`` of each)."""
     with _lock:
-        return list(_storage_history.get(root, ()))
+        return [*_storage_history.get((*root, False), ()), *_storage_history.get((*root, True), ())]
 
 
 def storage_rate(root: tuple[str, str]) -> float | None:
