@@ -20,6 +20,8 @@ from .format.codecs import decode_chunk
 
 STORED_BATCH = 16 << 20  # stored bytes fetched per read call (then decoded chunk by chunk)
 REMOTE_STORED_BATCH = 64 << 20  # the same from an object store: the backend splits it into parallel requests
+SEQUENTIAL_GAP = 1 << 20  # a read that starts at most this far after the last one ended is sequential (a load
+# reads its tiny pieces last, so its large ones skip over them)
 _pools: dict[int, object] = {}
 _pool_lock = threading.Lock()
 
@@ -77,30 +79,32 @@ class Readahead:
     Why: a load reads a stored file piece by piece (one ``read_decoded`` per tensor, in file order), and each read
     fetched its stored bytes, then decoded them: the decode of one piece and the fetch of the next did not overlap,
     which made compressed loads from an object store slower than raw ones (docs/reports/2026-12-07-codec-speed.md).
-    Started only on a read that began where the previous read of the same file ended (a sequential reader), for at
-    most twice the size of that read (and one batch): a random reader fetches nothing extra, and memory stays at two batches."""
+    Started only on a read that began where (or up to SEQUENTIAL_GAP after) the previous read of the same file
+    ended (a sequential reader), for at most twice the size of that read (and one batch); used by a read that
+    starts inside it: a random reader fetches nothing extra, and memory stays at two batches."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.ends: dict[str, int] = {}  # file -> stored offset where its last read ended
         self.name: str | None = None
-        self.start = 0
+        self.start = self.n = 0
         self.future = None
 
     def claim(self, name: str, start: int):
-        """The pending fetch that begins at stored byte ``start`` of ``name`` (it is handed over), else None."""
+        """``(pending fetch, its start)`` when it holds stored byte ``start`` of ``name`` (it is handed over), else
+        None."""
         with self.lock:
-            fut, hit = self.future, self.name == name and self.start == start
+            fut, hit = self.future, self.name == name and self.start <= start < self.start + self.n
             if hit:
                 self.future, self.name = None, None
-            return fut if hit else None
+            return (fut, self.start) if hit else None
 
     def begin(self, files, name: str, start: int, n: int) -> None:
         """Fetch stored bytes ``[start, start + n)`` of ``name`` on the fetch thread (any earlier one is dropped)."""
         handle = files.handle(name)  # (taken here: the fetch thread never opens or closes handles)
         fut = _fetch_pool().submit(_stored, files, name, start, n, handle)
         with self.lock:
-            self.future, self.name, self.start = fut, name, start
+            self.future, self.name, self.start, self.n = fut, name, start, n
 
     def settle(self) -> None:
         """Wait for a pending fetch (its error, if any, is dropped: nobody asked for those bytes); before a handle
@@ -136,8 +140,11 @@ def read_decoded(files, name: str, buf, offset: int) -> int:
         files.readahead = Readahead()
     ra = files.readahead
     pending = ra.claim(name, s_begin)
-    pre = pending.result() if pending is not None else None  # stored bytes [s_begin, s_begin + len(pre))
-    sequential = ra.ends.get(name) == s_begin
+    pre = None  # stored bytes [s_begin, s_begin + len(pre)), fetched ahead
+    if pending is not None:
+        fut, start = pending
+        pre = fut.result()[s_begin - start :]
+    sequential = 0 <= s_begin - ra.ends.get(name, 0) <= SEQUENTIAL_GAP  # (a file's first read: near its start)
     ra.ends[name] = s_end
 
     def fetch(b: int):
