@@ -305,7 +305,7 @@ def goals(results: dict, io: dict | None) -> list[tuple[str, str, bool | None]]:
             )
     s3 = (io or {}).get("s3")
     if s3 is not None:
-        size = s3["bytes_raw"] / s3["bytes_auto"]
+        size = s3["bytes_raw"] / s3["bytes_byteplane-zstd"]  # what compressing saves (auto may not have)
         for op in ("save", "load"):
             speedup = s3[f"{op}_raw"] / s3[f"{op}_auto"]
             out.append(
