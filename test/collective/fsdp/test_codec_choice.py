@@ -98,6 +98,19 @@ def test_measured_saves_both_ways_overrule_the_model(tmp_path):
     assert codec_choice.choose_codec("auto", LocalStorage(), str(tmp_path / "ck"), 1) == ZSTD
 
 
+def test_measured_saves_without_a_clear_winner_leave_the_model_its_answer(tmp_path):
+    """Measured saves within PAYS of each other (the noise of a shared host): the encoder model decides."""
+    path = str(tmp_path / "ck")
+    root = codec_choice.storage_root(LocalStorage(), path)
+    mb = 1 << 20
+    codec_choice.record_write(root, codec_choice.Write("raw", 100 * mb, 100 * mb, 1.0, 1.0))
+    codec_choice.record_write(root, codec_choice.Write(ZSTD, 100 * mb, 80 * mb, 0.8, 1.05))
+    codec_choice.set_encode_rate(1e13)
+    assert codec_choice.choose_codec("auto", LocalStorage(), path, 1) == ZSTD
+    codec_choice.set_encode_rate(1e3)
+    assert codec_choice.choose_codec("auto", LocalStorage(), path, 1) == "raw"
+
+
 def test_explicit_codec_and_the_switch_win(tmp_path, monkeypatch):
     sd = _state()
     slow = CheckpointOptions(storage=SleepingDisk())

@@ -16,8 +16,10 @@ the encode hides behind the write (the two run pipelined, encoded_write.py). So 
 and compresses when ``encoder >= MARGIN * storage`` (it must pay, not tie: the calling thread's own copies and
 the load's decode are not in the model). Once this process has saved at a root both ways, the model gives way to
 what it predicts: the whole write's throughput (decoded bytes per wall second of the data file's write) of the
-compressed saves against the raw ones; compressed when it is ``PAYS`` times the raw. A model that was wrong
-(e.g. a loaded host whose encoder threads get no core) is corrected by the next save. The kind not chosen
+compressed saves against the raw ones: compressed when it is ``PAYS`` times the raw, raw when the raw is ``PAYS``
+times the compressed, and the model's answer between (within the noise of a shared host: measured saves of the
+same kind differ by 1.3-2x on this 2-core VM, so a band without a winner must not flip the choice). A model that
+was wrong (e.g. a loaded host whose encoder threads get no core) is corrected by the next save. The kind not chosen
 keeps its last figures (the last ``HISTORY`` writes of each kind are remembered): it is not tried again.
 
 With no measurement yet for a root (this process's first save there), a backend's prior decides: object stores
@@ -49,7 +51,7 @@ logger = logging.getLogger(__name__)
 AUTO = "auto"
 CHOICES = (AUTO, RAW, BYTEPLANE_ZSTD)
 MARGIN = 1.2  # encoder (all threads) over storage rate needed to compress (the model)
-PAYS = 1.1  # measured compressed over raw save throughput needed to compress (both measured)
+PAYS = 1.1  # measured save throughput of one kind over the other's that decides (both measured)
 MIN_MEASURED_BYTES = 1 << 20  # smaller writes time their fixed costs (fsync, a PUT's round trip), not throughput
 HISTORY = 4  # saves remembered per storage root, raw and compressed each
 CALIBRATION_ELEMENTS = 1 << 19  # 2 MiB of fp32 + 1 MiB of bf16
@@ -170,13 +172,15 @@ def choose_codec(chosen: str, storage: Storage, path: str, threads: int) -> str:
     if store is None:
         codec = BYTEPLANE_ZSTD if getattr(storage, "compress_by_default", False) else RAW
         why = "no write measured here yet: the backend's prior"
-    elif raw_rate is not None and compressed_rate is not None:
-        codec = BYTEPLANE_ZSTD if compressed_rate >= PAYS * raw_rate else RAW
-        why = f"measured saves: compressed {compressed_rate / 1e6:.0f} MB/s vs raw {raw_rate / 1e6:.0f} MB/s"
     else:
         enc = encode_rate() * max(1, threads)
         codec = BYTEPLANE_ZSTD if enc >= MARGIN * store else RAW
         why = f"encoder {enc / 1e6:.0f} MB/s ({threads} threads) vs storage {store / 1e6:.0f} MB/s"
+        if raw_rate is not None and compressed_rate is not None:
+            measured = compressed_rate / raw_rate
+            if measured >= PAYS or measured <= 1 / PAYS:  # a clear winner; within the band, the model's answer
+                codec = BYTEPLANE_ZSTD if measured >= PAYS else RAW
+            why = f"measured saves: compressed {compressed_rate / 1e6:.0f} MB/s vs raw {raw_rate / 1e6:.0f} MB/s; {why}"
     with _lock:
         changed = _last_choice.get(root) != codec
         _last_choice[root] = codec
