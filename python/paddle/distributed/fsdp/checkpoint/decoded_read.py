@@ -80,12 +80,14 @@ class Readahead:
     fetched its stored bytes, then decoded them: the decode of one piece and the fetch of the next did not overlap,
     which made compressed loads from an object store slower than raw ones (docs/reports/2026-12-07-codec-speed.md).
     Started only on a read that began where (or up to SEQUENTIAL_GAP after) the previous read of the same file
-    ended (a sequential reader), for at most twice the size of that read (and one batch); used by a read that
-    starts inside it: a random reader fetches nothing extra, and memory stays at two batches."""
+    ended (a sequential reader), for at most twice the file's largest read so far (and one batch: a load's tensors
+    differ in size, a bf16 weight beside its fp32 moments); used by a read that starts inside it. A random reader
+    fetches nothing extra, and memory stays at two batches."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.ends: dict[str, int] = {}  # file -> stored offset where its last read ended
+        self.largest: dict[str, int] = {}  # file -> stored bytes of its largest read so far
         self.name: str | None = None
         self.start = self.n = 0
         self.future = None
@@ -146,6 +148,7 @@ def read_decoded(files, name: str, buf, offset: int) -> int:
         pre = fut.result()[s_begin - start :]
     sequential = 0 <= s_begin - ra.ends.get(name, 0) <= SEQUENTIAL_GAP  # (a file's first read: near its start)
     ra.ends[name] = s_end
+    ahead_bytes = ra.largest[name] = max(ra.largest.get(name, 0), s_end - s_begin)
 
     def fetch(b: int):
         i, j = batches[b]
@@ -165,7 +168,7 @@ def read_decoded(files, name: str, buf, offset: int) -> int:
             # the next batch is fetched while this one is decoded (an object store's latency hidden)
             ahead = _fetch_pool().submit(fetch, b + 1) if b + 1 < len(batches) else None
             if ahead is None and sequential and s_end < t.stored_size:  # the next read's, during the last decode
-                ra.begin(files, name, s_end, min(limit, 2 * (s_end - s_begin), t.stored_size - s_end))
+                ra.begin(files, name, s_end, min(limit, 2 * ahead_bytes, t.stored_size - s_end))
             read += len(stored)
             _decode_batch(files, name, t, i, j, stored, out, offset, pool)
     finally:
