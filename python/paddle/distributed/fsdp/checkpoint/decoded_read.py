@@ -12,6 +12,7 @@ helper pool (zstd releases the GIL), so they scale with ``checksum_threads``.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -80,12 +81,14 @@ class Readahead:
     fetched its stored bytes, then decoded them: the decode of one piece and the fetch of the next did not overlap,
     which made compressed loads from an object store slower than raw ones (docs/reports/2026-12-07-codec-speed.md).
     Started only on a read that began where (or up to SEQUENTIAL_GAP after) the previous read of the same file
-    ended (a sequential reader), for at most twice the size of that read (and one batch); used by a read that
-    starts inside it: a random reader fetches nothing extra, and memory stays at two batches."""
+    ended (a sequential reader), for at most twice the file's largest read so far (and one batch: a load's tensors
+    differ in size, a bf16 weight beside its fp32 moments); used by a read that starts inside it. A random reader
+    fetches nothing extra, and memory stays at two batches."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.ends: dict[str, int] = {}  # file -> stored offset where its last read ended
+        self.largest: dict[str, int] = {}  # file -> stored bytes of its largest read so far
         self.name: str | None = None
         self.start = self.n = 0
         self.future = None
@@ -99,10 +102,20 @@ class Readahead:
                 self.future, self.name = None, None
             return (fut, self.start) if hit else None
 
-    def begin(self, files, name: str, start: int, n: int) -> None:
-        """Fetch stored bytes ``[start, start + n)`` of ``name`` on the fetch thread (any earlier one is dropped)."""
+    def begin(self, files, name: str, start: int, n: int, held=None) -> None:
+        """Fetch stored bytes ``[start, start + n)`` of ``name`` on the fetch thread (any earlier one is dropped);
+        ``held``: the first of them, already in memory (the unused end of the last readahead: never fetched
+        twice)."""
         handle = files.handle(name)  # (taken here: the fetch thread never opens or closes handles)
-        fut = _fetch_pool().submit(_stored, files, name, start, n, handle)
+        have = 0 if held is None else len(held)
+        if have >= n:
+            fut = Future()
+            fut.set_result(held)
+            n = have
+        elif have:
+            fut = _fetch_pool().submit(_joined_fetch, files, name, held, start + have, n - have, handle)
+        else:
+            fut = _fetch_pool().submit(_stored, files, name, start, n, handle)
         with self.lock:
             self.future, self.name, self.start, self.n = fut, name, start, n
 
@@ -113,6 +126,10 @@ class Readahead:
             fut, self.future, self.name = self.future, None, None
         if fut is not None:
             fut.exception()
+
+
+def _joined_fetch(files, name: str, held: np.ndarray, start: int, n: int, handle) -> np.ndarray:
+    return np.concatenate([held, _stored(files, name, start, n, handle)])
 
 
 def read_decoded(files, name: str, buf, offset: int) -> int:
@@ -141,11 +158,15 @@ def read_decoded(files, name: str, buf, offset: int) -> int:
     ra = files.readahead
     pending = ra.claim(name, s_begin)
     pre = None  # stored bytes [s_begin, s_begin + len(pre)), fetched ahead
+    left = None  # those of them past this read: the start of the next readahead
     if pending is not None:
         fut, start = pending
         pre = fut.result()[s_begin - start :]
+        if len(pre) > s_end - s_begin:
+            left = pre[s_end - s_begin :]
     sequential = 0 <= s_begin - ra.ends.get(name, 0) <= SEQUENTIAL_GAP  # (a file's first read: near its start)
     ra.ends[name] = s_end
+    ahead_bytes = ra.largest[name] = max(ra.largest.get(name, 0), s_end - s_begin)
 
     def fetch(b: int):
         i, j = batches[b]
@@ -165,7 +186,7 @@ def read_decoded(files, name: str, buf, offset: int) -> int:
             # the next batch is fetched while this one is decoded (an object store's latency hidden)
             ahead = _fetch_pool().submit(fetch, b + 1) if b + 1 < len(batches) else None
             if ahead is None and sequential and s_end < t.stored_size:  # the next read's, during the last decode
-                ra.begin(files, name, s_end, min(limit, 2 * (s_end - s_begin), t.stored_size - s_end))
+                ra.begin(files, name, s_end, min(limit, 2 * ahead_bytes, t.stored_size - s_end), left)
             read += len(stored)
             _decode_batch(files, name, t, i, j, stored, out, offset, pool)
     finally:
