@@ -6,6 +6,7 @@ Usage (one invocation measures everything on the same state)::
     python -m paddle.distributed.launch --nproc_per_node 2 tools/bench_ckpt.py --json bench.json
     python tools/bench_ckpt.py --world 2 --size-gib 1 --json bench.json     # launches itself
     python tools/bench_ckpt.py --bytes --json bytes.json   # bytes per parameter per save mode (ckpt_bench/bytes.py)
+    python tools/bench_ckpt.py --bytes --io                # + save / cold load vs raw I/O, local and S3, RSS, goals
 
 The state is a model of ``Linear(dim, dim)`` blocks sized so that parameters + AdamW moments come to
 ``--size-gib`` in all (fp32: 12 bytes per parameter), wrapped in ``FullyShardFusion`` (one FSDP unit per

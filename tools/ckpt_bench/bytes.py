@@ -2,6 +2,7 @@
 """Bytes per parameter of a checkpoint, per save mode (issue #52).
 
     python tools/ckpt_bench/bytes.py --json bytes.json          # also: python tools/bench_ckpt.py --bytes
+    python tools/bench_ckpt.py --bytes --io --json bytes.json   # + save / cold load against raw I/O, local and S3
 
 Two models of ~2.6M parameters (``--vocab``/``--dim``/``--blocks``: an embedding, then per block
 ``Linear(dim, 4 dim)`` and ``Linear(4 dim, dim)`` weights), each wrapped in ``FullyShardFusion`` in this process
@@ -17,7 +18,15 @@ Each mode of ``MODES`` (``fsdp.save_checkpoint`` keywords: the helpers adding sa
 same state (``--repeats`` times, each followed by a ``load_checkpoint`` of it: median seconds, warm page
 cache, noisy on a shared machine); the table gives every file of the checkpoint directory in bytes per parameter, by kind: the data
 of model weights, master weights, moments (the safetensors data files, by their pieces' keys), the data files'
-headers and checksum sidecars, the index (metadata.json, index.*, <rank>.values, 0.metadata, COMMIT).
+headers and checksum sidecars, the index (metadata.json, index.*, <rank>.values, 0.metadata, COMMIT); ``codec``
+is what the data files were stored with (``default`` runs codec ``auto``: measured, checkpoint/codec_choice.py,
+after the ``raw`` mode's saves measured this directory).
+
+``--io`` adds save and cold-load seconds of ``--io-mib`` MiB of bf16+master training state (one process's share,
+tools/ckpt_bench/codec_speed.py's phases) stored raw, ``byteplane-zstd`` and ``auto``, against raw I/O of the same
+bytes: write+fsync / cold read on the local disk (page cache of the read files dropped), PUT / GET on a local
+SeaweedFS (``weed mini`` on 127.0.0.1; its files' cache dropped before each GET and load); peak RSS of each (extra
+over the RSS at its start: common.PeakRSS); and whether each goal of issue 52 is met.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 LOG = logging.getLogger("bench_bytes")
 
@@ -38,7 +48,7 @@ LOG = logging.getLogger("bench_bytes")
 MODES: dict[str, dict] = {
     "raw": {"derive_weights": False},
     "default": {},
-    # lossless: byte planes + zstd per chunk (codec "auto" picks it on object stores only)
+    # lossless: byte planes + zstd per chunk (codec "auto" picks it where the encoder outruns the storage)
     "lossless": {"options": {"codec": "byteplane-zstd"}},
     # lossy, opt-in: int8 / int4 moments (format/quant.py)
     "int8": {"quantize_moments": "int8"},
@@ -71,6 +81,9 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--seed", type=int, default=2024)
     p.add_argument("--repeats", type=int, default=3, help="saves and loads per mode; medians (default 3)")
+    p.add_argument("--io", action="store_true", help="also time save / cold load against raw I/O (local and S3)")
+    p.add_argument("--io-mib", type=int, default=256, help="MiB of state of the --io phases (default 256)")
+    p.add_argument("--no-s3", action="store_true", help="--io without the S3 phase (no SeaweedFS here)")
     return p.parse_args(argv)
 
 
@@ -154,6 +167,7 @@ def measure(path: str, params: int) -> dict:
     per["total"] = sum(files.values()) / params
     per["derived_keys"] = len(md.derived)
     per["format"] = md.version
+    per["codec"] = ",".join(sorted(set(md.codecs.values()))) or "raw"
     return per
 
 
@@ -192,11 +206,121 @@ def run(args) -> dict:
 
 def table(results: dict) -> str:
     cols = ["weights", "master", "moments", "other", "headers+sums", "index", "total"]
-    head = "| model / mode | params | format | " + " | ".join(cols) + " | save s | load s |"
-    lines = [head, "|---" * (len(cols) + 5) + "|"]
+    head = "| model / mode | params | format | codec | " + " | ".join(cols) + " | save s | load s |"
+    lines = [head, "|---" * (len(cols) + 6) + "|"]
     for name, r in results.items():
         cells = " | ".join(f"{r[c]:.3f}" for c in cols)
-        lines.append(f"| {name} | {r['params']:,} | {r['format']} | {cells} | {r['save_s']:.3f} | {r['load_s']:.3f} |")
+        lines.append(
+            f"| {name} | {r['params']:,} | {r['format']} | {r['codec']} | {cells} | {r['save_s']:.3f} "
+            f"| {r['load_s']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+IO_CODECS = ("raw", "byteplane-zstd", "auto")
+LOCAL_NOISE = 1.10  # a local save / load within 10% of the raw one's time: this shared machine's noise
+
+
+def run_io(args) -> dict:
+    """codec_speed's local and S3 phases over raw, byteplane-zstd and auto (medians of ``--repeats``)."""
+    from ckpt_bench import codec_speed
+
+    state = codec_speed.make_state(args.io_mib)
+    pstate = codec_speed.to_paddle(state)
+    work = tempfile.mkdtemp(prefix="bench_bytes_io_", dir=args.dir)
+    out = {"mib": args.io_mib, "repeats": args.repeats}
+    try:
+        LOG.info("--io: local disk")
+        out["local"] = codec_speed.local_phase(state, pstate, Path(work), args.repeats, IO_CODECS)
+        if not args.no_s3:
+            LOG.info("--io: S3 (SeaweedFS on 127.0.0.1)")
+            out["s3"] = codec_speed.s3_phase(state, pstate, Path(work), args.repeats, IO_CODECS)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def io_table(io: dict) -> str:
+    """Seconds, ratio to the raw I/O of the same bytes, and peak RSS, per target and codec."""
+    mib = 1 << 20
+    lines = [
+        "| target | codec (stored) | stored MB | save s | save / raw I/O | load s (cold) | load / raw I/O "
+        "| save RSS MiB | load RSS MiB |",
+        "|---" * 9 + "|",
+    ]
+    for target, (put, get) in (("local", ("raw_write", "raw_read")), ("s3", ("raw_put", "raw_get"))):
+        r = io.get(target)
+        if r is None:
+            continue
+        lines.append(
+            f"| {target} | raw I/O ({put} / {get}) | {r['bytes'] / 1e6:.1f} | {r[put]:.3f} | 1.00 | {r[get]:.3f} "
+            f"| 1.00 | {r['rss_' + put] / mib:.0f} | {r['rss_' + get] / mib:.0f} |"
+        )
+        for c in IO_CODECS:
+            lines.append(
+                f"| {target} | {c} ({r['stored_' + c]}) | {r['bytes_' + c] / 1e6:.1f} | {r['save_' + c]:.3f} "
+                f"| {r['save_' + c] / r[put]:.2f} | {r['load_' + c]:.3f} | {r['load_' + c] / r[get]:.2f} "
+                f"| {r['save_rss_' + c] / mib:.0f} | {r['load_rss_' + c] / mib:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def goals(results: dict, io: dict | None) -> list[tuple[str, str, bool | None]]:
+    """Issue 52's goals: ``(goal, what was measured, met)`` (None: not measured in this run)."""
+    out = []
+    default = results.get("bf16+master/default")
+    if default is not None:
+        out.append(
+            (
+                "default (lossless) <= 10.0 B/param, bf16+master",
+                f"{default['total']:.3f} B/param (codec {default['codec']})",
+                default["total"] <= 10.0,
+            )
+        )
+    lossless = results.get("bf16+master/lossless")
+    if lossless is not None:
+        out.append(
+            (
+                "lossless mode (byteplane-zstd asked for) <= 10.0 B/param, bf16+master",
+                f"{lossless['total']:.3f} B/param",
+                lossless["total"] <= 10.0,
+            )
+        )
+    int8 = [results[k]["total"] for k in ("bf16+master/int8", "bf16+master/int8+zstd") if k in results]
+    if int8:
+        out.append(("opt-in int8 <= 6.1 B/param, bf16+master", f"{min(int8):.3f} B/param", min(int8) <= 6.1))
+    local = (io or {}).get("local")
+    if local is not None:
+        for op in ("save", "load"):
+            ratio = local[f"{op}_auto"] / local[f"{op}_raw"]
+            noise = max(LOCAL_NOISE, local[f"{op}_raw_spread"], local[f"{op}_auto_spread"])
+            same = local["stored_auto"] == "raw"  # auto chose raw: the raw save's path and bytes, the ratio is noise
+            out.append(
+                (
+                    f"local {op}: auto not slower than raw (within noise: {LOCAL_NOISE:.2f}x or the repeats' spread)",
+                    f"{ratio:.2f}x, spread {noise:.2f}x (auto stored {local['stored_auto']}"
+                    + (": the raw save itself)" if same else ")"),
+                    same or ratio <= noise,
+                )
+            )
+    s3 = (io or {}).get("s3")
+    if s3 is not None:
+        size = s3["bytes_raw"] / s3["bytes_byteplane-zstd"]  # what compressing saves (auto may not have)
+        for op in ("save", "load"):
+            speedup = s3[f"{op}_raw"] / s3[f"{op}_auto"]
+            out.append(
+                (
+                    f"S3 {op}: auto faster than raw by >= 0.9 x size ratio ({0.9 * size:.2f}x)",
+                    f"{speedup:.2f}x (size ratio {size:.2f}, auto stored {s3['stored_auto']})",
+                    speedup >= 0.9 * size,
+                )
+            )
+    return out
+
+
+def goals_table(rows) -> str:
+    lines = ["| goal (issue 52) | measured | met |", "|---|---|---|"]
+    lines += [f"| {g} | {m} | {'yes' if ok else 'NO'} |" for g, m, ok in rows]
     return "\n".join(lines)
 
 
@@ -207,10 +331,16 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"unknown mode(s) {sorted(unknown)}; known: {', '.join(MODES)}")
     results = run(args)
+    io = run_io(args) if args.io else None
     print(table(results))
+    if io is not None:
+        print()
+        print(io_table(io))
+    print()
+    print(goals_table(goals(results, io)))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump({"bytes": results, "io": io, "goals": goals(results, io)}, f, indent=2, default=str)
     return 0
 
 

@@ -48,6 +48,14 @@ def test_compressed_loads_bit_exact_against_raw_at_any_world(runs, load_world, s
     assert_case_ok(loads[load_world], f"{source}->{load_world}{'-small' if small else ''}", load_world)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_auto_codec_is_the_coordinators_on_every_rank(runs, world):
+    """Ranks whose measurements disagree (codec_choice: one rank's encoder fast, the others' slow) save one
+    codec, the coordinator's: every file of the checkpoint names it and it loads bit for bit."""
+    _, saves, _ = runs
+    assert_case_ok(saves[world], "auto-agree", world)
+
+
 def _data_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.name.endswith(".safetensors"))
 

@@ -4,7 +4,8 @@ Usage:
   codec_ckpt.py save WORKDIR           on N ranks: train a bf16 model with fp32 master AdamW 2 steps, then save
                                        the same state raw and byteplane-zstd (save_checkpoint, the codec chosen
                                        by options and by PADDLE_FSDP_CKPT_CODEC), and its records with 1 KiB
-                                       checksum chunks (so that a resharded load reads parts of chunks).
+                                       checksum chunks (so that a resharded load reads parts of chunks); then
+                                       codec auto with ranks whose measurements disagree (case auto-agree).
   codec_ckpt.py load WORKDIR SRC_N...  on M ranks: per source, load the raw and the compressed checkpoint into
                                        fresh models and compare every record bit for bit.
 Each rank reports {case: "ok" | traceback}.
@@ -67,7 +68,38 @@ def save(workdir: str, rank: int, world: int) -> dict:
         results["save"] = "ok"
     except Exception:
         results["save"] = traceback.format_exc()
+    try:
+        ranks_disagree(fsdp, opt, base, rank, world)
+        results["auto-agree"] = "ok"
+    except Exception:
+        results["auto-agree"] = traceback.format_exc()
     return results
+
+
+def ranks_disagree(fsdp, opt, base: str, rank: int, world: int) -> None:
+    """Codec auto where each rank's own measurement says otherwise (the encoder posed fast on one rank, slow on
+    the others, against one disk rate): every rank takes the coordinator's choice, every file says it, and the
+    checkpoint loads bit for bit."""
+    from paddle.distributed.fsdp.checkpoint import codec_choice
+    from paddle.distributed.fsdp.checkpoint.io.local import LocalStorage
+
+    saved = snapshot(fsdp, opt)
+    auto = CheckpointOptions(codec="auto")
+    disk = codec_choice.Write("raw", 1 << 30, 1 << 30, 1.0, 1.0)  # a disk of 1 GB/s measured
+    cases = [(0, "byteplane-zstd")] + ([(world - 1, "raw")] if world > 1 else [])  # (the fast rank, the codec)
+    for fast_rank, expected in cases:
+        path = os.path.join(f"{base}-auto-fast{fast_rank}", "ck")  # a root of its own: only ``disk`` measured
+        codec_choice.record_write(codec_choice.storage_root(LocalStorage(), path), disk)
+        codec_choice.set_encode_rate(1e13 if rank == fast_rank else 1e3)
+        fsdp.save_checkpoint(path, optimizer=opt, options=auto)
+        md = ck.read_metadata(path)
+        want = {} if expected == "raw" else dict.fromkeys(md.files, expected)
+        assert len(md.files) == world and md.codecs == want, (fast_rank, md.codecs)
+        _model, fsdp2, opt2 = build(99)
+        fsdp2.load_checkpoint(path, optimizer=opt2)
+        got = snapshot(fsdp2, opt2)
+        assert sorted(got) == sorted(saved) and all(got[k] == saved[k] for k in saved), path
+    codec_choice.set_encode_rate(None)
 
 
 def load_pair(workdir: str, source: str, low_level: bool) -> None:

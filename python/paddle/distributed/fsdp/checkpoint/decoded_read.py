@@ -12,6 +12,7 @@ helper pool (zstd releases the GIL), so they scale with ``checksum_threads``.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -20,6 +21,8 @@ from .format.codecs import decode_chunk
 
 STORED_BATCH = 16 << 20  # stored bytes fetched per read call (then decoded chunk by chunk)
 REMOTE_STORED_BATCH = 64 << 20  # the same from an object store: the backend splits it into parallel requests
+SEQUENTIAL_GAP = 1 << 20  # a read that starts at most this far after the last one ended is sequential (a load
+# reads its tiny pieces last, so its large ones skip over them)
 _pools: dict[int, object] = {}
 _pool_lock = threading.Lock()
 
@@ -49,9 +52,9 @@ def _decode_pool(threads: int):
         return pool
 
 
-def _stored(files, name: str, offset: int, n: int) -> np.ndarray:
+def _stored(files, name: str, offset: int, n: int, handle=None) -> np.ndarray:
     buf = np.empty(n, np.uint8)
-    done = files.handle(name).read_into(offset, buf)
+    done = (handle or files.handle(name)).read_into(offset, buf)
     if done < n:
         raise CorruptCheckpointError(
             f"checkpoint {files.root}: stored data file {name} ends at byte {offset + done}, expected {offset + n}"
@@ -68,6 +71,65 @@ def _decode_row(files, name: str, t, i: int, stored: memoryview, out: memoryview
     if files.digest is not None and files.digest(stored) != int(row["sum"]):
         raise CorruptCheckpointError(f"{where()}: checksum mismatch")
     decode_chunk(int(row["codec"]), int(row["width"]), stored, out, where)
+
+
+class Readahead:
+    """The stored bytes a FileSet's next sequential read of a stored file will start with, fetched while the
+    current read decodes its last batch.
+
+    Why: a load reads a stored file piece by piece (one ``read_decoded`` per tensor, in file order), and each read
+    fetched its stored bytes, then decoded them: the decode of one piece and the fetch of the next did not overlap,
+    which made compressed loads from an object store slower than raw ones (docs/reports/2026-12-07-codec-speed.md).
+    Started only on a read that began where (or up to SEQUENTIAL_GAP after) the previous read of the same file
+    ended (a sequential reader), for at most twice the file's largest read so far (and one batch: a load's tensors
+    differ in size, a bf16 weight beside its fp32 moments); used by a read that starts inside it. A random reader
+    fetches nothing extra, and memory stays at two batches."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ends: dict[str, int] = {}  # file -> stored offset where its last read ended
+        self.largest: dict[str, int] = {}  # file -> stored bytes of its largest read so far
+        self.name: str | None = None
+        self.start = self.n = 0
+        self.future = None
+
+    def claim(self, name: str, start: int):
+        """``(pending fetch, its start)`` when it holds stored byte ``start`` of ``name`` (it is handed over), else
+        None."""
+        with self.lock:
+            fut, hit = self.future, self.name == name and self.start <= start < self.start + self.n
+            if hit:
+                self.future, self.name = None, None
+            return (fut, self.start) if hit else None
+
+    def begin(self, files, name: str, start: int, n: int, held=None) -> None:
+        """Fetch stored bytes ``[start, start + n)`` of ``name`` on the fetch thread (any earlier one is dropped);
+        ``held``: the first of them, already in memory (the unused end of the last readahead: never fetched
+        twice)."""
+        handle = files.handle(name)  # (taken here: the fetch thread never opens or closes handles)
+        have = 0 if held is None else len(held)
+        if have >= n:
+            fut = Future()
+            fut.set_result(held)
+            n = have
+        elif have:
+            fut = _fetch_pool().submit(_joined_fetch, files, name, held, start + have, n - have, handle)
+        else:
+            fut = _fetch_pool().submit(_stored, files, name, start, n, handle)
+        with self.lock:
+            self.future, self.name, self.start, self.n = fut, name, start, n
+
+    def settle(self) -> None:
+        """Wait for a pending fetch (its error, if any, is dropped: nobody asked for those bytes); before a handle
+        it may read is closed."""
+        with self.lock:
+            fut, self.future, self.name = self.future, None, None
+        if fut is not None:
+            fut.exception()
+
+
+def _joined_fetch(files, name: str, held: np.ndarray, start: int, n: int, handle) -> np.ndarray:
+    return np.concatenate([held, _stored(files, name, start, n, handle)])
 
 
 def read_decoded(files, name: str, buf, offset: int) -> int:
@@ -90,10 +152,31 @@ def read_decoded(files, name: str, buf, offset: int) -> int:
             j += 1
         batches.append((i, j))
         i = j
+    s_begin, s_end = int(t.soff[i0]), int(t.soff[i1 - 1] + t.slen[i1 - 1])
+    if files.readahead is None:
+        files.readahead = Readahead()
+    ra = files.readahead
+    pending = ra.claim(name, s_begin)
+    pre = None  # stored bytes [s_begin, s_begin + len(pre)), fetched ahead
+    left = None  # those of them past this read: the start of the next readahead
+    if pending is not None:
+        fut, start = pending
+        pre = fut.result()[s_begin - start :]
+        if len(pre) > s_end - s_begin:
+            left = pre[s_end - s_begin :]
+    sequential = 0 <= s_begin - ra.ends.get(name, 0) <= SEQUENTIAL_GAP  # (a file's first read: near its start)
+    ra.ends[name] = s_end
+    ahead_bytes = ra.largest[name] = max(ra.largest.get(name, 0), s_end - s_begin)
 
     def fetch(b: int):
         i, j = batches[b]
-        return _stored(files, name, int(t.soff[i]), int(t.soff[j - 1] + t.slen[j - 1] - t.soff[i]))
+        s, e = int(t.soff[i]), int(t.soff[j - 1] + t.slen[j - 1])
+        held = len(pre) - (s - s_begin) if pre is not None else 0
+        if held >= e - s:
+            return pre[s - s_begin : e - s_begin]
+        if held > 0:  # the readahead holds the start of the batch: the rest fetched, the two joined
+            return np.concatenate([pre[s - s_begin :], _stored(files, name, s + held, e - s - held)])
+        return _stored(files, name, s, e - s)
 
     read = 0
     ahead = _fetch_pool().submit(fetch, 0) if len(batches) > 1 else None
@@ -102,6 +185,8 @@ def read_decoded(files, name: str, buf, offset: int) -> int:
             stored = memoryview(ahead.result() if ahead is not None else fetch(b))
             # the next batch is fetched while this one is decoded (an object store's latency hidden)
             ahead = _fetch_pool().submit(fetch, b + 1) if b + 1 < len(batches) else None
+            if ahead is None and sequential and s_end < t.stored_size:  # the next read's, during the last decode
+                ra.begin(files, name, s_end, min(limit, 2 * ahead_bytes, t.stored_size - s_end), left)
             read += len(stored)
             _decode_batch(files, name, t, i, j, stored, out, offset, pool)
     finally:

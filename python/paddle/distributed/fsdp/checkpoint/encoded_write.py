@@ -1,10 +1,6 @@
 """Saves through a chunk codec (format/codecs.py): which codec a save uses, and the encoded write of a data file.
 
-Why ``auto`` compresses on object stores and not on a local disk (measured on this 2-core machine,
-docs/reports/2026-12-07-chunk-codecs.md): byte-plane zstd-1 encodes at a few hundred MB/s per thread, slower than
-a local disk takes raw bytes (1+ GB/s), but faster than a PUT to an object store over a network, where every byte
-not sent is time saved. A backend says which it is with ``compress_by_default`` (S3: True); anything else saves
-raw unless ``CheckpointOptions.codec`` (``PADDLE_FSDP_CKPT_CODEC``) says otherwise.
+Which codec a save uses (``auto``: measured, encoder against storage throughput) is codec_choice.py's.
 
 The encode runs on ``codec_threads`` helper threads (zstd and the plane split release the GIL), chunk by chunk in
 file order, a bounded number of chunks ahead of the write, so memory stays ~2 chunks per thread; the calling thread
@@ -22,25 +18,17 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .checksums import DigestFn
+from .codec_choice import AUTO, CHOICES
 from .format.codecs import BYTEPLANE_ZSTD, RAW, TABLE_ROW, WIDTHS, codec_named, table_name
 from .format.metadata import itemsize
 from .io.storage import Storage
 
-AUTO = "auto"
-CHOICES = (AUTO, RAW, BYTEPLANE_ZSTD)
 BATCH_BYTES = 8 << 20  # stored bytes handed to the backend per write call
 
 
 def default_threads() -> int:
     """Encode threads when not chosen: every core but one for the training process's own work (at least 1)."""
     return max(1, (os.cpu_count() or 1) - 1)
-
-
-def resolve_codec(chosen: str, storage: Storage) -> str:
-    """The codec a save to ``storage`` writes with: ``chosen`` unless ``auto``, then by the backend."""
-    if chosen == AUTO:
-        return BYTEPLANE_ZSTD if getattr(storage, "compress_by_default", False) else RAW
-    return codec_named(chosen).name
 
 
 def _encode_chunk(encode, chunk: memoryview, width: int, digest: DigestFn | None):
@@ -122,16 +110,20 @@ def write_encoded(
     return state["dpos"], sums
 
 
-def write_data_object(job, name: str, layout, digest: DigestFn | None) -> tuple[int, list[list[int]]]:
+def write_data_object(
+    job, name: str, layout, digest: DigestFn | None, storage: Storage | None = None
+) -> tuple[int, list[list[int]]]:
     """The data object ``name`` of a save (``job``: its save.commit.SaveJob; ``layout``: its planner.FileLayout):
-    the backend's raw ``write_object``, or a stored file and its chunk table when the job's codec is not raw."""
+    the backend's raw ``write_object``, or a stored file and its chunk table when the job's codec is not raw.
+    ``storage``: the job's backend as it is to be written through (codec_choice.MeteredStorage: timed)."""
+    storage = job.storage if storage is None else storage
     if job.codec == RAW:
-        return job.storage.write_object(
+        return storage.write_object(
             job.staging, name, layout.header, job.arrays, job.chunk_bytes, digest, should_stop=job._peer_failure
         )
     widths = [itemsize(job.plan.tensors[k].dtype) for k, _p in layout.pieces]
     return write_encoded(
-        job.storage,
+        storage,
         job.staging,
         name,
         layout.header,
@@ -180,7 +172,6 @@ __all__ = [
     "CHOICES",
     "RAW",
     "default_threads",
-    "resolve_codec",
     "write_data_object",
     "write_encoded",
 ]

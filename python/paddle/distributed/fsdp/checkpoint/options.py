@@ -18,8 +18,9 @@
 * ``max_metadata_bytes``: ``PADDLE_FSDP_CKPT_MAX_METADATA_BYTES``; default 512 MiB
 * ``max_open_files``: ``PADDLE_FSDP_CKPT_MAX_OPEN_FILES``; default 64
 * ``heartbeat_lease``: ``PADDLE_FSDP_CKPT_HEARTBEAT_LEASE``; default 5 s
-* ``codec``: ``PADDLE_FSDP_CKPT_CODEC`` (``auto``, ``raw``, ``byteplane-zstd``); default "auto" (compressed on
-  object stores, raw on local disks: encoded_write.py)
+* ``codec``: ``PADDLE_FSDP_CKPT_CODEC`` (``auto``, ``raw``, ``byteplane-zstd``); default "auto" (compressed
+  where this process's encoder outran the storage's measured write rate by 1.2x; before a first measurement at
+  a storage root: compressed on object stores, raw on local disks: codec_choice.py)
 * ``codec_threads``: ``PADDLE_FSDP_CKPT_CODEC_THREADS``; default 0 (one per core but one)
 * ``trace_hook``, ``storage``: no variable; default None
 
@@ -101,7 +102,9 @@ class CheckpointOptions:
             (format 4's ``derived``: format/derived.py). False stores every weight (format 3).
         codec: how saves store their data files' chunks (format/codecs.py): ``"raw"``, ``"byteplane-zstd"``
             (lossless, ~1.2-1.5x smaller for bf16/fp32 training state), or ``"auto"``: compressed where the
-            backend is slower than the encoder (object stores), raw on a local disk. Loads read any.
+            encoder (its threads) outruns the write rate this process's earlier saves measured at the same
+            storage root by ``codec_choice.MARGIN`` (1.2x); at a root not yet measured, compressed on object
+            stores and raw on a local disk (codec_choice.py). Loads read any.
         codec_threads: threads that encode a save's chunks, and that quantize (dequantize at load) its moments with
             ``quantize_moments`` (quant_threads.py); 0: one per core but one.
     """
@@ -125,7 +128,7 @@ class CheckpointOptions:
     codec_threads: int = 0
 
     def __post_init__(self) -> None:
-        from .encoded_write import CHOICES
+        from .codec_choice import CHOICES
 
         if self.codec not in CHOICES:
             raise CheckpointError(f"codec={self.codec!r}: expected one of {', '.join(CHOICES)}")

@@ -104,6 +104,7 @@ class FileSet:
         self.codecs = codecs or {}  # stored (compressed) data files -> codec (format/codecs.py); others raw
         self.chunk_bytes = chunk_bytes
         self._tables: dict = {}
+        self.readahead = None  # decoded_read.Readahead of the stored files: settled before a handle is closed
 
     @classmethod
     def of(cls, root: str, md, verify: bool, options=None, storage: Storage | None = None) -> FileSet:
@@ -178,6 +179,8 @@ class FileSet:
     def _make_room(self) -> None:
         """Close least recently used handles so that one more stays within ``max_open``."""
         while len(self.handles) + sum(fd is not None for fd in self._direct.values()) >= self.max_open and self.handles:
+            if self.readahead is not None:
+                self.readahead.settle()  # (it may be reading the handle closed here)
             old, h = self.handles.popitem(last=False)
             h.close()
             dfd = self._direct.pop(old, None)
@@ -307,6 +310,8 @@ class FileSet:
             self.pread_into(name, buf[done:need], offset + done)
 
     def close(self) -> None:
+        if self.readahead is not None:
+            self.readahead.settle()
         for h in self.handles.values():
             h.close()
         for fd in self._direct.values():

@@ -77,8 +77,9 @@ class Storage(ABC):
     """Where checkpoint bytes live. Methods are called in the order of the module docstring; every method may
     be called from the background save thread; implementations are thread-safe for distinct objects."""
 
-    #: whether ``CheckpointOptions(codec="auto")`` compresses saves here: True where storing a byte costs more
-    #: than encoding it (object stores), False where the encoder would slow the save (a local disk)
+    #: whether ``CheckpointOptions(codec="auto")`` compresses a process's first save to a storage root, before
+    #: its saves have measured the storage (codec_choice.py): True where storing a byte usually costs more than
+    #: encoding it (object stores), False where the encoder would usually slow the save (a local disk)
     compress_by_default: bool = False
 
     # ------------------------------------------------------------------------------------------ names

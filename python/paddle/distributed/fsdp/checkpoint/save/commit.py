@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import checksums
+from ..codec_choice import MeteredStorage, Write, record_write, storage_root
 from ..commit_record import commit_id
 from ..encoded_write import RAW, write_data_object
 from ..errors import SaveFailedError
@@ -95,7 +96,7 @@ class SaveJob:
     snapshot: Any = None  # async save: the Snapshot whose deferred copies run first in the background thread
     plan: Any = None  # the SavePlan; laid out by run() (an async save's caller does not wait for it)
     derived: dict = field(default_factory=dict)  # format 4's "derived" field (save/derive.py); {}: none
-    codec: str = "raw"  # chunk codec of the data files (encoded_write.resolve_codec), the same on every rank
+    codec: str = "raw"  # chunk codec of the data files (codec_choice.choose_codec), the same on every rank
 
     def _written(self) -> None:
         self.arrays = self.keepalive = []  # release snapshot memory early
@@ -191,9 +192,12 @@ class SaveJob:
         layout = self.plan.files[self.rank]
         try:
             digest = None if self.checksum == checksums.NONE else checksums.digest_function(self.checksum)
-            size, sums = write_data_object(self, name, layout, digest)  # raw, or stored through the codec
+            metered = MeteredStorage(self.storage)  # the backend's own time: what codec "auto" compares
+            size, sums = write_data_object(self, name, layout, digest, metered)  # raw, or stored through the codec
         finally:
             self._written()
+        measured = Write(self.codec, size, metered.bytes, metered.seconds, metered.wall)
+        record_write(storage_root(self.storage, self.path), measured)
         tr.mark("write+fsync")
         if digest is not None:  # format 2: this rank's checksums beside its data object, never gathered
             self.storage.put(self.staging, sums_name(name), pack_sums(sums))

@@ -99,8 +99,9 @@ from typing import Any
 from ...keywords import STOCK_SAVE_KEYWORDS, check_keywords, keyword_names
 from .. import host_memory, snapshot
 from ..background import SaveHandle, start_in_background, wait_pending
+from ..codec_choice import choose_codec
 from ..coordination import Comm, check_target_path, gather_errors, stage_error
-from ..encoded_write import RAW, resolve_codec
+from ..encoded_write import RAW, default_threads
 from ..errors import CheckpointError, DirectoryMismatchError, InvalidStateDictError, SaveFailedError
 from ..first_save import exchange_assignment
 from ..gc_pause import gc_paused
@@ -225,6 +226,7 @@ class _Local:
     values: dict = field(default_factory=dict)
     descs: list = field(default_factory=list)
     algorithm: str | None = None
+    codec: str | None = None  # this rank's choice before the exchange; the coordinator's after it
     error: BaseException | None = None
     all_values: list = field(default_factory=list)  # every rank's values, by rank (filled by the exchange)
     all_paths: list = field(default_factory=list)  # every rank's target path, by rank (filled by the exchange)
@@ -259,7 +261,7 @@ def _save_locked(req: SaveRequest) -> SaveHandle | None:
     _check_names(local.all_paths, coordinator_rank)  # decided alike on every rank, from the exchange
     storage, channel, staging = _open(req, checkpoint_id, comm)
     my_keys = assignment.keys_of(comm.rank)
-    codec = resolve_codec(opts.codec, storage)  # alike on every rank: the options and the backend's kind
+    codec = local.codec  # the coordinator's choice (codec_choice.py), taken by every rank
     write_stock = req.write_stock_metadata and codec == RAW  # stock readers read raw safetensors files only
     snap, plan, arrays, keep, release = _sources(
         my_keys,
@@ -324,6 +326,7 @@ def _validate(req: SaveRequest, rank: int, previous_error: BaseException | None 
         local.records, local.values = collect(req.state_dict)
         local.descs = [r.desc().to_wire() for r in local.records]
         storage = req.backend()
+        local.codec = choose_codec(opts.codec, storage, path, opts.codec_threads or default_threads())
         if rank == req.coordinator_rank:
             remove_failed_stagings(storage, path)  # what earlier failed saves left (their space is needed now)
             if opts.storage is None and "://" not in path:
@@ -342,8 +345,8 @@ def _exchange_and_assign(comm: Comm, local: _Local, coordinator_rank: int, tr: T
     fail together), then the checked write assignment: remembered when every rank holds it for these digests and
     this coordinator, else from the coordinator (first_save.py; decided alike on every rank, from the first
     exchange). The coordinator holds every rank's writes, another rank its own. Returns ``(checkpoint_id,
-    algorithm, assignment, values)``: the coordinator's id and algorithm, the values of the lowest rank that has
-    each key."""
+    algorithm, assignment, values)``: the coordinator's id and algorithm (its codec: ``local.codec``), the values
+    of the lowest rank that has each key."""
     my_id = uuid.uuid4().hex
     ok = local.error is None
     gathered = gather_errors(
@@ -356,10 +359,12 @@ def _exchange_and_assign(comm: Comm, local: _Local, coordinator_rank: int, tr: T
             my_id,
             local.algorithm,
             path,
+            local.codec,
         ),
     )
     local.all_paths = [g[5] for g in gathered]
     checkpoint_id, algorithm = gathered[coordinator_rank][3], gathered[coordinator_rank][4]
+    local.codec = gathered[coordinator_rank][6]  # measured choices may differ by rank: one codec a save
     local.all_values = [g[2] for g in gathered]
     values = merged_values(local.all_values)
     name = assignment_name([g[0] for g in gathered], values, coordinator_rank)

@@ -1,0 +1,141 @@
+"""Codec ``auto`` by measured throughput (checkpoint/codec_choice.py): a save compresses when this process's
+encoder (its threads) outruns the write rate its earlier saves measured at the same storage root; before any
+measurement, local disks save raw and object stores compress; explicit codecs and the switch win. The storage
+rates are real (a real disk, a real S3 server, a disk whose writes really sleep); the encoder's rate is posed
+through ``set_encode_rate`` where a test needs a host slower or faster than this one."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import paddle
+import paddle.distributed.fsdp.checkpoint as ck
+import pytest
+from paddle.distributed.fsdp.checkpoint import codec_choice
+from paddle.distributed.fsdp.checkpoint.io.local import LocalStorage
+from paddle.distributed.fsdp.checkpoint.options import CheckpointOptions
+
+ZSTD = "byteplane-zstd"
+SLOW_BYTES_PER_S = 8e6  # the sleeping disk's ceiling: far below any encoder
+
+
+class SleepingDisk(LocalStorage):
+    """A local disk whose data writes take at least ``size / SLOW_BYTES_PER_S`` (a slow network file system)."""
+
+    def write_object(self, location, name, header, pieces, chunk_bytes, digest, **kw):
+        result = super().write_object(location, name, header, pieces, chunk_bytes, digest, **kw)
+        time.sleep(result[0] / SLOW_BYTES_PER_S)
+        return result
+
+
+@pytest.fixture(autouse=True)
+def fresh_measurements():
+    codec_choice.forget()
+    yield
+    codec_choice.forget()
+
+
+def _state() -> dict:
+    rng = np.random.default_rng(52)
+    w = (rng.standard_normal(300_000) * 0.02).astype(np.float32)  # 2.6 MB in all: above MIN_MEASURED_BYTES
+    return {
+        "w": paddle.to_tensor(w),
+        "bf": paddle.to_tensor(w[:100_000]).astype("bfloat16"),
+        "z": paddle.zeros([300_000]),  # compressible: the measured compressed saves clearly pay on a slow disk
+    }
+
+
+def _save(sd: dict, path: Path, opts: CheckpointOptions) -> str:
+    """The codec the save at ``path`` stored its data with (raw: none named), after a bit-exact load of it."""
+    ck.save_state_dict(sd, str(path), options=opts)
+    got = ck.load_full_state_dict(str(path), sorted(sd), options=opts)
+    for k, v in sd.items():
+        assert got[k].numpy().tobytes() == v.numpy().tobytes(), k
+    codecs = set(ck.read_metadata(str(path), options=opts).codecs.values())
+    assert len(codecs) <= 1, codecs
+    return codecs.pop() if codecs else "raw"
+
+
+def test_first_local_save_is_raw_then_a_slow_disk_is_compressed(tmp_path):
+    """No measurement yet: raw (today's behaviour); the sleeping disk's measured rate then makes auto compress."""
+    opts = CheckpointOptions(storage=SleepingDisk())
+    sd = _state()
+    assert _save(sd, tmp_path / "ck1", opts) == "raw"
+    root = codec_choice.storage_root(opts.storage, str(tmp_path / "ck1"))
+    assert codec_choice.storage_rate(root) <= SLOW_BYTES_PER_S
+    assert _save(sd, tmp_path / "ck2", opts) == ZSTD  # the model: encoder against the disk's rate
+    assert codec_choice.storage_rate(root) <= SLOW_BYTES_PER_S  # a compressed save measures the disk, not the encoder
+    assert _save(sd, tmp_path / "ck3", opts) == ZSTD  # measured both ways: the compressed saves were faster
+
+
+def test_choice_follows_the_encoder_against_a_real_disk(tmp_path):
+    """The same real disk: raw for a host whose encoder is slower than it, compressed for one far faster; the
+    measurements are per storage root (another directory starts from the prior again)."""
+    opts = CheckpointOptions()
+    sd = _state()
+    codec_choice.set_encode_rate(1e3)  # 1 KB/s a thread: slower than any disk
+    assert _save(sd, tmp_path / "a" / "ck1", opts) == "raw"
+    assert _save(sd, tmp_path / "a" / "ck2", opts) == "raw"
+    codec_choice.set_encode_rate(1e13)  # faster than any disk
+    assert _save(sd, tmp_path / "a" / "ck3", opts) == ZSTD
+    assert _save(sd, tmp_path / "b" / "ck1", opts) == "raw"  # a new root: no history, the local prior
+
+
+def test_measured_saves_both_ways_overrule_the_model(tmp_path):
+    """Saved both ways at a root: the measured whole-write throughputs decide, whatever the encoder model says
+    (a host whose encode threads got no core: the compressed saves were slower than their encoder promised)."""
+    root = codec_choice.storage_root(LocalStorage(), str(tmp_path / "ck"))
+    mb = 1 << 20
+    codec_choice.record_write(root, codec_choice.Write("raw", 100 * mb, 100 * mb, 1.0, 1.0))
+    codec_choice.set_encode_rate(1e13)  # the model: compress
+    assert codec_choice.choose_codec("auto", LocalStorage(), str(tmp_path / "ck"), 1) == ZSTD
+    codec_choice.record_write(root, codec_choice.Write(ZSTD, 100 * mb, 80 * mb, 0.8, 1.5))  # slower in all
+    assert codec_choice.choose_codec("auto", LocalStorage(), str(tmp_path / "ck"), 1) == "raw"
+    codec_choice.set_encode_rate(1e3)  # the model: raw
+    codec_choice.record_write(root, codec_choice.Write(ZSTD, 100 * mb, 80 * mb, 0.08, 0.1))  # faster, all in all
+    assert codec_choice.choose_codec("auto", LocalStorage(), str(tmp_path / "ck"), 1) == ZSTD
+
+
+def test_measured_saves_without_a_clear_winner_leave_the_model_its_answer(tmp_path):
+    """Measured saves within PAYS of each other (the noise of a shared host): the encoder model decides."""
+    path = str(tmp_path / "ck")
+    root = codec_choice.storage_root(LocalStorage(), path)
+    mb = 1 << 20
+    codec_choice.record_write(root, codec_choice.Write("raw", 100 * mb, 100 * mb, 1.0, 1.0))
+    codec_choice.record_write(root, codec_choice.Write(ZSTD, 100 * mb, 80 * mb, 0.8, 1.05))
+    codec_choice.set_encode_rate(1e13)
+    assert codec_choice.choose_codec("auto", LocalStorage(), path, 1) == ZSTD
+    codec_choice.set_encode_rate(1e3)
+    assert codec_choice.choose_codec("auto", LocalStorage(), path, 1) == "raw"
+
+
+def test_explicit_codec_and_the_switch_win(tmp_path, monkeypatch):
+    sd = _state()
+    slow = CheckpointOptions(storage=SleepingDisk())
+    _save(sd, tmp_path / "ck0", slow)  # measured: auto would now compress here
+    assert _save(sd, tmp_path / "ck1", CheckpointOptions(storage=slow.storage, codec="raw")) == "raw"
+    monkeypatch.setenv("PADDLE_FSDP_CKPT_CODEC", "raw")
+    env = CheckpointOptions.from_env()
+    assert _save(sd, tmp_path / "ck2", CheckpointOptions(storage=slow.storage, codec=env.codec)) == "raw"
+    codec_choice.set_encode_rate(1e3)  # auto would save raw on this host
+    assert _save(sd, tmp_path / "fast" / "ck0", CheckpointOptions(codec=ZSTD)) == ZSTD
+    monkeypatch.setenv("PADDLE_FSDP_CKPT_CODEC", ZSTD)
+    assert _save(sd, tmp_path / "fast" / "ck1", CheckpointOptions.from_env()) == ZSTD
+
+
+def test_s3_compresses_first_then_by_measurement(s3_server, s3_bucket):
+    """A real SeaweedFS: the first save to a bucket compresses (the object-store prior), the next ones follow the
+    upload rate the saves measured (posed against an encoder slower than any upload: raw)."""
+    from paddle.distributed.fsdp.checkpoint.s3.storage import S3Storage
+    from s3_fixtures import s3_options_for
+
+    storage = S3Storage(s3_options_for(s3_server.endpoint))
+    opts = CheckpointOptions(storage=storage)
+    sd = _state()
+    url = f"s3://{s3_bucket}"
+    codec_choice.set_encode_rate(1e3)
+    assert _save(sd, f"{url}/ck1", opts) == ZSTD
+    assert codec_choice.storage_rate(codec_choice.storage_root(storage, f"{url}/ck1")) is not None
+    assert _save(sd, f"{url}/ck2", opts) == "raw"
