@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..checkpoint import checksums, writer
+from ..checkpoint.codec_choice import choose_codec
 from ..checkpoint.directory import committed_steps, step_dir_name
-from ..checkpoint.encoded_write import RAW, resolve_codec, write_encoded
+from ..checkpoint.encoded_write import RAW, default_threads, write_encoded
 from ..checkpoint.format.metadata import LATEST_FILE, FileMeta, itemsize
 from ..checkpoint.format.reserved import QUANT_KEY
 from ..checkpoint.io.backends import backend_for
@@ -143,7 +144,9 @@ def _choose(job: str, found: list[tuple[str, dict]], step: int | None) -> tuple[
     )
 
 
-def _write(staging: str, copies: list, on_bytes, on_total, lineage: dict | None = None, storage=None) -> int:
+def _write(
+    staging: str, copies: list, on_bytes, on_total, lineage: dict | None = None, storage=None, durable_root: str = ""
+) -> int:
     """Write every rank's file from its copy into ``staging``, then metadata.json and COMMIT (the engine's
     one-process writer, one_process.py, so its index is the one every tool writes), leaving out and compressing
     what the tier's persist would (flush_bytes.py; ``storage``: the durable root's backend, which ``auto``
@@ -152,7 +155,8 @@ def _write(staging: str, copies: list, on_bytes, on_total, lineage: dict | None 
     digest = checksums.digest_function(out.checksum) if out.checksum != checksums.NONE else None
     first = copies[0]
     choices = flush_bytes.persist_choices(first[1], f"memory copy {first[0].path}")
-    codec = resolve_codec(choices["codec"], storage) if storage is not None else RAW
+    # (a flush runs in a fresh process after a crash: ``auto`` has no measurement here, so the backend's prior)
+    codec = choose_codec(choices["codec"], storage, durable_root, default_threads()) if storage is not None else RAW
     left_out = flush_bytes.derived_keys(copies, records_of) if choices["derive_weights"] else {}
     added, removed, quant = [{} for _c in copies], [set() for _c in copies], None
     if choices["quantize_moments"] is not None:
@@ -290,7 +294,7 @@ def _flush(durable_root, storage, job, world, st, copies, keep_last, on_bytes, o
         out = storage.child(durable_root, name)
         lineage = root_lineage(durable_root, storage).record()  # the job's run, as its persists recorded it
         with staged_output(out) as staging:
-            nbytes = _write(staging, copies, on_bytes, on_total, lineage, storage)
+            nbytes = _write(staging, copies, on_bytes, on_total, lineage, storage, durable_root)
         storage.put(durable_root, LATEST_FILE, f"{name}\n".encode())
         if keep_last is not None:
             prune(durable_root, keep_last, protect=(name,), storage=storage)
