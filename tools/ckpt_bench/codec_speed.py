@@ -1,4 +1,4 @@
-"""Chunk codecs (byte-plane zstd-1) against raw: encoder/decoder throughput by thread count, and save + cold load
+"""Chunk codecs (byte-plane zstd) against raw: encoder/decoder throughput by thread count, and save + cold load
 compressed vs raw against raw I/O on the local disk and against raw PUT/GET on a local S3 server, in one run.
 
 Rerun: ``python tools/ckpt_bench/codec_speed.py [--mib 256] [--repeats 3] [--baseline REV] [--json out.json]``.

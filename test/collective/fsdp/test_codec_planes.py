@@ -14,6 +14,7 @@ import pytest
 import zstandard
 from paddle.distributed.fsdp.checkpoint import decoded_read
 from paddle.distributed.fsdp.checkpoint.format import codecs, plane_zstd
+from paddle.distributed.fsdp.checkpoint.io.local import LocalStorage
 
 RAW_BIT = 1 << 31
 
@@ -168,6 +169,26 @@ def test_module_api_coder_writes_the_same_format(monkeypatch):
         assert [bool(v & RAW_BIT) for v in lens] == [True] * (arr.itemsize - 1) + [False]
 
 
+class _NoDescriptor:
+    """A local file's read handle without ``fileno``: read as an object store's object is (no POSIX fast path)."""
+
+    def __init__(self, inner):
+        self.inner, self.size = inner, inner.size
+
+    def read_into(self, offset, buf):
+        return self.inner.read_into(offset, buf)
+
+    def close(self):
+        self.inner.close()
+
+
+class _ObjectLikeStorage(LocalStorage):
+    """Local directories whose data files read like objects of a store (the readahead is for those)."""
+
+    def open_read(self, location, name):
+        return _NoDescriptor(super().open_read(location, name))
+
+
 def test_sequential_reads_of_a_stored_file_are_prefetched(tmp_path, monkeypatch):
     """A compressed checkpoint of pieces of varied sizes (a readahead shorter than the next read is completed, the
     unused end of a longer one starts the next), loaded with at most 2 open files: most reads find their first
@@ -177,7 +198,7 @@ def test_sequential_reads_of_a_stored_file_are_prefetched(tmp_path, monkeypatch)
     for i, n in enumerate([300, 5000, 70000, 200000, 9000, 150000, 400000, 1000]):
         state[f"p{i}.w"] = paddle.to_tensor((rng.standard_normal(n) * 0.02).astype(np.float32))
         state[f"p{i}.m"] = paddle.to_tensor((rng.standard_normal(n) * 1e-3).astype(np.float32))
-    opts = ck.CheckpointOptions(codec="byteplane-zstd", max_open_files=2)
+    opts = ck.CheckpointOptions(codec="byteplane-zstd", max_open_files=2, storage=_ObjectLikeStorage())
     ck.save_state_dict(state, str(tmp_path / "c"), chunk_bytes=16 << 10, options=opts)
     claims = {"asked": 0, "held": 0}
     claim = decoded_read.Readahead.claim
@@ -204,3 +225,6 @@ def test_sequential_reads_of_a_stored_file_are_prefetched(tmp_path, monkeypatch)
     data = sum(p.stat().st_size for p in (tmp_path / "c").iterdir() if p.name.endswith(".safetensors"))
     assert sum(fetched) <= data * 1.05, (sum(fetched), data)  # prefetched bytes are used, not fetched again
     assert claims["asked"] >= 8 and claims["held"] >= claims["asked"] - 3, claims  # (tiny reads come last)
+    claims.update(asked=0, held=0)  # a local disk (descriptors): the kernel reads ahead, the engine does not
+    ck.load_state_dict(targets, str(tmp_path / "c"), options=ck.CheckpointOptions(codec="byteplane-zstd"))
+    assert claims["asked"] >= 8 and claims["held"] == 0, claims

@@ -83,7 +83,9 @@ class Readahead:
     Started only on a read that began where (or up to SEQUENTIAL_GAP after) the previous read of the same file
     ended (a sequential reader), for at most twice the file's largest read so far (and one batch: a load's tensors
     differ in size, a bf16 weight beside its fp32 moments); used by a read that starts inside it. A random reader
-    fetches nothing extra, and memory stays at two batches."""
+    fetches nothing extra, and memory stays at two batches. Only for objects without a descriptor (object
+    stores, where a fetch waits on the network): on a local disk the kernel's readahead overlaps already, and a
+    cold 128 MiB load was ~15% slower with it (the copies of held ends; docs/reports/2026-12-07-codec-speed.md)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -185,7 +187,7 @@ def read_decoded(files, name: str, buf, offset: int) -> int:
             stored = memoryview(ahead.result() if ahead is not None else fetch(b))
             # the next batch is fetched while this one is decoded (an object store's latency hidden)
             ahead = _fetch_pool().submit(fetch, b + 1) if b + 1 < len(batches) else None
-            if ahead is None and sequential and s_end < t.stored_size:  # the next read's, during the last decode
+            if ahead is None and remote and sequential and s_end < t.stored_size:  # the next read's, during the decode
                 ra.begin(files, name, s_end, min(limit, 2 * ahead_bytes, t.stored_size - s_end), left)
             read += len(stored)
             _decode_batch(files, name, t, i, j, stored, out, offset, pool)
