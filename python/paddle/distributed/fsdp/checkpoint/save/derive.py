@@ -24,6 +24,7 @@ from ..errors import InvalidStateDictError, SaveFailedError
 from ..format import derived
 from ..host_memory import is_host_contiguous, raw_view
 from ..records import to_record
+from .derive_on_device import equals_cast_on_device
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ def _local_candidates(state_dict) -> tuple[dict[str, str], list[str]]:
         return {}, []  # (the save's own validation names it)
     equal, other = {}, []
     checks, keep = [], []  # (weight key, dtype), and what keeps each raw view's memory alive
+    on_device = []  # (weight key, dtype, weight, master) of tensors not in host memory
     for mkey, mval in state_dict.items():
         if not isinstance(mkey, str) or not mkey.endswith(derived.MASTER_SUFFIX):
             continue
@@ -48,17 +50,22 @@ def _local_candidates(state_dict) -> tuple[dict[str, str], list[str]]:
             other.append(wkey)
             continue
         if not (is_host_contiguous(w.tensor) and is_host_contiguous(m.tensor)):
-            wraw, _keep_w = raw_view(w.tensor)  # (device memory: a host copy, checked and dropped one at a time)
-            mraw, _keep_m = raw_view(m.tensor)
-            if derived.equals_cast(wraw.view("uint16"), mraw.view("float32"), w.dtype):
-                equal[wkey] = w.dtype
-            else:
-                other.append(wkey)
+            on_device.append((wkey, w.dtype, w.tensor, m.tensor))  # (checked where they are: no host copy)
             continue
         wraw, keep_w = raw_view(w.tensor)
         mraw, keep_m = raw_view(m.tensor)
         checks.append((wkey, w.dtype))
         keep.append((wraw.view("uint16"), mraw.view("float32"), w.dtype, keep_w, keep_m))
+    found = equals_cast_on_device([(w, m, dtype) for _k, dtype, w, m in on_device]) if on_device else []
+    for (wkey, dtype, wt, mt), ok in zip(on_device, found):
+        if ok is None:  # a NaN in the master: its NaN pattern is the host's (a host copy, rare)
+            wraw, _keep_w = raw_view(wt)
+            mraw, _keep_m = raw_view(mt)
+            ok = derived.equals_cast(wraw.view("uint16"), mraw.view("float32"), dtype)
+        if ok:
+            equal[wkey] = dtype
+        else:
+            other.append(wkey)
     for (wkey, dtype), ok in zip(checks, derived.equals_cast_many([k[:3] for k in keep])):
         if ok:
             equal[wkey] = dtype

@@ -65,14 +65,24 @@ def _f16_bits(a: paddle.Tensor, c: _Consts) -> paddle.Tensor:
 def _check_slice(w: paddle.Tensor, m: paddle.Tensor, dtype: str, c: _Consts) -> tuple[paddle.Tensor, paddle.Tensor]:
     """``(equal, has_nan)`` (0-d bool tensors on the device) of one slice: weight bits ``w`` (int16), master bits
     ``m`` (int32)."""
-    a = paddle.bitwise_and(m, c(0x7FFFFFFF))
-    has_nan = paddle.any(a > c(_INF32))
-    a = paddle.minimum(a, c(_INF32))  # (a NaN's bits are not rounded: no int32 overflow; decided by the host)
-    bits = _bf16_bits(a, c) if dtype == "bfloat16" else _f16_bits(a, c)
-    sign = paddle.bitwise_and(paddle.bitwise_right_shift(m, c(16)), c(0x8000))
-    want = paddle.bitwise_or(bits, sign)
+    has_nan = paddle.any(paddle.bitwise_and(m, c(0x7FFFFFFF)) > c(_INF32))
     have = paddle.bitwise_and(w.astype("int32"), c(0xFFFF))
-    return paddle.all(have == want), has_nan
+    return paddle.all(have == _cast_bits(m, dtype, c)), has_nan
+
+
+def _cast_bits(m: paddle.Tensor, dtype: str, c: _Consts) -> paddle.Tensor:
+    """Storage bits (int32, 0..0xFFFF) of float32 bits ``m`` (int32) cast to ``dtype``; a NaN's are not
+    defined here (rounded as inf, so no int32 overflow)."""
+    a = paddle.minimum(paddle.bitwise_and(m, c(0x7FFFFFFF)), c(_INF32))
+    bits = _bf16_bits(a, c) if dtype == "bfloat16" else _f16_bits(a, c)
+    return paddle.bitwise_or(bits, paddle.bitwise_and(paddle.bitwise_right_shift(m, c(16)), c(0x8000)))
+
+
+def cast_bits_on_device(master: paddle.Tensor, dtype: str) -> paddle.Tensor:
+    """The storage bits (int32 tensor on ``master``'s place) of float32 ``master`` cast to ``dtype``: what the
+    check compares against, exposed for tests (NaN elements: undefined)."""
+    m = _flat(master).view("int32")
+    return _cast_bits(m, dtype, _Consts(m)) if _numel(m) else m
 
 
 def equals_cast_on_device(pairs: list[tuple[paddle.Tensor, paddle.Tensor, str]]) -> list[bool | None]:
