@@ -163,12 +163,12 @@ def test_the_device_check_agrees_with_the_host_check(dtype, monkeypatch):
     """The whole zoo as one weight over many slices (equal), one element off in the first, a middle or the last
     slice, or only its sign (not equal); and per element, on a sample, each candidate weight as a weight of its
     own, all in one call: the device's answer is the host's."""
-    monkeypatch.setattr(on_device, "SLICE", 1 << 15)
+    monkeypatch.setattr(on_device, "SLICE", 1 << 16)
     x = _bf16_zoo() if dtype == "bfloat16" else _f16_zoo()
     x = x[~np.isnan(x)]
     w = derived.cast_bits(x, dtype)
     m = paddle.to_tensor(x)
-    assert x.size > 8 * on_device.SLICE
+    assert x.size > 5 * on_device.SLICE
     assert on_device.equals_cast_on_device([(_as_weight(w, dtype), m, dtype)]) == [True]
     pairs, want = [], []
     for i in (0, 1, on_device.SLICE - 1, on_device.SLICE, x.size // 2, x.size - 1):
@@ -179,14 +179,14 @@ def test_the_device_check_agrees_with_the_host_check(dtype, monkeypatch):
             want.append(derived.equals_cast(off, x, dtype))
     assert not any(want)  # (a flipped bit is never the cast: the host says "not equal")
     rng = np.random.default_rng(3)
-    for i in rng.choice(x.size, 300, replace=False):
+    for i in rng.choice(x.size, 150, replace=False):
         made = int(w[i])
         for cand in {made, made ^ 1, (made + 1) & 0xFFFF, (made - 1) & 0xFFFF, made ^ 0x8000}:
             cand_bits = np.array([cand], np.uint16)
             pairs.append((_as_weight(cand_bits, dtype), paddle.to_tensor(x[i : i + 1]), dtype))
             want.append(derived.equals_cast(cand_bits, x[i : i + 1], dtype))
     assert on_device.equals_cast_on_device(pairs) == want
-    assert want.count(True) >= 300 and want.count(False) >= 300
+    assert want.count(True) >= 150 and want.count(False) >= 150
 
 
 def test_the_device_check_leaves_nan_masters_to_the_host_and_sizes_must_match():
