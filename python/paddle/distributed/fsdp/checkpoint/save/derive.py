@@ -7,9 +7,13 @@ rank is raised on every rank). A weight ``<k>`` is derived when, on every rank, 
 are both sharded records of the same region, the master float32, the weight bfloat16/float16, and every element of
 the rank's shard of ``<k>`` equals its master's, cast round to nearest even (checked on the values at the call:
 an async save's later copy holds the same values, snapshot_guard.py). Anything else keeps the weight stored.
-Cost: one pass over the rank's weights and masters (6 bytes a parameter read), the blocks of all of them on one
-thread pool (format/derived.py: ``equals_cast_many``); ~2 ns a parameter of one core's time here, about what a
-copy of those 6 bytes costs (reports/2026-12-07-derive-speed.md).
+Cost: one pass over the rank's weights and masters (6 bytes a parameter read). Host tensors: the blocks of all of
+them on one thread pool (format/derived.py: ``equals_cast_many``); ~2 ns a parameter of one core's time here,
+about what a copy of those 6 bytes costs. Device tensors (GPU; fake-device mode in tests) are checked on their
+device in paddle integer ops, the same rounding bit for bit, slices of bounded size, one host sync for all of them
+(save/derive_on_device.py): no host copy of a weight or master, which used to cost a full D2H copy of the 6 bytes
+on the training loop's clock. Only a weight whose master holds a NaN is then copied and checked on the host (its
+NaN pattern is numpy's). Figures: reports/2026-12-07-derive-speed.md.
 """
 
 from __future__ import annotations
