@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import paddle
 
+from ..host_memory import numel_of
+
 SLICE = 1 << 22  # elements a slice: int32 temporaries of 16 MiB each
 
 _INF32 = 0x7F800000
@@ -82,54 +84,42 @@ def cast_bits_on_device(master: paddle.Tensor, dtype: str) -> paddle.Tensor:
     """The storage bits (int32 tensor on ``master``'s place) of float32 ``master`` cast to ``dtype``: what the
     check compares against, exposed for tests (NaN elements: undefined)."""
     m = _flat(master).view("int32")
-    return _cast_bits(m, dtype, _Consts(m)) if _numel(m) else m
+    return _cast_bits(m, dtype, _Consts(m)) if numel_of(m) else m
 
 
 def equals_cast_on_device(pairs: list[tuple[paddle.Tensor, paddle.Tensor, str]]) -> list[bool | None]:
-    """For each ``(weight, master, dtype)`` (paddle tensors on one device; weight ``dtype`` bfloat16/float16,
-    master float32): True when every element of the weight is the master's cast, False when one is not, None
-    when the master holds a NaN (check on the host). Element counts that differ: False. One host sync in all."""
-    flags: list[paddle.Tensor] = []
-    decided: list[bool | None] = []
+    """For each ``(weight, master, dtype)`` (paddle tensors, the pair on one place; weight ``dtype``
+    bfloat16/float16, master float32): True when every element of the weight is the master's cast, False when one
+    is not (or the element counts differ), None when the master holds a NaN (check on the host). One host sync a
+    place (normally one: the rank's device)."""
+    answers: list[bool | tuple[str, int]] = []  # decided here, or (place, index of its flags on that place)
+    flags: dict[str, list[paddle.Tensor]] = {}
     for weight, master, dtype in pairs:
         if dtype not in ("bfloat16", "float16"):
             raise ValueError(f"cannot derive a {dtype} weight on the device")
-        wn, mn = _numel(weight), _numel(master)
-        if wn != mn:
-            decided.append(False)
+        n = numel_of(master)
+        if numel_of(weight) != n or n == 0:
+            answers.append(n == 0 and numel_of(weight) == 0)  # (no elements: equal, as on the host)
             continue
-        decided.append(True)
-        w = _flat(weight).view("int16")
-        m = _flat(master).view("int32")
+        w, m = _flat(weight).view("int16"), _flat(master).view("int32")
+        consts = _Consts(m)
         equal, nan = [], []
-        consts = _Consts(m) if mn else None
-        for i in range(0, mn, SLICE):
-            e, n = _check_slice(w[i : i + SLICE], m[i : i + SLICE], dtype, consts)
+        for i in range(0, n, SLICE):
+            e, has_nan = _check_slice(w[i : i + SLICE], m[i : i + SLICE], dtype, consts)
             equal.append(e)
-            nan.append(n)
-        flags.append(paddle.stack([paddle.all(paddle.stack(equal)), paddle.any(paddle.stack(nan))]) if equal else None)
-    present = [f for f in flags if f is not None]
-    host = paddle.stack(present).numpy().tolist() if present else []  # the one sync
+            nan.append(has_nan)
+        on_place = flags.setdefault(str(m.place), [])
+        answers.append((str(m.place), len(on_place)))
+        on_place.append(paddle.stack([paddle.all(paddle.stack(equal)), paddle.any(paddle.stack(nan))]))
+    back = {place: paddle.stack(fs).numpy().tolist() for place, fs in flags.items()}  # the syncs
     out: list[bool | None] = []
-    it, flag_it = iter(host), iter(flags)
-    for d in decided:
-        if not d:
-            out.append(False)
-            continue
-        f = next(flag_it)
-        if f is None:  # (no elements: equal, as on the host)
-            out.append(True)
-            continue
-        equal, nan = next(it)
-        out.append(None if nan else bool(equal))
+    for a in answers:
+        if isinstance(a, bool):
+            out.append(a)
+        else:
+            equal, has_nan = back[a[0]][a[1]]
+            out.append(None if has_nan else bool(equal))
     return out
-
-
-def _numel(t: paddle.Tensor) -> int:
-    n = 1
-    for s in t.shape:
-        n *= s
-    return n
 
 
 def _flat(t: paddle.Tensor) -> paddle.Tensor:
