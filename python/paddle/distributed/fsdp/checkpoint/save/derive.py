@@ -23,6 +23,7 @@ import json
 import logging
 from dataclasses import replace
 
+from ...devices import device
 from ..coordination import gather_errors, stage_error
 from ..errors import InvalidStateDictError, SaveFailedError
 from ..format import derived
@@ -53,8 +54,15 @@ def _local_candidates(state_dict) -> tuple[dict[str, str], list[str]]:
         if m.dtype != derived.SOURCE_DTYPE or w.region != m.region or w.replicated != m.replicated:
             other.append(wkey)
             continue
-        if not (is_host_contiguous(w.tensor) and is_host_contiguous(m.tensor)):
+        if not (device.is_host(w.tensor) or device.is_host(m.tensor)) and str(w.tensor.place) == str(m.tensor.place):
             on_device.append((wkey, w.dtype, w.tensor, m.tensor))  # (checked where they are: no host copy)
+            continue
+        if not (is_host_contiguous(w.tensor) and is_host_contiguous(m.tensor)):
+            # (a non-contiguous host tensor, or one of the two on the device: copied, checked, dropped one at a time)
+            if _check_through_host_copies(w.tensor, m.tensor, w.dtype):
+                equal[wkey] = w.dtype
+            else:
+                other.append(wkey)
             continue
         wraw, keep_w = raw_view(w.tensor)
         mraw, keep_m = raw_view(m.tensor)
@@ -63,9 +71,7 @@ def _local_candidates(state_dict) -> tuple[dict[str, str], list[str]]:
     found = equals_cast_on_device([(w, m, dtype) for _k, dtype, w, m in on_device]) if on_device else []
     for (wkey, dtype, wt, mt), ok in zip(on_device, found):
         if ok is None:  # a NaN in the master: its NaN pattern is the host's (a host copy, rare)
-            wraw, _keep_w = raw_view(wt)
-            mraw, _keep_m = raw_view(mt)
-            ok = derived.equals_cast(wraw.view("uint16"), mraw.view("float32"), dtype)
+            ok = _check_through_host_copies(wt, mt, dtype)
         if ok:
             equal[wkey] = dtype
         else:
@@ -76,6 +82,12 @@ def _local_candidates(state_dict) -> tuple[dict[str, str], list[str]]:
         else:
             other.append(wkey)
     return equal, other
+
+
+def _check_through_host_copies(weight, master, dtype: str) -> bool:
+    wraw, _keep_w = raw_view(weight)
+    mraw, _keep_m = raw_view(master)
+    return derived.equals_cast(wraw.view("uint16"), mraw.view("float32"), dtype)
 
 
 def _digest(equal: dict[str, str]) -> str:
