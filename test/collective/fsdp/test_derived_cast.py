@@ -197,6 +197,7 @@ def test_the_device_check_leaves_nan_masters_to_the_host_and_sizes_must_match():
         (_as_weight(derived.cast_bits(m, "bfloat16"), "bfloat16"), paddle.to_tensor(m), "bfloat16"),
         (_as_weight(derived.cast_bits(m[:2], "bfloat16"), "bfloat16"), paddle.to_tensor(m), "bfloat16"),
         (_as_weight(np.zeros(0, np.uint16), "float16"), paddle.to_tensor(np.zeros(0, np.float32)), "float16"),
-        (_as_weight(np.array([0x8000, 0x0001], np.uint16), "float16"), paddle.to_tensor(m[[2, 2]]), "float16"),
+        (_as_weight(np.array([0x8000, 0x8000], np.uint16), "float16"), paddle.to_tensor(m[[2, 2]]), "float16"),
+        (_as_weight(np.array([0x8000, 0x0000], np.uint16), "float16"), paddle.to_tensor(m[[2, 2]]), "float16"),
     ]
-    assert on_device.equals_cast_on_device(pairs) == [None, False, True, False]
+    assert on_device.equals_cast_on_device(pairs) == [None, False, True, True, False]
