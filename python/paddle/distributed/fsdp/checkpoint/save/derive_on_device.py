@@ -4,7 +4,7 @@ master cast round to nearest even (format/derived.py), in paddle integer ops whe
 Why: the host check (``equals_cast_many``) needs host bytes, and a device weight and master were copied to the host
 for it (6 bytes a parameter over PCIe), on the save's critical path. Here the master's bits (``view("int32")``)
 are rounded in int32 arithmetic on the device and compared with the weight's bits (``view("int16")``); only one
-pair of booleans per weight comes back, all of them in one host sync. Temporaries: a few int32 tensors of at most
+pair of booleans per weight comes back, all of them in one host sync (a place). Temporaries: a few int32 tensors of at most
 ``SLICE`` elements (tensors are checked a slice at a time).
 
 Semantics are the host check's bit for bit on every non-NaN master: bfloat16 ``(a + 0x7FFF + lsb) >> 16`` of the
@@ -101,16 +101,18 @@ def equals_cast_on_device(pairs: list[tuple[paddle.Tensor, paddle.Tensor, str]])
         if numel_of(weight) != n or n == 0:
             answers.append(n == 0 and numel_of(weight) == 0)  # (no elements: equal, as on the host)
             continue
-        w, m = _flat(weight).view("int16"), _flat(master).view("int32")
-        consts = _Consts(m)
-        equal, nan = [], []
-        for i in range(0, n, SLICE):
-            e, has_nan = _check_slice(w[i : i + SLICE], m[i : i + SLICE], dtype, consts)
-            equal.append(e)
-            nan.append(has_nan)
+        with paddle.no_grad():  # (parameters: no autograd graph of the check)
+            w, m = _flat(weight).view("int16"), _flat(master).view("int32")
+            consts = _Consts(m)
+            equal, nan = [], []
+            for i in range(0, n, SLICE):
+                e, has_nan = _check_slice(w[i : i + SLICE], m[i : i + SLICE], dtype, consts)
+                equal.append(e)
+                nan.append(has_nan)
+            flag = paddle.stack([paddle.all(paddle.stack(equal)), paddle.any(paddle.stack(nan))])
         on_place = flags.setdefault(str(m.place), [])
         answers.append((str(m.place), len(on_place)))
-        on_place.append(paddle.stack([paddle.all(paddle.stack(equal)), paddle.any(paddle.stack(nan))]))
+        on_place.append(flag)
     back = {place: paddle.stack(fs).numpy().tolist() for place, fs in flags.items()}  # the syncs
     out: list[bool | None] = []
     for a in answers:
