@@ -14,6 +14,7 @@ import numpy as np
 import paddle
 import pytest
 from paddle.distributed.fsdp.checkpoint.format import derived
+from paddle.distributed.fsdp.checkpoint.save import derive_on_device as on_device
 
 BF16_LOWS = [
     0,
@@ -137,3 +138,66 @@ def test_a_ranks_many_weights_are_checked_together_each_on_its_own():
     want.append(False)
     assert derived.equals_cast_many(pairs) == want
     assert derived.equals_cast_many(pairs[:2]) == want[:2]  # (fewer than 4 blocks: on the calling thread)
+
+
+# The device-side check (save/derive_on_device.py): paddle int32 ops where the tensors live, run here on CPU paddle
+# tensors (the code path a GPU takes; the host check is the reference it must match bit for bit).
+
+
+@pytest.mark.parametrize("dtype, zoo", [("bfloat16", "bfloat16"), ("float16", "float16"), ("float16", "bfloat16")])
+def test_the_device_cast_bits_are_the_host_checks_on_every_zoo_value(dtype, zoo):
+    """Bit for bit per element; float16 also over the bfloat16 zoo (every float32 exponent: the overflow band above
+    65520, the float32 subnormals far below float16's)."""
+    x = _bf16_zoo() if zoo == "bfloat16" else _f16_zoo()
+    x = x[~np.isnan(x)]  # (a NaN master is left to the host: see the NaN test below)
+    got = on_device.cast_bits_on_device(paddle.to_tensor(x), dtype).numpy()
+    want = derived.cast_bits(x, dtype)
+    bad = np.nonzero(got != want)[0]
+    assert not bad.size, [(hex(x[i : i + 1].view(np.uint32)[0]), hex(got[i]), hex(want[i])) for i in bad[:5]]
+
+
+def _as_weight(bits: np.ndarray, dtype: str) -> paddle.Tensor:
+    return paddle.to_tensor(bits.astype(np.uint16).view(np.int16)).view(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_device_check_agrees_with_the_host_check(dtype, monkeypatch):
+    """The whole zoo as one weight over many slices (equal), one element off in the first, a middle or the last
+    slice, or only its sign (not equal); and per element, on a sample, each candidate weight as a weight of its
+    own, all in one call: the device's answer is the host's."""
+    monkeypatch.setattr(on_device, "SLICE", 1 << 16)
+    x = _bf16_zoo() if dtype == "bfloat16" else _f16_zoo()
+    x = x[~np.isnan(x)]
+    w = derived.cast_bits(x, dtype)
+    m = paddle.to_tensor(x)
+    assert x.size > 5 * on_device.SLICE
+    assert on_device.equals_cast_on_device([(_as_weight(w, dtype), m, dtype)]) == [True]
+    pairs, want = [], []
+    for i in (0, 1, on_device.SLICE - 1, on_device.SLICE, x.size // 2, x.size - 1):
+        for flip in (1, 0x8000):
+            off = w.copy()
+            off[i] ^= flip
+            pairs.append((_as_weight(off, dtype), m, dtype))
+            want.append(derived.equals_cast(off, x, dtype))
+    assert not any(want)  # (a flipped bit is never the cast: the host says "not equal")
+    rng = np.random.default_rng(3)
+    for i in rng.choice(x.size, 150, replace=False):
+        made = int(w[i])
+        for cand in {made, made ^ 1, (made + 1) & 0xFFFF, (made - 1) & 0xFFFF, made ^ 0x8000}:
+            cand_bits = np.array([cand], np.uint16)
+            pairs.append((_as_weight(cand_bits, dtype), paddle.to_tensor(x[i : i + 1]), dtype))
+            want.append(derived.equals_cast(cand_bits, x[i : i + 1], dtype))
+    assert on_device.equals_cast_on_device(pairs) == want
+    assert want.count(True) >= 150 and want.count(False) >= 150
+
+
+def test_the_device_check_leaves_nan_masters_to_the_host_and_sizes_must_match():
+    m = np.array([1.0, np.nan, -0.0], np.float32)
+    pairs = [
+        (_as_weight(derived.cast_bits(m, "bfloat16"), "bfloat16"), paddle.to_tensor(m), "bfloat16"),
+        (_as_weight(derived.cast_bits(m[:2], "bfloat16"), "bfloat16"), paddle.to_tensor(m), "bfloat16"),
+        (_as_weight(np.zeros(0, np.uint16), "float16"), paddle.to_tensor(np.zeros(0, np.float32)), "float16"),
+        (_as_weight(np.array([0x8000, 0x8000], np.uint16), "float16"), paddle.to_tensor(m[[2, 2]]), "float16"),
+        (_as_weight(np.array([0x8000, 0x0000], np.uint16), "float16"), paddle.to_tensor(m[[2, 2]]), "float16"),
+    ]
+    assert on_device.equals_cast_on_device(pairs) == [None, False, True, True, False]

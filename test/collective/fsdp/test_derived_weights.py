@@ -446,3 +446,45 @@ def test_a_resume_of_device_tensors_casts_the_masters_by_windows(big_saved, monk
     _assert_loaded(got, state)
     assert sorted(report.loaded_keys) == ["w", "w.master_weight"]
     assert max(sizes, default=0) <= budget, f"a host buffer of {max(sizes)} bytes for a budget of {budget}"
+
+
+def test_a_save_of_device_weights_checks_them_on_the_device(saved, tmp_path, monkeypatch):
+    """Device weights (fake-device mode) are checked where they are (save/derive_on_device.py): the check copies
+    no weight or master to the host (``raw_view``, its one way to host bytes, is not called for them), and the
+    save derives the same weights as a save of host tensors. A weight whose master holds a NaN is the one left to
+    the host check: derived when it is the load's NaN cast, stored when it is paddle's."""
+    from paddle.distributed.fsdp.checkpoint.save import derive
+    from paddle.distributed.fsdp.devices import device
+
+    root, state = saved
+    copied: list[int] = []
+    real_raw_view = derive.raw_view
+
+    def recording_raw_view(t, *args, **kwargs):
+        copied.append(int(np.prod(t.shape)))
+        return real_raw_view(t, *args, **kwargs)
+
+    monkeypatch.setattr(derive, "raw_view", recording_raw_view)
+    nan_master = np.array([1.0, np.nan, -np.nan, 3.0, 0.0], np.float32)
+    with_nan = dict(state)
+    for key, weight in (("nan.ours", derived.cast_bits(nan_master, "bfloat16")), ("nan.paddle", None)):
+        n = nan_master.size
+        w = paddle.to_tensor(weight) if weight is not None else paddle.to_tensor(nan_master).astype("bfloat16")
+        with_nan[key] = ShardedWeight(key, w, (n,), (n,), (0,), True, slice(0, n))
+        mkey = key + ".master_weight"
+        with_nan[mkey] = ShardedWeight(mkey, paddle.to_tensor(nan_master), (n,), (n,), (0,), True, slice(0, n))
+    before = device.options()
+    device.set_options(device.DeviceOptions(fake_device=True, emulate_gpu_collectives=True))
+    try:
+        ck.save_state_dict(state, str(tmp_path / "device"))
+        assert copied == []
+        ck.save_state_dict(with_nan, str(tmp_path / "nan"))
+    finally:
+        device.set_options(before)
+    assert sorted(_md(tmp_path / "device")["derived"]) == sorted(_md(root / "derived")["derived"])
+    assert sorted(_md(tmp_path / "device")["derived"]) == sorted(k for k in SHAPES if k != NOT_CAST)
+    assert sorted(copied) == [5] * 4  # (the two NaN weights and their masters, nothing else)
+    assert sorted(_md(tmp_path / "nan")["derived"]) == sorted([*(k for k in SHAPES if k != NOT_CAST), "nan.ours"])
+    got = _zeros_like(with_nan, ["nan.ours", "nan.paddle"])
+    ck.load_state_dict(got, str(tmp_path / "nan"))
+    _assert_loaded(got, with_nan)

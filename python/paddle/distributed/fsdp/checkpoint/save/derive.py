@@ -7,9 +7,13 @@ rank is raised on every rank). A weight ``<k>`` is derived when, on every rank, 
 are both sharded records of the same region, the master float32, the weight bfloat16/float16, and every element of
 the rank's shard of ``<k>`` equals its master's, cast round to nearest even (checked on the values at the call:
 an async save's later copy holds the same values, snapshot_guard.py). Anything else keeps the weight stored.
-Cost: one pass over the rank's weights and masters (6 bytes a parameter read), the blocks of all of them on one
-thread pool (format/derived.py: ``equals_cast_many``); ~2 ns a parameter of one core's time here, about what a
-copy of those 6 bytes costs (reports/2026-12-07-derive-speed.md).
+Cost: one pass over the rank's weights and masters (6 bytes a parameter read). Host tensors: the blocks of all of
+them on one thread pool (format/derived.py: ``equals_cast_many``); ~2 ns a parameter of one core's time here,
+about what a copy of those 6 bytes costs. Device tensors (GPU; fake-device mode in tests) are checked on their
+device in paddle integer ops, the same rounding bit for bit, slices of bounded size, one host sync for all of them
+(save/derive_on_device.py): no host copy of a weight or master, which used to cost a full D2H copy of the 6 bytes
+on the training loop's clock. Only a weight whose master holds a NaN is then copied and checked on the host (its
+NaN pattern is numpy's). Figures: reports/2026-12-07-derive-speed.md.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import json
 import logging
 from dataclasses import replace
 
+from ...devices import device
 from ..coordination import gather_errors, stage_error
 from ..errors import InvalidStateDictError, SaveFailedError
 from ..format import derived
 from ..host_memory import is_host_contiguous, raw_view
 from ..records import to_record
+from .derive_on_device import equals_cast_on_device
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +41,7 @@ def _local_candidates(state_dict) -> tuple[dict[str, str], list[str]]:
         return {}, []  # (the save's own validation names it)
     equal, other = {}, []
     checks, keep = [], []  # (weight key, dtype), and what keeps each raw view's memory alive
+    on_device = []  # (weight key, dtype, weight, master) of tensors not in host memory
     for mkey, mval in state_dict.items():
         if not isinstance(mkey, str) or not mkey.endswith(derived.MASTER_SUFFIX):
             continue
@@ -47,10 +54,12 @@ def _local_candidates(state_dict) -> tuple[dict[str, str], list[str]]:
         if m.dtype != derived.SOURCE_DTYPE or w.region != m.region or w.replicated != m.replicated:
             other.append(wkey)
             continue
+        if not (device.is_host(w.tensor) or device.is_host(m.tensor)) and str(w.tensor.place) == str(m.tensor.place):
+            on_device.append((wkey, w.dtype, w.tensor, m.tensor))  # (checked where they are: no host copy)
+            continue
         if not (is_host_contiguous(w.tensor) and is_host_contiguous(m.tensor)):
-            wraw, _keep_w = raw_view(w.tensor)  # (device memory: a host copy, checked and dropped one at a time)
-            mraw, _keep_m = raw_view(m.tensor)
-            if derived.equals_cast(wraw.view("uint16"), mraw.view("float32"), w.dtype):
+            # (a non-contiguous host tensor, or one of the two on the device: copied, checked, dropped one at a time)
+            if _check_through_host_copies(w.tensor, m.tensor, w.dtype):
                 equal[wkey] = w.dtype
             else:
                 other.append(wkey)
@@ -59,12 +68,26 @@ def _local_candidates(state_dict) -> tuple[dict[str, str], list[str]]:
         mraw, keep_m = raw_view(m.tensor)
         checks.append((wkey, w.dtype))
         keep.append((wraw.view("uint16"), mraw.view("float32"), w.dtype, keep_w, keep_m))
+    found = equals_cast_on_device([(w, m, dtype) for _k, dtype, w, m in on_device]) if on_device else []
+    for (wkey, dtype, wt, mt), ok in zip(on_device, found):
+        if ok is None:  # a NaN in the master: its NaN pattern is the host's (a host copy, rare)
+            ok = _check_through_host_copies(wt, mt, dtype)
+        if ok:
+            equal[wkey] = dtype
+        else:
+            other.append(wkey)
     for (wkey, dtype), ok in zip(checks, derived.equals_cast_many([k[:3] for k in keep])):
         if ok:
             equal[wkey] = dtype
         else:
             other.append(wkey)
     return equal, other
+
+
+def _check_through_host_copies(weight, master, dtype: str) -> bool:
+    wraw, _keep_w = raw_view(weight)
+    mraw, _keep_m = raw_view(master)
+    return derived.equals_cast(wraw.view("uint16"), mraw.view("float32"), dtype)
 
 
 def _digest(equal: dict[str, str]) -> str:
