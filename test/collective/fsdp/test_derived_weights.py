@@ -386,6 +386,22 @@ def big_saved(tmp_path_factory):
     return path, state
 
 
+def _record_host_buffers(monkeypatch) -> list[int]:
+    """The bytes of every host buffer the engine allocates from now on (``device.host_empty``), in order."""
+    from paddle.distributed.fsdp.devices import device
+
+    sizes: list[int] = []
+    real_host_empty = device.host_empty
+
+    def recording_host_empty(shape, dtype, pinned=True):
+        t = real_host_empty(shape, dtype, pinned)
+        sizes.append(int(np.prod(shape)) * t.element_size())
+        return t
+
+    monkeypatch.setattr(device, "host_empty", recording_host_empty)
+    return sizes
+
+
 @pytest.mark.parametrize("on_device", [False, True])
 def test_a_model_only_load_derives_within_the_host_budget(big_saved, monkeypatch, on_device):
     """A derived weight loaded without its master (model-only) under ``max_host_bytes``: its master is read and
@@ -396,20 +412,12 @@ def test_a_model_only_load_derives_within_the_host_budget(big_saved, monkeypatch
 
     path, state = big_saved
     budget = 2 << 20
-    sizes: list[int] = []
-    real_host_empty = device.host_empty
-
-    def recording_host_empty(shape, dtype, pinned=True):
-        t = real_host_empty(shape, dtype, pinned)
-        sizes.append(int(np.prod(shape)) * t.element_size())
-        return t
-
     before = device.options()
     if on_device:
         device.set_options(device.DeviceOptions(fake_device=True, emulate_gpu_collectives=True))
     try:
         got = _zeros_like(state, ["w"])
-        monkeypatch.setattr(device, "host_empty", recording_host_empty)
+        sizes = _record_host_buffers(monkeypatch)
         report = ck.load_state_dict(got, str(path), max_host_bytes=budget)
     finally:
         device.set_options(before)
@@ -427,19 +435,11 @@ def test_a_resume_of_device_tensors_casts_the_masters_by_windows(big_saved, monk
 
     path, state = big_saved
     budget = 2 << 20
-    sizes: list[int] = []
-    real_host_empty = device.host_empty
-
-    def recording_host_empty(shape, dtype, pinned=True):
-        t = real_host_empty(shape, dtype, pinned)
-        sizes.append(int(np.prod(shape)) * t.element_size())
-        return t
-
     before = device.options()
     device.set_options(device.DeviceOptions(fake_device=True, emulate_gpu_collectives=True))
     try:
         got = _zeros_like(state)
-        monkeypatch.setattr(device, "host_empty", recording_host_empty)
+        sizes = _record_host_buffers(monkeypatch)
         report = ck.load_state_dict(got, str(path), max_host_bytes=budget)
     finally:
         device.set_options(before)
