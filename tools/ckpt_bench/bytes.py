@@ -84,6 +84,13 @@ def parse_args(argv=None):
     p.add_argument("--io", action="store_true", help="also time save / cold load against raw I/O (local and S3)")
     p.add_argument("--io-mib", type=int, default=256, help="MiB of state of the --io phases (default 256)")
     p.add_argument("--no-s3", action="store_true", help="--io without the S3 phase (no SeaweedFS here)")
+    p.add_argument(
+        "--s3-mbps",
+        type=int,
+        default=None,
+        help="emulate a link of N mbit/s per direction to the S3 server: tc htb on lo for the bench's own S3 port "
+        "only (needs root and tc; removed on exit)",
+    )
     return p.parse_args(argv)
 
 
@@ -233,8 +240,10 @@ def run_io(args) -> dict:
         LOG.info("--io: local disk")
         out["local"] = codec_speed.local_phase(state, pstate, Path(work), args.repeats, IO_CODECS)
         if not args.no_s3:
-            LOG.info("--io: S3 (SeaweedFS on 127.0.0.1)")
-            out["s3"] = codec_speed.s3_phase(state, pstate, Path(work), args.repeats, IO_CODECS)
+            link = f", link shaped to {args.s3_mbps} mbit/s per direction (tc)" if args.s3_mbps else ""
+            LOG.info("--io: S3 (SeaweedFS on 127.0.0.1%s)", link)
+            out["s3_mbit"] = args.s3_mbps
+            out["s3"] = codec_speed.s3_phase(state, pstate, Path(work), args.repeats, IO_CODECS, link_mbit=args.s3_mbps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out

@@ -392,7 +392,10 @@ def local_variant(res: dict, codec: str, opts, pstate: dict, work: Path, repeats
         assert targets[k].numpy().tobytes() == v.numpy().tobytes(), k
 
 
-def s3_phase(state: dict, pstate: dict, work: Path, repeats: int, variants=CODEC_VARIANTS, baseline=None) -> dict:
+def s3_phase(
+    state: dict, pstate: dict, work: Path, repeats: int, variants=CODEC_VARIANTS, baseline=None, link_mbit=None
+) -> dict:
+    """``link_mbit``: cap the S3 port on loopback at that many mbit per direction (tc, ckpt_bench.link_shaper)."""
     import paddle
     import paddle.distributed.fsdp.checkpoint as ck
     import s3_server
@@ -403,49 +406,57 @@ def s3_phase(state: dict, pstate: dict, work: Path, repeats: int, variants=CODEC
     from ckpt_bench.common import drop_cache, files_under
 
     server = s3_server.start_weed(work / "weed", credentials=(KEY_ID, SECRET))
+    link = contextlib.nullcontext()
+    if link_mbit:
+        from ckpt_bench.link_shaper import shaped
+
+        link = shaped(int(server.endpoint.rsplit(":", 1)[1].rstrip("/")), link_mbit)
     try:
-        sopts = S3Options(
-            endpoint_url=server.endpoint, region="us-east-1", access_key_id=KEY_ID, secret_access_key=SECRET
-        )
-        client = make_client(sopts)
-        client.create_bucket(Bucket="bench")
-        storage = S3Storage(sopts)
-        payload = b"".join(memoryview(a).cast("B") for a in state.values())
-        res = {"bytes": len(payload)}
-        from boto3.s3.transfer import TransferConfig
+        with link:
+            sopts = S3Options(
+                endpoint_url=server.endpoint, region="us-east-1", access_key_id=KEY_ID, secret_access_key=SECRET
+            )
+            client = make_client(sopts)
+            client.create_bucket(Bucket="bench")
+            storage = S3Storage(sopts)
+            payload = b"".join(memoryview(a).cast("B") for a in state.values())
+            res = {"bytes": len(payload)}
+            from boto3.s3.transfer import TransferConfig
 
-        cfg = TransferConfig(
-            multipart_chunksize=sopts.part_size, multipart_threshold=sopts.part_size, max_concurrency=sopts.concurrency
-        )
-        import io
+            cfg = TransferConfig(
+                multipart_chunksize=sopts.part_size,
+                multipart_threshold=sopts.part_size,
+                max_concurrency=sopts.concurrency,
+            )
+            import io
 
-        res["raw_put"], res["rss_raw_put"], res["raw_put_spread"] = timed_rss(
-            lambda: client.upload_fileobj(io.BytesIO(payload), "bench", "raw", Config=cfg), repeats
-        )
-        cold = lambda: drop_cache(files_under(str(work / "weed")))  # noqa: E731 - the server's files
-        res["raw_get"], res["rss_raw_get"], res["raw_get_spread"] = timed_rss(
-            lambda: client.download_fileobj("bench", "raw", io.BytesIO(), Config=cfg), repeats, before=cold
-        )
-        for variant in variants:
-            with engine_of(variant, baseline) as codec:
-                opts = ck.CheckpointOptions(codec=codec, storage=storage)
-                url = f"s3://bench/ck-{variant.replace('@', '-')}"
-                res[f"save_{variant}"], res[f"save_rss_{variant}"], res[f"save_{variant}_spread"] = timed_rss(
-                    lambda: ck.save_state_dict(pstate, url, options=opts), repeats
-                )
-                res[f"stored_{variant}"] = stored_codec(url, opts)
-                if variant == "auto":
-                    res["auto_rates"] = auto_rates(storage, url)
-                h = storage.open_read(url, "0_0.safetensors")
-                res[f"bytes_{variant}"] = h.size
-                h.close()
-                targets = {k: paddle.zeros_like(v) for k, v in pstate.items()}
-                res[f"load_{variant}"], res[f"load_rss_{variant}"], res[f"load_{variant}_spread"] = timed_rss(
-                    lambda: ck.load_state_dict(targets, url, options=opts), repeats, before=cold
-                )
-                for k, v in pstate.items():
-                    assert targets[k].numpy().tobytes() == v.numpy().tobytes(), k
-        return res
+            res["raw_put"], res["rss_raw_put"], res["raw_put_spread"] = timed_rss(
+                lambda: client.upload_fileobj(io.BytesIO(payload), "bench", "raw", Config=cfg), repeats
+            )
+            cold = lambda: drop_cache(files_under(str(work / "weed")))  # noqa: E731 - the server's files
+            res["raw_get"], res["rss_raw_get"], res["raw_get_spread"] = timed_rss(
+                lambda: client.download_fileobj("bench", "raw", io.BytesIO(), Config=cfg), repeats, before=cold
+            )
+            for variant in variants:
+                with engine_of(variant, baseline) as codec:
+                    opts = ck.CheckpointOptions(codec=codec, storage=storage)
+                    url = f"s3://bench/ck-{variant.replace('@', '-')}"
+                    res[f"save_{variant}"], res[f"save_rss_{variant}"], res[f"save_{variant}_spread"] = timed_rss(
+                        lambda: ck.save_state_dict(pstate, url, options=opts), repeats
+                    )
+                    res[f"stored_{variant}"] = stored_codec(url, opts)
+                    if variant == "auto":
+                        res["auto_rates"] = auto_rates(storage, url)
+                    h = storage.open_read(url, "0_0.safetensors")
+                    res[f"bytes_{variant}"] = h.size
+                    h.close()
+                    targets = {k: paddle.zeros_like(v) for k, v in pstate.items()}
+                    res[f"load_{variant}"], res[f"load_rss_{variant}"], res[f"load_{variant}_spread"] = timed_rss(
+                        lambda: ck.load_state_dict(targets, url, options=opts), repeats, before=cold
+                    )
+                    for k, v in pstate.items():
+                        assert targets[k].numpy().tobytes() == v.numpy().tobytes(), k
+            return res
     finally:
         server.stop()
 
