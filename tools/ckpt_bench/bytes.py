@@ -339,6 +339,13 @@ def main(argv=None) -> int:
     unknown = set(args.modes.split(",")) - set(MODES)
     if unknown:
         raise SystemExit(f"unknown mode(s) {sorted(unknown)}; known: {', '.join(MODES)}")
+    if args.s3_mbps:
+        from ckpt_bench.link_shaper import ShapingUnavailable, require
+
+        try:
+            require()
+        except ShapingUnavailable as e:
+            raise SystemExit(f"ShapingUnavailable: {e}") from None
     results = run(args)
     io = run_io(args) if args.io else None
     print(table(results))

@@ -74,14 +74,20 @@ def _remove(tc: str) -> None:
         LOG.info("tc: removed the bench's qdisc %s: on %s", HANDLE, DEVICE)
 
 
-@contextlib.contextmanager
-def shaped(port: int, mbit: int):
-    """Cap ``port`` on loopback at ``mbit`` per direction for the ``with`` body; always removed afterwards."""
+def require() -> str:
+    """The tc binary, or ShapingUnavailable naming what is missing (checked before any phase runs)."""
     tc = tc_binary()
     if not tc:
         raise ShapingUnavailable("--s3-mbps needs the tc binary (iproute2): not found on PATH nor at /usr/sbin/tc")
     if os.geteuid() != 0:
         raise ShapingUnavailable("--s3-mbps needs root (tc qdisc add on lo); run the bench as root or drop it")
+    return tc
+
+
+@contextlib.contextmanager
+def shaped(port: int, mbit: int):
+    """Cap ``port`` on loopback at ``mbit`` per direction for the ``with`` body; always removed afterwards."""
+    tc = require()
     _remove(tc)  # a leftover of an earlier bench run
     other = _root_qdisc(tc)
     if other and not other.startswith("qdisc noqueue"):
