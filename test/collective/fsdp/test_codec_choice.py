@@ -31,10 +31,23 @@ class SleepingDisk(LocalStorage):
 
 
 @pytest.fixture(autouse=True)
-def fresh_measurements():
+def fresh_measurements(monkeypatch):
+    """No figures from earlier tests; writes of 1 MiB and more count as measurements here (the product's
+    ``MIN_MEASURED_BYTES`` is 64 MiB: these tests' disks are really slowed, so small saves measure their rate)."""
     codec_choice.forget()
+    monkeypatch.setattr(codec_choice, "MIN_MEASURED_BYTES", 1 << 20)
     yield
     codec_choice.forget()
+
+
+def test_small_writes_are_not_measurements(monkeypatch):
+    """A data file under the product's MIN_MEASURED_BYTES (64 MiB) does not count: its time is fixed costs."""
+    monkeypatch.undo()
+    root = ("local", "/r")
+    codec_choice.record_write(root, codec_choice.Write("raw", 8 << 20, 8 << 20, 1.0, 1.0))
+    assert codec_choice.storage_rate(root) is None
+    codec_choice.record_write(root, codec_choice.Write("raw", 64 << 20, 64 << 20, 1.0, 1.0))
+    assert codec_choice.storage_rate(root) == 64 << 20
 
 
 def _state() -> dict:
