@@ -204,11 +204,12 @@ class MeteredStorage:
     def __getattr__(self, name):
         return getattr(self._storage, name)
 
-    def write_object(self, location, name, header, pieces, chunk_bytes, digest, **kw):
+    def write_object(self, location, name, header, pieces, chunk_bytes, digest, *, should_stop=None):
+        """Storage.write_object's signature exactly (no catch-all: an unknown keyword is the caller's error)."""
         producing = [0.0]
         t0 = time.perf_counter()
         result = self._storage.write_object(
-            location, name, header, _Timed(pieces, producing), chunk_bytes, digest, **kw
+            location, name, header, _Timed(pieces, producing), chunk_bytes, digest, should_stop=should_stop
         )
         wall = time.perf_counter() - t0
         self.wall += wall
