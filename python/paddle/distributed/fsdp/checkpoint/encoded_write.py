@@ -10,7 +10,6 @@ unchanged) and builds the chunk table, which goes beside the file as ``<file>.ch
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,7 @@ import numpy as np
 
 from .checksums import DigestFn
 from .codec_choice import AUTO, CHOICES
+from .cores import helper_threads
 from .format.codecs import BYTEPLANE_ZSTD, RAW, TABLE_ROW, WIDTHS, codec_named, table_name
 from .format.metadata import itemsize
 from .io.storage import Storage
@@ -27,8 +27,8 @@ BATCH_BYTES = 8 << 20  # stored bytes handed to the backend per write call
 
 
 def default_threads() -> int:
-    """Encode threads when not chosen: every core but one for the training process's own work (at least 1)."""
-    return max(1, (os.cpu_count() or 1) - 1)
+    """Encode threads when not chosen: this rank's share of the node's cores but one (cores.py)."""
+    return helper_threads()
 
 
 def _encode_chunk(encode, chunk: memoryview, width: int, digest: DigestFn | None):

@@ -21,7 +21,7 @@
 * ``codec``: ``PADDLE_FSDP_CKPT_CODEC`` (``auto``, ``raw``, ``byteplane-zstd``); default "auto" (compressed
   where this process's encoder outran the storage's measured write rate by 1.2x; before a first measurement at
   a storage root: compressed on object stores, raw on local disks: codec_choice.py)
-* ``codec_threads``: ``PADDLE_FSDP_CKPT_CODEC_THREADS``; default 0 (one per core but one)
+* ``codec_threads``: ``PADDLE_FSDP_CKPT_CODEC_THREADS``; default 0 (this rank's share of the node's cores but one: cores.py)
 * ``trace_hook``, ``storage``: no variable; default None
 
 Spellings (env_switches.py, the one parser of every switch): booleans take 1/0, true/false, yes/no, on/off in
@@ -106,7 +106,7 @@ class CheckpointOptions:
             storage root by ``codec_choice.MARGIN`` (1.2x); at a root not yet measured, compressed on object
             stores and raw on a local disk (codec_choice.py). Loads read any.
         codec_threads: threads that encode a save's chunks, and that quantize (dequantize at load) its moments with
-            ``quantize_moments`` (quant_threads.py); 0: one per core but one.
+            ``quantize_moments`` (quant_threads.py); 0: the rank's share of the node's cores but one (cores.py).
     """
 
     checksum: str | None = None

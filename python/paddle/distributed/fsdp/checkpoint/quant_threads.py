@@ -8,7 +8,7 @@ Why ranges and not whole tensors: numpy releases the GIL inside large operations
 and the temporaries (magnitudes, the padded block rows, int16 codes) are a range's, not a tensor's: a thread
 holds about ``RANGE_ELEMS * 4 * 6`` bytes of them at once, whatever the moment's size.
 
-Threads: ``CheckpointOptions.codec_threads`` (0: encoded_write.default_threads(), every core but one), the
+Threads: ``CheckpointOptions.codec_threads`` (0: encoded_write.default_threads(), the rank's share of the cores but one), the
 same knob as the chunk encoder's, since both are the save's CPU work on checkpoint bytes and never run at once
 (a save waits for the previous one's background part). One thread runs the ranges inline, with no pool.
 """

@@ -13,13 +13,13 @@ MetadataError naming the entry, before anything is allocated.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..cores import core_share
 from ..errors import MetadataError
 
 FIELD = "derived"
@@ -128,7 +128,9 @@ def equals_cast_many(pairs: list[tuple[np.ndarray, np.ndarray, str]]) -> list[bo
 
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1), thread_name_prefix="derive-check")
+    """Sized by this rank's share of the node's cores (cores.py), not the node's: eight ranks of a GPU node each
+    with a pool of every core would contend for them."""
+    return ThreadPoolExecutor(max_workers=min(16, core_share()), thread_name_prefix="derive-check")
 
 
 def parse_field(raw, tensors, values, where: str) -> dict[str, Derived]:
