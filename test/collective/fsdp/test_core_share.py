@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from paddle.distributed.fsdp.checkpoint import cores, encoded_write, quant_threads
 from paddle.distributed.fsdp.checkpoint.format import derived
 
@@ -53,11 +52,7 @@ def test_helper_threads_follow_the_ranks_share_of_the_node(node, n_cores, ranks,
 
 def test_the_derived_check_pool_is_the_ranks_share(node):
     node(64, "8")
-    derived._pool.cache_clear()
-    try:
-        assert derived._pool()._max_workers == 8
-    finally:
-        derived._pool.cache_clear()
+    assert derived._pool()._max_workers == 8
 
 
 def test_without_an_affinity_call_every_core_counts(node, monkeypatch):

@@ -92,21 +92,36 @@ def test_a_non_finite_value_in_any_range_is_named(small_ranges):
             pending.result()
 
 
-def test_a_forked_child_quantizes_on_pools_of_its_own(small_ranges):
-    """The parent's pool exists at the fork; the child's threads do not: the child makes a pool of its own
-    instead of queueing work that no thread would run (it would wait forever; the parent waits up to 120 s)."""
+def test_a_forked_child_runs_on_pools_of_its_own(small_ranges):
+    """The parent's pools exist at the fork; the child's threads do not: the child makes pools of its own
+    instead of queueing work that no thread would run (it would wait forever; the parent waits up to 120 s).
+    Every shared pool of the engine (thread_pools.py): quantize, the derived weights' check, checksum, decode."""
     import os
     import signal
     import time
 
+    from paddle.distributed.fsdp.checkpoint import chunks, decoded_read
+    from paddle.distributed.fsdp.checkpoint.format import derived
+
     x = np.arange(1000, dtype=np.float32)
     scheme = SCHEMES["int8-absmax"]
-    want = quant_threads.block_maxima_async(x, 0, BLOCK, scheme, 2).result()  # the parent's pool of 2 exists
+
+    def work() -> tuple:
+        return (
+            quant_threads.block_maxima_async(x, 0, BLOCK, scheme, 2).result(),
+            derived._pool().submit(sum, (1, 2)).result(),
+            chunks._checksum_pool(2).submit(sum, (3, 4)).result(),
+            decoded_read._decode_pool(2).submit(sum, (5, 6)).result(),
+            decoded_read._fetch_pool().submit(sum, (7, 8)).result(),
+        )
+
+    want = work()  # the parent's pools exist
     pid = os.fork()
-    if pid == 0:  # the child: exit status 0 when it computed the same maxima
+    if pid == 0:  # the child: exit status 0 when it computed the same results
         try:
-            got = quant_threads.block_maxima_async(x, 0, BLOCK, scheme, 2).result()
-            os._exit(0 if np.array_equal(got, want) else 3)
+            got = work()
+            same = np.array_equal(got[0], want[0]) and got[1:] == want[1:]
+            os._exit(0 if same else 3)
         finally:
             os._exit(4)
     deadline = time.monotonic() + 120

@@ -5,29 +5,16 @@ chunks the same way, whatever storage the bytes came from."""
 
 from __future__ import annotations
 
-import threading
-
 from . import checksums
 from .errors import CorruptCheckpointError
 from .format.metadata import PieceMeta
 from .reader import DEFAULT_CHECKSUM_THREADS, FileSet
-
-_pools: dict[int, object] = {}
-_pool_lock = threading.Lock()
+from .thread_pools import shared_pool
 
 
 def _checksum_pool(threads: int):
-    """Shared thread pool (one per size) that verifies the chunks of one slab while the next one is read
-    (None: inline)."""
-    if threads <= 0:
-        return None
-    with _pool_lock:
-        pool = _pools.get(threads)
-        if pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = _pools[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-checksum")
-        return pool
+    """Shared thread pool that verifies the chunks of one slab while the next one is read (None: inline)."""
+    return shared_pool("checksum", threads) if threads > 0 else None
 
 
 def verify_chunks(files: FileSet, key: str, piece: PieceMeta, buf, pos: int, chunk_bytes: int) -> None:

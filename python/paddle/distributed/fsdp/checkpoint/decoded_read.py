@@ -18,38 +18,23 @@ import numpy as np
 
 from .errors import CorruptCheckpointError
 from .format.codecs import decode_chunk
+from .thread_pools import shared_pool
 
 STORED_BATCH = 16 << 20  # stored bytes fetched per read call (then decoded chunk by chunk)
 REMOTE_STORED_BATCH = 64 << 20  # the same from an object store: the backend splits it into parallel requests
 SEQUENTIAL_GAP = 1 << 20  # a read that starts at most this far after the last one ended is sequential (a load
+
+
 # reads its tiny pieces last, so its large ones skip over them)
-_pools: dict[int, object] = {}
-_pool_lock = threading.Lock()
-
-
 def _fetch_pool():
     """One thread that fetches the next stored batch of a read while the current one is decoded."""
-    with _pool_lock:
-        pool = _pools.get(-1)
-        if pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = _pools[-1] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fetch")
-        return pool
+    return shared_pool("fetch", 1)
 
 
 def _decode_pool(threads: int):
     """Shared decode pool of ``threads`` workers (None: decode on the reading thread). Not the checksum pool: a
     read may run while that pool's threads wait on it."""
-    if threads <= 0:
-        return None
-    with _pool_lock:
-        pool = _pools.get(threads)
-        if pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = _pools[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-decode")
-        return pool
+    return shared_pool("decode", threads) if threads > 0 else None
 
 
 def _stored(files, name: str, offset: int, n: int, handle=None) -> np.ndarray:

@@ -22,11 +22,10 @@ PROCESS_STATE = (
     ),
     ("snapshot", "sync_pool", "pinned host staging of sync saves' device batches (a small pool)", "kept"),
     ("snapshot_guard", "_inflight / _installed", "snapshots being copied; the in-place write guard", "checked"),
-    ("chunks", "_pools", "checksum thread pools, one per size", "kept"),
     (
-        "quant_threads",
+        "thread_pools",
         "_pools",
-        "lossy moments' quantize/dequantize thread pools, one per size",
+        "helper thread pools (checksum, decode, fetch, quantize, derived check), one per purpose and size",
         "kept; a forked child's: dropped",
     ),
     ("gc_pause", "_depth", "pauses of Python's cyclic GC in progress", "must be 0"),

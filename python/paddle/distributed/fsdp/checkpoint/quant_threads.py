@@ -15,8 +15,6 @@ same knob as the chunk encoder's, since both are the save's CPU work on checkpoi
 
 from __future__ import annotations
 
-import os
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -32,22 +30,9 @@ from .format.quant import (
     pack,
     read_spans,
 )
+from .thread_pools import shared_pool
 
 RANGE_ELEMS = 1 << 18  # elements a task works on (1 MiB of fp32): large enough that numpy drops the GIL
-
-_pools: dict[int, ThreadPoolExecutor] = {}
-_pool_lock = threading.Lock()
-
-
-def _forget_pools_in_child() -> None:
-    """A forked child has the pools' objects but not their threads (work queued there would wait forever): it
-    makes its own on first use."""
-    global _pool_lock
-    _pools.clear()
-    _pool_lock = threading.Lock()  # (held by another thread of the parent at the fork, it would stay held here)
-
-
-os.register_at_fork(after_in_child=_forget_pools_in_child)
 
 
 def thread_count(codec_threads: int) -> int:
@@ -59,13 +44,7 @@ def thread_count(codec_threads: int) -> int:
 
 def _pool(threads: int) -> ThreadPoolExecutor | None:
     """The shared pool of ``threads`` threads (one per size, kept for the process); None for one thread."""
-    if threads <= 1:
-        return None
-    with _pool_lock:
-        pool = _pools.get(threads)
-        if pool is None:
-            pool = _pools[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-quant")
-        return pool
+    return shared_pool("quant", threads) if threads > 1 else None
 
 
 def ranges(lo: int, hi: int, block: int, elems: int | None = None) -> list[tuple[int, int]]:

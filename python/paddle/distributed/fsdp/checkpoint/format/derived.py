@@ -12,7 +12,6 @@ MetadataError naming the entry, before anything is allocated.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import numpy as np
 
 from ..cores import core_share
 from ..errors import MetadataError
+from ..thread_pools import shared_pool
 
 FIELD = "derived"
 MASTER_SUFFIX = ".master_weight"  # the optimizer's fp32 copy of a parameter (state/optimizer_states.py)
@@ -126,11 +126,10 @@ def equals_cast_many(pairs: list[tuple[np.ndarray, np.ndarray, str]]) -> list[bo
     return equal
 
 
-@functools.cache
 def _pool() -> ThreadPoolExecutor:
     """Sized by this rank's share of the node's cores (cores.py), not the node's: eight ranks of a GPU node each
     with a pool of every core would contend for them."""
-    return ThreadPoolExecutor(max_workers=min(16, core_share()), thread_name_prefix="derive-check")
+    return shared_pool("derive-check", min(16, core_share()))
 
 
 def parse_field(raw, tensors, values, where: str) -> dict[str, Derived]:
