@@ -122,7 +122,10 @@ def _ready(endpoint: str) -> bool:
 
 
 def start_weed(
-    data_dir: Path, credentials: tuple[str, str] | None = None, timeout: float = START_TIMEOUT_S
+    data_dir: Path,
+    credentials: tuple[str, str] | None = None,
+    timeout: float = START_TIMEOUT_S,
+    port_retries: int = 3,
 ) -> WeedServer:
     """Start ``weed mini`` on 127.0.0.1 with free ports and wait until its S3 endpoint answers.
 
@@ -171,7 +174,11 @@ def start_weed(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"weed mini exited {proc.returncode} at start:\n{server.log_tail()}")
+            tail = server.log_tail()
+            if "Port allocation failed" in tail and port_retries > 0:
+                # a free port taken by another process between free_ports() and weed's bind: new ports
+                return start_weed(data_dir, credentials, timeout, port_retries - 1)
+            raise RuntimeError(f"weed mini exited {proc.returncode} at start:\n{tail}")
         if _ready(server.endpoint):
             return server
         time.sleep(0.1)
