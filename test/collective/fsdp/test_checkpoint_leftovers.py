@@ -25,6 +25,7 @@ import numpy as np
 import paddle
 import paddle.distributed.fsdp.checkpoint as ck
 import pytest
+from paddle.distributed.fsdp.checkpoint import root_runs
 from paddle.distributed.fsdp.checkpoint.io.local import LOCAL
 from paddle.distributed.fsdp.checkpoint.lineage import Lineage, examine
 from paddle.distributed.fsdp.checkpoint.selection import pick_newest, rotation_victims, survey
@@ -122,15 +123,20 @@ def test_lineage_is_recorded_and_carried_through_latest(tmp_path):
     first = _commit(mgr.path_for(1))["lineage"]
     assert first["parent"] is None and len(first["run"]) >= 16 and abs(first["time"] - time.time()) < 600
     mgr.save(2, _state(2.0))
-    ck.CheckpointManager(root).save(3, _state(3.0))  # another manager (a restarted job) continues the root's chain
+    ck.CheckpointManager(root).save(3, _state(3.0))  # another manager of this process continues its run
     runs = {_commit(mgr.path_for(s))["lineage"]["run"] for s in (1, 2, 3)}
     assert runs == {first["run"]}
-    # a plain save (no run known) writes no lineage; a root whose `latest` is gone starts a new run
+    # a plain save (no run known) writes no lineage
     ck.save_state_dict(_state(9.0), str(tmp_path / "plain"))
     assert "lineage" not in _commit(tmp_path / "plain")
-    (root / "latest").unlink()
+    # a new process that resumes from the root continues the run of what it loaded; one that does not starts its own
+    root_runs.forget()
+    ck.CheckpointManager(root).load_latest(_state(0.0))
     mgr.save(4, _state(4.0))
-    assert _commit(mgr.path_for(4))["lineage"]["run"] != first["run"]
+    assert _commit(mgr.path_for(4))["lineage"]["run"] == first["run"]
+    root_runs.forget()
+    mgr.save(5, _state(5.0))
+    assert _commit(mgr.path_for(5))["lineage"]["run"] != first["run"]
 
 
 # ------------------------------------------------------------------------------------------------ the manager
@@ -147,12 +153,14 @@ def test_manager_with_leftovers_of_every_kind_seeded(tmp_path, caplog):
         keep = rng.randint(1, 3)
         mgr = ck.CheckpointManager(root, keep_last=keep)
         leftovers = {}
+        named = ""  # what rotation's warnings said so far: each leftover once, not at every save
         steps = sorted(rng.sample(range(1, 200), 5))
         for i, step in enumerate(steps):
             with caplog.at_level(logging.WARNING):
                 caplog.clear()
                 mgr.save(step, _state(float(step)))
-            _join_background_deletes()
+                _join_background_deletes()
+                named += caplog.text
             if i == 0:  # leftovers arrive once the run has its chain
                 for _ in range(rng.randint(2, 4)):
                     kind = rng.choice(["foreign", "torn", "unrecorded"])
@@ -172,8 +180,7 @@ def test_manager_with_leftovers_of_every_kind_seeded(tmp_path, caplog):
             assert set(leftovers) <= names, (seed, leftovers, names)
             assert {n for n in names if n in mine} == set(mine[-keep:]), (seed, keep, names)
             assert mgr.latest() == mgr.path_for(step)
-            if leftovers:
-                assert any(n in caplog.text for n in leftovers), (seed, caplog.text)
+            assert all(n in named for n in leftovers), (seed, leftovers, named)
             (root / "latest").unlink()
             with caplog.at_level(logging.WARNING):
                 caplog.clear()
@@ -215,7 +222,9 @@ def test_checkpoints_without_lineage_record(tmp_path):
     assert mgr.latest() == mgr.path_for(3)  # only unrecorded ones: the highest step
     (root / "latest").write_text(STEP(3) + "\n")
     parent = ck.read_metadata(str(root / STEP(3))).checkpoint_id
+    root_runs.forget()  # a new job, which resumes from the root
     mgr = ck.CheckpointManager(root, keep_last=2)
+    mgr.load_latest(_state(0.0))
     for step in (4, 5, 6):
         mgr.save(step, _state(float(step)))
         _join_background_deletes()
@@ -336,7 +345,9 @@ def test_a_restart_on_a_node_whose_clock_is_behind_keeps_the_runs_order(tmp_path
     for step in (1, 2):
         ck.CheckpointManager(root, keep_last=2).save(step, _state(float(step)))
     monkeypatch.setattr(lineage_module, "time", _ClockBehind(behind))
-    mgr = ck.CheckpointManager(root, keep_last=2)  # the restarted job, on the other node
+    root_runs.forget()  # the restarted job (a new process), on the other node, resumes from the root
+    mgr = ck.CheckpointManager(root, keep_last=2)
+    mgr.load_latest(_state(0.0))
     for step in (3, 4, 5):
         mgr.save(step, _state(float(step)))
         _join_background_deletes()

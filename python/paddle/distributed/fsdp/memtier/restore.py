@@ -30,6 +30,7 @@ import time
 
 from ..checkpoint.errors import CheckpointError, rebuild_remote_error
 from ..checkpoint.format.reserved import EXTRA_KEY
+from ..checkpoint import root_runs
 from ..checkpoint.io.backends import backend_for
 from ..checkpoint.manager import committed_steps, step_dir_name
 from . import agreement, wire
@@ -197,6 +198,9 @@ class Restore:
             self._log_stale(decision.step)
             result = self.from_memory(state, decision, _round)
             if result is not None:
+                # the copies continue the run their persists recorded (what `latest` names): this process's saves
+                # into the durable root rotate that run's checkpoints (a restore from storage registers by its load)
+                root_runs.adopt_latest(tier.durable_root)
                 self.discard_newer(decision.step)
                 return result
         raise MemoryTierError("memory tier: restore did not converge")  # pragma: no cover - bounded above
