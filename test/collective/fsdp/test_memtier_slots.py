@@ -347,6 +347,30 @@ def test_a_step_saved_twice_restores_the_later_copy(tmp_path):
         tier3.close()
 
 
+def test_a_step_saved_twice_flushes_the_later_copy(tmp_path):
+    """flush-memory (memtier/flush.py) of a step saved twice: it took the first own copy it listed (slot 0, the
+    FIRST save), as the restore did before; it now takes the later written of one rank's own copies."""
+    from memtier_util import small_fsdp, state_bytes, train_step
+    from paddle.distributed.fsdp.memtier import MemoryTier
+    from paddle.distributed.fsdp.memtier.flush import flush_memory
+
+    root, mem = str(tmp_path / "durable"), str(tmp_path / "mem")
+    model, fsdp, opt = small_fsdp(1)
+    tier = MemoryTier(fsdp, opt, durable_root=root, memory_root=mem, persist_every=100, job_id="j")
+    tier.restore()
+    for n in range(2):  # step 5 twice: slot 0 holds the first save, slot 1 the second (newer state)
+        train_step(model, opt)
+        tier.save(5, extra_state={"n": n})
+        tier.wait()
+    last = state_bytes(fsdp, opt)
+    tier.close(remove=False)
+    flushed = flush_memory([mem], root)
+    assert flushed.step == 5 and flushed.sources[0].endswith("rank00000.own1"), flushed
+    _m, fsdp2, opt2 = small_fsdp(9)
+    got = fsdp2.load_checkpoint(flushed.path, optimizer=opt2)
+    assert dict(got) == {"n": 1} and state_bytes(fsdp2, opt2) == last
+
+
 def test_a_lower_step_after_a_higher_one_is_refused(tmp_path):
     """Red-team attack (#50 trust round 4): step 10 then step 5 (a rollback within the job) left step 10's copy
     valid in the other slot and a restart resumed from it (one slot had overwritten it with step 5). A lower step
