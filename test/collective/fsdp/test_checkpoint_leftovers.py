@@ -209,6 +209,83 @@ def test_fresh_root_with_a_leftover_starts_its_own_run(tmp_path):
     assert mgr.latest() == mgr.path_for(30)  # committed last; the higher step of the leftover is passed over
 
 
+def _earlier_job(root: Path, steps=(1000, 2000)) -> str:
+    """An earlier job's checkpoints in ``root`` with its ``latest``; then this process is a new one (root_runs)."""
+    for step in steps:
+        ck.CheckpointManager(root).save(step, _state(float(step)))
+    root_runs.forget()
+    return _commit(root / STEP(steps[-1]))["lineage"]["run"]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_fresh_run_in_an_earlier_runs_root_deletes_none_of_its_checkpoints(tmp_path, caplog, async_save):
+    """Red-team round 4, finding 5: a new job in a root an earlier job left with its ``latest`` (1000, 2000), which
+    never loads from it, saves 10 and 20 with keep_last=1. It adopted the earlier run through ``latest`` and
+    deleted 1000 and 2000. Now it starts its own run: only its own 10 is rotated, the earlier two are left and
+    named once, and ``latest`` (what a resume picks) names the new run's newest."""
+    root = tmp_path / "run"
+    earlier = _earlier_job(root)
+    mgr = ck.CheckpointManager(root, keep_last=1)
+    with caplog.at_level(logging.WARNING):
+        for step in (10, 20, 30):
+            handle = mgr.save(step, _state(float(step)), async_save=async_save)
+            if handle is not None:
+                handle.wait()
+            _join_background_deletes()
+    assert sorted(os.listdir(root)) == ["latest", STEP(30), STEP(1000), STEP(2000)]
+    assert _commit(mgr.path_for(30))["lineage"]["run"] != earlier
+    assert mgr.latest() == mgr.path_for(30) and ck.resolve_checkpoint(str(root)) == mgr.path_for(30)
+    for step in (1000, 2000):
+        assert caplog.text.count(str(root / STEP(step))) == 1, caplog.text
+        assert _value(str(root / STEP(step))) == float(step)
+
+
+def test_a_fresh_run_through_save_checkpoint_leaves_an_earlier_runs_checkpoints(tmp_path):
+    """The same through FullyShardFusion.save_checkpoint(root, step=, keep_last=) (a new CheckpointManager each
+    call): a job that never loaded from the root rotates only its own; one that resumed (load_checkpoint of the
+    root) rotates the run it resumed, including what that run saved before."""
+    from memtier_util import small_fsdp, train_step
+
+    root = tmp_path / "run"
+    model, fsdp, opt = small_fsdp(1)
+    train_step(model, opt)
+    for step in (1, 2):
+        fsdp.save_checkpoint(str(root), optimizer=opt, step=step)
+    root_runs.forget()  # a new job that starts over
+    for step in (3, 4):
+        fsdp.save_checkpoint(str(root), optimizer=opt, step=step, keep_last=1)
+        _join_background_deletes()
+    assert sorted(os.listdir(root)) == ["latest", STEP(1), STEP(2), STEP(4)]
+    root_runs.forget()  # a new job that resumes: what latest names (4), then rotates that run
+    _m, fsdp2, opt2 = small_fsdp(2)
+    assert fsdp2.load_checkpoint(str(root), optimizer=opt2).path == str(root / STEP(4))
+    fsdp2.save_checkpoint(str(root), optimizer=opt2, step=5, keep_last=1)
+    _join_background_deletes()
+    assert sorted(os.listdir(root)) == ["latest", STEP(1), STEP(2), STEP(5)]
+
+
+@pytest.mark.parametrize("door", ["load_latest", "resolve_checkpoint", "an older step"])
+def test_a_restarted_job_that_resumes_still_rotates_what_it_saved_before(tmp_path, door):
+    """A crashed job relaunched that resumes from its root (CheckpointManager.load_latest; resolve_checkpoint then
+    load_state_dict; or an older checkpoint of its run by path) continues its run: keep_last=2 rotates away the
+    checkpoints it saved before the crash, as before the fix."""
+    root = tmp_path / "run"
+    earlier = _earlier_job(root, (1, 2, 3))
+    mgr = ck.CheckpointManager(root, keep_last=2)
+    target = _state(0.0)
+    if door == "load_latest":
+        mgr.load_latest(target)
+    elif door == "resolve_checkpoint":
+        ck.load_state_dict(target, ck.resolve_checkpoint(str(root)))
+    else:
+        ck.load_state_dict(target, str(root / STEP(2)))
+    for step in (4, 5):
+        mgr.save(step, _state(float(step)))
+        _join_background_deletes()
+    assert mgr.steps() == [4, 5]
+    assert {_commit(mgr.path_for(s))["lineage"]["run"] for s in (4, 5)} == {earlier}
+
+
 def test_checkpoints_without_lineage_record(tmp_path):
     """Written before lineages were recorded: usable; a run continuing one owns it (its parent), older ones are
     left (never removed by a run that did not write them)."""
