@@ -198,9 +198,6 @@ class Restore:
             self._log_stale(decision.step)
             result = self.from_memory(state, decision, _round)
             if result is not None:
-                # the copies continue the run their persists recorded (what `latest` names): this process's saves
-                # into the durable root rotate that run's checkpoints (a restore from storage registers by its load)
-                root_runs.adopt_latest(tier.durable_root)
                 self.discard_newer(decision.step)
                 return result
         raise MemoryTierError("memory tier: restore did not converge")  # pragma: no cover - bounded above
@@ -355,6 +352,9 @@ class Restore:
         timings = self.timings()
         logger.info("memory tier: rank %d restored step %d from %s (%s)", self.rank, decision.step, kind,
                     ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timings.items()))  # fmt: skip
+        # the copies continue the run their persists recorded (what `latest` names): this process's saves into the
+        # durable root, this persist first, rotate that run's checkpoints (a restore from storage: by its load)
+        root_runs.adopt_latest(self.tier.durable_root)
         persisted = False
         if self.tier.persist_on_restore and decision.step not in self.storage_steps:
             self.tier.persist(decision.step, extra, async_save=False)
