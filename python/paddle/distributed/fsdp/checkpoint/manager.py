@@ -211,8 +211,8 @@ class CheckpointManager:
         door (``save`` above, or ``save_checkpoint``), so an unknown one is reported once, naming that door.
         ``caller_error``: what the calling door's own stage raised on this rank; it, or what resolving the root
         raises here on this rank, is reported by the save's exchange (every rank raises it).
-        ``lineage``: the run the checkpoint belongs to (None: the run of the checkpoint ``latest`` names, asked
-        by the coordinator at its commit; a new run when there is none)."""
+        ``lineage``: the run the checkpoint belongs to (None: the run this process resumed from the root, else
+        its own run there, root_runs.py; asked by the coordinator at its commit)."""
         name = step_dir_name(step)
         path, publisher, failed = f"{self.root.rstrip('/')}/{name}", None, caller_error
         try:  # what fails here on one rank (a storage layer, the root's file system) goes to the save's exchange
@@ -232,9 +232,13 @@ class CheckpointManager:
             self.coordinator_rank,
             publisher,
             caller_error=failed,
-            lineage=lineage.record if lineage is not None else lambda: root_runs.lineage_for(self.root, storage).record(),
+            lineage=lineage.record if lineage is not None else lambda: self._run(storage).record(),
             **checked,
         )
+
+    def _run(self, storage: Storage) -> Lineage:
+        """The run this process's saves into the root belong to (root_runs.py), asked by the coordinator."""
+        return root_runs.lineage_for(self.root, storage)
 
     def latest(self) -> str | None:
         """Path of the checkpoint to resume from (what ``latest`` names, when complete), or None."""

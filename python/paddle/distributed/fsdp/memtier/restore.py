@@ -28,9 +28,9 @@ import socket
 import threading
 import time
 
+from ..checkpoint import root_runs
 from ..checkpoint.errors import CheckpointError, rebuild_remote_error
 from ..checkpoint.format.reserved import EXTRA_KEY
-from ..checkpoint import root_runs
 from ..checkpoint.io.backends import backend_for
 from ..checkpoint.manager import committed_steps, step_dir_name
 from . import agreement, wire
