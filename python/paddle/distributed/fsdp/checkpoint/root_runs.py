@@ -112,8 +112,10 @@ def _continuing(root: str, resumed: _Resumed, storage: Storage) -> Lineage:
     try:
         if location is None:
             name = read_latest(root, storage)
-            location = storage.child(root, name) if name is not None else None
-        found = commit_lineage(location, storage) if location is not None else None
+            if name is None:  # nothing persisted yet (a memory tier restored before its first persist): a new run
+                return Lineage.fresh()
+            location = storage.child(root, name)
+        found = commit_lineage(location, storage)
         if found is not None:
             return Lineage.continuing(found)
         logger.warning("%s: the checkpoint this process resumed from (%s) has no readable commit record; its saves "
