@@ -25,6 +25,7 @@ import numpy as np
 import paddle
 import paddle.distributed.fsdp.checkpoint as ck
 import pytest
+from paddle.distributed.fsdp.checkpoint import root_runs
 from paddle.distributed.fsdp.checkpoint.io.local import LOCAL
 from paddle.distributed.fsdp.checkpoint.lineage import Lineage, examine
 from paddle.distributed.fsdp.checkpoint.selection import pick_newest, rotation_victims, survey
@@ -122,15 +123,20 @@ def test_lineage_is_recorded_and_carried_through_latest(tmp_path):
     first = _commit(mgr.path_for(1))["lineage"]
     assert first["parent"] is None and len(first["run"]) >= 16 and abs(first["time"] - time.time()) < 600
     mgr.save(2, _state(2.0))
-    ck.CheckpointManager(root).save(3, _state(3.0))  # another manager (a restarted job) continues the root's chain
+    ck.CheckpointManager(root).save(3, _state(3.0))  # another manager of this process continues its run
     runs = {_commit(mgr.path_for(s))["lineage"]["run"] for s in (1, 2, 3)}
     assert runs == {first["run"]}
-    # a plain save (no run known) writes no lineage; a root whose `latest` is gone starts a new run
+    # a plain save (no run known) writes no lineage
     ck.save_state_dict(_state(9.0), str(tmp_path / "plain"))
     assert "lineage" not in _commit(tmp_path / "plain")
-    (root / "latest").unlink()
+    # a new process that resumes from the root continues the run of what it loaded; one that does not starts its own
+    root_runs.forget()
+    ck.CheckpointManager(root).load_latest(_state(0.0))
     mgr.save(4, _state(4.0))
-    assert _commit(mgr.path_for(4))["lineage"]["run"] != first["run"]
+    assert _commit(mgr.path_for(4))["lineage"]["run"] == first["run"]
+    root_runs.forget()
+    mgr.save(5, _state(5.0))
+    assert _commit(mgr.path_for(5))["lineage"]["run"] != first["run"]
 
 
 # ------------------------------------------------------------------------------------------------ the manager
@@ -147,12 +153,14 @@ def test_manager_with_leftovers_of_every_kind_seeded(tmp_path, caplog):
         keep = rng.randint(1, 3)
         mgr = ck.CheckpointManager(root, keep_last=keep)
         leftovers = {}
+        named = ""  # what rotation's warnings said so far: each leftover once, not at every save
         steps = sorted(rng.sample(range(1, 200), 5))
         for i, step in enumerate(steps):
             with caplog.at_level(logging.WARNING):
                 caplog.clear()
                 mgr.save(step, _state(float(step)))
-            _join_background_deletes()
+                _join_background_deletes()
+                named += caplog.text
             if i == 0:  # leftovers arrive once the run has its chain
                 for _ in range(rng.randint(2, 4)):
                     kind = rng.choice(["foreign", "torn", "unrecorded"])
@@ -172,8 +180,7 @@ def test_manager_with_leftovers_of_every_kind_seeded(tmp_path, caplog):
             assert set(leftovers) <= names, (seed, leftovers, names)
             assert {n for n in names if n in mine} == set(mine[-keep:]), (seed, keep, names)
             assert mgr.latest() == mgr.path_for(step)
-            if leftovers:
-                assert any(n in caplog.text for n in leftovers), (seed, caplog.text)
+            assert all(n in named for n in leftovers), (seed, leftovers, named)
             (root / "latest").unlink()
             with caplog.at_level(logging.WARNING):
                 caplog.clear()
@@ -202,6 +209,83 @@ def test_fresh_root_with_a_leftover_starts_its_own_run(tmp_path):
     assert mgr.latest() == mgr.path_for(30)  # committed last; the higher step of the leftover is passed over
 
 
+def _earlier_job(root: Path, steps=(1000, 2000)) -> str:
+    """An earlier job's checkpoints in ``root`` with its ``latest``; then this process is a new one (root_runs)."""
+    for step in steps:
+        ck.CheckpointManager(root).save(step, _state(float(step)))
+    root_runs.forget()
+    return _commit(root / STEP(steps[-1]))["lineage"]["run"]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_fresh_run_in_an_earlier_runs_root_deletes_none_of_its_checkpoints(tmp_path, caplog, async_save):
+    """Red-team round 4, finding 5: a new job in a root an earlier job left with its ``latest`` (1000, 2000), which
+    never loads from it, saves 10 and 20 with keep_last=1. It adopted the earlier run through ``latest`` and
+    deleted 1000 and 2000. Now it starts its own run: only its own 10 is rotated, the earlier two are left and
+    named once, and ``latest`` (what a resume picks) names the new run's newest."""
+    root = tmp_path / "run"
+    earlier = _earlier_job(root)
+    mgr = ck.CheckpointManager(root, keep_last=1)
+    with caplog.at_level(logging.WARNING):
+        for step in (10, 20, 30):
+            handle = mgr.save(step, _state(float(step)), async_save=async_save)
+            if handle is not None:
+                handle.wait()
+            _join_background_deletes()
+    assert sorted(os.listdir(root)) == ["latest", STEP(30), STEP(1000), STEP(2000)]
+    assert _commit(mgr.path_for(30))["lineage"]["run"] != earlier
+    assert mgr.latest() == mgr.path_for(30) and ck.resolve_checkpoint(str(root)) == mgr.path_for(30)
+    for step in (1000, 2000):
+        assert caplog.text.count(str(root / STEP(step))) == 1, caplog.text
+        assert _value(str(root / STEP(step))) == float(step)
+
+
+def test_a_fresh_run_through_save_checkpoint_leaves_an_earlier_runs_checkpoints(tmp_path):
+    """The same through FullyShardFusion.save_checkpoint(root, step=, keep_last=) (a new CheckpointManager each
+    call): a job that never loaded from the root rotates only its own; one that resumed (load_checkpoint of the
+    root) rotates the run it resumed, including what that run saved before."""
+    from memtier_util import small_fsdp, train_step
+
+    root = tmp_path / "run"
+    model, fsdp, opt = small_fsdp(1)
+    train_step(model, opt)
+    for step in (1, 2):
+        fsdp.save_checkpoint(str(root), optimizer=opt, step=step)
+    root_runs.forget()  # a new job that starts over
+    for step in (3, 4):
+        fsdp.save_checkpoint(str(root), optimizer=opt, step=step, keep_last=1)
+        _join_background_deletes()
+    assert sorted(os.listdir(root)) == ["latest", STEP(1), STEP(2), STEP(4)]
+    root_runs.forget()  # a new job that resumes: what latest names (4), then rotates that run
+    _m, fsdp2, opt2 = small_fsdp(2)
+    assert fsdp2.load_checkpoint(str(root), optimizer=opt2).path == str(root / STEP(4))
+    fsdp2.save_checkpoint(str(root), optimizer=opt2, step=5, keep_last=1)
+    _join_background_deletes()
+    assert sorted(os.listdir(root)) == ["latest", STEP(1), STEP(2), STEP(5)]
+
+
+@pytest.mark.parametrize("door", ["load_latest", "resolve_checkpoint", "an older step"])
+def test_a_restarted_job_that_resumes_still_rotates_what_it_saved_before(tmp_path, door):
+    """A crashed job relaunched that resumes from its root (CheckpointManager.load_latest; resolve_checkpoint then
+    load_state_dict; or an older checkpoint of its run by path) continues its run: keep_last=2 rotates away the
+    checkpoints it saved before the crash, as before the fix."""
+    root = tmp_path / "run"
+    earlier = _earlier_job(root, (1, 2, 3))
+    mgr = ck.CheckpointManager(root, keep_last=2)
+    target = _state(0.0)
+    if door == "load_latest":
+        mgr.load_latest(target)
+    elif door == "resolve_checkpoint":
+        ck.load_state_dict(target, ck.resolve_checkpoint(str(root)))
+    else:
+        ck.load_state_dict(target, str(root / STEP(2)))
+    for step in (4, 5):
+        mgr.save(step, _state(float(step)))
+        _join_background_deletes()
+    assert mgr.steps() == [4, 5]
+    assert {_commit(mgr.path_for(s))["lineage"]["run"] for s in (4, 5)} == {earlier}
+
+
 def test_checkpoints_without_lineage_record(tmp_path):
     """Written before lineages were recorded: usable; a run continuing one owns it (its parent), older ones are
     left (never removed by a run that did not write them)."""
@@ -215,7 +299,9 @@ def test_checkpoints_without_lineage_record(tmp_path):
     assert mgr.latest() == mgr.path_for(3)  # only unrecorded ones: the highest step
     (root / "latest").write_text(STEP(3) + "\n")
     parent = ck.read_metadata(str(root / STEP(3))).checkpoint_id
+    root_runs.forget()  # a new job, which resumes from the root
     mgr = ck.CheckpointManager(root, keep_last=2)
+    mgr.load_latest(_state(0.0))
     for step in (4, 5, 6):
         mgr.save(step, _state(float(step)))
         _join_background_deletes()
@@ -336,7 +422,9 @@ def test_a_restart_on_a_node_whose_clock_is_behind_keeps_the_runs_order(tmp_path
     for step in (1, 2):
         ck.CheckpointManager(root, keep_last=2).save(step, _state(float(step)))
     monkeypatch.setattr(lineage_module, "time", _ClockBehind(behind))
-    mgr = ck.CheckpointManager(root, keep_last=2)  # the restarted job, on the other node
+    root_runs.forget()  # the restarted job (a new process), on the other node, resumes from the root
+    mgr = ck.CheckpointManager(root, keep_last=2)
+    mgr.load_latest(_state(0.0))
     for step in (3, 4, 5):
         mgr.save(step, _state(float(step)))
         _join_background_deletes()

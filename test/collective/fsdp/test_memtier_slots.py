@@ -19,6 +19,7 @@ import random
 import re
 import shutil
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -345,6 +346,66 @@ def test_a_step_saved_twice_restores_the_later_copy(tmp_path):
         tier3 = MemoryTier(fsdp3, opt3, **kw)
         assert dict(tier3.restore()) == {"n": 99} and state_bytes(fsdp3, opt3) == again, steps
         tier3.close()
+
+
+def test_a_step_saved_twice_flushes_the_later_copy(tmp_path):
+    """flush-memory (memtier/flush.py) of a step saved twice: it took the first own copy it listed (slot 0, the
+    FIRST save), as the restore did before; it now takes the later written of one rank's own copies."""
+    from memtier_util import small_fsdp, state_bytes, train_step
+    from paddle.distributed.fsdp.memtier import MemoryTier
+    from paddle.distributed.fsdp.memtier.flush import flush_memory
+
+    root, mem = str(tmp_path / "durable"), str(tmp_path / "mem")
+    model, fsdp, opt = small_fsdp(1)
+    tier = MemoryTier(fsdp, opt, durable_root=root, memory_root=mem, persist_every=100, job_id="j")
+    tier.restore()
+    for n in range(2):  # step 5 twice: slot 0 holds the first save, slot 1 the second (newer state)
+        train_step(model, opt)
+        tier.save(5, extra_state={"n": n})
+        tier.wait()
+    last = state_bytes(fsdp, opt)
+    tier.close(remove=False)
+    flushed = flush_memory([mem], root)
+    assert flushed.step == 5 and flushed.sources[0].endswith("rank00000.own1"), flushed
+    _m, fsdp2, opt2 = small_fsdp(9)
+    got = fsdp2.load_checkpoint(flushed.path, optimizer=opt2)
+    assert dict(got) == {"n": 1} and state_bytes(fsdp2, opt2) == last
+
+
+@pytest.mark.parametrize("restores", [True, False])
+def test_a_job_restored_from_memory_rotates_its_runs_persists(tmp_path, restores):
+    """root_runs.py: a job restored from its memory copies continues the run its persists recorded, so keep_last
+    still rotates what it persisted before the crash; a job that starts over (no restore) leaves them."""
+    from memtier_util import small_fsdp, train_step
+    from paddle.distributed.fsdp.checkpoint import root_runs
+    from paddle.distributed.fsdp.memtier import MemoryTier
+
+    root, mem = tmp_path / "durable", str(tmp_path / "mem")
+    kw = dict(durable_root=str(root), memory_root=mem, persist_every=2, keep_last=1, job_id="j")
+    model, fsdp, opt = small_fsdp(1)
+    tier = MemoryTier(fsdp, opt, **kw)
+    tier.restore()
+    for step in (1, 2, 3):  # 2 persisted (persist_every=2), 3 in memory only
+        train_step(model, opt)
+        tier.save(step)
+        tier.wait()
+    tier.close(remove=False)
+    root_runs.forget()  # the relaunched job: a new process
+    model, fsdp, opt = small_fsdp(2)
+    tier = MemoryTier(fsdp, opt, **kw)
+    if restores:
+        assert tier.restore().sources == ["memory"]
+    for step in (4, 5, 6):  # one of them persisted at least
+        train_step(model, opt)
+        tier.save(step)
+        tier.wait()
+    tier.close()
+    for th in threading.enumerate():
+        if th.name in ("ckpt-prune", "ckpt-rm-old"):
+            th.join()
+    steps = sorted(p.name for p in root.iterdir() if p.name.startswith("step_"))
+    # restored: 2 (and 3, persisted by the restore) rotated away, keep_last=1; started over: 2 left, named
+    assert (steps[0] == "step_00000002") is not restores and len(steps) == 2 - restores, steps
 
 
 def test_a_lower_step_after_a_higher_one_is_refused(tmp_path):

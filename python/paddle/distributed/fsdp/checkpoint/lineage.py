@@ -8,8 +8,9 @@ id the run continued from (its ``parent``), and the coordinator's clock at the c
 (selection.py) then count only checkpoints that are complete (:func:`examine`: the commit record, the metadata it
 names, and every data file the metadata lists with its size: a few stats, no data read) and of this run.
 
-A run's id is new at a fresh start; a run that resumes carries on the lineage of the checkpoint it resumed from
-(:meth:`Lineage.continuing`), so rotation after a restart still removes what the run saved before its crash.
+A run's id is new at a fresh start (also in a root an earlier run left with its ``latest``: root_runs.py); a run
+that resumes carries on the lineage of the checkpoint it resumed from (:meth:`Lineage.continuing`), so rotation
+after a restart still removes what the run saved before its crash.
 
 The recorded commit times of one lineage never go back: a record's time is at least that of the checkpoint the
 run continued from and of the run's previous record (plus a millisecond), whatever the clock says. Why: a run

@@ -15,8 +15,9 @@ the pruning must never name or delete anything before the new checkpoint is comm
    other ranks return only once they see the commit AND ``latest`` naming it, so after ``save`` returns
    ``latest()`` gives the new checkpoint on every rank (async saves: after ``handle.wait()``);
 3. with ``keep_last=K`` the coordinator removes the run's complete checkpoints outside its K newest, never the
-   one ``latest`` names (selection.py: "the run" is the lineage in the commit record, which a save continues
-   from ``latest``'s target; another run's checkpoints and torn copies are left and named): each is first renamed to a hidden ``.trash-*`` name (atomic: it stops being a
+   one ``latest`` names (selection.py: "the run" is the lineage in the commit record: the run this process
+   resumed from the root, else a run of its own, root_runs.py; an earlier run's checkpoints, another run's and
+   torn copies are left and named once): each is first renamed to a hidden ``.trash-*`` name (atomic: it stops being a
    checkpoint at once, never half-deleted under its own name), then deleted in a background (non-daemon)
    thread. Staging directories left by crashed saves (``step_*.tmp-*``) are removed the same way.
 
@@ -42,7 +43,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from ..keywords import check_keywords, keyword_names
-from . import lossy
+from . import lossy, root_runs
 from .coordination import Comm, gather_errors, stage_error
 from .directory import (  # noqa: F401 - the manager's functions, answered in directory.py and selection.py
     STEP_PREFIX,
@@ -142,9 +143,11 @@ class _LatestPublisher:
 
 
 def root_lineage(root: str, storage: Storage) -> Lineage:
-    """The lineage a save into ``root`` continues: that of the checkpoint ``latest`` names (the root's chain: one
-    job per root), a new run when there is none. A leftover that ``latest`` never named (another run's copy) is
-    never adopted. Never raises: a lineage that cannot be read starts a new run (logged)."""
+    """The run of the checkpoint ``latest`` names in ``root`` (a new run when there is none), adopted by a writer
+    that acts for the job whose run that is (flush-memory writes the job's memory copies). A manager's save asks
+    root_runs.lineage_for instead: it adopts the root's run only when its process resumed from that root. A
+    leftover that ``latest`` never named is never adopted. Never raises: a lineage that cannot be read starts a new
+    run (logged)."""
     try:
         name = read_latest(root, storage)
         if name is not None:
@@ -208,8 +211,8 @@ class CheckpointManager:
         door (``save`` above, or ``save_checkpoint``), so an unknown one is reported once, naming that door.
         ``caller_error``: what the calling door's own stage raised on this rank; it, or what resolving the root
         raises here on this rank, is reported by the save's exchange (every rank raises it).
-        ``lineage``: the run the checkpoint belongs to (None: the run of the checkpoint ``latest`` names, asked
-        by the coordinator at its commit; a new run when there is none)."""
+        ``lineage``: the run the checkpoint belongs to (None: the run this process resumed from the root, else
+        its own run there, root_runs.py; asked by the coordinator at its commit)."""
         name = step_dir_name(step)
         path, publisher, failed = f"{self.root.rstrip('/')}/{name}", None, caller_error
         try:  # what fails here on one rank (a storage layer, the root's file system) goes to the save's exchange
@@ -229,9 +232,13 @@ class CheckpointManager:
             self.coordinator_rank,
             publisher,
             caller_error=failed,
-            lineage=lineage.record if lineage is not None else lambda: root_lineage(self.root, storage).record(),
+            lineage=lineage.record if lineage is not None else lambda: self._run(storage).record(),
             **checked,
         )
+
+    def _run(self, storage: Storage) -> Lineage:
+        """The run this process's saves into the root belong to (root_runs.py), asked by the coordinator."""
+        return root_runs.lineage_for(self.root, storage)
 
     def latest(self) -> str | None:
         """Path of the checkpoint to resume from (what ``latest`` names, when complete), or None."""

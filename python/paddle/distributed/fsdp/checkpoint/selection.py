@@ -12,7 +12,9 @@ deleted. The rules (docs/reliability.md, "leftovers"):
   lineage record come before those with one, by step); each committed checkpoint with a higher step that was
   passed over is named in a warning, with why (torn, another run, no lineage record);
 * rotation: only checkpoints of this run (``Lineage.owns``) are counted and removed, the ``keep`` newest of them
-  and the protected ones stay; everything else is left where it is and named in a warning.
+  and the protected ones stay; everything else is left where it is and named in a warning (once per process).
+  A run is a process's own unless it resumed from the root (root_runs.py): an earlier run's checkpoints, even
+  the one ``latest`` named, are never removed by a run that did not resume from them.
 """
 
 from __future__ import annotations
@@ -157,6 +159,9 @@ def resolve_checkpoint(path: str, storage: Storage | None = None) -> str:
     raise NotACheckpointError(f"checkpoint root {path} holds no committed checkpoint (none complete)")
 
 
+_NAMED_LEFT: set[str] = set()  # the leftovers prune named already in this process (the coordinator's)
+
+
 def prune(root: str, keep_last: int, protect: tuple[str, ...] = (), storage: Storage | None = None) -> list[str]:
     """Remove this run's complete checkpoints outside its ``keep_last`` newest (never ``protect`` or ``latest``'s
     target; "this run": the lineage of ``protect[0]``, the checkpoint just saved, else of ``latest``'s target),
@@ -172,7 +177,9 @@ def prune(root: str, keep_last: int, protect: tuple[str, ...] = (), storage: Sto
     by_name = {f.name: f for f in found}
     anchor = next((by_name[n] for n in (*protect, latest) if n in by_name), None)
     victims, left = rotation_victims(found, anchor.lineage() if anchor else None, keep_last, keep)
-    warn_left(f"keep_last={keep_last} in {root}", left)
+    fresh = [f for f in left if f.location not in _NAMED_LEFT]  # a run saving 1000 times names a leftover once
+    _NAMED_LEFT.update(f.location for f in fresh)
+    warn_left(f"keep_last={keep_last} in {root}", fresh)
     try:
         children = storage.children(root)
     except OSError:

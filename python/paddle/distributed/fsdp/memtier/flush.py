@@ -52,6 +52,7 @@ from ..state.resume_state import PER_RANK_KEYS
 from . import flush_bytes, identity
 from .copies import OWN_NAME, read_copy
 from .errors import InvalidMemoryCopyError, MemoryTierError, NoCommonStepError
+from .header import written_at
 from .persist import records_of
 from .roots import JOB_ID_RE, check_job_id, hold_locks, open_dir
 from .slot import Slot, check_record_bytes
@@ -118,13 +119,21 @@ def _scan(roots: list[str], job: str | None, durable_id: str | None, locks: list
     return next(iter(by_job.items()))
 
 
+def _preference(copy: tuple[str, dict]) -> tuple[bool, int]:
+    """The order a rank's copies of one step are tried in: its own before a peer's, the later written first (a step
+    saved twice: one slot may still hold the first save, as restore.py reads). ``written`` is compared only among
+    the own copies of one rank, which one node's boot clock wrote; a held copy is another node's."""
+    path, header = copy
+    return (path.endswith(".peer"), -written_at(header))
+
+
 def _choose(job: str, found: list[tuple[str, dict]], step: int | None) -> tuple[int, int, list]:
     """(world, step, per rank its verified copy (slot, header, data_off, data_len)): the newest step (or
     ``step``) every rank has a verified copy of; NoCommonStepError otherwise."""
     candidates = sorted({(h["step"], h["world"]) for _p, h in found if step is None or h["step"] == step}, reverse=True)
     for st, world in candidates:
         chosen: dict[int, tuple] = {}
-        for path, h in found:
+        for path, h in sorted(found, key=_preference):
             r = h.get("rank")
             if h["step"] != st or h["world"] != world or r in chosen or type(r) is not int or not 0 <= r < world:
                 continue

@@ -28,6 +28,7 @@ import socket
 import threading
 import time
 
+from ..checkpoint import root_runs
 from ..checkpoint.errors import CheckpointError, rebuild_remote_error
 from ..checkpoint.format.reserved import EXTRA_KEY
 from ..checkpoint.io.backends import backend_for
@@ -351,6 +352,9 @@ class Restore:
         timings = self.timings()
         logger.info("memory tier: rank %d restored step %d from %s (%s)", self.rank, decision.step, kind,
                     ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timings.items()))  # fmt: skip
+        # the copies continue the run their persists recorded (what `latest` names): this process's saves into the
+        # durable root, this persist first, rotate that run's checkpoints (a restore from storage: by its load)
+        root_runs.adopt_latest(self.tier.durable_root)
         persisted = False
         if self.tier.persist_on_restore and decision.step not in self.storage_steps:
             self.tier.persist(decision.step, extra, async_save=False)

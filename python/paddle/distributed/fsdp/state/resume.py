@@ -121,7 +121,8 @@ def save_checkpoint(
     objects with ``state_dict()``/``set_state_dict()`` (a data sampler, fsdp/sampler.py), saved per rank
     (state/stateful.py). ``ema``: a ShardedEMA (``fsdp.ema(coef)``, state/ema.py) saved with the weights.
     ``lineage``: the run this checkpoint belongs to (checkpoint/lineage.py), written in its commit record, which is
-    what rotation and resume compare (None: with ``step``, the run of the root's ``latest``; else none). What a
+    what rotation and resume compare (None: with ``step``, the run this process resumed from the root, else its own
+    run there, checkpoint/root_runs.py; without ``step``, none). What a
     checkpoint holds is decided in one place: state/resume_state.py. ``derive_weights`` (None: the options'
     default, True): bf16/fp16 weights equal to their fp32 master weight cast are not stored, loads derive them
     (issue #52; checkpoint/save/derive.py).

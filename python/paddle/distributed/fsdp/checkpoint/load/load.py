@@ -65,7 +65,7 @@ import time
 from collections.abc import Iterable
 
 from ...keywords import STOCK_LOAD_KEYWORDS, check_keywords, keyword_names
-from .. import host_memory, lossy
+from .. import host_memory, lossy, root_runs
 from ..background import wait_pending
 from ..chunks import ChunkVerifier
 from ..coordination import Comm
@@ -188,6 +188,7 @@ def run_load(
         job.derived = [c for c in casts if c.region is not None]
         all_requested = job.run(comm, strict, max_host_bytes, earlier)
     report = job.finish(all_requested, time.perf_counter() - t0)
+    root_runs.resumed_from(path)  # this process's saves into that root continue the loaded run (root_runs.py)
     if state_dict is not caller_dict:  # derived weights (format 4): cast now that the load committed
         derive.apply(casts, report, caller_dict, job.value_updates)
     return report

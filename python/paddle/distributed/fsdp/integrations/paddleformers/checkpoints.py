@@ -104,6 +104,19 @@ def examine_checkpoint(location: str) -> Found:
     return examine(location, step or 0, backend_for(location))
 
 
+def run_lineage(output_dir: str, resume_from: str | None, from_memory: bool = False) -> Lineage:
+    """The run a Trainer's saves into ``output_dir`` belong to, so what its rotation may remove: a new run unless
+    ``train()`` resumes (``resume_from``: the checkpoint it resumes from, whose run it continues; ``from_memory``:
+    the memory tier's copies, which continue the run of the newest complete ``checkpoint-N``). A run that starts
+    over in an ``output_dir`` of an earlier run never adopts it: that run's checkpoints are left, named once."""
+    if from_memory:
+        newest = newest_complete(output_dir)
+        return Lineage.continuing(newest) if newest is not None else Lineage.fresh()
+    if resume_from is None:
+        return Lineage.fresh()
+    return Lineage.continuing(examine_checkpoint(str(resume_from)))
+
+
 def rotate(
     output_dir: str, keep: int | None, owner: Lineage | None, protect: tuple[str, ...] = (), warned: set | None = None
 ) -> list[str]:

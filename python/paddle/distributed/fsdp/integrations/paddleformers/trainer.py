@@ -358,12 +358,8 @@ class FSDPTrainerMixin:
     def _lineage_of(self, resume_from) -> Lineage:
         """The lineage of a run that resumes from ``resume_from`` (a fresh one for None; with the memory tier the
         newest complete ``checkpoint-N``'s, the run the memory copies continue)."""
-        if resume_from is None:
-            return Lineage.fresh()
-        if resume_from == _MEMORY:
-            newest = checkpoints.newest_complete(self.args.output_dir)
-            return Lineage.continuing(newest) if newest is not None else Lineage.fresh()
-        return Lineage.continuing(checkpoints.examine_checkpoint(str(resume_from)))
+        from_memory = resume_from == _MEMORY
+        return checkpoints.run_lineage(self.args.output_dir, None if from_memory else resume_from, from_memory)
 
     def _end_memory_tier(self) -> None:
         """A clean end of ``train()``: a memory save newer than the newest ``checkpoint-N`` is written as one (the
