@@ -31,13 +31,13 @@ LOADS = {1: ["2"], 2: ["1", "2"]}  # loading world -> saving worlds
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Three launches, not four (CI time): the 2-rank save; one 1-rank launch that saves, then loads the 2-rank
+    checkpoints; the 2-rank load of both. Each case is reported by its own name (``save``, ``2->1``...)."""
     workdir = tmp_path_factory.mktemp("codec")
-    saves = {n: run_launch(WORKER, n, ["save", str(workdir)], log_dir=tmp_path_factory.mktemp(f"s{n}")) for n in (1, 2)}
-    loads = {
-        m: run_launch(WORKER, m, ["load", str(workdir), *src], log_dir=tmp_path_factory.mktemp(f"l{m}"))
-        for m, src in LOADS.items()
-    }
-    return workdir, saves, loads
+    two = run_launch(WORKER, 2, ["save", str(workdir)], log_dir=tmp_path_factory.mktemp("s2"))
+    one = run_launch(WORKER, 1, ["save,load", str(workdir), *LOADS[1]], log_dir=tmp_path_factory.mktemp("s1l1"))
+    loads = {1: one, 2: run_launch(WORKER, 2, ["load", str(workdir), *LOADS[2]], log_dir=tmp_path_factory.mktemp("l2"))}
+    return workdir, {1: one, 2: two}, loads
 
 
 @pytest.mark.parametrize("small", [False, True], ids=["save_checkpoint", "1KiB-chunks"])
