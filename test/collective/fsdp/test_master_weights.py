@@ -4,27 +4,16 @@ parameters: resume bit-exact on 1, 2 and 3 ranks, and reshard N -> M bit-exact."
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from _results import assert_case_ok
-from launch_util import run_launch
+from launch_util import beside_one_rank, run_launch
 from paddle.distributed.fsdp.checkpoint import load_full_state_dict
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "master_weights.py")
 WORLDS = (1, 2, 3)
 SOURCE_OF = {1: 3, 2: 1, 3: 2}  # resume on M ranks also loads the checkpoint saved by SOURCE_OF[M] ranks
-
-
-def _beside_one_rank(one_rank, other):
-    """Run two launches, the first of one rank, at the same time; returns their results in that order. The worker
-    of a one-rank launch sets up no process group (no gloo: it adds no second gloo start-up beside the other's);
-    it fills the other's start-up waits (CI time). Each writes its own directories."""
-    with ThreadPoolExecutor(1) as pool:
-        first = pool.submit(one_rank)
-        second = other()
-        return first.result(), second
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +26,7 @@ def saves(tmp_path_factory) -> tuple:
     def save(n: int):
         return lambda: run_launch(WORKER, n, ["save,writeback", str(root)], log_dir=root / f"save{n}")
 
-    launches = dict(zip((1, 2), _beside_one_rank(save(1), save(2))))
+    launches = dict(zip((1, 2), beside_one_rank(save(1), save(2))))
     launches[3] = save(3)()
     return root, launches
 
@@ -53,7 +42,7 @@ def workdir(saves):
     def resume(m: int):
         return lambda: run_launch(WORKER, m, ["resume", str(root), str(SOURCE_OF[m])], log_dir=root / f"resume{m}")
 
-    runs = dict(zip((1, 2), _beside_one_rank(resume(1), resume(2))))
+    runs = dict(zip((1, 2), beside_one_rank(resume(1), resume(2))))
     runs[3] = resume(3)()
     for m in WORLDS:
         assert_case_ok(runs[m], "resume", m)
