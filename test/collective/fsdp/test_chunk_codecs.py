@@ -18,7 +18,7 @@ import pytest
 import zstandard
 from _results import assert_case_ok
 from crafted import reseal
-from launch_util import run_launch
+from launch_util import beside_one_rank, run_launch
 from paddle.distributed.fsdp.checkpoint.errors import CorruptCheckpointError, MetadataError
 from paddle.distributed.fsdp.checkpoint.format import codecs, versions
 from paddle.distributed.fsdp.checkpoint.options import CheckpointOptions
@@ -31,13 +31,19 @@ LOADS = {1: ["2"], 2: ["1", "2"]}  # loading world -> saving worlds
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Three launches, not four (CI time): the 2-rank save; one 1-rank launch that saves, then loads the 2-rank
-    checkpoints; the 2-rank load of both. Each case is reported by its own name (``save``, ``2->1``...)."""
+    """The 1-rank launches beside the 2-rank ones (CI time): both saves at once, then both loads at once (each load
+    reads the other world's checkpoints, so the loads start after both saves)."""
     workdir = tmp_path_factory.mktemp("codec")
-    two = run_launch(WORKER, 2, ["save", str(workdir)], log_dir=tmp_path_factory.mktemp("s2"))
-    one = run_launch(WORKER, 1, ["save,load", str(workdir), *LOADS[1]], log_dir=tmp_path_factory.mktemp("s1l1"))
-    loads = {1: one, 2: run_launch(WORKER, 2, ["load", str(workdir), *LOADS[2]], log_dir=tmp_path_factory.mktemp("l2"))}
-    return workdir, {1: one, 2: two}, loads
+    logs = {name: tmp_path_factory.mktemp(name) for name in ("s1", "s2", "l1", "l2")}
+
+    def launch(n: int, args: list[str], log: str):
+        return lambda: run_launch(WORKER, n, [args[0], str(workdir), *args[1:]], log_dir=logs[log])
+
+    saves = dict(zip((1, 2), beside_one_rank(launch(1, ["save"], "s1"), launch(2, ["save"], "s2"))))
+    loads = dict(
+        zip((1, 2), beside_one_rank(launch(1, ["load", *LOADS[1]], "l1"), launch(2, ["load", *LOADS[2]], "l2")))
+    )
+    return workdir, saves, loads
 
 
 @pytest.mark.parametrize("small", [False, True], ids=["save_checkpoint", "1KiB-chunks"])

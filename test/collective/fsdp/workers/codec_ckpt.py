@@ -8,8 +8,6 @@ Usage:
                                        codec auto with ranks whose measurements disagree (case auto-agree).
   codec_ckpt.py load WORKDIR SRC_N...  on M ranks: per source, load the raw and the compressed checkpoint into
                                        fresh models and compare every record bit for bit.
-  codec_ckpt.py save,load WORKDIR SRC_N...
-                                       both, in that order, in one launch (one start-up instead of two).
 Each rank reports {case: "ok" | traceback}.
 """
 
@@ -122,9 +120,17 @@ def load_pair(workdir: str, source: str, low_level: bool) -> None:
         assert raw[key] == zstd[key], f"{key}: compressed load differs from the raw one"
 
 
-def load(workdir: str, sources: list[str], world: int) -> dict:
+def main() -> None:
+    phase, workdir = sys.argv[1:3]
+    world = dist.get_world_size()
+    if world > 1:
+        dist.init_parallel_env()
+    rank = dist.get_rank()
+    if phase == "save":
+        report(save(workdir, rank, world))
+        return
     results = {}
-    for source in sources:
+    for source in sys.argv[3:]:
         for low_level in (False, True):
             case = f"{source}->{world}{'-small' if low_level else ''}"
             try:
@@ -132,18 +138,6 @@ def load(workdir: str, sources: list[str], world: int) -> dict:
                 results[case] = "ok"
             except Exception:
                 results[case] = traceback.format_exc()
-    return results
-
-
-def main() -> None:
-    phases, workdir = sys.argv[1].split(","), sys.argv[2]
-    world = dist.get_world_size()
-    if world > 1:
-        dist.init_parallel_env()
-    rank = dist.get_rank()
-    results = {}
-    for phase in phases:  # "save,load": both in one launch (one start-up, CI time); their case names differ
-        results.update(save(workdir, rank, world) if phase == "save" else load(workdir, sys.argv[3:], world))
     report(results)
 
 
