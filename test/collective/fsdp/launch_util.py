@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -289,3 +289,18 @@ def run_launch(
         parts.append(f"----- launcher (tail) -----\n{_tail(result.launcher_output, 30)}")
         raise AssertionError("\n".join(parts))
     return result
+
+
+def beside_one_rank(one_rank: Callable[[], Any], other: Callable[[], Any]) -> tuple[Any, Any]:
+    """Run two independent launches at the same time, the first of one rank; returns their results in that order.
+
+    Why: a launch waits much of its wall time (the launcher's paddle import, its 1 s poll, the workers' start-up),
+    and a one-rank worker sets up no process group, so it adds no second gloo start-up beside the other's (paddle's
+    gloo ``new_group`` race under load, docs/reports/2026-12-07-ci-time.md). The caller keeps their directories apart.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(one_rank)
+        second = other()
+        return first.result(), second

@@ -18,7 +18,7 @@ import pytest
 import zstandard
 from _results import assert_case_ok
 from crafted import reseal
-from launch_util import run_launch
+from launch_util import beside_one_rank, run_launch
 from paddle.distributed.fsdp.checkpoint.errors import CorruptCheckpointError, MetadataError
 from paddle.distributed.fsdp.checkpoint.format import codecs, versions
 from paddle.distributed.fsdp.checkpoint.options import CheckpointOptions
@@ -31,12 +31,18 @@ LOADS = {1: ["2"], 2: ["1", "2"]}  # loading world -> saving worlds
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """The 1-rank launches beside the 2-rank ones (CI time): both saves at once, then both loads at once (each load
+    reads the other world's checkpoints, so the loads start after both saves)."""
     workdir = tmp_path_factory.mktemp("codec")
-    saves = {n: run_launch(WORKER, n, ["save", str(workdir)], log_dir=tmp_path_factory.mktemp(f"s{n}")) for n in (1, 2)}
-    loads = {
-        m: run_launch(WORKER, m, ["load", str(workdir), *src], log_dir=tmp_path_factory.mktemp(f"l{m}"))
-        for m, src in LOADS.items()
-    }
+    logs = {name: tmp_path_factory.mktemp(name) for name in ("s1", "s2", "l1", "l2")}
+
+    def launch(n: int, args: list[str], log: str):
+        return lambda: run_launch(WORKER, n, [args[0], str(workdir), *args[1:]], log_dir=logs[log])
+
+    saves = dict(zip((1, 2), beside_one_rank(launch(1, ["save"], "s1"), launch(2, ["save"], "s2"))))
+    loads = dict(
+        zip((1, 2), beside_one_rank(launch(1, ["load", *LOADS[1]], "l1"), launch(2, ["load", *LOADS[2]], "l2")))
+    )
     return workdir, saves, loads
 
 

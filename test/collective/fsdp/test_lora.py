@@ -9,7 +9,7 @@ import os
 
 import pytest
 from _results import assert_case_ok
-from launch_util import LaunchResult, run_launch
+from launch_util import LaunchResult, beside_one_rank, run_launch
 
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
 TRAIN_CASES = ["parity_units", "parity_root", "frozen_hold_nothing"]
@@ -17,10 +17,16 @@ TRAIN_CASES = ["parity_units", "parity_root", "frozen_hold_nothing"]
 
 @pytest.fixture(scope="module")
 def train_runs(tmp_path_factory):
-    return {
-        n: run_launch(os.path.join(WORKERS, "lora_train.py"), n, log_dir=tmp_path_factory.mktemp(f"lora{n}"))
-        for n in (1, 2, 3)
-    }
+    """The 1-rank launch beside the 2-rank one (CI time; they write nothing but their logs), then the 3-rank one."""
+
+    logs = {n: tmp_path_factory.mktemp(f"lora{n}") for n in (1, 2, 3)}
+
+    def train(n: int):
+        return lambda: run_launch(os.path.join(WORKERS, "lora_train.py"), n, log_dir=logs[n])
+
+    runs = dict(zip((1, 2), beside_one_rank(train(1), train(2))))
+    runs[3] = train(3)()
+    return runs
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 3])

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 from _results import assert_case_ok
-from launch_util import run_launch
+from launch_util import beside_one_rank, run_launch
 from paddle.distributed.fsdp.checkpoint import load_full_state_dict
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "master_weights.py")
@@ -19,19 +19,33 @@ SOURCE_OF = {1: 3, 2: 1, 3: 2}  # resume on M ranks also loads the checkpoint sa
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory) -> tuple:
     """(workdir, {world: its save launch}). Each save launch runs the writeback case too: one start-up per world
-    size instead of two (CI time); the two cases are reported and asserted apart."""
+    size instead of two (CI time); the two cases are reported and asserted apart. The 1-rank save runs beside the
+    2-rank one (independent: each its own A_/REF_ directories)."""
     root = tmp_path_factory.mktemp("master")
-    return root, {n: run_launch(WORKER, n, ["save,writeback", str(root)], log_dir=root / f"save{n}") for n in WORLDS}
+
+    def save(n: int):
+        return lambda: run_launch(WORKER, n, ["save,writeback", str(root)], log_dir=root / f"save{n}")
+
+    launches = dict(zip((1, 2), beside_one_rank(save(1), save(2))))
+    launches[3] = save(3)()
+    return root, launches
 
 
 @pytest.fixture(scope="module")
 def workdir(saves):
+    """Every save checked, then the resumes; the 1-rank resume beside the 2-rank one (they read the saves only and
+    write their own RES_/B_ directories)."""
     root, launches = saves
     for n in WORLDS:
         assert_case_ok(launches[n], "save", n)
+
+    def resume(m: int):
+        return lambda: run_launch(WORKER, m, ["resume", str(root), str(SOURCE_OF[m])], log_dir=root / f"resume{m}")
+
+    runs = dict(zip((1, 2), beside_one_rank(resume(1), resume(2))))
+    runs[3] = resume(3)()
     for m in WORLDS:
-        run = run_launch(WORKER, m, ["resume", str(root), str(SOURCE_OF[m])], log_dir=root / f"resume{m}")
-        assert_case_ok(run, "resume", m)
+        assert_case_ok(runs[m], "resume", m)
     return root
 
 

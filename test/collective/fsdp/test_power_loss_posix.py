@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -134,6 +135,24 @@ def _check(at_least: int | None, root: str, scenario) -> None:
             assert not problems, f"{os.path.basename(d)} has a commit record but fails verify: {problems[:3]}"
 
 
+@pytest.fixture
+def states_dir(tmp_path):
+    """Where the explorer materializes its crash states: a fresh directory on the tmpfs /dev/shm when there is one.
+    Why: a state is a few directories and files written, read back by the checks, then removed; on a journaled disk
+    that metadata traffic was a third of a 1,000-state run (rmdir ~2 ms each under load; profile in
+    docs/reports/2026-12-07-ci-time-3.md). The states are this model's output, not the file system under test (the
+    block-level replay of test_power_loss_block.py is), and reads of files in the page cache take the same path."""
+    shm = "/dev/shm"
+    if not (os.path.isdir(shm) and os.access(shm, os.W_OK)):
+        yield str(tmp_path / "states")
+        return
+    work = tempfile.mkdtemp(prefix="fsdp-crash-states-", dir=shm)
+    try:
+        yield os.path.join(work, "states")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def explore(trace: posix_crash.Trace, work, scenario, seed: int, budget: int, stop_at_first: bool) -> tuple:
     """Replay ``budget`` sampled crash states (and the all-lost state at every fsync boundary); returns
     (states checked, [(k, what was lost, error)])."""
@@ -180,7 +199,7 @@ def _report(failures) -> str:
     [(_manager, True), (_manager_async, True), (_same_path, True), (_same_path, False)],
     ids=["manager_keep_last_1", "manager_async", "same_path_foreign_file", "same_path_two_renames"],
 )
-def test_every_posix_crash_state_loads(scenario, exchange, tmp_path, monkeypatch):
+def test_every_posix_crash_state_loads(scenario, exchange, tmp_path, monkeypatch, states_dir):
     """Every sampled crash state of the saves (the publish by RENAME_EXCHANGE, and by two renames where the
     kernel refuses it) holds the invariants of ``_check``."""
     trace = _record(tmp_path, monkeypatch, scenario, exchange=exchange)
@@ -190,7 +209,7 @@ def test_every_posix_crash_state_loads(scenario, exchange, tmp_path, monkeypatch
         assert exchange != any(op.what.startswith("rename one -> one.old-") for op in trace.ops)
     seed = _seed()
     t0 = time.monotonic()
-    checked, failures = explore(trace, str(tmp_path / "states"), scenario, seed, BUDGET, stop_at_first=False)
+    checked, failures = explore(trace, states_dir, scenario, seed, BUDGET, stop_at_first=False)
     print(f"{scenario.__name__}: {len(trace.ops)} operations, {len(trace.fsyncs)} fsyncs, {checked} crash states "
           f"checked in {time.monotonic() - t0:.1f} s")  # fmt: skip
     assert checked >= BUDGET
@@ -239,7 +258,7 @@ def _publish_before_commit_record(base: str, rec, mp) -> None:
         ("adopted_not_fsynced", "link one/notes.txt"),
     ],
 )
-def test_mutations_make_a_state_fail(mutation, names, tmp_path, monkeypatch):
+def test_mutations_make_a_state_fail(mutation, names, tmp_path, monkeypatch, states_dir):
     """Each broken protocol must show at least one failing crash state (the explorer can fail), naming what was
     lost."""
     scenario, skip = _manager, None
@@ -260,7 +279,7 @@ def test_mutations_make_a_state_fail(mutation, names, tmp_path, monkeypatch):
         )
     trace = _record(tmp_path, monkeypatch, scenario, skip)
     check_as = _same_path if scenario is _publish_before_commit_record else scenario
-    checked, failures = explore(trace, str(tmp_path / "states"), check_as, _seed(), BUDGET, stop_at_first=True)
+    checked, failures = explore(trace, states_dir, check_as, _seed(), BUDGET, stop_at_first=True)
     assert failures, f"{mutation}: no failing state among {checked}"
     k, lost, err = failures[0]
     assert names in err or any(names in x for x in lost), f"{mutation}: failing for another reason: {_report(failures)}"
