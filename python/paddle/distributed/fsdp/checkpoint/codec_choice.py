@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -57,12 +57,27 @@ PAYS = 1.1  # measured save throughput of one kind over the other's that decides
 # compressed. Below this, a save leaves the choice to the prior (small checkpoints gain little from compression).
 MIN_MEASURED_BYTES = 64 << 20
 HISTORY = 4  # saves remembered per storage root, raw and compressed each
+# Storage roots remembered (least recently used forgotten): a job that saves each step under a new parent
+# (``/run/step_N/model``) makes a new root per save, and the figures of each were kept for the process's life.
+MAX_ROOTS = 256
 CALIBRATION_ELEMENTS = 1 << 19  # 2 MiB of fp32 + 1 MiB of bf16
 
 _lock = threading.Lock()
 _storage_history: dict[tuple[str, str, bool], deque] = {}  # (*root, compressed) -> the last writes
 _encode_rate: float | None = None  # raw bytes per CPU second of one encode thread
 _last_choice: dict[tuple[str, str], str] = {}
+_roots: OrderedDict[tuple[str, str], None] = OrderedDict()  # roots with figures, least recently used first
+
+
+def _touch(root: tuple[str, str]) -> None:
+    """Mark ``root`` as just used and forget the least recently used roots beyond ``MAX_ROOTS`` (under _lock)."""
+    _roots[root] = None
+    _roots.move_to_end(root)
+    while len(_roots) > MAX_ROOTS:
+        old, _ = _roots.popitem(last=False)
+        _storage_history.pop((*old, False), None)
+        _storage_history.pop((*old, True), None)
+        _last_choice.pop(old, None)
 
 
 def storage_root(storage: Storage, path: str) -> tuple[str, str]:
@@ -92,6 +107,7 @@ def record_write(root: tuple[str, str], write: Write) -> None:
         return
     with _lock:
         _storage_history.setdefault((*root, write.codec != RAW), deque(maxlen=HISTORY)).append(write)
+        _touch(root)
 
 
 def _seen(root: tuple[str, str]) -> list[Write]:
@@ -141,6 +157,7 @@ def forget() -> None:
     with _lock:
         _storage_history.clear()
         _last_choice.clear()
+        _roots.clear()
         _encode_rate = None
 
 
@@ -187,6 +204,7 @@ def choose_codec(chosen: str, storage: Storage, path: str, threads: int) -> str:
     with _lock:
         changed = _last_choice.get(root) != codec
         _last_choice[root] = codec
+        _touch(root)
     logger.log(logging.INFO if changed else logging.DEBUG, "codec auto at %s: %s (%s)", root[1], codec, why)
     return codec
 
@@ -252,6 +270,7 @@ __all__ = [
     "AUTO",
     "CHOICES",
     "MARGIN",
+    "MAX_ROOTS",
     "PAYS",
     "MeteredStorage",
     "Write",
