@@ -9,7 +9,8 @@ the encode hides behind the write (the two run pipelined, encoded_write.py). So 
   host does not make this host's encoder look slow;
 * **storage**: bytes a save's data files took per second of write + fsync (local) or upload (S3), measured by
   the saves themselves (SaveJob._write through ``MeteredStorage``), remembered per backend and storage root (the
-  parent of the checkpoint path: a manager's root, a bucket prefix) over the last saves of this process. Only
+  parent of the checkpoint path: a manager's root, a bucket prefix; the MAX_ROOTS roots used last) over the last
+  saves of this process. Only
   the time the backend spent is counted, not the time it waited for the encoder, so a compressed save measures
   the storage as a raw one does.
 
