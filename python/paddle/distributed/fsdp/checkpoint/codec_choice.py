@@ -10,9 +10,8 @@ the encode hides behind the write (the two run pipelined, encoded_write.py). So 
 * **storage**: bytes a save's data files took per second of write + fsync (local) or upload (S3), measured by
   the saves themselves (SaveJob._write through ``MeteredStorage``), remembered per backend and storage root (the
   parent of the checkpoint path: a manager's root, a bucket prefix; the MAX_ROOTS roots used last) over the last
-  saves of this process. Only
-  the time the backend spent is counted, not the time it waited for the encoder, so a compressed save measures
-  the storage as a raw one does.
+  saves of this process. Only the time the backend spent is counted, not the time it waited for the encoder, so
+  a compressed save measures the storage as a raw one does.
 
 and compresses when ``encoder >= MARGIN * storage`` (it must pay, not tie: the calling thread's own copies and
 the load's decode are not in the model). Once this process has saved at a root both ways, the model gives way to
