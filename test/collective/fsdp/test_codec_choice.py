@@ -186,3 +186,29 @@ def test_codec_threads_switch_out_of_range_is_named(text):
 
     with pytest.raises(CheckpointEnvError, match="PADDLE_FSDP_CKPT_CODEC_THREADS.*<= 1024"):
         CheckpointOptions.from_env({"PADDLE_FSDP_CKPT_CODEC_THREADS": text})
+
+
+def test_another_disk_at_the_same_path_starts_from_the_prior(tmp_path):
+    """The figures of a disk are not those of another disk later mounted (here: linked) at the same path name:
+    a slow disk measured there made every later save compress, whatever the new disk was."""
+    import shutil
+    import tempfile
+
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        (tmp_path / "disk").mkdir()
+        assert shm.stat().st_dev != (tmp_path / "disk").stat().st_dev  # two devices (tmpfs and the test disk)
+        link = tmp_path / "mnt"
+        link.symlink_to(shm)
+        path = str(link / "ck")
+        codec_choice.set_encode_rate(1e9)
+        codec_choice.record_write(
+            codec_choice.storage_root(LocalStorage(), path), codec_choice.Write("raw", 64 << 20, 64 << 20, 64.0, 64.0)
+        )
+        assert codec_choice.choose_codec("auto", LocalStorage(), path, 1) == ZSTD  # measured slow: compressed
+        link.unlink()
+        link.symlink_to(tmp_path / "disk")  # another disk at the same path name
+        assert codec_choice.storage_rate(codec_choice.storage_root(LocalStorage(), path)) is None
+        assert codec_choice.choose_codec("auto", LocalStorage(), path, 1) == "raw"  # the local prior
+    finally:
+        shutil.rmtree(shm)

@@ -37,6 +37,7 @@ the coordinator, and stock metadata is written only for raw saves, so the ranks 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -44,6 +45,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .format.codecs import BYTEPLANE_ZSTD, RAW, codec_named
+from .io.local import LocalStorage
 from .io.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -81,11 +83,18 @@ def _touch(root: tuple[str, str]) -> None:
 
 
 def storage_root(storage: Storage, path: str) -> tuple[str, str]:
-    """The key a save's measurements are remembered under: the backend's kind and the checkpoint's parent."""
+    """The key a save's measurements are remembered under: the backend's kind and the checkpoint's parent; on a
+    local disk with the parent's device, so that another disk mounted (or linked) at the same path name starts
+    from the prior, not from the figures of the disk that was there."""
     try:
         parent = storage.parent(path)
     except Exception:  # a backend without a parent for this path: the path itself
         parent = path
+    if isinstance(storage, LocalStorage):
+        try:
+            parent = f"{parent} (device {os.stat(parent).st_dev})"
+        except OSError:  # (not created yet: this process's first save there, decided by the prior anyway)
+            pass
     return type(storage).__qualname__, parent
 
 
