@@ -212,3 +212,18 @@ def test_another_disk_at_the_same_path_starts_from_the_prior(tmp_path):
         assert codec_choice.choose_codec("auto", LocalStorage(), path, 1) == "raw"  # the local prior
     finally:
         shutil.rmtree(shm)
+
+
+@pytest.mark.parametrize("name", ["ZSTD", " auto ", "byteplane_zstd", "", "Auto", None, 1])
+def test_codec_spellings_are_named_with_the_accepted_ones(name):
+    with pytest.raises(ck.CheckpointError, match="expected one of auto, raw, byteplane-zstd"):
+        CheckpointOptions(codec=name)
+
+
+@pytest.mark.parametrize("text,codec", [(" auto ", "auto"), ("RAW", "raw"), ("Byteplane-Zstd", ZSTD), ("", "auto")])
+def test_codec_switch_takes_any_case_and_blanks(text, codec):
+    assert CheckpointOptions.from_env({"PADDLE_FSDP_CKPT_CODEC": text}).codec == codec
+    from paddle.distributed.fsdp.checkpoint.errors import CheckpointEnvError
+
+    with pytest.raises(CheckpointEnvError, match="expected auto, raw, byteplane-zstd"):
+        CheckpointOptions.from_env({"PADDLE_FSDP_CKPT_CODEC": text + "_zstd"})
