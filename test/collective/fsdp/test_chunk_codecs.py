@@ -273,6 +273,49 @@ def test_crafted_chunk_in_a_checkpoint_is_named(tmp_path):
         ck.load_full_state_dict(str(ckp), list(sd))
 
 
+def test_crafted_decoded_size_and_table_rows_are_named_before_reading(tmp_path):
+    """A metadata.json declaring a stored file's decoded size far beyond what its table decodes to, a table of
+    rows that store no byte, and a table far larger than its stored file are each a named error, the last one
+    before it is read (it was read whole: its limit grew with the declared size, 48 bytes per declared byte)."""
+    sd, paths = _save_pair(tmp_path)
+    keys = sorted(sd)
+    name = "0_0.safetensors"
+    stored = (paths["zstd"] / name).stat().st_size
+    lie = tmp_path / "lie"
+    shutil.copytree(paths["zstd"], lie)
+    md = json.loads((lie / "metadata.json").read_bytes())
+    md["files"]["sizes"][0] = 1 << 40
+    reseal(lie, json.dumps(md).encode())
+    with pytest.raises(CorruptCheckpointError, match="the metadata says 1099511627776"):
+        ck.load_full_state_dict(str(lie), keys)
+    assert any("the metadata says" in m for m in ck.verify_checkpoint(str(lie)))
+
+    empty = tmp_path / "empty"  # rows that store nothing: a fetch of zero bytes raised a bare TypeError
+    shutil.copytree(paths["zstd"], empty)
+    decoded = json.loads((empty / "metadata.json").read_bytes())["files"]["sizes"][0]
+    n = stored // 2  # (within the limit of one row per stored byte)
+    rows = np.zeros(n, codecs.TABLE_ROW)
+    rows["doff"] = np.arange(n) * decoded // n
+    rows["dlen"], rows["codec"], rows["width"] = np.diff(rows["doff"], append=decoded), 1, 1
+    rows["slen"][-1], rows["soff"] = stored, 0
+    (empty / codecs.table_name(name)).write_bytes(rows.tobytes())
+    with pytest.raises(CorruptCheckpointError, match="rows are not ordered, bounded chunks"):
+        ck.load_full_state_dict(str(empty), keys)
+
+    both = tmp_path / "both"  # a declared terabyte and a table of 48 x the stored file: refused unread
+    shutil.copytree(lie, both)
+    big = np.zeros(stored + 2, codecs.TABLE_ROW)
+    (both / codecs.table_name(name)).write_bytes(big.tobytes())
+    tracemalloc.start()
+    try:
+        with pytest.raises(MetadataError, match="more than the limit"):
+            ck.load_full_state_dict(str(both), keys)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < big.nbytes // 4, peak
+
+
 def test_s3_compressed_by_default_loads_like_local_raw(tmp_path, s3_server, s3_bucket):
     """``auto`` compresses on the S3 backend (real SeaweedFS): the stored objects are smaller, the load equals
     the local raw save bit for bit, and verify passes over S3."""

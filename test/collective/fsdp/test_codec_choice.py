@@ -152,3 +152,78 @@ def test_s3_compresses_first_then_by_measurement(s3_server, s3_bucket):
     assert _save(sd, f"{url}/ck1", opts) == ZSTD
     assert codec_choice.storage_rate(codec_choice.storage_root(storage, f"{url}/ck1")) is not None
     assert _save(sd, f"{url}/ck2", opts) == "raw"
+
+
+def test_figures_of_many_storage_roots_stay_bounded():
+    """A job that saves each step under a new parent makes a new storage root per save: only the last
+    ``MAX_ROOTS`` roots keep figures (least recently used forgotten), and a root in use keeps its own."""
+    kept = ("LocalStorage", "/run/kept")
+    codec_choice.record_write(kept, codec_choice.Write("raw", 64 << 20, 64 << 20, 1.0, 1.0))
+    for i in range(3 * codec_choice.MAX_ROOTS):
+        root = ("LocalStorage", f"/run/step_{i}")
+        codec_choice.record_write(root, codec_choice.Write("raw", 64 << 20, 64 << 20, 1.0, 1.0))
+        codec_choice.choose_codec("auto", LocalStorage(), f"/run/step_{i}/model", 1)
+        if i % 8 == 0:
+            assert codec_choice.storage_rate(kept) is not None
+            codec_choice.choose_codec("auto", LocalStorage(), "/run/kept/model", 1)  # in use: kept
+    assert len(codec_choice._storage_history) <= codec_choice.MAX_ROOTS
+    assert len(codec_choice._last_choice) <= codec_choice.MAX_ROOTS
+    assert codec_choice.storage_rate(kept) == 64 << 20
+    assert codec_choice.storage_rate(("LocalStorage", "/run/step_0")) is None  # the oldest forgotten
+
+
+@pytest.mark.parametrize("threads", [10**6, -1, 1.5, True, "4"])
+def test_codec_threads_out_of_range_or_not_an_integer_is_named(threads):
+    """codec_threads=10**6 started a thread per chunk of a piece and held the piece encoded at once."""
+    with pytest.raises(ck.CheckpointError, match="codec_threads=.*expected an integer from 0"):
+        CheckpointOptions(codec_threads=threads)
+    assert CheckpointOptions(codec_threads=1024).codec_threads == 1024
+
+
+@pytest.mark.parametrize("text", ["99999999999", "1025", "-1", "1e9", "four"])
+def test_codec_threads_switch_out_of_range_is_named(text):
+    from paddle.distributed.fsdp.checkpoint.errors import CheckpointEnvError
+
+    with pytest.raises(CheckpointEnvError, match="PADDLE_FSDP_CKPT_CODEC_THREADS.*<= 1024"):
+        CheckpointOptions.from_env({"PADDLE_FSDP_CKPT_CODEC_THREADS": text})
+
+
+def test_another_disk_at_the_same_path_starts_from_the_prior(tmp_path):
+    """The figures of a disk are not those of another disk later mounted (here: linked) at the same path name:
+    a slow disk measured there made every later save compress, whatever the new disk was."""
+    import shutil
+    import tempfile
+
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        (tmp_path / "disk").mkdir()
+        assert shm.stat().st_dev != (tmp_path / "disk").stat().st_dev  # two devices (tmpfs and the test disk)
+        link = tmp_path / "mnt"
+        link.symlink_to(shm)
+        path = str(link / "ck")
+        codec_choice.set_encode_rate(1e9)
+        codec_choice.record_write(
+            codec_choice.storage_root(LocalStorage(), path), codec_choice.Write("raw", 64 << 20, 64 << 20, 64.0, 64.0)
+        )
+        assert codec_choice.choose_codec("auto", LocalStorage(), path, 1) == ZSTD  # measured slow: compressed
+        link.unlink()
+        link.symlink_to(tmp_path / "disk")  # another disk at the same path name
+        assert codec_choice.storage_rate(codec_choice.storage_root(LocalStorage(), path)) is None
+        assert codec_choice.choose_codec("auto", LocalStorage(), path, 1) == "raw"  # the local prior
+    finally:
+        shutil.rmtree(shm)
+
+
+@pytest.mark.parametrize("name", ["ZSTD", " auto ", "byteplane_zstd", "", "Auto", None, 1])
+def test_codec_spellings_are_named_with_the_accepted_ones(name):
+    with pytest.raises(ck.CheckpointError, match="expected one of auto, raw, byteplane-zstd"):
+        CheckpointOptions(codec=name)
+
+
+@pytest.mark.parametrize("text,codec", [(" auto ", "auto"), ("RAW", "raw"), ("Byteplane-Zstd", ZSTD), ("", "auto")])
+def test_codec_switch_takes_any_case_and_blanks(text, codec):
+    assert CheckpointOptions.from_env({"PADDLE_FSDP_CKPT_CODEC": text}).codec == codec
+    from paddle.distributed.fsdp.checkpoint.errors import CheckpointEnvError
+
+    with pytest.raises(CheckpointEnvError, match="expected auto, raw, byteplane-zstd"):
+        CheckpointOptions.from_env({"PADDLE_FSDP_CKPT_CODEC": text + "_zstd"})

@@ -37,6 +37,10 @@ CASES = {
     "save:write_eio": ("SaveFailedError", ("Input/output error",), None, False),
     "save:disk_full": ("SaveFailedError", ("No space left on device",), None, False),
     "save:async_stateful_not_json": ("SaveFailedError", ("TypeError", "is not JSON"), "TypeError", True),
+    # a compressed save whose encoder raises on one chunk, in an encode thread (codecs.py, encoded_write.py)
+    "save:encode_raises": ("SaveFailedError", ("ValueError", "chunk 3 cannot be encoded"), "ValueError", False),
+    "save:encode_memoryerror": ("SaveFailedError", ("MemoryError", "encode buffer"), "MemoryError", False),
+    "save:async_encode_memoryerror": ("SaveFailedError", ("MemoryError", "encode buffer"), "MemoryError", False),
     "load:setter_raises": (
         "PartiallyLoadedError",
         ("failed applying the loaded state", "stateful['", "ValueError: counter cannot take its state"),

@@ -98,7 +98,8 @@ _declare(
         "chunk codec of saves (auto: compressed on object stores)",
         choices=("auto", "raw", "byteplane-zstd"),
     ),
-    Switch(CKPT + "CODEC_THREADS", "int", 0, "encode threads of a save (0: cores - 1)", minimum=0),
+    # (maximum: checkpoint/options.MAX_CODEC_THREADS; each thread holds ~2 chunks in flight)
+    Switch(CKPT + "CODEC_THREADS", "int", 0, "encode threads of a save (0: cores - 1)", minimum=0, maximum=1024),
     Switch(CKPT + "COMMIT_TIMEOUT", "float", 1800.0, "seconds a save waits for the commit", minimum=1e-3),
     Switch(CKPT + "HEARTBEAT_LEASE", "float", 5.0, "seconds of silence before a rank counts as dead", minimum=1e-3),
     Switch(CKPT + "READ_SLAB", "int", 16 << 20, "bytes per read of a large range", minimum=1),

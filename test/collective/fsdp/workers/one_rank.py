@@ -39,7 +39,9 @@ from fault_storage import FaultStorage
 from launch_util import report
 from models import global_batches, local_part, make_model
 from paddle.distributed.fsdp import FullyShardFusion
+from paddle.distributed.fsdp.checkpoint.format import codecs
 from paddle.distributed.fsdp.checkpoint.io.backends import add_storage_layer, remove_storage_layer
+from paddle.distributed.fsdp.checkpoint.options import CheckpointOptions
 
 NAMES = ("a", "b", "c")
 
@@ -227,6 +229,31 @@ def main() -> None:
 
         return case
 
+    zstd = codecs.CODECS[codecs.BYTEPLANE_ZSTD]
+    restore: list = []  # codecs a case replaced on the bad rank
+
+    def encoder_raises(error, async_save=False):
+        """A compressed save whose encoder raises ``error`` on one chunk (an encode thread) on the bad rank."""
+
+        def case(bad):
+            if bad:
+                calls = [0]
+
+                def encode(chunk, width):
+                    calls[0] += 1
+                    if calls[0] == 3:
+                        raise error
+                    return zstd.encode(chunk, width)
+
+                codecs.CODECS[zstd.name] = codecs.Codec(zstd.name, zstd.id, encode)
+                restore.append(zstd)
+            opts = CheckpointOptions(codec=codecs.BYTEPLANE_ZSTD, codec_threads=2)
+            if async_save:
+                return lambda: save(options=opts, async_save=True).wait()
+            return lambda: save(options=opts)
+
+        return case
+
     def async_not_json(bad):
         if bad:
             run.objs["c"].bad_state = "tensor"
@@ -245,6 +272,9 @@ def main() -> None:
         "save:write_eio": fault("before_data:{rank}:EIO"),
         "save:disk_full": fault("mid_data:{rank}:ENOSPC"),
         "save:async_stateful_not_json": async_not_json,
+        "save:encode_raises": encoder_raises(ValueError("chunk 3 cannot be encoded")),
+        "save:encode_memoryerror": encoder_raises(MemoryError("encode buffer")),
+        "save:async_encode_memoryerror": encoder_raises(MemoryError("encode buffer"), async_save=True),
     }
 
     def after_save() -> None:
@@ -339,6 +369,9 @@ def main() -> None:
                 os.environ[fault_storage.ENV] = ""
                 while added:
                     remove_storage_layer(added.pop())
+                while restore:
+                    codec = restore.pop()
+                    codecs.CODECS[codec.name] = codec
                 run.reset_objects()
             try:
                 after_save() if name.startswith("save:") else after_load(name, bad, before, before_n)

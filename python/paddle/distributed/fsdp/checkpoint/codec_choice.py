@@ -9,9 +9,9 @@ the encode hides behind the write (the two run pipelined, encoded_write.py). So 
   host does not make this host's encoder look slow;
 * **storage**: bytes a save's data files took per second of write + fsync (local) or upload (S3), measured by
   the saves themselves (SaveJob._write through ``MeteredStorage``), remembered per backend and storage root (the
-  parent of the checkpoint path: a manager's root, a bucket prefix) over the last saves of this process. Only
-  the time the backend spent is counted, not the time it waited for the encoder, so a compressed save measures
-  the storage as a raw one does.
+  parent of the checkpoint path: a manager's root, a bucket prefix; the MAX_ROOTS roots used last) over the last
+  saves of this process. Only the time the backend spent is counted, not the time it waited for the encoder, so
+  a compressed save measures the storage as a raw one does.
 
 and compresses when ``encoder >= MARGIN * storage`` (it must pay, not tie: the calling thread's own copies and
 the load's decode are not in the model). Once this process has saved at a root both ways, the model gives way to
@@ -37,13 +37,15 @@ the coordinator, and stock metadata is written only for raw saves, so the ranks 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .format.codecs import BYTEPLANE_ZSTD, RAW, codec_named
+from .io.local import LocalStorage
 from .io.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -57,20 +59,42 @@ PAYS = 1.1  # measured save throughput of one kind over the other's that decides
 # compressed. Below this, a save leaves the choice to the prior (small checkpoints gain little from compression).
 MIN_MEASURED_BYTES = 64 << 20
 HISTORY = 4  # saves remembered per storage root, raw and compressed each
+# Storage roots remembered (least recently used forgotten): a job that saves each step under a new parent
+# (``/run/step_N/model``) makes a new root per save, and the figures of each were kept for the process's life.
+MAX_ROOTS = 256
 CALIBRATION_ELEMENTS = 1 << 19  # 2 MiB of fp32 + 1 MiB of bf16
 
 _lock = threading.Lock()
 _storage_history: dict[tuple[str, str, bool], deque] = {}  # (*root, compressed) -> the last writes
 _encode_rate: float | None = None  # raw bytes per CPU second of one encode thread
 _last_choice: dict[tuple[str, str], str] = {}
+_roots: OrderedDict[tuple[str, str], None] = OrderedDict()  # roots with figures, least recently used first
+
+
+def _touch(root: tuple[str, str]) -> None:
+    """Mark ``root`` as just used and forget the least recently used roots beyond ``MAX_ROOTS`` (under _lock)."""
+    _roots[root] = None
+    _roots.move_to_end(root)
+    while len(_roots) > MAX_ROOTS:
+        old, _ = _roots.popitem(last=False)
+        _storage_history.pop((*old, False), None)
+        _storage_history.pop((*old, True), None)
+        _last_choice.pop(old, None)
 
 
 def storage_root(storage: Storage, path: str) -> tuple[str, str]:
-    """The key a save's measurements are remembered under: the backend's kind and the checkpoint's parent."""
+    """The key a save's measurements are remembered under: the backend's kind and the checkpoint's parent; on a
+    local disk with the parent's device, so that another disk mounted (or linked) at the same path name starts
+    from the prior, not from the figures of the disk that was there."""
     try:
         parent = storage.parent(path)
     except Exception:  # a backend without a parent for this path: the path itself
         parent = path
+    if isinstance(storage, LocalStorage):
+        try:
+            parent = f"{parent} (device {os.stat(parent).st_dev})"
+        except OSError:  # (not created yet: this process's first save there, decided by the prior anyway)
+            pass
     return type(storage).__qualname__, parent
 
 
@@ -92,6 +116,7 @@ def record_write(root: tuple[str, str], write: Write) -> None:
         return
     with _lock:
         _storage_history.setdefault((*root, write.codec != RAW), deque(maxlen=HISTORY)).append(write)
+        _touch(root)
 
 
 def _seen(root: tuple[str, str]) -> list[Write]:
@@ -141,6 +166,7 @@ def forget() -> None:
     with _lock:
         _storage_history.clear()
         _last_choice.clear()
+        _roots.clear()
         _encode_rate = None
 
 
@@ -187,6 +213,7 @@ def choose_codec(chosen: str, storage: Storage, path: str, threads: int) -> str:
     with _lock:
         changed = _last_choice.get(root) != codec
         _last_choice[root] = codec
+        _touch(root)
     logger.log(logging.INFO if changed else logging.DEBUG, "codec auto at %s: %s (%s)", root[1], codec, why)
     return codec
 
@@ -252,6 +279,7 @@ __all__ = [
     "AUTO",
     "CHOICES",
     "MARGIN",
+    "MAX_ROOTS",
     "PAYS",
     "MeteredStorage",
     "Write",

@@ -43,6 +43,9 @@ from .io.storage import Storage
 from .tracing import TraceHook
 
 ENV_PREFIX = "PADDLE_FSDP_CKPT_"
+# Encode threads a save may ask for: each holds ~2 chunks in flight and a thread is started per chunk queued, so
+# codec_threads=10**6 started a thread for every chunk of a piece and held the whole piece encoded at once.
+MAX_CODEC_THREADS = 1024
 #: variable (after the prefix) -> field; each is declared in env_switches.SWITCHES
 _ENV_FIELDS = {
     "CHECKSUM": "checksum",
@@ -132,8 +135,11 @@ class CheckpointOptions:
 
         if self.codec not in CHOICES:
             raise CheckpointError(f"codec={self.codec!r}: expected one of {', '.join(CHOICES)}")
-        if self.codec_threads < 0:
-            raise CheckpointError(f"codec_threads must be >= 0, got {self.codec_threads}")
+        if type(self.codec_threads) is not int or not 0 <= self.codec_threads <= MAX_CODEC_THREADS:
+            raise CheckpointError(
+                f"codec_threads={self.codec_threads!r:.40}: expected an integer from 0 (one per core but one) "
+                f"to {MAX_CODEC_THREADS}"
+            )
         if self.checksum is not None and self.checksum not in checksums.KNOWN:
             raise CheckpointError(f"checksum={self.checksum!r}: expected one of {', '.join(checksums.KNOWN)}")
         for name in ("odirect", "hugepages"):

@@ -151,7 +151,10 @@ class FileSet:
         from .format import codecs
 
         tname = codecs.table_name(name)
-        blob = self.storage.get(self.root, tname, limit=codecs.TABLE_ROW.itemsize * (self.sizes[name] + 1))
+        # every row stores at least one byte (codecs.ChunkTable): no more rows than stored bytes, whatever size
+        # the metadata declares for the decoded file (a declared terabyte let a table of 48 TB be read)
+        rows = min(self.sizes[name], stored_size) + 1
+        blob = self.storage.get(self.root, tname, limit=codecs.TABLE_ROW.itemsize * rows)
         if blob is None:
             raise removed_or(
                 self.root,

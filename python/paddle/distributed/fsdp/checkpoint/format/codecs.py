@@ -36,6 +36,7 @@ SAMPLE_KEEP = 0.9  # the plane is compressed when its sample shrinks to at most 
 TABLE_SUFFIX = ".chunks"
 _RAW_PLANE = 1 << 31
 WIDTHS = (1, 2, 4, 8)
+MIN_STORED_PER_PLANE = 4  # a byte-plane chunk stores at least its planes' lengths (so every row stores bytes)
 
 TABLE_ROW = np.dtype(
     [
@@ -264,6 +265,10 @@ class ChunkTable:
             raise UnknownCodecError(f"{where}: codec ids {sorted(ids - allowed)} are not those of {codec!r}")
         dlen, slen = rows["dlen"].astype(np.int64), rows["slen"].astype(np.int64)
         doff, soff = rows["doff"].astype(np.int64), rows["soff"].astype(np.int64)
+        if len(rows) and int(doff[-1] + dlen[-1]) != decoded_size:
+            raise CorruptCheckpointError(
+                f"{where}: its chunks decode to {int(doff[-1] + dlen[-1])} bytes, the metadata says {decoded_size}"
+            )
         ok = (
             len(rows) > 0
             and bool(np.all(dlen > 0))
@@ -272,10 +277,10 @@ class ChunkTable:
             and bool(np.all(soff[1:] == soff[:-1] + slen[:-1]))
             and int(soff[-1] + slen[-1]) == stored_size
             and bool(np.all(doff[1:] >= doff[:-1] + dlen[:-1]))
-            and int(doff[-1] + dlen[-1]) <= decoded_size
             and bool(np.all(np.isin(rows["width"], WIDTHS)))
             and bool(np.all(dlen % rows["width"] == 0))
             and bool(np.all((rows["codec"] != 0) | (slen == dlen)))
+            and bool(np.all((rows["codec"] == 0) | (slen >= MIN_STORED_PER_PLANE * rows["width"])))
         )
         if not ok:
             raise CorruptCheckpointError(f"{where}: rows are not ordered, bounded chunks covering the stored file")
