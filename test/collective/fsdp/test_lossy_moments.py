@@ -225,9 +225,24 @@ def test_a_rank_failing_in_the_transform_fails_every_rank_without_a_hang():
 def test_mode_is_checked():
     from paddle.distributed.fsdp.checkpoint import lossy
 
-    for bad in ("int2", "INT8", 8, True):
-        with pytest.raises(ValueError, match="quantize_moments"):
+    for bad in ("int2", "INT8", "", "None", 8, True, 0):
+        with pytest.raises(ValueError, match="'none', 'int8' or 'int4'"):
             lossy.check_mode(bad)
+    assert [lossy.check_mode(m) for m in (None, "none", "int8", "int4")] == [None, None, "int8", "int4"]
+
+
+def test_none_asks_one_save_for_exact_moments_against_the_environment(tmp_path, monkeypatch):
+    """``quantize_moments="none"`` (what CheckpointOptions, the env switch and MemoryTier accept) at
+    save_checkpoint and CheckpointManager.save: exact moments although PADDLE_FSDP_CKPT_QUANTIZE_MOMENTS=int8
+    (it used to be a ValueError at these two doors: no way to ask one save for exact moments)."""
+    import paddle.distributed.fsdp.checkpoint as ck
+
+    monkeypatch.setenv("PADDLE_FSDP_CKPT_QUANTIZE_MOMENTS", "int8")
+    _model, fsdp, opt = _train_and_save(tmp_path / "exact", "none")
+    assert "quant" not in json.loads((tmp_path / "exact" / "metadata.json").read_bytes())
+    state = {**fsdp.sharded_state_dict(), **fsdp.optimizer_sharded_state_dict(opt)}
+    ck.CheckpointManager(str(tmp_path / "root")).save(1, state, quantize_moments="none")
+    assert "quant" not in json.loads((tmp_path / "root" / "step_00000001" / "metadata.json").read_bytes())
 
 
 # ----------------------------------------------------------------------------------- one process, real saves
