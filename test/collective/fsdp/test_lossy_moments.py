@@ -495,6 +495,27 @@ def test_low_level_doors_save_and_read_quantized_moments(tmp_path):
                 assert np.array_equal(got, saved[k]), k
 
 
+def test_stock_door_with_aoa_config_names_quantized_moments(int8_ckpt):
+    """``dist.load_state_dict(..., aoa_config=)`` reads our checkpoints through the stock-format reader, which
+    has no dequantizer: a quantized moment named by a statement (or asked for as a target) is an error saying so
+    (it was stock's "w1.moment1 should be assigned before!"); a weight of the same checkpoint still renames."""
+    import paddle
+    import paddle.distributed as dist
+    from paddle.distributed.fsdp.checkpoint import load_full_state_dict
+    from paddle.distributed.fsdp.checkpoint.errors import InvalidStateDictError
+
+    whole = load_full_state_dict(str(int8_ckpt))
+    key = next(k for k in sorted(whole) if k.endswith(".moment1"))
+    weight = key[: -len(".moment1")]
+    for statement, target in ((f"{key} -> m", "m"), (f"{weight} -> renamed", key)):  # (a source; a target)
+        got = {target: paddle.zeros(list(whole[key].shape), dtype="float32")}
+        with pytest.raises(InvalidStateDictError, match=r"stored quantized.*without aoa_config"):
+            dist.load_state_dict(got, str(int8_ckpt), aoa_config={"aoa_statements": [statement]})
+    got = {"renamed": paddle.zeros(list(whole[weight].shape), dtype=whole[weight].dtype)}
+    dist.load_state_dict(got, str(int8_ckpt), aoa_config={"aoa_statements": [f"{weight} -> renamed"]})
+    assert np.array_equal(got["renamed"].numpy(), whole[weight].numpy())
+
+
 def test_async_save_stores_the_moments_of_the_call(tmp_path):
     """async_save with int8: the codes are taken at the call (the next optimizer step does not leak in): the
     async checkpoint reads back exactly as a synchronous int8 save of the same state."""
