@@ -516,6 +516,32 @@ def test_stock_door_with_aoa_config_names_quantized_moments(int8_ckpt):
     assert np.array_equal(got["renamed"].numpy(), whole[weight].numpy())
 
 
+def test_inspect_and_to_hf_read_a_lossy_checkpoint(int8_ckpt, tmp_path):
+    """``inspect`` and ``to-hf`` (weights only, and ``--include-optimizer``) of a checkpoint with quantized
+    moments: they used to stop on an internal KeyError of the codes' key; the exported moments are the
+    dequantized ones every reader sees, and the codes and scales are listed as the moment's optimizer state."""
+    import safetensors.numpy as stnp
+    from paddle.distributed.fsdp.checkpoint import load_full_state_dict
+    from paddle.distributed.fsdp.tools.cli import main as cli_main
+    from paddle.distributed.fsdp.tools.inspect_cmd import inspect_checkpoint
+
+    info = inspect_checkpoint(str(int8_ckpt))
+    codes = [k for k in info["tensors"] if k.endswith("@qcodes")]
+    assert codes and all(info["tensors"][k]["role"] == "optimizer" for k in codes)
+    assert cli_main(["inspect", str(int8_ckpt)]) == 0
+    whole = load_full_state_dict(str(int8_ckpt))
+    for args, moments in (([], False), (["--include-optimizer"], True)):
+        out = tmp_path / f"hf{len(args)}"
+        assert cli_main(["to-hf", str(int8_ckpt), str(out), *args]) == 0
+        got = {}
+        for f in sorted(out.glob("*.safetensors")):
+            got.update(stnp.load_file(str(f)))
+        exported = [k for k in got if k.endswith((".moment1", ".moment2"))]
+        assert bool(exported) == moments and not any("@q" in k for k in got)
+        for k in exported:
+            assert np.array_equal(got[k].reshape(-1), whole[k].numpy().reshape(-1)), k
+
+
 def test_async_save_stores_the_moments_of_the_call(tmp_path):
     """async_save with int8: the codes are taken at the call (the next optimizer step does not leak in): the
     async checkpoint reads back exactly as a synchronous int8 save of the same state."""
