@@ -176,6 +176,19 @@ def test_full_reads_tools_and_stock_hook_see_the_same_tensors(saved, tmp_path):
     assert np.array_equal(got["renamed"].numpy(), want)
 
 
+def test_inspect_names_a_derived_weights_state_optimizer_state(saved):
+    """``inspect`` classifies keys as the writer saw them: the master and moments of a derived (not stored)
+    weight are its optimizer state, not model weights of their own (they were, the weight being absent)."""
+    from paddle.distributed.fsdp.tools.inspect_cmd import inspect_checkpoint
+
+    root, _state_ = saved
+    for name in ("derived", "raw"):
+        roles = {k: v["role"] for k, v in inspect_checkpoint(str(root / name))["tensors"].items()}
+        for key in SHAPES:
+            for state in ("master_weight", "moment1", "moment2"):
+                assert roles[f"{key}.{state}"] == "optimizer", (name, key, state)
+
+
 def test_derive_off_by_option_and_environment(tmp_path, monkeypatch):
     state = _state(1)
     monkeypatch.setenv("PADDLE_FSDP_CKPT_DERIVE_WEIGHTS", "off")

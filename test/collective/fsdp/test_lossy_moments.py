@@ -225,9 +225,24 @@ def test_a_rank_failing_in_the_transform_fails_every_rank_without_a_hang():
 def test_mode_is_checked():
     from paddle.distributed.fsdp.checkpoint import lossy
 
-    for bad in ("int2", "INT8", 8, True):
-        with pytest.raises(ValueError, match="quantize_moments"):
+    for bad in ("int2", "INT8", "", "None", 8, True, 0):
+        with pytest.raises(ValueError, match="'none', 'int8' or 'int4'"):
             lossy.check_mode(bad)
+    assert [lossy.check_mode(m) for m in (None, "none", "int8", "int4")] == [None, None, "int8", "int4"]
+
+
+def test_none_asks_one_save_for_exact_moments_against_the_environment(tmp_path, monkeypatch):
+    """``quantize_moments="none"`` (what CheckpointOptions, the env switch and MemoryTier accept) at
+    save_checkpoint and CheckpointManager.save: exact moments although PADDLE_FSDP_CKPT_QUANTIZE_MOMENTS=int8
+    (it used to be a ValueError at these two doors: no way to ask one save for exact moments)."""
+    import paddle.distributed.fsdp.checkpoint as ck
+
+    monkeypatch.setenv("PADDLE_FSDP_CKPT_QUANTIZE_MOMENTS", "int8")
+    _model, fsdp, opt = _train_and_save(tmp_path / "exact", "none")
+    assert "quant" not in json.loads((tmp_path / "exact" / "metadata.json").read_bytes())
+    state = {**fsdp.sharded_state_dict(), **fsdp.optimizer_sharded_state_dict(opt)}
+    ck.CheckpointManager(str(tmp_path / "root")).save(1, state, quantize_moments="none")
+    assert "quant" not in json.loads((tmp_path / "root" / "step_00000001" / "metadata.json").read_bytes())
 
 
 # ----------------------------------------------------------------------------------- one process, real saves
@@ -478,6 +493,53 @@ def test_low_level_doors_save_and_read_quantized_moments(tmp_path):
                 assert np.abs(got - saved[k]).max() <= np.abs(saved[k]).max() / 250 + 1e-12, k
             else:
                 assert np.array_equal(got, saved[k]), k
+
+
+def test_stock_door_with_aoa_config_names_quantized_moments(int8_ckpt):
+    """``dist.load_state_dict(..., aoa_config=)`` reads our checkpoints through the stock-format reader, which
+    has no dequantizer: a quantized moment named by a statement (or asked for as a target) is an error saying so
+    (it was stock's "w1.moment1 should be assigned before!"); a weight of the same checkpoint still renames."""
+    import paddle
+    import paddle.distributed as dist
+    from paddle.distributed.fsdp.checkpoint import load_full_state_dict
+    from paddle.distributed.fsdp.checkpoint.errors import InvalidStateDictError
+
+    whole = load_full_state_dict(str(int8_ckpt))
+    key = next(k for k in sorted(whole) if k.endswith(".moment1"))
+    weight = key[: -len(".moment1")]
+    for statement, target in ((f"{key} -> m", "m"), (f"{weight} -> renamed", key)):  # (a source; a target)
+        got = {target: paddle.zeros(list(whole[key].shape), dtype="float32")}
+        with pytest.raises(InvalidStateDictError, match=r"stored quantized.*without aoa_config"):
+            dist.load_state_dict(got, str(int8_ckpt), aoa_config={"aoa_statements": [statement]})
+    got = {"renamed": paddle.zeros(list(whole[weight].shape), dtype=whole[weight].dtype)}
+    dist.load_state_dict(got, str(int8_ckpt), aoa_config={"aoa_statements": [f"{weight} -> renamed"]})
+    assert np.array_equal(got["renamed"].numpy(), whole[weight].numpy())
+
+
+def test_inspect_and_to_hf_read_a_lossy_checkpoint(int8_ckpt, tmp_path):
+    """``inspect`` and ``to-hf`` (weights only, and ``--include-optimizer``) of a checkpoint with quantized
+    moments: they used to stop on an internal KeyError of the codes' key; the exported moments are the
+    dequantized ones every reader sees, and the codes and scales are listed as the moment's optimizer state."""
+    import safetensors.numpy as stnp
+    from paddle.distributed.fsdp.checkpoint import load_full_state_dict
+    from paddle.distributed.fsdp.tools.cli import main as cli_main
+    from paddle.distributed.fsdp.tools.inspect_cmd import inspect_checkpoint
+
+    info = inspect_checkpoint(str(int8_ckpt))
+    codes = [k for k in info["tensors"] if k.endswith("@qcodes")]
+    assert codes and all(info["tensors"][k]["role"] == "optimizer" for k in codes)
+    assert cli_main(["inspect", str(int8_ckpt)]) == 0
+    whole = load_full_state_dict(str(int8_ckpt))
+    for args, moments in (([], False), (["--include-optimizer"], True)):
+        out = tmp_path / f"hf{len(args)}"
+        assert cli_main(["to-hf", str(int8_ckpt), str(out), *args]) == 0
+        got = {}
+        for f in sorted(out.glob("*.safetensors")):
+            got.update(stnp.load_file(str(f)))
+        exported = [k for k in got if k.endswith((".moment1", ".moment2"))]
+        assert bool(exported) == moments and not any("@q" in k for k in got)
+        for k in exported:
+            assert np.array_equal(got[k].reshape(-1), whole[k].numpy().reshape(-1)), k
 
 
 def test_async_save_stores_the_moments_of_the_call(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import _thread
 import atexit
+import os
 import queue
 import threading
 
@@ -82,6 +83,16 @@ class _BackgroundWorker:
 
 
 _worker = _BackgroundWorker()
+
+
+def _forget_in_child() -> None:
+    """A forked child has the worker's objects but not its thread (an async save handed to it would never run),
+    and the parent's save in flight is the parent's to finish: the child starts with neither."""
+    global _worker, _pending, _pending_lock
+    _worker, _pending, _pending_lock = _BackgroundWorker(), None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def wait_pending(raise_error: bool) -> None:

@@ -56,11 +56,13 @@ class LossyCheckpointWarning(UserWarning):
 
 
 def check_mode(mode: Any) -> str | None:
-    """``quantize_moments``: None (exact), "int8" or "int4"; ValueError otherwise."""
-    if mode is None:
+    """``quantize_moments``: "int8" or "int4"; None for None or "none" (exact: what CheckpointOptions, the
+    environment switch and MemoryTier accept too, so a save can ask for exact moments against an int8/int4
+    default); ValueError otherwise."""
+    if mode is None or mode == "none":
         return None
     if mode not in MODES:
-        raise ValueError(f"quantize_moments must be None, 'int8' or 'int4', got {mode!r}")
+        raise ValueError(f"quantize_moments must be None, 'none', 'int8' or 'int4', got {mode!r}")
     return mode
 
 

@@ -10,7 +10,12 @@ from __future__ import annotations
 # (module, attribute, what it holds, how it is reset)
 PROCESS_STATE = (
     ("background", "_pending", "this process's save in flight (the next save or load waits for it)", "waited for"),
-    ("background", "_worker", "the one background save thread (started at the first async save)", "kept"),
+    (
+        "background",
+        "_worker",
+        "the one background save thread (started at the first async save)",
+        "kept; a forked child's (and its _pending): dropped",
+    ),
     ("save.save", "_assignments", "write assignments remembered between saves of the same records", "cleared"),
     ("save.channel", "_clients", "TCP store clients (save thread, heartbeat thread)", "dropped"),
     ("host_memory", "arena", "the resident snapshot buffer of async saves", "release_host_buffers()"),

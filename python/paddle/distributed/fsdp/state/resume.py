@@ -115,7 +115,7 @@ def save_checkpoint(
     ``extra_state`` and non-trainable tensors; parameters and optimizer state are copied during the next
     forward/backward, and the next ``optimizer.step()`` waits for that copy by itself (see
     checkpoint/snapshot_guard.py for what else waits). ``quantize_moments="int8"|"int4"`` (default: the
-    options' ``quantize_moments``, PADDLE_FSDP_CKPT_QUANTIZE_MOMENTS, else None: exact) stores Adam's moments lossily, ~4x resp. ~8x
+    options' ``quantize_moments``, PADDLE_FSDP_CKPT_QUANTIZE_MOMENTS, else exact; ``"none"``: exact whatever they say) stores Adam's moments lossily, ~4x resp. ~8x
     smaller (checkpoint/lossy.py); loading such a checkpoint warns that the resume is not bit-exact. ``grad_scaler``: a ``paddle.amp.GradScaler`` whose state
     (loss scale, counters, settings) is saved too (state/grad_scaler.py). ``stateful``: ``{name: object}`` of
     objects with ``state_dict()``/``set_state_dict()`` (a data sampler, fsdp/sampler.py), saved per rank

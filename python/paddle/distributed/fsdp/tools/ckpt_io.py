@@ -184,7 +184,11 @@ class CheckpointReader:
         return Region.full(tm.shape).numel * itemsize(tm.dtype)
 
     def read(self, key: str) -> np.ndarray:
-        """The full tensor ``key`` as a new C-contiguous numpy array (numpy storage dtype, see NUMPY_STORAGE)."""
+        """The full tensor ``key`` as a new C-contiguous numpy array (numpy storage dtype, see NUMPY_STORAGE); a
+        quantized moment dequantized (``read_flat``)."""
+        q = self.quant.get(key)
+        if q is not None:
+            return self.read_flat(key, 0, q.numel).reshape(q.shape)
         raw = self.read_raw(key)
         tm = self.md.tensors[key]
         return raw.view(storage_dtype(tm.dtype)).reshape(tm.shape)

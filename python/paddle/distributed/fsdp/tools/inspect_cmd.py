@@ -7,12 +7,14 @@ Per tensor key: role (model weight or optimizer state, see ``ckpt_io``), dtype, 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
 from typing import Any
 
 from ..checkpoint import read_metadata
+from ..checkpoint.format import derived
 from ..checkpoint.format.metadata import itemsize
 from ..checkpoint.format.rank_values import plain
 from ..checkpoint.format.reserved import OPTIMIZER_KEY, RNG_KEY
@@ -26,7 +28,11 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     path = resolve_checkpoint_path(path)
     md = read_metadata(path)
     md.prefetch(list(md.tensors))  # every key's pieces are listed: read the rows at once (format 2)
-    roles = classify_keys(md)
+    # roles over the keys as the writer saw them: a derived weight's (format 4) master and moments are its state
+    seen = dataclasses.replace(md, tensors=derived.WithDerived(md.tensors, md.derived)) if md.derived else md
+    roles = classify_keys(seen)
+    for key, q in (md.quant or {}).items():  # a quantized moment's stored codes and scales: the moment's role
+        roles[q.codes] = roles[q.scales] = roles[key]
     buffers = buffer_keys(md)
     tensors: dict[str, Any] = {}
     totals = {MODEL: [0, 0], OPTIMIZER: [0, 0], BUFFER: [0, 0]}

@@ -48,6 +48,7 @@ from ..checkpoint.format.reserved import (
     OPTIMIZER_KEY,
     safetensors_name_problem,
 )
+from ..checkpoint.lossy import logical_tensors
 from ..checkpoint.paths import local_path
 from ..checkpoint.writer import write_all
 from . import ckpt_io
@@ -107,12 +108,13 @@ class HfTensor:
 def plan_to_hf(md, rules: Rules, dtype: str | None, include_optimizer: bool) -> list[HfTensor]:
     """The output tensors in checkpoint order; raises ToolError for collisions and impossible transposes."""
     roles = classify_keys(md)
+    tensors = logical_tensors(md)  # a quantized moment as itself (read dequantized), not its codes and scales
     n_opt = sum(1 for r in roles.values() if r.role == OPTIMIZER)
     if include_optimizer and n_opt == 0:
         logger.warning("--include-optimizer: the checkpoint holds no optimizer state")
     out: list[HfTensor] = []
     param_plan: dict[str, tuple[str, bool]] = {}
-    for key, tm in md.tensors.items():
+    for key, tm in tensors.items():
         if roles[key].role != MODEL:
             continue
         transpose = rules.transposes(key)
@@ -121,14 +123,14 @@ def plan_to_hf(md, rules: Rules, dtype: str | None, include_optimizer: bool) -> 
                 f"transpose rule matches {key!r} of shape {list(tm.shape)}: only 2-D tensors can be transposed"
             )
         param_plan[key] = (rules.rename_name(key), transpose)
-    for key, tm in md.tensors.items():
+    for key, tm in tensors.items():
         role = roles[key]
         if role.role == MODEL:
             name, transpose = param_plan[key]
         elif include_optimizer:
             pname, ptrans = param_plan.get(role.param, (role.param, False))
             name = f"{pname}.{role.state}"
-            transpose = ptrans and tuple(tm.shape) == tuple(md.tensors[role.param].shape)
+            transpose = ptrans and tuple(tm.shape) == tuple(tensors[role.param].shape)
         else:
             continue
         out.append(HfTensor(name, key, tm.dtype, target_dtype(tm.dtype, dtype), tuple(tm.shape), transpose, role.param))

@@ -9,6 +9,7 @@ assigning are ours (``loader.py``), so they run on CPU and read only what is nee
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +61,27 @@ def target_shard_info(targets: list[Target]) -> dict:
     return out
 
 
+def _refuse_quantized(aoa_config: dict, index: PieceIndex, all_target_info: list[dict]) -> None:
+    """A quantized moment of our format 4 (stored as codes and scales only) read by a statement (left of its
+    ``->``) or asked for as a target no statement writes: a named error saying why and what reads it (stock's
+    parser would call it "not assigned before")."""
+    if not index.quantized:
+        return
+    sources, written = set(), set()
+    for statement in aoa_config.get("aoa_statements") or ():
+        left, arrow, right = str(statement).partition("->")
+        sources.update(re.split(r"[^\w.@]+", left if arrow else ""))
+        written.update(re.split(r"[^\w.@]+", right))
+    sources.update(k for info in all_target_info for k in info if k not in written)
+    hit = sorted(sources & index.quantized)
+    if hit:
+        raise InvalidStateDictError(
+            f"aoa_config: {hit[:3]} of {index.root} are optimizer moments stored quantized (lossy, format 4 "
+            f"'quant'), which the reader behind aoa_config does not dequantize: load them without aoa_config "
+            f"(load_checkpoint, load_state_dict)"
+        )
+
+
 def plan_aoa(aoa_config: dict, index: PieceIndex, targets: list[Target], all_target_info: list[dict]) -> dict:
     """target key -> assignments; ``all_target_info`` is every rank's ``target_shard_info`` (stock resolves
     statements against the global destination layout)."""
@@ -67,6 +89,7 @@ def plan_aoa(aoa_config: dict, index: PieceIndex, targets: list[Target], all_tar
 
     if not isinstance(aoa_config, dict):
         raise InvalidStateDictError(f"aoa_config must be a dict like {{'aoa_statements': [...]}}, got {aoa_config!r}")
+    _refuse_quantized(aoa_config, index, all_target_info)
     dst: dict = {}
     for info in all_target_info:
         for key, boxes in info.items():

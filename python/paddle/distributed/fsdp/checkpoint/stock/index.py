@@ -60,6 +60,9 @@ class PieceIndex:
     unique_id: int | None = None
     # our format 4's derived weights: key -> the stored dtype of its pieces (its master's), cast when read
     derived_from: dict[str, str] = field(default_factory=dict)
+    # our format 4's quantized moments (lossy.py): keys stored only as codes and scales, which this reader cannot
+    # dequantize (aoa.py names them instead of reporting them as never assigned)
+    quantized: frozenset[str] = frozenset()
 
     def files(self) -> set[str]:
         return {p.file for t in self.tensors.values() for p in t.pieces}
@@ -232,6 +235,7 @@ def index_fork(root: str) -> PieceIndex:
     idx = PieceIndex(root=md_root(root), kind="fork")
     for key, d in md.derived.items():  # format 4: a derived weight reads its master's pieces (boxes.py casts)
         idx.derived_from[key] = md.tensors[d.source].dtype
+    idx.quantized = frozenset(md.quant or {})
     for key in [*md.tensors, *md.derived]:
         tm = md.tensors[md.derived[key].source if key in md.derived else key]
         dtype = md.derived[key].dtype if key in md.derived else tm.dtype
