@@ -175,3 +175,22 @@ def test_merge_memory_stays_near_one_tensor(tmp_path, monkeypatch, dtype):
         tracemalloc.stop()
     weight = n * n * (2 if dtype == "bfloat16" else 4)
     assert peak <= 2 * weight + 16 * block, f"merge peak {peak / weight:.2f}x the weight"
+
+
+def test_a_second_export_into_the_same_directory_replaces_the_merged_model(tmp_path):
+    """FSDPTrainer.save_model() twice into one output_dir with hf_merge_adapter=True (a rerun, a script that saves
+    at the end of each phase): the second export's adapter files and merged/ replace the first's. Before, the
+    rename of merged/ onto the non-empty old one failed (ENOTEMPTY) after the adapter files had been replaced:
+    the new adapter beside the old merged model, and the call raised."""
+    from paddle.distributed.fsdp.integrations.paddleformers import hf_export
+
+    out = tmp_path / "final"
+    for export in (1, 2):
+        staged = tmp_path / f"staged{export}"
+        (staged / "merged").mkdir(parents=True)
+        (staged / "adapter_config.json").write_text(f"adapter {export}")
+        (staged / "merged" / "model.safetensors").write_text(f"merged {export}")
+        hf_export._move_into(str(staged), str(out))
+    assert (out / "adapter_config.json").read_text() == "adapter 2"
+    assert (out / "merged" / "model.safetensors").read_text() == "merged 2"
+    assert sorted(os.listdir(out)) == ["adapter_config.json", "merged"], sorted(os.listdir(out))
