@@ -45,6 +45,7 @@ def _train(root: str, *, bias: bool = False, bf16: bool = False) -> dict:
         opt.step()
         opt.clear_grad()
     fsdp.save_checkpoint(os.path.join(root, "ckpt"), optimizer=opt)
+    fsdp.save_checkpoint(os.path.join(root, "whole"), save_frozen=True)  # holds its base: mergeable alone
     with fsdp.summon_full_params():
         return {k: v.astype("float32").numpy() for k, v in model.state_dict().items()}
 
@@ -81,7 +82,7 @@ def hook(event, args):
         os.kill(os.getpid(), signal.SIGKILL)
 sys.addaudithook(hook)
 from paddle.distributed.fsdp.tools.cli import main
-main(["to-hf", sys.argv[1], sys.argv[2]])
+sys.exit(main(["to-hf", *sys.argv[1:]]))
 """
 
 
@@ -194,3 +195,27 @@ def test_a_second_export_into_the_same_directory_replaces_the_merged_model(tmp_p
     assert (out / "adapter_config.json").read_text() == "adapter 2"
     assert (out / "merged" / "model.safetensors").read_text() == "merged 2"
     assert sorted(os.listdir(out)) == ["adapter_config.json", "merged"], sorted(os.listdir(out))
+
+
+def test_a_killed_merge_leaves_no_scratch_after_the_rerun(plain, tmp_path):
+    """kill -9 in `to-hf --merge-adapter`: OUT is absent and the rerun works (held before); the scratch directory
+    holding the whole merged checkpoint, which the kill left beside OUT, is removed by the rerun (before it stayed
+    forever: a 7B merge killed leaves about 14 GB). A scratch directory of a live merge into OUT is left alone."""
+    import socket
+
+    root, _weights = plain
+    ckpt, out = os.path.join(root, "whole"), str(tmp_path / "merged")
+    run = subprocess.run(
+        [sys.executable, "-c", _KILL_AT_PUBLISH, ckpt, out, "--merge-adapter"], capture_output=True, text=True
+    )
+    assert run.returncode == -9, (run.returncode, run.stderr[-2000:])
+    assert not os.path.exists(out)
+    stale = [n for n in os.listdir(tmp_path) if ".fsdp-merge-" in n]
+    assert len(stale) == 1, os.listdir(tmp_path)
+    live = tmp_path / ".merged.fsdp-merge-live"  # a concurrent merge's (this process is alive)
+    live.mkdir()
+    (live / "owner").write_text(f"{socket.gethostname()} {os.getpid()}\n")
+    code, _stdout, err = _cli("to-hf", ckpt, out, "--merge-adapter")
+    assert code == 0, err
+    left = sorted(n for n in os.listdir(tmp_path) if ".fsdp-merge-" in n)
+    assert left == [live.name], left

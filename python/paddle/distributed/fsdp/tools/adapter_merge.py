@@ -23,6 +23,7 @@ from ..checkpoint.paths import local_path, url_scheme
 from .adapter_base import FrozenBase
 from .ckpt_io import MODEL, CheckpointReader, cast_array, classify_keys
 from .errors import ToolError
+from .merge_scratch import merge_scratch
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def export_merged(
     check_output_path(out)
     parent = tempfile.gettempdir() if url_scheme(out) else os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".fsdp-merge-", dir=parent) as scratch:
+    with merge_scratch(parent, out) as scratch:  # (a killed merge's scratch is removed by the next one)
         with CheckpointReader(ckpt, verify=False) as reader:
             md = reader.md
         adapter = adapter or adapter_of(md.values)
