@@ -219,3 +219,13 @@ def test_a_killed_merge_leaves_no_scratch_after_the_rerun(plain, tmp_path):
     assert code == 0, err
     left = sorted(n for n in os.listdir(tmp_path) if ".fsdp-merge-" in n)
     assert left == [live.name], left
+
+
+def test_adapter_of_a_checkpoint_holding_its_base_is_the_lora_tensors_only(plain, tmp_path):
+    """The Trainer exports the adapter from checkpoint-N also when that holds its base (save_frozen=True): the
+    frozen base weights are not trainable weights besides LoRA's (the export tells them by their optimizer state)."""
+    from paddle.distributed.fsdp.tools.adapter_export import export_adapter
+
+    root, _weights = plain
+    summary = export_adapter(os.path.join(root, "whole"), str(tmp_path / "adapter"))
+    assert summary["tensors"] == 8 and summary["skipped"] == {}, summary

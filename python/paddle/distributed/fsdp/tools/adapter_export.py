@@ -31,7 +31,7 @@ from ..checkpoint.format.reserved import FROZEN_BASE_KEY
 from ..checkpoint.format.safetensors import build_header
 from ..checkpoint.staged_output import staged_output
 from .adapter_base import model_keys
-from .ckpt_io import CheckpointReader
+from .ckpt_io import OPTIMIZER, CheckpointReader, classify_keys
 from .errors import ToolError
 
 logger = logging.getLogger(__name__)
@@ -65,11 +65,18 @@ def adapter_tensors(reader: CheckpointReader, adapter: dict) -> dict[str, np.nda
 
 
 def extra_keys(md, adapter: dict) -> list[str]:
-    """The model weights of an adapter checkpoint that are not LoRA's: the trainable biases and modules
-    (PaddleFormers' ``trainable_bias`` / ``trainable_modules``; a checkpoint without its base holds no other
-    weight, except experts under expert parallelism, which are always saved)."""
+    """The trainable weights of an adapter checkpoint that are not LoRA's (PaddleFormers' ``trainable_bias`` /
+    ``trainable_modules``). A checkpoint without its base holds no frozen weight (except experts under expert
+    parallelism, always saved); one that holds its base (``save_frozen=True``) tells them apart by their optimizer
+    state, and without optimizer state no weight besides LoRA's is taken for trained."""
+    from ..state.frozen_base import holds_base
+
     prefix = adapter.get("prefix", "")
-    return sorted(k for k in model_keys(md) if k.startswith(prefix) and not k.endswith(_LORA_SUFFIXES))
+    keys = [k for k in model_keys(md) if k.startswith(prefix) and not k.endswith(_LORA_SUFFIXES)]
+    if holds_base(md.values.get(FROZEN_BASE_KEY)):
+        trained = {role.param for role in classify_keys(md).values() if role.role == OPTIMIZER}
+        keys = [k for k in keys if k in trained]
+    return sorted(keys)
 
 
 def _write(path: str, data: bytes) -> None:
