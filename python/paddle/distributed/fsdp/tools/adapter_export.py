@@ -166,6 +166,8 @@ def export_adapter(ckpt: str, out: str, layouts: tuple[str, ...] = LAYOUTS) -> d
             f"{len(extras)} trainable weight(s) besides LoRA's ({', '.join(extras[:3])}"
             f"{', ...' if len(extras) > 3 else ''}) have no place in peft's LoRA layout; load the PaddleFormers layout"
         )
+        if "paddleformers" not in layouts:
+            raise ToolError(f"adapter export: peft layout asked for alone, and {skipped['peft']}")
         logger.warning("adapter export: peft layout not written: %s", skipped["peft"])
     files: list[str] = []
     with staged_output(out) as staging:
