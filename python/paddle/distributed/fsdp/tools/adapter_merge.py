@@ -23,6 +23,7 @@ from ..checkpoint.paths import local_path, url_scheme
 from .adapter_base import FrozenBase
 from .ckpt_io import MODEL, CheckpointReader, cast_array, classify_keys
 from .errors import ToolError
+from .merge_scratch import merge_scratch
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def export_merged(
     check_output_path(out)
     parent = tempfile.gettempdir() if url_scheme(out) else os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".fsdp-merge-", dir=parent) as scratch:
+    with merge_scratch(parent, out) as scratch:  # (a killed merge's scratch is removed by the next one)
         with CheckpointReader(ckpt, verify=False) as reader:
             md = reader.md
         adapter = adapter or adapter_of(md.values)
@@ -140,6 +141,9 @@ class _Tensors:
         return reader.read_raw(theirs)
 
 
+_BLOCK_BYTES = 4 << 20  # the delta A @ B is computed this many bytes of rows at a time
+
+
 def _producer(tensors: _Tensors, key: str, adapted: bool, scale: float):
     def produce() -> np.ndarray:
         if not adapted:
@@ -147,17 +151,35 @@ def _producer(tensors: _Tensors, key: str, adapted: bool, scale: float):
         dtype = tensors.meta(key).dtype
         module = key[: -len(".weight")]
         work = "float64" if dtype == "float64" else "float32"
-        weight = _as(tensors.read(key), dtype, work)
+        weight = tensors.read(key)
         a = _as(tensors.read(f"{module}.lora_A"), tensors.meta(f"{module}.lora_A").dtype, work)
         b = _as(tensors.read(f"{module}.lora_B"), tensors.meta(f"{module}.lora_B").dtype, work)
         if weight.shape != (a.shape[0], b.shape[1]):
             raise ToolError(f"merge: {key} is {weight.shape}, its adapter makes {(a.shape[0], b.shape[1])}")
-        # the same arithmetic as LoRALinear.merge: W + (A @ B) * scaling, in the weight's dtype
-        value = (weight + (a @ b) * np.asarray(scale, dtype=work)).astype(work)
-        out = cast_array(value, work, dtype) if dtype != work else value
-        return np.ascontiguousarray(out).reshape(-1).view(np.uint8)
+        return _merged(weight, dtype, work, a, b, scale).reshape(-1).view(np.uint8)
 
     return produce
+
+
+def _merged(weight: np.ndarray, dtype: str, work: str, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
+    """``weight + (A @ B) * scale`` (LoRALinear.merge's arithmetic) in ``work``, stored in ``dtype``, a block of
+    rows at a time: the weight, the result (the weight itself when its dtype is the working one) and one block,
+    never a second and third full-size working copy (the tool's memory stays near one tensor, docs/tools.md)."""
+    if dtype != work:
+        out = np.empty_like(weight)
+    else:
+        out = weight if weight.flags.writeable else weight.copy()
+    rows = max(1, _BLOCK_BYTES // max(1, weight.shape[1] * np.dtype(work).itemsize))
+    factor = np.asarray(scale, dtype=work)
+    for start in range(0, weight.shape[0], rows):
+        stop = min(start + rows, weight.shape[0])
+        value = out[start:stop] if dtype == work else cast_array(weight[start:stop], dtype, work)
+        delta = a[start:stop] @ b
+        delta *= factor
+        value += delta
+        if dtype != work:
+            out[start:stop] = cast_array(value, work, dtype)
+    return out
 
 
 def _as(arr: np.ndarray, src: str, dst: str) -> np.ndarray:

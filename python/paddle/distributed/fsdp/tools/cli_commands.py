@@ -100,6 +100,8 @@ def cmd_to_hf(args) -> int:
     if s.get("adapter"):  # a checkpoint that references its frozen base: its LoRA adapter (adapter_export.py)
         base = f"; base: {s['base']}" if s.get("base") else ""
         print(f"wrote the LoRA adapter ({s['tensors']} tensors, {human_bytes(s['total_size'])}) to {s['out']}{base}")
+        for layout, why in s.get("skipped", {}).items():
+            print(f"{PROG} to-hf: the {layout} layout was not written: {why}", file=sys.stderr)
         return EXIT_OK
     print(
         f"wrote {s['tensors']} tensors ({human_bytes(s['total_size'])}, {s['transposed']} transposed, "

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import tempfile
+import uuid
 
 import paddle.distributed as dist
 
@@ -189,11 +190,20 @@ def _is_rank0() -> bool:
 
 def _move_into(staged: str, out_dir: str) -> None:
     """Every file of ``staged`` into ``out_dir`` (replacing same-named ones), the HF index last: a reader that sees
-    the index sees every shard it names."""
+    the index sees every shard it names. A directory (the merged model) replaces an earlier export's of the same
+    name whole: the old one is renamed aside first (a rename cannot replace a non-empty directory; a second
+    ``save_model`` into the same directory must not fail half-way with the new adapter beside the old merged model)."""
     os.makedirs(out_dir, exist_ok=True)
     names = sorted(os.listdir(staged), key=lambda n: n == INDEX_FILE)
     for name in names:
-        os.replace(os.path.join(staged, name), os.path.join(out_dir, name))
+        target = os.path.join(out_dir, name)
+        old = None
+        if os.path.isdir(os.path.join(staged, name)) and os.path.isdir(target) and not os.path.islink(target):
+            old = f"{target}.replaced-{uuid.uuid4().hex[:12]}"
+            os.rename(target, old)
+        os.replace(os.path.join(staged, name), target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def rotate_exports(output_dir: str, prefix: str, keep: int | None) -> list[str]:
