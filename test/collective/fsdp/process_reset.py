@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import paddle.distributed.fsdp.checkpoint.background as background
 import paddle.distributed.fsdp.checkpoint.checksums as checksums
+import paddle.distributed.fsdp.checkpoint.root_runs as root_runs
+import paddle.distributed.fsdp.checkpoint.selection as selection
 import paddle.distributed.fsdp.checkpoint.snapshot_guard as snapshot_guard
 from paddle.distributed.fsdp.checkpoint.save import channel, commit, save
 
@@ -23,6 +25,8 @@ def reset_process_state() -> None:
         save._assignments.clear()
     channel.reset_clients()
     checksums._warned_fallback = False
+    root_runs.forget()
+    selection._NAMED_LEFT.clear()
     commit._stock_warned.clear()
     if snapshot_guard.copies_in_flight():
         raise RuntimeError("reset_process_state: a snapshot copy is still running")

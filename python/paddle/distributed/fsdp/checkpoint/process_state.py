@@ -33,6 +33,13 @@ PROCESS_STATE = (
         "helper thread pools (checksum, decode, fetch, quantize, derived check), one per purpose and size",
         "kept; a forked child's: dropped",
     ),
+    (
+        "root_runs",
+        "_runs",
+        "the run this process's saves continue in each root it saved to or resumed from",
+        "forget()",
+    ),
+    ("selection", "_NAMED_LEFT", "leftovers a rotation named already (each once a process)", "cleared"),
     ("gc_pause", "_depth", "pauses of Python's cyclic GC in progress", "must be 0"),
     ("checksums", "_warned_fallback", "the crc32 fallback warning was logged", "cleared"),
     ("save.commit", "_stock_warned", "the 0.metadata-at-scale warning was logged", "cleared"),
