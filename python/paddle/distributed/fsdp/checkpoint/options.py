@@ -137,7 +137,7 @@ class CheckpointOptions:
             raise CheckpointError(f"codec={self.codec!r}: expected one of {', '.join(CHOICES)}")
         if type(self.codec_threads) is not int or not 0 <= self.codec_threads <= MAX_CODEC_THREADS:
             raise CheckpointError(
-                f"codec_threads={self.codec_threads!r:.40}: expected an integer from 0 (one per core but one) "
+                f"codec_threads={self.codec_threads!r:.40}: expected an integer from 0 (chosen: the rank's cores but one) "
                 f"to {MAX_CODEC_THREADS}"
             )
         if self.checksum is not None and self.checksum not in checksums.KNOWN:
