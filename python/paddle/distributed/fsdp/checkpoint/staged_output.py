@@ -11,11 +11,15 @@ output directory does.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
+import re
 import shutil
+import socket
 import tempfile
 import uuid
+import zlib
 from collections.abc import Iterator
 
 from . import writer
@@ -25,7 +29,10 @@ from .io.backends import backend_for
 from .io.storage import Storage
 from .paths import local_path, url_scheme
 
+logger = logging.getLogger(__name__)
+
 SMALL = 1 << 20  # files up to this size are sent as one small object (put)
+_STAGING_TAG = re.compile(r"[0-9a-f]{28}")  # owner tag (16) + random (12): what staged_output names its staging
 
 
 def check_remote_output(url: str) -> Storage:
@@ -100,13 +107,61 @@ def check_output_path(out: str) -> None:
             )
 
 
+def _host_tag() -> str:
+    return f"{zlib.crc32(socket.gethostname().encode()):08x}"
+
+
+def _owner_tag() -> str:
+    """16 hex digits naming the staging directory's owner: a hash of this host's name and this process's id (hex
+    only, so a flush's ``step_N.tmp-<hex>`` stays what a checkpoint root's rotation removes, directory.py)."""
+    return f"{_host_tag()}{os.getpid() & 0xFFFFFFFF:08x}"
+
+
+def remove_stale_staging(out: str) -> list[str]:
+    """Remove the staging directories that killed writers of ``out`` left: ``<out>.tmp-<owner><random>`` whose
+    owner was a process of this host that is gone. Why: a killed ``to-hf`` of a 7B model leaves ~14 GB beside its
+    output that nothing else would remove; a rerun must not need a manual cleanup. Left alone: a live owner's (a
+    concurrent writer), another host's (a shared file system), names of another shape (older versions, not ours)."""
+    parent, base = os.path.split(out)
+    prefix = f"{base}.tmp-"
+    try:
+        names = os.listdir(parent or ".")
+    except OSError:
+        return []
+    host, removed = _host_tag(), []
+    for name in names:
+        tag = name[len(prefix) :] if name.startswith(prefix) else ""
+        if not _STAGING_TAG.fullmatch(tag) or tag[:8] != host or not _process_gone(int(tag[8:16], 16)):
+            continue
+        path = os.path.join(parent, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        logger.info("removed %d staging director(ies) of killed writers of %s: %s", len(removed), out, removed)
+    return removed
+
+
+def _process_gone(pid: int) -> bool:
+    if pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive (another user's)
+        return False
+    return False
+
+
 @contextlib.contextmanager
 def staged_output(out: str | os.PathLike) -> Iterator[str]:
     """Yield a fresh staging directory next to ``out``; on success it is fsynced and renamed to ``out``.
 
     On any error (or Ctrl-C) the staging directory is removed, so ``out`` either appears complete or not at all;
-    a hard kill leaves only ``<out>.tmp-<id>``, never something at ``out``. ``out`` may be a URL of a storage
-    backend (``s3://``): the staging directory is then a local temporary one, published there (RemoteStaging).
+    a hard kill leaves only ``<out>.tmp-<id>``, never something at ``out``, and the next ``staged_output`` of the
+    same ``out`` removes it (``remove_stale_staging``). ``out`` may be a URL of a storage backend (``s3://``): the
+    staging directory is then a local temporary one, published there (RemoteStaging).
     """
     out = local_path(out)
     if url_scheme(out) is not None:
@@ -123,7 +178,8 @@ def staged_output(out: str | os.PathLike) -> Iterator[str]:
         writer.makedirs_durable(parent)
     except OSError as e:
         raise ToolError(f"cannot create the parent directory of {out}: {e.strerror or e}") from None
-    staging = f"{out}.tmp-{uuid.uuid4().hex[:12]}"
+    remove_stale_staging(out)
+    staging = f"{out}.tmp-{_owner_tag()}{uuid.uuid4().hex[:12]}"
     try:
         os.mkdir(staging)
     except OSError as e:
