@@ -201,7 +201,6 @@ def test_a_killed_merge_leaves_no_scratch_after_the_rerun(plain, tmp_path):
     """kill -9 in `to-hf --merge-adapter`: OUT is absent and the rerun works (held before); the scratch directory
     holding the whole merged checkpoint, which the kill left beside OUT, is removed by the rerun (before it stayed
     forever: a 7B merge killed leaves about 14 GB). A scratch directory of a live merge into OUT is left alone."""
-    import socket
 
     root, _weights = plain
     ckpt, out = os.path.join(root, "whole"), str(tmp_path / "merged")
@@ -212,9 +211,11 @@ def test_a_killed_merge_leaves_no_scratch_after_the_rerun(plain, tmp_path):
     assert not os.path.exists(out)
     stale = [n for n in os.listdir(tmp_path) if ".fsdp-merge-" in n]
     assert len(stale) == 1, os.listdir(tmp_path)
+    from paddle.distributed.fsdp.checkpoint.staged_output import owner_tag
+
     live = tmp_path / ".merged.fsdp-merge-live"  # a concurrent merge's (this process is alive)
     live.mkdir()
-    (live / "owner").write_text(f"{socket.gethostname()} {os.getpid()}\n")
+    (live / "owner").write_text(owner_tag() + "\n")
     code, _stdout, err = _cli("to-hf", ckpt, out, "--merge-adapter")
     assert code == 0, err
     left = sorted(n for n in os.listdir(tmp_path) if ".fsdp-merge-" in n)

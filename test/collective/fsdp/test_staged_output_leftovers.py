@@ -43,7 +43,7 @@ def test_a_killed_writers_staging_is_removed_by_the_next_writer_of_that_output(t
     assert not os.path.exists(out)
     host, dead = so._host_tag(), os.path.basename(killed)[len("out.tmp-") :][8:16]  # the killed writer's pid
     kept = {
-        "live owner (a concurrent writer)": f"out.tmp-{so._owner_tag()}{'a' * 12}",
+        "live owner (a concurrent writer)": f"out.tmp-{so.owner_tag()}{'a' * 12}",
         "another host's (a shared file system)": f"out.tmp-{'0' * 8 if host != '0' * 8 else '1' * 8}{dead}{'b' * 12}",
         "an older writer's name": "out.tmp-0123456789ab",
         "another output's": f"out2.tmp-{os.path.basename(killed)[len('out.tmp-') :]}",

@@ -32,6 +32,7 @@ from .paths import local_path, url_scheme
 logger = logging.getLogger(__name__)
 
 SMALL = 1 << 20  # files up to this size are sent as one small object (put)
+_OWNER_TAG = re.compile(r"[0-9a-f]{16}")  # host name hash (8) + pid (8): who writes a staging or scratch directory
 _STAGING_TAG = re.compile(r"[0-9a-f]{28}")  # owner tag (16) + random (12): what staged_output names its staging
 
 
@@ -111,7 +112,7 @@ def _host_tag() -> str:
     return f"{zlib.crc32(socket.gethostname().encode()):08x}"
 
 
-def _owner_tag() -> str:
+def owner_tag() -> str:
     """16 hex digits naming the staging directory's owner: a hash of this host's name and this process's id (hex
     only, so a flush's ``step_N.tmp-<hex>`` stays what a checkpoint root's rotation removes, directory.py)."""
     return f"{_host_tag()}{os.getpid() & 0xFFFFFFFF:08x}"
@@ -128,10 +129,10 @@ def remove_stale_staging(out: str) -> list[str]:
         names = os.listdir(parent or ".")
     except OSError:
         return []
-    host, removed = _host_tag(), []
+    removed = []
     for name in names:
         tag = name[len(prefix) :] if name.startswith(prefix) else ""
-        if not _STAGING_TAG.fullmatch(tag) or tag[:8] != host or not _process_gone(int(tag[8:16], 16)):
+        if not _STAGING_TAG.fullmatch(tag) or not owner_gone(tag[:16]):
             continue
         path = os.path.join(parent, name)
         if os.path.isdir(path) and not os.path.islink(path):
@@ -142,7 +143,12 @@ def remove_stale_staging(out: str) -> list[str]:
     return removed
 
 
-def _process_gone(pid: int) -> bool:
+def owner_gone(tag: str) -> bool:
+    """True when ``tag`` (an ``_owner_tag``) names a process of this host that no longer runs: what it left may go.
+    False for a live owner, another host's, or a tag of another shape (nothing is removed on a guess)."""
+    if not _OWNER_TAG.fullmatch(tag) or tag[:8] != _host_tag():
+        return False
+    pid = int(tag[8:], 16)
     if pid <= 0 or pid == os.getpid():
         return False
     try:
@@ -179,7 +185,7 @@ def staged_output(out: str | os.PathLike) -> Iterator[str]:
     except OSError as e:
         raise ToolError(f"cannot create the parent directory of {out}: {e.strerror or e}") from None
     remove_stale_staging(out)
-    staging = f"{out}.tmp-{_owner_tag()}{uuid.uuid4().hex[:12]}"
+    staging = f"{out}.tmp-{owner_tag()}{uuid.uuid4().hex[:12]}"
     try:
         os.mkdir(staging)
     except OSError as e:

@@ -2,8 +2,9 @@
 
 Why: the merge writes the whole merged model as a checkpoint before converting it (tools/adapter_merge.py), so a
 kill leaves a directory the size of the model beside ``OUT`` (about 14 GB for a 7B base) that nothing else would
-ever remove. Each scratch directory names its ``OUT`` and records its owner (host and pid); the next merge into the
-same ``OUT`` removes those whose owner is gone from this host. A live owner's, another host's, or one whose owner
+ever remove. Each scratch directory names its ``OUT`` and records its owner (``staged_output.owner_tag``: a hash
+of the host name and the pid, as a staged output's name does); the next merge into the same ``OUT`` removes those
+whose owner is gone from this host (``staged_output.owner_gone``). A live owner's, another host's, or one whose owner
 cannot be read is left alone (a concurrent merge, a shared filesystem).
 """
 
@@ -13,9 +14,10 @@ import contextlib
 import logging
 import os
 import shutil
-import socket
 import tempfile
 from collections.abc import Iterator
+
+from ..checkpoint.staged_output import owner_gone, owner_tag
 
 logger = logging.getLogger(__name__)
 
@@ -26,27 +28,17 @@ def _prefix(out: str) -> str:
     return f".{os.path.basename(os.path.normpath(out))}.fsdp-merge-"
 
 
-def _owner_gone(directory: str, host: str) -> bool:
+def _owner_gone(directory: str) -> bool:
     try:
         with open(os.path.join(directory, OWNER_FILE), encoding="utf-8") as f:
-            owner_host, pid = f.read().split()
-        pid_number = int(pid)
-    except (OSError, ValueError):
+            return owner_gone(f.read().strip())
+    except OSError:
         return False
-    if owner_host != host:
-        return False
-    try:
-        os.kill(pid_number, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # alive, another user's
-        return False
-    return False
 
 
 def remove_stale(parent: str, out: str) -> list[str]:
     """Remove the scratch directories of merges into ``out`` whose process is gone from this host."""
-    prefix, host = _prefix(out), socket.gethostname()
+    prefix = _prefix(out)
     try:
         names = os.listdir(parent)
     except OSError:
@@ -54,7 +46,7 @@ def remove_stale(parent: str, out: str) -> list[str]:
     removed = []
     for name in names:
         path = os.path.join(parent, name)
-        if name.startswith(prefix) and os.path.isdir(path) and not os.path.islink(path) and _owner_gone(path, host):
+        if name.startswith(prefix) and os.path.isdir(path) and not os.path.islink(path) and _owner_gone(path):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     if removed:
@@ -68,5 +60,5 @@ def merge_scratch(parent: str, out: str) -> Iterator[str]:
     remove_stale(parent, out)
     with tempfile.TemporaryDirectory(prefix=_prefix(out), dir=parent) as scratch:
         with open(os.path.join(scratch, OWNER_FILE), "w", encoding="utf-8") as f:
-            f.write(f"{socket.gethostname()} {os.getpid()}\n")
+            f.write(owner_tag() + "\n")
         yield scratch
